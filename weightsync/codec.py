@@ -1,0 +1,286 @@
+"""Bit-exact tensor codecs (docs/FORMAT.md, "Payloads").
+
+A tensor's bytes are encoded against the same tensor in the parent version (``old``) or in full:
+
+- ``same``: unchanged, no payload.
+- ``full``: byte planes of the raw elements, zstd.
+- ``sparse``: positions that changed as gaps, and the changes as zigzag-coded wrapping integer
+  differences of the raw bit patterns; each stream split into byte planes and zstd-compressed.
+- ``dense``: zigzag-coded wrapping differences of every element, byte planes, zstd.
+
+All arithmetic is on unsigned integer views of the element width, so NaN payloads, -0.0, infinities
+and subnormals round-trip bit for bit. A payload is a sequence of independent blocks of at most
+``block_elems`` elements, which bounds memory and lets blocks be coded in parallel.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import zstandard
+
+from .dtypes import INT_VIEW, UINT_VIEW, itemsize
+from .errors import FormatError, UsageError
+
+CODECS = ("same", "full", "sparse", "dense")
+_CODEC_ID = {"full": 1, "sparse": 2, "dense": 3}
+_CODEC_NAME = {v: k for k, v in _CODEC_ID.items()}
+
+MAGIC = b"WSP1"
+_HEADER = struct.Struct("<4sBBHQQI")  # magic, codec id, elem width, reserved, n elems, block elems, n blocks
+_SPARSE = struct.Struct("<IBBHI")  # changed count, gap width, reserved, reserved, compressed gaps length
+MAX_BLOCK_ELEMS = 1 << 31
+
+
+@dataclass(frozen=True)
+class CodecConfig:
+    """How tensors are encoded. Decoding needs none of it: payloads are self-describing.
+
+    level: zstd level of delta streams; full_level: zstd level of full tensors;
+    block_bytes: raw bytes per block (bounds encoder memory to a few blocks per thread);
+    dense_above: changed fraction above which the dense coding is also tried.
+    """
+
+    level: int = 3
+    full_level: int = 3
+    block_bytes: int = 32 << 20
+    dense_above: float = 0.02
+
+    def __post_init__(self) -> None:
+        if not (1 <= self.level <= 22 and 1 <= self.full_level <= 22):
+            raise UsageError("zstd levels must be in 1..22")
+        if not (8 <= self.block_bytes <= MAX_BLOCK_ELEMS):
+            raise UsageError(f"block_bytes must be in 8..{MAX_BLOCK_ELEMS}")
+        if not 0.0 <= self.dense_above <= 1.0:
+            raise UsageError("dense_above must be a fraction in [0, 1]")
+
+    def block_elems(self, width: int) -> int:
+        return max(1, self.block_bytes // width)
+
+
+@dataclass(frozen=True)
+class EncodedTensor:
+    codec: str
+    payload: bytes
+    changed: int  # elements that differ from old (all of them for a full encoding)
+
+
+# --- zstd contexts are not thread-safe: one per thread and level ---------------------------------
+_local = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    cache = _local.__dict__.setdefault("compressors", {})
+    if level not in cache:
+        cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    return cache[level]
+
+
+def _decompress(data: bytes | memoryview, expected: int, what: str) -> bytes:
+    """Decompress one frame whose declared size must be exactly ``expected`` (no bombs)."""
+    try:
+        declared = zstandard.frame_content_size(data)
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"{what}: not a zstd frame ({exc})") from None
+    if declared != expected:
+        raise FormatError(f"{what}: frame declares {declared} bytes, expected {expected}")
+    if "decompressor" not in _local.__dict__:
+        _local.decompressor = zstandard.ZstdDecompressor()
+    try:
+        out = _local.decompressor.decompress(data, max_output_size=expected)
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"{what}: corrupt zstd frame ({exc})") from None
+    if len(out) != expected:
+        raise FormatError(f"{what}: decompressed {len(out)} bytes, expected {expected}")
+    return out
+
+
+# --- integer helpers -----------------------------------------------------------------------------
+def to_planes(values: np.ndarray) -> bytes:
+    """Split little-endian integers into byte planes: all low bytes, then the next bytes, ..."""
+    width = values.dtype.itemsize
+    if width == 1:
+        return values.tobytes()
+    return np.ascontiguousarray(values.view(np.uint8).reshape(-1, width).T).tobytes()
+
+
+def from_planes(data: bytes, width: int, count: int) -> np.ndarray:
+    planes = np.frombuffer(data, dtype=np.uint8)
+    if width == 1:
+        return planes.copy()
+    return np.ascontiguousarray(planes.reshape(width, count).T).view(UINT_VIEW[width]).reshape(count)
+
+
+def zigzag(diff: np.ndarray) -> np.ndarray:
+    """Map wrapping differences (as unsigned) to small unsigned codes: 0,-1,1,-2,2 -> 0,1,2,3,4."""
+    width = diff.dtype.itemsize
+    s = diff.view(INT_VIEW[width])
+    return ((s << 1) ^ (s >> (8 * width - 1))).view(UINT_VIEW[width])
+
+
+def unzigzag(code: np.ndarray) -> np.ndarray:
+    width = code.dtype.itemsize
+    s = code.view(INT_VIEW[width])
+    return ((code >> 1).view(INT_VIEW[width]) ^ -(s & 1)).view(UINT_VIEW[width])
+
+
+def _gap_width(max_gap: int) -> int:
+    return 1 if max_gap < 1 << 8 else 2 if max_gap < 1 << 16 else 4
+
+
+# --- block codecs --------------------------------------------------------------------------------
+def _encode_sparse(old: np.ndarray, new: np.ndarray, level: int) -> tuple[bytes, int]:
+    idx = np.flatnonzero(old != new)
+    if idx.size == 0:
+        return b"", 0
+    gaps = np.diff(idx, prepend=-1) - 1
+    gw = _gap_width(int(gaps.max()))
+    gaps_z = _compressor(level).compress(to_planes(gaps.astype(UINT_VIEW[gw])))
+    vals_z = _compressor(level).compress(to_planes(zigzag(new[idx] - old[idx])))
+    head = _SPARSE.pack(idx.size, gw, 0, 0, len(gaps_z))
+    return head + gaps_z + vals_z, int(idx.size)
+
+
+def _decode_sparse(block: memoryview, old: np.ndarray, out: np.ndarray, what: str) -> None:
+    out[:] = old
+    if len(block) == 0:
+        return
+    if len(block) < _SPARSE.size:
+        raise FormatError(f"{what}: truncated sparse block")
+    k, gw, _, _, glen = _SPARSE.unpack_from(block)
+    if gw not in (1, 2, 4) or not 0 < k <= old.size or _SPARSE.size + glen > len(block):
+        raise FormatError(f"{what}: bad sparse block header (k={k}, gap width={gw})")
+    width = old.dtype.itemsize
+    gaps_raw = _decompress(block[_SPARSE.size : _SPARSE.size + glen], k * gw, what)
+    vals_raw = _decompress(block[_SPARSE.size + glen :], k * width, what)
+    idx = np.cumsum(from_planes(gaps_raw, gw, k).astype(np.int64) + 1) - 1
+    if idx[-1] >= old.size:
+        raise FormatError(f"{what}: sparse position {int(idx[-1])} beyond block of {old.size}")
+    out[idx] = old[idx] + unzigzag(from_planes(vals_raw, width, k))
+
+
+def _encode_block(codec: str, old: np.ndarray | None, new: np.ndarray, cfg: CodecConfig) -> tuple[bytes, int]:
+    if codec == "full":
+        return _compressor(cfg.full_level).compress(to_planes(new)), new.size
+    if codec == "sparse":
+        return _encode_sparse(old, new, cfg.level)
+    diff = new - old
+    return _compressor(cfg.level).compress(to_planes(zigzag(diff))), int(np.count_nonzero(diff))
+
+
+def _decode_block(codec: str, block: memoryview, old: np.ndarray | None, out: np.ndarray, what: str) -> None:
+    width = out.dtype.itemsize
+    if codec == "sparse":
+        _decode_sparse(block, old, out, what)
+        return
+    raw = from_planes(_decompress(block, out.size * width, what), width, out.size)
+    if codec == "full":
+        out[:] = raw
+    else:
+        np.add(old, unzigzag(raw), out=out)
+
+
+# --- payload container ---------------------------------------------------------------------------
+def _encode_payload(codec: str, old: np.ndarray | None, new: np.ndarray, cfg: CodecConfig) -> tuple[bytes, int]:
+    width = new.dtype.itemsize
+    step = cfg.block_elems(width)
+    n_blocks = -(-new.size // step)
+    blocks, changed = [], 0
+    for i in range(n_blocks):
+        sl = slice(i * step, (i + 1) * step)
+        data, n = _encode_block(codec, None if old is None else old[sl], new[sl], cfg)
+        blocks.append(data)
+        changed += n
+    head = _HEADER.pack(MAGIC, _CODEC_ID[codec], width, 0, new.size, step, n_blocks)
+    lengths = np.array([len(b) for b in blocks], dtype="<u8").tobytes()
+    return b"".join([head, lengths, *blocks]), changed
+
+
+def _as_elements(buf: np.ndarray, dtype: str, what: str) -> np.ndarray:
+    width = itemsize(dtype)
+    if buf.dtype != np.uint8 or buf.ndim != 1:
+        raise UsageError(f"{what}: expected a 1-D uint8 array of raw bytes")
+    if buf.size % width:
+        raise FormatError(f"{what}: {buf.size} bytes is not a whole number of {dtype} elements")
+    return buf.view(UINT_VIEW[width])
+
+
+def encode_tensor(
+    dtype: str, new: np.ndarray, old: np.ndarray | None, config: CodecConfig = CodecConfig()
+) -> EncodedTensor:
+    """Encode ``new`` (raw bytes, 1-D uint8) against ``old`` (same length) or in full if ``old`` is None.
+
+    The delta coding (sparse or dense) is chosen by encoded size; an unchanged tensor is ``same``.
+    """
+    new_e = _as_elements(new, dtype, "new tensor")
+    if old is None:
+        payload, changed = _encode_payload("full", None, new_e, config)
+        return EncodedTensor("full", payload, changed)
+    old_e = _as_elements(old, dtype, "old tensor")
+    if old_e.size != new_e.size:
+        raise UsageError("old and new tensors differ in size; encode in full")
+    payload, changed = _encode_payload("sparse", old_e, new_e, config)
+    if changed == 0:
+        return EncodedTensor("same", b"", 0)
+    best = EncodedTensor("sparse", payload, changed)
+    if changed > config.dense_above * new_e.size:
+        dense, _ = _encode_payload("dense", old_e, new_e, config)
+        if len(dense) < len(payload):
+            best = EncodedTensor("dense", dense, changed)
+    return best
+
+
+def decode_tensor(
+    dtype: str, codec: str, payload: bytes | memoryview, old: np.ndarray | None, nbytes: int,
+    out: np.ndarray | None = None, what: str = "tensor",
+) -> np.ndarray:
+    """Rebuild a tensor's raw bytes (1-D uint8 of ``nbytes``), into ``out`` if given.
+
+    Raises :class:`FormatError` for a payload that does not match the declared codec, dtype or size.
+    """
+    width = itemsize(dtype)
+    if nbytes % width:
+        raise FormatError(f"{what}: {nbytes} bytes is not a whole number of {dtype} elements")
+    if out is None:
+        out = np.empty(nbytes, dtype=np.uint8)
+    if out.size != nbytes:
+        raise UsageError(f"{what}: output buffer has {out.size} bytes, need {nbytes}")
+    out_e = out.view(UINT_VIEW[width])
+    old_e = None if old is None else _as_elements(old, dtype, f"{what} base")
+    if codec != "full" and (old_e is None or old_e.size != out_e.size):
+        raise FormatError(f"{what}: codec {codec!r} needs a base of {nbytes} bytes")
+    if codec == "same":
+        if len(payload):
+            raise FormatError(f"{what}: codec 'same' carries no payload")
+        out_e[:] = old_e
+        return out
+    _decode_payload(codec, memoryview(payload), old_e, out_e, what)
+    return out
+
+
+def _decode_payload(codec: str, payload: memoryview, old: np.ndarray | None, out: np.ndarray, what: str) -> None:
+    if codec not in _CODEC_ID:
+        raise FormatError(f"{what}: unknown codec {codec!r}")
+    if len(payload) < _HEADER.size:
+        raise FormatError(f"{what}: payload of {len(payload)} bytes is too short")
+    magic, cid, width, _, n, step, n_blocks = _HEADER.unpack_from(payload)
+    if magic != MAGIC or _CODEC_NAME.get(cid) != codec:
+        raise FormatError(f"{what}: payload is not a {codec!r} payload")
+    if width != out.dtype.itemsize or n != out.size or not 0 < step <= MAX_BLOCK_ELEMS:
+        raise FormatError(f"{what}: payload declares {n} x {width}-byte elements, expected {out.size} x {out.dtype.itemsize}")
+    if n_blocks != -(-n // step):
+        raise FormatError(f"{what}: payload declares {n_blocks} blocks for {n} elements")
+    pos = _HEADER.size + 8 * n_blocks
+    if pos > len(payload):
+        raise FormatError(f"{what}: truncated payload")
+    lengths = np.frombuffer(payload[_HEADER.size : pos], dtype="<u8")
+    if int(lengths.sum(dtype=np.uint64)) != len(payload) - pos:
+        raise FormatError(f"{what}: block lengths do not add up to the payload size")
+    for i, length in enumerate(lengths.tolist()):
+        sl = slice(i * step, (i + 1) * step)
+        block = payload[pos : pos + length]
+        _decode_block(codec, block, None if old is None else old[sl], out[sl], f"{what} block {i}")
+        pos += length

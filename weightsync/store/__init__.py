@@ -1,0 +1,36 @@
+"""Store backends and :func:`open_store`, which picks one from a URL."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import UsageError
+from .base import Store, check_key
+from .file import FileStore
+from .memory import MemoryStore
+
+__all__ = ["Store", "FileStore", "MemoryStore", "open_store", "check_key"]
+
+
+def open_store(url: str | Path, **options) -> Store:
+    """``file:///abs/path`` or a plain path, ``memory://name``, or ``s3://bucket/prefix``.
+
+    ``options`` go to the backend (for s3: ``endpoint_url``, ``max_concurrency``...).
+    """
+    url = str(url)
+    if not url:
+        raise UsageError("store URL is empty")
+    if url.startswith("s3://"):
+        from .s3 import S3Store  # boto3 is imported only when an s3 store is used
+
+        return S3Store.from_url(url, **options)
+    if url.startswith("memory://"):
+        return MemoryStore.named(url[len("memory://") :])
+    if url.startswith("file://"):
+        path = url[len("file://") :]
+        if not path.startswith("/"):
+            raise UsageError(f"file store URL must be absolute (file:///abs/path): {url}")
+        return FileStore(path, **options)
+    if "://" in url:
+        raise UsageError(f"unsupported store URL scheme: {url}")
+    return FileStore(Path(url), **options)
