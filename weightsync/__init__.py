@@ -1,0 +1,90 @@
+"""weightsync: cross-region, bit-exact weight delta sync for reinforcement-learning training.
+
+The Python API mirrors the CLI::
+
+    import weightsync
+    weightsync.publish("ckpt/step_120", "s3://bucket/run1")   # -> PublishResult
+    weightsync.pull("s3://bucket/run1", "/models/run1")        # -> PullResult
+    weightsync.versions("s3://bucket/run1")                   # -> [VersionInfo, ...]
+    weightsync.verify("s3://bucket/run1", "/models/run1")      # raises unless byte-identical
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .codec import CodecConfig
+from .errors import WeightsyncError
+from .publishing import PublishConfig, PublishResult
+from .pulling import PullConfig, PullResult
+from .repo import Repo
+from .store import Store, open_store
+
+__all__ = [
+    "CodecConfig", "PublishConfig", "PublishResult", "PullConfig", "PullResult", "Repo", "Store",
+    "VersionInfo", "WeightsyncError", "open_repo", "publish", "pull", "verify", "versions",
+]
+__version__ = "0.1.0"
+
+StoreLike = str | os.PathLike | Store | Repo
+
+
+def open_repo(store: StoreLike, **options) -> Repo:
+    """A :class:`Repo` for a URL (``file://``, plain path, ``s3://``, ``memory://``), Store or Repo."""
+    if isinstance(store, Repo):
+        return store
+    if isinstance(store, Store):
+        return Repo(store)
+    return Repo(open_store(store, **options))
+
+
+def publish(checkpoint_dir: str | os.PathLike, store: StoreLike, version: int | None = None, *,
+            config: PublishConfig | None = None, base_dir=None, cache_dir=None, progress=None, on_bytes=None) -> PublishResult:
+    """Publish a checkpoint directory as a new version (see :func:`weightsync.publishing.publish`)."""
+    from .publishing import publish as _publish
+
+    return _publish(checkpoint_dir, open_repo(store), version, config or PublishConfig(), base_dir, cache_dir, progress, on_bytes)
+
+
+def pull(store: StoreLike, out_dir: str | os.PathLike, version: int | str | None = "latest", *,
+         config: PullConfig | None = None, progress=None, on_bytes=None) -> PullResult:
+    """Create or incrementally update ``out_dir`` to hold ``version`` byte for byte."""
+    from .pulling import pull as _pull
+
+    return _pull(open_repo(store), out_dir, version, config or PullConfig(), progress, on_bytes)
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    version: int
+    parent: int | None
+    keyframe: bool
+    raw_bytes: int
+    payload_bytes: int
+    changed_fraction: float
+    created: str
+
+
+def versions(store: StoreLike) -> list[VersionInfo]:
+    repo = open_repo(store)
+    repo.require()
+    out = []
+    for v in repo.versions():
+        m = repo.manifest(v)
+        frac = m.stats.get("changed", 0) / max(1, m.stats.get("elements", 0) or 1)
+        out.append(VersionInfo(v, m.parent, m.keyframe, m.raw_bytes, m.payload_bytes, frac, m.created))
+    return out
+
+
+def verify(store: StoreLike, directory: str | os.PathLike, version: int | str | None = "latest") -> int:
+    """Raise unless ``directory`` holds ``version`` byte for byte; returns the version checked."""
+    from .pulling import resolve_version
+    from .integrity import verify_folder
+
+    repo = open_repo(store)
+    repo.require()
+    v = resolve_version(repo, version)
+    verify_folder(Path(directory), repo.manifest(v))
+    return v

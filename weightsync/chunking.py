@@ -1,0 +1,74 @@
+"""Packing encoded payloads into bounded, content-addressed chunks (pure, no I/O).
+
+Small payloads share a chunk (few requests per version); a payload larger than the chunk size is
+split over several chunks. Packing depends only on the sequence of payloads, so re-publishing the
+same version yields the same chunk ids and a resumed upload skips what is already stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import xxhash
+
+from .errors import UsageError
+from .format import ChunkRef, Part
+
+DEFAULT_CHUNK_BYTES = 16 << 20
+
+
+def chunk_id(data: bytes | memoryview) -> str:
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+@dataclass(frozen=True)
+class SealedChunk:
+    index: int
+    id: str
+    data: bytes
+
+
+class ChunkPacker:
+    """Feed payloads with :meth:`add`; collect sealed chunks as they fill; :meth:`finish` at the end.
+
+    Memory: holds at most one open chunk (``chunk_bytes``) plus the payload being added.
+    """
+
+    def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+        if chunk_bytes < 1:
+            raise UsageError("chunk size must be positive")
+        self.chunk_bytes = chunk_bytes
+        self.refs: list[ChunkRef] = []
+        self._open: list[bytes] = []
+        self._open_size = 0
+
+    def _seal(self) -> SealedChunk | None:
+        if not self._open_size:
+            return None
+        data = b"".join(self._open)
+        sealed = SealedChunk(len(self.refs), chunk_id(data), data)
+        self.refs.append(ChunkRef(sealed.id, len(data)))
+        self._open, self._open_size = [], 0
+        return sealed
+
+    def add(self, payload: bytes | memoryview) -> tuple[tuple[Part, ...], list[SealedChunk]]:
+        """Place ``payload``; returns its parts and the chunks that this sealed."""
+        sealed: list[SealedChunk] = []
+        view = memoryview(payload)
+        room = self.chunk_bytes - self._open_size
+        if len(view) > room and len(view) <= self.chunk_bytes:
+            sealed.append(self._seal())  # keep a small payload whole in a fresh chunk
+        parts = []
+        while len(view):
+            take = min(len(view), self.chunk_bytes - self._open_size)
+            parts.append(Part(len(self.refs), self._open_size, take))
+            self._open.append(bytes(view[:take]))
+            self._open_size += take
+            view = view[take:]
+            if self._open_size == self.chunk_bytes:
+                sealed.append(self._seal())
+        return tuple(parts), [s for s in sealed if s is not None]
+
+    def finish(self) -> list[SealedChunk]:
+        last = self._seal()
+        return [last] if last else []

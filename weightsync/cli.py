@@ -1,0 +1,171 @@
+"""The ``weightsync`` command line. Builds configuration from flags and environment, then calls the API."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import weightsync
+
+from .codec import CodecConfig
+from .errors import UsageError, WeightsyncError
+from .progress import Progress, human_bytes
+from .publishing import PublishConfig
+from .pulling import PullConfig
+
+
+def _default_cache() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "weightsync" / "publish"
+
+
+def _store_options(args) -> dict:
+    return {"endpoint_url": args.endpoint_url} if getattr(args, "endpoint_url", None) else {}
+
+
+def _repo(args):
+    return weightsync.open_repo(args.store, **_store_options(args))
+
+
+def _version_arg(text: str) -> int | str:
+    if text == "latest":
+        return text
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"version must be an integer or 'latest', not {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError("version must be non-negative")
+    return v
+
+
+def cmd_publish(args) -> int:
+    cfg = PublishConfig(
+        codec=CodecConfig(level=args.level),
+        chunk_bytes=args.chunk_mib << 20,
+        keyframe_interval=args.keyframe_interval,
+        upload_concurrency=args.concurrency,
+    )
+    if args.version == "latest":
+        raise UsageError("publish takes an integer --version")
+    cache = None if args.no_cache else Path(args.cache_dir or _default_cache()) / _cache_name(args.store)
+    r = weightsync.publish(args.checkpoint_dir, _repo(args), args.version, config=cfg, base_dir=args.base,
+                           cache_dir=cache, progress=Progress(f"publish {args.checkpoint_dir}"))
+    kind = "keyframe" if r.keyframe else f"delta from {r.parent}"
+    print(f"published version {r.version} ({kind}): {human_bytes(r.raw_bytes)} -> {human_bytes(r.payload_bytes)} "
+          f"({r.ratio:.1f}x), {100 * r.changed_fraction:.2f}% elements changed, {human_bytes(r.uploaded_bytes)} uploaded "
+          f"in {r.seconds['total']:.2f}s", file=sys.stderr)
+    print(r.version)
+    return 0
+
+
+def _cache_name(url: str) -> str:
+    import xxhash
+
+    return xxhash.xxh3_64_hexdigest(str(url).encode())
+
+
+def cmd_pull(args) -> int:
+    r = weightsync.pull(_repo(args), args.out_dir, args.version, config=PullConfig(fetch_concurrency=args.concurrency),
+                        progress=Progress(f"pull {args.out_dir}"))
+    src = "empty folder" if r.from_version is None else f"version {r.from_version}"
+    print(f"pulled version {r.version} from {src}: {human_bytes(r.fetched_bytes)} fetched, {r.written_files} files written, "
+          f"{r.kept_files} kept, {r.seconds['total']:.2f}s", file=sys.stderr)
+    print(r.version)
+    return 0
+
+
+def cmd_versions(args) -> int:
+    infos = weightsync.versions(_repo(args))
+    if args.json:
+        print(json.dumps([asdict(i) for i in infos], indent=2))
+        return 0
+    print(f"{'version':>8} {'parent':>7} {'kind':>8} {'size':>10} {'stored':>10} {'ratio':>7} {'changed':>8}  created")
+    for i in infos:
+        kind = "keyframe" if i.keyframe else "delta"
+        ratio = i.raw_bytes / max(1, i.payload_bytes)
+        parent = "-" if i.parent is None else str(i.parent)
+        print(f"{i.version:>8} {parent:>7} {kind:>8} {human_bytes(i.raw_bytes):>10} {human_bytes(i.payload_bytes):>10} "
+              f"{ratio:>6.1f}x {100 * i.changed_fraction:>7.2f}%  {i.created}")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    v = weightsync.verify(_repo(args), args.dir, args.version)
+    print(f"{args.dir} holds version {v} byte for byte", file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    return run_demo(args.workdir, steps=args.steps, hidden=args.hidden)
+
+
+def _add_store(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--store", required=True, help="file:///abs/path, a plain path, or s3://bucket/prefix")
+    p.add_argument("--endpoint-url", help="S3 endpoint (default: boto3's, e.g. AWS_ENDPOINT_URL)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="weightsync", description="Bit-exact weight delta sync over object storage.")
+    parser.add_argument("--version", action="version", version=f"weightsync {weightsync.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("publish", help="publish a checkpoint directory as a new version")
+    p.add_argument("checkpoint_dir")
+    _add_store(p)
+    p.add_argument("--version", type=_version_arg, default=None, help="version number (default: head + 1)")
+    p.add_argument("--base", help="folder holding exactly the parent version (e.g. the previous checkpoint)")
+    p.add_argument("--cache-dir", help="where to keep a copy of the head version (default: ~/.cache/weightsync)")
+    p.add_argument("--no-cache", action="store_true", help="keep no copy; pull the parent when a delta needs it")
+    p.add_argument("--keyframe-interval", type=int, default=20, help="a full snapshot every K versions (default 20)")
+    p.add_argument("--chunk-mib", type=int, default=16, help="chunk size in MiB (default 16)")
+    p.add_argument("--level", type=int, default=3, help="zstd level of deltas (default 3)")
+    p.add_argument("--concurrency", type=int, default=16, help="chunks in flight (default 16)")
+    p.set_defaults(func=cmd_publish)
+
+    p = sub.add_parser("pull", help="create or incrementally update a folder to hold a version")
+    _add_store(p)
+    p.add_argument("--version", type=_version_arg, default="latest")
+    p.add_argument("--concurrency", type=int, default=32, help="chunks in flight (default 32)")
+    p.add_argument("out_dir")
+    p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("versions", help="list the versions in a store")
+    _add_store(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_versions)
+
+    p = sub.add_parser("verify", help="exit 0 iff DIR holds the version byte for byte")
+    _add_store(p)
+    p.add_argument("--version", type=_version_arg, default="latest")
+    p.add_argument("dir")
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("demo", help="generate, publish, pull and verify a small trajectory on a file store")
+    p.add_argument("--workdir", help="where to put the trajectory, store and replica (default: a temp dir)")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=256, help="model width (default 256: ~40 MB checkpoints)")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except WeightsyncError as exc:
+        print(f"weightsync: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("weightsync: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

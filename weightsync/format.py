@@ -1,0 +1,303 @@
+"""The stored format (docs/FORMAT.md): store keys, the manifest, the head pointer, the store marker.
+
+Pure: JSON in, validated frozen dataclasses out, and back. Everything read from a store is
+validated here before any other module trusts it: types, ranges, paths that stay inside the target
+folder, chunk references within their chunks, segments that tile each file exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .dtypes import ITEMSIZE
+from .errors import FormatError
+
+FORMAT_VERSION = 1
+MARKER_KEY = "weightsync.json"
+HEAD_KEY = "HEAD"
+VERSIONS_PREFIX = "versions/"
+CHUNKS_PREFIX = "chunks/"
+FLEET_PREFIX = "fleet/"
+MAX_VERSION = 10**18
+MAX_SIZE = 1 << 50  # 1 PiB: larger declared sizes are rejected as hostile
+ROLES = ("header", "tensor", "blob")
+SEGMENT_CODECS = ("same", "full", "sparse", "dense")
+_HEX = re.compile(r"^[0-9a-f]{32}$")
+
+
+def version_key(version: int) -> str:
+    return f"{VERSIONS_PREFIX}{version:020d}.json"
+
+
+def parse_version_key(key: str) -> int | None:
+    m = re.fullmatch(r"versions/(\d{20})\.json", key)
+    return int(m.group(1)) if m else None
+
+
+def chunk_key(chunk_id: str) -> str:
+    return f"{CHUNKS_PREFIX}{chunk_id[:2]}/{chunk_id}"
+
+
+def check_path(path: str) -> str:
+    """A file path from a manifest: relative, normalized, inside the target, not ``.weightsync``."""
+    parts = path.split("/")
+    bad = (
+        not path
+        or path.startswith("/")
+        or "\\" in path
+        or "\x00" in path
+        or any(p in ("", ".", "..") for p in parts)
+        or parts[0] == ".weightsync"
+        or len(path) > 4096
+    )
+    if bad:
+        raise FormatError(f"unsafe file path in manifest: {path!r}")
+    return path
+
+
+# --- dataclasses ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Part:
+    chunk: int  # index into Manifest.chunks
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Payload:
+    size: int
+    xxh3: str
+    parts: tuple[Part, ...]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A byte range [begin, end) of a file and how its bytes are encoded."""
+
+    role: str  # header | tensor | blob
+    name: str  # tensor name; "" for header and blob
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+    xxh3: str
+    codec: str  # same | full | sparse | dense (the last three relative to the parent's segment)
+    changed: int = 0
+    payload: Payload | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.role, self.name)
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    path: str
+    kind: str  # safetensors | blob
+    size: int
+    xxh3: str
+    segments: tuple[Segment, ...]
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    id: str
+    size: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    version: int
+    parent: int | None
+    keyframe: bool
+    chain_length: int  # deltas since the keyframe: 0 for a keyframe
+    files: tuple[FileEntry, ...]
+    chunks: tuple[ChunkRef, ...]
+    created: str = ""
+    codec_config: dict[str, Any] = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def file(self, path: str) -> FileEntry | None:
+        return next((f for f in self.files if f.path == path), None)
+
+    @property
+    def raw_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(s.payload.size for f in self.files for s in f.segments if s.payload)
+
+
+# --- serialization -------------------------------------------------------------------------------
+def manifest_to_json(m: Manifest) -> bytes:
+    doc = {"format": "weightsync.manifest", "format_version": FORMAT_VERSION, **asdict(m)}
+    for f in doc["files"]:
+        for s in f["segments"]:
+            if s["payload"] is not None:
+                s["payload"]["parts"] = [[p["chunk"], p["offset"], p["length"]] for p in s["payload"]["parts"]]
+    return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+
+
+def _load_json(data: bytes, what: str) -> dict:
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise FormatError(f"{what}: not valid JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise FormatError(f"{what}: expected a JSON object")
+    return doc
+
+
+def _get(doc: dict, key: str, typ: type | tuple, what: str) -> Any:
+    val = doc.get(key)
+    if not isinstance(val, typ) or (typ is int and isinstance(val, bool)):
+        raise FormatError(f"{what}: field {key!r} missing or of the wrong type")
+    return val
+
+
+def _int(doc: dict, key: str, what: str, lo: int = 0, hi: int = MAX_SIZE) -> int:
+    val = _get(doc, key, int, what)
+    if isinstance(val, bool) or not lo <= val <= hi:
+        raise FormatError(f"{what}: field {key!r}={val} out of range [{lo}, {hi}]")
+    return val
+
+
+def _hex(doc: dict, key: str, what: str) -> str:
+    val = _get(doc, key, str, what)
+    if not _HEX.match(val):
+        raise FormatError(f"{what}: field {key!r} is not a 128-bit hex checksum")
+    return val
+
+
+def _payload(doc: Any, chunks: tuple[ChunkRef, ...], what: str) -> Payload:
+    if not isinstance(doc, dict):
+        raise FormatError(f"{what}: payload must be an object")
+    size = _int(doc, "size", what)
+    parts = []
+    for raw in _get(doc, "parts", list, what):
+        if not (isinstance(raw, list) and len(raw) == 3 and all(type(x) is int for x in raw)):
+            raise FormatError(f"{what}: a part must be [chunk, offset, length]")
+        ci, off, length = raw
+        if not (0 <= ci < len(chunks) and off >= 0 and length > 0 and off + length <= chunks[ci].size):
+            raise FormatError(f"{what}: part {raw} lies outside its chunk")
+        parts.append(Part(ci, off, length))
+    if sum(p.length for p in parts) != size:
+        raise FormatError(f"{what}: parts add up to {sum(p.length for p in parts)} bytes, not {size}")
+    return Payload(size, _hex(doc, "xxh3", what), tuple(parts))
+
+
+def _segment(doc: Any, chunks: tuple[ChunkRef, ...], what: str) -> Segment:
+    if not isinstance(doc, dict):
+        raise FormatError(f"{what}: segment must be an object")
+    role, codec = _get(doc, "role", str, what), _get(doc, "codec", str, what)
+    dtype, name = _get(doc, "dtype", str, what), _get(doc, "name", str, what)
+    shape = _get(doc, "shape", list, what)
+    if role not in ROLES or codec not in SEGMENT_CODECS or dtype not in ITEMSIZE:
+        raise FormatError(f"{what}: unknown role, codec or dtype ({role}, {codec}, {dtype})")
+    if not all(type(d) is int and 0 <= d <= MAX_SIZE for d in shape) or len(shape) > 64:
+        raise FormatError(f"{what}: bad shape {shape!r}")
+    begin, end = _int(doc, "begin", what), _int(doc, "end", what)
+    if end < begin or math.prod(shape) * ITEMSIZE[dtype] != end - begin:
+        raise FormatError(f"{what}: [{begin}, {end}) does not hold {shape} x {dtype}")
+    payload = None
+    if codec != "same":
+        payload = _payload(doc.get("payload"), chunks, what)
+    elif doc.get("payload") is not None:
+        raise FormatError(f"{what}: codec 'same' has no payload")
+    changed = _int(doc, "changed", what)
+    return Segment(role, name, dtype, tuple(shape), begin, end, _hex(doc, "xxh3", what), codec, changed, payload)
+
+
+def _file(doc: Any, chunks: tuple[ChunkRef, ...], what: str) -> FileEntry:
+    if not isinstance(doc, dict):
+        raise FormatError(f"{what}: file entry must be an object")
+    path = check_path(_get(doc, "path", str, what))
+    what = f"{what} {path}"
+    kind, size = _get(doc, "kind", str, what), _int(doc, "size", what)
+    segs = tuple(_segment(s, chunks, f"{what} segment {i}") for i, s in enumerate(_get(doc, "segments", list, what)))
+    pos = 0
+    for s in segs:
+        if s.begin != pos:
+            raise FormatError(f"{what}: segments do not tile the file at offset {pos}")
+        pos = s.end
+    if pos != size or kind not in ("safetensors", "blob"):
+        raise FormatError(f"{what}: segments cover {pos} of {size} bytes (kind {kind})")
+    if len({s.key for s in segs}) != len(segs):
+        raise FormatError(f"{what}: duplicate segment names")
+    return FileEntry(path, kind, size, _hex(doc, "xxh3", what), segs)
+
+
+def manifest_from_json(data: bytes, what: str = "manifest") -> Manifest:
+    doc = _load_json(data, what)
+    if doc.get("format") != "weightsync.manifest" or doc.get("format_version") != FORMAT_VERSION:
+        raise FormatError(f"{what}: not a weightsync manifest of format version {FORMAT_VERSION}")
+    version = _int(doc, "version", what, 0, MAX_VERSION)
+    parent = doc.get("parent")
+    if parent is not None and (type(parent) is not int or not 0 <= parent < version):
+        raise FormatError(f"{what}: parent {parent!r} must be an earlier version")
+    keyframe = _get(doc, "keyframe", bool, what)
+    chunks = []
+    for c in _get(doc, "chunks", list, what):
+        if not isinstance(c, dict):
+            raise FormatError(f"{what}: chunk entry must be an object")
+        chunks.append(ChunkRef(_hex(c, "id", what), _int(c, "size", what, 1)))
+    chunks_t = tuple(chunks)
+    files = tuple(_file(f, chunks_t, what) for f in _get(doc, "files", list, what))
+    _check_paths_disjoint(files, what)
+    if keyframe and any(s.codec != "full" for f in files for s in f.segments):
+        raise FormatError(f"{what}: a keyframe holds only full segments")
+    if not keyframe and parent is None:
+        raise FormatError(f"{what}: a delta version needs a parent")
+    chain = _int(doc, "chain_length", what, 0, MAX_VERSION)
+    if keyframe != (chain == 0):
+        raise FormatError(f"{what}: chain_length {chain} disagrees with keyframe={keyframe}")
+    return Manifest(
+        version, parent, keyframe, chain, files, chunks_t,
+        created=str(doc.get("created", "")),
+        codec_config=doc.get("codec_config") if isinstance(doc.get("codec_config"), dict) else {},
+        stats=doc.get("stats") if isinstance(doc.get("stats"), dict) else {},
+    )
+
+
+def _check_paths_disjoint(files: tuple[FileEntry, ...], what: str) -> None:
+    paths = {f.path for f in files}
+    if len(paths) != len(files):
+        raise FormatError(f"{what}: duplicate file paths")
+    for p in paths:
+        parts = p.split("/")
+        for i in range(1, len(parts)):
+            if "/".join(parts[:i]) in paths:
+                raise FormatError(f"{what}: {p!r} lies under file {'/'.join(parts[:i])!r}")
+
+
+# --- head pointer and store marker ---------------------------------------------------------------
+def head_to_json(version: int) -> bytes:
+    return json.dumps({"format": "weightsync.head", "version": version}).encode()
+
+
+def head_from_json(data: bytes) -> int:
+    doc = _load_json(data, HEAD_KEY)
+    if doc.get("format") != "weightsync.head":
+        raise FormatError(f"{HEAD_KEY}: not a weightsync head pointer")
+    return _int(doc, "version", HEAD_KEY, 0, MAX_VERSION)
+
+
+def marker_to_json() -> bytes:
+    return json.dumps({"format": "weightsync.store", "format_version": FORMAT_VERSION}).encode()
+
+
+def check_marker(data: bytes) -> None:
+    doc = _load_json(data, MARKER_KEY)
+    if doc.get("format") != "weightsync.store":
+        raise FormatError(f"{MARKER_KEY}: not a weightsync store marker")
+    if doc.get("format_version") != FORMAT_VERSION:
+        raise FormatError(f"{MARKER_KEY}: store format version {doc.get('format_version')} is not supported")

@@ -1,0 +1,203 @@
+"""A local folder that holds one complete version: its state, verified reads, atomic updates.
+
+Layout inside the folder (docs/FORMAT.md, "Local folders"): the version's files, and one hidden
+``.weightsync`` directory with ``state.json`` (which version, from which store), ``journal.json``
+while an update is being installed, ``staging/`` for the files being built and ``spool/`` for
+verified downloaded chunks. An update is built entirely in ``staging/``, then a journal naming every
+rename is written atomically, then the renames run. A kill before the journal leaves the old version
+untouched; a kill after it is rolled forward by :func:`recover`, which every operation calls first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from .checkpoint import read_range
+from .errors import BaseMismatchError, ChecksumError, UsageError, WeightsyncError
+from .format import FileEntry, Manifest, Segment, check_path
+
+STATE_DIR = ".weightsync"
+
+
+@dataclass(frozen=True)
+class LocalState:
+    version: int
+    store: str
+    files: dict[str, tuple[int, str, int]]  # path -> (size, xxh3, mtime_ns)
+
+
+def state_dir(folder: Path) -> Path:
+    return Path(folder) / STATE_DIR
+
+
+def write_json_atomic(path: Path, doc: object, fsync: bool = True) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    with os.fdopen(fd, "w") as f:
+        json.dump(doc, f)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_state(folder: Path) -> LocalState | None:
+    path = state_dir(folder) / "state.json"
+    try:
+        doc = json.loads(path.read_text())
+        files = {check_path(p): (int(s), str(h), int(m)) for p, (s, h, m) in doc["files"].items()}
+        return LocalState(int(doc["version"]), str(doc["store"]), files)
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError, WeightsyncError) as exc:
+        raise UsageError(f"{path}: corrupt weightsync state ({exc}); remove {STATE_DIR} to start afresh") from None
+
+
+def _apply_journal(folder: Path, journal: dict) -> None:
+    sdir = state_dir(folder)
+    staging = sdir / "staging"
+    for rel in journal["install"]:
+        src, dst = staging / rel, folder / rel
+        if src.exists():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(src, dst)
+    for rel in journal["remove"]:
+        (folder / rel).unlink(missing_ok=True)
+        _prune_dirs(folder, (folder / rel).parent)
+    files = {}
+    for rel, (size, digest) in journal["files"].items():
+        files[rel] = (size, digest, (folder / rel).stat().st_mtime_ns)
+    write_json_atomic(sdir / "state.json", {"version": journal["version"], "store": journal["store"], "files": files})
+    (sdir / "journal.json").unlink()
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def _prune_dirs(folder: Path, d: Path) -> None:
+    while d != folder and d.is_dir() and not any(d.iterdir()):
+        d.rmdir()
+        d = d.parent
+
+
+def recover(folder: Path) -> None:
+    """Finish an interrupted install, or drop an unfinished staging area (spooled chunks stay)."""
+    sdir = state_dir(folder)
+    journal = sdir / "journal.json"
+    if journal.exists():
+        _apply_journal(folder, json.loads(journal.read_text()))
+    elif (sdir / "staging").exists():
+        shutil.rmtree(sdir / "staging")
+
+
+def prepare_target(folder: Path) -> LocalState | None:
+    """Create the folder if needed, recover, and refuse a non-empty folder that weightsync does not own."""
+    folder.mkdir(parents=True, exist_ok=True)
+    recover(folder)
+    state = read_state(folder)
+    if state is None and any(p.name != STATE_DIR for p in folder.iterdir()):
+        raise UsageError(f"{folder} is not empty and holds no weightsync version; refusing to overwrite it")
+    return state
+
+
+def staging_dir(folder: Path) -> Path:
+    return state_dir(folder) / "staging"
+
+
+def install(folder: Path, manifest: Manifest, store_url: str, staged: list[str], fsync: bool = True) -> None:
+    """Atomically make ``folder`` hold ``manifest``'s version: ``staged`` files replace the current ones."""
+    old = read_state(folder)
+    keep = {f.path for f in manifest.files}
+    remove = sorted(set(old.files) - keep) if old else []
+    journal = {
+        "version": manifest.version,
+        "store": store_url,
+        "install": sorted(staged),
+        "remove": remove,
+        "files": {f.path: [f.size, f.xxh3] for f in manifest.files},
+    }
+    write_json_atomic(state_dir(folder) / "journal.json", journal, fsync)
+    _apply_journal(folder, journal)
+
+
+def unchanged_files(folder: Path, state: LocalState | None, manifest: Manifest) -> set[str]:
+    """Paths whose local file already holds the target's bytes (same checksum, untouched since)."""
+    if state is None:
+        return set()
+    same = set()
+    for f in manifest.files:
+        rec = state.files.get(f.path)
+        if rec and rec[0] == f.size and rec[1] == f.xxh3:
+            try:
+                st = (folder / f.path).stat()
+            except FileNotFoundError:
+                continue
+            if st.st_size == f.size and st.st_mtime_ns == rec[2]:
+                same.add(f.path)
+    return same
+
+
+class LocalVersion:
+    """Verified reads of segments from a folder that holds ``manifest``'s version (a delta base)."""
+
+    def __init__(self, folder: Path, manifest: Manifest):
+        self.folder = Path(folder)
+        self.manifest = manifest
+        self._fds: dict[str, int] = {}
+        self._files = {f.path: f for f in manifest.files}
+
+    def find(self, path: str, key: tuple[str, str]) -> Segment | None:
+        f = self._files.get(path)
+        return None if f is None else next((s for s in f.segments if s.key == key), None)
+
+    def file(self, path: str) -> FileEntry | None:
+        return self._files.get(path)
+
+    def read(self, path: str, seg: Segment) -> np.ndarray:
+        """The segment's bytes, checked against its checksum; BaseMismatchError if they differ."""
+        what = f"{self.folder}/{path}"
+        try:
+            if path not in self._fds:
+                self._fds[path] = os.open(self.folder / path, os.O_RDONLY)
+            data = read_range(self._fds[path], seg.begin, seg.end, what)
+        except (OSError, WeightsyncError) as exc:
+            raise BaseMismatchError(f"{what}: base for version {self.manifest.version} unreadable ({exc})") from None
+        actual = xxhash.xxh3_128_hexdigest(data)
+        if actual != seg.xxh3:
+            raise BaseMismatchError(
+                f"{what}: bytes of {seg.name or seg.role} differ from version {self.manifest.version} "
+                f"(expected xxh3 {seg.xxh3}, got {actual})"
+            )
+        return data
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def check_checksum(what: str, expected: str, data: bytes | np.ndarray) -> None:
+    actual = xxhash.xxh3_128_hexdigest(data)
+    if actual != expected:
+        raise ChecksumError(what, expected, actual)
+
+
+def adopt(folder: Path, manifest: Manifest, source: Path, store_url: str) -> None:
+    """Make ``folder`` hold ``manifest``'s version by linking (or copying) the files of ``source``,
+    a directory that was just published as that version. Later reads still verify every segment."""
+    prepare_target(folder)
+    staging = staging_dir(folder)
+    for f in manifest.files:
+        dst = staging / f.path
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(source / f.path, dst)
+        except OSError:
+            shutil.copyfile(source / f.path, dst)
+    install(folder, manifest, store_url, [f.path for f in manifest.files], fsync=False)

@@ -1,0 +1,275 @@
+"""Publishing a checkpoint directory as a new version: diff against the parent, encode, upload, commit.
+
+Memory: at most ``inflight_bytes`` of segments being read and encoded at once (but always at least
+one segment: about 3x the largest tensor for new, old and working arrays, minus what blocks save)
+plus the uploader's bound (``upload_concurrency * chunk_bytes``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from .checkpoint import SourceFile, SourceSegment, read_range, scan_checkpoint
+from .chunking import DEFAULT_CHUNK_BYTES, ChunkPacker
+from .codec import CodecConfig, EncodedTensor, encode_tensor
+from .dtypes import itemsize
+from .errors import BaseMismatchError, UsageError, VersionError
+from .format import ChunkRef, FileEntry, Manifest, Payload, Segment
+from .local import LocalVersion, adopt, read_state
+from .pipeline import ordered_map
+from .pulling import PullConfig, pull
+from .repo import Repo
+from .transfer import Uploader
+
+Progress = Callable[[int, int], None]  # (bytes done, bytes total)
+
+
+@dataclass(frozen=True)
+class PublishConfig:
+    codec: CodecConfig = field(default_factory=CodecConfig)
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    keyframe_interval: int = 20
+    upload_concurrency: int = 16
+    encode_threads: int = max(1, min(8, os.cpu_count() or 1))
+    inflight_bytes: int = 256 << 20
+
+    def __post_init__(self) -> None:
+        if self.keyframe_interval < 1:
+            raise UsageError("keyframe interval must be at least 1")
+        if self.chunk_bytes < 1024:
+            raise UsageError("chunk size must be at least 1 KiB")
+        if self.upload_concurrency < 1 or self.encode_threads < 1 or self.inflight_bytes < 1:
+            raise UsageError("concurrency and memory limits must be positive")
+
+
+@dataclass
+class PublishResult:
+    version: int
+    parent: int | None
+    keyframe: bool
+    raw_bytes: int
+    payload_bytes: int
+    uploaded_bytes: int
+    chunks: int
+    changed: int
+    elements: int
+    seconds: dict[str, float]
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_bytes / max(1, self.payload_bytes)
+
+    @property
+    def changed_fraction(self) -> float:
+        return self.changed / max(1, self.elements)
+
+
+@dataclass
+class _Job:
+    file: SourceFile
+    seg: SourceSegment
+    base_seg: Segment | None
+
+
+class _Encoder:
+    """Reads, diffs and encodes segments on a thread pool; results come back in file order."""
+
+    def __init__(self, cfg: PublishConfig, base: LocalVersion | None, fds: dict[str, int]):
+        self.cfg, self.base, self.fds = cfg, base, fds
+        self.seconds = {"read": 0.0, "diff": 0.0, "encode": 0.0}
+        self._lock = threading.Lock()
+
+    def _timed(self, phase: str, t0: float) -> float:
+        t1 = time.perf_counter()
+        with self._lock:
+            self.seconds[phase] += t1 - t0
+        return t1
+
+    def run(self, job: _Job) -> tuple[np.ndarray, str, EncodedTensor]:
+        t = time.perf_counter()
+        new = read_range(self.fds[job.file.path], job.seg.begin, job.seg.end, job.file.path)
+        digest = xxhash.xxh3_128_hexdigest(new)
+        t = self._timed("read", t)
+        old = None
+        if job.base_seg is not None:
+            old = self.base.read(job.file.path, job.base_seg)
+            t = self._timed("diff", t)
+        if old is not None and job.base_seg.xxh3 == digest and np.array_equal(old, new):
+            enc = EncodedTensor("same", b"", 0)
+        else:
+            enc = encode_tensor(job.seg.dtype, new, old, self.cfg.codec)
+        self._timed("encode", t)
+        return new, digest, enc
+
+
+def _jobs(files: list[SourceFile], parent: Manifest | None, keyframe: bool) -> list[_Job]:
+    jobs = []
+    for f in files:
+        pf = None if keyframe or parent is None else parent.file(f.path)
+        for seg in f.segments:
+            base = None
+            if pf is not None:
+                base = next((s for s in pf.segments if s.key == seg.key), None)
+                if base is not None and (base.dtype, base.shape) != (seg.dtype, seg.shape):
+                    base = None  # changed shape or dtype: encode in full
+            jobs.append(_Job(f, seg, base))
+    return jobs
+
+
+class _Assembler:
+    """Consumes encoded segments in file order: file checksums, chunk packing, manifest entries."""
+
+    def __init__(self, cfg: PublishConfig, uploader: Uploader):
+        self.packer = ChunkPacker(cfg.chunk_bytes)
+        self.uploader = uploader
+        self.files: list[FileEntry] = []
+        self.changed = self.elements = 0
+        self._segs: list[Segment] = []
+        self._hasher = xxhash.xxh3_128()
+
+    def add(self, job: _Job, new: np.ndarray, digest: str, enc: EncodedTensor) -> None:
+        self._hasher.update(new)
+        payload = None
+        if enc.codec != "same":
+            parts, sealed = self.packer.add(enc.payload)
+            for chunk in sealed:
+                self.uploader.submit(chunk)
+            payload = Payload(len(enc.payload), xxhash.xxh3_128_hexdigest(enc.payload), parts)
+        s = job.seg
+        self._segs.append(Segment(s.role, s.name, s.dtype, s.shape, s.begin, s.end, digest, enc.codec, enc.changed, payload))
+        if s.role == "tensor":
+            self.changed += enc.changed
+            self.elements += s.nbytes // itemsize(s.dtype)
+        if s is job.file.segments[-1]:
+            f = job.file
+            self.files.append(FileEntry(f.path, f.kind, f.size, self._hasher.hexdigest(), tuple(self._segs)))
+            self._segs, self._hasher = [], xxhash.xxh3_128()
+
+    def finish(self) -> None:
+        for chunk in self.packer.finish():
+            self.uploader.submit(chunk)
+
+    def packer_refs(self) -> tuple[ChunkRef, ...]:
+        return tuple(self.packer.refs)
+
+
+def _encode_all(jobs: list[_Job], encoder: _Encoder, out: _Assembler, cfg: PublishConfig, progress: Progress | None) -> None:
+    """Encode every job on the pool, keeping at most ``inflight_bytes`` of work in memory."""
+    total, done = sum(j.seg.nbytes for j in jobs), 0
+    weight = lambda j: 3 * j.seg.nbytes  # noqa: E731  new, old and working arrays
+    for job, result in ordered_map(encoder.run, jobs, weight, cfg.inflight_bytes, cfg.encode_threads):
+        out.add(job, *result)
+        done += job.seg.nbytes
+        if progress:
+            progress(done, total)
+    out.finish()
+
+
+def _base_for(repo: Repo, parent: Manifest, base_dir: Path | None, cache_dir: Path, cfg_pull) -> LocalVersion:
+    """A verified-on-read view of the parent version: ``base_dir`` if given, else the cache folder,
+    brought to the parent version by a pull when it holds something else."""
+    if base_dir is not None:
+        return LocalVersion(base_dir, parent)
+    state = read_state(cache_dir) if cache_dir.exists() else None
+    if state is None or state.version != parent.version or state.store != repo.url:
+        if state is not None and state.store != repo.url:
+            shutil.rmtree(cache_dir)
+        pull(repo, cache_dir, parent.version, cfg_pull)
+    return LocalVersion(cache_dir, parent)
+
+
+def publish(
+    checkpoint_dir: str | os.PathLike[str],
+    repo: Repo,
+    version: int | None = None,
+    config: PublishConfig = PublishConfig(),
+    base_dir: str | os.PathLike[str] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    progress: Progress | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+) -> PublishResult:
+    """Publish ``checkpoint_dir`` as ``version`` (default: head + 1; 0 on an empty store).
+
+    A delta needs the parent's bytes: ``base_dir`` (a folder holding exactly the parent version,
+    e.g. the previous checkpoint) or else ``cache_dir``, a folder weightsync keeps at the head
+    version (pulled from the store when it is behind). Without either, a temporary folder is used.
+    """
+    src = Path(checkpoint_dir)
+    files = scan_checkpoint(src)  # validate the input before anything is written
+    if not repo.check():
+        repo.init()
+    head, etag = repo.head()
+    if version is None:
+        version = 0 if head is None else head + 1
+    if version < 0:
+        raise UsageError(f"version must be a non-negative integer, not {version}")
+    if head is not None and version <= head:
+        exists = version in repo.versions()
+        raise VersionError(f"version {version} {'already exists' if exists else f'is not after the head version {head}'} in {repo.url}")
+    parent = None if head is None else repo.manifest(head)
+    keyframe = parent is None or parent.chain_length + 1 >= config.keyframe_interval
+    with tempfile.TemporaryDirectory(prefix="weightsync-base-") as tmp:
+        cache = Path(cache_dir) if cache_dir is not None else Path(tmp) / "base"
+        explicit = None if base_dir is None else Path(base_dir)
+        try:
+            result = _publish(repo, src, files, version, parent, keyframe, etag, config, explicit, cache, progress, on_bytes)
+        except BaseMismatchError:
+            if explicit is not None or cache_dir is None:
+                raise
+            shutil.rmtree(cache, ignore_errors=True)  # a stale cache: rebuild it from the store once
+            result = _publish(repo, src, scan_checkpoint(src), version, parent, keyframe, etag, config, None, cache, progress, on_bytes)
+    if cache_dir is not None:
+        adopt(Path(cache_dir), repo.manifest(version), src, repo.url)
+    return result
+
+
+def _publish(repo, src, files, version, parent, keyframe, etag, cfg: PublishConfig, base_dir, cache, progress, on_bytes) -> PublishResult:
+    t0 = time.perf_counter()
+    base = None
+    if not keyframe:
+        base = _base_for(repo, parent, base_dir, cache, PullConfig(decode_threads=cfg.encode_threads))
+    fds = {f.path: os.open(f.abspath, os.O_RDONLY) for f in files}
+    uploader = Uploader(repo, cfg.upload_concurrency, on_bytes)
+    encoder = _Encoder(cfg, base, fds)
+    out = _Assembler(cfg, uploader)
+    try:
+        _encode_all(_jobs(files, parent, keyframe), encoder, out, cfg, progress)
+        t_up = time.perf_counter()
+        uploader.join()
+        seconds = dict(encoder.seconds, upload=time.perf_counter() - t_up)
+    finally:
+        uploader.close()
+        for fd in fds.values():
+            os.close(fd)
+        if base is not None:
+            base.close()
+    manifest = Manifest(
+        version=version,
+        parent=None if parent is None else parent.version,
+        keyframe=keyframe,
+        chain_length=0 if keyframe else parent.chain_length + 1,
+        files=tuple(out.files),
+        chunks=out.packer_refs(),
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        codec_config=asdict(cfg.codec),
+        stats={"changed": out.changed, "elements": out.elements, "uploaded_bytes": uploader.uploaded_bytes},
+    )
+    t_c = time.perf_counter()
+    repo.commit(manifest, etag)
+    seconds["commit"] = time.perf_counter() - t_c
+    seconds["total"] = time.perf_counter() - t0
+    return PublishResult(
+        version, manifest.parent, keyframe, manifest.raw_bytes, manifest.payload_bytes,
+        uploader.uploaded_bytes, len(manifest.chunks), out.changed, out.elements, seconds,
+    )

@@ -1,0 +1,197 @@
+"""Pulling a version into a local folder: plan, fetch verified chunks, rebuild in staging, install.
+
+Every rebuilt segment and every file is checked against the manifest's xxh3 before the install;
+the folder switches versions only through :func:`weightsync.local.install`.
+Memory: at most ``inflight_bytes`` of segments being rebuilt (at least one: about 3x the largest
+tensor), plus ``fetch_concurrency`` chunks while downloading.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from .codec import decode_tensor
+from .errors import BaseMismatchError, ChecksumError, UsageError, VersionError
+from .format import Manifest
+from .local import LocalVersion, check_checksum, install, prepare_target, staging_dir, state_dir, unchanged_files
+from .pipeline import ordered_map
+from .planner import FilePlan, Plan, Recipe, plan_pull
+from .repo import Repo
+from .transfer import fetch_chunks
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class PullConfig:
+    fetch_concurrency: int = 32
+    decode_threads: int = max(1, min(8, os.cpu_count() or 1))
+    inflight_bytes: int = 256 << 20
+    fsync: bool = True
+
+    def __post_init__(self) -> None:
+        if self.fetch_concurrency < 1 or self.decode_threads < 1 or self.inflight_bytes < 1:
+            raise UsageError("concurrency and memory limits must be positive")
+
+
+@dataclass
+class PullResult:
+    version: int
+    from_version: int | None
+    fetched_bytes: int
+    written_files: int
+    kept_files: int
+    seconds: dict[str, float]
+
+
+def resolve_version(repo: Repo, version: int | str | None) -> int:
+    head = repo.head_version()
+    if head is None:
+        raise VersionError(f"{repo.url} has no versions yet")
+    if version in (None, "latest"):
+        return head
+    try:
+        v = int(version)
+    except (TypeError, ValueError):
+        raise UsageError(f"version must be an integer or 'latest', not {version!r}") from None
+    if v > head:
+        raise VersionError(f"version {v} does not exist in {repo.url} (head is {head})")
+    repo.manifest(v)  # raises VersionError if missing
+    return v
+
+
+class _Builder:
+    """Rebuilds segments from a local base and fetched payloads; verifies every result."""
+
+    def __init__(self, chunks: dict[str, Path], base: LocalVersion | None):
+        self.chunks, self.base = chunks, base
+        self._fds: dict[str, int] = {}
+
+    def _payload(self, step) -> bytes:
+        buf = bytearray()
+        for rng in step.ranges:
+            path = self.chunks[rng.chunk.id]
+            fd = self._fds.get(rng.chunk.id)
+            if fd is None:
+                fd = self._fds.setdefault(rng.chunk.id, os.open(path, os.O_RDONLY))
+            buf += os.pread(fd, rng.length, rng.offset)
+        check_checksum(f"payload of version {step.version} in chunks {[r.chunk.id for r in step.ranges]}", step.xxh3, buf)
+        return bytes(buf)
+
+    def build(self, job: tuple[str, Recipe]) -> np.ndarray:
+        path, r = job
+        t = r.target
+        cur = None if r.base is None else self.base.read(path, r.base)
+        for step in r.steps:
+            cur = decode_tensor(t.dtype, step.codec, self._payload(step), cur, t.nbytes, what=f"{path}: {t.name or t.role}")
+        check_checksum(f"{path}: {t.name or t.role}", t.xxh3, cur)
+        return cur
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+
+
+def _write_files(plan: Plan, builder: _Builder, staging: Path, cfg: PullConfig, progress: Progress | None) -> list[str]:
+    """Rebuild every file that changed into ``staging``; returns their paths."""
+    todo = [f for f in plan.files if not f.keep]
+    jobs = [(f.entry.path, r) for f in todo for r in f.recipes]
+    total, done = sum(r.target.nbytes for _, r in jobs), 0
+    results = ordered_map(builder.build, jobs, lambda j: 3 * j[1].target.nbytes, cfg.inflight_bytes, cfg.decode_threads)
+    for fp in todo:
+        _write_one(fp, results, staging, cfg)
+        done += fp.entry.size
+        if progress:
+            progress(done, total)
+    return [f.entry.path for f in todo]
+
+
+def _write_one(fp: FilePlan, results, staging: Path, cfg: PullConfig) -> None:
+    dest = staging / fp.entry.path
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    hasher = xxhash.xxh3_128()
+    with open(dest, "wb") as f:
+        for _ in fp.recipes:
+            _, data = next(results)
+            hasher.update(data)
+            f.write(memoryview(data))
+        if cfg.fsync:
+            f.flush()
+            os.fsync(f.fileno())
+        size = f.tell()
+    if size != fp.entry.size:
+        raise ChecksumError(f"{fp.entry.path} (size)", str(fp.entry.size), str(size))
+    if hasher.hexdigest() != fp.entry.xxh3:
+        raise ChecksumError(fp.entry.path, fp.entry.xxh3, hasher.hexdigest())
+
+
+def _local_manifest(repo: Repo, version: int | None) -> Manifest | None:
+    if version is None:
+        return None
+    try:
+        return repo.manifest(version)
+    except VersionError:
+        return None  # collected by gc: only whole unchanged files can be reused
+
+
+def pull(
+    repo: Repo,
+    out_dir: str | os.PathLike[str],
+    version: int | str | None = "latest",
+    config: PullConfig = PullConfig(),
+    progress: Progress | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+) -> PullResult:
+    """Make ``out_dir`` hold ``version`` byte for byte, applying only deltas where it can."""
+    out = Path(out_dir)
+    repo.require()
+    target_version = resolve_version(repo, version)
+    state = prepare_target(out)
+    t0 = time.perf_counter()
+    chain = repo.chain(target_version)
+    target = chain[-1]
+    keep = unchanged_files(out, state, target)
+    if state is not None and state.version == target_version and len(keep) == len(target.files):
+        return PullResult(target_version, state.version, 0, 0, len(keep), {"total": time.perf_counter() - t0})
+    local = _local_manifest(repo, None if state is None else state.version)
+    try:
+        return _pull_plan(repo, out, plan_pull(chain, local, keep), state, config, progress, on_bytes, t0)
+    except BaseMismatchError:
+        # the folder was modified behind our back: rebuild from the keyframe without local bytes
+        return _pull_plan(repo, out, plan_pull(chain, None, set()), state, config, progress, on_bytes, t0)
+
+
+def _pull_plan(repo, out: Path, plan: Plan, state, cfg: PullConfig, progress, on_bytes, t0: float) -> PullResult:
+    seconds = {}
+    paths = fetch_chunks(repo, plan.chunks, state_dir(out) / "spool", cfg.fetch_concurrency, on_bytes)
+    seconds["fetch"] = time.perf_counter() - t0
+    local = None if plan.local_version is None else LocalVersion(out, repo.manifest(plan.local_version))
+    builder = _Builder(paths, local)
+    staging = staging_dir(out)
+    try:
+        written = _write_files(plan, builder, staging, cfg, progress)
+    finally:
+        builder.close()
+        if local:
+            local.close()
+    seconds["build"] = time.perf_counter() - t0 - seconds["fetch"]
+    install(out, plan.target, repo.url, written, cfg.fsync)
+    _clear_spool(state_dir(out) / "spool")
+    seconds["total"] = time.perf_counter() - t0
+    kept = sum(f.keep for f in plan.files)
+    fetched = sum(c.size for c in plan.chunks)
+    return PullResult(plan.target.version, None if state is None else state.version, fetched, len(written), kept, seconds)
+
+
+def _clear_spool(spool: Path) -> None:
+    if spool.is_dir():
+        for p in spool.iterdir():
+            p.unlink(missing_ok=True)
+        spool.rmdir()

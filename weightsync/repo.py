@@ -1,0 +1,173 @@
+"""A weightsync store: the marker, the head pointer, manifests and chunks over a :class:`Store`.
+
+The commit order makes a version atomic: chunks first (content-addressed, create-only), then the
+manifest (create-only, so two publishers cannot both own a version), then a conditional update of
+the head pointer. Readers only trust manifests at or below the head.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import xxhash
+
+from .errors import (
+    AlreadyExistsError,
+    ChecksumError,
+    FormatError,
+    NotAStoreError,
+    NotFoundError,
+    PreconditionFailedError,
+    VersionError,
+)
+from .format import (
+    HEAD_KEY,
+    MARKER_KEY,
+    VERSIONS_PREFIX,
+    Manifest,
+    check_marker,
+    chunk_key,
+    head_from_json,
+    head_to_json,
+    manifest_from_json,
+    manifest_to_json,
+    marker_to_json,
+    parse_version_key,
+    version_key,
+)
+from .store import Store
+
+
+class Repo:
+    """Weightsync operations on one store. Thread-safe; caches parsed manifests (they are immutable)."""
+
+    def __init__(self, store: Store, manifest_cache: int = 64):
+        self.store = store
+        self._manifests: OrderedDict[int, Manifest] = OrderedDict()
+        self._cache_size = manifest_cache
+        self._lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return self.store.url
+
+    # --- marker ----------------------------------------------------------------------------------
+    def check(self) -> bool:
+        """True if this is a weightsync store, False if the location is empty; raises otherwise."""
+        try:
+            check_marker(self.store.get(MARKER_KEY))
+            return True
+        except NotFoundError:
+            if next(iter(self.store.list("")), None) is None:
+                return False
+            raise NotAStoreError(f"{self.url} is not a weightsync store (it holds other objects)") from None
+        except FormatError as exc:
+            raise NotAStoreError(f"{self.url} is not a weightsync store: {exc}") from None
+
+    def require(self) -> None:
+        if not self.check():
+            raise NotAStoreError(f"{self.url} is not a weightsync store (it is empty)")
+
+    def init(self) -> None:
+        if not self.check():
+            try:
+                self.store.put(MARKER_KEY, marker_to_json(), mode="create")
+            except AlreadyExistsError:
+                self.require()
+
+    # --- head and versions -----------------------------------------------------------------------
+    def head(self) -> tuple[int | None, str | None]:
+        """The head version and the tag to update it conditionally (None, None on a fresh store)."""
+        try:
+            data, etag = self.store.get_with_etag(HEAD_KEY)
+        except NotFoundError:
+            return None, None
+        return head_from_json(data), etag
+
+    def head_version(self) -> int | None:
+        return self.head()[0]
+
+    def versions(self) -> list[int]:
+        """Committed versions (manifests at or below the head), ascending."""
+        head = self.head_version()
+        if head is None:
+            return []
+        found = (parse_version_key(k) for k in self.store.list(VERSIONS_PREFIX))
+        return sorted(v for v in found if v is not None and v <= head)
+
+    def manifest(self, version: int) -> Manifest:
+        with self._lock:
+            if version in self._manifests:
+                self._manifests.move_to_end(version)
+                return self._manifests[version]
+        key = version_key(version)
+        try:
+            data = self.store.get(key)
+        except NotFoundError:
+            raise VersionError(f"version {version} does not exist in {self.url}") from None
+        m = manifest_from_json(data, f"{self.url}/{key}")
+        if m.version != version:
+            raise FormatError(f"{self.url}/{key}: manifest claims version {m.version}")
+        with self._lock:
+            self._manifests[version] = m
+            while len(self._manifests) > self._cache_size:
+                self._manifests.popitem(last=False)
+        return m
+
+    def chain(self, version: int) -> list[Manifest]:
+        """Manifests from the keyframe that ``version`` builds on up to ``version``, in order."""
+        out = [self.manifest(version)]
+        while not out[-1].keyframe:
+            parent = out[-1].parent
+            out.append(self.manifest(parent))
+        return out[::-1]
+
+    # --- writes ----------------------------------------------------------------------------------
+    def put_chunk(self, chunk_id: str, data: bytes) -> bool:
+        """Upload a chunk unless an object of that id and size is there; True if bytes moved."""
+        key = chunk_key(chunk_id)
+        if self.store.head(key) == len(data):
+            return False
+        try:
+            self.store.put(key, data, mode="create")
+        except AlreadyExistsError:
+            return False
+        return True
+
+    def get_chunk(self, chunk_id: str, size: int) -> bytes:
+        key = chunk_key(chunk_id)
+        data = self.store.get(key)
+        verify_chunk(f"{self.url}/{key}", chunk_id, size, data)
+        return data
+
+    def commit(self, manifest: Manifest, expected_head: str | None) -> None:
+        """Write the manifest (create-only), then move the head to it if it is newer."""
+        try:
+            self.store.put(version_key(manifest.version), manifest_to_json(manifest), mode="create")
+        except AlreadyExistsError:
+            raise VersionError(f"version {manifest.version} already exists in {self.url}") from None
+        etag = expected_head
+        for _ in range(100):
+            try:
+                self.store.put_if_match(HEAD_KEY, head_to_json(manifest.version), etag)
+                return
+            except PreconditionFailedError:
+                current, etag = self.head()
+                if current is not None and current >= manifest.version:
+                    raise VersionError(
+                        f"version {manifest.version} was stored but head moved to {current} concurrently"
+                    ) from None
+        raise VersionError(f"could not move head to {manifest.version}: too much contention")
+
+    def set_head(self, version: int) -> None:
+        """Point the head at ``version`` unconditionally (mirror and repair use)."""
+        self.store.put(HEAD_KEY, head_to_json(version), mode="overwrite")
+
+
+def verify_chunk(what: str, chunk_id: str, size: int, data: bytes | memoryview) -> None:
+    if len(data) != size:
+        raise ChecksumError(what, f"{chunk_id} ({size} bytes)", f"{len(data)} bytes")
+    actual = xxhash.xxh3_128_hexdigest(data)
+    if actual != chunk_id:
+        raise ChecksumError(what, chunk_id, actual)
