@@ -32,23 +32,27 @@ class ChunkPacker:
     """Feed payloads with :meth:`add`; collect sealed chunks as they fill; :meth:`finish` at the end.
 
     Memory: holds at most one open chunk (``chunk_bytes``) plus the payload being added.
+    Several packers may share one ``refs`` list (one chunk index space) while keeping their payloads
+    in separate chunks, e.g. a keyframe's full payloads apart from its deltas, so that a reader
+    needing only one kind fetches only those chunks. A chunk's index is reserved when it is opened.
     """
 
-    def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+    def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES, refs: list[ChunkRef | None] | None = None):
         if chunk_bytes < 1:
             raise UsageError("chunk size must be positive")
         self.chunk_bytes = chunk_bytes
-        self.refs: list[ChunkRef] = []
+        self.refs: list[ChunkRef | None] = [] if refs is None else refs
         self._open: list[bytes] = []
         self._open_size = 0
+        self._index = -1
 
     def _seal(self) -> SealedChunk | None:
         if not self._open_size:
             return None
         data = b"".join(self._open)
-        sealed = SealedChunk(len(self.refs), chunk_id(data), data)
-        self.refs.append(ChunkRef(sealed.id, len(data)))
-        self._open, self._open_size = [], 0
+        sealed = SealedChunk(self._index, chunk_id(data), data)
+        self.refs[self._index] = ChunkRef(sealed.id, len(data))
+        self._open, self._open_size, self._index = [], 0, -1
         return sealed
 
     def add(self, payload: bytes | memoryview) -> tuple[tuple[Part, ...], list[SealedChunk]]:
@@ -60,8 +64,11 @@ class ChunkPacker:
             sealed.append(self._seal())  # keep a small payload whole in a fresh chunk
         parts = []
         while len(view):
+            if self._index < 0:
+                self._index = len(self.refs)
+                self.refs.append(None)
             take = min(len(view), self.chunk_bytes - self._open_size)
-            parts.append(Part(len(self.refs), self._open_size, take))
+            parts.append(Part(self._index, self._open_size, take))
             self._open.append(bytes(view[:take]))
             self._open_size += take
             view = view[take:]

@@ -75,6 +75,15 @@ class Payload:
 
 
 @dataclass(frozen=True)
+class Delta:
+    """A keyframe segment's encoding relative to the parent, so followers need not fetch it in full."""
+
+    codec: str  # same | sparse | dense
+    changed: int
+    payload: Payload | None
+
+
+@dataclass(frozen=True)
 class Segment:
     """A byte range [begin, end) of a file and how its bytes are encoded."""
 
@@ -88,6 +97,7 @@ class Segment:
     codec: str  # same | full | sparse | dense (the last three relative to the parent's segment)
     changed: int = 0
     payload: Payload | None = None
+    delta: Delta | None = None  # keyframes only: the same bytes as a delta from the parent
 
     @property
     def nbytes(self) -> int:
@@ -142,8 +152,9 @@ def manifest_to_json(m: Manifest) -> bytes:
     doc = {"format": "weightsync.manifest", "format_version": FORMAT_VERSION, **asdict(m)}
     for f in doc["files"]:
         for s in f["segments"]:
-            if s["payload"] is not None:
-                s["payload"]["parts"] = [[p["chunk"], p["offset"], p["length"]] for p in s["payload"]["parts"]]
+            for p in (s["payload"], (s["delta"] or {}).get("payload")):
+                if p is not None:
+                    p["parts"] = [[x["chunk"], x["offset"], x["length"]] for x in p["parts"]]
     return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
 
 
@@ -214,7 +225,17 @@ def _segment(doc: Any, chunks: tuple[ChunkRef, ...], what: str) -> Segment:
     elif doc.get("payload") is not None:
         raise FormatError(f"{what}: codec 'same' has no payload")
     changed = _int(doc, "changed", what)
-    return Segment(role, name, dtype, tuple(shape), begin, end, _hex(doc, "xxh3", what), codec, changed, payload)
+    delta = _delta(doc.get("delta"), chunks, what) if doc.get("delta") is not None else None
+    if delta is not None and codec != "full":
+        raise FormatError(f"{what}: only a full segment carries a delta")
+    return Segment(role, name, dtype, tuple(shape), begin, end, _hex(doc, "xxh3", what), codec, changed, payload, delta)
+
+
+def _delta(doc: Any, chunks: tuple[ChunkRef, ...], what: str) -> Delta:
+    if not isinstance(doc, dict) or doc.get("codec") not in ("same", "sparse", "dense"):
+        raise FormatError(f"{what}: delta must be an object with codec same, sparse or dense")
+    payload = None if doc["codec"] == "same" else _payload(doc.get("payload"), chunks, f"{what} delta")
+    return Delta(doc["codec"], _int(doc, "changed", what), payload)
 
 
 def _file(doc: Any, chunks: tuple[ChunkRef, ...], what: str) -> FileEntry:
@@ -255,6 +276,8 @@ def manifest_from_json(data: bytes, what: str = "manifest") -> Manifest:
     _check_paths_disjoint(files, what)
     if keyframe and any(s.codec != "full" for f in files for s in f.segments):
         raise FormatError(f"{what}: a keyframe holds only full segments")
+    if (not keyframe or parent is None) and any(s.delta for f in files for s in f.segments):
+        raise FormatError(f"{what}: only a keyframe with a parent carries deltas")
     if not keyframe and parent is None:
         raise FormatError(f"{what}: a delta version needs a parent")
     chain = _int(doc, "chain_length", what, 0, MAX_VERSION)

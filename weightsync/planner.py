@@ -69,10 +69,9 @@ class Plan:
         return sum(r.fetch_bytes for f in self.files for r in f.recipes)
 
 
-def _step(m: Manifest, seg: Segment) -> Step:
-    p: Payload = seg.payload
+def _step(m: Manifest, codec: str, p: Payload) -> Step:
     ranges = tuple(ChunkRange(m.chunks[part.chunk], part.offset, part.length) for part in p.parts)
-    return Step(m.version, seg.codec, p.size, p.xxh3, ranges)
+    return Step(m.version, codec, p.size, p.xxh3, ranges)
 
 
 def _find(m: Manifest, path: str, key: tuple[str, str]) -> Segment | None:
@@ -81,45 +80,54 @@ def _find(m: Manifest, path: str, key: tuple[str, str]) -> Segment | None:
 
 
 def plan_segment(chain: list[Manifest], path: str, target: Segment, local: Manifest | None) -> Recipe:
-    """The cheapest recipe for ``target`` (a segment of ``chain[-1]``) given the local version."""
+    """The cheapest recipe for ``target`` (a segment of ``chain[-1]``) given the local version.
+
+    Walks the chain backwards collecting deltas. The first full encoding met gives the ``full``
+    candidate; a keyframe's segment may also carry a delta from its parent, which lets the walk go
+    on to an older local version.
+    """
     if local is not None:
         same = _find(local, path, target.key)
         if same is not None and same.xxh3 == target.xxh3 and same.nbytes == target.nbytes:
             return Recipe(target, same, ())
     deltas: list[Step] = []
-    via_local: Recipe | None = None
+    via_local = via_full = None
     cur = target
     for i in range(len(chain) - 1, -1, -1):
         m = chain[i]
         if local is not None and m.version == local.version:
             via_local = Recipe(target, cur, tuple(reversed(deltas)))  # the folder holds ``cur``
-        if cur.codec == "full":
-            via_full = Recipe(target, None, (_step(m, cur), *reversed(deltas)))
-            if via_local is not None and via_local.fetch_bytes <= via_full.fetch_bytes:
-                return via_local
-            return via_full
-        if cur.codec != "same":
-            deltas.append(_step(m, cur))
-        if i == 0:
             break
-        prev = _find(chain[i - 1], path, cur.key)
+        if cur.codec == "full":
+            via_full = via_full or Recipe(target, None, (_step(m, "full", cur.payload), *reversed(deltas)))
+            if cur.delta is None or local is None:
+                break
+            if cur.delta.codec != "same":
+                deltas.append(_step(m, cur.delta.codec, cur.delta.payload))
+        elif cur.codec != "same":
+            deltas.append(_step(m, cur.codec, cur.payload))
+        prev = _find(chain[i - 1], path, cur.key) if i else None
         if prev is None or prev.nbytes != cur.nbytes:
-            raise FormatError(f"version {m.version}: {path}: {cur.name or cur.role} is a delta without a base")
+            if i and via_full is None:
+                raise FormatError(f"version {m.version}: {path}: {cur.name or cur.role} is a delta without a base")
+            break
         cur = prev
-    if via_local is not None:
-        return via_local
-    raise FormatError(f"{path}: {target.name or target.role} has no full encoding on its chain")
+    candidates = [r for r in (via_local, via_full) if r is not None]
+    if not candidates:
+        raise FormatError(f"{path}: {target.name or target.role} has no full encoding on its chain")
+    return min(candidates, key=lambda r: r.fetch_bytes)  # ties: local bytes first
 
 
 def plan_pull(chain: list[Manifest], local: Manifest | None, keep: set[str] = frozenset()) -> Plan:
     """Plan rebuilding ``chain[-1]`` from the keyframe ``chain[0]`` and the local version.
 
-    ``chain`` runs from a keyframe to the target, each manifest the parent of the next. ``local`` is
+    ``chain`` runs from a keyframe (or from the local version, when that is an ancestor of the
+    target) to the target, each manifest the parent of the next. ``local`` is
     the version the folder holds (None for an empty folder); ``keep`` lists paths whose local file
     already equals the target's.
     """
-    if not chain or not chain[0].keyframe:
-        raise FormatError("a pull chain must start at a keyframe")
+    if not chain or not (chain[0].keyframe or (local is not None and chain[0].version == local.version)):
+        raise FormatError("a pull chain must start at a keyframe or at the local version")
     for a, b in zip(chain, chain[1:]):
         if b.parent != a.version:
             raise FormatError(f"version {b.version} does not follow version {a.version}")

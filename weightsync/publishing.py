@@ -25,7 +25,7 @@ from .chunking import DEFAULT_CHUNK_BYTES, ChunkPacker
 from .codec import CodecConfig, EncodedTensor, encode_tensor
 from .dtypes import itemsize
 from .errors import BaseMismatchError, UsageError, VersionError
-from .format import ChunkRef, FileEntry, Manifest, Payload, Segment
+from .format import ChunkRef, Delta, FileEntry, Manifest, Payload, Segment
 from .local import LocalVersion, adopt, read_state
 from .pipeline import ordered_map
 from .pulling import PullConfig, pull
@@ -85,8 +85,8 @@ class _Job:
 class _Encoder:
     """Reads, diffs and encodes segments on a thread pool; results come back in file order."""
 
-    def __init__(self, cfg: PublishConfig, base: LocalVersion | None, fds: dict[str, int]):
-        self.cfg, self.base, self.fds = cfg, base, fds
+    def __init__(self, cfg: PublishConfig, base: LocalVersion | None, fds: dict[str, int], keyframe: bool):
+        self.cfg, self.base, self.fds, self.keyframe = cfg, base, fds, keyframe
         self.seconds = {"read": 0.0, "diff": 0.0, "encode": 0.0}
         self._lock = threading.Lock()
 
@@ -96,7 +96,8 @@ class _Encoder:
             self.seconds[phase] += t1 - t0
         return t1
 
-    def run(self, job: _Job) -> tuple[np.ndarray, str, EncodedTensor]:
+    def run(self, job: _Job) -> tuple[np.ndarray, str, EncodedTensor, EncodedTensor | None]:
+        """Returns the new bytes, their checksum, the encoding, and for keyframes the delta too."""
         t = time.perf_counter()
         new = read_range(self.fds[job.file.path], job.seg.begin, job.seg.end, job.file.path)
         digest = xxhash.xxh3_128_hexdigest(new)
@@ -105,18 +106,19 @@ class _Encoder:
         if job.base_seg is not None:
             old = self.base.read(job.file.path, job.base_seg)
             t = self._timed("diff", t)
-        if old is not None and job.base_seg.xxh3 == digest and np.array_equal(old, new):
-            enc = EncodedTensor("same", b"", 0)
-        else:
-            enc = encode_tensor(job.seg.dtype, new, old, self.cfg.codec)
+        delta = None
+        if old is not None:
+            same = job.base_seg.xxh3 == digest and np.array_equal(old, new)
+            delta = EncodedTensor("same", b"", 0) if same else encode_tensor(job.seg.dtype, new, old, self.cfg.codec)
+        enc = encode_tensor(job.seg.dtype, new, None, self.cfg.codec) if self.keyframe or delta is None else delta
         self._timed("encode", t)
-        return new, digest, enc
+        return new, digest, enc, delta if self.keyframe else None
 
 
-def _jobs(files: list[SourceFile], parent: Manifest | None, keyframe: bool) -> list[_Job]:
+def _jobs(files: list[SourceFile], parent: Manifest | None) -> list[_Job]:
     jobs = []
     for f in files:
-        pf = None if keyframe or parent is None else parent.file(f.path)
+        pf = None if parent is None else parent.file(f.path)
         for seg in f.segments:
             base = None
             if pf is not None:
@@ -132,24 +134,29 @@ class _Assembler:
 
     def __init__(self, cfg: PublishConfig, uploader: Uploader):
         self.packer = ChunkPacker(cfg.chunk_bytes)
+        self.delta_packer = ChunkPacker(cfg.chunk_bytes, self.packer.refs)  # keyframe deltas apart
         self.uploader = uploader
         self.files: list[FileEntry] = []
         self.changed = self.elements = 0
         self._segs: list[Segment] = []
         self._hasher = xxhash.xxh3_128()
 
-    def add(self, job: _Job, new: np.ndarray, digest: str, enc: EncodedTensor) -> None:
+    def _pack(self, enc: EncodedTensor, packer: ChunkPacker) -> Payload | None:
+        if enc.codec == "same":
+            return None
+        parts, sealed = packer.add(enc.payload)
+        for chunk in sealed:
+            self.uploader.submit(chunk)
+        return Payload(len(enc.payload), xxhash.xxh3_128_hexdigest(enc.payload), parts)
+
+    def add(self, job: _Job, new: np.ndarray, digest: str, enc: EncodedTensor, delta: EncodedTensor | None) -> None:
         self._hasher.update(new)
-        payload = None
-        if enc.codec != "same":
-            parts, sealed = self.packer.add(enc.payload)
-            for chunk in sealed:
-                self.uploader.submit(chunk)
-            payload = Payload(len(enc.payload), xxhash.xxh3_128_hexdigest(enc.payload), parts)
+        payload = self._pack(enc, self.packer)
+        alt = None if delta is None else Delta(delta.codec, delta.changed, self._pack(delta, self.delta_packer))
         s = job.seg
-        self._segs.append(Segment(s.role, s.name, s.dtype, s.shape, s.begin, s.end, digest, enc.codec, enc.changed, payload))
+        self._segs.append(Segment(s.role, s.name, s.dtype, s.shape, s.begin, s.end, digest, enc.codec, enc.changed, payload, alt))
         if s.role == "tensor":
-            self.changed += enc.changed
+            self.changed += enc.changed if delta is None else delta.changed
             self.elements += s.nbytes // itemsize(s.dtype)
         if s is job.file.segments[-1]:
             f = job.file
@@ -157,7 +164,7 @@ class _Assembler:
             self._segs, self._hasher = [], xxhash.xxh3_128()
 
     def finish(self) -> None:
-        for chunk in self.packer.finish():
+        for chunk in self.packer.finish() + self.delta_packer.finish():
             self.uploader.submit(chunk)
 
     def packer_refs(self) -> tuple[ChunkRef, ...]:
@@ -237,14 +244,14 @@ def publish(
 def _publish(repo, src, files, version, parent, keyframe, etag, cfg: PublishConfig, base_dir, cache, progress, on_bytes) -> PublishResult:
     t0 = time.perf_counter()
     base = None
-    if not keyframe:
+    if parent is not None:  # deltas, and a keyframe's deltas for followers, need the parent's bytes
         base = _base_for(repo, parent, base_dir, cache, PullConfig(decode_threads=cfg.encode_threads))
     fds = {f.path: os.open(f.abspath, os.O_RDONLY) for f in files}
     uploader = Uploader(repo, cfg.upload_concurrency, on_bytes)
-    encoder = _Encoder(cfg, base, fds)
+    encoder = _Encoder(cfg, base, fds, keyframe)
     out = _Assembler(cfg, uploader)
     try:
-        _encode_all(_jobs(files, parent, keyframe), encoder, out, cfg, progress)
+        _encode_all(_jobs(files, parent), encoder, out, cfg, progress)
         t_up = time.perf_counter()
         uploader.join()
         seconds = dict(encoder.seconds, upload=time.perf_counter() - t_up)

@@ -155,7 +155,7 @@ def pull(
     target_version = resolve_version(repo, version)
     state = prepare_target(out)
     t0 = time.perf_counter()
-    chain = repo.chain(target_version)
+    chain = repo.chain(target_version, back_to=None if state is None else state.version)
     target = chain[-1]
     keep = unchanged_files(out, state, target)
     if state is not None and state.version == target_version and len(keep) == len(target.files):
@@ -165,7 +165,7 @@ def pull(
         return _pull_plan(repo, out, plan_pull(chain, local, keep), state, config, progress, on_bytes, t0)
     except BaseMismatchError:
         # the folder was modified behind our back: rebuild from the keyframe without local bytes
-        return _pull_plan(repo, out, plan_pull(chain, None, set()), state, config, progress, on_bytes, t0)
+        return _pull_plan(repo, out, plan_pull(repo.chain(target_version), None, set()), state, config, progress, on_bytes, t0)
 
 
 def _pull_plan(repo, out: Path, plan: Plan, state, cfg: PullConfig, progress, on_bytes, t0: float) -> PullResult:

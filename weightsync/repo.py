@@ -115,12 +115,24 @@ class Repo:
                 self._manifests.popitem(last=False)
         return m
 
-    def chain(self, version: int) -> list[Manifest]:
-        """Manifests from the keyframe that ``version`` builds on up to ``version``, in order."""
+    def chain(self, version: int, back_to: int | None = None, limit: int = 1000) -> list[Manifest]:
+        """Manifests from the keyframe that ``version`` builds on up to ``version``, in order.
+
+        With ``back_to`` (a local version older than that keyframe and an ancestor of ``version``),
+        the chain starts at ``back_to`` instead, so keyframes' own deltas can be followed.
+        """
         out = [self.manifest(version)]
         while not out[-1].keyframe:
-            parent = out[-1].parent
-            out.append(self.manifest(parent))
+            out.append(self.manifest(out[-1].parent))
+        to_keyframe = len(out)
+        if back_to is not None and back_to < out[-1].version:
+            try:
+                while out[-1].parent is not None and out[-1].parent >= back_to and len(out) < to_keyframe + limit:
+                    out.append(self.manifest(out[-1].parent))
+            except VersionError:
+                pass  # collected by gc: no path from the local version
+            if out[-1].version != back_to:
+                del out[to_keyframe:]
         return out[::-1]
 
     # --- writes ----------------------------------------------------------------------------------

@@ -1,0 +1,149 @@
+"""Retries as a store wrapper: :class:`RetryingStore` implements :class:`Store` around another.
+
+Only errors marked ``retryable = True`` are retried (the S3 backend marks throttling, 5xx,
+timeouts, dropped connections and truncated bodies); everything else, including
+:class:`NotFoundError`, :class:`AlreadyExistsError` and :class:`PreconditionFailedError`,
+passes through at once. Delays grow exponentially from ``base_delay`` up to ``max_delay``, with
+full jitter (a uniform draw in ``[0, delay]``) so that many clients do not retry in lockstep.
+
+Conditional writes and retries. A ``put(mode="create")`` or ``put_if_match`` whose first attempt
+timed out may have succeeded on the server; its retry then fails with
+:class:`AlreadyExistsError` / :class:`PreconditionFailedError` although the write is ours.
+RetryingStore does not hide this, because only the caller knows what success means: it raises
+the conflict unchanged but sets ``exc.ambiguous = True`` (the conflict came after a failed
+attempt, so it may be our own write). For content-addressed chunks an AlreadyExists is success
+either way; a head-pointer update should re-read the head and compare it with what it wrote.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, TypeVar
+
+from ..errors import AlreadyExistsError, PreconditionFailedError, StoreError, UsageError
+from .base import PutMode, Store
+
+T = TypeVar("T")
+OnRetry = Callable[[str, str, StoreError], None]
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """Whether a store error says that trying again may help."""
+    return isinstance(exc, StoreError) and bool(getattr(exc, "retryable", False))
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often and how patiently to retry: ``attempts`` counts the first try too.
+
+    The wait before retry ``n`` (1-based) is ``min(max_delay, base_delay * 2**(n-1))``, drawn
+    uniformly from ``[0, that]`` with ``jitter="full"`` or taken as is with ``jitter="none"``.
+    """
+
+    attempts: int = 5
+    base_delay: float = 0.05
+    max_delay: float = 5.0
+    jitter: Literal["full", "none"] = "full"
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise UsageError(f"retry attempts must be >= 1, got {self.attempts}")
+        if self.base_delay < 0 or self.max_delay < self.base_delay:
+            raise UsageError(
+                f"retry delays need 0 <= base_delay <= max_delay, got {self.base_delay}, {self.max_delay}"
+            )
+        if self.jitter not in ("full", "none"):
+            raise UsageError(f"retry jitter must be 'full' or 'none', got {self.jitter!r}")
+
+    def delay(self, retry: int, rng: random.Random) -> float:
+        """Seconds to wait before retry number ``retry`` (1 for the first retry)."""
+        cap = min(self.max_delay, self.base_delay * 2.0 ** min(retry - 1, 64))
+        return rng.uniform(0.0, cap) if self.jitter == "full" else cap
+
+
+class RetryingStore(Store):
+    """``inner`` with retries of retryable errors; the final error names key and attempts.
+
+    ``on_retry(op, key, exc)`` is called before each wait (for metrics and logs). ``sleep`` and
+    ``rng`` are injectable for tests.
+    """
+
+    def __init__(
+        self,
+        inner: Store,
+        policy: RetryPolicy | None = None,
+        *,
+        on_retry: OnRetry | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        rng: random.Random | None = None,
+    ):
+        self.inner = inner
+        self.policy = policy or RetryPolicy()
+        self.url = inner.url
+        self._on_retry = on_retry
+        self._sleep = sleep
+        self._rng = rng or random.Random()
+
+    def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
+        attempt = 1
+        while True:
+            try:
+                return fn()
+            except (AlreadyExistsError, PreconditionFailedError) as exc:
+                if attempt > 1:
+                    exc.ambiguous = True  # may be our own earlier attempt; see module docstring
+                raise
+            except StoreError as exc:
+                if not is_retryable(exc):
+                    raise
+                if attempt >= self.policy.attempts:
+                    raise self._gave_up(op, key, attempt, exc) from exc
+                if self._on_retry is not None:
+                    self._on_retry(op, key, exc)
+                self._sleep(self.policy.delay(attempt, self._rng))
+                attempt += 1
+
+    def _gave_up(self, op: str, key: str, attempts: int, exc: StoreError) -> StoreError:
+        last = str(exc).removeprefix(f"{self.url}: ")
+        err = StoreError(f"{self.url}: {op} {key}: gave up after {attempts} attempts; last: {last}", key=key)
+        err.attempts = attempts
+        err.retryable = False  # retrying again at an outer level would multiply the attempts
+        return err
+
+    def get(self, key: str) -> bytes:
+        return self._call("GET", key, lambda: self.inner.get(key))
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        return self._call("GET", key, lambda: self.inner.get_range(key, start, length))
+
+    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = "overwrite") -> None:
+        return self._call("PUT", key, lambda: self.inner.put(key, data, mode=mode))
+
+    def get_with_etag(self, key: str) -> tuple[bytes, str]:
+        return self._call("GET", key, lambda: self.inner.get_with_etag(key))
+
+    def put_if_match(self, key: str, data: bytes, etag: str | None) -> None:
+        return self._call("PUT", key, lambda: self.inner.put_if_match(key, data, etag))
+
+    def head(self, key: str) -> int | None:
+        return self._call("HEAD", key, lambda: self.inner.head(key))
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        # Materialise inside the retry, so that a failure while paging is retried too.
+        return iter(self._call("LIST", prefix, lambda: list(self.inner.list(prefix))))
+
+    def delete(self, key: str) -> None:
+        return self._call("DELETE", key, lambda: self.inner.delete(key))
+
+    def local_path(self, key: str) -> Path | None:
+        return self.inner.local_path(key)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __repr__(self) -> str:
+        return f"RetryingStore({self.inner!r}, {self.policy})"

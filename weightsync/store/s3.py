@@ -1,0 +1,488 @@
+"""S3 backend: a :class:`Store` over any S3-compatible service, through boto3.
+
+Objects live under ``s3://bucket/prefix/<key>``. The endpoint is the ``endpoint_url`` option, or
+boto3's own resolution (``AWS_ENDPOINT_URL``, config files); credentials come only from boto3's
+standard chain. This module never reads the environment itself.
+
+Conditional writes use S3 preconditions: ``put(mode="create")`` sends ``If-None-Match: *``,
+``put_if_match`` sends ``If-Match: <etag>`` (or ``If-None-Match: *`` for ``etag=None``). A 412,
+``PreconditionFailed`` or ``ConditionalRequestConflict`` answer becomes
+:class:`AlreadyExistsError` / :class:`PreconditionFailedError`.
+
+Objects above ``multipart_threshold`` go up as multipart uploads, parts in parallel on a bounded
+thread pool. Caveat: SeaweedFS (4.48) checks ``If-None-Match``/``If-Match`` on
+CompleteMultipartUpload, but not atomically: concurrent completes can all succeed. Single-request
+PUT conditionals are atomic, so ``put_if_match`` always uses one request (head pointers are small);
+a large ``put(mode="create")`` is safe only where racing writers write the same bytes
+(content-addressed chunks).
+
+Every :class:`StoreError` raised here carries ``retryable: bool`` (throttling, 5xx, timeouts,
+dropped connections, truncated bodies) for :class:`~weightsync.store.retry.RetryingStore`.
+No retries happen inside: botocore's own retries are off.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import TypeVar
+from urllib.parse import urlsplit
+
+import boto3
+import urllib3.exceptions
+from botocore.config import Config
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    ConnectionError as BotoConnectionError,
+    HTTPClientError,
+    IncompleteReadError,
+)
+
+from ..errors import (
+    AlreadyExistsError,
+    NotFoundError,
+    PreconditionFailedError,
+    StoreError,
+    UsageError,
+)
+from .base import PutMode, Store, check_key
+
+MiB = 1 << 20
+MIN_PART_SIZE = 5 * MiB  # S3's minimum for every part but the last
+MAX_PART_SIZE = 5 * 1024 * MiB
+MAX_PARTS = 10_000
+_STREAM_BLOCK = MiB
+
+_CONFLICT_CODES = frozenset({"PreconditionFailed", "ConditionalRequestConflict"})
+_RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
+_RETRYABLE_CODES = frozenset(
+    {"SlowDown", "Throttling", "ThrottlingException", "TooManyRequests", "RequestTimeout",
+     "RequestTimeoutException", "InternalError", "ServiceUnavailable"}
+)
+# Transport failures: connection refused/reset/closed, connect and read timeouts, bodies cut short.
+_TRANSPORT_ERRORS = (
+    BotoConnectionError,
+    HTTPClientError,
+    IncompleteReadError,
+    urllib3.exceptions.HTTPError,
+    ConnectionError,
+    TimeoutError,
+)
+_CHECKSUM_FIELDS = ("ChecksumCRC32", "ChecksumCRC32C", "ChecksumCRC64NVME", "ChecksumSHA1", "ChecksumSHA256")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class S3Options:
+    """Connection and transfer settings of an :class:`S3Store`.
+
+    Memory bound: a multipart upload holds at most ``max_parts_in_flight * part_size`` bytes of
+    part buffers besides the caller's data (8 x 16 MiB = 128 MiB by default); ``get_to_file``
+    streams each range in 1 MiB blocks, so it holds at most ``max_parts_in_flight`` MiB.
+    ``max_concurrency`` bounds the store's connection pool and worker threads, shared by all
+    transfers of this store.
+    """
+
+    endpoint_url: str | None = None
+    region: str | None = None
+    max_concurrency: int = 64
+    multipart_threshold: int = 64 * MiB
+    part_size: int = 16 * MiB
+    max_parts_in_flight: int = 8
+    connect_timeout: float = 10.0
+    read_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.max_concurrency < 1:
+            raise UsageError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        if not 1 <= self.max_parts_in_flight <= self.max_concurrency:
+            raise UsageError(
+                f"max_parts_in_flight must be in 1..max_concurrency ({self.max_concurrency}), "
+                f"got {self.max_parts_in_flight}"
+            )
+        if not MIN_PART_SIZE <= self.part_size <= MAX_PART_SIZE:
+            raise UsageError(f"part_size must be in 5 MiB..5 GiB, got {self.part_size}")
+        if self.multipart_threshold < 1:
+            raise UsageError(f"multipart_threshold must be >= 1, got {self.multipart_threshold}")
+        if self.connect_timeout <= 0 or self.read_timeout <= 0:
+            raise UsageError("connect_timeout and read_timeout must be > 0")
+
+
+def _make_client(options: S3Options):
+    """A boto3 S3 client: s3v4, no botocore retries, pool sized for ``max_concurrency``."""
+    session = boto3.session.Session()
+
+    def build(path_style: bool):
+        config = Config(
+            signature_version="s3v4",
+            s3={"addressing_style": "path"} if path_style else {},
+            max_pool_connections=options.max_concurrency,
+            connect_timeout=options.connect_timeout,
+            read_timeout=options.read_timeout,
+            retries={"max_attempts": 1, "mode": "standard"},
+            tcp_keepalive=True,
+        )
+        return session.client(
+            "s3", endpoint_url=options.endpoint_url, region_name=options.region, config=config
+        )
+
+    client = build(path_style=options.endpoint_url is not None)
+    host = urlsplit(client.meta.endpoint_url).hostname or ""
+    if options.endpoint_url is None and not host.endswith(".amazonaws.com"):
+        client = build(path_style=True)  # a custom endpoint that boto3 found (AWS_ENDPOINT_URL)
+    return client
+
+
+def _code_status(exc: ClientError) -> tuple[str, int]:
+    code = str(exc.response.get("Error", {}).get("Code") or "Unknown")
+    status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+    return code, status
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+class S3Store(Store):
+    """Objects under ``s3://bucket/prefix/``; see the module docstring for semantics."""
+
+    def __init__(self, bucket: str, prefix: str = "", options: S3Options | None = None):
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.options = options or S3Options()
+        self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        self._key_prefix = f"{self.prefix}/" if self.prefix else ""
+        self._client = _make_client(self.options)
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    @classmethod
+    def from_url(cls, url: str, **options) -> S3Store:
+        """``s3://bucket[/prefix]``; ``options`` are :class:`S3Options` fields."""
+        parts = urlsplit(url)
+        if parts.scheme != "s3" or not parts.netloc or parts.query or parts.fragment:
+            raise UsageError(f"not an S3 store URL (s3://bucket/prefix): {url}")
+        prefix = parts.path.strip("/")
+        if prefix:
+            try:
+                check_key(prefix)
+            except StoreError:
+                raise UsageError(f"invalid prefix in S3 store URL: {url}") from None
+        known = {f.name for f in fields(S3Options)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise UsageError(f"unknown S3 store options {unknown}; known: {sorted(known)}")
+        return cls(parts.netloc, prefix, S3Options(**options))
+
+    # -- error mapping -----------------------------------------------------------------------
+
+    def _error(self, op: str, key: str, what: str, *, cls=StoreError, retryable=False) -> StoreError:
+        err = cls(f"{self.url}: {op} {key}: {what}", key=key)
+        err.retryable = retryable
+        return err
+
+    @contextmanager
+    def _errors(self, op: str, key: str, conflict: type[StoreError] | None = None):
+        """Turn botocore failures into one-line store errors; ``conflict`` maps failed preconditions."""
+        try:
+            yield
+        except ClientError as exc:
+            raise self._client_error(op, key, exc, conflict) from exc
+        except _TRANSPORT_ERRORS as exc:
+            raise self._error(op, key, f"{type(exc).__name__}: {_one_line(exc)}", retryable=True) from exc
+        except BotoCoreError as exc:  # no credentials, invalid parameters...
+            raise self._error(op, key, f"{type(exc).__name__}: {_one_line(exc)}") from exc
+
+    def _client_error(self, op, key, exc: ClientError, conflict) -> StoreError:
+        code, status = _code_status(exc)
+        what = f"{code} ({status})"
+        if conflict is not None and (status == 412 or code in _CONFLICT_CODES):
+            return self._error(op, key, f"{what}: precondition failed", cls=conflict)
+        if conflict is PreconditionFailedError and code == "NoSuchKey":  # If-Match on a missing key
+            return self._error(op, key, f"{what}: precondition failed", cls=conflict)
+        if code in ("NoSuchKey", "NotFound") or (status == 404 and code == "404"):
+            return self._error(op, key, what, cls=NotFoundError)
+        retryable = status in _RETRYABLE_STATUS or code in _RETRYABLE_CODES
+        return self._error(op, key, what, retryable=retryable)
+
+    # -- small objects -----------------------------------------------------------------------
+
+    def _full(self, key: str) -> str:
+        return self._key_prefix + check_key(key)
+
+    def get(self, key: str) -> bytes:
+        return self.get_with_etag(key)[0]
+
+    def get_with_etag(self, key: str) -> tuple[bytes, str]:
+        full = self._full(key)
+        with self._errors("GET", key):
+            resp = self._client.get_object(Bucket=self.bucket, Key=full)
+            return resp["Body"].read(), resp["ETag"]
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        full = self._full(key)
+        if start < 0 or length < 0:
+            raise self._error("GET", key, f"invalid range start={start} length={length}")
+        if length == 0:
+            if self.head(key) is None:
+                raise self._error("GET", key, "NoSuchKey (404)", cls=NotFoundError)
+            return b""
+        with self._errors("GET", key):
+            try:
+                resp = self._client.get_object(
+                    Bucket=self.bucket, Key=full, Range=f"bytes={start}-{start + length - 1}"
+                )
+            except ClientError as exc:
+                if _code_status(exc)[1] == 416:  # start at or past the end of an existing object
+                    return b""
+                raise
+            data = resp["Body"].read()
+        # A server that ignores Range answers 200 with the whole object.
+        return data if "ContentRange" in resp else data[start : start + length]
+
+    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = "overwrite") -> None:
+        conditions, conflict = self._put_conditions(mode)
+        view = memoryview(data).cast("B")
+        if view.nbytes > self.options.multipart_threshold:
+            self._put_multipart(key, view.nbytes, lambda off, n: bytes(view[off : off + n]), mode)
+            return
+        body = data if isinstance(data, (bytes, bytearray)) else view.tobytes()
+        full = self._full(key)
+        with self._errors("PUT", key, conflict):
+            self._client.put_object(Bucket=self.bucket, Key=full, Body=body, **conditions)
+
+    def put_if_match(self, key: str, data: bytes, etag: str | None) -> None:
+        """One conditional PUT (never multipart: S3 caps a single PUT at 5 GiB)."""
+        full = self._full(key)
+        condition = {"IfNoneMatch": "*"} if etag is None else {"IfMatch": etag}
+        with self._errors("PUT", key, PreconditionFailedError):
+            self._client.put_object(Bucket=self.bucket, Key=full, Body=bytes(data), **condition)
+
+    def head(self, key: str) -> int | None:
+        full = self._full(key)
+        with self._errors("HEAD", key):
+            try:
+                resp = self._client.head_object(Bucket=self.bucket, Key=full)
+            except ClientError as exc:
+                if _code_status(exc)[1] == 404:
+                    return None
+                raise
+        return int(resp["ContentLength"])
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        keys: list[str] = []
+        skip = len(self._key_prefix)
+        with self._errors("LIST", prefix or "''"):
+            pages = self._client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=self._key_prefix + prefix
+            )
+            for page in pages:
+                keys.extend(obj["Key"][skip:] for obj in page.get("Contents", ()))
+        # Skip directory markers some servers list; sort because not every server lists in order.
+        return iter(sorted(k for k in keys if k and not k.endswith("/")))
+
+    def delete(self, key: str) -> None:
+        full = self._full(key)
+        with self._errors("DELETE", key):
+            try:
+                self._client.delete_object(Bucket=self.bucket, Key=full)
+            except ClientError as exc:
+                if _code_status(exc)[1] != 404:
+                    raise
+
+    def close(self) -> None:
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        self._client.close()
+
+    # -- large objects -----------------------------------------------------------------------
+
+    def put_file(self, key: str, path: str | os.PathLike[str], *, mode: PutMode = "overwrite") -> None:
+        """Upload a local file, multipart above ``multipart_threshold``.
+
+        Memory: at most ``max_parts_in_flight * part_size`` bytes of part buffers; small files
+        are streamed from disk by botocore.
+        """
+        conditions, conflict = self._put_conditions(mode)
+        full = self._full(key)
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > self.options.multipart_threshold:
+                fd = f.fileno()
+                self._put_multipart(key, size, lambda off, n: os.pread(fd, n, off), mode)
+                return
+            with self._errors("PUT", key, conflict):
+                self._client.put_object(Bucket=self.bucket, Key=full, Body=f, **conditions)
+
+    def get_to_file(self, key: str, path: str | os.PathLike[str]) -> int:
+        """Download an object to ``path`` (temp file, then ``os.replace``); returns its size.
+
+        Parts of ``part_size`` are fetched in parallel, each pinned to the first response's ETag
+        (If-Match), so an object overwritten mid-download fails with a retryable error instead
+        of mixing versions. Memory: at most ``max_parts_in_flight`` MiB of stream buffers.
+        """
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        try:
+            try:
+                size = self._download(key, fd)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return size
+
+    def _put_conditions(self, mode: str) -> tuple[dict[str, str], type[StoreError] | None]:
+        if mode == "create":
+            return {"IfNoneMatch": "*"}, AlreadyExistsError
+        if mode == "overwrite":
+            return {}, None
+        raise UsageError(f"put mode must be 'create' or 'overwrite', got {mode!r}")
+
+    def _put_multipart(self, key: str, size: int, read_part: Callable[[int, int], bytes], mode: str) -> None:
+        """Multipart upload; ``read_part(offset, length)`` runs on worker threads."""
+        conditions, conflict = self._put_conditions(mode)
+        if mode == "create" and self.head(key) is not None:  # skip a doomed upload early
+            raise self._error("PUT", key, "object exists", cls=AlreadyExistsError)
+        full = self._full(key)
+        part_size = max(self.options.part_size, -(-size // MAX_PARTS))
+        with self._errors("PUT (start multipart)", key):
+            upload_id = self._client.create_multipart_upload(
+                Bucket=self.bucket, Key=full, ChecksumAlgorithm="CRC32"
+            )["UploadId"]
+        try:
+            jobs = (
+                self._part_job(key, upload_id, number, offset, min(part_size, size - offset), read_part)
+                for number, offset in enumerate(range(0, size, part_size), start=1)
+            )
+            parts = self._run_bounded(jobs)
+            with self._errors("PUT (complete multipart)", key, conflict):
+                self._client.complete_multipart_upload(
+                    Bucket=self.bucket, Key=full, UploadId=upload_id,
+                    MultipartUpload={"Parts": parts}, **conditions,
+                )
+        except BaseException:
+            try:
+                self._client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id)
+            except (BotoCoreError, ClientError):
+                pass  # best effort; a bucket lifecycle rule reaps what is left
+            raise
+
+    def _part_job(self, key, upload_id, number, offset, length, read_part) -> Callable[[], dict]:
+        def upload() -> dict:
+            body = read_part(offset, length)
+            with self._errors(f"PUT (part {number})", key):
+                resp = self._client.upload_part(
+                    Bucket=self.bucket, Key=self._full(key), UploadId=upload_id,
+                    PartNumber=number, Body=body, ChecksumAlgorithm="CRC32",
+                )
+            part = {"PartNumber": number, "ETag": resp["ETag"]}
+            part.update({k: resp[k] for k in _CHECKSUM_FIELDS if k in resp})
+            return part
+
+        return upload
+
+    def _download(self, key: str, fd: int) -> int:
+        full = self._full(key)
+        part_size = self.options.part_size
+        with self._errors("GET", key):
+            try:
+                resp = self._client.get_object(Bucket=self.bucket, Key=full, Range=f"bytes=0-{part_size - 1}")
+            except ClientError as exc:
+                if _code_status(exc)[1] != 416:
+                    raise
+                resp = self._client.get_object(Bucket=self.bucket, Key=full)  # 0 bytes: no range fits
+            content_range = resp.get("ContentRange")
+            total = int(content_range.rsplit("/", 1)[1]) if content_range else int(resp["ContentLength"])
+            _stream_to(resp["Body"], fd, 0)
+        etag = resp["ETag"]
+        jobs = (
+            self._range_job(key, etag, fd, offset, min(part_size, total - offset))
+            for offset in range(part_size, total if content_range else 0, part_size)
+        )
+        self._run_bounded(jobs)
+        return total
+
+    def _range_job(self, key: str, etag: str, fd: int, offset: int, length: int) -> Callable[[], None]:
+        def fetch() -> None:
+            with self._errors("GET", key):
+                try:
+                    resp = self._client.get_object(
+                        Bucket=self.bucket, Key=self._full(key), IfMatch=etag,
+                        Range=f"bytes={offset}-{offset + length - 1}",
+                    )
+                except ClientError as exc:
+                    if _code_status(exc)[1] != 412:
+                        raise
+                    raise self._error("GET", key, "object changed during download", retryable=True) from exc
+                written = _stream_to(resp["Body"], fd, offset)
+            if written != length:
+                raise self._error("GET", key, f"range at {offset}: got {written} of {length} bytes", retryable=True)
+
+        return fetch
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.options.max_concurrency, thread_name_prefix="s3store")
+            return self._pool
+
+    def _run_bounded(self, jobs: Iterable[Callable[[], T]]) -> list[T]:
+        """Run ``jobs`` on the shared pool, at most ``max_parts_in_flight`` at a time.
+
+        Jobs are created lazily, so buffers exist only for running jobs. After the first failure
+        no new job starts; the first failure (in job order) is raised once all have finished.
+        """
+        slots = threading.BoundedSemaphore(self.options.max_parts_in_flight)
+        failed = threading.Event()
+
+        def run(job: Callable[[], T]) -> T:
+            try:
+                return job()
+            except BaseException:
+                failed.set()
+                raise
+            finally:
+                slots.release()
+
+        futures = []
+        try:
+            for job in jobs:
+                slots.acquire()
+                if failed.is_set():
+                    slots.release()
+                    break
+                futures.append(self._executor().submit(run, job))
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+        finally:
+            wait(futures)
+        return [future.result() for future in futures]
+
+
+def _stream_to(body, fd: int, offset: int) -> int:
+    """Copy a botocore streaming body to ``fd`` at ``offset`` in 1 MiB blocks; bytes written."""
+    written = 0
+    while block := body.read(_STREAM_BLOCK):
+        view = memoryview(block)
+        while view:
+            n = os.pwrite(fd, view, offset + written)
+            view = view[n:]
+            written += n
+    return written
