@@ -54,15 +54,46 @@ class FilePlan:
 
 
 @dataclass(frozen=True)
+class ChunkNeed:
+    """The byte ranges of one chunk that a plan reads, merged and sorted."""
+
+    chunk: ChunkRef
+    ranges: tuple[tuple[int, int], ...]  # (offset, length)
+
+    @property
+    def needed_bytes(self) -> int:
+        return sum(n for _, n in self.ranges)
+
+    def whole(self, threshold: float = 0.75) -> bool:
+        """Fetch the whole chunk (and verify its id) rather than ranges of it."""
+        return self.needed_bytes >= threshold * self.chunk.size
+
+    @property
+    def fetch_bytes(self) -> int:
+        return self.chunk.size if self.whole() else self.needed_bytes
+
+
+def merge_ranges(ranges: list[tuple[int, int]], gap: int = 0) -> tuple[tuple[int, int], ...]:
+    """Sort (offset, length) ranges and merge those that overlap or lie within ``gap`` bytes."""
+    out: list[list[int]] = []
+    for off, n in sorted(ranges):
+        if out and off <= out[-1][0] + out[-1][1] + gap:
+            out[-1][1] = max(out[-1][1], off + n - out[-1][0])
+        else:
+            out.append([off, n])
+    return tuple((o, n) for o, n in out)
+
+
+@dataclass(frozen=True)
 class Plan:
     target: Manifest
     local_version: int | None
     files: tuple[FilePlan, ...]
-    chunks: tuple[ChunkRef, ...]
+    chunks: tuple[ChunkNeed, ...]
 
     @property
     def fetch_bytes(self) -> int:
-        return sum(c.size for c in self.chunks)
+        return sum(c.fetch_bytes for c in self.chunks)
 
     @property
     def payload_bytes(self) -> int:
@@ -132,7 +163,9 @@ def plan_pull(chain: list[Manifest], local: Manifest | None, keep: set[str] = fr
         if b.parent != a.version:
             raise FormatError(f"version {b.version} does not follow version {a.version}")
     target = chain[-1]
-    files, chunks = [], {}
+    files: list[FilePlan] = []
+    chunks: dict[str, ChunkRef] = {}
+    ranges: dict[str, list[tuple[int, int]]] = {}
     for entry in target.files:
         if entry.path in keep:
             files.append(FilePlan(entry, True, ()))
@@ -142,5 +175,7 @@ def plan_pull(chain: list[Manifest], local: Manifest | None, keep: set[str] = fr
             for step in r.steps:
                 for rng in step.ranges:
                     chunks[rng.chunk.id] = rng.chunk
+                    ranges.setdefault(rng.chunk.id, []).append((rng.offset, rng.length))
         files.append(FilePlan(entry, False, recipes))
-    return Plan(target, None if local is None else local.version, tuple(files), tuple(chunks.values()))
+    needs = tuple(ChunkNeed(c, merge_ranges(ranges[cid], gap=64 << 10)) for cid, c in chunks.items())
+    return Plan(target, None if local is None else local.version, tuple(files), needs)

@@ -19,7 +19,7 @@ import xxhash
 
 from .codec import decode_tensor
 from .errors import BaseMismatchError, ChecksumError, UsageError, VersionError
-from .format import Manifest
+from .format import Manifest, chunk_key
 from .local import LocalVersion, check_checksum, install, prepare_target, staging_dir, state_dir, unchanged_files
 from .pipeline import ordered_map
 from .planner import FilePlan, Plan, Recipe, plan_pull
@@ -70,8 +70,8 @@ def resolve_version(repo: Repo, version: int | str | None) -> int:
 class _Builder:
     """Rebuilds segments from a local base and fetched payloads; verifies every result."""
 
-    def __init__(self, chunks: dict[str, Path], base: LocalVersion | None):
-        self.chunks, self.base = chunks, base
+    def __init__(self, url: str, chunks: dict[str, Path], base: LocalVersion | None):
+        self.url, self.chunks, self.base = url, chunks, base
         self._fds: dict[str, int] = {}
 
     def _payload(self, step) -> bytes:
@@ -82,7 +82,8 @@ class _Builder:
             if fd is None:
                 fd = self._fds.setdefault(rng.chunk.id, os.open(path, os.O_RDONLY))
             buf += os.pread(fd, rng.length, rng.offset)
-        check_checksum(f"payload of version {step.version} in chunks {[r.chunk.id for r in step.ranges]}", step.xxh3, buf)
+        keys = ", ".join(sorted({chunk_key(r.chunk.id) for r in step.ranges}))
+        check_checksum(f"payload of version {step.version} in {self.url}/{keys}", step.xxh3, buf)
         return bytes(buf)
 
     def build(self, job: tuple[str, Recipe]) -> np.ndarray:
@@ -173,7 +174,7 @@ def _pull_plan(repo, out: Path, plan: Plan, state, cfg: PullConfig, progress, on
     paths = fetch_chunks(repo, plan.chunks, state_dir(out) / "spool", cfg.fetch_concurrency, on_bytes)
     seconds["fetch"] = time.perf_counter() - t0
     local = None if plan.local_version is None else LocalVersion(out, repo.manifest(plan.local_version))
-    builder = _Builder(paths, local)
+    builder = _Builder(repo.url, paths, local)
     staging = staging_dir(out)
     try:
         written = _write_files(plan, builder, staging, cfg, progress)
@@ -186,7 +187,7 @@ def _pull_plan(repo, out: Path, plan: Plan, state, cfg: PullConfig, progress, on
     _clear_spool(state_dir(out) / "spool")
     seconds["total"] = time.perf_counter() - t0
     kept = sum(f.keep for f in plan.files)
-    fetched = sum(c.size for c in plan.chunks)
+    fetched = plan.fetch_bytes
     return PullResult(plan.target.version, None if state is None else state.version, fetched, len(written), kept, seconds)
 
 

@@ -1,7 +1,7 @@
 """Bounded parallel chunk transfers between a :class:`Repo` and memory or a local spool.
 
 Memory bound of an :class:`Uploader`: at most ``concurrency`` chunks queued or in flight, i.e.
-``concurrency * chunk_bytes`` (16 x 16 MiB = 256 MiB by default). :func:`fetch_chunks` streams each
+``concurrency * chunk_bytes`` (16 x 16 MiB = 256 MiB by default). :func:`fetch_chunks` writes each
 chunk to a file in the spool and holds at most ``concurrency`` chunks in memory.
 """
 
@@ -16,9 +16,10 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from .chunking import SealedChunk
-from .errors import NotFoundError, UsageError
-from .format import ChunkRef, chunk_key
-from .repo import Repo, verify_chunk
+from .errors import ChecksumError, NotFoundError, UsageError
+from .format import chunk_key
+from .planner import ChunkNeed
+from .repo import Repo
 
 
 class Uploader:
@@ -71,50 +72,64 @@ class Uploader:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def spool_path(spool: Path, chunk_id: str) -> Path:
-    return spool / chunk_id
-
-
 def fetch_chunks(
     repo: Repo,
-    chunks: Iterable[ChunkRef],
+    needs: Iterable[ChunkNeed],
     spool: Path,
     concurrency: int,
     on_bytes: Callable[[int], None] | None = None,
 ) -> dict[str, Path]:
-    """Make every chunk available as a verified local file; returns id -> path.
+    """Make the needed bytes of every chunk available in a local file; returns id -> path.
 
-    A file store's own files are read in place (verified once here); other chunks are downloaded to
-    ``spool``, verified, then renamed into place, so a file in the spool is always a verified chunk
-    and a restarted pull does not download it again.
+    A file store's own files are read in place. Otherwise a chunk that is mostly needed is
+    downloaded whole, checked against its id and renamed into ``spool`` (a file there is always a
+    verified chunk, so a restarted pull does not download it again); a chunk of which little is
+    needed is fetched as ranged reads into a sparse file at the same offsets. Every payload read
+    from either is checked against its own checksum before it is decoded.
     """
     spool.mkdir(parents=True, exist_ok=True)
-    wanted = {c.id: c for c in chunks}
-    paths: dict[str, Path] = {}
 
-    def one(ref: ChunkRef) -> tuple[str, Path]:
+    def one(need: ChunkNeed) -> tuple[str, Path]:
+        ref = need.chunk
         key = chunk_key(ref.id)
         local = repo.store.local_path(key)
         if local is not None:
-            try:
-                data = local.read_bytes()
-            except FileNotFoundError:
-                raise NotFoundError(f"{repo.url}: missing chunk {key}", key=key) from None
-            verify_chunk(f"{repo.url}/{key}", ref.id, ref.size, data)
+            if not local.exists():
+                raise NotFoundError(f"{repo.url}: missing chunk {key}", key=key)
             return ref.id, local
-        dest = spool_path(spool, ref.id)
+        dest = spool / ref.id
         if dest.exists() and dest.stat().st_size == ref.size:
             return ref.id, dest
-        data = repo.get_chunk(ref.id, ref.size)
         fd, tmp = tempfile.mkstemp(dir=spool, prefix=".tmp-")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, dest)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                moved = _download(repo, need, key, f)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+        if need.whole():
+            os.replace(tmp, dest)
+        else:
+            dest = spool / f"{ref.id}.ranges"
+            os.replace(tmp, dest)
         if on_bytes:
-            on_bytes(len(data))
+            on_bytes(moved)
         return ref.id, dest
 
     with ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="ws-fetch") as pool:
-        for cid, path in pool.map(one, wanted.values()):
-            paths[cid] = path
-    return paths
+        return dict(pool.map(one, needs))
+
+
+def _download(repo: Repo, need: ChunkNeed, key: str, f) -> int:
+    if need.whole():
+        f.write(repo.get_chunk(need.chunk.id, need.chunk.size))
+        return need.chunk.size
+    moved = 0
+    for off, n in need.ranges:
+        data = repo.store.get_range(key, off, n)
+        if len(data) != n:
+            raise ChecksumError(f"{repo.url}/{key} range [{off}, {off + n})", f"{n} bytes", f"{len(data)} bytes")
+        f.seek(off)
+        f.write(data)
+        moved += n
+    return moved
