@@ -106,6 +106,52 @@ def cmd_demo(args) -> int:
     return run_demo(args.workdir, steps=args.steps, hidden=args.hidden)
 
 
+def _side_options(args, side: str) -> dict:
+    url = getattr(args, f"{side}_endpoint_url", None) or getattr(args, "endpoint_url", None)
+    return {"endpoint_url": url} if url else {}
+
+
+def cmd_mirror(args) -> int:
+    import signal
+    import threading
+
+    from .mirror import MirrorConfig, mirror
+
+    cfg = MirrorConfig(concurrency=args.concurrency, interval=args.interval)
+    src = weightsync.open_repo(args.src, **_side_options(args, "from"))
+    dst = weightsync.open_repo(args.dst, **_side_options(args, "to"))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+
+    def copied(version: int, chunks: int, nbytes: int) -> None:
+        print(f"mirrored version {version}: {chunks} chunks, {human_bytes(nbytes)} copied", file=sys.stderr, flush=True)
+
+    def failed(exc: Exception) -> None:
+        print(f"weightsync: mirror pass failed, retrying in {args.interval:g}s: {exc}", file=sys.stderr, flush=True)
+
+    r = mirror(src, dst, follow=args.follow, config=cfg, stop=stop, on_version=copied, on_error=failed)
+    print(f"mirror {args.src} -> {args.dst}: {len(r.copied_versions)} versions, {r.copied_chunks} chunks, "
+          f"{human_bytes(r.copied_bytes)} copied, {r.skipped_chunks} chunks already there, head {r.head}, "
+          f"{r.seconds:.2f}s", file=sys.stderr)
+    print("" if r.head is None else r.head)
+    return 0
+
+
+def cmd_gc(args) -> int:
+    from .gc import GcConfig, gc
+
+    cfg = GcConfig(keep=args.keep, grace_seconds=args.grace_seconds, dry_run=args.dry_run)
+    r = gc(_repo(args), cfg)
+    verb = "would delete" if r.dry_run else "deleted"
+    print(f"gc {args.store}: kept versions {r.kept_versions}, {verb} {len(r.deleted_versions)} versions and "
+          f"{r.deleted_chunks} chunks ({human_bytes(r.deleted_bytes)}); {r.young_chunks} unreferenced chunks younger "
+          f"than {args.grace_seconds:g}s left, {r.seconds:.2f}s", file=sys.stderr)
+    print(json.dumps({"kept": r.kept_versions, "deleted": r.deleted_versions, "deleted_chunks": r.deleted_chunks,
+                      "deleted_bytes": r.deleted_bytes, "young_chunks": r.young_chunks, "dry_run": r.dry_run}))
+    return 0
+
+
 def _add_store(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", required=True, help="file:///abs/path, a plain path, or s3://bucket/prefix")
     p.add_argument("--endpoint-url", help="S3 endpoint (default: boto3's, e.g. AWS_ENDPOINT_URL)")
@@ -152,6 +198,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--hidden", type=int, default=256, help="model width (default 256: ~40 MB checkpoints)")
     p.set_defaults(func=cmd_demo)
+    p = sub.add_parser("mirror", help="copy versions into a regional store (chunks, manifest, head)")
+    p.add_argument("--from", dest="src", required=True, help="source store URL")
+    p.add_argument("--to", dest="dst", required=True, help="destination (regional) store URL")
+    p.add_argument("--follow", action="store_true", help="keep polling the source until SIGTERM/SIGINT")
+    p.add_argument("--interval", type=float, default=5.0, help="seconds between polls with --follow (default 5)")
+    p.add_argument("--concurrency", type=int, default=16, help="chunks copied at once (default 16)")
+    p.add_argument("--endpoint-url", help="S3 endpoint of both stores (default: boto3's)")
+    p.add_argument("--from-endpoint-url", help="S3 endpoint of the source (overrides --endpoint-url)")
+    p.add_argument("--to-endpoint-url", help="S3 endpoint of the destination (overrides --endpoint-url)")
+    p.set_defaults(func=cmd_mirror)
+
+    p = sub.add_parser("gc", help="delete old versions and the chunks only they need")
+    _add_store(p)
+    p.add_argument("--keep", type=int, required=True, help="newest versions to keep, with their chains")
+    p.add_argument("--grace-seconds", type=float, default=3600.0,
+                   help="never delete an unreferenced chunk younger than this (default 3600; > longest publish)")
+    p.add_argument("--dry-run", action="store_true", help="report what would be deleted; delete nothing")
+    p.set_defaults(func=cmd_gc)
     return parser
 
 
