@@ -90,7 +90,7 @@ def _decompress(data: bytes | memoryview, expected: int, what: str) -> bytes:
     if "decompressor" not in _local.__dict__:
         _local.decompressor = zstandard.ZstdDecompressor()
     try:
-        out = _local.decompressor.decompress(data, max_output_size=expected)
+        out = _local.decompressor.decompress(data, max_output_size=expected, allow_extra_data=False)
     except zstandard.ZstdError as exc:
         raise FormatError(f"{what}: corrupt zstd frame ({exc})") from None
     if len(out) != expected:
@@ -276,10 +276,10 @@ def _decode_payload(codec: str, payload: memoryview, old: np.ndarray | None, out
     pos = _HEADER.size + 8 * n_blocks
     if pos > len(payload):
         raise FormatError(f"{what}: truncated payload")
-    lengths = np.frombuffer(payload[_HEADER.size : pos], dtype="<u8")
-    if int(lengths.sum(dtype=np.uint64)) != len(payload) - pos:
+    lengths = np.frombuffer(payload[_HEADER.size : pos], dtype="<u8").tolist()
+    if sum(lengths) != len(payload) - pos:  # Python ints: no wrap-around
         raise FormatError(f"{what}: block lengths do not add up to the payload size")
-    for i, length in enumerate(lengths.tolist()):
+    for i, length in enumerate(lengths):
         sl = slice(i * step, (i + 1) * step)
         block = payload[pos : pos + length]
         _decode_block(codec, block, None if old is None else old[sl], out[sl], f"{what} block {i}")
