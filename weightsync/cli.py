@@ -152,6 +152,56 @@ def cmd_gc(args) -> int:
     return 0
 
 
+def cmd_publisher(args) -> int:
+    from .config import publisher_config
+
+    return _run_daemon(publisher_config(args, os.environ))
+
+
+def cmd_subscriber(args) -> int:
+    from .config import subscriber_config
+
+    return _run_daemon(subscriber_config(args, os.environ))
+
+
+def _run_daemon(cfg) -> int:
+    """Build a daemon from its config (publisher or subscriber) and serve it until SIGTERM."""
+    from prometheus_client import CollectorRegistry
+
+    from .api import Deps, create_app
+    from .config import PublisherConfig
+    from .daemon import open_daemon_repo, run, setup_logging
+    from .metrics import Metrics
+
+    setup_logging(cfg.log)
+    ident = cfg.identity
+    publisher = isinstance(cfg, PublisherConfig)
+    metrics = Metrics(CollectorRegistry(), "publisher" if publisher else "subscriber", region=ident.region,
+                      cluster=ident.cluster, subscriber="" if publisher else ident.id)
+    repo = open_daemon_repo(cfg.store, metrics.on_retry)
+    if publisher:
+        from .publisher import Publisher
+
+        daemon = Publisher(cfg, repo, metrics)
+    else:
+        from .subscriber import Subscriber
+
+        daemon = Subscriber(cfg, repo, metrics)
+    return run(lambda: create_app(Deps(daemon, metrics, cfg.api.token, cfg.grace)), cfg.api)
+
+
+def cmd_fleet(args) -> int:
+    import time
+
+    from .ledger import format_fleet, read_fleet
+
+    repo = _repo(args)
+    repo.require()
+    fleet = read_fleet(repo, time.time())
+    print(json.dumps(fleet, indent=2) if args.json else format_fleet(fleet))
+    return 0
+
+
 def _add_store(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", required=True, help="file:///abs/path, a plain path, or s3://bucket/prefix")
     p.add_argument("--endpoint-url", help="S3 endpoint (default: boto3's, e.g. AWS_ENDPOINT_URL)")
@@ -216,6 +266,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="never delete an unreferenced chunk younger than this (default 3600; > longest publish)")
     p.add_argument("--dry-run", action="store_true", help="report what would be deleted; delete nothing")
     p.set_defaults(func=cmd_gc)
+
+    from .config import add_publisher_args, add_subscriber_args
+
+    p = sub.add_parser("publisher", help="daemon: publish every checkpoint dropped into a folder")
+    add_publisher_args(p)
+    p.set_defaults(func=cmd_publisher)
+
+    p = sub.add_parser("subscriber", help="daemon: keep a folder at the newest (or a pinned) version, A/B swapped")
+    add_subscriber_args(p)
+    p.set_defaults(func=cmd_subscriber)
+
+    p = sub.add_parser("fleet", help="every subscriber's version, lag and staleness (the fleet ledger)")
+    _add_store(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_fleet)
     return parser
 
 

@@ -1,0 +1,341 @@
+"""The daemons' HTTP API (aiohttp) and its OpenAPI document, served at ``/openapi.json``.
+
+Both daemons: ``GET /healthz``, ``GET /readyz``, ``GET /metrics`` (open), ``GET /v1/status``,
+``GET /v1/versions``. Subscriber: ``PUT /v1/target``. Publisher: ``POST /v1/publish``,
+``GET /v1/fleet``. With a token configured every ``/v1`` request needs
+``Authorization: Bearer <token>`` (compared in constant time); the token is never logged or returned.
+Handlers never block: store and file work runs in threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from dataclasses import asdict, dataclass
+
+from aiohttp import web
+
+from .daemon import background
+from .errors import CheckpointError, UsageError, VersionError, WeightsyncError
+from .format import MAX_VERSION
+from .ledger import read_fleet
+from .metrics import CONTENT_TYPE, Metrics
+from .publisher import Publisher
+from .repo import Repo
+from .subscriber import LATEST, Subscriber
+
+
+@dataclass(frozen=True)
+class Deps:
+    daemon: Publisher | Subscriber
+    metrics: Metrics
+    token: str | None = None
+    grace: float = 30.0
+    run_loop: bool = True  # False: serve the API only (tests of the API itself)
+
+
+PUBLISHER = web.AppKey("publisher", Publisher)
+SUBSCRIBER = web.AppKey("subscriber", Subscriber)
+METRICS = web.AppKey("metrics", Metrics)
+OPENAPI = web.AppKey("openapi", dict)
+
+
+def create_app(deps: Deps) -> web.Application:
+    """The application of one daemon; its loop runs for the application's lifetime (cleanup_ctx)."""
+    app = web.Application(middlewares=[_json_errors, _auth(deps.token)], client_max_size=1 << 20)
+    app[METRICS] = deps.metrics
+    d = deps.daemon
+    routes = [
+        web.get("/healthz", healthz), web.get("/readyz", readyz), web.get("/metrics", metrics),
+        web.get("/openapi.json", openapi), web.get("/v1/status", status), web.get("/v1/versions", versions),
+    ]
+    if isinstance(d, Subscriber):
+        app[SUBSCRIBER] = d
+        routes.append(web.put("/v1/target", put_target))
+    else:
+        app[PUBLISHER] = d
+        routes += [web.post("/v1/publish", post_publish), web.get("/v1/fleet", fleet)]
+    app.add_routes(routes)
+    app[OPENAPI] = openapi_document("subscriber" if isinstance(d, Subscriber) else "publisher", deps.token is not None)
+    if deps.run_loop:
+        app.cleanup_ctx.append(background(type(d).__name__.lower(), d.run, d.request_stop, deps.grace))
+    return app
+
+
+def _daemon(request: web.Request) -> Publisher | Subscriber:
+    app = request.app
+    return app[SUBSCRIBER] if SUBSCRIBER in app else app[PUBLISHER]
+
+
+# --- middlewares ---------------------------------------------------------------------------------
+def _error(status: int, message: str, headers: dict | None = None) -> web.Response:
+    return web.json_response({"error": message}, status=status, headers=headers)
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler):
+    """Every error answers JSON; weightsync errors map to 4xx/5xx by kind."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "www-authenticate")}
+        return _error(exc.status, exc.reason, headers)
+    except UsageError as exc:
+        return _error(400, str(exc))
+    except VersionError as exc:
+        return _error(409, str(exc))
+    except CheckpointError as exc:
+        return _error(422, str(exc))
+    except WeightsyncError as exc:
+        return _error(502, f"{type(exc).__name__}: {exc}")
+
+
+def _auth(token: str | None):
+    expected = None if token is None else f"Bearer {token}".encode()
+
+    @web.middleware
+    async def auth(request: web.Request, handler):
+        if expected is not None and (request.path == "/v1" or request.path.startswith("/v1/")):
+            given = request.headers.get("Authorization", "").encode("utf-8", "replace")
+            if not hmac.compare_digest(given, expected):
+                return _error(401, "missing or wrong bearer token", {"WWW-Authenticate": 'Bearer realm="weightsync"'})
+        return await handler(request)
+
+    return auth
+
+
+# --- handlers ------------------------------------------------------------------------------------
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    d = _daemon(request)
+    body = {"ready": d.ready, "state": d.state}
+    return web.json_response(body, status=200 if d.ready else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[METRICS].render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(request.app[OPENAPI])
+
+
+async def status(request: web.Request) -> web.Response:
+    return web.json_response(_daemon(request).status())
+
+
+def _limit(request: web.Request) -> int:
+    raw = request.query.get("limit", "100")
+    if not raw.isascii() or not raw.isdigit() or not 1 <= int(raw) <= 1000:
+        raise UsageError("limit must be an integer in 1..1000")
+    return int(raw)
+
+
+def list_versions(repo: Repo, limit: int) -> list[dict]:
+    """The newest ``limit`` committed versions, oldest first (reads their manifests)."""
+    out = []
+    for v in repo.versions()[-limit:]:
+        m = repo.manifest(v)
+        elements = m.stats.get("elements", 0) or 0
+        out.append({
+            "version": v, "parent": m.parent, "keyframe": m.keyframe, "raw_bytes": m.raw_bytes,
+            "payload_bytes": m.payload_bytes, "changed_fraction": (m.stats.get("changed", 0) or 0) / max(1, elements),
+            "created": m.created,
+        })
+    return out
+
+
+async def versions(request: web.Request) -> web.Response:
+    limit = _limit(request)
+    repo = _daemon(request).repo
+    head = await asyncio.to_thread(repo.head_version)
+    items = await asyncio.to_thread(list_versions, repo, limit) if head is not None else []
+    return web.json_response({"head_version": head, "versions": items})
+
+
+async def _json_body(request: web.Request, allowed: set[str], required: set[str]) -> dict:
+    try:
+        doc = json.loads(await request.read())
+    except (ValueError, UnicodeDecodeError):
+        raise UsageError("the body must be a JSON object") from None
+    if not isinstance(doc, dict):
+        raise UsageError("the body must be a JSON object")
+    if extra := set(doc) - allowed:
+        raise UsageError(f"unknown fields: {sorted(extra)}")
+    if missing := required - set(doc):
+        raise UsageError(f"missing fields: {sorted(missing)}")
+    return doc
+
+
+def _version_value(v: object, allow_latest: bool) -> int | str:
+    if allow_latest and v == LATEST:
+        return v
+    if type(v) is not int or not 0 <= v <= MAX_VERSION:
+        raise UsageError(f"version must be an integer in 0..{MAX_VERSION}" + (" or 'latest'" if allow_latest else ""))
+    return v
+
+
+async def put_target(request: web.Request) -> web.Response:
+    doc = await _json_body(request, {"version"}, {"version"})
+    target = _version_value(doc["version"], allow_latest=True)
+    sub = request.app[SUBSCRIBER]
+    try:
+        await sub.set_target(target)
+    except VersionError as exc:
+        return _error(404, str(exc))
+    return web.json_response(sub.status())
+
+
+async def post_publish(request: web.Request) -> web.Response:
+    doc = await _json_body(request, {"path", "version"}, {"path"})
+    if not isinstance(doc["path"], str) or not doc["path"] or "\x00" in doc["path"]:
+        raise UsageError("path must be a non-empty string")
+    version = None if doc.get("version") is None else _version_value(doc["version"], allow_latest=False)
+    pub = request.app[PUBLISHER]
+    r = await pub.publish_request(doc["path"], version)
+    return web.json_response({**asdict(r), "ratio": r.ratio, "changed_fraction": r.changed_fraction})
+
+
+async def fleet(request: web.Request) -> web.Response:
+    repo = request.app[PUBLISHER].repo
+    return web.json_response(await asyncio.to_thread(read_fleet, repo, time.time()))
+
+
+# --- the OpenAPI document ------------------------------------------------------------------------
+def _nullable(t: str | dict) -> dict:
+    return {"anyOf": [{"type": t} if isinstance(t, str) else t, {"type": "null"}]}
+
+
+_VERSION = {"type": "integer", "minimum": 0, "maximum": MAX_VERSION}
+_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
+
+
+def _schemas(role: str) -> dict:
+    schemas = {
+        "Error": _ERROR,
+        "Health": {"type": "object", "required": ["status"], "properties": {"status": {"const": "ok"}}},
+        "Ready": {"type": "object", "required": ["ready", "state"], "properties": {"ready": {"type": "boolean"}, "state": {"type": "string"}}},
+        "VersionInfo": {
+            "type": "object",
+            "required": ["version", "parent", "keyframe", "raw_bytes", "payload_bytes", "changed_fraction", "created"],
+            "properties": {
+                "version": _VERSION, "parent": _nullable(_VERSION), "keyframe": {"type": "boolean"},
+                "raw_bytes": {"type": "integer", "minimum": 0}, "payload_bytes": {"type": "integer", "minimum": 0},
+                "changed_fraction": {"type": "number", "minimum": 0}, "created": {"type": "string"},
+            },
+        },
+        "Versions": {
+            "type": "object", "required": ["head_version", "versions"],
+            "properties": {"head_version": _nullable(_VERSION), "versions": {"type": "array", "items": {"$ref": "#/components/schemas/VersionInfo"}}},
+        },
+    }
+    common = {
+        "role": {"const": role}, "id": {"type": "string"}, "region": {"type": "string"}, "cluster": {"type": "string"},
+        "store": {"type": "string"}, "state": {"type": "string"}, "reason": {"type": "string"},
+        "last_error": _nullable("string"),
+    }
+    if role == "subscriber":
+        schemas["Status"] = {
+            "type": "object",
+            "required": ["role", "id", "current_version", "latest_version", "target", "state"],
+            "properties": {
+                **common, "target_dir": {"type": "string"}, "current_version": _nullable(_VERSION),
+                "standby_version": _nullable(_VERSION), "latest_version": _nullable(_VERSION),
+                "target": {"anyOf": [_VERSION, {"const": LATEST}]}, "lag": _nullable("integer"),
+                "staleness_seconds": {"type": "number", "minimum": 0}, "partial": _nullable("object"),
+                "last_sync": _nullable("object"), "hook": _nullable("object"),
+            },
+        }
+        schemas["Target"] = {
+            "type": "object", "required": ["version"], "additionalProperties": False,
+            "properties": {"version": {"anyOf": [_VERSION, {"const": LATEST}]}},
+        }
+    else:
+        schemas["Status"] = {
+            "type": "object", "required": ["role", "id", "head_version", "state"],
+            "properties": {
+                **common, "watch_dir": {"type": "string"}, "head_version": _nullable(_VERSION),
+                "pending": {"type": "array", "items": _VERSION}, "last_publish": _nullable("object"),
+            },
+        }
+        schemas["PublishRequest"] = {
+            "type": "object", "required": ["path"], "additionalProperties": False,
+            "properties": {"path": {"type": "string", "minLength": 1}, "version": _nullable(_VERSION)},
+        }
+        schemas["PublishResult"] = {
+            "type": "object", "required": ["version", "raw_bytes", "payload_bytes", "uploaded_bytes", "seconds"],
+            "properties": {"version": _VERSION, "parent": _nullable(_VERSION), "keyframe": {"type": "boolean"},
+                           "raw_bytes": {"type": "integer"}, "payload_bytes": {"type": "integer"},
+                           "uploaded_bytes": {"type": "integer"}, "seconds": {"type": "object", "additionalProperties": {"type": "number"}}},
+        }
+        row = {"type": "object", "required": ["id", "current_version", "lag", "staleness_seconds", "last_seen_seconds"],
+               "properties": {"id": {"type": "string"}, "region": {"type": "string"}, "cluster": {"type": "string"},
+                              "current_version": _nullable(_VERSION), "target": {"anyOf": [_VERSION, {"const": LATEST}]},
+                              "state": {"type": "string"}, "lag": _nullable("integer"),
+                              "staleness_seconds": _nullable("number"), "last_seen_seconds": {"type": "number"}}}
+        schemas["Fleet"] = {"type": "object", "required": ["head_version", "subscribers", "errors"],
+                            "properties": {"head_version": _nullable(_VERSION), "subscribers": {"type": "array", "items": row},
+                                           "errors": {"type": "array", "items": {"type": "string"}}}}
+    return schemas
+
+
+def _json(ref: str, description: str) -> dict:
+    return {"description": description, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{ref}"}}}}
+
+
+def _op(summary: str, responses: dict, *, v1: bool, auth: bool, **extra) -> dict:
+    op = {"summary": summary, "operationId": summary.lower().replace(" ", "_").replace("'", ""), "responses": dict(responses), **extra}
+    if v1:
+        op["responses"]["401"] = _json("Error", "Missing or wrong bearer token")
+        op["security"] = [{"bearer": []}] if auth else []
+    return op
+
+
+def openapi_document(role: str, auth: bool) -> dict:
+    """The OpenAPI 3.1 document of a daemon's API (``auth``: a token is configured)."""
+    bad = _json("Error", "Invalid request")
+    paths = {
+        "/healthz": {"get": _op("Liveness", {"200": _json("Health", "The process is up")}, v1=False, auth=auth)},
+        "/readyz": {"get": _op("Readiness", {"200": _json("Ready", "Ready"), "503": _json("Ready", "Not ready yet")}, v1=False, auth=auth)},
+        "/metrics": {"get": _op("Prometheus metrics", {"200": {"description": "Metrics in the Prometheus text format",
+                                                               "content": {"text/plain": {"schema": {"type": "string"}}}}}, v1=False, auth=auth)},
+        "/v1/status": {"get": _op(f"The {role}'s status", {"200": _json("Status", "Status")}, v1=True, auth=auth)},
+        "/v1/versions": {"get": _op("List versions", {"200": _json("Versions", "The newest committed versions, oldest first"), "400": bad, "502": _json("Error", "Store error")},
+                                    v1=True, auth=auth, parameters=[{"name": "limit", "in": "query", "required": False,
+                                                                     "schema": {"type": "integer", "minimum": 1, "maximum": 1000, "default": 100}}])},
+    }
+    if role == "subscriber":
+        paths["/v1/target"] = {"put": _op(
+            "Set the target version",
+            {"200": _json("Status", "Target set; the subscriber acts on it at once"), "400": bad,
+             "404": _json("Error", "No such version"), "502": _json("Error", "Store error")},
+            v1=True, auth=auth,
+            requestBody={"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Target"}}}},
+        )}
+    else:
+        paths["/v1/publish"] = {"post": _op(
+            "Publish a folder",
+            {"200": _json("PublishResult", "Published"), "400": bad, "409": _json("Error", "Version conflict"),
+             "422": _json("Error", "Not a valid checkpoint"), "502": _json("Error", "Store error")},
+            v1=True, auth=auth,
+            requestBody={"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/PublishRequest"}}}},
+        )}
+        paths["/v1/fleet"] = {"get": _op("The fleet ledger", {"200": _json("Fleet", "Every subscriber's version, lag and staleness"),
+                                                             "502": _json("Error", "Store error")}, v1=True, auth=auth)}
+    doc = {
+        "openapi": "3.1.0",
+        "info": {"title": f"weightsync {role}", "version": "1"},
+        "paths": paths,
+        "components": {"schemas": _schemas(role)},
+    }
+    if auth:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    return doc

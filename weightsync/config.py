@@ -1,0 +1,331 @@
+"""Configuration of the publisher and subscriber daemons: frozen dataclasses validated on construction.
+
+Built once at the entry point from command-line flags and the environment (:func:`publisher_config`,
+:func:`subscriber_config`), then passed down. This module and ``cli.py`` are the only places that
+read the environment; the one variable read is ``WEIGHTSYNC_API_TOKEN``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import xxhash
+
+from .errors import UsageError
+from .publishing import PublishConfig
+from .store.retry import RetryPolicy
+
+TOKEN_ENV = "WEIGHTSYNC_API_TOKEN"
+_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+DEFAULT_HOOK_BODY = '{"version": {version}, "path": "{path}"}'
+
+
+def _positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise UsageError(f"{name} must be positive, got {value}")
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    """Where the HTTP API listens (``port=None``: no HTTP server) and the bearer token, if any."""
+
+    host: str = "127.0.0.1"
+    port: int | None = None
+    token: str | None = field(default=None, repr=False)  # never printed
+
+    def __post_init__(self) -> None:
+        if self.port is not None and not 0 <= self.port <= 65535:
+            raise UsageError(f"port must be in 0..65535, got {self.port}")
+        if self.token is not None and (not self.token or any(c.isspace() for c in self.token)):
+            raise UsageError("the API token must be non-empty and hold no whitespace")
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who a daemon is, for metrics labels and the fleet ledger."""
+
+    id: str
+    region: str = ""
+    cluster: str = ""
+
+    def __post_init__(self) -> None:
+        if not _ID_RE.match(self.id) or self.id in (".", ".."):
+            raise UsageError(f"id must be 1-128 characters of A-Z a-z 0-9 . _ -, got {self.id!r}")
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    url: str
+    endpoint_url: str | None = None
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+
+    def __post_init__(self) -> None:
+        if not self.url:
+            raise UsageError("--store is empty")
+
+    def options(self) -> dict:
+        return {"endpoint_url": self.endpoint_url} if self.endpoint_url else {}
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    json: bool = False
+    level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise UsageError(f"log level must be DEBUG, INFO, WARNING or ERROR, got {self.level!r}")
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Exponential backoff between failed attempts: ``base * 2**(n-1)`` capped at ``maximum``."""
+
+    base: float = 1.0
+    maximum: float = 60.0
+
+    def __post_init__(self) -> None:
+        _positive("backoff", self.base)
+        if self.maximum < self.base:
+            raise UsageError("maximum backoff must be at least the base backoff")
+
+    def delay(self, failures: int) -> float:
+        return 0.0 if failures <= 0 else min(self.maximum, self.base * 2.0 ** min(failures - 1, 32))
+
+
+@dataclass(frozen=True)
+class PublisherConfig:
+    store: StoreConfig
+    watch_dir: Path
+    state_dir: Path  # holds cache/ (the head version, a delta base of last resort)
+    identity: Identity
+    marker: str = "COMPLETE"
+    poll_interval: float = 2.0
+    stale_after: float = 3600.0  # an unfinished checkpoint older than this no longer blocks later ones
+    publish: PublishConfig = field(default_factory=PublishConfig)
+    publish_roots: tuple[Path, ...] = ()  # folders POST /v1/publish may read (besides watch_dir)
+    backoff: Backoff = field(default_factory=Backoff)
+    api: ApiConfig = field(default_factory=ApiConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    grace: float = 30.0  # seconds to let a publish in flight finish on SIGTERM
+
+    def __post_init__(self) -> None:
+        _positive("poll interval", self.poll_interval)
+        _positive("stale-after", self.stale_after)
+        if not self.marker or "/" in self.marker or self.marker in (".", ".."):
+            raise UsageError(f"marker must be a plain file name, got {self.marker!r}")
+
+
+@dataclass(frozen=True)
+class HookConfig:
+    """What to run after each swap: an HTTP request (``url``) or a command (``command``), not both.
+
+    ``body`` is a JSON template in which ``{version}``, ``{path}`` (the verified version folder) and
+    ``{current}`` (the ``current`` symlink) are replaced; the command's arguments too. Each swap gets
+    up to ``attempts`` tries, ``backoff`` apart (doubling), each bounded by ``timeout`` seconds.
+    """
+
+    url: str | None = None
+    command: tuple[str, ...] = ()
+    method: str = "POST"
+    body: str = DEFAULT_HOOK_BODY
+    attempts: int = 5
+    backoff: Backoff = field(default_factory=lambda: Backoff(0.5, 10.0))
+    timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if bool(self.url) == bool(self.command):
+            raise UsageError("a swap hook is either --hook-url or --hook-command")
+        if self.url and not self.url.startswith(("http://", "https://")):
+            raise UsageError(f"hook URL must be http:// or https://, got {self.url!r}")
+        if self.method not in ("POST", "PUT", "GET"):
+            raise UsageError(f"hook method must be POST, PUT or GET, got {self.method!r}")
+        if self.attempts < 1:
+            raise UsageError("hook attempts must be at least 1")
+        _positive("hook timeout", self.timeout)
+
+
+@dataclass(frozen=True)
+class SubscriberConfig:
+    store: StoreConfig
+    target_dir: Path
+    identity: Identity
+    poll_interval: float = 5.0
+    pin: int | None = None  # start pinned to this version; None follows the head
+    include: tuple[str, ...] = ()  # glob patterns over tensor names: partial fetch when set
+    exclude: tuple[str, ...] = ()
+    hook: HookConfig | None = None
+    ledger_interval: float = 30.0  # heartbeat of the fleet record (also written after each swap)
+    fetch_concurrency: int = 32
+    decode_threads: int = max(1, min(8, os.cpu_count() or 1))
+    fsync: bool = True
+    verify_before_swap: bool = False  # re-read the whole standby folder before each swap
+    backoff: Backoff = field(default_factory=Backoff)
+    api: ApiConfig = field(default_factory=ApiConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    grace: float = 30.0
+
+    def __post_init__(self) -> None:
+        _positive("poll interval", self.poll_interval)
+        _positive("ledger interval", self.ledger_interval)
+        if self.pin is not None and self.pin < 0:
+            raise UsageError("a pinned version must be non-negative")
+        if self.fetch_concurrency < 1 or self.decode_threads < 1:
+            raise UsageError("concurrency must be positive")
+
+    @property
+    def partial(self) -> bool:
+        return bool(self.include or self.exclude)
+
+
+# --- flags ---------------------------------------------------------------------------------------
+def parse_listen(text: str) -> tuple[str, int]:
+    """``HOST:PORT``, ``[V6]:PORT`` or ``PORT`` (host 127.0.0.1)."""
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = "127.0.0.1", text
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        p = int(port)
+    except ValueError:
+        raise UsageError(f"--listen wants HOST:PORT, got {text!r}") from None
+    return host, p
+
+
+def _common_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--store", required=True, help="file:///abs/path, a plain path, or s3://bucket/prefix")
+    p.add_argument("--endpoint-url", help="S3 endpoint (default: boto3's, e.g. AWS_ENDPOINT_URL)")
+    p.add_argument("--listen", metavar="HOST:PORT", help="serve the HTTP API here (default: no HTTP server; host 127.0.0.1)")
+    p.add_argument("--api-token-file", help=f"file holding the bearer token for /v1 (or set {TOKEN_ENV})")
+    p.add_argument("--api-token", help=f"bearer token for /v1 (visible in ps; prefer {TOKEN_ENV})")
+    p.add_argument("--id", help="this daemon's id (default: host name and a hash of its folder)")
+    p.add_argument("--region", default="", help="region label for metrics and the fleet ledger")
+    p.add_argument("--cluster", default="", help="cluster label for metrics and the fleet ledger")
+    p.add_argument("--poll-interval", type=float, help="seconds between store checks")
+    p.add_argument("--log-json", action="store_true", help="log one JSON object per line")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--retry-attempts", type=int, default=5, help="attempts per store operation (default 5)")
+    p.add_argument("--grace", type=float, default=30.0, help="seconds to let work in flight finish on SIGTERM")
+
+
+def add_publisher_args(p: argparse.ArgumentParser) -> None:
+    _common_args(p)
+    p.add_argument("--watch", required=True, help="folder whose subfolders (ending in a step number) are checkpoints")
+    p.add_argument("--marker", default="COMPLETE", help="file that marks a checkpoint as ready (default COMPLETE)")
+    p.add_argument("--state-dir", help="publisher state (default: ~/.local/state/weightsync/publisher-<store hash>)")
+    p.add_argument("--stale-after", type=float, default=3600.0, help="seconds after which an unfinished checkpoint is skipped")
+    p.add_argument("--publish-root", action="append", default=[], help="extra folder POST /v1/publish may read (repeatable)")
+    p.add_argument("--keyframe-interval", type=int, default=20, help="a full snapshot every K versions (default 20)")
+    p.add_argument("--chunk-mib", type=int, default=16, help="chunk size in MiB (default 16)")
+    p.add_argument("--concurrency", type=int, default=16, help="chunks in flight (default 16)")
+
+
+def add_subscriber_args(p: argparse.ArgumentParser) -> None:
+    _common_args(p)
+    p.add_argument("--target", required=True, help="folder holding slots/a, slots/b and the current symlink")
+    p.add_argument("--version", dest="pin", type=int, help="pin this version instead of following the head")
+    p.add_argument("--include", action="append", default=[], help="glob over tensor names to fetch (repeatable)")
+    p.add_argument("--exclude", action="append", default=[], help="glob over tensor names to skip (repeatable)")
+    p.add_argument("--hook-url", help="HTTP endpoint called after each swap")
+    p.add_argument("--hook-method", default="POST", help="HTTP method of the hook (default POST)")
+    p.add_argument("--hook-body", default=DEFAULT_HOOK_BODY, help="JSON template; {version}, {path}, {current} are replaced")
+    p.add_argument("--hook-command", help="command run after each swap (split like a shell; same placeholders)")
+    p.add_argument("--hook-attempts", type=int, default=5)
+    p.add_argument("--hook-timeout", type=float, default=30.0)
+    p.add_argument("--hook-backoff", type=float, default=0.5, help="first wait between hook attempts (doubles)")
+    p.add_argument("--ledger-interval", type=float, default=30.0, help="seconds between fleet ledger heartbeats")
+    p.add_argument("--concurrency", type=int, default=32, help="chunks in flight (default 32)")
+    p.add_argument("--verify-before-swap", action="store_true", help="re-read the whole standby copy before each swap")
+    p.add_argument("--no-fsync", action="store_true", help="skip fsync of written files (tests, tmpfs)")
+
+
+# --- building configs ------------------------------------------------------------------------------
+def _token(args, environ: Mapping[str, str]) -> str | None:
+    if getattr(args, "api_token_file", None):
+        try:
+            return Path(args.api_token_file).read_text().strip() or None
+        except OSError as exc:
+            raise UsageError(f"cannot read --api-token-file: {exc.strerror}") from None
+    return getattr(args, "api_token", None) or environ.get(TOKEN_ENV) or None
+
+
+def _api(args, environ: Mapping[str, str]) -> ApiConfig:
+    token = _token(args, environ)
+    if args.listen is None:
+        return ApiConfig(token=token)
+    host, port = parse_listen(args.listen)
+    return ApiConfig(host, port, token)
+
+
+def default_id(folder: Path) -> str:
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:64] or "host"
+    return f"{host}-{xxhash.xxh3_64_hexdigest(str(folder.absolute()).encode())[:8]}"
+
+
+def _store(args) -> StoreConfig:
+    return StoreConfig(args.store, args.endpoint_url, RetryPolicy(attempts=args.retry_attempts))
+
+
+def _state_home(environ: Mapping[str, str]) -> Path:
+    return Path(environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "weightsync"
+
+
+def publisher_config(args, environ: Mapping[str, str] = os.environ) -> PublisherConfig:
+    watch = Path(args.watch).absolute()
+    store_hash = xxhash.xxh3_64_hexdigest(str(args.store).encode())
+    state = Path(args.state_dir).absolute() if args.state_dir else _state_home(environ) / f"publisher-{store_hash}"
+    return PublisherConfig(
+        store=_store(args),
+        watch_dir=watch,
+        state_dir=state,
+        identity=Identity(args.id or default_id(watch), args.region, args.cluster),
+        marker=args.marker,
+        poll_interval=args.poll_interval or 2.0,
+        stale_after=args.stale_after,
+        publish=PublishConfig(
+            chunk_bytes=args.chunk_mib << 20, keyframe_interval=args.keyframe_interval, upload_concurrency=args.concurrency
+        ),
+        publish_roots=tuple(Path(p).absolute() for p in args.publish_root),
+        api=_api(args, environ),
+        log=LogConfig(args.log_json, args.log_level),
+        grace=args.grace,
+    )
+
+
+def _hook(args) -> HookConfig | None:
+    if not args.hook_url and not args.hook_command:
+        return None
+    import shlex
+
+    command = tuple(shlex.split(args.hook_command)) if args.hook_command else ()
+    return HookConfig(
+        url=args.hook_url, command=command, method=args.hook_method.upper(), body=args.hook_body,
+        attempts=args.hook_attempts, backoff=Backoff(args.hook_backoff, max(args.hook_backoff, 30.0)), timeout=args.hook_timeout,
+    )
+
+
+def subscriber_config(args, environ: Mapping[str, str] = os.environ) -> SubscriberConfig:
+    target = Path(args.target).absolute()
+    return SubscriberConfig(
+        store=_store(args),
+        target_dir=target,
+        identity=Identity(args.id or default_id(target), args.region, args.cluster),
+        poll_interval=args.poll_interval or 5.0,
+        pin=args.pin,
+        include=tuple(args.include),
+        exclude=tuple(args.exclude),
+        hook=_hook(args),
+        ledger_interval=args.ledger_interval,
+        fetch_concurrency=args.concurrency,
+        fsync=not args.no_fsync,
+        verify_before_swap=args.verify_before_swap,
+        api=_api(args, environ),
+        log=LogConfig(args.log_json, args.log_level),
+        grace=args.grace,
+    )

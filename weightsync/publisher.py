@@ -1,0 +1,345 @@
+"""The publisher daemon: publish every checkpoint a trainer drops into a folder, in order, and
+:func:`publish_state_dict` for trainers that publish in-process.
+
+A checkpoint is a subfolder of the watched folder whose name ends in its step number
+(``checkpoint-120``, ``step_000120``, ``120``); it is ready once it holds the marker file
+(``COMPLETE``). Step N is published as version N. Each iteration lists the folder, reads the head
+and asks the pure :func:`plan_publish` what to do: the lowest step above the head is next, and
+nothing after it is published until it is ready (so none is skipped), unless it stayed unfinished
+for ``stale_after`` seconds. A restart resumes from the store's head.
+
+Delta base: the folder of the head version's checkpoint when it still exists (publish verifies its
+bytes against the checksums); if those bytes differ, or the folder is gone, a cache folder under
+the state dir (kept at the head version by hard links, or pulled from the store when behind).
+The marker file is published with the checkpoint: it is part of the folder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import weightsync
+
+from .config import PublisherConfig
+from .daemon import StopToken, Stopped, event
+from .errors import BaseMismatchError, UsageError, VersionError, WeightsyncError
+from .metrics import Metrics
+from .progress import human_bytes
+from .publishing import PublishConfig, PublishResult
+from .repo import Repo
+
+log = logging.getLogger("weightsync.publisher")
+_STEP = re.compile(r"(\d+)$")
+
+
+def parse_step(name: str) -> int | None:
+    """The step number a checkpoint folder's name ends in, or None."""
+    m = _STEP.search(name)
+    return None if m is None or name.startswith(".") else int(m.group(1))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    step: int
+    path: Path
+    ready: bool
+    mtime: float  # last change of the folder, for stale detection
+
+
+def scan(watch_dir: Path, marker: str) -> list[Candidate]:
+    """Checkpoint folders under ``watch_dir``, by step (the first name wins for a repeated step)."""
+    found: dict[int, Candidate] = {}
+    try:
+        entries = sorted(os.scandir(watch_dir), key=lambda e: e.name)
+    except FileNotFoundError:
+        return []
+    for e in entries:
+        step = parse_step(e.name)
+        if step is None or step in found or not e.is_dir(follow_symlinks=False):
+            continue
+        ready = os.path.isfile(os.path.join(e.path, marker))
+        found[step] = Candidate(step, Path(e.path), ready, e.stat(follow_symlinks=False).st_mtime)
+    return sorted(found.values(), key=lambda c: c.step)
+
+
+# --- planning (pure) -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Idle:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Wait:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Publish:
+    candidate: Candidate
+    base: Path | None  # the head version's checkpoint folder, when it is still there
+    skipped: tuple[int, ...] = ()  # unfinished steps given up on (older than stale_after)
+
+
+PublishAction = Idle | Wait | Publish
+
+
+def plan_publish(candidates: list[Candidate], head: int | None, now: float, stale_after: float,
+                 failed_step: int | None = None, retry_at: float = 0.0) -> PublishAction:
+    """The next checkpoint to publish: the lowest step above the head, once it is ready."""
+    skipped = []
+    for c in candidates:
+        if head is not None and c.step <= head:
+            continue
+        if not c.ready:
+            if now - c.mtime < stale_after:
+                return Wait(f"waiting for checkpoint {c.step} to complete")
+            skipped.append(c.step)
+            continue
+        if c.step == failed_step and now < retry_at:
+            return Wait(f"checkpoint {c.step} failed; retrying in {retry_at - now:.1f}s")
+        base = next((x.path for x in candidates if x.step == head and x.ready), None)
+        return Publish(c, base, tuple(skipped))
+    return Idle("no checkpoint to publish" if head is None else f"version {head} is the newest checkpoint")
+
+
+# --- the daemon ----------------------------------------------------------------------------------
+class Publisher:
+    """The publisher's state and loop; the HTTP API (``weightsync.api``) reads and steers it."""
+
+    def __init__(self, cfg: PublisherConfig, repo: Repo, metrics: Metrics, clock=time.time):
+        self.cfg, self.repo, self.metrics, self.clock = cfg, repo, metrics, clock
+        self.cache_dir = cfg.state_dir / "cache"
+        self.state = "starting"
+        self.reason = ""
+        self.head: int | None = None
+        self.pending: list[int] = []
+        self.last_error: str | None = None
+        self.last_publish: dict | None = None
+        self.stop_token = StopToken()
+        self._lock: asyncio.Lock | None = None
+        self._wake: asyncio.Event | None = None
+        self._failed: tuple[int, int, float] | None = None  # step, failures, retry_at
+        self._errors = 0
+
+    def request_stop(self) -> None:
+        self.stop_token.set()
+        self.state = "stopping"
+        if self._wake is not None:
+            self._wake.set()
+
+    @property
+    def ready(self) -> bool:
+        return self.state not in ("starting", "stopping")
+
+    def status(self) -> dict:
+        return {
+            "role": "publisher", "id": self.cfg.identity.id, "region": self.cfg.identity.region,
+            "cluster": self.cfg.identity.cluster, "store": self.repo.url, "watch_dir": str(self.cfg.watch_dir),
+            "head_version": self.head, "pending": self.pending, "state": self.state, "reason": self.reason,
+            "last_publish": self.last_publish, "last_error": self.last_error,
+        }
+
+    async def run(self) -> None:
+        self._lock = self._lock or asyncio.Lock()
+        self._wake = asyncio.Event()
+        self.cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        while not self.stop_token.is_set:
+            delay = await self._iteration()
+            self._wake.clear()
+            if self.stop_token.is_set:
+                break
+            try:
+                await asyncio.wait_for(self._wake.wait(), delay)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _iteration(self) -> float:
+        try:
+            candidates = await asyncio.to_thread(scan, self.cfg.watch_dir, self.cfg.marker)
+            self.head = await asyncio.to_thread(self.repo.head_version)
+            self.pending = [c.step for c in candidates if self.head is None or c.step > self.head]
+            failed_step, _, retry_at = self._failed or (None, 0, 0.0)
+            action = plan_publish(candidates, self.head, self.clock(), self.cfg.stale_after, failed_step, retry_at)
+            self.reason = f"publishing checkpoint {action.candidate.step}" if isinstance(action, Publish) else action.reason
+            self._errors = 0
+            if not isinstance(action, Publish):
+                self.state = "idle" if isinstance(action, Idle) else "waiting"
+                return self.cfg.poll_interval
+            for step in action.skipped:
+                event(log, f"skipping unfinished checkpoint {step}", logging.WARNING, step=step, stale_after=self.cfg.stale_after)
+            c = action.candidate
+            await self.publish_folder(c.path, c.step, action.base)
+            return 0.0  # look for the next one at once
+        except Stopped:
+            return 0.0
+        except Exception as exc:  # logged, counted, backed off; the loop goes on
+            self._errors += 1
+            self.metrics.loop_errors.inc()
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            self.state = "error"
+            delay = max(self.cfg.poll_interval, self.cfg.backoff.delay(self._errors))
+            event(log, "iteration failed", logging.ERROR, error=self.last_error, retry_in=f"{delay:.1f}s")
+            if not isinstance(exc, WeightsyncError):
+                log.error("unexpected error", exc_info=exc)
+            return delay
+
+    async def publish_folder(self, path: Path, version: int | None, base: Path | None = None) -> PublishResult:
+        """Publish ``path`` as ``version`` (default: its step if above the head, else head + 1)."""
+        self._lock = self._lock or asyncio.Lock()
+        async with self._lock:
+            self.state = "publishing"
+            step = version
+            try:
+                result = await asyncio.to_thread(self._publish_blocking, path, version, base)
+            except (Stopped, asyncio.CancelledError):
+                raise
+            except Exception as exc:
+                self.metrics.publish_failures.inc()
+                if step is not None:
+                    failures = self._failed[1] + 1 if self._failed and self._failed[0] == step else 1
+                    self._failed = (step, failures, self.clock() + self.cfg.backoff.delay(failures))
+                self.state = "error"
+                raise
+            self._failed = None
+            self.head = max(self.head or -1, result.version)
+            self._record(path, result)
+            self.state = "idle"
+            return result
+
+    def _publish_blocking(self, path: Path, version: int | None, base: Path | None) -> PublishResult:
+        cfg, cache = self.cfg.publish, self.cache_dir
+        check = self.stop_token.check
+        if base is not None:
+            try:
+                return weightsync.publish(path, self.repo, version, config=cfg, base_dir=base, cache_dir=cache, progress=check)
+            except BaseMismatchError as exc:
+                event(log, "previous checkpoint differs from the head version; using the cache", logging.WARNING,
+                      base=base, error=str(exc))
+        return weightsync.publish(path, self.repo, version, config=cfg, cache_dir=cache, progress=check)
+
+    def _record(self, path: Path, r: PublishResult) -> None:
+        self.metrics.observe_publish(r)
+        self.last_publish = {"path": str(path), "time": self.clock(), **asdict(r), "ratio": r.ratio,
+                             "changed_fraction": r.changed_fraction}
+        self.last_error = None
+        s = r.seconds
+        kind = "keyframe" if r.keyframe else f"delta from {r.parent}"
+        event(log, f"published version {r.version}", version=r.version, kind=kind, size=human_bytes(r.raw_bytes),
+              stored=human_bytes(r.payload_bytes), ratio=f"{r.ratio:.1f}x", changed=f"{100 * r.changed_fraction:.2f}%",
+              uploaded=human_bytes(r.uploaded_bytes), **{f"{k}_s": f"{v:.3f}" for k, v in s.items()})
+
+    def allowed(self, path: str) -> Path:
+        """An explicit publish's folder, resolved; it must lie under the watched folder or a publish root."""
+        p = Path(path).resolve()
+        roots = [self.cfg.watch_dir.resolve(), *(r.resolve() for r in self.cfg.publish_roots)]
+        if not any(p == r or r in p.parents for r in roots):
+            raise UsageError(f"{path} is not under the watched folder or a --publish-root")
+        if not p.is_dir():
+            raise UsageError(f"{path} is not a directory")
+        return p
+
+    def default_version(self, path: Path, head: int | None) -> int:
+        step = parse_step(path.name)
+        nxt = 0 if head is None else head + 1
+        return step if step is not None and step >= nxt else nxt
+
+    async def publish_request(self, path: str, version: int | None) -> PublishResult:
+        """``POST /v1/publish``: publish a folder now (waits for a publish in flight)."""
+        folder = self.allowed(path)
+        head = await asyncio.to_thread(self.repo.head_version)
+        v = self.default_version(folder, head) if version is None else version
+        if head is not None and v <= head:
+            raise VersionError(f"version {v} is not after the head version {head}")
+        candidates = await asyncio.to_thread(scan, self.cfg.watch_dir, self.cfg.marker)
+        base = next((c.path for c in candidates if c.step == head and c.ready and c.path != folder), None)
+        return await self.publish_folder(folder, v, base)
+
+
+# --- in-process publishing from a trainer --------------------------------------------------------
+def default_work_dir() -> Path:
+    """``/dev/shm`` when it is there and writable (tmpfs: no disk I/O), else the temp folder."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+class StateDictPublisher:
+    """Publishes a trainer's state dict in-process, without a checkpoint on disk.
+
+    Cost: each :meth:`publish` serializes the tensors once with safetensors into a folder under
+    ``work_dir`` (tmpfs by default: a memory copy, plus a device-to-host copy for GPU tensors),
+    which :func:`weightsync.publish` then reads back. The previous version's folder is kept as the
+    delta base, so tmpfs holds up to two serialized copies of the model at a time.
+    """
+
+    def __init__(self, store, *, config: PublishConfig | None = None, work_dir: str | os.PathLike | None = None,
+                 cache_dir: str | os.PathLike | None = None, filename: str = "model.safetensors"):
+        self.repo = weightsync.open_repo(store)
+        self.config = config or PublishConfig()
+        self.work = Path(tempfile.mkdtemp(prefix="weightsync-sd-", dir=work_dir or default_work_dir()))
+        self.cache_dir = None if cache_dir is None else Path(cache_dir)
+        self.filename = filename
+        self._prev: tuple[int, Path] | None = None
+
+    def publish(self, state_dict, version: int | None = None, metadata: dict[str, str] | None = None) -> PublishResult:
+        folder = self.work / f"v{len(os.listdir(self.work))}-{time.monotonic_ns()}"
+        folder.mkdir()
+        save_state_dict(state_dict, folder / self.filename, metadata)
+        head = self.repo.head_version()
+        base = self._prev[1] if self._prev is not None and self._prev[0] == head else None
+        try:
+            try:
+                r = weightsync.publish(folder, self.repo, version, config=self.config, base_dir=base, cache_dir=self.cache_dir)
+            except BaseMismatchError:
+                if base is None:
+                    raise
+                r = weightsync.publish(folder, self.repo, version, config=self.config, cache_dir=self.cache_dir)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        if self._prev is not None:
+            shutil.rmtree(self._prev[1], ignore_errors=True)
+        self._prev = (r.version, folder)
+        return r
+
+    def close(self) -> None:
+        shutil.rmtree(self.work, ignore_errors=True)
+        self._prev = None
+
+    def __enter__(self) -> StateDictPublisher:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def save_state_dict(state_dict, path: Path, metadata: dict[str, str] | None = None) -> None:
+    """Write torch tensors to a safetensors file (on CPU, contiguous; tensors sharing memory, such as
+    tied weights, are each saved in full)."""
+    from safetensors.torch import save_file
+
+    seen, tensors = set(), {}
+    for name, t in state_dict.items():
+        t = t.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        tensors[name] = t.clone() if ptr in seen and t.numel() else t
+        seen.add(ptr)
+    save_file(tensors, str(path), metadata=metadata or {"format": "pt"})
+
+
+def publish_state_dict(state_dict, store, version: int | None = None, *, config: PublishConfig | None = None,
+                       cache_dir: str | os.PathLike | None = None, work_dir: str | os.PathLike | None = None,
+                       metadata: dict[str, str] | None = None) -> PublishResult:
+    """Publish a state dict as one version (one-shot; keep a :class:`StateDictPublisher` across steps
+    so the previous step's bytes serve as the delta base). With ``cache_dir`` the parent version is
+    kept there between calls (linked when on the same file system as ``work_dir``, else copied);
+    without it the parent is pulled from the store for every delta."""
+    with StateDictPublisher(store, config=config, work_dir=work_dir, cache_dir=cache_dir) as p:
+        return p.publish(state_dict, version, metadata)

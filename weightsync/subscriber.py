@@ -1,0 +1,401 @@
+"""The subscriber daemon: follow the store's head (or a pinned version) into A/B slots, swap atomically.
+
+Layout of the target folder::
+
+    DIR/current -> slots/a        symlink to a complete, verified version folder, always
+    DIR/slots/a, DIR/slots/b      the two copies: the current one and the standby
+
+Each iteration reads the head (one small object), asks the pure :func:`plan_next` what to do, and
+does it: a :class:`Sync` pulls the version into the standby slot (incrementally from whatever
+version that slot holds; every checksum is verified by the pull), then flips ``current`` by
+creating a new symlink under a temporary name and renaming it over ``current``. The old current
+becomes the next standby, so disk use stays at two copies. After each swap the swap hook fires
+and the fleet ledger record is rewritten.
+
+With ``--include``/``--exclude`` the slots are partial folders (:mod:`weightsync.partial`).
+A server still reading the previous version through open files keeps its bytes (files are
+replaced by rename, never rewritten in place); the next pull into that slot starts only when a
+newer version is wanted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import SubscriberConfig
+from .daemon import StopToken, Stopped, event
+from .errors import ChecksumError, UsageError, VersionError, WeightsyncError
+from .hooks import HookRunner
+from .integrity import verify_folder
+from .ledger import FleetRecord, superseded_at, write_record
+from .local import STATE_DIR, read_state
+from .metrics import Metrics
+from .partial import STATE as PARTIAL_STATE
+from .partial import Selection, materialize, read_partial_state
+from .progress import human_bytes
+from .pulling import PullConfig, pull
+from .repo import Repo
+
+log = logging.getLogger("weightsync.subscriber")
+LATEST = "latest"
+Target = int | str  # a version, or "latest"
+
+
+# --- planning (pure) -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class View:
+    """What the planner knows about the local side."""
+
+    current: int | None  # version ``current`` points at (None: nothing served yet)
+    standby: int | None = None  # version the standby slot holds, if any
+    failed_version: int | None = None  # the last version whose sync failed ...
+    failures: int = 0  # ... how many times in a row ...
+    retry_at: float = 0.0  # ... and when it may be tried again
+
+
+@dataclass(frozen=True)
+class Idle:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Wait:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Sync:
+    version: int
+    reason: str
+
+
+Action = Idle | Wait | Sync
+
+
+def plan_next(view: View, head: int | None, target: Target, now: float) -> Action:
+    """What to do next, given the local view, the store's head version and the target."""
+    if head is None:
+        return Wait("the store has no versions yet")
+    desired = head if target == LATEST else int(target)
+    if desired > head:
+        return Wait(f"pinned version {desired} is not published yet (head {head})")
+    if view.current == desired:
+        return Idle(f"serving version {desired}" + (" (pinned)" if target != LATEST else ""))
+    if view.failed_version == desired and now < view.retry_at:
+        return Wait(f"version {desired} failed {view.failures} time(s); retrying in {view.retry_at - now:.1f}s")
+    if view.standby == desired:
+        return Sync(desired, "the standby slot already holds it")
+    how = "head moved" if target == LATEST else "pinned"
+    return Sync(desired, f"{how}: {view.current} -> {desired}")
+
+
+# --- slots ---------------------------------------------------------------------------------------
+class Slots:
+    """The A/B slots of a target folder and the ``current`` symlink that names one of them."""
+
+    NAMES = ("a", "b")
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.link = self.root / "current"
+
+    def path(self, name: str) -> Path:
+        return self.root / "slots" / name
+
+    def current(self) -> str | None:
+        """The slot ``current`` points at; None if there is no ``current`` yet."""
+        try:
+            dest = os.readlink(self.link)
+        except FileNotFoundError:
+            return None
+        except OSError:
+            raise UsageError(f"{self.link} exists and is not a symlink; refusing to manage {self.root}") from None
+        for name in self.NAMES:
+            if dest == f"slots/{name}":
+                return name
+        raise UsageError(f"{self.link} points at {dest!r}, not at slots/a or slots/b")
+
+    def standby(self) -> str:
+        return "b" if self.current() == "a" else "a"
+
+    def flip(self, name: str) -> None:
+        """Point ``current`` at slot ``name`` atomically (new symlink, then rename over the old)."""
+        tmp = self.root / f".current-{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        os.symlink(f"slots/{name}", tmp)
+        os.replace(tmp, self.link)
+        fd = os.open(self.root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def slot_version(folder: Path, partial: bool) -> int | None:
+    """The version a slot holds in the given mode (None if empty, or filled in the other mode)."""
+    if partial:
+        state = read_partial_state(folder)
+        return None if state is None else state.version
+    if (folder / STATE_DIR / PARTIAL_STATE).exists():
+        return None
+    state = read_state(folder)
+    return None if state is None else state.version
+
+
+# --- the daemon ----------------------------------------------------------------------------------
+@dataclass
+class SyncResult:
+    version: int
+    from_version: int | None
+    fetched_bytes: int
+    raw_bytes: int
+    fetch_seconds: float
+    build_seconds: float
+
+
+class Subscriber:
+    """The subscriber's state and loop; the HTTP API (``weightsync.api``) reads and steers it."""
+
+    def __init__(self, cfg: SubscriberConfig, repo: Repo, metrics: Metrics, clock=time.time):
+        self.cfg, self.repo, self.metrics, self.clock = cfg, repo, metrics, clock
+        self.slots = Slots(cfg.target_dir)
+        self.selection = Selection(cfg.include, cfg.exclude)
+        self.target: Target = LATEST if cfg.pin is None else cfg.pin
+        self.view = View(None)
+        self.latest: int | None = None
+        self.state = "starting"
+        self.reason = ""
+        self.last_error: str | None = None
+        self.last_sync: dict | None = None
+        self.stop_token = StopToken()
+        self.hooks = HookRunner(cfg.hook, metrics.hook_failures.inc) if cfg.hook else None
+        self._hook_task: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None
+        self.staleness = 0.0
+        self._superseded: tuple[int | None, float] | None = None
+        self._errors = 0
+        self._last_ledger = 0.0
+
+    # -- control (called by the API) --------------------------------------------------------------
+    def request_stop(self) -> None:
+        self.stop_token.set()
+        self.state = "stopping"
+        if self._wake is not None:
+            self._wake.set()
+
+    async def set_target(self, target: Target) -> None:
+        """Pin a version (it must exist) or follow ``"latest"``; the loop acts on it at once."""
+        if target != LATEST:
+            head = await asyncio.to_thread(self.repo.head_version)
+            if head is None or int(target) > head:
+                raise VersionError(f"version {target} does not exist in {self.repo.url} (head {head})")
+            await asyncio.to_thread(self.repo.manifest, int(target))
+        self.target = target
+        event(log, "target set", target=target)
+        if self.view.failed_version is not None:
+            self.view = View(self.view.current, self.view.standby)  # a new target gets a fresh try
+        if self._wake is not None:
+            self._wake.set()
+
+    @property
+    def ready(self) -> bool:
+        return self.view.current is not None
+
+    def status(self) -> dict:
+        lag = None if self.latest is None or self.view.current is None else self.latest - self.view.current
+        return {
+            "role": "subscriber",
+            "id": self.cfg.identity.id,
+            "region": self.cfg.identity.region,
+            "cluster": self.cfg.identity.cluster,
+            "store": self.repo.url,
+            "target_dir": str(self.cfg.target_dir),
+            "current_version": self.view.current,
+            "standby_version": self.view.standby,
+            "latest_version": self.latest,
+            "target": self.target,
+            "state": self.state,
+            "reason": self.reason,
+            "lag": lag,
+            "staleness_seconds": self.staleness,
+            "partial": {"include": list(self.cfg.include), "exclude": list(self.cfg.exclude)} if self.cfg.partial else None,
+            "last_sync": self.last_sync,
+            "last_error": self.last_error,
+            "hook": None if self.hooks is None or self.hooks.last is None else vars(self.hooks.last),
+        }
+
+    # -- the loop ---------------------------------------------------------------------------------
+    async def run(self) -> None:
+        self._wake = asyncio.Event()
+        await asyncio.to_thread(self._startup)
+        try:
+            while not self.stop_token.is_set:
+                delay = await self._iteration()
+                self._wake.clear()
+                if self.stop_token.is_set:
+                    break
+                try:
+                    await asyncio.wait_for(self._wake.wait(), delay)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            if self._hook_task is not None and not self._hook_task.done():
+                self._hook_task.cancel()
+            await self._write_ledger(force=True)
+
+    def _startup(self) -> None:
+        self.cfg.target_dir.mkdir(parents=True, exist_ok=True)
+        for name in Slots.NAMES:
+            self.slots.path(name).mkdir(parents=True, exist_ok=True)
+        cur = self.slots.current()
+        current = None if cur is None else slot_version(self.slots.path(cur), self.cfg.partial)
+        standby = slot_version(self.slots.path(self.slots.standby()), self.cfg.partial)
+        self.view = View(current, standby)
+        self.metrics.current_version.set(-1 if current is None else current)
+        event(log, "started", target_dir=self.cfg.target_dir, current=current, standby=standby, target=self.target,
+              partial=self.cfg.partial)
+
+    async def _iteration(self) -> float:
+        """One poll: plan, act, update gauges. Returns the seconds to wait before the next one."""
+        try:
+            head = await asyncio.to_thread(self.repo.head_version)
+            self.latest = head
+            self.metrics.latest_version.set(-1 if head is None else head)
+            action = plan_next(self.view, head, self.target, self.clock())
+            self.reason = action.reason
+            if isinstance(action, Sync):
+                await self._sync(action.version)
+            else:
+                self.state = "serving" if isinstance(action, Idle) and self.ready else "waiting"
+            await self._update_lag()
+            await self._write_ledger()
+            self._errors = 0
+            if isinstance(action, Idle):
+                self.last_error = None
+            return self._next_delay()
+        except Stopped:
+            return 0.0
+        except Exception as exc:  # logged, counted, backed off; the loop goes on
+            self._errors += 1
+            self.metrics.loop_errors.inc()
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            self.state = "error"
+            delay = max(self.cfg.poll_interval, self.cfg.backoff.delay(self._errors))
+            event(log, "iteration failed", logging.ERROR, error=self.last_error, retry_in=f"{delay:.1f}s")
+            if not isinstance(exc, WeightsyncError):
+                log.error("unexpected error", exc_info=exc)
+            return delay
+
+    def _next_delay(self) -> float:
+        delay = self.cfg.poll_interval
+        if self.view.failed_version is not None:
+            delay = min(delay, max(0.0, self.view.retry_at - self.clock()))
+        return delay
+
+    async def _sync(self, version: int) -> None:
+        self.state = "syncing"
+        standby = self.slots.standby()
+        folder = self.slots.path(standby)
+        try:
+            result = await asyncio.to_thread(self._fill, folder, version)
+        except Stopped:
+            raise
+        except Exception as exc:
+            if isinstance(exc, ChecksumError):
+                self.metrics.checksum_failures.inc()
+            failures = self.view.failures + 1 if self.view.failed_version == version else 1
+            retry_at = self.clock() + self.cfg.backoff.delay(failures)
+            self.view = View(self.view.current, None, version, failures, retry_at)
+            raise
+        if self.stop_token.is_set:
+            self.view = View(self.view.current, version)
+            raise Stopped("stopping before the swap; the standby slot keeps the new version")
+        self.state = "swapping"
+        t0 = time.perf_counter()
+        await asyncio.to_thread(self.slots.flip, standby)
+        pause = time.perf_counter() - t0
+        self.view = View(version, self.view.current)
+        self._after_swap(result, folder, pause)
+        await self._write_ledger(force=True)
+        self.state = "serving"
+
+    def _fill(self, folder: Path, version: int) -> SyncResult:
+        """Bring a slot to ``version`` and verify it (runs in a worker thread)."""
+        self._clear_other_mode(folder)
+        if self.cfg.partial:
+            r = materialize(self.repo, folder, version, self.selection, concurrency=self.cfg.fetch_concurrency,
+                            threads=self.cfg.decode_threads, fsync=self.cfg.fsync, cancel=self.stop_token.check)
+            raw = sum(f["size"] for f in read_partial_state(folder).files.values())
+            fetch_s, build_s = r.seconds.get("fetch", 0.0), r.seconds.get("build", 0.0)
+        else:
+            cfg = PullConfig(fetch_concurrency=self.cfg.fetch_concurrency, decode_threads=self.cfg.decode_threads, fsync=self.cfg.fsync)
+            r = pull(self.repo, folder, version, cfg, progress=self.stop_token.check, on_bytes=self.stop_token.check)
+            raw = self.repo.manifest(version).raw_bytes
+            fetch_s, build_s = r.seconds.get("fetch", 0.0), r.seconds.get("build", 0.0)
+            if self.cfg.verify_before_swap:
+                verify_folder(folder, self.repo.manifest(version))
+        return SyncResult(r.version, r.from_version, r.fetched_bytes, raw, fetch_s, build_s)
+
+    def _clear_other_mode(self, folder: Path) -> None:
+        partial_state = (folder / STATE_DIR / PARTIAL_STATE).exists()
+        full_state = (folder / STATE_DIR / "state.json").exists()
+        if (self.cfg.partial and full_state and not partial_state) or (not self.cfg.partial and partial_state):
+            event(log, "clearing a slot filled in the other mode", folder=folder)
+            shutil.rmtree(folder)
+            folder.mkdir(parents=True)
+
+    def _after_swap(self, r: SyncResult, folder: Path, pause: float) -> None:
+        m = self.metrics
+        m.current_version.set(r.version)
+        m.download_bytes.inc(r.fetched_bytes)
+        m.download_seconds.observe(r.fetch_seconds)
+        m.apply_seconds.observe(r.build_seconds)
+        m.swap_pause.observe(pause)
+        m.swaps.inc()
+        self.last_sync = {
+            "version": r.version, "from_version": r.from_version, "fetched_bytes": r.fetched_bytes, "raw_bytes": r.raw_bytes,
+            "fetch_seconds": round(r.fetch_seconds, 6), "build_seconds": round(r.build_seconds, 6),
+            "swap_seconds": round(pause, 6), "time": self.clock(),
+        }
+        ratio = r.raw_bytes / max(1, r.fetched_bytes)
+        event(log, f"swapped to version {r.version}", version=r.version, from_version=r.from_version, slot=folder.name,
+              fetched=human_bytes(r.fetched_bytes), size=human_bytes(r.raw_bytes), ratio=f"{ratio:.1f}x",
+              fetch_s=f"{r.fetch_seconds:.3f}", build_s=f"{r.build_seconds:.3f}", swap_ms=f"{1000 * pause:.2f}")
+        if self.hooks is not None:
+            if self._hook_task is not None and not self._hook_task.done():
+                self._hook_task.cancel()  # superseded: the server is told about the newer version
+            self._hook_task = asyncio.create_task(self.hooks.fire(r.version, str(folder), str(self.slots.link)))
+
+    async def _update_lag(self) -> None:
+        cur, head, m = self.view.current, self.latest, self.metrics
+        if head is None or cur is None:
+            m.version_lag.set(0 if head is None else head + 1)
+            return
+        m.version_lag.set(max(0, head - cur))
+        if cur >= head:
+            self.staleness = 0.0
+        else:
+            if self._superseded is None or self._superseded[0] != cur:
+                since = await asyncio.to_thread(superseded_at, self.repo, cur)
+                self._superseded = None if since is None else (cur, since)
+            if self._superseded is not None:
+                self.staleness = max(0.0, self.clock() - self._superseded[1])
+        m.staleness.set(self.staleness)
+
+    async def _write_ledger(self, force: bool = False) -> None:
+        now = self.clock()
+        if not force and now - self._last_ledger < self.cfg.ledger_interval:
+            return
+        ident = self.cfg.identity
+        rec = FleetRecord(ident.id, ident.region, ident.cluster, self.view.current, self.target, self.state, now)
+        try:
+            await asyncio.to_thread(write_record, self.repo.store, rec)
+            self._last_ledger = now
+        except WeightsyncError as exc:
+            event(log, "could not write the fleet ledger", logging.WARNING, error=str(exc))
