@@ -1,0 +1,328 @@
+"""Regional mirrors and retention on file stores: ``weightsync mirror`` and ``weightsync gc``.
+
+Every mirrored or retained version is pulled and compared with its source checkpoint byte for
+byte. The concurrent test runs a real publisher process while gc collects the same store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import weightsync
+from weightsync.errors import ChecksumError, FormatError, NotAStoreError, StoreError
+from weightsync.format import HEAD_KEY, chunk_key, version_key
+from weightsync.gc import GcConfig, gc, list_chunks_with_age
+from weightsync.mirror import MirrorConfig, MirrorError, mirror
+from weightsync.store import FileStore, MemoryStore
+from weightsync.synth import make_trajectory
+
+OLD = time.time() - 10 * 24 * 3600  # an mtime far outside any grace period
+
+
+def repo(path: Path) -> weightsync.Repo:
+    return weightsync.open_repo(f"file://{path}")
+
+
+def age_all(store_dir: Path) -> None:
+    """Make every object look ten days old."""
+    for p in store_dir.rglob("*"):
+        if p.is_file():
+            os.utime(p, (OLD, OLD))
+
+
+def assert_versions_pull(r: weightsync.Repo, checkpoints: list[Path], tmp: Path, ws) -> None:
+    for v in r.versions():
+        out = tmp / f"pull-{r.url.rsplit('/', 1)[-1]}-{v}"
+        weightsync.pull(r, out, v)
+        ws.assert_replica(out, checkpoints[v])
+
+
+# --- mirror -----------------------------------------------------------------------------------------
+def test_mirror_cli_copies_every_version_and_is_idempotent(published, tmp_path, ok_cli, ws):
+    store, traj = published
+    dst = tmp_path / "regional"
+    out = ok_cli("mirror", "--from", f"file://{store}", "--to", f"file://{dst}")
+    assert out.strip() == "5"
+    r = repo(dst)
+    assert r.versions() == [0, 1, 2, 3, 4, 5]
+    for key in ["weightsync.json", HEAD_KEY, *(version_key(v) for v in range(6))]:
+        assert (dst / key).read_bytes() == (store / key).read_bytes()
+    assert_versions_pull(r, traj, tmp_path, ws)
+
+    before = ws.snapshot(dst)
+    src_before = ws.snapshot(store)
+    res = mirror(repo(store), repo(dst))
+    assert (res.copied_versions, res.copied_chunks, res.head) == ([], 0, 5)
+    assert ws.snapshot(dst) == before
+    assert ws.snapshot(store) == src_before  # the source is only read
+
+
+def test_mirror_resumes_after_failure_without_copying_again(published, tmp_path, ws):
+    store, traj = published
+    dst = tmp_path / "regional"
+
+    class Failing(FileStore):
+        puts = 0
+
+        def put(self, key, data, *, mode="overwrite"):
+            if key.startswith("chunks/"):
+                Failing.puts += 1
+                if Failing.puts > 3:
+                    raise StoreError(f"injected failure on {key}", key=key)
+            super().put(key, data, mode=mode)
+
+    with pytest.raises(StoreError, match="injected"):
+        mirror(repo(store), weightsync.Repo(Failing(dst)), config=MirrorConfig(concurrency=1))
+    r = repo(dst)
+    partial_head = r.head_version()
+    assert partial_head is not None and partial_head < 5
+    total_chunks = len({c.id for v in range(6) for c in repo(store).manifest(v).chunks})
+    res = mirror(repo(store), r)
+    assert res.copied_versions == [v for v in range(6) if v > partial_head]
+    assert res.copied_chunks == total_chunks - 3
+    assert r.versions() == list(range(6))
+    assert_versions_pull(r, traj, tmp_path, ws)
+
+
+def test_mirror_recognises_interrupted_manifest_copy(published, tmp_path):
+    store, _ = published
+    dst = tmp_path / "regional"
+    mirror(repo(store), repo(dst))
+    repo(dst).set_head(3)  # as if the pass died after copying manifests 4 and 5, before the head
+    res = mirror(repo(store), repo(dst))
+    assert res.skipped_versions == [4, 5] and res.copied_versions == [] and res.head == 5
+
+
+def test_mirror_refuses_non_weightsync_destination(published, tmp_path, run_cli, ws):
+    store, _ = published
+    dst = tmp_path / "other"
+    dst.mkdir()
+    (dst / "data.bin").write_bytes(b"not ours")
+    before = ws.snapshot(dst)
+    rc, _, err = run_cli("mirror", "--from", f"file://{store}", "--to", f"file://{dst}")
+    assert rc != 0 and "not a weightsync store" in ws.error_line(err)
+    with pytest.raises(NotAStoreError):
+        mirror(repo(store), repo(dst))
+    assert ws.snapshot(dst) == before
+
+
+def test_mirror_refuses_a_different_store(published, trajectory, tmp_path):
+    store, _ = published
+    other = tmp_path / "other"
+    weightsync.publish(trajectory[5], repo(other))  # version 0 with other bytes
+    with pytest.raises(MirrorError, match="version 0 differs"):
+        mirror(repo(store), repo(other))
+    assert repo(other).versions() == [0]
+
+    ahead = tmp_path / "ahead"
+    mirror(repo(store), repo(ahead))
+    small = tmp_path / "small"
+    weightsync.publish(trajectory[0], repo(small))
+    with pytest.raises(MirrorError, match="ahead"):
+        mirror(repo(small), repo(ahead))
+    with pytest.raises(weightsync.WeightsyncError, match="same store"):
+        mirror(repo(store), repo(store))
+
+
+def test_mirror_rejects_corrupt_chunk_and_bad_manifest(published, tmp_path, ws):
+    store, _ = published
+    m3 = repo(store).manifest(3)
+    ws.flip_byte(store / chunk_key(m3.chunks[0].id), 100)
+    dst = tmp_path / "regional"
+    with pytest.raises(ChecksumError):
+        mirror(repo(store), repo(dst))
+    r = repo(dst)
+    assert r.head_version() == 2 and not (dst / version_key(3)).exists()
+
+    (store / version_key(3)).write_bytes(b'{"format": "weightsync.manifest"}')
+    with pytest.raises(FormatError):
+        mirror(repo(store), repo(tmp_path / "regional2"))
+
+
+def test_mirror_does_not_resurrect_versions_collected_at_the_destination(published, trajectory, tmp_path, ws):
+    store, traj = published
+    dst = tmp_path / "regional"
+    mirror(repo(store), repo(dst))
+    age_all(dst)
+    gc(repo(dst), GcConfig(keep=1, grace_seconds=60))
+    assert repo(dst).versions() == [3, 4, 5]
+    res = mirror(repo(store), repo(dst))
+    assert res.copied_versions == [] and repo(dst).versions() == [3, 4, 5]
+
+    nxt = make_trajectory(tmp_path / "more", steps=6, shards=2, **ws.TINY)[6]  # step 6 of the same run
+    weightsync.publish(nxt, repo(store), base_dir=traj[5])
+    res = mirror(repo(store), repo(dst))
+    assert res.copied_versions == [6] and repo(dst).versions() == [3, 4, 5, 6]
+    weightsync.pull(repo(dst), tmp_path / "sub", 6)
+    ws.assert_replica(tmp_path / "sub", nxt)
+
+
+def test_mirror_follow_until_sigterm(trajectory, tmp_path, cli_env, ws):
+    src, dst = tmp_path / "src", tmp_path / "regional"
+    weightsync.publish(trajectory[0], repo(src))
+    cmd = [sys.executable, "-m", "weightsync.cli", "mirror", "--from", f"file://{src}", "--to", f"file://{dst}",
+           "--follow", "--interval", "0.1"]
+    proc = subprocess.Popen(cmd, env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        sub = tmp_path / "subscriber"
+        for v in range(1, 4):
+            weightsync.publish(trajectory[v], repo(src), base_dir=trajectory[v - 1])
+            deadline = time.monotonic() + 20
+            while repo(dst).head_version() != v:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+                time.sleep(0.05)
+            weightsync.pull(repo(dst), sub)  # a subscriber in the region follows its regional store
+            ws.assert_replica(sub, trajectory[v])
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert out.strip() == "3"
+    assert "mirrored version 3" in err
+
+
+# --- gc ---------------------------------------------------------------------------------------------
+def test_gc_keeps_kept_versions_and_their_chains(published, tmp_path, ok_cli, ws):
+    store, traj = published  # keyframes at 0 and 3
+    age_all(store)
+    r = repo(store)
+    chunks_before = set(r.store.list("chunks/"))
+    dry = json.loads(ok_cli("gc", "--store", f"file://{store}", "--keep", "2", "--dry-run"))
+    assert dry["deleted"] == [0, 1, 2] and dry["dry_run"]
+    assert set(r.store.list("chunks/")) == chunks_before and r.versions() == list(range(6))
+
+    out = json.loads(ok_cli("gc", "--store", f"file://{store}", "--keep", "2"))
+    assert out["kept"] == [3, 4, 5] and out["deleted"] == [0, 1, 2]  # 4 needs the keyframe 3
+    assert r.versions() == [3, 4, 5]
+    needed = {chunk_key(c.id) for v in (3, 4, 5) for c in r.manifest(v).chunks}
+    assert set(r.store.list("chunks/")) == needed
+    assert out["deleted_chunks"] == len(chunks_before - needed) > 0
+    assert_versions_pull(r, traj, tmp_path, ws)
+
+    again = gc(r, GcConfig(keep=2, grace_seconds=0))
+    assert again.deleted_versions == [] and again.deleted_chunks == 0
+    assert gc(r, GcConfig(keep=100)).deleted_versions == []
+    last = gc(r, GcConfig(keep=1, grace_seconds=0))
+    assert last.kept_versions == [3, 4, 5]  # the head's chain back to its keyframe
+
+
+def test_gc_grace_period_protects_young_unreferenced_chunks(published, tmp_path):
+    store, _ = published
+    r = repo(store)
+    age_all(store)
+    orphan = b"a chunk uploaded by a publisher whose manifest does not exist yet"
+    from weightsync.chunking import chunk_id
+
+    r.put_chunk(chunk_id(orphan), orphan)
+    res = gc(r, GcConfig(keep=6, grace_seconds=3600))
+    assert res.deleted_chunks == 0 and res.young_chunks == 1
+    assert r.store.head(chunk_key(chunk_id(orphan))) == len(orphan)
+    os.utime(store / chunk_key(chunk_id(orphan)), (time.time() - 7200,) * 2)
+    res = gc(r, GcConfig(keep=6, grace_seconds=3600))
+    assert res.deleted_chunks == 1 and r.store.head(chunk_key(chunk_id(orphan))) is None
+
+    (store / "chunks" / "00").mkdir(exist_ok=True)
+    stale = store / "chunks" / "00" / ".tmp-killedwriter"
+    stale.write_bytes(b"half a chunk")
+    os.utime(stale, (OLD, OLD))
+    assert gc(r, GcConfig(keep=6)).deleted_temp_files == 1 and not stale.exists()
+
+
+def test_gc_keeps_manifests_above_the_head(published, tmp_path, ws):
+    """A publish that stored its manifest but has not moved the head yet keeps its chunks."""
+    store, traj = published
+    nxt = make_trajectory(tmp_path / "more", steps=6, shards=2, **ws.TINY)[6]
+
+    class NoHead(FileStore):
+        def put_if_match(self, key, data, etag):
+            raise StoreError("injected: head update lost", key=key)
+
+    with pytest.raises(StoreError, match="injected"):
+        weightsync.publish(nxt, weightsync.Repo(NoHead(store)), base_dir=traj[5])
+    assert (store / version_key(6)).exists() and repo(store).head_version() == 5
+    age_all(store)
+    res = gc(repo(store), GcConfig(keep=1, grace_seconds=0))
+    assert res.kept_versions == [3, 4, 5] and (store / version_key(6)).exists()
+    for c in repo(store).manifest(6).chunks:
+        assert (store / chunk_key(c.id)).exists()
+
+
+def test_gc_on_a_store_without_ages_deletes_no_chunk_inside_the_grace(published):
+    store, traj = published
+    mem = weightsync.Repo(MemoryStore())
+    mirror(repo(store), mem)
+    assert all(age is None for _, _, age in list_chunks_with_age(mem.store))
+    res = gc(mem, GcConfig(keep=1))
+    assert res.deleted_versions == [0, 1, 2] and res.deleted_chunks == 0 and res.young_chunks > 0
+    assert gc(mem, GcConfig(keep=1, grace_seconds=0)).deleted_chunks == res.young_chunks
+
+
+PUBLISHER = """
+import sys, time, weightsync
+store, pause, *dirs = sys.argv[1:]
+prev = None
+for d in dirs:
+    time.sleep(float(pause))  # a training step between checkpoints
+    r = weightsync.publish(d, store, config=weightsync.PublishConfig(keyframe_interval=3), base_dir=prev)
+    print(r.version, d, flush=True)
+    prev = d
+"""
+
+
+def run_publisher_against_gc(store_url: str, r: weightsync.Repo, checkpoints: list[Path], tmp: Path,
+                             grace: float, pause: float, ws) -> tuple[int, int]:
+    """A publisher process publishes ``checkpoints`` while ``gc --keep 2`` runs in a loop here;
+    then every kept version pulls byte-identical. Returns (gc runs, chunks deleted while the publisher ran)."""
+    script = tmp / "publisher.py"
+    script.write_text(PUBLISHER)
+    env = dict(os.environ)
+    proc = subprocess.Popen([sys.executable, str(script), store_url, str(pause), *map(str, checkpoints)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    runs = deleted = 0
+    t0 = time.monotonic()
+    try:
+        while proc.poll() is None:
+            if r.check():
+                res = gc(r, GcConfig(keep=2, grace_seconds=grace))
+                runs, deleted = runs + 1, deleted + res.deleted_chunks
+            time.sleep(0.02)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    print(f"publisher ran {time.monotonic() - t0:.2f}s; {runs} gc runs deleted {deleted} chunks meanwhile")
+    during = deleted
+    published = {int(v): Path(d) for v, d in (line.split(" ", 1) for line in out.splitlines())}
+    assert sorted(published) == list(range(len(checkpoints)))
+    time.sleep(grace + 1.1)  # let every orphan age past the grace, then collect once more
+    res = gc(r, GcConfig(keep=2, grace_seconds=grace))
+    runs, deleted = runs + 1, deleted + res.deleted_chunks
+    kept = r.versions()
+    assert kept[-2:] == sorted(published)[-2:]
+    for v in kept:
+        out_dir = tmp / f"kept-{v}"
+        weightsync.pull(r, out_dir, v)
+        ws.assert_replica(out_dir, published[v])
+    needed = {chunk_key(c.id) for v in kept for c in r.manifest(v).chunks}
+    assert set(r.store.list("chunks/")) == needed
+    return runs, during
+
+
+def test_gc_while_a_publisher_runs(tmp_path, ws):
+    checkpoints = make_trajectory(tmp_path / "traj", steps=14, shards=1, **ws.TINY)
+    store = tmp_path / "store"
+    runs, deleted = run_publisher_against_gc(f"file://{store}", repo(store), checkpoints, tmp_path, 1.0, 0.15, ws)
+    assert runs > 3 and deleted > 0
