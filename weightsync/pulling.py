@@ -106,11 +106,14 @@ def _write_files(plan: Plan, builder: _Builder, staging: Path, cfg: PullConfig, 
     jobs = [(f.entry.path, r) for f in todo for r in f.recipes]
     total, done = sum(r.target.nbytes for _, r in jobs), 0
     results = ordered_map(builder.build, jobs, lambda j: 3 * j[1].target.nbytes, cfg.inflight_bytes, cfg.decode_threads)
-    for fp in todo:
-        _write_one(fp, results, staging, cfg)
-        done += fp.entry.size
-        if progress:
-            progress(done, total)
+    try:
+        for fp in todo:
+            _write_one(fp, results, staging, cfg)
+            done += fp.entry.size
+            if progress:
+                progress(done, total)
+    finally:
+        results.close()  # stop the workers now if a file failed
     return [f.entry.path for f in todo]
 
 
