@@ -1,0 +1,308 @@
+"""The codec table: delta sizes of consecutive RL checkpoints against baselines and entropy bounds.
+
+For each trajectory (lr 1e-6 and 1e-5, from benchmarks/trajectory.py, cached) and each consecutive
+step pair (old, new) it measures, in bytes of the new checkpoint:
+
+- raw: the bf16 tensor data;
+- the zeroth-order entropy bound of the change: each element's symbol d = (new - old) mod 2^16 of
+  the uint16 views (0 when unchanged) taken as i.i.d., N * H(d); computed per tensor and summed
+  (the headline) and pooled over the whole checkpoint;
+- the same conditioned on the old value's exponent field ((old >> 7) & 0xFF): sum over exponent
+  groups of n_g * H(d | group), per tensor (headline) and pooled;
+- zstd (level 3) and ZipNN of the full new checkpoint; XOR of the whole data + zstd (level 3);
+- ours: weightsync.codec.encode_tensor per tensor, each payload decoded and checked byte for byte.
+
+Ratios are raw / size over all pairs together. Throughput of ours (GB/s of raw tensor bytes,
+single thread, per-tensor calls) is shown beside np.copyto and uint16 XOR of large arrays measured
+in the same run; every timing is the best of a few repeats. Peak RSS is reported after imports,
+after the `ours` pass (before bounds and baselines run) and at the end.
+
+Usage: `python benchmarks/codec.py [--quick] [--json FILE]`
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import zipnn
+import zstandard
+
+if __package__:
+    from . import common
+else:  # run as a script from benchmarks/
+    import common
+
+common.ensure_repo_importable()
+from weightsync.codec import CodecConfig, decode_tensor, encode_tensor
+
+TRAJECTORIES = {"lr 1e-6": 1e-6, "lr 1e-5": 1e-5}
+STEPS = 6  # published checkpoints per trajectory: 5 consecutive pairs
+QUICK_PAIRS = 2
+TIMING_REPEAT = 3  # encode and decode each tensor this often, keep the fastest (noisy shared cores)
+
+
+class CodecMismatch(RuntimeError):
+    """Our codec decoded something other than what it encoded."""
+
+
+# --- entropy bounds ----------------------------------------------------------------------------------
+def _nlog2n(counts: np.ndarray) -> float:
+    c = counts[counts > 0].astype(np.float64)
+    return float((c * np.log2(c)).sum())
+
+
+@dataclass
+class ChangeCounts:
+    """Sufficient statistics of a change for both bounds: elements per old exponent, unchanged
+    elements per old exponent, and (exponent << 16 | d) of every changed element."""
+
+    per_exp: np.ndarray
+    unchanged_per_exp: np.ndarray
+    changed_keys: np.ndarray
+
+    @classmethod
+    def of(cls, old: np.ndarray, new: np.ndarray) -> ChangeCounts:
+        """old, new: uint16 views of one bf16 tensor."""
+        d = new - old  # wraps mod 2^16
+        exp = (old >> 7) & 0xFF
+        changed = d != 0
+        per_exp = np.bincount(exp, minlength=256)
+        exp_changed = exp[changed]
+        unchanged = per_exp - np.bincount(exp_changed, minlength=256)
+        keys = (exp_changed.astype(np.uint32) << 16) | d[changed]
+        return cls(per_exp, unchanged, keys)
+
+    @classmethod
+    def pooled(cls, parts: list[ChangeCounts]) -> ChangeCounts:
+        return cls(
+            sum(p.per_exp for p in parts),
+            sum(p.unchanged_per_exp for p in parts),
+            np.concatenate([p.changed_keys for p in parts]),
+        )
+
+    def bound_bits(self) -> tuple[float, float]:
+        """(N * H(d), sum over exponent groups of n_g * H(d | group)), in bits."""
+        n = self.per_exp.sum()
+        _, d_counts = np.unique(self.changed_keys & 0xFFFF, return_counts=True)
+        plain = _nlog2n(np.array([n])) - _nlog2n(np.append(d_counts, self.unchanged_per_exp.sum()))
+        _, joint = np.unique(self.changed_keys, return_counts=True)
+        cond = _nlog2n(self.per_exp) - _nlog2n(np.concatenate([joint, self.unchanged_per_exp]))
+        return max(plain, 0.0), max(cond, 0.0)
+
+
+# --- measurements ------------------------------------------------------------------------------------
+@dataclass
+class PairResult:
+    """Sizes in bytes for one (old, new) step pair; times in seconds."""
+
+    pair: str
+    raw: int
+    changed: int = 0
+    ulp1: int = 0
+    sizes: dict[str, float] = field(default_factory=dict)
+    codecs: dict[str, int] = field(default_factory=dict)
+    encode_s: float = 0.0
+    decode_s: float = 0.0
+
+
+def measure_ours(old: common.Checkpoint, new: common.Checkpoint, res: PairResult) -> None:
+    """Encode every tensor against its old version, decode, verify bit-exactness."""
+    cfg, used, total = CodecConfig(), Counter(), 0
+    for name, (dtype, buf) in new.items():
+        base = old[name][1]
+        enc, enc_s = common.best_of(encode_tensor, dtype, buf, base, cfg, repeat=TIMING_REPEAT)
+        out, dec_s = common.best_of(
+            decode_tensor, dtype, enc.codec, enc.payload, base, buf.size, repeat=TIMING_REPEAT
+        )
+        res.encode_s += enc_s
+        res.decode_s += dec_s
+        if not np.array_equal(out, buf):
+            raise CodecMismatch(f"{res.pair} {name}: decode({enc.codec}) differs from the input")
+        used[enc.codec] += 1
+        total += len(enc.payload)
+    res.sizes["ours"] = total
+    res.codecs = dict(used)
+
+
+def analyse_change(old: common.Checkpoint, new: common.Checkpoint, res: PairResult) -> None:
+    """Both bounds in bytes (per tensor summed, and pooled), changed and +-1 ulp element counts."""
+    parts = []
+    for name, (dtype, buf) in new.items():
+        if dtype != "BF16":
+            raise ValueError(f"{name}: the bounds are defined for BF16 tensors, got {dtype}")
+        parts.append(ChangeCounts.of(old[name][1].view(np.uint16), buf.view(np.uint16)))
+    per_tensor = np.array([p.bound_bits() for p in parts]).sum(axis=0) / 8
+    pooled = ChangeCounts.pooled(parts)
+    bound, bound_exp = np.array(pooled.bound_bits()) / 8
+    res.sizes.update(
+        bound=per_tensor[0], bound_pooled=bound, bound_exp=per_tensor[1], bound_exp_pooled=bound_exp
+    )
+    d = pooled.changed_keys & 0xFFFF
+    res.changed = int(d.size)
+    res.ulp1 = int(np.count_nonzero((d == 1) | (d == 0xFFFF)))
+
+
+def _flat(ckpt: common.Checkpoint, names: list[str]) -> np.ndarray:
+    return np.concatenate([ckpt[n][1] for n in names])
+
+
+def measure_baselines(old: common.Checkpoint, new: common.Checkpoint, res: PairResult) -> None:
+    """zstd-3 and ZipNN of the full new checkpoint, and zstd-3 of the XOR of all tensor data."""
+    names = list(new)
+    flat_new = _flat(new, names)
+    zstd = zstandard.ZstdCompressor(level=3)
+    res.sizes["zstd"] = len(zstd.compress(flat_new))
+    nn = zipnn.ZipNN(input_format="byte", bytearray_dtype="bfloat16")
+    res.sizes["zipnn"] = len(nn.compress(bytearray(flat_new)))  # compress() mutates its input
+    xor = np.bitwise_xor(flat_new.view(np.uint16), _flat(old, names).view(np.uint16))
+    res.sizes["xor_zstd"] = len(zstd.compress(xor))
+
+
+def step_pairs(n_pairs: int | None) -> dict[str, list[tuple]]:
+    """(label, old dir, new dir) per trajectory, building missing trajectories first."""
+    out = {}
+    for label, lr in TRAJECTORIES.items():
+        dirs = common.build_cached(f"moe-lr{lr:g}", lr, STEPS)
+        pairs = [(f"{a.name}->{b.name}", a, b) for a, b in itertools.pairwise(dirs)]
+        out[label] = pairs[:n_pairs]
+    return out
+
+
+def run(n_pairs: int | None) -> dict:
+    """All measurements; the `ours` pass runs first so its peak RSS is not the bounds' or baselines'."""
+    plan = step_pairs(n_pairs)
+    rss_start = common.peak_rss_mib()
+    results: dict[str, list[PairResult]] = {label: [] for label in plan}
+    for label, pairs in plan.items():
+        for pair, a, b in pairs:
+            old, new = common.load_checkpoint(a), common.load_checkpoint(b)
+            res = PairResult(pair, common.raw_bytes(new))
+            measure_ours(old, new, res)
+            results[label].append(res)
+    rss_ours = common.peak_rss_mib()
+    for label, pairs in plan.items():
+        for res, (_, a, b) in zip(results[label], pairs):
+            old, new = common.load_checkpoint(a), common.load_checkpoint(b)
+            analyse_change(old, new, res)
+            measure_baselines(old, new, res)
+    return {
+        "trajectories": {k: [asdict(r) for r in v] for k, v in results.items()},
+        "memcpy_gbps": common.memcpy_gbps(),
+        "xor_gbps": common.xor_gbps(),
+        "peak_rss_mib_start": rss_start,
+        "peak_rss_mib_after_ours": rss_ours,
+        "peak_rss_mib": common.peak_rss_mib(),
+    }
+
+
+# --- report ------------------------------------------------------------------------------------------
+ROWS = [
+    ("raw", "raw bf16 tensor data"),
+    ("bound", "entropy bound of change, per tensor (headline)"),
+    ("bound_pooled", "entropy bound of change, pooled"),
+    ("bound_exp", "bound given old exponent, per tensor"),
+    ("bound_exp_pooled", "bound given old exponent, pooled"),
+    ("zstd", "zstd-3, full checkpoint"),
+    ("zipnn", "ZipNN, full checkpoint"),
+    ("xor_zstd", "XOR + zstd-3"),
+    ("ours", "ours (weightsync.codec)"),
+]
+
+
+def _size_cells(pairs: list[dict], key: str) -> list[str]:
+    """Mean MB per step, and the aggregate ratio to raw with its range over single pairs."""
+    raw = sum(p["raw"] for p in pairs)
+    if key == "raw":
+        return [f"{raw / len(pairs) / 1e6:,.3f}", "1.0x"]
+    size = _sum(pairs, key)
+    per_pair = [p["raw"] / p["sizes"][key] for p in pairs]
+    return [f"{size / len(pairs) / 1e6:,.3f}", f"{raw / size:.1f}x ({min(per_pair):.1f}-{max(per_pair):.1f})"]
+
+
+def _sum(pairs: list[dict], key: str) -> float:
+    return sum(p["sizes"][key] for p in pairs)
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def size_table(report: dict) -> str:
+    trajs = report["trajectories"].values()
+    head = [c for k in report["trajectories"] for c in (f"{k}: MB / step", f"{k}: ratio (range)")]
+    lines = [_row(["method", *head]), _row(["---"] * (1 + len(head)))]
+    for key, title in ROWS:
+        lines.append(_row([title, *(c for p in trajs for c in _size_cells(p, key))]))
+    for key, title in (("bound", "ours / bound"), ("bound_exp", "ours / bound given exponent")):
+        lines.append(_row([title, *(c for p in trajs for c in ("", f"{_sum(p, 'ours') / _sum(p, key):.3f}"))]))
+    return "\n".join(lines)
+
+
+def pair_table(report: dict) -> str:
+    lines = ["| trajectory | pair | changed | of which +-1 ulp | codecs | ours ratio | ours / bound |",
+             "|---|---|---|---|---|---|---|"]
+    for label, pairs in report["trajectories"].items():
+        for p in pairs:
+            n = p["raw"] // 2
+            codecs = ", ".join(f"{k} {v}" for k, v in sorted(p["codecs"].items()))
+            lines.append(
+                f"| {label} | {p['pair']} | {p['changed'] / n:.2%} | {p['ulp1'] / max(p['changed'], 1):.1%} "
+                f"| {codecs} | {p['raw'] / p['sizes']['ours']:.1f}x "
+                f"| {p['sizes']['ours'] / p['sizes']['bound']:.3f} |"
+            )
+    return "\n".join(lines)
+
+
+def speed_table(report: dict) -> str:
+    lines = ["| throughput, GB/s of raw tensor bytes | " + " | ".join(report["trajectories"]) + " |",
+             "|---" * (1 + len(report["trajectories"])) + "|"]
+    for key, title in (("encode_s", "ours encode"), ("decode_s", "ours decode")):
+        cells = []
+        for pairs in report["trajectories"].values():
+            cells.append(f"{sum(p['raw'] for p in pairs) / sum(p[key] for p in pairs) / 1e9:.2f}")
+        lines.append(f"| {title} | " + " | ".join(cells) + " |")
+    for key, title in (("memcpy_gbps", "memcpy (np.copyto, 128 MiB)"), ("xor_gbps", "uint16 XOR (128 MiB)")):
+        lines.append(f"| {title} | " + " | ".join([f"{report[key]:.2f}"] * len(report["trajectories"])) + " |")
+    return "\n".join(lines)
+
+
+def render(report: dict) -> str:
+    n = {k: len(v) for k, v in report["trajectories"].items()}
+    raw = next(iter(report["trajectories"].values()))[0]["raw"]
+    return "\n\n".join([
+        (f"## Delta size per step ({raw / 1e6:.1f} MB raw checkpoint; step pairs: {n}; "
+        "ratio = raw / size over all pairs, range over single pairs)"),
+        size_table(report),
+        "## Per step pair",
+        pair_table(report),
+        "## Throughput",
+        speed_table(report),
+        (f"Peak RSS: {report['peak_rss_mib_start']:.0f} MiB after imports, "
+        f"{report['peak_rss_mib_after_ours']:.0f} MiB after the `ours` pass (two checkpoints loaded), "
+        f"{report['peak_rss_mib']:.0f} MiB at the end (bounds, baselines, memcpy/XOR buffers incl.)."),
+    ])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help=f"only the first {QUICK_PAIRS} pairs per trajectory")
+    ap.add_argument("--json", metavar="FILE", help="also write the raw measurements as JSON")
+    args = ap.parse_args()
+    try:
+        report = run(QUICK_PAIRS if args.quick else None)
+    except CodecMismatch as exc:
+        sys.exit(f"FAIL: our codec is not bit-exact: {exc}")
+    print(render(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
