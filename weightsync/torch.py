@@ -54,9 +54,9 @@ _NP_INT = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 @dataclass
 class Patch:
     name: str
-    tensor: torch.Tensor  # the live tensor
+    target: torch.Tensor  # a flat integer view of the live tensor (same width, same memory)
     index: torch.Tensor | None  # int64 positions on the tensor's device (None: dense copy)
-    values: torch.Tensor  # new bit patterns (integer view) at ``index``, or the whole new tensor
+    values: torch.Tensor  # new bit patterns (flat integer view) at ``index``, or of the whole tensor
 
 
 @dataclass
@@ -196,10 +196,9 @@ class TorchSink:
         idx = np.flatnonzero(old.view(UINT_VIEW[width]) != new_e)
         up.changed_elements += int(idx.size)
         if idx.size > self.dense_above * new_e.size:
-            values = torch.from_numpy(new.view(_NP_INT[width])).view(t.shape)
-            return Patch(seg.name, t, None, values.to(t.device))
+            return Patch(seg.name, _int_view(t), None, torch.from_numpy(new.view(_NP_INT[width])).to(t.device))
         values = torch.from_numpy(new_e[idx].view(_NP_INT[width]))
-        return Patch(seg.name, t, torch.from_numpy(idx).to(t.device), values.to(t.device))
+        return Patch(seg.name, _int_view(t), torch.from_numpy(idx).to(t.device), values.to(t.device))
 
     # -- apply: the pause --------------------------------------------------------------------------
     def apply(self, update: Update) -> float:
@@ -207,15 +206,14 @@ class TorchSink:
         with self._apply_lock:
             if update.from_version != self.version:
                 raise UsageError(f"update was prepared from version {update.from_version}, the model holds {self.version}")
-            devices = {p.tensor.device for p in update.patches if p.tensor.device.type == "cuda"}
+            devices = {p.target.device for p in update.patches if p.target.device.type == "cuda"}
             with torch.no_grad(), self.lock:
                 t0 = time.perf_counter()
                 for p in update.patches:
-                    view = _int_view(p.tensor)
                     if p.index is None:
-                        view.copy_(p.values.view(-1))
+                        p.target.copy_(p.values)
                     else:
-                        view.scatter_(0, p.index, p.values)
+                        p.target.scatter_(0, p.index, p.values)
                 for d in devices:
                     torch.cuda.synchronize(d)
                 pause = time.perf_counter() - t0

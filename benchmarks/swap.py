@@ -1,0 +1,160 @@
+"""Swap pause of the in-process torch sink against a full ``load_state_dict`` of the same model.
+
+For each learning rate, the cached realistic trajectory (benchmarks/trajectory.py: a 37M-parameter
+MoE, 74 MB in bf16, really trained with AdamW) is published to a temporary file store. A bf16 model
+is loaded with step 0; then :class:`weightsync.torch.TorchSink` brings it to steps 1..5 one by one:
+``prepare`` (fetch, decode, verify, stage the patches; no lock) and ``apply`` (the pause: scatter
+the changed elements in place under the lock). The baseline is ``model.load_state_dict(sd)`` with
+``sd`` already in host memory (best of 5), and the same preceded by reading the safetensors file.
+The model is checked bit for bit against the last checkpoint at the end. Figures are medians over
+the 5 updates of each update's best of: its real apply and 5 replays of the same patch (the same
+memory traffic), and the best of 7 ``load_state_dict`` calls; "1st pause" is the real apply alone.
+
+    python benchmarks/swap.py [--device cuda] [--lr 1e-6 --lr 1e-5] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(BENCH.parent))
+
+import common  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from trajectory import ModelConfig, MoeForCausalLM  # noqa: E402
+
+import weightsync  # noqa: E402
+from weightsync.torch import TorchSink  # noqa: E402
+
+STEPS = 6
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build_model(step_dir: Path, device: torch.device) -> torch.nn.Module:
+    cfg = json.loads((step_dir / "config.json").read_text())
+    fields = {k: cfg[k] for k in ModelConfig.__dataclass_fields__}
+    model = MoeForCausalLM(ModelConfig(**fields)).to(torch.bfloat16).to(device)
+    model.load_state_dict(load_file(str(step_dir / "model.safetensors")))
+    return model.eval()
+
+
+def bench_load_state_dict(model: torch.nn.Module, sd: dict, device: torch.device, repeat: int = 7) -> float:
+    def once() -> None:
+        with torch.no_grad():
+            model.load_state_dict(sd)
+        _sync(device)
+
+    return common.best_seconds(once, repeat)
+
+
+def bench_disk_load(model: torch.nn.Module, path: Path, device: torch.device, repeat: int = 3) -> float:
+    def once() -> None:
+        with torch.no_grad():
+            model.load_state_dict(load_file(str(path)))
+        _sync(device)
+
+    return common.best_seconds(once, repeat)
+
+
+def replay_seconds(sink: TorchSink, up, device: torch.device, repeat: int = 5) -> float:
+    """Best time of re-running an applied update's patch (same memory traffic; values already set),
+    so that one unlucky scheduling on a shared machine does not decide the figure."""
+    def once() -> None:
+        with torch.no_grad(), sink.lock:
+            for p in up.patches:
+                p.target.copy_(p.values) if p.index is None else p.target.scatter_(0, p.index, p.values)
+            _sync(device)
+
+    return common.best_seconds(once, repeat)
+
+
+def same_bits(model: torch.nn.Module, sd: dict) -> bool:
+    live = model.state_dict()
+    return all(torch.equal(live[k].cpu().view(torch.int16), v.view(torch.int16)) for k, v in sd.items())
+
+
+def run(lr: float, device: torch.device, dense_above: float) -> dict:
+    dirs = common.build_cached(f"moe-lr{lr:g}", lr, STEPS)
+    with tempfile.TemporaryDirectory(prefix="weightsync-swap-") as tmp:
+        store = str(Path(tmp) / "store")
+        for d in dirs:
+            weightsync.publish(d, store)
+        model = build_model(dirs[0], device)
+        n_elem = sum(p.numel() for p in model.state_dict().values())
+        n_bytes = sum(p.numel() * p.element_size() for p in model.state_dict().values())
+        last = load_file(str(dirs[-1] / "model.safetensors"))
+        t_load = bench_load_state_dict(model, last, device)
+        t_disk = bench_disk_load(model, dirs[-1] / "model.safetensors", device)
+        model.load_state_dict(load_file(str(dirs[0] / "model.safetensors")))  # back to version 0
+        _sync(device)
+        sink = TorchSink(store, model, 0, dense_above=dense_above)
+        rows = []
+        for v in range(1, STEPS):
+            t0 = time.perf_counter()
+            up = sink.prepare(v)
+            t_prep = time.perf_counter() - t0
+            pause = sink.apply(up)
+            rows.append({"version": v, "changed": up.changed_elements / n_elem, "fetched_bytes": up.fetched_bytes,
+                         "prepare_s": t_prep, "pause_s": pause, "pause_best_s": min(pause, replay_seconds(sink, up, device)),
+                         "dense_tensors": sum(p.index is None for p in up.patches), "patched_tensors": len(up.patches)})
+        exact = same_bits(model, last)
+    pauses = [r["pause_best_s"] for r in rows]
+    return {
+        "lr": lr, "device": str(device), "model_bytes": n_bytes, "elements": n_elem,
+        "load_state_dict_s": t_load, "disk_load_s": t_disk,
+        "changed_mean": statistics.mean(r["changed"] for r in rows),
+        "prepare_median_s": statistics.median(r["prepare_s"] for r in rows),
+        "pause_median_s": statistics.median(pauses), "pause_max_s": max(pauses),
+        "first_pause_median_s": statistics.median(r["pause_s"] for r in rows),
+        "pause_ratio": statistics.median(pauses) / t_load, "bit_exact": exact, "steps": rows,
+    }
+
+
+def table(results: list[dict]) -> str:
+    head = (f"{'lr':>6} {'device':>6} {'model':>7} {'changed':>8} {'load_state_dict':>16} {'file+load':>10} "
+            f"{'prepare':>9} {'1st pause':>10} {'pause':>9} {'pause max':>10} {'pause/load':>11} {'exact':>6}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        lines.append(
+            f"{r['lr']:>6g} {r['device']:>6} {r['model_bytes'] / 1e6:>5.0f}MB {100 * r['changed_mean']:>7.2f}% "
+            f"{1e3 * r['load_state_dict_s']:>13.2f} ms {1e3 * r['disk_load_s']:>7.1f} ms {1e3 * r['prepare_median_s']:>6.1f} ms "
+            f"{1e3 * r['first_pause_median_s']:>7.2f} ms {1e3 * r['pause_median_s']:>6.2f} ms {1e3 * r['pause_max_s']:>7.2f} ms "
+            f"{100 * r['pause_ratio']:>10.1f}% "
+            f"{'yes' if r['bit_exact'] else 'NO':>6}"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--lr", type=float, action="append", help="learning rates (default: 1e-6 and 1e-5)")
+    ap.add_argument("--dense-above", type=float, default=0.25, help="copy a whole tensor above this changed fraction")
+    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    results = [run(lr, device, args.dense_above) for lr in (args.lr or [1e-6, 1e-5])]
+    print(table(results))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0 if all(r["bit_exact"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
