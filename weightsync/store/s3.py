@@ -1,4 +1,4 @@
-"""S3 backend: a :class:`Store` over any S3-compatible service, through boto3.
+"""S3 backend: a :class:`Store` over any S3-compatible service, through boto3's botocore.
 
 Objects live under ``s3://bucket/prefix/<key>``. The endpoint is the ``endpoint_url`` option, or
 boto3's own resolution (``AWS_ENDPOINT_URL``, config files); credentials come only from boto3's
@@ -23,6 +23,7 @@ No retries happen inside: botocore's own retries are off.
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 import threading
@@ -30,20 +31,16 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
+from http import HTTPStatus
 from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlsplit
 
-import boto3
+import botocore.exceptions
+import botocore.session
 import urllib3.exceptions
 from botocore.config import Config
-from botocore.exceptions import (
-    BotoCoreError,
-    ClientError,
-    ConnectionError as BotoConnectionError,
-    HTTPClientError,
-    IncompleteReadError,
-)
+from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError, IncompleteReadError
 
 from ..errors import (
     AlreadyExistsError,
@@ -63,21 +60,24 @@ _STREAM_BLOCK = MiB
 _CONFLICT_CODES = frozenset({"PreconditionFailed", "ConditionalRequestConflict"})
 _RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 _RETRYABLE_CODES = frozenset(
-    {"SlowDown", "Throttling", "ThrottlingException", "TooManyRequests", "RequestTimeout",
-     "RequestTimeoutException", "InternalError", "ServiceUnavailable"}
+    "SlowDown Throttling ThrottlingException TooManyRequests RequestTimeout "
+    "RequestTimeoutException InternalError ServiceUnavailable".split()
 )
 # Transport failures: connection refused/reset/closed, connect and read timeouts, bodies cut short.
 _TRANSPORT_ERRORS = (
-    BotoConnectionError,
+    botocore.exceptions.ConnectionError,
     HTTPClientError,
     IncompleteReadError,
     urllib3.exceptions.HTTPError,
     ConnectionError,
     TimeoutError,
 )
-_CHECKSUM_FIELDS = ("ChecksumCRC32", "ChecksumCRC32C", "ChecksumCRC64NVME", "ChecksumSHA1", "ChecksumSHA256")
+_CHECKSUM_FIELDS = tuple(
+    f"Checksum{name}" for name in ("CRC32", "CRC32C", "CRC64NVME", "SHA1", "SHA256")
+)
 
 T = TypeVar("T")
+ReadPart = Callable[[int, int], bytes]  # (offset, length) -> the bytes of one part
 
 
 @dataclass(frozen=True)
@@ -116,9 +116,20 @@ class S3Options:
             raise UsageError("connect_timeout and read_timeout must be > 0")
 
 
+@functools.cache
+def _shared_loader():
+    """botocore's API-model loader, shared: parsing the S3 model anew costs ~0.15 s a client."""
+    return botocore.session.get_session().get_component("data_loader")
+
+
 def _make_client(options: S3Options):
-    """A boto3 S3 client: s3v4, no botocore retries, pool sized for ``max_concurrency``."""
-    session = boto3.session.Session()
+    """An S3 client: s3v4, no botocore retries, pool sized for ``max_concurrency``.
+
+    Each store gets a fresh botocore session (boto3's engine), so credentials and endpoint
+    come from the standard chain at the time the store is opened.
+    """
+    session = botocore.session.get_session()
+    session.register_component("data_loader", _shared_loader())
 
     def build(path_style: bool):
         config = Config(
@@ -127,23 +138,32 @@ def _make_client(options: S3Options):
             max_pool_connections=options.max_concurrency,
             connect_timeout=options.connect_timeout,
             read_timeout=options.read_timeout,
-            retries={"max_attempts": 1, "mode": "standard"},
+            # One attempt: RetryingStore retries. (botocore's "max_attempts" counts retries, not
+            # attempts: max_attempts=1 would still retry once, after a sleep.)
+            retries={"total_max_attempts": 1, "mode": "standard"},
             tcp_keepalive=True,
         )
-        return session.client(
+        return session.create_client(
             "s3", endpoint_url=options.endpoint_url, region_name=options.region, config=config
         )
 
     client = build(path_style=options.endpoint_url is not None)
     host = urlsplit(client.meta.endpoint_url).hostname or ""
     if options.endpoint_url is None and not host.endswith(".amazonaws.com"):
+        client.close()
         client = build(path_style=True)  # a custom endpoint that boto3 found (AWS_ENDPOINT_URL)
     return client
 
 
 def _code_status(exc: ClientError) -> tuple[str, int]:
+    """The S3 error code and HTTP status; HEAD errors have no body, so their code is the phrase."""
     code = str(exc.response.get("Error", {}).get("Code") or "Unknown")
     status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+    if code == str(status):
+        try:
+            code = HTTPStatus(status).phrase.replace(" ", "")
+        except ValueError:
+            pass
     return code, status
 
 
@@ -184,20 +204,28 @@ class S3Store(Store):
 
     # -- error mapping -----------------------------------------------------------------------
 
-    def _error(self, op: str, key: str, what: str, *, cls=StoreError, retryable=False) -> StoreError:
+    def _error(
+        self, op: str, key: str, what: str, *, cls=StoreError, retryable=False
+    ) -> StoreError:
         err = cls(f"{self.url}: {op} {key}: {what}", key=key)
         err.retryable = retryable
         return err
 
     @contextmanager
     def _errors(self, op: str, key: str, conflict: type[StoreError] | None = None):
-        """Turn botocore failures into one-line store errors; ``conflict`` maps failed preconditions."""
+        """Turn botocore failures into one-line store errors.
+
+        ``conflict`` is the error for a failed precondition (412): AlreadyExists or
+        PreconditionFailed; None where the request had no precondition.
+        """
         try:
             yield
         except ClientError as exc:
             raise self._client_error(op, key, exc, conflict) from exc
         except _TRANSPORT_ERRORS as exc:
-            raise self._error(op, key, f"{type(exc).__name__}: {_one_line(exc)}", retryable=True) from exc
+            raise self._error(
+                op, key, f"{type(exc).__name__}: {_one_line(exc)}", retryable=True
+            ) from exc
         except BotoCoreError as exc:  # no credentials, invalid parameters...
             raise self._error(op, key, f"{type(exc).__name__}: {_one_line(exc)}") from exc
 
@@ -208,27 +236,28 @@ class S3Store(Store):
             return self._error(op, key, f"{what}: precondition failed", cls=conflict)
         if conflict is PreconditionFailedError and code == "NoSuchKey":  # If-Match on a missing key
             return self._error(op, key, f"{what}: precondition failed", cls=conflict)
-        if code in ("NoSuchKey", "NotFound") or (status == 404 and code == "404"):
+        if code in ("NoSuchKey", "NotFound"):
             return self._error(op, key, what, cls=NotFoundError)
         retryable = status in _RETRYABLE_STATUS or code in _RETRYABLE_CODES
         return self._error(op, key, what, retryable=retryable)
 
     # -- small objects -----------------------------------------------------------------------
 
-    def _full(self, key: str) -> str:
-        return self._key_prefix + check_key(key)
+    def _obj(self, key: str) -> dict[str, str]:
+        """Bucket and full key of ``key``, as boto3 arguments; rejects invalid keys."""
+        return {"Bucket": self.bucket, "Key": self._key_prefix + check_key(key)}
 
     def get(self, key: str) -> bytes:
         return self.get_with_etag(key)[0]
 
     def get_with_etag(self, key: str) -> tuple[bytes, str]:
-        full = self._full(key)
+        obj = self._obj(key)
         with self._errors("GET", key):
-            resp = self._client.get_object(Bucket=self.bucket, Key=full)
+            resp = self._client.get_object(**obj)
             return resp["Body"].read(), resp["ETag"]
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
-        full = self._full(key)
+        obj = self._obj(key)
         if start < 0 or length < 0:
             raise self._error("GET", key, f"invalid range start={start} length={length}")
         if length == 0:
@@ -237,9 +266,7 @@ class S3Store(Store):
             return b""
         with self._errors("GET", key):
             try:
-                resp = self._client.get_object(
-                    Bucket=self.bucket, Key=full, Range=f"bytes={start}-{start + length - 1}"
-                )
+                resp = self._client.get_object(**obj, Range=f"bytes={start}-{start + length - 1}")
             except ClientError as exc:
                 if _code_status(exc)[1] == 416:  # start at or past the end of an existing object
                     return b""
@@ -255,22 +282,22 @@ class S3Store(Store):
             self._put_multipart(key, view.nbytes, lambda off, n: bytes(view[off : off + n]), mode)
             return
         body = data if isinstance(data, (bytes, bytearray)) else view.tobytes()
-        full = self._full(key)
+        obj = self._obj(key)
         with self._errors("PUT", key, conflict):
-            self._client.put_object(Bucket=self.bucket, Key=full, Body=body, **conditions)
+            self._client.put_object(**obj, Body=body, **conditions)
 
     def put_if_match(self, key: str, data: bytes, etag: str | None) -> None:
         """One conditional PUT (never multipart: S3 caps a single PUT at 5 GiB)."""
-        full = self._full(key)
+        obj = self._obj(key)
         condition = {"IfNoneMatch": "*"} if etag is None else {"IfMatch": etag}
         with self._errors("PUT", key, PreconditionFailedError):
-            self._client.put_object(Bucket=self.bucket, Key=full, Body=bytes(data), **condition)
+            self._client.put_object(**obj, Body=bytes(data), **condition)
 
     def head(self, key: str) -> int | None:
-        full = self._full(key)
+        obj = self._obj(key)
         with self._errors("HEAD", key):
             try:
-                resp = self._client.head_object(Bucket=self.bucket, Key=full)
+                resp = self._client.head_object(**obj)
             except ClientError as exc:
                 if _code_status(exc)[1] == 404:
                     return None
@@ -290,10 +317,10 @@ class S3Store(Store):
         return iter(sorted(k for k in keys if k and not k.endswith("/")))
 
     def delete(self, key: str) -> None:
-        full = self._full(key)
+        obj = self._obj(key)
         with self._errors("DELETE", key):
             try:
-                self._client.delete_object(Bucket=self.bucket, Key=full)
+                self._client.delete_object(**obj)
             except ClientError as exc:
                 if _code_status(exc)[1] != 404:
                     raise
@@ -307,14 +334,16 @@ class S3Store(Store):
 
     # -- large objects -----------------------------------------------------------------------
 
-    def put_file(self, key: str, path: str | os.PathLike[str], *, mode: PutMode = "overwrite") -> None:
+    def put_file(
+        self, key: str, path: str | os.PathLike[str], *, mode: PutMode = "overwrite"
+    ) -> None:
         """Upload a local file, multipart above ``multipart_threshold``.
 
         Memory: at most ``max_parts_in_flight * part_size`` bytes of part buffers; small files
         are streamed from disk by botocore.
         """
         conditions, conflict = self._put_conditions(mode)
-        full = self._full(key)
+        obj = self._obj(key)
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size > self.options.multipart_threshold:
@@ -322,7 +351,7 @@ class S3Store(Store):
                 self._put_multipart(key, size, lambda off, n: os.pread(fd, n, off), mode)
                 return
             with self._errors("PUT", key, conflict):
-                self._client.put_object(Bucket=self.bucket, Key=full, Body=f, **conditions)
+                self._client.put_object(**obj, Body=f, **conditions)
 
     def get_to_file(self, key: str, path: str | os.PathLike[str]) -> int:
         """Download an object to ``path`` (temp file, then ``os.replace``); returns its size.
@@ -353,42 +382,39 @@ class S3Store(Store):
             return {}, None
         raise UsageError(f"put mode must be 'create' or 'overwrite', got {mode!r}")
 
-    def _put_multipart(self, key: str, size: int, read_part: Callable[[int, int], bytes], mode: str) -> None:
+    def _put_multipart(self, key: str, size: int, read_part: ReadPart, mode: str) -> None:
         """Multipart upload; ``read_part(offset, length)`` runs on worker threads."""
         conditions, conflict = self._put_conditions(mode)
         if mode == "create" and self.head(key) is not None:  # skip a doomed upload early
             raise self._error("PUT", key, "object exists", cls=AlreadyExistsError)
-        full = self._full(key)
+        obj = self._obj(key)
         part_size = max(self.options.part_size, -(-size // MAX_PARTS))
         with self._errors("PUT (start multipart)", key):
-            upload_id = self._client.create_multipart_upload(
-                Bucket=self.bucket, Key=full, ChecksumAlgorithm="CRC32"
-            )["UploadId"]
+            upload = self._client.create_multipart_upload(**obj, ChecksumAlgorithm="CRC32")
+        obj["UploadId"] = upload["UploadId"]
         try:
             jobs = (
-                self._part_job(key, upload_id, number, offset, min(part_size, size - offset), read_part)
+                self._part_job(key, obj, number, offset, min(part_size, size - offset), read_part)
                 for number, offset in enumerate(range(0, size, part_size), start=1)
             )
             parts = self._run_bounded(jobs)
             with self._errors("PUT (complete multipart)", key, conflict):
                 self._client.complete_multipart_upload(
-                    Bucket=self.bucket, Key=full, UploadId=upload_id,
-                    MultipartUpload={"Parts": parts}, **conditions,
+                    **obj, MultipartUpload={"Parts": parts}, **conditions
                 )
         except BaseException:
             try:
-                self._client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id)
+                self._client.abort_multipart_upload(**obj)
             except (BotoCoreError, ClientError):
                 pass  # best effort; a bucket lifecycle rule reaps what is left
             raise
 
-    def _part_job(self, key, upload_id, number, offset, length, read_part) -> Callable[[], dict]:
+    def _part_job(self, key, obj, number, offset, length, read_part) -> Callable[[], dict]:
         def upload() -> dict:
             body = read_part(offset, length)
             with self._errors(f"PUT (part {number})", key):
                 resp = self._client.upload_part(
-                    Bucket=self.bucket, Key=self._full(key), UploadId=upload_id,
-                    PartNumber=number, Body=body, ChecksumAlgorithm="CRC32",
+                    **obj, PartNumber=number, Body=body, ChecksumAlgorithm="CRC32"
                 )
             part = {"PartNumber": number, "ETag": resp["ETag"]}
             part.update({k: resp[k] for k in _CHECKSUM_FIELDS if k in resp})
@@ -397,48 +423,51 @@ class S3Store(Store):
         return upload
 
     def _download(self, key: str, fd: int) -> int:
-        full = self._full(key)
-        part_size = self.options.part_size
+        """First part alone (it tells the size and ETag), then the others in parallel."""
+        obj, part_size = self._obj(key), self.options.part_size
         with self._errors("GET", key):
             try:
-                resp = self._client.get_object(Bucket=self.bucket, Key=full, Range=f"bytes=0-{part_size - 1}")
+                resp = self._client.get_object(**obj, Range=f"bytes=0-{part_size - 1}")
             except ClientError as exc:
                 if _code_status(exc)[1] != 416:
                     raise
-                resp = self._client.get_object(Bucket=self.bucket, Key=full)  # 0 bytes: no range fits
-            content_range = resp.get("ContentRange")
-            total = int(content_range.rsplit("/", 1)[1]) if content_range else int(resp["ContentLength"])
+                resp = self._client.get_object(**obj)  # a 0-byte object: no range fits
             _stream_to(resp["Body"], fd, 0)
-        etag = resp["ETag"]
+        if "ContentRange" not in resp:  # the whole object came back
+            return int(resp["ContentLength"])
+        total = int(resp["ContentRange"].rsplit("/", 1)[1])
         jobs = (
-            self._range_job(key, etag, fd, offset, min(part_size, total - offset))
-            for offset in range(part_size, total if content_range else 0, part_size)
+            self._range_job(key, resp["ETag"], fd, offset, min(part_size, total - offset))
+            for offset in range(part_size, total, part_size)
         )
         self._run_bounded(jobs)
         return total
 
-    def _range_job(self, key: str, etag: str, fd: int, offset: int, length: int) -> Callable[[], None]:
+    def _range_job(self, key, etag, fd, offset, length) -> Callable[[], None]:
         def fetch() -> None:
+            byte_range = f"bytes={offset}-{offset + length - 1}"
             with self._errors("GET", key):
                 try:
-                    resp = self._client.get_object(
-                        Bucket=self.bucket, Key=self._full(key), IfMatch=etag,
-                        Range=f"bytes={offset}-{offset + length - 1}",
-                    )
+                    resp = self._client.get_object(**self._obj(key), IfMatch=etag, Range=byte_range)
                 except ClientError as exc:
                     if _code_status(exc)[1] != 412:
                         raise
-                    raise self._error("GET", key, "object changed during download", retryable=True) from exc
+                    changed = self._error("GET", key, "object changed during download")
+                    changed.retryable = True
+                    raise changed from exc
                 written = _stream_to(resp["Body"], fd, offset)
             if written != length:
-                raise self._error("GET", key, f"range at {offset}: got {written} of {length} bytes", retryable=True)
+                short = f"{byte_range}: got {written} of {length} bytes"
+                raise self._error("GET", key, short, retryable=True)
 
         return fetch
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._pool_lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.options.max_concurrency, thread_name_prefix="s3store")
+                self._pool = ThreadPoolExecutor(
+                    self.options.max_concurrency, thread_name_prefix="s3store"
+                )
             return self._pool
 
     def _run_bounded(self, jobs: Iterable[Callable[[], T]]) -> list[T]:

@@ -1,0 +1,244 @@
+"""S3Store on a real SeaweedFS: what the shared contract cannot show.
+
+Races between processes, credentials, error mapping, file transfers, restarts. The contract
+itself (tests/unit/test_store_contract.py) also runs against SeaweedFS.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from seaweed import free_port
+
+from weightsync.errors import NotFoundError, StoreError, UsageError
+from weightsync.store import open_store
+from weightsync.store.retry import RetryingStore, RetryPolicy
+from weightsync.store.s3 import S3Options, S3Store
+
+MiB = 1 << 20
+SMALL_PARTS = {"multipart_threshold": 6 * MiB, "part_size": 5 * MiB, "max_parts_in_flight": 2}
+REPO = Path(__file__).resolve().parents[2]
+
+# A racer: reads "key tag payload" lines, tries put_if_match, answers "win" or "lost".
+RACER = textwrap.dedent(
+    """
+    import sys
+    from weightsync.errors import PreconditionFailedError
+    from weightsync.store import open_store
+
+    store = open_store(sys.argv[1])
+    store.head("warm-up")  # open the connection before the first round
+    print("ready", flush=True)
+    for line in sys.stdin:
+        key, tag, payload = line.split()
+        try:
+            store.put_if_match(key, payload.encode(), None if tag == "-" else tag)
+            print("win", flush=True)
+        except PreconditionFailedError:
+            print("lost", flush=True)
+    """
+)
+
+
+def _one_line(err: Exception) -> str:
+    text = str(err)
+    assert "\n" not in text and text.startswith("s3://")
+    return text
+
+
+@pytest.mark.integration
+def test_processes_racing_put_if_match_have_one_winner(s3_url):
+    store = open_store(s3_url)
+    racers = [
+        subprocess.Popen(
+            [sys.executable, "-c", RACER, s3_url],
+            cwd=REPO,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        for _ in range(2)
+    ]
+    try:
+        assert [p.stdout.readline().strip() for p in racers] == ["ready", "ready"]
+        for round_ in range(4):
+            key = f"head-{round_ // 2}"
+            if round_ % 2:  # compare-and-swap on the current tag
+                tag = store.get_with_etag(key)[1]
+            else:  # create-if-absent
+                tag = "-"
+            for i, p in enumerate(racers):
+                p.stdin.write(f"{key} {tag} r{round_}-p{i}\n")
+                p.stdin.flush()
+            answers = [p.stdout.readline().strip() for p in racers]
+            assert sorted(answers) == ["lost", "win"], answers
+            assert store.get(key) == f"r{round_}-p{answers.index('win')}".encode()
+    finally:
+        for p in racers:
+            p.stdin.close()
+            p.wait(timeout=30)
+    assert [p.returncode for p in racers] == [0, 0]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    "variable, value, code",
+    [
+        ("AWS_SECRET_ACCESS_KEY", "not-the-secret", "SignatureDoesNotMatch (403)"),
+        ("AWS_ACCESS_KEY_ID", "nobody", "InvalidAccessKeyId (403)"),
+    ],
+)
+def test_wrong_credentials_fail_clearly(s3_url, monkeypatch, variable, value, code):
+    open_store(s3_url).put("secret", b"x")
+    monkeypatch.setenv(variable, value)
+    store = open_store(s3_url)
+    for op, call in [
+        ("PUT", lambda: store.put("secret", b"y")),
+        ("GET", lambda: store.get("secret")),
+    ]:
+        with pytest.raises(StoreError) as info:
+            call()
+        err = info.value
+        assert type(err) is StoreError and err.key == "secret" and err.retryable is False
+        assert _one_line(err) == f"{store.url}: {op} secret: {code}"
+        assert err.__cause__ is not None
+    with pytest.raises(StoreError, match=r"HEAD secret: Forbidden \(403\)"):
+        store.head("secret")
+
+
+@pytest.mark.integration
+def test_missing_bucket_is_not_a_missing_key(s3_env):
+    store = open_store("s3://no-such-bucket/p")
+    with pytest.raises(StoreError) as info:
+        store.get("k")
+    assert not isinstance(info.value, NotFoundError)
+    assert _one_line(info.value) == "s3://no-such-bucket/p: GET k: NoSuchBucket (404)"
+    with pytest.raises(StoreError, match="LIST '': NoSuchBucket"):
+        list(store.list())
+
+
+@pytest.mark.integration
+def test_not_found_message(s3_url):
+    with pytest.raises(NotFoundError) as info:
+        open_store(s3_url).get("chunks/ab/ab12")
+    assert _one_line(info.value) == f"{s3_url}: GET chunks/ab/ab12: NoSuchKey (404)"
+
+
+@pytest.fixture
+def fake_credentials(monkeypatch, tmp_path):
+    """Credentials that sign requests, for tests that never reach a server."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "fake")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "fake")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+
+
+def test_unreachable_endpoint_is_retryable(fake_credentials):
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    store = S3Store.from_url(
+        "s3://bucket/p", endpoint_url=endpoint, region="us-east-1", connect_timeout=1
+    )
+    sent = []
+    store._client.meta.events.register("before-send.s3", lambda **kw: sent.append(1))
+    with pytest.raises(StoreError) as info:
+        store.head("k")
+    assert info.value.retryable is True
+    assert len(sent) == 1  # botocore itself does not retry
+    assert "HEAD k: EndpointConnectionError: Could not connect" in _one_line(info.value)
+    retries = []
+    wrapped = RetryingStore(
+        store, RetryPolicy(attempts=3, base_delay=0.0), on_retry=lambda *a: retries.append(a)
+    )
+    with pytest.raises(StoreError, match="gave up after 3 attempts") as info:
+        wrapped.get("k")
+    assert info.value.__cause__.retryable is True and len(retries) == 2
+
+
+@pytest.mark.integration
+def test_endpoint_option_and_localhost_endpoint(s3_env, s3_url, monkeypatch):
+    port = s3_env.endpoint.rsplit(":", 1)[1]
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    with open_store(s3_url, endpoint_url=s3_env.endpoint) as store:
+        store.put("k", b"explicit")
+    # An endpoint boto3 finds itself must get path-style addressing (bucket.localhost fails).
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://localhost:{port}")
+    with open_store(s3_url) as store:
+        assert store.get("k") == b"explicit"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("size", [0, 1, 5 * MiB, 11 * MiB + 7])
+def test_put_file_and_get_to_file(s3_url, tmp_path, size):
+    data = os.urandom(size)
+    source = tmp_path / "source.bin"
+    source.write_bytes(data)
+    with open_store(s3_url, **SMALL_PARTS) as store:
+        store.put_file("files/blob", source, mode="create")
+        assert store.head("files/blob") == size
+        target = tmp_path / "out" / "blob.bin"
+        assert store.get_to_file("files/blob", target) == size
+    assert target.read_bytes() == data
+    assert sorted(p.name for p in target.parent.iterdir()) == ["blob.bin"]
+
+
+@pytest.mark.integration
+def test_get_to_file_missing_leaves_nothing(s3_url, tmp_path):
+    with pytest.raises(NotFoundError):
+        open_store(s3_url).get_to_file("nope", tmp_path / "x")
+    assert list(tmp_path.iterdir()) == []
+
+
+class _OverwriteMidDownload(S3Store):
+    """Overwrites the object after the first part was read, as a concurrent publisher would."""
+
+    def _range_job(self, key, etag, fd, offset, length):
+        self.put(key, b"new version" * MiB)
+        return super()._range_job(key, etag, fd, offset, length)
+
+
+@pytest.mark.integration
+def test_get_to_file_refuses_to_mix_versions(s3_url, tmp_path):
+    bucket, prefix = s3_url[len("s3://") :].split("/", 1)
+    store = _OverwriteMidDownload(bucket, prefix, S3Options(**SMALL_PARTS))
+    store.put("blob", os.urandom(11 * MiB))
+    with pytest.raises(StoreError, match="changed during download") as info:
+        store.get_to_file("blob", tmp_path / "blob")
+    assert info.value.retryable is True
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_options_are_validated(fake_credentials):
+    with pytest.raises(UsageError, match="unknown S3 store options"):
+        S3Store.from_url("s3://bucket/p", endpoint="http://x")
+    with pytest.raises(UsageError, match="part_size"):
+        S3Options(part_size=MiB)
+    with pytest.raises(UsageError, match="max_parts_in_flight"):
+        S3Options(max_concurrency=4, max_parts_in_flight=8)
+    for url in ["s3:///p", "s3://bucket/a/../b", "http://bucket/p"]:
+        with pytest.raises(UsageError):
+            S3Store.from_url(url)
+    store = S3Store.from_url(
+        "s3://bucket/a/b/", endpoint_url="http://127.0.0.1:1", region="us-east-1"
+    )
+    assert store.url == "s3://bucket/a/b" and store.options.max_concurrency == 64
+    with pytest.raises(UsageError, match="put mode"):
+        store.put("k", b"", mode="append")  # type: ignore[arg-type]
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_objects_survive_a_server_restart(s3_url, s3_env):
+    store = open_store(s3_url)
+    store.put("durable", b"kept")
+    s3_env.stop()
+    with pytest.raises(StoreError) as info:
+        store.get("durable")
+    assert info.value.retryable is True
+    s3_env.start()
+    assert store.get("durable") == b"kept"

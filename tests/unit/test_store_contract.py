@@ -1,0 +1,246 @@
+"""One contract, every backend: memory, file, and S3 on a real SeaweedFS (marked integration).
+
+Every backend must behave the same for the operations weightsync relies on; a backend-specific
+quirk belongs in that backend, not in its callers.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from weightsync.errors import AlreadyExistsError, NotFoundError, PreconditionFailedError, StoreError
+from weightsync.store import FileStore, MemoryStore, open_store
+from weightsync.store.retry import RetryingStore, RetryPolicy
+
+MiB = 1 << 20
+# S3 parts must be >= 5 MiB; a small threshold makes BIG a 3-part multipart upload.
+S3_OPTIONS = {"multipart_threshold": 6 * MiB, "part_size": 5 * MiB, "max_parts_in_flight": 3}
+BIG = 11 * MiB + 123
+
+BACKENDS = ["memory", "file", "retry", pytest.param("s3", marks=pytest.mark.integration)]
+
+
+@pytest.fixture(params=BACKENDS)
+def store(request, tmp_path):
+    if request.param == "memory":
+        backend = MemoryStore("contract")
+    elif request.param == "file":
+        backend = FileStore(tmp_path / "store", fsync=False)
+    elif request.param == "retry":  # wrappers implement the same protocol
+        backend = RetryingStore(MemoryStore("contract"), RetryPolicy(attempts=2, base_delay=0.0))
+    else:
+        backend = open_store(request.getfixturevalue("s3_url"), **S3_OPTIONS)
+    with backend:
+        yield backend
+
+
+def pattern(size: int, seed: int = 0) -> bytes:
+    """Deterministic binary data with every byte value, cheap to build even for many MiB."""
+    block = bytes((i * 131 + seed) % 256 for i in range(65_521))  # prime length: no 2**k period
+    return (block * (size // len(block) + 1))[:size]
+
+
+# -- get / put -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("data", [b"", b"\x00", b"hello", bytes(range(256)) * 3, b"\x00" * 1000])
+def test_round_trip(store, data):
+    store.put("obj", data)
+    assert store.get("obj") == data
+    assert store.head("obj") == len(data)
+
+
+def test_put_accepts_memoryview_and_overwrites(store):
+    store.put("a/b", memoryview(b"first"))
+    store.put("a/b", memoryview(bytearray(b"second!"))[1:])
+    assert store.get("a/b") == b"econd!"
+
+
+def test_missing_key(store):
+    with pytest.raises(NotFoundError) as info:
+        store.get("nope")
+    assert info.value.key == "nope"
+    with pytest.raises(NotFoundError):
+        store.get_with_etag("nope")
+    with pytest.raises(NotFoundError):
+        store.get_range("nope", 0, 10)
+    assert store.head("nope") is None
+
+
+@pytest.mark.parametrize(
+    "start, length, expected",
+    [
+        (0, 10, b"0123456789"),
+        (0, 100, b"0123456789"),  # longer than the object: truncated
+        (3, 4, b"3456"),
+        (9, 1, b"9"),
+        (9, 5, b"9"),
+        (10, 5, b""),  # at the end
+        (50, 5, b""),  # past the end
+        (4, 0, b""),  # empty range
+    ],
+)
+def test_get_range(store, start, length, expected):
+    store.put("r", b"0123456789")
+    assert store.get_range("r", start, length) == expected
+
+
+def test_get_range_of_empty_object(store):
+    store.put("empty", b"")
+    assert store.get_range("empty", 0, 10) == b""
+    assert store.get_range("empty", 0, 0) == b""
+
+
+@pytest.mark.parametrize(
+    "key", ["", "/abs", "a/../b", "..", "./a", "a//b", "a/", "a b", "a\\b", "a/./b", "é"]
+)
+def test_invalid_keys_rejected(store, key):
+    for call in (
+        lambda: store.put(key, b"x"),
+        lambda: store.get(key),
+        lambda: store.get_range(key, 0, 1),
+        lambda: store.head(key),
+        lambda: store.delete(key),
+        lambda: store.put_if_match(key, b"x", None),
+    ):
+        with pytest.raises(StoreError) as info:
+            call()
+        assert not isinstance(info.value, NotFoundError)
+    assert list(store.list()) == []
+
+
+def test_big_object(store):
+    data = pattern(BIG, seed=7)
+    store.put("big/blob", data)
+    assert store.head("big/blob") == BIG
+    assert store.get("big/blob") == data
+    assert store.get_range("big/blob", 5 * MiB - 3, 10) == data[5 * MiB - 3 : 5 * MiB + 7]
+    with pytest.raises(AlreadyExistsError):
+        store.put("big/blob", data, mode="create")
+    assert list(store.list("big/")) == ["big/blob"]
+
+
+# -- create mode and conditional updates ----------------------------------------------------
+
+
+def test_create_mode(store):
+    store.put("c", b"one", mode="create")
+    with pytest.raises(AlreadyExistsError) as info:
+        store.put("c", b"two", mode="create")
+    assert info.value.key == "c"
+    assert store.get("c") == b"one"
+    store.put("c", b"three", mode="overwrite")
+    assert store.get("c") == b"three"
+
+
+def test_put_if_match(store):
+    store.put_if_match("head", b"v1", None)  # None: only if absent
+    with pytest.raises(PreconditionFailedError):
+        store.put_if_match("head", b"v1-again", None)
+    data, tag1 = store.get_with_etag("head")
+    assert data == b"v1"
+    store.put_if_match("head", b"v2", tag1)
+    data, tag2 = store.get_with_etag("head")
+    assert data == b"v2" and tag2 != tag1
+    with pytest.raises(PreconditionFailedError) as info:
+        store.put_if_match("head", b"stale", tag1)
+    assert info.value.key == "head"
+    assert store.get("head") == b"v2"
+    store.delete("head")
+    with pytest.raises(PreconditionFailedError):
+        store.put_if_match("head", b"gone", tag2)  # a tag cannot resurrect a deleted object
+    assert store.head("head") is None
+
+
+# SeaweedFS queues contending conditional writes on one key behind a lock it retries in ~1 s
+# steps, so each extra writer can add a second; a few writers still race for real.
+WRITERS = 4
+
+
+def _race(workers: int, attempt) -> list[int]:
+    """Run ``attempt(i)`` in ``workers`` threads released together; indices that succeeded."""
+    barrier = threading.Barrier(workers)
+    winners: list[int] = []
+    failures: list[BaseException] = []
+
+    def run(i: int) -> None:
+        barrier.wait()
+        try:
+            attempt(i)
+            winners.append(i)
+        except (AlreadyExistsError, PreconditionFailedError):
+            pass
+        except BaseException as exc:  # anything else fails the test below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(workers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    return winners
+
+
+def test_concurrent_create_has_one_winner(store):
+    for round_ in range(2):
+        key = f"race/create-{round_}"
+        winners = _race(WRITERS, lambda i, key=key: store.put(key, b"writer-%d" % i, mode="create"))
+        assert len(winners) == 1
+        assert store.get(key) == b"writer-%d" % winners[0]
+
+
+def test_concurrent_put_if_match_has_one_winner(store):
+    # Payloads differ between rounds: tags may be content hashes, and rewriting the current
+    # bytes would legitimately keep the tag valid for the next writer.
+    store.put("race/head", b"base")
+    for round_ in range(2):
+        _, tag = store.get_with_etag("race/head")
+        payload = [b"round-%d-writer-%d" % (round_, i) for i in range(WRITERS)]
+
+        def attempt(i, payload=payload, tag=tag):
+            store.put_if_match("race/head", payload[i], tag)
+
+        winners = _race(WRITERS, attempt)
+        assert len(winners) == 1
+        assert store.get("race/head") == payload[winners[0]]
+
+
+# -- list and delete -------------------------------------------------------------------------
+
+
+def test_list(store):
+    keys = ["a/b/c", "a/bc", "a-b", "a.b", "ab", "B", "chunks/ab/ab12", "chunks/ab/ab13", "z"]
+    for key in reversed(keys):
+        store.put(key, b"k")
+    assert list(store.list()) == sorted(keys)
+    assert list(store.list("a")) == ["a-b", "a.b", "a/b/c", "a/bc", "ab"]
+    assert list(store.list("a/")) == ["a/b/c", "a/bc"]
+    assert list(store.list("a/b")) == ["a/b/c", "a/bc"]
+    assert list(store.list("a/b/")) == ["a/b/c"]
+    assert list(store.list("chunks/ab/ab1")) == ["chunks/ab/ab12", "chunks/ab/ab13"]
+    assert list(store.list("nothing")) == []
+
+
+def test_list_empty_store(store):
+    assert list(store.list()) == []
+    assert list(store.list("x/")) == []
+
+
+def test_delete_is_idempotent(store):
+    store.put("d/x", b"1")
+    store.put("d/y", b"2")
+    store.delete("d/x")
+    store.delete("d/x")
+    store.delete("never/was")
+    assert store.head("d/x") is None
+    with pytest.raises(NotFoundError):
+        store.get("d/x")
+    assert list(store.list("d/")) == ["d/y"]
+
+
+def test_pattern_is_binary():
+    data = pattern(70_000)
+    assert set(data) == set(range(256)) and data != pattern(70_000, seed=1)
