@@ -1,0 +1,666 @@
+"""Bit-exact tensor codecs: round trips over every dtype, integer helpers, hostile payloads, compression.
+
+Every comparison is on raw bytes (uint8 arrays or integer views), never on float values.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import numpy as np
+import pytest
+import torch
+import zstandard
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from weightsync.codec import (
+    MAGIC, MAX_BLOCK_ELEMS, CodecConfig, decode_tensor, encode_tensor, from_planes, to_planes, unzigzag, zigzag,
+)
+from weightsync.dtypes import INT_VIEW, ITEMSIZE, UINT_VIEW
+from weightsync.errors import FormatError, UsageError, WeightsyncError
+from weightsync.synth import to_bf16_bits
+
+FAST = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+# Payload container layout (docs/FORMAT.md "Payloads"), restated here so the tests pin the format:
+HEADER = struct.Struct("<4sBBHQQI")  # magic, codec id, elem width, reserved, n elems, block elems, n blocks
+SPARSE = struct.Struct("<IBBHI")  # changed count, gap width, reserved, reserved, compressed gaps length
+CODEC_ID = {"full": 1, "sparse": 2, "dense": 3}
+
+# Bit patterns that float arithmetic would lose or normalise: NaN payloads (quiet and signalling,
+# both signs), -0.0, infinities, subnormals, extremes of every integer type.
+SPECIALS: dict[str, list[int]] = {
+    "BOOL": [0, 1],
+    "U8": [0, 1, 0x7F, 0x80, 0xFF],
+    "I8": [0, 1, 0x7F, 0x80, 0xFF],
+    "F8_E4M3": [0x00, 0x80, 0x7F, 0xFF, 0x01, 0x81, 0x07, 0x7E, 0xFE],
+    "F8_E5M2": [0x00, 0x80, 0x7C, 0xFC, 0x7D, 0x7E, 0xFF, 0x01, 0x03, 0x7B],
+    "F8_E8M0": [0x00, 0x7F, 0xFE, 0xFF],
+    "I16": [0, 1, 0x7FFF, 0x8000, 0xFFFF],
+    "U16": [0, 1, 0x7FFF, 0x8000, 0xFFFF],
+    "F16": [0x0000, 0x8000, 0x7C00, 0xFC00, 0x7E01, 0x7C01, 0xFE55, 0x0001, 0x03FF, 0x8001, 0x7BFF, 0xFBFF],
+    "BF16": [0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC1, 0x7F81, 0xFFC0, 0x0001, 0x007F, 0x8001, 0x7F7F, 0xFF7F],
+    "I32": [0, 1, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF],
+    "U32": [0, 1, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF],
+    "F32": [0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00001, 0x7F800001, 0xFFFFFFFF,
+            0x00000001, 0x007FFFFF, 0x80000001, 0x7F7FFFFF, 0xFF7FFFFF],
+    "I64": [0, 1, 2**63 - 1, 2**63, 2**64 - 1],
+    "U64": [0, 1, 2**63 - 1, 2**63, 2**64 - 1],
+    "F64": [0, 2**63, 0x7FF0000000000000, 0xFFF0000000000000, 0x7FF0000000000001, 0xFFF800000000DEAD,
+            0x7FF8000000000000, 1, 0x000FFFFFFFFFFFFF, 0x8000000000000001, 0x7FEFFFFFFFFFFFFF],
+}
+assert set(SPECIALS) == set(ITEMSIZE), "every dtype needs edge values"
+
+DTYPES = sorted(ITEMSIZE)
+DENSITIES = ("none", "one", "sparse", "dense", "all")
+
+
+def raw(values: np.ndarray) -> np.ndarray:
+    """The raw little-endian bytes of an integer array as a 1-D uint8 array."""
+    return np.ascontiguousarray(values).reshape(-1).view(np.uint8)
+
+
+def make_tensor(dtype: str, n: int, rng: np.random.Generator, special_frac: float) -> np.ndarray:
+    """``n`` random elements of ``dtype`` (as unsigned bit patterns) with some edge values mixed in."""
+    width = ITEMSIZE[dtype]
+    view = UINT_VIEW[width]
+    if dtype == "BOOL":
+        vals = rng.integers(0, 2, n, dtype=np.uint8)
+    else:
+        vals = rng.integers(0, np.iinfo(view).max, n, dtype=view, endpoint=True)
+    specials = np.array(SPECIALS[dtype], dtype=view)
+    mask = rng.random(n) < special_frac
+    vals[mask] = rng.choice(specials, int(mask.sum()))
+    return vals
+
+
+def perturb(dtype: str, old: np.ndarray, density: str, rng: np.random.Generator) -> np.ndarray:
+    """A copy of ``old`` with a controlled fraction of elements changed (each changed element differs)."""
+    new = old.copy()
+    n = old.size
+    if density == "none" or n == 0:
+        return new
+    if density == "one":
+        idx = rng.integers(0, n, 1)
+    elif density == "sparse":
+        idx = np.flatnonzero(rng.random(n) < 0.05)
+        if idx.size == 0:
+            idx = rng.integers(0, n, 1)
+    elif density == "dense":
+        idx = np.flatnonzero(rng.random(n) < 0.6)
+    else:
+        idx = np.arange(n)
+    width = ITEMSIZE[dtype]
+    view = UINT_VIEW[width]
+    if dtype == "BOOL":
+        new[idx] = 1 - old[idx]
+        return new
+    # mix +/-1 ulp steps (the common RL case), wrap-around edges and arbitrary bit changes
+    kind = rng.integers(0, 3, idx.size)
+    delta = np.ones(idx.size, dtype=view)
+    delta[kind == 1] = np.iinfo(view).max  # -1, wrapping
+    arbitrary = rng.integers(1, np.iinfo(view).max, idx.size, dtype=view, endpoint=True)
+    delta[kind == 2] = arbitrary[kind == 2]
+    new[idx] = old[idx] + delta  # wrapping; every delta is non-zero so every chosen element changes
+    return new
+
+
+shapes = st.one_of(
+    st.just(()),  # scalar
+    st.lists(st.integers(0, 3), min_size=1, max_size=3).map(tuple),  # often empty
+    st.lists(st.integers(1, 9), min_size=1, max_size=3).map(tuple),
+    st.integers(0, 300).map(lambda n: (n,)),
+)
+configs = st.one_of(
+    st.builds(CodecConfig, block_bytes=st.integers(8, 64)),
+    st.builds(CodecConfig, block_bytes=st.integers(8, 64), dense_above=st.sampled_from([0.0, 1.0])),
+    st.just(CodecConfig()),
+)
+
+
+@st.composite
+def tensor_pairs(draw):
+    dtype = draw(st.sampled_from(DTYPES))
+    shape = draw(shapes)
+    density = draw(st.sampled_from(DENSITIES))
+    seed = draw(st.integers(0, 2**32 - 1))
+    special_frac = draw(st.sampled_from([0.0, 0.3, 1.0]))
+    rng = np.random.default_rng(seed)
+    old = make_tensor(dtype, math.prod(shape), rng, special_frac)
+    new = perturb(dtype, old, density, rng)
+    return dtype, shape, old, new, draw(configs)
+
+
+def header_of(payload: bytes) -> tuple:
+    return HEADER.unpack_from(payload)
+
+
+# --- round trips ---------------------------------------------------------------------------------
+@FAST
+@given(tensor_pairs())
+def test_full_round_trip_is_byte_identical(case):
+    dtype, shape, _, new, cfg = case
+    enc = encode_tensor(dtype, raw(new), None, cfg)
+    assert enc.codec == "full"
+    assert enc.changed == new.size
+    out = decode_tensor(dtype, "full", enc.payload, None, new.nbytes)
+    assert out.dtype == np.uint8 and out.shape == (new.nbytes,)
+    assert np.array_equal(out, raw(new))
+    magic, cid, width, _, n, step, n_blocks = header_of(enc.payload)
+    assert (magic, cid, width, n) == (MAGIC, CODEC_ID["full"], ITEMSIZE[dtype], new.size)
+    assert step == cfg.block_elems(ITEMSIZE[dtype]) and n_blocks == -(-new.size // step)
+
+
+@FAST
+@given(tensor_pairs())
+def test_delta_round_trip_is_byte_identical(case):
+    dtype, shape, old, new, cfg = case
+    enc = encode_tensor(dtype, raw(new), raw(old), cfg)
+    changed = int(np.count_nonzero(old != new))
+    assert enc.changed == changed
+    if changed == 0:
+        assert enc.codec == "same" and enc.payload == b""
+    else:
+        assert enc.codec in ("sparse", "dense")
+    out = decode_tensor(dtype, enc.codec, enc.payload, raw(old), new.nbytes)
+    assert np.array_equal(out, raw(new))
+
+
+@FAST
+@given(tensor_pairs())
+def test_decode_into_given_buffer(case):
+    dtype, _, old, new, cfg = case
+    enc = encode_tensor(dtype, raw(new), raw(old), cfg)
+    buf = np.full(new.nbytes, 0xA5, dtype=np.uint8)
+    got = decode_tensor(dtype, enc.codec, enc.payload, raw(old), new.nbytes, out=buf)
+    assert got is buf
+    assert np.array_equal(buf, raw(new))
+
+
+@FAST
+@given(tensor_pairs())
+def test_dense_is_never_chosen_below_threshold_and_never_larger(case):
+    dtype, _, old, new, cfg = case
+    enc = encode_tensor(dtype, raw(new), raw(old), cfg)
+    if enc.codec == "dense":
+        assert enc.changed > cfg.dense_above * new.size
+        sparse_only = encode_tensor(dtype, raw(new), raw(old), CodecConfig(cfg.level, cfg.full_level, cfg.block_bytes, 1.0))
+        assert sparse_only.codec == "sparse" and len(enc.payload) < len(sparse_only.payload)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_bytes", [8, 16, 24, 64, 32 << 20])
+def test_every_special_value_against_every_other(dtype, block_bytes):
+    """All ordered pairs of edge values: each special turned into each other special."""
+    view = UINT_VIEW[ITEMSIZE[dtype]]
+    sp = np.array(SPECIALS[dtype], dtype=view)
+    old = np.repeat(sp, sp.size)
+    new = np.tile(sp, sp.size)
+    cfg = CodecConfig(block_bytes=block_bytes)
+    for a, b in ((old, new), (new, old), (old, old)):
+        enc = encode_tensor(dtype, raw(b), raw(a), cfg)
+        assert (enc.codec == "same") == np.array_equal(raw(a), raw(b))
+        assert np.array_equal(decode_tensor(dtype, enc.codec, enc.payload, raw(a), b.nbytes), raw(b))
+    full = encode_tensor(dtype, raw(new), None, cfg)
+    assert np.array_equal(decode_tensor(dtype, "full", full.payload, None, new.nbytes), raw(new))
+
+
+@pytest.mark.parametrize("dtype", ["F16", "BF16", "F32", "F64"])
+def test_nan_payload_and_signed_zero_changes_are_changes(dtype):
+    """Bit-level identity: NaN -> other NaN and 0.0 -> -0.0 are changes, not 'same'."""
+    width = ITEMSIZE[dtype]
+    view = UINT_VIEW[width]
+    sign = 1 << (8 * width - 1)
+    nan = {"F16": 0x7E00, "BF16": 0x7FC0, "F32": 0x7FC00000, "F64": 0x7FF8000000000000}[dtype]
+    old = np.array([nan, 0, 5], dtype=view)
+    new = np.array([nan | 1, sign, 5], dtype=view)
+    enc = encode_tensor(dtype, raw(new), raw(old))
+    assert enc.codec in ("sparse", "dense") and enc.changed == 2
+    assert np.array_equal(decode_tensor(dtype, enc.codec, enc.payload, raw(old), new.nbytes), raw(new))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_empty_and_scalar_tensors(dtype):
+    width = ITEMSIZE[dtype]
+    empty = np.zeros(0, dtype=np.uint8)
+    enc = encode_tensor(dtype, empty, None)
+    assert enc.codec == "full" and enc.changed == 0
+    assert decode_tensor(dtype, "full", enc.payload, None, 0).size == 0
+    assert encode_tensor(dtype, empty, empty).codec == "same"
+    assert decode_tensor(dtype, "same", b"", empty, 0).size == 0
+    scalar = raw(np.array([SPECIALS[dtype][-1]], dtype=UINT_VIEW[width]))
+    zero = np.zeros(width, dtype=np.uint8)
+    for old in (None, zero, scalar):
+        enc = encode_tensor(dtype, scalar, old)
+        assert np.array_equal(decode_tensor(dtype, enc.codec, enc.payload, old, width), scalar)
+
+
+def test_torch_bf16_round_trip_with_torch_equal_on_integer_views():
+    g = torch.Generator().manual_seed(0)
+    old_t = (torch.randn(4096, generator=g) * 0.02).to(torch.bfloat16)
+    old_t[:4] = torch.tensor([float("nan"), -0.0, float("inf"), -float("inf")], dtype=torch.bfloat16)
+    new_i = old_t.view(torch.int16).clone()
+    new_i[::37] += 1
+    new_i[5] = 0x7FC5  # NaN with payload bits
+    new_t = new_i.view(torch.bfloat16)
+    old_b, new_b = old_t.view(torch.uint8).numpy(), new_t.view(torch.uint8).numpy()
+    for cfg in (CodecConfig(), CodecConfig(block_bytes=64)):
+        enc = encode_tensor("BF16", new_b, old_b, cfg)
+        out = decode_tensor("BF16", enc.codec, enc.payload, old_b, new_b.size)
+        got = torch.frombuffer(bytearray(out.tobytes()), dtype=torch.bfloat16)
+        assert torch.equal(got.view(torch.int16), new_t.view(torch.int16))
+
+
+def test_multi_block_payload_has_one_length_per_block():
+    old = np.arange(100, dtype="<u4")
+    new = old.copy()
+    new[[0, 33, 99]] += 7
+    enc = encode_tensor("U32", raw(new), raw(old), CodecConfig(block_bytes=40))  # 10 elements per block
+    _, cid, width, _, n, step, n_blocks = header_of(enc.payload)
+    assert (cid, width, n, step, n_blocks) == (CODEC_ID[enc.codec], 4, 100, 10, 10)
+    lengths = np.frombuffer(enc.payload[HEADER.size : HEADER.size + 8 * n_blocks], dtype="<u8")
+    assert int(lengths.sum()) == len(enc.payload) - HEADER.size - 8 * n_blocks
+    if enc.codec == "sparse":  # unchanged blocks cost nothing
+        assert int(np.count_nonzero(lengths)) == 3
+
+
+# --- usage errors ----------------------------------------------------------------------------------
+def test_encode_usage_errors():
+    a = np.zeros(8, dtype=np.uint8)
+    with pytest.raises(UsageError):
+        encode_tensor("F32", a, np.zeros(12, dtype=np.uint8))  # sizes differ
+    with pytest.raises(UsageError):
+        encode_tensor("F32", a.view(np.uint16), None)  # not raw bytes
+    with pytest.raises(UsageError):
+        encode_tensor("F32", a.reshape(2, 4), None)
+    with pytest.raises(FormatError):
+        encode_tensor("F32", np.zeros(6, dtype=np.uint8), None)  # not whole elements
+    with pytest.raises(WeightsyncError):
+        encode_tensor("C64", a, None)  # unknown dtype
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(level=0), dict(level=23), dict(full_level=0), dict(block_bytes=7), dict(block_bytes=MAX_BLOCK_ELEMS + 1),
+    dict(dense_above=-0.1), dict(dense_above=1.5),
+])
+def test_codec_config_validation(kwargs):
+    with pytest.raises(UsageError):
+        CodecConfig(**kwargs)
+
+
+def test_decode_output_buffer_of_wrong_size_is_a_usage_error():
+    enc = encode_tensor("U8", np.arange(8, dtype=np.uint8), None)
+    with pytest.raises(UsageError):
+        decode_tensor("U8", "full", enc.payload, None, 8, out=np.empty(9, dtype=np.uint8))
+
+
+# --- integer helpers -------------------------------------------------------------------------------
+WIDTHS = (1, 2, 4, 8)
+
+
+@st.composite
+def uint_arrays(draw):
+    width = draw(st.sampled_from(WIDTHS))
+    bits = 8 * width
+    edge = st.sampled_from([0, 1, 2, 2 ** (bits - 1) - 1, 2 ** (bits - 1), 2 ** (bits - 1) + 1, 2**bits - 2, 2**bits - 1])
+    values = draw(st.lists(st.one_of(edge, st.integers(0, 2**bits - 1)), max_size=64))
+    return np.array(values, dtype=UINT_VIEW[width])
+
+
+@FAST
+@given(uint_arrays())
+def test_zigzag_round_trip_and_order(values):
+    width = values.dtype.itemsize
+    code = zigzag(values)
+    assert code.dtype == UINT_VIEW[width]
+    assert np.array_equal(unzigzag(code), values)
+    assert np.array_equal(zigzag(unzigzag(values)), values)  # a bijection
+    signed = values.view(INT_VIEW[width]).astype(object)
+    expected = [2 * s if s >= 0 else -2 * s - 1 for s in signed]
+    assert code.astype(object).tolist() == expected
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_zigzag_small_differences(width):
+    diffs = np.array([0, -1, 1, -2, 2], dtype=INT_VIEW[width]).view(UINT_VIEW[width])
+    assert zigzag(diffs).tolist() == [0, 1, 2, 3, 4]
+    extremes = np.array([np.iinfo(INT_VIEW[width]).max, np.iinfo(INT_VIEW[width]).min], dtype=INT_VIEW[width])
+    top = 2 ** (8 * width)
+    assert zigzag(extremes.view(UINT_VIEW[width])).tolist() == [top - 2, top - 1]
+
+
+@FAST
+@given(uint_arrays())
+def test_planes_round_trip_and_layout(values):
+    width = values.dtype.itemsize
+    planes = to_planes(values)
+    assert len(planes) == values.size * width
+    back = from_planes(planes, width, values.size)
+    assert back.dtype == UINT_VIEW[width] and np.array_equal(back, values)
+    le_bytes = values.astype(values.dtype.newbyteorder("<")).view(np.uint8).reshape(-1, width)
+    for byte in range(width):  # plane k holds byte k (little-endian) of every element, in order
+        plane = np.frombuffer(planes[byte * values.size : (byte + 1) * values.size], dtype=np.uint8)
+        assert np.array_equal(plane, le_bytes[:, byte])
+
+
+def test_from_planes_result_is_writable_and_owned():
+    data = to_planes(np.arange(6, dtype="<u2"))
+    out = from_planes(data, 2, 6)
+    out[0] = 99  # must not be a read-only view of ``data``
+    assert to_planes(np.arange(6, dtype="<u2")) == data
+
+
+# --- hostile payloads ------------------------------------------------------------------------------
+def _valid(codec: str) -> tuple[bytes, np.ndarray | None, np.ndarray, str]:
+    """A valid multi-block payload of ``codec`` for 40 U16 elements in blocks of 8; (payload, old, new, dtype)."""
+    rng = np.random.default_rng(1)
+    old = rng.integers(0, 2**16, 40, dtype=np.uint16)
+    new = old.copy()
+    cfg = CodecConfig(block_bytes=16)
+    if codec == "full":
+        enc = encode_tensor("U16", raw(new), None, cfg)
+        return enc.payload, None, raw(new), "U16"
+    if codec == "sparse":
+        new[[1, 2, 17, 39]] += np.array([1, 65535, 300, 7], dtype=np.uint16)
+        enc = encode_tensor("U16", raw(new), raw(old), CodecConfig(block_bytes=16, dense_above=1.0))
+    else:
+        new += rng.integers(1, 4, 40, dtype=np.uint16)
+        enc = encode_tensor("U16", raw(new), raw(old), CodecConfig(block_bytes=16, dense_above=0.0))
+    assert enc.codec == codec
+    return enc.payload, raw(old), raw(new), "U16"
+
+
+def _patch_header(payload: bytes, **fields) -> bytes:
+    names = ("magic", "cid", "width", "reserved", "n", "step", "n_blocks")
+    vals = dict(zip(names, HEADER.unpack_from(payload)))
+    vals.update(fields)
+    return HEADER.pack(*(vals[k] for k in names)) + payload[HEADER.size :]
+
+
+def _lengths(payload: bytes) -> np.ndarray:
+    n_blocks = HEADER.unpack_from(payload)[-1]
+    return np.frombuffer(payload[HEADER.size : HEADER.size + 8 * n_blocks], dtype="<u8").copy()
+
+
+def _with_lengths(payload: bytes, lengths: np.ndarray) -> bytes:
+    return payload[: HEADER.size] + lengths.astype("<u8").tobytes() + payload[HEADER.size + 8 * lengths.size :]
+
+
+def _decode(codec, payload, old, nbytes, dtype="U16"):
+    return decode_tensor(dtype, codec, payload, old, nbytes)
+
+
+@pytest.mark.parametrize("codec", ["full", "sparse", "dense"])
+def test_valid_payloads_decode(codec):
+    payload, old, new, dtype = _valid(codec)
+    assert np.array_equal(_decode(codec, payload, old, new.size, dtype), new)
+
+
+@pytest.mark.parametrize("codec", ["full", "sparse", "dense"])
+def test_every_truncation_is_a_format_error(codec):
+    payload, old, new, dtype = _valid(codec)
+    for cut in range(len(payload)):
+        with pytest.raises(FormatError):
+            _decode(codec, payload[:cut], old, new.size, dtype)
+
+
+HEADER_MUTATIONS = {
+    "wrong magic": dict(magic=b"WSP2"),
+    "lowercase magic": dict(magic=b"wsp1"),
+    "codec id 0": dict(cid=0),
+    "codec id 99": dict(cid=99),
+    "width 1": dict(width=1),
+    "width 4": dict(width=4),
+    "width 3": dict(width=3),
+    "one element more": dict(n=41),
+    "one element less": dict(n=39),
+    "no elements": dict(n=0),
+    "block elems 0": dict(step=0),
+    "block elems too large": dict(step=MAX_BLOCK_ELEMS + 1),
+    "block elems changed": dict(step=16),
+    "one block less": dict(n_blocks=4),
+    "one block more": dict(n_blocks=6),
+    "2**32-1 blocks": dict(n_blocks=2**32 - 1),
+}
+
+
+@pytest.mark.parametrize("codec", ["full", "sparse", "dense"])
+@pytest.mark.parametrize("mutation", sorted(HEADER_MUTATIONS))
+def test_corrupt_header_is_a_format_error(codec, mutation):
+    payload, old, new, dtype = _valid(codec)
+    with pytest.raises(FormatError):
+        _decode(codec, _patch_header(payload, **HEADER_MUTATIONS[mutation]), old, new.size, dtype)
+
+
+@pytest.mark.parametrize("codec", ["full", "sparse", "dense"])
+@pytest.mark.parametrize("other", ["full", "sparse", "dense"])
+def test_payload_of_another_codec_is_a_format_error(codec, other):
+    if codec == other:
+        return
+    payload, _, new, dtype = _valid(codec)
+    with pytest.raises(FormatError):
+        _decode(other, payload, new, new.size, dtype)
+
+
+@pytest.mark.parametrize("codec", ["full", "sparse", "dense"])
+@pytest.mark.parametrize("change", ["plus one", "minus one", "zeroed", "one more than the payload"])
+def test_block_lengths_not_adding_up_are_a_format_error(codec, change):
+    payload, old, new, dtype = _valid(codec)
+    lengths = _lengths(payload)
+    if change == "plus one":
+        lengths[-1] += 1
+    elif change == "minus one":
+        lengths[np.flatnonzero(lengths)[-1]] -= 1
+    elif change == "zeroed":
+        lengths[:] = 0
+    else:
+        lengths[0] = len(payload)
+    with pytest.raises(FormatError):
+        _decode(codec, _with_lengths(payload, lengths), old, new.size, dtype)
+
+
+@pytest.mark.parametrize("codec", ["full", "sparse", "dense"])
+def test_block_lengths_that_only_add_up_modulo_2_64_are_a_format_error(codec):
+    """Two lengths of about 2**63 each wrap around a uint64 sum to the real payload size."""
+    payload, old, new, dtype = _valid(codec)
+    lengths = _lengths(payload)
+    lengths[0] += np.uint64(2**63)
+    lengths[1] += np.uint64(2**63)
+    with pytest.raises(FormatError):
+        _decode(codec, _with_lengths(payload, lengths), old, new.size, dtype)
+
+
+@pytest.mark.parametrize("codec", ["full", "sparse", "dense"])
+def test_trailing_bytes_after_a_zstd_frame_are_a_format_error(codec):
+    """A block must be exactly one frame: extra bytes inside a declared block are not ignored."""
+    payload, old, new, dtype = _valid(codec)
+    lengths = _lengths(payload)
+    lengths[-1] += 4
+    with pytest.raises(FormatError):
+        _decode(codec, _with_lengths(payload, lengths) + b"JUNK", old, new.size, dtype)
+
+
+def _full_payload_with_block(block: bytes, n: int, width: int = 2) -> bytes:
+    return HEADER.pack(MAGIC, CODEC_ID["full"], width, 0, n, n, 1) + struct.pack("<Q", len(block)) + block
+
+
+def _set_frame_content_size(frame: bytes, size: int) -> bytes:
+    """Rewrite the Frame_Content_Size field of a zstd frame header (RFC 8878 3.1.1.1)."""
+    fhd = frame[4]
+    fcs_flag, single, dict_flag = fhd >> 6, (fhd >> 5) & 1, fhd & 3
+    assert fcs_flag in (2, 3), "test frames use 4- or 8-byte content sizes"
+    pos = 5 + (0 if single else 1) + (0, 1, 2, 4)[dict_flag]
+    nbytes = 4 if fcs_flag == 2 else 8
+    return frame[:pos] + size.to_bytes(nbytes, "little") + frame[pos + nbytes :]
+
+
+def test_decompression_bomb_is_rejected_before_decompressing():
+    bomb = zstandard.ZstdCompressor(level=1).compress(bytes(64 << 20))  # small frame, declares 64 MiB
+    assert len(bomb) < 64 << 10
+    with pytest.raises(FormatError, match="declares"):
+        _decode("full", _full_payload_with_block(bomb, 8), None, 16)
+
+
+def test_frame_without_content_size_is_rejected():
+    frame = zstandard.ZstdCompressor(level=1, write_content_size=False).compress(bytes(16))
+    with pytest.raises(FormatError):
+        _decode("full", _full_payload_with_block(frame, 8), None, 16)
+
+
+def test_frame_that_lies_about_its_size_is_rejected():
+    frame = zstandard.ZstdCompressor(level=1).compress(np.random.default_rng(0).bytes(100_000))
+    liar = _set_frame_content_size(frame, 16)  # declares what the decoder expects, holds 100 KB
+    with pytest.raises(FormatError):
+        _decode("full", _full_payload_with_block(liar, 8), None, 16)
+
+
+@pytest.mark.parametrize("garbage", [b"", b"\x00", b"\x28\xb5\x2f\xfd", b"\x28\xb5\x2f\xfd" + bytes(20), b"not zstd at all"])
+def test_garbage_block_is_rejected(garbage):
+    with pytest.raises(FormatError):
+        _decode("full", _full_payload_with_block(garbage, 8), None, 16)
+
+
+def _sparse_payload(block: bytes, n: int = 8) -> bytes:
+    return HEADER.pack(MAGIC, CODEC_ID["sparse"], 2, 0, n, n, 1) + struct.pack("<Q", len(block)) + block
+
+
+def _sparse_block(gaps: list[int], values: list[int], gap_width: int = 1, count: int | None = None,
+                  glen_delta: int = 0, width: int = 2) -> bytes:
+    zc = zstandard.ZstdCompressor(level=3, write_content_size=True)
+    gz = zc.compress(to_planes(np.array(gaps, dtype=UINT_VIEW[gap_width])))
+    vz = zc.compress(to_planes(np.array(values, dtype=UINT_VIEW[width])))
+    k = len(gaps) if count is None else count
+    return SPARSE.pack(k, gap_width, 0, 0, len(gz) + glen_delta) + gz + vz
+
+
+def test_handmade_sparse_block_decodes():
+    """The sparse layout as documented: gaps between changed positions, zigzag deltas, byte planes."""
+    old = raw(np.arange(8, dtype="<u2"))
+    payload = _sparse_payload(_sparse_block([1, 3], [2, 1]))  # +1 at position 1, -1 at position 5
+    out = _decode("sparse", payload, old, 16).view("<u2")
+    assert out.tolist() == [0, 2, 2, 3, 4, 4, 6, 7]
+
+
+SPARSE_ATTACKS = {
+    "position beyond block": dict(gaps=[8], values=[2]),
+    "second position beyond block": dict(gaps=[3, 4], values=[2, 2]),
+    "large gap width beyond block": dict(gaps=[70000], values=[2], gap_width=4),
+    "count larger than block": dict(gaps=[0] * 9, values=[2] * 9),
+    "count zero": dict(gaps=[0], values=[2], count=0),
+    "count disagrees with streams": dict(gaps=[0, 0], values=[2, 2], count=3),
+    "gap width 3": dict(gaps=[0], values=[2], gap_width=1, count=None),
+    "gaps length beyond block": dict(gaps=[0], values=[2], glen_delta=1000),
+    "gaps length short": dict(gaps=[0], values=[2], glen_delta=-1),
+    "values of the wrong width": dict(gaps=[0], values=[2], width=4),
+}
+
+
+@pytest.mark.parametrize("attack", sorted(SPARSE_ATTACKS))
+def test_hostile_sparse_block_is_a_format_error(attack):
+    kwargs = dict(SPARSE_ATTACKS[attack])
+    block = _sparse_block(**kwargs)
+    if attack == "gap width 3":
+        block = block[:4] + b"\x03" + block[5:]
+    old = raw(np.arange(8, dtype="<u2"))
+    with pytest.raises(FormatError):
+        _decode("sparse", _sparse_payload(block), old, 16)
+
+
+@pytest.mark.parametrize("cut", range(1, SPARSE.size))
+def test_truncated_sparse_block_header_is_a_format_error(cut):
+    old = raw(np.arange(8, dtype="<u2"))
+    with pytest.raises(FormatError):
+        _decode("sparse", _sparse_payload(_sparse_block([0], [2])[:cut]), old, 16)
+
+
+def test_decode_argument_errors_are_format_errors():
+    payload, old, new, dtype = _valid("sparse")
+    with pytest.raises(FormatError):
+        _decode("sparse", payload, None, new.size)  # delta without a base
+    with pytest.raises(FormatError):
+        _decode("sparse", payload, old[:-2], new.size)  # base of another size
+    with pytest.raises(FormatError):
+        _decode("same", b"", None, new.size)
+    with pytest.raises(FormatError):
+        _decode("same", b"\x00", old, new.size)  # 'same' carries no payload
+    with pytest.raises(FormatError):
+        _decode("bogus", payload, old, new.size)
+    with pytest.raises(FormatError):
+        _decode("bogus", payload, None, new.size)
+    with pytest.raises(FormatError):
+        _decode("sparse", payload, old, new.size + 1)  # not whole elements
+    with pytest.raises(FormatError):
+        _decode("sparse", payload, old[:-1], new.size)  # base not whole elements
+
+
+@st.composite
+def mutated_payloads(draw):
+    codec = draw(st.sampled_from(["full", "sparse", "dense"]))
+    payload, old, new, dtype = _valid(codec)
+    data = bytearray(payload)
+    for _ in range(draw(st.integers(0, 4))):
+        op = draw(st.sampled_from(["flip", "set", "insert", "delete", "truncate", "append"]))
+        if not data and op not in ("insert", "append"):
+            continue
+        pos = draw(st.integers(0, max(0, len(data) - 1)))
+        if op == "flip":
+            data[pos] ^= 1 << draw(st.integers(0, 7))
+        elif op == "set":
+            data[pos] = draw(st.integers(0, 255))
+        elif op == "insert":
+            data[pos:pos] = draw(st.binary(min_size=1, max_size=8))
+        elif op == "delete":
+            del data[pos : pos + draw(st.integers(1, 8))]
+        elif op == "truncate":
+            del data[pos:]
+        else:
+            data += draw(st.binary(min_size=1, max_size=8))
+    decode_as = draw(st.sampled_from(["full", "sparse", "dense", "same", "other"]))
+    base = draw(st.sampled_from(["given", "none", "short"]))
+    base_arr = {"given": old if old is not None else new, "none": None, "short": new[:-2]}[base]
+    return decode_as, bytes(data), base_arr, new.size
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mutated_payloads())
+def test_fuzzed_payloads_decode_or_raise_format_or_usage_errors(case):
+    codec, payload, old, nbytes = case
+    try:
+        out = decode_tensor("U16", codec, payload, old, nbytes)
+    except WeightsyncError as exc:
+        assert isinstance(exc, (FormatError, UsageError)), type(exc)
+    else:
+        assert out.dtype == np.uint8 and out.size == nbytes
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.binary(max_size=200), st.sampled_from(["full", "sparse", "dense"]), st.sampled_from(DTYPES))
+def test_random_bytes_never_crash_the_decoder(data, codec, dtype):
+    nbytes = 8 * ITEMSIZE[dtype]
+    prefix = HEADER.pack(MAGIC, CODEC_ID[codec], ITEMSIZE[dtype], 0, 8, 4, 2)
+    for payload in (data, prefix + data):
+        try:
+            decode_tensor(dtype, codec, payload, np.zeros(nbytes, dtype=np.uint8), nbytes)
+        except WeightsyncError as exc:
+            assert isinstance(exc, (FormatError, UsageError)), type(exc)
+
+
+# --- compression requirement -------------------------------------------------------------------------
+def test_sparse_bf16_delta_is_much_smaller_than_compressed_xor():
+    """Project requirement: ~3% of bf16 elements moving by +/-1 ulp must compress >= 1.5x better
+    than zstd(level 3) of the XOR of the whole tensor."""
+    rng = np.random.default_rng(42)
+    n = 1 << 20
+    old = to_bf16_bits(rng.standard_normal(n).astype(np.float32) * np.float32(0.02))
+    new = old.copy()
+    idx = np.flatnonzero(rng.random(n) < 0.03)
+    new[idx] += np.where(rng.random(idx.size) < 0.5, 1, 0xFFFF).astype(np.uint16)  # +/-1 ulp, wrapping
+    xor_z = zstandard.ZstdCompressor(level=3).compress((old ^ new).tobytes())
+    sparse = encode_tensor("BF16", raw(new), raw(old), CodecConfig(dense_above=1.0))
+    assert sparse.codec == "sparse" and sparse.changed == idx.size
+    assert len(xor_z) >= 1.5 * len(sparse.payload), (len(xor_z), len(sparse.payload))
+    chosen = encode_tensor("BF16", raw(new), raw(old))
+    assert len(chosen.payload) <= len(sparse.payload)
+    assert np.array_equal(decode_tensor("BF16", chosen.codec, chosen.payload, raw(old), 2 * n), raw(new))

@@ -1,0 +1,484 @@
+"""The stored format: manifest JSON round trip and validation, paths, head pointer, marker, keys."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from weightsync.dtypes import ITEMSIZE
+from weightsync.errors import FormatError
+from weightsync.format import (
+    FORMAT_VERSION, MAX_SIZE, MAX_VERSION, ChunkRef, Delta, FileEntry, Manifest, Part, Payload, Segment, check_marker,
+    check_path, chunk_key, head_from_json, head_to_json, manifest_from_json, manifest_to_json, marker_to_json,
+    parse_version_key, version_key,
+)
+
+H = [f"{i:032x}" for i in range(1, 40)]  # distinct valid checksums / chunk ids
+
+
+def seg(role, name, dtype, shape, begin, codec="full", payload=None, changed=0, xxh3=H[0], delta=None):
+    end = begin + math.prod(shape) * ITEMSIZE[dtype]
+    return Segment(role, name, dtype, tuple(shape), begin, end, xxh3, codec, changed, payload, delta)
+
+
+def sample_manifest(keyframe: bool = False, deltas: bool = False) -> Manifest:
+    """A delta version, or a keyframe (with its parent and deltas from it if ``deltas``): a sharded
+    safetensors file, a nested blob, an empty file, payloads spanning chunks."""
+    if deltas:
+        return _with_deltas(sample_manifest(keyframe=True))
+    chunks = (ChunkRef(H[10], 100), ChunkRef(H[11], 64))
+    codec = (lambda c: "full") if keyframe else (lambda c: c)
+    pay = lambda size, *parts: Payload(size, H[20 + size % 10], tuple(Part(*p) for p in parts))  # noqa: E731
+    st_segs = (
+        seg("header", "", "U8", (24,), 0, "full", pay(40, (0, 0, 40))),
+        seg("tensor", "a.weight", "BF16", (2, 3), 24, codec("sparse"), pay(30, (0, 40, 30)), changed=2),
+        seg("tensor", "b.weight", "F32", (0,), 36, codec("full"), pay(34, (0, 70, 30), (1, 0, 4))),
+        seg("tensor", "c.bias", "I64", (), 36, codec("same"), None if not keyframe else pay(10, (1, 4, 10))),
+        seg("tensor", "d", "F8_E4M3", (4,), 44, codec("dense"), pay(20, (1, 14, 20)), changed=4),
+    )
+    files = (
+        FileEntry("model-00001-of-00002.safetensors", "safetensors", 48, H[1], st_segs),
+        FileEntry("tok/vocab.json", "blob", 7, H[2], (seg("blob", "", "U8", (7,), 0, "full", pay(30, (1, 34, 30))),)),
+        FileEntry("empty.txt", "blob", 0, H[3], (seg("blob", "", "U8", (0,), 0, codec("same"), None if not keyframe else pay(10, (1, 4, 10))),)),
+    )
+    return Manifest(
+        version=7 if not keyframe else 4, parent=None if keyframe else 6, keyframe=keyframe,
+        chain_length=0 if keyframe else 3, files=files, chunks=chunks, created="2026-01-01T00:00:00+00:00",
+        codec_config={"level": 3, "block_bytes": 1024}, stats={"changed": 6, "elements": 13},
+    )
+
+
+def _with_deltas(m: Manifest) -> Manifest:
+    chunks = m.chunks + (ChunkRef(H[12], 50),)
+    f0 = m.files[0]
+    segs = list(f0.segments)
+    segs[1] = replace(segs[1], delta=Delta("sparse", 2, Payload(20, H[30], (Part(2, 0, 20),))))
+    segs[3] = replace(segs[3], delta=Delta("same", 0, None))
+    segs[4] = replace(segs[4], delta=Delta("dense", 4, Payload(30, H[31], (Part(2, 20, 30),))))
+    files = (replace(f0, segments=tuple(segs)),) + m.files[1:]
+    return replace(m, parent=3, files=files, chunks=chunks)
+
+
+def doc_of(m: Manifest) -> dict:
+    return json.loads(manifest_to_json(m))
+
+
+def load(doc) -> Manifest:
+    return manifest_from_json(json.dumps(doc).encode())
+
+
+# --- round trips ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("keyframe,deltas", [(False, False), (True, False), (True, True)])
+def test_manifest_round_trip(keyframe, deltas):
+    m = sample_manifest(keyframe, deltas)
+    data = manifest_to_json(m)
+    back = manifest_from_json(data)
+    assert back == m
+    assert manifest_to_json(back) == data  # canonical: sorted keys, compact
+    doc = json.loads(data)
+    assert doc["format"] == "weightsync.manifest" and doc["format_version"] == FORMAT_VERSION
+    assert doc["files"][0]["segments"][2]["payload"]["parts"] == [[0, 70, 30], [1, 0, 4]]
+
+
+def test_manifest_helpers():
+    m = sample_manifest()
+    assert m.file("tok/vocab.json").kind == "blob" and m.file("nope") is None
+    assert m.raw_bytes == 55
+    assert m.payload_bytes == 40 + 30 + 34 + 20 + 30
+    s = m.files[0].segments[1]
+    assert s.nbytes == 12 and s.key == ("tensor", "a.weight")
+
+
+def test_empty_manifest_round_trip():
+    m = Manifest(0, None, True, 0, (), ())
+    assert manifest_from_json(manifest_to_json(m)) == m
+
+
+def test_optional_fields_tolerate_junk_types():
+    doc = doc_of(sample_manifest())
+    doc["codec_config"], doc["stats"] = [1, 2], "x"
+    del doc["created"]
+    m = load(doc)
+    assert m.codec_config == {} and m.stats == {} and m.created == ""
+
+
+# --- paths ---------------------------------------------------------------------------------------
+GOOD_PATHS = ["model.safetensors", "a/b/c.json", ".hidden", "a/.weightsync", "x..y", "...", "a b/ü.bin", "-"]
+BAD_PATHS = [
+    "", "../x", "..", ".", "/abs", "/", "a/../b", "a/./b", "./a", "a//b", "a/", "a\\b", "..\\x", "C:\\x",
+    "a\x00b", ".weightsync", ".weightsync/x", ".weightsync/state.json", "x" * 4097,
+]
+
+
+@pytest.mark.parametrize("path", GOOD_PATHS)
+def test_safe_paths_are_accepted(path):
+    assert check_path(path) == path
+
+
+@pytest.mark.parametrize("path", BAD_PATHS)
+def test_unsafe_paths_are_rejected(path):
+    with pytest.raises(FormatError):
+        check_path(path)
+
+
+@pytest.mark.parametrize("path", BAD_PATHS)
+def test_manifest_with_unsafe_path_is_rejected(path):
+    doc = doc_of(sample_manifest())
+    doc["files"][1]["path"] = path
+    with pytest.raises(FormatError):
+        load(doc)
+
+
+# --- rejection table -----------------------------------------------------------------------------
+def _f(doc, i=0):
+    return doc["files"][i]
+
+
+def _s(doc, i=0, j=1):
+    return doc["files"][i]["segments"][j]
+
+
+def _set(getter, key, value):
+    def mutate(doc):
+        getter(doc)[key] = value
+    return mutate
+
+
+def _del(getter, key):
+    def mutate(doc):
+        del getter(doc)[key]
+    return mutate
+
+
+def _dup_path(doc):
+    _f(doc, 1)["path"] = _f(doc, 0)["path"]
+
+
+def _file_under_file(doc):
+    _f(doc, 1)["path"] = _f(doc, 0)["path"] + "/inner.json"
+
+
+def _file_over_file(doc):
+    _f(doc, 0)["path"] = "tok"  # tok/vocab.json would lie under the file "tok"
+
+
+def _swap_segments(doc):
+    segs = _f(doc)["segments"]
+    segs[1], segs[4] = segs[4], segs[1]
+
+
+def _drop_segment(doc):
+    del _f(doc)["segments"][4]
+
+
+def _dup_segment(doc):
+    _s(doc, 0, 4)["name"] = "a.weight"
+
+
+def _part_beyond_chunk(doc):
+    _s(doc)["payload"]["parts"] = [[0, 71, 30]]
+
+
+def _bad_version(v):
+    return _set(lambda d: d, "version", v)
+
+
+REJECT = {
+    # document level
+    "wrong format": _set(lambda d: d, "format", "weightsync.head"),
+    "missing format": _del(lambda d: d, "format"),
+    "format version 2": _set(lambda d: d, "format_version", 2),
+    "format version '1'": _set(lambda d: d, "format_version", "1"),
+    "format version 1.5": _set(lambda d: d, "format_version", 1.5),
+    "version missing": _del(lambda d: d, "version"),
+    "version negative": _bad_version(-1),
+    "version too large": _bad_version(MAX_VERSION + 1),
+    "version float": _bad_version(7.0),
+    "version string": _bad_version("7"),
+    "version bool": _bad_version(True),
+    "parent equal to version": _set(lambda d: d, "parent", 7),
+    "parent after version": _set(lambda d: d, "parent", 8),
+    "parent negative": _set(lambda d: d, "parent", -1),
+    "parent bool": _set(lambda d: d, "parent", False),
+    "parent string": _set(lambda d: d, "parent", "6"),
+    "parent float": _set(lambda d: d, "parent", 6.0),
+    "delta without parent": _set(lambda d: d, "parent", None),
+    "keyframe int": _set(lambda d: d, "keyframe", 0),
+    "keyframe missing": _del(lambda d: d, "keyframe"),
+    "keyframe with delta segments": lambda d: d.update(keyframe=True, chain_length=0),
+    "chain_length 0 for a delta": _set(lambda d: d, "chain_length", 0),
+    "chain_length bool": _set(lambda d: d, "chain_length", True),
+    "chain_length negative": _set(lambda d: d, "chain_length", -1),
+    "chain_length missing": _del(lambda d: d, "chain_length"),
+    "files not a list": _set(lambda d: d, "files", {}),
+    "chunks not a list": _set(lambda d: d, "chunks", None),
+    "chunk not an object": lambda d: d["chunks"].append([H[5], 3]),
+    "chunk id uppercase": lambda d: d["chunks"][0].update(id=H[10].upper().replace("0", "A")),
+    "chunk id short": lambda d: d["chunks"][0].update(id=H[10][:31]),
+    "chunk id trailing newline": lambda d: d["chunks"][0].update(id=H[10] + "\n"),
+    "chunk size 0": lambda d: d["chunks"][0].update(size=0),
+    "chunk size bool": lambda d: d["chunks"][1].update(size=True),
+    # files
+    "duplicate paths": _dup_path,
+    "file under a file": _file_under_file,
+    "file over a file": _file_over_file,
+    "file not an object": lambda d: d["files"].append("x"),
+    "file kind unknown": _set(_f, "kind", "pickle"),
+    "file size too small": _set(_f, "size", 47),
+    "file size too large": _set(_f, "size", 49),
+    "file size negative": _set(_f, "size", -1),
+    "file size huge": _set(_f, "size", MAX_SIZE + 1),
+    "file checksum bad": _set(_f, "xxh3", "z" * 32),
+    "file checksum int": _set(_f, "xxh3", 5),
+    "segments not a list": _set(_f, "segments", {}),
+    "segments missing": _del(_f, "segments"),
+    "segments out of order": _swap_segments,
+    "segments leave a gap": _drop_segment,
+    "duplicate segment names": _dup_segment,
+    "segment not an object": lambda d: _f(d)["segments"].append(3),
+    # segments
+    "segment role unknown": _set(_s, "role", "weights"),
+    "segment codec unknown": _set(_s, "codec", "lz4"),
+    "segment dtype unknown": _set(_s, "dtype", "F4"),
+    "segment dtype mismatch": _set(_s, "dtype", "F32"),
+    "segment shape mismatch": _set(_s, "shape", [3, 3]),
+    "segment shape negative": _set(_s, "shape", [-2, -3]),
+    "segment shape float": _set(_s, "shape", [2.0, 3]),
+    "segment shape bool": _set(_s, "shape", [True, 6]),
+    "segment shape not a list": _set(_s, "shape", 6),
+    "segment shape too many dims": _set(_s, "shape", [1] * 64 + [6]),
+    "segment end before begin": lambda d: _s(d).update(begin=36, end=24),
+    "segment end too large": _set(_s, "end", 37),
+    "segment changed negative": _set(_s, "changed", -1),
+    "segment changed bool": _set(_s, "changed", True),
+    "segment changed missing": _del(_s, "changed"),
+    "segment checksum 31 digits": _set(_s, "xxh3", H[0][:31]),
+    "segment checksum uppercase": _set(_s, "xxh3", "ABCDEF" + H[0][6:]),
+    "segment checksum trailing newline": _set(_s, "xxh3", H[0] + "\n"),
+    "segment name not a string": _set(_s, "name", None),
+    "same with a payload": lambda d: _s(d, 0, 3).update(payload=_s(d, 0, 1)["payload"]),
+    "full without payload": _set(lambda d: _s(d, 0, 0), "payload", None),
+    # payloads and parts
+    "payload not an object": _set(_s, "payload", [40, 30]),
+    "payload size mismatch": lambda d: _s(d)["payload"].update(size=31),
+    "payload parts not summing": lambda d: _s(d)["payload"].update(parts=[[0, 40, 29]]),
+    "part beyond its chunk": _part_beyond_chunk,
+    "part in a missing chunk": lambda d: _s(d)["payload"].update(parts=[[2, 0, 30]]),
+    "part chunk negative": lambda d: _s(d)["payload"].update(parts=[[-1, 0, 30]]),
+    "part offset negative": lambda d: _s(d)["payload"].update(parts=[[0, -1, 30]]),
+    "part empty": lambda d: _s(d)["payload"].update(parts=[[0, 40, 30], [0, 70, 0]]),
+    "part of two numbers": lambda d: _s(d)["payload"].update(parts=[[0, 40]]),
+    "part of floats": lambda d: _s(d)["payload"].update(parts=[[0, 40.0, 30]]),
+    "part of bools": lambda d: _s(d)["payload"].update(parts=[[False, 40, 30]]),
+    "part as object": lambda d: _s(d)["payload"].update(parts=[{"chunk": 0, "offset": 40, "length": 30}]),
+    "payload checksum bad": lambda d: _s(d)["payload"].update(xxh3="g" * 32),
+    "payload size bool": lambda d: _s(d)["payload"].update(size=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REJECT))
+def test_invalid_manifest_is_rejected(case):
+    doc = doc_of(sample_manifest())
+    load(copy.deepcopy(doc))  # the unmutated document is valid
+    REJECT[case](doc)
+    with pytest.raises(FormatError):
+        load(doc)
+
+
+def test_keyframe_chain_length_must_be_zero():
+    doc = doc_of(sample_manifest(keyframe=True))
+    load(doc)
+    doc["chain_length"] = 1
+    with pytest.raises(FormatError):
+        load(doc)
+
+
+def _d(doc, j=1):
+    return doc["files"][0]["segments"][j]["delta"]
+
+
+DELTA_REJECT = {
+    "delta on a keyframe without parent": lambda d: d.update(parent=None),
+    "delta on a delta version": lambda d: d.update(keyframe=False, chain_length=1),
+    "delta codec full": lambda d: _d(d).update(codec="full"),
+    "delta codec unknown": lambda d: _d(d).update(codec="xor"),
+    "delta codec missing": lambda d: _d(d).pop("codec"),
+    "delta not an object": lambda d: d["files"][0]["segments"][1].update(delta=["sparse", 2]),
+    "delta without payload": lambda d: _d(d).update(payload=None),
+    "delta payload outside its chunk": lambda d: _d(d)["payload"].update(parts=[[2, 40, 20]]),
+    "delta payload size mismatch": lambda d: _d(d)["payload"].update(size=21),
+    "delta payload bad checksum": lambda d: _d(d)["payload"].update(xxh3="x"),
+    "delta changed missing": lambda d: _d(d).pop("changed"),
+    "delta changed bool": lambda d: _d(d).update(changed=False),
+    "delta changed negative": lambda d: _d(d).update(changed=-1),
+    "same delta with a payload": lambda d: _d(d, 3).update(payload=_d(d)["payload"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DELTA_REJECT))
+def test_invalid_keyframe_delta_is_rejected(case):
+    doc = doc_of(sample_manifest(keyframe=True, deltas=True))
+    load(copy.deepcopy(doc))
+    DELTA_REJECT[case](doc)
+    with pytest.raises(FormatError):
+        load(doc)
+
+
+def test_delta_on_a_non_full_segment_is_rejected():
+    doc = doc_of(sample_manifest())
+    _s(doc)["delta"] = {"codec": "same", "changed": 0, "payload": None}
+    with pytest.raises(FormatError):
+        load(doc)
+
+
+def test_keyframe_without_deltas_may_name_a_parent():
+    doc = doc_of(sample_manifest(keyframe=True))
+    doc["parent"] = 2
+    assert load(doc).parent == 2
+
+
+@pytest.mark.parametrize("data", [
+    b"", b"null", b"[]", b"1", b'"manifest"', b"true", b"{", b"\xff\xfe\x00", b"{\"format\": NaN}",
+    b'{"format":"weightsync.manifest","format_version":1}',
+])
+def test_non_manifest_documents_are_rejected(data):
+    with pytest.raises(FormatError):
+        manifest_from_json(data)
+
+
+def test_deeply_nested_json_is_a_format_error():
+    """Hostile JSON nesting must not escape as RecursionError."""
+    with pytest.raises(FormatError):
+        manifest_from_json(b"[" * 100_000 + b"]" * 100_000)
+    with pytest.raises(FormatError):
+        head_from_json(b'{"a":' * 100_000 + b"1" + b"}" * 100_000)
+
+
+# --- fuzz --------------------------------------------------------------------------------------------
+JSON_LEAVES = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True),
+    st.text(max_size=40), st.sampled_from(H[:3] + ["../x", "", "a//b", H[0] + "\n"]),
+)
+JSON_VALUES = st.recursive(JSON_LEAVES, lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4), max_leaves=10)
+
+
+def _paths(obj, prefix=()):
+    yield prefix
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _paths(v, prefix + (k,))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _paths(v, prefix + (i,))
+
+
+@st.composite
+def mutated_docs(draw):
+    doc = doc_of(sample_manifest(*draw(st.sampled_from([(False, False), (True, False), (True, True)]))))
+    for _ in range(draw(st.integers(1, 4))):
+        paths = [p for p in _paths(doc) if p]
+        path = draw(st.sampled_from(paths))
+        parent = doc
+        for k in path[:-1]:
+            parent = parent[k]
+        op = draw(st.sampled_from(["replace", "delete", "int", "dup"]))
+        last = path[-1]
+        if op == "replace":
+            parent[last] = draw(JSON_VALUES)
+        elif op == "delete":
+            del parent[last]
+        elif op == "int" and isinstance(parent[last], int) and not isinstance(parent[last], bool):
+            parent[last] += draw(st.sampled_from([-1, 1, -(2**62), 2**62]))
+        elif op == "dup" and isinstance(parent, list):
+            parent.append(copy.deepcopy(parent[last]))
+    data = json.dumps(doc).encode()
+    if draw(st.booleans()):
+        cut = draw(st.integers(0, len(data)))
+        data = data[:cut] + draw(st.binary(max_size=4))
+    return data
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mutated_docs())
+def test_fuzzed_manifests_raise_only_format_errors(data):
+    try:
+        m = manifest_from_json(data)
+    except FormatError:
+        return
+    again = manifest_to_json(m)  # whatever is accepted re-serializes to a document that loads the same
+    assert manifest_to_json(manifest_from_json(again)) == again
+
+
+@settings(max_examples=200, deadline=None)
+@given(JSON_VALUES)
+def test_arbitrary_json_raises_only_format_errors(value):
+    for parse in (manifest_from_json, head_from_json, check_marker):
+        try:
+            parse(json.dumps(value).encode())
+        except FormatError:
+            pass
+
+
+# --- head pointer, marker, keys ------------------------------------------------------------------------
+@pytest.mark.parametrize("version", [0, 1, 123456789, MAX_VERSION])
+def test_head_round_trip(version):
+    assert head_from_json(head_to_json(version)) == version
+
+
+@pytest.mark.parametrize("data", [
+    b"", b"[]", b'{"format":"weightsync.head"}', b'{"format":"weightsync.manifest","version":1}',
+    b'{"format":"weightsync.head","version":-1}', b'{"format":"weightsync.head","version":true}',
+    b'{"format":"weightsync.head","version":"3"}', b'{"format":"weightsync.head","version":3.0}',
+    b'{"format":"weightsync.head","version":1000000000000000001}',
+])
+def test_bad_head_is_rejected(data):
+    with pytest.raises(FormatError):
+        head_from_json(data)
+
+
+def test_marker_round_trip():
+    check_marker(marker_to_json())
+    assert json.loads(marker_to_json()) == {"format": "weightsync.store", "format_version": FORMAT_VERSION}
+
+
+@pytest.mark.parametrize("data", [
+    b"", b"{}", b"[]", b'{"format":"weightsync.store"}', b'{"format":"weightsync.store","format_version":2}',
+    b'{"format":"weightsync.head","format_version":1}', b"not json",
+])
+def test_bad_marker_is_rejected(data):
+    with pytest.raises(FormatError):
+        check_marker(data)
+
+
+@pytest.mark.parametrize("version", [0, 1, 42, 10**19, MAX_VERSION])
+def test_version_key_round_trip(version):
+    key = version_key(version)
+    assert key.startswith("versions/") and key.endswith(".json") and len(key) == len("versions/") + 20 + 5
+    assert parse_version_key(key) == version
+
+
+def test_version_keys_sort_like_versions():
+    vs = [0, 9, 10, 99, 100, 12345, MAX_VERSION]
+    assert sorted(version_key(v) for v in vs) == [version_key(v) for v in vs]
+
+
+@pytest.mark.parametrize("key", [
+    "versions/1.json", "versions/0000000000000000001.json", "versions/000000000000000000001.json",
+    "versions/00000000000000000001.json.tmp", "xversions/00000000000000000001.json",
+    "versions/0000000000000000000a.json", "versions/-0000000000000000001.json", "versions/00000000000000000001.JSON",
+    "chunks/00/00000000000000000001", "versions/" + "\u0660" * 19 + "\u0661" + ".json",
+    "versions/00000000000000000001.json\n",
+])
+def test_non_version_keys_parse_to_none(key):
+    assert parse_version_key(key) is None
+
+
+def test_chunk_key_fans_out_by_prefix():
+    assert chunk_key(H[5]) == f"chunks/00/{H[5]}"
+    assert chunk_key("ab" + "0" * 30) == "chunks/ab/ab" + "0" * 30
