@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from .dtypes import ITEMSIZE
-from .errors import CheckpointError
+from .errors import CheckpointError, FormatError
 from .format import check_path
 
 MAX_HEADER = 100 << 20  # the safetensors library's own limit
@@ -65,8 +65,8 @@ def parse_safetensors_header(prefix: bytes, file_size: int, what: str) -> tuple[
         raise CheckpointError(f"{what}: header length {n} exceeds the file ({file_size} bytes)")
     try:
         header = json.loads(prefix[8 : 8 + n].decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{what}: corrupt safetensors header ({exc})") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise CheckpointError(f"{what}: corrupt safetensors header ({type(exc).__name__}: {exc})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{what}: safetensors header is not a JSON object")
     tensors = []
@@ -92,7 +92,7 @@ def _tensor_segment(name: str, info: object, base: int, what: str) -> SourceSegm
     if not isinstance(info, dict):
         raise CheckpointError(f"{what}: tensor {name!r} entry is not an object")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if dtype not in ITEMSIZE:
+    if not isinstance(dtype, str) or dtype not in ITEMSIZE:
         raise CheckpointError(f"{what}: tensor {name!r} has unsupported dtype {dtype!r}")
     ints = lambda v, k: isinstance(v, list) and len(v) == k if k else isinstance(v, list)  # noqa: E731
     if not ints(shape, None) or not all(type(d) is int and d >= 0 for d in shape):
@@ -137,7 +137,11 @@ def scan_checkpoint(directory: str | os.PathLike[str]) -> list[SourceFile]:
             rel = name if rel_dir == "." else f"{rel_dir.replace(os.sep, '/')}/{name}"
             if rel == ".weightsync":
                 continue
-            files.append(describe_file(Path(dirpath) / name, check_path(rel)))
+            try:
+                check_path(rel)
+            except FormatError as exc:
+                raise CheckpointError(f"{root}: cannot publish file {rel!r}: {exc}") from None
+            files.append(describe_file(Path(dirpath) / name, rel))
     if not files:
         raise CheckpointError(f"checkpoint directory is empty: {root}")
     return sorted(files, key=lambda f: f.path)

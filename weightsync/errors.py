@@ -40,6 +40,8 @@ class ChecksumError(WeightsyncError):
 class StoreError(WeightsyncError):
     """A store operation failed; ``key`` names the object, ``__cause__`` is the last cause."""
 
+    retryable = False  # set per instance for throttling, 5xx, timeouts and resets
+
     def __init__(self, message: str, key: str | None = None):
         super().__init__(message)
         self.key = key

@@ -26,7 +26,7 @@ MAX_VERSION = 10**18
 MAX_SIZE = 1 << 50  # 1 PiB: larger declared sizes are rejected as hostile
 ROLES = ("header", "tensor", "blob")
 SEGMENT_CODECS = ("same", "full", "sparse", "dense")
-_HEX = re.compile(r"^[0-9a-f]{32}$")
+_HEX = re.compile(r"[0-9a-f]{32}")
 
 
 def version_key(version: int) -> str:
@@ -34,7 +34,7 @@ def version_key(version: int) -> str:
 
 
 def parse_version_key(key: str) -> int | None:
-    m = re.fullmatch(r"versions/(\d{20})\.json", key)
+    m = re.fullmatch(r"versions/([0-9]{20})\.json", key)
     return int(m.group(1)) if m else None
 
 
@@ -161,8 +161,8 @@ def manifest_to_json(m: Manifest) -> bytes:
 def _load_json(data: bytes, what: str) -> dict:
     try:
         doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise FormatError(f"{what}: not valid JSON ({exc})") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise FormatError(f"{what}: not valid JSON ({type(exc).__name__})") from None
     if not isinstance(doc, dict):
         raise FormatError(f"{what}: expected a JSON object")
     return doc
@@ -184,7 +184,7 @@ def _int(doc: dict, key: str, what: str, lo: int = 0, hi: int = MAX_SIZE) -> int
 
 def _hex(doc: dict, key: str, what: str) -> str:
     val = _get(doc, key, str, what)
-    if not _HEX.match(val):
+    if not _HEX.fullmatch(val):
         raise FormatError(f"{what}: field {key!r} is not a 128-bit hex checksum")
     return val
 
@@ -234,6 +234,8 @@ def _segment(doc: Any, chunks: tuple[ChunkRef, ...], what: str) -> Segment:
 def _delta(doc: Any, chunks: tuple[ChunkRef, ...], what: str) -> Delta:
     if not isinstance(doc, dict) or doc.get("codec") not in ("same", "sparse", "dense"):
         raise FormatError(f"{what}: delta must be an object with codec same, sparse or dense")
+    if doc["codec"] == "same" and doc.get("payload") is not None:
+        raise FormatError(f"{what}: a 'same' delta has no payload")
     payload = None if doc["codec"] == "same" else _payload(doc.get("payload"), chunks, f"{what} delta")
     return Delta(doc["codec"], _int(doc, "changed", what), payload)
 

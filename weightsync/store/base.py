@@ -16,12 +16,12 @@ from ..errors import StoreError
 
 PutMode = Literal["create", "overwrite"]
 
-_KEY_RE = re.compile(r"^[A-Za-z0-9._\-]+(/[A-Za-z0-9._\-]+)*$")
+_KEY_RE = re.compile(r"[A-Za-z0-9._\-]+(/[A-Za-z0-9._\-]+)*")
 
 
 def check_key(key: str) -> str:
     """Reject keys that could escape a backend's root (``..``, absolute, empty segments)."""
-    if not _KEY_RE.match(key) or any(part in (".", "..") for part in key.split("/")):
+    if not _KEY_RE.fullmatch(key) or any(part in (".", "..") for part in key.split("/")):
         raise StoreError(f"invalid store key {key!r}", key=key)
     return key
 
