@@ -21,6 +21,7 @@ from .publishing import PublishConfig, PublishResult
 from .pulling import PullConfig, PullResult
 from .repo import Repo
 from .store import Store, open_store
+from .store.retry import RetryingStore, RetryPolicy
 
 __all__ = [
     "CodecConfig", "PublishConfig", "PublishResult", "PullConfig", "PullResult", "Repo", "Store",
@@ -31,13 +32,20 @@ __version__ = "0.1.0"
 StoreLike = str | os.PathLike | Store | Repo
 
 
-def open_repo(store: StoreLike, **options) -> Repo:
-    """A :class:`Repo` for a URL (``file://``, plain path, ``s3://``, ``memory://``), Store or Repo."""
+def open_repo(store: StoreLike, *, retry: RetryPolicy | None = RetryPolicy(), **options) -> Repo:
+    """A :class:`Repo` for a URL (``file://``, plain path, ``s3://``, ``memory://``), Store or Repo.
+
+    A remote (``s3://``) store opened from a URL retries throttling, 5xx, timeouts and resets with
+    ``retry`` (None: no retries).
+    """
     if isinstance(store, Repo):
         return store
     if isinstance(store, Store):
         return Repo(store)
-    return Repo(open_store(store, **options))
+    opened = open_store(store, **options)
+    if retry is not None and str(store).startswith("s3://"):
+        opened = RetryingStore(opened, retry)
+    return Repo(opened)
 
 
 def publish(checkpoint_dir: str | os.PathLike, store: StoreLike, version: int | None = None, *,
