@@ -146,9 +146,10 @@ def cmd_gc(args) -> int:
     verb = "would delete" if r.dry_run else "deleted"
     print(f"gc {args.store}: kept versions {r.kept_versions}, {verb} {len(r.deleted_versions)} versions and "
           f"{r.deleted_chunks} chunks ({human_bytes(r.deleted_bytes)}); {r.young_chunks} unreferenced chunks younger "
-          f"than {args.grace_seconds:g}s left, {r.seconds:.2f}s", file=sys.stderr)
+          f"than {args.grace_seconds:g}s left, {len(r.abandoned_versions)} abandoned publishes removed, {r.seconds:.2f}s", file=sys.stderr)
     print(json.dumps({"kept": r.kept_versions, "deleted": r.deleted_versions, "deleted_chunks": r.deleted_chunks,
-                      "deleted_bytes": r.deleted_bytes, "young_chunks": r.young_chunks, "dry_run": r.dry_run}))
+                      "deleted_bytes": r.deleted_bytes, "young_chunks": r.young_chunks, "abandoned": r.abandoned_versions,
+                      "dry_run": r.dry_run}))
     return 0
 
 

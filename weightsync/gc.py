@@ -2,8 +2,10 @@
 
 Plan (pure, :func:`plan_gc`): keep the ``keep`` newest committed versions (the head among them),
 and every manifest in their chains back to a keyframe (:meth:`Repo.chain`). Manifests above the
-head belong to a publish in progress (or an interrupted one) and are kept too. A chunk is needed
-when any kept manifest references it (keyframes' ``delta`` payloads live in the same chunk list).
+head belong to a publish in progress and are kept too, unless older than the grace period: those
+were left by publishers that died between the manifest and the head update, and they would block
+every later publish of their version number, so gc deletes them. A chunk is needed when any kept
+manifest references it (keyframes' ``delta`` payloads live in the same chunk list).
 
 Execution (:func:`gc`): manifests are deleted first, oldest first, so that a reader never finds a
 manifest whose chunks are gone; then chunks that no kept manifest references, but only those older
@@ -65,6 +67,7 @@ class GcPlan:
     kept_versions: tuple[int, ...]  # committed versions kept: the newest `keep` and their chains
     pending_versions: tuple[int, ...]  # manifests above the head (publishes in progress)
     delete_versions: tuple[int, ...]  # ascending: deleted oldest first
+    abandoned_versions: tuple[int, ...]  # manifests above the head older than the grace period
     needed_chunks: frozenset[str]
 
 
@@ -73,6 +76,7 @@ class GcResult:
     head: int | None
     kept_versions: list[int]
     deleted_versions: list[int]
+    abandoned_versions: list[int]  # manifests of publishes that died before moving the head
     deleted_chunks: int = 0
     deleted_bytes: int = 0
     young_chunks: int = 0  # unreferenced but inside the grace period: left for a later gc
@@ -82,14 +86,19 @@ class GcResult:
     deleted_temp_files: int = 0
 
 
-def plan_gc(repo: Repo, keep: int) -> GcPlan:
-    """Which manifests to delete and which chunks the remaining ones need (reads manifests only)."""
+def plan_gc(repo: Repo, keep: int, abandoned: frozenset[int] = frozenset()) -> GcPlan:
+    """Which manifests to delete and which chunks the remaining ones need (reads manifests only).
+
+    ``abandoned``: versions above the head known to be left by dead publishers (see :func:`gc`).
+    """
     head = repo.head_version()
     listed = sorted(v for v in (parse_version_key(k) for k in repo.store.list(VERSIONS_PREFIX)) if v is not None)
+    above = [v for v in listed if head is None or v > head]
+    pending = [v for v in above if v not in abandoned]
+    dead = tuple(v for v in above if v in abandoned)
     if head is None:
-        return GcPlan(None, (), tuple(listed), (), frozenset(_chunks_of(repo, listed)))
+        return GcPlan(None, (), tuple(pending), (), dead, frozenset(_chunks_of(repo, pending)))
     committed = [v for v in listed if v <= head]
-    pending = [v for v in listed if v > head]
     if head not in committed:
         raise VersionError(f"{repo.url}: head {head} has no manifest; refusing to collect anything")
     kept: set[int] = set()
@@ -97,7 +106,7 @@ def plan_gc(repo: Repo, keep: int) -> GcPlan:
         kept.update(m.version for m in repo.chain(v))
     delete = [v for v in committed if v not in kept]
     needed = _chunks_of(repo, sorted(kept) + pending)
-    return GcPlan(head, tuple(sorted(kept)), tuple(pending), tuple(delete), frozenset(needed))
+    return GcPlan(head, tuple(sorted(kept)), tuple(pending), tuple(delete), dead, frozenset(needed))
 
 
 def _chunks_of(repo: Repo, versions: list[int]) -> set[str]:
@@ -115,10 +124,11 @@ def gc(repo: Repo, config: GcConfig) -> GcResult:
     """Delete versions outside ``config.keep`` and the chunks only they needed (module docstring)."""
     t0 = time.perf_counter()
     repo.require()
-    plan = plan_gc(repo, config.keep)
-    result = GcResult(plan.head, list(plan.kept_versions), list(plan.delete_versions), dry_run=config.dry_run)
+    plan = plan_gc(repo, config.keep, _abandoned(repo, config.grace_seconds))
+    result = GcResult(plan.head, list(plan.kept_versions), list(plan.delete_versions),
+                      list(plan.abandoned_versions), dry_run=config.dry_run)
     if not config.dry_run:
-        for v in plan.delete_versions:  # oldest first: a reader never sees a manifest without chunks
+        for v in plan.delete_versions + plan.abandoned_versions:  # oldest first, chunks after
             repo.store.delete(version_key(v))
     # Listed after the manifests are gone: a chunk stored from here on is younger than the grace.
     doomed = []
@@ -151,23 +161,41 @@ def _unwrap(store: Store) -> Store:
     return store
 
 
+def _abandoned(repo: Repo, grace: float) -> frozenset[int]:
+    """Manifests above the head older than the grace period: their publishers died between the
+    manifest and the head update (a live one moves the head right after), and they block every
+    later publish of that version number."""
+    head = repo.head_version()
+    out = set()
+    for key, _, age in list_with_age(repo.store, VERSIONS_PREFIX):
+        v = parse_version_key(key)
+        if v is not None and (head is None or v > head) and age is not None and age >= grace:
+            out.add(v)
+    return frozenset(out)
+
+
 def list_chunks_with_age(store: Store) -> Iterator[tuple[str, int, float | None]]:
     """``(key, size, age in seconds or None if unknown)`` of every chunk object."""
+    return list_with_age(store, CHUNKS_PREFIX)
+
+
+def list_with_age(store: Store, prefix: str) -> Iterator[tuple[str, int, float | None]]:
+    """``(key, size, age in seconds or None if unknown)`` of every object under ``prefix``."""
     backend = _unwrap(store)
     custom = getattr(backend, "list_with_times", None)
     if callable(custom):  # a backend that offers ages itself: (key, size, mtime epoch seconds)
         now = time.time()
-        return ((k, size, now - mtime) for k, size, mtime in custom(CHUNKS_PREFIX))
+        return ((k, size, now - mtime) for k, size, mtime in custom(prefix))
     if isinstance(backend, FileStore):
-        return _file_ages(backend)
+        return _file_ages(backend, prefix)
     if type(backend).__name__ == "S3Store":
-        return _s3_ages(backend)
-    return ((k, store.head(k) or 0, None) for k in store.list(CHUNKS_PREFIX))
+        return _s3_ages(backend, prefix)
+    return ((k, store.head(k) or 0, None) for k in store.list(prefix))
 
 
-def _file_ages(store: FileStore) -> Iterator[tuple[str, int, float | None]]:
+def _file_ages(store: FileStore, prefix: str) -> Iterator[tuple[str, int, float | None]]:
     now = time.time()
-    for key in store.list(CHUNKS_PREFIX):
+    for key in store.list(prefix):
         try:
             st = os.stat(store.local_path(key))
         except FileNotFoundError:
@@ -175,13 +203,13 @@ def _file_ages(store: FileStore) -> Iterator[tuple[str, int, float | None]]:
         yield key, st.st_size, now - st.st_mtime
 
 
-def _s3_ages(store) -> Iterator[tuple[str, int, float | None]]:
+def _s3_ages(store, prefix: str) -> Iterator[tuple[str, int, float | None]]:
     from botocore.exceptions import BotoCoreError, ClientError
 
-    client, bucket, prefix = store._client, store.bucket, store._key_prefix
-    skip = len(prefix)
+    client, bucket, root = store._client, store.bucket, store._key_prefix
+    skip = len(root)
     try:
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + CHUNKS_PREFIX):
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=root + prefix):
             date = page.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
             now = parsedate_to_datetime(date).timestamp() if date else time.time()
             for obj in page.get("Contents", ()):
@@ -190,7 +218,7 @@ def _s3_ages(store) -> Iterator[tuple[str, int, float | None]]:
                     yield key, int(obj["Size"]), now - obj["LastModified"].timestamp()
     except (BotoCoreError, ClientError) as exc:  # one line, as every store error
         what = " ".join(str(exc).split())
-        raise StoreError(f"{store.url}: LIST {CHUNKS_PREFIX}: {type(exc).__name__}: {what}", key=CHUNKS_PREFIX) from exc
+        raise StoreError(f"{store.url}: LIST {prefix}: {type(exc).__name__}: {what}", key=prefix) from exc
 
 
 def _remove_stale_temp_files(store: Store, grace: float) -> int:
@@ -215,4 +243,4 @@ def _remove_stale_temp_files(store: Store, grace: float) -> int:
     return removed
 
 
-__all__ = ["GcConfig", "GcPlan", "GcResult", "gc", "plan_gc", "list_chunks_with_age"]
+__all__ = ["GcConfig", "GcPlan", "GcResult", "gc", "plan_gc", "list_chunks_with_age", "list_with_age"]

@@ -239,8 +239,9 @@ def test_gc_grace_period_protects_young_unreferenced_chunks(published, tmp_path)
     assert gc(r, GcConfig(keep=6)).deleted_temp_files == 1 and not stale.exists()
 
 
-def test_gc_keeps_manifests_above_the_head(published, tmp_path, ws):
-    """A publish that stored its manifest but has not moved the head yet keeps its chunks."""
+def test_gc_keeps_manifests_above_the_head_until_abandoned(published, tmp_path, ws):
+    """A publish that stored its manifest but has not moved the head yet keeps its chunks; once
+    older than the grace period it is abandoned (it blocks its version number) and removed."""
     store, traj = published
     nxt = make_trajectory(tmp_path / "more", steps=6, shards=2, **ws.TINY)[6]
 
@@ -250,12 +251,24 @@ def test_gc_keeps_manifests_above_the_head(published, tmp_path, ws):
 
     with pytest.raises(StoreError, match="injected"):
         weightsync.publish(nxt, weightsync.Repo(NoHead(store)), base_dir=traj[5])
-    assert (store / version_key(6)).exists() and repo(store).head_version() == 5
+    pending = store / version_key(6)
+    assert pending.exists() and repo(store).head_version() == 5
     age_all(store)
-    res = gc(repo(store), GcConfig(keep=1, grace_seconds=0))
-    assert res.kept_versions == [3, 4, 5] and (store / version_key(6)).exists()
-    for c in repo(store).manifest(6).chunks:
-        assert (store / chunk_key(c.id)).exists()
+    os.utime(pending)  # the manifest is fresh, its chunks are old
+    res = gc(repo(store), GcConfig(keep=1, grace_seconds=60))
+    assert res.kept_versions == [3, 4, 5] and res.abandoned_versions == [] and pending.exists()
+    chunks6 = [store / chunk_key(c.id) for c in repo(store).manifest(6).chunks]
+    assert all(p.exists() for p in chunks6)
+    with pytest.raises(weightsync.WeightsyncError, match="version 6 already exists"):
+        weightsync.publish(nxt, repo(store), base_dir=traj[5])  # the dead publish blocks version 6
+
+    os.utime(pending, (OLD, OLD))
+    res = gc(repo(store), GcConfig(keep=1, grace_seconds=60))
+    assert res.abandoned_versions == [6] and not pending.exists()
+    assert not any(p.exists() for p in chunks6)
+    assert weightsync.publish(nxt, repo(store), base_dir=traj[5]).version == 6
+    weightsync.pull(repo(store), tmp_path / "v6", 6)
+    ws.assert_replica(tmp_path / "v6", nxt)
 
 
 def test_gc_on_a_store_without_ages_deletes_no_chunk_inside_the_grace(published):
