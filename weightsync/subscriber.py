@@ -181,6 +181,7 @@ class Subscriber:
         self._superseded: tuple[int | None, float] | None = None
         self._errors = 0
         self._last_ledger = 0.0
+        self._store_ok = False
 
     # -- control (called by the API) --------------------------------------------------------------
     def request_stop(self) -> None:
@@ -395,6 +396,11 @@ class Subscriber:
         ident = self.cfg.identity
         rec = FleetRecord(ident.id, ident.region, ident.cluster, self.view.current, self.target, self.state, now)
         try:
+            # never write into a location that is not (yet) a weightsync store: the record would
+            # make it "hold other objects" and a publisher would refuse to create the store there
+            self._store_ok = self._store_ok or await asyncio.to_thread(self.repo.check)
+            if not self._store_ok:
+                return
             await asyncio.to_thread(write_record, self.repo.store, rec)
             self._last_ledger = now
         except WeightsyncError as exc:
