@@ -1,0 +1,169 @@
+"""The daemons' pure planning functions, table-driven: subscriber ``plan_next``, publisher
+``plan_publish`` and ``parse_step``, the fleet view, hook templates, selections and config parsing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from weightsync.config import ApiConfig, Backoff, HookConfig, Identity, parse_listen
+from weightsync.errors import UsageError
+from weightsync.hooks import render
+from weightsync.ledger import FleetRecord, fleet_view, record_from_json
+from weightsync.partial import Selection
+from weightsync.publisher import Candidate, Idle as PIdle, Publish, Wait as PWait, parse_step, plan_publish
+from weightsync.subscriber import LATEST, Idle, Sync, View, Wait, plan_next
+
+NOW = 1000.0
+
+# (view, head, target, expected action type, expected version or reason fragment)
+PLAN_NEXT = [
+    ("empty store", View(None), None, LATEST, Wait, "no versions"),
+    ("empty store, pinned", View(None), None, 3, Wait, "no versions"),
+    ("first sync", View(None), 4, LATEST, Sync, 4),
+    ("up to date", View(4, 3), 4, LATEST, Idle, "serving version 4"),
+    ("head moved", View(4, 3), 6, LATEST, Sync, 6),
+    ("pinned back", View(6, 4), 6, 2, Sync, 2),
+    ("pinned to the standby's version", View(6, 4), 6, 4, Sync, 4),
+    ("pinned and there", View(2, 6), 9, 2, Idle, "pinned"),
+    ("pinned ahead of the head", View(2), 3, 5, Wait, "not published yet"),
+    ("pinned forward", View(2, 6), 9, 7, Sync, 7),
+    ("back to latest", View(2, 6), 9, LATEST, Sync, 9),
+    ("failed, backing off", View(2, None, 9, 2, NOW + 5), 9, LATEST, Wait, "failed 2 time"),
+    ("failed, retry due", View(2, None, 9, 2, NOW - 1), 9, LATEST, Sync, 9),
+    ("failed, but the head moved on", View(2, None, 9, 3, NOW + 60), 10, LATEST, Sync, 10),
+    ("failed version no longer wanted", View(2, None, 9, 3, NOW + 60), 9, 2, Idle, "serving version 2"),
+    ("version 0", View(None), 0, LATEST, Sync, 0),
+]
+
+
+@pytest.mark.parametrize("view,head,target,kind,expect", [c[1:] for c in PLAN_NEXT], ids=[c[0] for c in PLAN_NEXT])
+def test_plan_next(view, head, target, kind, expect):
+    action = plan_next(view, head, target, NOW)
+    assert type(action) is kind, action
+    if kind is Sync:
+        assert action.version == expect
+    else:
+        assert expect in action.reason
+
+
+def _c(step: int, ready: bool = True, age: float = 0.0) -> Candidate:
+    return Candidate(step, Path(f"/w/checkpoint-{step}"), ready, NOW - age)
+
+
+# (candidates, head, failed (step, retry_at) or None, expected type, expected step / reason, base step, skipped)
+PLAN_PUBLISH = [
+    ("nothing", [], None, None, PIdle, "no checkpoint", None, ()),
+    ("first", [_c(0), _c(1)], None, None, Publish, 0, None, ()),
+    ("resume from head", [_c(0), _c(1), _c(2)], 1, None, Publish, 2, 1, ()),
+    ("head folder gone", [_c(2), _c(3)], 1, None, Publish, 2, None, ()),
+    ("all published", [_c(0), _c(1)], 1, None, PIdle, "newest", None, ()),
+    ("wait for an unfinished one", [_c(1), _c(2, False), _c(3)], 1, None, PWait, "checkpoint 2", None, ()),
+    ("skip a stale unfinished one", [_c(1), _c(2, False, 7200), _c(3)], 1, None, Publish, 3, 1, (2,)),
+    ("unfinished head is no base", [_c(1, False), _c(2)], 1, None, Publish, 2, None, ()),
+    ("sparse steps", [_c(100), _c(110), _c(120)], 100, None, Publish, 110, 100, ()),
+    ("checkpoint below the head is ignored", [_c(5), _c(12)], 10, None, Publish, 12, None, ()),
+    ("failed, backing off", [_c(1), _c(2)], 1, (2, NOW + 3), PWait, "retrying", None, ()),
+    ("failed, retry due", [_c(1), _c(2)], 1, (2, NOW - 3), Publish, 2, 1, ()),
+]
+
+
+@pytest.mark.parametrize("cands,head,failed,kind,expect,base,skipped", [c[1:] for c in PLAN_PUBLISH], ids=[c[0] for c in PLAN_PUBLISH])
+def test_plan_publish(cands, head, failed, kind, expect, base, skipped):
+    step, retry_at = failed or (None, 0.0)
+    action = plan_publish(cands, head, NOW, 3600.0, step, retry_at)
+    assert type(action) is kind, action
+    if kind is Publish:
+        assert action.candidate.step == expect
+        assert action.base == (None if base is None else Path(f"/w/checkpoint-{base}"))
+        assert action.skipped == skipped
+    else:
+        assert expect in action.reason
+
+
+@pytest.mark.parametrize("name,step", [
+    ("checkpoint-120", 120), ("step_000120", 120), ("120", 120), ("global_step7", 7), ("ckpt", None),
+    ("checkpoint-120.tmp", None), (".checkpoint-3", None), ("run2-step-0", 0), ("", None),
+])
+def test_parse_step(name, step):
+    assert parse_step(name) == step
+
+
+def test_fleet_view_lag_and_staleness():
+    recs = [
+        FleetRecord("a", "us", "c1", 10, LATEST, "serving", NOW - 2),
+        FleetRecord("b", "eu", "c2", 7, LATEST, "syncing", NOW - 30),
+        FleetRecord("c", "ap", "", None, 3, "waiting", NOW - 1),
+        FleetRecord("d", "", "", 12, LATEST, "serving", NOW),  # ahead of a stale head read
+    ]
+    superseded = {7: NOW - 120.0, None: NOW - 500.0}
+    rows = {r.id: r for r in fleet_view(recs, 10, superseded.get, NOW)}
+    assert (rows["a"].lag, rows["a"].staleness_seconds, rows["a"].last_seen_seconds) == (0, 0.0, 2.0)
+    assert (rows["b"].lag, rows["b"].staleness_seconds, rows["b"].last_seen_seconds) == (3, 120.0, 30.0)
+    assert (rows["c"].lag, rows["c"].staleness_seconds) == (None, 500.0)
+    assert (rows["d"].lag, rows["d"].staleness_seconds) == (-2, 0.0)
+    assert all(r.lag is None and r.staleness_seconds is None for r in fleet_view(recs, None, superseded.get, NOW))
+
+
+@pytest.mark.parametrize("doc,ok", [
+    ({"id": "a", "region": "", "cluster": "", "current_version": 3, "target": "latest", "state": "x", "updated": 1.5}, True),
+    ({"id": "a", "region": "", "cluster": "", "current_version": None, "target": 4, "state": "x", "updated": 1}, True),
+    ({"id": "a", "region": "", "cluster": "", "current_version": -1, "target": 4, "state": "x", "updated": 1}, False),
+    ({"id": "a", "region": "", "cluster": "", "current_version": 1, "target": "4", "state": "x", "updated": 1}, False),
+    ({"id": 5, "region": "", "cluster": "", "current_version": 1, "target": 4, "state": "x", "updated": 1}, False),
+    ({"id": "a", "region": "", "cluster": "", "current_version": True, "target": 4, "state": "x", "updated": 1}, False),
+    ({"id": "a", "region": "", "cluster": "", "current_version": 1, "target": 4, "state": "x", "updated": "now"}, False),
+])
+def test_fleet_records_are_validated(doc, ok):
+    data = json.dumps({"format": "weightsync.fleet", **doc}).encode()
+    if ok:
+        rec = record_from_json(data, "r")
+        assert record_from_json(rec.to_json(), "r") == rec
+    else:
+        with pytest.raises(Exception, match="r: "):
+            record_from_json(data, "r")
+
+
+def test_hook_templates_escape_paths_in_json():
+    body = render('{"version": {version}, "path": "{path}", "link": "{current}"}', 12, '/m/"a"\\b', "/m/current", json_strings=True)
+    assert json.loads(body) == {"version": 12, "path": '/m/"a"\\b', "link": "/m/current"}
+    assert render("--v={version} {path}", 3, "/x y", "/c", json_strings=False) == "--v=3 /x y"
+
+
+@pytest.mark.parametrize("include,exclude,name,ok", [
+    ((), (), "anything", True),
+    (("model.layers.*.mlp.experts.3.*",), (), "model.layers.0.mlp.experts.3.up_proj.weight", True),
+    (("model.layers.*.mlp.experts.3.*",), (), "model.layers.0.mlp.experts.13.up_proj.weight", False),
+    (("*",), ("*.down_proj.*",), "model.layers.1.mlp.experts.0.down_proj.weight", False),
+    ((), ("lm_head.*",), "lm_head.weight", False),
+    (("Model.*",), (), "model.norm.weight", False),  # case-sensitive
+])
+def test_selection(include, exclude, name, ok):
+    assert Selection(include, exclude).matches(name) is ok
+
+
+@pytest.mark.parametrize("text,expect", [
+    ("8080", ("127.0.0.1", 8080)), (":9000", ("127.0.0.1", 9000)), ("0.0.0.0:1", ("0.0.0.0", 1)),
+    ("[::1]:7000", ("::1", 7000)), ("localhost:0", ("localhost", 0)),
+])
+def test_parse_listen(text, expect):
+    assert parse_listen(text) == expect
+
+
+def test_config_validation():
+    with pytest.raises(UsageError):
+        parse_listen("host:port")
+    with pytest.raises(UsageError):
+        ApiConfig(port=70000)
+    with pytest.raises(UsageError):
+        ApiConfig(token="has space")
+    assert "tok" not in repr(ApiConfig(token="tok"))  # the token is never printed
+    with pytest.raises(UsageError):
+        Identity("bad/id")
+    with pytest.raises(UsageError):
+        HookConfig()  # neither a URL nor a command
+    with pytest.raises(UsageError):
+        HookConfig(url="http://x", command=("true",))
+    assert [Backoff(0.5, 4.0).delay(n) for n in range(6)] == [0.0, 0.5, 1.0, 2.0, 4.0, 4.0]
