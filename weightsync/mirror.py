@@ -99,10 +99,8 @@ class _Mirror:
         src_head = self.src.head_version()
         dst_head = self.dst.head_version()
         self.result.head = dst_head
-        if src_head is None:
-            return
         self._check_lineage(src_head, dst_head)
-        if dst_head is not None and dst_head >= src_head:
+        if src_head is None or (dst_head is not None and dst_head >= src_head):
             return
         for v in self.src.versions():
             if dst_head is not None and v <= dst_head:
@@ -111,10 +109,10 @@ class _Mirror:
                 raise _Stopped
             self._copy_version(v)
 
-    def _check_lineage(self, src_head: int, dst_head: int | None) -> None:
+    def _check_lineage(self, src_head: int | None, dst_head: int | None) -> None:
         if dst_head is None:
             return
-        if dst_head > src_head:
+        if src_head is None or dst_head > src_head:
             raise MirrorError(f"{self.dst.url} is not a mirror of {self.src.url}: its head {dst_head} is ahead of the source head {src_head}")
         try:
             ours = self.src.store.get(version_key(dst_head))
@@ -126,7 +124,7 @@ class _Mirror:
         try:
             theirs = self.dst.store.get(version_key(version))
         except NotFoundError:
-            raise MirrorError(f"{self.dst.url} is not a mirror of {self.src.url}: its head {version} has no manifest") from None
+            raise MirrorError(f"{self.dst.url} is not a mirror of {self.src.url}: it has no manifest of version {version}") from None
         if theirs != data:
             raise MirrorError(f"{self.dst.url} is not a mirror of {self.src.url}: version {version} differs")
 
@@ -140,23 +138,20 @@ class _Mirror:
         m = manifest_from_json(data, f"{self.src.url}/{key}")
         if m.version != version:
             raise VersionError(f"{self.src.url}/{key}: manifest claims version {m.version}")
-        if self.dst.store.head(key) is not None:
-            self._same_manifest(version, data)  # an interrupted earlier pass, or another mirror
-            self.result.skipped_versions.append(version)
-        else:
-            try:
-                chunks, nbytes = self._copy_chunks(m.chunks)
-            except NotFoundError:
-                if self.src.store.head(key) is None:
-                    return  # collected at the source while we copied it
-                raise
-            try:
-                self.dst.store.put(key, data, mode="create")
-            except AlreadyExistsError:
-                self._same_manifest(version, data)
+        try:  # chunks are checked even under an existing manifest: a regional gc may be at work
+            chunks, nbytes = self._copy_chunks(m.chunks)
+        except NotFoundError:
+            if self.src.store.head(key) is None:
+                return  # collected at the source while we copied it
+            raise
+        try:
+            self.dst.store.put(key, data, mode="create")
             self.result.copied_versions.append(version)
             if self.on_version:
                 self.on_version(version, chunks, nbytes)
+        except AlreadyExistsError:  # an interrupted earlier pass, or another mirror
+            self._same_manifest(version, data)
+            self.result.skipped_versions.append(version)
         self._move_head(version)
 
     def _copy_chunks(self, refs: tuple[ChunkRef, ...]) -> tuple[int, int]:

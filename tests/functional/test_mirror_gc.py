@@ -97,8 +97,11 @@ def test_mirror_recognises_interrupted_manifest_copy(published, tmp_path):
     dst = tmp_path / "regional"
     mirror(repo(store), repo(dst))
     repo(dst).set_head(3)  # as if the pass died after copying manifests 4 and 5, before the head
+    lost = chunk_key(repo(store).manifest(5).chunks[0].id)
+    (dst / lost).unlink()  # and a chunk under an existing manifest went missing
     res = mirror(repo(store), repo(dst))
     assert res.skipped_versions == [4, 5] and res.copied_versions == [] and res.head == 5
+    assert res.copied_chunks == 1 and (dst / lost).read_bytes() == (store / lost).read_bytes()
 
 
 def test_mirror_refuses_non_weightsync_destination(published, tmp_path, run_cli, ws):
@@ -128,6 +131,10 @@ def test_mirror_refuses_a_different_store(published, trajectory, tmp_path):
     weightsync.publish(trajectory[0], repo(small))
     with pytest.raises(MirrorError, match="ahead"):
         mirror(repo(small), repo(ahead))
+    empty = repo(tmp_path / "empty")
+    empty.init()
+    with pytest.raises(MirrorError, match="ahead"):
+        mirror(empty, repo(ahead))
     with pytest.raises(weightsync.WeightsyncError, match="same store"):
         mirror(repo(store), repo(store))
 
