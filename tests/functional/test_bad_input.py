@@ -1,0 +1,397 @@
+"""Bad input through the command line: one clear line on stderr, a non-zero exit, nothing changed.
+
+Every case snapshots the store directory and the replica folder (every entry, hidden ones included,
+with sha256 of every file) before and after the failing command and requires them equal.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from weightsync.synth import write_safetensors
+
+
+@pytest.fixture
+def world(published, tmp_path, ok_cli):
+    """A store with versions 0..5 and a replica folder holding version 1."""
+    store, traj = published
+    out = tmp_path / "replica"
+    ok_cli("pull", "--store", f"file://{store}", "--version", 1, out)
+    return store, traj, out
+
+
+def _fails(ws, run_cli, watched: list[Path], *args) -> str:
+    """Run a command that must fail cleanly without changing anything under ``watched``; its error line."""
+    before = [ws.snapshot(p) for p in watched]
+    rc, stdout, stderr = run_cli(*args)
+    assert rc != 0, f"expected failure: {args}\nstdout: {stdout}"
+    line = ws.error_line(stderr)
+    after = [ws.snapshot(p) for p in watched]
+    for p, b, a in zip(watched, before, after):
+        assert a == b, f"{p} changed by a failing command"
+    return line
+
+
+# --- broken checkpoints ---------------------------------------------------------------------------
+def _shard(ckpt: Path) -> Path:
+    return ckpt / "model-00001-of-00002.safetensors"
+
+
+def _header(path: Path) -> tuple[dict, bytes]:
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+
+def _rewrite(path: Path, header: dict | bytes, data: bytes) -> None:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+
+
+def _tensors_by_offset(header: dict) -> list[str]:
+    names = [k for k in header if k != "__metadata__"]
+    return sorted(names, key=lambda k: header[k]["data_offsets"][0])
+
+
+def _truncate_half(p: Path) -> None:
+    raw = p.read_bytes()
+    p.write_bytes(raw[: len(raw) // 2])
+
+
+def _truncate_tail(p: Path) -> None:
+    raw = p.read_bytes()
+    p.write_bytes(raw[:-1])
+
+
+def _tiny_file(p: Path) -> None:
+    p.write_bytes(b"\x10\x00\x00")
+
+
+def _empty_file(p: Path) -> None:
+    p.write_bytes(b"")
+
+
+def _header_longer_than_file(p: Path) -> None:
+    raw = p.read_bytes()
+    p.write_bytes((len(raw) + 100).to_bytes(8, "little") + raw[8:])
+
+
+def _huge_header_length(p: Path) -> None:
+    raw = p.read_bytes()
+    p.write_bytes((2**63).to_bytes(8, "little") + raw[8:])
+
+
+def _garbage_header(p: Path) -> None:
+    h, data = _header(p)
+    raw = json.dumps(h).encode()
+    _rewrite(p, b"{not json" + raw[9:], data)
+
+
+def _header_not_object(p: Path) -> None:
+    h, data = _header(p)
+    raw = b"[" + b" " * (len(json.dumps(h)) - 2) + b"]"
+    _rewrite(p, raw, data)
+
+
+def _header_not_utf8(p: Path) -> None:
+    h, data = _header(p)
+    raw = json.dumps(h).encode()
+    _rewrite(p, raw[:-1] + b"\xff}", data)
+
+
+def _offsets_past_end(p: Path) -> None:
+    h, data = _header(p)
+    last = _tensors_by_offset(h)[-1]
+    b, e = h[last]["data_offsets"]
+    h[last]["data_offsets"] = [b + 2, e + 2]  # a hole before it and past the end of the file
+    _rewrite(p, h, data)
+
+
+def _offsets_overlap(p: Path) -> None:
+    h, data = _header(p)
+    names = _tensors_by_offset(h)
+    a, b = names[-2], names[-1]
+    # the last tensor claims to start inside the one before it; keep the total length consistent
+    span = h[b]["data_offsets"][1] - h[b]["data_offsets"][0]
+    h[b]["data_offsets"] = [h[a]["data_offsets"][0], h[a]["data_offsets"][0] + span]
+    _rewrite(p, h, data)
+
+
+def _offsets_swapped(p: Path) -> None:
+    h, data = _header(p)
+    name = _tensors_by_offset(h)[0]
+    b, e = h[name]["data_offsets"]
+    h[name]["data_offsets"] = [e, b]
+    _rewrite(p, h, data)
+
+
+def _offsets_do_not_fit_shape(p: Path) -> None:
+    h, data = _header(p)
+    name = next(n for n in _tensors_by_offset(h) if h[n]["shape"])
+    h[name]["shape"] = [*h[name]["shape"][:-1], h[name]["shape"][-1] + 1]
+    _rewrite(p, h, data)
+
+
+def _negative_shape(p: Path) -> None:
+    h, data = _header(p)
+    name = next(n for n in _tensors_by_offset(h) if len(h[n]["shape"]) == 2)
+    r, c = h[name]["shape"]
+    h[name]["shape"] = [-r, -c]
+    _rewrite(p, h, data)
+
+
+def _unknown_dtype(p: Path) -> None:
+    h, data = _header(p)
+    h[_tensors_by_offset(h)[0]]["dtype"] = "F128"
+    _rewrite(p, h, data)
+
+
+def _duplicate_tensor(p: Path) -> None:
+    h, data = _header(p)
+    name = _tensors_by_offset(h)[0]
+    raw = json.dumps(h).encode()
+    dup = json.dumps({name: h[name]})[1:-1].encode()
+    _rewrite(p, raw[:-1] + b"," + dup + b"}", data)
+
+
+def _trailing_bytes(p: Path) -> None:
+    with open(p, "ab") as f:
+        f.write(b"\x00" * 16)
+
+
+def _bad_metadata(p: Path) -> None:
+    h, data = _header(p)
+    h["__metadata__"] = {"format": 5}
+    _rewrite(p, h, data)
+
+
+CORRUPTIONS = [
+    _truncate_half, _truncate_tail, _tiny_file, _empty_file, _header_longer_than_file, _huge_header_length,
+    _garbage_header, _header_not_object, _header_not_utf8, _offsets_past_end, _offsets_overlap, _offsets_swapped,
+    _offsets_do_not_fit_shape, _negative_shape, _unknown_dtype, _duplicate_tensor, _trailing_bytes, _bad_metadata,
+]
+
+
+@pytest.mark.parametrize("corrupt", CORRUPTIONS, ids=lambda f: f.__name__.lstrip("_"))
+def test_publish_corrupt_safetensors(corrupt, published, tmp_path, run_cli, ws):
+    store, traj = published
+    bad = tmp_path / "bad"
+    shutil.copytree(traj[2], bad)
+    corrupt(_shard(bad))
+    line = _fails(ws, run_cli, [store, bad], "publish", bad, "--store", f"file://{store}")
+    assert "model-00001-of-00002.safetensors" in line
+
+
+def test_publish_corrupt_checkpoint_into_new_store(trajectory, tmp_path, run_cli, ws):
+    """A first publish that fails creates no store at all."""
+    bad = tmp_path / "bad"
+    shutil.copytree(trajectory[0], bad)
+    _truncate_half(_shard(bad))
+    for store in (tmp_path / "new_store", tmp_path / "empty_store"):
+        if store.name == "empty_store":
+            store.mkdir()
+        _fails(ws, run_cli, [store, bad], "publish", bad, "--store", f"file://{store}")
+
+
+def test_publish_bad_file_in_subfolder(published, tmp_path, run_cli, ws):
+    store, traj = published
+    bad = tmp_path / "bad"
+    shutil.copytree(traj[2], bad)
+    (bad / "extra").mkdir()
+    write_safetensors(bad / "extra" / "adapter.safetensors", {"x": ("F32", (4,), b"\x00" * 16)})
+    _truncate_tail(bad / "extra" / "adapter.safetensors")
+    line = _fails(ws, run_cli, [store, bad], "publish", bad, "--store", f"file://{store}")
+    assert "adapter.safetensors" in line
+
+
+def test_publish_missing_or_empty_folder(published, tmp_path, run_cli, ws):
+    store, traj = published
+    _fails(ws, run_cli, [store], "publish", tmp_path / "no_such_dir", "--store", f"file://{store}")
+    (tmp_path / "empty").mkdir()
+    _fails(ws, run_cli, [store], "publish", tmp_path / "empty", "--store", f"file://{store}")
+    _fails(ws, run_cli, [store], "publish", traj[2] / "config.json", "--store", f"file://{store}")
+
+
+def test_publish_existing_version(published, run_cli, ws):
+    store, traj = published
+    for v in (0, 5):
+        line = _fails(ws, run_cli, [store], "publish", traj[1], "--store", f"file://{store}", "--version", v)
+        assert "already exists" in line
+
+
+def test_publish_version_lower_than_head(trajectory, tmp_path, run_cli, ok_cli, ws):
+    store = tmp_path / "store"
+    ok_cli("publish", trajectory[0], "--store", store, "--version", 2)
+    ok_cli("publish", trajectory[1], "--store", store, "--version", 7)
+    for v in (3, 7):
+        _fails(ws, run_cli, [store], "publish", trajectory[2], "--store", store, "--version", v)
+    assert ok_cli("publish", trajectory[2], "--store", store).strip().splitlines()[-1] == "8"
+
+
+def test_publish_with_wrong_base(published, tmp_path, run_cli, ws):
+    """--base must hold exactly the parent version; another checkpoint is refused, nothing stored."""
+    store, traj = published
+    bad_base = tmp_path / "base"
+    shutil.copytree(traj[3], bad_base)  # the parent (head) is version 5
+    new = tmp_path / "new"
+    shutil.copytree(traj[4], new)
+    _fails(ws, run_cli, [store, bad_base, new], "publish", new, "--store", store, "--base", bad_base)
+
+
+# --- stores that are not weightsync stores, or hold no versions -----------------------------------
+def _foreign_store(root: Path) -> Path:
+    (root / "data").mkdir(parents=True)
+    (root / "notes.txt").write_text("my precious files\n")
+    (root / "data" / "x.bin").write_bytes(b"\x00\x01\x02")
+    return root
+
+
+@pytest.mark.parametrize("kind", ["unrelated_files", "bad_marker", "only_marker_dir"])
+def test_not_a_weightsync_store(kind, world, tmp_path, run_cli, ws):
+    _, traj, out = world
+    foreign = _foreign_store(tmp_path / "foreign")
+    if kind == "bad_marker":
+        (foreign / "weightsync.json").write_text('{"format": "something-else"}')
+    elif kind == "only_marker_dir":
+        shutil.rmtree(foreign)
+        (foreign / "weightsync.json").mkdir(parents=True)
+    url = f"file://{foreign}"
+    fresh = tmp_path / "fresh"
+    watched = [foreign, out, fresh]
+    _fails(ws, run_cli, watched, "publish", traj[0], "--store", url)
+    _fails(ws, run_cli, watched, "pull", "--store", url, out)
+    if kind == "unrelated_files":
+        _fails(ws, run_cli, watched, "pull", "--store", url, fresh)
+        _fails(ws, run_cli, watched, "versions", "--store", url, "--json")
+        _fails(ws, run_cli, watched, "verify", "--store", url, out)
+
+
+def test_empty_or_missing_store(world, tmp_path, run_cli, ws):
+    _, _, out = world
+    empty = tmp_path / "empty_store"
+    empty.mkdir()
+    missing = tmp_path / "missing_store"
+    fresh = tmp_path / "fresh"
+    for store in (empty, missing):
+        watched = [store, out, fresh]
+        _fails(ws, run_cli, watched, "pull", "--store", f"file://{store}", fresh)
+        _fails(ws, run_cli, watched, "pull", "--store", store, "--version", 0, out)
+        _fails(ws, run_cli, watched, "versions", "--store", store)
+    _fails(ws, run_cli, [missing, out], "verify", "--store", missing, out)
+
+
+def test_bad_store_urls(tmp_path, run_cli, ws):
+    fresh = tmp_path / "fresh"
+    for url in ("file://relative/path", "ftp://host/x", ""):
+        _fails(ws, run_cli, [tmp_path], "pull", "--store", url, fresh)
+
+
+# --- versions that do not exist, folders weightsync does not own ----------------------------------
+def test_pull_missing_version(world, tmp_path, run_cli, ws):
+    store, traj, out = world
+    fresh = tmp_path / "fresh"
+    watched = [store, out, fresh]
+    _fails(ws, run_cli, watched, "pull", "--store", store, "--version", 6, out)
+    _fails(ws, run_cli, watched, "pull", "--store", store, "--version", 99, fresh)
+    _fails(ws, run_cli, watched, "verify", "--store", store, "--version", 6, out)
+
+
+def test_pull_version_in_a_gap(trajectory, tmp_path, run_cli, ok_cli, ws):
+    store = tmp_path / "store"
+    ok_cli("publish", trajectory[0], "--store", store, "--version", 0)
+    ok_cli("publish", trajectory[1], "--store", store, "--version", 5)
+    out = tmp_path / "out"
+    ok_cli("pull", "--store", store, "--version", 0, out)
+    _fails(ws, run_cli, [store, out], "pull", "--store", store, "--version", 3, out)
+    _fails(ws, run_cli, [store, out, tmp_path / "fresh"], "pull", "--store", store, "--version", 3, tmp_path / "fresh")
+    ws.assert_replica(out, trajectory[0])
+
+
+def test_verify_missing_dir(published, tmp_path, run_cli, ws):
+    store, _ = published
+    _fails(ws, run_cli, [store, tmp_path / "nope"], "verify", "--store", store, tmp_path / "nope")
+    (tmp_path / "a_file").write_text("x")
+    _fails(ws, run_cli, [store, tmp_path / "a_file"], "verify", "--store", store, tmp_path / "a_file")
+
+
+def test_verify_mismatch_is_one_line(published, run_cli, ws):
+    store, traj = published
+    _fails(ws, run_cli, [store, traj[1]], "verify", "--store", store, "--version", 4, traj[1])
+
+
+def test_pull_into_foreign_folder(published, tmp_path, run_cli, ws):
+    store, _ = published
+    mine = tmp_path / "mine"
+    (mine / "sub").mkdir(parents=True)
+    (mine / "model.safetensors").write_bytes(b"precious, not from weightsync")
+    (mine / "sub" / "x.txt").write_text("keep me")
+    line = _fails(ws, run_cli, [store, mine], "pull", "--store", store, mine)
+    assert str(mine) in line
+    only_hidden = tmp_path / "only_hidden"
+    only_hidden.mkdir()
+    (only_hidden / ".cache").write_text("x")
+    _fails(ws, run_cli, [store, only_hidden], "pull", "--store", store, only_hidden)
+
+
+def test_pull_into_a_file(published, tmp_path, run_cli, ws):
+    store, _ = published
+    target = tmp_path / "a_file"
+    target.write_text("not a folder")
+    _fails(ws, run_cli, [store, tmp_path / "a_file"], "pull", "--store", store, target)
+
+
+# --- corrupted stored objects ---------------------------------------------------------------------
+def _chunk_files(store: Path, version: int) -> list[Path]:
+    doc = json.loads((store / "versions" / f"{version:020d}.json").read_bytes())
+    return [store / "chunks" / c["id"][:2] / c["id"] for c in doc["chunks"]]
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_corrupt_chunk_incremental_pull(damage, world, tmp_path, run_cli, ok_cli, ws):
+    store, traj, out = world
+    chunk = _chunk_files(store, 2)[-1]
+    original = chunk.read_bytes()
+    if damage == "flip":
+        ws.flip_byte(chunk, len(original) // 2)
+    elif damage == "truncate":
+        chunk.write_bytes(original[:-1])
+    else:
+        chunk.unlink()
+    files_before = ws.content(out)
+    rc, _, stderr = run_cli("pull", "--store", store, "--version", 2, out)
+    assert rc != 0
+    line = ws.error_line(stderr)
+    assert chunk.name in line
+    if damage != "delete":
+        assert "checksum" in line
+    assert ws.content(out) == files_before
+    ws.assert_replica(out, traj[1])
+    ok_cli("verify", "--store", store, "--version", 1, out)
+    # once the chunk is repaired the same pull goes through
+    chunk.write_bytes(original)
+    ok_cli("pull", "--store", store, "--version", 2, out)
+    ws.assert_replica(out, traj[2])
+
+
+def test_corrupt_chunk_fresh_pull(published, tmp_path, run_cli, ws):
+    store, _ = published
+    chunks = _chunk_files(store, 0)
+    ws.flip_byte(chunks[0], 100)
+    fresh = tmp_path / "fresh"
+    rc, _, stderr = run_cli("pull", "--store", store, "--version", 0, fresh)
+    assert rc != 0
+    line = ws.error_line(stderr)
+    assert "checksum" in line and chunks[0].name in line
+    assert ws.content(fresh) == {}  # no file at all, so no wrong byte
+
+
+def test_corrupt_manifest(world, tmp_path, run_cli, ws):
+    store, _, out = world
+    manifest = store / "versions" / f"{2:020d}.json"
+    manifest.write_bytes(manifest.read_bytes()[:-10])
+    _fails(ws, run_cli, [store, out], "pull", "--store", store, "--version", 2, out)
+    _fails(ws, run_cli, [store, out], "versions", "--store", store)
