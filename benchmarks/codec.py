@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -195,6 +196,7 @@ def run(n_pairs: int | None) -> dict:
         "trajectories": {k: [asdict(r) for r in v] for k, v in results.items()},
         "memcpy_gbps": common.memcpy_gbps(),
         "xor_gbps": common.xor_gbps(),
+        "load_average_1min": os.getloadavg()[0],
         "peak_rss_mib_start": rss_start,
         "peak_rss_mib_after_ours": rss_ours,
         "peak_rss_mib": common.peak_rss_mib(),
@@ -283,6 +285,8 @@ def render(report: dict) -> str:
         pair_table(report),
         "## Throughput",
         speed_table(report),
+        (f"1-minute load average at the end: {report['load_average_1min']:.2f} "
+        f"on {os.cpu_count()} cores (other processes slow the timings)."),
         (f"Peak RSS: {report['peak_rss_mib_start']:.0f} MiB after imports, "
         f"{report['peak_rss_mib_after_ours']:.0f} MiB after the `ours` pass (two checkpoints loaded), "
         f"{report['peak_rss_mib']:.0f} MiB at the end (bounds, baselines, memcpy/XOR buffers incl.)."),
