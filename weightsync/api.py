@@ -22,7 +22,7 @@ from .errors import CheckpointError, UsageError, VersionError, WeightsyncError
 from .format import MAX_VERSION
 from .ledger import read_fleet
 from .metrics import CONTENT_TYPE, Metrics
-from .publisher import Publisher
+from .publisher import PathNotAllowed, PathNotFound, Publisher
 from .repo import Repo
 from .subscriber import LATEST, Subscriber
 
@@ -44,7 +44,7 @@ OPENAPI = web.AppKey("openapi", dict)
 
 def create_app(deps: Deps) -> web.Application:
     """The application of one daemon; its loop runs for the application's lifetime (cleanup_ctx)."""
-    app = web.Application(middlewares=[_json_errors, _auth(deps.token)], client_max_size=1 << 20)
+    app = web.Application(middlewares=[_json_errors, _auth(deps.token), _known_query], client_max_size=1 << 20)
     app[METRICS] = deps.metrics
     d = deps.daemon
     routes = [
@@ -84,6 +84,10 @@ async def _json_errors(request: web.Request, handler):
             raise
         headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "www-authenticate")}
         return _error(exc.status, exc.reason, headers)
+    except PathNotAllowed as exc:
+        return _error(403, str(exc))
+    except PathNotFound as exc:
+        return _error(404, str(exc))
     except UsageError as exc:
         return _error(400, str(exc))
     except VersionError as exc:
@@ -92,6 +96,17 @@ async def _json_errors(request: web.Request, handler):
         return _error(422, str(exc))
     except WeightsyncError as exc:
         return _error(502, f"{type(exc).__name__}: {exc}")
+
+
+@web.middleware
+async def _known_query(request: web.Request, handler):
+    """Query parameters that the OpenAPI document does not declare for an operation are rejected."""
+    if request.query:
+        op = request.app[OPENAPI]["paths"].get(request.path, {}).get(request.method.lower(), {})
+        known = {p["name"] for p in op.get("parameters", ()) if p["in"] == "query"}
+        if unknown := sorted(set(request.query) - known):
+            raise UsageError(f"unknown query parameters: {unknown}")
+    return await handler(request)
 
 
 def _auth(token: str | None):
@@ -132,11 +147,24 @@ async def status(request: web.Request) -> web.Response:
     return web.json_response(_daemon(request).status())
 
 
+def _integral(v: object) -> int | None:
+    """``v`` as an int if it is one in JSON Schema's sense (``3`` and ``3.0``; not ``True``)."""
+    if type(v) is int:
+        return v
+    if type(v) is float and v.is_integer():
+        return int(v)
+    return None
+
+
 def _limit(request: web.Request) -> int:
     raw = request.query.get("limit", "100")
-    if not raw.isascii() or not raw.isdigit() or not 1 <= int(raw) <= 1000:
+    try:
+        n = _integral(int(raw) if raw.strip().lstrip("+-").isdigit() else float(raw))
+    except (ValueError, OverflowError):
+        n = None
+    if n is None or not 1 <= n <= 1000:
         raise UsageError("limit must be an integer in 1..1000")
-    return int(raw)
+    return n
 
 
 def list_versions(repo: Repo, limit: int) -> list[dict]:
@@ -178,7 +206,8 @@ async def _json_body(request: web.Request, allowed: set[str], required: set[str]
 def _version_value(v: object, allow_latest: bool) -> int | str:
     if allow_latest and v == LATEST:
         return v
-    if type(v) is not int or not 0 <= v <= MAX_VERSION:
+    v = _integral(v)
+    if v is None or not 0 <= v <= MAX_VERSION:
         raise UsageError(f"version must be an integer in 0..{MAX_VERSION}" + (" or 'latest'" if allow_latest else ""))
     return v
 
@@ -196,7 +225,7 @@ async def put_target(request: web.Request) -> web.Response:
 
 async def post_publish(request: web.Request) -> web.Response:
     doc = await _json_body(request, {"path", "version"}, {"path"})
-    if not isinstance(doc["path"], str) or not doc["path"] or "\x00" in doc["path"]:
+    if not isinstance(doc["path"], str) or not doc["path"]:
         raise UsageError("path must be a non-empty string")
     version = None if doc.get("version") is None else _version_value(doc["version"], allow_latest=False)
     pub = request.app[PUBLISHER]
@@ -323,7 +352,9 @@ def openapi_document(role: str, auth: bool) -> dict:
     else:
         paths["/v1/publish"] = {"post": _op(
             "Publish a folder",
-            {"200": _json("PublishResult", "Published"), "400": bad, "409": _json("Error", "Version conflict"),
+            {"200": _json("PublishResult", "Published"), "400": bad,
+             "403": _json("Error", "The folder is outside the watched folder and the publish roots"),
+             "404": _json("Error", "No such folder"), "409": _json("Error", "Version conflict"),
              "422": _json("Error", "Not a valid checkpoint"), "502": _json("Error", "Store error")},
             v1=True, auth=auth,
             requestBody={"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/PublishRequest"}}}},

@@ -40,6 +40,14 @@ log = logging.getLogger("weightsync.publisher")
 _STEP = re.compile(r"(\d+)$")
 
 
+class PathNotAllowed(UsageError):
+    """An explicit publish of a folder outside the watched folder and the publish roots."""
+
+
+class PathNotFound(UsageError):
+    """An explicit publish of a folder that does not exist."""
+
+
 def parse_step(name: str) -> int | None:
     """The step number a checkpoint folder's name ends in, or None."""
     m = _STEP.search(name)
@@ -238,12 +246,15 @@ class Publisher:
 
     def allowed(self, path: str) -> Path:
         """An explicit publish's folder, resolved; it must lie under the watched folder or a publish root."""
-        p = Path(path).resolve()
-        roots = [self.cfg.watch_dir.resolve(), *(r.resolve() for r in self.cfg.publish_roots)]
-        if not any(p == r or r in p.parents for r in roots):
-            raise UsageError(f"{path} is not under the watched folder or a --publish-root")
-        if not p.is_dir():
-            raise UsageError(f"{path} is not a directory")
+        try:
+            p = Path(path).resolve()
+            roots = [self.cfg.watch_dir.resolve(), *(r.resolve() for r in self.cfg.publish_roots)]
+            if not any(p == r or r in p.parents for r in roots):
+                raise PathNotAllowed(f"{path!r} is not under the watched folder or a --publish-root")
+            if not p.is_dir():
+                raise PathNotFound(f"{path!r} is not a directory")
+        except (OSError, ValueError) as exc:  # NUL bytes, unencodable names, loops
+            raise PathNotFound(f"{path!r} is not a usable folder name ({exc})") from None
         return p
 
     def default_version(self, path: Path, head: int | None) -> int:

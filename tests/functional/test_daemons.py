@@ -346,7 +346,7 @@ def test_publisher_waits_for_unfinished_checkpoints_resumes_after_restart_and_su
     code, body, _ = http("POST", pub.url + "/v1/publish", {"path": str(extra)})
     assert code == 200 and body["version"] == 7 and not body["keyframe"], body
     code, body, _ = http("POST", pub.url + "/v1/publish", {"path": str(tmp_path)})
-    assert code == 400 and "not under the watched folder" in body["error"]
+    assert code == 403 and "not under the watched folder" in body["error"]
     assert pub.stop() == 0
 
 

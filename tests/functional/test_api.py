@@ -1,0 +1,138 @@
+"""The daemons' HTTP API against its OpenAPI document.
+
+The documents validate as OpenAPI 3.1; schemathesis generates positive and negative requests for
+every operation of a live subscriber and a live publisher (real processes, bearer token set) and
+checks status codes, content types, response schemas and that auth is enforced; a few explicit
+calls pin down behaviour the fuzzing does not reach (publish results, conflicts, fleet rows).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from hypothesis.errors import Unsatisfiable
+from openapi_spec_validator import validate
+from schemathesis import GenerationMode
+from schemathesis.config import SchemathesisConfig
+from test_daemons import Daemon, http, wait_for
+
+import weightsync
+from weightsync.api import openapi_document
+from weightsync.synth import make_trajectory
+
+TOKEN = "api-test-token"
+TINY = dict(hidden=32, layers=1, experts=2, vocab=128)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A store with versions 0..2, a live subscriber and a live publisher, both with a token."""
+    tmp = tmp_path_factory.mktemp("api")
+    traj = make_trajectory(tmp / "watch", steps=2, **TINY)
+    for ckpt in traj:
+        weightsync.publish(ckpt, tmp / "store")
+    env = {"WEIGHTSYNC_API_TOKEN": TOKEN}
+    sub = Daemon("subscriber", ["--store", tmp / "store", "--target", tmp / "sub", "--no-fsync", "--id", "api-sub",
+                                "--ledger-interval", "0.2"], tmp, env=env, token=TOKEN).start()
+    pub = Daemon("publisher", ["--store", tmp / "store", "--watch", tmp / "watch", "--state-dir", tmp / "st"],
+                 tmp, env=env, token=TOKEN).start()
+    try:
+        sub.wait_version(2)
+        yield tmp, sub, pub
+    finally:
+        for d in (sub, pub):
+            assert d.stop() == 0, d.log()
+            assert TOKEN not in d.log()
+
+
+@pytest.mark.parametrize("role", ["subscriber", "publisher"])
+@pytest.mark.parametrize("auth", [False, True])
+def test_openapi_documents_are_valid(role, auth):
+    doc = openapi_document(role, auth)
+    validate(doc)
+    ops = {(m.upper(), p) for p, item in doc["paths"].items() for m in item}
+    common = {("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/metrics"), ("GET", "/v1/status"), ("GET", "/v1/versions")}
+    extra = {("PUT", "/v1/target")} if role == "subscriber" else {("POST", "/v1/publish"), ("GET", "/v1/fleet")}
+    assert ops == common | extra
+    for p, item in doc["paths"].items():
+        for op in item.values():
+            assert ("401" in op["responses"]) == p.startswith("/v1/")
+            assert bool(op.get("security")) == (auth and p.startswith("/v1/"))
+
+
+def _fuzz(daemon: Daemon, max_examples: int) -> list[str]:
+    """Run schemathesis over every operation of ``daemon`` in both generation modes; returns labels."""
+    # the token goes through schemathesis' own auth config, so that its negative cases may drop it
+    config = SchemathesisConfig.from_dict({"auth": {"openapi": {"bearer": {"bearer": TOKEN}}}})
+    schema = schemathesis.openapi.from_url(daemon.url + "/openapi.json", config=config)
+    labels = []
+    for result in schema.get_all_operations():
+        op = result.ok()
+        labels.append(op.label)
+        statuses: dict[GenerationMode, set[int]] = {m: set() for m in GenerationMode}
+        for mode in GenerationMode:
+            @given(case=op.as_strategy(generation_mode=mode))
+            @settings(max_examples=max_examples, deadline=None, database=None, derandomize=True,
+                      suppress_health_check=list(HealthCheck))
+            def run(case):
+                statuses[mode].add(case.call_and_validate(base_url=daemon.url).status_code)
+
+            try:
+                run()
+            except Unsatisfiable:
+                assert mode is GenerationMode.NEGATIVE, op.label  # nothing to get wrong in a request without inputs
+        positive = statuses[GenerationMode.POSITIVE]
+        assert positive and 401 not in positive, (op.label, statuses)  # the token was applied
+        assert op.method.upper() != "GET" or positive == {200} or op.path == "/readyz", (op.label, statuses)
+        if op.path.startswith("/v1/") and statuses[GenerationMode.NEGATIVE]:
+            assert statuses[GenerationMode.NEGATIVE] & {400, 401}, (op.label, statuses)
+    return labels
+
+
+def test_schemathesis_subscriber(world):
+    _, sub, _ = world
+    labels = _fuzz(sub, 40)
+    assert "PUT /v1/target" in labels and len(labels) == 6
+    assert sub.get("/readyz")[0] == 200
+
+
+def test_schemathesis_publisher(world):
+    _, _, pub = world
+    labels = _fuzz(pub, 25)
+    assert "POST /v1/publish" in labels and "GET /v1/fleet" in labels and len(labels) == 7
+
+
+def test_explicit_calls(world):
+    tmp, sub, pub = world
+    # subscriber: pin, bad bodies, unknown version, back to latest
+    assert sub.put_target(1)["target"] == 1
+    sub.wait_version(1)
+    for body, code in (({"version": -1}, 400), ({"version": "1"}, 400), ({"version": 1, "x": 2}, 400), ({}, 400),
+                       (b"not json", 400), ({"version": 99}, 404), ({"version": True}, 400)):
+        got, doc, _ = http("PUT", sub.url + "/v1/target", body, token=TOKEN)
+        assert got == code and "error" in doc, (body, got, doc)
+    assert sub.put_target("latest")["target"] == "latest"
+    sub.wait_version(2)
+    code, doc, _ = sub.get("/v1/versions?limit=2")
+    assert code == 200 and doc["head_version"] == 2 and [v["version"] for v in doc["versions"]] == [1, 2]
+    assert sub.get("/v1/versions?limit=0")[0] == 400
+    assert http("DELETE", sub.url + "/v1/target", token=TOKEN)[0] == 405
+
+    # publisher: explicit publish, a conflict, not a checkpoint, the fleet
+    ckpt = tmp / "watch" / "step_000002"
+    copy = tmp / "watch" / "again-5"
+    shutil.copytree(ckpt, copy)
+    code, doc, _ = http("POST", pub.url + "/v1/publish", {"path": str(copy)}, token=TOKEN)
+    assert code == 200 and doc["version"] == 5 and doc["payload_bytes"] == 0, doc  # identical bytes: all "same"
+    code, doc, _ = http("POST", pub.url + "/v1/publish", {"path": str(copy), "version": 4}, token=TOKEN)
+    assert code == 409, doc
+    (tmp / "watch" / "empty").mkdir()
+    code, doc, _ = http("POST", pub.url + "/v1/publish", {"path": str(tmp / "watch" / "empty")}, token=TOKEN)
+    assert code == 422 and "empty" in doc["error"], doc
+    fleet = wait_for(lambda: (f := pub.get("/v1/fleet")[1]) and f["subscribers"] and f["subscribers"][0]["current_version"] == 5 and f,
+                     15, "the subscriber to reach version 5 in the ledger")
+    assert fleet["head_version"] == 5 and fleet["subscribers"][0]["id"] == "api-sub" and fleet["errors"] == []
+    assert pub.status()["head_version"] == 5
