@@ -294,7 +294,9 @@ class StateDictPublisher:
                  cache_dir: str | os.PathLike | None = None, filename: str = "model.safetensors"):
         self.repo = weightsync.open_repo(store)
         self.config = config or PublishConfig()
-        self.work = Path(tempfile.mkdtemp(prefix="weightsync-sd-", dir=work_dir or default_work_dir()))
+        root = Path(work_dir) if work_dir is not None else default_work_dir()
+        root.mkdir(parents=True, exist_ok=True)
+        self.work = Path(tempfile.mkdtemp(prefix="weightsync-sd-", dir=root))
         self.cache_dir = None if cache_dir is None else Path(cache_dir)
         self.filename = filename
         self._prev: tuple[int, Path] | None = None
