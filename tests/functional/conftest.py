@@ -20,7 +20,7 @@ import pytest
 
 from weightsync.synth import make_trajectory
 
-TINY = dict(hidden=32, layers=1, experts=2, vocab=128)
+TINY = {"hidden": 32, "layers": 1, "experts": 2, "vocab": 128}
 STATE_DIR = ".weightsync"
 
 
@@ -102,7 +102,7 @@ CliResult = tuple[int, str, str]
 
 def _run(args, env, timeout) -> CliResult:
     proc = subprocess.run([sys.executable, "-m", "weightsync.cli", *map(str, args)],
-                          capture_output=True, text=True, env=env, timeout=timeout)
+                          check=False, capture_output=True, text=True, env=env, timeout=timeout)
     return proc.returncode, proc.stdout, proc.stderr
 
 

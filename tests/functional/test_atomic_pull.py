@@ -118,7 +118,7 @@ def small_store(tmp_path_factory, ok_cli):
 
 def _drive(cli_env, kind: str, n: int, out: Path, *args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", DRIVER, kind, str(n), str(out), *map(str, args)],
-                          capture_output=True, text=True, env=cli_env, timeout=120)
+                          check=False, capture_output=True, text=True, env=cli_env, timeout=120)
 
 
 # Staging kills must leave version 0 as it was; from the journal on, recovery rolls forward to 1.
@@ -148,7 +148,7 @@ def test_kill_at_each_install_step(kind, n, expect, small_store, tmp_path, cli_e
         assert _holds(ws, out, versions[1])
         assert _verifies(run_cli, store, 1, out)
 
-    rc, stdout, stderr = run_cli("pull", "--store", store, "--version", 1, out)
+    rc, _, stderr = run_cli("pull", "--store", store, "--version", 1, out)
     assert rc == 0, stderr
     assert f"from version {expect}:" in stderr
     if expect == 1:

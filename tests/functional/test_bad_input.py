@@ -292,7 +292,7 @@ def test_bad_store_urls(tmp_path, run_cli, ws):
 
 # --- versions that do not exist, folders weightsync does not own ----------------------------------
 def test_pull_missing_version(world, tmp_path, run_cli, ws):
-    store, traj, out = world
+    store, _, out = world
     fresh = tmp_path / "fresh"
     watched = [store, out, fresh]
     _fails(ws, run_cli, watched, "pull", "--store", store, "--version", 6, out)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -79,10 +81,12 @@ def test_publish_versions_and_pull_each(trajectory, tmp_path, ok_cli, ws):
     ok_cli("verify", "--store", forms[0], latest)  # default: latest
 
 
-def _pull_counts(stderr: str) -> tuple[str, int, int]:
-    m = re.search(r"from (empty folder|version \d+): .* (\d+) files written, (\d+) kept", stderr)
+def _pull_counts(stderr: str) -> tuple[str, float, int, int]:
+    """(source, bytes fetched, files written, files kept) from pull's summary line."""
+    m = re.search(r"from (empty folder|version \d+): ([\d.]+) (B|KiB|MiB|GiB) fetched, (\d+) files written, (\d+) kept", stderr)
     assert m, stderr
-    return m.group(1), int(m.group(2)), int(m.group(3))
+    fetched = float(m.group(2)) * 1024 ** ["B", "KiB", "MiB", "GiB"].index(m.group(3))
+    return m.group(1), fetched, int(m.group(4)), int(m.group(5))
 
 
 def test_incremental_pull_forward_and_rollback(published, tmp_path, run_cli, ok_cli, ws):
@@ -97,11 +101,14 @@ def test_incremental_pull_forward_and_rollback(published, tmp_path, run_cli, ok_
         assert rc == 0, stderr
         v = int(_last_line(stdout))
         ws.assert_replica(out, traj[v])
-        src, written, kept = _pull_counts(stderr)
+        src, fetched, written, kept = _pull_counts(stderr)
         if prev is None:
             assert src == "empty folder" and written == 4
+            full = fetched
         else:
             assert src == f"version {prev}"
+            if (prev, v) == (1, 2):  # forward on a delta chain: only the delta is fetched
+                assert 0 < fetched < full / 4
             # config.json and the index never change along the trajectory: kept in place, not rewritten
             assert kept >= 2 and written <= 2
             assert inodes == {n: (out / n).stat().st_ino for n in inodes}
@@ -397,9 +404,9 @@ def _safetensors_lib_file(path: Path, mutate: bool) -> None:
 def _raw_safetensors(path: Path, mutate: bool) -> None:
     """A legal file in an unusual spelling: spaces in the JSON, keys not in offset order, odd padding."""
     data = bytes(range(48)) if not mutate else bytes(range(1, 49))
-    header = ('{ "z_first" : {"data_offsets":[16,48], "shape":[8], "dtype":"F32"},\n'
-              '  "__metadata__": {"note": "h\\u00e9llo", "empty": ""},\n'
-              '  "a_last": {"dtype":"I64","shape":[2],"data_offsets":[0,16]} }').encode()
+    header = (b'{ "z_first" : {"data_offsets":[16,48], "shape":[8], "dtype":"F32"},\n'
+              b'  "__metadata__": {"note": "h\\u00e9llo", "empty": ""},\n'
+              b'  "a_last": {"dtype":"I64","shape":[2],"data_offsets":[0,16]} }')
     header += b"\t" * (-len(header) % 8)
     path.write_bytes(len(header).to_bytes(8, "little") + header + data)
 
@@ -470,3 +477,49 @@ def test_demo_default(tmp_path, ok_cli):
     work = tmp_path / "demo"
     out = ok_cli("demo", "--workdir", work, timeout=600)
     assert out.strip().splitlines()[-1].startswith("deltas:")
+
+
+# --- memory: publish and pull stream tensor by tensor ----------------------------------------------
+def _peak_rss_bytes(cli_env, *args) -> int:
+    """Run one CLI command alone and return its peak resident set size."""
+    # a parent that waits for the command alone: its RUSAGE_CHILDREN peak is the command's (KiB on Linux)
+    code = ("import resource, subprocess, sys; "
+            "rc = subprocess.call(sys.argv[1:]); "
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code, sys.executable, "-m", "weightsync.cli", *map(str, args)],
+                          check=False, capture_output=True, text=True, env=cli_env, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    return int(proc.stdout.strip().splitlines()[-1]) * 1024
+
+
+@pytest.mark.slow
+def test_memory_bounded_by_largest_tensor(tmp_path, cli_env, ws):
+    """One 200 MB tensor: publish and pull stay within 1 GiB + 2x the largest tensor."""
+    n = 50 << 20  # 50 Mi float32 elements = 200 MiB
+    rng = np.random.default_rng(0)
+    big = rng.standard_normal(n, dtype=np.float32)
+    small = rng.standard_normal(1000, dtype=np.float32)
+    dirs = []
+    for v in range(2):
+        d = tmp_path / f"v{v}"
+        d.mkdir()
+        if v:
+            idx = rng.integers(0, n, n // 10)
+            big[idx] += np.float32(1e-3)
+        write_safetensors(d / "model.safetensors", {"big": ("F32", (n,), big.view(np.uint8).data), "small": ("F32", (1000,), small.tobytes())})
+        (d / "config.json").write_text("{}")
+        dirs.append(d)
+    del big
+    limit = (1 << 30) + 2 * 4 * n
+    store, out = tmp_path / "store", tmp_path / "out"
+    peaks = {
+        "publish keyframe": _peak_rss_bytes(cli_env, "publish", dirs[0], "--store", store),
+        "publish delta": _peak_rss_bytes(cli_env, "publish", dirs[1], "--store", store),
+        "pull keyframe": _peak_rss_bytes(cli_env, "pull", "--store", store, "--version", 0, out),
+        "pull delta": _peak_rss_bytes(cli_env, "pull", "--store", store, "--version", 1, out),
+        "pull fresh from chain": _peak_rss_bytes(cli_env, "pull", "--store", store, "--version", 1, tmp_path / "fresh"),
+    }
+    ws.assert_replica(out, dirs[1])
+    ws.assert_replica(tmp_path / "fresh", dirs[1])
+    print({k: f"{v / 2**20:.0f} MiB" for k, v in peaks.items()})
+    assert all(v <= limit for v in peaks.values()), (peaks, limit)
