@@ -292,6 +292,10 @@ def main(argv: list[str] | None = None) -> int:
     except WeightsyncError as exc:
         print(f"weightsync: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except OSError as exc:  # a file system or network failure outside our own checks: still one line
+        where = f" {exc.filename}" if getattr(exc, "filename", None) else ""
+        print(f"weightsync: error:{where} {exc.strerror or exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("weightsync: interrupted", file=sys.stderr)
         return 130

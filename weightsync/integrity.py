@@ -9,7 +9,7 @@ import xxhash
 
 from .errors import ChecksumError, UsageError
 from .format import Manifest
-from .local import STATE_DIR
+from .local import list_files, stray_entries
 
 
 def _hash_file(path: Path, block: int = 16 << 20) -> tuple[int, str]:
@@ -22,28 +22,16 @@ def _hash_file(path: Path, block: int = 16 << 20) -> tuple[int, str]:
     return size, h.hexdigest()
 
 
-def list_files(folder: Path) -> set[str]:
-    found = set()
-    for dirpath, dirnames, filenames in os.walk(folder):
-        rel = os.path.relpath(dirpath, folder)
-        if rel == ".":
-            dirnames[:] = [d for d in dirnames if d != STATE_DIR]
-        for name in filenames:
-            found.add(name if rel == "." else f"{rel.replace(os.sep, '/')}/{name}")
-    return found
-
-
 def verify_folder(folder: str | os.PathLike[str], manifest: Manifest) -> None:
     """Raise unless ``folder`` holds exactly ``manifest``'s files with their checksums."""
     root = Path(folder)
     if not root.is_dir():
         raise UsageError(f"not a directory: {root}")
     expected = {f.path for f in manifest.files}
-    present = list_files(root)
-    if missing := sorted(expected - present):
+    if missing := sorted(expected - list_files(root)[0]):
         raise ChecksumError(f"{root}: missing files", "present", ", ".join(missing[:5]))
-    if extra := sorted(present - expected):
-        raise ChecksumError(f"{root}: unexpected files", "absent", ", ".join(extra[:5]))
+    if extra := stray_entries(root, expected):
+        raise ChecksumError(f"{root}: unexpected entries", "absent", ", ".join(extra[:5]))
     for f in manifest.files:
         size, digest = _hash_file(root / f.path)
         if size != f.size:

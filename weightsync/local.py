@@ -96,13 +96,44 @@ def recover(folder: Path) -> None:
         shutil.rmtree(sdir / "staging")
 
 
+def list_files(folder: Path) -> tuple[set[str], set[str]]:
+    """Files (and links) under ``folder``, and every directory, skipping ``.weightsync``."""
+    files, dirs = set(), set()
+    for dirpath, dirnames, filenames in os.walk(folder):
+        rel = os.path.relpath(dirpath, folder)
+        prefix = "" if rel == "." else rel.replace(os.sep, "/") + "/"
+        if rel == ".":
+            dirnames[:] = [d for d in dirnames if d != STATE_DIR]
+        for name in dirnames:
+            if os.path.islink(os.path.join(dirpath, name)):
+                files.add(prefix + name)  # a link to a directory is a stray entry, not a folder of ours
+            else:
+                dirs.add(prefix + name)
+        files.update(prefix + name for name in filenames)
+    return files, dirs
+
+
+def stray_entries(folder: Path, expected: set[str]) -> list[str]:
+    """Entries of ``folder`` that are neither ``expected`` files nor their parent directories."""
+    parents = {p.rsplit("/", i)[0] for p in expected for i in range(1, p.count("/") + 1)}
+    files, dirs = list_files(folder)
+    return sorted((files - expected) | (dirs - parents))
+
+
 def prepare_target(folder: Path) -> LocalState | None:
-    """Create the folder if needed, recover, and refuse a non-empty folder that weightsync does not own."""
-    folder.mkdir(parents=True, exist_ok=True)
+    """Create the folder if needed, recover, and refuse a folder holding anything weightsync does not own."""
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"{folder} exists and is not a directory")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot create {folder}: {exc.strerror}") from None
     recover(folder)
     state = read_state(folder)
     if state is None and any(p.name != STATE_DIR for p in folder.iterdir()):
         raise UsageError(f"{folder} is not empty and holds no weightsync version; refusing to overwrite it")
+    if state is not None and (stray := stray_entries(folder, set(state.files))):
+        raise UsageError(f"{folder} holds entries weightsync did not put there ({', '.join(stray[:3])}); move them away first")
     return state
 
 
@@ -196,8 +227,9 @@ def adopt(folder: Path, manifest: Manifest, source: Path, store_url: str) -> Non
     for f in manifest.files:
         dst = staging / f.path
         dst.parent.mkdir(parents=True, exist_ok=True)
+        src = (source / f.path).resolve()  # checkpoints may be symlinks (Hugging Face cache snapshots)
         try:
-            os.link(source / f.path, dst)
+            os.link(src, dst)
         except OSError:
-            shutil.copyfile(source / f.path, dst)
+            shutil.copyfile(src, dst)
     install(folder, manifest, store_url, [f.path for f in manifest.files], fsync=False)

@@ -22,6 +22,7 @@ from .errors import (
     VersionError,
 )
 from .format import (
+    FLEET_PREFIX,
     HEAD_KEY,
     MARKER_KEY,
     VERSIONS_PREFIX,
@@ -59,7 +60,8 @@ class Repo:
             check_marker(self.store.get(MARKER_KEY))
             return True
         except NotFoundError:
-            if next(iter(self.store.list("")), None) is None:
+            # empty, or holding only subscribers' ledger records (they may start before the store)
+            if all(k.startswith(FLEET_PREFIX) for k in self.store.list("")):
                 return False
             raise NotAStoreError(f"{self.url} is not a weightsync store (it holds other objects)") from None
         except FormatError as exc:
