@@ -100,9 +100,9 @@ def tensor_data_offset(path: Path) -> int:
 CliResult = tuple[int, str, str]
 
 
-def _run(args, env, timeout) -> CliResult:
+def _run(args, env, timeout, cwd=None) -> CliResult:
     proc = subprocess.run([sys.executable, "-m", "weightsync.cli", *map(str, args)],
-                          check=False, capture_output=True, text=True, env=env, timeout=timeout)
+                          check=False, capture_output=True, text=True, env=env, timeout=timeout, cwd=cwd)
     return proc.returncode, proc.stdout, proc.stderr
 
 
@@ -116,10 +116,10 @@ def cli_env(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def run_cli(cli_env) -> Callable[..., CliResult]:
-    """``run_cli(*args, timeout=120)`` runs ``python -m weightsync.cli *args``; returns (rc, stdout, stderr)."""
+    """``run_cli(*args, timeout=120, cwd=None)`` runs ``python -m weightsync.cli *args``; returns (rc, stdout, stderr)."""
 
-    def run(*args, timeout: float = 120) -> CliResult:
-        return _run(args, cli_env, timeout)
+    def run(*args, timeout: float = 120, cwd=None) -> CliResult:
+        return _run(args, cli_env, timeout, cwd)
 
     return run
 
@@ -128,8 +128,8 @@ def run_cli(cli_env) -> Callable[..., CliResult]:
 def ok_cli(run_cli) -> Callable[..., str]:
     """Like ``run_cli`` but fails the test unless the command exits 0; returns stdout."""
 
-    def run(*args, timeout: float = 120) -> str:
-        rc, out, err = run_cli(*args, timeout=timeout)
+    def run(*args, timeout: float = 120, cwd=None) -> str:
+        rc, out, err = run_cli(*args, timeout=timeout, cwd=cwd)
         assert rc == 0, f"weightsync {' '.join(map(str, args))} exited {rc}\nstdout: {out}\nstderr: {err}"
         return out
 

@@ -337,6 +337,12 @@ def test_pull_into_foreign_folder(published, tmp_path, run_cli, ws):
     _fails(ws, run_cli, [store, only_hidden], "pull", "--store", store, only_hidden)
 
 
+def test_pull_with_corrupt_local_state(world, run_cli, ws):
+    store, _, out = world
+    (out / ".weightsync" / "state.json").write_text("{ not json")
+    _fails(ws, run_cli, [store, out], "pull", "--store", store, "--version", 2, out)
+
+
 def test_pull_into_a_file(published, tmp_path, run_cli, ws):
     store, _ = published
     target = tmp_path / "a_file"

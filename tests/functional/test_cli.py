@@ -214,6 +214,19 @@ def test_publish_without_cache_and_with_base(trajectory, tmp_path, ok_cli, ws):
         ws.assert_replica(out, trajectory[v])
 
 
+def test_relative_store_and_folder_paths(trajectory, tmp_path, ok_cli, ws):
+    """A plain relative --store and a relative OUT_DIR resolve against the working directory."""
+    work = tmp_path / "work"
+    work.mkdir()
+    for i in (0, 1):
+        assert _last_line(ok_cli("publish", trajectory[i], "--store", "store", cwd=work)) == str(i)
+    assert (work / "store" / "weightsync.json").is_file()
+    ok_cli("pull", "--store", "./store", "--version", 0, "out", cwd=work)
+    ok_cli("pull", "--store", f"file://{work / 'store'}", "out", cwd=work)
+    ws.assert_replica(work / "out", trajectory[1])
+    ok_cli("verify", "--store", "store", "out", cwd=work)
+
+
 def test_publish_hf_cache_snapshots_with_symlinks(trajectory, tmp_path, ok_cli, ws):
     """Hugging Face cache snapshots: every file is a relative symlink into ../../blobs. The contents
     are published (with the default publish cache), one snapshot after the other."""
@@ -338,6 +351,39 @@ def test_tensors_appear_disappear_change_shape_and_dtype(tmp_path, ok_cli, ws):
         ok_cli("pull", "--store", url, "--version", v, inc)
         ws.assert_replica(inc, ckpts[v])
     ok_cli("verify", "--store", url, "--version", 3, inc)
+
+
+def _file_and_dir_versions(root: Path) -> list[Path]:
+    """Version 0 has a file ``extra``; version 1 a directory ``extra`` holding a file."""
+    a, b = root / "a", root / "b"
+    (b / "extra").mkdir(parents=True)
+    a.mkdir()
+    for d in (a, b):
+        write_safetensors(d / "model.safetensors", {"w": ("U8", (4,), b"abcd")})
+    (a / "extra").write_text("a file\n")
+    (b / "extra" / "file.txt").write_text("a file in a directory\n")
+    return [a, b]
+
+
+def test_file_becomes_directory_publish(tmp_path, ok_cli):
+    """Publishing with the default cache, where a file of the parent is a directory now, and back."""
+    a, b = _file_and_dir_versions(tmp_path / "src")
+    store = tmp_path / "store"
+    for i, d in enumerate([a, b, a]):
+        assert _last_line(ok_cli("publish", d, "--store", store)) == str(i)
+
+
+def test_file_becomes_directory_pull(tmp_path, ok_cli, ws):
+    """One folder updated across a file <-> directory swap, both ways."""
+    a, b = _file_and_dir_versions(tmp_path / "src")
+    store = tmp_path / "store"
+    for d in (a, b):
+        ok_cli("publish", d, "--store", store, "--no-cache")
+    for name, order in (("forward", [0, 1, 0]), ("backward", [1, 0])):
+        out = tmp_path / name
+        for v in order:
+            ok_cli("pull", "--store", store, "--version", v, out)
+            ws.assert_replica(out, [a, b][v])
 
 
 # --- every dtype, scalars, empty tensors, NaN payloads and -0.0 -----------------------------------
