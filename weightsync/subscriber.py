@@ -364,9 +364,9 @@ class Subscriber:
             "fetch_seconds": round(r.fetch_seconds, 6), "build_seconds": round(r.build_seconds, 6),
             "swap_seconds": round(pause, 6), "time": self.clock(),
         }
-        ratio = r.raw_bytes / max(1, r.fetched_bytes)
+        ratio = f"{r.raw_bytes / r.fetched_bytes:.1f}x" if r.fetched_bytes else "-"
         event(log, f"swapped to version {r.version}", version=r.version, from_version=r.from_version, slot=folder.name,
-              fetched=human_bytes(r.fetched_bytes), size=human_bytes(r.raw_bytes), ratio=f"{ratio:.1f}x",
+              fetched=human_bytes(r.fetched_bytes), size=human_bytes(r.raw_bytes), ratio=ratio,
               fetch_s=f"{r.fetch_seconds:.3f}", build_s=f"{r.build_seconds:.3f}", swap_ms=f"{1000 * pause:.2f}")
         if self.hooks is not None:
             if self._hook_task is not None and not self._hook_task.done():

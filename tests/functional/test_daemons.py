@@ -287,24 +287,51 @@ def test_two_subscribers_converge_pin_roll_back_and_forward_hooks_fleet_sigterm(
 
 
 def test_sigterm_mid_sync_leaves_current_intact_and_restart_resumes(tmp_path, daemons):
-    """SIGTERM at moments during syncs of ~1 MB versions: exit 0, ``current`` always a whole version."""
+    """SIGTERM right after a new target is set (so mostly during the ~1 MB sync it starts): exit 0,
+    ``current`` always a whole verified version, and a restart converges."""
     store = tmp_path / "store"
     traj = make_trajectory(tmp_path / "traj", steps=3, hidden=96, layers=2, experts=4, vocab=256)
     for ckpt in traj:
         weightsync.publish(ckpt, store)
     target = tmp_path / "sub"
     args = ["--store", store, "--target", target, "--id", "s1", "--no-fsync"]
-    for delay, pin in ((0.0, 1), (0.01, 3), (0.03, 0)):
+    for pin, then in ((1, 3), (3, 0), (0, 2), (2, 1)):
         sub = daemons("subscriber", [*args, "--version", pin])
-        time.sleep(delay)
+        sub.wait_version(pin)
+        sub.put_target(then)
         assert sub.stop() == 0, sub.log()
-        if (target / "current").exists():
-            state = json.loads((target / "current" / ".weightsync" / "state.json").read_text())
-            verify_current(str(store), target, state["version"], traj[state["version"]])
+        state = json.loads((target / "current" / ".weightsync" / "state.json").read_text())
+        assert state["version"] in (pin, then)
+        verify_current(str(store), target, state["version"], traj[state["version"]])
     sub = daemons("subscriber", args)
     sub.wait_version(3)
     verify_current(str(store), target, 3, traj[3])
     assert sub.stop() == 0
+
+
+def test_stop_token_aborts_pull_and_publish_before_they_commit(tmp_path):
+    """The daemons' shutdown path: a set stop token makes a pull or publish raise from its progress
+    callback, before anything is installed or committed."""
+    from weightsync.daemon import StopToken, Stopped
+    from weightsync.integrity import verify_folder
+    from weightsync.local import read_state
+
+    store = tmp_path / "store"
+    traj = make_trajectory(tmp_path / "traj", steps=3, **TINY)
+    for ckpt in traj[:3]:
+        weightsync.publish(ckpt, store)
+    repo = weightsync.open_repo(store)
+    slot = tmp_path / "slot"
+    weightsync.pull(repo, slot, 1)
+    token = StopToken()
+    token.set()
+    with pytest.raises(Stopped):
+        weightsync.pull(repo, slot, 2, progress=token.check, on_bytes=token.check)
+    assert read_state(slot).version == 1
+    verify_folder(slot, repo.manifest(1))
+    with pytest.raises(Stopped):
+        weightsync.publish(traj[3], repo, progress=token.check)
+    assert repo.head_version() == 2
 
 
 def test_publisher_waits_for_unfinished_checkpoints_resumes_after_restart_and_survives_a_changed_base(tmp_path, daemons):
