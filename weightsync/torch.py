@@ -16,6 +16,10 @@ before the lock is taken. :meth:`TorchSink.apply` then takes the lock and only s
 elements (``scatter_`` on an integer view of the same width, so every bit pattern, NaN payloads
 included, is copied exactly) or copies dense tensors, synchronizes the device, and releases it.
 
+On CUDA the patch runs on the applying thread's current stream and is synchronized before the
+lock is released; the serving loop should likewise let its kernels finish (or run them on the
+default stream) before it releases the lock, so that no forward pass overlaps the patch.
+
 Tensors of the store that the model does not have are ignored; a tensor whose dtype or shape
 differs is an error (an in-place patch cannot change either).
 """

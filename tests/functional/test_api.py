@@ -9,6 +9,7 @@ calls pin down behaviour the fuzzing does not reach (publish results, conflicts,
 from __future__ import annotations
 
 import shutil
+import subprocess
 
 import pytest
 import schemathesis
@@ -136,3 +137,13 @@ def test_explicit_calls(world):
                      15, "the subscriber to reach version 5 in the ledger")
     assert fleet["head_version"] == 5 and fleet["subscribers"][0]["id"] == "api-sub" and fleet["errors"] == []
     assert pub.status()["head_version"] == 5
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Prometheus) not installed")
+def test_metrics_pass_promtool(world):
+    _, sub, pub = world
+    for d in (sub, pub):
+        code, text, headers = d.get("/metrics", token=None)
+        assert code == 200 and headers["Content-Type"].startswith("text/plain")
+        check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+        assert check.returncode == 0, check.stdout + check.stderr
