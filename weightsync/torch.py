@@ -97,7 +97,7 @@ class TorchSink:
     """
 
     def __init__(self, store, tensors, version: int, *, lock: threading.Lock | None = None,
-                 name_map: Callable[[str], str | None] | None = None, dense_above: float = 0.25,
+                 name_map: Callable[[str], str | None] | None = None, dense_above: float = 0.05,
                  verify: bool = True, threads: int = 4, fetch_concurrency: int = 32):
         self.repo = weightsync.open_repo(store)
         live = tensors.state_dict() if isinstance(tensors, torch.nn.Module) else dict(tensors)
