@@ -7,6 +7,8 @@ A tensor's bytes are encoded against the same tensor in the parent version (``ol
 - ``sparse``: positions that changed as gaps, and the changes as zigzag-coded wrapping integer
   differences of the raw bit patterns; each stream split into byte planes and zstd-compressed.
 - ``dense``: zigzag-coded wrapping differences of every element, byte planes, zstd.
+- ``ctx``: like ``sparse``, with elements split into streams by the old value's exponent
+  (:mod:`weightsync.context`), for float dtypes.
 
 All arithmetic is on unsigned integer views of the element width, so NaN payloads, -0.0, infinities
 and subnormals round-trip bit for bit. A payload is a sequence of independent blocks of at most
@@ -22,11 +24,12 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
+from . import context
 from .dtypes import INT_VIEW, UINT_VIEW, itemsize
 from .errors import FormatError, UsageError
 
-CODECS = ("same", "full", "sparse", "dense")
-_CODEC_ID = {"full": 1, "sparse": 2, "dense": 3}
+CODECS = ("same", "full", "sparse", "dense", "ctx")
+_CODEC_ID = {"full": 1, "sparse": 2, "dense": 3, "ctx": 4}
 _CODEC_NAME = {v: k for k, v in _CODEC_ID.items()}
 
 MAGIC = b"WSP1"
@@ -41,13 +44,15 @@ class CodecConfig:
 
     level: zstd level of delta streams; full_level: zstd level of full tensors;
     block_bytes: raw bytes per block (bounds encoder memory to a few blocks per thread);
-    dense_above: changed fraction above which the dense coding is also tried.
+    dense_above: changed fraction above which the dense coding is also tried;
+    ctx_min_elems: float tensors at least this large also try the context-modelled coding.
     """
 
     level: int = 3
     full_level: int = 3
     block_bytes: int = 32 << 20
-    dense_above: float = 0.02
+    dense_above: float = 0.25
+    ctx_min_elems: int = 1 << 16
 
     def __post_init__(self) -> None:
         if not (1 <= self.level <= 22 and 1 <= self.full_level <= 22):
@@ -162,7 +167,9 @@ def _decode_sparse(block: memoryview, old: np.ndarray, out: np.ndarray, what: st
     out[idx] = old[idx] + unzigzag(from_planes(vals_raw, width, k))
 
 
-def _encode_block(codec: str, old: np.ndarray | None, new: np.ndarray, cfg: CodecConfig) -> tuple[bytes, int]:
+def _encode_block(codec: str, dtype: str, old: np.ndarray | None, new: np.ndarray, cfg: CodecConfig) -> tuple[bytes, int] | None:
+    if codec == "ctx":
+        return context.encode_block(dtype, old, new, _compressor(cfg.level).compress, to_planes, zigzag)
     if codec == "full":
         return _compressor(cfg.full_level).compress(to_planes(new)), new.size
     if codec == "sparse":
@@ -171,8 +178,11 @@ def _encode_block(codec: str, old: np.ndarray | None, new: np.ndarray, cfg: Code
     return _compressor(cfg.level).compress(to_planes(zigzag(diff))), int(np.count_nonzero(diff))
 
 
-def _decode_block(codec: str, block: memoryview, old: np.ndarray | None, out: np.ndarray, what: str) -> None:
+def _decode_block(codec: str, dtype: str, block: memoryview, old: np.ndarray | None, out: np.ndarray, what: str) -> None:
     width = out.dtype.itemsize
+    if codec == "ctx":
+        context.decode_block(dtype, block, old, out, _decompress, from_planes, unzigzag, what)
+        return
     if codec == "sparse":
         _decode_sparse(block, old, out, what)
         return
@@ -184,14 +194,17 @@ def _decode_block(codec: str, block: memoryview, old: np.ndarray | None, out: np
 
 
 # --- payload container ---------------------------------------------------------------------------
-def _encode_payload(codec: str, old: np.ndarray | None, new: np.ndarray, cfg: CodecConfig) -> tuple[bytes, int]:
+def _encode_payload(codec: str, dtype: str, old: np.ndarray | None, new: np.ndarray, cfg: CodecConfig) -> tuple[bytes, int] | None:
     width = new.dtype.itemsize
     step = cfg.block_elems(width)
     n_blocks = -(-new.size // step)
     blocks, changed = [], 0
     for i in range(n_blocks):
         sl = slice(i * step, (i + 1) * step)
-        data, n = _encode_block(codec, None if old is None else old[sl], new[sl], cfg)
+        coded = _encode_block(codec, dtype, None if old is None else old[sl], new[sl], cfg)
+        if coded is None:
+            return None  # the coding declined this block (only ``ctx`` does): use another
+        data, n = coded
         blocks.append(data)
         changed += n
     head = _HEADER.pack(MAGIC, _CODEC_ID[codec], width, 0, new.size, step, n_blocks)
@@ -213,22 +226,28 @@ def encode_tensor(
 ) -> EncodedTensor:
     """Encode ``new`` (raw bytes, 1-D uint8) against ``old`` (same length) or in full if ``old`` is None.
 
-    The delta coding (sparse or dense) is chosen by encoded size; an unchanged tensor is ``same``.
+    Float tensors of at least ``ctx_min_elems`` elements use the context-modelled ``ctx`` coding
+    when they have enough changes to split by exponent, others ``sparse``; above ``dense_above``
+    changed, ``dense`` is tried too and the smaller wins. An unchanged tensor is ``same``.
     """
     new_e = _as_elements(new, dtype, "new tensor")
     if old is None:
-        payload, changed = _encode_payload("full", None, new_e, config)
+        payload, changed = _encode_payload("full", dtype, None, new_e, config)
         return EncodedTensor("full", payload, changed)
     old_e = _as_elements(old, dtype, "old tensor")
     if old_e.size != new_e.size:
         raise UsageError("old and new tensors differ in size; encode in full")
-    payload, changed = _encode_payload("sparse", old_e, new_e, config)
+    coded = None
+    if dtype in context.EXPONENT_FIELD and new_e.size >= config.ctx_min_elems:
+        coded = _encode_payload("ctx", dtype, old_e, new_e, config)  # None: too few changes to split
+    codec = "ctx" if coded is not None else "sparse"
+    payload, changed = coded or _encode_payload("sparse", dtype, old_e, new_e, config)
     if changed == 0:
         return EncodedTensor("same", b"", 0)
-    best = EncodedTensor("sparse", payload, changed)
+    best = EncodedTensor(codec, payload, changed)
     if changed > config.dense_above * new_e.size:
-        dense, _ = _encode_payload("dense", old_e, new_e, config)
-        if len(dense) < len(payload):
+        dense, _ = _encode_payload("dense", dtype, old_e, new_e, config)
+        if len(dense) < len(best.payload):
             best = EncodedTensor("dense", dense, changed)
     return best
 
@@ -257,11 +276,11 @@ def decode_tensor(
             raise FormatError(f"{what}: codec 'same' carries no payload")
         out_e[:] = old_e
         return out
-    _decode_payload(codec, memoryview(payload), old_e, out_e, what)
+    _decode_payload(codec, dtype, memoryview(payload), old_e, out_e, what)
     return out
 
 
-def _decode_payload(codec: str, payload: memoryview, old: np.ndarray | None, out: np.ndarray, what: str) -> None:
+def _decode_payload(codec: str, dtype: str, payload: memoryview, old: np.ndarray | None, out: np.ndarray, what: str) -> None:
     if codec not in _CODEC_ID:
         raise FormatError(f"{what}: unknown codec {codec!r}")
     if len(payload) < _HEADER.size:
@@ -282,5 +301,5 @@ def _decode_payload(codec: str, payload: memoryview, old: np.ndarray | None, out
     for i, length in enumerate(lengths):
         sl = slice(i * step, (i + 1) * step)
         block = payload[pos : pos + length]
-        _decode_block(codec, block, None if old is None else old[sl], out[sl], f"{what} block {i}")
+        _decode_block(codec, dtype, block, None if old is None else old[sl], out[sl], f"{what} block {i}")
         pos += length

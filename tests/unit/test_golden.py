@@ -178,3 +178,14 @@ def test_fixture_is_untouched_by_the_tests():
     root = GOLDEN / "store"
     assert not (root / ".lock").exists()
     assert {p.name for p in root.iterdir()} == {"HEAD", "weightsync.json", "versions", "chunks"}
+
+
+def test_committed_ctx_payload_still_decodes():
+    """The context-modelled codec's byte layout must not drift: a payload made when it was added."""
+    import zstandard
+
+    d = GOLDEN / "ctx"
+    spec = json.loads((d / "expected.json").read_text())
+    old = np.frombuffer(zstandard.ZstdDecompressor().decompress((d / "old.bin.zst").read_bytes()), dtype=np.uint8)
+    out = decode_tensor(spec["dtype"], spec["codec"], (d / "payload.bin").read_bytes(), old, spec["nbytes"])
+    assert hashlib.sha256(out.tobytes()).hexdigest() == spec["sha256_new"]
