@@ -344,5 +344,5 @@ def run_publisher_against_gc(store_url: str, r: weightsync.Repo, checkpoints: li
 def test_gc_while_a_publisher_runs(tmp_path, ws):
     checkpoints = make_trajectory(tmp_path / "traj", steps=14, shards=1, **ws.TINY)
     store = tmp_path / "store"
-    runs, deleted = run_publisher_against_gc(f"file://{store}", repo(store), checkpoints, tmp_path, 1.0, 0.15, ws)
+    runs, deleted = run_publisher_against_gc(f"file://{store}", repo(store), checkpoints, tmp_path, 1.5, 0.2, ws)
     assert runs > 3 and deleted > 0
