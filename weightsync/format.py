@@ -25,7 +25,7 @@ FLEET_PREFIX = "fleet/"
 MAX_VERSION = 10**18
 MAX_SIZE = 1 << 50  # 1 PiB: larger declared sizes are rejected as hostile
 ROLES = ("header", "tensor", "blob")
-SEGMENT_CODECS = ("same", "full", "sparse", "dense", "ctx")
+SEGMENT_CODECS = ("same", "full", "sparse", "dense", "ac")
 _HEX = re.compile(r"[0-9a-f]{32}")
 
 
@@ -232,7 +232,7 @@ def _segment(doc: Any, chunks: tuple[ChunkRef, ...], what: str) -> Segment:
 
 
 def _delta(doc: Any, chunks: tuple[ChunkRef, ...], what: str) -> Delta:
-    if not isinstance(doc, dict) or doc.get("codec") not in ("same", "sparse", "dense", "ctx"):
+    if not isinstance(doc, dict) or doc.get("codec") not in ("same", "sparse", "dense", "ac"):
         raise FormatError(f"{what}: delta must be an object with codec same, sparse or dense")
     if doc["codec"] == "same" and doc.get("payload") is not None:
         raise FormatError(f"{what}: a 'same' delta has no payload")

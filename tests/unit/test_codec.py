@@ -27,7 +27,7 @@ FAST = settings(max_examples=80, deadline=None, suppress_health_check=[HealthChe
 # Payload container layout (docs/FORMAT.md "Payloads"), restated here so the tests pin the format:
 HEADER = struct.Struct("<4sBBHQQI")  # magic, codec id, elem width, reserved, n elems, block elems, n blocks
 SPARSE = struct.Struct("<IBBHI")  # changed count, gap width, reserved, reserved, compressed gaps length
-CODEC_ID = {"full": 1, "sparse": 2, "dense": 3}
+CODEC_ID = {"full": 1, "sparse": 2, "dense": 3, "ac": 4}
 
 # Bit patterns that float arithmetic would lose or normalise: NaN payloads (quiet and signalling,
 # both signs), -0.0, infinities, subnormals, extremes of every integer type.
@@ -163,7 +163,7 @@ def test_delta_round_trip_is_byte_identical(case):
     if changed == 0:
         assert enc.codec == "same" and enc.payload == b""
     else:
-        assert enc.codec in ("sparse", "dense")
+        assert enc.codec in ("sparse", "dense", "ac")
     out = decode_tensor(dtype, enc.codec, enc.payload, raw(old), new.nbytes)
     assert np.array_equal(out, raw(new))
 
@@ -186,8 +186,8 @@ def test_dense_is_never_chosen_below_threshold_and_never_larger(case):
     enc = encode_tensor(dtype, raw(new), raw(old), cfg)
     if enc.codec == "dense":
         assert enc.changed > cfg.dense_above * new.size
-        sparse_only = encode_tensor(dtype, raw(new), raw(old), CodecConfig(cfg.level, cfg.full_level, cfg.block_bytes, 1.0))
-        assert sparse_only.codec == "sparse" and len(enc.payload) < len(sparse_only.payload)
+        delta_only = encode_tensor(dtype, raw(new), raw(old), CodecConfig(cfg.level, cfg.full_level, cfg.block_bytes, 1.0))
+        assert delta_only.codec in ("sparse", "ac") and len(enc.payload) < len(delta_only.payload)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -217,7 +217,7 @@ def test_nan_payload_and_signed_zero_changes_are_changes(dtype):
     old = np.array([nan, 0, 5], dtype=view)
     new = np.array([nan | 1, sign, 5], dtype=view)
     enc = encode_tensor(dtype, raw(new), raw(old))
-    assert enc.codec in ("sparse", "dense") and enc.changed == 2
+    assert enc.codec in ("sparse", "dense", "ac") and enc.changed == 2
     assert np.array_equal(decode_tensor(dtype, enc.codec, enc.payload, raw(old), new.nbytes), raw(new))
 
 
@@ -262,7 +262,7 @@ def test_multi_block_payload_has_one_length_per_block():
     assert (cid, width, n, step, n_blocks) == (CODEC_ID[enc.codec], 4, 100, 10, 10)
     lengths = np.frombuffer(enc.payload[HEADER.size : HEADER.size + 8 * n_blocks], dtype="<u8")
     assert int(lengths.sum()) == len(enc.payload) - HEADER.size - 8 * n_blocks
-    if enc.codec == "sparse":  # unchanged blocks cost nothing
+    if enc.codec in ("sparse", "ac"):  # unchanged blocks cost nothing
         assert int(np.count_nonzero(lengths)) == 3
 
 
@@ -364,10 +364,10 @@ def _valid(codec: str) -> tuple[bytes, np.ndarray | None, np.ndarray, str]:
         return enc.payload, None, raw(new), "U16"
     if codec == "sparse":
         new[[1, 2, 17, 39]] += np.array([1, 65535, 300, 7], dtype=np.uint16)
-        enc = encode_tensor("U16", raw(new), raw(old), CodecConfig(block_bytes=16, dense_above=1.0))
+        enc = encode_tensor("U16", raw(new), raw(old), CodecConfig(block_bytes=16, dense_above=1.0, entropy_coder=False))
     else:
         new += rng.integers(1, 4, 40, dtype=np.uint16)
-        enc = encode_tensor("U16", raw(new), raw(old), CodecConfig(block_bytes=16, dense_above=0.0))
+        enc = encode_tensor("U16", raw(new), raw(old), CodecConfig(block_bytes=16, dense_above=0.0, entropy_coder=False))
     assert enc.codec == codec
     return enc.payload, raw(old), raw(new), "U16"
 
@@ -658,7 +658,7 @@ def test_sparse_bf16_delta_is_much_smaller_than_compressed_xor():
     idx = np.flatnonzero(rng.random(n) < 0.03)
     new[idx] += np.where(rng.random(idx.size) < 0.5, 1, 0xFFFF).astype(np.uint16)  # +/-1 ulp, wrapping
     xor_z = zstandard.ZstdCompressor(level=3).compress((old ^ new).tobytes())
-    sparse = encode_tensor("BF16", raw(new), raw(old), CodecConfig(dense_above=1.0))
+    sparse = encode_tensor("BF16", raw(new), raw(old), CodecConfig(dense_above=1.0, entropy_coder=False))
     assert sparse.codec == "sparse" and sparse.changed == idx.size
     assert len(xor_z) >= 1.5 * len(sparse.payload), (len(xor_z), len(sparse.payload))
     chosen = encode_tensor("BF16", raw(new), raw(old))

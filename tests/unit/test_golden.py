@@ -180,11 +180,13 @@ def test_fixture_is_untouched_by_the_tests():
     assert {p.name for p in root.iterdir()} == {"HEAD", "weightsync.json", "versions", "chunks"}
 
 
-def test_committed_ctx_payload_still_decodes():
-    """The context-modelled codec's byte layout must not drift: a payload made when it was added."""
+
+def test_committed_ac_payload_still_decodes():
+    """The arithmetic coder's byte layout and model adaptation must not drift: a payload made when
+    the ``ac`` codec was added (2 blocks of a bf16 tensor) must decode to the recorded bytes."""
     import zstandard
 
-    d = GOLDEN / "ctx"
+    d = GOLDEN / "ac"
     spec = json.loads((d / "expected.json").read_text())
     old = np.frombuffer(zstandard.ZstdDecompressor().decompress((d / "old.bin.zst").read_bytes()), dtype=np.uint8)
     out = decode_tensor(spec["dtype"], spec["codec"], (d / "payload.bin").read_bytes(), old, spec["nbytes"])

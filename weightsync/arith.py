@@ -1,0 +1,249 @@
+"""Adaptive binary arithmetic coding of a delta (codec ``ac``), conditioned on the old value.
+
+For every element of a block one binary decision says whether it changed; its probability model is
+chosen by the exponent field of the element's *old* value (both sides hold it) and by whether the
+previous element changed. Between RL steps small-magnitude weights (finer bf16 spacing) flip far
+more often than large ones, so these models code the change mask below its zeroth-order entropy.
+A changed element's difference is coded as zigzag(d) - 1 with binary decisions: "is it +-1"
+(modelled per exponent), which sign, else an Exp-Golomb code with modelled prefix bits.
+
+The coder is an LZMA-style range coder (32-bit range, carry propagation through a cache byte) with
+16-bit probabilities whose adaptation rate falls from 1/2 to 1/256 as a model sees more bits.
+Everything runs in numba kernels, one pass over the block each way.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+from numba import njit
+
+from .dtypes import ITEMSIZE
+from .errors import FormatError
+
+# dtype -> (shift, bits) of the exponent field within the unsigned view (sign bit excluded);
+# other dtypes use a single context.
+EXPONENT_FIELD: dict[str, tuple[int, int]] = {
+    "BF16": (7, 8),
+    "F16": (10, 5),
+    "F32": (23, 8),
+    "F64": (55, 8),
+}
+_HEAD = struct.Struct("<IBBH")  # changed count, shift, bits, reserved
+_TOP = 1 << 24
+_PROB_BITS = 16
+_ONE = 1 << _PROB_BITS
+_LIMIT = 255
+_RATE = np.array([_ONE // (n + 2) for n in range(_LIMIT + 1)], dtype=np.int64)
+_PREFIX_MODELS = 66
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _update(p, cnt, m, bit, rate):
+    n = cnt[m]
+    target = 0 if bit else _ONE
+    q = p[m] + (((target - p[m]) * rate[n]) >> _PROB_BITS)
+    p[m] = min(max(q, 32), _ONE - 32)
+    if n < _LIMIT:
+        cnt[m] = n + 1
+
+
+@njit(cache=True, nogil=True)
+def _shift_low(low, cache, csize, pos, out):
+    """Emit the top byte of ``low`` (through the carry cache); returns the new low, cache, cache
+    size and output position."""
+    if low < 0xFF000000 or low >= (1 << 32):
+        carry = low >> 32
+        temp = cache
+        while True:
+            out[pos] = (temp + carry) & 0xFF
+            pos += 1
+            temp = 0xFF
+            csize -= 1
+            if csize == 0:
+                break
+        cache = (low >> 24) & 0xFF
+    return (low & 0x00FFFFFF) << 8, cache, csize + 1, pos
+
+
+@njit(cache=True, nogil=True)
+def _encode(old, new, zz, shift, mask, n_ctx, out, rate):
+    """Code a block; returns the number of bytes written, or -1 if ``out`` was too small.
+
+    Models: ``2*n_ctx`` change bits (exponent context x previous element changed), then per
+    exponent "is +-1" and sign bits, then Exp-Golomb prefix bits of larger differences."""
+    n_mask = 2 * n_ctx
+    p = np.full(n_mask + 2 * n_ctx + _PREFIX_MODELS, _ONE // 2, np.int64)
+    cnt = np.zeros(p.size, np.int64)
+    low, rng, cache, csize, pos = 0, 0xFFFFFFFF, 0, 1, 0
+    # the k-th coded decision of a changed element: (model or -1 for a direct bit, bit)
+    mods = np.empty(2 * 64 + 4, np.int64)
+    bits = np.empty(2 * 64 + 4, np.int64)
+    prev = 0
+    limit = out.size - 64
+    j = 0
+    for i in range(old.size):
+        c = (old[i] >> shift) & mask
+        changed = 1 if old[i] != new[i] else 0
+        mods[0], bits[0], nd = 2 * c + prev, changed, 1
+        if changed:
+            v = zz[j] - 1
+            j += 1
+            if v < 2:
+                mods[1], bits[1], mods[2], bits[2], nd = n_mask + c, 0, n_mask + n_ctx + c, v, 3
+            else:
+                mods[1], bits[1], nd = n_mask + c, 1, 2
+                w = v - 1
+                nbits = 0
+                t = w
+                while t > 1:
+                    t >>= 1
+                    nbits += 1
+                for q in range(nbits + 1):
+                    mods[nd], bits[nd] = n_mask + 2 * n_ctx + min(q, _PREFIX_MODELS - 1), 1 if q < nbits else 0
+                    nd += 1
+                for q in range(nbits - 1, -1, -1):
+                    mods[nd], bits[nd] = -1, (w >> q) & 1
+                    nd += 1
+        for d in range(nd):
+            m, bit = mods[d], bits[d]
+            if m >= 0:
+                bound = (rng >> _PROB_BITS) * p[m]
+                if bit:
+                    low += bound
+                    rng -= bound
+                else:
+                    rng = bound
+                _update(p, cnt, m, bit, rate)
+            else:
+                rng >>= 1
+                if bit:
+                    low += rng
+            while rng < _TOP:
+                rng <<= 8
+                low, cache, csize, pos = _shift_low(low, cache, csize, pos, out)
+        if pos > limit:
+            return -1
+        prev = changed
+    for _ in range(5):
+        low, cache, csize, pos = _shift_low(low, cache, csize, pos, out)
+    return pos
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _dec_bit(st, data, p, cnt, m, rate):
+    """Decoder state: code, range, pos."""
+    bound = (st[1] >> _PROB_BITS) * p[m]
+    if st[0] < bound:
+        st[1] = bound
+        bit = 0
+    else:
+        st[0] -= bound
+        st[1] -= bound
+        bit = 1
+    _update(p, cnt, m, bit, rate)
+    while st[1] < _TOP:
+        st[1] <<= 8
+        b = data[st[2]] if st[2] < data.size else 0
+        st[2] += 1
+        st[0] = ((st[0] << 8) | b) & 0xFFFFFFFF
+    return bit
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _dec_direct(st, data):
+    st[1] >>= 1
+    bit = 0
+    if st[0] >= st[1]:
+        st[0] -= st[1]
+        bit = 1
+    while st[1] < _TOP:
+        st[1] <<= 8
+        b = data[st[2]] if st[2] < data.size else 0
+        st[2] += 1
+        st[0] = ((st[0] << 8) | b) & 0xFFFFFFFF
+    return bit
+
+
+@njit(cache=True, nogil=True)
+def _decode(old, data, shift, mask, n_ctx, k, rate, idx, zz):
+    """Decode a block's changes: positions into ``idx``, zigzag codes into ``zz``; returns how many
+    elements changed (must equal ``k``), or -1 if the stream is longer than ``k`` or runs past its end."""
+    n_mask = 2 * n_ctx
+    p = np.full(n_mask + 2 * n_ctx + _PREFIX_MODELS, _ONE // 2, np.int64)
+    cnt = np.zeros(p.size, np.int64)
+    st = np.zeros(3, np.int64)
+    st[1] = 0xFFFFFFFF
+    for _ in range(5):
+        b = data[st[2]] if st[2] < data.size else 0
+        st[2] += 1
+        st[0] = ((st[0] << 8) | b) & 0xFFFFFFFF
+    prev = 0
+    j = 0
+    for i in range(old.size):
+        c = (old[i] >> shift) & mask
+        changed = _dec_bit(st, data, p, cnt, 2 * c + prev, rate)
+        if changed:
+            if j == k:
+                return -1
+            if _dec_bit(st, data, p, cnt, n_mask + c, rate) == 0:
+                zz[j] = 1 + _dec_bit(st, data, p, cnt, n_mask + n_ctx + c, rate)
+            else:
+                nbits = 0
+                while nbits < 64 and _dec_bit(st, data, p, cnt, n_mask + 2 * n_ctx + min(nbits, _PREFIX_MODELS - 1), rate):
+                    nbits += 1
+                w = 1
+                for _ in range(nbits):
+                    w = (w << 1) | _dec_direct(st, data)
+                zz[j] = w + 2  # v = w + 1, zz = v + 1
+            idx[j] = i
+            j += 1
+        prev = changed
+        if st[2] > data.size + 8:
+            return -1
+    return j
+
+
+def supports(dtype: str) -> bool:
+    """Element widths up to 4 bytes (differences fit the kernels' signed 64-bit arithmetic)."""
+    return ITEMSIZE[dtype] <= 4
+
+
+def encode_block(dtype: str, old: np.ndarray, new: np.ndarray, zigzag) -> tuple[bytes, int]:
+    """One ``ac`` block (empty when nothing changed)."""
+    idx = np.flatnonzero(old != new)
+    k = int(idx.size)
+    if k == 0:
+        return b"", 0
+    shift, bits = EXPONENT_FIELD.get(dtype, (0, 0))
+    mask = (1 << bits) - 1
+    zz = zigzag(new[idx] - old[idx]).astype(np.int64)
+    cap = old.size // 4 + 24 * k + 1024
+    while True:
+        out = np.empty(cap, dtype=np.uint8)
+        n = _encode(old, new, zz, shift, mask, mask + 1, out, _RATE)
+        if n >= 0:
+            return _HEAD.pack(k, shift, bits, 0) + out[:n].tobytes(), k
+        cap = 2 * old.size + 24 * k + 1024  # only adversarial data gets here
+
+
+def decode_block(dtype: str, block: memoryview, old: np.ndarray, out: np.ndarray, unzigzag, what: str) -> None:
+    out[:] = old
+    if len(block) == 0:
+        return
+    if len(block) < _HEAD.size:
+        raise FormatError(f"{what}: truncated ac block")
+    k, shift, bits, _ = _HEAD.unpack_from(block)
+    if (shift, bits) != EXPONENT_FIELD.get(dtype, (0, 0)) or not 0 < k <= old.size:
+        raise FormatError(f"{what}: bad ac block header")
+    mask = (1 << bits) - 1
+    data = np.frombuffer(block, dtype=np.uint8, offset=_HEAD.size)
+    idx = np.empty(k, dtype=np.int64)
+    zz = np.empty(k, dtype=np.int64)
+    got = _decode(old, data, shift, mask, mask + 1, k, _RATE, idx, zz)
+    if got != k:
+        raise FormatError(f"{what}: ac stream decodes to {got} changes, header says {k}")
+    if int(zz.max()) >= 1 << (8 * old.dtype.itemsize):
+        raise FormatError(f"{what}: ac difference wider than the element")
+    out[idx] = old[idx] + unzigzag(zz.astype(old.dtype))
