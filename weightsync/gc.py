@@ -11,7 +11,8 @@ Execution (:func:`gc`): manifests are deleted first, oldest first, so that a rea
 manifest whose chunks are gone; then chunks that no kept manifest references, but only those older
 than ``grace_seconds``: a publisher uploads its chunks before its manifest exists, so a young
 unreferenced chunk may belong to a version being published. ``grace_seconds`` must exceed the
-longest publish (upload to commit).
+longest publish (upload to commit). Last, leftovers of killed writers older than the grace period
+go too: a file store's temporary files, an S3 store's incomplete multipart uploads.
 
 Object ages need more than the :class:`Store` protocol offers (``list`` gives keys only), so this
 module reads them backend by backend: a file store's files are ``os.stat``-ed, an S3 store is
@@ -83,7 +84,7 @@ class GcResult:
     kept_chunks: int = 0
     dry_run: bool = False
     seconds: float = 0.0
-    deleted_temp_files: int = 0
+    partial_writes: int = 0  # removed leftovers of killed writers: temp files, multipart uploads
 
 
 def plan_gc(repo: Repo, keep: int, abandoned: frozenset[int] = frozenset()) -> GcPlan:
@@ -147,7 +148,7 @@ def gc(repo: Repo, config: GcConfig) -> GcResult:
             for _ in pool.map(lambda kv: repo.store.delete(kv[0]), doomed):
                 pass
     if not config.dry_run:
-        result.deleted_temp_files = _remove_stale_temp_files(repo.store, config.grace_seconds)
+        result.partial_writes = _remove_partial_writes(repo.store, config.grace_seconds)
     result.seconds = time.perf_counter() - t0
     return result
 
@@ -221,11 +222,18 @@ def _s3_ages(store, prefix: str) -> Iterator[tuple[str, int, float | None]]:
         raise StoreError(f"{store.url}: LIST {prefix}: {type(exc).__name__}: {what}", key=prefix) from exc
 
 
-def _remove_stale_temp_files(store: Store, grace: float) -> int:
-    """A file store keeps ``.tmp-*`` files of writers killed mid-write; remove old ones."""
+def _remove_partial_writes(store: Store, grace: float) -> int:
+    """Leftovers of writers killed mid-write, older than ``grace``: a file store's ``.tmp-*``
+    files, an S3 store's incomplete multipart uploads (which the bucket bills for)."""
     backend = _unwrap(store)
-    if not isinstance(backend, FileStore):
-        return 0
+    if isinstance(backend, FileStore):
+        return _remove_temp_files(backend, grace)
+    if type(backend).__name__ == "S3Store":
+        return _abort_multipart_uploads(backend, grace)
+    return 0
+
+
+def _remove_temp_files(backend: FileStore, grace: float) -> int:
     removed, now = 0, time.time()
     for sub in (CHUNKS_PREFIX, VERSIONS_PREFIX):
         root = backend.root / sub
@@ -235,12 +243,32 @@ def _remove_stale_temp_files(store: Store, grace: float) -> int:
                     continue
                 path = os.path.join(dirpath, name)
                 try:
-                    if now - os.stat(path).st_mtime >= max(grace, 60.0):
+                    if now - os.stat(path).st_mtime >= grace:
                         os.unlink(path)
                         removed += 1
                 except FileNotFoundError:
                     pass
     return removed
+
+
+
+def _abort_multipart_uploads(store, grace: float) -> int:
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    client, bucket, root = store._client, store.bucket, store._key_prefix
+    aborted = 0
+    try:
+        for page in client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=root):
+            date = page.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+            now = parsedate_to_datetime(date).timestamp() if date else time.time()
+            for upload in page.get("Uploads", ()):
+                if now - upload["Initiated"].timestamp() >= grace:
+                    client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                    aborted += 1
+    except (BotoCoreError, ClientError) as exc:
+        what = " ".join(str(exc).split())
+        raise StoreError(f"{store.url}: abort stale multipart uploads: {type(exc).__name__}: {what}") from exc
+    return aborted
 
 
 __all__ = ["GcConfig", "GcPlan", "GcResult", "gc", "plan_gc", "list_chunks_with_age", "list_with_age"]

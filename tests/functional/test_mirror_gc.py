@@ -243,7 +243,7 @@ def test_gc_grace_period_protects_young_unreferenced_chunks(published, tmp_path)
     stale = store / "chunks" / "00" / ".tmp-killedwriter"
     stale.write_bytes(b"half a chunk")
     os.utime(stale, (OLD, OLD))
-    assert gc(r, GcConfig(keep=6)).deleted_temp_files == 1 and not stale.exists()
+    assert gc(r, GcConfig(keep=6)).partial_writes == 1 and not stale.exists()
 
 
 def test_gc_keeps_manifests_above_the_head_until_abandoned(published, tmp_path, ws):

@@ -173,6 +173,25 @@ def test_gc_on_s3_while_a_publisher_runs(s3_url, tmp_path, env):
     assert all(a is not None and -5 < a < 120 for a in ages)  # ages from LastModified and the server clock
 
 
+def test_gc_aborts_stale_multipart_uploads(s3_url, seaweed, traj):
+    repo = weightsync.open_repo(s3_url)
+    weightsync.publish(traj[0], repo)
+    bucket, prefix = s3_url[len("s3://"):].split("/", 1)
+    client = seaweed.client()
+    key = f"{prefix}/chunks/ab/ab{'0' * 30}"  # a big chunk whose uploader was killed
+    upload = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+    client.upload_part(Bucket=bucket, Key=key, UploadId=upload, PartNumber=1, Body=b"x" * 1024)
+
+    def uploads() -> list[str]:
+        return [u["UploadId"] for u in client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", ())]
+
+    assert uploads() == [upload]
+    assert gc(repo, GcConfig(keep=1)).partial_writes == 0 and uploads() == [upload]  # young: maybe in flight
+    time.sleep(1.1)
+    assert gc(repo, GcConfig(keep=1, grace_seconds=0)).partial_writes == 1 and uploads() == []
+    pull_and_check(repo, 0, traj[0].parent / "out", traj[0])
+
+
 # --- resumable and atomic publishing ----------------------------------------------------------------
 def test_killed_publish_resumes_without_uploading_again(s3_url, tmp_path, env):
     ckpt = make_trajectory(tmp_path / "big", steps=0, hidden=512, layers=2, experts=4, vocab=4096)[0]
