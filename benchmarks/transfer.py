@@ -31,8 +31,8 @@ sys.path.insert(0, str(BENCH_DIR.parent))
 BUCKET = "weightsync-bench"
 GiB, MiB = 1 << 30, 1 << 20
 SIZES = {  # SyntheticTrainer shapes: ~1.05 GiB and ~68 MiB of bf16
-    "full": dict(hidden=1024, layers=4, experts=20, vocab=32768),
-    "quick": dict(hidden=512, layers=2, experts=8, vocab=8192),
+    "full": {"hidden": 1024, "layers": 4, "experts": 20, "vocab": 32768},
+    "quick": {"hidden": 512, "layers": 2, "experts": 8, "vocab": 8192},
 }
 LR = 1e-6
 
@@ -113,7 +113,7 @@ def files_of(ckpt: Path) -> list[str]:
 
 def run(op: str, env: dict[str, str], **cfg) -> dict:
     proc = subprocess.run([sys.executable, "-c", CHILD, op, json.dumps(cfg, default=str)],
-                          env=env, capture_output=True, text=True)
+                          check=False, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{op} failed:\n{proc.stderr}")
     res = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -148,7 +148,7 @@ def main() -> None:
     try:
         server.make_bucket(BUCKET)
         env = {**os.environ, **server.env(), "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
-        base = dict(endpoint=server.endpoint, concurrency=args.concurrency)
+        base = {"endpoint": server.endpoint, "concurrency": args.concurrency}
         store = f"s3://{BUCKET}/ws"
         print(f"checkpoint {raw / GiB:.3f} GiB in {len(files_of(ckpts[0]))} files; concurrency {args.concurrency}", file=sys.stderr)
         run("upload", env, **base, bucket=BUCKET, prefix="warm-up", dir=ckpts[2], files=files_of(ckpts[2]))  # volumes

@@ -271,4 +271,4 @@ def _abort_multipart_uploads(store, grace: float) -> int:
     return aborted
 
 
-__all__ = ["GcConfig", "GcPlan", "GcResult", "gc", "plan_gc", "list_chunks_with_age", "list_with_age"]
+__all__ = ["GcConfig", "GcPlan", "GcResult", "gc", "list_chunks_with_age", "list_with_age", "plan_gc"]

@@ -299,7 +299,7 @@ def test_gc_between_a_skipped_upload_and_its_commit(trajectory, tmp_path, monkey
 
 
 def test_gc_on_a_store_without_ages_deletes_no_chunk_inside_the_grace(published):
-    store, traj = published
+    store, _ = published
     mem = weightsync.Repo(MemoryStore())
     mirror(repo(store), mem)
     assert all(age is None for _, _, age in list_chunks_with_age(mem.store))

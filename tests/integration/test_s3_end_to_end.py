@@ -27,7 +27,7 @@ from weightsync.synth import make_trajectory
 
 pytestmark = pytest.mark.integration
 
-TINY = dict(hidden=32, layers=1, experts=2, vocab=128)
+TINY = {"hidden": 32, "layers": 1, "experts": 2, "vocab": 128}
 MIRROR_BUCKET = "weightsync-mirror"
 
 
