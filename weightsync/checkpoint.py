@@ -6,6 +6,7 @@ A file is a sequence of segments that tile it exactly: a ``.safetensors`` file i
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 import os
@@ -122,8 +123,9 @@ def describe_file(abspath: Path, relpath: str) -> SourceFile:
     return SourceFile(relpath, abspath, "blob", size, (SourceSegment("blob", "", "U8", (size,), 0, size),))
 
 
-def scan_checkpoint(directory: str | os.PathLike[str]) -> list[SourceFile]:
-    """Every file under ``directory`` (sorted by path), skipping a top-level ``.weightsync``."""
+def scan_checkpoint(directory: str | os.PathLike[str], ignore: tuple[str, ...] = ()) -> list[SourceFile]:
+    """Every file under ``directory`` (sorted by path), skipping a top-level ``.weightsync`` and
+    paths matching an ``ignore`` glob (e.g. a ``COMPLETE`` marker)."""
     root = Path(directory)
     if not root.is_dir():
         raise CheckpointError(f"checkpoint directory not found: {root}")
@@ -135,7 +137,7 @@ def scan_checkpoint(directory: str | os.PathLike[str]) -> list[SourceFile]:
         dirnames.sort()
         for name in filenames:
             rel = name if rel_dir == "." else f"{rel_dir.replace(os.sep, '/')}/{name}"
-            if rel == ".weightsync":
+            if rel == ".weightsync" or any(fnmatch.fnmatchcase(rel, pat) for pat in ignore):
                 continue
             try:
                 check_path(rel)

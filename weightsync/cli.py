@@ -49,6 +49,7 @@ def cmd_publish(args) -> int:
         chunk_bytes=args.chunk_mib << 20,
         keyframe_interval=args.keyframe_interval,
         upload_concurrency=args.concurrency,
+        ignore=tuple(args.ignore),
     )
     if args.version == "latest":
         raise UsageError("publish takes an integer --version")
@@ -224,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-mib", type=int, default=16, help="chunk size in MiB (default 16)")
     p.add_argument("--level", type=int, default=3, help="zstd level of deltas (default 3)")
     p.add_argument("--concurrency", type=int, default=16, help="chunks in flight (default 16)")
+    p.add_argument("--ignore", action="append", default=[], metavar="GLOB",
+                   help="do not publish files whose relative path matches (repeatable), e.g. COMPLETE")
     p.set_defaults(func=cmd_publish)
 
     p = sub.add_parser("pull", help="create or incrementally update a folder to hold a version")

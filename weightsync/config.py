@@ -289,7 +289,8 @@ def publisher_config(args, environ: Mapping[str, str] = os.environ) -> Publisher
         poll_interval=args.poll_interval or 2.0,
         stale_after=args.stale_after,
         publish=PublishConfig(
-            chunk_bytes=args.chunk_mib << 20, keyframe_interval=args.keyframe_interval, upload_concurrency=args.concurrency
+            chunk_bytes=args.chunk_mib << 20, keyframe_interval=args.keyframe_interval,
+            upload_concurrency=args.concurrency, ignore=(args.marker,),
         ),
         publish_roots=tuple(Path(p).absolute() for p in args.publish_root),
         api=_api(args, environ),

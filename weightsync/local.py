@@ -64,14 +64,14 @@ def read_state(folder: Path) -> LocalState | None:
 def _apply_journal(folder: Path, journal: dict) -> None:
     sdir = state_dir(folder)
     staging = sdir / "staging"
+    for rel in journal["remove"]:  # first, so that a file may become a folder and back
+        (folder / rel).unlink(missing_ok=True)
+        _prune_dirs(folder, (folder / rel).parent)
     for rel in journal["install"]:
         src, dst = staging / rel, folder / rel
         if src.exists():
             dst.parent.mkdir(parents=True, exist_ok=True)
             os.replace(src, dst)
-    for rel in journal["remove"]:
-        (folder / rel).unlink(missing_ok=True)
-        _prune_dirs(folder, (folder / rel).parent)
     files = {}
     for rel, (size, digest) in journal["files"].items():
         files[rel] = (size, digest, (folder / rel).stat().st_mtime_ns)

@@ -11,7 +11,7 @@ for ``stale_after`` seconds. A restart resumes from the store's head.
 Delta base: the folder of the head version's checkpoint when it still exists (publish verifies its
 bytes against the checksums); if those bytes differ, or the folder is gone, a cache folder under
 the state dir (kept at the head version by hard links, or pulled from the store when behind).
-The marker file is published with the checkpoint: it is part of the folder.
+The marker file is not published: subscribers' folders hold the checkpoint's other files only.
 """
 
 from __future__ import annotations

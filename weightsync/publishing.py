@@ -43,6 +43,7 @@ class PublishConfig:
     upload_concurrency: int = 16
     encode_threads: int = max(1, min(8, os.cpu_count() or 1))
     inflight_bytes: int = 256 << 20
+    ignore: tuple[str, ...] = ()  # globs of relative paths not to publish (e.g. "COMPLETE")
 
     def __post_init__(self) -> None:
         if self.keyframe_interval < 1:
@@ -213,7 +214,7 @@ def publish(
     version (pulled from the store when it is behind). Without either, a temporary folder is used.
     """
     src = Path(checkpoint_dir)
-    files = scan_checkpoint(src)  # validate the input before anything is written
+    files = scan_checkpoint(src, config.ignore)  # validate the input before anything is written
     if not repo.check():
         repo.init()
     head, etag = repo.head()
@@ -235,7 +236,7 @@ def publish(
             if explicit is not None or cache_dir is None:
                 raise
             shutil.rmtree(cache, ignore_errors=True)  # a stale cache: rebuild it from the store once
-            result = _publish(repo, src, scan_checkpoint(src), version, parent, keyframe, etag, config, None, cache, progress, on_bytes)
+            result = _publish(repo, src, scan_checkpoint(src, config.ignore), version, parent, keyframe, etag, config, None, cache, progress, on_bytes)
     if cache_dir is not None:
         adopt(Path(cache_dir), repo.manifest(version), src, repo.url)
     return result
