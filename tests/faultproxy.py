@@ -20,7 +20,7 @@ Faults (``Rule.fault``):
   of answering: the client cannot tell whether its write happened.
 
 A rule applies to requests whose method equals ``method`` (None: any) and whose URL-decoded path
-matches the regex ``key`` (``re.search``; None: any), with ``probability`` (drawn from a seeded
+and query (``/bucket/prefix/chunks/ab/ab12...``, ``/bucket?list-type=2&prefix=...``) match the regex ``key`` (``re.search``; None: any), with ``probability`` (drawn from a seeded
 RNG), and only ``count`` times if set (then it is spent). Rules are tried in the order added; the
 first that fires wins. Everything else is forwarded unchanged: the ``Host`` header is kept, so
 SigV4 signatures made for the proxy's address stay valid upstream.
@@ -84,7 +84,7 @@ class Rule:
 class _Request:
     method: str
     target: str
-    path: str  # URL-decoded path, without the query
+    path: str  # URL-decoded path and query (what ``Rule.key`` is searched in)
     head: bytes  # request line and headers as forwarded upstream (Expect removed)
     body: bytes
     close: bool  # the client asked to close after this request
@@ -341,7 +341,7 @@ async def _read_request(reader: asyncio.StreamReader, writer: asyncio.StreamWrit
     kept = [f"{k}: {v}".encode("latin-1") for k, v in headers if k.lower() != "expect"]
     forwarded = b"\r\n".join([lines[0], *kept]) + b"\r\n\r\n"
     close = (_get(headers, "connection") or "").lower() == "close"
-    return _Request(method, target, unquote(urlsplit(target).path), forwarded, body, close)
+    return _Request(method, target, unquote(target), forwarded, body, close)
 
 
 async def _read_response(reader: asyncio.StreamReader, method: str):
