@@ -139,14 +139,21 @@ class Repo:
 
     # --- writes ----------------------------------------------------------------------------------
     def put_chunk(self, chunk_id: str, data: bytes) -> bool:
-        """Upload a chunk unless an object of that id and size is there; True if bytes moved."""
+        """Upload a chunk unless an object of that id and size is there; True if bytes moved.
+
+        A chunk that is already there is touched, so that a concurrent ``gc`` (which spares young
+        objects) cannot delete it between this check and the commit of the manifest that uses it.
+        An object of the wrong size under a chunk's key is damaged and is replaced.
+        """
         key = chunk_key(chunk_id)
-        if self.store.head(key) == len(data):
+        size = self.store.head(key)
+        if size == len(data):
+            self.store.touch(key)
             return False
         try:
-            self.store.put(key, data, mode="create")
+            self.store.put(key, data, mode="create" if size is None else "overwrite")
         except AlreadyExistsError:
-            return False
+            return False  # a racing publisher stored the same bytes
         return True
 
     def get_chunk(self, chunk_id: str, size: int) -> bytes:
@@ -156,11 +163,17 @@ class Repo:
         return data
 
     def commit(self, manifest: Manifest, expected_head: str | None) -> None:
-        """Write the manifest (create-only), then move the head to it if it is newer."""
+        """Write the manifest (create-only), then move the head to it if it is newer.
+
+        A manifest already stored under the version is accepted when it describes the same files
+        from the same parent: our own write whose answer was lost and retried, or a re-publish of
+        the same checkpoint after a publisher died between the manifest and the head.
+        """
         try:
             self.store.put(version_key(manifest.version), manifest_to_json(manifest), mode="create")
         except AlreadyExistsError:
-            raise VersionError(f"version {manifest.version} already exists in {self.url}") from None
+            if not self._same_version(manifest):
+                raise VersionError(f"version {manifest.version} already exists in {self.url}") from None
         etag = expected_head
         for _ in range(100):
             try:
@@ -168,11 +181,24 @@ class Repo:
                 return
             except PreconditionFailedError:
                 current, etag = self.head()
-                if current is not None and current >= manifest.version:
+                if current == manifest.version:
+                    return  # our own write landed (an ambiguous retry) or an identical re-publish
+                if current is not None and current > manifest.version:
                     raise VersionError(
                         f"version {manifest.version} was stored but head moved to {current} concurrently"
                     ) from None
         raise VersionError(f"could not move head to {manifest.version}: too much contention")
+
+    def _same_version(self, manifest: Manifest) -> bool:
+        head = self.head_version()
+        if head is not None and head >= manifest.version:
+            return False  # a committed version is never replaced
+        try:
+            stored = manifest_from_json(self.store.get(version_key(manifest.version)))
+        except (FormatError, NotFoundError):
+            return False
+        files = lambda m: [(f.path, f.size, f.xxh3) for f in m.files]  # noqa: E731
+        return stored.parent == manifest.parent and files(stored) == files(manifest)
 
     def set_head(self, version: int) -> None:
         """Point the head at ``version`` unconditionally (mirror and repair use)."""

@@ -229,6 +229,13 @@ def test_list_empty_store(store):
     assert list(store.list("x/")) == []
 
 
+def test_touch_keeps_the_object(store):
+    store.put("t/x", b"payload")
+    store.touch("t/x")
+    assert store.get("t/x") == b"payload" and store.head("t/x") == 7
+    assert list(store.list("t/")) == ["t/x"]
+
+
 def test_delete_is_idempotent(store):
     store.put("d/x", b"1")
     store.put("d/y", b"2")

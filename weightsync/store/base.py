@@ -69,6 +69,10 @@ class Store(abc.ABC):
     def delete(self, key: str) -> None:
         """Remove the object; removing a missing key is not an error."""
 
+    def touch(self, key: str) -> None:
+        """Refresh the object's modification time (so retention treats it as young again).
+        Backends without object ages may leave this a no-op."""
+
     def local_path(self, key: str) -> Path | None:
         """A local file holding the object, when the backend has one (zero-copy reads)."""
         return None

@@ -136,5 +136,9 @@ class FileStore(Store):
             if exc.errno != errno.ENOENT:
                 raise StoreError(f"{self.url}: {key}: {exc.strerror}", key=key) from exc
 
+    def touch(self, key: str) -> None:
+        with self._errors(key):
+            os.utime(self._path(key))
+
     def local_path(self, key: str) -> Path | None:
         return self._path(key)

@@ -142,6 +142,9 @@ class RetryingStore(Store):
     def delete(self, key: str) -> None:
         return self._call("DELETE", key, lambda: self.inner.delete(key))
 
+    def touch(self, key: str) -> None:
+        return self._call("COPY", key, lambda: self.inner.touch(key))
+
     def local_path(self, key: str) -> Path | None:
         return self.inner.local_path(key)
 

@@ -316,6 +316,14 @@ class S3Store(Store):
         # Skip directory markers some servers list; sort because not every server lists in order.
         return iter(sorted(k for k in keys if k and not k.endswith("/")))
 
+    def touch(self, key: str) -> None:
+        """Copy the object onto itself (new LastModified, no data through this client)."""
+        obj = self._obj(key)
+        with self._errors("COPY", key):
+            self._client.copy_object(
+                CopySource={"Bucket": obj["Bucket"], "Key": obj["Key"]}, MetadataDirective="REPLACE", **obj
+            )
+
     def delete(self, key: str) -> None:
         obj = self._obj(key)
         with self._errors("DELETE", key):
