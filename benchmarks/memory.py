@@ -25,7 +25,8 @@ import json, sys, weightsync
 from weightsync.publishing import PublishConfig
 op, a, b, v = sys.argv[1:5]
 if op == "publish":
-    r = weightsync.publish(a, b, int(v), base_dir=sys.argv[5] if len(sys.argv) > 5 else None)
+    cfg = PublishConfig(keyframe_interval=int(sys.argv[6]) if len(sys.argv) > 6 else 20)
+    r = weightsync.publish(a, b, int(v), config=cfg, base_dir=sys.argv[5] if len(sys.argv) > 5 else None)
     extra = {"payload_bytes": r.payload_bytes, "raw_bytes": r.raw_bytes}
 else:
     r = weightsync.pull(a, b, int(v))
@@ -72,6 +73,7 @@ def main() -> None:
     rows = [
         ("publish v0 (keyframe)", run("publish", str(v0), store, "0")),
         ("publish v1 (delta, --base v0)", run("publish", str(v1), store, "1", str(v0))),
+        ("publish v2 (keyframe with its delta, --base v1)", run("publish", str(v0), store, "2", str(v1), "2")),
         ("pull v0 into empty folder", run("pull", store, str(root / "replica"), "0")),
         ("pull v1 (incremental)", run("pull", store, str(root / "replica"), "1")),
     ]

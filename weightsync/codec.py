@@ -70,7 +70,7 @@ class CodecConfig:
 @dataclass(frozen=True)
 class EncodedTensor:
     codec: str
-    payload: bytes
+    payload: bytes | bytearray
     changed: int  # elements that differ from old (all of them for a full encoding)
 
 
@@ -140,14 +140,19 @@ def _gap_width(max_gap: int) -> int:
 # --- block codecs --------------------------------------------------------------------------------
 def _encode_sparse(old: np.ndarray, new: np.ndarray, level: int) -> tuple[bytes, int]:
     idx = np.flatnonzero(old != new)
+    return _sparse_block(idx, new[idx] - old[idx], level), int(idx.size)
+
+
+def _sparse_block(idx: np.ndarray, diff: np.ndarray, level: int) -> bytes:
+    """A sparse block from block-relative positions (ascending) and their wrapping differences."""
     if idx.size == 0:
-        return b"", 0
+        return b""
     gaps = np.diff(idx, prepend=-1) - 1
     gw = _gap_width(int(gaps.max()))
     gaps_z = _compressor(level).compress(to_planes(gaps.astype(UINT_VIEW[gw])))
-    vals_z = _compressor(level).compress(to_planes(zigzag(new[idx] - old[idx])))
+    vals_z = _compressor(level).compress(to_planes(zigzag(diff)))
     head = _SPARSE.pack(idx.size, gw, 0, 0, len(gaps_z))
-    return head + gaps_z + vals_z, int(idx.size)
+    return head + gaps_z + vals_z
 
 
 def _decode_sparse(block: memoryview, old: np.ndarray, out: np.ndarray, what: str) -> None:
@@ -206,8 +211,22 @@ def _encode_payload(codec: str, dtype: str, old: np.ndarray | None, new: np.ndar
         blocks.append(data)
         changed += n
     head = _HEADER.pack(MAGIC, _CODEC_ID[codec], width, 0, new.size, step, n_blocks)
+    return _assemble(head, blocks), changed
+
+
+def _assemble(head: bytes, blocks: list[bytes]) -> bytearray:
+    """Header, block lengths and blocks in one buffer, releasing each block once copied (a full
+    payload of a huge tensor is never held twice)."""
     lengths = np.array([len(b) for b in blocks], dtype="<u8").tobytes()
-    return b"".join([head, lengths, *blocks]), changed
+    out = bytearray(len(head) + len(lengths) + sum(len(b) for b in blocks))
+    out[: len(head)] = head
+    pos = len(head) + len(lengths)
+    out[len(head) : pos] = lengths
+    for i, b in enumerate(blocks):
+        out[pos : pos + len(b)] = b
+        pos += len(b)
+        blocks[i] = b""
+    return out
 
 
 def _as_elements(buf: np.ndarray, dtype: str, what: str) -> np.ndarray:
@@ -245,6 +264,37 @@ def encode_tensor(
         if len(dense) < len(best.payload):
             best = EncodedTensor("dense", dense, changed)
     return best
+
+
+def encode_sparse_from_changes(
+    dtype: str, n_elems: int, idx: np.ndarray, diffs: np.ndarray, config: CodecConfig = CodecConfig()
+) -> bytes:
+    """The ``sparse`` payload of a change given as flat positions ``idx`` (strictly ascending, below
+    ``n_elems``) and the wrapping differences ``u_new - u_old`` there (nonzero integers of the
+    element width), without the old or new tensor: byte for byte what :func:`encode_tensor` writes
+    for the same change when it chooses ``sparse``. Raises :class:`UsageError` for a malformed change.
+    """
+    width = itemsize(dtype)
+    if n_elems < 0:
+        raise UsageError(f"element count must be non-negative, not {n_elems}")
+    idx = np.asarray(idx)
+    diffs = np.asarray(diffs)
+    if idx.ndim != 1 or diffs.shape != idx.shape or idx.dtype.kind not in "iu" or diffs.dtype.kind not in "iu":
+        raise UsageError("idx and diffs must be 1-D integer arrays of the same length")
+    if diffs.dtype.itemsize != width:
+        raise UsageError(f"diffs of {diffs.dtype.itemsize}-byte integers for {dtype} elements of {width} bytes")
+    idx = idx.astype(np.int64, copy=False)
+    if idx.size and (idx[0] < 0 or idx[-1] >= n_elems or np.any(idx[1:] <= idx[:-1])):
+        raise UsageError(f"positions must be strictly ascending in [0, {n_elems})")
+    diffs = diffs.view(UINT_VIEW[width])
+    if np.any(diffs == 0):
+        raise UsageError("a zero difference is not a change")
+    step = config.block_elems(width)
+    n_blocks = -(-n_elems // step)
+    cuts = np.searchsorted(idx, np.arange(n_blocks + 1, dtype=np.int64) * step)
+    blocks = [_sparse_block(idx[a:b] - i * step, diffs[a:b], config.level) for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:]))]
+    head = _HEADER.pack(MAGIC, _CODEC_ID["sparse"], width, 0, n_elems, step, n_blocks)
+    return bytes(_assemble(head, blocks))
 
 
 def decode_tensor(

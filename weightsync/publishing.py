@@ -111,6 +111,7 @@ class _Encoder:
         if old is not None:
             same = job.base_seg.xxh3 == digest and np.array_equal(old, new)
             delta = EncodedTensor("same", b"", 0) if same else encode_tensor(job.seg.dtype, new, old, self.cfg.codec)
+            del old  # a keyframe's full encoding does not need it: keep the peak at two tensors
         enc = encode_tensor(job.seg.dtype, new, None, self.cfg.codec) if self.keyframe or delta is None else delta
         self._timed("encode", t)
         return new, digest, enc, delta if self.keyframe else None
