@@ -7,6 +7,7 @@ same version yields the same chunk ids and a resumed upload skips what is alread
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import xxhash
@@ -55,8 +56,14 @@ class ChunkPacker:
         self._open, self._open_size, self._index = [], 0, -1
         return sealed
 
-    def add(self, payload: bytes | memoryview) -> tuple[tuple[Part, ...], list[SealedChunk]]:
-        """Place ``payload``; returns its parts and the chunks that this sealed."""
+    def add(
+        self, payload: bytes | memoryview, emit: Callable[[SealedChunk], None] | None = None
+    ) -> tuple[tuple[Part, ...], list[SealedChunk]]:
+        """Place ``payload``; returns its parts and the chunks that this sealed.
+
+        With ``emit``, each chunk is handed over as soon as it seals (and not returned), so a large
+        payload is never held twice; ``emit`` may block to apply back-pressure.
+        """
         sealed: list[SealedChunk] = []
         view = memoryview(payload)
         room = self.chunk_bytes - self._open_size
@@ -74,6 +81,11 @@ class ChunkPacker:
             view = view[take:]
             if self._open_size == self.chunk_bytes:
                 sealed.append(self._seal())
+            if emit is not None:
+                for chunk in sealed:
+                    if chunk is not None:
+                        emit(chunk)
+                sealed.clear()
         return tuple(parts), [s for s in sealed if s is not None]
 
     def finish(self) -> list[SealedChunk]:

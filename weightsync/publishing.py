@@ -146,9 +146,7 @@ class _Assembler:
     def _pack(self, enc: EncodedTensor, packer: ChunkPacker) -> Payload | None:
         if enc.codec == "same":
             return None
-        parts, sealed = packer.add(enc.payload)
-        for chunk in sealed:
-            self.uploader.submit(chunk)
+        parts, _ = packer.add(enc.payload, self.uploader.submit)
         return Payload(len(enc.payload), xxhash.xxh3_128_hexdigest(enc.payload), parts)
 
     def add(self, job: _Job, new: np.ndarray, digest: str, enc: EncodedTensor, delta: EncodedTensor | None) -> None:
