@@ -288,10 +288,15 @@ class StateDictPublisher:
     ``work_dir`` (tmpfs by default: a memory copy, plus a device-to-host copy for GPU tensors),
     which :func:`weightsync.publish` then reads back. The previous version's folder is kept as the
     delta base, so tmpfs holds up to two serialized copies of the model at a time.
+
+    ``device_diff=True``: diff on the tensors' devices against a device-side copy of the last
+    published tensors and move only the changes to the host (:mod:`weightsync.devicediff`; costs
+    device memory for that copy).
     """
 
     def __init__(self, store, *, config: PublishConfig | None = None, work_dir: str | os.PathLike | None = None,
-                 cache_dir: str | os.PathLike | None = None, filename: str = "model.safetensors"):
+                 cache_dir: str | os.PathLike | None = None, filename: str = "model.safetensors",
+                 device_diff: bool = False):
         self.repo = weightsync.open_repo(store)
         self.config = config or PublishConfig()
         root = Path(work_dir) if work_dir is not None else default_work_dir()
@@ -300,8 +305,16 @@ class StateDictPublisher:
         self.cache_dir = None if cache_dir is None else Path(cache_dir)
         self.filename = filename
         self._prev: tuple[int, Path] | None = None
+        self._device = None
+        if device_diff:
+            from .devicediff import DeviceDiffPublisher
+
+            self._device = DeviceDiffPublisher(self.repo, config=self.config, work_dir=self.work,
+                                               cache_dir=self.cache_dir, filename=filename)
 
     def publish(self, state_dict, version: int | None = None, metadata: dict[str, str] | None = None) -> PublishResult:
+        if self._device is not None:
+            return self._device.publish(state_dict, version, metadata)
         folder = self.work / f"v{len(os.listdir(self.work))}-{time.monotonic_ns()}"
         folder.mkdir()
         save_state_dict(state_dict, folder / self.filename, metadata)
@@ -323,6 +336,8 @@ class StateDictPublisher:
         return r
 
     def close(self) -> None:
+        if self._device is not None:
+            self._device.close()
         shutil.rmtree(self.work, ignore_errors=True)
         self._prev = None
 
