@@ -91,8 +91,12 @@ def verify(store: StoreLike, directory: str | os.PathLike, version: int | str | 
     from .pulling import resolve_version
     from .integrity import verify_folder
 
+    from .local import recover, state_dir
+
     repo = open_repo(store)
     repo.require()
     v = resolve_version(repo, version)
+    if state_dir(Path(directory)).is_dir():
+        recover(Path(directory))  # finish an interrupted install first, as every operation does
     verify_folder(Path(directory), repo.manifest(v))
     return v

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
-from . import arith
 from .dtypes import INT_VIEW, UINT_VIEW, itemsize
 from .errors import FormatError, UsageError
 
@@ -175,6 +174,8 @@ def _decode_sparse(block: memoryview, old: np.ndarray, out: np.ndarray, what: st
 
 def _encode_block(codec: str, dtype: str, old: np.ndarray | None, new: np.ndarray, cfg: CodecConfig) -> tuple[bytes, int]:
     if codec == "ac":
+        from . import arith  # numba loads only when the entropy coder runs
+
         return arith.encode_block(dtype, old, new, zigzag)
     if codec == "full":
         return _compressor(cfg.full_level).compress(to_planes(new)), new.size
@@ -187,6 +188,8 @@ def _encode_block(codec: str, dtype: str, old: np.ndarray | None, new: np.ndarra
 def _decode_block(codec: str, dtype: str, block: memoryview, old: np.ndarray | None, out: np.ndarray, what: str) -> None:
     width = out.dtype.itemsize
     if codec == "ac":
+        from . import arith
+
         arith.decode_block(dtype, block, old, out, unzigzag, what)
         return
     if codec == "sparse":
@@ -254,7 +257,7 @@ def encode_tensor(
     old_e = _as_elements(old, dtype, "old tensor")
     if old_e.size != new_e.size:
         raise UsageError("old and new tensors differ in size; encode in full")
-    codec = "ac" if config.entropy_coder and arith.supports(dtype) else "sparse"
+    codec = "ac" if config.entropy_coder and itemsize(dtype) <= 4 else "sparse"  # ac: widths up to 4 bytes
     payload, changed = _encode_payload(codec, dtype, old_e, new_e, config)
     if changed == 0:
         return EncodedTensor("same", b"", 0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -89,20 +90,27 @@ def http(method: str, url: str, body: object = None, token: str | None = None, t
 class Daemon:
     """A daemon subprocess with its HTTP API on a free port; output goes to a log file."""
 
+    _count = 0
+
     def __init__(self, role: str, args: list, tmp: Path, env: dict | None = None, token: str | None = None):
         self.role, self.token = role, token
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = tmp / f"{role}-{self.port}.log"
-        self.args = [role, *map(str, args), "--listen", f"127.0.0.1:{self.port}", "--poll-interval", "0.1"]
+        Daemon._count += 1
+        self.port, self.url = 0, ""  # the daemon binds port 0 and logs the port it got: no races
+        self.log_path = tmp / f"{role}-{Daemon._count}.log"
+        self.args = [role, *map(str, args), "--listen", "127.0.0.1:0", "--poll-interval", "0.1"]
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> Daemon:
+        seen = len(self.log())  # a restart appends to the same log: look only at what follows
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "weightsync.cli", *self.args], stdout=log,
                                      stderr=subprocess.STDOUT, env=self.env)
         log.close()
+        bound = wait_for(lambda: self._alive() and re.search(r"listening.*?http://127\.0\.0\.1:(\d+)", self.log()[seen:]), 20,
+                         f"{self.role} to log its port\n{self.log()}")
+        self.port = int(bound.group(1))
+        self.url = f"http://127.0.0.1:{self.port}"
         wait_for(lambda: self._alive() and http("GET", self.url + "/healthz", timeout=1)[0] == 200, 20,
                  f"{self.role} to answer /healthz\n{self.log()}")
         return self
