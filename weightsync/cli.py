@@ -224,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keyframe-interval", type=int, default=20, help="a full snapshot every K versions (default 20)")
     p.add_argument("--chunk-mib", type=int, default=16, help="chunk size in MiB (default 16)")
     p.add_argument("--level", type=int, default=3, help="zstd level of deltas (default 3)")
-    p.add_argument("--concurrency", type=int, default=16, help="chunks in flight (default 16)")
+    p.add_argument("--concurrency", type=int, default=32, help="chunks in flight (default 32)")
     p.add_argument("--ignore", action="append", default=[], metavar="GLOB",
                    help="do not publish files whose relative path matches (repeatable), e.g. COMPLETE")
     p.set_defaults(func=cmd_publish)

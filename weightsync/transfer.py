@@ -1,7 +1,7 @@
 """Bounded parallel chunk transfers between a :class:`Repo` and memory or a local spool.
 
 Memory bound of an :class:`Uploader`: at most ``concurrency`` chunks queued or in flight, i.e.
-``concurrency * chunk_bytes`` (16 x 16 MiB = 256 MiB by default). :func:`fetch_chunks` writes each
+``concurrency * chunk_bytes`` (32 x 16 MiB = 512 MiB by default). :func:`fetch_chunks` writes each
 chunk to a file in the spool and holds at most ``concurrency`` chunks in memory.
 """
 
