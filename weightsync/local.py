@@ -219,6 +219,28 @@ def check_checksum(what: str, expected: str, data: bytes | np.ndarray) -> None:
         raise ChecksumError(what, expected, actual)
 
 
+def clone(src: Path, dst: Path) -> None:
+    """Make ``dst`` hold the version ``src`` holds, by hard links where possible.
+
+    Safe because weightsync never writes into an installed file: an update renames new files over
+    old names, so two folders sharing inodes never see each other change. ``dst`` is emptied
+    first and gets its state last, so a kill leaves it without state (a folder to clear), never
+    claiming a version it does not hold.
+    """
+    state = read_state(src)
+    if state is None:
+        raise UsageError(f"{src} holds no weightsync version to clone")
+    shutil.rmtree(dst, ignore_errors=True)
+    dst.mkdir(parents=True)
+    for rel in state.files:
+        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(src / rel, dst / rel)
+        except OSError:
+            shutil.copy2(src / rel, dst / rel)  # keeps the mtime that state.json records
+    write_json_atomic(state_dir(dst) / "state.json", {"version": state.version, "store": state.store, "files": state.files})
+
+
 def adopt(folder: Path, manifest: Manifest, source: Path, store_url: str) -> None:
     """Make ``folder`` hold ``manifest``'s version by linking (or copying) the files of ``source``,
     a directory that was just published as that version. Later reads still verify every segment."""

@@ -34,7 +34,7 @@ from .errors import ChecksumError, UsageError, VersionError, WeightsyncError
 from .hooks import HookRunner
 from .integrity import verify_folder
 from .ledger import FleetRecord, superseded_at, write_record
-from .local import STATE_DIR, read_state
+from .local import STATE_DIR, clone, read_state
 from .metrics import Metrics
 from .partial import STATE as PARTIAL_STATE
 from .partial import Selection, materialize, read_partial_state
@@ -335,6 +335,7 @@ class Subscriber:
             raw = sum(f["size"] for f in read_partial_state(folder).files.values())
             fetch_s, build_s = r.seconds.get("fetch", 0.0), r.seconds.get("build", 0.0)
         else:
+            self._seed_from_current(folder, version)
             cfg = PullConfig(fetch_concurrency=self.cfg.fetch_concurrency, decode_threads=self.cfg.decode_threads, fsync=self.cfg.fsync)
             r = pull(self.repo, folder, version, cfg, progress=self.stop_token.check, on_bytes=self.stop_token.check)
             raw = self.repo.manifest(version).raw_bytes
@@ -342,6 +343,19 @@ class Subscriber:
             if self.cfg.verify_before_swap:
                 verify_folder(folder, self.repo.manifest(version))
         return SyncResult(r.version, r.from_version, r.fetched_bytes, raw, fetch_s, build_s)
+
+    def _seed_from_current(self, folder: Path, version: int) -> None:
+        """Moving forward, start the standby from the current version (hard links, no download):
+        one delta to apply instead of two, and no full download after a fresh start."""
+        cur = self.slots.current()
+        current = None if cur is None else slot_version(self.slots.path(cur), False)
+        if current is None or version <= current or slot_version(folder, False) == current:
+            if slot_version(folder, False) is None and any(folder.iterdir()):
+                shutil.rmtree(folder)  # a clone interrupted by a kill: never served, start afresh
+                folder.mkdir(parents=True)
+            return
+        event(log, "seeding the standby slot from the current version", folder=folder, version=current)
+        clone(self.slots.path(cur), folder)
 
     def _clear_other_mode(self, folder: Path) -> None:
         partial_state = (folder / STATE_DIR / PARTIAL_STATE).exists()

@@ -294,6 +294,22 @@ def test_two_subscribers_converge_pin_roll_back_and_forward_hooks_fleet_sigterm(
         hook.close()
 
 
+def test_standby_is_seeded_from_current_so_each_sync_fetches_one_delta(tmp_path, daemons):
+    """After a fresh start the standby slot is empty: it is filled from the current slot by hard
+    links, so the next version costs one delta, not a full download (nor two deltas later)."""
+    store = f"file://{tmp_path / 'store'}"
+    traj = make_trajectory(tmp_path / "traj", steps=3, hidden=64, layers=1, experts=2, vocab=512)
+    weightsync.publish(traj[0], store, 0)
+    sub = daemons("subscriber", ["--store", store, "--target", tmp_path / "t", "--no-fsync"])
+    full = sub.wait_version(0)["last_sync"]["fetched_bytes"]
+    for v in (1, 2, 3):
+        weightsync.publish(traj[v], store, v, base_dir=traj[v - 1])
+        last = sub.wait_version(v)["last_sync"]
+        delta = weightsync.open_repo(store).manifest(v).payload_bytes
+        assert last["from_version"] == v - 1 and last["fetched_bytes"] <= 2 * delta < full / 4, (last, delta, full)
+        verify_current(store, tmp_path / "t", v, traj[v])
+
+
 def test_sigterm_mid_sync_leaves_current_intact_and_restart_resumes(tmp_path, daemons):
     """SIGTERM right after a new target is set (so mostly during the ~1 MB sync it starts): exit 0,
     ``current`` always a whole verified version, and a restart converges."""
