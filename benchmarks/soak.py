@@ -25,6 +25,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -93,14 +94,6 @@ class SoakResult:
 
 
 # --- small process and HTTP helpers -------------------------------------------------------------------------
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
@@ -126,10 +119,9 @@ def _rss_mib(pid: int) -> float | None:
 class _Daemon:
     def __init__(self, name: str, role: str, args: list, work: Path, env: dict):
         self.name, self.role = name, role
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = ""  # port 0: the daemon logs the port it got
         self.log_path = work / f"{name}.log"
-        argv = [sys.executable, "-m", "weightsync.cli", role, *map(str, args), "--listen", f"127.0.0.1:{self.port}"]
+        argv = [sys.executable, "-m", "weightsync.cli", role, *map(str, args), "--listen", "127.0.0.1:0"]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         self.rss: list[tuple[float, float]] = []
@@ -139,8 +131,10 @@ class _Daemon:
         while time.monotonic() < end:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited {self.proc.returncode}:\n{self.log()}")
+            if not self.url and (m := re.search(r"listening url=(http://127\.0\.0\.1:\d+)", self.log())):
+                self.url = m.group(1)
             try:
-                if _get(self.url + "/healthz", 1)[0] == 200:
+                if self.url and _get(self.url + "/healthz", 1)[0] == 200:
                     return
             except OSError:
                 pass
@@ -349,9 +343,21 @@ def run_soak(cfg: SoakConfig, work: Path, server, bucket: str, prefix: str = "so
         q = max(1, len(values) // 4)
         if values:
             res.rss_mib[d.name] = {"first_quarter": round(sum(values[:q]) / q, 1), "last_quarter": round(sum(values[-q:]) / q, 1),
-                                   "max": round(max(values), 1), "samples": len(values)}
+                                   "max": round(max(values), 1), "samples": len(values),
+                                   "mib_per_100_versions": round(_slope([(t, r) for t, r in d.rss if t >= res.warm_seconds])
+                                                                 * 100 * res.seconds / max(1, res.published), 2)}
     res.wrong_examples = res.wrong_examples[:10]
     return res
+
+
+def _slope(points: list[tuple[float, float]]) -> float:
+    """Least-squares slope of y over x (0 for fewer than two points)."""
+    if len(points) < 2:
+        return 0.0
+    mx = sum(x for x, _ in points) / len(points)
+    my = sum(y for _, y in points) / len(points)
+    var = sum((x - mx) ** 2 for x, _ in points)
+    return 0.0 if var == 0 else sum((x - mx) * (y - my) for x, y in points) / var
 
 
 def report(res: SoakResult) -> str:
@@ -372,7 +378,8 @@ def report(res: SoakResult) -> str:
         f"  RSS MiB after the warm-up ({res.warm_seconds:.0f} s), first quarter -> last quarter (max):",
     ]
     for name, r in res.rss_mib.items():
-        lines.append(f"    {name:<14} {r['first_quarter']:7.1f} -> {r['last_quarter']:7.1f}  (max {r['max']:.1f}, {r['samples']} samples)")
+        lines.append(f"    {name:<14} {r['first_quarter']:7.1f} -> {r['last_quarter']:7.1f}  (max {r['max']:.1f}, "
+                     f"{r['mib_per_100_versions']:+.2f} MiB per 100 versions, {r['samples']} samples)")
     lines.append(f"  exit codes                  {res.exit_codes}")
     for e in res.errors:
         lines.append(f"  ERROR: {e}")

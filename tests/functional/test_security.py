@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import re
 import signal
 import socket
 import subprocess
@@ -24,7 +25,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from test_daemons import Daemon, free_port, http, wait_for
+from test_daemons import Daemon, http, wait_for
 
 import weightsync
 import weightsync.api
@@ -126,16 +127,18 @@ def test_the_token_is_compared_in_constant_time():
 def test_http_listens_on_loopback_by_default(tmp_path):
     assert ApiConfig().host == "127.0.0.1"
     assert parse_listen("8471") == ("127.0.0.1", 8471)
-    port = free_port()
     store = tmp_path / "store"
     weightsync.publish(make_trajectory(tmp_path / "traj", steps=0, **TINY)[0], store)
     log = open(tmp_path / "sub.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "weightsync.cli", "subscriber", "--store", str(store), "--target",
-                             str(tmp_path / "sub"), "--no-fsync", "--listen", str(port)], stdout=log, stderr=subprocess.STDOUT)
+                             str(tmp_path / "sub"), "--no-fsync", "--listen", "0"], stdout=log, stderr=subprocess.STDOUT)
     log.close()
-    try:
-        wait_for(lambda: proc.poll() is None and http("GET", f"http://127.0.0.1:{port}/healthz", timeout=1)[0] == 200, 20,
-                 "the subscriber")
+    try:  # "--listen 0": a port only, so the default host; the daemon logs where it listens
+        bound = wait_for(lambda: proc.poll() is None and re.search(r"listening url=http://([0-9.]+):(\d+)",
+                                                                   (tmp_path / "sub.log").read_text()), 20, "the subscriber")
+        assert bound.group(1) == "127.0.0.1"
+        port = int(bound.group(2))
+        assert http("GET", f"http://127.0.0.1:{port}/healthz", timeout=5)[0] == 200
         with socket.socket() as s:  # another loopback address: nothing listens there
             s.settimeout(2)
             assert s.connect_ex(("127.0.0.2", port)) != 0

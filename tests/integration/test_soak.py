@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -25,12 +24,11 @@ _spec.loader.exec_module(soak)
 pytestmark = pytest.mark.integration
 
 
-def test_short_soak_with_random_faults(s3_env, tmp_path):
-    from conftest import TEST_BUCKET
-
+def test_short_soak_with_random_faults(s3_env, s3_url, tmp_path):
+    bucket, prefix = s3_url.removeprefix("s3://").split("/", 1)
     cfg = soak.SoakConfig(versions=15, subscribers=3, fault_rate=0.04, interval=0.3, deadline=90, store_restarts=0,
                           sample_every=0.25, seed=3)
-    res = soak.run_soak(cfg, tmp_path / "soak", s3_env, TEST_BUCKET, prefix=f"soak-{time.time_ns()}", log=lambda *_: None)
+    res = soak.run_soak(cfg, tmp_path / "soak", s3_env, bucket, prefix=prefix, log=lambda *_: None)
     text = soak.report(res)
     print(text)
     assert res.ok, text
