@@ -17,6 +17,7 @@ from pathlib import Path
 
 import xxhash
 
+from .codec import CodecConfig
 from .errors import UsageError
 from .publishing import PublishConfig
 from .store.retry import RetryPolicy
@@ -156,7 +157,7 @@ class SubscriberConfig:
     store: StoreConfig
     target_dir: Path
     identity: Identity
-    poll_interval: float = 5.0
+    poll_interval: float = 2.0
     pin: int | None = None  # start pinned to this version; None follows the head
     include: tuple[str, ...] = ()  # glob patterns over tensor names: partial fetch when set
     exclude: tuple[str, ...] = ()
@@ -223,7 +224,9 @@ def add_publisher_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--publish-root", action="append", default=[], help="extra folder POST /v1/publish may read (repeatable)")
     p.add_argument("--keyframe-interval", type=int, default=20, help="a full snapshot every K versions (default 20)")
     p.add_argument("--chunk-mib", type=int, default=16, help="chunk size in MiB (default 16)")
-    p.add_argument("--concurrency", type=int, default=16, help="chunks in flight (default 16)")
+    p.add_argument("--concurrency", type=int, default=32, help="chunks in flight (default 32)")
+    p.add_argument("--fast-codec", action="store_true",
+                   help="code deltas with 'sparse' (about 5x faster, ~1.5x larger) instead of the arithmetic coder")
 
 
 def add_subscriber_args(p: argparse.ArgumentParser) -> None:
@@ -291,6 +294,7 @@ def publisher_config(args, environ: Mapping[str, str] = os.environ) -> Publisher
         publish=PublishConfig(
             chunk_bytes=args.chunk_mib << 20, keyframe_interval=args.keyframe_interval,
             upload_concurrency=args.concurrency, ignore=(args.marker,),
+            codec=CodecConfig(entropy_coder=not args.fast_codec),
         ),
         publish_roots=tuple(Path(p).absolute() for p in args.publish_root),
         api=_api(args, environ),
@@ -317,7 +321,7 @@ def subscriber_config(args, environ: Mapping[str, str] = os.environ) -> Subscrib
         store=_store(args),
         target_dir=target,
         identity=Identity(args.id or default_id(target), args.region, args.cluster),
-        poll_interval=args.poll_interval or 5.0,
+        poll_interval=args.poll_interval or 2.0,
         pin=args.pin,
         include=tuple(args.include),
         exclude=tuple(args.exclude),

@@ -13,7 +13,7 @@ An empty destination gets the store marker first. A destination that holds other
 head is ahead of the source's, or whose manifest of a version differs from the source's is
 refused: it is not a mirror of this source.
 
-Memory: at most ``concurrency`` chunks in flight (16 x 16 MiB = 256 MiB by default) plus the
+Memory: at most ``concurrency`` chunks in flight (32 x 16 MiB = 512 MiB by default) plus the
 manifest being copied.
 """
 
@@ -47,7 +47,7 @@ class MirrorConfig:
     """``concurrency``: chunks copied at once (memory: ``concurrency`` x chunk size).
     ``interval``: seconds between polls of the source head when following."""
 
-    concurrency: int = 16
+    concurrency: int = 32
     interval: float = 5.0
 
     def __post_init__(self) -> None:
