@@ -96,7 +96,7 @@ def run(path: str, codec: CodecConfig, sd0: dict[str, torch.Tensor], steps: int,
             rows.append({"path": path, "codec": "ac" if codec.entropy_coder else "sparse", "version": r.version,
                          "d2h_bytes": getattr(r, "d2h_bytes", tensor_bytes), "tensor_bytes": tensor_bytes,
                          "device_s": device_s, "host_s": wall - device_s, "payload_bytes": r.payload_bytes,
-                         "changed": r.changed, "elements": r.elements, "route": getattr(r, "path", "host"),
+                         "changed": r.changed, "elements": r.elements, "route": getattr(r, "route", "host"),
                          "seconds": r.seconds})
     shutil.rmtree(store, ignore_errors=True)
     return rows

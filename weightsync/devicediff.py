@@ -516,7 +516,7 @@ def publish_changes(
 class DevicePublishResult(PublishResult):
     d2h_bytes: int = 0  # bytes copied from the tensors' devices to the host for this version
     tensor_bytes: int = 0  # bytes of the state dict's tensors (what a full copy moves)
-    path: str = ""  # "direct" (payloads from the device's changes), "folder" (host re-diff) or "full" (no usable base)
+    route: str = ""  # "direct" (payloads from the device's changes), "folder" (host re-diff) or "full" (no usable base)
 
 
 class DeviceDiffPublisher:
@@ -564,7 +564,7 @@ class DeviceDiffPublisher:
             mf, deltas = self.mirror.write(diff, metadata, in_place)
             patch_s = time.perf_counter() - t0
             try:
-                r, path = self._publish(mf, deltas, version, based)
+                r, route = self._publish(mf, deltas, version, based)
             except BaseException:
                 self.mirror.discard(mf)
                 raise
@@ -573,7 +573,7 @@ class DeviceDiffPublisher:
             raise
         self.mirror.advance(mf, r.version)
         r.seconds.update(diff.seconds, mirror=patch_s, **({"verify_base": verify_s} if in_place else {}))
-        return DevicePublishResult(**asdict(r), d2h_bytes=diff.d2h_bytes, tensor_bytes=diff.tensor_bytes, path=path)
+        return DevicePublishResult(**asdict(r), d2h_bytes=diff.d2h_bytes, tensor_bytes=diff.tensor_bytes, route=route)
 
     def _publish(self, mf: MirrorFile, deltas: Deltas, version: int | None, based: bool) -> tuple[PublishResult, str]:
         import weightsync

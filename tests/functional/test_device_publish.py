@@ -90,7 +90,7 @@ def test_device_path_is_bit_exact_and_matches_the_host_path(tmp_path, monkeypatc
     built = []  # sparse payloads built from the device's changes, without a host diff
     real = devicediff.encode_sparse_from_changes
     monkeypatch.setattr(devicediff, "encode_sparse_from_changes", lambda *a: built.append(a[0]) or real(*a))
-    trainer, prev, paths = Trainer(), None, []
+    trainer, prev, routes = Trainer(), None, []
     with DeviceDiffPublisher(tmp_path / "dev", config=cfg, work_dir=tmp_path / "w") as dev, \
             StateDictPublisher(tmp_path / "host", config=cfg, work_dir=tmp_path / "w") as host:
         for step in range(7):
@@ -106,10 +106,10 @@ def test_device_path_is_bit_exact_and_matches_the_host_path(tmp_path, monkeypatc
             weightsync.pull(tmp_path / "dev", out, step)
             assert (out / "model.safetensors").read_bytes() == ref
             prev = {k: v.clone() for k, v in sd.items()}
-            paths.append(r.path)
+            routes.append(r.route)
             if step in (1, 2, 5, 6):
                 assert r.d2h_bytes < r.tensor_bytes / 4
-    assert paths == ["full"] + ["direct"] * 6
+    assert routes == ["full"] + ["direct"] * 6
     assert ("BF16" in built) == (not entropy_coder)
     assert len(list((tmp_path / "w").glob("weightsync-dd-*/*"))) == 0  # closed
 
@@ -127,7 +127,7 @@ def test_folder_mode_and_cache_dir_give_the_same_versions(tmp_path):
             ra = a.publish(t1.state(step), metadata=t1.metadata)
             rb = b.publish(t2.state(step), metadata=t2.metadata)
             rc = c.publish(t3.state(step), metadata=t3.metadata)
-            assert (ra.path, rb.path, rc.path) == (("full",) * 3 if step == 0 else ("direct", "folder", "direct"))
+            assert (ra.route, rb.route, rc.route) == (("full",) * 3 if step == 0 else ("direct", "folder", "direct"))
             same_manifests(a.repo, b.repo, step)
             same_manifests(a.repo, c.repo, step)
     weightsync.verify(tmp_path / "c", tmp_path / "cache", 4)
@@ -156,10 +156,10 @@ def test_a_failed_publish_leaves_everything_consistent(tmp_path):
         assert calls and weightsync.versions(store)[-1].version == 5
         pub.repo.put_chunk = put
         r = pub.publish(sd)
-        assert r.version == 6 and r.path == "direct" and r.d2h_bytes == r.tensor_bytes  # started over
+        assert r.version == 6 and r.route == "direct" and r.d2h_bytes == r.tensor_bytes  # started over
         sd = trainer.state(3)
         r = pub.publish(sd)
-        assert r.path == "direct" and r.d2h_bytes < r.tensor_bytes / 4
+        assert r.route == "direct" and r.d2h_bytes < r.tensor_bytes / 4
         weightsync.pull(store, tmp_path / "out", 7)
         assert (tmp_path / "out/model.safetensors").read_bytes() == dump(sd, tmp_path / "ref")
 
@@ -172,7 +172,7 @@ def test_head_moved_by_someone_else_or_mirror_tampered_with(tmp_path):
         publish_state_dict(other.state(1), store, work_dir=tmp_path / "w")  # version 1, not ours
         sd = trainer.state(1)
         r = pub.publish(sd)
-        assert (r.version, r.path, r.d2h_bytes) == (2, "full", r.tensor_bytes)
+        assert (r.version, r.route, r.d2h_bytes) == (2, "full", r.tensor_bytes)
         mirror = pub.mirror.current.folder / "model.safetensors"
         with open(mirror, "r+b") as f:  # flip a byte of the host mirror
             f.seek(-1, 2)
@@ -181,10 +181,10 @@ def test_head_moved_by_someone_else_or_mirror_tampered_with(tmp_path):
             f.write(bytes([last[0] ^ 1]))
         sd = trainer.state(2)
         r = pub.publish(sd)
-        assert (r.version, r.path, r.d2h_bytes) == (3, "full", r.tensor_bytes)
+        assert (r.version, r.route, r.d2h_bytes) == (3, "full", r.tensor_bytes)
         weightsync.pull(store, tmp_path / "out", 3)
         assert (tmp_path / "out/model.safetensors").read_bytes() == dump(sd, tmp_path / "ref")
-        assert pub.publish(trainer.state(3)).path == "direct"
+        assert pub.publish(trainer.state(3)).route == "direct"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
