@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import weightsync
-from weightsync import devicediff
+from weightsync import hostmirror
 from weightsync.codec import CodecConfig
 from weightsync.devicediff import DeviceDiffPublisher
 from weightsync.errors import StoreError, VersionError
@@ -88,8 +88,8 @@ def same_manifests(a, b, version: int) -> None:
 def test_device_path_is_bit_exact_and_matches_the_host_path(tmp_path, monkeypatch, entropy_coder):
     cfg = PublishConfig(codec=CodecConfig(entropy_coder=entropy_coder), keyframe_interval=3)
     built = []  # sparse payloads built from the device's changes, without a host diff
-    real = devicediff.encode_sparse_from_changes
-    monkeypatch.setattr(devicediff, "encode_sparse_from_changes", lambda *a: built.append(a[0]) or real(*a))
+    real = hostmirror.encode_sparse_from_changes
+    monkeypatch.setattr(hostmirror, "encode_sparse_from_changes", lambda *a: built.append(a[0]) or real(*a))
     trainer, prev, routes = Trainer(), None, []
     with DeviceDiffPublisher(tmp_path / "dev", config=cfg, work_dir=tmp_path / "w") as dev, \
             StateDictPublisher(tmp_path / "host", config=cfg, work_dir=tmp_path / "w") as host:

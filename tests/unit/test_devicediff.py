@@ -19,15 +19,8 @@ from weightsync.codec import (
     encode_sparse_from_changes,
     encode_tensor,
 )
-from weightsync.devicediff import (
-    ST_DTYPE,
-    TORCH_DTYPE,
-    DeviceDiff,
-    DeviceSnapshot,
-    HostMirror,
-    TensorChange,
-    clone_file,
-)
+from weightsync.devicediff import DeviceSnapshot
+from weightsync.hostmirror import ST_DTYPE, TORCH_DTYPE, DeviceDiff, HostMirror, TensorChange, clone_file
 from weightsync.dtypes import ITEMSIZE, UINT_VIEW
 from weightsync.errors import UsageError
 from weightsync.publisher import save_state_dict
