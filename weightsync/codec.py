@@ -220,15 +220,11 @@ def _encode_payload(codec: str, dtype: str, old: np.ndarray | None, new: np.ndar
 def _assemble(head: bytes, blocks: list[bytes]) -> bytearray:
     """Header, block lengths and blocks in one buffer, releasing each block once copied (a full
     payload of a huge tensor is never held twice)."""
-    lengths = np.array([len(b) for b in blocks], dtype="<u8").tobytes()
-    out = bytearray(len(head) + len(lengths) + sum(len(b) for b in blocks))
-    out[: len(head)] = head
-    pos = len(head) + len(lengths)
-    out[len(head) : pos] = lengths
+    out = bytearray(head)
+    out += np.array([len(b) for b in blocks], dtype="<u8").tobytes()
     for i, b in enumerate(blocks):
-        out[pos : pos + len(b)] = b
-        pos += len(b)
-        blocks[i] = b""
+        out += b  # grows in place (no zero-filled buffer touched up front)
+        blocks[i] = b = b""
     return out
 
 
