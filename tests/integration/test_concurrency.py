@@ -123,3 +123,37 @@ def test_two_publishers_gc_and_twenty_subscribers_on_one_store(backend, request,
         swaps = logged(sub.log(), "swapped to version")
         assert swaps == sorted(set(swaps)) and swaps[-1] == head, f"{sub.log_path.name} went backwards or twice: {swaps}"
     assert sum(r.deleted_versions.__len__() for r in gc_runs) > 0, "gc never collected anything"
+
+
+def test_a_subscriber_left_behind_by_gc_catches_up(tmp_path):
+    """A subscriber follows versions 0..5 (keyframes every 3), is pinned back to 1 and then 0, and
+    stays there while 6 and 7 are published and gc keeps only 6 and 7. Following the head again, it
+    must build 7 from what the store still holds, not from the manifests it read before gc deleted
+    them (their chunks are gone)."""
+    store = tmp_path / "store"
+    traj = [SyntheticTrainer(seed=0, **TINY)]
+    trainer, ckpts = traj[0], []
+    for i in range(8):
+        if i:
+            trainer.step()
+        ckpts.append(trainer.save(tmp_path / "ckpt" / f"step_{i}"))
+    cfg = weightsync.PublishConfig(keyframe_interval=3)
+    sub = Daemon("subscriber", ["--store", store, "--target", tmp_path / "sub", "--no-fsync"], tmp_path)
+    for i in range(6):
+        weightsync.publish(ckpts[i], store, config=cfg)
+        if i == 0:
+            sub.start()
+        sub.wait_version(i)
+    try:
+        for pin in (1, 0):  # current 0, standby 1: both older than anything gc keeps
+            sub.put_target(pin)
+            sub.wait_version(pin)
+        for i in (6, 7):
+            weightsync.publish(ckpts[i], store, config=cfg)
+        result = gc(weightsync.open_repo(store), GcConfig(keep=2, grace_seconds=0))
+        assert result.deleted_versions == [0, 1, 2, 3, 4, 5]
+        sub.put_target("latest")
+        sub.wait_version(7, timeout=20)
+        assert content(tmp_path / "sub" / "current") == content(ckpts[7])
+    finally:
+        assert sub.stop() == 0
