@@ -131,8 +131,7 @@ def test_a_subscriber_left_behind_by_gc_catches_up(tmp_path):
     must build 7 from what the store still holds, not from the manifests it read before gc deleted
     them (their chunks are gone)."""
     store = tmp_path / "store"
-    traj = [SyntheticTrainer(seed=0, **TINY)]
-    trainer, ckpts = traj[0], []
+    trainer, ckpts = SyntheticTrainer(seed=0, **TINY), []
     for i in range(8):
         if i:
             trainer.step()
