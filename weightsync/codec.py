@@ -307,8 +307,15 @@ def decode_tensor(
     width = itemsize(dtype)
     if nbytes % width:
         raise FormatError(f"{what}: {nbytes} bytes is not a whole number of {dtype} elements")
+    if codec not in ("same",) and len(payload) >= _HEADER.size:
+        _, _, pw, _, pn, _, _ = _HEADER.unpack_from(payload)
+        if pw * pn != nbytes:
+            raise FormatError(f"{what}: payload declares {pn} x {pw}-byte elements, expected {nbytes} bytes")
     if out is None:
-        out = np.empty(nbytes, dtype=np.uint8)
+        try:
+            out = np.empty(nbytes, dtype=np.uint8)
+        except MemoryError:
+            raise FormatError(f"{what}: declared size of {nbytes} bytes cannot be allocated") from None
     if out.size != nbytes:
         raise UsageError(f"{what}: output buffer has {out.size} bytes, need {nbytes}")
     out_e = out.view(UINT_VIEW[width])

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import math
 import re
+
+import xxhash
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -155,7 +157,19 @@ def manifest_to_json(m: Manifest) -> bytes:
             for p in (s["payload"], (s["delta"] or {}).get("payload")):
                 if p is not None:
                     p["parts"] = [[x["chunk"], x["offset"], x["length"]] for x in p["parts"]]
+    doc["checksum"] = _canonical_xxh3(doc)
     return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+
+
+def manifest_checksum(doc: dict) -> str:
+    """The ``checksum`` a manifest document must carry (tools that write manifests by hand use it)."""
+    return _canonical_xxh3(doc)
+
+
+def _canonical_xxh3(doc: dict) -> str:
+    """XXH3-128 of the document without its ``checksum`` field, serialized canonically."""
+    body = {k: v for k, v in doc.items() if k != "checksum"}
+    return xxhash.xxh3_128_hexdigest(json.dumps(body, separators=(",", ":"), sort_keys=True).encode())
 
 
 def _load_json(data: bytes, what: str) -> dict:
@@ -243,7 +257,10 @@ def _delta(doc: Any, chunks: tuple[ChunkRef, ...], what: str) -> Delta:
 def _file(doc: Any, chunks: tuple[ChunkRef, ...], what: str) -> FileEntry:
     if not isinstance(doc, dict):
         raise FormatError(f"{what}: file entry must be an object")
-    path = check_path(_get(doc, "path", str, what))
+    try:
+        path = check_path(_get(doc, "path", str, what))
+    except FormatError as exc:
+        raise FormatError(f"{what}: {exc}") from None
     what = f"{what} {path}"
     kind, size = _get(doc, "kind", str, what), _int(doc, "size", what)
     segs = tuple(_segment(s, chunks, f"{what} segment {i}") for i, s in enumerate(_get(doc, "segments", list, what)))
@@ -263,6 +280,8 @@ def manifest_from_json(data: bytes, what: str = "manifest") -> Manifest:
     doc = _load_json(data, what)
     if doc.get("format") != "weightsync.manifest" or doc.get("format_version") != FORMAT_VERSION:
         raise FormatError(f"{what}: not a weightsync manifest of format version {FORMAT_VERSION}")
+    if doc.get("checksum") != _canonical_xxh3(doc):
+        raise FormatError(f"{what}: manifest checksum mismatch (damaged in storage or in transit)")
     version = _int(doc, "version", what, 0, MAX_VERSION)
     parent = doc.get("parent")
     if parent is not None and (type(parent) is not int or not 0 <= parent < version):

@@ -88,7 +88,8 @@ class HookRunner:
     async def _command(self, version: int, path: str, current: str) -> None:
         argv = [render(a, version, path, current, json_strings=False) for a in self.cfg.command]
         env = dict(os.environ, WEIGHTSYNC_VERSION=str(version), WEIGHTSYNC_PATH=path, WEIGHTSYNC_CURRENT=current)
-        env.pop("WEIGHTSYNC_API_TOKEN", None)  # the hook does not need the daemon's secret
+        for secret in ("WEIGHTSYNC_API_TOKEN", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
+            env.pop(secret, None)  # the hook does not need the daemon's secrets
         proc = await asyncio.create_subprocess_exec(*argv, env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
         try:
             _, err = await proc.communicate()

@@ -124,6 +124,8 @@ def prepare_target(folder: Path) -> LocalState | None:
     """Create the folder if needed, recover, and refuse a folder holding anything weightsync does not own."""
     if folder.exists() and not folder.is_dir():
         raise UsageError(f"{folder} exists and is not a directory")
+    if state_dir(folder).is_symlink() or (state_dir(folder).exists() and not state_dir(folder).is_dir()):
+        raise UsageError(f"{state_dir(folder)} is not a directory of weightsync's own (a link?); refusing to write through it")
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

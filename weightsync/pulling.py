@@ -18,8 +18,8 @@ import numpy as np
 import xxhash
 
 from .codec import decode_tensor
-from .errors import BaseMismatchError, ChecksumError, UsageError, VersionError
-from .format import Manifest, chunk_key
+from .errors import BaseMismatchError, ChecksumError, NotFoundError, UsageError, VersionError
+from .format import Manifest, chunk_key, version_key
 from .local import LocalVersion, check_checksum, install, prepare_target, staging_dir, state_dir, unchanged_files
 from .pipeline import ordered_map
 from .planner import FilePlan, Plan, Recipe, plan_pull
@@ -80,7 +80,11 @@ class _Builder:
             path = self.chunks[rng.chunk.id]
             fd = self._fds.get(rng.chunk.id)
             if fd is None:
-                fd = self._fds.setdefault(rng.chunk.id, os.open(path, os.O_RDONLY))
+                try:
+                    fd = self._fds.setdefault(rng.chunk.id, os.open(path, os.O_RDONLY))
+                except FileNotFoundError:
+                    key = chunk_key(rng.chunk.id)
+                    raise NotFoundError(f"{self.url}: missing chunk {key} (collected while pulling?)", key=key) from None
             buf += os.pread(fd, rng.length, rng.offset)
         keys = ", ".join(sorted({chunk_key(r.chunk.id) for r in step.ranges}))
         check_checksum(f"payload of version {step.version} in {self.url}/{keys}", step.xxh3, buf)
@@ -170,6 +174,12 @@ def pull(
     except BaseMismatchError:
         # the folder was modified behind our back: rebuild from the keyframe without local bytes
         return _pull_plan(repo, out, plan_pull(repo.chain(target_version), None, set()), state, config, progress, on_bytes, t0)
+    except NotFoundError:
+        if all(repo.store.head(version_key(m.version)) is not None for m in chain):
+            raise  # the store lost an object of a live version: report it, do not route around it
+        # versions between the local one and the target's keyframe were collected while we
+        # planned: the target's own chain (which gc keeps) still serves
+        return _pull_plan(repo, out, plan_pull(repo.chain(target_version), local, keep), state, config, progress, on_bytes, t0)
 
 
 def _pull_plan(repo, out: Path, plan: Plan, state, cfg: PullConfig, progress, on_bytes, t0: float) -> PullResult:

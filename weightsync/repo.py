@@ -130,9 +130,11 @@ class Repo:
         if back_to is not None and back_to < out[-1].version:
             try:
                 while out[-1].parent is not None and out[-1].parent >= back_to and len(out) < to_keyframe + limit:
+                    if self.store.head(version_key(out[-1].parent)) is None:
+                        break  # collected by gc (the manifest cache cannot tell): no path from there
                     out.append(self.manifest(out[-1].parent))
             except VersionError:
-                pass  # collected by gc: no path from the local version
+                pass
             if out[-1].version != back_to:
                 del out[to_keyframe:]
         return out[::-1]

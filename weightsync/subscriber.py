@@ -252,6 +252,8 @@ class Subscriber:
 
     def _startup(self) -> None:
         self.cfg.target_dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.cfg.target_dir.glob(".current-*"):  # a flip killed before its rename
+            stale.unlink(missing_ok=True)
         for name in Slots.NAMES:
             self.slots.path(name).mkdir(parents=True, exist_ok=True)
         cur = self.slots.current()
@@ -350,9 +352,10 @@ class Subscriber:
         cur = self.slots.current()
         current = None if cur is None else slot_version(self.slots.path(cur), False)
         if current is None or version <= current or slot_version(folder, False) == current:
-            if slot_version(folder, False) is None and any(folder.iterdir()):
-                shutil.rmtree(folder)  # a clone interrupted by a kill: never served, start afresh
-                folder.mkdir(parents=True)
+            if slot_version(folder, False) is None:  # a clone interrupted by a kill: never served
+                for entry in folder.iterdir():  # ... but keep .weightsync (its spool of verified chunks)
+                    if entry.name != STATE_DIR:
+                        shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
             return
         event(log, "seeding the standby slot from the current version", folder=folder, version=current)
         clone(self.slots.path(cur), folder)

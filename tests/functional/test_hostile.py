@@ -30,7 +30,7 @@ import weightsync
 from weightsync.checkpoint import scan_checkpoint
 from weightsync.codec import MAGIC
 from weightsync.errors import ChecksumError, FormatError, NotFoundError, UsageError, VersionError, WeightsyncError
-from weightsync.format import chunk_key, version_key
+from weightsync.format import chunk_key, manifest_checksum, version_key
 from weightsync.partial import Selection, materialize
 from weightsync.planner import plan_pull
 from weightsync.pulling import PullConfig
@@ -63,14 +63,17 @@ def manifest(world, v: int) -> dict:
     return json.loads(world.objects[version_key(v)])
 
 
-def write_manifest(world, v: int, doc: dict) -> None:
+def write_manifest(world, v: int, doc: dict, seal: bool = True) -> None:
+    """Store a hand-made manifest; ``seal`` gives it a valid checksum, as a hostile writer would."""
+    if seal and isinstance(doc, dict):
+        doc = {**doc, "checksum": manifest_checksum(doc)}
     (world.store / version_key(v)).write_bytes(json.dumps(doc).encode())
 
 
-def edit_manifest(world, v: int, fn) -> None:
+def edit_manifest(world, v: int, fn, seal: bool = True) -> None:
     doc = manifest(world, v)
     fn(doc)
-    write_manifest(world, v, doc)
+    write_manifest(world, v, doc, seal)
 
 
 def put_object(world, key: str, data: bytes) -> None:
@@ -177,9 +180,9 @@ def test_damaged_store_objects_are_detected_named_and_never_served(case, increme
 
 @pytest.mark.parametrize("how", ["a file path altered", "a file dropped"])
 def test_a_damaged_manifest_that_still_parses_is_detected(how, damaged):
-    """One changed byte in a path, or one file entry gone, leaves a valid manifest of another folder.
-    Nothing in the store lets a reader tell it from the publisher's, so the damage is served.
-    (Version 4 is a keyframe: every file is rebuilt from its own payloads.)"""
+    """One changed byte in a path, or one file entry gone, leaves a manifest that still parses as
+    another folder's; the manifest's own checksum catches it. (Version 4 is a keyframe: every file
+    is rebuilt from its own payloads.)"""
     world = damaged
 
     def edit(doc):
@@ -189,7 +192,7 @@ def test_a_damaged_manifest_that_still_parses_is_detected(how, damaged):
         else:
             doc["files"] = [f for f in doc["files"] if f["path"] != "config.json"]
 
-    edit_manifest(world, 4, edit)
+    edit_manifest(world, 4, edit, seal=False)  # damage, not a forger: the checksum is stale
     out = world.root / "out-parses"
     shutil.rmtree(out, ignore_errors=True)
     try:
