@@ -12,12 +12,15 @@ import asyncio
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from .config import HookConfig
 from .daemon import event
+
+_SECRETISH = re.compile(r"SECRET|TOKEN|PASSWORD|CREDENTIAL|^AWS_", re.IGNORECASE)
 
 log = logging.getLogger("weightsync.hooks")
 
@@ -87,9 +90,9 @@ class HookRunner:
 
     async def _command(self, version: int, path: str, current: str) -> None:
         argv = [render(a, version, path, current, json_strings=False) for a in self.cfg.command]
-        env = dict(os.environ, WEIGHTSYNC_VERSION=str(version), WEIGHTSYNC_PATH=path, WEIGHTSYNC_CURRENT=current)
-        for secret in ("WEIGHTSYNC_API_TOKEN", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
-            env.pop(secret, None)  # the hook does not need the daemon's secrets
+        # the hook gets the environment minus anything that looks like a secret (API token, cloud keys)
+        env = {k: v for k, v in os.environ.items() if not _SECRETISH.search(k)}
+        env.update(WEIGHTSYNC_VERSION=str(version), WEIGHTSYNC_PATH=path, WEIGHTSYNC_CURRENT=current)
         proc = await asyncio.create_subprocess_exec(*argv, env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
         try:
             _, err = await proc.communicate()
