@@ -139,6 +139,7 @@ class HookConfig:
     attempts: int = 5
     backoff: Backoff = field(default_factory=lambda: Backoff(0.5, 10.0))
     timeout: float = 30.0
+    env: Mapping[str, str] = field(default_factory=dict)  # the command's environment (secrets removed)
 
     def __post_init__(self) -> None:
         if bool(self.url) == bool(self.command):
@@ -303,15 +304,21 @@ def publisher_config(args, environ: Mapping[str, str] = os.environ) -> Publisher
     )
 
 
-def _hook(args) -> HookConfig | None:
+_SECRETISH = re.compile(r"SECRET|TOKEN|PASSWORD|CREDENTIAL|^AWS_", re.IGNORECASE)
+
+
+def _hook(args, environ: Mapping[str, str]) -> HookConfig | None:
     if not args.hook_url and not args.hook_command:
         return None
     import shlex
 
     command = tuple(shlex.split(args.hook_command)) if args.hook_command else ()
+    # a command hook inherits the environment minus anything that looks like a secret
+    env = {k: v for k, v in environ.items() if not _SECRETISH.search(k)}
     return HookConfig(
         url=args.hook_url, command=command, method=args.hook_method.upper(), body=args.hook_body,
-        attempts=args.hook_attempts, backoff=Backoff(args.hook_backoff, max(args.hook_backoff, 30.0)), timeout=args.hook_timeout,
+        attempts=args.hook_attempts, backoff=Backoff(args.hook_backoff, max(args.hook_backoff, 30.0)),
+        timeout=args.hook_timeout, env=env,
     )
 
 
@@ -325,7 +332,7 @@ def subscriber_config(args, environ: Mapping[str, str] = os.environ) -> Subscrib
         pin=args.pin,
         include=tuple(args.include),
         exclude=tuple(args.exclude),
-        hook=_hook(args),
+        hook=_hook(args, environ),
         ledger_interval=args.ledger_interval,
         fetch_concurrency=args.concurrency,
         fsync=not args.no_fsync,

@@ -11,16 +11,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from .config import HookConfig
 from .daemon import event
-
-_SECRETISH = re.compile(r"SECRET|TOKEN|PASSWORD|CREDENTIAL|^AWS_", re.IGNORECASE)
 
 log = logging.getLogger("weightsync.hooks")
 
@@ -90,9 +86,7 @@ class HookRunner:
 
     async def _command(self, version: int, path: str, current: str) -> None:
         argv = [render(a, version, path, current, json_strings=False) for a in self.cfg.command]
-        # the hook gets the environment minus anything that looks like a secret (API token, cloud keys)
-        env = {k: v for k, v in os.environ.items() if not _SECRETISH.search(k)}
-        env.update(WEIGHTSYNC_VERSION=str(version), WEIGHTSYNC_PATH=path, WEIGHTSYNC_CURRENT=current)
+        env = dict(self.cfg.env, WEIGHTSYNC_VERSION=str(version), WEIGHTSYNC_PATH=path, WEIGHTSYNC_CURRENT=current)
         proc = await asyncio.create_subprocess_exec(*argv, env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
         try:
             _, err = await proc.communicate()
