@@ -143,11 +143,7 @@ def _dec_bit(st, data, p, cnt, m, rate):
         st[1] -= bound
         bit = 1
     _update(p, cnt, m, bit, rate)
-    while st[1] < _TOP:
-        st[1] <<= 8
-        b = data[st[2]] if st[2] < data.size else 0
-        st[2] += 1
-        st[0] = ((st[0] << 8) | b) & 0xFFFFFFFF
+    _refill(st, data)
     return bit
 
 
@@ -158,12 +154,18 @@ def _dec_direct(st, data):
     if st[0] >= st[1]:
         st[0] -= st[1]
         bit = 1
+    _refill(st, data)
+    return bit
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _refill(st, data):
+    """Normalize the decoder: shift in bytes while the range is below 2^24 (zeros past the end)."""
     while st[1] < _TOP:
         st[1] <<= 8
         b = data[st[2]] if st[2] < data.size else 0
         st[2] += 1
         st[0] = ((st[0] << 8) | b) & 0xFFFFFFFF
-    return bit
 
 
 @njit(cache=True, nogil=True)
