@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import suppress
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -142,6 +143,22 @@ def _loop_done(app: web.Application, name: str, task: asyncio.Task) -> None:
         app[EXIT_CODE].append(1)
     if SHUTDOWN in app:
         app[SHUTDOWN].set()  # a loop that returns ends the daemon
+
+
+
+# --- outcomes shared by the daemons' pure planning functions ---------------------------------------
+@dataclass(frozen=True)
+class Idle:
+    """Nothing to do: ``reason`` says why (shown in /v1/status)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Something to do, but not yet (an unfinished checkpoint, a back-off): ``reason`` says what."""
+
+    reason: str
 
 
 async def serve(app: web.Application, api: ApiConfig) -> int:

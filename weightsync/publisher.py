@@ -29,7 +29,7 @@ from pathlib import Path
 import weightsync
 
 from .config import PublisherConfig
-from .daemon import StopToken, Stopped, event
+from .daemon import Idle, StopToken, Stopped, Wait, event
 from .errors import BaseMismatchError, UsageError, VersionError, WeightsyncError
 from .metrics import Metrics
 from .progress import human_bytes
@@ -79,16 +79,6 @@ def scan(watch_dir: Path, marker: str) -> list[Candidate]:
 
 
 # --- planning (pure) -----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Idle:
-    reason: str
-
-
-@dataclass(frozen=True)
-class Wait:
-    reason: str
-
-
 @dataclass(frozen=True)
 class Publish:
     candidate: Candidate
@@ -209,7 +199,7 @@ class Publisher:
                 result = await asyncio.to_thread(self._publish_blocking, path, version, base)
             except (Stopped, asyncio.CancelledError):
                 raise
-            except Exception as exc:
+            except Exception:
                 self.metrics.publish_failures.inc()
                 if step is not None:
                     failures = self._failed[1] + 1 if self._failed and self._failed[0] == step else 1

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import SubscriberConfig
-from .daemon import StopToken, Stopped, event
+from .daemon import Idle, StopToken, Stopped, Wait, event
 from .errors import ChecksumError, UsageError, VersionError, WeightsyncError
 from .hooks import HookRunner
 from .integrity import verify_folder
@@ -57,16 +57,6 @@ class View:
     failed_version: int | None = None  # the last version whose sync failed ...
     failures: int = 0  # ... how many times in a row ...
     retry_at: float = 0.0  # ... and when it may be tried again
-
-
-@dataclass(frozen=True)
-class Idle:
-    reason: str
-
-
-@dataclass(frozen=True)
-class Wait:
-    reason: str
 
 
 @dataclass(frozen=True)
