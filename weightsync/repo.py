@@ -63,6 +63,8 @@ class Repo:
             # empty, or holding only subscribers' ledger records (they may start before the store)
             if all(k.startswith(FLEET_PREFIX) for k in self.store.list("")):
                 return False
+            if self.store.head(MARKER_KEY) is not None:
+                return self.check()  # a first publish created the store between our two reads
             raise NotAStoreError(f"{self.url} is not a weightsync store (it holds other objects)") from None
         except FormatError as exc:
             raise NotAStoreError(f"{self.url} is not a weightsync store: {exc}") from None
