@@ -176,7 +176,7 @@ def _encode_block(codec: str, dtype: str, old: np.ndarray | None, new: np.ndarra
     if codec == "ac":
         from . import arith  # numba loads only when the entropy coder runs
 
-        return arith.encode_block(dtype, old, new, zigzag)
+        return arith.encode_block(dtype, old, new)
     if codec == "full":
         return _compressor(cfg.full_level).compress(to_planes(new)), new.size
     if codec == "sparse":
