@@ -146,6 +146,21 @@ def _loop_done(app: web.Application, name: str, task: asyncio.Task) -> None:
 
 
 
+def iteration_failed(daemon, exc: Exception, logger: logging.Logger) -> float:
+    """Record a failed loop iteration of ``daemon`` (a publisher or subscriber: ``_errors``,
+    ``metrics.loop_errors``, ``last_error``, ``state``, ``cfg.poll_interval``, ``cfg.backoff``):
+    log it, count it, and return how long to back off before the next one."""
+    daemon._errors += 1
+    daemon.metrics.loop_errors.inc()
+    daemon.last_error = f"{type(exc).__name__}: {exc}"
+    daemon.state = "error"
+    delay = max(daemon.cfg.poll_interval, daemon.cfg.backoff.delay(daemon._errors))
+    event(logger, "iteration failed", logging.ERROR, error=daemon.last_error, retry_in=f"{delay:.1f}s")
+    if not isinstance(exc, WeightsyncError):
+        logger.error("unexpected error", exc_info=exc)
+    return delay
+
+
 # --- outcomes shared by the daemons' pure planning functions ---------------------------------------
 @dataclass(frozen=True)
 class Idle:

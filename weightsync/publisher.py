@@ -29,8 +29,8 @@ from pathlib import Path
 import weightsync
 
 from .config import PublisherConfig
-from .daemon import Idle, StopToken, Stopped, Wait, event
-from .errors import BaseMismatchError, UsageError, VersionError, WeightsyncError
+from .daemon import Idle, StopToken, Stopped, Wait, event, iteration_failed
+from .errors import BaseMismatchError, UsageError, VersionError
 from .metrics import Metrics
 from .progress import human_bytes
 from .publishing import PublishConfig, PublishResult
@@ -179,15 +179,7 @@ class Publisher:
         except Stopped:
             return 0.0
         except Exception as exc:  # logged, counted, backed off; the loop goes on
-            self._errors += 1
-            self.metrics.loop_errors.inc()
-            self.last_error = f"{type(exc).__name__}: {exc}"
-            self.state = "error"
-            delay = max(self.cfg.poll_interval, self.cfg.backoff.delay(self._errors))
-            event(log, "iteration failed", logging.ERROR, error=self.last_error, retry_in=f"{delay:.1f}s")
-            if not isinstance(exc, WeightsyncError):
-                log.error("unexpected error", exc_info=exc)
-            return delay
+            return iteration_failed(self, exc, log)
 
     async def publish_folder(self, path: Path, version: int | None, base: Path | None = None) -> PublishResult:
         """Publish ``path`` as ``version`` (default: its step if above the head, else head + 1)."""

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import SubscriberConfig
-from .daemon import Idle, StopToken, Stopped, Wait, event
+from .daemon import Idle, StopToken, Stopped, Wait, event, iteration_failed
 from .errors import ChecksumError, UsageError, VersionError, WeightsyncError
 from .hooks import HookRunner
 from .integrity import verify_folder
@@ -275,15 +275,7 @@ class Subscriber:
         except Stopped:
             return 0.0
         except Exception as exc:  # logged, counted, backed off; the loop goes on
-            self._errors += 1
-            self.metrics.loop_errors.inc()
-            self.last_error = f"{type(exc).__name__}: {exc}"
-            self.state = "error"
-            delay = max(self.cfg.poll_interval, self.cfg.backoff.delay(self._errors))
-            event(log, "iteration failed", logging.ERROR, error=self.last_error, retry_in=f"{delay:.1f}s")
-            if not isinstance(exc, WeightsyncError):
-                log.error("unexpected error", exc_info=exc)
-            return delay
+            return iteration_failed(self, exc, log)
 
     def _next_delay(self) -> float:
         delay = self.cfg.poll_interval
