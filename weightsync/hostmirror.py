@@ -17,8 +17,7 @@ import os
 import shutil
 import threading
 import time
-from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -32,9 +31,8 @@ from .dtypes import UINT_VIEW, itemsize
 from .errors import BaseMismatchError, UsageError, VersionError
 from .format import Manifest
 from .local import adopt
-from .publishing import PublishConfig, PublishResult, _Assembler, _encode_all, _jobs
+from .publishing import PublishConfig, PublishResult, encode_and_commit
 from .repo import Repo
-from .transfer import Uploader
 
 # torch dtype -> safetensors dtype (the subset weightsync stores)
 ST_DTYPE: dict[torch.dtype, str] = {
@@ -330,28 +328,9 @@ def publish_changes(
     if base_dir is not None:
         _check_base(base_dir, parent)
         encoder.seconds["verify_base"] = time.perf_counter() - t0
-    uploader = Uploader(repo, config.upload_concurrency)
-    out = _Assembler(config, uploader)
-    try:
-        _encode_all(_jobs(files, parent), encoder, out, config, None)
-        t_up = time.perf_counter()
-        uploader.join()
-        seconds = dict(encoder.seconds, upload=time.perf_counter() - t_up)
-    finally:
-        uploader.close()
-    manifest = Manifest(
-        version=version, parent=parent.version, keyframe=keyframe,
-        chain_length=0 if keyframe else parent.chain_length + 1, files=tuple(out.files), chunks=out.packer_refs(),
-        created=datetime.now(timezone.utc).isoformat(timespec="seconds"), codec_config=asdict(config.codec),
-        stats={"changed": out.changed, "elements": out.elements, "uploaded_bytes": uploader.uploaded_bytes},
-    )
-    t_c = time.perf_counter()
-    repo.commit(manifest, etag)
-    seconds["commit"] = time.perf_counter() - t_c
-    seconds["total"] = time.perf_counter() - t0
+    result, manifest = encode_and_commit(repo, files, parent, keyframe, version, etag, encoder, config, None, None, t0)
     if cache_dir is not None:
         adopt(Path(cache_dir), manifest, src, repo.url)
-    return PublishResult(version, parent.version, keyframe, manifest.raw_bytes, manifest.payload_bytes,
-                         uploader.uploaded_bytes, len(manifest.chunks), out.changed, out.elements, seconds)
+    return result
 
 

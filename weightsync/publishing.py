@@ -247,8 +247,23 @@ def _publish(repo, src, files, version, parent, keyframe, etag, cfg: PublishConf
     if parent is not None:  # deltas, and a keyframe's deltas for followers, need the parent's bytes
         base = _base_for(repo, parent, base_dir, cache, PullConfig(decode_threads=cfg.encode_threads))
     fds = {f.path: os.open(f.abspath, os.O_RDONLY) for f in files}
+    try:
+        encoder = _Encoder(cfg, base, fds, keyframe)
+        return encode_and_commit(repo, files, parent, keyframe, version, etag, encoder, cfg, progress, on_bytes, t0)[0]
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+        if base is not None:
+            base.close()
+
+
+def encode_and_commit(repo: Repo, files: list[SourceFile], parent: Manifest | None, keyframe: bool, version: int,
+                      etag: str | None, encoder, cfg: PublishConfig, progress: Progress | None,
+                      on_bytes: Callable[[int], None] | None, t0: float) -> tuple[PublishResult, Manifest]:
+    """Encode every segment with ``encoder`` (``run(job) -> (new, digest, encoding, keyframe
+    delta)``), pack and upload the chunks, then commit the manifest. Shared by :func:`publish` and
+    publishing from known changes (:mod:`weightsync.hostmirror`)."""
     uploader = Uploader(repo, cfg.upload_concurrency, on_bytes)
-    encoder = _Encoder(cfg, base, fds, keyframe)
     out = _Assembler(cfg, uploader)
     try:
         _encode_all(_jobs(files, parent), encoder, out, cfg, progress)
@@ -257,10 +272,6 @@ def _publish(repo, src, files, version, parent, keyframe, etag, cfg: PublishConf
         seconds = dict(encoder.seconds, upload=time.perf_counter() - t_up)
     finally:
         uploader.close()
-        for fd in fds.values():
-            os.close(fd)
-        if base is not None:
-            base.close()
     manifest = Manifest(
         version=version,
         parent=None if parent is None else parent.version,
@@ -276,7 +287,8 @@ def _publish(repo, src, files, version, parent, keyframe, etag, cfg: PublishConf
     repo.commit(manifest, etag)
     seconds["commit"] = time.perf_counter() - t_c
     seconds["total"] = time.perf_counter() - t0
-    return PublishResult(
+    result = PublishResult(
         version, manifest.parent, keyframe, manifest.raw_bytes, manifest.payload_bytes,
         uploader.uploaded_bytes, len(manifest.chunks), out.changed, out.elements, seconds,
     )
+    return result, manifest
