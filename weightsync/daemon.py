@@ -146,6 +146,16 @@ def _loop_done(app: web.Application, name: str, task: asyncio.Task) -> None:
 
 
 
+async def sleep_or_wake(wake: asyncio.Event, delay: float, stop: StopToken) -> None:
+    """Wait ``delay`` seconds before a daemon's next iteration, or less if ``wake`` is set (an API
+    call asks for work) or the daemon is stopping. Wakes set during the iteration are dropped."""
+    wake.clear()
+    if stop.is_set:
+        return
+    with suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(wake.wait(), delay)
+
+
 def iteration_failed(daemon, exc: Exception, logger: logging.Logger) -> float:
     """Record a failed loop iteration of ``daemon`` (a publisher or subscriber: ``_errors``,
     ``metrics.loop_errors``, ``last_error``, ``state``, ``cfg.poll_interval``, ``cfg.backoff``):

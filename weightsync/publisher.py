@@ -29,7 +29,7 @@ from pathlib import Path
 import weightsync
 
 from .config import PublisherConfig
-from .daemon import Idle, StopToken, Stopped, Wait, event, iteration_failed
+from .daemon import Idle, StopToken, Stopped, Wait, event, iteration_failed, sleep_or_wake
 from .errors import BaseMismatchError, UsageError, VersionError
 from .metrics import Metrics
 from .progress import human_bytes
@@ -150,14 +150,7 @@ class Publisher:
         self._wake = asyncio.Event()
         self.cfg.state_dir.mkdir(parents=True, exist_ok=True)
         while not self.stop_token.is_set:
-            delay = await self._iteration()
-            self._wake.clear()
-            if self.stop_token.is_set:
-                break
-            try:
-                await asyncio.wait_for(self._wake.wait(), delay)
-            except asyncio.TimeoutError:
-                pass
+            await sleep_or_wake(self._wake, await self._iteration(), self.stop_token)
 
     async def _iteration(self) -> float:
         try:

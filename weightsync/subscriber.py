@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import SubscriberConfig
-from .daemon import Idle, StopToken, Stopped, Wait, event, iteration_failed
+from .daemon import Idle, StopToken, Stopped, Wait, event, iteration_failed, sleep_or_wake
 from .errors import ChecksumError, UsageError, VersionError, WeightsyncError
 from .hooks import HookRunner
 from .integrity import verify_folder
@@ -227,14 +227,7 @@ class Subscriber:
         await asyncio.to_thread(self._startup)
         try:
             while not self.stop_token.is_set:
-                delay = await self._iteration()
-                self._wake.clear()
-                if self.stop_token.is_set:
-                    break
-                try:
-                    await asyncio.wait_for(self._wake.wait(), delay)
-                except asyncio.TimeoutError:
-                    pass
+                await sleep_or_wake(self._wake, await self._iteration(), self.stop_token)
         finally:
             if self._hook_task is not None and not self._hook_task.done():
                 self._hook_task.cancel()
