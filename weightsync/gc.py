@@ -14,20 +14,30 @@ unreferenced chunk may belong to a version being published. ``grace_seconds`` mu
 longest publish (upload to commit). Last, leftovers of killed writers older than the grace period
 go too: a file store's temporary files, an S3 store's incomplete multipart uploads.
 
+Re-checks before each delete. A publisher that finds one of its chunks already stored touches it
+(:meth:`Repo.put_chunk`) instead of uploading it again, so an old unreferenced chunk can become
+needed while gc runs. Ages are listed once, but each candidate's age is read again (a stat, or a
+HEAD) right before its delete, and a candidate now younger than the grace period is kept
+(``touched_during_gc``; it is counted in ``young_chunks`` too). Candidates are deleted in batches,
+and before each batch ``versions/`` is listed again: chunks referenced by a manifest stored since
+the plan are kept (``referenced_during_gc``, counted in ``kept_chunks`` too). The age re-check alone
+would need the grace period to exceed the longest publish *plus gc's own run time up to that
+delete*, since a publisher may have touched a chunk just before gc's plan and committed just after;
+the manifest re-check takes gc's run time out of that rule (up to one batch), and it also protects
+chunks a writer re-uses without touching them (the mirror) when its manifest lands before the batch.
+What remains is the gap between one re-check and its delete (one round trip): stores offer no
+"delete if not modified since" for chunks.
+
 Object ages need more than the :class:`Store` protocol offers (``list`` gives keys only), so this
 module reads them backend by backend: a file store's files are ``os.stat``-ed, an S3 store is
-listed with ``list_objects_v2`` (``LastModified``, compared with the server's own ``Date`` so that
-clock skew does not matter). A backend without ages (memory) has every object treated as young:
-nothing is collected there unless ``grace_seconds`` is 0.
-
-Known limit: a publisher that finds one of its chunks already stored (same content as an old,
-unreferenced chunk) skips the upload and does not refresh the chunk's age; a gc between that skip
-and the publisher's commit can delete it. Chunks of the head's chain are never deleted, so this
-needs content repeated from a version outside every kept chain.
+listed with ``list_objects_v2`` and asked with ``head_object`` (``LastModified``, compared with the
+server's own ``Date`` so that clock skew does not matter). A backend without ages (memory) has every
+object treated as young: nothing is collected there unless ``grace_seconds`` is 0.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -35,12 +45,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 
-from .errors import StoreError, UsageError, VersionError
-from .format import CHUNKS_PREFIX, VERSIONS_PREFIX, parse_version_key, version_key
+from .errors import NotFoundError, StoreError, UsageError, VersionError
+from .format import CHUNKS_PREFIX, VERSIONS_PREFIX, manifest_from_json, parse_version_key, version_key
 from .repo import Repo
 from .store import FileStore, Store
 
+log = logging.getLogger("weightsync.gc")
 _CHUNK_PREFIX_LEN = len(CHUNKS_PREFIX) + 3  # "chunks/ab/"
+_BATCH = 1024  # chunk deletes between two re-reads of versions/
 
 
 @dataclass(frozen=True)
@@ -82,6 +94,8 @@ class GcResult:
     deleted_bytes: int = 0
     young_chunks: int = 0  # unreferenced but inside the grace period: left for a later gc
     kept_chunks: int = 0
+    touched_during_gc: int = 0  # of young_chunks: old when listed, young when re-checked (re-used meanwhile)
+    referenced_during_gc: int = 0  # of kept_chunks: referenced by a manifest stored while gc ran
     dry_run: bool = False
     seconds: float = 0.0
     partial_writes: int = 0  # removed leftovers of killed writers: temp files, multipart uploads
@@ -137,20 +151,76 @@ def gc(repo: Repo, config: GcConfig) -> GcResult:
         cid = key[_CHUNK_PREFIX_LEN:]
         if cid in plan.needed_chunks:
             result.kept_chunks += 1
-        elif (age is None and config.grace_seconds > 0) or (age is not None and age < config.grace_seconds):
+        elif _young(age, config.grace_seconds):
             result.young_chunks += 1
         else:
             doomed.append((key, size))
-    result.deleted_chunks = len(doomed)
-    result.deleted_bytes = sum(size for _, size in doomed)
-    if not config.dry_run and doomed:
-        with ThreadPoolExecutor(min(config.concurrency, len(doomed)), thread_name_prefix="ws-gc") as pool:
-            for _ in pool.map(lambda kv: repo.store.delete(kv[0]), doomed):
-                pass
+    if config.dry_run:
+        result.deleted_chunks = len(doomed)
+        result.deleted_bytes = sum(size for _, size in doomed)
+    elif doomed:
+        _delete_chunks(repo, plan, doomed, config, result)
     if not config.dry_run:
         result.partial_writes = _remove_partial_writes(repo.store, config.grace_seconds)
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _delete_chunks(repo: Repo, plan: GcPlan, doomed: list[tuple[str, int]], config: GcConfig,
+                   result: GcResult) -> None:
+    """Delete ``doomed`` chunks in batches, re-checking before each (module docstring)."""
+    known = set(plan.kept_versions + plan.pending_versions)  # their chunks are in plan.needed_chunks
+    referenced: set[str] = set()
+
+    def one(kv: tuple[str, int]) -> str:
+        try:
+            age = object_age(repo.store, kv[0])
+        except NotFoundError:
+            return "gone"  # deleted meanwhile (another gc)
+        if _young(age, config.grace_seconds):
+            return "young"
+        repo.store.delete(kv[0])
+        return "deleted"
+
+    with ThreadPoolExecutor(min(config.concurrency, len(doomed)), thread_name_prefix="ws-gc") as pool:
+        for start in range(0, len(doomed), _BATCH):
+            referenced |= _new_references(repo, known)
+            batch = [kv for kv in doomed[start : start + _BATCH] if kv[0][_CHUNK_PREFIX_LEN:] not in referenced]
+            result.referenced_during_gc += min(_BATCH, len(doomed) - start) - len(batch)
+            for kv, outcome in zip(batch, pool.map(one, batch)):
+                if outcome == "deleted":
+                    result.deleted_chunks += 1
+                    result.deleted_bytes += kv[1]
+                elif outcome == "young":
+                    result.touched_during_gc += 1
+    result.young_chunks += result.touched_during_gc
+    result.kept_chunks += result.referenced_during_gc
+    if result.touched_during_gc or result.referenced_during_gc:
+        log.info("gc %s: kept %d chunks re-used while gc ran (%d touched or uploaded again, %d referenced by a "
+                 "new manifest)", repo.url, result.touched_during_gc + result.referenced_during_gc,
+                 result.touched_during_gc, result.referenced_during_gc)
+
+
+def _young(age: float | None, grace: float) -> bool:
+    """Inside the grace period (an unknown age counts as young unless the grace period is 0)."""
+    return (age is None and grace > 0) or (age is not None and age < grace)
+
+
+def _new_references(repo: Repo, known: set[int]) -> set[str]:
+    """Chunk ids of manifests stored since ``known`` was filled (``known`` is updated). Read from
+    the store, not the manifest cache: a version number gc removed (abandoned) may be reused."""
+    found: set[str] = set()
+    for key in repo.store.list(VERSIONS_PREFIX):
+        v = parse_version_key(key)
+        if v is None or v in known:
+            continue
+        try:
+            m = manifest_from_json(repo.store.get(key), f"{repo.url}/{key}")
+        except NotFoundError:
+            continue  # deleted meanwhile
+        known.add(v)
+        found.update(c.id for c in m.chunks)
+    return found
 
 
 # --- object ages, backend by backend ----------------------------------------------------------------
@@ -194,6 +264,30 @@ def list_with_age(store: Store, prefix: str) -> Iterator[tuple[str, int, float |
     return ((k, store.head(k) or 0, None) for k in store.list(prefix))
 
 
+def object_age(store: Store, key: str) -> float | None:
+    """Age in seconds of one object now (None if the backend keeps no ages); raises
+    :class:`NotFoundError` if it does not exist."""
+    backend = _unwrap(store)
+    custom = getattr(backend, "list_with_times", None)
+    if callable(custom):
+        now = time.time()
+        for k, _, mtime in custom(key):
+            if k == key:
+                return now - mtime
+    elif isinstance(backend, FileStore):
+        try:
+            return time.time() - os.stat(backend.local_path(key)).st_mtime
+        except FileNotFoundError:
+            pass
+    elif type(backend).__name__ == "S3Store":
+        age = _s3_age(backend, key)
+        if age is not None:
+            return age
+    elif store.head(key) is not None:
+        return None
+    raise NotFoundError(f"{store.url}: no object {key}", key=key)
+
+
 def _file_ages(store: FileStore, prefix: str) -> Iterator[tuple[str, int, float | None]]:
     now = time.time()
     for key in store.list(prefix):
@@ -220,6 +314,22 @@ def _s3_ages(store, prefix: str) -> Iterator[tuple[str, int, float | None]]:
     except (BotoCoreError, ClientError) as exc:  # one line, as every store error
         what = " ".join(str(exc).split())
         raise StoreError(f"{store.url}: LIST {prefix}: {type(exc).__name__}: {what}", key=prefix) from exc
+
+
+def _s3_age(store, key: str) -> float | None:
+    """One HEAD: the object's age by the server's clock, or None if it does not exist."""
+    from botocore.exceptions import ClientError
+
+    with store._errors("HEAD", key):
+        try:
+            resp = store._client.head_object(**store._obj(key))
+        except ClientError as exc:
+            if exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
+                return None
+            raise
+    date = resp.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+    now = parsedate_to_datetime(date).timestamp() if date else time.time()
+    return now - resp["LastModified"].timestamp()
 
 
 def _remove_partial_writes(store: Store, grace: float) -> int:
@@ -271,4 +381,4 @@ def _abort_multipart_uploads(store, grace: float) -> int:
     return aborted
 
 
-__all__ = ["GcConfig", "GcPlan", "GcResult", "gc", "list_chunks_with_age", "list_with_age", "plan_gc"]
+__all__ = ["GcConfig", "GcPlan", "GcResult", "gc", "list_chunks_with_age", "list_with_age", "object_age", "plan_gc"]

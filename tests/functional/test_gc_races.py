@@ -1,0 +1,182 @@
+"""gc racing writers that re-use old chunks: a publisher that touches a chunk it finds already
+stored, a mirror that finds one already at the destination.
+
+gc lists chunk ages once and deletes later; each test runs the writer in exactly that gap (the
+listing is wrapped so that the writer runs after it and before the first delete), then pulls the
+writer's version byte for byte. A gc without its re-checks deletes the re-used chunk and the pull
+fails.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import weightsync
+import weightsync.gc as gc_module
+from weightsync.chunking import chunk_id
+from weightsync.format import chunk_key
+from weightsync.gc import GcConfig, gc, object_age
+from weightsync.mirror import mirror
+
+OLD = time.time() - 10 * 24 * 3600
+KEYFRAMES = weightsync.PublishConfig(keyframe_interval=1)  # every version a keyframe: no chain to keep
+
+
+def age_all(store_dir: Path) -> None:
+    for p in store_dir.rglob("*"):
+        if p.is_file():
+            os.utime(p, (OLD, OLD))
+
+
+def chunks(r: weightsync.Repo, v: int) -> set[str]:
+    return {chunk_key(c.id) for c in r.manifest(v).chunks}
+
+
+def writer_after_listing(monkeypatch, writer) -> None:
+    """Make gc's chunk listing run ``writer()`` after it has listed (and before gc deletes)."""
+    real = gc_module.list_chunks_with_age
+
+    def listing_then_writer(store):
+        listed = list(real(store))
+        writer()
+        return iter(listed)
+
+    monkeypatch.setattr(gc_module, "list_chunks_with_age", listing_then_writer)
+
+
+def publish_until_commit(r: weightsync.Repo, checkpoint: Path, monkeypatch):
+    """Start publishing ``checkpoint`` in a thread that stops right before its commit (its chunks
+    uploaded or touched). Returns (start, finish): ``start()`` returns once the publisher waits at
+    its commit; ``finish()`` lets it commit and returns its result."""
+    at_commit, go, out = threading.Event(), threading.Event(), {}
+    commit = weightsync.Repo.commit
+
+    def paused_commit(self, manifest, etag):
+        at_commit.set()
+        assert go.wait(60)
+        return commit(self, manifest, etag)
+
+    monkeypatch.setattr(weightsync.Repo, "commit", paused_commit)
+
+    def run():
+        try:
+            out["result"] = weightsync.publish(checkpoint, r, config=KEYFRAMES)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by finish()
+            out["error"] = exc
+            at_commit.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+
+    def start():
+        thread.start()
+        assert at_commit.wait(60)
+        if "error" in out:
+            raise out["error"]
+
+    def finish():
+        go.set()
+        thread.join(60)
+        if "error" in out:
+            raise out["error"]
+        return out["result"]
+
+    return start, finish
+
+
+def test_a_chunk_touched_by_a_publisher_between_listing_and_delete_survives(trajectory, tmp_path, monkeypatch, ws):
+    store = tmp_path / "store"
+    r = weightsync.open_repo(f"file://{store}")
+    weightsync.publish(trajectory[0], r, config=KEYFRAMES)
+    weightsync.publish(trajectory[1], r, config=KEYFRAMES)
+    orphan = b"an old chunk nobody re-uses"
+    r.put_chunk(chunk_id(orphan), orphan)
+    age_all(store)
+    reused = chunks(r, 0) - chunks(r, 1)  # only version 0 needs them: doomed by gc --keep 1
+    assert reused
+
+    # version 2 has version 0's bytes: its publisher finds those chunks stored and touches them,
+    # after gc listed them as ten days old
+    with monkeypatch.context() as mp:
+        start, finish = publish_until_commit(weightsync.open_repo(f"file://{store}"), trajectory[0], mp)
+        writer_after_listing(mp, start)
+        res = gc(r, GcConfig(keep=1, grace_seconds=60))
+        assert finish().version == 2
+
+    assert all((store / k).exists() for k in reused)
+    weightsync.pull(weightsync.open_repo(f"file://{store}"), tmp_path / "v2", 2)
+    ws.assert_replica(tmp_path / "v2", trajectory[0])
+    assert res.deleted_versions == [0]
+    assert res.touched_during_gc == len(reused) and res.young_chunks == len(reused)
+    assert res.deleted_chunks == 1 and not (store / chunk_key(chunk_id(orphan))).exists()  # the rest still goes
+
+
+def test_a_chunk_referenced_by_a_version_mirrored_while_gc_runs_survives(trajectory, tmp_path, monkeypatch, ws):
+    """The mirror does not touch chunks it finds at the destination; gc re-reads ``versions/``
+    before deleting and keeps what a manifest stored since its plan references."""
+    src, dst = tmp_path / "src", tmp_path / "regional"
+    rs, rd = (weightsync.open_repo(f"file://{p}") for p in (src, dst))
+    weightsync.publish(trajectory[0], rs, config=KEYFRAMES)
+    weightsync.publish(trajectory[1], rs, config=KEYFRAMES)
+    mirror(rs, rd)
+    age_all(dst)
+    weightsync.publish(trajectory[0], rs, config=KEYFRAMES)  # version 2: version 0's bytes again
+    reused = chunks(rd, 0) - chunks(rd, 1)
+    assert reused and reused <= chunks(rs, 2)
+
+    with monkeypatch.context() as mp:
+        writer_after_listing(mp, lambda: mirror(rs, weightsync.open_repo(f"file://{dst}")))
+        res = gc(rd, GcConfig(keep=1, grace_seconds=60))
+
+    assert all((dst / k).exists() for k in reused)
+    assert all(object_age(rd.store, k) > 60 for k in reused)  # old, untouched: kept by the manifest re-check
+    weightsync.pull(weightsync.open_repo(f"file://{dst}"), tmp_path / "v2", 2)
+    ws.assert_replica(tmp_path / "v2", trajectory[0])
+    assert res.referenced_during_gc == len(reused) and res.touched_during_gc == 0
+    assert res.deleted_versions == [0] and res.deleted_chunks == 0
+
+
+def test_object_age_reads_one_object(tmp_path):
+    r = weightsync.open_repo(f"file://{tmp_path / 'store'}")
+    data = b"x" * 10
+    r.put_chunk(chunk_id(data), data)
+    key = chunk_key(chunk_id(data))
+    os.utime(tmp_path / "store" / key, (OLD, OLD))
+    assert object_age(r.store, key) > 9 * 24 * 3600
+    r.put_chunk(chunk_id(data), data)  # found stored: touched
+    assert object_age(r.store, key) < 60
+    with pytest.raises(weightsync.errors.NotFoundError):
+        object_age(r.store, chunk_key("0" * 32))
+    mem = weightsync.open_repo(weightsync.store.MemoryStore())
+    mem.put_chunk(chunk_id(data), data)
+    assert object_age(mem.store, key) is None  # no ages kept
+    with pytest.raises(weightsync.errors.NotFoundError):
+        object_age(mem.store, chunk_key("0" * 32))
+
+
+@pytest.mark.integration
+def test_a_chunk_touched_between_listing_and_delete_survives_on_s3(trajectory, s3_url, tmp_path, monkeypatch, ws):
+    """The same race on S3: ages come from LastModified and the server's Date (one-second steps),
+    the touch is a copy onto itself, the re-check a HEAD."""
+    grace = 2.0
+    r = weightsync.open_repo(s3_url)
+    weightsync.publish(trajectory[0], r, config=KEYFRAMES)
+    weightsync.publish(trajectory[1], r, config=KEYFRAMES)
+    reused = chunks(r, 0) - chunks(r, 1)
+    time.sleep(grace + 1.5)  # everything older than the grace period
+    assert all(object_age(r.store, k) >= grace for k in reused)
+
+    with monkeypatch.context() as mp:  # not monkeypatch.undo(): that would drop the S3 environment too
+        start, finish = publish_until_commit(weightsync.open_repo(s3_url), trajectory[0], mp)
+        writer_after_listing(mp, start)
+        res = gc(r, GcConfig(keep=1, grace_seconds=grace))
+        assert finish().version == 2
+
+    assert all(r.store.head(k) is not None for k in reused)
+    weightsync.pull(weightsync.open_repo(s3_url), tmp_path / "v2", 2)
+    ws.assert_replica(tmp_path / "v2", trajectory[0])
+    assert res.deleted_versions == [0] and res.touched_during_gc == len(reused)
