@@ -12,9 +12,11 @@ step pair (old, new) it measures, in bytes of the new checkpoint:
 - zstd (level 3) and ZipNN of the full new checkpoint; XOR of the whole data + zstd (level 3);
 - ours: weightsync.codec.encode_tensor per tensor, each payload decoded and checked byte for byte.
 
-Ratios are raw / size over all pairs together. Throughput of ours (GB/s of raw tensor bytes,
-single thread, per-tensor calls) is shown beside np.copyto and uint16 XOR of large arrays measured
-in the same run; every timing is the best of a few repeats. Peak RSS is reported after imports,
+Ratios are raw / size over all pairs together. Throughput of ours (GB/s of raw tensor bytes;
+encode = diff + code, decode = decode + apply + xxh3-128 verify) is measured on one core (per-tensor
+calls) and on all cores (all tensors of a pair on a thread pool, largest first), beside np.copyto
+on one and on all cores and uint16 XOR of large arrays, in the same run; every timing is the best
+of a few repeats. Peak RSS is reported after imports,
 after the `ours` pass (before bounds and baselines run) and at the end.
 
 Usage: `python benchmarks/codec.py [--quick] [--json FILE]`
@@ -31,6 +33,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+import xxhash
 import zipnn
 import zstandard
 
@@ -46,6 +49,7 @@ TRAJECTORIES = {"lr 1e-6": 1e-6, "lr 1e-5": 1e-5}
 STEPS = 6  # published checkpoints per trajectory: 5 consecutive pairs
 QUICK_PAIRS = 2
 TIMING_REPEAT = 3  # encode and decode each tensor this often, keep the fastest (noisy shared cores)
+CORES = os.cpu_count() or 1
 
 
 class CodecMismatch(RuntimeError):
@@ -110,25 +114,40 @@ class PairResult:
     codecs: dict[str, int] = field(default_factory=dict)
     encode_s: float = 0.0
     decode_s: float = 0.0
+    encode_all_s: float = 0.0
+    decode_all_s: float = 0.0
 
 
 def measure_ours(old: common.Checkpoint, new: common.Checkpoint, res: PairResult) -> None:
-    """Encode every tensor against its old version, decode, verify bit-exactness."""
+    """Encode every tensor against its old version, decode and verify (xxh3-128 of the result, as a
+    pull does), check bit-exactness; single-threaded per tensor, then all tensors on all cores."""
     cfg, used, total = CodecConfig(), Counter(), 0
+    encoded = {}
     for name, (dtype, buf) in new.items():
         base = old[name][1]
         enc, enc_s = common.best_of(encode_tensor, dtype, buf, base, cfg, repeat=TIMING_REPEAT)
-        out, dec_s = common.best_of(
-            decode_tensor, dtype, enc.codec, enc.payload, base, buf.size, repeat=TIMING_REPEAT
-        )
+        (out, _), dec_s = common.best_of(decode_verify, dtype, enc, base, buf.size, repeat=TIMING_REPEAT)
         res.encode_s += enc_s
         res.decode_s += dec_s
         if not np.array_equal(out, buf):
             raise CodecMismatch(f"{res.pair} {name}: decode({enc.codec}) differs from the input")
         used[enc.codec] += 1
         total += len(enc.payload)
+        encoded[name] = enc
     res.sizes["ours"] = total
     res.codecs = dict(used)
+    # all cores: tensors are independent (the kernels, zstd and xxhash release the GIL); largest first
+    names = sorted(new, key=lambda n: -new[n][1].size)
+    res.encode_all_s = common.parallel_seconds(
+        lambda n: encode_tensor(new[n][0], new[n][1], old[n][1], cfg), names, CORES, TIMING_REPEAT)
+    res.decode_all_s = common.parallel_seconds(
+        lambda n: decode_verify(new[n][0], encoded[n], old[n][1], new[n][1].size), names, CORES, TIMING_REPEAT)
+
+
+def decode_verify(dtype: str, enc, base: np.ndarray, nbytes: int) -> tuple[np.ndarray, bytes]:
+    """Decode and apply a payload, and hash the result (what a pull does before installing it)."""
+    out = decode_tensor(dtype, enc.codec, enc.payload, base, nbytes)
+    return out, xxhash.xxh3_128_digest(out)
 
 
 def analyse_change(old: common.Checkpoint, new: common.Checkpoint, res: PairResult) -> None:
@@ -195,7 +214,9 @@ def run(n_pairs: int | None) -> dict:
     return {
         "trajectories": {k: [asdict(r) for r in v] for k, v in results.items()},
         "memcpy_gbps": common.memcpy_gbps(),
+        "memcpy_all_gbps": common.memcpy_gbps(threads=CORES),
         "xor_gbps": common.xor_gbps(),
+        "cores": CORES,
         "load_average_1min": os.getloadavg()[0],
         "peak_rss_mib_start": rss_start,
         "peak_rss_mib_after_ours": rss_ours,
@@ -262,15 +283,27 @@ def pair_table(report: dict) -> str:
 
 
 def speed_table(report: dict) -> str:
-    lines = ["| throughput, GB/s of raw tensor bytes | " + " | ".join(report["trajectories"]) + " |",
-             "|---" * (1 + len(report["trajectories"])) + "|"]
-    for key, title in (("encode_s", "ours encode"), ("decode_s", "ours decode")):
+    """GB/s of raw tensor bytes on one core and on all cores, and ours as a fraction of memcpy."""
+    trajs = report["trajectories"]
+    cores = report["cores"]
+    lines = ["| throughput, GB/s of raw tensor bytes | " + " | ".join(
+        f"{k}: 1 core | {k}: {cores} cores" for k in trajs) + " |", "|---" * (1 + 2 * len(trajs)) + "|"]
+    speeds = {}
+    for key, title in (("encode", "ours encode (diff + code)"), ("decode", "ours decode (decode + apply + xxh3 verify)")):
         cells = []
-        for pairs in report["trajectories"].values():
-            cells.append(f"{sum(p['raw'] for p in pairs) / sum(p[key] for p in pairs) / 1e9:.2f}")
+        for label, pairs in trajs.items():
+            raw = sum(p["raw"] for p in pairs)
+            for suffix in ("_s", "_all_s"):
+                speeds[(key, label, suffix)] = raw / sum(p[key + suffix] for p in pairs) / 1e9
+                cells.append(f"{speeds[(key, label, suffix)]:.2f}")
         lines.append(f"| {title} | " + " | ".join(cells) + " |")
-    for key, title in (("memcpy_gbps", "memcpy (np.copyto, 128 MiB)"), ("xor_gbps", "uint16 XOR (128 MiB)")):
-        lines.append(f"| {title} | " + " | ".join([f"{report[key]:.2f}"] * len(report["trajectories"])) + " |")
+    mem = {"_s": report["memcpy_gbps"], "_all_s": report["memcpy_all_gbps"]}
+    lines.append("| memcpy (np.copyto, 128 MiB) | " + " | ".join(
+        f"{mem['_s']:.2f} | {mem['_all_s']:.2f}" for _ in trajs) + " |")
+    lines.append("| uint16 XOR (128 MiB) | " + " | ".join(f"{report['xor_gbps']:.2f} | -" for _ in trajs) + " |")
+    for key in ("encode", "decode"):
+        lines.append(f"| ours {key} / memcpy | " + " | ".join(
+            f"{speeds[(key, label, suffix)] / mem[suffix]:.3f}" for label in trajs for suffix in ("_s", "_all_s")) + " |")
     return "\n".join(lines)
 
 
