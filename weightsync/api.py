@@ -278,7 +278,8 @@ def _schemas(role: str) -> dict:
             "properties": {
                 **common, "target_dir": {"type": "string"}, "current_version": _nullable(_VERSION),
                 "standby_version": _nullable(_VERSION), "latest_version": _nullable(_VERSION),
-                "target": {"anyOf": [_VERSION, {"const": LATEST}]}, "lag": _nullable("integer"),
+                "target": {"anyOf": [_VERSION, {"const": LATEST}]},
+                "target_from": {"enum": ["command line", "stored", "default", "api"]}, "lag": _nullable("integer"),
                 "staleness_seconds": {"type": "number", "minimum": 0}, "partial": _nullable("object"),
                 "last_sync": _nullable("object"), "hook": _nullable("object"),
             },

@@ -4,6 +4,7 @@ Layout of the target folder::
 
     DIR/current -> slots/a        symlink to a complete, verified version folder, always
     DIR/slots/a, DIR/slots/b      the two copies: the current one and the standby
+    DIR/.weightsync/target.json   the target set through the API (a pinned version or "latest")
 
 Each iteration reads the head (one small object), asks the pure :func:`plan_next` what to do, and
 does it: a :class:`Sync` pulls the version into the standby slot (incrementally from whatever
@@ -11,6 +12,10 @@ version that slot holds; every checksum is verified by the pull), then flips ``c
 creating a new symlink under a temporary name and renaming it over ``current``. The old current
 becomes the next standby, so disk use stays at two copies. After each swap the swap hook fires
 and the fleet ledger record is rewritten.
+
+The target survives restarts: ``PUT /v1/target`` stores it atomically before acting on it, and a
+starting subscriber reads it back. A command-line pin (``--version``) wins at start-up and is not
+stored, so removing the flag gives the last API choice back. A damaged file stops the start-up.
 
 With ``--include``/``--exclude`` the slots are partial folders (:mod:`weightsync.partial`).
 A server still reading the previous version through open files keeps its bytes (files are
@@ -21,6 +26,7 @@ newer version is wanted.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import shutil
@@ -34,7 +40,7 @@ from .errors import ChecksumError, UsageError, VersionError, WeightsyncError
 from .hooks import HookRunner
 from .integrity import verify_folder
 from .ledger import FleetRecord, superseded_at, write_record
-from .local import STATE_DIR, clone, read_state
+from .local import STATE_DIR, clone, read_state, write_json_atomic
 from .metrics import Metrics
 from .partial import STATE as PARTIAL_STATE
 from .partial import Selection, materialize, read_partial_state
@@ -83,6 +89,56 @@ def plan_next(view: View, head: int | None, target: Target, now: float) -> Actio
         return Sync(desired, "the standby slot already holds it")
     how = "head moved" if target == LATEST else "pinned"
     return Sync(desired, f"{how}: {view.current} -> {desired}")
+
+
+# --- the stored target ---------------------------------------------------------------------------
+_TARGET_FORMAT = "weightsync.subscriber-target"
+_REPAIR = "start with --version N to pin a version, or remove the file to follow the head"
+
+
+def target_path(target_dir: Path) -> Path:
+    """``DIR/.weightsync/target.json``; refuses a ``.weightsync`` that is not a plain directory."""
+    d = Path(target_dir) / STATE_DIR
+    if d.is_symlink() or (d.exists() and not d.is_dir()):
+        raise UsageError(f"{d} is not a directory; refusing to keep the subscriber's target there")
+    return d / "target.json"
+
+
+def read_target(target_dir: Path) -> Target | None:
+    """The stored target, None if none. A file that cannot be read or holds no valid target raises
+    :class:`UsageError`: it was written on purpose (a pin, a rollback), so following the head instead
+    could serve the very weights an operator rolled back from; a subscriber that does not start
+    leaves ``current`` as it is."""
+    path = target_path(target_dir)
+    try:
+        doc = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{path}: damaged stored target ({type(exc).__name__}: {exc}); {_REPAIR}") from None
+    target = doc.get("target") if isinstance(doc, dict) and doc.get("format") == _TARGET_FORMAT else None
+    if target == LATEST or (type(target) is int and target >= 0):
+        return target
+    raise UsageError(f'{path}: damaged stored target (no version or "latest" in it); {_REPAIR}')
+
+
+def write_target(target_dir: Path, target: Target, fsync: bool = True) -> None:
+    """Store ``target`` atomically (temporary file, fsync, rename, fsync of the folder)."""
+    path = target_path(target_dir)
+    write_json_atomic(path, {"format": _TARGET_FORMAT, "target": target}, fsync)
+    if fsync:
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def startup_target(pin: int | None, stored: Target | None) -> tuple[Target, str]:
+    """The target to start with and its source: a command-line pin, else the stored target, else the head."""
+    if pin is not None:
+        return pin, "command line"
+    return (stored, "stored") if stored is not None else (LATEST, "default")
 
 
 # --- slots ---------------------------------------------------------------------------------------
@@ -156,7 +212,8 @@ class Subscriber:
         self.cfg, self.repo, self.metrics, self.clock = cfg, repo, metrics, clock
         self.slots = Slots(cfg.target_dir)
         self.selection = Selection(cfg.include, cfg.exclude)
-        self.target: Target = LATEST if cfg.pin is None else cfg.pin
+        self.target, self.target_from = self._initial_target()
+        self._target_lock: asyncio.Lock | None = None
         self.view = View(None)
         self.latest: int | None = None
         self.state = "starting"
@@ -180,15 +237,39 @@ class Subscriber:
         if self._wake is not None:
             self._wake.set()
 
+    def _initial_target(self) -> tuple[Target, str]:
+        """The start-up target (:func:`startup_target`), logged with its source."""
+        pin, stored = self.cfg.pin, None
+        try:
+            stored = read_target(self.cfg.target_dir)
+        except UsageError as exc:
+            if pin is None:
+                raise
+            event(log, "ignoring a damaged stored target: the command line pins a version", logging.WARNING, error=exc)
+        target, source = startup_target(pin, stored)
+        overrides = {} if pin is None or stored in (None, pin) else {"overrides_stored": stored}
+        event(log, "target at start-up", target=target, source=source, **overrides,
+              file=target_path(self.cfg.target_dir))
+        return target, source
+
     async def set_target(self, target: Target) -> None:
-        """Pin a version (it must exist) or follow ``"latest"``; the loop acts on it at once."""
+        """Pin a version (it must exist) or follow ``"latest"``; the loop acts on it at once. The
+        target is stored first (it survives restarts); if that fails nothing changes."""
         if target != LATEST:
             head = await asyncio.to_thread(self.repo.head_version)
             if head is None or int(target) > head:
                 raise VersionError(f"version {target} does not exist in {self.repo.url} (head {head})")
             await asyncio.to_thread(self.repo.manifest, int(target))
-        self.target = target
-        event(log, "target set", target=target)
+        if self._target_lock is None:
+            self._target_lock = asyncio.Lock()
+        async with self._target_lock:  # the file and memory agree on the last call
+            try:
+                await asyncio.to_thread(write_target, self.cfg.target_dir, target, self.cfg.fsync)
+            except OSError as exc:
+                raise WeightsyncError(f"could not store the target in {target_path(self.cfg.target_dir)}: "
+                                      f"{exc.strerror or exc}; target unchanged") from None
+            self.target, self.target_from = target, "api"
+        event(log, "target set", target=target, stored=target_path(self.cfg.target_dir))
         if self.view.failed_version is not None:
             self.view = View(self.view.current, self.view.standby)  # a new target gets a fresh try
         if self._wake is not None:
@@ -211,6 +292,7 @@ class Subscriber:
             "standby_version": self.view.standby,
             "latest_version": self.latest,
             "target": self.target,
+            "target_from": self.target_from,  # command line, stored, default (the head) or api
             "state": self.state,
             "reason": self.reason,
             "lag": lag,
@@ -237,6 +319,8 @@ class Subscriber:
         self.cfg.target_dir.mkdir(parents=True, exist_ok=True)
         for stale in self.cfg.target_dir.glob(".current-*"):  # a flip killed before its rename
             stale.unlink(missing_ok=True)
+        for stale in target_path(self.cfg.target_dir).parent.glob(".tmp-*"):  # a target write killed likewise
+            stale.unlink(missing_ok=True)
         for name in Slots.NAMES:
             self.slots.path(name).mkdir(parents=True, exist_ok=True)
         cur = self.slots.current()
@@ -245,7 +329,7 @@ class Subscriber:
         self.view = View(current, standby)
         self.metrics.current_version.set(-1 if current is None else current)
         event(log, "started", target_dir=self.cfg.target_dir, current=current, standby=standby, target=self.target,
-              partial=self.cfg.partial)
+              target_from=self.target_from, partial=self.cfg.partial)
 
     async def _iteration(self) -> float:
         """One poll: plan, act, update gauges. Returns the seconds to wait before the next one."""

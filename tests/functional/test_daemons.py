@@ -327,7 +327,9 @@ def test_sigterm_mid_sync_leaves_current_intact_and_restart_resumes(tmp_path, da
         state = json.loads((target / "current" / ".weightsync" / "state.json").read_text())
         assert state["version"] in (pin, then)
         verify_current(str(store), target, state["version"], traj[state["version"]])
-    sub = daemons("subscriber", args)
+    sub = daemons("subscriber", args)  # without --version: the last pin set through the API (stored)
+    assert sub.wait_version(1)["target_from"] == "stored"
+    sub.put_target("latest")
     sub.wait_version(3)
     verify_current(str(store), target, 3, traj[3])
     assert sub.stop() == 0

@@ -1,5 +1,6 @@
 """The daemons' pure planning functions, table-driven: subscriber ``plan_next``, publisher
-``plan_publish`` and ``parse_step``, the fleet view, hook templates, selections and config parsing."""
+``plan_publish`` and ``parse_step``, the fleet view, hook templates, selections and config parsing;
+the subscriber's stored target (read, write, start-up precedence)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from weightsync.hooks import render
 from weightsync.ledger import FleetRecord, fleet_view, record_from_json
 from weightsync.partial import Selection
 from weightsync.publisher import Candidate, Idle as PIdle, Publish, Wait as PWait, parse_step, plan_publish
-from weightsync.subscriber import LATEST, Idle, Sync, View, Wait, plan_next
+from weightsync.subscriber import (LATEST, Idle, Sync, View, Wait, plan_next, read_target, startup_target,
+                                   target_path, write_target)
 
 NOW = 1000.0
 
@@ -167,3 +169,54 @@ def test_config_validation():
     with pytest.raises(UsageError):
         HookConfig(url="http://x", command=("true",))
     assert [Backoff(0.5, 4.0).delay(n) for n in range(6)] == [0.0, 0.5, 1.0, 2.0, 4.0, 4.0]
+
+
+# --- the stored target --------------------------------------------------------------------------
+@pytest.mark.parametrize("pin,stored,expect", [
+    (None, None, (LATEST, "default")),
+    (None, 7, (7, "stored")),
+    (None, LATEST, (LATEST, "stored")),
+    (3, 7, (3, "command line")),
+    (3, LATEST, (3, "command line")),
+    (0, None, (0, "command line")),
+])
+def test_startup_target_precedence(pin, stored, expect):
+    assert startup_target(pin, stored) == expect
+
+
+def test_stored_target_round_trip(tmp_path):
+    target = tmp_path / "sub"
+    assert read_target(target) is None  # no folder yet
+    for value in (0, 118, LATEST, 5):
+        write_target(target, value)
+        assert read_target(target) == value
+    assert [p.name for p in target_path(target).parent.iterdir()] == ["target.json"]  # no temporary left
+    write_target(target, 9, fsync=False)
+    assert read_target(target) == 9
+
+
+@pytest.mark.parametrize("content", [
+    b"", b"{", b"\xff\xfe", b"[]", b'{"target": 3}', b'{"format": "weightsync.subscriber-target"}',
+    b'{"format": "weightsync.subscriber-target", "target": -1}',
+    b'{"format": "weightsync.subscriber-target", "target": "3"}',
+    b'{"format": "weightsync.subscriber-target", "target": true}',
+    b'{"format": "weightsync.subscriber-target", "target": 2.5}',
+    b'{"format": "weightsync.subscriber-target", "target": "newest"}',
+])
+def test_a_damaged_stored_target_is_an_error_naming_the_file(tmp_path, content):
+    path = target_path(tmp_path)
+    path.parent.mkdir()
+    path.write_bytes(content)
+    with pytest.raises(UsageError, match="damaged stored target") as err:
+        read_target(tmp_path)
+    assert str(path) in str(err.value) and "--version" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_stored_target_is_never_kept_behind_a_symlink(tmp_path):
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / ".weightsync").symlink_to(tmp_path / "elsewhere")
+    for call in (lambda: read_target(tmp_path / "sub"), lambda: write_target(tmp_path / "sub", 3)):
+        with pytest.raises(UsageError, match="not a directory"):
+            call()
+    assert not list((tmp_path / "elsewhere").iterdir())
