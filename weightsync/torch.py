@@ -1,31 +1,61 @@
-"""In-process hot swap: apply a version to a live torch model's tensors in place (CPU or CUDA).
+"""In-process hot swap: bring a live torch model's tensors to a version of a store (CPU or CUDA).
 
     lock = threading.Lock()                      # the serving loop holds it around each forward
-    sink = TorchSink(store_url, model, version=7, lock=lock)
+    sink = TorchSink(store_url, model, version=7, lock=lock)            # or mode="flip"
     update = sink.prepare("latest")               # fetch, decode, verify, stage: no lock held
-    pause = sink.apply(update)                    # under the lock: only the in-place patch
+    pause = sink.apply(update)                    # under the lock: only the swap
 
 :meth:`TorchSink.prepare` does all the work before the pause: it plans the cheapest recipe per
 tensor from the version the model holds (:func:`~weightsync.planner.plan_segment`), fetches only
-the bytes those recipes need, rebuilds each changed tensor on the CPU from the model's own bytes
-(which are first checked against the checksums of the version the sink believes it holds),
+the bytes those recipes need, rebuilds each changed tensor on the CPU from the bytes the sink
+holds for the current version (which are first checked against that version's checksums),
 verifies the result against the new version's xxh3, and reduces it to a patch: the positions
 that changed and their new bit patterns (int64 indices, integer-view values), or the whole new
-tensor when more than ``dense_above`` of it changed. Patches are moved to the tensor's device
-before the lock is taken. :meth:`TorchSink.apply` then takes the lock and only scatters the changed
-elements (``scatter_`` on an integer view of the same width, so every bit pattern, NaN payloads
-included, is copied exactly) or copies dense tensors, synchronizes the device, and releases it.
+tensor when more than ``dense_above`` of it changed. Patches are written with ``scatter_`` (or
+``copy_``) on an integer view of the same width, so every bit pattern, NaN payloads included, is
+copied exactly. :meth:`TorchSink.apply` takes the lock only for the swap itself. Two modes:
 
-On CUDA the patch runs on the applying thread's current stream and is synchronized before the
-lock is released; the serving loop should likewise let its kernels finish (or run them on the
-default stream) before it releases the lock, so that no forward pass overlaps the patch.
+``mode="patch"`` (the default): the patches are moved to the tensors' devices in ``prepare``;
+``apply`` scatters the changed elements into the live tensors in place (dense tensors are copied),
+synchronizes the device and releases the lock. The pause grows with the number of changed
+elements (on CPU, a quarter or more of a full ``load_state_dict`` at typical RL changes). No
+extra memory beyond the patches; the tensors' storages never change, so it is the mode for
+engines that captured raw data pointers (CUDA graphs, custom kernels holding pointers, flat
+buffers that the tensors are views of).
+
+``mode="flip"`` (double buffered): the sink keeps, for every distinct tensor it can update, a
+standby buffer of the same dtype, shape and device, cloned from the live tensor on construction.
+**This costs a second copy of the weights' memory: the standby buffers are as large as the
+model's matched tensors.** ``prepare`` (without the serving lock) first brings the standby buffers
+up to the version the live tensors hold, by replaying the previous update's patches onto them
+(exact: the positions outside a patch are equal in both versions) or, after a failed or unapplied
+prepare, by copying the live tensors; then it decodes from the standby bytes (verified against
+the current version's xxh3, as in patch mode) and writes the new version into the standby
+(scatter or copy), and synchronizes the device. ``apply`` only repoints each changed tensor at
+its standby storage (``tensor.data = standby``: the Parameter and buffer objects stay the same,
+their storages swap), so the pause is one attribute assignment per changed tensor whatever the
+size of the change; the retired storage becomes the next standby. Give the sink the objects that
+the engine reads through: an ``nn.Module`` (the sink uses ``state_dict(keep_vars=True)``, i.e. the
+Parameters and buffers themselves; tied weights, several names for one Parameter, are swapped
+once) or a mapping of the engine's own tensor objects (not ``model.state_dict()``, whose tensors
+are detached aliases: repointing them would not reach the module). Flip mode is for engines that
+read the parameters through the module on each forward. An engine that captured raw data pointers
+(CUDA graphs, a fused flat buffer, another tensor object sharing the memory) would keep reading
+the retired storage, which the next ``prepare`` overwrites with a future version: such engines
+must use ``mode="patch"``. Never repoint a matched tensor's ``.data`` behind the sink's back.
+
+On CUDA, ``prepare`` and patch-mode ``apply`` run on the calling thread's current stream and
+synchronize before returning (``apply`` before releasing the lock). The serving loop should
+likewise let its kernels finish (or run them on the default stream) before it releases the lock,
+so that no forward pass overlaps the patch or, in flip mode, reads a storage after it was retired.
 
 Tensors of the store that the model does not have are ignored; a tensor whose dtype or shape
-differs is an error (an in-place patch cannot change either).
+differs is an error (neither mode can change either).
 """
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import threading
 import time
@@ -51,6 +81,7 @@ TORCH_DTYPE: dict[str, torch.dtype] = {
     "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
+MODES = ("patch", "flip")
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NP_INT = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 
@@ -58,14 +89,53 @@ _NP_INT = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 @dataclass
 class Patch:
     name: str
-    target: torch.Tensor  # a flat integer view of the live tensor (same width, same memory)
+    target: torch.Tensor  # a flat integer view of the tensor it writes (same width, same memory)
     index: torch.Tensor | None  # int64 positions on the tensor's device (None: dense copy)
     values: torch.Tensor  # new bit patterns (flat integer view) at ``index``, or of the whole tensor
 
 
-@dataclass
+@dataclass(eq=False)
+class _Slot:
+    """Flip mode: one distinct live tensor, every name and object that holds it, and its two buffers."""
+
+    names: list[str]
+    objects: list[torch.Tensor]  # the live objects (Parameters, buffers, the user's tensors)
+    live: torch.Tensor  # a detached alias of the storage the objects hold now
+    standby: torch.Tensor | None = None  # same dtype/shape/device; equal to ``live`` once caught up
+    dirty: bool = False  # the standby may differ from live anywhere: copy live into it
+    replay: Patch | None = None  # the last flip's patch, to replay onto the (retired) standby
+
+
+@dataclass(eq=False)
+class Flip:
+    """Flip mode: point ``objects`` (one live tensor under all its names) at ``new`` instead of ``old``."""
+
+    names: tuple[str, ...]
+    objects: tuple[torch.Tensor, ...]
+    new: torch.Tensor  # the standby buffer, holding the update's version (verified)
+    old: torch.Tensor  # the buffer the objects hold now; the standby after the flip
+    slot: _Slot = field(repr=False)
+    replay: Patch = field(repr=False)  # brings ``old`` to the new version once it is retired
+
+
+def point_to(flips: list[Flip], new: bool = True) -> None:
+    """Repoint each flip's tensor objects at its ``new`` (or back at its ``old``) storage: the
+    whole of a flip-mode pause. No copy, no device work."""
+    for f in flips:
+        buf = f.new if new else f.old
+        for o in f.objects:
+            o.data = buf
+
+
+@dataclass(eq=False)
 class Update:
-    """A prepared update from ``from_version`` to ``version``: everything but the in-place patch."""
+    """A prepared update from ``from_version`` to ``version``: everything but the swap.
+
+    ``patches``: per changed tensor, the changed positions and their new bit patterns (or the whole
+    tensor). In patch mode ``apply`` writes them into the live tensors; in flip mode the new version
+    is already in the standby buffers, ``flips`` lists what ``apply`` repoints, and the patches
+    target the buffers that the flip retires (the next ``prepare`` replays them there).
+    """
 
     version: int
     from_version: int
@@ -74,6 +144,8 @@ class Update:
     changed_elements: int = 0
     tensors: int = 0  # tensors in the version that the model holds
     seconds: dict[str, float] = field(default_factory=dict)
+    mode: str = "patch"
+    flips: list[Flip] = field(default_factory=list)
 
 
 def _host_bytes(t: torch.Tensor) -> np.ndarray:
@@ -86,29 +158,56 @@ def _int_view(t: torch.Tensor) -> torch.Tensor:
     return t.detach().view(-1).view(_INT_VIEW[t.element_size()])
 
 
-class TorchSink:
-    """Keeps a model's tensors at a version of a store by in-place patches (see the module doc).
+def _sync(devices) -> None:
+    for d in devices:
+        if d.type == "cuda":
+            torch.cuda.synchronize(d)
 
-    ``tensors``: an ``nn.Module`` (its ``state_dict()``: parameters and persistent buffers) or a
-    mapping of names to tensors. ``version``: the version they hold now; with ``verify=True`` every
-    tensor is checked against it on construction. ``name_map`` maps a store tensor name to the
-    model's name (or None to skip it). ``lock``: the lock the serving loop takes around its use of
-    the model (a new one by default, as :attr:`lock`).
+
+class TorchSink:
+    """Keeps a model's tensors at a version of a store by in-place patches or, with ``mode="flip"``,
+    by swapping in double-buffered storages (see the module doc).
+
+    ``tensors``: an ``nn.Module`` (its parameters and persistent buffers) or a mapping of names to
+    tensors. ``version``: the version they hold now; with ``verify=True`` every tensor is checked
+    against it on construction. ``name_map`` maps a store tensor name to the model's name (or None
+    to skip it). ``lock``: the lock the serving loop takes around its use of the model (a new one by
+    default, as :attr:`lock`). ``mode``: ``"patch"`` or ``"flip"``; flip mode clones every matched
+    tensor on construction (twice the weights' memory).
     """
 
     def __init__(self, store, tensors, version: int, *, lock: threading.Lock | None = None,
                  name_map: Callable[[str], str | None] | None = None, dense_above: float = 0.05,
-                 verify: bool = True, threads: int = 4, fetch_concurrency: int = 32):
+                 verify: bool = True, threads: int = 4, fetch_concurrency: int = 32, mode: str = "patch"):
+        if mode not in MODES:
+            raise UsageError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+        self.mode = mode
         self.repo = weightsync.open_repo(store)
-        live = tensors.state_dict() if isinstance(tensors, torch.nn.Module) else dict(tensors)
+        if isinstance(tensors, torch.nn.Module):
+            live = tensors.state_dict(keep_vars=True) if mode == "flip" else tensors.state_dict()
+        else:
+            live = dict(tensors)
         self.tensors: Mapping[str, torch.Tensor] = live
         self.version = version
         self.lock = lock or threading.Lock()
         self.name_map = name_map or (lambda n: n)
         self.dense_above, self.threads, self.fetch_concurrency = dense_above, threads, fetch_concurrency
-        self._apply_lock = threading.Lock()  # one update at a time
+        self._apply_lock = threading.Lock()  # one update at a time (flip mode: also held by prepare)
+        self._slots: dict[str, _Slot] = {}  # flip mode: model name -> its slot
+        self._staged: Update | None = None  # flip mode: the update whose version the standby holds
+        if mode == "flip":
+            self._slots = _group(live)
         if verify:
             self.verify()
+        if mode == "flip":
+            try:
+                matched = self._matched(self.repo.manifest(version))
+            except VersionError:
+                matched = []  # collected by gc: standby buffers are cloned on first use
+            slots = {self._slots[n]: None for n in self._names(matched)}
+            for slot in slots:
+                self._ensure_standby(slot)
+            _sync({s.live.device for s in slots})
 
     # -- mapping ----------------------------------------------------------------------------------
     def _matched(self, manifest: Manifest) -> list[tuple[str, Segment, torch.Tensor]]:
@@ -127,6 +226,9 @@ class TorchSink:
                 out.append((f.path, s, t))
         return out
 
+    def _names(self, matched) -> list[str]:
+        return [self.name_map(s.name) for _, s, _ in matched]
+
     def verify(self, version: int | None = None) -> int:
         """Raise :class:`BaseMismatchError` unless every matched tensor holds ``version``'s bytes."""
         m = self.repo.manifest(self.version if version is None else version)
@@ -140,27 +242,38 @@ class TorchSink:
 
     # -- prepare: everything before the pause ------------------------------------------------------
     def prepare(self, version: int | str = "latest") -> Update:
-        """Fetch, decode and verify ``version``, reduced to patches staged on the tensors' devices."""
+        """Fetch, decode and verify ``version``, staged on the tensors' devices: as patches (patch
+        mode) or written into the standby buffers (flip mode)."""
         t0 = time.perf_counter()
-        target_v = resolve_version(self.repo, version)
-        up = Update(target_v, self.version)
-        if target_v == self.version:
+        flip = self.mode == "flip"
+        with self._apply_lock if flip else contextlib.nullcontext():  # flip: one standby, one writer
+            target_v = resolve_version(self.repo, version)
+            up = Update(target_v, self.version, mode=self.mode)
+            if target_v == self.version:
+                return up
+            if flip:
+                self._staged = None  # whatever the standby held is no longer what an update names
+            try:
+                local = self.repo.manifest(self.version)
+            except VersionError:
+                local = None  # collected by gc: rebuild changed tensors from the keyframe
+            chain = self.repo.chain(target_v, back_to=self.version)
+            try:
+                up = self._prepare(up, chain, local, t0)
+            except BaseMismatchError:
+                if local is None:
+                    raise
+                up = self._prepare(Update(target_v, self.version, mode=self.mode), self.repo.chain(target_v), None, t0)
+            if flip:
+                self._staged = up
             return up
-        try:
-            local = self.repo.manifest(self.version)
-        except VersionError:
-            local = None  # collected by gc: rebuild changed tensors from the keyframe
-        chain = self.repo.chain(target_v, back_to=self.version)
-        try:
-            return self._prepare(up, chain, local, t0)
-        except BaseMismatchError:
-            if local is None:
-                raise
-            return self._prepare(Update(target_v, self.version), self.repo.chain(target_v), None, t0)
 
     def _prepare(self, up: Update, chain: list[Manifest], local: Manifest | None, t0: float) -> Update:
         matched = self._matched(chain[-1])
         up.tensors = len(matched)
+        if self.mode == "flip":
+            matched = self._one_per_slot(matched, chain[-1].version)
+            self._catch_up()  # every standby equal to its live tensor again
         live = {}
         jobs = []
         for path, seg, t in matched:
@@ -168,27 +281,38 @@ class TorchSink:
             if r.base is not None and not r.steps and r.base.xxh3 == seg.xxh3:
                 continue  # unchanged
             jobs.append(TensorJob(path, r))
-            live[(path, seg.name)] = t
+            live[(path, seg.name)] = t if self.mode == "patch" else self._slots[self.name_map(seg.name)]
         host: dict[tuple[str, str], np.ndarray] = {}
         lock = threading.Lock()
 
         def base(path: str, seg: Segment) -> np.ndarray:
-            t = live[(path, seg.name)]
-            data = _host_bytes(t)
+            x = live[(path, seg.name)]
+            data = _host_bytes(x if self.mode == "patch" else x.standby)
             if xxhash.xxh3_128_hexdigest(data) != seg.xxh3:
                 raise BaseMismatchError(f"{seg.name}: the model's bytes differ from version {self.version}")
             with lock:
                 host[(path, seg.name)] = data
             return data
 
-        with tempfile.TemporaryDirectory(prefix="weightsync-sink-") as spool:
-            paths, up.fetched_bytes = fetch_for(self.repo, jobs, Path(spool), self.fetch_concurrency)
-            up.seconds["fetch"] = time.perf_counter() - t0
-            for job, new in build_tensors(jobs, paths, base, threads=self.threads):
-                key = (job.path, job.recipe.target.name)
-                with lock:
-                    old = host.pop(key, None)
-                up.patches.append(self._patch(job.recipe.target, live[key], old, new, up))
+        try:
+            with tempfile.TemporaryDirectory(prefix="weightsync-sink-") as spool:
+                paths, up.fetched_bytes = fetch_for(self.repo, jobs, Path(spool), self.fetch_concurrency)
+                up.seconds["fetch"] = time.perf_counter() - t0
+                for job, new in build_tensors(jobs, paths, base, threads=self.threads):
+                    key = (job.path, job.recipe.target.name)
+                    with lock:
+                        old = host.pop(key, None)
+                    if self.mode == "patch":
+                        up.patches.append(self._patch(job.recipe.target, live[key], old, new, up))
+                    else:
+                        up.flips.append(self._stage(job.recipe.target, live[key], old, new, up))
+                        up.patches.append(up.flips[-1].replay)
+            _sync({f.new.device for f in up.flips})
+        except BaseException:
+            for slot in live.values():  # flip mode: the standby of every tensor this update touches
+                if isinstance(slot, _Slot):  # is suspect until copied from live again
+                    slot.dirty = True
+            raise
         up.seconds["prepare"] = time.perf_counter() - t0
         return up
 
@@ -204,12 +328,82 @@ class TorchSink:
         values = torch.from_numpy(new_e[idx].view(_NP_INT[width]))
         return Patch(seg.name, _int_view(t), torch.from_numpy(idx).to(t.device), values.to(t.device))
 
+    # -- flip mode: the standby buffers ------------------------------------------------------------
+    def _one_per_slot(self, matched, version: int):
+        """One (path, segment, tensor) per distinct live tensor; every name of a tied tensor must
+        have the same bytes in ``version`` (they are verified through the first one's checksum)."""
+        first: dict[_Slot, Segment] = {}
+        out = []
+        for path, seg, t in matched:
+            slot = self._slots[self.name_map(seg.name)]
+            seen = first.get(slot)
+            if seen is None:
+                first[slot] = seg
+                out.append((path, seg, t))
+            elif seen.xxh3 != seg.xxh3:
+                raise UsageError(f"{seen.name} and {seg.name} are one tensor in the model but differ in version {version}")
+        for slot in first:
+            self._ensure_standby(slot)
+        return out
+
+    def _ensure_standby(self, slot: _Slot) -> None:
+        """Give ``slot`` a standby buffer equal to its live tensor; notice a storage repointed behind
+        the sink's back (the standby then starts again from the live bytes)."""
+        cur = slot.objects[0].detach()
+        if any(o.data_ptr() != cur.data_ptr() for o in slot.objects[1:]):
+            raise UsageError(f"{', '.join(slot.names)}: the tensor objects no longer share one storage")
+        if cur.data_ptr() != slot.live.data_ptr() or cur.device != slot.live.device:
+            slot.live, slot.replay, slot.dirty = cur, None, True
+        sb = slot.standby
+        if sb is None or sb.device != cur.device or sb.dtype != cur.dtype or sb.shape != cur.shape:
+            slot.standby, slot.replay, slot.dirty = cur.clone(memory_format=torch.contiguous_format), None, False
+
+    def _catch_up(self) -> None:
+        """Bring every standby buffer to the version its live tensor holds (bit-identical)."""
+        with torch.no_grad():
+            for slot in {s: None for s in self._slots.values()}:
+                if slot.standby is None:
+                    continue
+                if slot.dirty:
+                    _int_view(slot.standby).copy_(_int_view(slot.live))
+                elif slot.replay is not None:
+                    p = slot.replay
+                    p.target.copy_(p.values) if p.index is None else p.target.scatter_(0, p.index, p.values)
+                slot.dirty, slot.replay = False, None
+        _sync({s.live.device for s in self._slots.values()})  # decoding threads read the standbys
+
+    def _stage(self, seg: Segment, slot: _Slot, old: np.ndarray | None, new: np.ndarray, up: Update) -> Flip:
+        """Write ``new`` (verified bytes of ``seg``) into ``slot``'s standby; the flip that swaps it in."""
+        width = itemsize(seg.dtype)
+        new_e = new.view(UINT_VIEW[width])
+        if old is None:
+            old = _host_bytes(slot.standby)
+        idx = np.flatnonzero(old.view(UINT_VIEW[width]) != new_e)  # old: the standby's bytes now
+        up.changed_elements += int(idx.size)
+        slot.dirty = True  # until the flip (an update never applied leaves the standby ahead of live)
+        target = _int_view(slot.standby)
+        with torch.no_grad():
+            if idx.size > self.dense_above * new_e.size:
+                target.copy_(torch.from_numpy(new.view(_NP_INT[width])))
+                replay = Patch(seg.name, _int_view(slot.live), None, target)  # after the flip: copy from live
+            else:
+                index = torch.from_numpy(idx).to(slot.standby.device)
+                values = torch.from_numpy(new_e[idx].view(_NP_INT[width])).to(slot.standby.device)
+                target.scatter_(0, index, values)
+                replay = Patch(seg.name, _int_view(slot.live), index, values)
+        return Flip(tuple(slot.names), tuple(slot.objects), slot.standby, slot.live, slot, replay)
+
     # -- apply: the pause --------------------------------------------------------------------------
     def apply(self, update: Update) -> float:
-        """Patch the live tensors in place under :attr:`lock`; returns the seconds the lock was held."""
+        """Patch the live tensors in place (patch mode) or swap in their standby storages (flip
+        mode) under :attr:`lock`; returns the seconds the lock was held."""
         with self._apply_lock:
+            if update.mode != self.mode:
+                raise UsageError(f"update was prepared in {update.mode} mode, the sink is in {self.mode} mode")
             if update.from_version != self.version:
                 raise UsageError(f"update was prepared from version {update.from_version}, the model holds {self.version}")
+            if self.mode == "flip":
+                return self._apply_flip(update)
             devices = {p.target.device for p in update.patches if p.target.device.type == "cuda"}
             with torch.no_grad(), self.lock:
                 t0 = time.perf_counter()
@@ -225,8 +419,59 @@ class TorchSink:
             update.seconds["pause"] = pause
             return pause
 
+    def _apply_flip(self, update: Update) -> float:
+        if update.version != update.from_version and update is not self._staged:
+            raise UsageError(f"update to version {update.version} is no longer staged in the standby "
+                             "(another prepare ran since, or it failed); prepare again")
+        for f in update.flips:
+            if any(o.data_ptr() != f.old.data_ptr() for o in f.objects):
+                raise UsageError(f"{', '.join(f.names)}: the tensor's storage was repointed behind the sink's back")
+        with self.lock:
+            t0 = time.perf_counter()
+            point_to(update.flips)
+            pause = time.perf_counter() - t0
+        for f in update.flips:
+            f.slot.live, f.slot.standby = f.new, f.old
+            f.slot.dirty, f.slot.replay = False, f.replay
+        self._staged = None
+        self.version = update.version
+        update.seconds["pause"] = pause
+        return pause
+
     def update(self, version: int | str = "latest") -> Update:
         """:meth:`prepare` then :meth:`apply`; returns the update with its timings."""
         up = self.prepare(version)
         self.apply(up)
         return up
+
+
+def _group(tensors: Mapping[str, torch.Tensor]) -> dict[str, _Slot]:
+    """Flip mode: group names by the memory they view (tied weights: one slot, all their objects);
+    refuse tensors that overlap without being the same view (one could not be repointed alone)."""
+    by_view: dict[tuple, _Slot] = {}
+    out: dict[str, _Slot] = {}
+    for name, t in tensors.items():
+        key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+        slot = by_view.get(key)
+        if slot is None:
+            slot = by_view[key] = _Slot([], [], t.detach())
+        slot.names.append(name)
+        if not any(o is t for o in slot.objects):
+            slot.objects.append(t)
+        out[name] = slot
+    spans = []
+    for slot in by_view.values():
+        t = slot.live
+        if t.numel() and t.device.type != "meta":
+            extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+            spans.append(((t.device.type, t.device.index), t.data_ptr(), t.data_ptr() + extent * t.element_size(), slot))
+    spans.sort(key=lambda x: (str(x[0]), x[1]))
+    reach: dict = {}  # device -> (furthest end so far, its slot)
+    for dev, begin, end, slot in spans:
+        prev = reach.get(dev)
+        if prev is not None and begin < prev[0]:
+            raise UsageError(f"{prev[1].names[0]} and {slot.names[0]} share memory without being the same tensor; "
+                             "flip mode cannot repoint one alone (use mode='patch')")
+        if prev is None or end > prev[0]:
+            reach[dev] = (end, slot)
+    return out
