@@ -1,8 +1,9 @@
-"""The in-process torch sink (CPU here; the same code path serves CUDA tensors) and in-process
-publishing from a state dict."""
+"""The in-process torch sink in both modes, patch and flip (CPU here; the same code path serves
+CUDA tensors), and in-process publishing from a state dict."""
 
 from __future__ import annotations
 
+import shutil
 import threading
 
 import pytest
@@ -11,13 +12,16 @@ import xxhash
 from safetensors.torch import load_file
 
 import weightsync
-from weightsync.errors import BaseMismatchError, UsageError
+from weightsync.errors import BaseMismatchError, NotFoundError, UsageError
+from weightsync.format import chunk_key
 from weightsync.publisher import StateDictPublisher, publish_state_dict
 from weightsync.publishing import PublishConfig
 from weightsync.synth import SyntheticTrainer, make_trajectory
+import weightsync.torch as wtorch
 from weightsync.torch import TorchSink
 
 TINY = dict(hidden=32, layers=1, experts=2, vocab=128)
+MODES = pytest.mark.parametrize("mode", ["patch", "flip"])
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +63,11 @@ def module_from(sd: dict[str, torch.Tensor]) -> torch.nn.Module:
     return root
 
 
-def test_sink_moves_a_model_through_versions_bit_exact(published):
+@MODES
+def test_sink_moves_a_model_through_versions_bit_exact(published, mode):
     store, versions = published
     live = copy_of(versions[0])
-    sink = TorchSink(store, live, 0)
+    sink = TorchSink(store, live, 0, mode=mode)
     for v in (1, 2, 5, 3, 0, 4):
         up = sink.update(v)
         assert sink.version == v and up.version == v
@@ -72,7 +77,8 @@ def test_sink_moves_a_model_through_versions_bit_exact(published):
     assert sink.update(4).patches == []  # already there
 
 
-def test_serving_loop_never_sees_a_torn_model(published):
+@MODES
+def test_serving_loop_never_sees_a_torn_model(published, mode):
     store, versions = published
     live = copy_of(versions[0])
     names = sorted(live)
@@ -85,7 +91,7 @@ def test_serving_loop_never_sees_a_torn_model(published):
 
     valid = {fingerprint(sd) for sd in versions}
     lock = threading.Lock()
-    sink = TorchSink(store, live, 0, lock=lock)
+    sink = TorchSink(store, live, 0, lock=lock, mode=mode)
     seen, stop = [], threading.Event()
 
     def serve() -> None:
@@ -105,41 +111,251 @@ def test_serving_loop_never_sees_a_torn_model(published):
     assert fingerprint(live) == fingerprint(versions[5])
 
 
-def test_module_name_map_and_dense_copies(published):
+@MODES
+def test_module_name_map_and_dense_copies(published, mode):
     store, versions = published
     model = module_from({f"net.{k}": v for k, v in versions[0].items() if k != "model.step"})
-    sink = TorchSink(store, model, 0, name_map=lambda n: None if n == "model.step" else f"net.{n}", dense_above=0.0)
+    sink = TorchSink(store, model, 0, name_map=lambda n: None if n == "model.step" else f"net.{n}", dense_above=0.0,
+                     mode=mode)
     up = sink.update(2)
     assert up.patches and all(p.index is None for p in up.patches)  # every changed tensor copied whole
     assert_holds(model.state_dict(), {f"net.{k}": v for k, v in versions[2].items() if k != "model.step"})
 
 
-def test_a_model_that_drifted_is_detected_and_repaired(published):
+@MODES
+def test_a_model_that_drifted_is_detected_and_repaired(published, mode):
     store, versions = published
     live = copy_of(versions[1])
-    sink = TorchSink(store, live, 1)
+    sink = TorchSink(store, live, 1, mode=mode)
     name = "model.layers.0.mlp.experts.1.up_proj.weight"
+    assert bits(versions[1][name]) != bits(versions[2][name]) and bits(versions[2][name]) != bits(versions[3][name])
     live[name].view(-1).view(torch.int16)[7] += 1  # someone wrote into the model behind the sink's back
     with pytest.raises(BaseMismatchError):
         sink.verify()
-    up = sink.prepare(2)  # the bytes it would start from are wrong: rebuilt from the keyframe instead
+    # patch: the bytes it would start from are wrong, rebuilt from the keyframe instead; flip: the
+    # standby still holds version 1, and the drifted storage, retired, is caught by the next update
+    up = sink.prepare(2)
     sink.apply(up)
     assert_holds(live, versions[2])
+    sink.update(3)
+    assert_holds(live, versions[3])
+    assert sink.verify() == len(versions[3])
 
 
-def test_updates_are_refused_when_they_cannot_apply(published):
+@MODES
+def test_updates_are_refused_when_they_cannot_apply(published, mode):
     store, versions = published
     with pytest.raises(UsageError, match="cannot patch in place"):
-        TorchSink(store, {k: v.float() if v.dtype == torch.bfloat16 else v for k, v in versions[0].items()}, 0)
+        TorchSink(store, {k: v.float() if v.dtype == torch.bfloat16 else v for k, v in versions[0].items()}, 0, mode=mode)
     with pytest.raises(UsageError, match="no tensor"):
-        TorchSink(store, {"other": torch.zeros(3)}, 0)
+        TorchSink(store, {"other": torch.zeros(3)}, 0, mode=mode)
     live = copy_of(versions[0])
-    sink = TorchSink(store, live, 0)
+    sink = TorchSink(store, live, 0, mode=mode)
     stale = sink.prepare(3)
     sink.update(1)
     with pytest.raises(UsageError, match="prepared from version 0"):
         sink.apply(stale)
     assert_holds(live, versions[1])
+
+
+# -- flip mode ----------------------------------------------------------------------------------------
+def storages(tensors) -> dict[str, int]:
+    return {n: t.data_ptr() for n, t in tensors.items()}
+
+
+def test_flip_keeps_the_objects_and_swaps_between_two_storages(published):
+    store, versions = published
+    model = module_from(versions[0])
+    params = dict(model.named_parameters())
+    first = storages(params)
+    sink = TorchSink(store, model, 0, mode="flip")
+    twin = TorchSink(store, copy_of(versions[0]), 0, mode="patch")
+    seen = {n: {p} for n, p in first.items()}
+    for v in (1, 2, 5, 3, 0, 4):  # forward, then back (rollbacks), then forward again
+        before = storages(params)
+        up = sink.update(v)
+        same = twin.update(v)  # the standby was caught up exactly: the same plan as patching in place
+        assert (up.fetched_bytes, up.changed_elements) == (same.fetched_bytes, same.changed_elements)
+        assert dict(model.named_parameters()) == params and all(params[n] is p for n, p in model.named_parameters())
+        assert_holds(model.state_dict(), versions[v])
+        flipped = {n for f in up.flips for n in f.names}
+        assert flipped and flipped == {p.name for p in up.patches}
+        for n, p in params.items():
+            assert (p.data_ptr() != before[n]) == (n in flipped), n  # only the changed tensors were repointed
+            seen[n].add(p.data_ptr())
+        assert up.seconds["pause"] < up.seconds["prepare"]
+    assert all(len(ptrs) <= 2 for ptrs in seen.values())  # double buffering: no third storage ever
+    assert any(len(ptrs) == 2 for ptrs in seen.values())
+    assert sink.verify() == len(versions[0])
+
+
+class TiedLM(torch.nn.Module):
+    """A tiny language model whose output head shares the embedding's Parameter."""
+
+    def __init__(self, vocab: int = 96, dim: int = 24):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.proj = torch.nn.Linear(dim, dim)
+        self.norm = torch.nn.LayerNorm(dim)
+        self.lm_head = torch.nn.Linear(dim, vocab, bias=False)
+        self.lm_head.weight = self.embed.weight
+        self.register_buffer("scale", torch.ones(dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        return self.lm_head(self.norm(h + torch.tanh(self.proj(h)) * self.scale))
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory):
+    """Versions 0..4 of a TiedLM in bf16 (small fp32 steps, a keyframe at 0 and 3), and version 9
+    whose head no longer equals the embedding."""
+    root = tmp_path_factory.mktemp("tied")
+    torch.manual_seed(0)
+    master = {n: t.detach().float().clone() for n, t in TiedLM().state_dict().items() if n != "lm_head.weight"}
+    versions = {}
+    with StateDictPublisher(root / "store", config=PublishConfig(keyframe_interval=3), work_dir=root / "work") as pub:
+        for v in range(5):
+            if v:
+                for n, w in master.items():
+                    w += 3e-3 * torch.randn_like(w) * (torch.rand_like(w) < 0.2)
+            sd = {n: w.to(torch.bfloat16) for n, w in master.items()}
+            sd["lm_head.weight"] = sd["embed.weight"]
+            pub.publish(sd, version=v)
+            versions[v] = {n: t.clone() for n, t in sd.items()}
+        sd = {n: w.to(torch.bfloat16) for n, w in master.items()}
+        sd["lm_head.weight"] = (master["embed.weight"] * 1.5).to(torch.bfloat16)
+        pub.publish(sd, version=9)
+    return str(root / "store"), versions
+
+
+def loaded(sd: dict[str, torch.Tensor]) -> TiedLM:
+    m = TiedLM().to(torch.bfloat16)
+    m.load_state_dict(sd)
+    return m.eval()
+
+
+@MODES
+def test_forward_after_apply_equals_a_freshly_loaded_model(tied, mode):
+    store, versions = tied
+    model = loaded(versions[0])
+    head = model.lm_head.weight
+    ids = torch.arange(64).reshape(4, 16) % 96
+    sink = TorchSink(store, model, 0, mode=mode)
+    for v in (2, 3, 1, 4, 0):
+        before = model(ids)
+        up = sink.update(v)
+        with torch.no_grad():
+            out = model(ids)
+        assert not torch.equal(out, before)
+        assert torch.equal(out, loaded(versions[v])(ids))
+        assert model.lm_head.weight is model.embed.weight is head  # still tied, still the same Parameter
+        assert_holds(model.state_dict(), versions[v])
+        if mode == "flip":  # the tied Parameter is one tensor, repointed once under both names
+            tied_flips = [f for f in up.flips if "embed.weight" in f.names]
+            assert len(tied_flips) == 1 and set(tied_flips[0].names) == {"embed.weight", "lm_head.weight"}
+            assert tied_flips[0].objects == (head,) and head.data_ptr() == tied_flips[0].new.data_ptr()
+            assert sum(f.names.count("embed.weight") for f in up.flips) == 1
+
+
+def test_flip_refuses_a_version_that_unties_tied_weights(tied):
+    store, versions = tied
+    model = loaded(versions[1])
+    sink = TorchSink(store, model, 1, mode="flip")
+    with pytest.raises(UsageError, match="one tensor in the model but differ in version 9"):
+        sink.prepare(9)
+    assert_holds(model.state_dict(), versions[1])
+    sink.update(4)
+    assert_holds(model.state_dict(), versions[4])
+
+
+def test_flip_refuses_tensors_that_overlap_without_being_one(published):
+    store, versions = published
+    live = copy_of(versions[0])
+    live["alias"] = live["model.embed_tokens.weight"].view(-1)[8:40]
+    with pytest.raises(UsageError, match="share memory"):
+        TorchSink(store, live, 0, mode="flip")
+    TorchSink(store, live, 0, mode="patch")  # patching in place does not care
+    with pytest.raises(UsageError, match="mode"):
+        TorchSink(store, copy_of(versions[0]), 0, mode="swap")
+
+
+def test_flip_refuses_updates_no_longer_staged(published):
+    store, versions = published
+    live = copy_of(versions[0])
+    sink = TorchSink(store, live, 0, mode="flip")
+    a = sink.prepare(2)
+    b = sink.prepare(3)  # the standby now holds version 3: a's flips would swap in the wrong bytes
+    with pytest.raises(UsageError, match="no longer staged"):
+        sink.apply(a)
+    assert_holds(live, versions[0])
+    sink.apply(b)
+    assert_holds(live, versions[3])
+    with pytest.raises(UsageError, match="prepared from version 0"):
+        sink.apply(a)
+    patch_up = TorchSink(store, copy_of(versions[3]), 3).prepare(4)
+    with pytest.raises(UsageError, match="patch mode"):
+        sink.apply(patch_up)
+    assert_holds(live, versions[3])
+    sink.update(4)
+    assert_holds(live, versions[4])
+
+
+def test_flip_prepare_failing_midway_leaves_the_model_and_the_sink_usable(published, monkeypatch):
+    store, versions = published
+    live = copy_of(versions[0])
+    before = storages(live)
+    sink = TorchSink(store, live, 0, mode="flip")
+    staged = sink.prepare(1)
+    real = wtorch.build_tensors
+
+    def fails_after_three(*args, **kwargs):
+        for i, item in enumerate(real(*args, **kwargs)):
+            if i == 3:
+                raise RuntimeError("disk on fire")
+            yield item
+
+    monkeypatch.setattr(wtorch, "build_tensors", fails_after_three)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        sink.prepare(2)  # three tensors of version 2 were already written into the standby
+    monkeypatch.setattr(wtorch, "build_tensors", real)
+    assert_holds(live, versions[0])
+    assert storages(live) == before and sink.version == 0
+    with pytest.raises(UsageError, match="no longer staged"):
+        sink.apply(staged)
+    up = sink.prepare(2)
+    # the standby was brought back from the live tensors, not rebuilt from the keyframe
+    assert up.fetched_bytes == TorchSink(store, copy_of(versions[0]), 0, mode="flip").prepare(2).fetched_bytes
+    sink.apply(up)
+    assert_holds(live, versions[2])
+    for v in (3, 1, 5):
+        sink.update(v)
+        assert_holds(live, versions[v])
+
+
+def test_flip_prepare_with_a_damaged_store_leaves_the_model_intact(published, tmp_path):
+    src, versions = published
+    store = tmp_path / "store"
+    shutil.copytree(src, store)
+    repo = weightsync.open_repo(str(store))
+    older = {c.id for v in (0, 1) for c in repo.manifest(v).chunks}
+    gone = [c.id for c in repo.manifest(2).chunks if c.id not in older]
+    assert gone
+    for cid in gone:
+        (store / chunk_key(cid)).rename(tmp_path / cid)
+    live = copy_of(versions[1])
+    before = storages(live)
+    sink = TorchSink(str(store), live, 1, mode="flip")
+    with pytest.raises(NotFoundError, match="missing chunk"):
+        sink.prepare(2)
+    assert_holds(live, versions[1])
+    assert storages(live) == before
+    for cid in gone:
+        (tmp_path / cid).rename(store / chunk_key(cid))
+    sink.update(2)
+    assert_holds(live, versions[2])
+    sink.update(0)
+    assert_holds(live, versions[0])
 
 
 def test_publish_state_dict_in_process(tmp_path):
