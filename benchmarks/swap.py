@@ -1,17 +1,31 @@
-"""Swap pause of the in-process torch sink against a full ``load_state_dict`` of the same model.
+"""Swap pause of the in-process torch sink, in both its modes, against a full ``load_state_dict``
+of the same model.
 
 For each learning rate, the cached realistic trajectory (benchmarks/trajectory.py: a 37M-parameter
-MoE, 74 MB in bf16, really trained with AdamW) is published to a temporary file store. A bf16 model
-is loaded with step 0; then :class:`weightsync.torch.TorchSink` brings it to steps 1..5 one by one:
-``prepare`` (fetch, decode, verify, stage the patches; no lock), one forward pass (a serving loop
-keeps the weights hot), and ``apply`` (the pause: scatter the changed elements in place under the
-lock, or copy tensors of which more than ``--dense-above`` changed). The baseline is ``model.load_state_dict(sd)`` with
-``sd`` already in host memory (best of 5), and the same preceded by reading the safetensors file.
-The model is checked bit for bit against the last checkpoint at the end. Figures are medians over
-the 5 updates of each update's best of: its real apply and 9 replays of the same patch (the same
-memory traffic), and the best of 15 ``load_state_dict`` calls; "1st pause" is the real apply alone.
+MoE, 74 MB in bf16, really trained with AdamW) is published to a temporary file store. The baseline
+is ``model.load_state_dict(sd)`` with ``sd`` already in host memory (best of 15), and the same
+preceded by reading the safetensors file (best of 3), measured once per learning rate and shared by
+both modes. Then, for each mode, a fresh bf16 model is loaded with step 0 and
+:class:`weightsync.torch.TorchSink` brings it to steps 1..5 one by one: ``prepare`` (no lock), one
+forward pass (a serving loop keeps the weights hot), and ``apply`` (the pause, under the lock):
 
-    python benchmarks/swap.py [--device cuda] [--lr 1e-6 --lr 1e-5] [--json out.json]
+- ``patch``: ``prepare`` fetches, decodes, verifies and stages the patches on the device; the pause
+  scatters the changed elements in place (tensors of which more than ``--dense-above`` changed are
+  copied whole) and synchronizes the device.
+- ``flip``: ``prepare`` also catches the standby buffers up with the live version (replaying the
+  previous update's patches) and writes the new version into them; the pause repoints each changed
+  tensor at its standby storage (one ``.data`` assignment per changed tensor, no copy, no device
+  work). The standby costs a second copy of the model's memory ("standby" column).
+
+Figures are medians over the 5 updates of each update's best of its real apply and 9 replays; "1st
+pause" is the real apply alone. A patch-mode replay re-runs the same scatters and copies (the same
+memory traffic; the values are already set). A flip-mode replay flips the changed tensors back to
+their previous storage and then forward again, under the lock, timing each of the two flips on its
+own, exactly as ``apply`` times its flip (the same :func:`weightsync.torch.point_to` call over the
+same tensors): each timed flip is a whole flip, not half of a pair, and the model ends on the new
+version. The model is checked bit for bit against the last checkpoint at the end, in each mode.
+
+    python benchmarks/swap.py [--mode patch|flip|both] [--device cuda] [--lr 1e-6 --lr 1e-5] [--json out.json]
 """
 
 from __future__ import annotations
@@ -35,7 +49,7 @@ from safetensors.torch import load_file  # noqa: E402
 from trajectory import ModelConfig, MoeForCausalLM  # noqa: E402
 
 import weightsync  # noqa: E402
-from weightsync.torch import TorchSink  # noqa: E402
+from weightsync.torch import TorchSink, point_to  # noqa: E402
 
 STEPS = 6
 
@@ -82,8 +96,21 @@ def bench_disk_load(model: torch.nn.Module, path: Path, device: torch.device, re
 
 
 def replay_seconds(sink: TorchSink, up, device: torch.device, repeat: int = 9) -> float:
-    """Best time of re-running an applied update's patch (same memory traffic; values already set),
-    so that one unlucky scheduling on a shared machine does not decide the figure."""
+    """Best time of re-running an applied update's swap, so that one unlucky scheduling on a shared
+    machine does not decide the figure. Patch mode: the same scatters and copies (same memory
+    traffic; values already set). Flip mode: ``repeat`` pairs of flips, back to the old storages and
+    forward to the new ones, each flip timed on its own under the lock; the model ends on the new
+    version."""
+    if up.mode == "flip":
+        best = float("inf")
+        for _ in range(repeat):
+            for new in (False, True):
+                with sink.lock:
+                    t0 = time.perf_counter()
+                    point_to(up.flips, new)
+                    best = min(best, time.perf_counter() - t0)
+        return best
+
     def once() -> None:
         with torch.no_grad(), sink.lock:
             for p in up.patches:
@@ -105,7 +132,33 @@ def same_bits(model: torch.nn.Module, sd: dict) -> bool:
     return all(torch.equal(live[k].cpu().view(torch.int16), v.view(torch.int16)) for k, v in sd.items())
 
 
-def run(lr: float, device: torch.device, dense_above: float) -> dict:
+def run_mode(mode: str, store: str, dirs: list[Path], last: dict, device: torch.device, dense_above: float) -> dict:
+    model = build_model(dirs[0], device)
+    n_elem = sum(p.numel() for p in model.state_dict().values())
+    serve(model, device)
+    sink = TorchSink(store, model, 0, dense_above=dense_above, mode=mode)
+    rows = []
+    for v in range(1, STEPS):
+        t0 = time.perf_counter()
+        up = sink.prepare(v)
+        t_prep = time.perf_counter() - t0
+        serve(model, device)  # weights are hot in a serving process: one forward pass between updates
+        pause = sink.apply(up)
+        rows.append({"version": v, "changed": up.changed_elements / n_elem, "fetched_bytes": up.fetched_bytes,
+                     "prepare_s": t_prep, "pause_s": pause, "pause_best_s": min(pause, replay_seconds(sink, up, device)),
+                     "dense_tensors": sum(p.index is None for p in up.patches), "patched_tensors": len(up.patches)})
+    serve(model, device)
+    pauses = [r["pause_best_s"] for r in rows]
+    return {
+        "mode": mode, "standby_bytes": sink.standby_bytes, "bit_exact": same_bits(model, last),
+        "changed_mean": statistics.mean(r["changed"] for r in rows),
+        "prepare_median_s": statistics.median(r["prepare_s"] for r in rows),
+        "pause_median_s": statistics.median(pauses), "pause_max_s": max(pauses),
+        "first_pause_median_s": statistics.median(r["pause_s"] for r in rows), "steps": rows,
+    }
+
+
+def run(lr: float, device: torch.device, dense_above: float, modes: list[str]) -> list[dict]:
     dirs = common.build_cached(f"moe-lr{lr:g}", lr, STEPS)
     with tempfile.TemporaryDirectory(prefix="weightsync-swap-") as tmp:
         store = str(Path(tmp) / "store")
@@ -117,43 +170,26 @@ def run(lr: float, device: torch.device, dense_above: float) -> dict:
         last = load_file(str(dirs[-1] / "model.safetensors"))
         t_load = bench_load_state_dict(model, last, device)
         t_disk = bench_disk_load(model, dirs[-1] / "model.safetensors", device)
-        model.load_state_dict(load_file(str(dirs[0] / "model.safetensors")))  # back to version 0
-        serve(model, device)
-        _sync(device)
-        sink = TorchSink(store, model, 0, dense_above=dense_above)
-        rows = []
-        for v in range(1, STEPS):
-            t0 = time.perf_counter()
-            up = sink.prepare(v)
-            t_prep = time.perf_counter() - t0
-            serve(model, device)  # weights are hot in a serving process: one forward pass between updates
-            pause = sink.apply(up)
-            rows.append({"version": v, "changed": up.changed_elements / n_elem, "fetched_bytes": up.fetched_bytes,
-                         "prepare_s": t_prep, "pause_s": pause, "pause_best_s": min(pause, replay_seconds(sink, up, device)),
-                         "dense_tensors": sum(p.index is None for p in up.patches), "patched_tensors": len(up.patches)})
-        exact = same_bits(model, last)
-    pauses = [r["pause_best_s"] for r in rows]
-    return {
-        "lr": lr, "device": str(device), "model_bytes": n_bytes, "elements": n_elem,
-        "load_state_dict_s": t_load, "disk_load_s": t_disk,
-        "changed_mean": statistics.mean(r["changed"] for r in rows),
-        "prepare_median_s": statistics.median(r["prepare_s"] for r in rows),
-        "pause_median_s": statistics.median(pauses), "pause_max_s": max(pauses),
-        "first_pause_median_s": statistics.median(r["pause_s"] for r in rows),
-        "pause_ratio": statistics.median(pauses) / t_load, "bit_exact": exact, "steps": rows,
-    }
+        del model
+        out = []
+        for mode in modes:
+            r = run_mode(mode, store, dirs, last, device, dense_above)
+            out.append({"lr": lr, "device": str(device), "model_bytes": n_bytes, "elements": n_elem,
+                        "load_state_dict_s": t_load, "disk_load_s": t_disk, **r,
+                        "pause_ratio": r["pause_median_s"] / t_load})
+    return out
 
 
 def table(results: list[dict]) -> str:
-    head = (f"{'lr':>6} {'device':>6} {'model':>7} {'changed':>8} {'load_state_dict':>16} {'file+load':>10} "
-            f"{'prepare':>9} {'1st pause':>10} {'pause':>9} {'pause max':>10} {'pause/load':>11} {'exact':>6}")
+    head = (f"{'lr':>6} {'device':>6} {'model':>7} {'mode':>5} {'changed':>8} {'load_state_dict':>16} {'file+load':>10} "
+            f"{'prepare':>9} {'1st pause':>10} {'pause':>9} {'pause max':>10} {'pause/load':>11} {'standby':>8} {'exact':>6}")
     lines = [head, "-" * len(head)]
     for r in results:
         lines.append(
-            f"{r['lr']:>6g} {r['device']:>6} {r['model_bytes'] / 1e6:>5.0f}MB {100 * r['changed_mean']:>7.2f}% "
+            f"{r['lr']:>6g} {r['device']:>6} {r['model_bytes'] / 1e6:>5.0f}MB {r['mode']:>5} {100 * r['changed_mean']:>7.2f}% "
             f"{1e3 * r['load_state_dict_s']:>13.2f} ms {1e3 * r['disk_load_s']:>7.1f} ms {1e3 * r['prepare_median_s']:>6.1f} ms "
-            f"{1e3 * r['first_pause_median_s']:>7.2f} ms {1e3 * r['pause_median_s']:>6.2f} ms {1e3 * r['pause_max_s']:>7.2f} ms "
-            f"{100 * r['pause_ratio']:>10.1f}% "
+            f"{1e3 * r['first_pause_median_s']:>7.3f} ms {1e3 * r['pause_median_s']:>6.3f} ms {1e3 * r['pause_max_s']:>7.3f} ms "
+            f"{100 * r['pause_ratio']:>10.2f}% {r['standby_bytes'] / 1e6:>6.0f}MB "
             f"{'yes' if r['bit_exact'] else 'NO':>6}"
         )
     return "\n".join(lines)
@@ -161,6 +197,7 @@ def table(results: list[dict]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mode", choices=("patch", "flip", "both"), default="both", help="sink mode(s) to measure (default both)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--lr", type=float, action="append", help="learning rates (default: 1e-6 and 1e-5)")
     ap.add_argument("--dense-above", type=float, default=0.05, help="copy a whole tensor above this changed fraction")
@@ -169,7 +206,8 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    results = [run(lr, device, args.dense_above) for lr in (args.lr or [1e-6, 1e-5])]
+    modes = ["patch", "flip"] if args.mode == "both" else [args.mode]
+    results = [r for lr in (args.lr or [1e-6, 1e-5]) for r in run(lr, device, args.dense_above, modes)]
     print(table(results))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

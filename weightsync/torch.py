@@ -209,6 +209,13 @@ class TorchSink:
                 self._ensure_standby(slot)
             _sync({s.live.device for s in slots})
 
+    @property
+    def standby_bytes(self) -> int:
+        """Memory held by the standby buffers (flip mode; 0 in patch mode): the size of the model's
+        matched tensors, counted once per distinct tensor."""
+        slots = {s: None for s in self._slots.values() if s.standby is not None}
+        return sum(s.standby.numel() * s.standby.element_size() for s in slots)
+
     # -- mapping ----------------------------------------------------------------------------------
     def _matched(self, manifest: Manifest) -> list[tuple[str, Segment, torch.Tensor]]:
         out = []
