@@ -270,7 +270,14 @@ class TorchSink:
             except BaseMismatchError:
                 if local is None:
                     raise
-                up = self._prepare(Update(target_v, self.version, mode=self.mode), self.repo.chain(target_v), None, t0)
+                up = None
+                if flip:  # a standby that differs from its live tensor is copied from it: try once more
+                    try:
+                        up = self._prepare(Update(target_v, self.version, mode=self.mode), chain, local, t0)
+                    except BaseMismatchError:
+                        pass  # the live tensor itself differs from the version
+                if up is None:
+                    up = self._prepare(Update(target_v, self.version, mode=self.mode), self.repo.chain(target_v), None, t0)
             if flip:
                 self._staged = up
             return up
