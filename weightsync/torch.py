@@ -18,7 +18,8 @@ copied exactly. :meth:`TorchSink.apply` takes the lock only for the swap itself.
 ``mode="patch"`` (the default): the patches are moved to the tensors' devices in ``prepare``;
 ``apply`` scatters the changed elements into the live tensors in place (dense tensors are copied),
 synchronizes the device and releases the lock. The pause grows with the number of changed
-elements (on CPU, a quarter or more of a full ``load_state_dict`` at typical RL changes). No
+elements (on CPU, 40-65% of a full ``load_state_dict`` at typical RL changes in
+``benchmarks/swap.py``). No
 extra memory beyond the patches; the tensors' storages never change, so it is the mode for
 engines that captured raw data pointers (CUDA graphs, custom kernels holding pointers, flat
 buffers that the tensors are views of).
@@ -34,7 +35,8 @@ the current version's xxh3, as in patch mode) and writes the new version into th
 (scatter or copy), and synchronizes the device. ``apply`` only repoints each changed tensor at
 its standby storage (``tensor.data = standby``: the Parameter and buffer objects stay the same,
 their storages swap), so the pause is one attribute assignment per changed tensor whatever the
-size of the change; the retired storage becomes the next standby. Give the sink the objects that
+size of the change (well under 1% of a ``load_state_dict`` in ``benchmarks/swap.py``); the retired
+storage becomes the next standby. Give the sink the objects that
 the engine reads through: an ``nn.Module`` (the sink uses ``state_dict(keep_vars=True)``, i.e. the
 Parameters and buffers themselves; tied weights, several names for one Parameter, are swapped
 once) or a mapping of the engine's own tensor objects (not ``model.state_dict()``, whose tensors
@@ -42,10 +44,21 @@ are detached aliases: repointing them would not reach the module). Flip mode is 
 read the parameters through the module on each forward. An engine that captured raw data pointers
 (CUDA graphs, a fused flat buffer, another tensor object sharing the memory) would keep reading
 the retired storage, which the next ``prepare`` overwrites with a future version: such engines
-must use ``mode="patch"``. Never repoint a matched tensor's ``.data`` behind the sink's back.
+must use ``mode="patch"``. Do not repoint a matched tensor's ``.data`` behind the sink's back
+(``apply`` refuses to flip it; the next ``prepare`` copies its standby afresh).
 
-On CUDA, ``prepare`` and patch-mode ``apply`` run on the calling thread's current stream and
-synchronize before returning (``apply`` before releasing the lock). The serving loop should
+Flip mode's safety rules: a ``prepare`` that fails leaves the live tensors untouched, and the
+standby buffers it may have written are copied from the live tensors by the next ``prepare``; only
+the update of the latest successful ``prepare`` can be applied (any later ``prepare``, even a
+failed one, replaces what the standby holds), and, as in patch mode, only while the model still
+holds its ``from_version``. Base bytes are verified in the standby, not in the live tensor: bytes
+written into a live tensor behind the sink's back are replaced by the flip and, now in the retired
+storage, fail verification at the next ``prepare`` that needs them, which copies the standby from
+the live tensor and tries again, then falls back to the keyframe (as patch mode does at once).
+
+On CUDA, the sink's device work runs on the calling thread's current stream; flip-mode ``prepare``
+synchronizes before it returns (so its ``apply`` has no device work at all) and patch-mode
+``apply`` before it releases the lock. The serving loop should
 likewise let its kernels finish (or run them on the default stream) before it releases the lock,
 so that no forward pass overlaps the patch or, in flip mode, reads a storage after it was retired.
 

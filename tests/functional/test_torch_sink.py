@@ -303,6 +303,25 @@ def test_flip_refuses_updates_no_longer_staged(published):
     assert_holds(live, versions[4])
 
 
+def test_flip_notices_a_storage_repointed_behind_its_back(published):
+    store, versions = published
+    live = copy_of(versions[0])
+    sink = TorchSink(store, live, 0, mode="flip")
+    name = "model.layers.0.mlp.experts.1.up_proj.weight"
+    up = sink.prepare(2)
+    assert name in {n for f in up.flips for n in f.names}
+    live[name].data = live[name].clone()  # e.g. an engine reloading one tensor on its own
+    with pytest.raises(UsageError, match="repointed"):
+        sink.apply(up)
+    assert_holds(live, versions[0])
+    up = sink.prepare(2)
+    assert up.fetched_bytes == TorchSink(store, copy_of(versions[0]), 0, mode="flip").prepare(2).fetched_bytes
+    sink.apply(up)
+    assert_holds(live, versions[2])
+    sink.update(4)
+    assert_holds(live, versions[4])
+
+
 def test_flip_prepare_failing_midway_leaves_the_model_and_the_sink_usable(published, monkeypatch):
     store, versions = published
     live = copy_of(versions[0])
