@@ -18,7 +18,7 @@ the daemons' concurrency (TransferConfig.max_concurrency), no checksums, no fsyn
 
 All of it (SeaweedFS, three daemons, boto3) shares this machine's CPUs.
 
-    python benchmarks/e2e.py [--quick] [--versions 4] [--concurrency 16] [--poll 0.2] [--no-fsync]
+    python benchmarks/e2e.py [--quick] [--versions 4] [--concurrency 16] [--poll 0.2] [--no-fsync] [--fast-codec]
                              [--workdir DIR] [--json out.json]
 """
 
@@ -269,7 +269,8 @@ def run(args: argparse.Namespace, ckpts: list[Path], work: Path) -> dict:
         logs.mkdir()
         common = ["--store", store, "--poll-interval", str(args.poll), "--concurrency", str(args.concurrency), "--grace", "5"]
         pub = Daemon("publisher", ["publisher", *common, "--watch", str(watch), "--state-dir", str(work / "publisher-state"),
-                                   "--listen", f"127.0.0.1:{(pp := free_port())}", "--region", "r0"], env, logs, pp)
+                                   "--listen", f"127.0.0.1:{(pp := free_port())}", "--region", "r0",
+                                   *(["--fast-codec"] if args.fast_codec else [])], env, logs, pp)
         daemons.append(pub)
         subs = []
         for s in ("a", "b"):
@@ -360,6 +361,7 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=16, help="chunks / parts in flight, for the daemons and boto3 (default 16)")
     ap.add_argument("--poll", type=float, default=0.2, help="daemons' --poll-interval in seconds (default 0.2)")
     ap.add_argument("--no-fsync", action="store_true", help="subscribers skip fsync of written files")
+    ap.add_argument("--fast-codec", action="store_true", help="the publisher codes deltas with `sparse` instead of `ac`")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for one version (default 600)")
     ap.add_argument("--workdir", help="server data, watch folder, slots (default: a temp dir, removed after)")
     ap.add_argument("--json", type=Path, help="also write the results here")
@@ -389,6 +391,7 @@ def main() -> int:
     print(tables(res, args))
     print(f"\nt_sync: COMPLETE written -> both subscribers' /v1/status report the version (daemon poll "
           f"{args.poll:g} s, status poll 50 ms); every version then passed `weightsync verify` on both `current` folders. "
+          f"Codec: {'sparse (--fast-codec)' if args.fast_codec else 'ac'}. "
           f"Subscribers {'without' if args.no_fsync else 'with'} fsync. SeaweedFS, the publisher, both subscribers and "
           f"the boto3 baseline share {os.cpu_count()} CPUs; 1-minute load average {load0:.2f} at the start, {load1:.2f} at "
           f"the end; run took {time.perf_counter() - t_start:.0f} s.")
