@@ -17,35 +17,29 @@ copied exactly. :meth:`TorchSink.apply` takes the lock only for the swap itself.
 
 ``mode="patch"`` (the default): the patches are moved to the tensors' devices in ``prepare``;
 ``apply`` scatters the changed elements into the live tensors in place (dense tensors are copied),
-synchronizes the device and releases the lock. The pause grows with the number of changed
-elements (on CPU, 40-65% of a full ``load_state_dict`` at typical RL changes in
-``benchmarks/swap.py``). No
-extra memory beyond the patches; the tensors' storages never change, so it is the mode for
-engines that captured raw data pointers (CUDA graphs, custom kernels holding pointers, flat
-buffers that the tensors are views of).
+synchronizes the device and releases the lock. The pause grows with the number of changed elements
+(on CPU, 40-65% of a full ``load_state_dict`` at typical RL changes in ``benchmarks/swap.py``). No
+extra memory beyond the patches; the tensors' storages never change, so it is the mode for engines
+that captured raw data pointers (CUDA graphs, custom kernels, flat buffers the tensors view).
 
 ``mode="flip"`` (double buffered): the sink keeps, for every distinct tensor it can update, a
 standby buffer of the same dtype, shape and device, cloned from the live tensor on construction.
-**This costs a second copy of the weights' memory: the standby buffers are as large as the
-model's matched tensors.** ``prepare`` (without the serving lock) first brings the standby buffers
-up to the version the live tensors hold, by replaying the previous update's patches onto them
-(exact: the positions outside a patch are equal in both versions) or, after a failed or unapplied
-prepare, by copying the live tensors; then it decodes from the standby bytes (verified against
-the current version's xxh3, as in patch mode) and writes the new version into the standby
-(scatter or copy), and synchronizes the device. ``apply`` only repoints each changed tensor at
-its standby storage (``tensor.data = standby``: the Parameter and buffer objects stay the same,
-their storages swap), so the pause is one attribute assignment per changed tensor whatever the
-size of the change (well under 1% of a ``load_state_dict`` in ``benchmarks/swap.py``); the retired
-storage becomes the next standby. Give the sink the objects that
-the engine reads through: an ``nn.Module`` (the sink uses ``state_dict(keep_vars=True)``, i.e. the
-Parameters and buffers themselves; tied weights, several names for one Parameter, are swapped
-once) or a mapping of the engine's own tensor objects (not ``model.state_dict()``, whose tensors
-are detached aliases: repointing them would not reach the module). Flip mode is for engines that
-read the parameters through the module on each forward. An engine that captured raw data pointers
-(CUDA graphs, a fused flat buffer, another tensor object sharing the memory) would keep reading
-the retired storage, which the next ``prepare`` overwrites with a future version: such engines
-must use ``mode="patch"``. Do not repoint a matched tensor's ``.data`` behind the sink's back
-(``apply`` refuses to flip it; the next ``prepare`` copies its standby afresh).
+**This costs a second copy of the weights' memory.** ``prepare`` (without the serving lock) first
+brings the standby buffers up to the version the live tensors hold, by replaying the previous
+update's patches onto them (exact: the positions outside a patch are equal in both versions) or,
+after a failed or unapplied prepare, by copying the live tensors; then it decodes from the standby
+bytes (verified against the current version's xxh3), writes the new version into the standby and
+synchronizes the device. ``apply`` only repoints each changed tensor at its standby storage
+(``tensor.data = standby``: the Parameter and buffer objects stay, their storages swap), so the
+pause is one attribute assignment per changed tensor whatever the size of the change (under 1% of
+a ``load_state_dict`` in ``benchmarks/swap.py``); the retired storage becomes the next standby.
+Give the sink the objects the engine reads through: an ``nn.Module`` (the sink uses
+``state_dict(keep_vars=True)``; tied weights are swapped once) or a mapping of the engine's own
+tensor objects (not ``model.state_dict()``, whose detached aliases do not reach the module). An
+engine that captured raw data pointers (CUDA graphs, a fused flat buffer, another tensor object
+sharing the memory) would keep reading the retired storage, which the next ``prepare`` overwrites:
+such engines must use ``mode="patch"``. Do not repoint a matched tensor's ``.data`` behind the
+sink's back (``apply`` refuses to flip it; the next ``prepare`` copies its standby afresh).
 
 Flip mode's safety rules: a ``prepare`` that fails leaves the live tensors untouched, and the
 standby buffers it may have written are copied from the live tensors by the next ``prepare``; only
