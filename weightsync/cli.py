@@ -112,26 +112,74 @@ def _side_options(args, side: str) -> dict:
     return {"endpoint_url": url} if url else {}
 
 
+def _metrics_address(text: str) -> tuple[str, int]:
+    """``--metrics-listen``: ``HOST:PORT``, ``[V6]:PORT`` or ``PORT`` (host 127.0.0.1); port 0 picks a free one."""
+    host, sep, port = text.rpartition(":")
+    host = (host if sep else "").strip("[]") or "127.0.0.1"
+    if not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
+        raise UsageError(f"--metrics-listen wants HOST:PORT with a port in 0..65535, got {text!r}")
+    return host, int(port)
+
+
+def _serve_metrics(text: str, registry):
+    """Serve ``registry`` at ``http://HOST:PORT/metrics`` (any path answers) from a daemon thread."""
+    from prometheus_client import start_http_server
+
+    host, port = _metrics_address(text)
+    try:
+        server, _ = start_http_server(port, host, registry)
+    except OSError as exc:  # address in use, not ours, or a host that does not resolve
+        raise UsageError(f"--metrics-listen {text}: cannot listen there: {exc.strerror or exc}") from None
+    bound = server.server_address[1]
+    shown = f"[{host}]" if ":" in host else host
+    print(f"weightsync: mirror metrics listening on http://{shown}:{bound}/metrics", file=sys.stderr, flush=True)
+    return server
+
+
+def _mirror_repo(url: str, options: dict, on_retry):
+    """Like :func:`weightsync.open_repo` (s3:// retries), with each retry reported to ``on_retry``."""
+    from .store import open_store
+    from .store.retry import RetryingStore, RetryPolicy
+
+    store = open_store(url, **options)
+    if str(url).startswith("s3://"):
+        store = RetryingStore(store, RetryPolicy(), on_retry=on_retry)
+    return weightsync.open_repo(store)
+
+
 def cmd_mirror(args) -> int:
     import signal
     import threading
 
+    from prometheus_client import CollectorRegistry
+
+    from .metrics import Metrics
     from .mirror import MirrorConfig, mirror
 
     cfg = MirrorConfig(concurrency=args.concurrency, interval=args.interval)
-    src = weightsync.open_repo(args.src, **_side_options(args, "from"))
-    dst = weightsync.open_repo(args.dst, **_side_options(args, "to"))
+    metrics = Metrics(CollectorRegistry(), "mirror", region=args.region, cluster=args.cluster)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
 
     def copied(version: int, chunks: int, nbytes: int) -> None:
+        metrics.mirror_version(version, chunks, nbytes)
         print(f"mirrored version {version}: {chunks} chunks, {human_bytes(nbytes)} copied", file=sys.stderr, flush=True)
 
     def failed(exc: Exception) -> None:
+        metrics.mirror_error(exc)
         print(f"weightsync: mirror pass failed, retrying in {args.interval:g}s: {exc}", file=sys.stderr, flush=True)
 
-    r = mirror(src, dst, follow=args.follow, config=cfg, stop=stop, on_version=copied, on_error=failed)
+    server = None if args.metrics_listen is None else _serve_metrics(args.metrics_listen, metrics.registry)
+    try:
+        src = _mirror_repo(args.src, _side_options(args, "from"), metrics.on_retry)
+        dst = _mirror_repo(args.dst, _side_options(args, "to"), metrics.on_retry)
+        r = mirror(src, dst, follow=args.follow, config=cfg, stop=stop, on_version=copied, on_error=failed,
+                   on_heads=metrics.mirror_heads, on_pass=metrics.mirror_pass)
+    finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()
     print(f"mirror {args.src} -> {args.dst}: {len(r.copied_versions)} versions, {r.copied_chunks} chunks, "
           f"{human_bytes(r.copied_bytes)} copied, {r.skipped_chunks} chunks already there, head {r.head}, "
           f"{r.seconds:.2f}s", file=sys.stderr)
@@ -263,6 +311,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--endpoint-url", help="S3 endpoint of both stores (default: boto3's)")
     p.add_argument("--from-endpoint-url", help="S3 endpoint of the source (overrides --endpoint-url)")
     p.add_argument("--to-endpoint-url", help="S3 endpoint of the destination (overrides --endpoint-url)")
+    p.add_argument("--metrics-listen", metavar="HOST:PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (default: none; host 127.0.0.1)")
+    p.add_argument("--region", default="", help="region label of the metrics (the destination's region)")
+    p.add_argument("--cluster", default="", help="cluster label of the metrics")
     p.set_defaults(func=cmd_mirror)
 
     p = sub.add_parser("gc", help="delete old versions and the chunks only they need")

@@ -1,11 +1,13 @@
-"""Prometheus metrics of the daemons: one :class:`Metrics` class over a caller's registry.
+"""Prometheus metrics of the daemons and the mirror: one :class:`Metrics` class over a caller's registry.
 
-Names carry the ``weightsync_`` prefix and base-unit suffixes. Every series of a daemon carries the
+Names carry the ``weightsync_`` prefix and base-unit suffixes. Every series of a process carries the
 same constant labels (``region``, ``cluster``; subscribers also ``subscriber``), so one Prometheus
 can scrape a whole fleet. Versions are ``-1`` until known.
 """
 
 from __future__ import annotations
+
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -14,14 +16,20 @@ PHASES = ("read", "diff", "encode", "upload", "commit")
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 _PAUSE = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+ROLES = ("publisher", "subscriber", "mirror")
 
 
 class Metrics:
-    """The metrics of one daemon (``role`` is ``publisher`` or ``subscriber``) in ``registry``."""
+    """The metrics of one process (``role`` is ``publisher``, ``subscriber`` or ``mirror``) in ``registry``.
 
-    def __init__(self, registry: CollectorRegistry, role: str, *, region: str = "", cluster: str = "", subscriber: str = ""):
-        if role not in ("publisher", "subscriber"):
-            raise ValueError(f"role must be publisher or subscriber, not {role!r}")
+    A mirror's ``mirror_*`` methods are the observers of :func:`weightsync.mirror.mirror`; a failed
+    pass counts in ``weightsync_loop_errors_total``, as a failed daemon loop iteration does.
+    """
+
+    def __init__(self, registry: CollectorRegistry, role: str, *, region: str = "", cluster: str = "", subscriber: str = "",
+                 clock=time.time):
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
         self.registry, self.role = registry, role
         self.labels = {"region": region, "cluster": cluster}
         if role == "subscriber":
@@ -52,6 +60,23 @@ class Metrics:
             self.delta_bytes = gauge("weightsync_delta_bytes", "Encoded payload bytes of the last published version.")
             self.changed_fraction = gauge("weightsync_changed_fraction", "Fraction of elements that changed in the last version.")
             self.publish_failures = counter("weightsync_publish_failures_total", "Publish attempts that failed.")
+        elif role == "mirror":
+            self._clock = clock
+            self._mark = time.monotonic()
+            self._skipped, self._destination = 0, -1
+            self.source_version = gauge("weightsync_mirror_source_version",
+                                        "Head version of the source store, read at the start of the last pass.", -1)
+            self.destination_version = gauge("weightsync_mirror_destination_version",
+                                             "Head version of the destination (regional) store.", -1)
+            self.copied_versions = counter("weightsync_mirror_copied_versions_total", "Versions copied into the destination.")
+            self.copied_chunks = counter("weightsync_mirror_copied_chunks_total", "Chunks copied into the destination.")
+            self.copied_bytes = counter("weightsync_mirror_copied_bytes_total", "Chunk bytes copied into the destination.")
+            self.skipped_chunks = counter("weightsync_mirror_skipped_chunks_total", "Chunks not copied: already in the destination.")
+            self.version_seconds = histogram("weightsync_mirror_version_seconds",
+                                             "Seconds to mirror one version (chunks, manifest, head).")
+            self.last_success = gauge("weightsync_mirror_last_success_timestamp_seconds",
+                                      "Unix time at the end of the last successful pass (0: none yet).", 0)
+            self.start_time = gauge("weightsync_mirror_start_time_seconds", "Unix time the mirror started.", clock())
         else:
             self.current_version = gauge("weightsync_current_version", "Version the current symlink points at.", -1)
             self.latest_version = gauge("weightsync_latest_version", "Head version of the store at the last check.", -1)
@@ -78,6 +103,37 @@ class Metrics:
         self.checkpoint_bytes.set(result.raw_bytes)
         self.delta_bytes.set(result.payload_bytes)
         self.changed_fraction.set(result.changed_fraction)
+
+    # --- the mirror's observers (see weightsync.mirror.mirror) ------------------------------------
+    def mirror_heads(self, source: int | None, destination: int | None) -> None:
+        """A pass read both heads and starts copying: the time to the next version counts from now."""
+        self._mark = time.monotonic()
+        self.source_version.set(-1 if source is None else source)
+        self._set_destination(-1 if destination is None else destination)
+
+    def mirror_version(self, version: int, chunks: int, nbytes: int) -> None:
+        now = time.monotonic()
+        self.version_seconds.observe(now - self._mark)
+        self._mark = now
+        self.copied_versions.inc()
+        self.copied_chunks.inc(chunks)
+        self.copied_bytes.inc(nbytes)
+        self._set_destination(max(version, self._destination))  # the head moves there next, never back
+
+    def mirror_pass(self, result) -> None:
+        """After a successful pass (``result``: the running :class:`~weightsync.mirror.MirrorResult`)."""
+        if result.head is not None:
+            self._set_destination(result.head)
+        self.skipped_chunks.inc(result.skipped_chunks - self._skipped)
+        self._skipped = result.skipped_chunks
+        self.last_success.set(self._clock())
+
+    def mirror_error(self, exc: Exception) -> None:
+        self.loop_errors.inc()
+
+    def _set_destination(self, version: int) -> None:
+        self._destination = version
+        self.destination_version.set(version)
 
     def on_retry(self, op: str, key: str, exc: Exception) -> None:
         """``on_retry`` callback of :class:`~weightsync.store.retry.RetryingStore`."""

@@ -65,12 +65,15 @@ class MirrorResult:
     copied_bytes: int = 0
     skipped_chunks: int = 0
     head: int | None = None  # the destination head when the mirror returned
+    source_head: int | None = None  # the source head read by the last pass
     passes: int = 0
     errors: int = 0  # failed passes while following (each retried at the next poll)
     seconds: float = 0.0
 
 
 OnVersion = Callable[[int, int, int], None]  # (version, chunks copied, bytes copied)
+OnHeads = Callable[[int | None, int | None], None]  # (source head, destination head); None: no head yet
+OnPass = Callable[[MirrorResult], None]  # the running totals, after a pass that succeeded
 
 
 class _Stopped(Exception):
@@ -78,9 +81,10 @@ class _Stopped(Exception):
 
 
 class _Mirror:
-    def __init__(self, src: Repo, dst: Repo, cfg: MirrorConfig, stop: threading.Event, on_version: OnVersion | None):
+    def __init__(self, src: Repo, dst: Repo, cfg: MirrorConfig, stop: threading.Event, on_version: OnVersion | None,
+                 on_heads: OnHeads | None = None):
         self.src, self.dst, self.cfg, self.stop = src, dst, cfg, stop
-        self.on_version = on_version
+        self.on_version, self.on_heads = on_version, on_heads
         self.result = MirrorResult()
         self.present: set[str] = set()  # chunk ids known to be at the destination, right size
         self._lock = threading.Lock()
@@ -98,8 +102,10 @@ class _Mirror:
         self.present.clear()  # a regional gc may have collected chunks since the last pass
         src_head = self.src.head_version()
         dst_head = self.dst.head_version()
-        self.result.head = dst_head
+        self.result.head, self.result.source_head = dst_head, src_head
         self._check_lineage(src_head, dst_head)
+        if self.on_heads:
+            self.on_heads(src_head, dst_head)
         if src_head is None or (dst_head is not None and dst_head >= src_head):
             return
         for v in self.src.versions():
@@ -218,6 +224,8 @@ def mirror(
     stop: threading.Event | None = None,
     on_version: OnVersion | None = None,
     on_error: Callable[[StoreError], None] | None = None,
+    on_heads: OnHeads | None = None,
+    on_pass: OnPass | None = None,
 ) -> MirrorResult:
     """Copy ``src``'s versions into ``dst`` (see the module docstring).
 
@@ -226,10 +234,16 @@ def mirror(
     ``on_error`` and retried at the next poll, while integrity errors (checksums, a destination
     that is not a mirror) end the mirror. Setting ``stop`` ends a pass between chunks; the version
     being copied is then left uncommitted (its chunks are reused by the next run).
+
+    Observers (for metrics; each is called in the mirror's thread): ``on_heads(src_head, dst_head)``
+    once a pass has read both heads, before it copies anything; ``on_version(version, chunks,
+    bytes)`` when a version's manifest was written (its head move follows); ``on_pass(result)``
+    after every pass that succeeded, with the running totals (``result.head`` is the destination
+    head it left); ``on_error(exc)`` after every pass that failed and will be retried.
     """
     stop = stop or threading.Event()
     t0 = time.perf_counter()
-    m = _Mirror(src, dst, config, stop, on_version)
+    m = _Mirror(src, dst, config, stop, on_version, on_heads)
     try:
         m.prepare()
         while True:
@@ -245,6 +259,9 @@ def mirror(
                 m.result.errors += 1
                 if on_error:
                     on_error(exc)
+            else:
+                if on_pass:
+                    on_pass(m.result)
             if not follow or stop.wait(config.interval):
                 break
     finally:
