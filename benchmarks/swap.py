@@ -114,7 +114,7 @@ def replay_seconds(sink: TorchSink, up, device: torch.device, repeat: int = 9) -
     def once() -> None:
         with torch.no_grad(), sink.lock:
             for p in up.patches:
-                p.target.copy_(p.values) if p.index is None else p.target.scatter_(0, p.index, p.values)
+                p.write()
             _sync(device)
 
     return best_seconds(once, repeat)

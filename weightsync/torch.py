@@ -41,21 +41,20 @@ sharing the memory) would keep reading the retired storage, which the next ``pre
 such engines must use ``mode="patch"``. Do not repoint a matched tensor's ``.data`` behind the
 sink's back (``apply`` refuses to flip it; the next ``prepare`` copies its standby afresh).
 
-Flip mode's safety rules: a ``prepare`` that fails leaves the live tensors untouched, and the
-standby buffers it may have written are copied from the live tensors by the next ``prepare``; only
-the update of the latest successful ``prepare`` can be applied (any later ``prepare``, even a
-failed one, replaces what the standby holds), and, as in patch mode, only while the model still
-holds its ``from_version``. Base bytes are verified in the standby, not in the live tensor: bytes
-written into a live tensor behind the sink's back are replaced by the flip and, now in the retired
-storage, fail verification at the next ``prepare`` that needs them, which copies the standby from
-the live tensor and tries again, then falls back to the keyframe (as patch mode does at once).
+Flip mode's safety rules: a failed ``prepare`` leaves the live tensors untouched, and the next
+``prepare`` copies the standby buffers it may have written from the live tensors; only the update
+of the latest successful ``prepare`` can be applied, and (in both modes) only while the model
+holds its ``from_version``. Base bytes are verified in the standby: bytes written into a live
+tensor behind the sink's back end up in the retired storage and fail verification at the next
+``prepare``, which copies the standby from live and retries, then falls back to the keyframe.
 
-On CUDA, the sink's device work runs on the calling thread's current stream; flip-mode ``prepare``
-synchronizes before it returns (so its ``apply`` has no device work at all) and patch-mode
-``apply`` before it releases the lock. The serving loop should
-likewise let its kernels finish (or run them on the default stream) before it releases the lock,
-so that no forward pass overlaps the patch or, in flip mode, reads a storage after it was retired.
+On CUDA the sink's device work runs on the calling thread's current stream; flip-mode ``prepare``
+synchronizes before it returns (its ``apply`` has no device work) and patch-mode ``apply`` before
+it releases the lock. The serving loop should likewise let its kernels finish before it releases
+the lock, so that no forward pass overlaps the patch or reads a storage after it was retired.
 
+Several names for one tensor (tied weights) are updated once; their bytes must agree in every
+version.
 Tensors of the store that the model does not have are ignored; a tensor whose dtype or shape
 differs is an error (neither mode can change either).
 """
@@ -99,6 +98,10 @@ class Patch:
     target: torch.Tensor  # a flat integer view of the tensor it writes (same width, same memory)
     index: torch.Tensor | None  # int64 positions on the tensor's device (None: dense copy)
     values: torch.Tensor  # new bit patterns (flat integer view) at ``index``, or of the whole tensor
+
+    def write(self) -> None:
+        """Scatter the values into the target (or copy them, for a dense patch)."""
+        self.target.copy_(self.values) if self.index is None else self.target.scatter_(0, self.index, self.values)
 
 
 @dataclass(eq=False)
@@ -292,8 +295,12 @@ class TorchSink:
     def _prepare(self, up: Update, chain: list[Manifest], local: Manifest | None, t0: float) -> Update:
         matched = self._matched(chain[-1])
         up.tensors = len(matched)
+        # tied weights: one entry per distinct tensor (flip: per slot; patch: per memory view)
+        slot_of = (lambda seg, t: self._slots[self.name_map(seg.name)]) if self.mode == "flip" else (lambda seg, t: _view_key(t))
+        matched = _distinct(matched, chain[-1].version, slot_of)
         if self.mode == "flip":
-            matched = self._one_per_slot(matched, chain[-1].version)
+            for _, seg, _ in matched:
+                self._ensure_standby(self._slots[self.name_map(seg.name)])
             self._catch_up()  # every standby equal to its live tensor again
         live = {}
         jobs = []
@@ -350,23 +357,6 @@ class TorchSink:
         return Patch(seg.name, _int_view(t), torch.from_numpy(idx).to(t.device), values.to(t.device))
 
     # -- flip mode: the standby buffers ------------------------------------------------------------
-    def _one_per_slot(self, matched, version: int):
-        """One (path, segment, tensor) per distinct live tensor; every name of a tied tensor must
-        have the same bytes in ``version`` (they are verified through the first one's checksum)."""
-        first: dict[_Slot, Segment] = {}
-        out = []
-        for path, seg, t in matched:
-            slot = self._slots[self.name_map(seg.name)]
-            seen = first.get(slot)
-            if seen is None:
-                first[slot] = seg
-                out.append((path, seg, t))
-            elif seen.xxh3 != seg.xxh3:
-                raise UsageError(f"{seen.name} and {seg.name} are one tensor in the model but differ in version {version}")
-        for slot in first:
-            self._ensure_standby(slot)
-        return out
-
     def _ensure_standby(self, slot: _Slot) -> None:
         """Give ``slot`` a standby buffer equal to its live tensor; notice a storage repointed behind
         the sink's back (the standby then starts again from the live bytes)."""
@@ -388,30 +378,18 @@ class TorchSink:
                 if slot.dirty:
                     _int_view(slot.standby).copy_(_int_view(slot.live))
                 elif slot.replay is not None:
-                    p = slot.replay
-                    p.target.copy_(p.values) if p.index is None else p.target.scatter_(0, p.index, p.values)
+                    slot.replay.write()
                 slot.dirty, slot.replay = False, None
         _sync({s.live.device for s in self._slots.values()})  # decoding threads read the standbys
 
     def _stage(self, seg: Segment, slot: _Slot, old: np.ndarray | None, new: np.ndarray, up: Update) -> Flip:
         """Write ``new`` (verified bytes of ``seg``) into ``slot``'s standby; the flip that swaps it in."""
-        width = itemsize(seg.dtype)
-        new_e = new.view(UINT_VIEW[width])
-        if old is None:
-            old = _host_bytes(slot.standby)
-        idx = np.flatnonzero(old.view(UINT_VIEW[width]) != new_e)  # old: the standby's bytes now
-        up.changed_elements += int(idx.size)
         slot.dirty = True  # until the flip (an update never applied leaves the standby ahead of live)
-        target = _int_view(slot.standby)
+        p = self._patch(seg, slot.standby, old, new, up)  # old: the standby's bytes now
         with torch.no_grad():
-            if idx.size > self.dense_above * new_e.size:
-                target.copy_(torch.from_numpy(new.view(_NP_INT[width])))
-                replay = Patch(seg.name, _int_view(slot.live), None, target)  # after the flip: copy from live
-            else:
-                index = torch.from_numpy(idx).to(slot.standby.device)
-                values = torch.from_numpy(new_e[idx].view(_NP_INT[width])).to(slot.standby.device)
-                target.scatter_(0, index, values)
-                replay = Patch(seg.name, _int_view(slot.live), index, values)
+            p.write()
+        values = _int_view(slot.standby) if p.index is None else p.values  # dense: after the flip, copy from live
+        replay = Patch(seg.name, _int_view(slot.live), p.index, values)
         return Flip(tuple(slot.names), tuple(slot.objects), slot.standby, slot.live, slot, replay)
 
     # -- apply: the pause --------------------------------------------------------------------------
@@ -425,16 +403,12 @@ class TorchSink:
                 raise UsageError(f"update was prepared from version {update.from_version}, the model holds {self.version}")
             if self.mode == "flip":
                 return self._apply_flip(update)
-            devices = {p.target.device for p in update.patches if p.target.device.type == "cuda"}
+            devices = {p.target.device for p in update.patches}
             with torch.no_grad(), self.lock:
                 t0 = time.perf_counter()
                 for p in update.patches:
-                    if p.index is None:
-                        p.target.copy_(p.values)
-                    else:
-                        p.target.scatter_(0, p.index, p.values)
-                for d in devices:
-                    torch.cuda.synchronize(d)
+                    p.write()
+                _sync(devices)
                 pause = time.perf_counter() - t0
             self.version = update.version
             update.seconds["pause"] = pause
@@ -466,13 +440,34 @@ class TorchSink:
         return up
 
 
+def _view_key(t: torch.Tensor) -> tuple:
+    """Equal for tensors that view the same memory the same way (tied weights)."""
+    return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+
+
+def _distinct(matched, version: int, key) -> list:
+    """One (path, segment, tensor) per distinct ``key(segment, tensor)``; every name of a tied tensor
+    must have the same bytes in ``version`` (they are verified through the first one's checksum)."""
+    first: dict = {}
+    out = []
+    for path, seg, t in matched:
+        k = key(seg, t)
+        seen = first.get(k)
+        if seen is None:
+            first[k] = seg
+            out.append((path, seg, t))
+        elif seen.xxh3 != seg.xxh3:
+            raise UsageError(f"{seen.name} and {seg.name} are one tensor in the model but differ in version {version}")
+    return out
+
+
 def _group(tensors: Mapping[str, torch.Tensor]) -> dict[str, _Slot]:
     """Flip mode: group names by the memory they view (tied weights: one slot, all their objects);
     refuse tensors that overlap without being the same view (one could not be repointed alone)."""
     by_view: dict[tuple, _Slot] = {}
     out: dict[str, _Slot] = {}
     for name, t in tensors.items():
-        key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+        key = _view_key(t)
         slot = by_view.get(key)
         if slot is None:
             slot = by_view[key] = _Slot([], [], t.detach())

@@ -260,15 +260,18 @@ def test_forward_after_apply_equals_a_freshly_loaded_model(tied, mode):
             assert sum(f.names.count("embed.weight") for f in up.flips) == 1
 
 
-def test_flip_refuses_a_version_that_unties_tied_weights(tied):
+@MODES
+def test_refuses_a_version_that_unties_tied_weights(tied, mode):
     store, versions = tied
     model = loaded(versions[1])
-    sink = TorchSink(store, model, 1, mode="flip")
+    sink = TorchSink(store, model, 1, mode=mode)
     with pytest.raises(UsageError, match="one tensor in the model but differ in version 9"):
         sink.prepare(9)
     assert_holds(model.state_dict(), versions[1])
-    sink.update(4)
+    up = sink.update(4)
     assert_holds(model.state_dict(), versions[4])
+    if mode == "patch":  # the shared memory is patched once, under one of its names
+        assert sum(p.name in ("embed.weight", "lm_head.weight") for p in up.patches) == 1
 
 
 def test_flip_refuses_tensors_that_overlap_without_being_one(published):
