@@ -3,9 +3,9 @@
     python deploy/grafana/generate.py          # rewrite the dashboard JSON
     python deploy/grafana/generate.py --check  # exit 1 if the committed JSON is out of date
 
-Every query is PromQL over the daemons' metrics (``weightsync.metrics``). Panels reference the
-Prometheus data source through the ``datasource`` template variable, so the dashboard imports into
-any Grafana; provisioning (deploy/grafana/provisioning) names the compose data source ``prometheus``.
+Every query is PromQL over the metrics of the daemons and the mirror (``weightsync.metrics``).
+Panels reference the Prometheus data source through the ``datasource`` template variable, so the
+dashboard imports into any Grafana; provisioning (deploy/grafana/provisioning) names the compose data source ``prometheus``.
 Grafana replaces ``$__rate_interval`` and ``$region`` before sending a query; the test suite does
 the same and then checks every expression with ``promtool``.
 """
@@ -163,6 +163,22 @@ def panels() -> list[dict]:
             (f"weightsync_version_lag{{{REGION}}}", ""),
             (f"weightsync_staleness_seconds{{{REGION}}}", ""),
         ]),
+        row("Mirror"),
+        timeseries("Regional head vs source head", [
+            (f"max by (region) (weightsync_mirror_source_version{{{REGION}}})", "source {{region}}"),
+            (f"max by (region) (weightsync_mirror_destination_version{{{REGION}}})", "regional {{region}}"),
+        ], width=6, step=True,
+            description="Head of the source store as the last mirror pass read it, and head of the region's store."),
+        timeseries("Mirror throughput", [
+            (f"sum by (region) (rate(weightsync_mirror_copied_bytes_total{{{REGION}}}[{RATE}]))", "copied {{region}}"),
+        ], unit="Bps", width=6, description="Chunk bytes per second the mirror copies into each region."),
+        timeseries("Seconds per mirrored version", quantiles("weightsync_mirror_version_seconds", "region", REGION), unit="s",
+                   width=6, description="Time to copy one version (chunks, manifest, head), p50 and p99 per region."),
+        timeseries("Since the last successful mirror pass", [
+            (f"time() - (weightsync_mirror_last_success_timestamp_seconds{{{REGION}}} > 0"
+             f" or weightsync_mirror_start_time_seconds{{{REGION}}})", "{{region}} {{instance}}"),
+        ], unit="s", width=6,
+            description="Seconds since a mirror pass last succeeded (since the mirror started if none has); alert at 600."),
         row("Errors and retries"),
         timeseries("Checksum failures", [
             (f"sum by (region, subscriber) (increase(weightsync_checksum_failures_total{{{REGION}}}[{RATE}]))", "{{region}} {{subscriber}}"),
@@ -214,7 +230,7 @@ def build() -> dict:
     return {
         "uid": "weightsync",
         "title": "weightsync",
-        "description": "Cross-region weight delta sync: publishing, transfer, fleet versions, latency, errors.",
+        "description": "Cross-region weight delta sync: publishing, transfer, fleet versions, latency, mirrors, errors.",
         "tags": ["weightsync"],
         "timezone": "browser",
         "editable": True,
