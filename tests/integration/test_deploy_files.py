@@ -48,6 +48,7 @@ GRAFANA = DEPLOY / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "weightsync.json"
 OPERATIONS = ROOT / "docs" / "OPERATIONS.md"
 DAEMON_PORTS = {"publisher": 8470, "subscriber": 8471}
+MIRROR_PORT = 8472  # the mirror's --metrics-listen port in compose and Kubernetes
 K8S_MIN_VERSION = "1.29.0"  # native sidecars (init containers with restartPolicy: Always)
 GRAFANA_MACROS = {"$__rate_interval": "1m", "$__interval": "30s", "$__range": "1h", "${region}": ".*", "$region": ".*"}
 
@@ -355,14 +356,18 @@ def test_compose_two_regions_and_a_mirror_between_them():
     stores = {flag(c, "--store") for c in by_role["subscriber"]}
     assert stores == {flag(publisher, "--store"), flag(mirror, "--to")}, "one subscriber per region's bucket"
     assert len({flag(c, "--region") for c in by_role["subscriber"]}) == 2
+    reader = next(c for c in by_role["subscriber"] if flag(c, "--store") == flag(mirror, "--to"))
+    assert flag(mirror, "--region") == flag(reader, "--region"), "the mirror's region label is its destination's region"
+    assert flag(mirror, "--metrics-listen") == f"0.0.0.0:{MIRROR_PORT}"
 
 
 def test_prometheus_scrapes_every_listening_compose_service():
     listening = {}
     for name, svc in weightsync_services(load_compose()).items():
-        listen = flag(svc["command"], "--listen")
+        listen = flag(svc["command"], "--listen") or flag(svc["command"], "--metrics-listen")
         if listen:
             listening[f"{name}:{listen.rsplit(':', 1)[1]}"] = svc["command"][0]
+    assert "mirror" in listening.values(), "the compose mirror serves no metrics (--metrics-listen)"
     config = yaml.safe_load((PROM / "prometheus.yml").read_text())
     scraped = {}
     for job in config["scrape_configs"]:
@@ -464,7 +469,7 @@ def test_k8s_prometheus_rule_is_the_alerts_file():
 
 
 def test_k8s_pods_are_hardened_probed_and_sized():
-    daemons = 0
+    daemons = mirrors = 0
     for name, meta, pod in pod_specs():
         assert pod["securityContext"]["runAsNonRoot"] is True, name
         for c in containers(pod):
@@ -478,6 +483,18 @@ def test_k8s_pods_are_hardened_probed_and_sized():
             assert sc["runAsNonRoot"] and sc["readOnlyRootFilesystem"] and sc["capabilities"]["drop"] == ["ALL"], where
             assert "memory" in c["resources"]["limits"], where
             argv = k8s_argv(c)
+            if argv[0] == "mirror":
+                mirrors += 1
+                assert flag(argv, "--metrics-listen") == f"0.0.0.0:{MIRROR_PORT}", where
+                assert flag(argv, "--region") and flag(argv, "--cluster"), f"{where}: metrics without region/cluster labels"
+                ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+                assert ports == {"http": MIRROR_PORT}, where
+                for probe in ("readinessProbe", "livenessProbe"):
+                    get = c[probe]["httpGet"]
+                    assert get["path"] == "/metrics" and get["port"] == "http", f"{where} {probe}"
+                notes = meta["annotations"]
+                assert (notes["prometheus.io/scrape"], notes["prometheus.io/port"], notes["prometheus.io/path"]) == \
+                    ("true", str(MIRROR_PORT), "/metrics")
             if argv[0] not in DAEMON_PORTS:
                 continue
             daemons += 1
@@ -493,7 +510,7 @@ def test_k8s_pods_are_hardened_probed_and_sized():
             assert (notes["prometheus.io/scrape"], notes["prometheus.io/port"], notes["prometheus.io/path"]) == ("true", str(port), "/metrics")
             env = {e["name"]: e.get("valueFrom", {}) for e in c["env"]}
             assert env["WEIGHTSYNC_API_TOKEN"]["secretKeyRef"]["name"] == "weightsync-api", where
-    assert daemons == 2
+    assert daemons == 2 and mirrors == 1
 
 
 def test_k8s_references_resolve():
@@ -532,7 +549,7 @@ def test_k8s_references_resolve():
     (monitor,) = k8s_kind("ServiceMonitor")
     selector = monitor["spec"]["selector"]["matchLabels"]
     watched = [s for s in services if selector.items() <= s["metadata"].get("labels", {}).items()]
-    assert {s["metadata"]["name"] for s in watched} == {"weightsync-publisher", "weightsync-subscriber"}
+    assert {s["metadata"]["name"] for s in watched} == {"weightsync-publisher", "weightsync-subscriber", "weightsync-mirror"}
     for endpoint in monitor["spec"]["endpoints"]:
         assert all(endpoint["port"] in {p["name"] for p in s["spec"]["ports"]} for s in watched)
 
@@ -558,6 +575,8 @@ def _series(name: str, values: str, **labels: str) -> dict:
 
 SUB = {"region": "region-b", "cluster": "infer-b", "subscriber": "sub-1"}
 PUB = {"region": "region-a", "cluster": "train"}
+MIR = {"region": "region-b", "cluster": "infer-b", "job": "weightsync-mirror", "instance": f"mirror:{MIRROR_PORT}"}
+MIR_UP = {"job": MIR["job"], "instance": MIR["instance"]}
 ALERT_CASES = [  # (name, input series, [(eval time, alert, expected label sets)])
     ("lag", [_series("weightsync_version_lag", "0 5x30", **SUB), _series("weightsync_version_lag", "1x30", **{**SUB, "subscriber": "sub-2"})],
      [("5m", "WeightsyncSubscriberLagging", []), ("15m", "WeightsyncSubscriberLagging", [{**SUB, "severity": "warning"}])]),
@@ -578,7 +597,32 @@ ALERT_CASES = [  # (name, input series, [(eval time, alert, expected label sets)
      [("10m", "WeightsyncRegionBehind", []), ("30m", "WeightsyncRegionBehind", [{"region": "region-b", "severity": "warning"}])]),
     ("down", [_series("up", "1x5 0x20", job="weightsync-subscriber", instance="subscriber-a:8471"),
               _series("up", "0x20", job="other", instance="x:1")],
-     [("15m", "WeightsyncTargetDown", [{"job": "weightsync-subscriber", "instance": "subscriber-a:8471", "severity": "warning"}])]),
+     [("15m", "WeightsyncTargetDown", [{"job": "weightsync-subscriber", "instance": "subscriber-a:8471", "severity": "warning"}]),
+      ("15m", "WeightsyncMirrorDown", [])]),
+    # the mirror (series as the mirror exports them, a new version at the source every minute)
+    ("mirror keeps up", [_series("weightsync_mirror_source_version", "0+1x60", **MIR),
+                         _series("weightsync_mirror_destination_version", "-1x3 0+1x57", **MIR)],  # 3 minutes late
+     [("30m", "WeightsyncMirrorBehind", []), ("59m", "WeightsyncMirrorBehind", [])]),
+    ("mirror 12 minutes late", [_series("weightsync_mirror_source_version", "0+1x60", **MIR),
+                                _series("weightsync_mirror_destination_version", "-1x12 0+1x48", **MIR)],
+     [("9m", "WeightsyncMirrorBehind", []), ("11m", "WeightsyncMirrorBehind", [{**MIR, "severity": "warning"}]),
+      ("40m", "WeightsyncMirrorBehind", [{**MIR, "severity": "warning"}])]),
+    ("mirror stuck", [_series("weightsync_mirror_source_version", "0+1x40", **MIR),
+                      _series("weightsync_mirror_destination_version", "0+1x10 10x30", **MIR)],
+     [("10m", "WeightsyncMirrorBehind", []), ("19m", "WeightsyncMirrorBehind", []),
+      ("21m", "WeightsyncMirrorBehind", [{**MIR, "severity": "warning"}])]),
+    ("mirror passes stop", [_series("weightsync_mirror_last_success_timestamp_seconds", "60+60x5 360x30", **MIR),
+                            _series("weightsync_mirror_start_time_seconds", "0x35", **MIR)],
+     [("15m", "WeightsyncMirrorStalled", []), ("17m", "WeightsyncMirrorStalled", [{**MIR, "severity": "warning"}])]),
+    ("mirror never succeeds", [_series("weightsync_mirror_last_success_timestamp_seconds", "0x30", **MIR),
+                               _series("weightsync_mirror_start_time_seconds", "300x30", **MIR)],  # started at 5m
+     [("14m", "WeightsyncMirrorStalled", []), ("16m", "WeightsyncMirrorStalled", [{**MIR, "severity": "warning"}])]),
+    ("mirror healthy", [_series("weightsync_mirror_last_success_timestamp_seconds", "0 60+60x40", **MIR),
+                        _series("weightsync_mirror_start_time_seconds", "0x40", **MIR)],
+     [("30m", "WeightsyncMirrorStalled", [])]),
+    ("mirror down", [_series("up", "1x5 0x20", **MIR_UP)],
+     [("8m", "WeightsyncMirrorDown", []), ("15m", "WeightsyncMirrorDown", [{**MIR_UP, "severity": "warning"}]),
+      ("15m", "WeightsyncTargetDown", [])]),
 ]
 
 
@@ -650,7 +694,9 @@ def test_dashboard_panels_have_a_datasource_and_targets():
     for needed in ("weightsync_upload_bytes_total", "weightsync_download_bytes_total", "weightsync_checkpoint_bytes / ",
                    "weightsync_publish_seconds_bucket", "weightsync_apply_seconds_bucket", "weightsync_swap_pause_seconds_bucket",
                    "weightsync_version_lag", "weightsync_staleness_seconds", "weightsync_checksum_failures_total",
-                   "weightsync_store_retries_total", "histogram_quantile"):
+                   "weightsync_store_retries_total", "histogram_quantile", "weightsync_mirror_source_version",
+                   "weightsync_mirror_destination_version", "weightsync_mirror_copied_bytes_total",
+                   "weightsync_mirror_version_seconds_bucket", "weightsync_mirror_last_success_timestamp_seconds"):
         assert needed in exprs, f"no panel queries {needed}"
 
 
@@ -673,7 +719,7 @@ def exported_metric_names() -> set[str]:
     from prometheus_client import CollectorRegistry
 
     names = set()
-    for role in ("publisher", "subscriber"):
+    for role in ("publisher", "subscriber", "mirror"):
         registry = CollectorRegistry()
         m = metrics.Metrics(registry, role, region="r", cluster="c", subscriber="s" if role == "subscriber" else "")
         if role == "publisher":
@@ -722,7 +768,7 @@ class Stack:
         out = []
         for arg in svc["command"]:
             key, eq, value = arg.partition("=")
-            if key == "--listen":
+            if key in ("--listen", "--metrics-listen"):
                 self.ports[name] = free_port()
                 value = f"127.0.0.1:{self.ports[name]}"
             for target, local in self._mounts(svc):
@@ -875,7 +921,9 @@ def test_compose_stack_runs_without_docker(deploy_seaweed, tmp_path):
         assert stack.request(sub, "/v1/target", "PUT", {"version": "latest"})[0] == 200
         stack.wait_for(f"{sub} to follow the head again", lambda: stack.request(sub, "/v1/status")[1]["current_version"] == 2)
 
-        scraped = "".join(stack.request(n, "/metrics")[1] for n in ("publisher", *subscribers))
+        stack.wait_for("the mirror's metrics to show version 2 in region-b", lambda: re.search(
+            r'^weightsync_mirror_destination_version\{[^}]*region="region-b"[^}]*\} 2\.0$', stack.request("mirror", "/metrics")[1], re.M))
+        scraped = "".join(stack.request(n, "/metrics")[1] for n in ("publisher", "mirror", *subscribers))
         names = set(re.findall(r"^(weightsync_[a-z_]+)", scraped, re.M))
         used = set(re.findall(r"\bweightsync_[a-z_]+\b", " ".join(dashboard_exprs(json.loads(DASHBOARD.read_text())))))
         used |= set(re.findall(r"\bweightsync_[a-z_]+\b", " ".join(r["expr"] for r in alert_rules())))
