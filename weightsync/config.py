@@ -159,7 +159,7 @@ class SubscriberConfig:
     target_dir: Path
     identity: Identity
     poll_interval: float = 2.0
-    pin: int | None = None  # start pinned to this version; None follows the head
+    pin: int | str | None = None  # start at this version, or "latest" (the head); None: the stored target
     include: tuple[str, ...] = ()  # glob patterns over tensor names: partial fetch when set
     exclude: tuple[str, ...] = ()
     hook: HookConfig | None = None
@@ -176,8 +176,8 @@ class SubscriberConfig:
     def __post_init__(self) -> None:
         _positive("poll interval", self.poll_interval)
         _positive("ledger interval", self.ledger_interval)
-        if self.pin is not None and self.pin < 0:
-            raise UsageError("a pinned version must be non-negative")
+        if self.pin is not None and self.pin != "latest" and not (type(self.pin) is int and self.pin >= 0):
+            raise UsageError(f"--version must be a non-negative version number or 'latest', not {self.pin!r}")
         if self.fetch_concurrency < 1 or self.decode_threads < 1:
             raise UsageError("concurrency must be positive")
 
@@ -233,7 +233,9 @@ def add_publisher_args(p: argparse.ArgumentParser) -> None:
 def add_subscriber_args(p: argparse.ArgumentParser) -> None:
     _common_args(p)
     p.add_argument("--target", required=True, help="folder holding slots/a, slots/b and the current symlink")
-    p.add_argument("--version", dest="pin", type=int, help="pin this version instead of following the head")
+    p.add_argument("--version", dest="pin", type=_version_arg, metavar="N|latest",
+                   help="start at this version (a pin), or 'latest' to follow the head; overrides the target "
+                        "stored by PUT /v1/target (default: the stored target, else the head)")
     p.add_argument("--include", action="append", default=[], help="glob over tensor names to fetch (repeatable)")
     p.add_argument("--exclude", action="append", default=[], help="glob over tensor names to skip (repeatable)")
     p.add_argument("--hook-url", help="HTTP endpoint called after each swap")
@@ -250,6 +252,15 @@ def add_subscriber_args(p: argparse.ArgumentParser) -> None:
 
 
 # --- building configs ------------------------------------------------------------------------------
+def _version_arg(text: str) -> int | str:
+    if text == "latest":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a version number or 'latest': {text!r}") from None
+
+
 def _token(args, environ: Mapping[str, str]) -> str | None:
     if getattr(args, "api_token_file", None):
         try:

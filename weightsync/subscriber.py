@@ -134,7 +134,7 @@ def write_target(target_dir: Path, target: Target, fsync: bool = True) -> None:
             os.close(fd)
 
 
-def startup_target(pin: int | None, stored: Target | None) -> tuple[Target, str]:
+def startup_target(pin: Target | None, stored: Target | None) -> tuple[Target, str]:
     """The target to start with and its source: a command-line pin, else the stored target, else the head."""
     if pin is not None:
         return pin, "command line"

@@ -91,6 +91,11 @@ def test_a_pin_survives_a_restart_while_the_head_moves(tmp_path, daemons):  # no
     assert (s["target"], s["target_from"]) == (2, "stored")
     verify_current(store, target, 2, traj[2])
     assert sub.stop() == 0
+    sub = daemons("subscriber", [*args, "--version", "latest"])  # follow the head over a stored pin
+    s = sub.wait_version(4)
+    assert (s["target"], s["target_from"]) == ("latest", "command line")
+    assert stored(target) == 2
+    assert sub.stop() == 0
 
 
 def test_a_damaged_stored_target_stops_the_start_up(tmp_path, daemons):  # noqa: F811

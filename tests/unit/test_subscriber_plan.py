@@ -4,12 +4,13 @@ the subscriber's stored target (read, write, start-up precedence)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
 import pytest
 
-from weightsync.config import ApiConfig, Backoff, HookConfig, Identity, parse_listen
+from weightsync.config import ApiConfig, Backoff, HookConfig, Identity, add_subscriber_args, parse_listen, subscriber_config
 from weightsync.errors import UsageError
 from weightsync.hooks import render
 from weightsync.ledger import FleetRecord, fleet_view, record_from_json
@@ -171,6 +172,23 @@ def test_config_validation():
     assert [Backoff(0.5, 4.0).delay(n) for n in range(6)] == [0.0, 0.5, 1.0, 2.0, 4.0, 4.0]
 
 
+@pytest.mark.parametrize("argv,pin", [([], None), (["--version", "3"], 3), (["--version", "latest"], "latest")])
+def test_subscriber_version_flag(tmp_path, argv, pin):
+    assert subscriber_config(_subscriber_args(tmp_path, argv), {}).pin == pin
+
+
+@pytest.mark.parametrize("argv", [["--version", "newest"], ["--version", "-1"]])
+def test_subscriber_version_flag_refuses_bad_values(tmp_path, argv):
+    with pytest.raises((SystemExit, UsageError)):
+        subscriber_config(_subscriber_args(tmp_path, argv), {})
+
+
+def _subscriber_args(tmp_path: Path, argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_subscriber_args(p)
+    return p.parse_args(["--store", str(tmp_path), "--target", str(tmp_path / "t"), *argv])
+
+
 # --- the stored target --------------------------------------------------------------------------
 @pytest.mark.parametrize("pin,stored,expect", [
     (None, None, (LATEST, "default")),
@@ -179,6 +197,7 @@ def test_config_validation():
     (3, 7, (3, "command line")),
     (3, LATEST, (3, "command line")),
     (0, None, (0, "command line")),
+    (LATEST, 7, (LATEST, "command line")),
 ])
 def test_startup_target_precedence(pin, stored, expect):
     assert startup_target(pin, stored) == expect
