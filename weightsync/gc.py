@@ -49,6 +49,7 @@ from .errors import NotFoundError, StoreError, UsageError, VersionError
 from .format import CHUNKS_PREFIX, VERSIONS_PREFIX, manifest_from_json, parse_version_key, version_key
 from .repo import Repo
 from .store import FileStore, Store
+from .store.retry import RetryingStore
 
 log = logging.getLogger("weightsync.gc")
 _CHUNK_PREFIX_LEN = len(CHUNKS_PREFIX) + 3  # "chunks/ab/"
@@ -260,7 +261,7 @@ def list_with_age(store: Store, prefix: str) -> Iterator[tuple[str, int, float |
     if isinstance(backend, FileStore):
         return _file_ages(backend, prefix)
     if type(backend).__name__ == "S3Store":
-        return _s3_ages(backend, prefix)
+        return _s3_ages(backend, prefix, _retries(store))
     return ((k, store.head(k) or 0, None) for k in store.list(prefix))
 
 
@@ -280,7 +281,7 @@ def object_age(store: Store, key: str) -> float | None:
         except FileNotFoundError:
             pass
     elif type(backend).__name__ == "S3Store":
-        age = _s3_age(backend, key)
+        age = _retries(store)("HEAD", key, lambda: _s3_age(backend, key))
         if age is not None:
             return age
     elif store.head(key) is not None:
@@ -298,22 +299,40 @@ def _file_ages(store: FileStore, prefix: str) -> Iterator[tuple[str, int, float 
         yield key, st.st_size, now - st.st_mtime
 
 
-def _s3_ages(store, prefix: str) -> Iterator[tuple[str, int, float | None]]:
-    from botocore.exceptions import BotoCoreError, ClientError
+def _s3_ages(store, prefix: str, call) -> Iterator[tuple[str, int, float | None]]:
+    """Every object under ``prefix`` with its age by the server's clock, one page per request
+    (each page retried as the store's other reads are)."""
+    skip = len(store._key_prefix)
+    args = {"Bucket": store.bucket, "Prefix": store._key_prefix + prefix}
+    while True:
+        page = call("LIST", prefix, lambda: _s3_page(store, prefix, args))
+        date = page.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+        now = parsedate_to_datetime(date).timestamp() if date else time.time()
+        for obj in page.get("Contents", ()):
+            key = obj["Key"][skip:]
+            if key and not key.endswith("/"):
+                yield key, int(obj["Size"]), now - obj["LastModified"].timestamp()
+        if not page.get("IsTruncated"):
+            return
+        args = {**args, "ContinuationToken": page["NextContinuationToken"]}
 
-    client, bucket, root = store._client, store.bucket, store._key_prefix
-    skip = len(root)
-    try:
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=root + prefix):
-            date = page.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
-            now = parsedate_to_datetime(date).timestamp() if date else time.time()
-            for obj in page.get("Contents", ()):
-                key = obj["Key"][skip:]
-                if key and not key.endswith("/"):
-                    yield key, int(obj["Size"]), now - obj["LastModified"].timestamp()
-    except (BotoCoreError, ClientError) as exc:  # one line, as every store error
-        what = " ".join(str(exc).split())
-        raise StoreError(f"{store.url}: LIST {prefix}: {type(exc).__name__}: {what}", key=prefix) from exc
+
+def _s3_page(store, prefix: str, args: dict) -> dict:
+    with store._errors("LIST", prefix):
+        return store._client.list_objects_v2(**args)
+
+
+def _retries(store: Store):
+    """The retrying ``call(op, key, fn)`` of the first RetryingStore around the backend, else a
+    plain call."""
+    seen = 0
+    while seen < 16:
+        if isinstance(store, RetryingStore):
+            return store.call
+        if not hasattr(store, "inner"):
+            break
+        store, seen = store.inner, seen + 1
+    return lambda op, key, fn: fn()
 
 
 def _s3_age(store, key: str) -> float | None:

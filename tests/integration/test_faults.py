@@ -287,3 +287,29 @@ def test_disk_full_on_the_subscriber_is_a_clear_error_and_current_keeps_serving(
     finally:
         assert sub.stop() == 0
     json.loads((target / "current" / ".weightsync" / "state.json").read_text())
+
+
+@S3
+def test_gc_retries_its_own_s3_reads(s3_url, proxy, tmp_path):
+    """gc reads object ages with LIST pages and HEADs of its own (not through the Store protocol);
+    those are retried like every other store read, so throttling does not fail a gc run."""
+    from weightsync.gc import GcConfig, gc
+
+    traj = make_trajectory(tmp_path / "traj", steps=3, **SMALL)
+    repo = weightsync.open_repo(s3_url, endpoint_url=proxy.endpoint)
+    cfg = weightsync.PublishConfig(chunk_bytes=64 << 10, keyframe_interval=2)
+    for ckpt in traj:
+        weightsync.publish(ckpt, repo, config=cfg)
+    rules = [Rule("503", method="GET", key=r"list-type=2.*chunks", count=2),
+             Rule("500", method="HEAD", key=r"/chunks/", count=2)]
+    for rule in rules:
+        proxy.add(rule)
+    result = gc(repo, GcConfig(keep=1, grace_seconds=0))
+    assert [r.fired for r in rules] == [2, 2]
+    assert result.deleted_chunks > 0
+    proxy.clear()
+    out = tmp_path / "out"
+    head = len(traj) - 1
+    weightsync.pull(weightsync.open_repo(s3_url), out, head, config=weightsync.PullConfig(fsync=False))
+    assert content(out) == content(traj[head])
+    assert weightsync.open_repo(s3_url).versions() == [2, 3]  # the head's chain back to its keyframe

@@ -89,7 +89,8 @@ class RetryingStore(Store):
         self._sleep = sleep
         self._rng = rng or random.Random()
 
-    def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
+    def call(self, op: str, key: str, fn: Callable[[], T]) -> T:
+        """``fn()`` with this store's retries (for reads a wrapper cannot express, such as object ages)."""
         attempt = 1
         while True:
             try:
@@ -118,32 +119,32 @@ class RetryingStore(Store):
         return err
 
     def get(self, key: str) -> bytes:
-        return self._call("GET", key, lambda: self.inner.get(key))
+        return self.call("GET", key, lambda: self.inner.get(key))
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
-        return self._call("GET", key, lambda: self.inner.get_range(key, start, length))
+        return self.call("GET", key, lambda: self.inner.get_range(key, start, length))
 
     def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = "overwrite") -> None:
-        return self._call("PUT", key, lambda: self.inner.put(key, data, mode=mode))
+        return self.call("PUT", key, lambda: self.inner.put(key, data, mode=mode))
 
     def get_with_etag(self, key: str) -> tuple[bytes, str]:
-        return self._call("GET", key, lambda: self.inner.get_with_etag(key))
+        return self.call("GET", key, lambda: self.inner.get_with_etag(key))
 
     def put_if_match(self, key: str, data: bytes, etag: str | None) -> None:
-        return self._call("PUT", key, lambda: self.inner.put_if_match(key, data, etag))
+        return self.call("PUT", key, lambda: self.inner.put_if_match(key, data, etag))
 
     def head(self, key: str) -> int | None:
-        return self._call("HEAD", key, lambda: self.inner.head(key))
+        return self.call("HEAD", key, lambda: self.inner.head(key))
 
     def list(self, prefix: str = "") -> Iterator[str]:
         # Materialise inside the retry, so that a failure while paging is retried too.
-        return iter(self._call("LIST", prefix, lambda: list(self.inner.list(prefix))))
+        return iter(self.call("LIST", prefix, lambda: list(self.inner.list(prefix))))
 
     def delete(self, key: str) -> None:
-        return self._call("DELETE", key, lambda: self.inner.delete(key))
+        return self.call("DELETE", key, lambda: self.inner.delete(key))
 
     def touch(self, key: str) -> None:
-        return self._call("COPY", key, lambda: self.inner.touch(key))
+        return self.call("COPY", key, lambda: self.inner.touch(key))
 
     def local_path(self, key: str) -> Path | None:
         return self.inner.local_path(key)
