@@ -196,8 +196,12 @@ def cmd_gc(args) -> int:
     print(f"gc {args.store}: kept versions {r.kept_versions}, {verb} {len(r.deleted_versions)} versions and "
           f"{r.deleted_chunks} chunks ({human_bytes(r.deleted_bytes)}); {r.young_chunks} unreferenced chunks younger "
           f"than {args.grace_seconds:g}s left, {len(r.abandoned_versions)} abandoned publishes removed, {r.seconds:.2f}s", file=sys.stderr)
+    if r.touched_during_gc or r.referenced_during_gc:
+        print(f"gc {args.store}: kept {r.touched_during_gc} chunks re-used and {r.referenced_during_gc} chunks referenced "
+              "by writers while gc ran", file=sys.stderr)
     print(json.dumps({"kept": r.kept_versions, "deleted": r.deleted_versions, "deleted_chunks": r.deleted_chunks,
                       "deleted_bytes": r.deleted_bytes, "young_chunks": r.young_chunks, "abandoned": r.abandoned_versions,
+                      "touched_during_gc": r.touched_during_gc, "referenced_during_gc": r.referenced_during_gc,
                       "dry_run": r.dry_run}))
     return 0
 

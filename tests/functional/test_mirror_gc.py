@@ -211,6 +211,7 @@ def test_gc_keeps_kept_versions_and_their_chains(published, tmp_path, ok_cli, ws
 
     out = json.loads(ok_cli("gc", "--store", f"file://{store}", "--keep", "2"))
     assert out["kept"] == [3, 4, 5] and out["deleted"] == [0, 1, 2]  # 4 needs the keyframe 3
+    assert out["touched_during_gc"] == out["referenced_during_gc"] == 0  # no writer ran meanwhile
     assert r.versions() == [3, 4, 5]
     needed = {chunk_key(c.id) for v in (3, 4, 5) for c in r.manifest(v).chunks}
     assert set(r.store.list("chunks/")) == needed
