@@ -1,11 +1,14 @@
-"""A real Prometheus scrapes a publisher and two subscribers; every dashboard query returns data.
+"""A real Prometheus scrapes a publisher, a mirror and two subscribers; every dashboard query returns data.
 
 The daemons run as real processes (``python -m weightsync.cli``, the ``Daemon`` helper of
-tests/functional/test_daemons.py) on a file store; a tiny synthetic trainer drops checkpoints into
-the publisher's watched folder. Prometheus (Debian's ``prometheus`` package) runs with
-deploy/prometheus/prometheus.yml, changed only where a test must: every interval is 1 s, the
-compose targets are the daemons' loopback addresses (mapped by their port: 8470 publisher, 8471
-subscriber), the rule file is deploy/prometheus/alerts.yml by absolute path. Job names and labels
+tests/functional/test_daemons.py) on file stores, as in deploy/compose.yaml: the publisher and
+subscriber a use region a's store, a ``weightsync mirror --follow --metrics-listen`` process (the
+``Mirror`` helper of tests/functional/test_mirror_metrics.py) copies it into region b's store, which
+subscriber b reads. A tiny synthetic trainer drops checkpoints into the publisher's watched folder.
+Prometheus (Debian's ``prometheus`` package) runs with deploy/prometheus/prometheus.yml, changed
+only where a test must: every interval is 1 s, the compose targets are the processes' loopback
+addresses (mapped by their port: 8470 publisher, 8471 subscriber, 8472 mirror), the rule file is
+deploy/prometheus/alerts.yml by absolute path. Job names and labels
 stay as deployed, so the dashboard's selectors (``up{job=~"weightsync.*"}``, ``sum by (job, ...)``)
 see what they see in production.
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -40,6 +44,8 @@ from promserver import PrometheusServer, prometheus_binary
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "functional"))
 from test_daemons import Daemon, wait_for  # noqa: E402
+from test_mirror_metrics import LABELS as MIRROR_LABELS  # noqa: E402
+from test_mirror_metrics import Mirror  # noqa: E402
 
 from weightsync.synth import SyntheticTrainer  # noqa: E402
 
@@ -52,9 +58,9 @@ PROM = ROOT / "deploy" / "prometheus"
 DASHBOARDS = ROOT / "deploy" / "grafana" / "dashboards"
 TINY = {"hidden": 32, "layers": 1, "experts": 2, "vocab": 128}
 TOKEN = "prometheus-scrape-test-token"
-ROLE_PORTS = {8470: "publisher", 8471: "subscriber"}  # the deployed targets' ports say which daemon
+ROLE_PORTS = {8470: "publisher", 8471: "subscriber", 8472: "mirror"}  # the deployed targets' ports say which process
 PROMETHEUS_PORT = 9090
-SUBSCRIBERS = (("sub-a", "region-a", "infer-a"), ("sub-b", "region-b", "infer-b"))
+SUBSCRIBERS = (("sub-a", "region-a", "infer-a"), ("sub-b", "region-b", "infer-b"))  # sub-b reads the mirrored store
 PUBLISHER = ("pub", "region-a", "train")
 VERSIONS_BEFORE = 3  # versions 0..2 published before Prometheus starts; version 3 while it scrapes
 INTERVAL = 1.0  # scrape and rule evaluation interval, seconds
@@ -152,28 +158,37 @@ def _stop(daemon: Daemon) -> None:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    """A publisher and two subscribers (other regions, clusters and ids) serving version 2."""
+    """A publisher, a mirror into region b and two subscribers (other regions, clusters and ids) serving version 2."""
     tmp = tmp_path_factory.mktemp("prom-fleet")
-    store, watch = f"file://{tmp / 'store'}", tmp / "watch"
+    stores = {"region-a": tmp / "store-a", "region-b": tmp / "store-b"}
+    watch = tmp / "watch"
     watch.mkdir()
     env = {"WEIGHTSYNC_API_TOKEN": TOKEN, "XDG_CACHE_HOME": str(tmp / "cache"), "XDG_STATE_HOME": str(tmp / "state")}
-    pub = Daemon("publisher", ["--store", store, "--watch", watch, "--state-dir", tmp / "pubstate", *ident(*PUBLISHER)],
-                 tmp, env=env, token=TOKEN)
-    subs = [Daemon("subscriber", ["--store", store, "--target", tmp / id_, "--no-fsync", *ident(id_, region, cluster)],
-                   tmp, env=env, token=TOKEN) for id_, region, cluster in SUBSCRIBERS]
+    pub = Daemon("publisher", ["--store", f"file://{stores['region-a']}", "--watch", watch, "--state-dir", tmp / "pubstate",
+                               *ident(*PUBLISHER)], tmp, env=env, token=TOKEN)
+    subs = [Daemon("subscriber", ["--store", f"file://{stores[region]}", "--target", tmp / id_, "--no-fsync",
+                                  *ident(id_, region, cluster)], tmp, env=env, token=TOKEN) for id_, region, cluster in SUBSCRIBERS]
+    assert PUBLISHER[1] == "region-a" and MIRROR_LABELS["region"] == "region-b"
+    mirror = Mirror(stores["region-a"], stores["region-b"], tmp / "mirror.log", {**os.environ, **env})
     daemons = [pub, *subs]
     try:
-        with ThreadPoolExecutor(len(daemons)) as pool:  # the three imports overlap
-            list(pool.map(Daemon.start, daemons))
+        with ThreadPoolExecutor(2) as pool:  # the imports overlap
+            list(pool.map(Daemon.start, daemons[:2]))
         trainer = Trainer(watch)
         for _ in range(VERSIONS_BEFORE):
             trainer.drop()
+        wait_for(lambda: pub.status()["head_version"] == trainer.step, 60, f"the publisher to publish {trainer.step}")
+        mirror.__enter__()  # the source store exists now; the mirror creates region b's before sub-b starts
+        mirror.wait_values(lambda v: v["weightsync_mirror_destination_version"] == trainer.step, f"version {trainer.step} in region b")
+        subs[1].start()
         for sub in subs:
             sub.wait_version(trainer.step, timeout=60)
-        yield SimpleNamespace(publisher=pub, subscribers=subs, trainer=trainer)
+        yield SimpleNamespace(publisher=pub, subscribers=subs, mirror=mirror, trainer=trainer)
     finally:
         for d in daemons:
             _stop(d)
+        if mirror.proc is not None:
+            mirror.__exit__(None, None, None)
 
 
 def scrape_config(own_address: str, addresses: dict[str, list[str]]) -> dict:
@@ -209,15 +224,17 @@ def prom(fleet, tmp_path_factory):
     ``at`` is the evaluation time for the dashboard's queries: a few scrapes after every daemon
     reported the new version, so each rate window of ``MACROS`` holds samples before and after it.
     """
-    pub, subs, trainer = fleet.publisher, fleet.subscribers, fleet.trainer
+    pub, subs, mirror, trainer = fleet.publisher, fleet.subscribers, fleet.mirror, fleet.trainer
     addresses = {"publisher": [pub.url.removeprefix("http://")],
-                 "subscriber": [s.url.removeprefix("http://") for s in subs]}
+                 "subscriber": [s.url.removeprefix("http://") for s in subs],
+                 "mirror": [mirror.url.removeprefix("http://").removesuffix("/metrics")]}
     server = PrometheusServer(tmp_path_factory.mktemp("prometheus"), lambda own: scrape_config(own, addresses))
     try:
         server.start()
 
         def logs() -> str:
             tails = [f"--- {d.role} {d.url}\n{d.log()[-2000:]}" for d in (pub, *subs)]
+            tails.append(f"--- mirror {mirror.url}\n{mirror.log()[-2000:]}")
             return "\n".join([f"--- prometheus\n{server.log_tail()}", *tails])
 
         def wait(pred, what: str):
@@ -226,7 +243,7 @@ def prom(fleet, tmp_path_factory):
             except AssertionError as exc:  # the logs as they are now, not as they were before waiting
                 raise AssertionError(f"{exc}\n{logs()}") from None
 
-        wanted = len(addresses["publisher"]) + len(addresses["subscriber"])
+        wanted = sum(map(len, addresses.values()))
         wait(lambda: len(server.query('count_over_time(up{job=~"weightsync.*"}[1m]) >= 3 and up == 1')) == wanted,
              f"{wanted} weightsync targets up and scraped 3 times before the change")
         version = trainer.drop()
@@ -234,7 +251,8 @@ def prom(fleet, tmp_path_factory):
         for sub in subs:
             wait(lambda sub=sub: sub.status()["current_version"] == version, f"{sub.url} to serve {version}")
         seen = (f"max(weightsync_published_version) == {version}"
-                f" and on() count(weightsync_current_version == {version}) == {len(subs)}")
+                f" and on() count(weightsync_current_version == {version}) == {len(subs)}"
+                f" and on() max(weightsync_mirror_destination_version) == {version}")
         wait(lambda: server.query(seen), f"Prometheus to scrape version {version} from every daemon")
         time.sleep(3 * INTERVAL)  # a few samples after the change
         yield SimpleNamespace(server=server, at=time.time(), version=version, subscribers=len(subs), logs=logs)
@@ -243,18 +261,34 @@ def prom(fleet, tmp_path_factory):
 
 
 # --- tests -----------------------------------------------------------------------------------------
-def test_prometheus_scrapes_the_publisher_and_both_subscribers_with_the_deployed_job_names(prom):
+def test_prometheus_scrapes_the_publisher_the_mirror_and_both_subscribers_with_the_deployed_job_names(prom):
     targets = prom.server.api("targets", state="active")["activeTargets"]
     assert all(t["health"] == "up" for t in targets), [(t["scrapeUrl"], t["lastError"]) for t in targets]
     deployed_jobs = [j["job_name"] for j in yaml.safe_load((PROM / "prometheus.yml").read_text())["scrape_configs"]]
     jobs = sorted(t["labels"]["job"] for t in targets)
     assert set(jobs) == set(deployed_jobs)
     up = {(s["metric"]["job"], s["metric"]["instance"]): s["value"][1] for s in prom.server.query('up{job=~"weightsync.*"}', prom.at)}
-    assert sorted(job for job, _ in up) == ["weightsync-publisher", "weightsync-subscriber", "weightsync-subscriber"]
+    assert sorted(job for job, _ in up) == ["weightsync-mirror", "weightsync-publisher", "weightsync-subscriber", "weightsync-subscriber"]
     assert set(up.values()) == {"1"}
     current = {(s["metric"]["subscriber"], s["metric"]["region"], s["metric"]["cluster"]): float(s["value"][1])
                for s in prom.server.query("weightsync_current_version", prom.at)}
     assert current == {ident: prom.version for ident in SUBSCRIBERS}
+    heads = {(s["metric"]["__name__"], s["metric"]["region"], s["metric"]["cluster"], s["metric"]["job"]): float(s["value"][1])
+             for s in prom.server.query('{__name__=~"weightsync_mirror_(source|destination)_version"}', prom.at)}
+    mirror = (MIRROR_LABELS["region"], MIRROR_LABELS["cluster"], "weightsync-mirror")
+    assert heads == {(f"weightsync_mirror_{side}_version", *mirror): prom.version for side in ("source", "destination")}
+
+
+def test_the_mirror_alert_expressions_see_a_healthy_mirror(prom):
+    """Without their thresholds, the mirror rules' expressions compute what they should on a healthy mirror."""
+    rules = {r["alert"]: r["expr"] for g in yaml.safe_load((PROM / "alerts.yml").read_text())["groups"] for r in g["rules"]}
+    behind = rules["WeightsyncMirrorBehind"].removesuffix(" > 0").replace("offset 5m", "offset 2s")
+    assert [float(s["value"][1]) for s in prom.server.query(behind, prom.at)] == [0.0], behind
+    since = rules["WeightsyncMirrorStalled"].removesuffix(" > 600")
+    values = [float(s["value"][1]) for s in prom.server.query(since, prom.at)]
+    assert len(values) == 1 and 0 <= values[0] < 10 * INTERVAL + 5, (since, values)
+    down = rules["WeightsyncMirrorDown"].removesuffix(" == 0")
+    assert [s["value"][1] for s in prom.server.query(down, prom.at)] == ["1"], down
 
 
 @pytest.mark.parametrize("expr", [pytest.param(expr, id=qid, marks=[pytest.mark.xfail(strict=True, reason=NO_DATA[qid])]
@@ -283,6 +317,24 @@ def test_overview_panels_agree_with_the_daemons(prom):
         assert qid in queries, f"the dashboard has no stat panel {title!r}"
         result = prom.server.query(queries[qid], prom.at)
         assert [float(s["value"][1]) for s in result] == [value], (title, result)
+
+
+def test_mirror_panels_show_the_version_copied_while_prometheus_scraped(prom):
+    """The Mirror row, by the dashboard's own queries: both heads at the new version, bytes moving."""
+    queries = dict(QUERIES)
+
+    def panel(title: str, ref: str = "A") -> dict[str, float]:
+        qid = f"weightsync: timeseries {title} [{ref}]"
+        assert qid in queries, f"the dashboard has no panel {title!r}"
+        return {s["metric"].get("region", ""): float(s["value"][1]) for s in prom.server.query(queries[qid], prom.at)}
+
+    region = MIRROR_LABELS["region"]
+    assert panel("Regional head vs source head", "A") == panel("Regional head vs source head", "B") == {region: prom.version}
+    throughput = panel("Mirror throughput")
+    assert set(throughput) == {region} and throughput[region] > 0, throughput
+    for ref in ("A", "B"):
+        seconds = panel("Seconds per mirrored version", ref)
+        assert set(seconds) == {region} and 0 < seconds[region] < 60, seconds
 
 
 def test_alert_rules_load_evaluate_ok_and_stay_quiet_on_a_healthy_fleet(prom):
