@@ -43,14 +43,18 @@ def _version_arg(text: str) -> int | str:
     return v
 
 
-def cmd_publish(args) -> int:
-    cfg = PublishConfig(
+def _publish_config(args) -> PublishConfig:
+    return PublishConfig(
         codec=CodecConfig(level=args.level, entropy_coder=not args.fast_codec),
         chunk_bytes=args.chunk_mib << 20,
         keyframe_interval=args.keyframe_interval,
         upload_concurrency=args.concurrency,
         ignore=tuple(args.ignore),
     )
+
+
+def cmd_publish(args) -> int:
+    cfg = _publish_config(args)
     if args.version == "latest":
         raise UsageError("publish takes an integer --version")
     cache = None if args.no_cache else Path(args.cache_dir or _default_cache()) / _cache_name(args.store)
@@ -60,6 +64,40 @@ def cmd_publish(args) -> int:
     print(f"published version {r.version} ({kind}): {human_bytes(r.raw_bytes)} -> {human_bytes(r.payload_bytes)} "
           f"({r.ratio:.1f}x), {100 * r.changed_fraction:.2f}% elements changed, {human_bytes(r.uploaded_bytes)} uploaded "
           f"in {r.seconds['total']:.2f}s", file=sys.stderr)
+    print(r.version)
+    return 0
+
+
+def cmd_publish_part(args) -> int:
+    from .parts import publish_part
+
+    cfg = _publish_config(args)
+    if args.version == "latest":
+        raise UsageError("publish-part takes an integer --version")
+    name = f"{_cache_name(args.store)}-rank{args.rank}-of-{args.world}"  # one base per rank, several per host
+    cache = None if args.no_cache else Path(args.cache_dir or _default_cache()) / name
+    r = publish_part(args.checkpoint_dir, _repo(args), args.rank, args.world, files=args.files, version=args.version,
+                     config=cfg, base_dir=args.base, cache_dir=cache,
+                     progress=Progress(f"publish-part {args.rank}/{args.world} {args.checkpoint_dir}"))
+    kind = "keyframe" if r.keyframe else f"delta from {r.parent}"
+    done = " (the same part was already stored)" if r.existed else ""
+    print(f"rank {r.rank} of {r.world}: part of version {r.version} ({kind}), {len(r.files)} files: "
+          f"{human_bytes(r.raw_bytes)} -> {human_bytes(r.payload_bytes)}, {human_bytes(r.uploaded_bytes)} uploaded in "
+          f"{r.seconds['total']:.2f}s{done}; visible once commit-parts merges all {r.world} parts", file=sys.stderr)
+    print(r.version)
+    return 0
+
+
+def cmd_commit_parts(args) -> int:
+    from .parts import commit_parts
+
+    if args.timeout < 0:
+        raise UsageError(f"--timeout must be >= 0 seconds, not {args.timeout:g}")
+    r = commit_parts(_repo(args), args.version, args.world, timeout=args.timeout)
+    kind = "keyframe" if r.keyframe else f"delta from {r.parent}"
+    done = "was already committed" if r.already else "committed"
+    print(f"version {r.version} ({kind}) {done} from {r.world} parts: {r.files} files, {human_bytes(r.raw_bytes)} -> "
+          f"{human_bytes(r.payload_bytes)} in {r.chunks} chunks, {r.seconds:.2f}s", file=sys.stderr)
     print(r.version)
     return 0
 
@@ -261,15 +299,7 @@ def _add_store(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint-url", help="S3 endpoint (default: boto3's, e.g. AWS_ENDPOINT_URL)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="weightsync", description="Bit-exact weight delta sync over object storage.")
-    parser.add_argument("--version", action="version", version=f"weightsync {weightsync.__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("publish", help="publish a checkpoint directory as a new version")
-    p.add_argument("checkpoint_dir")
-    _add_store(p)
-    p.add_argument("--version", type=_version_arg, default=None, help="version number (default: head + 1)")
+def _add_publish_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base", help="folder holding exactly the parent version (e.g. the previous checkpoint)")
     p.add_argument("--cache-dir", help="where to keep a copy of the head version (default: ~/.cache/weightsync)")
     p.add_argument("--no-cache", action="store_true", help="keep no copy; pull the parent when a delta needs it")
@@ -281,7 +311,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=32, help="chunks in flight (default 32)")
     p.add_argument("--ignore", action="append", default=[], metavar="GLOB",
                    help="do not publish files whose relative path matches (repeatable), e.g. COMPLETE")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="weightsync", description="Bit-exact weight delta sync over object storage.")
+    parser.add_argument("--version", action="version", version=f"weightsync {weightsync.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("publish", help="publish a checkpoint directory as a new version")
+    p.add_argument("checkpoint_dir")
+    _add_store(p)
+    p.add_argument("--version", type=_version_arg, default=None, help="version number (default: head + 1)")
+    _add_publish_options(p)
     p.set_defaults(func=cmd_publish)
+
+    p = sub.add_parser("publish-part", help="publish one rank's files as its part of the next version (multi-rank)")
+    p.add_argument("checkpoint_dir")
+    _add_store(p)
+    p.add_argument("--rank", type=int, required=True, help="this process's rank, 0..W-1")
+    p.add_argument("--world", type=int, required=True, help="W, the number of ranks publishing the version")
+    p.add_argument("--files", nargs="+", metavar="PATH",
+                   help="relative paths this rank publishes (default: the safetensors files round-robin by sorted "
+                        "path, every other file on rank 0)")
+    p.add_argument("--version", type=_version_arg, default=None, help="version number (default: head + 1)")
+    _add_publish_options(p)
+    p.set_defaults(func=cmd_publish_part)
+
+    p = sub.add_parser("commit-parts", help="merge the W parts of a version into one version and commit it")
+    _add_store(p)
+    p.add_argument("--version", type=int, required=True, help="the version the parts make up")
+    p.add_argument("--world", type=int, required=True, help="W, the number of parts (ranks)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for all parts (default 600)")
+    p.set_defaults(func=cmd_commit_parts)
 
     p = sub.add_parser("pull", help="create or incrementally update a folder to hold a version")
     _add_store(p)

@@ -24,6 +24,8 @@ HEAD_KEY = "HEAD"
 VERSIONS_PREFIX = "versions/"
 CHUNKS_PREFIX = "chunks/"
 FLEET_PREFIX = "fleet/"
+PARTS_PREFIX = "parts/"
+MAX_WORLD = 99999  # ranks of one multi-rank publish (part keys hold five digits)
 MAX_VERSION = 10**18
 MAX_SIZE = 1 << 50  # 1 PiB: larger declared sizes are rejected as hostile
 ROLES = ("header", "tensor", "blob")
@@ -38,6 +40,21 @@ def version_key(version: int) -> str:
 def parse_version_key(key: str) -> int | None:
     m = re.fullmatch(r"versions/([0-9]{20})\.json", key)
     return int(m.group(1)) if m else None
+
+
+def parts_prefix(version: int) -> str:
+    """Where the parts of a multi-rank publish of ``version`` live (section 5 of docs/FORMAT.md)."""
+    return f"{PARTS_PREFIX}{version:020d}/"
+
+
+def part_key(version: int, rank: int, world: int) -> str:
+    return f"{parts_prefix(version)}{rank:05d}-of-{world:05d}.json"
+
+
+def parse_part_key(key: str) -> tuple[int, int, int] | None:
+    """``(version, rank, world)`` of a part key, or None for any other key."""
+    m = re.fullmatch(r"parts/([0-9]{20})/([0-9]{5})-of-([0-9]{5})\.json", key)
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3))) if m else None
 
 
 def chunk_key(chunk_id: str) -> str:
@@ -149,9 +166,34 @@ class Manifest:
         return sum(s.payload.size for f in self.files for s in f.segments if s.payload)
 
 
+@dataclass(frozen=True)
+class PartManifest:
+    """Rank ``rank`` of ``world``'s share of a version published by several processes: its files
+    (manifest file entries, payload parts indexing this part's own ``chunks``), not yet a version."""
+
+    version: int
+    parent: int | None
+    world: int
+    rank: int
+    keyframe: bool
+    chain_length: int
+    files: tuple[FileEntry, ...]
+    chunks: tuple[ChunkRef, ...]
+    created: str = ""
+    codec_config: dict[str, Any] = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
 # --- serialization -------------------------------------------------------------------------------
 def manifest_to_json(m: Manifest) -> bytes:
-    doc = {"format": "weightsync.manifest", "format_version": FORMAT_VERSION, **asdict(m)}
+    return _to_json({"format": "weightsync.manifest", "format_version": FORMAT_VERSION, **asdict(m)})
+
+
+def part_to_json(p: PartManifest) -> bytes:
+    return _to_json({"format": "weightsync.part", "format_version": FORMAT_VERSION, **asdict(p)})
+
+
+def _to_json(doc: dict) -> bytes:
     for f in doc["files"]:
         for s in f["segments"]:
             for p in (s["payload"], (s["delta"] or {}).get("payload")):
@@ -277,11 +319,39 @@ def _file(doc: Any, chunks: tuple[ChunkRef, ...], what: str) -> FileEntry:
 
 
 def manifest_from_json(data: bytes, what: str = "manifest") -> Manifest:
+    doc = _sealed(data, "weightsync.manifest", what)
+    return Manifest(*_body(doc, what), **_info(doc))
+
+
+def part_from_json(data: bytes, what: str = "part") -> PartManifest:
+    """A rank's part (docs/FORMAT.md section 5), validated as a manifest is, plus its rank and world."""
+    doc = _sealed(data, "weightsync.part", what)
+    version, parent, keyframe, chain, files, chunks = _body(doc, what)
+    world = _int(doc, "world", what, 1, MAX_WORLD)
+    rank = _int(doc, "rank", what, 0, world - 1)
+    return PartManifest(version, parent, world, rank, keyframe, chain, files, chunks, **_info(doc))
+
+
+def _sealed(data: bytes, kind: str, what: str) -> dict:
     doc = _load_json(data, what)
-    if doc.get("format") != "weightsync.manifest" or doc.get("format_version") != FORMAT_VERSION:
-        raise FormatError(f"{what}: not a weightsync manifest of format version {FORMAT_VERSION}")
+    if doc.get("format") != kind or doc.get("format_version") != FORMAT_VERSION:
+        raise FormatError(f"{what}: not a {kind.replace('.', ' ')} of format version {FORMAT_VERSION}")
     if doc.get("checksum") != _canonical_xxh3(doc):
-        raise FormatError(f"{what}: manifest checksum mismatch (damaged in storage or in transit)")
+        raise FormatError(f"{what}: {kind.split('.')[1]} checksum mismatch (damaged in storage or in transit)")
+    return doc
+
+
+def _info(doc: dict) -> dict:
+    """The informational fields (readers must not need them)."""
+    return {
+        "created": str(doc.get("created", "")),
+        "codec_config": doc.get("codec_config") if isinstance(doc.get("codec_config"), dict) else {},
+        "stats": doc.get("stats") if isinstance(doc.get("stats"), dict) else {},
+    }
+
+
+def _body(doc: dict, what: str) -> tuple[int, int | None, bool, int, tuple[FileEntry, ...], tuple[ChunkRef, ...]]:
+    """``version, parent, keyframe, chain_length, files, chunks`` of a manifest or part, validated."""
     version = _int(doc, "version", what, 0, MAX_VERSION)
     parent = doc.get("parent")
     if parent is not None and (type(parent) is not int or not 0 <= parent < version):
@@ -294,7 +364,7 @@ def manifest_from_json(data: bytes, what: str = "manifest") -> Manifest:
         chunks.append(ChunkRef(_hex(c, "id", what), _int(c, "size", what, 1)))
     chunks_t = tuple(chunks)
     files = tuple(_file(f, chunks_t, what) for f in _get(doc, "files", list, what))
-    _check_paths_disjoint(files, what)
+    check_paths_disjoint([f.path for f in files], what)
     if keyframe and any(s.codec != "full" for f in files for s in f.segments):
         raise FormatError(f"{what}: a keyframe holds only full segments")
     if (not keyframe or parent is None) and any(s.delta for f in files for s in f.segments):
@@ -304,18 +374,15 @@ def manifest_from_json(data: bytes, what: str = "manifest") -> Manifest:
     chain = _int(doc, "chain_length", what, 0, MAX_VERSION)
     if keyframe != (chain == 0):
         raise FormatError(f"{what}: chain_length {chain} disagrees with keyframe={keyframe}")
-    return Manifest(
-        version, parent, keyframe, chain, files, chunks_t,
-        created=str(doc.get("created", "")),
-        codec_config=doc.get("codec_config") if isinstance(doc.get("codec_config"), dict) else {},
-        stats=doc.get("stats") if isinstance(doc.get("stats"), dict) else {},
-    )
+    return version, parent, keyframe, chain, files, chunks_t
 
 
-def _check_paths_disjoint(files: tuple[FileEntry, ...], what: str) -> None:
-    paths = {f.path for f in files}
-    if len(paths) != len(files):
+def check_paths_disjoint(paths: list[str], what: str) -> None:
+    """No path twice, none under another (a file cannot also be a folder)."""
+    unique = set(paths)
+    if len(unique) != len(paths):
         raise FormatError(f"{what}: duplicate file paths")
+    paths = unique
     for p in paths:
         parts = p.split("/")
         for i in range(1, len(parts)):

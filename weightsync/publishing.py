@@ -185,15 +185,51 @@ def _encode_all(jobs: list[_Job], encoder: _Encoder, out: _Assembler, cfg: Publi
 
 def _base_for(repo: Repo, parent: Manifest, base_dir: Path | None, cache_dir: Path, cfg_pull) -> LocalVersion:
     """A verified-on-read view of the parent version: ``base_dir`` if given, else the cache folder,
-    brought to the parent version by a pull when it holds something else."""
+    brought to the parent version by a pull when it holds something else. ``repo`` may show only
+    some files of each version (a rank's view, :mod:`weightsync.parts`): the cache then holds those."""
     if base_dir is not None:
         return LocalVersion(base_dir, parent)
     state = read_state(cache_dir) if cache_dir.exists() else None
-    if state is None or state.version != parent.version or state.store != repo.url:
+    needed = {f.path for f in repo.manifest(parent.version).files}
+    if state is None or state.version != parent.version or state.store != repo.url or not needed <= set(state.files):
         if state is not None and state.store != repo.url:
             shutil.rmtree(cache_dir)
         pull(repo, cache_dir, parent.version, cfg_pull)
     return LocalVersion(cache_dir, parent)
+
+
+@dataclass(frozen=True)
+class Target:
+    """The version about to be published and what it builds on, decided from the head alone (so
+    every rank of a multi-rank publish decides alike): ``etag`` is the head's tag when read."""
+
+    version: int
+    parent: Manifest | None
+    keyframe: bool
+    etag: str | None
+
+    @property
+    def chain_length(self) -> int:
+        return 0 if self.keyframe else self.parent.chain_length + 1
+
+
+def plan_version(repo: Repo, version: int | None, config: PublishConfig) -> Target:
+    """Create the store if it is empty; read the head once; the next version (default head + 1, 0
+    on an empty store) and whether it is a keyframe (the first version, or the chain would reach
+    ``keyframe_interval``)."""
+    if not repo.check():
+        repo.init()
+    head, etag = repo.head()
+    if version is None:
+        version = 0 if head is None else head + 1
+    if version < 0:
+        raise UsageError(f"version must be a non-negative integer, not {version}")
+    if head is not None and version <= head:
+        exists = version in repo.versions()
+        raise VersionError(f"version {version} {'already exists' if exists else f'is not after the head version {head}'} in {repo.url}")
+    parent = None if head is None else repo.manifest(head)
+    keyframe = parent is None or parent.chain_length + 1 >= config.keyframe_interval
+    return Target(version, parent, keyframe, etag)
 
 
 def publish(
@@ -213,43 +249,44 @@ def publish(
     version (pulled from the store when it is behind). Without either, a temporary folder is used.
     """
     src = Path(checkpoint_dir)
-    files = scan_checkpoint(src, config.ignore)  # validate the input before anything is written
-    if not repo.check():
-        repo.init()
-    head, etag = repo.head()
-    if version is None:
-        version = 0 if head is None else head + 1
-    if version < 0:
-        raise UsageError(f"version must be a non-negative integer, not {version}")
-    if head is not None and version <= head:
-        exists = version in repo.versions()
-        raise VersionError(f"version {version} {'already exists' if exists else f'is not after the head version {head}'} in {repo.url}")
-    parent = None if head is None else repo.manifest(head)
-    keyframe = parent is None or parent.chain_length + 1 >= config.keyframe_interval
+    scan = lambda: scan_checkpoint(src, config.ignore)  # noqa: E731
+    files = scan()  # validate the input before anything is written
+    target = plan_version(repo, version, config)
+    enc = encode_folder(repo, files, scan, target, config, base_dir, cache_dir, progress, on_bytes)
+    result, manifest = commit_encoded(repo, target, enc)
+    if cache_dir is not None:
+        adopt(Path(cache_dir), manifest, src, repo.url)
+    return result
+
+
+def encode_folder(repo: Repo, files: list[SourceFile], rescan: Callable[[], list[SourceFile]], target: Target,
+                  cfg: PublishConfig, base_dir: str | os.PathLike[str] | None, cache_dir: str | os.PathLike[str] | None,
+                  progress: Progress | None, on_bytes: Callable[[int], None] | None, base_repo: Repo | None = None) -> Encoded:
+    """Encode ``files`` (of a checkpoint folder) against ``target.parent`` and upload their chunks;
+    commits nothing. The parent's bytes come from ``base_dir``, else from ``cache_dir`` (or a
+    temporary folder), pulled from ``base_repo`` (default ``repo``; a view of some files only
+    pulls just those); a stale cache is rebuilt once, from the files ``rescan()`` returns."""
     with tempfile.TemporaryDirectory(prefix="weightsync-base-") as tmp:
         cache = Path(cache_dir) if cache_dir is not None else Path(tmp) / "base"
         explicit = None if base_dir is None else Path(base_dir)
         try:
-            result = _publish(repo, src, files, version, parent, keyframe, etag, config, explicit, cache, progress, on_bytes)
+            return _encode_folder(repo, base_repo or repo, files, target, cfg, explicit, cache, progress, on_bytes)
         except BaseMismatchError:
             if explicit is not None or cache_dir is None:
                 raise
             shutil.rmtree(cache, ignore_errors=True)  # a stale cache: rebuild it from the store once
-            result = _publish(repo, src, scan_checkpoint(src, config.ignore), version, parent, keyframe, etag, config, None, cache, progress, on_bytes)
-    if cache_dir is not None:
-        adopt(Path(cache_dir), repo.manifest(version), src, repo.url)
-    return result
+            return _encode_folder(repo, base_repo or repo, rescan(), target, cfg, None, cache, progress, on_bytes)
 
 
-def _publish(repo, src, files, version, parent, keyframe, etag, cfg: PublishConfig, base_dir, cache, progress, on_bytes) -> PublishResult:
+def _encode_folder(repo, base_repo, files, target: Target, cfg: PublishConfig, base_dir, cache, progress, on_bytes) -> Encoded:
     t0 = time.perf_counter()
     base = None
-    if parent is not None:  # deltas, and a keyframe's deltas for followers, need the parent's bytes
-        base = _base_for(repo, parent, base_dir, cache, PullConfig(decode_threads=cfg.encode_threads))
+    if target.parent is not None:  # deltas, and a keyframe's deltas for followers, need the parent's bytes
+        base = _base_for(base_repo, target.parent, base_dir, cache, PullConfig(decode_threads=cfg.encode_threads))
     fds = {f.path: os.open(f.abspath, os.O_RDONLY) for f in files}
     try:
-        encoder = _Encoder(cfg, base, fds, keyframe)
-        return encode_and_commit(repo, files, parent, keyframe, version, etag, encoder, cfg, progress, on_bytes, t0)[0]
+        encoder = _Encoder(cfg, base, fds, target.keyframe)
+        return encode_and_upload(repo, files, target.parent, target.keyframe, encoder, cfg, progress, on_bytes, t0)
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -257,12 +294,29 @@ def _publish(repo, src, files, version, parent, keyframe, etag, cfg: PublishConf
             base.close()
 
 
-def encode_and_commit(repo: Repo, files: list[SourceFile], parent: Manifest | None, keyframe: bool, version: int,
-                      etag: str | None, encoder, cfg: PublishConfig, progress: Progress | None,
-                      on_bytes: Callable[[int], None] | None, t0: float) -> tuple[PublishResult, Manifest]:
+@dataclass
+class Encoded:
+    """Encoded and uploaded files, not yet committed: the body of a manifest (or of a rank's part)."""
+
+    files: tuple[FileEntry, ...]
+    chunks: tuple[ChunkRef, ...]
+    changed: int
+    elements: int
+    uploaded_bytes: int
+    seconds: dict[str, float]
+    t0: float  # when the publish started (perf_counter), for seconds["total"]
+    codec_config: dict = field(default_factory=dict)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return {"changed": self.changed, "elements": self.elements, "uploaded_bytes": self.uploaded_bytes}
+
+
+def encode_and_upload(repo: Repo, files: list[SourceFile], parent: Manifest | None, keyframe: bool, encoder,
+                      cfg: PublishConfig, progress: Progress | None, on_bytes: Callable[[int], None] | None,
+                      t0: float) -> Encoded:
     """Encode every segment with ``encoder`` (``run(job) -> (new, digest, encoding, keyframe
-    delta)``), pack and upload the chunks, then commit the manifest. Shared by :func:`publish` and
-    publishing from known changes (:mod:`weightsync.hostmirror`)."""
+    delta)``), pack the payloads into chunks and upload them; commits nothing."""
     uploader = Uploader(repo, cfg.upload_concurrency, on_bytes)
     out = _Assembler(cfg, uploader)
     try:
@@ -272,23 +326,40 @@ def encode_and_commit(repo: Repo, files: list[SourceFile], parent: Manifest | No
         seconds = dict(encoder.seconds, upload=time.perf_counter() - t_up)
     finally:
         uploader.close()
+    return Encoded(tuple(out.files), out.packer_refs(), out.changed, out.elements, uploader.uploaded_bytes, seconds, t0,
+                   asdict(cfg.codec))
+
+
+def commit_encoded(repo: Repo, target: Target, enc: Encoded) -> tuple[PublishResult, Manifest]:
+    """The manifest of ``enc`` as version ``target.version``, committed (manifest, then the head
+    from ``target.etag``)."""
     manifest = Manifest(
-        version=version,
-        parent=None if parent is None else parent.version,
-        keyframe=keyframe,
-        chain_length=0 if keyframe else parent.chain_length + 1,
-        files=tuple(out.files),
-        chunks=out.packer_refs(),
+        version=target.version,
+        parent=None if target.parent is None else target.parent.version,
+        keyframe=target.keyframe,
+        chain_length=target.chain_length,
+        files=enc.files,
+        chunks=enc.chunks,
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        codec_config=asdict(cfg.codec),
-        stats={"changed": out.changed, "elements": out.elements, "uploaded_bytes": uploader.uploaded_bytes},
+        codec_config=enc.codec_config,
+        stats=enc.stats,
     )
+    seconds = dict(enc.seconds)
     t_c = time.perf_counter()
-    repo.commit(manifest, etag)
+    repo.commit(manifest, target.etag)
     seconds["commit"] = time.perf_counter() - t_c
-    seconds["total"] = time.perf_counter() - t0
+    seconds["total"] = time.perf_counter() - enc.t0
     result = PublishResult(
-        version, manifest.parent, keyframe, manifest.raw_bytes, manifest.payload_bytes,
-        uploader.uploaded_bytes, len(manifest.chunks), out.changed, out.elements, seconds,
+        target.version, manifest.parent, target.keyframe, manifest.raw_bytes, manifest.payload_bytes,
+        enc.uploaded_bytes, len(manifest.chunks), enc.changed, enc.elements, seconds,
     )
     return result, manifest
+
+
+def encode_and_commit(repo: Repo, files: list[SourceFile], parent: Manifest | None, keyframe: bool, version: int,
+                      etag: str | None, encoder, cfg: PublishConfig, progress: Progress | None,
+                      on_bytes: Callable[[int], None] | None, t0: float) -> tuple[PublishResult, Manifest]:
+    """Encode every segment with ``encoder``, pack and upload the chunks, then commit the manifest.
+    Shared by :func:`publish` and publishing from known changes (:mod:`weightsync.hostmirror`)."""
+    enc = encode_and_upload(repo, files, parent, keyframe, encoder, cfg, progress, on_bytes, t0)
+    return commit_encoded(repo, Target(version, parent, keyframe, etag), enc)
