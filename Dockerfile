@@ -52,11 +52,12 @@ ENV PATH="/opt/weightsync/bin:${PATH}" \
 USER 10001:10001
 WORKDIR /home/weightsync
 # Default API ports: publisher 8470, subscriber 8471 (the daemons serve HTTP only with --listen).
-EXPOSE 8470 8471
+EXPOSE 8470 8471 8472
 # Probes GET /healthz on the URLs in WEIGHTSYNC_HEALTHCHECK_URLS (space separated; default: the
-# publisher's and the subscriber's default ports) and succeeds if any answers 2xx. One-shot
+# publisher's, the subscriber's and the mirror's metrics ports; the mirror answers any path) and
+# succeeds if any answers 2xx. One-shot
 # commands (gc, fleet) exit before the first probe. Kubernetes ignores this and uses its own probes.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=60s --retries=3 \
-    CMD ["python", "-c", "import os, sys, urllib.request\nurls = os.environ.get('WEIGHTSYNC_HEALTHCHECK_URLS') or 'http://127.0.0.1:8470/healthz http://127.0.0.1:8471/healthz'\nfor url in urls.split():\n    try:\n        urllib.request.urlopen(url, timeout=3).close()\n        sys.exit(0)\n    except OSError:\n        pass\nsys.exit(1)"]
+    CMD ["python", "-c", "import os, sys, urllib.request\nurls = os.environ.get('WEIGHTSYNC_HEALTHCHECK_URLS') or 'http://127.0.0.1:8470/healthz http://127.0.0.1:8471/healthz http://127.0.0.1:8472/healthz'\nfor url in urls.split():\n    try:\n        urllib.request.urlopen(url, timeout=3).close()\n        sys.exit(0)\n    except OSError:\n        pass\nsys.exit(1)"]
 ENTRYPOINT ["weightsync"]
 CMD ["--help"]
