@@ -150,20 +150,13 @@ def _side_options(args, side: str) -> dict:
     return {"endpoint_url": url} if url else {}
 
 
-def _metrics_address(text: str) -> tuple[str, int]:
-    """``--metrics-listen``: ``HOST:PORT``, ``[V6]:PORT`` or ``PORT`` (host 127.0.0.1); port 0 picks a free one."""
-    host, sep, port = text.rpartition(":")
-    host = (host if sep else "").strip("[]") or "127.0.0.1"
-    if not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
-        raise UsageError(f"--metrics-listen wants HOST:PORT with a port in 0..65535, got {text!r}")
-    return host, int(port)
-
-
 def _serve_metrics(text: str, registry):
     """Serve ``registry`` at ``http://HOST:PORT/metrics`` (any path answers) from a daemon thread."""
     from prometheus_client import start_http_server
 
-    host, port = _metrics_address(text)
+    from .config import parse_listen
+
+    host, port = parse_listen(text, "--metrics-listen")
     try:
         server, _ = start_http_server(port, host, registry)
     except OSError as exc:  # address in use, not ours, or a host that does not resolve

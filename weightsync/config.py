@@ -187,17 +187,13 @@ class SubscriberConfig:
 
 
 # --- flags ---------------------------------------------------------------------------------------
-def parse_listen(text: str) -> tuple[str, int]:
-    """``HOST:PORT``, ``[V6]:PORT`` or ``PORT`` (host 127.0.0.1)."""
+def parse_listen(text: str, flag: str = "--listen") -> tuple[str, int]:
+    """``HOST:PORT``, ``[V6]:PORT``, ``:PORT`` or ``PORT`` (host 127.0.0.1); port 0 picks a free one."""
     host, sep, port = text.rpartition(":")
-    if not sep:
-        host, port = "127.0.0.1", text
-    host = host.strip("[]") or "127.0.0.1"
-    try:
-        p = int(port)
-    except ValueError:
-        raise UsageError(f"--listen wants HOST:PORT, got {text!r}") from None
-    return host, p
+    host = (host if sep else "").strip("[]") or "127.0.0.1"
+    if not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
+        raise UsageError(f"{flag} wants HOST:PORT with a port in 0..65535, got {text!r}")
+    return host, int(port)
 
 
 def _common_args(p: argparse.ArgumentParser) -> None:
