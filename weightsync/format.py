@@ -43,7 +43,7 @@ def parse_version_key(key: str) -> int | None:
 
 
 def parts_prefix(version: int) -> str:
-    """Where the parts of a multi-rank publish of ``version`` live (section 5 of docs/FORMAT.md)."""
+    """Where the parts of a multi-rank publish of ``version`` live (section 6 of docs/FORMAT.md)."""
     return f"{PARTS_PREFIX}{version:020d}/"
 
 
@@ -324,7 +324,7 @@ def manifest_from_json(data: bytes, what: str = "manifest") -> Manifest:
 
 
 def part_from_json(data: bytes, what: str = "part") -> PartManifest:
-    """A rank's part (docs/FORMAT.md section 5), validated as a manifest is, plus its rank and world."""
+    """A rank's part (docs/FORMAT.md section 6), validated as a manifest is, plus its rank and world."""
     doc = _sealed(data, "weightsync.part", what)
     version, parent, keyframe, chain, files, chunks = _body(doc, what)
     world = _int(doc, "world", what, 1, MAX_WORLD)

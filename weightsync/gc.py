@@ -14,6 +14,12 @@ unreferenced chunk may belong to a version being published. ``grace_seconds`` mu
 longest publish (upload to commit). Last, leftovers of killed writers older than the grace period
 go too: a file store's temporary files, an S3 store's incomplete multipart uploads.
 
+Parts of multi-rank publishes (``parts/<N>/``, :mod:`weightsync.parts`, :func:`plan_parts`): those
+of a version at or below the head are done with (merged, or stale) and are deleted; those of a
+version above the head are kept while any of them is younger than the grace period (ranks still
+publishing, a committer waiting) and deleted together once all are older: a version that missed a
+part is abandoned. The chunks named by kept parts are needed, like those of pending manifests.
+
 Re-checks before each delete. A publisher that finds one of its chunks already stored touches it
 (:meth:`Repo.put_chunk`) instead of uploading it again, so an old unreferenced chunk can become
 needed while gc runs. Ages are listed once, but each candidate's age is read again (a stat, or a
@@ -37,6 +43,7 @@ object treated as young: nothing is collected there unless ``grace_seconds`` is 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -45,8 +52,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 
-from .errors import NotFoundError, StoreError, UsageError, VersionError
-from .format import CHUNKS_PREFIX, VERSIONS_PREFIX, manifest_from_json, parse_version_key, version_key
+from .errors import FormatError, NotFoundError, StoreError, UsageError, VersionError
+from .format import (
+    CHUNKS_PREFIX, PARTS_PREFIX, VERSIONS_PREFIX, manifest_from_json, parse_part_key, parse_version_key, part_from_json,
+    version_key,
+)
 from .repo import Repo
 from .store import FileStore, Store
 from .store.retry import RetryingStore
@@ -100,6 +110,36 @@ class GcResult:
     dry_run: bool = False
     seconds: float = 0.0
     partial_writes: int = 0  # removed leftovers of killed writers: temp files, multipart uploads
+    deleted_parts: int = 0  # part objects of merged, stale or abandoned multi-rank publishes
+    pending_parts: int = 0  # part objects of versions above the head, kept (a publish in progress)
+
+
+@dataclass(frozen=True)
+class PartsPlan:
+    delete: tuple[str, ...]  # part keys: at or below the head, or above it and all older than the grace
+    pending: tuple[str, ...]  # part keys kept: a multi-rank publish in progress
+    needed_chunks: frozenset[str]  # chunks the kept parts name
+
+
+def plan_parts(repo: Repo, head: int | None, grace: float) -> PartsPlan:
+    """Which parts to delete and which chunks the kept ones need (module docstring)."""
+    by_version: dict[int, list[tuple[str, float | None]]] = {}
+    for key, _, age in list_with_age(repo.store, PARTS_PREFIX):
+        parsed = parse_part_key(key)
+        if parsed is not None:
+            by_version.setdefault(parsed[0], []).append((key, age))
+    delete, pending, needed = [], [], set()
+    for v, items in sorted(by_version.items()):
+        if (head is not None and v <= head) or not any(_young(age, grace) for _, age in items):
+            delete.extend(k for k, _ in items)
+            continue
+        for key, _ in items:
+            pending.append(key)
+            try:
+                needed.update(c.id for c in part_from_json(repo.store.get(key), f"{repo.url}/{key}").chunks)
+            except (NotFoundError, FormatError) as exc:  # a damaged part protects nothing; a committer refuses it
+                log.warning("gc %s: cannot read part %s (%s)", repo.url, key, exc)
+    return PartsPlan(tuple(delete), tuple(pending), frozenset(needed))
 
 
 def plan_gc(repo: Repo, keep: int, abandoned: frozenset[int] = frozenset()) -> GcPlan:
@@ -141,11 +181,17 @@ def gc(repo: Repo, config: GcConfig) -> GcResult:
     t0 = time.perf_counter()
     repo.require()
     plan = plan_gc(repo, config.keep, _abandoned(repo, config.grace_seconds))
+    parts = plan_parts(repo, plan.head, config.grace_seconds)
+    plan = dataclasses.replace(plan, needed_chunks=plan.needed_chunks | parts.needed_chunks)
     result = GcResult(plan.head, list(plan.kept_versions), list(plan.delete_versions),
-                      list(plan.abandoned_versions), dry_run=config.dry_run)
+                      list(plan.abandoned_versions), dry_run=config.dry_run, deleted_parts=len(parts.delete),
+                      pending_parts=len(parts.pending))
     if not config.dry_run:
         for v in plan.delete_versions + plan.abandoned_versions:  # oldest first, chunks after
             repo.store.delete(version_key(v))
+        for key in parts.delete:
+            repo.store.delete(key)
+        _prune_part_folders(repo.store, parts.delete)
     # Listed after the manifests are gone: a chunk stored from here on is younger than the grace.
     doomed = []
     for key, size, age in list_chunks_with_age(repo.store):
@@ -362,9 +408,20 @@ def _remove_partial_writes(store: Store, grace: float) -> int:
     return 0
 
 
+def _prune_part_folders(store: Store, deleted: tuple[str, ...]) -> None:
+    """A file store keeps a folder per version under ``parts/``: remove the ones emptied."""
+    backend = _unwrap(store)
+    if isinstance(backend, FileStore):
+        for folder in sorted({backend.local_path(k).parent for k in deleted}):
+            try:
+                folder.rmdir()
+            except OSError:
+                pass  # not empty: a part written since
+
+
 def _remove_temp_files(backend: FileStore, grace: float) -> int:
     removed, now = 0, time.time()
-    for sub in (CHUNKS_PREFIX, VERSIONS_PREFIX):
+    for sub in (CHUNKS_PREFIX, VERSIONS_PREFIX, PARTS_PREFIX):
         root = backend.root / sub
         for dirpath, _, filenames in os.walk(root):
             for name in filenames:
@@ -400,4 +457,4 @@ def _abort_multipart_uploads(store, grace: float) -> int:
     return aborted
 
 
-__all__ = ["GcConfig", "GcPlan", "GcResult", "gc", "list_chunks_with_age", "list_with_age", "object_age", "plan_gc"]
+__all__ = ["GcConfig", "GcPlan", "GcResult", "PartsPlan", "gc", "plan_parts", "list_chunks_with_age", "list_with_age", "object_age", "plan_gc"]

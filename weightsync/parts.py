@@ -4,7 +4,7 @@ Rank ``r`` of ``W`` (:func:`publish_part`) reads the head once, decides the vers
 default) and keyframe-or-delta exactly as :func:`weightsync.publishing.publish` does, from the
 head manifest alone, so the ranks agree without talking to each other. It encodes the files it owns
 against the parent's entries for them with the single publisher's own pipeline, uploads the
-chunks, then writes ``parts/<N>/<r>-of-<W>.json`` create-only (docs/FORMAT.md, section 5). The
+chunks, then writes ``parts/<N>/<r>-of-<W>.json`` create-only (docs/FORMAT.md, section 6). The
 committer (:func:`commit_parts`; any process, e.g. rank 0 after its part) waits until all ``W``
 parts are there, checks them (:func:`merge_parts`: one part per rank, same world, version, parent
 equal to the head, same keyframe flag and chain, disjoint files) and merges them into an ordinary
@@ -265,21 +265,24 @@ class CommitResult:
 def commit_parts(repo: Repo, version: int, world: int, timeout: float = 600.0, poll: float = 1.0,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> CommitResult:
     """Wait (at most ``timeout`` seconds, polling up to every ``poll``) until all ``world`` parts of
-    ``version`` are stored, merge them (:func:`merge_parts`) and commit the version. Nothing is
-    committed unless every part is there and they agree. A part that is damaged, names another
+    ``version`` are stored, merge them (:func:`merge_parts`) and commit the version (an empty
+    location counts as a store whose ranks have not started). Nothing is committed unless every
+    part is there and they agree. A part that is damaged, names another
     world size, or was built on a parent that is no longer the head fails at once. Two committers
     may race: one commits, the other finds the same version committed and succeeds too."""
     check_world(None, world)
     if version < 0:
         raise UsageError(f"version must be a non-negative integer, not {version}")
-    repo.require()
     t0, deadline, delay = clock(), clock() + timeout, min(0.05, poll)
     parts: dict[int, PartManifest] = {}
+    exists = False  # the first rank may not have created the store yet
     while True:
-        head, etag = repo.head()
+        exists = exists or repo.check()
+        head, etag = repo.head() if exists else (None, None)
         if head is not None and head >= version:
             return _already(repo, version, world, head, t0, clock)
-        _read_new(repo, version, world, parts)
+        if exists:
+            _read_new(repo, version, world, parts)
         for p in parts.values():
             if p.parent != head:
                 raise VersionError(f"rank {p.rank}'s part of version {version} was built on version {p.parent} but the "
@@ -297,9 +300,10 @@ def commit_parts(repo: Repo, version: int, world: int, timeout: float = 600.0, p
     try:
         repo.commit(manifest, etag)
     except VersionError:
-        if (repo.head_version() or -1) < version:
+        now = repo.head_version()
+        if now is None or now < version:
             raise
-        return _already(repo, version, world, repo.head_version(), t0, clock)
+        return _already(repo, version, world, now, t0, clock)
     return _result(manifest, world, clock() - t0, False)
 
 

@@ -1,0 +1,371 @@
+"""Multi-rank publishing on file stores: ``weightsync publish-part`` and ``weightsync commit-parts``.
+
+Ranks publish their parts as real processes (or in-process where a failure must be injected);
+every committed version is pulled and compared with its checkpoint folder byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import weightsync
+from weightsync.errors import StoreError, VersionError
+from weightsync.format import HEAD_KEY, PARTS_PREFIX, chunk_key, part_key, version_key
+from weightsync.gc import GcConfig, gc
+from weightsync.parts import commit_parts, publish_part
+from weightsync.publishing import PublishConfig
+from weightsync.store import FileStore
+from weightsync.synth import make_trajectory
+
+TINY = {"hidden": 32, "layers": 1, "experts": 2, "vocab": 128}
+OLD = time.time() - 10 * 24 * 3600
+
+
+@pytest.fixture
+def sharded(tmp_path) -> list[Path]:
+    """Five checkpoints (steps 0..4) in four safetensors shards, an index and a config."""
+    return make_trajectory(tmp_path / "traj", steps=4, shards=4, **TINY)
+
+
+def repo(store: Path) -> weightsync.Repo:
+    return weightsync.open_repo(f"file://{store}")
+
+
+def folder_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in Path(root).rglob("*") if p.is_file())
+
+
+def chunk_bytes(store: Path) -> int:
+    return folder_bytes(store / "chunks") if (store / "chunks").exists() else 0
+
+
+def publish_ranks(ckpt: Path, store: Path, world: int, **kwargs) -> list:
+    return [publish_part(ckpt, repo(store), r, world, **kwargs) for r in range(world)]
+
+
+def age(store: Path, prefix: str) -> None:
+    for p in (store / prefix).rglob("*"):
+        if p.is_file():
+            os.utime(p, (OLD, OLD))
+
+
+def _spawn(env, *args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "weightsync.cli", *map(str, args)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, out, err
+
+
+def step_as_processes(env, ckpt: Path, store: Path, world: int) -> int:
+    """``world`` publish-part processes and one commit-parts process, all started at once."""
+    url = f"file://{store}"
+    head = repo(store).head_version() if (store / HEAD_KEY).exists() else None
+    version = 0 if head is None else head + 1
+    committer = _spawn(env, "commit-parts", "--store", url, "--version", version, "--world", world, "--timeout", 60)
+    ranks = [_spawn(env, "publish-part", ckpt, "--store", url, "--rank", r, "--world", world) for r in range(world)]
+    for r, proc in enumerate(ranks):
+        rc, out, err = _wait(proc)
+        assert rc == 0, f"rank {r} exited {rc}: {err}"
+        assert out.strip().splitlines()[-1] == str(version)
+    rc, out, err = _wait(committer)
+    assert rc == 0, f"commit-parts exited {rc}: {err}"
+    assert out.strip().splitlines()[-1] == str(version)
+    return version
+
+
+# --- the main path ------------------------------------------------------------------------------------
+def test_four_rank_processes_then_a_delta_then_a_single_publisher(sharded, tmp_path, cli_env, ok_cli, ws):
+    store, out = tmp_path / "store", tmp_path / "replica"
+    assert step_as_processes(cli_env, sharded[0], store, 4) == 0
+    r = repo(store)
+    m0 = r.manifest(0)
+    assert m0.keyframe and [f.path for f in m0.files] == sorted(ws.content(sharded[0]))
+    ok_cli("pull", "--store", f"file://{store}", out)
+    ws.assert_replica(out, sharded[0])
+
+    before = chunk_bytes(store)
+    assert step_as_processes(cli_env, sharded[1], store, 4) == 1
+    m1 = r.manifest(1)
+    assert (m1.parent, m1.keyframe, m1.chain_length) == (0, False, 1)
+    uploaded = chunk_bytes(store) - before
+    assert 0 < uploaded < folder_bytes(sharded[1]) / 10, (uploaded, folder_bytes(sharded[1]))
+    assert m1.stats["uploaded_bytes"] == uploaded
+    ok_cli("pull", "--store", f"file://{store}", out)  # an incremental pull of a merged delta
+    ws.assert_replica(out, sharded[1])
+
+    # a single publisher continues the chain (its base: a pull of the merged version)
+    assert ok_cli("publish", sharded[2], "--store", f"file://{store}", "--no-cache").split()[-1] == "2"
+    assert repo(store).manifest(2).parent == 1 and not repo(store).manifest(2).keyframe
+    # and ranks again on top of it, their bases brought forward from their caches
+    res = publish_ranks(sharded[3], store, 4, cache_dir=None)
+    assert {p for x in res for p in x.files} == set(ws.content(sharded[3]))
+    assert commit_parts(repo(store), 3, 4, timeout=5).parent == 2
+    for v in (2, 3):
+        ok_cli("pull", "--store", f"file://{store}", "--version", v, out)
+        ws.assert_replica(out, sharded[v])
+    ok_cli("verify", "--store", f"file://{store}", out)
+
+
+def test_a_merged_version_encodes_every_segment_as_the_single_publisher_does(sharded, tmp_path):
+    """Same parent bytes, same codec choices: the merged manifest's files equal a single
+    publisher's but for where the payloads lie (chunk index, offset)."""
+    single, multi = tmp_path / "single", tmp_path / "multi"
+    for v in (0, 1):
+        weightsync.publish(sharded[v], repo(single))
+        publish_ranks(sharded[v], multi, 3, cache_dir=tmp_path / "cache" / str(v))
+        commit_parts(repo(multi), v, 3, timeout=5)
+
+    def shape(m):
+        return [(f.path, f.size, f.xxh3, [(s.key, s.codec, s.xxh3, s.changed, s.payload and (s.payload.size, s.payload.xxh3))
+                                         for s in f.segments]) for f in m.files]
+
+    for v in (0, 1):
+        a, b = repo(single).manifest(v), repo(multi).manifest(v)
+        assert shape(a) == shape(b)
+        assert (a.parent, a.keyframe, a.chain_length) == (b.parent, b.keyframe, b.chain_length)
+        assert a.stats["changed"] == b.stats["changed"] and a.stats["elements"] == b.stats["elements"]
+        assert sorted(json.loads((multi / version_key(v)).read_bytes())) == sorted(json.loads((single / version_key(v)).read_bytes()))
+
+
+def test_ranks_with_their_own_folders_and_explicit_files(sharded, tmp_path, ws):
+    """Rank 1 holds only its two shards, rank 0 the rest; keyframes alternate with deltas."""
+    store = tmp_path / "store"
+    cfg = PublishConfig(keyframe_interval=2)
+    for v, ckpt in enumerate(sharded[:3]):
+        names = sorted(ws.content(ckpt))
+        mine = [n for n in names if n.endswith(("3-of-00004.safetensors", "4-of-00004.safetensors"))]
+        folders = {0: tmp_path / f"r0-{v}", 1: tmp_path / f"r1-{v}"}
+        for rank, wanted in ((0, sorted(set(names) - set(mine))), (1, mine)):
+            folders[rank].mkdir()
+            for n in wanted:
+                shutil.copy(ckpt / n, folders[rank] / n)
+            res = publish_part(folders[rank], repo(store), rank, 2, files=wanted, config=cfg,
+                               cache_dir=tmp_path / f"cache{rank}")
+            assert res.files == wanted and res.keyframe == (v % 2 == 0)
+        assert commit_parts(repo(store), v, 2, timeout=5).version == v
+        weightsync.pull(repo(store), tmp_path / "out", v)
+        ws.assert_replica(tmp_path / "out", ckpt)
+    assert [repo(store).manifest(v).keyframe for v in range(3)] == [True, False, True]
+
+
+# --- failures ------------------------------------------------------------------------------------------
+def test_a_version_missing_a_part_is_never_committed(sharded, tmp_path, run_cli, ws):
+    store = tmp_path / "store"
+    publish_ranks(sharded[0], store, 2)
+    commit_parts(repo(store), 0, 2, timeout=5)
+    for r in (0, 1, 3):
+        publish_part(sharded[1], repo(store), r, 4)
+    head = (store / HEAD_KEY).read_bytes()
+    with pytest.raises(VersionError, match=r"3 of 4 parts stored after 0.2s \(missing rank 2\); nothing committed"):
+        commit_parts(repo(store), 1, 4, timeout=0.2)
+    rc, out, err = run_cli("commit-parts", "--store", f"file://{store}", "--version", 1, "--world", 4, "--timeout", 0.1)
+    assert rc == 1 and out == "" and "missing rank 2" in ws.error_line(err)
+    assert (store / HEAD_KEY).read_bytes() == head and not (store / version_key(1)).exists()
+    assert repo(store).versions() == [0]
+
+
+def test_a_part_built_on_a_stale_parent_is_refused(sharded, tmp_path):
+    store = tmp_path / "store"
+    publish_ranks(sharded[0], store, 2)
+    commit_parts(repo(store), 0, 2, timeout=5)
+    publish_ranks(sharded[1], store, 2, version=5)  # parts of version 5 on parent 0
+    weightsync.publish(sharded[2], repo(store))  # the head moves to 1 meanwhile
+    with pytest.raises(VersionError, match="built on version 0 but the head is 1: a stale parent"):
+        commit_parts(repo(store), 5, 2, timeout=5)
+    assert repo(store).head_version() == 1 and not (store / version_key(5)).exists()
+
+    # parts of version 2 on parent 1, but a single publisher takes version 2 first
+    publish_ranks(sharded[3], store, 2)
+    weightsync.publish(sharded[4], repo(store))
+    with pytest.raises(VersionError, match="already exists .* not merged from its parts|differs from its parts"):
+        commit_parts(repo(store), 2, 2, timeout=5)
+
+
+def test_a_rank_refuses_to_write_its_part_when_the_head_moves_while_it_encodes(sharded, tmp_path):
+    store = tmp_path / "store"
+    weightsync.publish(sharded[0], repo(store))
+    moved = []
+
+    def progress(done, total):
+        if not moved:
+            moved.append(weightsync.publish(sharded[1], repo(store)).version)
+
+    with pytest.raises(VersionError, match="moved from 0 to 1 while rank 0 encoded version 1; its part was not written"):
+        publish_part(sharded[2], repo(store), 0, 2, progress=progress)
+    assert moved == [1] and not (store / PARTS_PREFIX).exists()
+
+
+class _NoParts(FileStore):
+    """A rank that dies after uploading its chunks, before its part."""
+
+    def put(self, key, data, *, mode="overwrite"):
+        if key.startswith(PARTS_PREFIX):
+            raise StoreError(f"injected crash before {key}", key=key)
+        super().put(key, data, mode=mode)
+
+
+def test_a_rank_that_died_before_its_part_completes_the_version_when_run_again(sharded, tmp_path, ws):
+    store = tmp_path / "store"
+    publish_ranks(sharded[0], store, 3)
+    commit_parts(repo(store), 0, 3, timeout=5)
+    publish_part(sharded[1], repo(store), 0, 3)
+    publish_part(sharded[1], repo(store), 2, 3)
+    before = chunk_bytes(store)
+    with pytest.raises(StoreError, match="injected crash"):
+        publish_part(sharded[1], weightsync.Repo(_NoParts(store)), 1, 3)
+    assert chunk_bytes(store) > before  # its chunks are up, its part is not
+    with pytest.raises(VersionError, match="missing rank 1"):
+        commit_parts(repo(store), 1, 3, timeout=0.1)
+
+    again = publish_part(sharded[1], repo(store), 1, 3)
+    assert (again.version, again.uploaded_bytes, again.existed) == (1, 0, False)  # every chunk already there
+    assert commit_parts(repo(store), 1, 3, timeout=5).version == 1
+    weightsync.pull(repo(store), tmp_path / "out", 1)
+    ws.assert_replica(tmp_path / "out", sharded[1])
+
+
+def test_a_part_written_twice_is_done_and_a_different_one_is_refused(sharded, tmp_path):
+    store = tmp_path / "store"
+    first = publish_part(sharded[0], repo(store), 1, 2)
+    key = store / part_key(0, 1, 2)
+    stored = key.read_bytes()
+    again = publish_part(sharded[0], repo(store), 1, 2)  # a retry, or the rank run again
+    assert again.existed and not first.existed and key.read_bytes() == stored
+    with pytest.raises(VersionError, match="already holds a different part .* another --version"):
+        publish_part(sharded[1], repo(store), 1, 2)
+    assert key.read_bytes() == stored
+    assert publish_part(sharded[1], repo(store), 1, 2, version=7).version == 7  # the way out
+
+
+def test_racing_committers_commit_once(sharded, tmp_path, ws):
+    store = tmp_path / "store"
+    publish_ranks(sharded[0], store, 4)
+    results, errors = [], []
+    go = threading.Barrier(3)
+
+    def committer():
+        go.wait()
+        try:
+            results.append(commit_parts(repo(store), 0, 4, timeout=10))
+        except VersionError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=committer) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and len(results) == 3 and {r.version for r in results} == {0}
+    assert repo(store).versions() == [0]
+
+    # in turn: the late committer sees the version committed from the same parts
+    publish_ranks(sharded[1], store, 4)
+    assert not commit_parts(repo(store), 1, 4, timeout=5).already
+    manifest = (store / version_key(1)).read_bytes()
+    late = commit_parts(repo(store), 1, 4, timeout=5)
+    assert late.already and late.version == 1 and (store / version_key(1)).read_bytes() == manifest
+    # and once gc collected the parts, a clear error instead of a guess
+    gc(repo(store), GcConfig(keep=2, grace_seconds=0))
+    with pytest.raises(VersionError, match="already committed .* parts are not all stored"):
+        commit_parts(repo(store), 1, 4, timeout=5)
+    weightsync.pull(repo(store), tmp_path / "out", 1)
+    ws.assert_replica(tmp_path / "out", sharded[1])
+
+
+def test_a_committer_that_loses_the_head_race_mid_commit_succeeds(sharded, tmp_path):
+    """Committer A stores the manifest and dies before moving the head; B commits the same version."""
+    store = tmp_path / "store"
+    publish_ranks(sharded[0], store, 2)
+
+    class DiesBeforeHead(FileStore):
+        def put_if_match(self, key, data, etag):
+            raise StoreError("injected crash before HEAD", key=key)
+
+    with pytest.raises(StoreError, match="before HEAD"):
+        commit_parts(weightsync.Repo(DiesBeforeHead(store)), 0, 2, timeout=5)
+    assert (store / version_key(0)).exists() and not (store / HEAD_KEY).exists()
+    res = commit_parts(repo(store), 0, 2, timeout=5)
+    assert res.version == 0 and repo(store).versions() == [0]
+
+
+# --- gc ---------------------------------------------------------------------------------------------------
+def test_gc_removes_merged_and_abandoned_parts_and_keeps_pending_ones_with_their_chunks(sharded, tmp_path, ws):
+    store = tmp_path / "store"
+    publish_ranks(sharded[0], store, 2)
+    commit_parts(repo(store), 0, 2, timeout=5)
+    publish_ranks(sharded[1], store, 2)  # version 1: pending
+    age(store, "chunks")  # the pending parts' chunks look old, the parts themselves do not
+    res = gc(repo(store), GcConfig(keep=1, grace_seconds=60))
+    assert (res.deleted_parts, res.pending_parts, res.deleted_chunks) == (2, 2, 0)
+    assert not (store / "parts" / f"{0:020d}").exists()  # merged: gone, folder and all
+    assert commit_parts(repo(store), 1, 2, timeout=5).version == 1  # its chunks survived gc
+    weightsync.pull(repo(store), tmp_path / "out", 1)
+    ws.assert_replica(tmp_path / "out", sharded[1])
+
+    # version 2: rank 1 never publishes; young parts stay, old ones go with their chunks
+    publish_part(sharded[2], repo(store), 0, 2)
+    res = gc(repo(store), GcConfig(keep=1, grace_seconds=60))
+    assert (res.deleted_parts, res.pending_parts) == (2, 1)  # version 1's merged parts; version 2's kept
+    unreferenced = {k for k in (p.relative_to(store).as_posix() for p in (store / "chunks").rglob("*") if p.is_file())}
+    unreferenced -= {chunk_key(c.id) for v in repo(store).versions() for c in repo(store).manifest(v).chunks}
+    assert unreferenced  # version 2's
+    age(store, "chunks")
+    age(store, "parts")
+    dry = gc(repo(store), GcConfig(keep=1, grace_seconds=60, dry_run=True))
+    assert dry.deleted_parts == 1 and (store / part_key(2, 0, 2)).exists()
+    res = gc(repo(store), GcConfig(keep=1, grace_seconds=60))
+    assert res.deleted_parts == 1 and not any((store / PARTS_PREFIX).rglob("*.json"))
+    assert not any((store / k).exists() for k in unreferenced)
+    weightsync.pull(repo(store), tmp_path / "out", 1)  # the head is intact
+    ws.assert_replica(tmp_path / "out", sharded[1])
+
+
+def test_gc_keeps_every_part_of_a_version_while_one_is_young(sharded, tmp_path):
+    store = tmp_path / "store"
+    publish_part(sharded[0], repo(store), 0, 3)
+    publish_part(sharded[0], repo(store), 1, 3)
+    age(store, "parts")
+    age(store, "chunks")
+    publish_part(sharded[0], repo(store), 2, 3)  # a late rank: a young part
+    res = gc(repo(store), GcConfig(keep=1, grace_seconds=60))
+    assert (res.deleted_parts, res.pending_parts, res.deleted_chunks) == (0, 3, 0)
+    assert commit_parts(repo(store), 0, 3, timeout=5).version == 0
+
+
+# --- bad input -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("args, rc, message", [
+    (["publish-part", "{ckpt}", "--rank", "4", "--world", "4"], 2, "rank must be in 0..3"),
+    (["publish-part", "{ckpt}", "--rank", "0", "--world", "0"], 2, "world size must be in"),
+    (["publish-part", "{ckpt}", "--rank", "0", "--world", "2", "--files", "missing.bin"], 1, "no file 'missing.bin'"),
+    (["publish-part", "{ckpt}", "--rank", "0", "--world", "2", "--files", "../x"], 2, "unsafe file path"),
+    (["publish-part", "{ckpt}", "--rank", "0", "--world", "2", "--version", "latest"], 2, "integer --version"),
+    (["publish-part", "{tmp}/nowhere", "--rank", "0", "--world", "2"], 1, "checkpoint directory not found"),
+    (["commit-parts", "--version", "0", "--world", "0"], 2, "world size must be in"),
+    (["commit-parts", "--version", "0", "--world", "2", "--timeout", "-1"], 2, "--timeout must be >= 0"),
+    (["commit-parts", "--version", "1", "--world", "2", "--timeout", "0"], 1, "0 of 2 parts stored after 0s"),
+    (["commit-parts", "--version", "0", "--world", "2", "--timeout", "0"], 1, "parts are not all stored any more"),
+])
+def test_bad_input_gives_one_line_and_changes_nothing(sharded, tmp_path, run_cli, ws, args, rc, message):
+    store = tmp_path / "store"
+    weightsync.publish(sharded[0], repo(store))
+    before = ws.snapshot(store)
+    args = [a.format(ckpt=sharded[1], tmp=tmp_path) for a in args]
+    got, out, err = run_cli(args[0], "--store", f"file://{store}", *args[1:])
+    assert (got, out) == (rc, "") and message in ws.error_line(err)
+    assert ws.snapshot(store) == before
