@@ -234,14 +234,17 @@ def merge_parts(parts: list[PartManifest], parent: Manifest | None) -> Manifest:
 
 
 def _renumber(f: FileEntry, remap: list[int]) -> FileEntry:
+    if all(i == j for i, j in enumerate(remap)):
+        return f  # rank order puts the first part's chunks first: nothing to renumber
+
     def pay(p: Payload | None) -> Payload | None:
-        return None if p is None else replace(p, parts=tuple(Part(remap[x.chunk], x.offset, x.length) for x in p.parts))
+        return None if p is None else Payload(p.size, p.xxh3, tuple(Part(remap[x.chunk], x.offset, x.length) for x in p.parts))
 
     def seg(s: Segment) -> Segment:
         delta = None if s.delta is None else Delta(s.delta.codec, s.delta.changed, pay(s.delta.payload))
-        return replace(s, payload=pay(s.payload), delta=delta)
+        return Segment(s.role, s.name, s.dtype, s.shape, s.begin, s.end, s.xxh3, s.codec, s.changed, pay(s.payload), delta)
 
-    return replace(f, segments=tuple(seg(s) for s in f.segments))
+    return FileEntry(f.path, f.kind, f.size, f.xxh3, tuple(seg(s) for s in f.segments))
 
 
 # --- the committer ---------------------------------------------------------------------------------
@@ -267,14 +270,15 @@ def commit_parts(repo: Repo, version: int, world: int, timeout: float = 600.0, p
     """Wait (at most ``timeout`` seconds, polling up to every ``poll``) until all ``world`` parts of
     ``version`` are stored, merge them (:func:`merge_parts`) and commit the version (an empty
     location counts as a store whose ranks have not started). Nothing is committed unless every
-    part is there and they agree. A part that is damaged, names another
-    world size, or was built on a parent that is no longer the head fails at once. Two committers
-    may race: one commits, the other finds the same version committed and succeeds too."""
+    part is there and they agree. A part that is damaged, names another world size, or was built
+    on a parent that is no longer the head fails at once. Two committers may race: one commits,
+    the other finds the same version committed and succeeds too."""
     check_world(None, world)
     if version < 0:
         raise UsageError(f"version must be a non-negative integer, not {version}")
     t0, deadline, delay = clock(), clock() + timeout, min(0.05, poll)
     parts: dict[int, PartManifest] = {}
+    parent: Manifest | None = None
     exists = False  # the first rank may not have created the store yet
     while True:
         exists = exists or repo.check()
@@ -282,7 +286,8 @@ def commit_parts(repo: Repo, version: int, world: int, timeout: float = 600.0, p
         if head is not None and head >= version:
             return _already(repo, version, world, head, t0, clock)
         if exists:
-            _read_new(repo, version, world, parts)
+            _read_new(repo, version, world, parts)  # parts are read as they arrive, and the head
+            parent = None if head is None else repo.manifest(head)  # manifest too: off the critical path
         for p in parts.values():
             if p.parent != head:
                 raise VersionError(f"rank {p.rank}'s part of version {version} was built on version {p.parent} but the "
@@ -296,7 +301,7 @@ def commit_parts(repo: Repo, version: int, world: int, timeout: float = 600.0, p
                                f"rank{'s' if len(missing) > 1 else ''} {shown}); nothing committed")
         sleep(max(0.0, min(delay, deadline - clock())))
         delay = min(2 * delay, poll)
-    manifest = merge_parts(list(parts.values()), None if head is None else repo.manifest(head))
+    manifest = merge_parts(list(parts.values()), parent)
     try:
         repo.commit(manifest, etag)
     except VersionError:
