@@ -230,10 +230,13 @@ def cmd_gc(args) -> int:
     if r.touched_during_gc or r.referenced_during_gc:
         print(f"gc {args.store}: kept {r.touched_during_gc} chunks re-used and {r.referenced_during_gc} chunks referenced "
               "by writers while gc ran", file=sys.stderr)
+    if r.deleted_parts or r.pending_parts:
+        print(f"gc {args.store}: {verb} {r.deleted_parts} parts of merged, stale or abandoned multi-rank publishes; "
+              f"kept {r.pending_parts} of publishes in progress", file=sys.stderr)
     print(json.dumps({"kept": r.kept_versions, "deleted": r.deleted_versions, "deleted_chunks": r.deleted_chunks,
                       "deleted_bytes": r.deleted_bytes, "young_chunks": r.young_chunks, "abandoned": r.abandoned_versions,
                       "touched_during_gc": r.touched_during_gc, "referenced_during_gc": r.referenced_during_gc,
-                      "dry_run": r.dry_run}))
+                      "deleted_parts": r.deleted_parts, "pending_parts": r.pending_parts, "dry_run": r.dry_run}))
     return 0
 
 

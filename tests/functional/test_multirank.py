@@ -305,14 +305,14 @@ def test_a_committer_that_loses_the_head_race_mid_commit_succeeds(sharded, tmp_p
 
 
 # --- gc ---------------------------------------------------------------------------------------------------
-def test_gc_removes_merged_and_abandoned_parts_and_keeps_pending_ones_with_their_chunks(sharded, tmp_path, ws):
+def test_gc_removes_merged_and_abandoned_parts_and_keeps_pending_ones_with_their_chunks(sharded, tmp_path, ok_cli, ws):
     store = tmp_path / "store"
     publish_ranks(sharded[0], store, 2)
     commit_parts(repo(store), 0, 2, timeout=5)
     publish_ranks(sharded[1], store, 2)  # version 1: pending
     age(store, "chunks")  # the pending parts' chunks look old, the parts themselves do not
-    res = gc(repo(store), GcConfig(keep=1, grace_seconds=60))
-    assert (res.deleted_parts, res.pending_parts, res.deleted_chunks) == (2, 2, 0)
+    res = json.loads(ok_cli("gc", "--store", f"file://{store}", "--keep", 1, "--grace-seconds", 60))
+    assert (res["deleted_parts"], res["pending_parts"], res["deleted_chunks"]) == (2, 2, 0)
     assert not (store / "parts" / f"{0:020d}").exists()  # merged: gone, folder and all
     assert commit_parts(repo(store), 1, 2, timeout=5).version == 1  # its chunks survived gc
     weightsync.pull(repo(store), tmp_path / "out", 1)
