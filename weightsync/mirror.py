@@ -3,7 +3,8 @@ serves a whole region (its subscribers point at the regional store).
 
 A pass copies every source version above the destination's head, in ascending order, each in the
 store's commit order: its chunks (in parallel, each verified: size and XXH3-128 equal to its id;
-chunks already there with the right size are skipped), then its manifest (parsed and validated,
+chunks already there with the right size are not copied but touched, as a publisher does, so a
+regional gc treats them as young), then its manifest (parsed and validated,
 create-only, byte for byte as in the source), then the head, moved forward only, with
 ``put_if_match``. A destination reader therefore never sees a version whose chunks or manifest are
 missing. Versions at or below the destination head that the destination lacks were collected there
@@ -171,6 +172,11 @@ class _Mirror:
                 raise _Stopped
             key = chunk_key(ref.id)
             size = self.dst.store.head(key)
+            if size == ref.size:  # re-used, maybe old and unreferenced: make it young, so that a
+                try:  # regional gc spares it until the manifest that needs it lands
+                    self.dst.store.touch(key)
+                except NotFoundError:
+                    size = None  # collected since the HEAD: copy it
             if size != ref.size:
                 data = self.src.get_chunk(ref.id, ref.size)  # verifies size and XXH3-128
                 try:  # a wrong-sized object under a content-addressed key is damage: replace it

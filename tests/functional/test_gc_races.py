@@ -116,8 +116,9 @@ def test_a_chunk_touched_by_a_publisher_between_listing_and_delete_survives(traj
 
 
 def test_a_chunk_referenced_by_a_version_mirrored_while_gc_runs_survives(trajectory, tmp_path, monkeypatch, ws):
-    """The mirror does not touch chunks it finds at the destination; gc re-reads ``versions/``
-    before deleting and keeps what a manifest stored since its plan references."""
+    """The mirror touches chunks it finds at the destination (as a publisher does), and gc re-reads
+    ``versions/`` before deleting and keeps what a manifest stored since its plan references: either
+    protection keeps the re-used chunks."""
     src, dst = tmp_path / "src", tmp_path / "regional"
     rs, rd = (weightsync.open_repo(f"file://{p}") for p in (src, dst))
     weightsync.publish(trajectory[0], rs, config=KEYFRAMES)
@@ -133,7 +134,7 @@ def test_a_chunk_referenced_by_a_version_mirrored_while_gc_runs_survives(traject
         res = gc(rd, GcConfig(keep=1, grace_seconds=60))
 
     assert all((dst / k).exists() for k in reused)
-    assert all(object_age(rd.store, k) > 60 for k in reused)  # old, untouched: kept by the manifest re-check
+    assert all(object_age(rd.store, k) < 60 for k in reused)  # touched by the mirror
     weightsync.pull(weightsync.open_repo(f"file://{dst}"), tmp_path / "v2", 2)
     ws.assert_replica(tmp_path / "v2", trajectory[0])
     assert res.referenced_during_gc == len(reused) and res.touched_during_gc == 0
