@@ -21,6 +21,11 @@ checkpoint folder); ranks that each hold only their own files pass their paths e
 Each rank keeps its delta base for its own files only: ``base_dir`` (e.g. its previous
 checkpoint), or ``cache_dir``, which after a part holds the rank's files as the new version and
 is otherwise brought to the head by pulling those files alone.
+
+Ranks publish one version at a time: a rank starts its next part once the previous version is
+committed (the head moved). One that starts earlier reads the old head, so it computes the same
+version number (its new part then collides with its own previous one) or, given a version, the
+old parent (the committer refuses the mix).
 """
 
 from __future__ import annotations
@@ -168,8 +173,9 @@ def _write_part(repo: Repo, part: PartManifest) -> bool:
     except FormatError as exc:
         raise VersionError(f"{repo.url}/{key} already exists and is damaged ({exc})") from None
     if not same_part(stored, part):
-        raise VersionError(f"{repo.url}/{key} already holds a different part (an abandoned attempt at version "
-                           f"{part.version}?); publish as another --version, or wait for gc to remove it")
+        raise VersionError(f"{repo.url}/{key} already holds a different part (version {part.version} is not committed "
+                           "yet, or was abandoned): wait for its commit, publish as another --version, or let gc "
+                           "remove the abandoned parts")
     return True
 
 
@@ -265,7 +271,7 @@ class CommitResult:
     already: bool  # another committer had committed the same version from the same parts
 
 
-def commit_parts(repo: Repo, version: int, world: int, timeout: float = 600.0, poll: float = 1.0,
+def commit_parts(repo: Repo, version: int, world: int, timeout: float = 600.0, poll: float = 0.25,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> CommitResult:
     """Wait (at most ``timeout`` seconds, polling up to every ``poll``) until all ``world`` parts of
     ``version`` are stored, merge them (:func:`merge_parts`) and commit the version (an empty
