@@ -33,7 +33,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -44,7 +44,7 @@ from .format import (
     check_paths_disjoint, parse_part_key, part_from_json, part_key, part_to_json, parts_prefix,
 )
 from .local import adopt
-from .publishing import PublishConfig, encode_folder, plan_version
+from .publishing import PublishConfig, PublishResult, encode_folder, plan_version
 from .repo import Repo
 
 Progress = Callable[[int, int], None]
@@ -84,21 +84,13 @@ class RankView(Repo):
 
 # --- the rank side ---------------------------------------------------------------------------------
 @dataclass
-class PartResult:
-    version: int
-    parent: int | None
-    keyframe: bool
-    rank: int
-    world: int
-    files: list[str]
-    raw_bytes: int
-    payload_bytes: int
-    uploaded_bytes: int
-    chunks: int
-    changed: int
-    elements: int
-    seconds: dict[str, float]
-    existed: bool  # the same part was already stored (a retry, or a rank run again): nothing written
+class PartResult(PublishResult):
+    """What a rank published: the :class:`PublishResult` figures of its files, and which part."""
+
+    rank: int = 0
+    world: int = 1
+    files: list[str] = field(default_factory=list)
+    existed: bool = False  # the same part was already stored (a retry, or a rank run again): nothing written
 
 
 def same_part(a: PartManifest, b: PartManifest) -> bool:
@@ -155,9 +147,9 @@ def publish_part(
         as_version = Manifest(part.version, parent, part.keyframe, part.chain_length, part.files, part.chunks)
         adopt(Path(cache_dir), as_version, src, repo.url)
     payload = sum(s.payload.size for f in part.files for s in f.segments if s.payload)
-    return PartResult(part.version, parent, part.keyframe, rank, world, [f.path for f in part.files],
-                      sum(f.size for f in part.files), payload, enc.uploaded_bytes, len(part.chunks), enc.changed,
-                      enc.elements, seconds, existed)
+    return PartResult(part.version, parent, part.keyframe, sum(f.size for f in part.files), payload, enc.uploaded_bytes,
+                      len(part.chunks), enc.changed, enc.elements, seconds,
+                      rank=rank, world=world, files=[f.path for f in part.files], existed=existed)
 
 
 def _write_part(repo: Repo, part: PartManifest) -> bool:

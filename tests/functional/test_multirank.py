@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -18,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import weightsync
+from procs import finish, spawn_cli
 from weightsync.errors import StoreError, VersionError
 from weightsync.format import HEAD_KEY, PARTS_PREFIX, chunk_key, part_key, version_key
 from weightsync.gc import GcConfig, gc
@@ -58,32 +57,18 @@ def age(store: Path, prefix: str) -> None:
             os.utime(p, (OLD, OLD))
 
 
-def _spawn(env, *args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "weightsync.cli", *map(str, args)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _wait(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str, str]:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    return proc.returncode, out, err
-
-
 def step_as_processes(env, ckpt: Path, store: Path, world: int) -> int:
     """``world`` publish-part processes and one commit-parts process, all started at once."""
     url = f"file://{store}"
     head = repo(store).head_version() if (store / HEAD_KEY).exists() else None
     version = 0 if head is None else head + 1
-    committer = _spawn(env, "commit-parts", "--store", url, "--version", version, "--world", world, "--timeout", 60)
-    ranks = [_spawn(env, "publish-part", ckpt, "--store", url, "--rank", r, "--world", world) for r in range(world)]
+    committer = spawn_cli("commit-parts", "--store", url, "--version", version, "--world", world, "--timeout", 60, env=env)
+    ranks = [spawn_cli("publish-part", ckpt, "--store", url, "--rank", r, "--world", world, env=env) for r in range(world)]
     for r, proc in enumerate(ranks):
-        rc, out, err = _wait(proc)
+        rc, out, err = finish(proc)
         assert rc == 0, f"rank {r} exited {rc}: {err}"
         assert out.strip().splitlines()[-1] == str(version)
-    rc, out, err = _wait(committer)
+    rc, out, err = finish(committer)
     assert rc == 0, f"commit-parts exited {rc}: {err}"
     assert out.strip().splitlines()[-1] == str(version)
     return version

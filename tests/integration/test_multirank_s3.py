@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 import weightsync
+from procs import finish, spawn_cli
 from weightsync.format import PARTS_PREFIX
 from weightsync.gc import GcConfig, gc
 from weightsync.parts import commit_parts, publish_part
@@ -29,26 +28,11 @@ def content(root: Path) -> dict[str, str]:
             for p in sorted(Path(root).rglob("*")) if p.is_file() and ".weightsync" not in p.relative_to(root).parts}
 
 
-def run(env: dict, *args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "weightsync.cli", *map(str, args)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str, str]:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    return proc.returncode, out, err
-
-
 def test_three_ranks_on_s3_keyframe_then_delta(s3_url, tmp_path):
     traj = make_trajectory(tmp_path / "traj", steps=1, shards=3, **TINY)
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "xdg"))  # s3_env pointed boto3 at SeaweedFS
-    committer = run(env, "commit-parts", "--store", s3_url, "--version", 0, "--world", 3, "--timeout", 90)
-    ranks = [run(env, "publish-part", traj[0], "--store", s3_url, "--rank", r, "--world", 3) for r in range(3)]
+    committer = spawn_cli("commit-parts", "--store", s3_url, "--version", 0, "--world", 3, "--timeout", 90, env=env)
+    ranks = [spawn_cli("publish-part", traj[0], "--store", s3_url, "--rank", r, "--world", 3, env=env) for r in range(3)]
     for proc in ranks + [committer]:
         rc, out, err = finish(proc)
         assert rc == 0 and out.strip().splitlines()[-1] == "0", err

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import weightsync
+from procs import finish, spawn_cli
 from weightsync.errors import WeightsyncError
 from weightsync.format import chunk_key
 from weightsync.gc import GcConfig, gc, list_chunks_with_age
@@ -45,21 +46,6 @@ def content(root: Path) -> dict[str, str]:
 def pull_and_check(repo: weightsync.Repo, version: int, out: Path, checkpoint: Path) -> None:
     weightsync.pull(repo, out, version)
     assert content(out) == content(checkpoint), f"version {version} of {repo.url} differs from {checkpoint}"
-
-
-def cli(*args, env=None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "weightsync.cli", *map(str, args)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[int, str, str]:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    return proc.returncode, out, err
 
 
 @pytest.fixture
@@ -92,7 +78,7 @@ def test_mirror_s3_to_s3_following_then_s3_to_file(s3_url, mirror_url, traj, tmp
     src = weightsync.open_repo(s3_url)
     cfg = weightsync.PublishConfig(keyframe_interval=3)
     weightsync.publish(traj[0], src, config=cfg)
-    follower = cli("mirror", "--from", s3_url, "--to", mirror_url, "--follow", "--interval", "0.2", env=env())
+    follower = spawn_cli("mirror", "--from", s3_url, "--to", mirror_url, "--follow", "--interval", "0.2", env=env())
     regional = weightsync.open_repo(mirror_url)
     try:
         for v in range(1, len(traj)):
@@ -198,7 +184,7 @@ def test_gc_aborts_stale_multipart_uploads(s3_url, seaweed, traj):
 def test_killed_publish_resumes_without_uploading_again(s3_url, tmp_path, env):
     ckpt = make_trajectory(tmp_path / "big", steps=0, hidden=512, layers=2, experts=4, vocab=4096)[0]
     repo = weightsync.open_repo(s3_url)
-    proc = cli("publish", ckpt, "--store", s3_url, "--no-cache", "--chunk-mib", "1", "--concurrency", "1", env=env())
+    proc = spawn_cli("publish", ckpt, "--store", s3_url, "--no-cache", "--chunk-mib", "1", "--concurrency", "1", env=env())
     try:
         deadline = time.monotonic() + 60
         while sum(1 for _ in repo.store.list("chunks/")) < 3:
@@ -246,7 +232,7 @@ def test_racing_publishers_exactly_one_wins(backend, request, traj, tmp_path, en
     t = threading.Thread(target=reader)
     t.start()
     try:
-        procs = [cli("publish", c, "--store", url, "--version", 1, "--base", traj[0], "--no-cache", env=env()) for c in candidates]
+        procs = [spawn_cli("publish", c, "--store", url, "--version", 1, "--base", traj[0], "--no-cache", env=env()) for c in candidates]
         results = [finish(p, 120) for p in procs]
     finally:
         done.set()
