@@ -152,8 +152,11 @@ class Repo:
         key = chunk_key(chunk_id)
         size = self.store.head(key)
         if size == len(data):
-            self.store.touch(key)
-            return False
+            try:
+                self.store.touch(key)
+                return False
+            except NotFoundError:
+                size = None  # collected by gc since the HEAD: upload it again
         try:
             self.store.put(key, data, mode="create" if size is None else "overwrite")
         except AlreadyExistsError:

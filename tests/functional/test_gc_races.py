@@ -22,6 +22,7 @@ from weightsync.chunking import chunk_id
 from weightsync.format import chunk_key
 from weightsync.gc import GcConfig, gc, object_age
 from weightsync.mirror import mirror
+from weightsync.store import FileStore
 
 OLD = time.time() - 10 * 24 * 3600
 KEYFRAMES = weightsync.PublishConfig(keyframe_interval=1)  # every version a keyframe: no chain to keep
@@ -139,6 +140,28 @@ def test_a_chunk_referenced_by_a_version_mirrored_while_gc_runs_survives(traject
     ws.assert_replica(tmp_path / "v2", trajectory[0])
     assert res.referenced_during_gc == len(reused) and res.touched_during_gc == 0
     assert res.deleted_versions == [0] and res.deleted_chunks == 0
+
+
+def test_a_chunk_collected_between_a_publishers_check_and_its_touch_is_uploaded_again(trajectory, tmp_path, ws):
+    """The other order: gc deletes a re-used chunk after the publisher saw it (HEAD) and before its
+    touch. The touch finds nothing; the publisher uploads the chunk again instead of failing."""
+    store = tmp_path / "store"
+    weightsync.publish(trajectory[0], f"file://{store}", config=KEYFRAMES)
+    reused = chunks(weightsync.open_repo(f"file://{store}"), 0)
+    collected = []
+
+    class GcInTheGap(FileStore):
+        def touch(self, key):
+            if key in reused and key not in collected:
+                collected.append(key)
+                super().delete(key)  # gc wins the race
+            super().touch(key)
+
+    r = weightsync.Repo(GcInTheGap(store))
+    assert weightsync.publish(trajectory[0], r, config=KEYFRAMES).version == 1  # the same bytes again
+    assert collected and all((store / k).exists() for k in reused)
+    weightsync.pull(weightsync.open_repo(f"file://{store}"), tmp_path / "v1", 1)
+    ws.assert_replica(tmp_path / "v1", trajectory[0])
 
 
 def test_object_age_reads_one_object(tmp_path):
