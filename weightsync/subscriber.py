@@ -104,11 +104,16 @@ def target_path(target_dir: Path) -> Path:
     return d / "target.json"
 
 
-def read_target(target_dir: Path) -> Target | None:
+class ForeignTargetError(UsageError):
+    """The stored target was set while the subscriber followed another store."""
+
+
+def read_target(target_dir: Path, store: str | None = None) -> Target | None:
     """The stored target, None if none. A file that cannot be read or holds no valid target raises
     :class:`UsageError`: it was written on purpose (a pin, a rollback), so following the head instead
     could serve the very weights an operator rolled back from; a subscriber that does not start
-    leaves ``current`` as it is."""
+    leaves ``current`` as it is. A target stored for another store than ``store`` raises
+    :class:`ForeignTargetError` (version numbers of another store mean nothing here)."""
     path = target_path(target_dir)
     try:
         doc = json.loads(path.read_bytes())
@@ -118,20 +123,27 @@ def read_target(target_dir: Path) -> Target | None:
         raise UsageError(f"{path}: damaged stored target ({type(exc).__name__}: {exc}); {_REPAIR}") from None
     target = doc.get("target") if isinstance(doc, dict) and doc.get("format") == _TARGET_FORMAT else None
     if target == LATEST or (type(target) is int and target >= 0):
+        if store is not None and doc.get("store", store) != store:
+            raise ForeignTargetError(f"{path}: target {target} was set for {doc['store']}, not {store}")
         return target
     raise UsageError(f'{path}: damaged stored target (no version or "latest" in it); {_REPAIR}')
 
 
-def write_target(target_dir: Path, target: Target, fsync: bool = True) -> None:
-    """Store ``target`` atomically (temporary file, fsync, rename, fsync of the folder)."""
+def write_target(target_dir: Path, target: Target, fsync: bool = True, store: str | None = None) -> None:
+    """Store ``target`` (for ``store``) atomically (temporary file, fsync, rename, fsync of the folder)."""
     path = target_path(target_dir)
-    write_json_atomic(path, {"format": _TARGET_FORMAT, "target": target}, fsync)
+    doc = {"format": _TARGET_FORMAT, "target": target} | ({} if store is None else {"store": store})
+    write_json_atomic(path, doc, fsync)
     if fsync:
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def startup_target(pin: Target | None, stored: Target | None) -> tuple[Target, str]:
@@ -176,11 +188,7 @@ class Slots:
         tmp.unlink(missing_ok=True)
         os.symlink(f"slots/{name}", tmp)
         os.replace(tmp, self.link)
-        fd = os.open(self.root, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync_dir(self.root)
 
 
 def slot_version(folder: Path, partial: bool) -> int | None:
@@ -241,7 +249,9 @@ class Subscriber:
         """The start-up target (:func:`startup_target`), logged with its source."""
         pin, stored = self.cfg.pin, None
         try:
-            stored = read_target(self.cfg.target_dir)
+            stored = read_target(self.cfg.target_dir, self.repo.url)
+        except ForeignTargetError as exc:
+            event(log, "ignoring a target stored for another store", logging.WARNING, error=exc)
         except UsageError as exc:
             if pin is None:
                 raise
@@ -249,7 +259,7 @@ class Subscriber:
         target, source = startup_target(pin, stored)
         overrides = {} if pin is None or stored in (None, pin) else {"overrides_stored": stored}
         event(log, "target at start-up", target=target, source=source, **overrides,
-              file=target_path(self.cfg.target_dir))
+              file=Path(self.cfg.target_dir) / STATE_DIR / "target.json")
         return target, source
 
     async def set_target(self, target: Target) -> None:
@@ -264,7 +274,7 @@ class Subscriber:
             self._target_lock = asyncio.Lock()
         async with self._target_lock:  # the file and memory agree on the last call
             try:
-                await asyncio.to_thread(write_target, self.cfg.target_dir, target, self.cfg.fsync)
+                await asyncio.to_thread(write_target, self.cfg.target_dir, target, self.cfg.fsync, self.repo.url)
             except OSError as exc:
                 raise WeightsyncError(f"could not store the target in {target_path(self.cfg.target_dir)}: "
                                       f"{exc.strerror or exc}; target unchanged") from None

@@ -16,8 +16,8 @@ from weightsync.hooks import render
 from weightsync.ledger import FleetRecord, fleet_view, record_from_json
 from weightsync.partial import Selection
 from weightsync.publisher import Candidate, Idle as PIdle, Publish, Wait as PWait, parse_step, plan_publish
-from weightsync.subscriber import (LATEST, Idle, Sync, View, Wait, plan_next, read_target, startup_target,
-                                   target_path, write_target)
+from weightsync.subscriber import (LATEST, ForeignTargetError, Idle, Sync, View, Wait, plan_next, read_target,
+                                   startup_target, target_path, write_target)
 
 NOW = 1000.0
 
@@ -177,9 +177,9 @@ def test_subscriber_version_flag(tmp_path, argv, pin):
     assert subscriber_config(_subscriber_args(tmp_path, argv), {}).pin == pin
 
 
-@pytest.mark.parametrize("argv", [["--version", "newest"], ["--version", "-1"]])
-def test_subscriber_version_flag_refuses_bad_values(tmp_path, argv):
-    with pytest.raises((SystemExit, UsageError)):
+@pytest.mark.parametrize("argv,error", [(["--version", "newest"], SystemExit), (["--version", "-1"], UsageError)])
+def test_subscriber_version_flag_refuses_bad_values(tmp_path, argv, error):
+    with pytest.raises(error):  # argparse's usage error (exit 2), or the config's one-line error
         subscriber_config(_subscriber_args(tmp_path, argv), {})
 
 
@@ -239,3 +239,13 @@ def test_a_stored_target_is_never_kept_behind_a_symlink(tmp_path):
         with pytest.raises(UsageError, match="not a directory"):
             call()
     assert not list((tmp_path / "elsewhere").iterdir())
+
+
+def test_a_target_stored_for_another_store_is_not_applied(tmp_path):
+    write_target(tmp_path, 118, fsync=False, store="s3://bucket/run-1")
+    assert read_target(tmp_path, "s3://bucket/run-1") == 118
+    assert read_target(tmp_path) == 118  # no store to compare with
+    with pytest.raises(ForeignTargetError, match="set for s3://bucket/run-1, not s3://bucket/run-2"):
+        read_target(tmp_path, "s3://bucket/run-2")
+    write_target(tmp_path, LATEST, fsync=False)  # written without a store: applies to any
+    assert read_target(tmp_path, "s3://bucket/run-2") == LATEST
