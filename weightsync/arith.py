@@ -40,7 +40,7 @@ _PROB_BITS = 16
 _ONE = 1 << _PROB_BITS
 _LIMIT = 255
 _RATE = np.array([_ONE // (n + 2) for n in range(_LIMIT + 1)], dtype=np.int64)
-_SLOWEST = _ONE // (_LIMIT + 2)  # the rate of a model that has seen _LIMIT bits or more
+_SLOWEST = int(_RATE[_LIMIT])  # the rate of a model that has seen _LIMIT bits or more
 _PREFIX_MODELS = 66
 
 
@@ -116,7 +116,7 @@ def _encode(old, new, width_bits, shift, mask, n_ctx, out, rate):
                 while rng < _TOP:
                     rng <<= 8
                     low, cache, csize, pos = _shift_low(low, cache, csize, pos, out)
-                if pos > limit:
+                if pos + csize > limit:  # csize: bytes still held back for a carry
                     return -1, j
             continue
         low += bound  # change bit 1
@@ -166,7 +166,7 @@ def _encode(old, new, width_bits, shift, mask, n_ctx, out, rate):
             while rng < _TOP:
                 rng <<= 8
                 low, cache, csize, pos = _shift_low(low, cache, csize, pos, out)
-        if pos > limit:
+        if pos + csize > limit:
             return -1, j
     for _ in range(5):
         low, cache, csize, pos = _shift_low(low, cache, csize, pos, out)
@@ -212,9 +212,10 @@ def _dec_direct(code, rng, pos, data):
 
 
 @njit(cache=True, nogil=True)
-def _decode(old, data, shift, mask, n_ctx, k, rate, idx, zz):
+def _decode(old, data, width_bits, shift, mask, n_ctx, k, rate, idx, zz):
     """Decode a block's changes: positions into ``idx``, zigzag codes into ``zz``; returns how many
-    elements changed (must equal ``k``), or -1 if the stream is longer than ``k`` or runs past its end.
+    elements changed (must equal ``k``), -1 if the stream is longer than ``k`` or runs past its end, or
+    -2 if it codes a difference wider than the element.
 
     Like the encoder, an unchanged element takes a short path (one decision, no calls)."""
     n_mask = 2 * n_ctx
@@ -260,11 +261,13 @@ def _decode(old, data, shift, mask, n_ctx, k, rate, idx, zz):
             zz[j] = 1 + bit
         else:
             nbits = 0
-            while nbits < 64:
+            while True:
                 bit, code, rng, pos = _dec_bit(code, rng, pos, data, p, cnt, n_mask + 2 * n_ctx + min(nbits, _PREFIX_MODELS - 1), rate)
                 if bit == 0:
                     break
                 nbits += 1
+                if nbits >= width_bits:  # the encoder never writes more than width_bits - 1
+                    return -2
             w = 1
             for _ in range(nbits):
                 bit, code, rng, pos = _dec_direct(code, rng, pos, data)
@@ -310,9 +313,12 @@ def decode_block(dtype: str, block: memoryview, old: np.ndarray, out: np.ndarray
     data = np.frombuffer(block, dtype=np.uint8, offset=_HEAD.size)
     idx = np.empty(k, dtype=np.int64)
     zz = np.empty(k, dtype=np.int64)
-    got = _decode(old, data, shift, mask, mask + 1, k, _RATE, idx, zz)
+    got = _decode(old, data, 8 * old.dtype.itemsize, shift, mask, mask + 1, k, _RATE, idx, zz)
+    if got == -1:
+        raise FormatError(f"{what}: ac stream holds more than the {k} changes its header says, or runs past its end")
     if got != k:
-        raise FormatError(f"{what}: ac stream decodes to {got} changes, header says {k}")
+        raise FormatError(f"{what}: ac stream " + ("codes a difference wider than the element" if got == -2
+                                                   else f"decodes to {got} changes, header says {k}"))
     if int(zz.max()) >= 1 << (8 * old.dtype.itemsize):
         raise FormatError(f"{what}: ac difference wider than the element")
     out[idx] = old[idx] + unzigzag(zz.astype(old.dtype))

@@ -106,3 +106,40 @@ def test_mutated_ac_payloads_raise_only_format_errors(data):
         except (FormatError, UsageError):
             continue
         assert out.size == new.size  # a mutation that still decodes is caught by the segment checksum
+
+
+# Payload hashes written by the first encoder (commit cd5dbbe); faster kernels must write the same bytes.
+GOLDEN_ENCODINGS = {"BF16": "7c667a0e3d48c8c9", "F16": "6eaaa5cab029a929", "F32": "4410c9568981fde4",
+                    "U8": "25d42b1dff8cf15e", "I32": "4fdfb8662c22c49e"}
+
+
+@pytest.mark.parametrize("dtype", sorted(GOLDEN_ENCODINGS))
+def test_the_encoder_writes_the_same_bytes_as_the_first_one(dtype):
+    import hashlib
+
+    if dtype in FLOATS:
+        old, new = _realistic(dtype, 20000, {"BF16": 1e-6, "F16": 1e-6, "F32": 1e-10}[dtype], seed=3)
+    else:  # random bytes: large differences, the Exp-Golomb path
+        rng = np.random.default_rng(11)
+        width = ITEMSIZE[dtype]
+        old = rng.integers(0, 256, 8000 * width, dtype=np.uint8)
+        new = old.copy()
+        m = rng.random(old.size) < (0.05 if dtype == "U8" else 0.02)
+        new[m] = rng.integers(0, 256, int(m.sum()), dtype=np.uint8)
+    enc = encode_tensor(dtype, new, old, CodecConfig(block_bytes=16384))
+    assert enc.codec == "ac"
+    assert hashlib.sha256(bytes(enc.payload)).hexdigest()[:16] == GOLDEN_ENCODINGS[dtype]
+    assert np.array_equal(decode_tensor(dtype, "ac", enc.payload, old, new.size), new)
+
+
+@pytest.mark.parametrize("dtype", ["U8", "I16", "BF16", "I32"])
+def test_an_exp_golomb_prefix_longer_than_the_element_is_refused(dtype):
+    """A stream of 0xFF bytes decodes as ever longer prefixes: refused once a difference could no
+    longer fit the element, not wrapped around in 64-bit arithmetic."""
+    width = ITEMSIZE[dtype]
+    old = np.zeros(4 * width, dtype=np.uint8)
+    shift, bits = arith.EXPONENT_FIELD.get(dtype, (0, 0))
+    block = arith._HEAD.pack(4, shift, bits, 0) + b"\xff" * 2000
+    with pytest.raises(FormatError, match="wider than the element"):
+        arith.decode_block(dtype, memoryview(block), old.view(f"<u{width}"), np.empty(4, f"<u{width}"),
+                           lambda z: z, "x")
