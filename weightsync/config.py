@@ -229,7 +229,7 @@ def add_publisher_args(p: argparse.ArgumentParser) -> None:
 def add_subscriber_args(p: argparse.ArgumentParser) -> None:
     _common_args(p)
     p.add_argument("--target", required=True, help="folder holding slots/a, slots/b and the current symlink")
-    p.add_argument("--version", dest="pin", type=_version_arg, metavar="N|latest",
+    p.add_argument("--version", dest="pin", type=version_arg, metavar="N|latest",
                    help="start at this version (a pin), or 'latest' to follow the head; overrides the target "
                         "stored by PUT /v1/target (default: the stored target, else the head)")
     p.add_argument("--include", action="append", default=[], help="glob over tensor names to fetch (repeatable)")
@@ -248,13 +248,17 @@ def add_subscriber_args(p: argparse.ArgumentParser) -> None:
 
 
 # --- building configs ------------------------------------------------------------------------------
-def _version_arg(text: str) -> int | str:
+def version_arg(text: str) -> int | str:
+    """argparse type of ``--version``: a non-negative version number, or ``latest``."""
     if text == "latest":
         return text
     try:
-        return int(text)
+        v = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a version number or 'latest': {text!r}") from None
+        raise argparse.ArgumentTypeError(f"version must be an integer or 'latest', not {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError("version must be non-negative")
+    return v
 
 
 def _token(args, environ: Mapping[str, str]) -> str | None:

@@ -177,10 +177,11 @@ def test_subscriber_version_flag(tmp_path, argv, pin):
     assert subscriber_config(_subscriber_args(tmp_path, argv), {}).pin == pin
 
 
-@pytest.mark.parametrize("argv,error", [(["--version", "newest"], SystemExit), (["--version", "-1"], UsageError)])
-def test_subscriber_version_flag_refuses_bad_values(tmp_path, argv, error):
-    with pytest.raises(error):  # argparse's usage error (exit 2), or the config's one-line error
-        subscriber_config(_subscriber_args(tmp_path, argv), {})
+@pytest.mark.parametrize("argv", [["--version", "newest"], ["--version", "-1"]])
+def test_subscriber_version_flag_refuses_bad_values(tmp_path, argv):
+    with pytest.raises(SystemExit) as exc:  # argparse's one-line usage error
+        _subscriber_args(tmp_path, argv)
+    assert exc.value.code == 2
 
 
 def _subscriber_args(tmp_path: Path, argv: list[str]) -> argparse.Namespace:
