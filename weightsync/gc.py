@@ -271,12 +271,32 @@ def _new_references(repo: Repo, known: set[int]) -> set[str]:
 
 
 # --- object ages, backend by backend ----------------------------------------------------------------
+def _layers(store: Store) -> list[Store]:
+    """``store`` and the stores under it, down to the backend, through wrappers that keep the next
+    one as ``inner`` (RetryingStore, fault injectors)."""
+    out = [store]
+    while hasattr(out[-1], "inner") and len(out) < 16:
+        out.append(out[-1].inner)
+    return out
+
+
 def _unwrap(store: Store) -> Store:
-    """The backend under wrappers that keep it as ``inner`` (RetryingStore, fault injectors)."""
-    seen = 0
-    while hasattr(store, "inner") and seen < 16:
-        store, seen = store.inner, seen + 1
-    return store
+    return _layers(store)[-1]
+
+
+def _retries(store: Store):
+    """The retrying ``call(op, key, fn)`` of the first RetryingStore around the backend (object ages
+    are read beside the Store protocol, so its retries are borrowed), else a plain call."""
+    for layer in _layers(store):
+        if isinstance(layer, RetryingStore):
+            return layer.call
+    return lambda op, key, fn: fn()
+
+
+def _server_now(response: dict) -> float:
+    """The S3 server's clock (its ``Date`` header), so that ages do not depend on clock skew."""
+    date = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+    return parsedate_to_datetime(date).timestamp() if date else time.time()
 
 
 def _abandoned(repo: Repo, grace: float) -> frozenset[int]:
@@ -352,8 +372,7 @@ def _s3_ages(store, prefix: str, call) -> Iterator[tuple[str, int, float | None]
     args = {"Bucket": store.bucket, "Prefix": store._key_prefix + prefix}
     while True:
         page = call("LIST", prefix, lambda: _s3_page(store, prefix, args))
-        date = page.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
-        now = parsedate_to_datetime(date).timestamp() if date else time.time()
+        now = _server_now(page)
         for obj in page.get("Contents", ()):
             key = obj["Key"][skip:]
             if key and not key.endswith("/"):
@@ -368,19 +387,6 @@ def _s3_page(store, prefix: str, args: dict) -> dict:
         return store._client.list_objects_v2(**args)
 
 
-def _retries(store: Store):
-    """The retrying ``call(op, key, fn)`` of the first RetryingStore around the backend, else a
-    plain call."""
-    seen = 0
-    while seen < 16:
-        if isinstance(store, RetryingStore):
-            return store.call
-        if not hasattr(store, "inner"):
-            break
-        store, seen = store.inner, seen + 1
-    return lambda op, key, fn: fn()
-
-
 def _s3_age(store, key: str) -> float | None:
     """One HEAD: the object's age by the server's clock, or None if it does not exist."""
     from botocore.exceptions import ClientError
@@ -392,9 +398,7 @@ def _s3_age(store, key: str) -> float | None:
             if exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
                 return None
             raise
-    date = resp.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
-    now = parsedate_to_datetime(date).timestamp() if date else time.time()
-    return now - resp["LastModified"].timestamp()
+    return _server_now(resp) - resp["LastModified"].timestamp()
 
 
 def _remove_partial_writes(store: Store, grace: float) -> int:
@@ -445,8 +449,7 @@ def _abort_multipart_uploads(store, grace: float) -> int:
     aborted = 0
     try:
         for page in client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=root):
-            date = page.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
-            now = parsedate_to_datetime(date).timestamp() if date else time.time()
+            now = _server_now(page)
             for upload in page.get("Uploads", ()):
                 if now - upload["Initiated"].timestamp() >= grace:
                     client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
