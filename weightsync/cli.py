@@ -206,7 +206,7 @@ def cmd_mirror(args) -> int:
         src = _mirror_repo(args.src, _side_options(args, "from"), metrics.on_retry)
         dst = _mirror_repo(args.dst, _side_options(args, "to"), metrics.on_retry)
         r = mirror(src, dst, follow=args.follow, config=cfg, stop=stop, on_version=copied, on_error=failed,
-                   on_heads=metrics.mirror_heads, on_pass=metrics.mirror_pass)
+                   on_heads=metrics.mirror_heads, on_pass=metrics.mirror_pass, on_chunk=metrics.mirror_chunk)
     finally:
         if server is not None:
             server.shutdown()

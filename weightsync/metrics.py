@@ -63,14 +63,16 @@ class Metrics:
         elif role == "mirror":
             self._clock = clock
             self._mark = time.monotonic()
-            self._skipped, self._destination = 0, -1
+            self._destination = -1
             self.source_version = gauge("weightsync_mirror_source_version",
                                         "Head version of the source store, read at the start of the last pass.", -1)
             self.destination_version = gauge("weightsync_mirror_destination_version",
                                              "Head version of the destination (regional) store.", -1)
             self.copied_versions = counter("weightsync_mirror_copied_versions_total", "Versions copied into the destination.")
-            self.copied_chunks = counter("weightsync_mirror_copied_chunks_total", "Chunks copied into the destination.")
-            self.copied_bytes = counter("weightsync_mirror_copied_bytes_total", "Chunk bytes copied into the destination.")
+            self.copied_chunks = counter("weightsync_mirror_copied_chunks_total",
+                                         "Chunks copied into the destination (counted as each lands, failed passes included).")
+            self.copied_bytes = counter("weightsync_mirror_copied_bytes_total",
+                                        "Chunk bytes copied into the destination (counted as each chunk lands).")
             self.skipped_chunks = counter("weightsync_mirror_skipped_chunks_total", "Chunks not copied: already in the destination.")
             self.version_seconds = histogram("weightsync_mirror_version_seconds",
                                              "Seconds to mirror one version (chunks, manifest, head).")
@@ -111,21 +113,26 @@ class Metrics:
         self.source_version.set(-1 if source is None else source)
         self._set_destination(-1 if destination is None else destination)
 
-    def mirror_version(self, version: int, chunks: int, nbytes: int) -> None:
+    def mirror_chunk(self, copied: bool, nbytes: int) -> None:
+        """A chunk was copied (``copied``) or found already there; called as each one is done."""
+        if copied:
+            self.copied_chunks.inc()
+            self.copied_bytes.inc(nbytes)
+        else:
+            self.skipped_chunks.inc()
+
+    def mirror_version(self, version: int, chunks: int = 0, nbytes: int = 0) -> None:
+        """The destination head reached ``version`` (its chunks and bytes were counted by :meth:`mirror_chunk`)."""
         now = time.monotonic()
         self.version_seconds.observe(now - self._mark)
         self._mark = now
         self.copied_versions.inc()
-        self.copied_chunks.inc(chunks)
-        self.copied_bytes.inc(nbytes)
-        self._set_destination(max(version, self._destination))  # the head moves there next, never back
+        self._set_destination(max(version, self._destination))  # the head is there (or past it), never back
 
     def mirror_pass(self, result) -> None:
         """After a successful pass (``result``: the running :class:`~weightsync.mirror.MirrorResult`)."""
         if result.head is not None:
             self._set_destination(result.head)
-        self.skipped_chunks.inc(result.skipped_chunks - self._skipped)
-        self._skipped = result.skipped_chunks
         self.last_success.set(self._clock())
 
     def mirror_error(self, exc: Exception) -> None:

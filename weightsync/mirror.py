@@ -60,11 +60,11 @@ class MirrorConfig:
 
 @dataclass
 class MirrorResult:
-    copied_versions: list[int] = field(default_factory=list)
+    copied_versions: list[int] = field(default_factory=list)  # manifest written here, head moved to it
     skipped_versions: list[int] = field(default_factory=list)  # manifest already there, identical
-    copied_chunks: int = 0
+    copied_chunks: int = 0  # chunk totals: counted as each chunk is done, in failed passes too
     copied_bytes: int = 0
-    skipped_chunks: int = 0
+    skipped_chunks: int = 0  # already at the destination (touched, not copied)
     head: int | None = None  # the destination head when the mirror returned
     source_head: int | None = None  # the source head read by the last pass
     passes: int = 0
@@ -73,6 +73,7 @@ class MirrorResult:
 
 
 OnVersion = Callable[[int, int, int], None]  # (version, chunks copied, bytes copied)
+OnChunk = Callable[[bool, int], None]  # (copied: False if it was already there, the chunk's size)
 OnHeads = Callable[[int | None, int | None], None]  # (source head, destination head); None: no head yet
 OnPass = Callable[[MirrorResult], None]  # the running totals, after a pass that succeeded
 
@@ -83,9 +84,9 @@ class _Stopped(Exception):
 
 class _Mirror:
     def __init__(self, src: Repo, dst: Repo, cfg: MirrorConfig, stop: threading.Event, on_version: OnVersion | None,
-                 on_heads: OnHeads | None = None):
+                 on_heads: OnHeads | None = None, on_chunk: OnChunk | None = None):
         self.src, self.dst, self.cfg, self.stop = src, dst, cfg, stop
-        self.on_version, self.on_heads = on_version, on_heads
+        self.on_version, self.on_heads, self.on_chunk = on_version, on_heads, on_chunk
         self.result = MirrorResult()
         self.present: set[str] = set()  # chunk ids known to be at the destination, right size
         self._lock = threading.Lock()
@@ -153,19 +154,43 @@ class _Mirror:
             raise
         try:
             self.dst.store.put(key, data, mode="create")
+            written = True
+        except AlreadyExistsError:  # an interrupted earlier pass, or another mirror
+            self._same_manifest(version, data)
+            written = False
+        self._move_head(version)
+        if written:  # counted once the head is there: a head move that fails leaves it to the next pass
             self.result.copied_versions.append(version)
             if self.on_version:
                 self.on_version(version, chunks, nbytes)
-        except AlreadyExistsError:  # an interrupted earlier pass, or another mirror
-            self._same_manifest(version, data)
+        else:
             self.result.skipped_versions.append(version)
-        self._move_head(version)
+
+    def _counted(self, ref: ChunkRef, copied: bool, moved: list[int]) -> None:
+        """Count one chunk as it is done (the totals, ``moved`` of its version, ``on_chunk``); under the lock."""
+        if copied:
+            moved[0] += 1
+            moved[1] += ref.size
+            self.result.copied_chunks += 1
+            self.result.copied_bytes += ref.size
+        else:
+            self.result.skipped_chunks += 1
+        if self.on_chunk:
+            self.on_chunk(copied, ref.size)
 
     def _copy_chunks(self, refs: tuple[ChunkRef, ...]) -> tuple[int, int]:
-        """Copy the chunks the destination lacks; returns (chunks, bytes) copied."""
-        todo = list({r.id: r for r in refs if r.id not in self.present}.values())
-        self.result.skipped_chunks += len(refs) - len(todo)
+        """Copy the chunks the destination lacks; returns (chunks, bytes) copied.
+
+        Each chunk is counted as soon as it is copied or found (even if the version fails later),
+        so the totals and ``on_chunk`` follow a long copy chunk by chunk."""
         moved = [0, 0]
+        todo: dict[str, ChunkRef] = {}
+        with self._lock:
+            for r in refs:
+                if r.id in self.present or r.id in todo:  # an earlier version's, or a repeat in this one
+                    self._counted(r, False, moved)
+                else:
+                    todo[r.id] = r
 
         def one(ref: ChunkRef) -> None:
             if self.stop.is_set():
@@ -187,17 +212,11 @@ class _Mirror:
                         raise
             with self._lock:
                 self.present.add(ref.id)
-                if size == ref.size:
-                    self.result.skipped_chunks += 1
-                else:
-                    moved[0] += 1
-                    moved[1] += ref.size
-                    self.result.copied_chunks += 1
-                    self.result.copied_bytes += ref.size
+                self._counted(ref, size != ref.size, moved)
 
         pool = ThreadPoolExecutor(min(self.cfg.concurrency, max(1, len(todo))), thread_name_prefix="ws-mirror")
         try:
-            futures = [pool.submit(one, ref) for ref in todo]
+            futures = [pool.submit(one, ref) for ref in todo.values()]
             wait(futures, return_when=FIRST_EXCEPTION)
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
@@ -232,6 +251,7 @@ def mirror(
     on_error: Callable[[StoreError], None] | None = None,
     on_heads: OnHeads | None = None,
     on_pass: OnPass | None = None,
+    on_chunk: OnChunk | None = None,
 ) -> MirrorResult:
     """Copy ``src``'s versions into ``dst`` (see the module docstring).
 
@@ -241,15 +261,19 @@ def mirror(
     that is not a mirror) end the mirror. Setting ``stop`` ends a pass between chunks; the version
     being copied is then left uncommitted (its chunks are reused by the next run).
 
-    Observers (for metrics; each is called in the mirror's thread): ``on_heads(src_head, dst_head)``
-    once a pass has read both heads, before it copies anything; ``on_version(version, chunks,
-    bytes)`` when a version's manifest was written (its head move follows); ``on_pass(result)``
+    Observers (for metrics; each is called in the mirror's thread, except ``on_chunk``):
+    ``on_heads(src_head, dst_head)`` once a pass has read both heads, before it copies anything;
+    ``on_chunk(copied, nbytes)`` as each chunk of a version is done, ``copied`` False for a chunk
+    that was already there (called from the copying threads, one call at a time, also in a pass
+    that fails later; the result's chunk totals move with it); ``on_version(version, chunks,
+    bytes)`` once this mirror wrote a version's manifest and the destination head is at (or past)
+    it, with the chunks and bytes it copied for that version in this pass; ``on_pass(result)``
     after every pass that succeeded, with the running totals (``result.head`` is the destination
     head it left); ``on_error(exc)`` after every pass that failed and will be retried.
     """
     stop = stop or threading.Event()
     t0 = time.perf_counter()
-    m = _Mirror(src, dst, config, stop, on_version, on_heads)
+    m = _Mirror(src, dst, config, stop, on_version, on_heads, on_chunk)
     try:
         m.prepare()
         while True:

@@ -79,11 +79,15 @@ def test_mirror_resumes_after_failure_without_copying_again(published, tmp_path,
                     raise StoreError(f"injected failure on {key}", key=key)
             super().put(key, data, mode=mode)
 
+    chunks = []  # (copied, nbytes) as each chunk is done: the failed run's copies count too
     with pytest.raises(StoreError, match="injected"):
-        mirror(repo(store), weightsync.Repo(Failing(dst)), config=MirrorConfig(concurrency=1))
+        mirror(repo(store), weightsync.Repo(Failing(dst)), config=MirrorConfig(concurrency=1),
+               on_chunk=lambda copied, nbytes: chunks.append((copied, nbytes)))
     r = repo(dst)
     partial_head = r.head_version()
     assert partial_head is not None and partial_head < 5
+    on_disk = [p.stat().st_size for p in (dst / "chunks").rglob("*") if p.is_file()]
+    assert sorted(n for copied, n in chunks if copied) == sorted(on_disk) and len(on_disk) == 3
     total_chunks = len({c.id for v in range(6) for c in repo(store).manifest(v).chunks})
     res = mirror(repo(store), r)
     assert res.copied_versions == [v for v in range(6) if v > partial_head]
@@ -99,9 +103,13 @@ def test_mirror_recognises_interrupted_manifest_copy(published, tmp_path):
     repo(dst).set_head(3)  # as if the pass died after copying manifests 4 and 5, before the head
     lost = chunk_key(repo(store).manifest(5).chunks[0].id)
     (dst / lost).unlink()  # and a chunk under an existing manifest went missing
-    res = mirror(repo(store), repo(dst))
+    chunks, versions = [], []
+    res = mirror(repo(store), repo(dst), on_chunk=lambda copied, nbytes: chunks.append((copied, nbytes)),
+                 on_version=lambda *a: versions.append(a))
     assert res.skipped_versions == [4, 5] and res.copied_versions == [] and res.head == 5
     assert res.copied_chunks == 1 and (dst / lost).read_bytes() == (store / lost).read_bytes()
+    assert [c for c in chunks if c[0]] == [(True, (dst / lost).stat().st_size)] and versions == []  # counted all the same
+    assert len(chunks) == res.copied_chunks + res.skipped_chunks == sum(len(repo(store).manifest(v).chunks) for v in (4, 5))
 
 
 def test_mirror_refuses_non_weightsync_destination(published, tmp_path, run_cli, ws):

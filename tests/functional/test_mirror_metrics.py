@@ -7,7 +7,9 @@ what is on disk (chunk files and their sizes in the regional store). ``promtool 
 lints the real output, and the alert rules of deploy/prometheus/alerts.yml are run by ``promtool
 test rules`` over series made of real scrapes: a mirror stuck on a version (a source chunk went
 missing) must raise WeightsyncMirrorBehind and WeightsyncMirrorStalled after 10 minutes, the same
-mirror after it recovered must not.
+mirror after it recovered must not. Chunks and bytes are counted as each chunk lands, so a pass
+that fails half-way through a version still shows what it copied; ``weightsync_mirror_version_seconds``
+is observed once the regional head is at the version.
 """
 
 from __future__ import annotations
@@ -24,10 +26,15 @@ from pathlib import Path
 
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 import weightsync
 from weightsync.format import HEAD_KEY, head_to_json, manifest_from_json, version_key
+from weightsync.metrics import Metrics
+from weightsync.mirror import mirror as run_mirror
+from weightsync.progress import human_bytes
+from weightsync.store import FileStore
 from weightsync.synth import make_trajectory
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,10 +47,10 @@ M = "weightsync_mirror_"
 class Mirror:
     """``weightsync mirror --follow`` as a subprocess with its metrics on a port of its choosing."""
 
-    def __init__(self, src: Path, dst: Path, log: Path, env: dict):
+    def __init__(self, src: Path, dst: Path, log: Path, env: dict, *extra: str):
         self.argv = [sys.executable, "-m", "weightsync.cli", "mirror", "--from", f"file://{src}", "--to", f"file://{dst}",
                      "--follow", "--interval", "0.1", "--metrics-listen", "127.0.0.1:0",
-                     "--region", LABELS["region"], "--cluster", LABELS["cluster"]]
+                     "--region", LABELS["region"], "--cluster", LABELS["cluster"], *extra]
         self.log_path, self.env = log, env
         self.proc: subprocess.Popen | None = None
         self.url = ""
@@ -112,6 +119,13 @@ def chunk_files(store: Path) -> dict[str, int]:
 def refs(store: Path, version: int) -> list:
     data = (store / version_key(version)).read_bytes()
     return list(manifest_from_json(data, version_key(version)).chunks)
+
+
+def summary(log: str) -> tuple[int, int, int]:
+    """(chunks copied, bytes copied as shown, chunks already there) from the mirror's summary on stderr."""
+    m = re.search(r"(\d+) chunks, (\S+ \S+) copied, (\d+) chunks already there", log)
+    assert m, log
+    return int(m.group(1)), m.group(2), int(m.group(3))
 
 
 def promtool() -> str:
@@ -253,6 +267,79 @@ def test_a_stuck_mirror_counts_failed_passes_and_raises_its_alerts(published, tm
             ("29m", "WeightsyncMirrorBehind", False),
         ]),
     ])
+
+
+def test_chunks_are_counted_as_they_land_even_in_passes_that_fail(tmp_path, ok_cli, cli_env):
+    """Version 0 is several 1 MiB chunks, the last missing at the source: with one chunk at a time, every
+    pass copies (then finds) the others and fails on the last, before any manifest lands. The
+    chunk and byte counters move anyway, and match the chunk files in the region."""
+    traj = make_trajectory(tmp_path / "traj", steps=1, hidden=256, layers=2, experts=2, vocab=1024)  # 5 MiB each
+    src, dst = tmp_path / "src", tmp_path / "regional"
+    for ckpt in traj:
+        ok_cli("publish", ckpt, "--store", f"file://{src}", "--no-cache", "--chunk-mib", "1")
+    first = list({r.id: r for r in refs(src, 0)}.values())  # the order the mirror copies them in
+    assert len(first) >= 3
+    lost = first[-1]
+    lost_path = next(p for p in (src / "chunks").rglob(lost.id))
+    aside = tmp_path / "aside"
+    lost_path.rename(aside)
+
+    with Mirror(src, dst, tmp_path / "mirror.log", cli_env, "--concurrency", "1") as mirror:
+        v = mirror.wait_values(lambda v: v["weightsync_loop_errors_total"] >= 2, "two failed passes")
+        assert not (dst / version_key(0)).exists() and not (dst / HEAD_KEY).exists()
+        assert (v[f"{M}destination_version"], v[f"{M}copied_versions_total"], v[f"{M}version_seconds_count"]) == (-1, 0, 0)
+        on_disk = chunk_files(dst)
+        assert set(on_disk) == {r.id for r in first[:-1]}
+        assert v[f"{M}copied_chunks_total"] == len(on_disk) == len(first) - 1 > 0
+        assert v[f"{M}copied_bytes_total"] == sum(on_disk.values()) == sum(r.size for r in first[:-1])
+        assert v[f"{M}skipped_chunks_total"] >= len(first) - 1  # the second pass found them there
+        assert v[f"{M}last_success_timestamp_seconds"] == 0
+
+        aside.rename(lost_path)
+        v = mirror.wait_values(lambda v: v[f"{M}destination_version"] == 1, "version 1 in the region")
+        on_disk = chunk_files(dst)
+        assert v[f"{M}copied_chunks_total"] == len(on_disk) == len({r.id for w in (0, 1) for r in refs(src, w)})
+        assert v[f"{M}copied_bytes_total"] == sum(on_disk.values())
+        assert v[f"{M}copied_versions_total"] == v[f"{M}version_seconds_count"] == 2
+        assert mirror.stop().strip() == "1"
+    chunks, copied, skipped = summary(mirror.log())  # the process is gone: its summary against the last scrape
+    assert (chunks, copied) == (v[f"{M}copied_chunks_total"], human_bytes(v[f"{M}copied_bytes_total"]))
+    assert skipped == v[f"{M}skipped_chunks_total"]
+
+
+def test_version_seconds_are_observed_once_the_head_moved(published, tmp_path):
+    """Each observation covers the version's chunks, its manifest and the head move (here slow)."""
+    src, _ = published
+    delay = 0.3
+
+    class SlowHead(FileStore):
+        def put_if_match(self, key, data, etag):
+            time.sleep(delay)
+            super().put_if_match(key, data, etag)
+
+    dst = weightsync.Repo(SlowHead(tmp_path / "regional"))
+    metrics = Metrics(CollectorRegistry(), "mirror")
+    seen = []
+
+    def on_version(version: int, chunks: int, nbytes: int) -> None:
+        seen.append((version, dst.head_version()))
+        metrics.mirror_version(version, chunks, nbytes)
+
+    res = run_mirror(weightsync.open_repo(f"file://{src}"), dst, on_version=on_version, on_heads=metrics.mirror_heads,
+                     on_pass=metrics.mirror_pass, on_chunk=metrics.mirror_chunk)
+    assert seen == [(v, v) for v in range(6)]  # called with the head already there
+
+    def value(name: str, **extra: str) -> float | None:
+        return metrics.registry.get_sample_value(name, {"region": "", "cluster": "", **extra})
+
+    assert value(f"{M}version_seconds_count") == 6
+    assert value(f"{M}version_seconds_bucket", le="0.25") == 0  # every one includes its head move
+    assert value(f"{M}version_seconds_sum") >= 6 * delay
+    assert value(f"{M}copied_versions_total") == len(res.copied_versions) == 6
+    assert value(f"{M}copied_chunks_total") == res.copied_chunks == len(chunk_files(tmp_path / "regional"))
+    assert value(f"{M}copied_bytes_total") == res.copied_bytes == sum(chunk_files(tmp_path / "regional").values())
+    assert value(f"{M}skipped_chunks_total") == res.skipped_chunks
+    assert value(f"{M}destination_version") == res.head == 5
 
 
 def _listening_socket() -> socket.socket:
