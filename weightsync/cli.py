@@ -145,9 +145,12 @@ def cmd_demo(args) -> int:
     return run_demo(args.workdir, steps=args.steps, hidden=args.hidden)
 
 
-def _side_options(args, side: str) -> dict:
-    url = getattr(args, f"{side}_endpoint_url", None) or getattr(args, "endpoint_url", None)
-    return {"endpoint_url": url} if url else {}
+def _side_store(args, side: str):
+    """The mirror's ``--from`` or ``--to`` store: its URL and S3 endpoint (``--{side}-endpoint-url``, else ``--endpoint-url``)."""
+    from .config import StoreConfig
+
+    url = args.src if side == "from" else args.dst
+    return StoreConfig(url, getattr(args, f"{side}_endpoint_url", None) or getattr(args, "endpoint_url", None))
 
 
 def _serve_metrics(text: str, registry):
@@ -167,23 +170,13 @@ def _serve_metrics(text: str, registry):
     return server
 
 
-def _mirror_repo(url: str, options: dict, on_retry):
-    """Like :func:`weightsync.open_repo` (s3:// retries), with each retry reported to ``on_retry``."""
-    from .store import open_store
-    from .store.retry import RetryingStore, RetryPolicy
-
-    store = open_store(url, **options)
-    if str(url).startswith("s3://"):
-        store = RetryingStore(store, RetryPolicy(), on_retry=on_retry)
-    return weightsync.open_repo(store)
-
-
 def cmd_mirror(args) -> int:
     import signal
     import threading
 
     from prometheus_client import CollectorRegistry
 
+    from .daemon import open_daemon_repo
     from .metrics import Metrics
     from .mirror import MirrorConfig, mirror
 
@@ -203,8 +196,8 @@ def cmd_mirror(args) -> int:
 
     server = None if args.metrics_listen is None else _serve_metrics(args.metrics_listen, metrics.registry)
     try:
-        src = _mirror_repo(args.src, _side_options(args, "from"), metrics.on_retry)
-        dst = _mirror_repo(args.dst, _side_options(args, "to"), metrics.on_retry)
+        src = open_daemon_repo(_side_store(args, "from"), metrics.on_retry)  # retries as the daemons do, counted
+        dst = open_daemon_repo(_side_store(args, "to"), metrics.on_retry)
         r = mirror(src, dst, follow=args.follow, config=cfg, stop=stop, on_version=copied, on_error=failed,
                    on_heads=metrics.mirror_heads, on_pass=metrics.mirror_pass, on_chunk=metrics.mirror_chunk)
     finally:

@@ -99,7 +99,8 @@ def event(logger: logging.Logger, msg: str, level: int = logging.INFO, **fields)
 
 # --- store ---------------------------------------------------------------------------------------
 def open_daemon_repo(cfg: StoreConfig, on_retry: Callable[[str, str, Exception], None]) -> Repo:
-    """The daemon's repo: the store wrapped in bounded retries that report each retry."""
+    """The repo of a daemon or of the mirror (once per side): the store wrapped in bounded retries
+    (``cfg.retry``; only retryable errors, which the S3 backend marks) that report each retry."""
     store = open_store(cfg.url, **cfg.options())
     return weightsync.open_repo(RetryingStore(store, cfg.retry, on_retry=on_retry))
 
