@@ -12,6 +12,7 @@ from pathlib import Path
 import weightsync
 
 from .codec import CodecConfig
+from .config import parse_listen, version_arg
 from .errors import UsageError, WeightsyncError
 from .progress import Progress, human_bytes
 from .publishing import PublishConfig
@@ -29,18 +30,6 @@ def _store_options(args) -> dict:
 
 def _repo(args):
     return weightsync.open_repo(args.store, **_store_options(args))
-
-
-def _version_arg(text: str) -> int | str:
-    if text == "latest":
-        return text
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"version must be an integer or 'latest', not {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError("version must be non-negative")
-    return v
 
 
 def _publish_config(args) -> PublishConfig:
@@ -156,8 +145,6 @@ def _side_store(args, side: str):
 def _serve_metrics(text: str, registry):
     """Serve ``registry`` at ``http://HOST:PORT/metrics`` (any path answers) from a daemon thread."""
     from prometheus_client import start_http_server
-
-    from .config import parse_listen
 
     host, port = parse_listen(text, "--metrics-listen")
     try:
@@ -310,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("publish", help="publish a checkpoint directory as a new version")
     p.add_argument("checkpoint_dir")
     _add_store(p)
-    p.add_argument("--version", type=_version_arg, default=None, help="version number (default: head + 1)")
+    p.add_argument("--version", type=version_arg, default=None, help="version number (default: head + 1)")
     _add_publish_options(p)
     p.set_defaults(func=cmd_publish)
 
@@ -322,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--files", nargs="+", metavar="PATH",
                    help="relative paths this rank publishes (default: the safetensors files round-robin by sorted "
                         "path, every other file on rank 0)")
-    p.add_argument("--version", type=_version_arg, default=None, help="version number (default: head + 1)")
+    p.add_argument("--version", type=version_arg, default=None, help="version number (default: head + 1)")
     _add_publish_options(p)
     p.set_defaults(func=cmd_publish_part)
 
@@ -335,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("pull", help="create or incrementally update a folder to hold a version")
     _add_store(p)
-    p.add_argument("--version", type=_version_arg, default="latest")
+    p.add_argument("--version", type=version_arg, default="latest")
     p.add_argument("--concurrency", type=int, default=32, help="chunks in flight (default 32)")
     p.add_argument("out_dir")
     p.set_defaults(func=cmd_pull)
@@ -347,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("verify", help="exit 0 iff DIR holds the version byte for byte")
     _add_store(p)
-    p.add_argument("--version", type=_version_arg, default="latest")
+    p.add_argument("--version", type=version_arg, default="latest")
     p.add_argument("dir")
     p.set_defaults(func=cmd_verify)
 
