@@ -35,7 +35,7 @@ from .errors import (
     UsageError,
     VersionError,
 )
-from .format import HEAD_KEY, ChunkRef, chunk_key, head_to_json, manifest_from_json, version_key
+from .format import HEAD_KEY, ChunkRef, head_to_json, manifest_from_json, version_key
 from .repo import Repo
 
 
@@ -195,24 +195,12 @@ class _Mirror:
         def one(ref: ChunkRef) -> None:
             if self.stop.is_set():
                 raise _Stopped
-            key = chunk_key(ref.id)
-            size = self.dst.store.head(key)
-            if size == ref.size:  # re-used, maybe old and unreferenced: make it young, so that a
-                try:  # regional gc spares it until the manifest that needs it lands
-                    self.dst.store.touch(key)
-                except NotFoundError:
-                    size = None  # collected since the HEAD: copy it
-            if size != ref.size:
-                data = self.src.get_chunk(ref.id, ref.size)  # verifies size and XXH3-128
-                try:  # a wrong-sized object under a content-addressed key is damage: replace it
-                    self.dst.store.put(key, data, mode="create" if size is None else "overwrite")
-                except AlreadyExistsError:
-                    size = self.dst.store.head(key)  # a concurrent mirror: same id, same bytes
-                    if size != ref.size:
-                        raise
+            # present chunks are touched (a regional gc spares them until their manifest lands);
+            # the source is read, size and XXH3-128 verified, only for chunks the region lacks
+            copied = self.dst.store_chunk(ref.id, ref.size, lambda: self.src.get_chunk(ref.id, ref.size))
             with self._lock:
                 self.present.add(ref.id)
-                self._counted(ref, size != ref.size, moved)
+                self._counted(ref, copied, moved)
 
         pool = ThreadPoolExecutor(min(self.cfg.concurrency, max(1, len(todo))), thread_name_prefix="ws-mirror")
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 
 import xxhash
 
@@ -143,24 +144,34 @@ class Repo:
 
     # --- writes ----------------------------------------------------------------------------------
     def put_chunk(self, chunk_id: str, data: bytes) -> bool:
-        """Upload a chunk unless an object of that id and size is there; True if bytes moved.
+        """Upload a chunk unless an object of that id and size is there; True if bytes moved
+        (see :meth:`store_chunk`)."""
+        return self.store_chunk(chunk_id, len(data), data)
+
+    def store_chunk(self, chunk_id: str, size: int, data: bytes | Callable[[], bytes]) -> bool:
+        """Make the chunk ``chunk_id`` of ``size`` bytes present; True if bytes moved. ``data`` is
+        the chunk, or a function that returns it (called only when it must be uploaded: a mirror
+        reads the source only for chunks the destination lacks).
 
         A chunk that is already there is touched, so that a concurrent ``gc`` (which spares young
-        objects) cannot delete it between this check and the commit of the manifest that uses it.
-        An object of the wrong size under a chunk's key is damaged and is replaced.
+        objects) cannot delete it between this check and the commit of the manifest that uses it;
+        one that gc collected between the check and the touch is uploaded again. An object of the
+        wrong size under a chunk's key is damaged and is replaced.
         """
         key = chunk_key(chunk_id)
-        size = self.store.head(key)
-        if size == len(data):
+        have = self.store.head(key)
+        if have == size:
             try:
                 self.store.touch(key)
                 return False
             except NotFoundError:
-                size = None  # collected by gc since the HEAD: upload it again
+                have = None  # collected by gc since the HEAD: upload it again
         try:
-            self.store.put(key, data, mode="create" if size is None else "overwrite")
+            self.store.put(key, data() if callable(data) else data, mode="create" if have is None else "overwrite")
         except AlreadyExistsError:
-            return False  # a racing publisher stored the same bytes
+            if self.store.head(key) != size:  # a racing writer stored the same id: it must be these bytes
+                raise
+            return False
         return True
 
     def get_chunk(self, chunk_id: str, size: int) -> bytes:
