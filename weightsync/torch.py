@@ -401,6 +401,9 @@ class TorchSink:
                 raise UsageError(f"update was prepared in {update.mode} mode, the sink is in {self.mode} mode")
             if update.from_version != self.version:
                 raise UsageError(f"update was prepared from version {update.from_version}, the model holds {self.version}")
+            if update.version == update.from_version:  # nothing to swap (flip: leave what is staged alone)
+                update.seconds["pause"] = 0.0
+                return 0.0
             if self.mode == "flip":
                 return self._apply_flip(update)
             devices = {p.target.device for p in update.patches}
@@ -415,7 +418,7 @@ class TorchSink:
             return pause
 
     def _apply_flip(self, update: Update) -> float:
-        if update.version != update.from_version and update is not self._staged:
+        if update is not self._staged:
             raise UsageError(f"update to version {update.version} is no longer staged in the standby "
                              "(another prepare ran since, or it failed); prepare again")
         for f in update.flips:

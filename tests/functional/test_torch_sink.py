@@ -191,6 +191,23 @@ def test_flip_keeps_the_objects_and_swaps_between_two_storages(published):
     assert sink.verify() == len(versions[0])
 
 
+@MODES
+def test_a_no_op_update_leaves_the_staged_one_alone(published, mode):
+    store, versions = published
+    live = {k: v.clone() for k, v in versions[0].items()}
+    sink = TorchSink(store, live, 0, mode=mode)
+    staged = sink.prepare(1)
+    noop = sink.prepare(0)  # e.g. a poller asking for the version the model already holds
+    assert (noop.version, noop.from_version, noop.patches, noop.flips) == (0, 0, [], [])
+    pause = sink.apply(noop)
+    assert sink.version == 0
+    assert_holds(live, versions[0])
+    sink.apply(staged)  # still staged: the no-op changed nothing
+    assert sink.version == 1
+    assert_holds(live, versions[1])
+    assert pause == noop.seconds["pause"] == 0.0  # nothing to swap: the serving lock was not even taken
+
+
 class TiedLM(torch.nn.Module):
     """A tiny language model whose output head shares the embedding's Parameter."""
 
