@@ -6,57 +6,48 @@
     pause = sink.apply(update)                    # under the lock: only the swap
 
 :meth:`TorchSink.prepare` does all the work before the pause: it plans the cheapest recipe per
-tensor from the version the model holds (:func:`~weightsync.planner.plan_segment`), fetches only
-the bytes those recipes need, rebuilds each changed tensor on the CPU from the bytes the sink
-holds for the current version (which are first checked against that version's checksums),
-verifies the result against the new version's xxh3, and reduces it to a patch: the positions
-that changed and their new bit patterns (int64 indices, integer-view values), or the whole new
-tensor when more than ``dense_above`` of it changed. Patches are written with ``scatter_`` (or
-``copy_``) on an integer view of the same width, so every bit pattern, NaN payloads included, is
-copied exactly. :meth:`TorchSink.apply` takes the lock only for the swap itself. Two modes:
+tensor from the version held (:func:`~weightsync.planner.plan_segment`), fetches only the bytes
+they need, rebuilds each changed tensor on the CPU from the sink's (checksummed) bytes of the
+current version, verifies it against the new version's xxh3 and reduces it to a patch: the changed
+positions and their new bit patterns, or the whole tensor when over ``dense_above`` of it changed,
+written with ``scatter_`` (``copy_``) on an integer view of the same width: every bit pattern, NaN
+payloads included, is copied exactly. :meth:`TorchSink.apply` holds the lock for the swap alone.
 
-``mode="patch"`` (the default): the patches are moved to the tensors' devices in ``prepare``;
-``apply`` scatters the changed elements into the live tensors in place (dense tensors are copied),
-synchronizes the device and releases the lock. The pause grows with the number of changed elements
-(on CPU, 40-65% of a full ``load_state_dict`` at typical RL changes in ``benchmarks/swap.py``). No
-extra memory beyond the patches; the tensors' storages never change, so it is the mode for engines
-that captured raw data pointers (CUDA graphs, custom kernels, flat buffers the tensors view).
+``mode="patch"`` (the default): ``prepare`` moves the patches (int64 positions) to the tensors'
+devices; ``apply`` scatters them into the live tensors in place (dense ones are copied) and
+synchronizes the device before it releases the lock. The pause grows with the changed elements
+(``benchmarks/swap.py``, CPU: 50-75% of a ``load_state_dict`` on the real apply, 40-65% warm). No
+memory beyond the patches, storages never change: for engines that read raw data pointers.
 
-``mode="flip"`` (double buffered): the sink keeps, for every distinct tensor it can update, a
-standby buffer of the same dtype, shape and device, cloned from the live tensor on construction.
-**This costs a second copy of the weights' memory.** ``prepare`` (without the serving lock) first
-brings the standby buffers up to the version the live tensors hold, by replaying the previous
-update's patches onto them (exact: the positions outside a patch are equal in both versions) or,
-after a failed or unapplied prepare, by copying the live tensors; then it decodes from the standby
-bytes (verified against the current version's xxh3), writes the new version into the standby and
-synchronizes the device. ``apply`` only repoints each changed tensor at its standby storage
-(``tensor.data = standby``: the Parameter and buffer objects stay, their storages swap), so the
-pause is one attribute assignment per changed tensor whatever the size of the change (under 1% of
-a ``load_state_dict`` in ``benchmarks/swap.py``); the retired storage becomes the next standby.
-Give the sink the objects the engine reads through: an ``nn.Module`` (the sink uses
-``state_dict(keep_vars=True)``; tied weights are swapped once) or a mapping of the engine's own
-tensor objects (not ``model.state_dict()``, whose detached aliases do not reach the module). An
-engine that captured raw data pointers (CUDA graphs, a fused flat buffer, another tensor object
-sharing the memory) would keep reading the retired storage, which the next ``prepare`` overwrites:
-such engines must use ``mode="patch"``. Do not repoint a matched tensor's ``.data`` behind the
-sink's back (``apply`` refuses to flip it; the next ``prepare`` copies its standby afresh).
+``mode="flip"`` (double buffered): every distinct tensor the sink updates gets a standby buffer
+cloned on construction: **a second copy of the weights' memory** (:attr:`~TorchSink.standby_bytes`).
+``prepare`` (no lock) first brings each standby to its live tensor's version by replaying the
+previous update's patches (exact: the other positions are equal), or the whole tensor after a failed
+or unapplied prepare; then it decodes from the standby (verified against the current version's
+xxh3), writes the new version into it and synchronizes. ``apply`` only repoints each changed tensor
+at its standby (``tensor.data = standby``: the objects stay, their storages swap): one assignment
+per changed tensor whatever the change (``benchmarks/swap.py``, CPU: 0.07 ms or 1.4-1.9% of a
+``load_state_dict`` on the real apply, 0.017 ms warm); the retired storage is the next standby. Pass
+an ``nn.Module`` (``state_dict(keep_vars=True)`` is used; tied weights are swapped once) or a
+mapping of its Parameters. Refused: other tensors in a mapping (plain ones such as
+``model.state_dict()``'s are detached aliases: repointing them would leave the module stale while
+the next ``prepare`` wrote its storage), and a managed tensor that is a view into a larger storage
+(a fused flat buffer) or shares memory with another one given. Engines that read raw data pointers
+(CUDA graphs) need patch mode. A ``.data`` repointed behind the sink's back is refused by ``apply``;
+``prepare`` starts it afresh.
 
-Flip mode's safety rules: a failed ``prepare`` leaves the live tensors untouched, and the next
-``prepare`` copies the standby buffers it may have written from the live tensors; only the update
-of the latest successful ``prepare`` can be applied, and (in both modes) only while the model
-holds its ``from_version``. Base bytes are verified in the standby: bytes written into a live
-tensor behind the sink's back end up in the retired storage and fail verification at the next
-``prepare``, which copies the standby from live and retries, then falls back to the keyframe.
+Flip mode's safety rules: a failed ``prepare`` leaves the live tensors untouched (the next one
+copies the standbys it may have written from live); only the latest successful ``prepare``'s update
+can be applied, and (both modes) only while the model holds its ``from_version``. Bytes written into
+a live tensor behind the sink's back end up in the retired storage and fail the next ``prepare``'s
+verification of the standby, which copies it from live and retries, then falls back to the keyframe.
 
-On CUDA the sink's device work runs on the calling thread's current stream; flip-mode ``prepare``
-synchronizes before it returns (its ``apply`` has no device work) and patch-mode ``apply`` before
-it releases the lock. The serving loop should likewise let its kernels finish before it releases
-the lock, so that no forward pass overlaps the patch or reads a storage after it was retired.
+On CUDA the device work runs on the calling thread's current stream; flip-mode ``prepare`` and
+patch-mode ``apply`` synchronize before they return. The serving loop should let its kernels finish
+before it releases the lock, so that no forward pass overlaps a patch or reads a retired storage.
 
-Several names for one tensor (tied weights) are updated once; their bytes must agree in every
-version.
-Tensors of the store that the model does not have are ignored; a tensor whose dtype or shape
-differs is an error (neither mode can change either).
+Tied weights (several names, one tensor) are updated once; their bytes must agree in every version.
+Store tensors the model lacks are ignored; a dtype or shape that differs is an error (in both modes).
 """
 
 from __future__ import annotations
@@ -139,13 +130,9 @@ def point_to(flips: list[Flip], new: bool = True) -> None:
 
 @dataclass(eq=False)
 class Update:
-    """A prepared update from ``from_version`` to ``version``: everything but the swap.
-
-    ``patches``: per changed tensor, the changed positions and their new bit patterns (or the whole
-    tensor). In patch mode ``apply`` writes them into the live tensors; in flip mode the new version
-    is already in the standby buffers, ``flips`` lists what ``apply`` repoints, and the patches
-    target the buffers that the flip retires (the next ``prepare`` replays them there).
-    """
+    """A prepared update from ``from_version`` to ``version``: everything but the swap. ``patches``:
+    per changed tensor, what ``apply`` writes (patch mode) or, in flip mode, what the next ``prepare``
+    replays onto the storages that the ``flips`` retire."""
 
     version: int
     from_version: int
@@ -179,11 +166,11 @@ class TorchSink:
     by swapping in double-buffered storages (see the module doc).
 
     ``tensors``: an ``nn.Module`` (its parameters and persistent buffers) or a mapping of names to
-    tensors. ``version``: the version they hold now; with ``verify=True`` every tensor is checked
-    against it on construction. ``name_map`` maps a store tensor name to the model's name (or None
-    to skip it). ``lock``: the lock the serving loop takes around its use of the model (a new one by
-    default, as :attr:`lock`). ``mode``: ``"patch"`` or ``"flip"``; flip mode clones every matched
-    tensor on construction (twice the weights' memory).
+    tensors (flip mode: to Parameters). ``version``: the version they hold now; with ``verify=True``
+    every tensor is checked against it on construction. ``name_map`` maps a store tensor name to the
+    model's name (or None to skip it). ``lock``: the lock the serving loop takes around its use of the
+    model (a new one by default, as :attr:`lock`). ``mode``: ``"patch"`` or ``"flip"`` (clones every
+    matched tensor on construction: twice the weights' memory).
     """
 
     def __init__(self, store, tensors, version: int, *, lock: threading.Lock | None = None,
@@ -197,6 +184,10 @@ class TorchSink:
             live = tensors.state_dict(keep_vars=True) if mode == "flip" else tensors.state_dict()
         else:
             live = dict(tensors)
+            plain = [n for n, t in live.items() if mode == "flip" and not isinstance(t, torch.nn.Parameter)]
+            if plain:
+                raise UsageError(f"flip mode: {plain[0]} is not a Parameter, and repointing a plain tensor (a detached alias, "
+                                 "as in model.state_dict()) misses the module: pass the module, its Parameters, or mode='patch'")
         self.tensors: Mapping[str, torch.Tensor] = live
         self.version = version
         self.lock = lock or threading.Lock()
@@ -214,10 +205,7 @@ class TorchSink:
                 matched = self._matched(self.repo.manifest(version))
             except VersionError:
                 matched = []  # collected by gc: standby buffers are cloned on first use
-            slots = {self._slots[n]: None for n in self._names(matched)}
-            for slot in slots:
-                self._ensure_standby(slot)
-            _sync({s.live.device for s in slots})
+            _sync({s.live.device for s in self._ensure_standbys(self._names(matched))})
 
     @property
     def standby_bytes(self) -> int:
@@ -231,9 +219,7 @@ class TorchSink:
         out = []
         for f in manifest.files:
             for s in f.segments:
-                if s.role != "tensor":
-                    continue
-                name = self.name_map(s.name)
+                name = self.name_map(s.name) if s.role == "tensor" else None
                 t = None if name is None else self.tensors.get(name)
                 if t is None:
                     continue
@@ -282,10 +268,8 @@ class TorchSink:
                     raise
                 up = None
                 if flip:  # a standby that differs from its live tensor is copied from it: try once more
-                    try:
+                    with contextlib.suppress(BaseMismatchError):  # (unless the live tensor itself differs)
                         up = self._prepare(Update(target_v, self.version, mode=self.mode), chain, local, t0)
-                    except BaseMismatchError:
-                        pass  # the live tensor itself differs from the version
                 if up is None:
                     up = self._prepare(Update(target_v, self.version, mode=self.mode), self.repo.chain(target_v), None, t0)
             if flip:
@@ -299,8 +283,7 @@ class TorchSink:
         slot_of = (lambda seg, t: self._slots[self.name_map(seg.name)]) if self.mode == "flip" else (lambda seg, t: _view_key(t))
         matched = _distinct(matched, chain[-1].version, slot_of)
         if self.mode == "flip":
-            for _, seg, _ in matched:
-                self._ensure_standby(self._slots[self.name_map(seg.name)])
+            self._ensure_standbys(self._names(matched))
             self._catch_up()  # every standby equal to its live tensor again
         live = {}
         jobs = []
@@ -337,9 +320,8 @@ class TorchSink:
                         up.patches.append(up.flips[-1].replay)
             _sync({f.new.device for f in up.flips})
         except BaseException:
-            for slot in live.values():  # flip mode: the standby of every tensor this update touches
-                if isinstance(slot, _Slot):  # is suspect until copied from live again
-                    slot.dirty = True
+            for slot in (x for x in live.values() if isinstance(x, _Slot)):  # flip: each standby it touched
+                slot.dirty = True  # is suspect until copied from live again
             raise
         up.seconds["prepare"] = time.perf_counter() - t0
         return up
@@ -357,12 +339,23 @@ class TorchSink:
         return Patch(seg.name, _int_view(t), torch.from_numpy(idx).to(t.device), values.to(t.device))
 
     # -- flip mode: the standby buffers ------------------------------------------------------------
+    def _ensure_standbys(self, names: list[str]) -> list[_Slot]:
+        """The slots of ``names``, each with its standby, once checked that repointing reaches them."""
+        slots = list({self._slots[n]: None for n in names})
+        for slot in slots:
+            self._ensure_standby(slot)
+        _refuse_overlaps(self._slots.values(), set(slots))
+        return slots
+
     def _ensure_standby(self, slot: _Slot) -> None:
         """Give ``slot`` a standby buffer equal to its live tensor; notice a storage repointed behind
         the sink's back (the standby then starts again from the live bytes)."""
         cur = slot.objects[0].detach()
         if any(o.data_ptr() != cur.data_ptr() for o in slot.objects[1:]):
             raise UsageError(f"{', '.join(slot.names)}: the tensor objects no longer share one storage")
+        if cur.storage_offset() or cur.untyped_storage().nbytes() != cur.numel() * cur.element_size():
+            raise UsageError(f"{', '.join(slot.names)}: a view into a larger buffer; flip mode would repoint the view, "
+                             "not the buffer the engine reads (use mode='patch')")
         if cur.data_ptr() != slot.live.data_ptr() or cur.device != slot.live.device:
             slot.live, slot.replay, slot.dirty = cur, None, True
         sb = slot.standby
@@ -429,8 +422,7 @@ class TorchSink:
             point_to(update.flips)
             pause = time.perf_counter() - t0
         for f in update.flips:
-            f.slot.live, f.slot.standby = f.new, f.old
-            f.slot.dirty, f.slot.replay = False, f.replay
+            f.slot.live, f.slot.standby, f.slot.dirty, f.slot.replay = f.new, f.old, False, f.replay
         self._staged = None
         self.version = update.version
         update.seconds["pause"] = pause
@@ -465,22 +457,24 @@ def _distinct(matched, version: int, key) -> list:
 
 
 def _group(tensors: Mapping[str, torch.Tensor]) -> dict[str, _Slot]:
-    """Flip mode: group names by the memory they view (tied weights: one slot, all their objects);
-    refuse tensors that overlap without being the same view (one could not be repointed alone)."""
+    """Flip mode: group names by the memory they view (tied weights: one slot, all their objects)."""
     by_view: dict[tuple, _Slot] = {}
     out: dict[str, _Slot] = {}
     for name, t in tensors.items():
-        key = _view_key(t)
-        slot = by_view.get(key)
-        if slot is None:
-            slot = by_view[key] = _Slot([], [], t.detach())
+        slot = by_view.get(_view_key(t)) or by_view.setdefault(_view_key(t), _Slot([], [], t.detach()))
         slot.names.append(name)
         if not any(o is t for o in slot.objects):
             slot.objects.append(t)
         out[name] = slot
+    return out
+
+
+def _refuse_overlaps(slots, managed: set) -> None:
+    """Flip mode: refuse a managed tensor sharing memory with another tensor given (which would keep
+    reading the retired storage). Sorted by start, each overlapping span meets one it overlaps."""
     spans = []
-    for slot in by_view.values():
-        t = slot.live
+    for slot in {s: None for s in slots}:
+        t = slot.objects[0]
         if t.numel() and t.device.type != "meta":
             extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
             spans.append(((t.device.type, t.device.index), t.data_ptr(), t.data_ptr() + extent * t.element_size(), slot))
@@ -488,9 +482,8 @@ def _group(tensors: Mapping[str, torch.Tensor]) -> dict[str, _Slot]:
     reach: dict = {}  # device -> (furthest end so far, its slot)
     for dev, begin, end, slot in spans:
         prev = reach.get(dev)
-        if prev is not None and begin < prev[0]:
+        if prev is not None and begin < prev[0] and (slot in managed or prev[1] in managed):
             raise UsageError(f"{prev[1].names[0]} and {slot.names[0]} share memory without being the same tensor; "
                              "flip mode cannot repoint one alone (use mode='patch')")
         if prev is None or end > prev[0]:
             reach[dev] = (end, slot)
-    return out

@@ -45,7 +45,11 @@ def assert_holds(tensors, expected: dict[str, torch.Tensor]) -> None:
         assert bits(tensors[name]) == bits(t), name
 
 
-def copy_of(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def copy_of(sd: dict[str, torch.Tensor], mode: str = "patch") -> dict[str, torch.Tensor]:
+    """Clones of ``sd``'s tensors: plain tensors for patch mode, Parameters for flip mode (which
+    needs the objects the engine reads through)."""
+    if mode == "flip":
+        return {k: torch.nn.Parameter(v.clone(), requires_grad=False) for k, v in sd.items()}
     return {k: v.clone() for k, v in sd.items()}
 
 
@@ -66,7 +70,7 @@ def module_from(sd: dict[str, torch.Tensor]) -> torch.nn.Module:
 @MODES
 def test_sink_moves_a_model_through_versions_bit_exact(published, mode):
     store, versions = published
-    live = copy_of(versions[0])
+    live = copy_of(versions[0], mode)
     sink = TorchSink(store, live, 0, mode=mode)
     for v in (1, 2, 5, 3, 0, 4):
         up = sink.update(v)
@@ -80,7 +84,7 @@ def test_sink_moves_a_model_through_versions_bit_exact(published, mode):
 @MODES
 def test_serving_loop_never_sees_a_torn_model(published, mode):
     store, versions = published
-    live = copy_of(versions[0])
+    live = copy_of(versions[0], mode)
     names = sorted(live)
 
     def fingerprint(sd) -> str:
@@ -125,7 +129,7 @@ def test_module_name_map_and_dense_copies(published, mode):
 @MODES
 def test_a_model_that_drifted_is_detected_and_repaired(published, mode):
     store, versions = published
-    live = copy_of(versions[1])
+    live = copy_of(versions[1], mode)
     sink = TorchSink(store, live, 1, mode=mode)
     name = "model.layers.0.mlp.experts.1.up_proj.weight"
     assert bits(versions[1][name]) != bits(versions[2][name]) and bits(versions[2][name]) != bits(versions[3][name])
@@ -141,17 +145,18 @@ def test_a_model_that_drifted_is_detected_and_repaired(published, mode):
     assert_holds(live, versions[3])
     assert sink.verify() == len(versions[3])
     # neither mode needed the keyframe for this step (flip: the standby was copied from live again)
-    assert up.fetched_bytes == TorchSink(store, copy_of(versions[2]), 2, mode=mode).prepare(3).fetched_bytes
+    assert up.fetched_bytes == TorchSink(store, copy_of(versions[2], mode), 2, mode=mode).prepare(3).fetched_bytes
 
 
 @MODES
 def test_updates_are_refused_when_they_cannot_apply(published, mode):
     store, versions = published
     with pytest.raises(UsageError, match="cannot patch in place"):
-        TorchSink(store, {k: v.float() if v.dtype == torch.bfloat16 else v for k, v in versions[0].items()}, 0, mode=mode)
+        TorchSink(store, copy_of({k: v.float() if v.dtype == torch.bfloat16 else v for k, v in versions[0].items()}, mode),
+                  0, mode=mode)
     with pytest.raises(UsageError, match="no tensor"):
-        TorchSink(store, {"other": torch.zeros(3)}, 0, mode=mode)
-    live = copy_of(versions[0])
+        TorchSink(store, copy_of({"other": torch.zeros(3)}, mode), 0, mode=mode)
+    live = copy_of(versions[0], mode)
     sink = TorchSink(store, live, 0, mode=mode)
     stale = sink.prepare(3)
     sink.update(1)
@@ -173,6 +178,7 @@ def test_flip_keeps_the_objects_and_swaps_between_two_storages(published):
     sink = TorchSink(store, model, 0, mode="flip")
     twin = TorchSink(store, copy_of(versions[0]), 0, mode="patch")
     seen = {n: {p} for n, p in first.items()}
+    prev = 0
     for v in (1, 2, 5, 3, 0, 4):  # forward, then back (rollbacks), then forward again
         before = storages(params)
         up = sink.update(v)
@@ -185,7 +191,11 @@ def test_flip_keeps_the_objects_and_swaps_between_two_storages(published):
         for n, p in params.items():
             assert (p.data_ptr() != before[n]) == (n in flipped), n  # only the changed tensors were repointed
             seen[n].add(p.data_ptr())
-        assert up.seconds["pause"] < up.seconds["prepare"]
+        # the pause copied nothing: each retired storage still holds the previous version (the next
+        # prepare brings it forward), and the objects hold the standby that prepare wrote
+        for f in up.flips:
+            assert bits(f.old) == bits(versions[prev][f.names[0]]) and params[f.names[0]].data_ptr() == f.new.data_ptr()
+        prev = v
     assert all(len(ptrs) <= 2 for ptrs in seen.values())  # double buffering: no third storage ever
     assert any(len(ptrs) == 2 for ptrs in seen.values())
     assert sink.verify() == len(versions[0])
@@ -194,7 +204,7 @@ def test_flip_keeps_the_objects_and_swaps_between_two_storages(published):
 @MODES
 def test_a_no_op_update_leaves_the_staged_one_alone(published, mode):
     store, versions = published
-    live = {k: v.clone() for k, v in versions[0].items()}
+    live = copy_of(versions[0], mode)
     sink = TorchSink(store, live, 0, mode=mode)
     staged = sink.prepare(1)
     noop = sink.prepare(0)  # e.g. a poller asking for the version the model already holds
@@ -293,18 +303,65 @@ def test_refuses_a_version_that_unties_tied_weights(tied, mode):
 
 def test_flip_refuses_tensors_that_overlap_without_being_one(published):
     store, versions = published
-    live = copy_of(versions[0])
-    live["alias"] = live["model.embed_tokens.weight"].view(-1)[8:40]
-    with pytest.raises(UsageError, match="share memory"):
-        TorchSink(store, live, 0, mode="flip")
+    live = copy_of(versions[0], "flip")
+    live["alias"] = torch.nn.Parameter(live["model.embed_tokens.weight"].detach().view(-1)[8:40], requires_grad=False)
+    with pytest.raises(UsageError, match="model.embed_tokens.weight and alias share memory"):
+        TorchSink(store, live, 0, mode="flip")  # "alias" is not in the store but would keep reading the retired storage
     TorchSink(store, live, 0, mode="patch")  # patching in place does not care
     with pytest.raises(UsageError, match="mode"):
-        TorchSink(store, copy_of(versions[0]), 0, mode="swap")
+        TorchSink(store, copy_of(versions[0], "flip"), 0, mode="swap")
+    # tensors the store does not name are left alone, overlapping or not, as long as no managed tensor is involved
+    live = copy_of(versions[0], "flip")
+    spare = torch.zeros(64, dtype=torch.int16)
+    live["spare.all"] = torch.nn.Parameter(spare, requires_grad=False)
+    live["spare.head"] = torch.nn.Parameter(spare[:8], requires_grad=False)
+    sink = TorchSink(store, live, 0, mode="flip")
+    sink.update(2)
+    assert_holds({k: v for k, v in live.items() if not k.startswith("spare.")}, versions[2])
+
+
+def fused(sd: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One flat buffer holding every tensor of ``sd``, and non-overlapping views into it by name."""
+    flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in sd.values()])
+    views, at = {}, 0
+    for k, t in sd.items():
+        n = t.numel() * t.element_size()
+        views[k] = flat[at:at + n].view(t.dtype).view(t.shape)
+        at += n
+    return flat, views
+
+
+def test_flip_refuses_what_repointing_would_not_reach(published, tied):
+    """Flip mode repoints tensor objects: it must refuse tensors whose repointing the engine would
+    never see, or it would stop updating the model and later write the standby (the engine's real
+    storage) without the lock."""
+    store, versions = published
+    model = module_from(versions[0])
+    with pytest.raises(UsageError, match="not a Parameter.*detached alias.*mode='patch'"):
+        TorchSink(store, model.state_dict(), 0, mode="flip")  # detached aliases of the module's storages
+    with pytest.raises(UsageError, match="not a Parameter"):
+        TorchSink(store, copy_of(versions[0]), 0, mode="flip")  # plain tensors: whose objects are they?
+    flat, views = fused(versions[0])
+    with pytest.raises(UsageError, match="view into a larger buffer"):
+        TorchSink(store, {k: torch.nn.Parameter(v, requires_grad=False) for k, v in views.items()}, 0, mode="flip")
+    # patch mode writes in place: all of these are fine, and the fused buffer itself is updated
+    for live in (model.state_dict(), views):
+        TorchSink(store, live, 0).update(1)
+    assert_holds(model.state_dict(), versions[1])
+    assert bits(flat) == b"".join(bits(versions[1][k]) for k in views)
+    # a module's own buffer that views a larger storage is refused like a Parameter
+    tied_store, tied_versions = tied
+    lm = loaded(tied_versions[0])
+    big = torch.ones(2 * lm.scale.numel(), dtype=lm.scale.dtype)
+    lm.scale = big[: lm.scale.numel()]  # assigning a tensor to a registered buffer replaces it
+    with pytest.raises(UsageError, match="scale: a view into a larger buffer"):
+        TorchSink(tied_store, lm, 0, mode="flip")
+    TorchSink(tied_store, loaded(tied_versions[0]), 0, mode="flip").update(2)  # the same model, unviewed, is fine
 
 
 def test_flip_refuses_updates_no_longer_staged(published):
     store, versions = published
-    live = copy_of(versions[0])
+    live = copy_of(versions[0], "flip")
     sink = TorchSink(store, live, 0, mode="flip")
     a = sink.prepare(2)
     b = sink.prepare(3)  # the standby now holds version 3: a's flips would swap in the wrong bytes
@@ -325,7 +382,7 @@ def test_flip_refuses_updates_no_longer_staged(published):
 
 def test_flip_notices_a_storage_repointed_behind_its_back(published):
     store, versions = published
-    live = copy_of(versions[0])
+    live = copy_of(versions[0], "flip")
     sink = TorchSink(store, live, 0, mode="flip")
     name = "model.layers.0.mlp.experts.1.up_proj.weight"
     up = sink.prepare(2)
@@ -335,7 +392,7 @@ def test_flip_notices_a_storage_repointed_behind_its_back(published):
         sink.apply(up)
     assert_holds(live, versions[0])
     up = sink.prepare(2)
-    assert up.fetched_bytes == TorchSink(store, copy_of(versions[0]), 0, mode="flip").prepare(2).fetched_bytes
+    assert up.fetched_bytes == TorchSink(store, copy_of(versions[0], "flip"), 0, mode="flip").prepare(2).fetched_bytes
     sink.apply(up)
     assert_holds(live, versions[2])
     sink.update(4)
@@ -344,7 +401,7 @@ def test_flip_notices_a_storage_repointed_behind_its_back(published):
 
 def test_flip_prepare_failing_midway_leaves_the_model_and_the_sink_usable(published, monkeypatch):
     store, versions = published
-    live = copy_of(versions[0])
+    live = copy_of(versions[0], "flip")
     before = storages(live)
     sink = TorchSink(store, live, 0, mode="flip")
     staged = sink.prepare(1)
@@ -366,7 +423,7 @@ def test_flip_prepare_failing_midway_leaves_the_model_and_the_sink_usable(publis
         sink.apply(staged)
     up = sink.prepare(2)
     # the standby was brought back from the live tensors, not rebuilt from the keyframe
-    assert up.fetched_bytes == TorchSink(store, copy_of(versions[0]), 0, mode="flip").prepare(2).fetched_bytes
+    assert up.fetched_bytes == TorchSink(store, copy_of(versions[0], "flip"), 0, mode="flip").prepare(2).fetched_bytes
     sink.apply(up)
     assert_holds(live, versions[2])
     for v in (3, 1, 5):
@@ -384,7 +441,7 @@ def test_flip_prepare_with_a_damaged_store_leaves_the_model_intact(published, tm
     assert gone
     for cid in gone:
         (store / chunk_key(cid)).rename(tmp_path / cid)
-    live = copy_of(versions[1])
+    live = copy_of(versions[1], "flip")
     before = storages(live)
     sink = TorchSink(str(store), live, 1, mode="flip")
     with pytest.raises(NotFoundError, match="missing chunk"):
