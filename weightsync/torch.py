@@ -20,21 +20,22 @@ synchronizes the device before it releases the lock. The pause grows with the ch
 memory beyond the patches, storages never change: for engines that read raw data pointers.
 
 ``mode="flip"`` (double buffered): every distinct tensor the sink updates gets a standby buffer
-cloned on construction: **a second copy of the weights' memory** (:attr:`~TorchSink.standby_bytes`).
-``prepare`` (no lock) first brings each standby to its live tensor's version by replaying the
-previous update's patches (exact: the other positions are equal), or the whole tensor after a failed
-or unapplied prepare; then it decodes from the standby (verified against the current version's
-xxh3), writes the new version into it and synchronizes. ``apply`` only repoints each changed tensor
-at its standby (``tensor.data = standby``: the objects stay, their storages swap): one assignment
-per changed tensor whatever the change (``benchmarks/swap.py``, CPU: 0.07 ms or 1.4-1.9% of a
-``load_state_dict`` on the real apply, 0.017 ms warm); the retired storage is the next standby. Pass
-an ``nn.Module`` (``state_dict(keep_vars=True)`` is used; tied weights are swapped once) or a
-mapping of its Parameters. Refused: other tensors in a mapping (plain ones such as
-``model.state_dict()``'s are detached aliases: repointing them would leave the module stale while
-the next ``prepare`` wrote its storage), and a managed tensor that is a view into a larger storage
-(a fused flat buffer) or shares memory with another one given. Engines that read raw data pointers
-(CUDA graphs) need patch mode. A ``.data`` repointed behind the sink's back is refused by ``apply``;
-``prepare`` starts it afresh.
+cloned on construction: **a second copy of the weights' memory** (:attr:`~TorchSink.standby_bytes`),
+plus, from an ``apply`` to the next ``prepare``, 4 bytes per position the last update changed
+(:attr:`~TorchSink.replay_bytes`; int64 from 2**31 elements). ``prepare`` (no lock) first brings
+each standby to its live tensor's version by copying the live values at those positions (exact: the
+others are equal), or the whole tensor after a failed or unapplied prepare; then it decodes from the
+standby (verified against the current version's xxh3), writes the new version into it and
+synchronizes. ``apply`` only repoints each changed tensor at its standby (``tensor.data = standby``:
+the objects stay, their storages swap): one assignment per changed tensor whatever the change
+(``benchmarks/swap.py``, CPU: 0.07 ms or 1.4-1.9% of a ``load_state_dict`` on the real apply, 0.017
+ms warm); the retired storage is the next standby. Pass an ``nn.Module``
+(``state_dict(keep_vars=True)`` is used; tied weights are swapped once) or a mapping of its
+Parameters. Refused: other tensors in a mapping (plain ones such as ``model.state_dict()``'s are
+detached aliases: repointing them would leave the module stale while the next ``prepare`` wrote its
+storage), and a managed tensor that is a view into a larger storage (a fused flat buffer) or shares
+memory with another one given. Engines that read raw data pointers (CUDA graphs) need patch mode. A
+``.data`` repointed behind the sink's back is refused by ``apply``; ``prepare`` starts it afresh.
 
 Flip mode's safety rules: a failed ``prepare`` leaves the live tensors untouched (the next one
 copies the standbys it may have written from live); only the latest successful ``prepare``'s update
@@ -87,12 +88,14 @@ _NP_INT = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 class Patch:
     name: str
     target: torch.Tensor  # a flat integer view of the tensor it writes (same width, same memory)
-    index: torch.Tensor | None  # int64 positions on the tensor's device (None: dense copy)
+    index: torch.Tensor | None  # positions on the tensor's device, int64 (flip: int32 if < 2**31); None: dense
     values: torch.Tensor  # new bit patterns (flat integer view) at ``index``, or of the whole tensor
+    gather: bool = False  # ``values`` is a whole tensor: write its elements at ``index`` (flip's replays)
 
     def write(self) -> None:
         """Scatter the values into the target (or copy them, for a dense patch)."""
-        self.target.copy_(self.values) if self.index is None else self.target.scatter_(0, self.index, self.values)
+        v = self.values.index_select(0, self.index) if self.gather and self.index is not None else self.values
+        self.target.copy_(v) if self.index is None else self.target.scatter_(0, self.index, v)
 
 
 @dataclass(eq=False)
@@ -170,7 +173,7 @@ class TorchSink:
     every tensor is checked against it on construction. ``name_map`` maps a store tensor name to the
     model's name (or None to skip it). ``lock``: the lock the serving loop takes around its use of the
     model (a new one by default, as :attr:`lock`). ``mode``: ``"patch"`` or ``"flip"`` (clones every
-    matched tensor on construction: twice the weights' memory).
+    matched tensor on construction: twice the weights' memory, plus :attr:`replay_bytes`).
     """
 
     def __init__(self, store, tensors, version: int, *, lock: threading.Lock | None = None,
@@ -213,6 +216,13 @@ class TorchSink:
         matched tensors, counted once per distinct tensor."""
         slots = {s: None for s in self._slots.values() if s.standby is not None}
         return sum(s.standby.numel() * s.standby.element_size() for s in slots)
+
+    @property
+    def replay_bytes(self) -> int:
+        """Flip mode's memory besides the standbys, from an ``apply`` to the next ``prepare``: the last
+        update's changed positions (4 bytes each; 8 from 2**31 elements), replayed onto the standby."""
+        slots = {s: None for s in self._slots.values() if s.replay is not None and s.replay.index is not None}
+        return sum(s.replay.index.numel() * s.replay.index.element_size() for s in slots)
 
     # -- mapping ----------------------------------------------------------------------------------
     def _matched(self, manifest: Manifest) -> list[tuple[str, Segment, torch.Tensor]]:
@@ -381,8 +391,8 @@ class TorchSink:
         p = self._patch(seg, slot.standby, old, new, up)  # old: the standby's bytes now
         with torch.no_grad():
             p.write()
-        values = _int_view(slot.standby) if p.index is None else p.values  # dense: after the flip, copy from live
-        replay = Patch(seg.name, _int_view(slot.live), p.index, values)
+        idx = p.index.int() if p.index is not None and slot.live.numel() < 2**31 else p.index
+        replay = Patch(seg.name, _int_view(slot.live), idx, _int_view(slot.standby), gather=True)  # kept: 4 B/position
         return Flip(tuple(slot.names), tuple(slot.objects), slot.standby, slot.live, slot, replay)
 
     # -- apply: the pause --------------------------------------------------------------------------

@@ -218,6 +218,26 @@ def test_a_no_op_update_leaves_the_staged_one_alone(published, mode):
     assert pause == noop.seconds["pause"] == 0.0  # nothing to swap: the serving lock was not even taken
 
 
+def test_flip_keeps_only_int32_positions_between_updates(published):
+    """Between an apply and the next prepare the sink holds, besides the standby buffers, only the
+    positions the last update changed (int32), to replay them onto the retired storage from the
+    live one; prepare consumes them."""
+    store, versions = published
+    live = copy_of(versions[0], "flip")
+    sink = TorchSink(store, live, 0, mode="flip", dense_above=1.0)
+    assert sink.replay_bytes == 0 and sink.standby_bytes == sum(t.numel() * t.element_size() for t in live.values())
+    up = sink.update(2)
+    assert up.flips and all(p.index is not None and p.index.dtype == torch.int32 for p in up.patches)
+    assert sink.replay_bytes == 4 * up.changed_elements > 0
+    assert all(f.replay.values.data_ptr() == f.new.data_ptr() for f in up.flips)  # no copy of the values
+    staged = sink.prepare(3)
+    assert sink.replay_bytes == 0
+    sink.apply(staged)
+    assert_holds(live, versions[3])
+    assert sink.replay_bytes == 4 * staged.changed_elements
+    assert TorchSink(store, copy_of(versions[3]), 3).replay_bytes == 0  # patch mode keeps nothing after apply
+
+
 class TiedLM(torch.nn.Module):
     """A tiny language model whose output head shares the embedding's Parameter."""
 
