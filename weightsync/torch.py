@@ -16,7 +16,7 @@ payloads included, is copied exactly. :meth:`TorchSink.apply` holds the lock for
 ``mode="patch"`` (the default): ``prepare`` moves the patches (int64 positions) to the tensors'
 devices; ``apply`` scatters them into the live tensors in place (dense ones are copied) and
 synchronizes the device before it releases the lock. The pause grows with the changed elements
-(``benchmarks/swap.py``, CPU: 50-75% of a ``load_state_dict`` on the real apply, 40-65% warm). No
+(``benchmarks/swap.py``, CPU: 50-80% of a ``load_state_dict`` on the real apply, 40-65% warm). No
 memory beyond the patches, storages never change: for engines that read raw data pointers.
 
 ``mode="flip"`` (double buffered): every distinct tensor the sink updates gets a standby buffer
@@ -28,8 +28,8 @@ others are equal), or the whole tensor after a failed or unapplied prepare; then
 standby (verified against the current version's xxh3), writes the new version into it and
 synchronizes. ``apply`` only repoints each changed tensor at its standby (``tensor.data = standby``:
 the objects stay, their storages swap): one assignment per changed tensor whatever the change
-(``benchmarks/swap.py``, CPU: 0.07 ms or 1.4-1.9% of a ``load_state_dict`` on the real apply, 0.017
-ms warm); the retired storage is the next standby. Pass an ``nn.Module``
+(``benchmarks/swap.py``, CPU: 0.07-0.09 ms or 1.4-2% of a ``load_state_dict`` on the real apply,
+0.017 ms warm); the retired storage is the next standby. Pass an ``nn.Module``
 (``state_dict(keep_vars=True)`` is used; tied weights are swapped once) or a mapping of its
 Parameters. Refused: other tensors in a mapping (plain ones such as ``model.state_dict()``'s are
 detached aliases: repointing them would leave the module stale while the next ``prepare`` wrote its
