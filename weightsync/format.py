@@ -12,7 +12,7 @@ import math
 import re
 
 import xxhash
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from .dtypes import ITEMSIZE
@@ -186,21 +186,40 @@ class PartManifest:
 
 # --- serialization -------------------------------------------------------------------------------
 def manifest_to_json(m: Manifest) -> bytes:
-    return _to_json({"format": "weightsync.manifest", "format_version": FORMAT_VERSION, **asdict(m)})
+    return _to_json({"format": "weightsync.manifest", "format_version": FORMAT_VERSION, **_shallow(m)})
 
 
 def part_to_json(p: PartManifest) -> bytes:
-    return _to_json({"format": "weightsync.part", "format_version": FORMAT_VERSION, **asdict(p)})
+    return _to_json({"format": "weightsync.part", "format_version": FORMAT_VERSION, **_shallow(p)})
 
 
 def _to_json(doc: dict) -> bytes:
-    for f in doc["files"]:
-        for s in f["segments"]:
-            for p in (s["payload"], (s["delta"] or {}).get("payload")):
-                if p is not None:
-                    p["parts"] = [[x["chunk"], x["offset"], x["length"]] for x in p["parts"]]
+    doc["files"] = [_file_doc(f) for f in doc["files"]]
+    doc["chunks"] = [{"id": c.id, "size": c.size} for c in doc["chunks"]]
     doc["checksum"] = _canonical_xxh3(doc)
     return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+
+
+# Documents built field by field (what ``dataclasses.asdict`` gives, with payload parts as
+# [chunk, offset, length] triples): asdict's recursive deep copy took most of the time of writing a
+# manifest of tens of thousands of tensors. tests/unit/test_format.py checks both agree.
+def _shallow(obj) -> dict:
+    return {f: getattr(obj, f) for f in obj.__dataclass_fields__}
+
+
+def _payload_doc(p: Payload | None) -> dict | None:
+    return None if p is None else {"size": p.size, "xxh3": p.xxh3, "parts": [[x.chunk, x.offset, x.length] for x in p.parts]}
+
+
+def _segment_doc(s: Segment) -> dict:
+    d = s.delta
+    return {"role": s.role, "name": s.name, "dtype": s.dtype, "shape": s.shape, "begin": s.begin, "end": s.end,
+            "xxh3": s.xxh3, "codec": s.codec, "changed": s.changed, "payload": _payload_doc(s.payload),
+            "delta": None if d is None else {"codec": d.codec, "changed": d.changed, "payload": _payload_doc(d.payload)}}
+
+
+def _file_doc(f: FileEntry) -> dict:
+    return {"path": f.path, "kind": f.kind, "size": f.size, "xxh3": f.xxh3, "segments": [_segment_doc(s) for s in f.segments]}
 
 
 def manifest_checksum(doc: dict) -> str:

@@ -210,3 +210,14 @@ def test_merge_refuses_a_parent_that_is_not_the_head_in_both_directions():
         merge_parts(parts, None)  # the store was emptied
     with pytest.raises(VersionError, match="chain length 2 does not follow the head's \\(4 expected\\)"):
         merge_parts(parts, head(4, chain=3))
+
+
+def test_the_part_writer_agrees_with_asdict():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_format import _asdict_json
+
+    for p in (part(0), part(2, keyframe=True)):
+        assert part_to_json(p) == _asdict_json(p, "weightsync.part")
