@@ -11,7 +11,8 @@ Execution (:func:`gc`): manifests are deleted first, oldest first, so that a rea
 manifest whose chunks are gone; then chunks that no kept manifest references, but only those older
 than ``grace_seconds``: a publisher uploads its chunks before its manifest exists, so a young
 unreferenced chunk may belong to a version being published. ``grace_seconds`` must exceed the
-longest publish (upload to commit). Last, leftovers of killed writers older than the grace period
+longest publish (upload to commit), with a margin for the store's timestamp resolution (S3's
+``LastModified`` and ``Date`` have whole seconds: an age can read up to ~2 s too old). Last, leftovers of killed writers older than the grace period
 go too: a file store's temporary files, an S3 store's incomplete multipart uploads.
 
 Parts of multi-rank publishes (``parts/<N>/``, :mod:`weightsync.parts`, :func:`plan_parts`): those

@@ -3,7 +3,9 @@ collecting behind them, and twenty subscriber processes following the head.
 
 Two trainers (different seeds, so their checkpoints differ) mark step i ready in their folders at
 the same moment, so the publishers race for version i; the store's create-only manifests let one
-win and the other move on. gc keeps the newest 4 versions (keyframes every 3) with a 3 s grace.
+win and the other move on. gc keeps the newest 4 versions (keyframes every 3) with a 10 s grace:
+the contract is a grace longer than the longest publish, and on 2 loaded cores with 22 daemons a
+publish can take several seconds (S3 ages also read up to ~2 s old: whole-second timestamps).
 At the end: every version number was published by exactly one publisher (none lost, none twice),
 every version still stored is byte for byte the checkpoint of its publisher, every subscriber
 serves the head byte for byte, never went backwards and never saw a checksum failure.
@@ -33,6 +35,7 @@ from weightsync.synth import SyntheticTrainer  # noqa: E402
 TINY = dict(hidden=32, layers=1, experts=2, vocab=128)
 SUBSCRIBERS = 20
 STEPS = 8
+GRACE = 10.0  # longer than any publish here (module docstring)
 
 
 def content(folder: Path) -> dict[str, bytes]:
@@ -79,7 +82,7 @@ def test_two_publishers_gc_and_twenty_subscribers_on_one_store(backend, request,
         while not stop_gc.wait(0.5):
             try:
                 if repo.check():
-                    gc_runs.append(gc(repo, GcConfig(keep=4, grace_seconds=3.0)))
+                    gc_runs.append(gc(repo, GcConfig(keep=4, grace_seconds=GRACE)))
             except WeightsyncError as exc:  # e.g. a manifest deleted under a concurrent listing
                 gc_errors.append(exc)
 
@@ -94,7 +97,7 @@ def test_two_publishers_gc_and_twenty_subscribers_on_one_store(backend, request,
                 (steps[i] / "COMPLETE").write_text("")
             time.sleep(0.3)
         wait_for(lambda: repo.head_version() == STEPS - 1, 60, "the last version")
-        head = STEPS - 1
+        head, t_last = STEPS - 1, time.monotonic()
         for sub in subs:
             sub.wait_version(head, timeout=60)
         stop_gc.set()
@@ -106,6 +109,8 @@ def test_two_publishers_gc_and_twenty_subscribers_on_one_store(backend, request,
         stop_gc.set()
         codes = {d.role + str(i): d.stop() for i, d in enumerate(everyone)}
     assert set(codes.values()) == {0}, codes
+    time.sleep(max(0.0, GRACE + 1.5 - (time.monotonic() - t_last)))  # the losers' and old versions' chunks age
+    gc_runs.append(gc(repo, GcConfig(keep=4, grace_seconds=GRACE)))  # ... and one more gc collects them
 
     published = {name: logged(p.log(), "published version") for name, p in pubs.items()}
     assert not set(published["a"]) & set(published["b"]), f"a version published twice: {published}"
@@ -113,6 +118,7 @@ def test_two_publishers_gc_and_twenty_subscribers_on_one_store(backend, request,
     owner = {v: name for name, vs in published.items() for v in vs}
     kept = repo.versions()
     assert kept[-1] == head and len(gc_runs) > 0 and not gc_errors, (kept, gc_errors)
+    assert sum(r.deleted_chunks for r in gc_runs) > 0, "gc never collected a chunk: the race was not exercised"
     for v in kept:
         out = tmp_path / f"check-{v}"
         weightsync.pull(repo, out, v, config=weightsync.PullConfig(fsync=False))
