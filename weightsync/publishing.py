@@ -359,7 +359,8 @@ def commit_encoded(repo: Repo, target: Target, enc: Encoded) -> tuple[PublishRes
 def encode_and_commit(repo: Repo, files: list[SourceFile], parent: Manifest | None, keyframe: bool, version: int,
                       etag: str | None, encoder, cfg: PublishConfig, progress: Progress | None,
                       on_bytes: Callable[[int], None] | None, t0: float) -> tuple[PublishResult, Manifest]:
-    """Encode every segment with ``encoder``, pack and upload the chunks, then commit the manifest.
-    Shared by :func:`publish` and publishing from known changes (:mod:`weightsync.hostmirror`)."""
+    """Encode every segment with ``encoder``, pack and upload the chunks, then commit the manifest:
+    :func:`encode_and_upload` then :func:`commit_encoded`, for publishing from known changes
+    (:mod:`weightsync.hostmirror`), which decides its version itself."""
     enc = encode_and_upload(repo, files, parent, keyframe, encoder, cfg, progress, on_bytes, t0)
     return commit_encoded(repo, Target(version, parent, keyframe, etag), enc)
