@@ -7,7 +7,9 @@ Per version N: the checkpoint's files appear in the publisher's watch folder as 
 (hard links to a cached copy written by :class:`weightsync.synth.SyntheticTrainer`, lr 1e-6, read
 once so they sit in the page cache as a trainer's fresh write would), then the ``COMPLETE`` marker
 is written last: that is t0. The publisher daemon diffs, encodes and uploads; both subscriber
-daemons pull into their standby slot (every checksum verified) and flip ``current``. t1 is when
+daemons pull into their standby slot (every checksum verified) and flip ``current``; a swap hook
+(the command ``true``, standing in for the server confirming it loaded the version) lets the next
+sync refill the standby in place. t1 is when
 ``GET /v1/status`` of both reports ``current_version == N`` (polled every 50 ms). Outside the timed
 window ``weightsync verify`` checks that both ``current`` folders are byte-identical to version N.
 
@@ -19,7 +21,7 @@ the daemons' concurrency (TransferConfig.max_concurrency), no checksums, no fsyn
 All of it (SeaweedFS, three daemons, boto3) shares this machine's CPUs.
 
     python benchmarks/e2e.py [--quick] [--versions 4] [--concurrency 16] [--poll 0.2] [--no-fsync] [--fast-codec]
-                             [--workdir DIR] [--json out.json]
+                             [--standby-hold S|never] [--workdir DIR] [--json out.json]
 """
 
 from __future__ import annotations
@@ -274,7 +276,10 @@ def run(args: argparse.Namespace, ckpts: list[Path], work: Path) -> dict:
         daemons.append(pub)
         subs = []
         for s in ("a", "b"):
+            # the hook stands in for an inference server confirming that it loaded the new version,
+            # which releases the standby slot for an in-place refill (weightsync.slots)
             extra = ["--no-fsync"] if args.no_fsync else []
+            extra += ["--hook-command", "true", "--standby-hold", args.standby_hold]
             subs.append(Daemon(f"subscriber-{s}", ["subscriber", *common, "--target", str(work / f"sub-{s}"), "--id", f"sub-{s}",
                                                     "--region", f"r{s}", "--listen", f"127.0.0.1:{(sp := free_port())}", *extra],
                                env, logs, sp))
@@ -302,7 +307,7 @@ def run(args: argparse.Namespace, ckpts: list[Path], work: Path) -> dict:
                 "publish_seconds": pst["seconds"], "published_at_s": pst["time"] - t0_wall,
                 "fetched_bytes": [s["fetched_bytes"] for s in sst], "from_version": [s["from_version"] for s in sst],
                 "fetch_s": [s["fetch_seconds"] for s in sst], "build_s": [s["build_seconds"] for s in sst],
-                "swap_s": [s["swap_seconds"] for s in sst], "swapped_at_s": [s["time"] - t0_wall for s in sst],
+                "swap_s": [s["swap_seconds"] for s in sst], "in_place": [s.get("in_place", False) for s in sst], "swapped_at_s": [s["time"] - t0_wall for s in sst],
                 "t_sync_s": t_sync, "read_s": t_read, "verify_s": t_verify, "verified": True,
                 "cpu_s": dict(zip(("publisher", "subscriber-a", "subscriber-b", "seaweedfs"), cpu, strict=True)),
             }
@@ -343,6 +348,7 @@ def tables(res: dict, args: argparse.Namespace) -> str:
     for r in rows:
         p, c = r["publish_seconds"], r["cpu_s"]
         src = _pair(["empty" if x is None else f"v{x}" for x in r["from_version"]], "{}")
+        src += " (in place)" if all(r.get("in_place", [False])) else ""
         out.append(f"| {r['version']} | {src} | {p.get('read', 0):.2f} | {p.get('diff', 0):.2f} | {p.get('encode', 0):.2f} | "
                    f"{p.get('upload', 0):.2f} | {p.get('commit', 0):.2f} | {p.get('total', 0):.2f} | {_pair(r['fetch_s'])} | "
                    f"{_pair(r['build_s'])} | {_pair([1e3 * x for x in r['swap_s']], '{:.1f}')} ms | "
@@ -362,6 +368,7 @@ def main() -> int:
     ap.add_argument("--poll", type=float, default=0.2, help="daemons' --poll-interval in seconds (default 0.2)")
     ap.add_argument("--no-fsync", action="store_true", help="subscribers skip fsync of written files")
     ap.add_argument("--fast-codec", action="store_true", help="the publisher codes deltas with `sparse` instead of `ac`")
+    ap.add_argument("--standby-hold", default="30", help="subscribers' --standby-hold ('never': always write new files; default 30)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for one version (default 600)")
     ap.add_argument("--workdir", help="server data, watch folder, slots (default: a temp dir, removed after)")
     ap.add_argument("--json", type=Path, help="also write the results here")
@@ -392,7 +399,7 @@ def main() -> int:
     print(f"\nt_sync: COMPLETE written -> both subscribers' /v1/status report the version (daemon poll "
           f"{args.poll:g} s, status poll 50 ms); every version then passed `weightsync verify` on both `current` folders. "
           f"Codec: {'sparse (--fast-codec)' if args.fast_codec else 'ac'}. "
-          f"Subscribers {'without' if args.no_fsync else 'with'} fsync. SeaweedFS, the publisher, both subscribers and "
+          f"Subscribers {'without' if args.no_fsync else 'with'} fsync, swap hook `true`, --standby-hold {args.standby_hold}. SeaweedFS, the publisher, both subscribers and "
           f"the boto3 baseline share {os.cpu_count()} CPUs; 1-minute load average {load0:.2f} at the start, {load1:.2f} at "
           f"the end; run took {time.perf_counter() - t_start:.0f} s.")
     if args.json:

@@ -57,11 +57,12 @@ def publish(checkpoint_dir: str | os.PathLike, store: StoreLike, version: int | 
 
 
 def pull(store: StoreLike, out_dir: str | os.PathLike, version: int | str | None = "latest", *,
-         config: PullConfig | None = None, progress=None, on_bytes=None) -> PullResult:
-    """Create or incrementally update ``out_dir`` to hold ``version`` byte for byte."""
+         config: PullConfig | None = None, progress=None, on_bytes=None, base_dir=None) -> PullResult:
+    """Create or incrementally update ``out_dir`` to hold ``version`` byte for byte; with ``base_dir``,
+    refill ``out_dir`` in place from the version ``base_dir`` holds (see :func:`weightsync.pulling.pull`)."""
     from .pulling import pull as _pull
 
-    return _pull(open_repo(store), out_dir, version, config or PullConfig(), progress, on_bytes)
+    return _pull(open_repo(store), out_dir, version, config or PullConfig(), progress, on_bytes, base_dir)
 
 
 @dataclass(frozen=True)

@@ -168,6 +168,7 @@ class SubscriberConfig:
     decode_threads: int = max(1, min(8, os.cpu_count() or 1))
     fsync: bool = True
     verify_before_swap: bool = False  # re-read the whole standby folder before each swap
+    standby_hold: float | None = 30.0  # refill the standby in place this long after a swap (or once the hook confirmed); None: never
     backoff: Backoff = field(default_factory=Backoff)
     api: ApiConfig = field(default_factory=ApiConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -180,6 +181,8 @@ class SubscriberConfig:
             raise UsageError(f"--version must be a non-negative version number or 'latest', not {self.pin!r}")
         if self.fetch_concurrency < 1 or self.decode_threads < 1:
             raise UsageError("concurrency must be positive")
+        if self.standby_hold is not None and not self.standby_hold >= 0:
+            raise UsageError(f"--standby-hold must be a number of seconds >= 0 or 'never', not {self.standby_hold}")
 
     @property
     def partial(self) -> bool:
@@ -244,10 +247,27 @@ def add_subscriber_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ledger-interval", type=float, default=30.0, help="seconds between fleet ledger heartbeats")
     p.add_argument("--concurrency", type=int, default=32, help="chunks in flight (default 32)")
     p.add_argument("--verify-before-swap", action="store_true", help="re-read the whole standby copy before each swap")
+    p.add_argument("--standby-hold", type=hold_arg, default=30.0, metavar="SECONDS|never",
+                   help="overwrite the standby slot's files in place (half the CPU of new files) once the swap hook "
+                        "for the current version succeeded, or this many seconds after the swap; 'never': always "
+                        "write new files, for servers that keep reading old versions (default 30)")
     p.add_argument("--no-fsync", action="store_true", help="skip fsync of written files (tests, tmpfs)")
 
 
 # --- building configs ------------------------------------------------------------------------------
+def hold_arg(text: str) -> float | None:
+    """argparse type of ``--standby-hold``: seconds >= 0, or ``never`` (None)."""
+    if text == "never":
+        return None
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants seconds or 'never', not {text!r}") from None
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"wants seconds >= 0 or 'never', not {text!r}")
+    return v
+
+
 def version_arg(text: str) -> int | str:
     """argparse type of ``--version``: a non-negative version number, or ``latest``."""
     if text == "latest":
@@ -348,6 +368,7 @@ def subscriber_config(args, environ: Mapping[str, str] = os.environ) -> Subscrib
         fetch_concurrency=args.concurrency,
         fsync=not args.no_fsync,
         verify_before_swap=args.verify_before_swap,
+        standby_hold=args.standby_hold,
         api=_api(args, environ),
         log=LogConfig(args.log_json, args.log_level),
         grace=args.grace,

@@ -6,6 +6,12 @@ while an update is being installed, ``staging/`` for the files being built and `
 verified downloaded chunks. An update is built entirely in ``staging/``, then a journal naming every
 rename is written atomically, then the renames run. A kill before the journal leaves the old version
 untouched; a kill after it is rolled forward by :func:`recover`, which every operation calls first.
+
+A folder that nothing reads (a subscriber's standby slot) may instead be *refilled in place*:
+``refill.json`` is written and ``state.json`` removed before the first byte changes, the files are
+overwritten where they are (much cheaper than new files: their pages are already cached and
+allocated), and ``state.json`` comes back last. A kill in between leaves a folder that claims no
+version but is known to be weightsync's own (the marker), so the next refill overwrites it again.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +32,7 @@ from .errors import BaseMismatchError, ChecksumError, UsageError, WeightsyncErro
 from .format import FileEntry, Manifest, Segment, check_path
 
 STATE_DIR = ".weightsync"
+REFILL = "refill.json"  # present while a folder is being refilled in place
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,7 @@ def _apply_journal(folder: Path, journal: dict) -> None:
         files[rel] = (size, digest, (folder / rel).stat().st_mtime_ns)
     write_json_atomic(sdir / "state.json", {"version": journal["version"], "store": journal["store"], "files": files})
     (sdir / "journal.json").unlink()
+    (sdir / REFILL).unlink(missing_ok=True)  # a refill interrupted before this install replaced it
     shutil.rmtree(staging, ignore_errors=True)
 
 
@@ -120,8 +129,10 @@ def stray_entries(folder: Path, expected: set[str]) -> list[str]:
     return sorted((files - expected) | (dirs - parents))
 
 
-def prepare_target(folder: Path) -> LocalState | None:
-    """Create the folder if needed, recover, and refuse a folder holding anything weightsync does not own."""
+def prepare_target(folder: Path, owned: bool = False) -> LocalState | None:
+    """Create the folder if needed, recover, and refuse a folder holding anything weightsync does not
+    own. An interrupted refill (:func:`begin_refill`) is kept as it is for the next refill
+    (``owned``), else emptied."""
     if folder.exists() and not folder.is_dir():
         raise UsageError(f"{folder} exists and is not a directory")
     if state_dir(folder).is_symlink() or (state_dir(folder).exists() and not state_dir(folder).is_dir()):
@@ -132,6 +143,17 @@ def prepare_target(folder: Path) -> LocalState | None:
         raise UsageError(f"cannot create {folder}: {exc.strerror}") from None
     recover(folder)
     state = read_state(folder)
+    marker = state_dir(folder) / REFILL
+    if marker.exists():
+        if state is not None:  # killed before the first byte changed, or after the refill's state
+            marker.unlink()
+        elif owned:
+            return None  # an interrupted refill: every file in it is weightsync's, to be overwritten
+        else:  # ... and none of it a version: cleared for a pull that builds in staging
+            for entry in folder.iterdir():
+                if entry.name != STATE_DIR:
+                    shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+            marker.unlink()
     if state is None and any(p.name != STATE_DIR for p in folder.iterdir()):
         raise UsageError(f"{folder} is not empty and holds no weightsync version; refusing to overwrite it")
     if state is not None and (stray := stray_entries(folder, set(state.files))):
@@ -157,6 +179,57 @@ def install(folder: Path, manifest: Manifest, store_url: str, staged: list[str],
     }
     write_json_atomic(state_dir(folder) / "journal.json", journal, fsync)
     _apply_journal(folder, journal)
+
+
+def begin_refill(folder: Path, manifest: Manifest, store_url: str, fsync: bool = True) -> None:
+    """Before overwriting ``folder``'s files in place: mark it weightsync's own, make it claim no
+    version, and remove the entries ``manifest``'s version does not have (so that no directory
+    stands where a file goes)."""
+    sdir = state_dir(folder)
+    write_json_atomic(sdir / REFILL, {"version": manifest.version, "store": store_url}, fsync)
+    (sdir / "state.json").unlink(missing_ok=True)
+    if fsync:
+        fsync_dir(sdir)
+    for rel in stray_entries(folder, {f.path for f in manifest.files}):
+        path = folder / rel
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def open_in_place(path: Path):
+    """``path`` opened for overwriting in place (no truncation: the caller truncates at the end).
+    A file with other hard links (shared with another folder by :func:`clone` or :func:`adopt`),
+    or anything that is not a regular file, is replaced by a new file instead, so that another
+    folder never sees its bytes change."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    if st is not None and stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+        return open(os.open(path, os.O_WRONLY | os.O_NOFOLLOW), "wb", closefd=True)
+    if st is not None:
+        path.unlink()
+    return open(path, "xb")
+
+
+def finish_refill(folder: Path, manifest: Manifest, store_url: str, fsync: bool = True) -> None:
+    """After every file of ``manifest`` is in place and verified: the state, then the marker goes."""
+    files = {f.path: (f.size, f.xxh3, (folder / f.path).stat().st_mtime_ns) for f in manifest.files}
+    sdir = state_dir(folder)
+    write_json_atomic(sdir / "state.json", {"version": manifest.version, "store": store_url, "files": files}, fsync)
+    (sdir / REFILL).unlink(missing_ok=True)
+    if fsync:
+        fsync_dir(sdir)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def unchanged_files(folder: Path, state: LocalState | None, manifest: Manifest) -> set[str]:

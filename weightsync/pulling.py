@@ -1,7 +1,9 @@
 """Pulling a version into a local folder: plan, fetch verified chunks, rebuild in staging, install.
 
 Every rebuilt segment and every file is checked against the manifest's xxh3 before the install;
-the folder switches versions only through :func:`weightsync.local.install`.
+the folder switches versions only through :func:`weightsync.local.install`. A folder nothing reads
+(a subscriber's standby slot) may instead be refilled in place from another folder's version
+(``base_dir``): :func:`weightsync.local.begin_refill` and ``finish_refill``.
 Memory: at most ``inflight_bytes`` of segments being rebuilt (at least one: about 3x the largest
 tensor), plus ``fetch_concurrency`` chunks while downloading.
 """
@@ -20,7 +22,10 @@ import xxhash
 from .codec import decode_tensor
 from .errors import BaseMismatchError, ChecksumError, NotFoundError, UsageError, VersionError
 from .format import Manifest, chunk_key, version_key
-from .local import LocalVersion, check_checksum, install, prepare_target, staging_dir, state_dir, unchanged_files
+from .local import (
+    LocalVersion, begin_refill, check_checksum, finish_refill, install, open_in_place, prepare_target, read_state,
+    staging_dir, state_dir, unchanged_files,
+)
 from .pipeline import ordered_map
 from .planner import FilePlan, Plan, Recipe, plan_pull
 from .repo import Repo
@@ -104,15 +109,17 @@ class _Builder:
             os.close(fd)
 
 
-def _write_files(plan: Plan, builder: _Builder, staging: Path, cfg: PullConfig, progress: Progress | None) -> list[str]:
-    """Rebuild every file that changed into ``staging``; returns their paths."""
+def _write_files(plan: Plan, builder: _Builder, root: Path, cfg: PullConfig, progress: Progress | None,
+                 in_place: bool = False) -> list[str]:
+    """Rebuild every file that changed into ``root`` (the staging area, or the folder itself when
+    refilling in place); returns their paths."""
     todo = [f for f in plan.files if not f.keep]
     jobs = [(f.entry.path, r) for f in todo for r in f.recipes]
     total, done = sum(r.target.nbytes for _, r in jobs), 0
     results = ordered_map(builder.build, jobs, lambda j: 3 * j[1].target.nbytes, cfg.inflight_bytes, cfg.decode_threads)
     try:
         for fp in todo:
-            _write_one(fp, results, staging, cfg)
+            _write_one(fp, results, root, cfg, in_place)
             done += fp.entry.size
             if progress:
                 progress(done, total)
@@ -121,15 +128,16 @@ def _write_files(plan: Plan, builder: _Builder, staging: Path, cfg: PullConfig, 
     return [f.entry.path for f in todo]
 
 
-def _write_one(fp: FilePlan, results, staging: Path, cfg: PullConfig) -> None:
-    dest = staging / fp.entry.path
+def _write_one(fp: FilePlan, results, root: Path, cfg: PullConfig, in_place: bool) -> None:
+    dest = root / fp.entry.path
     dest.parent.mkdir(parents=True, exist_ok=True)
     hasher = xxhash.xxh3_128()
-    with open(dest, "wb") as f:
+    with open_in_place(dest) if in_place else open(dest, "wb") as f:
         for _ in fp.recipes:
             _, data = next(results)
             hasher.update(data)
             f.write(memoryview(data))
+        f.truncate()
         if cfg.fsync:
             f.flush()
             os.fsync(f.fileno())
@@ -156,52 +164,71 @@ def pull(
     config: PullConfig = PullConfig(),
     progress: Progress | None = None,
     on_bytes: Callable[[int], None] | None = None,
+    base_dir: str | os.PathLike[str] | None = None,
 ) -> PullResult:
-    """Make ``out_dir`` hold ``version`` byte for byte, applying only deltas where it can."""
+    """Make ``out_dir`` hold ``version`` byte for byte, applying only deltas where it can.
+
+    The delta base is the version ``out_dir`` holds, and the update is atomic (built in staging,
+    installed through a journal). With ``base_dir``, a folder holding some version (the slot being
+    served), the base is read from there instead and ``out_dir`` is *refilled in place*: its files
+    are overwritten where they are, which costs the page cache far less than new files, but
+    ``out_dir`` claims no version until the refill ends (a kill leaves it to be refilled again).
+    Only for a folder weightsync owns whole and nothing reads, like a subscriber's standby slot.
+    """
     out = Path(out_dir)
     repo.require()
     target_version = resolve_version(repo, version)
-    state = prepare_target(out)
+    state = prepare_target(out, owned=base_dir is not None)
+    base = out if base_dir is None else Path(base_dir)
+    base_state = state if base_dir is None else read_state(base)
+    if base_dir is not None and (base == out or base_state is None):
+        raise UsageError(f"{base} holds no weightsync version to refill {out} from")
     t0 = time.perf_counter()
-    chain = repo.chain(target_version, back_to=None if state is None else state.version)
+    chain = repo.chain(target_version, back_to=None if base_state is None else base_state.version)
     target = chain[-1]
     keep = unchanged_files(out, state, target)
     if state is not None and state.version == target_version and len(keep) == len(target.files):
         return PullResult(target_version, state.version, 0, 0, len(keep), {"total": time.perf_counter() - t0})
-    local = _local_manifest(repo, None if state is None else state.version)
+    local = _local_manifest(repo, None if base_state is None else base_state.version)
+    run = lambda plan: _pull_plan(repo, out, base, plan, base_state, config, progress, on_bytes, t0)
     try:
-        return _pull_plan(repo, out, plan_pull(chain, local, keep), state, config, progress, on_bytes, t0)
+        return run(plan_pull(chain, local, keep))
     except BaseMismatchError:
-        # the folder was modified behind our back: rebuild from the keyframe without local bytes
-        return _pull_plan(repo, out, plan_pull(repo.chain(target_version), None, set()), state, config, progress, on_bytes, t0)
+        # the base folder was modified behind our back: rebuild from the keyframe without local bytes
+        return run(plan_pull(repo.chain(target_version), None, set()))
     except NotFoundError:
         if all(repo.store.head(version_key(m.version)) is not None for m in chain):
             raise  # the store lost an object of a live version: report it, do not route around it
         # versions between the local one and the target's keyframe were collected while we
         # planned: the target's own chain (which gc keeps) still serves
-        return _pull_plan(repo, out, plan_pull(repo.chain(target_version), local, keep), state, config, progress, on_bytes, t0)
+        return run(plan_pull(repo.chain(target_version), local, keep))
 
 
-def _pull_plan(repo, out: Path, plan: Plan, state, cfg: PullConfig, progress, on_bytes, t0: float) -> PullResult:
+def _pull_plan(repo, out: Path, base: Path, plan: Plan, base_state, cfg: PullConfig, progress, on_bytes, t0: float) -> PullResult:
     seconds = {}
+    in_place = base != out
     paths = fetch_chunks(repo, plan.chunks, state_dir(out) / "spool", cfg.fetch_concurrency, on_bytes)
     seconds["fetch"] = time.perf_counter() - t0
-    local = None if plan.local_version is None else LocalVersion(out, repo.manifest(plan.local_version))
+    local = None if plan.local_version is None else LocalVersion(base, repo.manifest(plan.local_version))
     builder = _Builder(repo.url, paths, local)
-    staging = staging_dir(out)
+    if in_place:
+        begin_refill(out, plan.target, repo.url, cfg.fsync)
     try:
-        written = _write_files(plan, builder, staging, cfg, progress)
+        written = _write_files(plan, builder, out if in_place else staging_dir(out), cfg, progress, in_place)
     finally:
         builder.close()
         if local:
             local.close()
     seconds["build"] = time.perf_counter() - t0 - seconds["fetch"]
-    install(out, plan.target, repo.url, written, cfg.fsync)
+    if in_place:
+        finish_refill(out, plan.target, repo.url, cfg.fsync)
+    else:
+        install(out, plan.target, repo.url, written, cfg.fsync)
     _clear_spool(state_dir(out) / "spool")
     seconds["total"] = time.perf_counter() - t0
     kept = sum(f.keep for f in plan.files)
     fetched = plan.fetch_bytes
-    return PullResult(plan.target.version, None if state is None else state.version, fetched, len(written), kept, seconds)
+    return PullResult(plan.target.version, None if base_state is None else base_state.version, fetched, len(written), kept, seconds)
 
 
 def _clear_spool(spool: Path) -> None:

@@ -18,9 +18,11 @@ starting subscriber reads it back. A command-line pin (``--version``) wins at st
 stored, so removing the flag gives the last API choice back. A damaged file stops the start-up.
 
 With ``--include``/``--exclude`` the slots are partial folders (:mod:`weightsync.partial`).
-A server still reading the previous version through open files keeps its bytes (files are
-replaced by rename, never rewritten in place); the next pull into that slot starts only when a
-newer version is wanted.
+Moving forward, the standby slot is refilled in place from the current one (one delta, files
+overwritten where they are) once nothing should read it any more: after the swap hook for the
+current version succeeded, or ``--standby-hold`` seconds after the swap (:mod:`weightsync.slots`).
+Before that, and when going back, its files are replaced by rename, so a server still reading the
+previous version through open files keeps its bytes.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -40,13 +41,14 @@ from .errors import ChecksumError, UsageError, VersionError, WeightsyncError
 from .hooks import HookRunner
 from .integrity import verify_folder
 from .ledger import FleetRecord, superseded_at, write_record
-from .local import STATE_DIR, clone, read_state, write_json_atomic
+from .local import STATE_DIR, clone, fsync_dir, write_json_atomic
 from .metrics import Metrics
 from .partial import STATE as PARTIAL_STATE
 from .partial import Selection, materialize, read_partial_state
 from .progress import human_bytes
 from .pulling import PullConfig, pull
 from .repo import Repo
+from .slots import Slots, StandbyRelease, slot_version
 
 log = logging.getLogger("weightsync.subscriber")
 LATEST = "latest"
@@ -135,15 +137,7 @@ def write_target(target_dir: Path, target: Target, fsync: bool = True, store: st
     doc = {"format": _TARGET_FORMAT, "target": target} | ({} if store is None else {"store": store})
     write_json_atomic(path, doc, fsync)
     if fsync:
-        _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fsync_dir(path.parent)
 
 
 def startup_target(pin: Target | None, stored: Target | None) -> tuple[Target, str]:
@@ -154,54 +148,6 @@ def startup_target(pin: Target | None, stored: Target | None) -> tuple[Target, s
 
 
 # --- slots ---------------------------------------------------------------------------------------
-class Slots:
-    """The A/B slots of a target folder and the ``current`` symlink that names one of them."""
-
-    NAMES = ("a", "b")
-
-    def __init__(self, root: Path):
-        self.root = Path(root)
-        self.link = self.root / "current"
-
-    def path(self, name: str) -> Path:
-        return self.root / "slots" / name
-
-    def current(self) -> str | None:
-        """The slot ``current`` points at; None if there is no ``current`` yet."""
-        try:
-            dest = os.readlink(self.link)
-        except FileNotFoundError:
-            return None
-        except OSError:
-            raise UsageError(f"{self.link} exists and is not a symlink; refusing to manage {self.root}") from None
-        for name in self.NAMES:
-            if dest == f"slots/{name}":
-                return name
-        raise UsageError(f"{self.link} points at {dest!r}, not at slots/a or slots/b")
-
-    def standby(self) -> str:
-        return "b" if self.current() == "a" else "a"
-
-    def flip(self, name: str) -> None:
-        """Point ``current`` at slot ``name`` atomically (new symlink, then rename over the old)."""
-        tmp = self.root / f".current-{os.getpid()}"
-        tmp.unlink(missing_ok=True)
-        os.symlink(f"slots/{name}", tmp)
-        os.replace(tmp, self.link)
-        _fsync_dir(self.root)
-
-
-def slot_version(folder: Path, partial: bool) -> int | None:
-    """The version a slot holds in the given mode (None if empty, or filled in the other mode)."""
-    if partial:
-        state = read_partial_state(folder)
-        return None if state is None else state.version
-    if (folder / STATE_DIR / PARTIAL_STATE).exists():
-        return None
-    state = read_state(folder)
-    return None if state is None else state.version
-
-
 # --- the daemon ----------------------------------------------------------------------------------
 @dataclass
 class SyncResult:
@@ -211,6 +157,7 @@ class SyncResult:
     raw_bytes: int
     fetch_seconds: float
     build_seconds: float
+    in_place: bool = False  # the standby slot was refilled in place
 
 
 class Subscriber:
@@ -219,6 +166,7 @@ class Subscriber:
     def __init__(self, cfg: SubscriberConfig, repo: Repo, metrics: Metrics, clock=time.time):
         self.cfg, self.repo, self.metrics, self.clock = cfg, repo, metrics, clock
         self.slots = Slots(cfg.target_dir)
+        self.release = StandbyRelease(cfg.standby_hold)
         self.selection = Selection(cfg.include, cfg.exclude)
         self.target, self.target_from = self._initial_target()
         self._target_lock: asyncio.Lock | None = None
@@ -392,6 +340,7 @@ class Subscriber:
         t0 = time.perf_counter()
         await asyncio.to_thread(self.slots.flip, standby)
         pause = time.perf_counter() - t0
+        self.release.swapped()
         self.view = View(version, self.view.current)
         self._after_swap(result, folder, pause)
         await self._write_ledger(force=True)
@@ -400,20 +349,33 @@ class Subscriber:
     def _fill(self, folder: Path, version: int) -> SyncResult:
         """Bring a slot to ``version`` and verify it (runs in a worker thread)."""
         self._clear_other_mode(folder)
+        base = None
         if self.cfg.partial:
             r = materialize(self.repo, folder, version, self.selection, concurrency=self.cfg.fetch_concurrency,
                             threads=self.cfg.decode_threads, fsync=self.cfg.fsync, cancel=self.stop_token.check)
             raw = sum(f["size"] for f in read_partial_state(folder).files.values())
             fetch_s, build_s = r.seconds.get("fetch", 0.0), r.seconds.get("build", 0.0)
         else:
-            self._seed_from_current(folder, version)
+            base = self._refill_base(version)
+            if base is None:
+                self._seed_from_current(folder, version)
             cfg = PullConfig(fetch_concurrency=self.cfg.fetch_concurrency, decode_threads=self.cfg.decode_threads, fsync=self.cfg.fsync)
-            r = pull(self.repo, folder, version, cfg, progress=self.stop_token.check, on_bytes=self.stop_token.check)
+            r = pull(self.repo, folder, version, cfg, progress=self.stop_token.check, on_bytes=self.stop_token.check, base_dir=base)
             raw = self.repo.manifest(version).raw_bytes
             fetch_s, build_s = r.seconds.get("fetch", 0.0), r.seconds.get("build", 0.0)
             if self.cfg.verify_before_swap:
                 verify_folder(folder, self.repo.manifest(version))
-        return SyncResult(r.version, r.from_version, r.fetched_bytes, raw, fetch_s, build_s)
+        return SyncResult(r.version, r.from_version, r.fetched_bytes, raw, fetch_s, build_s, base is not None)
+
+    def _refill_base(self, version: int) -> Path | None:
+        """The current slot, to refill the standby in place from, when moving forward and the
+        standby is released (:class:`weightsync.slots.StandbyRelease`); else None."""
+        cur = self.slots.current()
+        current = None if cur is None else slot_version(self.slots.path(cur), False)
+        if current is None or version <= current:
+            return None
+        hook = None if self.hooks is None else self.hooks.last
+        return self.slots.path(cur) if self.release.free(hook is not None and hook.ok and hook.version == current) else None
 
     def _seed_from_current(self, folder: Path, version: int) -> None:
         """Moving forward, start the standby from the current version (hard links, no download):
@@ -448,12 +410,12 @@ class Subscriber:
         self.last_sync = {
             "version": r.version, "from_version": r.from_version, "fetched_bytes": r.fetched_bytes, "raw_bytes": r.raw_bytes,
             "fetch_seconds": round(r.fetch_seconds, 6), "build_seconds": round(r.build_seconds, 6),
-            "swap_seconds": round(pause, 6), "time": self.clock(),
+            "swap_seconds": round(pause, 6), "in_place": r.in_place, "time": self.clock(),
         }
         ratio = f"{r.raw_bytes / r.fetched_bytes:.1f}x" if r.fetched_bytes else "-"
         event(log, f"swapped to version {r.version}", version=r.version, from_version=r.from_version, slot=folder.name,
               fetched=human_bytes(r.fetched_bytes), size=human_bytes(r.raw_bytes), ratio=ratio,
-              fetch_s=f"{r.fetch_seconds:.3f}", build_s=f"{r.build_seconds:.3f}", swap_ms=f"{1000 * pause:.2f}")
+              fetch_s=f"{r.fetch_seconds:.3f}", build_s=f"{r.build_seconds:.3f}", in_place=r.in_place, swap_ms=f"{1000 * pause:.2f}")
         if self.hooks is not None:
             if self._hook_task is not None and not self._hook_task.done():
                 self._hook_task.cancel()  # superseded: the server is told about the newer version

@@ -40,6 +40,8 @@ PUBLISH = weightsync.PublishConfig(chunk_bytes=1 << 20, keyframe_interval=3)
 #   chunk | manifest | head | any   a store write (a chunk, a manifest, the head pointer, any of these)
 #   fetch      a chunk located for reading (subscriber, file store: chunks are read in place)
 #   fsync      a file fsynced inside a slot's staging area (the standby slot being built)
+#   slotfsync  a file fsynced in place in a slot (the standby slot being refilled in place)
+#   refill     a slot's refill marker in place (before the first byte is overwritten)
 #   journal    the install journal in place, before any rename
 #   rename     the n-th file of the new version renamed into the slot
 #   state      the slot's new state.json in place
@@ -76,12 +78,14 @@ def replace(src, dst, *a, **k):
     real_replace(src, dst, *a, **k)
     d = os.fspath(dst)
     if (kind == "journal" and d.endswith("/.weightsync/journal.json")) or (kind == "state" and d.endswith("/.weightsync/state.json")) \
+       or (kind == "refill" and d.endswith("/.weightsync/refill.json")) \
        or (kind == "rename" and "/slots/" in d and "/.weightsync/" not in d) or (kind == "flip" and d.endswith("/current")):
         hit()
 
 def fsync(fd):
     real_fsync(fd)
-    if kind == "fsync" and "/.weightsync/staging/" in os.readlink(f"/proc/self/fd/{fd}"):
+    path = os.readlink(f"/proc/self/fd/{fd}")
+    if (kind == "fsync" and "/.weightsync/staging/" in path) or (kind == "slotfsync" and "/slots/" in path and "/.weightsync" not in path):
         hit()
 
 def symlink(src, dst, *a, **k):
@@ -245,10 +249,35 @@ def test_subscriber_killed_at_each_step_of_download_apply_and_swap(published, ch
     assert sorted(os.listdir(target)) == ["current", "slots"], "litter in the target folder"
 
 
-def test_subscriber_killed_at_random_moments_always_serves_a_whole_version(published, checkpoints, tmp_path):
+REFILL_POINTS = [("refill", 1), ("slotfsync", 1), ("slotfsync", 2), ("state", 1)]
+
+
+def test_subscriber_killed_while_refilling_its_standby_in_place(published, checkpoints, tmp_path):
+    """With ``--standby-hold 0`` each forward sync overwrites the standby slot in place: killed
+    after its marker, after each file, after its state; ``current`` stays whole, a restart finishes."""
+    target = tmp_path / "sub"
+    common = ["--store", published, "--target", target, "--id", "refill", "--poll-interval", 0.05, "--standby-hold", 0]
+    sub = Daemon("subscriber", [*common, "--version", 0], tmp_path).start()
+    sub.wait_version(0)
+    assert sub.stop() == 0
+    for want, (kind, n) in enumerate(REFILL_POINTS, start=1):
+        rc = run_driver(kind, n, ["subscriber", *common, "--version", want], tmp_path / f"driver-{kind}-{n}.log")
+        assert rc == -signal.SIGKILL, f"{kind} #{n}: exited {rc}"
+        assert check_current(published, target, {want - 1}, checkpoints) == want - 1
+        sub = Daemon("subscriber", [*common, "--version", want], tmp_path).start()
+        last = sub.wait_version(want)["last_sync"]
+        assert sub.stop() == 0
+        assert last["in_place"] is True, last
+        check_current(published, target, {want}, checkpoints)
+    standby = target / "slots" / ("a" if os.readlink(target / "current") == "slots/b" else "b")
+    assert read_state(standby).version == 3 and not (standby / ".weightsync" / "refill.json").exists()
+
+
+@pytest.mark.parametrize("hold", ["30", "0"], ids=["rename", "in-place"])
+def test_subscriber_killed_at_random_moments_always_serves_a_whole_version(hold, published, checkpoints, tmp_path):
     rng = random.Random(11)
     target = tmp_path / "sub"
-    common = ["--store", published, "--target", target, "--id", "random-kills", "--no-fsync"]
+    common = ["--store", published, "--target", target, "--id", "random-kills", "--no-fsync", "--standby-hold", hold]
     sub = Daemon("subscriber", [*common, "--version", 0], tmp_path).start()
     sub.wait_version(0)
     for want in (4, 2, 3, 0, 4):

@@ -177,7 +177,14 @@ def test_subscriber_version_flag(tmp_path, argv, pin):
     assert subscriber_config(_subscriber_args(tmp_path, argv), {}).pin == pin
 
 
-@pytest.mark.parametrize("argv", [["--version", "newest"], ["--version", "-1"]])
+@pytest.mark.parametrize("argv,hold", [([], 30.0), (["--standby-hold", "0"], 0.0), (["--standby-hold", "2.5"], 2.5),
+                                       (["--standby-hold", "never"], None)])
+def test_subscriber_standby_hold_flag(tmp_path, argv, hold):
+    assert subscriber_config(_subscriber_args(tmp_path, argv), {}).standby_hold == hold
+
+
+@pytest.mark.parametrize("argv", [["--version", "newest"], ["--version", "-1"], ["--standby-hold", "-1"],
+                                  ["--standby-hold", "nan"], ["--standby-hold", "soon"]])
 def test_subscriber_version_flag_refuses_bad_values(tmp_path, argv):
     with pytest.raises(SystemExit) as exc:  # argparse's one-line usage error
         _subscriber_args(tmp_path, argv)

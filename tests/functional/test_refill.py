@@ -1,0 +1,126 @@
+"""Refilling a folder in place from another folder's version (``pull(..., base_dir=...)``), the way a
+subscriber updates its standby slot: files are overwritten where they are, the base folder is never
+written, files shared with it by hard links are replaced instead of written through, and an
+interrupted refill leaves a folder that claims no version and is finished by the next one."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from conftest import assert_replica, snapshot
+
+import weightsync
+from weightsync.errors import UsageError, WeightsyncError
+from weightsync.local import REFILL, clone, read_state, state_dir
+from weightsync.synth import make_trajectory
+
+PULL = weightsync.PullConfig(fsync=False)
+
+
+@pytest.fixture(scope="module")
+def traj(tmp_path_factory) -> list[Path]:
+    return make_trajectory(tmp_path_factory.mktemp("refill") / "traj", steps=3, shards=2, hidden=64, layers=1, experts=2, vocab=256)
+
+
+@pytest.fixture(scope="module")
+def store(traj, tmp_path_factory) -> str:
+    url = f"file://{tmp_path_factory.mktemp('refill-store') / 'store'}"
+    for ckpt in traj:
+        weightsync.publish(ckpt, url)
+    return url
+
+
+def inodes(folder: Path) -> dict[str, int]:
+    return {p.relative_to(folder).as_posix(): p.stat().st_ino for p in folder.rglob("*")
+            if p.is_file() and STATE not in p.relative_to(folder).parts}
+
+
+STATE = ".weightsync"
+
+
+def test_refill_overwrites_its_own_files_in_place_and_never_writes_the_base(store, traj, tmp_path):
+    base, out = tmp_path / "a", tmp_path / "b"
+    weightsync.pull(store, base, 1, config=PULL)
+    weightsync.pull(store, out, 0, config=PULL)
+    before_base, before_out = snapshot(base), inodes(out)
+    r = weightsync.pull(store, out, 2, config=PULL, base_dir=base)
+    assert (r.version, r.from_version, r.written_files) == (2, 1, 2)  # from the base; the two shards (config files kept)
+    assert_replica(out, traj[2])
+    assert weightsync.verify(store, out, 2) == 2
+    assert inodes(out) == before_out, "files were replaced, not overwritten in place"
+    assert snapshot(base) == before_base
+    assert read_state(out).version == 2 and not (state_dir(out) / REFILL).exists()
+    # only the delta from the base's version was fetched, not the keyframe
+    assert r.fetched_bytes <= weightsync.open_repo(store).manifest(2).payload_bytes
+
+
+def test_refill_replaces_files_shared_with_the_base_by_hard_links(store, traj, tmp_path):
+    base, out = tmp_path / "a", tmp_path / "b"
+    weightsync.pull(store, base, 1, config=PULL)
+    clone(base, out)  # what a subscriber's seed leaves: every file linked to the serving slot
+    before = snapshot(base)
+    weightsync.pull(store, out, 2, config=PULL, base_dir=base)
+    assert snapshot(base) == before and weightsync.verify(store, base, 1) == 1
+    assert_replica(out, traj[2])
+    a, b = inodes(base), inodes(out)
+    assert {p for p in a if a[p] == b[p]} == {"config.json", "model.safetensors.index.json"}  # kept, never written
+
+
+def test_an_interrupted_refill_claims_no_version_and_the_next_one_finishes(store, traj, tmp_path):
+    base, out = tmp_path / "a", tmp_path / "b"
+    weightsync.pull(store, base, 1, config=PULL)
+    weightsync.pull(store, out, 0, config=PULL)
+    before = snapshot(base)
+
+    def stop(done, total):
+        raise RuntimeError("killed after the first file")
+
+    with pytest.raises(RuntimeError):
+        weightsync.pull(store, out, 3, config=PULL, base_dir=base, progress=stop)
+    assert read_state(out) is None and (state_dir(out) / REFILL).exists()
+    with pytest.raises(WeightsyncError):
+        weightsync.verify(store, out, 0)
+    (out / "junk").mkdir()
+    (out / "junk" / "x").write_text("left by someone")
+    (out / "stray.bin").write_bytes(b"x")
+    weightsync.pull(store, out, 3, config=PULL, base_dir=base)
+    assert_replica(out, traj[3])  # the entries version 3 lacks are gone
+    assert snapshot(base) == before
+    assert not (state_dir(out) / REFILL).exists()
+
+
+def test_a_plain_pull_empties_an_interrupted_refill_first(store, traj, tmp_path):
+    base, out = tmp_path / "a", tmp_path / "b"
+    weightsync.pull(store, base, 1, config=PULL)
+    weightsync.pull(store, out, 0, config=PULL)
+    with pytest.raises(ZeroDivisionError):
+        weightsync.pull(store, out, 2, config=PULL, base_dir=base, progress=lambda d, t: 1 / 0)
+    weightsync.pull(store, out, 2, config=PULL)
+    assert_replica(out, traj[2])
+    assert not (state_dir(out) / REFILL).exists()
+
+
+def test_refill_into_a_new_folder_and_a_marker_left_beside_a_whole_version(store, traj, tmp_path):
+    base, out = tmp_path / "a", tmp_path / "new" / "b"
+    weightsync.pull(store, base, 1, config=PULL)
+    weightsync.pull(store, out, 3, config=PULL, base_dir=base)
+    assert_replica(out, traj[3])
+    # a kill right after the marker was written, before the state went: the version is intact
+    (state_dir(out) / REFILL).write_text("{}")
+    assert weightsync.pull(store, out, 3, config=PULL).written_files == 0
+    assert not (state_dir(out) / REFILL).exists()
+    assert_replica(out, traj[3])
+
+
+def test_refill_refuses_a_base_without_a_version_or_the_folder_itself(store, tmp_path):
+    out = tmp_path / "b"
+    weightsync.pull(store, out, 1, config=PULL)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UsageError, match="holds no weightsync version"):
+        weightsync.pull(store, tmp_path / "c", 2, config=PULL, base_dir=tmp_path / "empty")
+    with pytest.raises(UsageError, match="holds no weightsync version"):
+        weightsync.pull(store, out, 2, config=PULL, base_dir=out)
+    assert read_state(out).version == 1 and weightsync.verify(store, out, 1) == 1
+    assert not os.path.exists(tmp_path / "c" / "model-00001-of-00002.safetensors")

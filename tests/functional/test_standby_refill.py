@@ -1,0 +1,80 @@
+"""When a subscriber daemon refills its standby slot in place (``--standby-hold``, weightsync.slots):
+only once the swap hook for the current version succeeded or the hold has passed since the swap;
+before that its files are replaced by rename, so a reader of the previous version keeps its bytes.
+Every version served is verified byte for byte."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_daemons import daemons, verify_current, wait_for  # noqa: F401  (daemons is a fixture)
+
+import weightsync
+from weightsync.synth import make_trajectory
+
+
+@pytest.fixture
+def setup(tmp_path):
+    store = f"file://{tmp_path / 'store'}"
+    traj = make_trajectory(tmp_path / "traj", steps=4, hidden=64, layers=1, experts=2, vocab=512)
+    weightsync.publish(traj[0], store, 0)
+    return store, traj
+
+
+def shard(target: Path, slot: str) -> Path:
+    return target / "slots" / slot / "model.safetensors"
+
+
+def publish_and_sync(store, traj, sub, target, v) -> dict:
+    weightsync.publish(traj[v], store, v, base_dir=traj[v - 1])
+    last = sub.wait_version(v)["last_sync"]
+    verify_current(store, target, v, traj[v])
+    return last
+
+
+def test_within_the_hold_a_reader_of_the_previous_version_keeps_its_bytes(setup, tmp_path, daemons):  # noqa: F811
+    store, traj = setup
+    target = tmp_path / "t"
+    sub = daemons("subscriber", ["--store", store, "--target", target, "--no-fsync", "--standby-hold", 3600])
+    sub.wait_version(0)
+    assert publish_and_sync(store, traj, sub, target, 1)["in_place"] is False
+    with open(shard(target, "a"), "rb") as reader:  # slot a serves version 0 no more, but is still open
+        old = (traj[0] / "model.safetensors").read_bytes()
+        assert publish_and_sync(store, traj, sub, target, 2)["in_place"] is False  # slot a now holds version 2
+        assert reader.read() == old
+    assert shard(target, "a").read_bytes() == (traj[2] / "model.safetensors").read_bytes()
+
+
+def test_after_the_hold_the_standby_is_overwritten_in_place(setup, tmp_path, daemons):  # noqa: F811
+    store, traj = setup
+    target = tmp_path / "t"
+    sub = daemons("subscriber", ["--store", store, "--target", target, "--no-fsync", "--standby-hold", 0])
+    sub.wait_version(0)
+    first = publish_and_sync(store, traj, sub, target, 1)
+    assert first["in_place"] is True and first["from_version"] == 0  # slot b was empty: filled from slot a
+    inode = shard(target, "a").stat().st_ino
+    last = publish_and_sync(store, traj, sub, target, 2)
+    assert last["in_place"] is True and last["from_version"] == 1 and last["fetched_bytes"] <= weightsync.open_repo(store).manifest(2).payload_bytes
+    assert shard(target, "a").stat().st_ino == inode  # the same file, rewritten
+    # rolling back never writes in place: slot b holds version 1, which is reused as it is
+    sub.put_target(1)
+    assert sub.wait_version(1)["last_sync"]["in_place"] is False
+    verify_current(store, target, 1, traj[1])
+
+
+def test_a_succeeded_swap_hook_releases_the_standby_before_the_hold(setup, tmp_path, daemons):  # noqa: F811
+    store, traj = setup
+    target = tmp_path / "t"
+    hook_ok = ["--standby-hold", 3600, "--hook-command", "true"]
+    sub = daemons("subscriber", ["--store", store, "--target", target, "--no-fsync", *hook_ok])
+    sub.wait_version(0)
+    wait_for(lambda: (sub.status()["hook"] or {}).get("ok"), 10, "the swap hook of version 0")
+    assert publish_and_sync(store, traj, sub, target, 1)["in_place"] is True
+    wait_for(lambda: sub.status()["hook"]["version"] == 1, 10, "the swap hook of version 1")
+    assert publish_and_sync(store, traj, sub, target, 2)["in_place"] is True
+    failing = daemons("subscriber", ["--store", store, "--target", tmp_path / "u", "--no-fsync", "--standby-hold", 3600,
+                                     "--hook-command", "false", "--hook-attempts", 1])
+    failing.wait_version(2)
+    assert publish_and_sync(store, traj, failing, tmp_path / "u", 3)["in_place"] is False
+    verify_current(store, tmp_path / "u", 3, traj[3])

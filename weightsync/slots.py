@@ -1,0 +1,94 @@
+"""A subscriber's A/B slots: the ``current`` symlink, the version each slot holds, and when the
+standby slot may be overwritten in place.
+
+Updating the standby slot by writing new files and renaming them over the old ones (the journaled
+install of :mod:`weightsync.local`) never changes a byte that anyone can still read, but creating
+files costs the page cache about as much CPU as decoding the delta. Refilling the standby in place
+(:func:`weightsync.pulling.pull` with ``base_dir``) halves a sync's CPU time, but a process that
+still reads the previous version through that slot would see its bytes change. So the standby is
+overwritten in place only once nothing should read it any more:
+
+- the swap hook for the version now current succeeded (the serving process has loaded it), or
+- ``hold`` seconds have passed since the slot stopped being current (since start-up, after a
+  restart, as nothing is known about earlier swaps);
+
+and never when ``hold`` is None. Files the slot shares with the current one (hard links from a
+seed by :func:`weightsync.local.clone`) are always replaced by new files, never written through.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from .errors import UsageError
+from .local import STATE_DIR, fsync_dir, read_state
+from .partial import STATE as PARTIAL_STATE
+from .partial import read_partial_state
+
+
+class Slots:
+    """The A/B slots of a target folder and the ``current`` symlink that names one of them."""
+
+    NAMES = ("a", "b")
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.link = self.root / "current"
+
+    def path(self, name: str) -> Path:
+        return self.root / "slots" / name
+
+    def current(self) -> str | None:
+        """The slot ``current`` points at; None if there is no ``current`` yet."""
+        try:
+            dest = os.readlink(self.link)
+        except FileNotFoundError:
+            return None
+        except OSError:
+            raise UsageError(f"{self.link} exists and is not a symlink; refusing to manage {self.root}") from None
+        for name in self.NAMES:
+            if dest == f"slots/{name}":
+                return name
+        raise UsageError(f"{self.link} points at {dest!r}, not at slots/a or slots/b")
+
+    def standby(self) -> str:
+        return "b" if self.current() == "a" else "a"
+
+    def flip(self, name: str) -> None:
+        """Point ``current`` at slot ``name`` atomically (new symlink, then rename over the old)."""
+        tmp = self.root / f".current-{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        os.symlink(f"slots/{name}", tmp)
+        os.replace(tmp, self.link)
+        fsync_dir(self.root)
+
+
+def slot_version(folder: Path, partial: bool) -> int | None:
+    """The version a slot holds in the given mode (None if empty, or filled in the other mode)."""
+    if partial:
+        state = read_partial_state(folder)
+        return None if state is None else state.version
+    if (folder / STATE_DIR / PARTIAL_STATE).exists():
+        return None
+    state = read_state(folder)
+    return None if state is None else state.version
+
+
+class StandbyRelease:
+    """Whether the standby slot's files may be overwritten in place (see the module doc)."""
+
+    def __init__(self, hold: float | None, clock: Callable[[], float] = time.monotonic):
+        self.hold, self.clock = hold, clock
+        self.since = clock()  # nothing is known about swaps before this process started
+
+    def swapped(self) -> None:
+        """The slot that served until now became the standby."""
+        self.since = self.clock()
+
+    def free(self, hook_confirmed: bool) -> bool:
+        if self.hold is None:
+            return False
+        return hook_confirmed or self.clock() - self.since >= self.hold
