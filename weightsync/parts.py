@@ -41,7 +41,7 @@ from .checkpoint import SourceFile, scan_checkpoint
 from .errors import AlreadyExistsError, CheckpointError, FormatError, NotFoundError, UsageError, VersionError
 from .format import (
     MAX_WORLD, ChunkRef, Delta, FileEntry, Manifest, Part, PartManifest, Payload, Segment, check_path,
-    check_paths_disjoint, parse_part_key, part_from_json, part_key, part_to_json, parts_prefix,
+    check_paths_disjoint, no_gc, parse_part_key, part_from_json, part_key, part_to_json, parts_prefix,
 )
 from .local import adopt
 from .publishing import PublishConfig, PublishResult, encode_folder, plan_version
@@ -214,14 +214,15 @@ def merge_parts(parts: list[PartManifest], parent: Manifest | None) -> Manifest:
     chunks: list[ChunkRef] = []
     index: dict[ChunkRef, int] = {}
     files: list[FileEntry] = []
-    for p in parts:  # chunk lists concatenated in rank order, a chunk stored by two ranks listed once
-        remap = []
-        for c in p.chunks:
-            if c not in index:
-                index[c] = len(chunks)
-                chunks.append(c)
-            remap.append(index[c])
-        files.extend(_renumber(f, remap) for f in p.files)
+    with no_gc():  # tens of thousands of segments rebuilt: see format.no_gc
+        for p in parts:  # chunk lists concatenated in rank order, a chunk stored by two ranks listed once
+            remap = []
+            for c in p.chunks:
+                if c not in index:
+                    index[c] = len(chunks)
+                    chunks.append(c)
+                remap.append(index[c])
+            files.extend(_renumber(f, remap) for f in p.files)
     stats: dict[str, int] = {}
     for p in parts:
         for k, v in p.stats.items():

@@ -533,3 +533,50 @@ def test_the_writer_covers_every_field():
     assert set(fmt._payload_doc(seg_.payload)) == {f.name for f in fields(Payload)}
     assert set(fmt._segment_doc(seg_)["delta"]) == {f.name for f in fields(Delta)}
     assert set(fmt._shallow(m)) == {f.name for f in fields(Manifest)}
+
+
+def test_manifest_bytes_not_written_canonically_are_checked_canonically():
+    data = manifest_to_json(sample_manifest(keyframe=True, deltas=True))
+    doc = json.loads(data)
+    pretty = json.dumps(dict(reversed(doc.items())), indent=2).encode()  # another tool's spacing and key order
+    assert manifest_from_json(pretty) == manifest_from_json(data)
+    damaged = {**doc, "stats": {"changed": 12345}}
+    with pytest.raises(FormatError, match="checksum mismatch"):
+        manifest_from_json(json.dumps(damaged, indent=2).encode())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_the_checksum_shortcut_never_accepts_what_the_canonical_check_refuses(data):
+    """The reader checks written bytes without re-serializing them; any one-byte change is either
+    refused, or is a document whose canonical checksum still holds."""
+    from weightsync.format import _canonical_xxh3
+
+    raw = bytearray(manifest_to_json(sample_manifest(keyframe=data.draw(st.booleans()))))
+    at = data.draw(st.integers(0, len(raw) - 1))
+    raw[at] = data.draw(st.integers(0, 255).filter(lambda b: b != raw[at]))
+    try:
+        manifest_from_json(bytes(raw))
+    except FormatError:
+        return
+    doc = json.loads(bytes(raw))
+    assert doc["checksum"] == _canonical_xxh3(doc)
+
+
+def test_reading_and_writing_restore_the_garbage_collector():
+    import gc
+
+    data = manifest_to_json(sample_manifest())
+    assert gc.isenabled()
+    manifest_from_json(data)
+    assert gc.isenabled()
+    with pytest.raises(FormatError):
+        manifest_from_json(data.replace(b'"version":', b'"version":-'))
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        manifest_from_json(data)
+        manifest_to_json(sample_manifest())
+        assert not gc.isenabled()  # an application's own choice is kept
+    finally:
+        gc.enable()
