@@ -116,32 +116,39 @@ class PairResult:
     decode_s: float = 0.0
     encode_all_s: float = 0.0
     decode_all_s: float = 0.0
+    sparse_encode_s: float = 0.0  # the same with the entropy coder off (`sparse`, the daemons' --fast-codec)
+    sparse_decode_s: float = 0.0
+    sparse_encode_all_s: float = 0.0
+    sparse_decode_all_s: float = 0.0
 
 
-def measure_ours(old: common.Checkpoint, new: common.Checkpoint, res: PairResult) -> None:
+def measure_ours(old: common.Checkpoint, new: common.Checkpoint, res: PairResult, sparse: bool = False) -> None:
     """Encode every tensor against its old version, decode and verify (xxh3-128 of the result, as a
-    pull does), check bit-exactness; single-threaded per tensor, then all tensors on all cores."""
-    cfg, used, total = CodecConfig(), Counter(), 0
+    pull does), check bit-exactness; single-threaded per tensor, then all tensors on all cores.
+    ``sparse``: with the entropy coder off (the codec of the daemons' ``--fast-codec``)."""
+    cfg, used, total = CodecConfig(entropy_coder=not sparse), Counter(), 0
+    pre = "sparse_" if sparse else ""
     encoded = {}
     for name, (dtype, buf) in new.items():
         base = old[name][1]
         enc, enc_s = common.best_of(encode_tensor, dtype, buf, base, cfg, repeat=TIMING_REPEAT)
         (out, _), dec_s = common.best_of(decode_verify, dtype, enc, base, buf.size, repeat=TIMING_REPEAT)
-        res.encode_s += enc_s
-        res.decode_s += dec_s
+        setattr(res, pre + "encode_s", getattr(res, pre + "encode_s") + enc_s)
+        setattr(res, pre + "decode_s", getattr(res, pre + "decode_s") + dec_s)
         if not np.array_equal(out, buf):
             raise CodecMismatch(f"{res.pair} {name}: decode({enc.codec}) differs from the input")
         used[enc.codec] += 1
         total += len(enc.payload)
         encoded[name] = enc
-    res.sizes["ours"] = total
-    res.codecs = dict(used)
+    res.sizes["ours_sparse" if sparse else "ours"] = total
+    if not sparse:
+        res.codecs = dict(used)
     # all cores: tensors are independent (the kernels, zstd and xxhash release the GIL); largest first
     names = sorted(new, key=lambda n: -new[n][1].size)
-    res.encode_all_s = common.parallel_seconds(
-        lambda n: encode_tensor(new[n][0], new[n][1], old[n][1], cfg), names, CORES, TIMING_REPEAT)
-    res.decode_all_s = common.parallel_seconds(
-        lambda n: decode_verify(new[n][0], encoded[n], old[n][1], new[n][1].size), names, CORES, TIMING_REPEAT)
+    setattr(res, pre + "encode_all_s", common.parallel_seconds(
+        lambda n: encode_tensor(new[n][0], new[n][1], old[n][1], cfg), names, CORES, TIMING_REPEAT))
+    setattr(res, pre + "decode_all_s", common.parallel_seconds(
+        lambda n: decode_verify(new[n][0], encoded[n], old[n][1], new[n][1].size), names, CORES, TIMING_REPEAT))
 
 
 def decode_verify(dtype: str, enc, base: np.ndarray, nbytes: int) -> tuple[np.ndarray, bytes]:
@@ -204,6 +211,7 @@ def run(n_pairs: int | None) -> dict:
             old, new = common.load_checkpoint(a), common.load_checkpoint(b)
             res = PairResult(pair, common.raw_bytes(new))
             measure_ours(old, new, res)
+            measure_ours(old, new, res, sparse=True)
             results[label].append(res)
     rss_ours = common.peak_rss_mib()
     for label, pairs in plan.items():
@@ -235,6 +243,7 @@ ROWS = [
     ("zipnn", "ZipNN, full checkpoint"),
     ("xor_zstd", "XOR + zstd-3"),
     ("ours", "ours (weightsync.codec)"),
+    ("ours_sparse", "ours, entropy coder off (`sparse`, --fast-codec)"),
 ]
 
 
@@ -289,7 +298,8 @@ def speed_table(report: dict) -> str:
     lines = ["| throughput, GB/s of raw tensor bytes | " + " | ".join(
         f"{k}: 1 core | {k}: {cores} cores" for k in trajs) + " |", "|---" * (1 + 2 * len(trajs)) + "|"]
     speeds = {}
-    for key, title in (("encode", "ours encode (diff + code)"), ("decode", "ours decode (decode + apply + xxh3 verify)")):
+    for key, title in (("encode", "ours encode (diff + code)"), ("decode", "ours decode (decode + apply + xxh3 verify)"),
+                       ("sparse_encode", "`sparse` encode"), ("sparse_decode", "`sparse` decode (+ xxh3 verify)")):
         cells = []
         for label, pairs in trajs.items():
             raw = sum(p["raw"] for p in pairs)
@@ -301,8 +311,8 @@ def speed_table(report: dict) -> str:
     lines.append("| memcpy (np.copyto, 128 MiB) | " + " | ".join(
         f"{mem['_s']:.2f} | {mem['_all_s']:.2f}" for _ in trajs) + " |")
     lines.append("| uint16 XOR (128 MiB) | " + " | ".join(f"{report['xor_gbps']:.2f} | -" for _ in trajs) + " |")
-    for key in ("encode", "decode"):
-        lines.append(f"| ours {key} / memcpy | " + " | ".join(
+    for key in ("encode", "decode", "sparse_encode", "sparse_decode"):
+        lines.append(f"| {'ours ' + key if '_' not in key else '`sparse` ' + key.split('_')[1]} / memcpy | " + " | ".join(
             f"{speeds[(key, label, suffix)] / mem[suffix]:.3f}" for label in trajs for suffix in ("_s", "_all_s")) + " |")
     return "\n".join(lines)
 

@@ -138,8 +138,10 @@ def _gap_width(max_gap: int) -> int:
 
 # --- block codecs --------------------------------------------------------------------------------
 def _encode_sparse(old: np.ndarray, new: np.ndarray, level: int) -> tuple[bytes, int]:
-    idx = np.flatnonzero(old != new)
-    return _sparse_block(idx, new[idx] - old[idx], level), int(idx.size)
+    from .kernels import find_changes  # numba loads only when a delta is encoded
+
+    idx, diff = find_changes(old, new)
+    return _sparse_block(idx, diff, level), int(idx.size)
 
 
 def _sparse_block(idx: np.ndarray, diff: np.ndarray, level: int) -> bytes:

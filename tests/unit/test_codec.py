@@ -664,3 +664,21 @@ def test_sparse_bf16_delta_is_much_smaller_than_compressed_xor():
     chosen = encode_tensor("BF16", raw(new), raw(old))
     assert len(chosen.payload) <= len(sparse.payload)
     assert np.array_equal(decode_tensor("BF16", chosen.codec, chosen.payload, raw(old), 2 * n), raw(new))
+
+
+@FAST
+@given(width=st.sampled_from([1, 2, 4, 8]), data=st.data())
+def test_find_changes_agrees_with_numpy(width, data):
+    """The sparse encoder's one-pass kernel: the positions and wrapping differences numpy gives."""
+    from weightsync.kernels import find_changes
+
+    dt = UINT_VIEW[width]
+    n = data.draw(st.integers(0, 300))
+    old = np.frombuffer(data.draw(st.binary(min_size=n * width, max_size=n * width)), dtype=dt).copy()
+    new = old.copy()
+    for i in data.draw(st.lists(st.integers(0, max(n - 1, 0)), max_size=n)) if n else []:
+        new[i] = data.draw(st.integers(0, (1 << (8 * width)) - 1))
+    idx, diff = find_changes(old, new)
+    ref = np.flatnonzero(old != new)
+    assert idx.dtype == np.int64 and diff.dtype == dt
+    assert np.array_equal(idx, ref) and np.array_equal(diff, new[ref] - old[ref])
