@@ -368,7 +368,7 @@ def main() -> int:
     ap.add_argument("--poll", type=float, default=0.2, help="daemons' --poll-interval in seconds (default 0.2)")
     ap.add_argument("--no-fsync", action="store_true", help="subscribers skip fsync of written files")
     ap.add_argument("--fast-codec", action="store_true", help="the publisher codes deltas with `sparse` instead of `ac`")
-    ap.add_argument("--standby-hold", default="30", help="subscribers' --standby-hold ('never': always write new files; default 30)")
+    ap.add_argument("--standby-hold", default="30", help="subscribers' --standby-hold; with their swap hook only 'never' (always write new files) changes anything")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for one version (default 600)")
     ap.add_argument("--workdir", help="server data, watch folder, slots (default: a temp dir, removed after)")
     ap.add_argument("--json", type=Path, help="also write the results here")

@@ -168,7 +168,7 @@ class SubscriberConfig:
     decode_threads: int = max(1, min(8, os.cpu_count() or 1))
     fsync: bool = True
     verify_before_swap: bool = False  # re-read the whole standby folder before each swap
-    standby_hold: float | None = 30.0  # refill the standby in place this long after a swap (or once the hook confirmed); None: never
+    standby_hold: float | None = 30.0  # without a hook, refill the standby in place this long after a swap; None: never
     backoff: Backoff = field(default_factory=Backoff)
     api: ApiConfig = field(default_factory=ApiConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -248,9 +248,9 @@ def add_subscriber_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=32, help="chunks in flight (default 32)")
     p.add_argument("--verify-before-swap", action="store_true", help="re-read the whole standby copy before each swap")
     p.add_argument("--standby-hold", type=hold_arg, default=30.0, metavar="SECONDS|never",
-                   help="overwrite the standby slot's files in place (half the CPU of new files) once the swap hook "
-                        "for the current version succeeded, or this many seconds after the swap; 'never': always "
-                        "write new files, for servers that keep reading old versions (default 30)")
+                   help="overwrite the standby slot's files in place (half the CPU of new files) once nothing reads "
+                        "them: with a swap hook, once the hook of the latest swap succeeded; without one, this many "
+                        "seconds after the swap; 'never': always write new files (default 30)")
     p.add_argument("--no-fsync", action="store_true", help="skip fsync of written files (tests, tmpfs)")
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import json
-import math
 import re
 import threading
 from collections.abc import Iterator

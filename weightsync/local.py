@@ -297,8 +297,9 @@ def check_checksum(what: str, expected: str, data: bytes | np.ndarray) -> None:
 def clone(src: Path, dst: Path) -> None:
     """Make ``dst`` hold the version ``src`` holds, by hard links where possible.
 
-    Safe because weightsync never writes into an installed file: an update renames new files over
-    old names, so two folders sharing inodes never see each other change. ``dst`` is emptied
+    Safe because weightsync never writes into a file with other links: an update renames new files
+    over old names, and a refill in place (:func:`open_in_place`) replaces a linked file by a new
+    one, so two folders sharing inodes never see each other change. ``dst`` is emptied
     first and gets its state last, so a kill leaves it without state (a folder to clear), never
     claiming a version it does not hold.
     """

@@ -176,13 +176,17 @@ def pull(
     Only for a folder weightsync owns whole and nothing reads, like a subscriber's standby slot.
     """
     out = Path(out_dir)
+    base = out if base_dir is None else Path(base_dir)
+    if base_dir is not None:
+        b, o = os.path.realpath(base), os.path.realpath(out)
+        if b == o or b.startswith(o + os.sep) or o.startswith(b + os.sep):
+            raise UsageError(f"cannot refill {out} in place from {base}: the folders overlap")
+        if read_state(base) is None:
+            raise UsageError(f"{base} holds no weightsync version to refill {out} from")
     repo.require()
     target_version = resolve_version(repo, version)
     state = prepare_target(out, owned=base_dir is not None)
-    base = out if base_dir is None else Path(base_dir)
     base_state = state if base_dir is None else read_state(base)
-    if base_dir is not None and (base == out or base_state is None):
-        raise UsageError(f"{base} holds no weightsync version to refill {out} from")
     t0 = time.perf_counter()
     chain = repo.chain(target_version, back_to=None if base_state is None else base_state.version)
     target = chain[-1]

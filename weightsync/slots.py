@@ -8,9 +8,11 @@ files costs the page cache about as much CPU as decoding the delta. Refilling th
 still reads the previous version through that slot would see its bytes change. So the standby is
 overwritten in place only once nothing should read it any more:
 
-- the swap hook for the version now current succeeded (the serving process has loaded it), or
-- ``hold`` seconds have passed since the slot stopped being current (since start-up, after a
-  restart, as nothing is known about earlier swaps);
+- with a swap hook: once the hook of the latest swap succeeded (the serving process has loaded the
+  version now current). While it runs, after it failed (the server may still be on the old
+  version) or before any swap of this process, the standby is not released;
+- without one: ``hold`` seconds after the slot stopped being current (counted from start-up after
+  a restart, as nothing is known about earlier swaps);
 
 and never when ``hold`` is None. Files the slot shares with the current one (hard links from a
 seed by :func:`weightsync.local.clone`) are always replaced by new files, never written through.
@@ -78,17 +80,28 @@ def slot_version(folder: Path, partial: bool) -> int | None:
 
 
 class StandbyRelease:
-    """Whether the standby slot's files may be overwritten in place (see the module doc)."""
+    """Whether the standby slot's files may be overwritten in place (see the module doc). Swaps are
+    numbered; a hook outcome counts only for the swap it was fired for."""
 
-    def __init__(self, hold: float | None, clock: Callable[[], float] = time.monotonic):
-        self.hold, self.clock = hold, clock
+    def __init__(self, hold: float | None, hooked: bool, clock: Callable[[], float] = time.monotonic):
+        self.hold, self.hooked, self.clock = hold, hooked, clock
         self.since = clock()  # nothing is known about swaps before this process started
+        self.swaps = 0
+        self.confirmed = 0  # the last swap whose hook succeeded (0: none)
 
-    def swapped(self) -> None:
-        """The slot that served until now became the standby."""
+    def swapped(self) -> int:
+        """The slot that served until now became the standby; returns this swap's number."""
         self.since = self.clock()
+        self.swaps += 1
+        return self.swaps
 
-    def free(self, hook_confirmed: bool) -> bool:
+    def confirm(self, swap: int) -> None:
+        """The hook fired for swap number ``swap`` succeeded."""
+        self.confirmed = max(self.confirmed, swap)
+
+    def free(self) -> bool:
         if self.hold is None:
             return False
-        return hook_confirmed or self.clock() - self.since >= self.hold
+        if self.hooked:
+            return self.swaps > 0 and self.confirmed == self.swaps
+        return self.clock() - self.since >= self.hold

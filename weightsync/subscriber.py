@@ -19,8 +19,8 @@ stored, so removing the flag gives the last API choice back. A damaged file stop
 
 With ``--include``/``--exclude`` the slots are partial folders (:mod:`weightsync.partial`).
 Moving forward, the standby slot is refilled in place from the current one (one delta, files
-overwritten where they are) once nothing should read it any more: after the swap hook for the
-current version succeeded, or ``--standby-hold`` seconds after the swap (:mod:`weightsync.slots`).
+overwritten where they are) once nothing should read it any more: after the hook of the latest
+swap succeeded, or without a hook ``--standby-hold`` seconds after it (:mod:`weightsync.slots`).
 Before that, and when going back, its files are replaced by rename, so a server still reading the
 previous version through open files keeps its bytes.
 """
@@ -41,7 +41,7 @@ from .errors import ChecksumError, UsageError, VersionError, WeightsyncError
 from .hooks import HookRunner
 from .integrity import verify_folder
 from .ledger import FleetRecord, superseded_at, write_record
-from .local import STATE_DIR, clone, fsync_dir, write_json_atomic
+from .local import REFILL, STATE_DIR, clone, fsync_dir, write_json_atomic
 from .metrics import Metrics
 from .partial import STATE as PARTIAL_STATE
 from .partial import Selection, materialize, read_partial_state
@@ -166,7 +166,7 @@ class Subscriber:
     def __init__(self, cfg: SubscriberConfig, repo: Repo, metrics: Metrics, clock=time.time):
         self.cfg, self.repo, self.metrics, self.clock = cfg, repo, metrics, clock
         self.slots = Slots(cfg.target_dir)
-        self.release = StandbyRelease(cfg.standby_hold)
+        self.release = StandbyRelease(cfg.standby_hold, cfg.hook is not None)
         self.selection = Selection(cfg.include, cfg.exclude)
         self.target, self.target_from = self._initial_target()
         self._target_lock: asyncio.Lock | None = None
@@ -340,9 +340,9 @@ class Subscriber:
         t0 = time.perf_counter()
         await asyncio.to_thread(self.slots.flip, standby)
         pause = time.perf_counter() - t0
-        self.release.swapped()
+        swap = self.release.swapped()
         self.view = View(version, self.view.current)
-        self._after_swap(result, folder, pause)
+        self._after_swap(result, folder, pause, swap)
         await self._write_ledger(force=True)
         self.state = "serving"
 
@@ -356,6 +356,7 @@ class Subscriber:
             raw = sum(f["size"] for f in read_partial_state(folder).files.values())
             fetch_s, build_s = r.seconds.get("fetch", 0.0), r.seconds.get("build", 0.0)
         else:
+            self._clear_unclaimed(folder)
             base = self._refill_base(version)
             if base is None:
                 self._seed_from_current(folder, version)
@@ -372,10 +373,17 @@ class Subscriber:
         standby is released (:class:`weightsync.slots.StandbyRelease`); else None."""
         cur = self.slots.current()
         current = None if cur is None else slot_version(self.slots.path(cur), False)
-        if current is None or version <= current:
+        if current is None or version <= current or not self.release.free():
             return None
-        hook = None if self.hooks is None else self.hooks.last
-        return self.slots.path(cur) if self.release.free(hook is not None and hook.ok and hook.version == current) else None
+        return self.slots.path(cur)
+
+    def _clear_unclaimed(self, folder: Path) -> None:
+        """Empty a standby that claims no version and is no interrupted refill (a clone killed
+        midway; never served), keeping ``.weightsync`` (its spool of verified chunks)."""
+        if slot_version(folder, False) is None and not (folder / STATE_DIR / REFILL).exists():
+            for entry in folder.iterdir():
+                if entry.name != STATE_DIR:
+                    shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
 
     def _seed_from_current(self, folder: Path, version: int) -> None:
         """Moving forward, start the standby from the current version (hard links, no download):
@@ -383,23 +391,19 @@ class Subscriber:
         cur = self.slots.current()
         current = None if cur is None else slot_version(self.slots.path(cur), False)
         if current is None or version <= current or slot_version(folder, False) == current:
-            if slot_version(folder, False) is None:  # a clone interrupted by a kill: never served
-                for entry in folder.iterdir():  # ... but keep .weightsync (its spool of verified chunks)
-                    if entry.name != STATE_DIR:
-                        shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
             return
         event(log, "seeding the standby slot from the current version", folder=folder, version=current)
         clone(self.slots.path(cur), folder)
 
     def _clear_other_mode(self, folder: Path) -> None:
         partial_state = (folder / STATE_DIR / PARTIAL_STATE).exists()
-        full_state = (folder / STATE_DIR / "state.json").exists()
+        full_state = (folder / STATE_DIR / "state.json").exists() or (folder / STATE_DIR / REFILL).exists()
         if (self.cfg.partial and full_state and not partial_state) or (not self.cfg.partial and partial_state):
             event(log, "clearing a slot filled in the other mode", folder=folder)
             shutil.rmtree(folder)
             folder.mkdir(parents=True)
 
-    def _after_swap(self, r: SyncResult, folder: Path, pause: float) -> None:
+    def _after_swap(self, r: SyncResult, folder: Path, pause: float, swap: int) -> None:
         m = self.metrics
         m.current_version.set(r.version)
         m.download_bytes.inc(r.fetched_bytes)
@@ -419,7 +423,12 @@ class Subscriber:
         if self.hooks is not None:
             if self._hook_task is not None and not self._hook_task.done():
                 self._hook_task.cancel()  # superseded: the server is told about the newer version
-            self._hook_task = asyncio.create_task(self.hooks.fire(r.version, str(folder), str(self.slots.link)))
+            self._hook_task = asyncio.create_task(self._fire_hook(swap, r.version, folder))
+
+    async def _fire_hook(self, swap: int, version: int, folder: Path) -> None:
+        """The swap hook; its success releases the standby slot, for this swap only."""
+        if (await self.hooks.fire(version, str(folder), str(self.slots.link))).ok:
+            self.release.confirm(swap)
 
     async def _update_lag(self) -> None:
         cur, head, m = self.view.current, self.latest, self.metrics

@@ -5,7 +5,6 @@ interrupted refill leaves a folder that claims no version and is finished by the
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -114,13 +113,20 @@ def test_refill_into_a_new_folder_and_a_marker_left_beside_a_whole_version(store
     assert_replica(out, traj[3])
 
 
-def test_refill_refuses_a_base_without_a_version_or_the_folder_itself(store, tmp_path):
+def test_refill_refuses_a_base_without_a_version_or_one_overlapping_the_folder(store, tmp_path, monkeypatch):
     out = tmp_path / "b"
     weightsync.pull(store, out, 1, config=PULL)
+    before = snapshot(out)
     (tmp_path / "empty").mkdir()
     with pytest.raises(UsageError, match="holds no weightsync version"):
         weightsync.pull(store, tmp_path / "c", 2, config=PULL, base_dir=tmp_path / "empty")
-    with pytest.raises(UsageError, match="holds no weightsync version"):
-        weightsync.pull(store, out, 2, config=PULL, base_dir=out)
-    assert read_state(out).version == 1 and weightsync.verify(store, out, 1) == 1
-    assert not os.path.exists(tmp_path / "c" / "model-00001-of-00002.safetensors")
+    assert not (tmp_path / "c").exists()
+    (tmp_path / "alias").symlink_to(out)
+    weightsync.pull(store, out / "inner", 1, config=PULL)
+    monkeypatch.chdir(tmp_path)
+    # the folder itself under other spellings, a folder inside it, a folder it is inside
+    for o, b in ((out, out), ("b", out), (out, tmp_path / "alias"), (out, out / "inner"), (out / "inner", out)):
+        with pytest.raises(UsageError, match="overlap"):
+            weightsync.pull(store, o, 2, config=PULL, base_dir=b)
+    assert {k: v for k, v in snapshot(out).items() if not k.startswith("inner")} == before
+    assert read_state(out).version == 1

@@ -1,7 +1,7 @@
-"""When a subscriber daemon refills its standby slot in place (``--standby-hold``, weightsync.slots):
-only once the swap hook for the current version succeeded or the hold has passed since the swap;
-before that its files are replaced by rename, so a reader of the previous version keeps its bytes.
-Every version served is verified byte for byte."""
+"""When a subscriber daemon refills its standby slot in place (weightsync.slots): with a swap hook,
+only once the hook of the latest swap succeeded; without one, ``--standby-hold`` seconds after the
+swap. Before that its files are replaced by rename, so a reader of the previous version keeps its
+bytes. Every version served is verified byte for byte."""
 
 from __future__ import annotations
 
@@ -63,18 +63,63 @@ def test_after_the_hold_the_standby_is_overwritten_in_place(setup, tmp_path, dae
     verify_current(store, target, 1, traj[1])
 
 
-def test_a_succeeded_swap_hook_releases_the_standby_before_the_hold(setup, tmp_path, daemons):  # noqa: F811
+def test_a_succeeded_swap_hook_releases_the_standby_and_nothing_else_does(setup, tmp_path, daemons):  # noqa: F811
     store, traj = setup
     target = tmp_path / "t"
-    hook_ok = ["--standby-hold", 3600, "--hook-command", "true"]
-    sub = daemons("subscriber", ["--store", store, "--target", target, "--no-fsync", *hook_ok])
+    sub = daemons("subscriber", ["--store", store, "--target", target, "--no-fsync", "--standby-hold", 3600,
+                                 "--hook-command", "true"])
     sub.wait_version(0)
     wait_for(lambda: (sub.status()["hook"] or {}).get("ok"), 10, "the swap hook of version 0")
     assert publish_and_sync(store, traj, sub, target, 1)["in_place"] is True
     wait_for(lambda: sub.status()["hook"]["version"] == 1, 10, "the swap hook of version 1")
     assert publish_and_sync(store, traj, sub, target, 2)["in_place"] is True
-    failing = daemons("subscriber", ["--store", store, "--target", tmp_path / "u", "--no-fsync", "--standby-hold", 3600,
-                                     "--hook-command", "false", "--hook-attempts", 1])
-    failing.wait_version(2)
-    assert publish_and_sync(store, traj, failing, tmp_path / "u", 3)["in_place"] is False
-    verify_current(store, tmp_path / "u", 3, traj[3])
+    # a hook that fails, or one still running, keeps the standby as it is, whatever the hold
+    weightsync.publish(traj[3], store, 3, base_dir=traj[2])
+    for name, hook in (("failing", ["--hook-command", "false", "--hook-attempts", 1]), ("slow", ["--hook-command", "sleep 60"])):
+        other = tmp_path / name
+        d = daemons("subscriber", ["--store", store, "--target", other, "--no-fsync", "--standby-hold", 0, "--version", 2, *hook])
+        d.wait_version(2)
+        d.put_target(3)
+        assert d.wait_version(3)["last_sync"]["in_place"] is False
+        verify_current(store, other, 3, traj[3])
+
+
+def test_a_seed_killed_midway_is_cleared_even_when_the_standby_is_released(setup, tmp_path, daemons):  # noqa: F811
+    """What a clone killed before its state leaves (files linked to the serving slot, no state) is
+    no version and no refill: the next sync empties it, and never writes through the links."""
+    import os
+
+    from weightsync.local import read_state
+
+    store, traj = setup
+    weightsync.publish(traj[1], store, 1, base_dir=traj[0])
+    target = tmp_path / "t"
+    a, b = target / "slots" / "a", target / "slots" / "b"
+    weightsync.pull(store, a, 0, config=weightsync.PullConfig(fsync=False))
+    os.symlink("slots/a", target / "current")
+    b.mkdir(parents=True)
+    for rel in read_state(a).files:
+        os.link(a / rel, b / rel)
+    sub = daemons("subscriber", ["--store", store, "--target", target, "--no-fsync", "--standby-hold", 0, "--version", 1])
+    sub.wait_version(1)
+    verify_current(store, target, 1, traj[1])
+    assert weightsync.verify(store, a, 0) == 0  # the old slot was never written through the links
+
+
+def test_a_partial_subscriber_clears_a_slot_left_by_a_killed_refill(setup, tmp_path, daemons):  # noqa: F811
+    """An interrupted refill is a full-mode slot: a subscriber restarted with --include empties it
+    rather than keeping its files beside the selected tensors."""
+    from weightsync.local import REFILL
+    from weightsync.partial import verify_partial
+
+    store, traj = setup
+    target = tmp_path / "t"
+    slot = target / "slots" / "a"
+    slot.mkdir(parents=True)
+    (slot / ".weightsync").mkdir()
+    (slot / ".weightsync" / REFILL).write_text("{}")
+    (slot / "left-by-the-refill.bin").write_bytes(b"x" * 100)
+    sub = daemons("subscriber", ["--store", store, "--target", target, "--no-fsync", "--include", "model.norm.weight"])
+    sub.wait_version(0)
+    assert verify_partial(weightsync.open_repo(store), target / "current", 0) == 0
+    assert not (slot / "left-by-the-refill.bin").exists() and not (slot / ".weightsync" / REFILL).exists()

@@ -11,24 +11,43 @@ class Clock:
         return self.t
 
 
-def test_the_hold_counts_from_start_up_and_from_each_swap():
+def test_without_a_hook_the_hold_counts_from_start_up_and_from_each_swap():
     clock = Clock()
-    r = StandbyRelease(30.0, clock)
-    assert not r.free(False)  # nothing known about swaps before start-up
+    r = StandbyRelease(30.0, False, clock)
+    assert not r.free()  # nothing known about swaps before start-up
     clock.t += 29.9
-    assert not r.free(False)
+    assert not r.free()
     clock.t += 0.1
-    assert r.free(False)
+    assert r.free()
     r.swapped()
-    assert not r.free(False)
+    assert not r.free()
     clock.t += 30
-    assert r.free(False)
+    assert r.free()
+    assert StandbyRelease(0.0, False, clock).free()
 
 
-def test_a_confirmed_hook_releases_at_once_and_never_means_never():
+def test_with_a_hook_only_the_success_of_the_latest_swaps_hook_releases():
     clock = Clock()
-    assert StandbyRelease(3600.0, clock).free(True)
-    never = StandbyRelease(None, clock)
-    clock.t += 1e9
-    assert not never.free(True) and not never.free(False)
-    assert StandbyRelease(0.0, clock).free(False)
+    r = StandbyRelease(0.0, True, clock)
+    clock.t += 1e6
+    assert not r.free()  # no swap (and no hook) since start-up, whatever the hold
+    first = r.swapped()
+    assert not r.free()  # its hook is running
+    r.confirm(first)
+    assert r.free()
+    second = r.swapped()
+    clock.t += 1e6
+    assert not r.free()  # running, failed or cancelled: the server may still read the old slot
+    r.confirm(first)  # a late outcome of an earlier swap counts for nothing
+    assert not r.free()
+    r.confirm(second)
+    assert r.free()
+
+
+def test_never_means_never():
+    clock = Clock()
+    for hooked in (False, True):
+        r = StandbyRelease(None, hooked, clock)
+        r.confirm(r.swapped())
+        clock.t += 1e9
+        assert not r.free()
