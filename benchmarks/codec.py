@@ -223,6 +223,8 @@ def run(n_pairs: int | None) -> dict:
         "trajectories": {k: [asdict(r) for r in v] for k, v in results.items()},
         "memcpy_gbps": common.memcpy_gbps(),
         "memcpy_all_gbps": common.memcpy_gbps(threads=CORES),
+        "fresh_gbps": common.memcpy_gbps(fresh=True),
+        "fresh_all_gbps": common.memcpy_gbps(threads=CORES, fresh=True),
         "xor_gbps": common.xor_gbps(),
         "cores": CORES,
         "load_average_1min": os.getloadavg()[0],
@@ -310,6 +312,9 @@ def speed_table(report: dict) -> str:
     mem = {"_s": report["memcpy_gbps"], "_all_s": report["memcpy_all_gbps"]}
     lines.append("| memcpy (np.copyto, 128 MiB) | " + " | ".join(
         f"{mem['_s']:.2f} | {mem['_all_s']:.2f}" for _ in trajs) + " |")
+    if "fresh_gbps" in report:  # reports written before this row existed lack it
+        lines.append("| memcpy into fresh arrays (pages zeroed on first touch) | " + " | ".join(
+            f"{report['fresh_gbps']:.2f} | {report['fresh_all_gbps']:.2f}" for _ in trajs) + " |")
     lines.append("| uint16 XOR (128 MiB) | " + " | ".join(f"{report['xor_gbps']:.2f} | -" for _ in trajs) + " |")
     for key in ("encode", "decode", "sparse_encode", "sparse_decode"):
         lines.append(f"| {'ours ' + key if '_' not in key else '`sparse` ' + key.split('_')[1]} / memcpy | " + " | ".join(

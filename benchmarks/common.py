@@ -111,17 +111,24 @@ def best_of(fn: Callable[..., T], *args, repeat: int = 5) -> tuple[T, float]:
     return result, best
 
 
-def memcpy_gbps(nbytes: int = 128 << 20, threads: int = 1) -> float:
+def memcpy_gbps(nbytes: int = 128 << 20, threads: int = 1, fresh: bool = False) -> float:
     """np.copyto throughput of a large array, GB/s of bytes copied; with ``threads`` > 1 the array
-    is split into that many slices copied at once (numpy releases the GIL while copying)."""
+    is split into that many slices copied at once (numpy releases the GIL while copying).
+    ``fresh``: into newly allocated arrays, as a decoder's output is (the kernel zeroes each page
+    on first touch)."""
     src = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
     dst = np.empty_like(src)
-    if threads <= 1:
-        return nbytes / best_of(np.copyto, dst, src)[1] / 1e9
-    cuts = np.linspace(0, nbytes, threads + 1).astype(np.int64)
+    cuts = np.linspace(0, nbytes, max(threads, 1) + 1).astype(np.int64)
     parts = [(dst[a:b], src[a:b]) for a, b in zip(cuts[:-1], cuts[1:])]
+
+    def copy(ds):
+        d, s = ds
+        np.copyto(np.empty_like(s) if fresh else d, s)
+
+    if threads <= 1:
+        return nbytes / best_of(copy, (dst, src))[1] / 1e9
     with ThreadPoolExecutor(threads) as pool:
-        return nbytes / best_of(lambda: list(pool.map(lambda ds: np.copyto(*ds), parts)))[1] / 1e9
+        return nbytes / best_of(lambda: list(pool.map(copy, parts)))[1] / 1e9
 
 
 def xor_gbps(nbytes: int = 128 << 20) -> float:
