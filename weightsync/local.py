@@ -150,15 +150,20 @@ def prepare_target(folder: Path, owned: bool = False) -> LocalState | None:
         elif owned:
             return None  # an interrupted refill: every file in it is weightsync's, to be overwritten
         else:  # ... and none of it a version: cleared for a pull that builds in staging
-            for entry in folder.iterdir():
-                if entry.name != STATE_DIR:
-                    shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+            empty_folder(folder)
             marker.unlink()
     if state is None and any(p.name != STATE_DIR for p in folder.iterdir()):
         raise UsageError(f"{folder} is not empty and holds no weightsync version; refusing to overwrite it")
     if state is not None and (stray := stray_entries(folder, set(state.files))):
         raise UsageError(f"{folder} holds entries weightsync did not put there ({', '.join(stray[:3])}); move them away first")
     return state
+
+
+def empty_folder(folder: Path) -> None:
+    """Remove every entry of ``folder`` but ``.weightsync`` (whose spool of verified chunks stays)."""
+    for entry in folder.iterdir():
+        if entry.name != STATE_DIR:
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
 
 
 def staging_dir(folder: Path) -> Path:

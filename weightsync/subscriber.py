@@ -41,7 +41,7 @@ from .errors import ChecksumError, UsageError, VersionError, WeightsyncError
 from .hooks import HookRunner
 from .integrity import verify_folder
 from .ledger import FleetRecord, superseded_at, write_record
-from .local import REFILL, STATE_DIR, clone, fsync_dir, write_json_atomic
+from .local import REFILL, STATE_DIR, clone, empty_folder, fsync_dir, write_json_atomic
 from .metrics import Metrics
 from .partial import STATE as PARTIAL_STATE
 from .partial import Selection, materialize, read_partial_state
@@ -381,9 +381,7 @@ class Subscriber:
         """Empty a standby that claims no version and is no interrupted refill (a clone killed
         midway; never served), keeping ``.weightsync`` (its spool of verified chunks)."""
         if slot_version(folder, False) is None and not (folder / STATE_DIR / REFILL).exists():
-            for entry in folder.iterdir():
-                if entry.name != STATE_DIR:
-                    shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+            empty_folder(folder)
 
     def _seed_from_current(self, folder: Path, version: int) -> None:
         """Moving forward, start the standby from the current version (hard links, no download):
