@@ -362,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_store(p)
     p.add_argument("--keep", type=int, required=True, help="newest versions to keep, with their chains")
     p.add_argument("--grace-seconds", type=float, default=3600.0,
-                   help="never delete an unreferenced chunk younger than this (default 3600; > longest publish)")
+                   help="never delete an unreferenced chunk younger than this (default 3600; > publishers' refresh_after, 900)")
     p.add_argument("--dry-run", action="store_true", help="report what would be deleted; delete nothing")
     p.set_defaults(func=cmd_gc)
 

@@ -10,9 +10,12 @@ manifest references it (keyframes' ``delta`` payloads live in the same chunk lis
 Execution (:func:`gc`): manifests are deleted first, oldest first, so that a reader never finds a
 manifest whose chunks are gone; then chunks that no kept manifest references, but only those older
 than ``grace_seconds``: a publisher uploads its chunks before its manifest exists, so a young
-unreferenced chunk may belong to a version being published. ``grace_seconds`` must exceed the
-longest publish (upload to commit), with a margin for the store's timestamp resolution (S3's
-``LastModified`` and ``Date`` have whole seconds: an age can read up to ~2 s too old). Last, leftovers of killed writers older than the grace period
+unreferenced chunk may belong to a version being published. Right before its commit (or its
+part) a publisher touches again every chunk it stored more than ``PublishConfig.refresh_after``
+(900 s) earlier, and refuses to commit if one is gone, so ``grace_seconds`` must exceed
+``refresh_after`` plus the time those touches and the commit take, not the whole publish; with a
+margin for the store's timestamp resolution (S3's ``LastModified`` and ``Date`` have whole seconds:
+an age can read up to ~2 s too old). Last, leftovers of killed writers older than the grace period
 go too: a file store's temporary files, an S3 store's incomplete multipart uploads.
 
 Parts of multi-rank publishes (``parts/<N>/``, :mod:`weightsync.parts`, :func:`plan_parts`): those

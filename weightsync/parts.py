@@ -141,6 +141,7 @@ def publish_part(
     part = PartManifest(target.version, parent, world, rank, target.keyframe, target.chain_length, enc.files,
                         enc.chunks, datetime.now(timezone.utc).isoformat(timespec="seconds"), enc.codec_config, enc.stats)
     t_w = time.perf_counter()
+    enc.refresh(repo)
     existed = _write_part(repo, part)
     seconds = dict(enc.seconds, part=time.perf_counter() - t_w, total=time.perf_counter() - enc.t0)
     if cache_dir is not None:  # the rank's next delta base, should this version be committed

@@ -24,8 +24,8 @@ from .checkpoint import SourceFile, SourceSegment, read_range, scan_checkpoint
 from .chunking import DEFAULT_CHUNK_BYTES, ChunkPacker
 from .codec import CodecConfig, EncodedTensor, encode_tensor
 from .dtypes import itemsize
-from .errors import BaseMismatchError, UsageError, VersionError
-from .format import ChunkRef, Delta, FileEntry, Manifest, Payload, Segment
+from .errors import BaseMismatchError, NotFoundError, UsageError, VersionError
+from .format import ChunkRef, Delta, FileEntry, Manifest, Payload, Segment, chunk_key
 from .local import LocalVersion, adopt, read_state
 from .pipeline import ordered_map
 from .pulling import PullConfig, pull
@@ -44,6 +44,9 @@ class PublishConfig:
     encode_threads: int = max(1, min(8, os.cpu_count() or 1))
     inflight_bytes: int = 256 << 20
     ignore: tuple[str, ...] = ()  # globs of relative paths not to publish (e.g. "COMPLETE")
+    # chunks stored longer ago than this are touched again right before the commit (or part), so
+    # that gc's grace (default 3600 s) need only cover the commit, not the whole publish
+    refresh_after: float = 900.0
 
     def __post_init__(self) -> None:
         if self.keyframe_interval < 1:
@@ -52,6 +55,8 @@ class PublishConfig:
             raise UsageError("chunk size must be at least 1 KiB")
         if self.upload_concurrency < 1 or self.encode_threads < 1 or self.inflight_bytes < 1:
             raise UsageError("concurrency and memory limits must be positive")
+        if not self.refresh_after >= 0:
+            raise UsageError("refresh_after must be a number of seconds >= 0")
 
 
 @dataclass
@@ -306,6 +311,25 @@ class Encoded:
     seconds: dict[str, float]
     t0: float  # when the publish started (perf_counter), for seconds["total"]
     codec_config: dict = field(default_factory=dict)
+    stored_at: dict[str, float] = field(default_factory=dict)  # chunk id -> monotonic time stored or touched
+    refresh_after: float = 900.0
+
+    def refresh(self, repo: Repo) -> int:
+        """Touch the chunks stored more than ``refresh_after`` seconds ago, right before they are
+        committed (:mod:`weightsync.gc` spares chunks younger than its grace). Raises
+        :class:`VersionError`, committing nothing, if gc already took one. Returns how many."""
+        now, old = time.monotonic(), []
+        for c in self.chunks:
+            at = self.stored_at.get(c.id)
+            if at is None or now - at > self.refresh_after:
+                old.append(c)
+        for c in old:
+            try:
+                repo.store.touch(chunk_key(c.id))
+            except NotFoundError:
+                raise VersionError(f"chunk {c.id} of this publish was deleted before its commit (gc ran with a "
+                                   f"grace shorter than the publish); nothing was committed: publish again") from None
+        return len(old)
 
     @property
     def stats(self) -> dict[str, int]:
@@ -327,7 +351,7 @@ def encode_and_upload(repo: Repo, files: list[SourceFile], parent: Manifest | No
     finally:
         uploader.close()
     return Encoded(tuple(out.files), out.packer_refs(), out.changed, out.elements, uploader.uploaded_bytes, seconds, t0,
-                   asdict(cfg.codec))
+                   asdict(cfg.codec), dict(uploader.stored_at), cfg.refresh_after)
 
 
 def commit_encoded(repo: Repo, target: Target, enc: Encoded) -> tuple[PublishResult, Manifest]:
@@ -346,6 +370,7 @@ def commit_encoded(repo: Repo, target: Target, enc: Encoded) -> tuple[PublishRes
     )
     seconds = dict(enc.seconds)
     t_c = time.perf_counter()
+    enc.refresh(repo)
     repo.commit(manifest, target.etag)
     seconds["commit"] = time.perf_counter() - t_c
     seconds["total"] = time.perf_counter() - enc.t0

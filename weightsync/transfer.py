@@ -36,6 +36,7 @@ class Uploader:
         self.uploaded_bytes = 0
         self.skipped_bytes = 0
         self.seconds = 0.0
+        self.stored_at: dict[str, float] = {}  # chunk id -> time.monotonic() when stored or touched
         self._lock = threading.Lock()
 
     def submit(self, chunk: SealedChunk) -> None:
@@ -51,6 +52,7 @@ class Uploader:
             self._slots.release()
         with self._lock:
             self.seconds += time.perf_counter() - t0
+            self.stored_at[chunk.id] = time.monotonic()
             if moved:
                 self.uploaded_bytes += len(chunk.data)
             else:

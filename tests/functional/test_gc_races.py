@@ -204,3 +204,53 @@ def test_a_chunk_touched_between_listing_and_delete_survives_on_s3(trajectory, s
     weightsync.pull(weightsync.open_repo(s3_url), tmp_path / "v2", 2)
     ws.assert_replica(tmp_path / "v2", trajectory[0])
     assert res.deleted_versions == [0] and res.touched_during_gc == len(reused)
+
+
+def test_a_publish_whose_chunks_gc_took_before_its_commit_commits_nothing(trajectory, tmp_path, monkeypatch, ws):
+    """A publish longer than gc's grace: chunks stored earlier than ``refresh_after`` are touched
+    again right before the commit, and one already collected stops the commit (no torn version)."""
+    from weightsync.errors import VersionError
+    from weightsync.transfer import Uploader
+
+    store = tmp_path / "store"
+    r = weightsync.open_repo(store)
+    weightsync.publish(trajectory[0], r, config=KEYFRAMES)
+    real_join = Uploader.join
+
+    def join_then_collected(self):  # what a gc with too short a grace does during a long publish
+        real_join(self)
+        for cid in list(self.stored_at):
+            r.store.delete(chunk_key(cid))
+
+    monkeypatch.setattr(Uploader, "join", join_then_collected)
+    from weightsync.errors import UsageError
+
+    with pytest.raises(UsageError, match="refresh_after"):
+        weightsync.PublishConfig(refresh_after=-1)
+    cfg = weightsync.PublishConfig(keyframe_interval=1, refresh_after=0)  # every chunk counts as stored long ago
+    with pytest.raises(VersionError, match="deleted before its commit"):
+        weightsync.publish(trajectory[1], r, config=cfg)
+    assert r.head_version() == 0 and r.versions() == [0]
+    weightsync.pull(r, tmp_path / "out", 0, config=weightsync.PullConfig(fsync=False))
+    ws.assert_replica(tmp_path / "out", trajectory[0])
+
+
+def test_only_chunks_stored_before_refresh_after_are_touched_again_at_the_commit(trajectory, tmp_path, monkeypatch):
+    touched = []
+    real_touch = FileStore.touch
+    monkeypatch.setattr(FileStore, "touch", lambda self, key: (touched.append(key), real_touch(self, key))[1])
+    r = weightsync.open_repo(tmp_path / "store")
+    weightsync.publish(trajectory[0], r, config=KEYFRAMES)  # default refresh_after: a short publish touches nothing
+    assert touched == []
+    from weightsync.transfer import Uploader
+
+    real_join = Uploader.join
+
+    def join_then_age(self):
+        real_join(self)
+        age_all(tmp_path / "store" / "chunks")
+
+    monkeypatch.setattr(Uploader, "join", join_then_age)
+    weightsync.publish(trajectory[1], r, config=weightsync.PublishConfig(keyframe_interval=1, refresh_after=0))
+    assert sorted(touched) == sorted(chunks(r, 1))
+    assert all(object_age(r.store, key) < 60 for key in chunks(r, 1))  # young again: gc's grace counts from here

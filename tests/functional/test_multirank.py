@@ -18,7 +18,7 @@ import pytest
 import weightsync
 from procs import finish, spawn_cli
 from weightsync.errors import StoreError, VersionError
-from weightsync.format import HEAD_KEY, PARTS_PREFIX, chunk_key, part_key, version_key
+from weightsync.format import HEAD_KEY, PARTS_PREFIX, chunk_key, part_key, parts_prefix, version_key
 from weightsync.gc import GcConfig, gc
 from weightsync.parts import commit_parts, publish_part
 from weightsync.publishing import PublishConfig
@@ -354,3 +354,24 @@ def test_bad_input_gives_one_line_and_changes_nothing(sharded, tmp_path, run_cli
     got, out, err = run_cli(args[0], "--store", f"file://{store}", *args[1:])
     assert (got, out) == (rc, "") and message in ws.error_line(err)
     assert ws.snapshot(store) == before
+
+
+def test_a_rank_whose_chunks_gc_took_before_its_part_writes_no_part(sharded, tmp_path, monkeypatch):
+    """Like a single publisher before its commit: chunks stored earlier than ``refresh_after`` are
+    touched again before the part is written, and one already collected stops the rank."""
+    from weightsync.transfer import Uploader
+
+    store = tmp_path / "store"
+    publish_ranks(sharded[0], store, 2)
+    commit_parts(repo(store), 0, 2)
+    real_join = Uploader.join
+
+    def join_then_collected(self):
+        real_join(self)
+        for cid in list(self.stored_at):
+            FileStore(store).delete(chunk_key(cid))
+
+    monkeypatch.setattr(Uploader, "join", join_then_collected)
+    with pytest.raises(VersionError, match="deleted before its commit"):
+        publish_part(sharded[1], repo(store), 0, 2, config=PublishConfig(refresh_after=0))
+    assert list(FileStore(store).list(parts_prefix(1))) == []
