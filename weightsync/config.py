@@ -255,30 +255,25 @@ def add_subscriber_args(p: argparse.ArgumentParser) -> None:
 
 
 # --- building configs ------------------------------------------------------------------------------
-def hold_arg(text: str) -> float | None:
-    """argparse type of ``--standby-hold``: seconds >= 0, or ``never`` (None)."""
-    if text == "never":
-        return None
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"wants seconds or 'never', not {text!r}") from None
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"wants seconds >= 0 or 'never', not {text!r}")
-    return v
+def _number_or(word: str, kind: type, noun: str, value_of_word):
+    """An argparse type: a non-negative ``kind`` (``noun`` in errors), or ``word`` (giving ``value_of_word``)."""
+
+    def parse(text: str):
+        if text == word:
+            return value_of_word
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"wants {noun} or {word!r}, not {text!r}") from None
+        if not v >= 0:
+            raise argparse.ArgumentTypeError(f"wants {noun} >= 0 or {word!r}, not {text!r}")
+        return v
+
+    return parse
 
 
-def version_arg(text: str) -> int | str:
-    """argparse type of ``--version``: a non-negative version number, or ``latest``."""
-    if text == "latest":
-        return text
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"version must be an integer or 'latest', not {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError("version must be non-negative")
-    return v
+hold_arg = _number_or("never", float, "seconds", None)  # --standby-hold: seconds, or never (None)
+version_arg = _number_or("latest", int, "a version number", "latest")  # --version: N, or latest
 
 
 def _token(args, environ: Mapping[str, str]) -> str | None:
