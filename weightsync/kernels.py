@@ -21,7 +21,7 @@ def _changes(old, new, idx, diff):
 def find_changes(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Positions where two unsigned arrays of the same length differ (ascending, int64) and the
     wrapping differences ``new - old`` there, in one pass over both; what
-    ``np.flatnonzero(old != new)`` and a gather give, about twice as fast."""
+    ``np.flatnonzero(old != new)`` and a gather give, 1.5-2x as fast (3% changed)."""
     idx = np.empty(old.size, np.int64)  # pages are only touched up to the number of changes
     diff = np.empty(old.size, old.dtype)
     k = _changes(old, new, idx, diff)

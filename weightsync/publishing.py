@@ -33,6 +33,7 @@ from .repo import Repo
 from .transfer import Uploader
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
+REFRESH_AFTER = 900.0  # seconds: see PublishConfig.refresh_after
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class PublishConfig:
     ignore: tuple[str, ...] = ()  # globs of relative paths not to publish (e.g. "COMPLETE")
     # chunks stored longer ago than this are touched again right before the commit (or part), so
     # that gc's grace (default 3600 s) need only cover the commit, not the whole publish
-    refresh_after: float = 900.0
+    refresh_after: float = REFRESH_AFTER
 
     def __post_init__(self) -> None:
         if self.keyframe_interval < 1:
@@ -312,7 +313,7 @@ class Encoded:
     t0: float  # when the publish started (perf_counter), for seconds["total"]
     codec_config: dict = field(default_factory=dict)
     stored_at: dict[str, float] = field(default_factory=dict)  # chunk id -> monotonic time stored or touched
-    refresh_after: float = 900.0
+    refresh_after: float = REFRESH_AFTER
 
     def refresh(self, repo: Repo) -> int:
         """Touch the chunks stored more than ``refresh_after`` seconds ago, right before they are
