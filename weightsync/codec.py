@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import struct
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 import zstandard
 
 from .dtypes import INT_VIEW, UINT_VIEW, itemsize
-from .errors import FormatError, UsageError
+from .errors import ChecksumError, FormatError, UsageError
 
 CODECS = ("same", "full", "sparse", "dense", "ac")
 _CODEC_ID = {"full": 1, "sparse": 2, "dense": 3, "ac": 4}
@@ -36,6 +38,7 @@ MAGIC = b"WSP1"
 _HEADER = struct.Struct("<4sBBHQQI")  # magic, codec id, elem width, reserved, n elems, block elems, n blocks
 _SPARSE = struct.Struct("<IBBHI")  # changed count, gap width, reserved, reserved, compressed gaps length
 MAX_BLOCK_ELEMS = 1 << 31
+SLICE_BYTES = 512 << 10  # decode+verify works in slices this size, so hashing reads from cache (L2)
 
 
 @dataclass(frozen=True)
@@ -156,9 +159,9 @@ def _sparse_block(idx: np.ndarray, diff: np.ndarray, level: int) -> bytes:
     return head + gaps_z + vals_z
 
 
-def _decode_sparse(block: memoryview, old: np.ndarray, out: np.ndarray, what: str) -> None:
-    out[:] = old
+def _decode_sparse(block: memoryview, old: np.ndarray, out: np.ndarray, what: str, hasher=None) -> None:
     if len(block) == 0:
+        _copy(old, out, hasher)
         return
     if len(block) < _SPARSE.size:
         raise FormatError(f"{what}: truncated sparse block")
@@ -168,10 +171,31 @@ def _decode_sparse(block: memoryview, old: np.ndarray, out: np.ndarray, what: st
     width = old.dtype.itemsize
     gaps_raw = _decompress(block[_SPARSE.size : _SPARSE.size + glen], k * gw, what)
     vals_raw = _decompress(block[_SPARSE.size + glen :], k * width, what)
-    idx = np.cumsum(from_planes(gaps_raw, gw, k).astype(np.int64) + 1) - 1
-    if idx[-1] >= old.size:
-        raise FormatError(f"{what}: sparse position {int(idx[-1])} beyond block of {old.size}")
-    out[idx] = old[idx] + unzigzag(from_planes(vals_raw, width, k))
+    from .kernels import apply_sparse
+
+    gaps = np.frombuffer(gaps_raw, np.uint8)
+    vals = np.frombuffer(vals_raw, np.uint8)
+    step = max(1, SLICE_BYTES // width)
+    done, pos = 0, -1
+    for a in range(0, old.size, step):  # copy, patch and hash one slice while it is in cache
+        b = min(a + step, old.size)
+        np.copyto(out[a:b], old[a:b])
+        done, pos = apply_sparse(out, gaps, gw, vals, done, pos, b)
+        if hasher is not None:
+            hasher.update(out[a:b])
+    if done < k:
+        raise FormatError(f"{what}: sparse positions run beyond the block of {old.size}")
+
+
+def _copy(src: np.ndarray, dst: np.ndarray, hasher=None) -> None:
+    """``dst[:] = src``, feeding ``hasher`` slice by slice while each slice is in cache."""
+    if hasher is None:
+        np.copyto(dst, src)
+        return
+    step = max(1, SLICE_BYTES // src.dtype.itemsize)
+    for a in range(0, src.size, step):
+        np.copyto(dst[a : a + step], src[a : a + step])
+        hasher.update(dst[a : a + step])
 
 
 def _encode_block(codec: str, dtype: str, old: np.ndarray | None, new: np.ndarray, cfg: CodecConfig) -> tuple[bytes, int]:
@@ -187,21 +211,24 @@ def _encode_block(codec: str, dtype: str, old: np.ndarray | None, new: np.ndarra
     return _compressor(cfg.level).compress(to_planes(zigzag(diff))), int(np.count_nonzero(diff))
 
 
-def _decode_block(codec: str, dtype: str, block: memoryview, old: np.ndarray | None, out: np.ndarray, what: str) -> None:
+def _decode_block(codec: str, dtype: str, block: memoryview, old: np.ndarray | None, out: np.ndarray, what: str,
+                  hasher=None) -> None:
     width = out.dtype.itemsize
+    if codec == "sparse":
+        _decode_sparse(block, old, out, what, hasher)
+        return
     if codec == "ac":
         from . import arith
 
         arith.decode_block(dtype, block, old, out, unzigzag, what)
-        return
-    if codec == "sparse":
-        _decode_sparse(block, old, out, what)
-        return
-    raw = from_planes(_decompress(block, out.size * width, what), width, out.size)
-    if codec == "full":
-        out[:] = raw
     else:
-        np.add(old, unzigzag(raw), out=out)
+        raw = from_planes(_decompress(block, out.size * width, what), width, out.size)
+        if codec == "full":
+            out[:] = raw
+        else:
+            np.add(old, unzigzag(raw), out=out)
+    if hasher is not None:
+        hasher.update(out)
 
 
 # --- payload container ---------------------------------------------------------------------------
@@ -300,9 +327,13 @@ def encode_sparse_from_changes(
 
 def decode_tensor(
     dtype: str, codec: str, payload: bytes | memoryview, old: np.ndarray | None, nbytes: int,
-    out: np.ndarray | None = None, what: str = "tensor",
+    out: np.ndarray | None = None, what: str = "tensor", hasher=None,
 ) -> np.ndarray:
     """Rebuild a tensor's raw bytes (1-D uint8 of ``nbytes``), into ``out`` if given.
+
+    ``hasher`` (``xxhash.xxh3_128()`` or anything with ``update``) is fed the result in order as it
+    is written; ``sparse`` and ``same`` hash each slice while it is still in cache, so verifying
+    costs little more than the copy. On an error it may have been fed part of the result.
 
     Raises :class:`FormatError` for a payload that does not match the declared codec, dtype or size.
     """
@@ -327,13 +358,34 @@ def decode_tensor(
     if codec == "same":
         if len(payload):
             raise FormatError(f"{what}: codec 'same' carries no payload")
-        out_e[:] = old_e
+        _copy(old_e, out_e, hasher)
         return out
-    _decode_payload(codec, dtype, memoryview(payload), old_e, out_e, what)
+    _decode_payload(codec, dtype, memoryview(payload), old_e, out_e, what, hasher)
     return out
 
 
-def _decode_payload(codec: str, dtype: str, payload: memoryview, old: np.ndarray | None, out: np.ndarray, what: str) -> None:
+def rebuild(dtype: str, nbytes: int, xxh3: str, base: np.ndarray | None,
+            steps: Sequence[tuple[str, Callable[[], bytes | memoryview]]], what: str = "tensor") -> np.ndarray:
+    """Apply ``steps`` in turn to ``base`` (each a codec and a function giving its payload, called
+    only when that step is decoded) and check the result's XXH3-128 against ``xxh3`` (hex): the
+    hash is fed while the last decode writes. Raises :class:`ChecksumError` for a wrong result,
+    :class:`FormatError` for a bad payload or a recipe with neither base nor steps."""
+    if not steps:
+        if base is None:
+            raise FormatError(f"{what}: recipe without a base or a payload")
+        actual = xxhash.xxh3_128_hexdigest(base)
+    else:
+        hasher, cur = xxhash.xxh3_128(), base
+        for i, (codec, payload) in enumerate(steps, 1):
+            cur = decode_tensor(dtype, codec, payload(), cur, nbytes, what=what, hasher=hasher if i == len(steps) else None)
+        base, actual = cur, hasher.hexdigest()
+    if actual != xxh3:
+        raise ChecksumError(what, xxh3, actual)
+    return base
+
+
+def _decode_payload(codec: str, dtype: str, payload: memoryview, old: np.ndarray | None, out: np.ndarray, what: str,
+                    hasher=None) -> None:
     if codec not in _CODEC_ID:
         raise FormatError(f"{what}: unknown codec {codec!r}")
     if len(payload) < _HEADER.size:
@@ -354,5 +406,5 @@ def _decode_payload(codec: str, dtype: str, payload: memoryview, old: np.ndarray
     for i, length in enumerate(lengths):
         sl = slice(i * step, (i + 1) * step)
         block = payload[pos : pos + length]
-        _decode_block(codec, dtype, block, None if old is None else old[sl], out[sl], f"{what} block {i}")
+        _decode_block(codec, dtype, block, None if old is None else old[sl], out[sl], f"{what} block {i}", hasher)
         pos += length

@@ -26,3 +26,42 @@ def find_changes(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarr
     diff = np.empty(old.size, old.dtype)
     k = _changes(old, new, idx, diff)
     return idx[:k], diff[:k]
+
+
+
+@njit(cache=True, nogil=True)
+def _apply_sparse(out, gaps, gw, vals, k, pos, end):
+    n = gaps.size // gw
+    width = out.itemsize
+    while k < n:
+        if gw == 1:  # spelled out per width (a predictable branch): a loop over bytes costs 1.5x
+            gap = np.int64(gaps[k])
+        elif gw == 2:
+            gap = np.int64(gaps[k]) | np.int64(gaps[n + k]) << 8
+        else:
+            gap = (np.int64(gaps[k]) | np.int64(gaps[n + k]) << 8 | np.int64(gaps[2 * n + k]) << 16
+                   | np.int64(gaps[3 * n + k]) << 24)
+        nxt = pos + gap + 1
+        if nxt >= end:
+            break
+        if width == 2:
+            code = np.uint64(vals[k]) | np.uint64(vals[n + k]) << np.uint64(8)
+        else:
+            code = np.uint64(0)
+            for j in range(width):
+                code |= np.uint64(vals[j * n + k]) << np.uint64(8 * j)
+        delta = (code >> np.uint64(1)) ^ (np.uint64(0) - (code & np.uint64(1)))  # zigzag back
+        out[nxt] = out[nxt] + delta  # the store truncates: wraps at the element width
+        pos = nxt
+        k += 1
+    return k, pos
+
+
+def apply_sparse(out: np.ndarray, gaps: np.ndarray, gap_width: int, vals: np.ndarray, k: int, pos: int,
+                 end: int) -> tuple[int, int]:
+    """Apply changes ``k, k+1, ...`` of a ``sparse`` block to ``out`` (unsigned elements, holding
+    the old values) while their positions stay below ``end``; returns the next change and the last
+    position applied (-1 before any). ``gaps`` and ``vals`` are the decompressed byte planes (gap
+    widths of ``gap_width`` bytes, zigzag codes of the element width); no arrays of positions or
+    differences are built. ``end`` must not exceed ``out.size``."""
+    return _apply_sparse(out, gaps, gap_width, vals, k, pos, end)

@@ -24,6 +24,7 @@ files into place and writes the new ``partial.json``; an interrupted update leav
 from __future__ import annotations
 
 import fnmatch
+import functools
 import json
 import os
 import shutil
@@ -36,7 +37,7 @@ import numpy as np
 import xxhash
 
 from .checkpoint import parse_safetensors_header, read_range
-from .codec import decode_tensor
+from .codec import rebuild
 from .errors import BaseMismatchError, ChecksumError, CheckpointError, FormatError, UsageError, VersionError
 from .format import FileEntry, Manifest, Segment
 from .local import STATE_DIR, check_checksum, write_json_atomic
@@ -119,12 +120,8 @@ def build_tensors(
             cancel()
         r, t = job.recipe, job.recipe.target
         cur = None if r.base is None else base(job.path, r.base)
-        for step in r.steps:
-            cur = decode_tensor(t.dtype, step.codec, _read_payload(fds, chunk_paths, step), cur, t.nbytes, what=f"{job.path}: {t.name}")
-        if cur is None:
-            raise FormatError(f"{job.path}: {t.name}: recipe without a base or a payload")
-        check_checksum(f"{job.path}: {t.name or t.role}", t.xxh3, cur)
-        return cur
+        steps = [(step.codec, functools.partial(_read_payload, fds, chunk_paths, step)) for step in r.steps]
+        return rebuild(t.dtype, t.nbytes, t.xxh3, cur, steps, f"{job.path}: {t.name or t.role}")
 
     try:
         yield from ordered_map(build, jobs, lambda j: 3 * j.recipe.target.nbytes, inflight_bytes, threads)

@@ -14,12 +14,13 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import xxhash
 
-from .codec import decode_tensor
+from .codec import SLICE_BYTES, rebuild
 from .errors import BaseMismatchError, ChecksumError, NotFoundError, UsageError, VersionError
 from .format import Manifest, chunk_key, version_key
 from .local import (
@@ -98,11 +99,9 @@ class _Builder:
     def build(self, job: tuple[str, Recipe]) -> np.ndarray:
         path, r = job
         t = r.target
-        cur = None if r.base is None else self.base.read(path, r.base)
-        for step in r.steps:
-            cur = decode_tensor(t.dtype, step.codec, self._payload(step), cur, t.nbytes, what=f"{path}: {t.name or t.role}")
-        check_checksum(f"{path}: {t.name or t.role}", t.xxh3, cur)
-        return cur
+        base = None if r.base is None else self.base.read(path, r.base)
+        steps = [(step.codec, partial(self._payload, step)) for step in r.steps]
+        return rebuild(t.dtype, t.nbytes, t.xxh3, base, steps, f"{path}: {t.name or t.role}")
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -135,8 +134,10 @@ def _write_one(fp: FilePlan, results, root: Path, cfg: PullConfig, in_place: boo
     with open_in_place(dest) if in_place else open(dest, "wb") as f:
         for _ in fp.recipes:
             _, data = next(results)
-            hasher.update(data)
-            f.write(memoryview(data))
+            for a in range(0, len(data), SLICE_BYTES):  # hash each slice, then write it from cache
+                piece = data[a : a + SLICE_BYTES]
+                hasher.update(piece)
+                f.write(piece)
         f.truncate()
         if cfg.fsync:
             f.flush()

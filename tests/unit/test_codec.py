@@ -5,21 +5,26 @@ Every comparison is on raw bytes (uint8 arrays or integer views), never on float
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 import struct
 
 import numpy as np
 import pytest
 import torch
+import xxhash
 import zstandard
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import weightsync.codec as codec_mod
 from weightsync.codec import (
-    MAGIC, MAX_BLOCK_ELEMS, CodecConfig, decode_tensor, encode_tensor, from_planes, to_planes, unzigzag, zigzag,
+    MAGIC, MAX_BLOCK_ELEMS, CodecConfig, decode_tensor, encode_tensor, from_planes, rebuild, to_planes, unzigzag,
+    zigzag,
 )
 from weightsync.dtypes import INT_VIEW, ITEMSIZE, UINT_VIEW
-from weightsync.errors import FormatError, UsageError, WeightsyncError
+from weightsync.errors import ChecksumError, FormatError, UsageError, WeightsyncError
 from weightsync.synth import to_bf16_bits
 
 FAST = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -116,6 +121,7 @@ shapes = st.one_of(
 configs = st.one_of(
     st.builds(CodecConfig, block_bytes=st.integers(8, 64)),
     st.builds(CodecConfig, block_bytes=st.integers(8, 64), dense_above=st.sampled_from([0.0, 1.0])),
+    st.builds(CodecConfig, block_bytes=st.integers(8, 64), entropy_coder=st.just(False)),  # sparse at every width
     st.just(CodecConfig()),
 )
 
@@ -179,6 +185,80 @@ def test_decode_into_given_buffer(case):
     assert np.array_equal(buf, raw(new))
 
 
+@contextlib.contextmanager
+def slices_of(nbytes: int):
+    """Decode in slices of ``nbytes`` (a few elements), so small tensors cross many slice edges."""
+    saved, codec_mod.SLICE_BYTES = codec_mod.SLICE_BYTES, nbytes
+    try:
+        yield
+    finally:
+        codec_mod.SLICE_BYTES = saved
+
+
+@FAST
+@given(tensor_pairs(), st.sampled_from([1, 2, 3, 8, 24, 512 << 10]))
+def test_decode_feeds_the_hasher_exactly_the_result(case, slice_bytes):
+    """A pull verifies while decoding: the hasher sees the output bytes once, in order, whatever
+    the codec, block size or slice size (changes on, before and after slice edges)."""
+    dtype, _, old, new, cfg = case
+    for base in (None, raw(old)):
+        enc = encode_tensor(dtype, raw(new), base, cfg)
+        hasher = xxhash.xxh3_128()
+        with slices_of(slice_bytes):
+            out = decode_tensor(dtype, enc.codec, enc.payload, base, new.nbytes, hasher=hasher)
+        assert np.array_equal(out, raw(new))
+        assert hasher.hexdigest() == xxhash.xxh3_128_hexdigest(raw(new))
+
+
+def test_sparse_changes_at_every_slice_edge():
+    """Positions 0, the last of a slice, the first of the next and the last element, with gaps of
+    one, two and four bytes, across slices of 3 elements."""
+    n = 70000  # a 4-byte gap needs more than 65535 unchanged elements in a row
+    old = np.arange(n, dtype="<u2")
+    for positions in ([0, 2, 3, 5, 6, n - 1], [1, 300, 301], [0, 66000, n - 1]):
+        new = old.copy()
+        new[positions] += np.array([1, 65535, 7, 2, 3, 9][: len(positions)], dtype="<u2")
+        enc = encode_tensor("BF16", raw(new), raw(old), CodecConfig(entropy_coder=False))
+        assert enc.codec == "sparse" and enc.changed == len(positions)
+        for slice_bytes in (6, 512 << 10):
+            hasher = xxhash.xxh3_128()
+            with slices_of(slice_bytes):
+                out = decode_tensor("BF16", "sparse", enc.payload, raw(old), 2 * n, hasher=hasher)
+            assert np.array_equal(out, raw(new)), positions
+            assert hasher.hexdigest() == xxhash.xxh3_128_hexdigest(raw(new))
+
+
+@pytest.mark.parametrize("entropy_coder", [True, False])
+def test_rebuild_applies_a_chain_and_checks_the_result(entropy_coder):
+    """A pull's recipe: a base, then deltas in turn; only the result is checked, and a payload is
+    fetched only when its step is decoded."""
+    rng = np.random.default_rng(7)
+    v0 = make_tensor("BF16", 5000, rng, 0.0)
+    v1 = perturb("BF16", v0, 0.03, rng)
+    v2 = perturb("BF16", v1, 0.03, rng)
+    cfg = CodecConfig(entropy_coder=entropy_coder, block_bytes=4096)
+    e1, e2 = encode_tensor("BF16", raw(v1), raw(v0), cfg), encode_tensor("BF16", raw(v2), raw(v1), cfg)
+    fetched = []
+
+    def step(enc, name):
+        return enc.codec, lambda: fetched.append(name) or enc.payload
+
+    good = xxhash.xxh3_128_hexdigest(raw(v2))
+    out = rebuild("BF16", v2.nbytes, good, raw(v0), [step(e1, 1), step(e2, 2)])
+    assert np.array_equal(out, raw(v2)) and fetched == [1, 2]
+    assert rebuild("BF16", v0.nbytes, xxhash.xxh3_128_hexdigest(raw(v0)), raw(v0), []) is not None
+    full = encode_tensor("BF16", raw(v2), None, cfg)
+    assert np.array_equal(rebuild("BF16", v2.nbytes, good, None, [step(full, "full")]), raw(v2))
+    with pytest.raises(ChecksumError):
+        rebuild("BF16", v2.nbytes, xxhash.xxh3_128_hexdigest(raw(v1)), raw(v0), [step(e1, 1), step(e2, 2)])
+    with pytest.raises(ChecksumError):  # the chain stopped one step short
+        rebuild("BF16", v2.nbytes, good, raw(v0), [step(e1, 1)])
+    with pytest.raises(ChecksumError):  # a base alone is checked too
+        rebuild("BF16", v0.nbytes, good, raw(v0), [])
+    with pytest.raises(FormatError):
+        rebuild("BF16", v0.nbytes, good, None, [])
+
+
 @FAST
 @given(tensor_pairs())
 def test_dense_is_never_chosen_below_threshold_and_never_larger(case):
@@ -186,7 +266,7 @@ def test_dense_is_never_chosen_below_threshold_and_never_larger(case):
     enc = encode_tensor(dtype, raw(new), raw(old), cfg)
     if enc.codec == "dense":
         assert enc.changed > cfg.dense_above * new.size
-        delta_only = encode_tensor(dtype, raw(new), raw(old), CodecConfig(cfg.level, cfg.full_level, cfg.block_bytes, 1.0))
+        delta_only = encode_tensor(dtype, raw(new), raw(old), dataclasses.replace(cfg, dense_above=1.0))
         assert delta_only.codec in ("sparse", "ac") and len(enc.payload) < len(delta_only.payload)
 
 
