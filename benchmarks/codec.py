@@ -13,8 +13,9 @@ step pair (old, new) it measures, in bytes of the new checkpoint:
 - ours: weightsync.codec.encode_tensor per tensor, each payload decoded and checked byte for byte.
 
 Ratios are raw / size over all pairs together. Throughput of ours (GB/s of raw tensor bytes;
-encode = diff + code, decode = decode + apply + xxh3-128 verify) is measured on one core (per-tensor
-calls) and on all cores (all tensors of a pair on a thread pool, largest first), beside np.copyto
+encode = diff + code, decode = decode + apply + xxh3-128 verify, hashed as it is written) is measured
+in whole passes over every tensor of a pair, on one core (a loop) and on all cores (a thread pool,
+largest first), beside np.copyto
 on one and on all cores and uint16 XOR of large arrays, in the same run; every timing is the best
 of a few repeats. Peak RSS is reported after imports,
 after the `ours` pass (before bounds and baselines run) and at the end.
@@ -48,7 +49,7 @@ from weightsync.codec import CodecConfig, decode_tensor, encode_tensor
 TRAJECTORIES = {"lr 1e-6": 1e-6, "lr 1e-5": 1e-5}
 STEPS = 6  # published checkpoints per trajectory: 5 consecutive pairs
 QUICK_PAIRS = 2
-TIMING_REPEAT = 3  # encode and decode each tensor this often, keep the fastest (noisy shared cores)
+TIMING_REPEAT = 3  # whole passes of encode and of decode, keep the fastest (noisy shared cores)
 CORES = os.cpu_count() or 1
 
 
@@ -130,11 +131,8 @@ def measure_ours(old: common.Checkpoint, new: common.Checkpoint, res: PairResult
     pre = "sparse_" if sparse else ""
     encoded = {}
     for name, (dtype, buf) in new.items():
-        base = old[name][1]
-        enc, enc_s = common.best_of(encode_tensor, dtype, buf, base, cfg, repeat=TIMING_REPEAT)
-        (out, _), dec_s = common.best_of(decode_verify, dtype, enc, base, buf.size, repeat=TIMING_REPEAT)
-        setattr(res, pre + "encode_s", getattr(res, pre + "encode_s") + enc_s)
-        setattr(res, pre + "decode_s", getattr(res, pre + "decode_s") + dec_s)
+        enc = encode_tensor(dtype, buf, old[name][1], cfg)
+        out, _ = decode_verify(dtype, enc, old[name][1], buf.size)
         if not np.array_equal(out, buf):
             raise CodecMismatch(f"{res.pair} {name}: decode({enc.codec}) differs from the input")
         used[enc.codec] += 1
@@ -143,18 +141,23 @@ def measure_ours(old: common.Checkpoint, new: common.Checkpoint, res: PairResult
     res.sizes["ours_sparse" if sparse else "ours"] = total
     if not sparse:
         res.codecs = dict(used)
-    # all cores: tensors are independent (the kernels, zstd and xxhash release the GIL); largest first
+    # Whole passes over every tensor, so each is met with cold caches as in a publish or a pull (a
+    # per-tensor best-of would find a small tensor's inputs still in cache). All cores: tensors are
+    # independent (the kernels, zstd and xxhash release the GIL); largest first.
     names = sorted(new, key=lambda n: -new[n][1].size)
-    setattr(res, pre + "encode_all_s", common.parallel_seconds(
-        lambda n: encode_tensor(new[n][0], new[n][1], old[n][1], cfg), names, CORES, TIMING_REPEAT))
-    setattr(res, pre + "decode_all_s", common.parallel_seconds(
-        lambda n: decode_verify(new[n][0], encoded[n], old[n][1], new[n][1].size), names, CORES, TIMING_REPEAT))
+    encode = lambda n: encode_tensor(new[n][0], new[n][1], old[n][1], cfg)
+    decode = lambda n: decode_verify(new[n][0], encoded[n], old[n][1], new[n][1].size)
+    for suffix, threads in (("_s", 1), ("_all_s", CORES)):
+        setattr(res, pre + "encode" + suffix, common.parallel_seconds(encode, names, threads, TIMING_REPEAT))
+        setattr(res, pre + "decode" + suffix, common.parallel_seconds(decode, names, threads, TIMING_REPEAT))
 
 
 def decode_verify(dtype: str, enc, base: np.ndarray, nbytes: int) -> tuple[np.ndarray, bytes]:
-    """Decode and apply a payload, and hash the result (what a pull does before installing it)."""
-    out = decode_tensor(dtype, enc.codec, enc.payload, base, nbytes)
-    return out, xxhash.xxh3_128_digest(out)
+    """Decode and apply a payload, hashing the result as it is written (what a pull does before
+    installing it: :func:`weightsync.codec.rebuild`)."""
+    hasher = xxhash.xxh3_128()
+    out = decode_tensor(dtype, enc.codec, enc.payload, base, nbytes, hasher=hasher)
+    return out, hasher.digest()
 
 
 def analyse_change(old: common.Checkpoint, new: common.Checkpoint, res: PairResult) -> None:

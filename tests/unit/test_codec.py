@@ -762,3 +762,19 @@ def test_find_changes_agrees_with_numpy(width, data):
     ref = np.flatnonzero(old != new)
     assert idx.dtype == np.int64 and diff.dtype == dt
     assert np.array_equal(idx, ref) and np.array_equal(diff, new[ref] - old[ref])
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+def test_find_changes_at_every_bit_of_a_word(width):
+    """The kernel visits 64-element words by their bit masks: one change at each position of
+    three words and a tail, two and three in one word, and every element changed."""
+    from weightsync.kernels import find_changes
+
+    dt, n = UINT_VIEW[width], 3 * 64 + 5
+    old = np.arange(n, dtype=dt)
+    cases = [[i] for i in range(n)] + [[0, 63], [1, 2, 3], [64, 100, 127, 128], list(range(n))]
+    for where in cases:
+        new = old.copy()
+        new[where] -= 1  # wraps at 0
+        idx, diff = find_changes(old, new)
+        assert idx.tolist() == where and diff.tolist() == [np.iinfo(dt).max] * len(where)
