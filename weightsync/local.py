@@ -21,6 +21,7 @@ import os
 import shutil
 import stat
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -299,14 +300,16 @@ def check_checksum(what: str, expected: str, data: bytes | np.ndarray) -> None:
         raise ChecksumError(what, expected, actual)
 
 
-def clone(src: Path, dst: Path) -> None:
-    """Make ``dst`` hold the version ``src`` holds, by hard links where possible.
+def clone(src: Path, dst: Path, copy: bool = False, fsync: bool = False, check: Callable[[], None] | None = None) -> None:
+    """Make ``dst`` hold the version ``src`` holds, by hard links where possible, or with ``copy``
+    by copies of its own (which a later refill may overwrite in place).
 
-    Safe because weightsync never writes into a file with other links: an update renames new files
-    over old names, and a refill in place (:func:`open_in_place`) replaces a linked file by a new
-    one, so two folders sharing inodes never see each other change. ``dst`` is emptied
-    first and gets its state last, so a kill leaves it without state (a folder to clear), never
-    claiming a version it does not hold.
+    Links are safe because weightsync never writes into a file with other links: an update renames
+    new files over old names, and a refill in place (:func:`open_in_place`) replaces a linked file
+    by a new one, so two folders sharing inodes never see each other change. ``dst`` is emptied
+    first and gets its state last, so a kill, or ``check`` raising between files, leaves it
+    without state (a folder to clear), never claiming a version it does not hold. ``fsync``: the
+    copies are on disk before the state claims them.
     """
     state = read_state(src)
     if state is None:
@@ -314,11 +317,22 @@ def clone(src: Path, dst: Path) -> None:
     shutil.rmtree(dst, ignore_errors=True)
     dst.mkdir(parents=True)
     for rel in state.files:
+        if check:
+            check()
         (dst / rel).parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(src / rel, dst / rel)
-        except OSError:
-            shutil.copy2(src / rel, dst / rel)  # keeps the mtime that state.json records
+        if not copy:
+            try:
+                os.link(src / rel, dst / rel)
+                continue
+            except OSError:
+                pass  # another file system, or links not allowed: copy
+        shutil.copy2(src / rel, dst / rel)  # keeps the mtime that state.json records
+        if fsync:
+            with open(dst / rel, "rb") as f:
+                os.fsync(f.fileno())
+    if fsync:
+        for d in {(dst / rel).parent for rel in state.files}:
+            fsync_dir(d)
     write_json_atomic(state_dir(dst) / "state.json", {"version": state.version, "store": state.store, "files": state.files})
 
 

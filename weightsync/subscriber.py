@@ -32,7 +32,7 @@ import json
 import logging
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .config import SubscriberConfig
@@ -185,6 +185,8 @@ class Subscriber:
         self._errors = 0
         self._last_ledger = 0.0
         self._store_ok = False
+        self._seed_failed: int | None = None  # the current version a standby copy failed for (not retried)
+        self._seeded: str | None = None  # the standby slot holding that copy, until the next flip: never served
 
     # -- control (called by the API) --------------------------------------------------------------
     def request_stop(self) -> None:
@@ -301,6 +303,8 @@ class Subscriber:
                 await self._sync(action.version)
             else:
                 self.state = "serving" if isinstance(action, Idle) and self.ready else "waiting"
+                if isinstance(action, Idle):
+                    await self._seed_standby()
             await self._update_lag()
             await self._write_ledger()
             self._errors = 0
@@ -340,6 +344,7 @@ class Subscriber:
         t0 = time.perf_counter()
         await asyncio.to_thread(self.slots.flip, standby)
         pause = time.perf_counter() - t0
+        self._seeded = None
         swap = self.release.swapped()
         self.view = View(version, self.view.current)
         self._after_swap(result, folder, pause, swap)
@@ -373,7 +378,8 @@ class Subscriber:
         standby is released (:class:`weightsync.slots.StandbyRelease`); else None."""
         cur = self.slots.current()
         current = None if cur is None else slot_version(self.slots.path(cur), False)
-        if current is None or version <= current or not self.release.free():
+        never_served = self._seeded == self.slots.standby()  # a copy made while idle: nothing reads it
+        if current is None or version <= current or not (never_served or self.release.free()):
             return None
         return self.slots.path(cur)
 
@@ -392,6 +398,32 @@ class Subscriber:
             return
         event(log, "seeding the standby slot from the current version", folder=folder, version=current)
         clone(self.slots.path(cur), folder)
+
+    async def _seed_standby(self) -> None:
+        """While idle, give an empty standby slot a copy of the current version, so that the next
+        delta refills it in place instead of creating every file (what the first delta after a
+        start paid). Skipped where no refill would follow (partial mode, ``--standby-hold never``),
+        where the standby holds or is refilling something, and after a failed copy of this version
+        (its remains are removed: a full disk is not filled twice)."""
+        cur, current = self.slots.current(), self.view.current
+        if self.cfg.partial or self.release.hold is None or cur is None or current is None or self.view.standby is not None:
+            return
+        folder = self.slots.path(self.slots.standby())
+        if self._seed_failed == current or (folder / STATE_DIR / REFILL).exists() or slot_version(folder, False) is not None:
+            return
+        t0 = time.perf_counter()
+        try:
+            await asyncio.to_thread(clone, self.slots.path(cur), folder, True, self.cfg.fsync, self.stop_token.check)
+        except OSError as exc:
+            self._seed_failed = current
+            await asyncio.to_thread(shutil.rmtree, folder, True)
+            folder.mkdir(parents=True, exist_ok=True)
+            event(log, "could not copy the current version into the standby slot; the next delta creates its files",
+                  level=logging.WARNING, folder=folder, version=current, error=exc)
+            return
+        self.view, self._seeded = replace(self.view, standby=current), self.slots.standby()
+        event(log, "seeded the standby slot with a copy of the current version", folder=folder, version=current,
+              seconds=f"{time.perf_counter() - t0:.3f}")
 
     def _clear_other_mode(self, folder: Path) -> None:
         partial_state = (folder / STATE_DIR / PARTIAL_STATE).exists()

@@ -130,3 +130,30 @@ def test_refill_refuses_a_base_without_a_version_or_one_overlapping_the_folder(s
             weightsync.pull(store, o, 2, config=PULL, base_dir=b)
     assert {k: v for k, v in snapshot(out).items() if not k.startswith("inner")} == before
     assert read_state(out).version == 1
+
+
+def test_a_copy_clone_shares_no_inode_and_a_stopped_one_claims_no_version(store, traj, tmp_path):
+    """``clone(copy=True)``, the subscriber's idle seed: copies of its own (same mtimes, so the state
+    still vouches for them), refilled in place without touching the source; stopped between files,
+    it leaves no state."""
+    base, out = tmp_path / "a", tmp_path / "b"
+    weightsync.pull(store, base, 1, config=PULL)
+    before = snapshot(base)
+    clone(base, out, copy=True, fsync=True)
+    a, b = inodes(base), inodes(out)
+    assert a.keys() == b.keys() and not set(a.values()) & set(b.values())
+    assert weightsync.verify(store, out, 1) == 1
+    r = weightsync.pull(store, out, 2, config=PULL, base_dir=base)
+    assert r.written_files == 2 and inodes(out) == b and snapshot(base) == before
+    assert weightsync.pull(store, out, 2, config=PULL).written_files == 0  # the mtimes of the copies hold
+
+    calls = []
+
+    def check():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("stop")
+
+    with pytest.raises(RuntimeError):
+        clone(base, tmp_path / "c", copy=True, check=check)
+    assert read_state(tmp_path / "c") is None and len([p for p in (tmp_path / "c").rglob("*") if p.is_file()]) == 1

@@ -38,7 +38,7 @@ def test_within_the_hold_a_reader_of_the_previous_version_keeps_its_bytes(setup,
     target = tmp_path / "t"
     sub = daemons("subscriber", ["--store", store, "--target", target, "--no-fsync", "--standby-hold", 3600])
     sub.wait_version(0)
-    assert publish_and_sync(store, traj, sub, target, 1)["in_place"] is False
+    publish_and_sync(store, traj, sub, target, 1)  # into slot b, never served: refilled in place if seeded by then
     with open(shard(target, "a"), "rb") as reader:  # slot a serves version 0 no more, but is still open
         old = (traj[0] / "model.safetensors").read_bytes()
         assert publish_and_sync(store, traj, sub, target, 2)["in_place"] is False  # slot a now holds version 2
@@ -77,9 +77,11 @@ def test_a_succeeded_swap_hook_releases_the_standby_and_nothing_else_does(setup,
     weightsync.publish(traj[3], store, 3, base_dir=traj[2])
     for name, hook in (("failing", ["--hook-command", "false", "--hook-attempts", 1]), ("slow", ["--hook-command", "sleep 60"])):
         other = tmp_path / name
-        d = daemons("subscriber", ["--store", store, "--target", other, "--no-fsync", "--standby-hold", 0, "--version", 2, *hook])
+        d = daemons("subscriber", ["--store", store, "--target", other, "--no-fsync", "--standby-hold", 0, "--version", 1, *hook])
+        d.wait_version(1)
+        d.put_target(2)  # the first standby was never served: it may be refilled whatever the hook says
         d.wait_version(2)
-        d.put_target(3)
+        d.put_target(3)  # slot a served version 1
         assert d.wait_version(3)["last_sync"]["in_place"] is False
         verify_current(store, other, 3, traj[3])
 
@@ -123,3 +125,52 @@ def test_a_partial_subscriber_clears_a_slot_left_by_a_killed_refill(setup, tmp_p
     sub.wait_version(0)
     assert verify_partial(weightsync.open_repo(store), target / "current", 0) == 0
     assert not (slot / "left-by-the-refill.bin").exists() and not (slot / ".weightsync" / REFILL).exists()
+
+
+def seeded(target: Path, slot: str, version: int) -> bool:
+    from weightsync.local import read_state
+
+    state = read_state(target / "slots" / slot)
+    return state is not None and state.version == version
+
+
+def test_an_idle_subscriber_copies_the_current_version_into_an_empty_standby(setup, tmp_path, daemons):  # noqa: F811
+    """After a start the standby slot is empty; while idle the daemon gives it a copy of its own
+    (no links to the served files), so even within the hold the first delta refills it in place."""
+    store, traj = setup
+    target = tmp_path / "t"
+    sub = daemons("subscriber", ["--store", store, "--target", target, "--no-fsync", "--standby-hold", 3600])
+    sub.wait_version(0)
+    wait_for(lambda: seeded(target, "b", 0), 20, "a copy of version 0 in slot b")
+    a, b = shard(target, "a").stat(), shard(target, "b").stat()
+    assert a.st_ino != b.st_ino and a.st_nlink == b.st_nlink == 1
+    assert weightsync.verify(store, target / "slots" / "b", 0) == 0
+    assert "seeded the standby slot" in sub.log()
+    last = publish_and_sync(store, traj, sub, target, 1)
+    assert last["in_place"] is True and last["from_version"] == 0
+    assert shard(target, "b").stat().st_ino == b.st_ino  # the copy itself was rewritten
+    assert weightsync.verify(store, target / "slots" / "a", 0) == 0  # the served slot is untouched
+    # slot a served version 0: within the hold it is not written in place
+    assert publish_and_sync(store, traj, sub, target, 2)["in_place"] is False
+
+
+def test_no_copy_without_refills_and_a_killed_copy_is_redone(setup, tmp_path, daemons):  # noqa: F811
+    """With --standby-hold never no refill would follow, so the standby stays empty; files a
+    killed copy left (no state) are replaced by a whole copy."""
+    import time
+
+    store, traj = setup
+    never = tmp_path / "never"
+    sub = daemons("subscriber", ["--store", store, "--target", never, "--no-fsync", "--standby-hold", "never",
+                                 "--poll-interval", 0.05])
+    sub.wait_version(0)
+    time.sleep(1.0)  # twenty idle polls
+    assert not any((never / "slots" / "b").iterdir())
+    target = tmp_path / "t"
+    (target / "slots" / "b").mkdir(parents=True)
+    (target / "slots" / "b" / "model.safetensors").write_bytes(b"half a copy")
+    (target / "slots" / "b" / "stray.bin").write_bytes(b"x")
+    sub2 = daemons("subscriber", ["--store", store, "--target", target, "--no-fsync"])
+    sub2.wait_version(0)
+    wait_for(lambda: seeded(target, "b", 0), 20, "a copy of version 0 in slot b")
+    assert weightsync.verify(store, target / "slots" / "b", 0) == 0  # no stray file left either
