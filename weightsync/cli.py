@@ -82,7 +82,7 @@ def cmd_commit_parts(args) -> int:
 
     if args.timeout < 0:
         raise UsageError(f"--timeout must be >= 0 seconds, not {args.timeout:g}")
-    r = commit_parts(_repo(args), args.version, args.world, timeout=args.timeout)
+    r = commit_parts(_repo(args), args.version, args.world, timeout=args.timeout, allow_removed=args.allow_removed_files)
     kind = "keyframe" if r.keyframe else f"delta from {r.parent}"
     done = "was already committed" if r.already else "committed"
     print(f"version {r.version} ({kind}) {done} from {r.world} parts: {r.files} files, {human_bytes(r.raw_bytes)} -> "
@@ -318,6 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", type=int, required=True, help="the version the parts make up")
     p.add_argument("--world", type=int, required=True, help="W, the number of parts (ranks)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for all parts (default 600)")
+    p.add_argument("--allow-removed-files", action="store_true",
+                   help="commit even if no part has some file of the head version (default: refuse, nothing committed)")
     p.set_defaults(func=cmd_commit_parts)
 
     p = sub.add_parser("pull", help="create or incrementally update a folder to hold a version")

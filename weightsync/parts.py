@@ -173,11 +173,13 @@ def _write_part(repo: Repo, part: PartManifest) -> bool:
 
 
 # --- merging (pure) --------------------------------------------------------------------------------
-def merge_parts(parts: list[PartManifest], parent: Manifest | None) -> Manifest:
+def merge_parts(parts: list[PartManifest], parent: Manifest | None, allow_removed: bool = False) -> Manifest:
     """The manifest of the version the ``parts`` make up, on top of ``parent`` (the current head
     manifest, None on an empty store). Raises :class:`VersionError` for a set that does not make
     one version: a rank missing or twice, mixed worlds, versions, parents, keyframe flags or
-    chains, a parent that is not the head, a file in two parts."""
+    chains, a parent that is not the head, a file in two parts, and unless ``allow_removed`` a
+    file of the parent that no part has (a rank's file list came up short: committing would
+    serve a checkpoint without it)."""
     if not parts:
         raise VersionError("no parts to merge")
     p0 = parts[0]
@@ -212,6 +214,10 @@ def merge_parts(parts: list[PartManifest], parent: Manifest | None) -> Manifest:
         check_paths_disjoint(list(owner), what)
     except FormatError as exc:
         raise VersionError(str(exc)) from None
+    if parent is not None and not allow_removed and (gone := sorted({f.path for f in parent.files} - owner.keys())):
+        shown = ", ".join(gone[:5]) + (f" and {len(gone) - 5} more" if len(gone) > 5 else "")
+        raise VersionError(f"{what}: no rank published {shown} of version {parent.version}; nothing committed "
+                           "(commit with --allow-removed-files if the checkpoint dropped them)")
     chunks: list[ChunkRef] = []
     index: dict[ChunkRef, int] = {}
     files: list[FileEntry] = []
@@ -266,13 +272,15 @@ class CommitResult:
 
 
 def commit_parts(repo: Repo, version: int, world: int, timeout: float = 600.0, poll: float = 0.25,
-                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> CommitResult:
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+                 allow_removed: bool = False) -> CommitResult:
     """Wait (at most ``timeout`` seconds, polling up to every ``poll``) until all ``world`` parts of
     ``version`` are stored, merge them (:func:`merge_parts`) and commit the version (an empty
     location counts as a store whose ranks have not started). Nothing is committed unless every
     part is there and they agree. A part that is damaged, names another world size, or was built
-    on a parent that is no longer the head fails at once. Two committers may race: one commits,
-    the other finds the same version committed and succeeds too."""
+    on a parent that is no longer the head fails at once, and so does a set that leaves out a file
+    of the head unless ``allow_removed``. Two committers may race: one commits, the other finds the
+    same version committed and succeeds too."""
     check_world(None, world)
     if version < 0:
         raise UsageError(f"version must be a non-negative integer, not {version}")
@@ -301,7 +309,7 @@ def commit_parts(repo: Repo, version: int, world: int, timeout: float = 600.0, p
                                f"rank{'s' if len(missing) > 1 else ''} {shown}); nothing committed")
         sleep(max(0.0, min(delay, deadline - clock())))
         delay = min(2 * delay, poll)
-    manifest = merge_parts(list(parts.values()), parent)
+    manifest = merge_parts(list(parts.values()), parent, allow_removed)
     try:
         repo.commit(manifest, etag)
     except VersionError:

@@ -165,6 +165,26 @@ def test_a_version_missing_a_part_is_never_committed(sharded, tmp_path, run_cli,
     assert repo(store).versions() == [0]
 
 
+def test_a_version_without_a_file_of_the_head_is_committed_only_when_allowed(sharded, tmp_path, run_cli, ws):
+    """Rank 1's explicit --files list forgets a shard: the committer refuses (the parts stay, the
+    head does not move); --allow-removed-files commits the smaller checkpoint on purpose."""
+    store = tmp_path / "store"
+    publish_ranks(sharded[0], store, 2)
+    commit_parts(repo(store), 0, 2, timeout=5)
+    names = sorted(ws.content(sharded[1]))
+    shards = [n for n in names if n.endswith(".safetensors")]
+    publish_part(sharded[1], repo(store), 0, 2, files=sorted(set(names) - set(shards)))
+    publish_part(sharded[1], repo(store), 1, 2, files=shards[:-1])
+    head = (store / HEAD_KEY).read_bytes()
+    url = f"file://{store}"
+    rc, out, err = run_cli("commit-parts", "--store", url, "--version", 1, "--world", 2, "--timeout", 5)
+    assert rc == 1 and out == "" and f"no rank published {shards[-1]} of version 0" in ws.error_line(err)
+    assert (store / HEAD_KEY).read_bytes() == head and repo(store).versions() == [0]
+    rc, out, err = run_cli("commit-parts", "--store", url, "--version", 1, "--world", 2, "--timeout", 5, "--allow-removed-files")
+    assert rc == 0 and out.strip() == "1"
+    assert shards[-1] not in {f.path for f in repo(store).manifest(1).files}
+
+
 def test_a_part_built_on_a_stale_parent_is_refused(sharded, tmp_path):
     store = tmp_path / "store"
     publish_ranks(sharded[0], store, 2)

@@ -212,6 +212,20 @@ def test_merge_refuses_a_parent_that_is_not_the_head_in_both_directions():
         merge_parts(parts, head(4, chain=3))
 
 
+def test_merge_refuses_to_drop_a_file_of_the_head_unless_allowed():
+    """A rank's --files list that came up short would commit a checkpoint without that file."""
+    parent = replace(head(), files=(blob("r0.bin", 10, 0), blob("r1.bin", 10, 0), blob("r2.bin", 10, 0),
+                                    blob("tokenizer.json", 10, 0)))
+    parts = [part(r) for r in range(3)]
+    with pytest.raises(VersionError, match="no rank published tokenizer.json of version 4; nothing committed"):
+        merge_parts(parts, parent)
+    assert [f.path for f in merge_parts(parts, parent, allow_removed=True).files] == ["r0.bin", "r1.bin", "r2.bin"]
+    merge_parts(parts, replace(parent, files=parent.files[:3]))  # every file there: fine
+    many = replace(parent, files=tuple(blob(f"gone{i}.bin", 10, 0) for i in range(8)) + parent.files[:3])
+    with pytest.raises(VersionError, match=r"gone0.bin, gone1.bin, gone2.bin, gone3.bin, gone4.bin and 3 more"):
+        merge_parts(parts, many)
+
+
 def test_the_part_writer_agrees_with_asdict():
     import sys
     from pathlib import Path
