@@ -199,6 +199,18 @@ def wait_healthy(daemons: list[Daemon], timeout: float = 60.0) -> None:
                 time.sleep(0.1)
 
 
+def settle(subs: list[Daemon], timeout: float) -> float:
+    """Seconds until every subscriber's standby slot holds a version (after a start the daemon
+    copies the current version into its empty standby while idle, so that the next delta refills
+    it in place): the next checkpoint comes minutes later in training, not at once."""
+    t0 = time.perf_counter()
+    while any(s.get("/v1/status")["standby_version"] is None for s in subs):
+        if time.perf_counter() - t0 > timeout:
+            raise TimeoutError(f"standby slots still empty after {timeout:.0f}s")
+        time.sleep(0.05)
+    return time.perf_counter() - t0
+
+
 def wait_version(pub: Daemon, subs: list[Daemon], version: int, timeout: float) -> float:
     """perf_counter when every subscriber's status reports ``current_version == version``."""
     deadline = time.perf_counter() + timeout
@@ -301,6 +313,7 @@ def run(args: argparse.Namespace, ckpts: list[Path], work: Path) -> dict:
             pst = pub.get("/v1/status")["last_publish"]
             sst = [s.get("/v1/status")["last_sync"] for s in subs]
             t_verify = [verify(env, store, v, work / f"sub-{s}" / "current") for s in ("a", "b")]
+            t_settle = settle(subs, args.timeout) if args.standby_hold != "never" else 0.0
             row = {
                 "version": v, "keyframe": pst["keyframe"], "raw_bytes": pst["raw_bytes"], "payload_bytes": pst["payload_bytes"],
                 "uploaded_bytes": pst["uploaded_bytes"], "changed_fraction": pst["changed_fraction"],
@@ -308,13 +321,13 @@ def run(args: argparse.Namespace, ckpts: list[Path], work: Path) -> dict:
                 "fetched_bytes": [s["fetched_bytes"] for s in sst], "from_version": [s["from_version"] for s in sst],
                 "fetch_s": [s["fetch_seconds"] for s in sst], "build_s": [s["build_seconds"] for s in sst],
                 "swap_s": [s["swap_seconds"] for s in sst], "in_place": [s.get("in_place", False) for s in sst], "swapped_at_s": [s["time"] - t0_wall for s in sst],
-                "t_sync_s": t_sync, "read_s": t_read, "verify_s": t_verify, "verified": True,
+                "t_sync_s": t_sync, "read_s": t_read, "verify_s": t_verify, "verified": True, "settle_s": t_settle,
                 "cpu_s": dict(zip(("publisher", "subscriber-a", "subscriber-b", "seaweedfs"), cpu, strict=True)),
             }
             rows.append(row)
             log(f"v{v}: t_sync {t_sync:.2f}s (published at +{row['published_at_s']:.2f}s, swapped at "
                 f"{', '.join(f'+{x:.2f}s' for x in row['swapped_at_s'])}); page-cache read {t_read:.3f}s; "
-                f"uploaded {pst['uploaded_bytes'] / MiB:.1f} MiB; both verified")
+                f"uploaded {pst['uploaded_bytes'] / MiB:.1f} MiB; both verified; standby slots settled {t_settle:.2f}s later")
         return {"full_copy": full, "rows": rows}
     finally:
         for d in daemons:
@@ -397,7 +410,9 @@ def main() -> int:
           f"({len(files_of(ckpts[0]))} files), lr {LR:g}, {args.versions} versions, {os.cpu_count()} CPUs\n")
     print(tables(res, args))
     print(f"\nt_sync: COMPLETE written -> both subscribers' /v1/status report the version (daemon poll "
-          f"{args.poll:g} s, status poll 50 ms); every version then passed `weightsync verify` on both `current` folders. "
+          f"{args.poll:g} s, status poll 50 ms); every version then passed `weightsync verify` on both `current` folders, "
+          f"and the next checkpoint came once both standby slots held a version (after v0 the subscribers copy it into "
+          f"their empty standby while idle: {max(r['settle_s'] for r in res['rows'][:1]):.1f} s). "
           f"Codec: {'sparse (--fast-codec)' if args.fast_codec else 'ac'}. "
           f"Subscribers {'without' if args.no_fsync else 'with'} fsync, swap hook `true`, --standby-hold {args.standby_hold}. SeaweedFS, the publisher, both subscribers and "
           f"the boto3 baseline share {os.cpu_count()} CPUs; 1-minute load average {load0:.2f} at the start, {load1:.2f} at "

@@ -105,6 +105,24 @@ def open_daemon_repo(cfg: StoreConfig, on_retry: Callable[[str, str, Exception],
     return weightsync.open_repo(RetryingStore(store, cfg.retry, on_retry=on_retry))
 
 
+def warm_codec() -> None:
+    """Load the codec's kernels (:func:`weightsync.codec.warm_up`) on a daemon thread, so that the
+    first delta after a start does not compile them; a failure is logged, never fatal."""
+
+    def work() -> None:
+        from .codec import warm_up
+
+        t0 = time.perf_counter()
+        try:
+            warm_up()
+        except Exception as exc:  # the first delta then compiles what it needs, as before
+            event(log, "codec warm-up failed", level=logging.WARNING, error=f"{type(exc).__name__}: {exc}")
+            return
+        event(log, "codec kernels ready", seconds=f"{time.perf_counter() - t0:.2f}")
+
+    threading.Thread(target=work, name="codec-warm-up", daemon=True).start()
+
+
 # --- background loops and the app runner ---------------------------------------------------------
 def background(name: str, run: Callable[[], Awaitable[None]], stop: Callable[[], None], grace: float):
     """A ``cleanup_ctx`` entry that runs ``run()`` as a task for the application's lifetime.

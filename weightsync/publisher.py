@@ -29,7 +29,7 @@ from pathlib import Path
 import weightsync
 
 from .config import PublisherConfig
-from .daemon import Idle, StopToken, Stopped, Wait, event, iteration_failed, sleep_or_wake
+from .daemon import Idle, StopToken, Stopped, Wait, event, iteration_failed, sleep_or_wake, warm_codec
 from .errors import BaseMismatchError, UsageError, VersionError
 from .metrics import Metrics
 from .progress import human_bytes
@@ -148,6 +148,7 @@ class Publisher:
     async def run(self) -> None:
         self._lock = self._lock or asyncio.Lock()
         self._wake = asyncio.Event()
+        warm_codec()
         self.cfg.state_dir.mkdir(parents=True, exist_ok=True)
         while not self.stop_token.is_set:
             await sleep_or_wake(self._wake, await self._iteration(), self.stop_token)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .config import SubscriberConfig
-from .daemon import Idle, StopToken, Stopped, Wait, event, iteration_failed, sleep_or_wake
+from .daemon import Idle, StopToken, Stopped, Wait, event, iteration_failed, sleep_or_wake, warm_codec
 from .errors import ChecksumError, UsageError, VersionError, WeightsyncError
 from .hooks import HookRunner
 from .integrity import verify_folder
@@ -266,6 +266,7 @@ class Subscriber:
     # -- the loop ---------------------------------------------------------------------------------
     async def run(self) -> None:
         self._wake = asyncio.Event()
+        warm_codec()
         await asyncio.to_thread(self._startup)
         try:
             while not self.stop_token.is_set:

@@ -295,13 +295,15 @@ def test_two_subscribers_converge_pin_roll_back_and_forward_hooks_fleet_sigterm(
 
 
 def test_standby_is_seeded_from_current_so_each_sync_fetches_one_delta(tmp_path, daemons):
-    """After a fresh start the standby slot is empty: it is filled from the current slot by hard
-    links, so the next version costs one delta, not a full download (nor two deltas later)."""
+    """After a fresh start the standby slot is empty: it is filled from the current slot (a copy
+    while idle, else hard links), so the next version costs one delta, not a full download (nor
+    two deltas later). The codec's kernels are loaded at start, before any delta."""
     store = f"file://{tmp_path / 'store'}"
     traj = make_trajectory(tmp_path / "traj", steps=3, hidden=64, layers=1, experts=2, vocab=512)
     weightsync.publish(traj[0], store, 0)
     sub = daemons("subscriber", ["--store", store, "--target", tmp_path / "t", "--no-fsync"])
     full = sub.wait_version(0)["last_sync"]["fetched_bytes"]
+    wait_for(lambda: "codec kernels ready" in sub.log(), 60, "the codec warm-up")
     for v in (1, 2, 3):
         weightsync.publish(traj[v], store, v, base_dir=traj[v - 1])
         last = sub.wait_version(v)["last_sync"]
