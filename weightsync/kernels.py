@@ -98,5 +98,8 @@ def apply_sparse(out: np.ndarray, gaps: np.ndarray, gap_width: int, vals: np.nda
     the old values) while their positions stay below ``end``; returns the next change and the last
     position applied (-1 before any). ``gaps`` and ``vals`` are the decompressed byte planes (gap
     widths of ``gap_width`` bytes, zigzag codes of the element width); no arrays of positions or
-    differences are built. ``end`` must not exceed ``out.size``."""
+    differences are built."""
+    n = gaps.size // gap_width if gap_width in (1, 2, 4) else -1
+    if n < 0 or gaps.size != n * gap_width or vals.size != n * out.itemsize or not 0 <= k <= n or not -1 <= pos < end <= out.size:
+        raise ValueError("apply_sparse: planes, position or end do not fit the output")  # the kernel does not check bounds
     return _apply_sparse(out, gaps, gap_width, vals, k, pos, end)

@@ -307,9 +307,9 @@ def clone(src: Path, dst: Path, copy: bool = False, fsync: bool = False, check: 
     Links are safe because weightsync never writes into a file with other links: an update renames
     new files over old names, and a refill in place (:func:`open_in_place`) replaces a linked file
     by a new one, so two folders sharing inodes never see each other change. ``dst`` is emptied
-    first and gets its state last, so a kill, or ``check`` raising between files, leaves it
-    without state (a folder to clear), never claiming a version it does not hold. ``fsync``: the
-    copies are on disk before the state claims them.
+    first and gets its state last, so a kill, or ``check`` raising (it is called between pieces of
+    64 MiB), leaves it without state (a folder to clear), never claiming a version it does not
+    hold. ``fsync``: the copies are on disk before the state claims them.
     """
     state = read_state(src)
     if state is None:
@@ -326,14 +326,41 @@ def clone(src: Path, dst: Path, copy: bool = False, fsync: bool = False, check: 
                 continue
             except OSError:
                 pass  # another file system, or links not allowed: copy
-        shutil.copy2(src / rel, dst / rel)  # keeps the mtime that state.json records
-        if fsync:
-            with open(dst / rel, "rb") as f:
-                os.fsync(f.fileno())
+        _copy_file(src / rel, dst / rel, fsync, check)
     if fsync:
         for d in {(dst / rel).parent for rel in state.files}:
             fsync_dir(d)
     write_json_atomic(state_dir(dst) / "state.json", {"version": state.version, "store": state.store, "files": state.files})
+
+
+def _copy_file(src: Path, dst: Path, fsync: bool, check: Callable[[], None] | None, piece: int = 64 << 20) -> None:
+    """Copy ``src`` to ``dst`` in the kernel (``copy_file_range``; reads and writes where that is
+    not supported) piece by piece, calling ``check`` before each, then its mode and mtime (which
+    state.json records)."""
+    with open(src, "rb") as fi, open(dst, "wb") as fo:
+        size, done = os.fstat(fi.fileno()).st_size, 0
+        kernel = hasattr(os, "copy_file_range")
+        while done < size:
+            if check:
+                check()
+            n = min(piece, size - done)
+            if kernel:
+                try:
+                    n = os.copy_file_range(fi.fileno(), fo.fileno(), n)
+                except OSError:
+                    kernel = False  # another file system type, an old kernel: copy through memory
+                    continue
+            else:
+                n = fo.write(fi.read(n))
+            if n == 0:
+                break
+            done += n
+        fo.flush()
+        if os.fstat(fo.fileno()).st_size != size:
+            raise OSError(f"{src} changed size while being copied to {dst}")
+        if fsync:
+            os.fsync(fo.fileno())
+    shutil.copystat(src, dst)
 
 
 def adopt(folder: Path, manifest: Manifest, source: Path, store_url: str) -> None:

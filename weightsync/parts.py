@@ -216,8 +216,9 @@ def merge_parts(parts: list[PartManifest], parent: Manifest | None, allow_remove
         raise VersionError(str(exc)) from None
     if parent is not None and not allow_removed and (gone := sorted({f.path for f in parent.files} - owner.keys())):
         shown = ", ".join(gone[:5]) + (f" and {len(gone) - 5} more" if len(gone) > 5 else "")
-        raise VersionError(f"{what}: no rank published {shown} of version {parent.version}; nothing committed "
-                           "(commit with --allow-removed-files if the checkpoint dropped them)")
+        raise VersionError(f"{what}: no rank published {shown} of version {parent.version}; nothing committed. "
+                           f"Parts are create-only: publish every rank again as version {version + 1} with the "
+                           "missing files, or commit with --allow-removed-files if the checkpoint dropped them")
     chunks: list[ChunkRef] = []
     index: dict[ChunkRef, int] = {}
     files: list[FileEntry] = []
@@ -364,7 +365,7 @@ def _already(repo: Repo, version: int, world: int, head: int, t0: float, clock) 
                            "any more (collected by gc?): cannot tell whether it was merged from them")
     parent = None if stored.parent is None else repo.manifest(stored.parent)
     try:
-        merged = merge_parts(list(parts.values()), parent)
+        merged = merge_parts(list(parts.values()), parent, allow_removed=True)  # whoever committed decided that
     except VersionError as exc:
         raise VersionError(f"version {version} already exists in {repo.url}, not merged from its parts ({exc})") from None
     same = lambda m: (m.parent, m.keyframe, m.files, m.chunks)  # noqa: E731

@@ -16,6 +16,9 @@ overwritten in place only once nothing should read it any more:
 
 and never when ``hold`` is None. Files the slot shares with the current one (hard links from a
 seed by :func:`weightsync.local.clone`) are always replaced by new files, never written through.
+One exception to the release rule lives in the subscriber: a copy of the current version that it
+made into an empty standby while idle has never been served, so it is refilled in place whatever
+the hook or hold says (until the next flip).
 """
 
 from __future__ import annotations

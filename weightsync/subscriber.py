@@ -55,6 +55,10 @@ LATEST = "latest"
 Target = int | str  # a version, or "latest"
 
 
+class _SeedInterrupted(Exception):
+    """The idle copy into the standby slot gave way to other work."""
+
+
 # --- planning (pure) -----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class View:
@@ -187,6 +191,7 @@ class Subscriber:
         self._store_ok = False
         self._seed_failed: int | None = None  # the current version a standby copy failed for (not retried)
         self._seeded: str | None = None  # the standby slot holding that copy, until the next flip: never served
+        self._seed_poll = 0.0  # when the copy next asks the store for its head
 
     # -- control (called by the API) --------------------------------------------------------------
     def request_stop(self) -> None:
@@ -300,18 +305,19 @@ class Subscriber:
             self.metrics.latest_version.set(-1 if head is None else head)
             action = plan_next(self.view, head, self.target, self.clock())
             self.reason = action.reason
+            interrupted = False
             if isinstance(action, Sync):
                 await self._sync(action.version)
             else:
                 self.state = "serving" if isinstance(action, Idle) and self.ready else "waiting"
                 if isinstance(action, Idle):
-                    await self._seed_standby()
+                    interrupted = await self._seed_standby()
             await self._update_lag()
             await self._write_ledger()
             self._errors = 0
             if isinstance(action, Idle):
                 self.last_error = None
-            return self._next_delay()
+            return 0.0 if interrupted else self._next_delay()  # an interrupted copy: at once to what interrupted it
         except Stopped:
             return 0.0
         except Exception as exc:  # logged, counted, backed off; the loop goes on
@@ -343,9 +349,9 @@ class Subscriber:
             raise Stopped("stopping before the swap; the standby slot keeps the new version")
         self.state = "swapping"
         t0 = time.perf_counter()
+        self._seeded = None  # before the flip: a flip that fails late may already have switched `current`
         await asyncio.to_thread(self.slots.flip, standby)
         pause = time.perf_counter() - t0
-        self._seeded = None
         swap = self.release.swapped()
         self.view = View(version, self.view.current)
         self._after_swap(result, folder, pause, swap)
@@ -400,31 +406,54 @@ class Subscriber:
         event(log, "seeding the standby slot from the current version", folder=folder, version=current)
         clone(self.slots.path(cur), folder)
 
-    async def _seed_standby(self) -> None:
+    async def _seed_standby(self) -> bool:
         """While idle, give an empty standby slot a copy of the current version, so that the next
         delta refills it in place instead of creating every file (what the first delta after a
         start paid). Skipped where no refill would follow (partial mode, ``--standby-hold never``),
         where the standby holds or is refilling something, and after a failed copy of this version
-        (its remains are removed: a full disk is not filled twice)."""
+        (its remains are removed: a full disk is not filled twice). Returns True when the copy gave
+        way to other work (:meth:`_seed_check`); it is redone when idle again."""
         cur, current = self.slots.current(), self.view.current
         if self.cfg.partial or self.release.hold is None or cur is None or current is None or self.view.standby is not None:
-            return
+            return False
         folder = self.slots.path(self.slots.standby())
         if self._seed_failed == current or (folder / STATE_DIR / REFILL).exists() or slot_version(folder, False) is not None:
-            return
-        t0 = time.perf_counter()
+            return False
+        t0, self._seed_poll = time.perf_counter(), time.monotonic() + self.cfg.poll_interval
         try:
-            await asyncio.to_thread(clone, self.slots.path(cur), folder, True, self.cfg.fsync, self.stop_token.check)
+            await asyncio.to_thread(clone, self.slots.path(cur), folder, True, self.cfg.fsync, self._seed_check)
+        except _SeedInterrupted as exc:  # the loop has other work: the copy is redone when idle again
+            await asyncio.to_thread(shutil.rmtree, folder, True)
+            folder.mkdir(parents=True, exist_ok=True)
+            event(log, f"stopped copying the current version into the standby slot: {exc}", folder=folder, version=current)
+            return True
         except OSError as exc:
             self._seed_failed = current
             await asyncio.to_thread(shutil.rmtree, folder, True)
             folder.mkdir(parents=True, exist_ok=True)
             event(log, "could not copy the current version into the standby slot; the next delta creates its files",
                   level=logging.WARNING, folder=folder, version=current, error=exc)
-            return
+            return False
         self.view, self._seeded = replace(self.view, standby=current), self.slots.standby()
         event(log, "seeded the standby slot with a copy of the current version", folder=folder, version=current,
               seconds=f"{time.perf_counter() - t0:.3f}")
+        return False
+
+    def _seed_check(self) -> None:
+        """Called between 64 MiB pieces of the standby copy (worker thread): a stop, an API request
+        (the wake event) or a new head (polled every poll interval) ends the copy, so it never
+        holds up a sync."""
+        self.stop_token.check()
+        if self._wake is not None and self._wake.is_set():
+            raise _SeedInterrupted("a request came in")
+        if time.monotonic() >= self._seed_poll:
+            self._seed_poll = time.monotonic() + self.cfg.poll_interval
+            try:
+                head = self.repo.head_version()
+            except WeightsyncError:
+                return  # the loop reports store errors; the copy goes on
+            if head != self.latest:
+                raise _SeedInterrupted(f"version {head} was published")
 
     def _clear_other_mode(self, folder: Path) -> None:
         partial_state = (folder / STATE_DIR / PARTIAL_STATE).exists()

@@ -183,6 +183,10 @@ def test_a_version_without_a_file_of_the_head_is_committed_only_when_allowed(sha
     rc, out, err = run_cli("commit-parts", "--store", url, "--version", 1, "--world", 2, "--timeout", 5, "--allow-removed-files")
     assert rc == 0 and out.strip() == "1"
     assert shards[-1] not in {f.path for f in repo(store).manifest(1).files}
+    # a second committer (a re-run, or one that lost the race) finds it committed, with or without the flag
+    for extra in ([], ["--allow-removed-files"]):
+        rc, out, err = run_cli("commit-parts", "--store", url, "--version", 1, "--world", 2, "--timeout", 5, *extra)
+        assert rc == 0 and out.strip() == "1" and "was already committed" in err, err
 
 
 def test_a_part_built_on_a_stale_parent_is_refused(sharded, tmp_path):

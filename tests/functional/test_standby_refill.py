@@ -161,10 +161,10 @@ def test_no_copy_without_refills_and_a_killed_copy_is_redone(setup, tmp_path, da
 
     store, traj = setup
     never = tmp_path / "never"
-    sub = daemons("subscriber", ["--store", store, "--target", never, "--no-fsync", "--standby-hold", "never",
-                                 "--poll-interval", 0.05])
+    sub = daemons("subscriber", ["--store", store, "--target", never, "--no-fsync", "--standby-hold", "never"])
     sub.wait_version(0)
-    time.sleep(1.0)  # twenty idle polls
+    time.sleep(1.0)  # about ten idle polls (the fixture's --poll-interval 0.1)
+    assert sub.status()["standby_version"] is None and "standby slot" not in sub.log()
     assert not any((never / "slots" / "b").iterdir())
     target = tmp_path / "t"
     (target / "slots" / "b").mkdir(parents=True)
@@ -174,3 +174,45 @@ def test_no_copy_without_refills_and_a_killed_copy_is_redone(setup, tmp_path, da
     sub2.wait_version(0)
     wait_for(lambda: seeded(target, "b", 0), 20, "a copy of version 0 in slot b")
     assert weightsync.verify(store, target / "slots" / "b", 0) == 0  # no stray file left either
+
+
+def test_an_idle_copy_gives_way_to_a_new_head_a_request_or_a_stop(setup, tmp_path, monkeypatch):
+    """In process, with 64 MiB pieces shrunk to 1 KiB: the copy asks between pieces whether other
+    work came (a new head, polled every poll interval; the API's wake; a stop), and if so removes
+    what it copied and returns at once; when idle again it copies the whole version."""
+    import asyncio
+    import functools
+
+    from prometheus_client import CollectorRegistry
+
+    import weightsync.local as local
+    from weightsync.config import Identity, StoreConfig, SubscriberConfig
+    from weightsync.daemon import Stopped
+    from weightsync.metrics import Metrics
+    from weightsync.subscriber import Subscriber
+
+    store, traj = setup
+    monkeypatch.setattr(local, "_copy_file", functools.partial(local._copy_file, piece=1024))
+    cfg = SubscriberConfig(StoreConfig(store), tmp_path / "t", Identity("s1"), poll_interval=1e-6, fsync=False)
+    sub = Subscriber(cfg, weightsync.open_repo(store), Metrics(CollectorRegistry(), "subscriber", subscriber="s1"))
+    standby = tmp_path / "t" / "slots" / "b"
+
+    async def main():
+        sub._wake = asyncio.Event()
+        await asyncio.to_thread(sub._startup)
+        await sub._iteration()  # pulls version 0 into slot a and swaps; the standby stays empty
+        assert sub.view.current == 0 and sub.view.standby is None and not any(standby.iterdir())
+        weightsync.publish(traj[1], store, 1, base_dir=traj[0])  # the head moves: sub.latest is still 0
+        assert await sub._seed_standby() is True and not any(standby.iterdir())
+        sub.latest = 1
+        sub._wake.set()  # an API request
+        assert await sub._seed_standby() is True and not any(standby.iterdir())
+        sub._wake.clear()
+        sub.stop_token.set()
+        with pytest.raises(Stopped):
+            await sub._seed_standby()
+        sub.stop_token = type(sub.stop_token)()
+        assert await sub._seed_standby() is False and sub.view.standby == 0
+        assert weightsync.verify(store, standby, 0) == 0
+
+    asyncio.run(main())

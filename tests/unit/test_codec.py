@@ -637,14 +637,15 @@ SPARSE_ATTACKS = {
 }
 
 
+@pytest.mark.parametrize("slice_bytes", [6, 512 << 10])
 @pytest.mark.parametrize("attack", sorted(SPARSE_ATTACKS))
-def test_hostile_sparse_block_is_a_format_error(attack):
+def test_hostile_sparse_block_is_a_format_error(attack, slice_bytes):
     kwargs = dict(SPARSE_ATTACKS[attack])
     block = _sparse_block(**kwargs)
     if attack == "gap width 3":
         block = block[:4] + b"\x03" + block[5:]
     old = raw(np.arange(8, dtype="<u2"))
-    with pytest.raises(FormatError):
+    with pytest.raises(FormatError), slices_of(slice_bytes):  # also across slices of 3 elements
         _decode("sparse", _sparse_payload(block), old, 16)
 
 
