@@ -115,12 +115,23 @@ class PublisherConfig:
     api: ApiConfig = field(default_factory=ApiConfig)
     log: LogConfig = field(default_factory=LogConfig)
     grace: float = 30.0  # seconds to let a publish in flight finish on SIGTERM
+    rank: int | None = None  # rank mode: publish this rank's part of each version (weightsync.parts)
+    world: int = 1  # ... of this many ranks
+    commit: bool = False  # ... and merge and commit the version once every part is stored
+    commit_timeout: float = 600.0  # seconds the committer waits for the other ranks' parts
 
     def __post_init__(self) -> None:
         _positive("poll interval", self.poll_interval)
         _positive("stale-after", self.stale_after)
         if not self.marker or "/" in self.marker or self.marker in (".", ".."):
             raise UsageError(f"marker must be a plain file name, got {self.marker!r}")
+        if self.rank is None and (self.world != 1 or self.commit):
+            raise UsageError("--world and --commit need --rank (the publisher's rank of the world)")
+        if self.rank is not None:
+            from .parts import check_world
+
+            check_world(self.rank, self.world)
+            _positive("commit timeout", self.commit_timeout)
 
 
 @dataclass(frozen=True)
@@ -227,6 +238,13 @@ def add_publisher_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=32, help="chunks in flight (default 32)")
     p.add_argument("--fast-codec", action="store_true",
                    help="code deltas with 'sparse' (about 5x faster, ~1.5x larger) instead of the arithmetic coder")
+    p.add_argument("--rank", type=int, help="publish only this rank's part of each version (with --world; "
+                   "the safetensors files round-robin by sorted path, every other file on rank 0)")
+    p.add_argument("--world", type=int, default=1, help="the number of rank publishers (default 1)")
+    p.add_argument("--commit", action="store_true", help="with --rank: also merge and commit each version once all "
+                   "its parts are stored (one rank, or several: they commit once)")
+    p.add_argument("--commit-timeout", type=float, default=600.0,
+                   help="seconds the committer waits for the other ranks' parts (default 600)")
 
 
 def add_subscriber_args(p: argparse.ArgumentParser) -> None:
@@ -327,6 +345,10 @@ def publisher_config(args, environ: Mapping[str, str] = os.environ) -> Publisher
         api=_api(args, environ),
         log=LogConfig(args.log_json, args.log_level),
         grace=args.grace,
+        rank=args.rank,
+        world=args.world,
+        commit=args.commit,
+        commit_timeout=args.commit_timeout,
     )
 
 

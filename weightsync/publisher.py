@@ -32,6 +32,7 @@ from .config import PublisherConfig
 from .daemon import Idle, StopToken, Stopped, Wait, event, iteration_failed, sleep_or_wake, warm_codec
 from .errors import BaseMismatchError, UsageError, VersionError
 from .metrics import Metrics
+from .parts import commit_parts, publish_part
 from .progress import human_bytes
 from .publishing import PublishConfig, PublishResult
 from .repo import Repo
@@ -126,6 +127,7 @@ class Publisher:
         self._wake: asyncio.Event | None = None
         self._failed: tuple[int, int, float] | None = None  # step, failures, retry_at
         self._errors = 0
+        self._part: int | None = None  # rank mode: the version whose part this rank stored, not yet committed
 
     def request_stop(self) -> None:
         self.stop_token.set()
@@ -143,6 +145,7 @@ class Publisher:
             "cluster": self.cfg.identity.cluster, "store": self.repo.url, "watch_dir": str(self.cfg.watch_dir),
             "head_version": self.head, "pending": self.pending, "state": self.state, "reason": self.reason,
             "last_publish": self.last_publish, "last_error": self.last_error,
+            "rank": self.cfg.rank, "world": self.cfg.world, "part_stored": self._part,
         }
 
     async def run(self) -> None:
@@ -157,11 +160,20 @@ class Publisher:
         try:
             candidates = await asyncio.to_thread(scan, self.cfg.watch_dir, self.cfg.marker)
             self.head = await asyncio.to_thread(self.repo.head_version)
+            if self._part is not None and self.head is not None and self.head >= self._part:
+                self._part = None  # committed (by this rank or another)
             self.pending = [c.step for c in candidates if self.head is None or c.step > self.head]
             failed_step, _, retry_at = self._failed or (None, 0, 0.0)
             action = plan_publish(candidates, self.head, self.clock(), self.cfg.stale_after, failed_step, retry_at)
             self.reason = f"publishing checkpoint {action.candidate.step}" if isinstance(action, Publish) else action.reason
             self._errors = 0
+            if isinstance(action, Publish) and action.candidate.step == self._part:  # rank mode, part stored
+                if not self.cfg.commit:
+                    self.state = "waiting"
+                    self.reason = f"part {self.cfg.rank} of version {self._part} stored; waiting for its commit"
+                    return self.cfg.poll_interval
+                await self._guarded(self._part, "committing", self._commit_blocking, self._part)
+                return 0.0
             if not isinstance(action, Publish):
                 self.state = "idle" if isinstance(action, Idle) else "waiting"
                 return self.cfg.poll_interval
@@ -177,12 +189,20 @@ class Publisher:
 
     async def publish_folder(self, path: Path, version: int | None, base: Path | None = None) -> PublishResult:
         """Publish ``path`` as ``version`` (default: its step if above the head, else head + 1)."""
+        result = await self._guarded(version, "publishing", self._publish_blocking, path, version, base)
+        if self.cfg.rank is None:
+            self.head = max(self.head or -1, result.version)
+        self._record(path, result)
+        return result
+
+    async def _guarded(self, step: int | None, state: str, fn, *args):
+        """Run ``fn(*args)`` on a worker thread under the publish lock; a failure is counted and
+        backs off the retries of ``step``."""
         self._lock = self._lock or asyncio.Lock()
         async with self._lock:
-            self.state = "publishing"
-            step = version
+            self.state = state
             try:
-                result = await asyncio.to_thread(self._publish_blocking, path, version, base)
+                result = await asyncio.to_thread(fn, *args)
             except (Stopped, asyncio.CancelledError):
                 raise
             except Exception:
@@ -193,21 +213,43 @@ class Publisher:
                 self.state = "error"
                 raise
             self._failed = None
-            self.head = max(self.head or -1, result.version)
-            self._record(path, result)
             self.state = "idle"
             return result
 
     def _publish_blocking(self, path: Path, version: int | None, base: Path | None) -> PublishResult:
         cfg, cache = self.cfg.publish, self.cache_dir
         check = self.stop_token.check
+        if self.cfg.rank is None:
+            run = lambda b: weightsync.publish(path, self.repo, version, config=cfg, base_dir=b, cache_dir=cache, progress=check)  # noqa: E731
+        else:
+            run = lambda b: publish_part(path, self.repo, self.cfg.rank, self.cfg.world, version=version, config=cfg,  # noqa: E731
+                                         base_dir=b, cache_dir=cache, progress=check)
+        result = None
         if base is not None:
             try:
-                return weightsync.publish(path, self.repo, version, config=cfg, base_dir=base, cache_dir=cache, progress=check)
+                result = run(base)
             except BaseMismatchError as exc:
                 event(log, "previous checkpoint differs from the head version; using the cache", logging.WARNING,
                       base=base, error=str(exc))
-        return weightsync.publish(path, self.repo, version, config=cfg, cache_dir=cache, progress=check)
+        result = result or run(None)
+        if self.cfg.rank is not None:
+            self._part = result.version
+            if self.cfg.commit:
+                self._commit_blocking(result.version)
+        return result
+
+    def _commit_blocking(self, version: int) -> None:
+        """Rank mode with --commit: wait for every part of ``version``, merge and commit it."""
+
+        def sleep(seconds: float) -> None:
+            self.stop_token.check()
+            time.sleep(seconds)
+
+        r = commit_parts(self.repo, version, self.cfg.world, timeout=self.cfg.commit_timeout, sleep=sleep)
+        self._part = None
+        self.head = max(self.head or -1, r.version)
+        event(log, f"{'found' if r.already else 'committed'} version {r.version} from {r.world} parts", version=r.version,
+              files=r.files, size=human_bytes(r.raw_bytes), stored=human_bytes(r.payload_bytes), seconds=f"{r.seconds:.3f}")
 
     def _record(self, path: Path, r: PublishResult) -> None:
         self.metrics.observe_publish(r)
@@ -216,7 +258,8 @@ class Publisher:
         self.last_error = None
         s = r.seconds
         kind = "keyframe" if r.keyframe else f"delta from {r.parent}"
-        event(log, f"published version {r.version}", version=r.version, kind=kind, size=human_bytes(r.raw_bytes),
+        what = f"part {self.cfg.rank} of {self.cfg.world} of version {r.version}" if self.cfg.rank is not None else f"version {r.version}"
+        event(log, f"published {what}", version=r.version, kind=kind, size=human_bytes(r.raw_bytes),
               stored=human_bytes(r.payload_bytes), ratio=f"{r.ratio:.1f}x", changed=f"{100 * r.changed_fraction:.2f}%",
               uploaded=human_bytes(r.uploaded_bytes), **{f"{k}_s": f"{v:.3f}" for k, v in s.items()})
 

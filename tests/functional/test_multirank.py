@@ -17,10 +17,11 @@ import pytest
 
 import weightsync
 from procs import finish, spawn_cli
+from test_daemons import daemons, wait_for  # noqa: F401  (daemons is a fixture)
 from weightsync.errors import StoreError, VersionError
 from weightsync.format import HEAD_KEY, PARTS_PREFIX, chunk_key, part_key, parts_prefix, version_key
 from weightsync.gc import GcConfig, gc
-from weightsync.parts import commit_parts, publish_part
+from weightsync.parts import assign_files, commit_parts, publish_part
 from weightsync.publishing import PublishConfig
 from weightsync.store import FileStore
 from weightsync.synth import make_trajectory
@@ -399,3 +400,47 @@ def test_a_rank_whose_chunks_gc_took_before_its_part_writes_no_part(sharded, tmp
     with pytest.raises(VersionError, match="deleted before its commit"):
         publish_part(sharded[1], repo(store), 0, 2, config=PublishConfig(refresh_after=0))
     assert list(FileStore(store).list(parts_prefix(1))) == []
+
+
+# --- publisher daemons in rank mode ----------------------------------------------------------------------
+def test_rank_publisher_daemons_publish_parts_and_one_commits_each_version(sharded, tmp_path, daemons, ws):  # noqa: F811
+    """Three publisher daemons watch one checkpoint folder with --rank R --world 3; rank 2 commits.
+    Each publishes only its files, a rank whose part is stored waits for the commit before the next
+    checkpoint, and every version equals the checkpoint byte for byte."""
+    store, watch = tmp_path / "store", tmp_path / "watch"
+    watch.mkdir()
+    url = f"file://{store}"
+    pubs = [daemons("publisher", ["--store", url, "--watch", watch, "--state-dir", tmp_path / f"state{r}", "--rank", r,
+                                  "--world", 3, *(["--commit", "--commit-timeout", 60] if r == 2 else [])])
+            for r in range(3)]
+    for v, ckpt in enumerate(sharded[:3]):
+        shutil.copytree(ckpt, watch / f"step_{v:06d}")
+        (watch / f"step_{v:06d}" / "COMPLETE").write_text("")
+        wait_for(lambda: repo(store).head_version() == v, 60, f"version {v}\n" + "\n".join(p.log() for p in pubs))
+        weightsync.pull(repo(store), tmp_path / "out", v)
+        ws.assert_replica(tmp_path / "out", ckpt)
+    m = repo(store).manifest(2)
+    assert not m.keyframe and m.parent == 1
+    owned = {r: set(assign_files([f.path for f in m.files], r, 3)) for r in range(3)}
+    for r, p in enumerate(pubs):
+        assert f"published part {r} of 3 of version 2" in p.log()
+        s = wait_for(lambda p=p: (s := p.status())["head_version"] == 2 and s["part_stored"] is None and s, 20, "status")
+        assert s["rank"] == r and s["world"] == 3 and set(s["last_publish"]["files"]) == owned[r]
+    assert "committed version 2 from 3 parts" in pubs[2].log()
+
+
+def test_a_rank_publisher_without_the_committer_waits_and_bad_rank_options_are_refused(sharded, tmp_path, daemons, run_cli, ws):  # noqa: F811
+    store, watch = tmp_path / "store", tmp_path / "watch"
+    watch.mkdir()
+    shutil.copytree(sharded[0], watch / "step_000000")
+    (watch / "step_000000" / "COMPLETE").write_text("")
+    pub = daemons("publisher", ["--store", f"file://{store}", "--watch", watch, "--state-dir", tmp_path / "s", "--rank", 1, "--world", 2])
+    s = wait_for(lambda: (s := pub.status())["part_stored"] == 0 and s["state"] == "waiting" and s, 30, "the part")
+    assert "part 1 of version 0 stored; waiting for its commit" in s["reason"] and repo(store).head_version() is None
+    publish_part(sharded[0], repo(store), 0, 2)
+    commit_parts(repo(store), 0, 2, timeout=5)  # another process commits: the daemon sees the head move
+    wait_for(lambda: pub.status()["part_stored"] is None and pub.status()["head_version"] == 0, 20, "the commit seen")
+    for args, message in ((["--rank", 2, "--world", 2], "rank must be in 0..1"), (["--world", 2], "need --rank"),
+                          (["--commit"], "need --rank"), (["--rank", 0, "--world", 0], "world size must be in")):
+        rc, out, err = run_cli("publisher", "--store", f"file://{store}", "--watch", watch, *args)
+        assert rc == 2 and message in ws.error_line(err), (args, err)

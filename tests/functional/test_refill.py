@@ -157,3 +157,26 @@ def test_a_copy_clone_shares_no_inode_and_a_stopped_one_claims_no_version(store,
     with pytest.raises(RuntimeError):
         clone(base, tmp_path / "c", copy=True, check=check)
     assert read_state(tmp_path / "c") is None and len([p for p in (tmp_path / "c").rglob("*") if p.is_file()]) == 1
+
+
+def test_a_copy_falls_back_to_reads_and_writes_where_the_kernel_copy_fails(tmp_path, monkeypatch):
+    """``copy_file_range`` refused after its first piece (another file system type, an old
+    kernel): the rest goes through memory, byte for byte, with the source's mtime."""
+    import os
+
+    import weightsync.local as local
+
+    src, dst = tmp_path / "src.bin", tmp_path / "dst.bin"
+    src.write_bytes(os.urandom(5 * 1024 + 7))
+    real, calls = os.copy_file_range, []
+
+    def refusing(*args):
+        calls.append(1)
+        if len(calls) > 1:
+            raise OSError(18, "Invalid cross-device link")
+        return real(*args)
+
+    monkeypatch.setattr(os, "copy_file_range", refusing)
+    local._copy_file(src, dst, True, None, piece=1024)
+    assert dst.read_bytes() == src.read_bytes() and len(calls) == 2
+    assert dst.stat().st_mtime_ns == src.stat().st_mtime_ns
