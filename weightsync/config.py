@@ -119,14 +119,15 @@ class PublisherConfig:
     world: int = 1  # ... of this many ranks
     commit: bool = False  # ... and merge and commit the version once every part is stored
     commit_timeout: float = 600.0  # seconds the committer waits for the other ranks' parts
+    own_files: bool = False  # ... every file of the folder is this rank's (no shared listing)
 
     def __post_init__(self) -> None:
         _positive("poll interval", self.poll_interval)
         _positive("stale-after", self.stale_after)
         if not self.marker or "/" in self.marker or self.marker in (".", ".."):
             raise UsageError(f"marker must be a plain file name, got {self.marker!r}")
-        if self.rank is None and (self.world != 1 or self.commit):
-            raise UsageError("--world and --commit need --rank (the publisher's rank of the world)")
+        if self.rank is None and (self.world != 1 or self.commit or self.own_files):
+            raise UsageError("--world, --commit and --own-files need --rank (the publisher's rank of the world)")
         if self.rank is not None:
             from .parts import check_world
 
@@ -245,6 +246,8 @@ def add_publisher_args(p: argparse.ArgumentParser) -> None:
                    "its parts are stored (one rank, or several: they commit once)")
     p.add_argument("--commit-timeout", type=float, default=600.0,
                    help="seconds the committer waits for the other ranks' parts (default 600)")
+    p.add_argument("--own-files", action="store_true",
+                   help="with --rank: every file of each checkpoint folder is this rank's (ranks with folders of their own)")
 
 
 def add_subscriber_args(p: argparse.ArgumentParser) -> None:
@@ -349,6 +352,7 @@ def publisher_config(args, environ: Mapping[str, str] = os.environ) -> Publisher
         world=args.world,
         commit=args.commit,
         commit_timeout=args.commit_timeout,
+        own_files=args.own_files,
     )
 
 

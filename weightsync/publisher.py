@@ -28,6 +28,7 @@ from pathlib import Path
 
 import weightsync
 
+from .checkpoint import scan_checkpoint
 from .config import PublisherConfig
 from .daemon import Idle, StopToken, Stopped, Wait, event, iteration_failed, sleep_or_wake, warm_codec
 from .errors import BaseMismatchError, UsageError, VersionError
@@ -222,8 +223,9 @@ class Publisher:
         if self.cfg.rank is None:
             run = lambda b: weightsync.publish(path, self.repo, version, config=cfg, base_dir=b, cache_dir=cache, progress=check)  # noqa: E731
         else:
-            run = lambda b: publish_part(path, self.repo, self.cfg.rank, self.cfg.world, version=version, config=cfg,  # noqa: E731
-                                         base_dir=b, cache_dir=cache, progress=check)
+            files = [f.path for f in scan_checkpoint(path, cfg.ignore)] if self.cfg.own_files else None
+            run = lambda b: publish_part(path, self.repo, self.cfg.rank, self.cfg.world, files, version=version,  # noqa: E731
+                                         config=cfg, base_dir=b, cache_dir=cache, progress=check)
         result = None
         if base is not None:
             try:

@@ -441,6 +441,29 @@ def test_a_rank_publisher_without_the_committer_waits_and_bad_rank_options_are_r
     commit_parts(repo(store), 0, 2, timeout=5)  # another process commits: the daemon sees the head move
     wait_for(lambda: pub.status()["part_stored"] is None and pub.status()["head_version"] == 0, 20, "the commit seen")
     for args, message in ((["--rank", 2, "--world", 2], "rank must be in 0..1"), (["--world", 2], "need --rank"),
+                          (["--own-files"], "need --rank"),
                           (["--commit"], "need --rank"), (["--rank", 0, "--world", 0], "world size must be in")):
         rc, out, err = run_cli("publisher", "--store", f"file://{store}", "--watch", watch, *args)
         assert rc == 2 and message in ws.error_line(err), (args, err)
+
+
+def test_rank_publisher_daemons_with_folders_of_their_own(sharded, tmp_path, daemons, ws):  # noqa: F811
+    """--own-files: rank 1's folders hold two shards, rank 0's the rest; rank 1 commits."""
+    store, url = tmp_path / "store", f"file://{tmp_path / 'store'}"
+    watches = {r: tmp_path / f"watch{r}" for r in range(2)}
+    pubs = [daemons("publisher", ["--store", url, "--watch", watches[r], "--state-dir", tmp_path / f"state{r}", "--rank", r,
+                                  "--world", 2, "--own-files", *(["--commit"] if r == 1 else [])]) for r in range(2)]
+    for v, ckpt in enumerate(sharded[:2]):
+        names = sorted(ws.content(ckpt))
+        mine = {1: [n for n in names if n.endswith(("3-of-00004.safetensors", "4-of-00004.safetensors"))]}
+        mine[0] = sorted(set(names) - set(mine[1]))
+        for r in range(2):
+            folder = watches[r] / f"step_{v:06d}"
+            folder.mkdir(parents=True)
+            for n in mine[r]:
+                shutil.copy(ckpt / n, folder / n)
+            (folder / "COMPLETE").write_text("")
+        wait_for(lambda: repo(store).head_version() == v, 60, f"version {v}\n" + "\n".join(p.log() for p in pubs))
+        weightsync.pull(repo(store), tmp_path / "out", v)
+        ws.assert_replica(tmp_path / "out", ckpt)
+        assert sorted(pubs[1].status()["last_publish"]["files"]) == mine[1]
