@@ -294,6 +294,7 @@ def _schemas(role: str) -> dict:
             "properties": {
                 **common, "watch_dir": {"type": "string"}, "head_version": _nullable(_VERSION),
                 "pending": {"type": "array", "items": _VERSION}, "last_publish": _nullable("object"),
+                "rank": _nullable("integer"), "world": {"type": "integer"}, "part_stored": _nullable(_VERSION),
             },
         }
         schemas["PublishRequest"] = {

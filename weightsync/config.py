@@ -126,13 +126,15 @@ class PublisherConfig:
         _positive("stale-after", self.stale_after)
         if not self.marker or "/" in self.marker or self.marker in (".", ".."):
             raise UsageError(f"marker must be a plain file name, got {self.marker!r}")
+        from .parts import check_world
+
+        check_world(self.rank, self.world)
         if self.rank is None and (self.world != 1 or self.commit or self.own_files):
             raise UsageError("--world, --commit and --own-files need --rank (the publisher's rank of the world)")
         if self.rank is not None:
-            from .parts import check_world
-
-            check_world(self.rank, self.world)
             _positive("commit timeout", self.commit_timeout)
+            if self.world == 1 and not self.commit:
+                raise UsageError("--rank 0 --world 1 needs --commit: no other rank would commit its versions")
 
 
 @dataclass(frozen=True)
@@ -330,7 +332,8 @@ def _state_home(environ: Mapping[str, str]) -> Path:
 def publisher_config(args, environ: Mapping[str, str] = os.environ) -> PublisherConfig:
     watch = Path(args.watch).absolute()
     store_hash = xxhash.xxh3_64_hexdigest(str(args.store).encode())
-    state = Path(args.state_dir).absolute() if args.state_dir else _state_home(environ) / f"publisher-{store_hash}"
+    name = f"publisher-{store_hash}" + ("" if args.rank is None else f"-rank{args.rank}-of-{args.world}")  # ranks may share a host
+    state = Path(args.state_dir).absolute() if args.state_dir else _state_home(environ) / name
     return PublisherConfig(
         store=_store(args),
         watch_dir=watch,

@@ -95,12 +95,14 @@ class Metrics:
     def publish_phase(self, phase: str, seconds: float) -> None:
         self._publish_seconds.labels(**self.labels, phase=phase).observe(seconds)
 
-    def observe_publish(self, result) -> None:
-        """Record a :class:`~weightsync.publishing.PublishResult`."""
+    def observe_publish(self, result, committed: bool = True) -> None:
+        """Record a :class:`~weightsync.publishing.PublishResult` (a rank's part: not ``committed``,
+        so the published version waits for the commit)."""
         for phase in PHASES:
             if phase in result.seconds:
                 self.publish_phase(phase, result.seconds[phase])
-        self.published_version.set(result.version)
+        if committed:
+            self.published_version.set(result.version)
         self.upload_bytes.inc(result.uploaded_bytes)
         self.checkpoint_bytes.set(result.raw_bytes)
         self.delta_bytes.set(result.payload_bytes)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import re
 import shutil
@@ -31,7 +32,8 @@ import weightsync
 from .checkpoint import scan_checkpoint
 from .config import PublisherConfig
 from .daemon import Idle, StopToken, Stopped, Wait, event, iteration_failed, sleep_or_wake, warm_codec
-from .errors import BaseMismatchError, UsageError, VersionError
+from .errors import BaseMismatchError, NotFoundError, UsageError, VersionError
+from .format import part_from_json, part_key
 from .metrics import Metrics
 from .parts import commit_parts, publish_part
 from .progress import human_bytes
@@ -162,25 +164,29 @@ class Publisher:
             candidates = await asyncio.to_thread(scan, self.cfg.watch_dir, self.cfg.marker)
             self.head = await asyncio.to_thread(self.repo.head_version)
             if self._part is not None and self.head is not None and self.head >= self._part:
+                if self.head > self._part:
+                    event(log, f"the head moved past version {self._part}, which this rank stored a part of", logging.WARNING,
+                          head=self.head, part=self._part)
                 self._part = None  # committed (by this rank or another)
             self.pending = [c.step for c in candidates if self.head is None or c.step > self.head]
             failed_step, _, retry_at = self._failed or (None, 0, 0.0)
-            action = plan_publish(candidates, self.head, self.clock(), self.cfg.stale_after, failed_step, retry_at)
+            if self._part is not None:  # rank mode: nothing else until this part's version is committed
+                return await self._await_commit(failed_step, retry_at)
+            # ranks must agree on every version, so in rank mode no rank skips an unfinished checkpoint
+            stale = self.cfg.stale_after if self.cfg.rank is None else math.inf
+            action = plan_publish(candidates, self.head, self.clock(), stale, failed_step, retry_at)
             self.reason = f"publishing checkpoint {action.candidate.step}" if isinstance(action, Publish) else action.reason
             self._errors = 0
-            if isinstance(action, Publish) and action.candidate.step == self._part:  # rank mode, part stored
-                if not self.cfg.commit:
-                    self.state = "waiting"
-                    self.reason = f"part {self.cfg.rank} of version {self._part} stored; waiting for its commit"
-                    return self.cfg.poll_interval
-                await self._guarded(self._part, "committing", self._commit_blocking, self._part)
-                return 0.0
             if not isinstance(action, Publish):
                 self.state = "idle" if isinstance(action, Idle) else "waiting"
                 return self.cfg.poll_interval
             for step in action.skipped:
                 event(log, f"skipping unfinished checkpoint {step}", logging.WARNING, step=step, stale_after=self.cfg.stale_after)
             c = action.candidate
+            if self.cfg.rank is not None and await asyncio.to_thread(self._part_stored, c.step):
+                self._part = c.step  # stored before a restart: not encoded again
+                event(log, f"part {self.cfg.rank} of version {c.step} is already stored", version=c.step)
+                return 0.0
             await self.publish_folder(c.path, c.step, action.base)
             return 0.0  # look for the next one at once
         except Stopped:
@@ -188,11 +194,36 @@ class Publisher:
         except Exception as exc:  # logged, counted, backed off; the loop goes on
             return iteration_failed(self, exc, log)
 
+    async def _await_commit(self, failed_step: int | None, retry_at: float) -> float:
+        """Rank mode with a part stored: commit it (``--commit``) or wait for another rank to."""
+        part = self._part
+        self._errors = 0
+        if not self.cfg.commit or (failed_step == part and self.clock() < retry_at):
+            self.state = "waiting"
+            self.reason = (f"part {self.cfg.rank} of version {part} stored; waiting for its commit" if not self.cfg.commit else
+                           f"committing version {part} failed; retrying in {retry_at - self.clock():.1f}s")
+            return self.cfg.poll_interval if not self.cfg.commit else min(self.cfg.poll_interval, retry_at - self.clock())
+        self.reason = f"committing version {part} once all {self.cfg.world} parts are stored"
+        await self._guarded(part, "committing", self._commit_blocking, part)
+        return 0.0
+
+    def _part_stored(self, version: int) -> bool:
+        """This rank's part of ``version`` is in the store, built on the current head."""
+        key = part_key(version, self.cfg.rank, self.cfg.world)
+        try:
+            part = part_from_json(self.repo.store.get(key), f"{self.repo.url}/{key}")
+        except NotFoundError:
+            return False
+        return part.parent == self.head
+
     async def publish_folder(self, path: Path, version: int | None, base: Path | None = None) -> PublishResult:
-        """Publish ``path`` as ``version`` (default: its step if above the head, else head + 1)."""
+        """Publish ``path`` as ``version`` (default: its step if above the head, else head + 1); in
+        rank mode this rank's part of it (committed by the next iterations)."""
         result = await self._guarded(version, "publishing", self._publish_blocking, path, version, base)
         if self.cfg.rank is None:
             self.head = max(self.head or -1, result.version)
+        else:
+            self._part = result.version
         self._record(path, result)
         return result
 
@@ -233,12 +264,7 @@ class Publisher:
             except BaseMismatchError as exc:
                 event(log, "previous checkpoint differs from the head version; using the cache", logging.WARNING,
                       base=base, error=str(exc))
-        result = result or run(None)
-        if self.cfg.rank is not None:
-            self._part = result.version
-            if self.cfg.commit:
-                self._commit_blocking(result.version)
-        return result
+        return result or run(None)
 
     def _commit_blocking(self, version: int) -> None:
         """Rank mode with --commit: wait for every part of ``version``, merge and commit it."""
@@ -250,11 +276,12 @@ class Publisher:
         r = commit_parts(self.repo, version, self.cfg.world, timeout=self.cfg.commit_timeout, sleep=sleep)
         self._part = None
         self.head = max(self.head or -1, r.version)
+        self.metrics.published_version.set(r.version)
         event(log, f"{'found' if r.already else 'committed'} version {r.version} from {r.world} parts", version=r.version,
               files=r.files, size=human_bytes(r.raw_bytes), stored=human_bytes(r.payload_bytes), seconds=f"{r.seconds:.3f}")
 
     def _record(self, path: Path, r: PublishResult) -> None:
-        self.metrics.observe_publish(r)
+        self.metrics.observe_publish(r, committed=self.cfg.rank is None)
         self.last_publish = {"path": str(path), "time": self.clock(), **asdict(r), "ratio": r.ratio,
                              "changed_fraction": r.changed_fraction}
         self.last_error = None
@@ -285,6 +312,9 @@ class Publisher:
 
     async def publish_request(self, path: str, version: int | None) -> PublishResult:
         """``POST /v1/publish``: publish a folder now (waits for a publish in flight)."""
+        if self.cfg.rank is not None:
+            raise UsageError("this publisher runs in rank mode (--rank): it publishes its part of each checkpoint in its "
+                             "watched folder, and POST /v1/publish, which publishes whole versions, is off")
         folder = self.allowed(path)
         head = await asyncio.to_thread(self.repo.head_version)
         v = self.default_version(folder, head) if version is None else version

@@ -17,7 +17,7 @@ import pytest
 
 import weightsync
 from procs import finish, spawn_cli
-from test_daemons import daemons, wait_for  # noqa: F401  (daemons is a fixture)
+from test_daemons import daemons, http, wait_for  # noqa: F401  (daemons is a fixture)
 from weightsync.errors import StoreError, VersionError
 from weightsync.format import HEAD_KEY, PARTS_PREFIX, chunk_key, part_key, parts_prefix, version_key
 from weightsync.gc import GcConfig, gc
@@ -404,47 +404,62 @@ def test_a_rank_whose_chunks_gc_took_before_its_part_writes_no_part(sharded, tmp
 
 # --- publisher daemons in rank mode ----------------------------------------------------------------------
 def test_rank_publisher_daemons_publish_parts_and_one_commits_each_version(sharded, tmp_path, daemons, ws):  # noqa: F811
-    """Three publisher daemons watch one checkpoint folder with --rank R --world 3; rank 2 commits.
-    Each publishes only its files, a rank whose part is stored waits for the commit before the next
-    checkpoint, and every version equals the checkpoint byte for byte."""
+    """Three publisher daemons watch one folder holding three checkpoints with --rank R --world 3;
+    rank 2 commits. Rank 0 starts late, so the committer's first waits time out and are retried
+    without encoding again; no rank goes on to the next checkpoint before the commit of the last;
+    every version equals its checkpoint byte for byte."""
     store, watch = tmp_path / "store", tmp_path / "watch"
-    watch.mkdir()
     url = f"file://{store}"
-    pubs = [daemons("publisher", ["--store", url, "--watch", watch, "--state-dir", tmp_path / f"state{r}", "--rank", r,
-                                  "--world", 3, *(["--commit", "--commit-timeout", 60] if r == 2 else [])])
-            for r in range(3)]
     for v, ckpt in enumerate(sharded[:3]):
         shutil.copytree(ckpt, watch / f"step_{v:06d}")
         (watch / f"step_{v:06d}" / "COMPLETE").write_text("")
-        wait_for(lambda: repo(store).head_version() == v, 60, f"version {v}\n" + "\n".join(p.log() for p in pubs))
+
+    def start(r):
+        extra = ["--commit", "--commit-timeout", 1] if r == 2 else []
+        return daemons("publisher", ["--store", url, "--watch", watch, "--rank", r, "--world", 3, *extra])
+
+    pubs = {r: start(r) for r in (1, 2)}
+    wait_for(lambda: "missing rank 0" in pubs[2].log(), 30, "the committer to time out waiting for rank 0")
+    assert pubs[1].status()["part_stored"] == 0 and repo(store).head_version() is None
+    pubs[0] = start(0)
+    wait_for(lambda: repo(store).head_version() == 2, 90, "version 2\n" + "\n".join(p.log() for p in pubs.values()))
+    for v, ckpt in enumerate(sharded[:3]):
         weightsync.pull(repo(store), tmp_path / "out", v)
         ws.assert_replica(tmp_path / "out", ckpt)
-    m = repo(store).manifest(2)
-    assert not m.keyframe and m.parent == 1
-    owned = {r: set(assign_files([f.path for f in m.files], r, 3)) for r in range(3)}
-    for r, p in enumerate(pubs):
-        assert f"published part {r} of 3 of version 2" in p.log()
+        assert repo(store).manifest(v).parent == (v - 1 if v else None)
+    owned = {r: set(assign_files([f.path for f in repo(store).manifest(2).files], r, 3)) for r in range(3)}
+    for r, p in pubs.items():
+        for v in range(3):
+            assert p.log().count(f"published part {r} of 3 of version {v}") == 1, (r, v)
         s = wait_for(lambda p=p: (s := p.status())["head_version"] == 2 and s["part_stored"] is None and s, 20, "status")
         assert s["rank"] == r and s["world"] == 3 and set(s["last_publish"]["files"]) == owned[r]
-    assert "committed version 2 from 3 parts" in pubs[2].log()
+    assert pubs[2].log().count("committed version") == 3
 
 
-def test_a_rank_publisher_without_the_committer_waits_and_bad_rank_options_are_refused(sharded, tmp_path, daemons, run_cli, ws):  # noqa: F811
+def test_a_rank_publisher_waits_for_the_commit_keeps_its_part_over_a_restart_and_refuses_bad_options(  # noqa: F811
+        sharded, tmp_path, daemons, run_cli, ws):
     store, watch = tmp_path / "store", tmp_path / "watch"
-    watch.mkdir()
-    shutil.copytree(sharded[0], watch / "step_000000")
-    (watch / "step_000000" / "COMPLETE").write_text("")
-    pub = daemons("publisher", ["--store", f"file://{store}", "--watch", watch, "--state-dir", tmp_path / "s", "--rank", 1, "--world", 2])
+    for v in (0, 1):
+        shutil.copytree(sharded[v], watch / f"step_{v:06d}")
+        (watch / f"step_{v:06d}" / "COMPLETE").write_text("")
+    args = ["--store", f"file://{store}", "--watch", watch, "--rank", 1, "--world", 2]
+    pub = daemons("publisher", args)
     s = wait_for(lambda: (s := pub.status())["part_stored"] == 0 and s["state"] == "waiting" and s, 30, "the part")
     assert "part 1 of version 0 stored; waiting for its commit" in s["reason"] and repo(store).head_version() is None
+    code, body, _ = http("POST", pub.url + "/v1/publish", {"path": str(watch / "step_000001")})
+    assert code == 400 and "rank mode" in body["error"]
+    assert pub.stop() == 0
+    pub.start()  # the part is in the store: found, not encoded again
+    wait_for(lambda: pub.status()["part_stored"] == 0, 20, "the stored part found")
+    assert "part 1 of version 0 is already stored" in pub.log() and pub.log().count("published part 1 of 2 of version 0") == 1
     publish_part(sharded[0], repo(store), 0, 2)
-    commit_parts(repo(store), 0, 2, timeout=5)  # another process commits: the daemon sees the head move
-    wait_for(lambda: pub.status()["part_stored"] is None and pub.status()["head_version"] == 0, 20, "the commit seen")
-    for args, message in ((["--rank", 2, "--world", 2], "rank must be in 0..1"), (["--world", 2], "need --rank"),
-                          (["--own-files"], "need --rank"),
-                          (["--commit"], "need --rank"), (["--rank", 0, "--world", 0], "world size must be in")):
-        rc, out, err = run_cli("publisher", "--store", f"file://{store}", "--watch", watch, *args)
-        assert rc == 2 and message in ws.error_line(err), (args, err)
+    commit_parts(repo(store), 0, 2, timeout=5)  # another process commits: the daemon goes on to version 1
+    wait_for(lambda: pub.status()["part_stored"] == 1, 30, "the part of version 1")
+    for extra, message in ((["--rank", 2, "--world", 2], "rank must be in 0..1"), (["--world", 2], "need --rank"),
+                           (["--own-files"], "need --rank"), (["--world", 0], "world size must be in"),
+                           (["--rank", 0, "--world", 1], "needs --commit"), (["--commit"], "need --rank")):
+        rc, out, err = run_cli("publisher", "--store", f"file://{store}", "--watch", watch, *extra)
+        assert rc == 2 and message in ws.error_line(err), (extra, err)
 
 
 def test_rank_publisher_daemons_with_folders_of_their_own(sharded, tmp_path, daemons, ws):  # noqa: F811
