@@ -246,8 +246,8 @@ def add_publisher_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world", type=int, default=1, help="the number of rank publishers (default 1)")
     p.add_argument("--commit", action="store_true", help="with --rank: also merge and commit each version once all "
                    "its parts are stored (one rank, or several: they commit once)")
-    p.add_argument("--commit-timeout", type=float, default=600.0,
-                   help="seconds the committer waits for the other ranks' parts (default 600)")
+    p.add_argument("--commit-timeout", type=float, default=None,
+                   help="with --commit: seconds to wait for the other ranks' parts (default 600)")
     p.add_argument("--own-files", action="store_true",
                    help="with --rank: every file of each checkpoint folder is this rank's (ranks with folders of their own)")
 
@@ -329,6 +329,12 @@ def _state_home(environ: Mapping[str, str]) -> Path:
     return Path(environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "weightsync"
 
 
+def _commit_timeout(args) -> float:
+    if args.commit_timeout is not None and not args.commit:
+        raise UsageError("--commit-timeout needs --commit (and --rank)")
+    return 600.0 if args.commit_timeout is None else args.commit_timeout
+
+
 def publisher_config(args, environ: Mapping[str, str] = os.environ) -> PublisherConfig:
     watch = Path(args.watch).absolute()
     store_hash = xxhash.xxh3_64_hexdigest(str(args.store).encode())
@@ -354,7 +360,7 @@ def publisher_config(args, environ: Mapping[str, str] = os.environ) -> Publisher
         rank=args.rank,
         world=args.world,
         commit=args.commit,
-        commit_timeout=args.commit_timeout,
+        commit_timeout=_commit_timeout(args),
         own_files=args.own_files,
     )
 

@@ -457,7 +457,8 @@ def test_a_rank_publisher_waits_for_the_commit_keeps_its_part_over_a_restart_and
     wait_for(lambda: pub.status()["part_stored"] == 1, 30, "the part of version 1")
     for extra, message in ((["--rank", 2, "--world", 2], "rank must be in 0..1"), (["--world", 2], "need --rank"),
                            (["--own-files"], "need --rank"), (["--world", 0], "world size must be in"),
-                           (["--rank", 0, "--world", 1], "needs --commit"), (["--commit"], "need --rank")):
+                           (["--rank", 0, "--world", 1], "needs --commit"), (["--commit"], "need --rank"),
+                           (["--rank", 0, "--world", 2, "--commit-timeout", 5], "--commit-timeout needs --commit")):
         rc, out, err = run_cli("publisher", "--store", f"file://{store}", "--watch", watch, *extra)
         assert rc == 2 and message in ws.error_line(err), (extra, err)
 
