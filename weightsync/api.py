@@ -24,7 +24,8 @@ from .ledger import read_fleet
 from .metrics import CONTENT_TYPE, Metrics
 from .publisher import PathNotAllowed, PathNotFound, Publisher
 from .repo import Repo
-from .subscriber import LATEST, Subscriber
+from .subscriber import Subscriber
+from .target import LATEST
 
 
 @dataclass(frozen=True)

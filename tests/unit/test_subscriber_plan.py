@@ -16,8 +16,8 @@ from weightsync.hooks import render
 from weightsync.ledger import FleetRecord, fleet_view, record_from_json
 from weightsync.partial import Selection
 from weightsync.publisher import Candidate, Idle as PIdle, Publish, Wait as PWait, parse_step, plan_publish
-from weightsync.subscriber import (LATEST, ForeignTargetError, Idle, Sync, View, Wait, plan_next, read_target,
-                                   startup_target, target_path, write_target)
+from weightsync.subscriber import Idle, Sync, View, Wait, plan_next
+from weightsync.target import LATEST, ForeignTargetError, read_target, startup_target, target_path, write_target
 
 NOW = 1000.0
 
