@@ -63,7 +63,6 @@ def find_changes(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return idx[:k], diff[:k]
 
 
-
 @njit(cache=True, nogil=True)
 def _apply_sparse(out, gaps, gw, vals, k, pos, end):
     n = gaps.size // gw
