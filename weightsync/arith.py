@@ -302,7 +302,8 @@ def encode_block(dtype: str, old: np.ndarray, new: np.ndarray) -> tuple[bytes, i
 
 
 def decode_block(dtype: str, block: memoryview, old: np.ndarray, out: np.ndarray, unzigzag, what: str) -> None:
-    out[:] = old
+    if out.ctypes.data != old.ctypes.data:  # else decoding in place: out is old
+        out[:] = old
     if len(block) == 0:
         return
     if len(block) < _HEAD.size:

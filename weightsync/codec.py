@@ -173,13 +173,15 @@ def _decode_sparse(block: memoryview, old: np.ndarray, out: np.ndarray, what: st
     vals_raw = _decompress(block[_SPARSE.size + glen :], k * width, what)
     from .kernels import apply_sparse
 
+    in_place = _same_memory(out, old)
     gaps = np.frombuffer(gaps_raw, np.uint8)
     vals = np.frombuffer(vals_raw, np.uint8)
     step = max(1, SLICE_BYTES // width)
     done, pos = 0, -1
     for a in range(0, old.size, step):  # copy, patch and hash one slice while it is in cache
         b = min(a + step, old.size)
-        np.copyto(out[a:b], old[a:b])
+        if not in_place:
+            np.copyto(out[a:b], old[a:b])
         done, pos = apply_sparse(out, gaps, gw, vals, done, pos, b)
         if hasher is not None:
             hasher.update(out[a:b])
@@ -188,7 +190,12 @@ def _decode_sparse(block: memoryview, old: np.ndarray, out: np.ndarray, what: st
 
 
 def _copy(src: np.ndarray, dst: np.ndarray, hasher=None) -> None:
-    """``dst[:] = src``, feeding ``hasher`` slice by slice while each slice is in cache."""
+    """``dst[:] = src`` (nothing to copy when they are one buffer), feeding ``hasher`` slice by
+    slice while each slice is in cache."""
+    if _same_memory(src, dst):
+        if hasher is not None:
+            hasher.update(dst)
+        return
     if hasher is None:
         np.copyto(dst, src)
         return
@@ -196,6 +203,10 @@ def _copy(src: np.ndarray, dst: np.ndarray, hasher=None) -> None:
     for a in range(0, src.size, step):
         np.copyto(dst[a : a + step], src[a : a + step])
         hasher.update(dst[a : a + step])
+
+
+def _same_memory(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    return a is not None and b is not None and a.ctypes.data == b.ctypes.data and a.nbytes == b.nbytes
 
 
 def _encode_block(codec: str, dtype: str, old: np.ndarray | None, new: np.ndarray, cfg: CodecConfig) -> tuple[bytes, int]:
@@ -334,6 +345,8 @@ def decode_tensor(
     ``hasher`` (``xxhash.xxh3_128()`` or anything with ``update``) is fed the result in order as it
     is written; ``sparse`` and ``same`` hash each slice while it is still in cache, so verifying
     costs little more than the copy. On an error it may have been fed part of the result.
+    ``out`` may be ``old`` itself: the tensor is then decoded in place (``sparse`` and ``same``
+    copy nothing), and on an error ``old`` may be half overwritten. Any other overlap is refused.
 
     Raises :class:`FormatError` for a payload that does not match the declared codec, dtype or size.
     """
@@ -351,6 +364,8 @@ def decode_tensor(
             raise FormatError(f"{what}: declared size of {nbytes} bytes cannot be allocated") from None
     if out.size != nbytes:
         raise UsageError(f"{what}: output buffer has {out.size} bytes, need {nbytes}")
+    if old is not None and np.may_share_memory(out, old) and not _same_memory(out, old):
+        raise UsageError(f"{what}: output buffer overlaps the base without being it")
     out_e = out.view(UINT_VIEW[width])
     old_e = None if old is None else _as_elements(old, dtype, f"{what} base")
     if codec != "full" and (old_e is None or old_e.size != out_e.size):
@@ -365,11 +380,13 @@ def decode_tensor(
 
 
 def rebuild(dtype: str, nbytes: int, xxh3: str, base: np.ndarray | None,
-            steps: Sequence[tuple[str, Callable[[], bytes | memoryview]]], what: str = "tensor") -> np.ndarray:
+            steps: Sequence[tuple[str, Callable[[], bytes | memoryview]]], what: str = "tensor",
+            in_place: bool = False) -> np.ndarray:
     """Apply ``steps`` in turn to ``base`` (each a codec and a function giving its payload, called
     only when that step is decoded) and check the result's XXH3-128 against ``xxh3`` (hex): the
-    hash is fed while the last decode writes. Raises :class:`ChecksumError` for a wrong result,
-    :class:`FormatError` for a bad payload or a recipe with neither base nor steps."""
+    hash is fed while the last decode writes. ``in_place``: ``base`` is the caller's to overwrite
+    (a buffer read for this call), so each step decodes into it. Raises :class:`ChecksumError` for
+    a wrong result, :class:`FormatError` for a bad payload or a recipe with neither base nor steps."""
     if not steps:
         if base is None:
             raise FormatError(f"{what}: recipe without a base or a payload")
@@ -377,7 +394,8 @@ def rebuild(dtype: str, nbytes: int, xxh3: str, base: np.ndarray | None,
     else:
         hasher, cur = xxhash.xxh3_128(), base
         for i, (codec, payload) in enumerate(steps, 1):
-            cur = decode_tensor(dtype, codec, payload(), cur, nbytes, what=what, hasher=hasher if i == len(steps) else None)
+            out = cur if in_place and cur is not None and cur.size == nbytes else None
+            cur = decode_tensor(dtype, codec, payload(), cur, nbytes, out, what, hasher if i == len(steps) else None)
         base, actual = cur, hasher.hexdigest()
     if actual != xxh3:
         raise ChecksumError(what, xxh3, actual)

@@ -99,9 +99,9 @@ class _Builder:
     def build(self, job: tuple[str, Recipe]) -> np.ndarray:
         path, r = job
         t = r.target
-        base = None if r.base is None else self.base.read(path, r.base)
+        base = None if r.base is None else self.base.read(path, r.base)  # a fresh buffer: decoded in place
         steps = [(step.codec, partial(self._payload, step)) for step in r.steps]
-        return rebuild(t.dtype, t.nbytes, t.xxh3, base, steps, f"{path}: {t.name or t.role}")
+        return rebuild(t.dtype, t.nbytes, t.xxh3, base, steps, f"{path}: {t.name or t.role}", in_place=True)
 
     def close(self) -> None:
         for fd in self._fds.values():

@@ -210,6 +210,43 @@ def test_decode_feeds_the_hasher_exactly_the_result(case, slice_bytes):
         assert hasher.hexdigest() == xxhash.xxh3_128_hexdigest(raw(new))
 
 
+@FAST
+@given(tensor_pairs(), st.sampled_from([2, 24, 512 << 10]))
+def test_decode_in_place_overwrites_the_base_with_the_result(case, slice_bytes):
+    """``out=old``: every codec decodes into the base itself (what a pull does with the base it
+    read), hashing the same bytes; a buffer that only overlaps the base is refused."""
+    dtype, _, old, new, cfg = case
+    enc = encode_tensor(dtype, raw(new), raw(old), cfg)
+    buf = raw(old).copy()
+    hasher = xxhash.xxh3_128()
+    with slices_of(slice_bytes):
+        got = decode_tensor(dtype, enc.codec, enc.payload, buf, new.nbytes, out=buf, hasher=hasher)
+    assert got is buf and np.array_equal(buf, raw(new))
+    assert hasher.hexdigest() == xxhash.xxh3_128_hexdigest(raw(new))
+    width = ITEMSIZE[dtype]
+    if new.size >= 2:
+        room = np.zeros(new.nbytes + width, dtype=np.uint8)
+        room[:-width] = raw(old)
+        with pytest.raises(UsageError, match="overlaps the base"):
+            decode_tensor(dtype, enc.codec, enc.payload, room[:-width], new.nbytes, out=room[width:])
+
+
+def test_rebuild_in_place_decodes_into_the_base():
+    rng = np.random.default_rng(3)
+    v0 = make_tensor("BF16", 5000, rng, 0.0)
+    v1 = perturb("BF16", v0, 0.03, rng)
+    v2 = perturb("BF16", v1, 0.03, rng)
+    for cfg in (CodecConfig(), CodecConfig(entropy_coder=False)):
+        e1, e2 = encode_tensor("BF16", raw(v1), raw(v0), cfg), encode_tensor("BF16", raw(v2), raw(v1), cfg)
+        base = raw(v0).copy()
+        out = rebuild("BF16", v2.nbytes, xxhash.xxh3_128_hexdigest(raw(v2)), base,
+                      [(e1.codec, lambda e=e1: e.payload), (e2.codec, lambda e=e2: e.payload)], in_place=True)
+        assert out is base and np.array_equal(base, raw(v2))
+        kept = raw(v0).copy()
+        rebuild("BF16", v1.nbytes, xxhash.xxh3_128_hexdigest(raw(v1)), kept, [(e1.codec, lambda e=e1: e.payload)])
+        assert np.array_equal(kept, raw(v0))  # not in place: the base is left as it was
+
+
 def test_sparse_changes_at_every_slice_edge():
     """Positions 0, the last of a slice, the first of the next and the last element, with gaps of
     one, two and four bytes, across slices of 3 elements."""
