@@ -129,12 +129,15 @@ def test_a_lost_answer_to_a_commit_write_neither_fails_nor_blocks_the_publish(wr
 
 # --- daemons under random faults and a server restart --------------------------------------------------
 def random_faults(proxy: FaultProxy, p: float) -> None:
-    """Each kind with probability ``p`` on every request (lost answers only on chunk writes: see
-    test_a_lost_answer_to_a_commit_write_neither_fails_nor_blocks_the_publish)."""
-    proxy.add(Rule("drop", method="PUT", key=r"/chunks/", probability=p))
-    for kind in ("503", "500", "reset", "truncate"):
-        proxy.add(Rule(kind, probability=p))
-    proxy.add(Rule("delay", probability=p, delay=0.05))
+    """Each kind on its first request, then with probability ``p`` on every request (lost answers
+    only on chunk writes: see test_a_lost_answer_to_a_commit_write_neither_fails_nor_blocks_the_publish).
+    The first firings make every kind certain to occur: the seeded draws alone depend on how the
+    daemons' requests interleave, and chunk writes are few."""
+    for count, prob in ((1, 1.0), (None, p)):
+        proxy.add(Rule("drop", method="PUT", key=r"/chunks/", count=count, probability=prob))
+        for kind in ("503", "500", "reset", "truncate"):
+            proxy.add(Rule(kind, count=count, probability=prob))
+        proxy.add(Rule("delay", count=count, probability=prob, delay=0.05))
 
 
 @S3
