@@ -412,7 +412,7 @@ def main() -> int:
     print(f"\nt_sync: COMPLETE written -> both subscribers' /v1/status report the version (daemon poll "
           f"{args.poll:g} s, status poll 50 ms); every version then passed `weightsync verify` on both `current` folders, "
           f"and the next checkpoint came once both standby slots held a version (after v0 the subscribers copy it into "
-          f"their empty standby while idle: {max(r['settle_s'] for r in res['rows'][:1]):.1f} s). "
+          f"their empty standby while idle: {res['rows'][0].get('settle_s', 0.0):.1f} s). "
           f"Codec: {'sparse (--fast-codec)' if args.fast_codec else 'ac'}. "
           f"Subscribers {'without' if args.no_fsync else 'with'} fsync, swap hook `true`, --standby-hold {args.standby_hold}. SeaweedFS, the publisher, both subscribers and "
           f"the boto3 baseline share {os.cpu_count()} CPUs; 1-minute load average {load0:.2f} at the start, {load1:.2f} at "

@@ -53,6 +53,12 @@ from .target import LATEST, ForeignTargetError, Target, read_target, startup_tar
 log = logging.getLogger("weightsync.subscriber")
 
 
+def _drop_copy(folder: Path) -> None:
+    """Remove what an unfinished copy into the standby slot left (it claims no version)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True, exist_ok=True)
+
+
 class _SeedInterrupted(Exception):
     """The idle copy into the standby slot gave way to other work."""
 
@@ -366,14 +372,12 @@ class Subscriber:
         try:
             await asyncio.to_thread(clone, self.slots.path(cur), folder, True, self.cfg.fsync, self._seed_check)
         except _SeedInterrupted as exc:  # the loop has other work: the copy is redone when idle again
-            await asyncio.to_thread(shutil.rmtree, folder, True)
-            folder.mkdir(parents=True, exist_ok=True)
+            await asyncio.to_thread(_drop_copy, folder)
             event(log, f"stopped copying the current version into the standby slot: {exc}", folder=folder, version=current)
             return True
         except OSError as exc:
             self._seed_failed = current
-            await asyncio.to_thread(shutil.rmtree, folder, True)
-            folder.mkdir(parents=True, exist_ok=True)
+            await asyncio.to_thread(_drop_copy, folder)
             event(log, "could not copy the current version into the standby slot; the next delta creates its files",
                   level=logging.WARNING, folder=folder, version=current, error=exc)
             return False
