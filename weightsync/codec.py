@@ -51,7 +51,7 @@ class CodecConfig:
     entropy_coder: use ``ac`` where it applies (smallest); False: ``sparse`` (about 4x faster).
     """
 
-    level: int = 3
+    level: int = 1
     full_level: int = 3
     block_bytes: int = 32 << 20
     dense_above: float = 0.25
@@ -80,11 +80,18 @@ class EncodedTensor:
 _local = threading.local()
 
 
-def _compressor(level: int) -> zstandard.ZstdCompressor:
+def _compressor(level: int, delta: bool = False) -> zstandard.ZstdCompressor:
+    """``delta``: for the streams of ``sparse`` and ``dense``, byte planes of small integers, where
+    a match shorter than 7 bytes rarely pays and a small match table stays in cache: at level 1
+    (the default) on the codec trajectories 1.2-1.3x the speed of plain level 1 and 1-2% smaller."""
     cache = _local.__dict__.setdefault("compressors", {})
-    if level not in cache:
-        cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
-    return cache[level]
+    if (level, delta) not in cache:
+        if delta:
+            params = zstandard.ZstdCompressionParameters.from_level(level, min_match=7, hash_log=10, write_content_size=True)
+            cache[level, delta] = zstandard.ZstdCompressor(compression_params=params)
+        else:
+            cache[level, delta] = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    return cache[level, delta]
 
 
 def _decompress(data: bytes | memoryview, expected: int, what: str) -> bytes:
@@ -141,10 +148,10 @@ def _gap_width(max_gap: int) -> int:
 
 # --- block codecs --------------------------------------------------------------------------------
 def _encode_sparse(old: np.ndarray, new: np.ndarray, level: int) -> tuple[bytes, int]:
-    from .kernels import find_changes  # numba loads only when a delta is encoded
+    from .kernels import sparse_streams  # numba loads only when a delta is encoded
 
-    idx, diff = find_changes(old, new)
-    return _sparse_block(idx, diff, level), int(idx.size)
+    streams, k, gw = sparse_streams(old, new)
+    return _pack_sparse(memoryview(streams), k, gw, level), k
 
 
 def _sparse_block(idx: np.ndarray, diff: np.ndarray, level: int) -> bytes:
@@ -153,10 +160,18 @@ def _sparse_block(idx: np.ndarray, diff: np.ndarray, level: int) -> bytes:
         return b""
     gaps = np.diff(idx, prepend=-1) - 1
     gw = _gap_width(int(gaps.max()))
-    gaps_z = _compressor(level).compress(to_planes(gaps.astype(UINT_VIEW[gw])))
-    vals_z = _compressor(level).compress(to_planes(zigzag(diff)))
-    head = _SPARSE.pack(idx.size, gw, 0, 0, len(gaps_z))
-    return head + gaps_z + vals_z
+    streams = to_planes(gaps.astype(UINT_VIEW[gw])) + to_planes(zigzag(diff))
+    return _pack_sparse(memoryview(streams), idx.size, gw, level)
+
+
+def _pack_sparse(streams: memoryview, k: int, gw: int, level: int) -> bytes:
+    """The block of ``k`` changes from their gap planes (``gw`` bytes each) followed by the planes
+    of their zigzag codes: a header and each stream zstd-compressed."""
+    if k == 0:
+        return b""
+    gaps_z = _compressor(level, delta=True).compress(streams[: k * gw])
+    vals_z = _compressor(level, delta=True).compress(streams[k * gw :])
+    return _SPARSE.pack(k, gw, 0, 0, len(gaps_z)) + gaps_z + vals_z
 
 
 def _decode_sparse(block: memoryview, old: np.ndarray, out: np.ndarray, what: str, hasher=None) -> None:
@@ -180,9 +195,7 @@ def _decode_sparse(block: memoryview, old: np.ndarray, out: np.ndarray, what: st
     done, pos = 0, -1
     for a in range(0, old.size, step):  # copy, patch and hash one slice while it is in cache
         b = min(a + step, old.size)
-        if not in_place:
-            np.copyto(out[a:b], old[a:b])
-        done, pos = apply_sparse(out, gaps, gw, vals, done, pos, b)
+        done, pos = apply_sparse(out, gaps, gw, vals, done, pos, b, None if in_place else old, a)
         if hasher is not None:
             hasher.update(out[a:b])
     if done < k:
@@ -219,7 +232,7 @@ def _encode_block(codec: str, dtype: str, old: np.ndarray | None, new: np.ndarra
     if codec == "sparse":
         return _encode_sparse(old, new, cfg.level)
     diff = new - old
-    return _compressor(cfg.level).compress(to_planes(zigzag(diff))), int(np.count_nonzero(diff))
+    return _compressor(cfg.level, delta=True).compress(to_planes(zigzag(diff))), int(np.count_nonzero(diff))
 
 
 def _decode_block(codec: str, dtype: str, block: memoryview, old: np.ndarray | None, out: np.ndarray, what: str,
@@ -415,8 +428,11 @@ def warm_up() -> None:
         new[:: 37 * width] += 1  # 2.7% of the elements change: the delta codecs, not dense
         for cfg in (CodecConfig(), CodecConfig(entropy_coder=False)):
             enc = encode_tensor(dtype, new, old, cfg)
-            if not np.array_equal(decode_tensor(dtype, enc.codec, enc.payload, old, new.size), new):
-                raise AssertionError(f"codec warm-up: {enc.codec} did not round-trip")  # never expected
+            base = old.copy()  # decoded into a fresh buffer, and in place (as pulls do): two kernels
+            for out in (decode_tensor(dtype, enc.codec, enc.payload, old, new.size),
+                        decode_tensor(dtype, enc.codec, enc.payload, base, new.size, out=base)):
+                if not np.array_equal(out, new):
+                    raise AssertionError(f"codec warm-up: {enc.codec} did not round-trip")  # never expected
 
 
 def _decode_payload(codec: str, dtype: str, payload: memoryview, old: np.ndarray | None, out: np.ndarray, what: str,

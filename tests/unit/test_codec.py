@@ -784,35 +784,78 @@ def test_sparse_bf16_delta_is_much_smaller_than_compressed_xor():
     assert np.array_equal(decode_tensor("BF16", chosen.codec, chosen.payload, raw(old), 2 * n), raw(new))
 
 
+def _streams_reference(old: np.ndarray, new: np.ndarray) -> tuple[bytes, int, int]:
+    """The ``sparse`` streams as numpy spells them: positions, gaps, zigzag codes, byte planes."""
+    idx = np.flatnonzero(old != new)
+    gaps = np.diff(idx, prepend=-1) - 1
+    gw = 1 if not idx.size or gaps.max() < 1 << 8 else 2 if gaps.max() < 1 << 16 else 4
+    streams = to_planes(gaps.astype(UINT_VIEW[gw])) + to_planes(zigzag(new[idx] - old[idx]))
+    return streams, idx.size, gw
+
+
+def _check_streams(old: np.ndarray, new: np.ndarray) -> tuple[int, int]:
+    from weightsync.kernels import sparse_streams
+
+    streams, k, gw = sparse_streams(old, new)
+    assert streams.dtype == np.uint8 and (streams.tobytes(), k, gw) == _streams_reference(old, new)
+    payload = codec_mod._encode_sparse(old, new, 1)[0]  # the block written from them, and from numpy's
+    assert payload == codec_mod._sparse_block(np.flatnonzero(old != new), (new - old)[old != new], 1)
+    return k, gw
+
+
 @FAST
 @given(width=st.sampled_from([1, 2, 4, 8]), data=st.data())
-def test_find_changes_agrees_with_numpy(width, data):
-    """The sparse encoder's one-pass kernel: the positions and wrapping differences numpy gives."""
-    from weightsync.kernels import find_changes
-
+def test_sparse_streams_agree_with_numpy(width, data):
+    """The sparse encoder's one-pass kernel writes the gap and code planes numpy gives, byte for byte."""
     dt = UINT_VIEW[width]
     n = data.draw(st.integers(0, 300))
     old = np.frombuffer(data.draw(st.binary(min_size=n * width, max_size=n * width)), dtype=dt).copy()
     new = old.copy()
     for i in data.draw(st.lists(st.integers(0, max(n - 1, 0)), max_size=n)) if n else []:
         new[i] = data.draw(st.integers(0, (1 << (8 * width)) - 1))
-    idx, diff = find_changes(old, new)
-    ref = np.flatnonzero(old != new)
-    assert idx.dtype == np.int64 and diff.dtype == dt
-    assert np.array_equal(idx, ref) and np.array_equal(diff, new[ref] - old[ref])
+    _check_streams(old, new)
 
 
 @pytest.mark.parametrize("width", [1, 2, 4, 8])
-def test_find_changes_at_every_bit_of_a_word(width):
-    """The kernel visits 64-element words by their bit masks: one change at each position of
-    three words and a tail, two and three in one word, and every element changed."""
-    from weightsync.kernels import find_changes
+def test_sparse_streams_at_every_bit_of_a_word(width):
+    """The kernel visits 64-element words by their bit masks, the first four changes of a word
+    without a branch: one change at each position of three words and a tail, two to six in one
+    word, every element changed (with and without a tail), and nothing at all."""
+    dt = UINT_VIEW[width]
+    for n in (3 * 64 + 5, 3 * 64, 0):
+        old = np.arange(n, dtype=dt)
+        cases = [[i] for i in range(n)] + [list(range(n)), []]
+        cases += [[0, 63], [1, 2, 3], [60, 61, 62, 63], [64, 70, 100, 127, 128], [0, 1, 2, 3, 4, 5]] if n else []
+        for where in cases:
+            new = old.copy()
+            new[where] -= 1  # wraps at 0
+            assert _check_streams(old, new)[0] == len(where)
 
-    dt, n = UINT_VIEW[width], 3 * 64 + 5
-    old = np.arange(n, dtype=dt)
-    cases = [[i] for i in range(n)] + [[0, 63], [1, 2, 3], [64, 100, 127, 128], list(range(n))]
-    for where in cases:
-        new = old.copy()
-        new[where] -= 1  # wraps at 0
-        idx, diff = find_changes(old, new)
-        assert idx.tolist() == where and diff.tolist() == [np.iinfo(dt).max] * len(where)
+
+@pytest.mark.parametrize("gap, width", [(255, 1), (256, 2), (65535, 2), (65536, 4)])
+def test_sparse_streams_gap_width_is_the_narrowest_that_holds_the_largest_gap(gap, width):
+    old = np.zeros(gap + 3, np.uint16)
+    new = old.copy()
+    new[[0, gap + 1]] = 1
+    assert _check_streams(old, new) == (2, width)
+
+
+def test_sparse_streams_and_apply_sparse_refuse_what_their_kernels_would_misread():
+    """The kernels do not check bounds: their wrappers refuse arguments that do not fit."""
+    from weightsync.kernels import apply_sparse, sparse_streams
+
+    a = np.zeros(8, np.uint16)
+    with pytest.raises(ValueError):
+        sparse_streams(a, np.zeros(9, np.uint16))  # lengths differ
+    with pytest.raises(ValueError):
+        sparse_streams(a, a.astype(np.int16))  # not unsigned
+    gaps, vals = np.array([1], np.uint8), np.array([2, 0], np.uint8)  # +1 at position 1
+    out = np.zeros(8, np.uint16)
+    for bad in ({"src": np.zeros(7, np.uint16)}, {"src": np.zeros(8, np.uint32)}, {"src": a, "start": 9},
+                {"src": a, "start": 0, "pos": 0}, {"end": 9}, {"k": 2}):
+        kw = {"k": 0, "pos": -1, "end": 8, **bad}
+        with pytest.raises(ValueError):
+            apply_sparse(out, gaps, 1, vals, kw.pop("k"), kw.pop("pos"), kw.pop("end"), **kw)
+    src = np.arange(8, dtype=np.uint16)
+    assert apply_sparse(out, gaps, 1, vals, 0, -1, 4, src, 0) == (1, 1)
+    assert out.tolist() == [0, 2, 2, 3, 0, 0, 0, 0]  # copied up to the end, patched
