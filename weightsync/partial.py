@@ -41,7 +41,7 @@ from .codec import rebuild
 from .errors import BaseMismatchError, ChecksumError, CheckpointError, FormatError, UsageError, VersionError
 from .format import FileEntry, Manifest, Segment
 from .local import STATE_DIR, check_checksum, write_json_atomic
-from .pipeline import ordered_map
+from .pipeline import TASK_BYTES, ordered_map
 from .planner import ChunkNeed, Recipe, Step, merge_ranges, plan_segment
 from .repo import Repo
 from .transfer import fetch_chunks
@@ -124,7 +124,7 @@ def build_tensors(
         return rebuild(t.dtype, t.nbytes, t.xxh3, cur, steps, f"{job.path}: {t.name or t.role}")
 
     try:
-        yield from ordered_map(build, jobs, lambda j: 3 * j.recipe.target.nbytes, inflight_bytes, threads)
+        yield from ordered_map(build, jobs, lambda j: 3 * j.recipe.target.nbytes, inflight_bytes, threads, 3 * TASK_BYTES)
     finally:
         for fd in list(fds.values()):
             os.close(fd)

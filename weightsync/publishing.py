@@ -27,7 +27,7 @@ from .dtypes import itemsize
 from .errors import BaseMismatchError, NotFoundError, UsageError, VersionError
 from .format import ChunkRef, Delta, FileEntry, Manifest, Payload, Segment, chunk_key
 from .local import LocalVersion, adopt, read_state
-from .pipeline import ordered_map
+from .pipeline import TASK_BYTES, ordered_map
 from .pulling import PullConfig, pull
 from .repo import Repo
 from .transfer import Uploader
@@ -181,7 +181,7 @@ def _encode_all(jobs: list[_Job], encoder: _Encoder, out: _Assembler, cfg: Publi
     """Encode every job on the pool, keeping at most ``inflight_bytes`` of work in memory."""
     total, done = sum(j.seg.nbytes for j in jobs), 0
     weight = lambda j: 3 * j.seg.nbytes  # noqa: E731  new, old and working arrays
-    for job, result in ordered_map(encoder.run, jobs, weight, cfg.inflight_bytes, cfg.encode_threads):
+    for job, result in ordered_map(encoder.run, jobs, weight, cfg.inflight_bytes, cfg.encode_threads, 3 * TASK_BYTES):
         out.add(job, *result)
         done += job.seg.nbytes
         if progress:

@@ -27,7 +27,7 @@ from .local import (
     LocalVersion, begin_refill, check_checksum, finish_refill, install, open_in_place, prepare_target, read_state,
     staging_dir, state_dir, unchanged_files,
 )
-from .pipeline import ordered_map
+from .pipeline import TASK_BYTES, ordered_map
 from .planner import FilePlan, Plan, Recipe, plan_pull
 from .repo import Repo
 from .transfer import fetch_chunks
@@ -115,7 +115,8 @@ def _write_files(plan: Plan, builder: _Builder, root: Path, cfg: PullConfig, pro
     todo = [f for f in plan.files if not f.keep]
     jobs = [(f.entry.path, r) for f in todo for r in f.recipes]
     total, done = sum(r.target.nbytes for _, r in jobs), 0
-    results = ordered_map(builder.build, jobs, lambda j: 3 * j[1].target.nbytes, cfg.inflight_bytes, cfg.decode_threads)
+    results = ordered_map(builder.build, jobs, lambda j: 3 * j[1].target.nbytes, cfg.inflight_bytes, cfg.decode_threads,
+                          3 * TASK_BYTES)
     try:
         for fp in todo:
             _write_one(fp, results, root, cfg, in_place)
