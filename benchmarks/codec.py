@@ -17,10 +17,12 @@ encode = diff + code, decode = decode + apply + xxh3-128 verify, hashed as it is
 in whole passes over every tensor of a pair, on one core (a loop) and on all cores (a thread pool,
 largest first), beside np.copyto
 on one and on all cores and uint16 XOR of large arrays, in the same run; every timing is the best
-of a few repeats. Peak RSS is reported after imports,
+of a few repeats. The trajectories' model is small (most tensors 0.6 MB), so throughput is also
+measured on one step pair of benchmarks/e2e.py's 2.03 GiB checkpoints (most tensors 4 MiB), as a
+bigger model's tensors are met (skip it with --no-large). Peak RSS is reported after imports,
 after the `ours` pass (before bounds and baselines run) and at the end.
 
-Usage: `python benchmarks/codec.py [--quick] [--json FILE]`
+Usage: `python benchmarks/codec.py [--quick] [--no-large] [--json FILE]`
 """
 
 from __future__ import annotations
@@ -39,9 +41,10 @@ import zipnn
 import zstandard
 
 if __package__:
-    from . import common
+    from . import common, e2e
 else:  # run as a script from benchmarks/
     import common
+    import e2e
 
 common.ensure_repo_importable()
 from weightsync.codec import CodecConfig, decode_tensor, encode_tensor
@@ -49,6 +52,7 @@ from weightsync.codec import CodecConfig, decode_tensor, encode_tensor
 TRAJECTORIES = {"lr 1e-6": 1e-6, "lr 1e-5": 1e-5}
 STEPS = 6  # published checkpoints per trajectory: 5 consecutive pairs
 QUICK_PAIRS = 2
+LARGE = "e2e 2.03 GiB"  # throughput also on one pair of benchmarks/e2e.py's checkpoints (4 MiB tensors)
 TIMING_REPEAT = 3  # whole passes of encode and of decode, keep the fastest (noisy shared cores)
 CORES = os.cpu_count() or 1
 
@@ -129,10 +133,11 @@ def measure_ours(old: common.Checkpoint, new: common.Checkpoint, res: PairResult
     ``sparse``: with the entropy coder off (the codec of the daemons' ``--fast-codec``)."""
     cfg, used, total = CodecConfig(entropy_coder=not sparse), Counter(), 0
     pre = "sparse_" if sparse else ""
-    encoded = {}
+    encoded, outs = {}, {}
     for name, (dtype, buf) in new.items():
         enc = encode_tensor(dtype, buf, old[name][1], cfg)
-        out, _ = decode_verify(dtype, enc, old[name][1], buf.size)
+        outs[name] = np.empty_like(buf)  # the decoder's output buffer, reused by every pass (as memcpy's is)
+        out, _ = decode_verify(dtype, enc, old[name][1], buf.size, outs[name])
         if not np.array_equal(out, buf):
             raise CodecMismatch(f"{res.pair} {name}: decode({enc.codec}) differs from the input")
         used[enc.codec] += 1
@@ -143,20 +148,21 @@ def measure_ours(old: common.Checkpoint, new: common.Checkpoint, res: PairResult
         res.codecs = dict(used)
     # Whole passes over every tensor, so each is met with cold caches as in a publish or a pull (a
     # per-tensor best-of would find a small tensor's inputs still in cache). All cores: tensors are
-    # independent (the kernels, zstd and xxhash release the GIL); largest first.
+    # independent (the kernels, zstd and xxhash release the GIL); largest first, on the daemons' pool.
     names = sorted(new, key=lambda n: -new[n][1].size)
     encode = lambda n: encode_tensor(new[n][0], new[n][1], old[n][1], cfg)
-    decode = lambda n: decode_verify(new[n][0], encoded[n], old[n][1], new[n][1].size)
+    decode = lambda n: decode_verify(new[n][0], encoded[n], old[n][1], new[n][1].size, outs[n])
+    size = lambda n: new[n][1].size  # noqa: E731
     for suffix, threads in (("_s", 1), ("_all_s", CORES)):
-        setattr(res, pre + "encode" + suffix, common.parallel_seconds(encode, names, threads, TIMING_REPEAT))
-        setattr(res, pre + "decode" + suffix, common.parallel_seconds(decode, names, threads, TIMING_REPEAT))
+        setattr(res, pre + "encode" + suffix, common.parallel_seconds(encode, names, threads, TIMING_REPEAT, size))
+        setattr(res, pre + "decode" + suffix, common.parallel_seconds(decode, names, threads, TIMING_REPEAT, size))
 
 
-def decode_verify(dtype: str, enc, base: np.ndarray, nbytes: int) -> tuple[np.ndarray, bytes]:
-    """Decode and apply a payload, hashing the result as it is written (what a pull does before
-    installing it: :func:`weightsync.codec.rebuild`)."""
+def decode_verify(dtype: str, enc, base: np.ndarray, nbytes: int, out: np.ndarray) -> tuple[np.ndarray, bytes]:
+    """Decode and apply a payload into ``out`` (not the base: a copy, patched), hashing the result
+    as it is written (what a pull does before installing it: :func:`weightsync.codec.rebuild`)."""
     hasher = xxhash.xxh3_128()
-    out = decode_tensor(dtype, enc.codec, enc.payload, base, nbytes, hasher=hasher)
+    out = decode_tensor(dtype, enc.codec, enc.payload, base, nbytes, out=out, hasher=hasher)
     return out, hasher.digest()
 
 
@@ -204,19 +210,27 @@ def step_pairs(n_pairs: int | None) -> dict[str, list[tuple]]:
     return out
 
 
-def run(n_pairs: int | None) -> dict:
+def measure_pair(a, b, pair: str) -> PairResult:
+    old, new = common.load_checkpoint(a), common.load_checkpoint(b)
+    res = PairResult(pair, common.raw_bytes(new))
+    measure_ours(old, new, res)
+    measure_ours(old, new, res, sparse=True)
+    return res
+
+
+def run(n_pairs: int | None, large: bool = True) -> dict:
     """All measurements; the `ours` pass runs first so its peak RSS is not the bounds' or baselines'."""
     plan = step_pairs(n_pairs)
     rss_start = common.peak_rss_mib()
     results: dict[str, list[PairResult]] = {label: [] for label in plan}
     for label, pairs in plan.items():
         for pair, a, b in pairs:
-            old, new = common.load_checkpoint(a), common.load_checkpoint(b)
-            res = PairResult(pair, common.raw_bytes(new))
-            measure_ours(old, new, res)
-            measure_ours(old, new, res, sparse=True)
-            results[label].append(res)
+            results[label].append(measure_pair(a, b, pair))
     rss_ours = common.peak_rss_mib()
+    speed_only = {}
+    if large:  # a bigger model's tensors: throughput only (its sizes are in benchmarks/e2e.py's table)
+        dirs = e2e.trajectory("full", 3)
+        speed_only[LARGE] = [asdict(measure_pair(dirs[1], dirs[2], f"{dirs[1].name}->{dirs[2].name}"))]
     for label, pairs in plan.items():
         for res, (_, a, b) in zip(results[label], pairs):
             old, new = common.load_checkpoint(a), common.load_checkpoint(b)
@@ -224,6 +238,7 @@ def run(n_pairs: int | None) -> dict:
             measure_baselines(old, new, res)
     return {
         "trajectories": {k: [asdict(r) for r in v] for k, v in results.items()},
+        "speed_only": speed_only,
         "memcpy_gbps": common.memcpy_gbps(),
         "memcpy_all_gbps": common.memcpy_gbps(threads=CORES),
         "fresh_gbps": common.memcpy_gbps(fresh=True),
@@ -298,7 +313,7 @@ def pair_table(report: dict) -> str:
 
 def speed_table(report: dict) -> str:
     """GB/s of raw tensor bytes on one core and on all cores, and ours as a fraction of memcpy."""
-    trajs = report["trajectories"]
+    trajs = {**report["trajectories"], **report.get("speed_only", {})}
     cores = report["cores"]
     lines = ["| throughput, GB/s of raw tensor bytes | " + " | ".join(
         f"{k}: 1 core | {k}: {cores} cores" for k in trajs) + " |", "|---" * (1 + 2 * len(trajs)) + "|"]
@@ -336,6 +351,7 @@ def render(report: dict) -> str:
         pair_table(report),
         "## Throughput",
         speed_table(report),
+        *([f"{LARGE}: one step pair of benchmarks/e2e.py's checkpoints, throughput only."] if report.get("speed_only") else []),
         (f"1-minute load average at the end: {report['load_average_1min']:.2f} "
         f"on {os.cpu_count()} cores (other processes slow the timings)."),
         (f"Peak RSS: {report['peak_rss_mib_start']:.0f} MiB after imports, "
@@ -347,10 +363,12 @@ def render(report: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help=f"only the first {QUICK_PAIRS} pairs per trajectory")
+    ap.add_argument("--no-large", action="store_true",
+                    help=f"skip the throughput on {LARGE} checkpoints (built once by e2e.py's generator, ~90 s)")
     ap.add_argument("--json", metavar="FILE", help="also write the raw measurements as JSON")
     args = ap.parse_args()
     try:
-        report = run(QUICK_PAIRS if args.quick else None)
+        report = run(QUICK_PAIRS if args.quick else None, large=not (args.quick or args.no_large))
     except CodecMismatch as exc:
         sys.exit(f"FAIL: our codec is not bit-exact: {exc}")
     print(render(report))

@@ -145,10 +145,18 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def parallel_seconds(fn: Callable[[T], object], items: list[T], threads: int, repeat: int = 3) -> float:
+def parallel_seconds(fn: Callable[[T], object], items: list[T], threads: int, repeat: int = 3,
+                     nbytes: Callable[[T], int] | None = None) -> float:
     """Fastest wall time over ``repeat`` runs of ``fn`` on every item, on a pool of ``threads``
-    (one thread: a plain loop, without a pool's hand-offs)."""
+    (one thread: a plain loop, without a pool's hand-offs). With ``nbytes`` (an item's tensor
+    bytes), on the daemons' own pool: ``weightsync.pipeline.ordered_map``, which hands small items
+    to a worker in runs of ``TASK_BYTES``."""
     if threads <= 1:
         return best_of(lambda: [fn(item) for item in items], repeat=repeat)[1]
+    if nbytes is not None:
+        from weightsync.pipeline import TASK_BYTES, ordered_map
+
+        weight = lambda item: 3 * nbytes(item)  # noqa: E731  as publish and pull weigh a tensor
+        return best_of(lambda: list(ordered_map(fn, items, weight, 1 << 62, threads, 3 * TASK_BYTES)), repeat=repeat)[1]
     with ThreadPoolExecutor(threads) as pool:
         return best_of(lambda: list(pool.map(fn, items)), repeat=repeat)[1]
