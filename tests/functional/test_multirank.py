@@ -436,8 +436,8 @@ def test_rank_publisher_daemons_publish_parts_and_one_commits_each_version(shard
     assert pubs[2].log().count("committed version") == 3
 
 
-def test_a_rank_publisher_waits_for_the_commit_keeps_its_part_over_a_restart_and_refuses_bad_options(  # noqa: F811
-        sharded, tmp_path, daemons, run_cli, ws):
+def test_a_rank_publisher_waits_for_the_commit_keeps_its_part_over_a_restart_and_refuses_bad_options(
+        sharded, tmp_path, daemons, run_cli, ws):  # noqa: F811  (daemons: the fixture imported above)
     store, watch = tmp_path / "store", tmp_path / "watch"
     for v in (0, 1):
         shutil.copytree(sharded[v], watch / f"step_{v:06d}")
