@@ -127,10 +127,12 @@ def apply_sparse(out: np.ndarray, gaps: np.ndarray, gap_width: int, vals: np.nda
     position applied (-1 before any). ``gaps`` and ``vals`` are the decompressed byte planes (gap
     widths of ``gap_width`` bytes, zigzag codes of the element width); no arrays of positions or
     differences are built. ``src``: the old values are there, not in ``out``; elements
-    ``start:end`` are copied from it first, in the same call (``pos`` must then be below ``start``)."""
+    ``start:end`` are copied from it first, in the same call (the next change must then lie at or
+    after ``start``: every change before it was applied by an earlier call)."""
     n = gaps.size // gap_width if gap_width in (1, 2, 4) else -1
     if n < 0 or gaps.size != n * gap_width or vals.size != n * out.itemsize or not 0 <= k <= n or not -1 <= pos < end <= out.size:
         raise ValueError("apply_sparse: planes, position or end do not fit the output")  # the kernel does not check bounds
-    if src is not None and (src.dtype != out.dtype or src.shape != out.shape or not pos < start <= end):
-        raise ValueError("apply_sparse: the source does not fit the output, or the range is not ahead of the position")
+    if src is not None and (src.dtype != out.dtype or src.shape != out.shape or not pos < start <= end
+                            or k < n and pos + 1 + sum(int(gaps[j * n + k]) << 8 * j for j in range(gap_width)) < start):
+        raise ValueError("apply_sparse: the source does not fit the output, or the next change lies before the copy")
     return _apply_sparse(out, src, start, gaps, gap_width, vals, k, pos, end)

@@ -852,7 +852,8 @@ def test_sparse_streams_and_apply_sparse_refuse_what_their_kernels_would_misread
     gaps, vals = np.array([1], np.uint8), np.array([2, 0], np.uint8)  # +1 at position 1
     out = np.zeros(8, np.uint16)
     for bad in ({"src": np.zeros(7, np.uint16)}, {"src": np.zeros(8, np.uint32)}, {"src": a, "start": 9},
-                {"src": a, "start": 0, "pos": 0}, {"end": 9}, {"k": 2}):
+                {"src": a, "start": 0, "pos": 0}, {"end": 9}, {"k": 2},
+                {"src": a, "start": 4}):  # the change at position 1 lies before the copy: never applied
         kw = {"k": 0, "pos": -1, "end": 8, **bad}
         with pytest.raises(ValueError):
             apply_sparse(out, gaps, 1, vals, kw.pop("k"), kw.pop("pos"), kw.pop("end"), **kw)

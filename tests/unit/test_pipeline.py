@@ -76,16 +76,38 @@ def test_a_failure_yields_the_items_before_it_then_raises(batch):
     fn = Tracker(fail_at=7)
     got = []
     with pytest.raises(ValueError, match="item 7"):
-        for item, result in ordered_map(fn, range(20), lambda i: 1, budget=4, threads=2, batch=batch):
+        for item, result in ordered_map(fn, range(20), lambda i: 1, budget=4 if batch == 0 else 1000, threads=2,
+                                        batch=batch):
             got.append(item)
     assert got == list(range(7))
     if batch:  # the whole input was one run: nothing after the failure ran
         assert fn.ran == list(range(8))
 
 
-def test_closing_early_stops_the_remaining_work():
+def test_closing_early_cancels_the_work_not_yet_started():
+    """Everything fits the budget, so every run is submitted at once; closing after the first result
+    cancels the runs no worker has taken (without the cancel, all 200 items would run)."""
     fn = Tracker(delay=0.005)
-    gen = ordered_map(fn, range(200), lambda i: 1, budget=4, threads=2, batch=2)
+    gen = ordered_map(fn, range(200), lambda i: 1, budget=1000, threads=2, batch=2)
     assert next(gen) == (0, 0)
     gen.close()
-    assert len(fn.ran) < 20  # the window (budget 4, runs of 2) and nothing more
+    assert len(fn.ran) < 20
+
+
+def test_runs_never_starve_a_small_budget_of_threads():
+    """Runs are capped at budget / threads: with room for two items of weight 3 in a budget of 8,
+    two run at once, as without runs."""
+    lock, running, peak = threading.Lock(), [0], [0]
+
+    def fn(i):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.05)
+        with lock:
+            running[0] -= 1
+        return i
+
+    got = list(ordered_map(fn, range(8), lambda i: 3, budget=8, threads=4, batch=12))
+    assert [i for i, _ in got] == list(range(8))
+    assert peak[0] == 2
