@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import assert_replica, snapshot
+from conftest import assert_replica, flip_byte, snapshot, tensor_data_offset
 
 import weightsync
 from weightsync.errors import UsageError, WeightsyncError
@@ -180,3 +180,40 @@ def test_a_copy_falls_back_to_reads_and_writes_where_the_kernel_copy_fails(tmp_p
     local._copy_file(src, dst, True, None, piece=1024)
     assert dst.read_bytes() == src.read_bytes() and len(calls) == 2
     assert dst.stat().st_mtime_ns == src.stat().st_mtime_ns
+
+
+def test_a_base_changed_behind_our_back_is_found_after_the_decode_and_the_refill_goes_around_it(store, traj, tmp_path):
+    """The base is read unhashed; a wrong one gives a wrong result, which the result's hash catches;
+    a second, hashed read then blames the base and the pull starts again without local bytes."""
+    base, out = tmp_path / "a", tmp_path / "b"
+    weightsync.pull(store, base, 1, config=PULL)
+    weightsync.pull(store, out, 0, config=PULL)
+    shard = sorted(base.glob("*.safetensors"))[0]
+    flip_byte(shard, tensor_data_offset(shard) + 1)  # a weight of version 1, same size
+    before_base = snapshot(base)
+    r = weightsync.pull(store, out, 2, config=PULL, base_dir=base)
+    assert r.version == 2
+    assert_replica(out, traj[2])
+    assert snapshot(base) == before_base
+
+
+def test_a_wrong_result_from_a_right_base_is_reported_as_it_is(store, tmp_path, monkeypatch):
+    """When the result is wrong but the base checks out, the error is the result's (not blamed on the
+    base, which would send the pull round it)."""
+    import weightsync.pulling as pulling
+    from weightsync.errors import ChecksumError
+
+    base, out = tmp_path / "a", tmp_path / "b"
+    weightsync.pull(store, base, 1, config=PULL)
+    weightsync.pull(store, out, 0, config=PULL)
+
+    bases = []
+
+    def wrong(dtype, nbytes, xxh3, base, steps, what, in_place=False):
+        bases.append(base)
+        raise ChecksumError(what, xxh3, "0" * 32)
+
+    monkeypatch.setattr(pulling, "rebuild", wrong)
+    with pytest.raises(ChecksumError):
+        weightsync.pull(store, out, 2, config=PULL, base_dir=base)
+    assert bases and all(b is not None for b in bases)  # never retried without the base
