@@ -24,7 +24,7 @@ def ordered_map(
     Consecutive items go to a worker together until their summed weight reaches ``batch`` (at most
     ``budget / threads``, so that a small budget still runs ``threads`` items at once): a task
     per small item costs each a hand-off between threads, under the GIL (on the codec trajectory's
-    0.6 MB tensors, runs of 4 MiB lift two threads' ``sparse`` throughput by 1.2-1.3x).
+    0.6 MB tensors, runs of 4 MiB lift two threads' ``sparse`` throughput by 1.2-1.4x).
     On an exception the remaining work is cancelled, the items before the failing one are yielded
     and the exception propagates.
     """

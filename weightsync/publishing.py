@@ -1,7 +1,8 @@
 """Publishing a checkpoint directory as a new version: diff against the parent, encode, upload, commit.
 
 Memory: at most ``inflight_bytes`` (256 MiB) of segments being read and encoded at once, but always
-at least one segment (its new and old bytes and its payload: about 2x the largest tensor), plus the
+at least one segment (its new and old bytes and its payload: about 2x the largest tensor, with the
+small ones handed to the same worker before it), plus the
 uploader's bound (``upload_concurrency * chunk_bytes`` = 32 x 16 MiB = 512 MiB by default).
 """
 

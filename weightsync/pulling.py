@@ -5,7 +5,8 @@ the folder switches versions only through :func:`weightsync.local.install`. A fo
 (a subscriber's standby slot) may instead be refilled in place from another folder's version
 (``base_dir``): :func:`weightsync.local.begin_refill` and ``finish_refill``.
 Memory: at most ``inflight_bytes`` of segments being rebuilt (at least one: about 3x the largest
-tensor), plus ``fetch_concurrency`` chunks while downloading.
+tensor, with the small ones handed to the same worker before it), plus ``fetch_concurrency``
+chunks while downloading.
 """
 
 from __future__ import annotations
