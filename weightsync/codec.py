@@ -45,7 +45,8 @@ SLICE_BYTES = 512 << 10  # decode+verify works in slices this size, so hashing r
 class CodecConfig:
     """How tensors are encoded. Decoding needs none of it: payloads are self-describing.
 
-    level: zstd level of delta streams; full_level: zstd level of full tensors;
+    level: zstd level of delta streams; full_level: zstd level of full tensors (both with
+    ``min_match`` 7 and ``hash_log`` 10, see ``_compressor``);
     block_bytes: raw bytes per block (bounds encoder memory to a few blocks per thread);
     dense_above: changed fraction above which the dense coding is also tried;
     entropy_coder: use ``ac`` where it applies (smallest); False: ``sparse`` (6-8x faster to encode, 10x to decode).
@@ -376,6 +377,8 @@ def decode_tensor(
             raise FormatError(f"{what}: declared size of {nbytes} bytes cannot be allocated") from None
     if out.size != nbytes:
         raise UsageError(f"{what}: output buffer has {out.size} bytes, need {nbytes}")
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise UsageError(f"{what}: output buffer must be contiguous and writable")
     if old is not None and np.may_share_memory(out, old) and not _same_memory(out, old):
         raise UsageError(f"{what}: output buffer overlaps the base without being it")
     out_e = out.view(UINT_VIEW[width])

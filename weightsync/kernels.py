@@ -113,8 +113,8 @@ def _merge_planes(planes, x):
 
 def split_planes(values: np.ndarray) -> np.ndarray:
     """Byte planes of unsigned little-endian integers (1-D): all low bytes, then the next, ..."""
-    if values.ndim != 1 or values.dtype.kind != "u":
-        raise ValueError("split_planes: a 1-D array of unsigned integers")
+    if values.ndim != 1 or values.dtype.kind != "u" or not values.dtype.isnative:
+        raise ValueError("split_planes: a 1-D array of unsigned integers in native byte order")
     out = np.empty(values.nbytes, np.uint8)
     _split_planes(np.ascontiguousarray(values), out)
     return out
@@ -122,7 +122,8 @@ def split_planes(values: np.ndarray) -> np.ndarray:
 
 def merge_planes(planes: np.ndarray, out: np.ndarray) -> np.ndarray:
     """The integers whose byte planes ``planes`` (uint8, ``out.nbytes`` of them) holds, into ``out``."""
-    if out.ndim != 1 or out.dtype.kind != "u" or not out.flags.c_contiguous or not out.flags.writeable:
+    if (out.ndim != 1 or out.dtype.kind != "u" or not out.dtype.isnative or not out.flags.c_contiguous
+            or not out.flags.writeable):
         raise ValueError("merge_planes: out must be a writable, contiguous 1-D array of unsigned integers")
     if planes.dtype != np.uint8 or planes.ndim != 1 or planes.size != out.nbytes:
         raise ValueError(f"merge_planes: {planes.size} bytes of planes for {out.nbytes} bytes of integers")

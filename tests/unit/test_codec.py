@@ -407,10 +407,13 @@ def test_codec_config_validation(kwargs):
         CodecConfig(**kwargs)
 
 
-def test_decode_output_buffer_of_wrong_size_is_a_usage_error():
+def test_decode_output_buffer_of_wrong_size_or_layout_is_a_usage_error():
     enc = encode_tensor("U8", np.arange(8, dtype=np.uint8), None)
-    with pytest.raises(UsageError):
-        decode_tensor("U8", "full", enc.payload, None, 8, out=np.empty(9, dtype=np.uint8))
+    read_only = np.empty(8, dtype=np.uint8)
+    read_only.flags.writeable = False
+    for out in (np.empty(9, dtype=np.uint8), np.empty(16, dtype=np.uint8)[::2], read_only):
+        with pytest.raises(UsageError):
+            decode_tensor("U8", "full", enc.payload, None, 8, out=out)
 
 
 # --- integer helpers -------------------------------------------------------------------------------
@@ -486,6 +489,9 @@ def test_plane_kernels_agree_with_numpys_transpose(width, n):
         merge_planes(reference[:-1] if n else np.zeros(1, np.uint8), buf[1:-1])
     with pytest.raises(ValueError):
         split_planes(values.view(INT_VIEW[width]))
+    if width > 1:
+        with pytest.raises(ValueError):
+            split_planes(values.astype(values.dtype.newbyteorder(">")))
 
 
 # --- hostile payloads ------------------------------------------------------------------------------
