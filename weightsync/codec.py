@@ -142,10 +142,6 @@ def unzigzag(code: np.ndarray) -> np.ndarray:
     return ((code >> 1).view(INT_VIEW[width]) ^ -(s & 1)).view(UINT_VIEW[width])
 
 
-def _gap_width(max_gap: int) -> int:
-    return 1 if max_gap < 1 << 8 else 2 if max_gap < 1 << 16 else 4
-
-
 # --- block codecs --------------------------------------------------------------------------------
 def _encode_sparse(old: np.ndarray, new: np.ndarray, level: int) -> tuple[bytes, int]:
     from .kernels import sparse_streams  # numba loads only when a delta is encoded
@@ -158,8 +154,10 @@ def _sparse_block(idx: np.ndarray, diff: np.ndarray, level: int) -> bytes:
     """A sparse block from block-relative positions (ascending) and their wrapping differences."""
     if idx.size == 0:
         return b""
+    from .kernels import gap_width
+
     gaps = np.diff(idx, prepend=-1) - 1
-    gw = _gap_width(int(gaps.max()))
+    gw = gap_width(int(gaps.max()))
     streams = np.concatenate([to_planes(gaps.astype(UINT_VIEW[gw])), to_planes(zigzag(diff))])
     return _pack_sparse(memoryview(streams), idx.size, gw, level)
 

@@ -20,6 +20,12 @@ def _trailing_zeros(typingctx, x):
     return types.uint64(types.uint64), codegen
 
 
+@njit(cache=True)
+def gap_width(max_gap):
+    """Bytes per gap in a ``sparse`` block: the narrowest of 1, 2 and 4 that holds ``max_gap``."""
+    return 1 if max_gap < 1 << 8 else 2 if max_gap < 1 << 16 else 4
+
+
 @njit(cache=True, nogil=True)
 def _sparse_streams(old, new):
     n = old.size
@@ -57,7 +63,7 @@ def _sparse_streams(old, new):
         max_gap = max(max_gap, gap)
         pos[t] = gap
         prev = p
-    gw = 1 if max_gap < 1 << 8 else 2 if max_gap < 1 << 16 else 4
+    gw = gap_width(max_gap)
     width = old.itemsize
     shift = np.uint64(64 - 8 * width)
     out = np.empty(k * (gw + width), np.uint8)
