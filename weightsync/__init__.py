@@ -88,16 +88,13 @@ def versions(store: StoreLike) -> list[VersionInfo]:
 
 
 def verify(store: StoreLike, directory: str | os.PathLike, version: int | str | None = "latest") -> int:
-    """Raise unless ``directory`` holds ``version`` byte for byte; returns the version checked."""
+    """Raise unless ``directory`` holds ``version`` byte for byte; returns the version checked.
+    Strictly read-only: a folder whose install was interrupted is reported, not finished."""
     from .pulling import resolve_version
     from .integrity import verify_folder
-
-    from .local import recover, state_dir
 
     repo = open_repo(store)
     repo.require()
     v = resolve_version(repo, version)
-    if state_dir(Path(directory)).is_dir():
-        recover(Path(directory))  # finish an interrupted install first, as every operation does
     verify_folder(Path(directory), repo.manifest(v))
     return v

@@ -16,11 +16,14 @@ version but is known to be weightsync's own (the marker), so the next refill ove
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
+import socket
 import stat
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,11 +32,13 @@ import numpy as np
 import xxhash
 
 from .checkpoint import read_range
-from .errors import BaseMismatchError, ChecksumError, UsageError, WeightsyncError
-from .format import FileEntry, Manifest, Segment, check_path
+from .errors import BaseMismatchError, ChecksumError, FormatError, UsageError, WeightsyncError
+from .format import MAX_VERSION, FileEntry, Manifest, Segment, check_path
 
 STATE_DIR = ".weightsync"
 REFILL = "refill.json"  # present while a folder is being refilled in place
+PARTIAL_STATE = "partial.json"  # a partial folder's state (weightsync.partial)
+LOCK = "lock"  # held (flock) by the one process that writes the folder; never removed
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,181 @@ def state_dir(folder: Path) -> Path:
     return Path(folder) / STATE_DIR
 
 
+class FolderBusyError(UsageError):
+    """Another process (or another lock in this one) writes the folder."""
+
+
+def _own_dir(path: Path, create: bool) -> bool:
+    """Whether ``path`` is a real directory (never a link), creating it with ``create``; refuses
+    anything else standing there. Returns False if it is absent and not created."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        if not create:
+            return False
+        try:
+            path.mkdir()
+        except FileExistsError:
+            pass  # created meanwhile: checked below
+        except OSError as exc:
+            raise UsageError(f"cannot create {path}: {exc.strerror}") from None
+        st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UsageError(f"{path} is not a directory of weightsync's own (a link or a file?); refusing to use it")
+    return True
+
+
+def private_dir(folder: Path, name: str | None = None, create: bool = True) -> Path:
+    """``folder/.weightsync`` (or an entry ``name`` in it), checked to be a real directory and
+    created if needed: local state is never written or read through a link."""
+    sdir = state_dir(folder)
+    _own_dir(sdir, create)
+    if name is None:
+        return sdir
+    _own_dir(sdir / name, create)
+    return sdir / name
+
+
+def safe_join(folder: Path, rel: str) -> Path:
+    """``folder/rel`` for a path read from local state or a manifest: checked like a manifest path,
+    and refused if a directory on the way is a link (it could lead out of the folder)."""
+    try:
+        check_path(rel)
+    except FormatError as exc:
+        raise UsageError(f"{folder}: {exc}") from None
+    d = Path(folder)
+    for part in rel.split("/")[:-1]:
+        d = d / part
+        try:
+            if not stat.S_ISDIR(os.lstat(d).st_mode):
+                raise UsageError(f"{d} is not a directory (a link?); refusing to go through it")
+        except FileNotFoundError:
+            break
+    return Path(folder) / rel
+
+
+class FolderLock:
+    """An exclusive claim on one or more folders: one writer at a time, across processes.
+
+    Each folder's ``.weightsync/lock`` file is locked with ``flock`` (released by the kernel when
+    the process dies, so a crash never leaves a stale lock) and names its holder. A second claim
+    fails at once with :class:`FolderBusyError` naming the holder. Long-lived holders (the
+    subscriber daemon over its slots) pass the lock to the operations they run, which then do
+    not lock again (:meth:`covers`). On release the lock file goes, so does an empty
+    ``.weightsync``, and so does the folder if the claim created it and it is empty: a claim that
+    fails leaves no trace. (A claimant checks that the file it locked is still the one at the path, so removing
+    it never lets two in.)
+    """
+
+    def __init__(self, folders: list[Path] | Path, what: str):
+        self.folders = [Path(f) for f in ([folders] if isinstance(folders, (str, os.PathLike)) else folders)]
+        self.what = what
+        self._held: dict[str, tuple[int, Path, list[Path]]] = {}  # realpath -> (fd, lock path, dirs we made)
+
+    def acquire(self) -> FolderLock:
+        try:
+            for folder in self.folders:
+                self._lock_one(folder)
+        except BaseException:
+            self.release()
+            raise
+        return self
+
+    def _lock_one(self, folder: Path) -> None:
+        if folder.exists() and not folder.is_dir():
+            raise UsageError(f"{folder} exists and is not a directory")
+        made = [d for d in (*reversed(folder.parents), folder) if not os.path.lexists(d)]
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"cannot create {folder}: {exc.strerror}") from None
+        if not os.path.lexists(state_dir(folder)):
+            made.append(state_dir(folder))
+        try:
+            path = private_dir(folder) / LOCK
+            fd = self._open_locked(folder, path)
+        except BaseException:
+            _remove_empty(made)
+            raise
+        self._held[os.path.realpath(folder)] = (fd, path, made)
+
+    def _open_locked(self, folder: Path, path: Path) -> int:
+        while True:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            except OSError as exc:
+                raise UsageError(f"cannot open the lock {path}: {exc.strerror}") from None
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise UsageError(f"{path} is not a regular file; refusing to use it")
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
+                    raise FolderBusyError(f"{folder} is in use by {holder}; one writer per folder") from None
+                if not _same_file(fd, path):
+                    os.close(fd)  # its holder removed it as we opened it: lock the one there now
+                    continue
+                since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{self.what} (pid {os.getpid()} on {socket.gethostname()}, since {since})\n".encode(), 0)
+                return fd
+            except BaseException:
+                os.close(fd)
+                raise
+
+    def covers(self, folder: Path) -> bool:
+        """Whether this lock, held, is the claim on ``folder``."""
+        return os.path.realpath(folder) in self._held
+
+    def release(self) -> None:
+        for fd, path, made in self._held.values():
+            if _same_file(fd, path):
+                path.unlink()  # while still locked: a claimant that opened it retries on the new one
+            os.close(fd)  # closing the last descriptor drops the flock
+            _remove_empty([*made, path.parent] if path.parent not in made else made)  # an empty .weightsync too
+        self._held.clear()
+
+    def __enter__(self) -> FolderLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        a, b = os.fstat(fd), os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _remove_empty(dirs: list[Path]) -> None:
+    """Remove the directories a claim made, innermost first, where they are (still) empty."""
+    for d in reversed(dirs):
+        try:
+            d.rmdir()
+        except OSError:
+            return
+
+
+class claim:
+    """``with claim(folder, held, what):`` the caller's lock if it covers ``folder``, else a new
+    :class:`FolderLock` on it for the duration."""
+
+    def __init__(self, folder: Path, held: FolderLock | None, what: str):
+        self._lock = None if held is not None and held.covers(folder) else FolderLock(Path(folder), what)
+
+    def __enter__(self) -> None:
+        if self._lock is not None:
+            self._lock.acquire()
+
+    def __exit__(self, *exc) -> None:
+        if self._lock is not None:
+            self._lock.release()
+
+
 def write_json_atomic(path: Path, doc: object, fsync: bool = True) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
@@ -58,52 +238,158 @@ def write_json_atomic(path: Path, doc: object, fsync: bool = True) -> None:
     os.replace(tmp, path)
 
 
-def read_state(folder: Path) -> LocalState | None:
-    path = state_dir(folder) / "state.json"
+def read_doc(path: Path, what: str) -> dict | None:
+    """A JSON object of local state; None if absent; UsageError if it is anything else."""
     try:
-        doc = json.loads(path.read_text())
-        files = {check_path(p): (int(s), str(h), int(m)) for p, (s, h, m) in doc["files"].items()}
-        return LocalState(int(doc["version"]), str(doc["store"]), files)
+        st = os.lstat(path)
     except FileNotFoundError:
         return None
-    except (ValueError, KeyError, TypeError, WeightsyncError) as exc:
+    if not stat.S_ISREG(st.st_mode):
+        raise UsageError(f"{path}: {what} is not a regular file (a link?); remove {STATE_DIR} to start afresh")
+    try:
+        doc = json.loads(path.read_bytes())
+    except (ValueError, RecursionError, OSError) as exc:
+        raise UsageError(f"{path}: corrupt {what} ({type(exc).__name__}); remove {STATE_DIR} to start afresh") from None
+    if not isinstance(doc, dict):
+        raise UsageError(f"{path}: corrupt {what} (not an object); remove {STATE_DIR} to start afresh")
+    return doc
+
+
+def _version(v: object) -> int:
+    if type(v) is not int or not 0 <= v <= MAX_VERSION:
+        raise TypeError(f"version {v!r} is not an integer in 0..{MAX_VERSION}")
+    return v
+
+
+def read_state(folder: Path) -> LocalState | None:
+    path = state_dir(folder) / "state.json"
+    doc = read_doc(path, "weightsync state")
+    if doc is None:
+        return None
+    try:
+        files = {}
+        for p, (size, digest, mtime) in doc["files"].items():
+            files[check_path(p)] = (int(size), str(digest), int(mtime))
+        return LocalState(_version(doc["version"]), str(doc["store"]), files)
+    except (ValueError, KeyError, TypeError, AttributeError, WeightsyncError) as exc:
         raise UsageError(f"{path}: corrupt weightsync state ({exc}); remove {STATE_DIR} to start afresh") from None
 
 
+def _read_journal(folder: Path) -> dict | None:
+    """The journal of an interrupted install, every path in it checked; None if there is none."""
+    path = state_dir(folder) / "journal.json"
+    doc = read_doc(path, "install journal")
+    if doc is None:
+        return None
+    try:
+        journal = {
+            "version": _version(doc["version"]),
+            "store": str(doc["store"]),
+            "install": [check_path(p) for p in doc["install"]],
+            "remove": [check_path(p) for p in doc["remove"]],
+            "files": {check_path(p): (int(size), str(digest)) for p, (size, digest) in doc["files"].items()},
+        }
+    except (ValueError, KeyError, TypeError, AttributeError, WeightsyncError) as exc:
+        raise UsageError(f"{path}: corrupt install journal ({exc}); remove {STATE_DIR} to start afresh") from None
+    if not set(journal["install"]) <= set(journal["files"]) or set(journal["remove"]) & set(journal["files"]):
+        raise UsageError(f"{path}: corrupt install journal (it installs files its version lacks, or removes ones it has)")
+    return journal
+
+
+class TornInstallError(WeightsyncError):
+    """An install could not complete: the folder now claims no version (the next pull rebuilds it)."""
+
+
 def _apply_journal(folder: Path, journal: dict) -> None:
+    """Run (or finish) the renames of ``journal``, then record its version. A staged file that is
+    gone must already be in place (a rename done before a kill): its checksum says so; otherwise
+    the folder is marked as holding no version and :class:`TornInstallError` is raised."""
     sdir = state_dir(folder)
     staging = sdir / "staging"
     for rel in journal["remove"]:  # first, so that a file may become a folder and back
-        (folder / rel).unlink(missing_ok=True)
-        _prune_dirs(folder, (folder / rel).parent)
+        path = safe_join(folder, rel)
+        if path.is_dir() and not path.is_symlink():
+            raise UsageError(f"{path} is a folder weightsync did not put there (its version has a file there); "
+                             "move it away first")
+        path.unlink(missing_ok=True)
+        _prune_dirs(folder, path.parent)
     for rel in journal["install"]:
-        src, dst = staging / rel, folder / rel
-        if src.exists():
+        src, dst = safe_join(staging, rel), safe_join(folder, rel)
+        if os.path.lexists(src):
             dst.parent.mkdir(parents=True, exist_ok=True)
             os.replace(src, dst)
+        elif not _holds(dst, *journal["files"][rel]):
+            _mark_torn(folder)
+            raise TornInstallError(
+                f"{folder}: the staged file {rel} of version {journal['version']} vanished before its install "
+                f"(another process in {STATE_DIR}?); the folder now holds no version: pull again to rebuild it")
     files = {}
     for rel, (size, digest) in journal["files"].items():
-        files[rel] = (size, digest, (folder / rel).stat().st_mtime_ns)
+        st = os.lstat(safe_join(folder, rel))
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            _mark_torn(folder)
+            raise TornInstallError(f"{folder}: {rel} is not the file version {journal['version']} installs; "
+                                   "the folder now holds no version: pull again to rebuild it")
+        files[rel] = (size, digest, st.st_mtime_ns)
     write_json_atomic(sdir / "state.json", {"version": journal["version"], "store": journal["store"], "files": files})
     (sdir / "journal.json").unlink()
     (sdir / REFILL).unlink(missing_ok=True)  # a refill interrupted before this install replaced it
     shutil.rmtree(staging, ignore_errors=True)
 
 
+def _holds(path: Path, size: int, digest: str) -> bool:
+    """Whether ``path`` is a regular file with exactly these bytes."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            return False
+        return hash_file(path) == (size, digest)
+    except OSError:
+        return False
+
+
+def hash_file(path: Path, block: int = 16 << 20) -> tuple[int, str]:
+    """The size and xxh3-128 of a file's bytes, read once."""
+    h, size = xxhash.xxh3_128(), 0
+    with open(path, "rb") as f:
+        while buf := f.read(block):
+            h.update(buf)
+            size += len(buf)
+    return size, h.hexdigest()
+
+
+def _mark_torn(folder: Path) -> None:
+    """The folder holds no complete version: it claims none, and is marked weightsync's own (the
+    refill marker), so the next pull clears and rebuilds it instead of refusing a foreign folder."""
+    sdir = state_dir(folder)
+    write_json_atomic(sdir / REFILL, {"torn": True})
+    (sdir / "state.json").unlink(missing_ok=True)
+    (sdir / "journal.json").unlink(missing_ok=True)
+    shutil.rmtree(sdir / "staging", ignore_errors=True)
+
+
 def _prune_dirs(folder: Path, d: Path) -> None:
-    while d != folder and d.is_dir() and not any(d.iterdir()):
+    while d != folder and d.is_dir() and not d.is_symlink() and not any(d.iterdir()):
         d.rmdir()
         d = d.parent
 
 
 def recover(folder: Path) -> None:
-    """Finish an interrupted install, or drop an unfinished staging area (spooled chunks stay)."""
-    sdir = state_dir(folder)
-    journal = sdir / "journal.json"
-    if journal.exists():
-        _apply_journal(folder, json.loads(journal.read_text()))
-    elif (sdir / "staging").exists():
-        shutil.rmtree(sdir / "staging")
+    """Finish an interrupted install, or drop an unfinished staging area (spooled chunks stay).
+    It writes: only a holder of the folder's lock may call it."""
+    private_dir(folder)
+    journal = _read_journal(folder)
+    if journal is not None:
+        _apply_journal(folder, journal)
+    else:
+        staging = state_dir(folder) / "staging"
+        if os.path.lexists(staging):
+            shutil.rmtree(staging) if staging.is_dir() and not staging.is_symlink() else staging.unlink()
+
+
+def interrupted(folder: Path) -> bool:
+    """Whether an install into ``folder`` was interrupted and not yet finished (read-only)."""
+    return os.path.lexists(state_dir(folder) / "journal.json")
 
 
 def list_files(folder: Path) -> tuple[set[str], set[str]]:
@@ -127,17 +413,16 @@ def stray_entries(folder: Path, expected: set[str]) -> list[str]:
     """Entries of ``folder`` that are neither ``expected`` files nor their parent directories."""
     parents = {p.rsplit("/", i)[0] for p in expected for i in range(1, p.count("/") + 1)}
     files, dirs = list_files(folder)
-    return sorted((files - expected) | (dirs - parents))
+    links = {f for f in files & expected if os.path.islink(os.path.join(folder, f))}  # ours are regular files
+    return sorted((files - expected) | (dirs - parents) | links)
 
 
 def prepare_target(folder: Path, owned: bool = False) -> LocalState | None:
     """Create the folder if needed, recover, and refuse a folder holding anything weightsync does not
     own. An interrupted refill (:func:`begin_refill`) is kept as it is for the next refill
-    (``owned``), else emptied."""
+    (``owned``), else emptied. The caller holds the folder's lock (:func:`claim`)."""
     if folder.exists() and not folder.is_dir():
         raise UsageError(f"{folder} exists and is not a directory")
-    if state_dir(folder).is_symlink() or (state_dir(folder).exists() and not state_dir(folder).is_dir()):
-        raise UsageError(f"{state_dir(folder)} is not a directory of weightsync's own (a link?); refusing to write through it")
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -160,15 +445,82 @@ def prepare_target(folder: Path, owned: bool = False) -> LocalState | None:
     return state
 
 
+Snapshot = dict[str, tuple[int, int, int, int]]  # path -> (mode, inode, size, mtime_ns)
+
+
+def snapshot(folder: Path) -> Snapshot:
+    """What each entry of ``folder`` is (``.weightsync`` aside), cheaply (one lstat each): a file
+    rewritten, replaced, added or removed behind weightsync's back changes it."""
+    files, dirs = list_files(folder)
+    out = {}
+    for rel in files:
+        try:
+            st = os.lstat(os.path.join(folder, rel))
+        except FileNotFoundError:
+            continue
+        out[rel] = (stat.S_IFMT(st.st_mode), st.st_ino, st.st_size, st.st_mtime_ns)
+    return out
+
+
+def snapshot_differs(snap: Snapshot, recorded: dict[str, tuple[int, int | None]]) -> str | None:
+    """Why ``snap`` is not the folder as installed (``recorded``: path -> (size, mtime_ns or None)),
+    or None if it is."""
+    for rel in sorted(set(snap) | set(recorded)):
+        if rel not in recorded:
+            return f"{rel} was added"
+        if rel not in snap:
+            return f"{rel} was removed"
+        mode, _, size, mtime = snap[rel]
+        want_size, want_mtime = recorded[rel]
+        if mode != stat.S_IFREG or size != want_size or (want_mtime is not None and mtime != want_mtime):
+            return f"{rel} was modified"
+    return None
+
+
+def disown(folder: Path) -> None:
+    """Make ``folder`` claim no version (its files changed behind weightsync's back), keeping it
+    marked as weightsync's own so that the next update rebuilds it; its files stay as they are."""
+    sdir = state_dir(folder)
+    write_json_atomic(sdir / REFILL, {"disowned": True})
+    for name in ("state.json", PARTIAL_STATE):
+        (sdir / name).unlink(missing_ok=True)
+
+
 def empty_folder(folder: Path) -> None:
     """Remove every entry of ``folder`` but ``.weightsync`` (whose spool of verified chunks stays)."""
     for entry in folder.iterdir():
         if entry.name != STATE_DIR:
-            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+            _remove(entry)
+
+
+def clear_folder(folder: Path) -> None:
+    """Remove every entry of ``folder``, local state included, but its lock file (which a holder
+    keeps: a new file would let a second writer in); creates the folder if needed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    empty_folder(folder)
+    sdir = state_dir(folder)
+    if sdir.is_dir() and not sdir.is_symlink():
+        for entry in sdir.iterdir():
+            if entry.name != LOCK:
+                _remove(entry)
+        if not any(sdir.iterdir()):
+            sdir.rmdir()
+    elif os.path.lexists(sdir):
+        sdir.unlink()
+
+
+def _remove(entry: Path) -> None:
+    shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
 
 
 def staging_dir(folder: Path) -> Path:
-    return state_dir(folder) / "staging"
+    """The folder's staging area (created, checked to be a real directory)."""
+    return private_dir(folder, "staging")
+
+
+def spool_dir(folder: Path) -> Path:
+    """The folder's spool of verified downloaded chunks (created, checked to be a real directory)."""
+    return private_dir(folder, "spool")
 
 
 def install(folder: Path, manifest: Manifest, store_url: str, staged: list[str], fsync: bool = True) -> None:
@@ -247,10 +599,10 @@ def unchanged_files(folder: Path, state: LocalState | None, manifest: Manifest) 
         rec = state.files.get(f.path)
         if rec and rec[0] == f.size and rec[1] == f.xxh3:
             try:
-                st = (folder / f.path).stat()
-            except FileNotFoundError:
+                st = os.lstat(safe_join(folder, f.path))
+            except (FileNotFoundError, NotADirectoryError):
                 continue
-            if st.st_size == f.size and st.st_mtime_ns == rec[2]:
+            if stat.S_ISREG(st.st_mode) and st.st_size == f.size and st.st_mtime_ns == rec[2]:
                 same.add(f.path)
     return same
 
@@ -318,11 +670,13 @@ def clone(src: Path, dst: Path, copy: bool = False, fsync: bool = False, check: 
     state = read_state(src)
     if state is None:
         raise UsageError(f"{src} holds no weightsync version to clone")
-    shutil.rmtree(dst, ignore_errors=True)
-    dst.mkdir(parents=True)
-    for rel in state.files:
+    clear_folder(dst)
+    for rel, (size, _, mtime) in state.files.items():
         if check:
             check()
+        st = os.lstat(safe_join(src, rel))
+        if not stat.S_ISREG(st.st_mode) or (st.st_size, st.st_mtime_ns) != (size, mtime):
+            raise UsageError(f"{src / rel} changed since version {state.version} was installed; not cloning it")
         (dst / rel).parent.mkdir(parents=True, exist_ok=True)
         if not copy:
             try:
@@ -334,7 +688,8 @@ def clone(src: Path, dst: Path, copy: bool = False, fsync: bool = False, check: 
     if fsync:
         for d in {(dst / rel).parent for rel in state.files}:
             fsync_dir(d)
-    write_json_atomic(state_dir(dst) / "state.json", {"version": state.version, "store": state.store, "files": state.files})
+    files = {rel: (size, digest, os.stat(dst / rel).st_mtime_ns) for rel, (size, digest, _) in state.files.items()}
+    write_json_atomic(private_dir(dst) / "state.json", {"version": state.version, "store": state.store, "files": files})
 
 
 def _copy_file(src: Path, dst: Path, fsync: bool, check: Callable[[], None] | None, piece: int = 64 << 20) -> None:
@@ -370,6 +725,11 @@ def _copy_file(src: Path, dst: Path, fsync: bool, check: Callable[[], None] | No
 def adopt(folder: Path, manifest: Manifest, source: Path, store_url: str) -> None:
     """Make ``folder`` hold ``manifest``'s version by linking (or copying) the files of ``source``,
     a directory that was just published as that version. Later reads still verify every segment."""
+    with claim(folder, None, "weightsync publish (caching the published version)"):
+        _adopt(folder, manifest, source, store_url)
+
+
+def _adopt(folder: Path, manifest: Manifest, source: Path, store_url: str) -> None:
     prepare_target(folder)
     staging = staging_dir(folder)
     for f in manifest.files:

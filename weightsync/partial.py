@@ -38,15 +38,18 @@ import xxhash
 
 from .checkpoint import parse_safetensors_header, read_range
 from .codec import rebuild
-from .errors import BaseMismatchError, ChecksumError, CheckpointError, FormatError, UsageError, VersionError
-from .format import FileEntry, Manifest, Segment
-from .local import STATE_DIR, check_checksum, write_json_atomic
+from .errors import BaseMismatchError, ChecksumError, CheckpointError, FormatError, UsageError, VersionError, WeightsyncError
+from .format import MAX_VERSION, FileEntry, Manifest, Segment, check_path
+from .local import (
+    PARTIAL_STATE, REFILL, STATE_DIR, FolderLock, check_checksum, claim, empty_folder, private_dir, read_doc, safe_join, spool_dir,
+    stray_entries, write_json_atomic,
+)
 from .pipeline import TASK_BYTES, ordered_map
 from .planner import ChunkNeed, Recipe, Step, merge_ranges, plan_segment
 from .repo import Repo
-from .transfer import fetch_chunks
+from .transfer import clear_spool, fetch_chunks
 
-STATE = "partial.json"
+STATE = PARTIAL_STATE
 BaseReader = Callable[[str, Segment], np.ndarray]  # (file path, local segment) -> its bytes, verified
 
 
@@ -150,14 +153,25 @@ class PartialResult:
 
 
 def read_partial_state(folder: Path) -> PartialState | None:
-    try:
-        doc = json.loads((folder / STATE_DIR / STATE).read_text())
-        sel = Selection(tuple(doc["include"]), tuple(doc["exclude"]))
-        return PartialState(int(doc["version"]), str(doc["store"]), sel, dict(doc["files"]))
-    except FileNotFoundError:
+    """The partial folder's state, every path and field checked; None if it has none."""
+    path = folder / STATE_DIR / STATE
+    doc = read_doc(path, STATE)
+    if doc is None:
         return None
-    except (ValueError, KeyError, TypeError) as exc:
-        raise UsageError(f"{folder}: corrupt {STATE} ({exc}); remove {STATE_DIR} to start afresh") from None
+    try:
+        sel = Selection(tuple(map(str, doc["include"])), tuple(map(str, doc["exclude"])))
+        files = {}
+        for p, rec in doc["files"].items():
+            tensors = {str(n): str(h) for n, h in rec["tensors"].items()}
+            files[check_path(p)] = {"size": int(rec["size"]), "xxh3": str(rec["xxh3"]), "tensors": tensors}
+            if "mtime_ns" in rec:
+                files[p]["mtime_ns"] = int(rec["mtime_ns"])
+        version = doc["version"]
+        if type(version) is not int or not 0 <= version <= MAX_VERSION:
+            raise TypeError(f"version {version!r} out of range")
+        return PartialState(version, str(doc["store"]), sel, files)
+    except (ValueError, KeyError, TypeError, AttributeError, WeightsyncError) as exc:
+        raise UsageError(f"{path}: corrupt {STATE} ({exc}); remove {STATE_DIR} to start afresh") from None
 
 
 class _PartialBase:
@@ -230,13 +244,34 @@ def _header(f: FileEntry, header_bytes: np.ndarray, tensors: list[Segment]) -> b
 
 def materialize(
     repo: Repo, folder: str | os.PathLike[str], version: int, selection: Selection, *, concurrency: int = 32,
-    threads: int = 4, fsync: bool = True, cancel: Callable[[], None] | None = None,
+    threads: int = 4, fsync: bool = True, cancel: Callable[[], None] | None = None, lock: FolderLock | None = None,
 ) -> PartialResult:
-    """Make ``folder`` a partial folder holding ``selection`` of ``version`` (see the module doc)."""
-    out = Path(folder)
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
+    """Make ``folder`` a partial folder holding ``selection`` of ``version`` (see the module doc).
+    One writer per folder: runs under ``lock`` (a lock on ``folder`` the caller holds) or takes one."""
+    with claim(Path(folder), lock, "weightsync partial pull"):
+        return _materialize(repo, Path(folder), version, selection, concurrency, threads, fsync, cancel)
+
+
+def _prepare(out: Path) -> PartialState | None:
+    """The folder's partial state, after refusing a folder that holds what weightsync did not put
+    there, and emptying one whose update was interrupted (marked, no state)."""
+    private_dir(out)
     state = read_partial_state(out)
+    if state is None:
+        if (out / STATE_DIR / REFILL).exists():
+            empty_folder(out)
+            (out / STATE_DIR / REFILL).unlink()
+        elif any(p.name != STATE_DIR for p in out.iterdir()):
+            raise UsageError(f"{out} is not empty and holds no weightsync version; refusing to overwrite it")
+    elif stray := stray_entries(out, set(state.files)):
+        raise UsageError(f"{out} holds entries weightsync did not put there ({', '.join(stray[:3])}); move them away first")
+    return state
+
+
+def _materialize(repo: Repo, out: Path, version: int, selection: Selection, concurrency: int, threads: int,
+                 fsync: bool, cancel) -> PartialResult:
+    t0 = time.perf_counter()
+    state = _prepare(out)
     if state is not None and (state.store != repo.url or state.selection != selection):
         state = None  # another store or selection: nothing local is reused
     if state is not None and state.version == version:
@@ -265,11 +300,10 @@ def materialize(
 
 def _write(repo, out: Path, target: Manifest, files, jobs, base, state, sel: Selection, concurrency, threads, fsync, cancel, t0) -> PartialResult:
     sdir = out / STATE_DIR
-    staging = sdir / "staging"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    staging = private_dir(out, "staging")
+    empty_folder(staging)
     on_bytes = (lambda n: cancel()) if cancel else None
-    paths, fetched = fetch_for(repo, jobs, sdir / "spool", concurrency, on_bytes)
+    paths, fetched = fetch_for(repo, jobs, spool_dir(out), concurrency, on_bytes)
     t_fetch = time.perf_counter()
     seconds = {"fetch": t_fetch - t0}
     built = build_tensors(jobs, paths, base, threads=threads, cancel=cancel)
@@ -278,18 +312,21 @@ def _write(repo, out: Path, target: Manifest, files, jobs, base, state, sel: Sel
         record[f.path] = _write_file(staging / f.path, f, segs, built, fsync)
     built.close()
     seconds["build"] = time.perf_counter() - t_fetch
+    write_json_atomic(sdir / REFILL, {"partial": True}, fsync)  # ours, claiming no version, until the state
     (sdir / STATE).unlink(missing_ok=True)
     for path in record:
-        dst = out / path
+        dst = safe_join(out, path)
         dst.parent.mkdir(parents=True, exist_ok=True)
         os.replace(staging / path, dst)
+        record[path]["mtime_ns"] = os.lstat(dst).st_mtime_ns
     for path in set(state.files if state else ()) - set(record):
-        (out / path).unlink(missing_ok=True)
+        safe_join(out, path).unlink(missing_ok=True)
     doc = {"format": "weightsync.partial", "version": target.version, "store": repo.url,
            "include": list(sel.include), "exclude": list(sel.exclude), "files": record}
     write_json_atomic(sdir / STATE, doc, fsync)
+    (sdir / REFILL).unlink()
     shutil.rmtree(staging, ignore_errors=True)
-    shutil.rmtree(sdir / "spool", ignore_errors=True)
+    clear_spool(spool_dir(out))
     seconds["total"] = time.perf_counter() - t0
     n = sum(len(r["tensors"]) for r in record.values())
     return PartialResult(target.version, None if state is None else state.version, fetched, len(record), n, seconds)

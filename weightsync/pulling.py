@@ -25,13 +25,13 @@ from .codec import SLICE_BYTES, rebuild
 from .errors import BaseMismatchError, ChecksumError, FormatError, NotFoundError, UsageError, VersionError
 from .format import Manifest, chunk_key, version_key
 from .local import (
-    LocalVersion, begin_refill, check_checksum, finish_refill, install, open_in_place, prepare_target, read_state,
-    staging_dir, state_dir, unchanged_files,
+    FolderLock, LocalVersion, begin_refill, check_checksum, claim, finish_refill, install, open_in_place,
+    prepare_target, read_state, spool_dir, staging_dir, unchanged_files,
 )
 from .pipeline import TASK_BYTES, ordered_map
 from .planner import FilePlan, Plan, Recipe, plan_pull
 from .repo import Repo
-from .transfer import fetch_chunks
+from .transfer import clear_spool, fetch_chunks
 
 Progress = Callable[[int, int], None]
 
@@ -177,6 +177,7 @@ def pull(
     progress: Progress | None = None,
     on_bytes: Callable[[int], None] | None = None,
     base_dir: str | os.PathLike[str] | None = None,
+    lock: FolderLock | None = None,
 ) -> PullResult:
     """Make ``out_dir`` hold ``version`` byte for byte, applying only deltas where it can.
 
@@ -186,8 +187,15 @@ def pull(
     are overwritten where they are, which costs the page cache far less than new files, but
     ``out_dir`` claims no version until the refill ends (a kill leaves it to be refilled again).
     Only for a folder weightsync owns whole and nothing reads, like a subscriber's standby slot.
+
+    One writer per folder: the pull holds ``out_dir``'s lock (:class:`weightsync.local.FolderLock`)
+    throughout, or runs under ``lock``, a lock on it that the caller holds.
     """
-    out = Path(out_dir)
+    with claim(Path(out_dir), lock, "weightsync pull"):
+        return _pull(repo, Path(out_dir), version, config, progress, on_bytes, base_dir)
+
+
+def _pull(repo: Repo, out: Path, version, config: PullConfig, progress, on_bytes, base_dir) -> PullResult:
     base = out if base_dir is None else Path(base_dir)
     if base_dir is not None:
         b, o = os.path.realpath(base), os.path.realpath(out)
@@ -208,7 +216,15 @@ def pull(
     local = _local_manifest(repo, None if base_state is None else base_state.version)
     run = lambda plan: _pull_plan(repo, out, base, plan, base_state, config, progress, on_bytes, t0)
     try:
-        return run(plan_pull(chain, local, keep))
+        try:
+            return run(plan_pull(chain, local, keep))
+        except ChecksumError:
+            if not _spool_used(out):
+                raise
+            # a spooled chunk went bad after it was checked (the disk, or a hand in .weightsync):
+            # drop every spooled copy and fetch again, once; a second failure is the store's
+            clear_spool(spool_dir(out))
+            return run(plan_pull(chain, local, keep))
     except BaseMismatchError:
         # the base folder was modified behind our back: rebuild from the keyframe without local bytes
         return run(plan_pull(repo.chain(target_version), None, set()))
@@ -223,7 +239,7 @@ def pull(
 def _pull_plan(repo, out: Path, base: Path, plan: Plan, base_state, cfg: PullConfig, progress, on_bytes, t0: float) -> PullResult:
     seconds = {}
     in_place = base != out
-    paths = fetch_chunks(repo, plan.chunks, state_dir(out) / "spool", cfg.fetch_concurrency, on_bytes)
+    paths = fetch_chunks(repo, plan.chunks, spool_dir(out), cfg.fetch_concurrency, on_bytes)
     seconds["fetch"] = time.perf_counter() - t0
     local = None if plan.local_version is None else LocalVersion(base, repo.manifest(plan.local_version))
     builder = _Builder(repo.url, paths, local)
@@ -240,15 +256,13 @@ def _pull_plan(repo, out: Path, base: Path, plan: Plan, base_state, cfg: PullCon
         finish_refill(out, plan.target, repo.url, cfg.fsync)
     else:
         install(out, plan.target, repo.url, written, cfg.fsync)
-    _clear_spool(state_dir(out) / "spool")
+    clear_spool(spool_dir(out))
     seconds["total"] = time.perf_counter() - t0
     kept = sum(f.keep for f in plan.files)
     fetched = plan.fetch_bytes
     return PullResult(plan.target.version, None if base_state is None else base_state.version, fetched, len(written), kept, seconds)
 
 
-def _clear_spool(spool: Path) -> None:
-    if spool.is_dir():
-        for p in spool.iterdir():
-            p.unlink(missing_ok=True)
-        spool.rmdir()
+def _spool_used(out: Path) -> bool:
+    spool = spool_dir(out)
+    return any(p.name != ".tmp" and not p.name.startswith(".tmp-") for p in spool.iterdir())

@@ -8,12 +8,16 @@ chunk to a file in the spool and holds at most ``concurrency`` chunks in memory.
 from __future__ import annotations
 
 import os
+import shutil
+import stat
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
+
+import xxhash
 
 from .chunking import SealedChunk
 from .errors import ChecksumError, NotFoundError, UsageError
@@ -87,9 +91,9 @@ def fetch_chunks(
     downloaded whole, checked against its id and renamed into ``spool`` (a file there is always a
     verified chunk, so a restarted pull does not download it again); a chunk of which little is
     needed is fetched as ranged reads into a sparse file at the same offsets. Every payload read
-    from either is checked against its own checksum before it is decoded.
+    from either is checked against its own checksum before it is decoded. ``spool`` is a real
+    directory of the caller's (checked by :func:`weightsync.local.spool_dir`).
     """
-    spool.mkdir(parents=True, exist_ok=True)
 
     def one(need: ChunkNeed) -> tuple[str, Path]:
         ref = need.chunk
@@ -100,7 +104,7 @@ def fetch_chunks(
                 raise NotFoundError(f"{repo.url}: missing chunk {key}", key=key)
             return ref.id, local
         dest = spool / ref.id
-        if dest.exists() and dest.stat().st_size == ref.size:
+        if _spooled(dest, ref.id, ref.size):
             return ref.id, dest
         fd, tmp = tempfile.mkstemp(dir=spool, prefix=".tmp-")
         try:
@@ -120,6 +124,36 @@ def fetch_chunks(
 
     with ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="ws-fetch") as pool:
         return dict(pool.map(one, needs))
+
+
+def _spooled(path: Path, chunk_id: str, size: int) -> bool:
+    """Whether ``path`` holds the chunk, checked by content (a chunk's id is its checksum), not by
+    size: a spool left by a killed pull or planted by hand is reused only when right. A wrong
+    entry is dropped."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if stat.S_ISREG(st.st_mode) and st.st_size == size:
+        with open(path, "rb") as f:
+            if xxhash.xxh3_128_hexdigest(f.read()) == chunk_id:
+                return True
+    _remove_entry(path)
+    return False
+
+
+def _remove_entry(path: Path) -> None:
+    shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink(missing_ok=True)
+
+
+def clear_spool(spool: Path) -> None:
+    """Remove a spool and what it holds (never following a link out of it)."""
+    if spool.is_symlink():
+        spool.unlink()
+    elif spool.is_dir():
+        for p in spool.iterdir():
+            _remove_entry(p)
+        spool.rmdir()
 
 
 def _download(repo: Repo, need: ChunkNeed, key: str, f) -> int:
