@@ -255,6 +255,7 @@ def _run_daemon(cfg) -> int:
         from .subscriber import Subscriber
 
         daemon = Subscriber(cfg, repo, metrics)
+        daemon.claim()  # another process writing the folder: a one-line error before anything is served
     return run(lambda: create_app(Deps(daemon, metrics, cfg.api.token, cfg.grace)), cfg.api)
 
 

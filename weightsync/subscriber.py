@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -40,7 +39,10 @@ from .errors import ChecksumError, UsageError, VersionError, WeightsyncError
 from .hooks import HookRunner
 from .integrity import verify_folder
 from .ledger import FleetRecord, superseded_at, write_record
-from .local import REFILL, STATE_DIR, clone, empty_folder
+from .local import (
+    REFILL, STATE_DIR, FolderLock, Snapshot, clear_folder, clone, disown, empty_folder, read_state, snapshot,
+    snapshot_differs,
+)
 from .metrics import Metrics
 from .partial import STATE as PARTIAL_STATE
 from .partial import Selection, materialize, read_partial_state
@@ -55,8 +57,7 @@ log = logging.getLogger("weightsync.subscriber")
 
 def _drop_copy(folder: Path) -> None:
     """Remove what an unfinished copy into the standby slot left (it claims no version)."""
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True, exist_ok=True)
+    clear_folder(folder)
 
 
 class _SeedInterrupted(Exception):
@@ -111,6 +112,7 @@ class SyncResult:
     fetch_seconds: float
     build_seconds: float
     in_place: bool = False  # the standby slot was refilled in place
+    served: Snapshot | None = None  # the slot's files as filled (what the served-slot check compares)
 
 
 class Subscriber:
@@ -141,6 +143,16 @@ class Subscriber:
         self._seed_failed: int | None = None  # the current version a standby copy failed for (not retried)
         self._seeded: str | None = None  # the standby slot holding that copy, until the next flip: never served
         self._seed_poll = 0.0  # when the copy next asks the store for its head
+        self._lock: FolderLock | None = None  # the target folder and both slots: one writer, us
+        self._served: Snapshot | None = None  # the current slot as swapped in, to notice a hand in it
+
+    def claim(self) -> None:
+        """Take the target folder and both slots for this process (FolderBusyError if another
+        process writes them); released when :meth:`run` ends."""
+        if self._lock is None:
+            root = Path(self.cfg.target_dir)
+            folders = [root] + [self.slots.path(n) for n in Slots.NAMES]
+            self._lock = FolderLock(folders, f"weightsync subscriber ({self.cfg.identity.id})").acquire()
 
     # -- control (called by the API) --------------------------------------------------------------
     def request_stop(self) -> None:
@@ -221,14 +233,18 @@ class Subscriber:
     async def run(self) -> None:
         self._wake = asyncio.Event()
         warm_codec()
-        await asyncio.to_thread(self._startup)
         try:
+            await asyncio.to_thread(self.claim)
+            await asyncio.to_thread(self._startup)
             while not self.stop_token.is_set:
                 await sleep_or_wake(self._wake, await self._iteration(), self.stop_token)
         finally:
             if self._hook_task is not None and not self._hook_task.done():
                 self._hook_task.cancel()
             await self._write_ledger(force=True)
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
 
     def _startup(self) -> None:
         self.cfg.target_dir.mkdir(parents=True, exist_ok=True)
@@ -242,6 +258,9 @@ class Subscriber:
         current = None if cur is None else slot_version(self.slots.path(cur), self.cfg.partial)
         standby = slot_version(self.slots.path(self.slots.standby()), self.cfg.partial)
         self.view = View(current, standby)
+        if current is not None:
+            self._served = snapshot(self.slots.path(cur))
+            self._check_served()  # changed while no subscriber watched
         self.metrics.current_version.set(-1 if current is None else current)
         event(log, "started", target_dir=self.cfg.target_dir, current=current, standby=standby, target=self.target,
               target_from=self.target_from, partial=self.cfg.partial)
@@ -249,6 +268,8 @@ class Subscriber:
     async def _iteration(self) -> float:
         """One poll: plan, act, update gauges. Returns the seconds to wait before the next one."""
         try:
+            if self._served is not None:
+                await asyncio.to_thread(self._check_served)
             head = await asyncio.to_thread(self.repo.head_version)
             self.latest = head
             self.metrics.latest_version.set(-1 if head is None else head)
@@ -299,8 +320,10 @@ class Subscriber:
         self.state = "swapping"
         t0 = time.perf_counter()
         self._seeded = None  # before the flip: a flip that fails late may already have switched `current`
+        self._served = None
         await asyncio.to_thread(self.slots.flip, standby)
         pause = time.perf_counter() - t0
+        self._served = result.served
         swap = self.release.swapped()
         self.view = View(version, self.view.current)
         self._after_swap(result, folder, pause, swap)
@@ -313,7 +336,8 @@ class Subscriber:
         base = None
         if self.cfg.partial:
             r = materialize(self.repo, folder, version, self.selection, concurrency=self.cfg.fetch_concurrency,
-                            threads=self.cfg.decode_threads, fsync=self.cfg.fsync, cancel=self.stop_token.check)
+                            threads=self.cfg.decode_threads, fsync=self.cfg.fsync, cancel=self.stop_token.check,
+                            lock=self._lock)
             raw = sum(f["size"] for f in read_partial_state(folder).files.values())
             fetch_s, build_s = r.seconds.get("fetch", 0.0), r.seconds.get("build", 0.0)
         else:
@@ -322,12 +346,39 @@ class Subscriber:
             if base is None:
                 self._seed_from_current(folder, version)
             cfg = PullConfig(fetch_concurrency=self.cfg.fetch_concurrency, decode_threads=self.cfg.decode_threads, fsync=self.cfg.fsync)
-            r = pull(self.repo, folder, version, cfg, progress=self.stop_token.check, on_bytes=self.stop_token.check, base_dir=base)
+            r = pull(self.repo, folder, version, cfg, progress=self.stop_token.check, on_bytes=self.stop_token.check,
+                     base_dir=base, lock=self._lock)
             raw = self.repo.manifest(version).raw_bytes
             fetch_s, build_s = r.seconds.get("fetch", 0.0), r.seconds.get("build", 0.0)
             if self.cfg.verify_before_swap:
                 verify_folder(folder, self.repo.manifest(version))
-        return SyncResult(r.version, r.from_version, r.fetched_bytes, raw, fetch_s, build_s, base is not None)
+        served = snapshot(folder)
+        if (why := snapshot_differs(served, _recorded(folder, self.cfg.partial))) is not None:
+            raise UsageError(f"{folder} changed while it was being filled ({why}); not swapping to it")
+        return SyncResult(r.version, r.from_version, r.fetched_bytes, raw, fetch_s, build_s, base is not None, served)
+
+    def _check_served(self) -> None:
+        """Notice the served slot changed behind our back (a hand, another tool): it then claims no
+        version, the daemon is not ready, and the loop syncs a fresh copy into the standby and
+        swaps to it (worker thread)."""
+        cur = self.slots.current()
+        if cur is None or self._served is None:
+            return
+        folder = self.slots.path(cur)
+        now = snapshot(folder)
+        why = snapshot_differs(now, _recorded(folder, self.cfg.partial))
+        if why is None and now != self._served:
+            why = next(f"{p} was replaced" for p in sorted(now) if now[p] != self._served.get(p))
+        if why is None:
+            return
+        event(log, "the served slot changed behind weightsync's back; it no longer claims a version, "
+              "a fresh copy is synced and swapped in", logging.ERROR, folder=folder, version=self.view.current, change=why)
+        self.metrics.checksum_failures.inc()
+        self.last_error = f"the served slot {folder} changed behind weightsync's back ({why})"
+        disown(folder)
+        self._served = None
+        self.view = View(None, self.view.standby)
+        self.metrics.current_version.set(-1)
 
     def _refill_base(self, version: int) -> Path | None:
         """The current slot, to refill the standby in place from, when moving forward and the
@@ -407,8 +458,7 @@ class Subscriber:
         full_state = (folder / STATE_DIR / "state.json").exists() or (folder / STATE_DIR / REFILL).exists()
         if (self.cfg.partial and full_state and not partial_state) or (not self.cfg.partial and partial_state):
             event(log, "clearing a slot filled in the other mode", folder=folder)
-            shutil.rmtree(folder)
-            folder.mkdir(parents=True)
+            clear_folder(folder)
 
     def _after_swap(self, r: SyncResult, folder: Path, pause: float, swap: int) -> None:
         m = self.metrics
@@ -469,3 +519,12 @@ class Subscriber:
             self._last_ledger = now
         except WeightsyncError as exc:
             event(log, "could not write the fleet ledger", logging.WARNING, error=str(exc))
+
+
+def _recorded(folder: Path, partial: bool) -> dict[str, tuple[int, int | None]]:
+    """path -> (size, mtime_ns or None) of the version ``folder`` claims, from its local state."""
+    if partial:
+        state = read_partial_state(folder)
+        return {} if state is None else {p: (r["size"], r.get("mtime_ns")) for p, r in state.files.items()}
+    state = read_state(folder)
+    return {} if state is None else {p: (size, mtime) for p, (size, _, mtime) in state.files.items()}

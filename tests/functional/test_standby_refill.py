@@ -165,7 +165,8 @@ def test_no_copy_without_refills_and_a_killed_copy_is_redone(setup, tmp_path, da
     sub.wait_version(0)
     time.sleep(1.0)  # about ten idle polls (the fixture's --poll-interval 0.1)
     assert sub.status()["standby_version"] is None and "standby slot" not in sub.log()
-    assert not any((never / "slots" / "b").iterdir())
+    assert [p.name for p in (never / "slots" / "b").iterdir()] == [".weightsync"]  # the subscriber's lock alone
+    assert [p.name for p in (never / "slots" / "b" / ".weightsync").iterdir()] == ["lock"]
     target = tmp_path / "t"
     (target / "slots" / "b").mkdir(parents=True)
     (target / "slots" / "b" / "model.safetensors").write_bytes(b"half a copy")
