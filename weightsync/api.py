@@ -111,6 +111,8 @@ async def _known_query(request: web.Request, handler):
 
 
 def _auth(token: str | None):
+    if token is not None and (not token or any(c.isspace() for c in token)):  # never an open door
+        raise UsageError("the API token must be non-empty and hold no whitespace")
     expected = None if token is None else f"Bearer {token}".encode()
 
     @web.middleware

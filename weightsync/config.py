@@ -300,12 +300,26 @@ version_arg = _number_or("latest", int, "a version number", "latest")  # --versi
 
 
 def _token(args, environ: Mapping[str, str]) -> str | None:
-    if getattr(args, "api_token_file", None):
+    """The API token from ``--api-token-file``, ``--api-token`` or the environment, the first given;
+    None if none is. One given but empty is refused: a missing secret must not turn auth off."""
+    if getattr(args, "api_token_file", None) is not None:
+        source = f"--api-token-file {args.api_token_file}"
         try:
-            return Path(args.api_token_file).read_text().strip() or None
+            token = Path(args.api_token_file).read_text().strip()
         except OSError as exc:
-            raise UsageError(f"cannot read --api-token-file: {exc.strerror}") from None
-    return getattr(args, "api_token", None) or environ.get(TOKEN_ENV) or None
+            raise UsageError(f"cannot read {source}: {exc.strerror}") from None
+        except ValueError:  # not UTF-8
+            raise UsageError(f"cannot read {source}: not a UTF-8 text file") from None
+    elif getattr(args, "api_token", None) is not None:
+        source, token = "--api-token", args.api_token
+    elif TOKEN_ENV in environ:
+        source, token = TOKEN_ENV, environ[TOKEN_ENV]
+    else:
+        return None
+    if not token.strip():
+        raise UsageError(f"{source} gives an empty API token: refusing to start without authentication "
+                         f"(give a token, or none of --api-token-file, --api-token and {TOKEN_ENV})")
+    return token
 
 
 def _api(args, environ: Mapping[str, str]) -> ApiConfig:
