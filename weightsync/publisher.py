@@ -293,12 +293,16 @@ class Publisher:
               uploaded=human_bytes(r.uploaded_bytes), **{f"{k}_s": f"{v:.3f}" for k, v in s.items()})
 
     def allowed(self, path: str) -> Path:
-        """An explicit publish's folder, resolved; it must lie under the watched folder or a publish root."""
+        """An explicit publish's folder, resolved (symlinks too): a strict subfolder of the watched folder
+        or of a publish root, and none of those folders itself nor one holding them."""
         try:
             p = Path(path).resolve()
             roots = [self.cfg.watch_dir.resolve(), *(r.resolve() for r in self.cfg.publish_roots)]
-            if not any(p == r or r in p.parents for r in roots):
+            if not any(r in p.parents for r in roots):
                 raise PathNotAllowed(f"{path!r} is not under the watched folder or a --publish-root")
+            if any(p == r or p in r.parents for r in roots):  # a root: every checkpoint in it as one version
+                raise PathNotAllowed(f"{path!r} is the watched folder or a --publish-root, or holds one; "
+                                     "give one checkpoint folder inside it")
             if not p.is_dir():
                 raise PathNotFound(f"{path!r} is not a directory")
         except (OSError, ValueError) as exc:  # NUL bytes, unencodable names, loops
