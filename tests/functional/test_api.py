@@ -157,7 +157,7 @@ MALFORMED = {  # body -> the status it must get; the path and version are valid 
     "not utf-8": (b'{"path": "\xff"}', 400), "huge number": (b'{"version": ' + b"9" * 100_000 + b"}", 400),
     "nan": (b'{"path": "/x", "version": NaN}', 400), "bool version": (b'{"path": "/x", "version": true}', 400),
     "float version": (b'{"path": "/x", "version": 1.5}', 400), "wrong path": (b'{"path": ["/x"], "version": 1}', 400),
-    "too large": (b'{"path": "' + b"a" * (2 << 20) + b'"}', 413),
+    "too large": (b'{"path": "' + b"a" * (2 << 20) + b'"}', 413), "long path": (b'{"path": "' + b"/a" * 300_000 + b'"}', 400),
 }
 
 
