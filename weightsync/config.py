@@ -330,6 +330,14 @@ def _api(args, environ: Mapping[str, str]) -> ApiConfig:
     return ApiConfig(host, port, token)
 
 
+def _folder(flag: str, value: str) -> Path:
+    """A folder flag's value, absolute; an empty one (an unset variable) is refused, not taken as the
+    current folder (``--publish-root ''`` would let POST /v1/publish read anything under it)."""
+    if not value.strip():
+        raise UsageError(f"{flag} is empty")
+    return Path(value).absolute()
+
+
 def default_id(folder: Path) -> str:
     host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:64] or "host"
     return f"{host}-{xxhash.xxh3_64_hexdigest(str(folder.absolute()).encode())[:8]}"
@@ -350,10 +358,10 @@ def _commit_timeout(args) -> float:
 
 
 def publisher_config(args, environ: Mapping[str, str] = os.environ) -> PublisherConfig:
-    watch = Path(args.watch).absolute()
+    watch = _folder("--watch", args.watch)
     store_hash = xxhash.xxh3_64_hexdigest(str(args.store).encode())
     name = f"publisher-{store_hash}" + ("" if args.rank is None else f"-rank{args.rank}-of-{args.world}")  # ranks may share a host
-    state = Path(args.state_dir).absolute() if args.state_dir else _state_home(environ) / name
+    state = _folder("--state-dir", args.state_dir) if args.state_dir is not None else _state_home(environ) / name
     return PublisherConfig(
         store=_store(args),
         watch_dir=watch,
@@ -367,7 +375,7 @@ def publisher_config(args, environ: Mapping[str, str] = os.environ) -> Publisher
             upload_concurrency=args.concurrency, ignore=(args.marker,),
             codec=CodecConfig(entropy_coder=not args.fast_codec),
         ),
-        publish_roots=tuple(Path(p).absolute() for p in args.publish_root),
+        publish_roots=tuple(_folder("--publish-root", p) for p in args.publish_root),
         api=_api(args, environ),
         log=LogConfig(args.log_json, args.log_level),
         grace=args.grace,
@@ -398,7 +406,7 @@ def _hook(args, environ: Mapping[str, str]) -> HookConfig | None:
 
 
 def subscriber_config(args, environ: Mapping[str, str] = os.environ) -> SubscriberConfig:
-    target = Path(args.target).absolute()
+    target = _folder("--target", args.target)
     return SubscriberConfig(
         store=_store(args),
         target_dir=target,

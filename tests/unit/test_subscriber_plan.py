@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from weightsync.config import ApiConfig, Backoff, HookConfig, Identity, add_subscriber_args, parse_listen, subscriber_config
+from weightsync.config import (
+    ApiConfig, Backoff, HookConfig, Identity, add_publisher_args, add_subscriber_args, parse_listen, publisher_config,
+    subscriber_config,
+)
 from weightsync.errors import FormatError, UsageError
 from weightsync.hooks import render
 from weightsync.ledger import FleetRecord, fleet_view, record_from_json
@@ -224,6 +227,18 @@ def test_a_token_given_empty_is_refused_not_ignored(tmp_path, argv, env, token):
         assert "\n" not in str(err.value)
     else:
         assert subscriber_config(args, env).api.token == token
+
+
+@pytest.mark.parametrize("role,flag", [("publisher", "--publish-root"), ("publisher", "--watch"),
+                                       ("publisher", "--state-dir"), ("subscriber", "--target")])
+def test_an_empty_folder_flag_is_refused_not_taken_as_the_current_folder(tmp_path, role, flag):
+    p = argparse.ArgumentParser()
+    (add_publisher_args if role == "publisher" else add_subscriber_args)(p)
+    need = {"--watch" if role == "publisher" else "--target": str(tmp_path)}
+    build = publisher_config if role == "publisher" else subscriber_config
+    argv = ["--store", str(tmp_path), *[a for k, v in {**need, flag: " "}.items() for a in (k, v)]]
+    with pytest.raises(UsageError, match=f"^{flag} is empty$"):
+        build(p.parse_args(argv), {})
 
 
 def _subscriber_args(tmp_path: Path, argv: list[str]) -> argparse.Namespace:
