@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass
 
@@ -41,11 +42,13 @@ PUBLISHER = web.AppKey("publisher", Publisher)
 SUBSCRIBER = web.AppKey("subscriber", Subscriber)
 METRICS = web.AppKey("metrics", Metrics)
 OPENAPI = web.AppKey("openapi", dict)
+log = logging.getLogger("weightsync.api")
+MAX_BODY = 1 << 20  # bytes of a request body; larger ones get 413
 
 
 def create_app(deps: Deps) -> web.Application:
     """The application of one daemon; its loop runs for the application's lifetime (cleanup_ctx)."""
-    app = web.Application(middlewares=[_json_errors, _auth(deps.token), _known_query], client_max_size=1 << 20)
+    app = web.Application(middlewares=[_json_errors, _auth(deps.token), _known_query], client_max_size=MAX_BODY)
     app[METRICS] = deps.metrics
     d = deps.daemon
     routes = [
@@ -84,7 +87,8 @@ async def _json_errors(request: web.Request, handler):
         if exc.status < 400:
             raise
         headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "www-authenticate")}
-        return _error(exc.status, exc.reason, headers)
+        message = exc.text if exc.status == 413 and exc.text else exc.reason  # 413: says the limit
+        return _error(exc.status, message, headers)
     except PathNotAllowed as exc:
         return _error(403, str(exc))
     except PathNotFound as exc:
@@ -97,6 +101,9 @@ async def _json_errors(request: web.Request, handler):
         return _error(422, str(exc))
     except WeightsyncError as exc:
         return _error(502, f"{type(exc).__name__}: {exc}")
+    except Exception as exc:  # a bug: still one line of JSON to the client, the traceback to the log
+        log.exception("unexpected error answering %s %s", request.method, request.path)
+        return _error(500, f"internal error ({type(exc).__name__})")
 
 
 @web.middleware
@@ -111,6 +118,8 @@ async def _known_query(request: web.Request, handler):
 
 
 def _auth(token: str | None):
+    if token is not None and (not token or any(c.isspace() for c in token)):  # never an open door
+        raise UsageError("the API token must be non-empty and hold no whitespace")
     expected = None if token is None else f"Bearer {token}".encode()
 
     @web.middleware
@@ -193,8 +202,9 @@ async def versions(request: web.Request) -> web.Response:
 async def _json_body(request: web.Request, allowed: set[str], required: set[str]) -> dict:
     try:
         doc = json.loads(await request.read())
-    except (ValueError, UnicodeDecodeError):
-        raise UsageError("the body must be a JSON object") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deeply
+        why = "nested too deeply" if isinstance(exc, RecursionError) else "not valid JSON"
+        raise UsageError(f"the body must be a JSON object ({why})") from None
     if not isinstance(doc, dict):
         raise UsageError("the body must be a JSON object")
     if extra := set(doc) - allowed:
@@ -334,6 +344,7 @@ def _op(summary: str, responses: dict, *, v1: bool, auth: bool, **extra) -> dict
 def openapi_document(role: str, auth: bool) -> dict:
     """The OpenAPI 3.1 document of a daemon's API (``auth``: a token is configured)."""
     bad = _json("Error", "Invalid request")
+    big = _json("Error", "The body is larger than 1 MiB")
     paths = {
         "/healthz": {"get": _op("Liveness", {"200": _json("Health", "The process is up")}, v1=False, auth=auth)},
         "/readyz": {"get": _op("Readiness", {"200": _json("Ready", "Ready"), "503": _json("Ready", "Not ready yet")}, v1=False, auth=auth)},
@@ -347,7 +358,7 @@ def openapi_document(role: str, auth: bool) -> dict:
     if role == "subscriber":
         paths["/v1/target"] = {"put": _op(
             "Set the target version",
-            {"200": _json("Status", "Target set; the subscriber acts on it at once"), "400": bad,
+            {"200": _json("Status", "Target set; the subscriber acts on it at once"), "400": bad, "413": big,
              "404": _json("Error", "No such version"), "502": _json("Error", "Store error")},
             v1=True, auth=auth,
             requestBody={"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Target"}}}},
@@ -355,8 +366,8 @@ def openapi_document(role: str, auth: bool) -> dict:
     else:
         paths["/v1/publish"] = {"post": _op(
             "Publish a folder",
-            {"200": _json("PublishResult", "Published"), "400": bad,
-             "403": _json("Error", "The folder is outside the watched folder and the publish roots"),
+            {"200": _json("PublishResult", "Published"), "400": bad, "413": big,
+             "403": _json("Error", "The folder is not inside the watched folder or a publish root (or is one of them, or holds one)"),
              "404": _json("Error", "No such folder"), "409": _json("Error", "Version conflict"),
              "422": _json("Error", "Not a valid checkpoint"), "502": _json("Error", "Store error")},
             v1=True, auth=auth,

@@ -300,12 +300,26 @@ version_arg = _number_or("latest", int, "a version number", "latest")  # --versi
 
 
 def _token(args, environ: Mapping[str, str]) -> str | None:
-    if getattr(args, "api_token_file", None):
+    """The API token from ``--api-token-file``, ``--api-token`` or the environment, the first given;
+    None if none is. One given but empty is refused: a missing secret must not turn auth off."""
+    if getattr(args, "api_token_file", None) is not None:
+        source = f"--api-token-file {args.api_token_file}"
         try:
-            return Path(args.api_token_file).read_text().strip() or None
+            token = Path(args.api_token_file).read_text().strip()
         except OSError as exc:
-            raise UsageError(f"cannot read --api-token-file: {exc.strerror}") from None
-    return getattr(args, "api_token", None) or environ.get(TOKEN_ENV) or None
+            raise UsageError(f"cannot read {source}: {exc.strerror}") from None
+        except ValueError:  # not UTF-8
+            raise UsageError(f"cannot read {source}: not a UTF-8 text file") from None
+    elif getattr(args, "api_token", None) is not None:
+        source, token = "--api-token", args.api_token
+    elif TOKEN_ENV in environ:
+        source, token = TOKEN_ENV, environ[TOKEN_ENV]
+    else:
+        return None
+    if not token.strip():
+        raise UsageError(f"{source} gives an empty API token: refusing to start without authentication "
+                         f"(give a token, or none of --api-token-file, --api-token and {TOKEN_ENV})")
+    return token
 
 
 def _api(args, environ: Mapping[str, str]) -> ApiConfig:
@@ -314,6 +328,14 @@ def _api(args, environ: Mapping[str, str]) -> ApiConfig:
         return ApiConfig(token=token)
     host, port = parse_listen(args.listen)
     return ApiConfig(host, port, token)
+
+
+def _folder(flag: str, value: str) -> Path:
+    """A folder flag's value, absolute; an empty one (an unset variable) is refused, not taken as the
+    current folder (``--publish-root ''`` would let POST /v1/publish read anything under it)."""
+    if not value.strip():
+        raise UsageError(f"{flag} is empty")
+    return Path(value).absolute()
 
 
 def default_id(folder: Path) -> str:
@@ -336,10 +358,10 @@ def _commit_timeout(args) -> float:
 
 
 def publisher_config(args, environ: Mapping[str, str] = os.environ) -> PublisherConfig:
-    watch = Path(args.watch).absolute()
+    watch = _folder("--watch", args.watch)
     store_hash = xxhash.xxh3_64_hexdigest(str(args.store).encode())
     name = f"publisher-{store_hash}" + ("" if args.rank is None else f"-rank{args.rank}-of-{args.world}")  # ranks may share a host
-    state = Path(args.state_dir).absolute() if args.state_dir else _state_home(environ) / name
+    state = _folder("--state-dir", args.state_dir) if args.state_dir is not None else _state_home(environ) / name
     return PublisherConfig(
         store=_store(args),
         watch_dir=watch,
@@ -353,7 +375,7 @@ def publisher_config(args, environ: Mapping[str, str] = os.environ) -> Publisher
             upload_concurrency=args.concurrency, ignore=(args.marker,),
             codec=CodecConfig(entropy_coder=not args.fast_codec),
         ),
-        publish_roots=tuple(Path(p).absolute() for p in args.publish_root),
+        publish_roots=tuple(_folder("--publish-root", p) for p in args.publish_root),
         api=_api(args, environ),
         log=LogConfig(args.log_json, args.log_level),
         grace=args.grace,
@@ -384,7 +406,7 @@ def _hook(args, environ: Mapping[str, str]) -> HookConfig | None:
 
 
 def subscriber_config(args, environ: Mapping[str, str] = os.environ) -> SubscriberConfig:
-    target = Path(args.target).absolute()
+    target = _folder("--target", args.target)
     return SubscriberConfig(
         store=_store(args),
         target_dir=target,

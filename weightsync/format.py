@@ -32,6 +32,10 @@ PARTS_PREFIX = "parts/"
 MAX_WORLD = 99999  # ranks of one multi-rank publish (part keys hold five digits)
 MAX_VERSION = 10**18
 MAX_SIZE = 1 << 50  # 1 PiB: larger declared sizes are rejected as hostile
+MAX_PATH_BYTES = 4096  # a file path, UTF-8 (Linux PATH_MAX)
+MAX_PATH_DEPTH = 255  # components of a file path
+MAX_NAME_BYTES = 255  # one component, UTF-8 (NAME_MAX)
+MAX_INFO_DEPTH = 32  # nesting of the informational objects (codec_config, stats)
 ROLES = ("header", "tensor", "blob")
 SEGMENT_CODECS = ("same", "full", "sparse", "dense", "ac")
 _HEX = re.compile(r"[0-9a-f]{32}")
@@ -66,20 +70,27 @@ def chunk_key(chunk_id: str) -> str:
 
 
 def check_path(path: str) -> str:
-    """A file path from a manifest: relative, normalized, inside the target, not ``.weightsync``."""
+    """A file path from a manifest: relative, normalized, inside the target, not ``.weightsync``,
+    and one that file systems take: at most MAX_PATH_BYTES, MAX_PATH_DEPTH components of at most
+    MAX_NAME_BYTES each (a deeper path overflowed the stack of recursive ``mkdir(parents=True)``)."""
     parts = path.split("/")
-    bad = (
-        not path
-        or path.startswith("/")
-        or "\\" in path
-        or "\x00" in path
-        or any(p in ("", ".", "..") for p in parts)
-        or parts[0] == ".weightsync"
-        or len(path) > 4096
-    )
-    if bad:
-        raise FormatError(f"unsafe file path in manifest: {path!r}")
-    return path
+    try:
+        raw = path.encode("utf-8", "surrogateescape")  # as os.fsencode: the bytes of the file name
+    except UnicodeEncodeError:  # a lone surrogate names no file
+        raw = None
+    if (raw is None or not path or path.startswith("/") or "\\" in path or "\x00" in path
+            or any(p in ("", ".", "..") for p in parts) or parts[0] == ".weightsync"):
+        why = ""
+    elif len(raw) > MAX_PATH_BYTES:
+        why = f" (over {MAX_PATH_BYTES} bytes)"
+    elif len(parts) > MAX_PATH_DEPTH:
+        why = f" (over {MAX_PATH_DEPTH} components)"
+    elif max(map(len, raw.split(b"/"))) > MAX_NAME_BYTES:
+        why = f" (a component over {MAX_NAME_BYTES} bytes)"
+    else:
+        return path
+    shown = repr(path) if len(path) <= 200 else f"{path[:100]!r}... ({len(path)} characters)"
+    raise FormatError(f"unsafe file path in manifest{why}: {shown}")
 
 
 # --- dataclasses ---------------------------------------------------------------------------------
@@ -272,10 +283,33 @@ def _canonical_xxh3(doc: dict) -> str:
     return xxhash.xxh3_128_hexdigest(_dumps(body).encode())
 
 
+def _show(v: object) -> str:
+    """An untrusted JSON value for an error message: short, one line, never a deep ``repr``."""
+    items = v.values() if isinstance(v, dict) else v if isinstance(v, list) else ()
+    if isinstance(v, (list, dict)) and (len(v) > 16 or any(isinstance(x, (list, dict)) for x in items)):
+        return f"<{'array' if isinstance(v, list) else 'object'} of {len(v)}>"
+    r = repr(v)  # a scalar, or a short list of scalars / an object with scalar keys
+    return r if len(r) <= 80 else f"{r[:77]}..."
+
+
+def _depth_at_most(v: object, limit: int) -> bool:
+    """Whether the JSON value ``v`` nests at most ``limit`` arrays/objects deep (iterative)."""
+    stack = [(v, 0)]
+    while stack:
+        x, d = stack.pop()
+        if isinstance(x, (dict, list)):
+            if d >= limit:
+                return False
+            stack.extend((y, d + 1) for y in (x.values() if isinstance(x, dict) else x))
+    return True
+
+
 def _load_json(data: bytes, what: str) -> dict:
     try:
         doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+    except RecursionError:
+        raise FormatError(f"{what}: JSON nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as exc:
         raise FormatError(f"{what}: not valid JSON ({type(exc).__name__})") from None
     if not isinstance(doc, dict):
         raise FormatError(f"{what}: expected a JSON object")
@@ -292,7 +326,7 @@ def _get(doc: dict, key: str, typ: type | tuple, what: str) -> Any:
 def _int(doc: dict, key: str, what: str, lo: int = 0, hi: int = MAX_SIZE) -> int:
     val = _get(doc, key, int, what)
     if isinstance(val, bool) or not lo <= val <= hi:
-        raise FormatError(f"{what}: field {key!r}={val} out of range [{lo}, {hi}]")
+        raise FormatError(f"{what}: field {key!r}={_show(val)} out of range [{lo}, {hi}]")
     return val
 
 
@@ -340,13 +374,13 @@ def _segment(doc: Any, chunks: tuple[ChunkRef, ...], what: str) -> Segment:
         for key, typ in (("role", str), ("codec", str), ("dtype", str), ("name", str), ("shape", list)):
             _get(doc, key, typ, what)
     if role not in ROLES or codec not in SEGMENT_CODECS or dtype not in ITEMSIZE:
-        raise FormatError(f"{what}: unknown role, codec or dtype ({role}, {codec}, {dtype})")
+        raise FormatError(f"{what}: unknown role, codec or dtype ({_show(role)}, {_show(codec)}, {_show(dtype)})")
     if len(shape) > 64:
-        raise FormatError(f"{what}: bad shape {shape!r}")
+        raise FormatError(f"{what}: bad shape {_show(shape)}")
     count = 1
     for d in shape:
         if type(d) is not int or not 0 <= d <= MAX_SIZE:
-            raise FormatError(f"{what}: bad shape {shape!r}")
+            raise FormatError(f"{what}: bad shape {_show(shape)}")
         count *= d
     begin, end, changed, xxh3 = g("begin"), g("end"), g("changed"), g("xxh3")
     if not (type(begin) is int and type(end) is int and type(changed) is int and 0 <= begin <= MAX_SIZE
@@ -394,7 +428,7 @@ def _file(doc: Any, chunks: tuple[ChunkRef, ...], what: str) -> FileEntry:
             raise FormatError(f"{what}: segments do not tile the file at offset {pos}")
         pos = s.end
     if pos != size or kind not in ("safetensors", "blob"):
-        raise FormatError(f"{what}: segments cover {pos} of {size} bytes (kind {kind})")
+        raise FormatError(f"{what}: segments cover {pos} of {size} bytes (kind {_show(kind)})")
     if len({s.key for s in segs}) != len(segs):
         raise FormatError(f"{what}: duplicate segment names")
     return FileEntry(path, kind, size, _hex(doc, "xxh3", what), segs)
@@ -403,7 +437,7 @@ def _file(doc: Any, chunks: tuple[ChunkRef, ...], what: str) -> FileEntry:
 def manifest_from_json(data: bytes, what: str = "manifest") -> Manifest:
     with no_gc():
         doc = _sealed(data, "weightsync.manifest", what)
-        return Manifest(*_body(doc, what), **_info(doc))
+        return Manifest(*_body(doc, what), **_info(doc, what))
 
 
 def part_from_json(data: bytes, what: str = "part") -> PartManifest:
@@ -413,25 +447,32 @@ def part_from_json(data: bytes, what: str = "part") -> PartManifest:
         version, parent, keyframe, chain, files, chunks = _body(doc, what)
         world = _int(doc, "world", what, 1, MAX_WORLD)
         rank = _int(doc, "rank", what, 0, world - 1)
-        return PartManifest(version, parent, world, rank, keyframe, chain, files, chunks, **_info(doc))
+        return PartManifest(version, parent, world, rank, keyframe, chain, files, chunks, **_info(doc, what))
 
 
 def _sealed(data: bytes, kind: str, what: str) -> dict:
     doc = _load_json(data, what)
     if doc.get("format") != kind or doc.get("format_version") != FORMAT_VERSION:
         raise FormatError(f"{what}: not a {kind.replace('.', ' ')} of format version {FORMAT_VERSION}")
-    if doc.get("checksum") != _canonical_xxh3(doc):
+    try:
+        checksum = _canonical_xxh3(doc)
+    except RecursionError:  # parsed, but too deep to serialize again
+        raise FormatError(f"{what}: JSON nested too deeply") from None
+    if doc.get("checksum") != checksum:
         raise FormatError(f"{what}: {kind.split('.')[1]} checksum mismatch (damaged in storage or in transit)")
     return doc
 
 
-def _info(doc: dict) -> dict:
-    """The informational fields (readers must not need them)."""
-    return {
-        "created": str(doc.get("created", "")),
-        "codec_config": doc.get("codec_config") if isinstance(doc.get("codec_config"), dict) else {},
-        "stats": doc.get("stats") if isinstance(doc.get("stats"), dict) else {},
-    }
+def _info(doc: dict, what: str) -> dict:
+    """The informational fields (readers must not need them); objects nested deeper than
+    MAX_INFO_DEPTH are refused, so nothing deep leaves this module."""
+    info = {"created": doc.get("created") if isinstance(doc.get("created"), str) else ""}
+    for key in ("codec_config", "stats"):
+        v = doc.get(key)
+        info[key] = v if isinstance(v, dict) else {}
+        if not _depth_at_most(v, MAX_INFO_DEPTH):
+            raise FormatError(f"{what}: field {key!r} nested more than {MAX_INFO_DEPTH} deep")
+    return info
 
 
 def _body(doc: dict, what: str) -> tuple[int, int | None, bool, int, tuple[FileEntry, ...], tuple[ChunkRef, ...]]:
@@ -439,7 +480,7 @@ def _body(doc: dict, what: str) -> tuple[int, int | None, bool, int, tuple[FileE
     version = _int(doc, "version", what, 0, MAX_VERSION)
     parent = doc.get("parent")
     if parent is not None and (type(parent) is not int or not 0 <= parent < version):
-        raise FormatError(f"{what}: parent {parent!r} must be an earlier version")
+        raise FormatError(f"{what}: parent {_show(parent)} must be an earlier version")
     keyframe = _get(doc, "keyframe", bool, what)
     chunks = []
     for c in _get(doc, "chunks", list, what):
@@ -466,12 +507,22 @@ def check_paths_disjoint(paths: list[str], what: str) -> None:
     unique = set(paths)
     if len(unique) != len(paths):
         raise FormatError(f"{what}: duplicate file paths")
-    paths = unique
+    tree: dict = {}  # folder name -> its tree; file name -> None. Linear in the paths' length
     for p in paths:
-        parts = p.split("/")
-        for i in range(1, len(parts)):
-            if "/".join(parts[:i]) in paths:
-                raise FormatError(f"{what}: {p!r} lies under file {'/'.join(parts[:i])!r}")
+        *folders, name = p.split("/")
+        node = tree
+        for i, part in enumerate(folders):
+            sub = node.setdefault(part, {})
+            if sub is None:
+                raise FormatError(f"{what}: {p!r} lies under file {'/'.join(folders[: i + 1])!r}")
+            node = sub
+        if name in node:  # a folder already (a path twice was refused above)
+            inner, under = node[name], [name]
+            while inner:  # down to one file under it
+                key = next(iter(inner))
+                inner, under = inner[key], [*under, key]
+            raise FormatError(f"{what}: {'/'.join([*folders, *under])!r} lies under file {p!r}")
+        node[name] = None
 
 
 # --- head pointer and store marker ---------------------------------------------------------------
@@ -495,4 +546,4 @@ def check_marker(data: bytes) -> None:
     if doc.get("format") != "weightsync.store":
         raise FormatError(f"{MARKER_KEY}: not a weightsync store marker")
     if doc.get("format_version") != FORMAT_VERSION:
-        raise FormatError(f"{MARKER_KEY}: store format version {doc.get('format_version')} is not supported")
+        raise FormatError(f"{MARKER_KEY}: store format version {_show(doc.get('format_version'))} is not supported")

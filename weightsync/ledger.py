@@ -49,14 +49,15 @@ def _version(v: object, what: str, allow: tuple = (None,)) -> int | str | None:
     if v in allow:
         return v
     if type(v) is not int or not 0 <= v <= MAX_VERSION:
-        raise FormatError(f"{what}: bad version {v!r}")
+        shown = repr(v)[:40] if isinstance(v, (int, float, str)) else f"of type {type(v).__name__}"  # no deep repr
+        raise FormatError(f"{what}: bad version {shown}")
     return v
 
 
 def record_from_json(data: bytes, what: str) -> FleetRecord:
     try:
         doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deeply
         raise FormatError(f"{what}: not valid JSON ({exc})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise FormatError(f"{what}: not a fleet record")

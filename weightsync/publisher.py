@@ -293,12 +293,18 @@ class Publisher:
               uploaded=human_bytes(r.uploaded_bytes), **{f"{k}_s": f"{v:.3f}" for k, v in s.items()})
 
     def allowed(self, path: str) -> Path:
-        """An explicit publish's folder, resolved; it must lie under the watched folder or a publish root."""
+        """An explicit publish's folder, resolved (symlinks too): a strict subfolder of the watched folder
+        or of a publish root, and none of those folders itself nor one holding them."""
+        if len(path.encode("utf-8", "surrogatepass")) > 4096:  # PATH_MAX; and resolve() is quadratic in depth
+            raise UsageError(f"path is longer than 4096 bytes: {path[:100]!r}...")
         try:
             p = Path(path).resolve()
             roots = [self.cfg.watch_dir.resolve(), *(r.resolve() for r in self.cfg.publish_roots)]
-            if not any(p == r or r in p.parents for r in roots):
+            if not any(p != r and p.is_relative_to(r) for r in roots):
                 raise PathNotAllowed(f"{path!r} is not under the watched folder or a --publish-root")
+            if any(r.is_relative_to(p) for r in roots):  # a root: every checkpoint in it as one version
+                raise PathNotAllowed(f"{path!r} is the watched folder or a --publish-root, or holds one; "
+                                     "give one checkpoint folder inside it")
             if not p.is_dir():
                 raise PathNotFound(f"{path!r} is not a directory")
         except (OSError, ValueError) as exc:  # NUL bytes, unencodable names, loops
@@ -315,7 +321,7 @@ class Publisher:
         if self.cfg.rank is not None:
             raise UsageError("this publisher runs in rank mode (--rank): it publishes its part of each checkpoint in its "
                              "watched folder, and POST /v1/publish, which publishes whole versions, is off")
-        folder = self.allowed(path)
+        folder = await asyncio.to_thread(self.allowed, path)  # resolving symlinks may block on the file system
         head = await asyncio.to_thread(self.repo.head_version)
         v = self.default_version(folder, head) if version is None else version
         if head is not None and v <= head:

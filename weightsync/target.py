@@ -39,10 +39,10 @@ def read_target(target_dir: Path, store: str | None = None) -> Target | None:
         doc = json.loads(path.read_bytes())
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deeply
         raise UsageError(f"{path}: damaged stored target ({type(exc).__name__}: {exc}); {_REPAIR}") from None
     target = doc.get("target") if isinstance(doc, dict) and doc.get("format") == _TARGET_FORMAT else None
-    if target == LATEST or (type(target) is int and target >= 0):
+    if (target == LATEST or (type(target) is int and target >= 0)) and isinstance(doc.get("store", ""), str):
         if store is not None and doc.get("store", store) != store:
             raise ForeignTargetError(f"{path}: target {target} was set for {doc['store']}, not {store}")
         return target

@@ -147,3 +147,51 @@ def test_metrics_pass_promtool(world):
         assert code == 200 and headers["Content-Type"].startswith("text/plain")
         check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
         assert check.returncode == 0, check.stdout + check.stderr
+
+
+MALFORMED = {  # body -> the status it must get; the path and version are valid where the test is not about them
+    "deep array": (b"[" * 200_000 + b"]" * 200_000, 400),
+    "deep object": (b'{"a":' * 100_000 + b"1" + b"}" * 100_000, 400),
+    "deep value": (b'{"path": ' + b"[" * 100_000 + b"]" * 100_000 + b', "version": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400),
+    "array": (b"[]", 400), "string": (b'"x"', 400), "number": (b"1", 400), "null": (b"null", 400), "empty": (b"", 400),
+    "not utf-8": (b'{"path": "\xff"}', 400), "huge number": (b'{"version": ' + b"9" * 100_000 + b"}", 400),
+    "nan": (b'{"path": "/x", "version": NaN}', 400), "bool version": (b'{"path": "/x", "version": true}', 400),
+    "float version": (b'{"path": "/x", "version": 1.5}', 400), "wrong path": (b'{"path": ["/x"], "version": 1}', 400),
+    "too large": (b'{"path": "' + b"a" * (2 << 20) + b'"}', 413), "long path": (b'{"path": "' + b"/a" * 300_000 + b'"}', 400),
+}
+
+
+@pytest.mark.parametrize("route", ["PUT /v1/target", "POST /v1/publish"])
+def test_malformed_bodies_get_a_4xx_with_a_one_line_error(route, world):
+    """Deep nesting, non-objects, wrong types, huge bodies: a one-line JSON error, never a 500."""
+    _, sub, pub = world
+    method, path = route.split()
+    d = sub if path == "/v1/target" else pub
+    seen = len(d.log())
+    for name, (body, want) in MALFORMED.items():
+        code, doc, _ = http(method, d.url + path, body, token=TOKEN, timeout=30)
+        assert code == want and isinstance(doc, dict) and "\n" not in doc["error"], (route, name, code, str(doc)[:300])
+    assert "Traceback" not in d.log()[seen:], d.log()[seen:]
+
+
+def test_publish_takes_only_a_strict_subfolder_of_a_root(world):
+    """The watched folder itself (however spelled), a folder holding it, or a symlink out of it: 403."""
+    tmp, _, pub = world
+    watch = tmp / "watch"
+    outside = tmp / "outside"
+    shutil.copytree(watch / "step_000001", outside, dirs_exist_ok=True)
+    links = {watch / "loop": watch, watch / "escape": outside, watch / "up": tmp}
+    for link, to in links.items():
+        link.symlink_to(to, target_is_directory=True)
+    head = pub.status()["head_version"]
+    try:
+        for path in (watch, f"{watch}/", f"{watch}//", f"{watch}/.", f"{watch}/step_000001/..", f"{watch}/./step_000001/../.",
+                     f"{watch}/../{watch.name}", watch / "loop", f"{watch}/loop/", watch / "escape", watch / "up",
+                     f"{watch}/up/{watch.name}", tmp, "/", outside):
+            code, doc, _ = http("POST", pub.url + "/v1/publish", {"path": str(path)}, token=TOKEN)
+            assert code == 403 and "\n" not in doc["error"], (path, code, doc)
+        assert pub.status()["head_version"] == head and weightsync.open_repo(tmp / "store").head_version() == head
+    finally:
+        for link in links:
+            link.unlink()
+        shutil.rmtree(outside)

@@ -228,6 +228,37 @@ def test_file_paths_that_escape_the_folder_are_refused(path, damaged):
     shutil.rmtree(out, ignore_errors=True)
 
 
+DEEP_MANIFESTS = {  # a manifest planted by hand -> what the one-line error says
+    "2000-component path": (lambda doc: doc["files"][0].update(path="/".join(["a"] * 2000)), "over 255 components"),
+    "256-component path": (lambda doc: doc["files"][0].update(path="/".join(["a"] * 256)), "over 255 components"),
+    "component over NAME_MAX": (lambda doc: doc["files"][0].update(path="a/" + "b" * 256), "a component over 255 bytes"),
+    "deep JSON": (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    "deep stats": (lambda doc: doc.update(stats={"x": json.loads("[" * 100 + "]" * 100)}), "nested more than 32 deep"),
+}
+
+
+@pytest.mark.parametrize("case", list(DEEP_MANIFESTS))
+def test_a_too_deep_manifest_is_a_one_line_error_from_the_cli(case, damaged, run_cli, ws):
+    """Paths a file system cannot hold and JSON nested too deeply: a clear FormatError, no RecursionError."""
+    world = damaged
+    edit, why = DEEP_MANIFESTS[case]
+    if isinstance(edit, bytes):
+        put_object(world, version_key(4), edit)
+    else:
+        edit_manifest(world, 4, edit)
+    before = fuzz.tree(world.root)
+    out = world.root / "out-deep"
+    rc, _, stderr = run_cli("pull", "--store", f"file://{world.store}", "--version", 4, out)
+    assert rc != 0 and "Traceback" not in stderr and "RecursionError" not in stderr, stderr
+    line = ws.error_line(stderr)
+    assert why in line and version_key(4) in line and len(line) < 400, line
+    after = fuzz.tree(world.root)
+    assert {p: h for p, h in after.items() if not p.startswith(out.name)} == \
+        {p: h for p, h in before.items() if not p.startswith(out.name)}
+    assert not any(p.startswith(f"{out.name}/a") for p in after), "the refused pull created folders"
+    shutil.rmtree(out, ignore_errors=True)
+
+
 def test_an_unsafe_path_error_names_the_manifest(damaged):
     world = damaged
     edit_manifest(world, 4, lambda d: d["files"][0].update(path="../evil.json"))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import os
 import re
 import signal
 import socket
@@ -147,6 +148,55 @@ def test_http_listens_on_loopback_by_default(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
+
+
+EMPTY_TOKENS = {  # a token configured but empty (a missing secret): flags and environment
+    "empty file": (["--api-token-file", "{empty}"], {}),
+    "blank file": (["--api-token-file", "{blank}"], {}),
+    "empty file path": (["--api-token-file", ""], {}),
+    "empty flag": (["--api-token", ""], {}),
+    "blank flag": (["--api-token", "  "], {}),
+    "empty env": ([], {"WEIGHTSYNC_API_TOKEN": ""}),
+    "blank env": ([], {"WEIGHTSYNC_API_TOKEN": " \n"}),
+}
+
+
+@pytest.fixture(scope="module")
+def one_version(tmp_path_factory) -> Path:
+    store = tmp_path_factory.mktemp("empty-token") / "store"
+    weightsync.publish(make_trajectory(store.parent / "traj", steps=0, **TINY)[0], store)
+    return store
+
+
+@pytest.mark.parametrize("role", ["publisher", "subscriber"])
+@pytest.mark.parametrize("form", list(EMPTY_TOKENS))
+def test_an_empty_configured_token_refuses_to_start(role, form, one_version, tmp_path):
+    """Auth never fails open: an empty or blank token from any source stops the daemon at once."""
+    (tmp_path / "empty").write_text("")
+    (tmp_path / "blank").write_text(" \n\t\n")
+    flags, env = EMPTY_TOKENS[form]
+    flags = [f.format(empty=tmp_path / "empty", blank=tmp_path / "blank") for f in flags]
+    where = ["--watch", tmp_path / "watch", "--state-dir", tmp_path / "state"] if role == "publisher" else \
+        ["--target", tmp_path / "sub", "--no-fsync"]
+    (tmp_path / "watch").mkdir()
+    env = {**{k: v for k, v in os.environ.items() if k != "WEIGHTSYNC_API_TOKEN"}, **env}
+    log_path = tmp_path / "daemon.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "weightsync.cli", role, "--store", str(one_version), *map(str, where),
+                                 "--listen", "0.0.0.0:0", "--poll-interval", "0.1", *flags],
+                                stdout=subprocess.DEVNULL, stderr=log, env=env)
+    try:
+        wait_for(lambda: proc.poll() is not None or "listening" in log_path.read_text(), 30, f"the {role} to exit")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = log_path.read_text()
+    assert proc.returncode == 2, f"the {role} started with an empty token ({form}), exit {proc.returncode}:\n{out}"
+    lines = out.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("weightsync: error:"), out
+    assert "empty API token" in lines[0] or "cannot read --api-token-file" in lines[0], out
+    assert "Traceback" not in out and "listening" not in out, out
 
 
 # --- static checks of the package ------------------------------------------------------------------------------

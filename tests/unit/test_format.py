@@ -113,25 +113,31 @@ def test_optional_fields_tolerate_junk_types():
 
 
 # --- paths ---------------------------------------------------------------------------------------
-GOOD_PATHS = ["model.safetensors", "a/b/c.json", ".hidden", "a/.weightsync", "x..y", "...", "a b/ü.bin", "-"]
+def _short(path: str) -> str:
+    return ascii(path) if len(path) <= 40 else f"{ascii(path[:12])}...{len(path)}"
+
+
+GOOD_PATHS = ["model.safetensors", "a/b/c.json", ".hidden", "a/.weightsync", "x..y", "...", "a b/ü.bin", "-",
+              "/".join(["a"] * 255), "x" * 255, "ü" * 127, "/".join(["d" * 254] * 16)[:4096], "bad\udcffbyte"]
 BAD_PATHS = [
     "", "../x", "..", ".", "/abs", "/", "a/../b", "a/./b", "./a", "a//b", "a/", "a\\b", "..\\x", "C:\\x",
     "a\x00b", ".weightsync", ".weightsync/x", ".weightsync/state.json", "x" * 4097,
+    "/".join(["a"] * 256), "/".join(["a"] * 2000), "x" * 256, "ü" * 128, "a/" + "é" * 2048, "lone\ud800surrogate",
 ]
 
 
-@pytest.mark.parametrize("path", GOOD_PATHS)
+@pytest.mark.parametrize("path", GOOD_PATHS, ids=_short)
 def test_safe_paths_are_accepted(path):
     assert check_path(path) == path
 
 
-@pytest.mark.parametrize("path", BAD_PATHS)
+@pytest.mark.parametrize("path", BAD_PATHS, ids=_short)
 def test_unsafe_paths_are_rejected(path):
     with pytest.raises(FormatError):
         check_path(path)
 
 
-@pytest.mark.parametrize("path", BAD_PATHS)
+@pytest.mark.parametrize("path", BAD_PATHS, ids=_short)
 def test_manifest_with_unsafe_path_is_rejected(path):
     doc = doc_of(sample_manifest())
     doc["files"][1]["path"] = path
@@ -354,6 +360,34 @@ def test_keyframe_without_deltas_may_name_a_parent():
 def test_non_manifest_documents_are_rejected(data):
     with pytest.raises(FormatError):
         manifest_from_json(data)
+
+
+def test_path_limits_are_named_in_the_error():
+    for path, why in (("/".join(["a"] * 2000), "over 255 components"), ("é" * 2049, "over 4096 bytes"),
+                      ("a/" + "b" * 256, "a component over 255 bytes")):
+        with pytest.raises(FormatError, match=f"unsafe file path in manifest \\({why}\\)") as err:
+            check_path(path)
+        assert len(str(err.value)) < 200
+
+
+def _stats_nested(n: int) -> bytes:
+    """A sealed manifest's bytes with ``stats`` nested ``n`` arrays deep (unsealed past 800)."""
+    doc = doc_of(sample_manifest())
+    doc.pop("checksum")
+    deep = "[" * n + "]" * n
+    body = json.dumps(doc)[:-1] + f', "stats": {{"x": {deep}}}}}'
+    if n < 800:
+        body = body[:-1] + f', "checksum": "{manifest_checksum(json.loads(body))}"}}'
+    return body.encode()
+
+
+def test_deep_informational_fields_are_a_format_error_at_every_depth():
+    """Nesting deep enough to parse but too deep to serialize again (or to hand on) is a FormatError."""
+    for n in range(32, 1100):  # with the stats object itself: 33 deep and more
+        with pytest.raises(FormatError, match="nested" if n < 800 else "nested|checksum") as err:
+            manifest_from_json(_stats_nested(n))
+        assert len(str(err.value)) < 200
+    assert manifest_from_json(_stats_nested(31)).stats["x"] == json.loads("[" * 31 + "]" * 31)
 
 
 def test_deeply_nested_json_is_a_format_error():

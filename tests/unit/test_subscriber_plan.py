@@ -10,8 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from weightsync.config import ApiConfig, Backoff, HookConfig, Identity, add_subscriber_args, parse_listen, subscriber_config
-from weightsync.errors import UsageError
+from weightsync.config import (
+    ApiConfig, Backoff, HookConfig, Identity, add_publisher_args, add_subscriber_args, parse_listen, publisher_config,
+    subscriber_config,
+)
+from weightsync.errors import FormatError, UsageError
 from weightsync.hooks import render
 from weightsync.ledger import FleetRecord, fleet_view, record_from_json
 from weightsync.partial import Selection
@@ -129,6 +132,20 @@ def test_fleet_records_are_validated(doc, ok):
             record_from_json(data, "r")
 
 
+_RECORD = b'{"format": "weightsync.fleet", "id": "a", "region": "", "cluster": "", "target": 4, "state": "x", "updated": 1, '
+
+
+@pytest.mark.parametrize("data", [b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 100_000 + b"1" + b"}" * 100_000,
+                                  _RECORD + b'"current_version": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                                  _RECORD + b'"current_version": [' + b"[0]," * 100_000 + b"0]}"],
+                         ids=["deep array", "deep object", "deep version", "huge version"])
+def test_deep_or_huge_fleet_records_are_a_short_format_error(data):
+    """A hostile store's fleet record: a one-line FormatError, not a RecursionError or a megabyte message."""
+    with pytest.raises(FormatError, match="^r: ") as err:
+        record_from_json(data, "r")
+    assert len(str(err.value)) < 200
+
+
 def test_hook_templates_escape_paths_in_json():
     body = render('{"version": {version}, "path": "{path}", "link": "{current}"}', 12, '/m/"a"\\b', "/m/current", json_strings=True)
     assert json.loads(body) == {"version": 12, "path": '/m/"a"\\b', "link": "/m/current"}
@@ -191,6 +208,39 @@ def test_subscriber_version_flag_refuses_bad_values(tmp_path, argv):
     assert exc.value.code == 2
 
 
+@pytest.mark.parametrize("argv,env,token", [
+    ([], {}, None), ([], {"WEIGHTSYNC_API_TOKEN": "t1"}, "t1"), (["--api-token", "t2"], {"WEIGHTSYNC_API_TOKEN": ""}, "t2"),
+    (["--api-token-file", "{file}"], {"WEIGHTSYNC_API_TOKEN": ""}, "t3"),
+    (["--api-token", ""], {}, UsageError), (["--api-token", " "], {"WEIGHTSYNC_API_TOKEN": "t1"}, UsageError),
+    ([], {"WEIGHTSYNC_API_TOKEN": ""}, UsageError), ([], {"WEIGHTSYNC_API_TOKEN": "\t"}, UsageError),
+    (["--api-token-file", "{empty}"], {"WEIGHTSYNC_API_TOKEN": "t1"}, UsageError),
+    (["--api-token-file", ""], {}, UsageError), (["--api-token-file", "{missing}"], {}, UsageError),
+])
+def test_a_token_given_empty_is_refused_not_ignored(tmp_path, argv, env, token):
+    (tmp_path / "file").write_text("t3\n")
+    (tmp_path / "empty").write_text("\n \n")
+    argv = [a.format(file=tmp_path / "file", empty=tmp_path / "empty", missing=tmp_path / "nope") for a in argv]
+    args = _subscriber_args(tmp_path, [*argv, "--listen", "0.0.0.0:0"])
+    if token is UsageError:
+        with pytest.raises(UsageError, match="--api-token|WEIGHTSYNC_API_TOKEN") as err:
+            subscriber_config(args, env)
+        assert "\n" not in str(err.value)
+    else:
+        assert subscriber_config(args, env).api.token == token
+
+
+@pytest.mark.parametrize("role,flag", [("publisher", "--publish-root"), ("publisher", "--watch"),
+                                       ("publisher", "--state-dir"), ("subscriber", "--target")])
+def test_an_empty_folder_flag_is_refused_not_taken_as_the_current_folder(tmp_path, role, flag):
+    p = argparse.ArgumentParser()
+    (add_publisher_args if role == "publisher" else add_subscriber_args)(p)
+    need = {"--watch" if role == "publisher" else "--target": str(tmp_path)}
+    build = publisher_config if role == "publisher" else subscriber_config
+    argv = ["--store", str(tmp_path), *[a for k, v in {**need, flag: " "}.items() for a in (k, v)]]
+    with pytest.raises(UsageError, match=f"^{flag} is empty$"):
+        build(p.parse_args(argv), {})
+
+
 def _subscriber_args(tmp_path: Path, argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     add_subscriber_args(p)
@@ -229,6 +279,10 @@ def test_stored_target_round_trip(tmp_path):
     b'{"format": "weightsync.subscriber-target", "target": true}',
     b'{"format": "weightsync.subscriber-target", "target": 2.5}',
     b'{"format": "weightsync.subscriber-target", "target": "newest"}',
+    pytest.param(b"[" * 100_000 + b"]" * 100_000, id="deep"),
+    pytest.param(b'{"format": "weightsync.subscriber-target", "target": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", id="deep target"),
+    pytest.param(b'{"format": "weightsync.subscriber-target", "target": 3, "store": ' + b"[" * 900 + b"]" * 900 + b"}",
+                 id="deep store"),
 ])
 def test_a_damaged_stored_target_is_an_error_naming_the_file(tmp_path, content):
     path = target_path(tmp_path)
