@@ -2,6 +2,13 @@
 
 A file is a sequence of segments that tile it exactly: a ``.safetensors`` file is its header
 (length prefix and JSON) followed by its tensors in offset order; any other file is one blob.
+
+A checkpoint may change while it is published (a trainer replaces a shard by write-then-rename,
+or appends to it). The scan records each file's identity (device, inode, size, mtime, from
+``fstat`` on the descriptor it read the header through) and its header bytes; the publisher opens
+each file once (:func:`open_source`, which checks that identity), reads every segment through that
+descriptor (a rename cannot swap it), and checks the identity again after the last read
+(:func:`check_unchanged`): a change fails the publish with :class:`CheckpointChanged`.
 """
 
 from __future__ import annotations
@@ -21,6 +28,11 @@ from .errors import CheckpointError, FormatError
 from .format import check_path
 
 MAX_HEADER = 100 << 20  # the safetensors library's own limit
+_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY  # a FIFO swapped in must not block the open
+
+
+class CheckpointChanged(CheckpointError):
+    """A checkpoint file changed (replaced, written, appended, truncated, removed) while it was published."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +60,8 @@ class SourceFile:
     kind: str
     size: int
     segments: tuple[SourceSegment, ...]
+    identity: tuple[int, ...] = ()  # (st_dev, st_ino, st_size, st_mtime_ns) when scanned
+    head: bytes = b""  # a safetensors file's header segment as scanned (b"" for a blob)
 
 
 def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
@@ -106,21 +120,78 @@ def _tensor_segment(name: str, info: object, base: int, what: str) -> SourceSegm
     return SourceSegment("tensor", name, dtype, tuple(shape), base + begin, base + end)
 
 
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 def describe_file(abspath: Path, relpath: str) -> SourceFile:
+    """The file's layout, read through one descriptor, with its identity (``fstat`` of that descriptor)."""
     try:
-        st = os.stat(abspath)
-        if not stat.S_ISREG(st.st_mode):
+        if not stat.S_ISREG(os.stat(abspath).st_mode):  # never open a FIFO or a device
             raise CheckpointError(f"{relpath}: not a regular file")
-        size = st.st_size
-        if relpath.endswith(".safetensors"):
-            with open(abspath, "rb") as f:
-                head = f.read(8)
-                n = int.from_bytes(head, "little") if len(head) == 8 else 0
-                head += f.read(min(n, MAX_HEADER + 1))
-            return SourceFile(relpath, abspath, "safetensors", size, parse_safetensors_header(head, size, relpath))
+        fd = os.open(abspath, _OPEN_FLAGS)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointError(f"{relpath}: not a regular file")
+            size = st.st_size
+            if not relpath.endswith(".safetensors"):
+                return SourceFile(relpath, abspath, "blob", size, (SourceSegment("blob", "", "U8", (size,), 0, size),),
+                                  _identity(st))
+            head = os.pread(fd, 8, 0)
+            n = int.from_bytes(head, "little") if len(head) == 8 else 0
+            if len(head) == 8 and n <= MAX_HEADER:
+                head += _pread_all(fd, min(n, size - 8), 8)
+            segments = parse_safetensors_header(head, size, relpath)
+            return SourceFile(relpath, abspath, "safetensors", size, segments, _identity(st), head[:segments[0].end])
+        finally:
+            os.close(fd)
     except OSError as exc:
         raise CheckpointError(f"{relpath}: cannot read ({exc.strerror})") from None
-    return SourceFile(relpath, abspath, "blob", size, (SourceSegment("blob", "", "U8", (size,), 0, size),))
+
+
+def _pread_all(fd: int, n: int, offset: int) -> bytes:
+    parts, got = [], 0
+    while got < n:
+        b = os.pread(fd, n - got, offset + got)
+        if not b:
+            break
+        parts.append(b)
+        got += len(b)
+    return b"".join(parts)
+
+
+def open_source(f: SourceFile) -> int:
+    """A descriptor on ``f`` for reading its segments, checked to be the file that was scanned."""
+    try:
+        fd = os.open(f.abspath, _OPEN_FLAGS)
+    except OSError as exc:
+        raise CheckpointChanged(f"{f.path}: changed while being published (cannot open it again: {exc.strerror}); "
+                                "nothing was committed, publish it again once it is complete") from None
+    try:
+        check_unchanged(fd, f)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_unchanged(fd: int, f: SourceFile) -> None:
+    """Raises :class:`CheckpointChanged` unless the open file ``fd`` still has ``f``'s scanned
+    identity (same device and inode, size and mtime): replaced, written, appended or truncated."""
+    now = _identity(os.fstat(fd))
+    if f.identity and now != f.identity:
+        what = ("was replaced by another file" if now[:2] != f.identity[:2] else
+                f"changed size from {f.identity[2]} to {now[2]} bytes" if now[2] != f.identity[2] else "was modified")
+        raise CheckpointChanged(f"{f.path}: {what} while being published; nothing was committed, publish it again "
+                                "once it is complete")
+
+
+def check_header(f: SourceFile, data: np.ndarray) -> None:
+    """Raises :class:`CheckpointChanged` unless ``data``, read as ``f``'s header segment, is the header scanned."""
+    if f.head and data.tobytes() != f.head:
+        raise CheckpointChanged(f"{f.path}: its safetensors header changed while being published; nothing was "
+                                "committed, publish it again once it is complete")
 
 
 def scan_checkpoint(directory: str | os.PathLike[str], ignore: tuple[str, ...] = ()) -> list[SourceFile]:

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from .checkpoint import SourceFile, SourceSegment, read_range, scan_checkpoint
+from .checkpoint import SourceFile, SourceSegment, check_header, check_unchanged, open_source, read_range, scan_checkpoint
 from .chunking import DEFAULT_CHUNK_BYTES, ChunkPacker
 from .codec import CodecConfig, EncodedTensor, encode_tensor
 from .dtypes import itemsize
@@ -108,6 +108,8 @@ class _Encoder:
         """Returns the new bytes, their checksum, the encoding, and for keyframes the delta too."""
         t = time.perf_counter()
         new = read_range(self.fds[job.file.path], job.seg.begin, job.seg.end, job.file.path)
+        if job.seg.role == "header":
+            check_header(job.file, new)
         digest = xxhash.xxh3_128_hexdigest(new)
         t = self._timed("read", t)
         old = None
@@ -122,6 +124,10 @@ class _Encoder:
         enc = encode_tensor(job.seg.dtype, new, None, self.cfg.codec) if self.keyframe or delta is None else delta
         self._timed("encode", t)
         return new, digest, enc, delta if self.keyframe else None
+
+    def file_read(self, f: SourceFile) -> None:
+        """Every segment of ``f`` was read: it must still be the file scanned (not written meanwhile)."""
+        check_unchanged(self.fds[f.path], f)
 
 
 def _jobs(files: list[SourceFile], parent: Manifest | None) -> list[_Job]:
@@ -182,7 +188,10 @@ def _encode_all(jobs: list[_Job], encoder: _Encoder, out: _Assembler, cfg: Publi
     """Encode every job on the pool, keeping at most ``inflight_bytes`` of work in memory."""
     total, done = sum(j.seg.nbytes for j in jobs), 0
     weight = lambda j: 3 * j.seg.nbytes  # noqa: E731  new, old and working arrays
+    file_read = getattr(encoder, "file_read", None)
     for job, result in ordered_map(encoder.run, jobs, weight, cfg.inflight_bytes, cfg.encode_threads, 3 * TASK_BYTES):
+        if file_read is not None and job.seg is job.file.segments[-1]:
+            file_read(job.file)  # results come in order: every segment of the file has been read
         out.add(job, *result)
         done += job.seg.nbytes
         if progress:
@@ -290,8 +299,10 @@ def _encode_folder(repo, base_repo, files, target: Target, cfg: PublishConfig, b
     base = None
     if target.parent is not None:  # deltas, and a keyframe's deltas for followers, need the parent's bytes
         base = _base_for(base_repo, target.parent, base_dir, cache, PullConfig(decode_threads=cfg.encode_threads))
-    fds = {f.path: os.open(f.abspath, os.O_RDONLY) for f in files}
+    fds: dict[str, int] = {}
     try:
+        for f in files:  # each opened once, checked to be the file scanned; every read goes through it
+            fds[f.path] = open_source(f)
         encoder = _Encoder(cfg, base, fds, target.keyframe)
         return encode_and_upload(repo, files, target.parent, target.keyframe, encoder, cfg, progress, on_bytes, t0)
     finally:

@@ -13,7 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from weightsync.checkpoint import MAX_HEADER, describe_file, parse_safetensors_header, read_range, scan_checkpoint
+from weightsync.checkpoint import (
+    MAX_HEADER, CheckpointChanged, check_header, check_unchanged, describe_file, open_source, parse_safetensors_header,
+    read_range, scan_checkpoint,
+)
 from weightsync.dtypes import ITEMSIZE
 from weightsync.errors import CheckpointError
 from weightsync.synth import write_safetensors
@@ -360,3 +363,78 @@ def test_scan_rejects_a_file_name_that_cannot_be_stored(tmp_path):
     (tmp_path / "a\\b.json").write_text("{}")
     with pytest.raises(CheckpointError):
         scan_checkpoint(tmp_path)
+
+
+# --- a file that changes between the scan and the read ------------------------------------------------------
+def _scanned_shard(tmp_path: Path):
+    write_safetensors(tmp_path / "m.safetensors", {"a": ("F32", (4,), bytes(16)), "b": ("U8", (8,), bytes(8))})
+    return describe_file(tmp_path / "m.safetensors", "m.safetensors")
+
+
+def _replace(p: Path) -> None:
+    write_safetensors(p, {"a": ("F32", (4,), bytes(16)), "b": ("U8", (8,), bytes(8))}, {"moved": "offsets"})
+
+
+def _append(p: Path) -> None:
+    with open(p, "ab") as f:
+        f.write(b"x")
+
+
+def _truncate(p: Path) -> None:
+    os.truncate(p, 10)
+
+
+def _touch(p: Path) -> None:
+    st = p.stat()
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+
+
+@pytest.mark.parametrize("change", [_replace, _append, _truncate, _touch, Path.unlink], ids=lambda f: f.__name__.strip("_"))
+def test_a_file_changed_after_the_scan_is_not_opened_as_if_it_were_the_same(tmp_path, change):
+    f = _scanned_shard(tmp_path)
+    assert f.identity and f.head == f.abspath.read_bytes()[: f.segments[0].end]
+    change(f.abspath)
+    with pytest.raises(CheckpointChanged, match="m.safetensors"):
+        os.close(open_source(f))
+
+
+@pytest.mark.parametrize("change", [_append, _truncate, _touch], ids=lambda f: f.__name__.strip("_"))
+def test_a_file_written_while_it_is_read_is_detected_after_the_read(tmp_path, change):
+    f = _scanned_shard(tmp_path)
+    fd = open_source(f)
+    try:
+        check_unchanged(fd, f)
+        change(f.abspath)
+        with pytest.raises(CheckpointChanged, match="m.safetensors"):
+            check_unchanged(fd, f)
+    finally:
+        os.close(fd)
+
+
+def test_a_file_replaced_or_removed_after_it_was_opened_is_read_as_scanned(tmp_path):
+    f = _scanned_shard(tmp_path)
+    data = f.abspath.read_bytes()
+    fd = open_source(f)
+    try:
+        _replace(f.abspath)
+        check_unchanged(fd, f)  # the descriptor still reads the file scanned
+        f.abspath.unlink()
+        check_unchanged(fd, f)
+        assert read_range(fd, 0, f.size, f.path).tobytes() == data
+    finally:
+        os.close(fd)
+
+
+def test_a_header_changed_in_place_is_detected(tmp_path):
+    f = _scanned_shard(tmp_path)
+    check_header(f, np.frombuffer(f.head, np.uint8))
+    changed = bytearray(f.head)
+    changed[-1] ^= 1
+    with pytest.raises(CheckpointChanged, match="header changed"):
+        check_header(f, np.frombuffer(bytes(changed), np.uint8))
+
+
+def test_a_fifo_is_refused_without_blocking(tmp_path):
+    os.mkfifo(tmp_path / "pipe.safetensors")
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        describe_file(tmp_path / "pipe.safetensors", "pipe.safetensors")
