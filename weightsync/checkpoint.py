@@ -25,7 +25,7 @@ import numpy as np
 
 from .dtypes import ITEMSIZE
 from .errors import CheckpointError, FormatError
-from .format import check_path
+from .format import MAX_SHAPE_DIMS, MAX_SIZE, check_path
 
 MAX_HEADER = 100 << 20  # the safetensors library's own limit
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY  # a FIFO swapped in must not block the open
@@ -112,6 +112,9 @@ def _tensor_segment(name: str, info: object, base: int, what: str) -> SourceSegm
     ints = lambda v, k: isinstance(v, list) and len(v) == k if k else isinstance(v, list)  # noqa: E731
     if not ints(shape, None) or not all(type(d) is int and d >= 0 for d in shape):
         raise CheckpointError(f"{what}: tensor {name!r} has a bad shape {shape!r}")
+    if len(shape) > MAX_SHAPE_DIMS or any(d > MAX_SIZE for d in shape):  # docs/FORMAT.md: readers refuse these
+        raise CheckpointError(f"{what}: tensor {name!r} has a shape the format cannot store (more than "
+                              f"{MAX_SHAPE_DIMS} dimensions, or one above 2^50): {shape!r}")
     if not ints(offsets, 2) or not all(type(o) is int and o >= 0 for o in offsets):
         raise CheckpointError(f"{what}: tensor {name!r} has bad data_offsets {offsets!r}")
     begin, end = offsets
@@ -135,6 +138,8 @@ def describe_file(abspath: Path, relpath: str) -> SourceFile:
             if not stat.S_ISREG(st.st_mode):
                 raise CheckpointError(f"{relpath}: not a regular file")
             size = st.st_size
+            if size > MAX_SIZE:
+                raise CheckpointError(f"{relpath}: {size} bytes, more than the format's limit of 2^50")
             if not relpath.endswith(".safetensors"):
                 return SourceFile(relpath, abspath, "blob", size, (SourceSegment("blob", "", "U8", (size,), 0, size),),
                                   _identity(st))

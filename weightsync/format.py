@@ -32,6 +32,7 @@ PARTS_PREFIX = "parts/"
 MAX_WORLD = 99999  # ranks of one multi-rank publish (part keys hold five digits)
 MAX_VERSION = 10**18
 MAX_SIZE = 1 << 50  # 1 PiB: larger declared sizes are rejected as hostile
+MAX_SHAPE_DIMS = 64  # dimensions of a segment's shape
 ROLES = ("header", "tensor", "blob")
 SEGMENT_CODECS = ("same", "full", "sparse", "dense", "ac")
 _HEX = re.compile(r"[0-9a-f]{32}")
@@ -341,7 +342,7 @@ def _segment(doc: Any, chunks: tuple[ChunkRef, ...], what: str) -> Segment:
             _get(doc, key, typ, what)
     if role not in ROLES or codec not in SEGMENT_CODECS or dtype not in ITEMSIZE:
         raise FormatError(f"{what}: unknown role, codec or dtype ({role}, {codec}, {dtype})")
-    if len(shape) > 64:
+    if len(shape) > MAX_SHAPE_DIMS:
         raise FormatError(f"{what}: bad shape {shape!r}")
     count = 1
     for d in shape:

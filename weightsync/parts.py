@@ -40,7 +40,7 @@ from pathlib import Path
 from .checkpoint import SourceFile, scan_checkpoint
 from .errors import AlreadyExistsError, CheckpointError, FormatError, NotFoundError, UsageError, VersionError
 from .format import (
-    MAX_WORLD, ChunkRef, Delta, FileEntry, Manifest, Part, PartManifest, Payload, Segment, check_path,
+    MAX_VERSION, MAX_WORLD, ChunkRef, Delta, FileEntry, Manifest, Part, PartManifest, Payload, Segment, check_path,
     check_paths_disjoint, no_gc, parse_part_key, part_from_json, part_key, part_to_json, parts_prefix,
 )
 from .local import adopt
@@ -283,8 +283,8 @@ def commit_parts(repo: Repo, version: int, world: int, timeout: float = 600.0, p
     of the head unless ``allow_removed``. Two committers may race: one commits, the other finds the
     same version committed and succeeds too."""
     check_world(None, world)
-    if version < 0:
-        raise UsageError(f"version must be a non-negative integer, not {version}")
+    if not 0 <= version <= MAX_VERSION:
+        raise UsageError(f"version must be an integer in 0..{MAX_VERSION} (docs/FORMAT.md), not {version}")
     t0, deadline, delay = clock(), clock() + timeout, min(0.05, poll)
     parts: dict[int, PartManifest] = {}
     parent: Manifest | None = None

@@ -26,7 +26,7 @@ from .chunking import DEFAULT_CHUNK_BYTES, ChunkPacker
 from .codec import CodecConfig, EncodedTensor, encode_tensor
 from .dtypes import itemsize
 from .errors import BaseMismatchError, NotFoundError, UsageError, VersionError
-from .format import ChunkRef, Delta, FileEntry, Manifest, Payload, Segment, chunk_key
+from .format import MAX_VERSION, ChunkRef, Delta, FileEntry, Manifest, Payload, Segment, chunk_key
 from .local import LocalVersion, adopt, read_state
 from .pipeline import TASK_BYTES, ordered_map
 from .pulling import PullConfig, pull
@@ -229,20 +229,33 @@ class Target:
         return 0 if self.keyframe else self.parent.chain_length + 1
 
 
-def plan_version(repo: Repo, version: int | None, config: PublishConfig) -> Target:
-    """Create the store if it is empty; read the head once; the next version (default head + 1, 0
-    on an empty store) and whether it is a keyframe (the first version, or the chain would reach
-    ``keyframe_interval``)."""
-    if not repo.check():
-        repo.init()
-    head, etag = repo.head()
+def next_version(repo: Repo, head: int | None, version: int | None) -> int:
+    """The version to publish above ``head``: ``version``, else head + 1 (0 on an empty store).
+    Refuses, before anything is written, a number the format does not allow (docs/FORMAT.md:
+    0..10^18; readers, gc and the publisher would reject the store for good) or one not above the head."""
     if version is None:
-        version = 0 if head is None else head + 1
-    if version < 0:
-        raise UsageError(f"version must be a non-negative integer, not {version}")
+        if head is not None and head >= MAX_VERSION:
+            raise VersionError(f"the head of {repo.url} is version {head}, the largest the format allows "
+                               f"({MAX_VERSION}): no version can follow it")
+        return 0 if head is None else head + 1
+    if not 0 <= version <= MAX_VERSION:
+        raise UsageError(f"version must be an integer in 0..{MAX_VERSION} (docs/FORMAT.md), not {version}")
     if head is not None and version <= head:
         exists = version in repo.versions()
         raise VersionError(f"version {version} {'already exists' if exists else f'is not after the head version {head}'} in {repo.url}")
+    return version
+
+
+def plan_version(repo: Repo, version: int | None, config: PublishConfig) -> Target:
+    """Create the store if it is empty; read the head once; the next version (:func:`next_version`:
+    default head + 1, 0 on an empty store) and whether it is a keyframe (the first version, or the
+    chain would reach ``keyframe_interval``)."""
+    if version is not None and not 0 <= version <= MAX_VERSION:
+        next_version(repo, None, version)  # refused before the store is created
+    if not repo.check():
+        repo.init()
+    head, etag = repo.head()
+    version = next_version(repo, head, version)
     parent = None if head is None else repo.manifest(head)
     keyframe = parent is None or parent.chain_length + 1 >= config.keyframe_interval
     return Target(version, parent, keyframe, etag)
