@@ -28,6 +28,7 @@ from .errors import CheckpointError, FormatError
 from .format import MAX_SHAPE_DIMS, MAX_SIZE, check_path
 
 MAX_HEADER = 100 << 20  # the safetensors library's own limit
+STATE_DIR = ".weightsync"  # a pulled folder's state (docs/FORMAT.md section 5): never published
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY  # a FIFO swapped in must not block the open
 
 
@@ -200,29 +201,66 @@ def check_header(f: SourceFile, data: np.ndarray) -> None:
 
 
 def scan_checkpoint(directory: str | os.PathLike[str], ignore: tuple[str, ...] = ()) -> list[SourceFile]:
-    """Every file under ``directory`` (sorted by path), skipping a top-level ``.weightsync`` and
-    paths matching an ``ignore`` glob (e.g. a ``COMPLETE`` marker)."""
+    """Every file under ``directory`` (sorted by path), skipping a top-level ``.weightsync`` folder
+    (a pulled folder's state) and paths matching an ``ignore`` glob (e.g. a ``COMPLETE`` marker).
+
+    Symlinks are followed, to files and to folders (Hugging Face cache snapshots are symlinks); a
+    symlink loop, an unreadable folder, a top-level ``.weightsync`` that is not a folder (the name
+    is reserved) or anything but a regular file fails the scan: nothing is left out without a
+    word. Empty folders are not part of a version (docs/FORMAT.md, section 2)."""
     root = Path(directory)
-    if not root.is_dir():
+    try:
+        st = os.stat(root)
+    except OSError:
+        st = None
+    if st is None or not stat.S_ISDIR(st.st_mode):
         raise CheckpointError(f"checkpoint directory not found: {root}")
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        rel_dir = os.path.relpath(dirpath, root)
-        if rel_dir == ".":
-            dirnames[:] = [d for d in dirnames if d != ".weightsync"]
-        dirnames.sort()
-        for name in filenames:
-            rel = name if rel_dir == "." else f"{rel_dir.replace(os.sep, '/')}/{name}"
-            if rel == ".weightsync" or any(fnmatch.fnmatchcase(rel, pat) for pat in ignore):
-                continue
-            try:
-                check_path(rel)
-            except FormatError as exc:
-                raise CheckpointError(f"{root}: cannot publish file {rel!r}: {exc}") from None
-            files.append(describe_file(Path(dirpath) / name, rel))
+    files: list[SourceFile] = []
+    todo = [(root, "", frozenset({(st.st_dev, st.st_ino)}))]  # a stack, not recursion: trees may be deep
+    while todo:
+        todo.extend(_scan_dir(root, *todo.pop(), ignore, files))
     if not files:
         raise CheckpointError(f"checkpoint directory is empty: {root}")
     return sorted(files, key=lambda f: f.path)
+
+
+def _scan_dir(root: Path, folder: Path, rel_dir: str, ancestors: frozenset[tuple[int, int]], ignore: tuple[str, ...],
+              out: list[SourceFile]) -> list[tuple[Path, str, frozenset[tuple[int, int]]]]:
+    """Describe the files of one folder into ``out``; returns its subfolders to scan."""
+    try:
+        with os.scandir(folder) as it:
+            entries = sorted(it, key=lambda e: e.name)
+    except OSError as exc:
+        raise CheckpointError(f"{root}: cannot list folder {rel_dir or '.'!r} ({exc.strerror})") from None
+    subdirs = []
+    for e in entries:
+        rel = f"{rel_dir}{e.name}"
+        try:
+            is_dir = e.is_dir()  # follows a symlink
+            st = e.stat() if is_dir else None
+        except OSError as exc:
+            raise CheckpointError(f"{root}: cannot read {rel!r} ({exc.strerror})") from None
+        if rel == STATE_DIR:
+            if is_dir and not e.is_symlink():
+                continue  # weightsync's own state: the checkpoint is a folder it pulled into
+            if not any(fnmatch.fnmatchcase(rel, pat) for pat in ignore):
+                raise CheckpointError(f"{root}: cannot publish {rel!r}: the name is reserved for weightsync's state "
+                                      "folder (rename it, or leave it out with --ignore)")
+            continue
+        if is_dir:
+            key = (st.st_dev, st.st_ino)
+            if key in ancestors:
+                raise CheckpointError(f"{root}: cannot publish {rel!r}: a symlink to a folder that contains it (a loop)")
+            subdirs.append((Path(e.path), f"{rel}/", ancestors | {key}))
+            continue
+        if any(fnmatch.fnmatchcase(rel, pat) for pat in ignore):
+            continue
+        try:
+            check_path(rel)
+        except FormatError as exc:
+            raise CheckpointError(f"{root}: cannot publish file {rel!r}: {exc}") from None
+        out.append(describe_file(Path(e.path), rel))
+    return subdirs
 
 
 def read_range(fd: int, begin: int, end: int, what: str) -> np.ndarray:

@@ -365,6 +365,74 @@ def test_scan_rejects_a_file_name_that_cannot_be_stored(tmp_path):
         scan_checkpoint(tmp_path)
 
 
+
+def test_scan_follows_symlinks_to_folders_as_to_files(tmp_path):
+    """Hugging Face cache snapshots are symlinks: a linked folder is published as if it were there."""
+    ckpt, elsewhere = tmp_path / "ckpt", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    make_tree(elsewhere)
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    (ckpt / "shards").symlink_to(elsewhere / "sub")
+    (ckpt / "again").symlink_to("shards")  # the same folder reached twice: published under both names
+    (ckpt / "model.safetensors").symlink_to(elsewhere / "model.safetensors")
+    paths = [f.path for f in scan_checkpoint(ckpt)]
+    linked = [".weightsync/kept", "deeper/tok.json", "part.safetensors"]
+    assert paths == sorted(["config.json", "model.safetensors", *(f"shards/{p}" for p in linked),
+                            *(f"again/{p}" for p in linked)])
+
+
+@pytest.mark.parametrize("target", [".", "..", "../.."], ids=["itself", "its parent", "the root"])
+def test_scan_refuses_a_symlink_loop(tmp_path, target):
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "b" / "x.json").write_text("{}")
+    (tmp_path / "a" / "b" / "loop").symlink_to(target)
+    with pytest.raises(CheckpointError, match="loop"):
+        scan_checkpoint(tmp_path)
+
+
+def test_scan_refuses_a_dangling_symlink(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(CheckpointError, match="gone"):
+        scan_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["file", "symlink to a folder", "symlink to a file"])
+def test_scan_refuses_a_top_level_weightsync_that_is_not_the_state_folder(tmp_path, kind):
+    """The name is reserved (a version cannot hold it): refused, not left out without a word."""
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "elsewhere").mkdir()
+    if kind == "file":
+        (tmp_path / ".weightsync").write_text("mine")
+    else:
+        (tmp_path / ".weightsync").symlink_to(tmp_path / ("elsewhere" if kind == "symlink to a folder" else "config.json"))
+    with pytest.raises(CheckpointError, match=r"\.weightsync.*reserved"):
+        scan_checkpoint(tmp_path)
+    assert ".weightsync" not in [f.path for f in scan_checkpoint(tmp_path, ignore=(".weightsync",))]
+
+
+def test_scan_of_a_very_deep_tree(tmp_path):
+    d = str(tmp_path)
+    for _ in range(1100):  # deeper than Python's recursion limit
+        d += "/d"
+        os.mkdir(d)
+    Path(d, "x.json").write_text("{}")
+    assert [f.path for f in scan_checkpoint(tmp_path)] == ["d/" * 1100 + "x.json"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any folder")
+def test_scan_refuses_an_unreadable_folder(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "locked").mkdir()
+    (tmp_path / "locked" / "x.json").write_text("{}")
+    (tmp_path / "locked").chmod(0)
+    try:
+        with pytest.raises(CheckpointError, match="locked"):
+            scan_checkpoint(tmp_path)
+    finally:
+        (tmp_path / "locked").chmod(0o755)
+
 # --- a file that changes between the scan and the read ------------------------------------------------------
 def _scanned_shard(tmp_path: Path):
     write_safetensors(tmp_path / "m.safetensors", {"a": ("F32", (4,), bytes(16)), "b": ("U8", (8,), bytes(8))})
