@@ -193,6 +193,15 @@ def check_unchanged(fd: int, f: SourceFile) -> None:
                                 "once it is complete")
 
 
+def still_as_scanned(files: list[SourceFile]) -> bool:
+    """Every file's path still leads to the file scanned, unchanged (e.g. before linking the
+    checkpoint into a cache as the version just published)."""
+    try:
+        return all(_identity(os.stat(f.abspath)) == f.identity for f in files if f.identity)
+    except OSError:
+        return False
+
+
 def check_header(f: SourceFile, data: np.ndarray) -> None:
     """Raises :class:`CheckpointChanged` unless ``data``, read as ``f``'s header segment, is the header scanned."""
     if f.head and data.tobytes() != f.head:

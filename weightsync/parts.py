@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .checkpoint import SourceFile, scan_checkpoint
+from .checkpoint import SourceFile, scan_checkpoint, still_as_scanned
 from .errors import AlreadyExistsError, CheckpointError, FormatError, NotFoundError, UsageError, VersionError
 from .format import (
     MAX_VERSION, MAX_WORLD, ChunkRef, Delta, FileEntry, Manifest, Part, PartManifest, Payload, Segment, check_path,
@@ -144,7 +144,7 @@ def publish_part(
     enc.refresh(repo)
     existed = _write_part(repo, part)
     seconds = dict(enc.seconds, part=time.perf_counter() - t_w, total=time.perf_counter() - enc.t0)
-    if cache_dir is not None:  # the rank's next delta base, should this version be committed
+    if cache_dir is not None and still_as_scanned(mine):  # the rank's next delta base, should this version be committed
         as_version = Manifest(part.version, parent, part.keyframe, part.chain_length, part.files, part.chunks)
         adopt(Path(cache_dir), as_version, src, repo.url)
     payload = sum(s.payload.size for f in part.files for s in f.segments if s.payload)

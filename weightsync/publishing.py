@@ -21,7 +21,9 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from .checkpoint import SourceFile, SourceSegment, check_header, check_unchanged, open_source, read_range, scan_checkpoint
+from .checkpoint import (
+    SourceFile, SourceSegment, check_header, check_unchanged, open_source, read_range, scan_checkpoint, still_as_scanned,
+)
 from .chunking import DEFAULT_CHUNK_BYTES, ChunkPacker
 from .codec import CodecConfig, EncodedTensor, encode_tensor
 from .dtypes import itemsize
@@ -283,7 +285,7 @@ def publish(
     target = plan_version(repo, version, config)
     enc = encode_folder(repo, files, scan, target, config, base_dir, cache_dir, progress, on_bytes)
     result, manifest = commit_encoded(repo, target, enc)
-    if cache_dir is not None:
+    if cache_dir is not None and still_as_scanned(files):  # else the cache is brought up by a pull when needed
         adopt(Path(cache_dir), manifest, src, repo.url)
     return result
 

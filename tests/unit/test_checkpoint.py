@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from weightsync.checkpoint import (
     MAX_HEADER, CheckpointChanged, check_header, check_unchanged, describe_file, open_source, parse_safetensors_header,
-    read_range, scan_checkpoint,
+    read_range, scan_checkpoint, still_as_scanned,
 )
 from weightsync.dtypes import ITEMSIZE
 from weightsync.errors import CheckpointError
@@ -418,7 +418,13 @@ def test_scan_of_a_very_deep_tree(tmp_path):
         d += "/d"
         os.mkdir(d)
     Path(d, "x.json").write_text("{}")
-    assert [f.path for f in scan_checkpoint(tmp_path)] == ["d/" * 1100 + "x.json"]
+    try:
+        assert [f.path for f in scan_checkpoint(tmp_path)] == ["d/" * 1100 + "x.json"]
+    finally:  # shutil.rmtree recurses too: take the tree down level by level
+        os.unlink(Path(d, "x.json"))
+        while d != str(tmp_path):
+            os.rmdir(d)
+            d = os.path.dirname(d)
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads any folder")
@@ -506,3 +512,12 @@ def test_a_fifo_is_refused_without_blocking(tmp_path):
     os.mkfifo(tmp_path / "pipe.safetensors")
     with pytest.raises(CheckpointError, match="not a regular file"):
         describe_file(tmp_path / "pipe.safetensors", "pipe.safetensors")
+
+
+@pytest.mark.parametrize("change", [_replace, _append, _touch, Path.unlink], ids=lambda f: f.__name__.strip("_"))
+def test_still_as_scanned_tells_a_changed_path(tmp_path, change):
+    """What the publisher asks before it links the checkpoint into its cache as the version published."""
+    f = _scanned_shard(tmp_path)
+    assert still_as_scanned([f])
+    change(f.abspath)
+    assert not still_as_scanned([f])
