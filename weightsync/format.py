@@ -36,6 +36,7 @@ MAX_PATH_BYTES = 4096  # a file path, UTF-8 (Linux PATH_MAX)
 MAX_PATH_DEPTH = 255  # components of a file path
 MAX_NAME_BYTES = 255  # one component, UTF-8 (NAME_MAX)
 MAX_INFO_DEPTH = 32  # nesting of the informational objects (codec_config, stats)
+MAX_SHAPE_DIMS = 64  # dimensions of a segment's shape
 ROLES = ("header", "tensor", "blob")
 SEGMENT_CODECS = ("same", "full", "sparse", "dense", "ac")
 _HEX = re.compile(r"[0-9a-f]{32}")
@@ -375,7 +376,7 @@ def _segment(doc: Any, chunks: tuple[ChunkRef, ...], what: str) -> Segment:
             _get(doc, key, typ, what)
     if role not in ROLES or codec not in SEGMENT_CODECS or dtype not in ITEMSIZE:
         raise FormatError(f"{what}: unknown role, codec or dtype ({_show(role)}, {_show(codec)}, {_show(dtype)})")
-    if len(shape) > 64:
+    if len(shape) > MAX_SHAPE_DIMS:
         raise FormatError(f"{what}: bad shape {_show(shape)}")
     count = 1
     for d in shape:

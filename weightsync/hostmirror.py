@@ -28,10 +28,10 @@ from . import arith
 from .checkpoint import SourceSegment, describe_file, scan_checkpoint
 from .codec import EncodedTensor, encode_sparse_from_changes, encode_tensor
 from .dtypes import UINT_VIEW, itemsize
-from .errors import BaseMismatchError, UsageError, VersionError
+from .errors import BaseMismatchError, UsageError
 from .format import Manifest
 from .local import adopt
-from .publishing import PublishConfig, PublishResult, encode_and_commit
+from .publishing import PublishConfig, PublishResult, encode_and_commit, next_version
 from .repo import Repo
 
 # torch dtype -> safetensors dtype (the subset weightsync stores)
@@ -318,9 +318,7 @@ def publish_changes(
     head, etag = repo.head()
     if head != base_version:
         raise BaseMismatchError(f"the store's head is version {head}, the base holds {base_version}")
-    version = head + 1 if version is None else version
-    if version <= head:
-        raise VersionError(f"version {version} {'already exists' if version in repo.versions() else f'is not after the head version {head}'} in {repo.url}")
+    version = next_version(repo, head, version)
     parent = repo.manifest(head)
     keyframe = parent.chain_length + 1 >= config.keyframe_interval
     t0 = time.perf_counter()

@@ -37,10 +37,10 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .checkpoint import SourceFile, scan_checkpoint
+from .checkpoint import SourceFile, scan_checkpoint, still_as_scanned
 from .errors import AlreadyExistsError, CheckpointError, FormatError, NotFoundError, UsageError, VersionError
 from .format import (
-    MAX_WORLD, ChunkRef, Delta, FileEntry, Manifest, Part, PartManifest, Payload, Segment, check_path,
+    MAX_VERSION, MAX_WORLD, ChunkRef, Delta, FileEntry, Manifest, Part, PartManifest, Payload, Segment, check_path,
     check_paths_disjoint, no_gc, parse_part_key, part_from_json, part_key, part_to_json, parts_prefix,
 )
 from .local import adopt
@@ -144,7 +144,7 @@ def publish_part(
     enc.refresh(repo)
     existed = _write_part(repo, part)
     seconds = dict(enc.seconds, part=time.perf_counter() - t_w, total=time.perf_counter() - enc.t0)
-    if cache_dir is not None:  # the rank's next delta base, should this version be committed
+    if cache_dir is not None and still_as_scanned(mine):  # the rank's next delta base, should this version be committed
         as_version = Manifest(part.version, parent, part.keyframe, part.chain_length, part.files, part.chunks)
         adopt(Path(cache_dir), as_version, src, repo.url)
     payload = sum(s.payload.size for f in part.files for s in f.segments if s.payload)
@@ -283,8 +283,8 @@ def commit_parts(repo: Repo, version: int, world: int, timeout: float = 600.0, p
     of the head unless ``allow_removed``. Two committers may race: one commits, the other finds the
     same version committed and succeeds too."""
     check_world(None, world)
-    if version < 0:
-        raise UsageError(f"version must be a non-negative integer, not {version}")
+    if not 0 <= version <= MAX_VERSION:
+        raise UsageError(f"version must be an integer in 0..{MAX_VERSION} (docs/FORMAT.md), not {version}")
     t0, deadline, delay = clock(), clock() + timeout, min(0.05, poll)
     parts: dict[int, PartManifest] = {}
     parent: Manifest | None = None

@@ -33,7 +33,7 @@ from .checkpoint import scan_checkpoint
 from .config import PublisherConfig
 from .daemon import Idle, StopToken, Stopped, Wait, event, iteration_failed, sleep_or_wake, warm_codec
 from .errors import BaseMismatchError, NotFoundError, UsageError, VersionError
-from .format import part_from_json, part_key
+from .format import MAX_VERSION, part_from_json, part_key
 from .metrics import Metrics
 from .parts import commit_parts, publish_part
 from .progress import human_bytes
@@ -53,9 +53,13 @@ class PathNotFound(UsageError):
 
 
 def parse_step(name: str) -> int | None:
-    """The step number a checkpoint folder's name ends in, or None."""
+    """The step number a checkpoint folder's name ends in, or None. A number above the format's
+    largest version (10^18) comes back as ``MAX_VERSION + 1``: :func:`scan` sets such folders aside."""
     m = _STEP.search(name)
-    return None if m is None or name.startswith(".") else int(m.group(1))
+    if m is None or name.startswith("."):
+        return None
+    digits = m.group(1).lstrip("0") or "0"
+    return MAX_VERSION + 1 if len(digits) > len(str(MAX_VERSION)) else min(int(digits), MAX_VERSION + 1)
 
 
 @dataclass(frozen=True)
@@ -66,8 +70,10 @@ class Candidate:
     mtime: float  # last change of the folder, for stale detection
 
 
-def scan(watch_dir: Path, marker: str) -> list[Candidate]:
-    """Checkpoint folders under ``watch_dir``, by step (the first name wins for a repeated step)."""
+def scan(watch_dir: Path, marker: str, too_large: list[str] | None = None) -> list[Candidate]:
+    """Checkpoint folders under ``watch_dir``, by step (the first name wins for a repeated step).
+    A folder whose step is above the largest version the format allows (10^18) can never be
+    published: it is no candidate, and its name goes to ``too_large``."""
     found: dict[int, Candidate] = {}
     try:
         entries = sorted(os.scandir(watch_dir), key=lambda e: e.name)
@@ -76,6 +82,10 @@ def scan(watch_dir: Path, marker: str) -> list[Candidate]:
     for e in entries:
         step = parse_step(e.name)
         if step is None or step in found or not e.is_dir(follow_symlinks=False):
+            continue
+        if step > MAX_VERSION:
+            if too_large is not None:
+                too_large.append(e.name)
             continue
         ready = os.path.isfile(os.path.join(e.path, marker))
         found[step] = Candidate(step, Path(e.path), ready, e.stat(follow_symlinks=False).st_mtime)
@@ -131,6 +141,7 @@ class Publisher:
         self._failed: tuple[int, int, float] | None = None  # step, failures, retry_at
         self._errors = 0
         self._part: int | None = None  # rank mode: the version whose part this rank stored, not yet committed
+        self._too_large: set[str] = set()  # checkpoint folders already reported as beyond the format's versions
 
     def request_stop(self) -> None:
         self.stop_token.set()
@@ -161,7 +172,9 @@ class Publisher:
 
     async def _iteration(self) -> float:
         try:
-            candidates = await asyncio.to_thread(scan, self.cfg.watch_dir, self.cfg.marker)
+            too_large: list[str] = []
+            candidates = await asyncio.to_thread(scan, self.cfg.watch_dir, self.cfg.marker, too_large)
+            self._report_too_large(too_large)
             self.head = await asyncio.to_thread(self.repo.head_version)
             if self._part is not None and self.head is not None and self.head >= self._part:
                 if self.head > self._part:
@@ -193,6 +206,13 @@ class Publisher:
             return 0.0
         except Exception as exc:  # logged, counted, backed off; the loop goes on
             return iteration_failed(self, exc, log)
+
+    def _report_too_large(self, names: list[str]) -> None:
+        """Log once each checkpoint folder skipped for good: its step is no version the format allows."""
+        for name in sorted(set(names) - self._too_large):
+            event(log, f"skipping checkpoint {name!r}: its step is above {MAX_VERSION}, the largest version the "
+                  "format allows", logging.ERROR, path=str(self.cfg.watch_dir / name))
+        self._too_large = set(names)
 
     async def _await_commit(self, failed_step: int | None, retry_at: float) -> float:
         """Rank mode with a part stored: commit it (``--commit``) or wait for another rank to."""

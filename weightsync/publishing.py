@@ -21,12 +21,14 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from .checkpoint import SourceFile, SourceSegment, read_range, scan_checkpoint
+from .checkpoint import (
+    SourceFile, SourceSegment, check_header, check_unchanged, open_source, read_range, scan_checkpoint, still_as_scanned,
+)
 from .chunking import DEFAULT_CHUNK_BYTES, ChunkPacker
 from .codec import CodecConfig, EncodedTensor, encode_tensor
 from .dtypes import itemsize
 from .errors import BaseMismatchError, NotFoundError, UsageError, VersionError
-from .format import ChunkRef, Delta, FileEntry, Manifest, Payload, Segment, chunk_key
+from .format import MAX_VERSION, ChunkRef, Delta, FileEntry, Manifest, Payload, Segment, chunk_key
 from .local import LocalVersion, adopt, read_state
 from .pipeline import TASK_BYTES, ordered_map
 from .pulling import PullConfig, pull
@@ -108,6 +110,8 @@ class _Encoder:
         """Returns the new bytes, their checksum, the encoding, and for keyframes the delta too."""
         t = time.perf_counter()
         new = read_range(self.fds[job.file.path], job.seg.begin, job.seg.end, job.file.path)
+        if job.seg.role == "header":
+            check_header(job.file, new)
         digest = xxhash.xxh3_128_hexdigest(new)
         t = self._timed("read", t)
         old = None
@@ -122,6 +126,10 @@ class _Encoder:
         enc = encode_tensor(job.seg.dtype, new, None, self.cfg.codec) if self.keyframe or delta is None else delta
         self._timed("encode", t)
         return new, digest, enc, delta if self.keyframe else None
+
+    def file_read(self, f: SourceFile) -> None:
+        """Every segment of ``f`` was read: it must still be the file scanned (not written meanwhile)."""
+        check_unchanged(self.fds[f.path], f)
 
 
 def _jobs(files: list[SourceFile], parent: Manifest | None) -> list[_Job]:
@@ -182,7 +190,10 @@ def _encode_all(jobs: list[_Job], encoder: _Encoder, out: _Assembler, cfg: Publi
     """Encode every job on the pool, keeping at most ``inflight_bytes`` of work in memory."""
     total, done = sum(j.seg.nbytes for j in jobs), 0
     weight = lambda j: 3 * j.seg.nbytes  # noqa: E731  new, old and working arrays
+    file_read = getattr(encoder, "file_read", None)
     for job, result in ordered_map(encoder.run, jobs, weight, cfg.inflight_bytes, cfg.encode_threads, 3 * TASK_BYTES):
+        if file_read is not None and job.seg is job.file.segments[-1]:
+            file_read(job.file)  # results come in order: every segment of the file has been read
         out.add(job, *result)
         done += job.seg.nbytes
         if progress:
@@ -220,20 +231,33 @@ class Target:
         return 0 if self.keyframe else self.parent.chain_length + 1
 
 
-def plan_version(repo: Repo, version: int | None, config: PublishConfig) -> Target:
-    """Create the store if it is empty; read the head once; the next version (default head + 1, 0
-    on an empty store) and whether it is a keyframe (the first version, or the chain would reach
-    ``keyframe_interval``)."""
-    if not repo.check():
-        repo.init()
-    head, etag = repo.head()
+def next_version(repo: Repo, head: int | None, version: int | None) -> int:
+    """The version to publish above ``head``: ``version``, else head + 1 (0 on an empty store).
+    Refuses, before anything is written, a number the format does not allow (docs/FORMAT.md:
+    0..10^18; readers, gc and the publisher would reject the store for good) or one not above the head."""
     if version is None:
-        version = 0 if head is None else head + 1
-    if version < 0:
-        raise UsageError(f"version must be a non-negative integer, not {version}")
+        if head is not None and head >= MAX_VERSION:
+            raise VersionError(f"the head of {repo.url} is version {head}, the largest the format allows "
+                               f"({MAX_VERSION}): no version can follow it")
+        return 0 if head is None else head + 1
+    if not 0 <= version <= MAX_VERSION:
+        raise UsageError(f"version must be an integer in 0..{MAX_VERSION} (docs/FORMAT.md), not {version}")
     if head is not None and version <= head:
         exists = version in repo.versions()
         raise VersionError(f"version {version} {'already exists' if exists else f'is not after the head version {head}'} in {repo.url}")
+    return version
+
+
+def plan_version(repo: Repo, version: int | None, config: PublishConfig) -> Target:
+    """Create the store if it is empty; read the head once; the next version (:func:`next_version`:
+    default head + 1, 0 on an empty store) and whether it is a keyframe (the first version, or the
+    chain would reach ``keyframe_interval``)."""
+    if version is not None and not 0 <= version <= MAX_VERSION:
+        next_version(repo, None, version)  # refused before the store is created
+    if not repo.check():
+        repo.init()
+    head, etag = repo.head()
+    version = next_version(repo, head, version)
     parent = None if head is None else repo.manifest(head)
     keyframe = parent is None or parent.chain_length + 1 >= config.keyframe_interval
     return Target(version, parent, keyframe, etag)
@@ -261,7 +285,7 @@ def publish(
     target = plan_version(repo, version, config)
     enc = encode_folder(repo, files, scan, target, config, base_dir, cache_dir, progress, on_bytes)
     result, manifest = commit_encoded(repo, target, enc)
-    if cache_dir is not None:
+    if cache_dir is not None and still_as_scanned(files):  # else the cache is brought up by a pull when needed
         adopt(Path(cache_dir), manifest, src, repo.url)
     return result
 
@@ -290,8 +314,10 @@ def _encode_folder(repo, base_repo, files, target: Target, cfg: PublishConfig, b
     base = None
     if target.parent is not None:  # deltas, and a keyframe's deltas for followers, need the parent's bytes
         base = _base_for(base_repo, target.parent, base_dir, cache, PullConfig(decode_threads=cfg.encode_threads))
-    fds = {f.path: os.open(f.abspath, os.O_RDONLY) for f in files}
+    fds: dict[str, int] = {}
     try:
+        for f in files:  # each opened once, checked to be the file scanned; every read goes through it
+            fds[f.path] = open_source(f)
         encoder = _Encoder(cfg, base, fds, target.keyframe)
         return encode_and_upload(repo, files, target.parent, target.keyframe, encoder, cfg, progress, on_bytes, t0)
     finally:

@@ -26,6 +26,7 @@ from .format import (
     FLEET_PREFIX,
     HEAD_KEY,
     MARKER_KEY,
+    MAX_VERSION,
     VERSIONS_PREFIX,
     Manifest,
     check_marker,
@@ -185,8 +186,12 @@ class Repo:
 
         A manifest already stored under the version is accepted when it describes the same files
         from the same parent: our own write whose answer was lost and retried, or a re-publish of
-        the same checkpoint after a publisher died between the manifest and the head.
+        the same checkpoint after a publisher died between the manifest and the head. A version
+        number the format does not allow is refused before anything is written: readers would
+        reject the head for good.
         """
+        if not 0 <= manifest.version <= MAX_VERSION:
+            raise VersionError(f"version {manifest.version} is outside the format's range 0..{MAX_VERSION}; not committed")
         try:
             self.store.put(version_key(manifest.version), manifest_to_json(manifest), mode="create")
         except AlreadyExistsError:
@@ -220,6 +225,8 @@ class Repo:
 
     def set_head(self, version: int) -> None:
         """Point the head at ``version`` unconditionally (mirror and repair use)."""
+        if not 0 <= version <= MAX_VERSION:
+            raise VersionError(f"version {version} is outside the format's range 0..{MAX_VERSION}; head not moved")
         self.store.put(HEAD_KEY, head_to_json(version), mode="overwrite")
 
 

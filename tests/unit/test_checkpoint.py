@@ -13,7 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from weightsync.checkpoint import MAX_HEADER, describe_file, parse_safetensors_header, read_range, scan_checkpoint
+from weightsync.checkpoint import (
+    MAX_HEADER, CheckpointChanged, check_header, check_unchanged, describe_file, open_source, parse_safetensors_header,
+    read_range, scan_checkpoint, still_as_scanned,
+)
 from weightsync.dtypes import ITEMSIZE
 from weightsync.errors import CheckpointError
 from weightsync.synth import write_safetensors
@@ -360,3 +363,161 @@ def test_scan_rejects_a_file_name_that_cannot_be_stored(tmp_path):
     (tmp_path / "a\\b.json").write_text("{}")
     with pytest.raises(CheckpointError):
         scan_checkpoint(tmp_path)
+
+
+
+def test_scan_follows_symlinks_to_folders_as_to_files(tmp_path):
+    """Hugging Face cache snapshots are symlinks: a linked folder is published as if it were there."""
+    ckpt, elsewhere = tmp_path / "ckpt", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    make_tree(elsewhere)
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    (ckpt / "shards").symlink_to(elsewhere / "sub")
+    (ckpt / "again").symlink_to("shards")  # the same folder reached twice: published under both names
+    (ckpt / "model.safetensors").symlink_to(elsewhere / "model.safetensors")
+    paths = [f.path for f in scan_checkpoint(ckpt)]
+    linked = [".weightsync/kept", "deeper/tok.json", "part.safetensors"]
+    assert paths == sorted(["config.json", "model.safetensors", *(f"shards/{p}" for p in linked),
+                            *(f"again/{p}" for p in linked)])
+
+
+@pytest.mark.parametrize("target", [".", "..", "../.."], ids=["itself", "its parent", "the root"])
+def test_scan_refuses_a_symlink_loop(tmp_path, target):
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "b" / "x.json").write_text("{}")
+    (tmp_path / "a" / "b" / "loop").symlink_to(target)
+    with pytest.raises(CheckpointError, match="loop"):
+        scan_checkpoint(tmp_path)
+
+
+def test_scan_refuses_a_dangling_symlink(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(CheckpointError, match="gone"):
+        scan_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["file", "symlink to a folder", "symlink to a file"])
+def test_scan_refuses_a_top_level_weightsync_that_is_not_the_state_folder(tmp_path, kind):
+    """The name is reserved (a version cannot hold it): refused, not left out without a word."""
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "elsewhere").mkdir()
+    if kind == "file":
+        (tmp_path / ".weightsync").write_text("mine")
+    else:
+        (tmp_path / ".weightsync").symlink_to(tmp_path / ("elsewhere" if kind == "symlink to a folder" else "config.json"))
+    with pytest.raises(CheckpointError, match=r"\.weightsync.*reserved"):
+        scan_checkpoint(tmp_path)
+    assert ".weightsync" not in [f.path for f in scan_checkpoint(tmp_path, ignore=(".weightsync",))]
+
+
+def test_scan_of_a_very_deep_tree(tmp_path):
+    d = str(tmp_path)
+    for _ in range(1100):  # deeper than Python's recursion limit
+        d += "/d"
+        os.mkdir(d)
+    Path(d, "x.json").write_text("{}")
+    try:
+        assert [f.path for f in scan_checkpoint(tmp_path)] == ["d/" * 1100 + "x.json"]
+    finally:  # shutil.rmtree recurses too: take the tree down level by level
+        os.unlink(Path(d, "x.json"))
+        while d != str(tmp_path):
+            os.rmdir(d)
+            d = os.path.dirname(d)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any folder")
+def test_scan_refuses_an_unreadable_folder(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "locked").mkdir()
+    (tmp_path / "locked" / "x.json").write_text("{}")
+    (tmp_path / "locked").chmod(0)
+    try:
+        with pytest.raises(CheckpointError, match="locked"):
+            scan_checkpoint(tmp_path)
+    finally:
+        (tmp_path / "locked").chmod(0o755)
+
+# --- a file that changes between the scan and the read ------------------------------------------------------
+def _scanned_shard(tmp_path: Path):
+    write_safetensors(tmp_path / "m.safetensors", {"a": ("F32", (4,), bytes(16)), "b": ("U8", (8,), bytes(8))})
+    return describe_file(tmp_path / "m.safetensors", "m.safetensors")
+
+
+def _replace(p: Path) -> None:
+    write_safetensors(p, {"a": ("F32", (4,), bytes(16)), "b": ("U8", (8,), bytes(8))}, {"moved": "offsets"})
+
+
+def _append(p: Path) -> None:
+    with open(p, "ab") as f:
+        f.write(b"x")
+
+
+def _truncate(p: Path) -> None:
+    os.truncate(p, 10)
+
+
+def _touch(p: Path) -> None:
+    st = p.stat()
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+
+
+@pytest.mark.parametrize("change", [_replace, _append, _truncate, _touch, Path.unlink], ids=lambda f: f.__name__.strip("_"))
+def test_a_file_changed_after_the_scan_is_not_opened_as_if_it_were_the_same(tmp_path, change):
+    f = _scanned_shard(tmp_path)
+    assert f.identity and f.head == f.abspath.read_bytes()[: f.segments[0].end]
+    change(f.abspath)
+    with pytest.raises(CheckpointChanged, match="m.safetensors"):
+        os.close(open_source(f))
+
+
+@pytest.mark.parametrize("change", [_append, _truncate, _touch], ids=lambda f: f.__name__.strip("_"))
+def test_a_file_written_while_it_is_read_is_detected_after_the_read(tmp_path, change):
+    f = _scanned_shard(tmp_path)
+    fd = open_source(f)
+    try:
+        check_unchanged(fd, f)
+        change(f.abspath)
+        with pytest.raises(CheckpointChanged, match="m.safetensors"):
+            check_unchanged(fd, f)
+    finally:
+        os.close(fd)
+
+
+def test_a_file_replaced_or_removed_after_it_was_opened_is_read_as_scanned(tmp_path):
+    f = _scanned_shard(tmp_path)
+    data = f.abspath.read_bytes()
+    fd = open_source(f)
+    try:
+        _replace(f.abspath)
+        check_unchanged(fd, f)  # the descriptor still reads the file scanned
+        f.abspath.unlink()
+        check_unchanged(fd, f)
+        assert read_range(fd, 0, f.size, f.path).tobytes() == data
+    finally:
+        os.close(fd)
+
+
+def test_a_header_changed_in_place_is_detected(tmp_path):
+    f = _scanned_shard(tmp_path)
+    check_header(f, np.frombuffer(f.head, np.uint8))
+    changed = bytearray(f.head)
+    changed[-1] ^= 1
+    with pytest.raises(CheckpointChanged, match="header changed"):
+        check_header(f, np.frombuffer(bytes(changed), np.uint8))
+
+
+def test_a_fifo_is_refused_without_blocking(tmp_path):
+    os.mkfifo(tmp_path / "pipe.safetensors")
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        describe_file(tmp_path / "pipe.safetensors", "pipe.safetensors")
+
+
+@pytest.mark.parametrize("change", [_replace, _append, _touch, Path.unlink], ids=lambda f: f.__name__.strip("_"))
+def test_still_as_scanned_tells_a_changed_path(tmp_path, change):
+    """What the publisher asks before it links the checkpoint into its cache as the version published."""
+    f = _scanned_shard(tmp_path)
+    assert still_as_scanned([f])
+    change(f.abspath)
+    assert not still_as_scanned([f])
