@@ -60,6 +60,11 @@ MoE models fuse their experts in memory (``mlp.experts.gate_up_proj`` [E, 2I, H]
 where checkpoints hold one tensor per expert: ``exclude=["*.mlp.experts.*"]`` syncs the rest and
 leaves the experts at the version they hold. A dtype or shape that differs is an error (both
 modes). Each of these is raised by ``prepare`` before anything is staged: the model is untouched.
+
+A failed ``apply`` raises :class:`ApplyError`. Flip mode repoints back: the model still holds
+``from_version`` and the update stays staged. Patch mode cannot undo the patches already written:
+the model is torn, so the sink refuses updates prepared before, and the next ``prepare`` (even to
+the version held) rebuilds every tensor from the keyframe and patches it from its live bytes.
 """
 
 from __future__ import annotations
@@ -82,7 +87,7 @@ import xxhash
 import weightsync
 
 from .dtypes import UINT_VIEW, itemsize
-from .errors import BaseMismatchError, UsageError, VersionError
+from .errors import BaseMismatchError, UsageError, VersionError, WeightsyncError
 from .format import Manifest, Segment
 from .partial import TensorJob, build_tensors, fetch_for
 from .planner import plan_segment
@@ -106,6 +111,10 @@ class CoverageError(UsageError):
     def __init__(self, message: str, unplaced: list[str], unsourced: list[str]):
         super().__init__(message)
         self.unplaced, self.unsourced = unplaced, unsourced
+
+
+class ApplyError(WeightsyncError):
+    """An ``apply`` that failed during the pause; the message says what the model holds now."""
 
 
 @dataclass
@@ -171,6 +180,7 @@ class Update:
     mode: str = "patch"
     flips: list[Flip] = field(default_factory=list)
     excluded: tuple[str, ...] = ()  # store and model names left alone (``exclude`` patterns)
+    epoch: int = 0  # patch mode: the sink's count of torn applies when it was prepared
 
 
 def _host_bytes(t: torch.Tensor) -> np.ndarray:
@@ -229,10 +239,12 @@ class TorchSink:
         self.exclude = tuple(exclude)
         self._excluded_re = re.compile("|".join(fnmatch.translate(p) for p in self.exclude)) if self.exclude else None
         self.excluded: tuple[str, ...] = ()  # names left alone in the latest version checked
+        self._epoch = 0  # patch mode: applies that failed midway (and tore the model) so far
         self.dense_above, self.threads, self.fetch_concurrency = dense_above, threads, fetch_concurrency
         self._apply_lock = threading.Lock()  # one update at a time (flip mode: also held by prepare)
         self._slots: dict[str, _Slot] = {}  # flip mode: model name -> its slot
         self._staged: Update | None = None  # flip mode: the update whose version the standby holds
+        self._torn = False  # patch mode: the model holds neither version since a failed apply
         if mode == "flip":
             self._slots = _group(live)
         try:
@@ -334,19 +346,21 @@ class TorchSink:
         flip = self.mode == "flip"
         with self._apply_lock if flip else contextlib.nullcontext():  # flip: one standby, one writer
             target_v = resolve_version(self.repo, version)
+            torn, epoch = self._torn, self._epoch
+
             def fresh() -> Update:
-                return Update(target_v, self.version, mode=self.mode)
+                return Update(target_v, self.version, mode=self.mode, epoch=epoch)
 
             up = fresh()
-            if target_v == self.version:
+            if target_v == self.version and not torn:
                 return up
             if flip:
                 self._staged = None  # whatever the standby held is no longer what an update names
             try:
-                local = self.repo.manifest(self.version)
+                local = None if torn else self.repo.manifest(self.version)  # torn: no tensor is trusted
             except VersionError:
                 local = None  # collected by gc: rebuild changed tensors from the keyframe
-            chain = self.repo.chain(target_v, back_to=self.version)
+            chain = self.repo.chain(target_v, back_to=None if torn else self.version)
             try:
                 up = self._prepare(up, chain, local, t0)
             except BaseMismatchError:
@@ -480,19 +494,32 @@ class TorchSink:
                 raise UsageError(f"update was prepared in {update.mode} mode, the sink is in {self.mode} mode")
             if update.from_version != self.version:
                 raise UsageError(f"update was prepared from version {update.from_version}, the model holds {self.version}")
-            if update.version == update.from_version:  # nothing to swap (flip: leave what is staged alone)
+            if update.epoch != self._epoch:
+                raise UsageError(f"update to version {update.version} was prepared before an apply failed and left the "
+                                 "model torn; prepare again")
+            if update.version == update.from_version and not self._torn:  # nothing to swap (flip: leave the staged one)
                 update.seconds["pause"] = 0.0
                 return 0.0
             if self.mode == "flip":
                 return self._apply_flip(update)
             devices = {p.target.device for p in update.patches}
+            written = 0
             with torch.no_grad(), self.lock:
                 t0 = time.perf_counter()
-                for p in update.patches:
-                    p.write()
-                _sync(devices)
+                try:
+                    for p in update.patches:
+                        p.write()
+                        written += 1
+                    _sync(devices)
+                except BaseException as exc:
+                    self._torn, self._epoch = True, self._epoch + 1
+                    if not isinstance(exc, Exception):
+                        raise
+                    raise ApplyError(f"apply to version {update.version} failed with {written} of {len(update.patches)} "
+                                     "tensors written: the model is torn until the next update, which rebuilds it "
+                                     f"from the keyframe ({_one_line(exc)})") from exc
                 pause = time.perf_counter() - t0
-            self.version = update.version
+            self.version, self._torn = update.version, False
             update.seconds["pause"] = pause
             return pause
 
@@ -505,7 +532,14 @@ class TorchSink:
                 raise UsageError(f"{', '.join(f.names)}: the tensor's storage was repointed behind the sink's back")
         with self.lock:
             t0 = time.perf_counter()
-            point_to(update.flips)
+            try:
+                point_to(update.flips)
+            except BaseException as exc:
+                point_to(update.flips, new=False)  # all or nothing: every object back on its live storage
+                if not isinstance(exc, Exception):
+                    raise
+                raise ApplyError(f"apply to version {update.version} failed: the model still holds version "
+                                 f"{self.version} and the update stays staged ({_one_line(exc)})") from exc
             pause = time.perf_counter() - t0
         for f in update.flips:
             f.slot.live, f.slot.standby, f.slot.dirty, f.slot.replay = f.new, f.old, False, f.replay
@@ -537,6 +571,11 @@ def _coverage_message(version: int, unplaced: list[str], unsourced: list[str]) -
                      f"{'it' if unplaced else f'version {version}'} ({_some(unsourced)})")
     return ("; ".join(parts) + ": they would stay stale; map names with name_map, or leave tensors alone with "
             "exclude=[fnmatch patterns]")
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 def _view_key(t: torch.Tensor) -> tuple:

@@ -1,16 +1,18 @@
 """The torch sink never reports success while part of the model stays stale: a store tensor with no
 destination in the model, or a model tensor with no source in the store, is an error unless excluded
-by pattern; a version it cannot apply leaves the model untouched."""
+by pattern; a version it cannot apply leaves the model untouched; a failed apply is reported and the
+model is either left whole (flip) or repaired by the next update (patch)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from weightsync.errors import UsageError
+import weightsync.torch as wtorch
+from weightsync.errors import UsageError, WeightsyncError
 from weightsync.publisher import StateDictPublisher
 from weightsync.publishing import PublishConfig
-from weightsync.torch import CoverageError, TorchSink
+from weightsync.torch import ApplyError, CoverageError, TorchSink
 
 MODES = pytest.mark.parametrize("mode", ["patch", "flip"])
 
@@ -190,3 +192,70 @@ def test_exclude_leaves_model_tensors_alone(small, mode):
     assert holds(model.state_dict(), {**versions[1], "extra.scale": torch.ones(3)})
     with pytest.raises(UsageError, match="no tensor of version 0 matches"):
         TorchSink(store, model, 0, mode=mode, exclude=["*"])
+
+
+# -- a failure in the middle of the pause --------------------------------------------------------------
+def test_patch_apply_failing_midway_is_reported_and_repaired(small, monkeypatch):
+    store, versions = small
+    model = module_of(versions[0])
+    sink = TorchSink(store, model, 0, dense_above=1.0)
+    up = sink.prepare(1)
+    stale = sink.prepare(6)
+    assert len(up.patches) == 2
+    real, calls = wtorch.Patch.write, []
+
+    def fails_second(self):
+        calls.append(self.name)
+        if len(calls) == 2:
+            raise RuntimeError("device lost")
+        real(self)
+
+    monkeypatch.setattr(wtorch.Patch, "write", fails_second)
+    with pytest.raises(ApplyError, match=r"1 of 2 tensors written.*device lost") as err:
+        sink.apply(up)
+    monkeypatch.setattr(wtorch.Patch, "write", real)
+    assert isinstance(err.value, WeightsyncError) and "\n" not in str(err.value)
+    torn = model.state_dict()
+    assert not holds(torn, versions[0]) and not holds(torn, versions[1])  # one tensor new, one old
+    with pytest.raises(UsageError, match="torn"):
+        sink.apply(stale)  # its patches assume version 0's bytes everywhere
+    back = sink.update(0)  # not a no-op: the torn tensor is rewritten
+    assert back.patches and sink.version == 0 and holds(model.state_dict(), versions[0])
+    assert sink.verify() == 2
+    sink.update(1)
+    assert holds(model.state_dict(), versions[1])
+
+
+def test_flip_apply_failing_midway_leaves_the_old_version(small):
+    store, versions = small
+    params = {k: torch.nn.Parameter(v.clone(), requires_grad=False) for k, v in versions[0].items()}
+    before = {k: p.data_ptr() for k, p in params.items()}
+    sink = TorchSink(store, params, 0, mode="flip")
+    up = sink.prepare(1)
+    assert len(up.flips) == 2
+
+    class Refuses:  # a tensor object whose storage cannot be repointed to the standby
+        def __init__(self, old):
+            self.old = old
+
+        def data_ptr(self):
+            return self.old.data_ptr()
+
+        @property
+        def data(self):
+            return self.old
+
+        @data.setter
+        def data(self, buf):
+            if buf is not self.old:
+                raise RuntimeError("cannot repoint")
+
+    second = up.flips[1]
+    real = second.objects
+    second.objects = (Refuses(second.old),)
+    with pytest.raises(ApplyError, match=r"still holds version 0.*cannot repoint"):
+        sink.apply(up)
+    assert {k: p.data_ptr() for k, p in params.items()} == before and holds(params, versions[0]) and sink.version == 0
+    second.objects = real
+    sink.apply(up)  # still staged: the failed apply changed nothing
+    assert holds(params, versions[1]) and sink.version == 1
