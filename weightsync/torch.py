@@ -48,16 +48,35 @@ patch-mode ``apply`` synchronize before they return. The serving loop should let
 before it releases the lock, so that no forward pass overlaps a patch or reads a retired storage.
 
 Tied weights (several names, one tensor) are updated once; their bytes must agree in every version.
-Store tensors the model lacks are ignored; a dtype or shape that differs is an error (in both modes).
+
+Coverage: the sink refuses (:class:`CoverageError`, on construction and on every ``prepare``) a
+version with a tensor that has no destination in the model, or a model tensor (parameter or
+persistent buffer) with no source in it: either would stay stale while the sink reported success.
+A tensor tied to one the store names is covered. ``name_map`` renames store tensors (None: leave
+one alone); ``exclude`` takes ``fnmatch`` patterns (case-sensitive, as the subscriber's
+``--exclude``) over store and model names: what they match, and the model tensors that excluded
+store tensors map to, are left alone and listed in :attr:`TorchSink.excluded`. E.g. transformers v5
+MoE models fuse their experts in memory (``mlp.experts.gate_up_proj`` [E, 2I, H], ``down_proj``)
+where checkpoints hold one tensor per expert: ``exclude=["*.mlp.experts.*"]`` syncs the rest and
+leaves the experts at the version they hold. A dtype or shape that differs is an error (both
+modes). Each of these is raised by ``prepare`` before anything is staged: the model is untouched.
+
+A failed ``apply`` raises :class:`ApplyError`. Flip mode repoints back: the model still holds
+``from_version`` and the update stays staged. Patch mode cannot undo the patches already written:
+the model is torn, so the sink refuses updates prepared before, and the next ``prepare`` (even to
+the version held) rebuilds every tensor from the keyframe and patches it from its live bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
+import logging
+import re
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,7 +87,7 @@ import xxhash
 import weightsync
 
 from .dtypes import UINT_VIEW, itemsize
-from .errors import BaseMismatchError, UsageError, VersionError
+from .errors import BaseMismatchError, UsageError, VersionError, WeightsyncError
 from .format import Manifest, Segment
 from .partial import TensorJob, build_tensors, fetch_for
 from .planner import plan_segment
@@ -82,6 +101,20 @@ TORCH_DTYPE: dict[str, torch.dtype] = {
 MODES = ("patch", "flip")
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NP_INT = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+log = logging.getLogger("weightsync.torch")
+
+
+class CoverageError(UsageError):
+    """A version and the model do not cover each other: ``unplaced`` store tensors have no
+    destination in the model, ``unsourced`` model tensors no source in the version."""
+
+    def __init__(self, message: str, unplaced: list[str], unsourced: list[str]):
+        super().__init__(message)
+        self.unplaced, self.unsourced = unplaced, unsourced
+
+
+class ApplyError(WeightsyncError):
+    """An ``apply`` that failed during the pause; the message says what the model holds now."""
 
 
 @dataclass
@@ -146,6 +179,8 @@ class Update:
     seconds: dict[str, float] = field(default_factory=dict)
     mode: str = "patch"
     flips: list[Flip] = field(default_factory=list)
+    excluded: tuple[str, ...] = ()  # store and model names left alone (``exclude`` patterns)
+    epoch: int = 0  # patch mode: the sink's count of torn applies when it was prepared
 
 
 def _host_bytes(t: torch.Tensor) -> np.ndarray:
@@ -171,14 +206,18 @@ class TorchSink:
     ``tensors``: an ``nn.Module`` (its parameters and persistent buffers) or a mapping of names to
     tensors (flip mode: to Parameters). ``version``: the version they hold now; with ``verify=True``
     every tensor is checked against it on construction. ``name_map`` maps a store tensor name to the
-    model's name (or None to skip it). ``lock``: the lock the serving loop takes around its use of the
-    model (a new one by default, as :attr:`lock`). ``mode``: ``"patch"`` or ``"flip"`` (clones every
-    matched tensor on construction: twice the weights' memory, plus :attr:`replay_bytes`).
+    model's name (or None to leave it alone). ``exclude``: ``fnmatch`` patterns over store and model
+    names to leave alone; any other tensor of the store without a destination in the model, or of the
+    model without a source in the store, is a :class:`CoverageError` (see the module doc). ``lock``:
+    the lock the serving loop takes around its use of the model (a new one by default, as
+    :attr:`lock`). ``mode``: ``"patch"`` or ``"flip"`` (clones every matched tensor on construction:
+    twice the weights' memory, plus :attr:`replay_bytes`).
     """
 
     def __init__(self, store, tensors, version: int, *, lock: threading.Lock | None = None,
-                 name_map: Callable[[str], str | None] | None = None, dense_above: float = 0.05,
-                 verify: bool = True, threads: int = 4, fetch_concurrency: int = 32, mode: str = "patch"):
+                 name_map: Callable[[str], str | None] | None = None, exclude: Iterable[str] = (),
+                 dense_above: float = 0.05, verify: bool = True, threads: int = 4, fetch_concurrency: int = 32,
+                 mode: str = "patch"):
         if mode not in MODES:
             raise UsageError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
         self.mode = mode
@@ -195,19 +234,28 @@ class TorchSink:
         self.version = version
         self.lock = lock or threading.Lock()
         self.name_map = name_map or (lambda n: n)
+        if isinstance(exclude, str):
+            raise UsageError(f"exclude takes a list of patterns, not the string {exclude!r}")
+        self.exclude = tuple(exclude)
+        self._excluded_re = re.compile("|".join(fnmatch.translate(p) for p in self.exclude)) if self.exclude else None
+        self.excluded: tuple[str, ...] = ()  # names left alone in the latest version checked
+        self._epoch = 0  # patch mode: applies that failed midway (and tore the model) so far
         self.dense_above, self.threads, self.fetch_concurrency = dense_above, threads, fetch_concurrency
         self._apply_lock = threading.Lock()  # one update at a time (flip mode: also held by prepare)
         self._slots: dict[str, _Slot] = {}  # flip mode: model name -> its slot
         self._staged: Update | None = None  # flip mode: the update whose version the standby holds
+        self._torn = False  # patch mode: the model holds neither version since a failed apply
         if mode == "flip":
             self._slots = _group(live)
+        try:
+            matched = self._matched(self.repo.manifest(version))
+        except VersionError:
+            if verify:
+                raise
+            matched = []  # collected by gc: checked on the first prepare (flip: standbys cloned then)
         if verify:
-            self.verify()
+            self._verify(matched, version)
         if mode == "flip":
-            try:
-                matched = self._matched(self.repo.manifest(version))
-            except VersionError:
-                matched = []  # collected by gc: standby buffers are cloned on first use
             _sync({s.live.device for s in self._ensure_standbys(self._names(matched))})
 
     @property
@@ -225,32 +273,69 @@ class TorchSink:
         return sum(s.replay.index.numel() * s.replay.index.element_size() for s in slots)
 
     # -- mapping ----------------------------------------------------------------------------------
+    def _excludes(self, name: str) -> bool:
+        return self._excluded_re is not None and self._excluded_re.match(name) is not None
+
     def _matched(self, manifest: Manifest) -> list[tuple[str, Segment, torch.Tensor]]:
-        out = []
+        """Each store tensor of ``manifest`` with its model tensor; raises unless both sides are
+        covered (:class:`CoverageError`) and dtypes and shapes agree."""
+        out, unplaced, excluded, placed = [], [], set(), set()
         for f in manifest.files:
             for s in f.segments:
                 name = self.name_map(s.name) if s.role == "tensor" else None
-                t = None if name is None else self.tensors.get(name)
+                if name is None:
+                    continue
+                if self._excludes(s.name) or self._excludes(name):
+                    excluded.add(s.name)
+                    if name in self.tensors:
+                        excluded.add(name)  # its destination is left alone too
+                        placed.add(name)
+                    continue
+                t = self.tensors.get(name)
                 if t is None:
+                    unplaced.append(s.name)
                     continue
                 if TORCH_DTYPE.get(s.dtype) != t.dtype or tuple(t.shape) != s.shape or not t.is_contiguous():
                     raise UsageError(f"{s.name}: the store has {s.dtype}{list(s.shape)}, the model {t.dtype}{list(t.shape)}"
                                      f"{'' if t.is_contiguous() else ' (not contiguous)'}; cannot patch in place")
                 out.append((f.path, s, t))
+                placed.add(name)
+        covered = {_view_key(t) for _, _, t in out}  # a tensor tied to one the store names is covered
+        unsourced = []
+        for name, t in self.tensors.items():
+            if name in placed or _view_key(t) in covered:
+                continue
+            if self._excludes(name):
+                excluded.add(name)
+            else:
+                unsourced.append(name)
+        if unplaced or unsourced:
+            none = f"no tensor of version {manifest.version} matches the model's tensor names: " if not out else ""
+            raise CoverageError(none + _coverage_message(manifest.version, unplaced, unsourced), unplaced, unsourced)
+        if not out:
+            raise UsageError(f"no tensor of version {manifest.version} matches the model's tensor names"
+                             f"{f' ({len(excluded)} excluded)' if excluded else ''}")
+        if tuple(sorted(excluded)) != self.excluded:
+            self.excluded = tuple(sorted(excluded))
+            if excluded:
+                log.info("version %d: leaving %d tensors alone (exclude=%s), e.g. %s", manifest.version, len(excluded),
+                         list(self.exclude), _some(self.excluded))
         return out
 
     def _names(self, matched) -> list[str]:
         return [self.name_map(s.name) for _, s, _ in matched]
 
     def verify(self, version: int | None = None) -> int:
-        """Raise :class:`BaseMismatchError` unless every matched tensor holds ``version``'s bytes."""
+        """Raise :class:`BaseMismatchError` unless every matched tensor holds ``version``'s bytes
+        (:class:`CoverageError` unless the version's names and the model's cover each other)."""
         m = self.repo.manifest(self.version if version is None else version)
-        matched = self._matched(m)
-        if not matched:
-            raise UsageError(f"no tensor of version {m.version} matches the model's tensor names")
+        return self._verify(self._matched(m), m.version)
+
+    @staticmethod
+    def _verify(matched, version: int) -> int:
         for path, seg, t in matched:
             if xxhash.xxh3_128_hexdigest(_host_bytes(t)) != seg.xxh3:
-                raise BaseMismatchError(f"{seg.name}: the model's bytes differ from version {m.version}")
+                raise BaseMismatchError(f"{seg.name}: the model's bytes differ from version {version}")
         return len(matched)
 
     # -- prepare: everything before the pause ------------------------------------------------------
@@ -261,16 +346,21 @@ class TorchSink:
         flip = self.mode == "flip"
         with self._apply_lock if flip else contextlib.nullcontext():  # flip: one standby, one writer
             target_v = resolve_version(self.repo, version)
-            up = Update(target_v, self.version, mode=self.mode)
-            if target_v == self.version:
+            torn, epoch = self._torn, self._epoch
+
+            def fresh() -> Update:
+                return Update(target_v, self.version, mode=self.mode, epoch=epoch)
+
+            up = fresh()
+            if target_v == self.version and not torn:
                 return up
             if flip:
                 self._staged = None  # whatever the standby held is no longer what an update names
             try:
-                local = self.repo.manifest(self.version)
+                local = None if torn else self.repo.manifest(self.version)  # torn: no tensor is trusted
             except VersionError:
                 local = None  # collected by gc: rebuild changed tensors from the keyframe
-            chain = self.repo.chain(target_v, back_to=self.version)
+            chain = self.repo.chain(target_v, back_to=None if torn else self.version)
             try:
                 up = self._prepare(up, chain, local, t0)
             except BaseMismatchError:
@@ -279,16 +369,16 @@ class TorchSink:
                 up = None
                 if flip:  # a standby that differs from its live tensor is copied from it: try once more
                     with contextlib.suppress(BaseMismatchError):  # (unless the live tensor itself differs)
-                        up = self._prepare(Update(target_v, self.version, mode=self.mode), chain, local, t0)
+                        up = self._prepare(fresh(), chain, local, t0)
                 if up is None:
-                    up = self._prepare(Update(target_v, self.version, mode=self.mode), self.repo.chain(target_v), None, t0)
+                    up = self._prepare(fresh(), self.repo.chain(target_v), None, t0)
             if flip:
                 self._staged = up
             return up
 
     def _prepare(self, up: Update, chain: list[Manifest], local: Manifest | None, t0: float) -> Update:
         matched = self._matched(chain[-1])
-        up.tensors = len(matched)
+        up.tensors, up.excluded = len(matched), self.excluded
         # tied weights: one entry per distinct tensor (flip: per slot; patch: per memory view)
         slot_of = (lambda seg, t: self._slots[self.name_map(seg.name)]) if self.mode == "flip" else (lambda seg, t: _view_key(t))
         matched = _distinct(matched, chain[-1].version, slot_of)
@@ -404,19 +494,32 @@ class TorchSink:
                 raise UsageError(f"update was prepared in {update.mode} mode, the sink is in {self.mode} mode")
             if update.from_version != self.version:
                 raise UsageError(f"update was prepared from version {update.from_version}, the model holds {self.version}")
-            if update.version == update.from_version:  # nothing to swap (flip: leave what is staged alone)
+            if update.epoch != self._epoch:
+                raise UsageError(f"update to version {update.version} was prepared before an apply failed and left the "
+                                 "model torn; prepare again")
+            if update.version == update.from_version and not self._torn:  # nothing to swap (flip: leave the staged one)
                 update.seconds["pause"] = 0.0
                 return 0.0
             if self.mode == "flip":
                 return self._apply_flip(update)
             devices = {p.target.device for p in update.patches}
+            written = 0
             with torch.no_grad(), self.lock:
                 t0 = time.perf_counter()
-                for p in update.patches:
-                    p.write()
-                _sync(devices)
+                try:
+                    for p in update.patches:
+                        p.write()
+                        written += 1
+                    _sync(devices)
+                except BaseException as exc:
+                    self._torn, self._epoch = True, self._epoch + 1
+                    if not isinstance(exc, Exception):
+                        raise
+                    raise ApplyError(f"apply to version {update.version} failed with {written} of {len(update.patches)} "
+                                     "tensors written: the model is torn until the next update, which rebuilds it "
+                                     f"from the keyframe ({_one_line(exc)})") from exc
                 pause = time.perf_counter() - t0
-            self.version = update.version
+            self.version, self._torn = update.version, False
             update.seconds["pause"] = pause
             return pause
 
@@ -429,7 +532,14 @@ class TorchSink:
                 raise UsageError(f"{', '.join(f.names)}: the tensor's storage was repointed behind the sink's back")
         with self.lock:
             t0 = time.perf_counter()
-            point_to(update.flips)
+            try:
+                point_to(update.flips)
+            except BaseException as exc:
+                point_to(update.flips, new=False)  # all or nothing: every object back on its live storage
+                if not isinstance(exc, Exception):
+                    raise
+                raise ApplyError(f"apply to version {update.version} failed: the model still holds version "
+                                 f"{self.version} and the update stays staged ({_one_line(exc)})") from exc
             pause = time.perf_counter() - t0
         for f in update.flips:
             f.slot.live, f.slot.standby, f.slot.dirty, f.slot.replay = f.new, f.old, False, f.replay
@@ -443,6 +553,29 @@ class TorchSink:
         up = self.prepare(version)
         self.apply(up)
         return up
+
+
+def _some(names, n: int = 3) -> str:
+    return ", ".join(names[:n]) + (", ..." if len(names) > n else "")
+
+
+def _coverage_message(version: int, unplaced: list[str], unsourced: list[str]) -> str:
+    parts = []
+    if unplaced:
+        one = len(unplaced) == 1
+        parts.append(f"{len(unplaced)} store tensor{'' if one else 's'} of version {version} "
+                     f"{'has' if one else 'have'} no destination in the model ({_some(unplaced)})")
+    if unsourced:
+        one = len(unsourced) == 1
+        parts.append(f"{len(unsourced)} model tensor{'' if one else 's'} {'has' if one else 'have'} no source in "
+                     f"{'it' if unplaced else f'version {version}'} ({_some(unsourced)})")
+    return ("; ".join(parts) + ": they would stay stale; map names with name_map, or leave tensors alone with "
+            "exclude=[fnmatch patterns]")
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 def _view_key(t: torch.Tensor) -> tuple:
