@@ -216,11 +216,14 @@ class claim:
     :class:`FolderLock` on it for the duration."""
 
     def __init__(self, folder: Path, held: FolderLock | None, what: str):
+        self._held = held
         self._lock = None if held is not None and held.covers(folder) else FolderLock(Path(folder), what)
 
-    def __enter__(self) -> None:
-        if self._lock is not None:
-            self._lock.acquire()
+    def __enter__(self) -> FolderLock:
+        """The lock on the folder: the caller's, or the new one (pass it on to nested operations)."""
+        if self._lock is None:
+            return self._held
+        return self._lock.acquire()
 
     def __exit__(self, *exc) -> None:
         if self._lock is not None:
@@ -722,10 +725,10 @@ def _copy_file(src: Path, dst: Path, fsync: bool, check: Callable[[], None] | No
     shutil.copystat(src, dst)
 
 
-def adopt(folder: Path, manifest: Manifest, source: Path, store_url: str) -> None:
+def adopt(folder: Path, manifest: Manifest, source: Path, store_url: str, lock: FolderLock | None = None) -> None:
     """Make ``folder`` hold ``manifest``'s version by linking (or copying) the files of ``source``,
     a directory that was just published as that version. Later reads still verify every segment."""
-    with claim(folder, None, "weightsync publish (caching the published version)"):
+    with claim(folder, lock, "weightsync publish (caching the published version)"):
         _adopt(folder, manifest, source, store_url)
 
 

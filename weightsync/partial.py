@@ -225,9 +225,9 @@ def _wanted(target: Manifest, sel: Selection) -> list[tuple[FileEntry, list[Segm
 
 
 def _header(f: FileEntry, header_bytes: np.ndarray, tensors: list[Segment]) -> bytes:
-    n = int.from_bytes(header_bytes[:8].tobytes(), "little")
-    src = json.loads(header_bytes[8 : 8 + n].tobytes())
     verified = {s.name: s for s in parse_safetensors_header(header_bytes.tobytes(), f.size, f.path) if s.role == "tensor"}
+    n = int.from_bytes(header_bytes[:8].tobytes(), "little")
+    src = json.loads(header_bytes[8 : 8 + n].tobytes())  # parsed once already, above
     for s in tensors:  # the header bytes were checked against their checksum; the manifest's labels must agree
         v = verified.get(s.name)
         if v is None or (v.dtype, v.shape, v.begin, v.end) != (s.dtype, s.shape, s.begin, s.end):

@@ -44,7 +44,7 @@ from .format import (
     check_paths_disjoint, no_gc, parse_part_key, part_from_json, part_key, part_to_json, parts_prefix,
 )
 from .local import adopt
-from .publishing import PublishConfig, PublishResult, encode_folder, plan_version
+from .publishing import PublishConfig, PublishResult, cache_claim, encode_folder, plan_version
 from .repo import Repo
 
 Progress = Callable[[int, int], None]
@@ -133,20 +133,22 @@ def publish_part(
     target = plan_version(repo, version, config)
     parent = None if target.parent is None else target.parent.version
     view = RankView(repo, [f.path for f in mine])
-    enc = encode_folder(repo, mine, scan, target, config, base_dir, cache_dir, progress, on_bytes, view)
-    head = repo.head_version()
-    if head != parent:
-        raise VersionError(f"the head of {repo.url} moved from {parent} to {head} while rank {rank} encoded version "
-                           f"{target.version}; its part was not written (publish again on the new head)")
-    part = PartManifest(target.version, parent, world, rank, target.keyframe, target.chain_length, enc.files,
-                        enc.chunks, datetime.now(timezone.utc).isoformat(timespec="seconds"), enc.codec_config, enc.stats)
-    t_w = time.perf_counter()
-    enc.refresh(repo)
-    existed = _write_part(repo, part)
-    seconds = dict(enc.seconds, part=time.perf_counter() - t_w, total=time.perf_counter() - enc.t0)
-    if cache_dir is not None and still_as_scanned(mine):  # the rank's next delta base, should this version be committed
-        as_version = Manifest(part.version, parent, part.keyframe, part.chain_length, part.files, part.chunks)
-        adopt(Path(cache_dir), as_version, src, repo.url)
+    with cache_claim(cache_dir) as lock:  # one publish at a time on a cache folder
+        enc = encode_folder(repo, mine, scan, target, config, base_dir, cache_dir, progress, on_bytes, view, lock=lock)
+        head = repo.head_version()
+        if head != parent:
+            raise VersionError(f"the head of {repo.url} moved from {parent} to {head} while rank {rank} encoded version "
+                               f"{target.version}; its part was not written (publish again on the new head)")
+        part = PartManifest(target.version, parent, world, rank, target.keyframe, target.chain_length, enc.files,
+                            enc.chunks, datetime.now(timezone.utc).isoformat(timespec="seconds"), enc.codec_config,
+                            enc.stats)
+        t_w = time.perf_counter()
+        enc.refresh(repo)
+        existed = _write_part(repo, part)
+        seconds = dict(enc.seconds, part=time.perf_counter() - t_w, total=time.perf_counter() - enc.t0)
+        if cache_dir is not None and still_as_scanned(mine):  # the rank's next delta base, should this version be committed
+            as_version = Manifest(part.version, parent, part.keyframe, part.chain_length, part.files, part.chunks)
+            adopt(Path(cache_dir), as_version, src, repo.url, lock=lock)
     payload = sum(s.payload.size for f in part.files for s in f.segments if s.payload)
     return PartResult(part.version, parent, part.keyframe, sum(f.size for f in part.files), payload, enc.uploaded_bytes,
                       len(part.chunks), enc.changed, enc.elements, seconds,

@@ -8,8 +8,8 @@ uploader's bound (``upload_concurrency * chunk_bytes`` = 32 x 16 MiB = 512 MiB b
 
 from __future__ import annotations
 
+import contextlib
 import os
-import shutil
 import tempfile
 import threading
 import time
@@ -29,7 +29,7 @@ from .codec import CodecConfig, EncodedTensor, encode_tensor
 from .dtypes import itemsize
 from .errors import BaseMismatchError, NotFoundError, UsageError, VersionError
 from .format import MAX_VERSION, ChunkRef, Delta, FileEntry, Manifest, Payload, Segment, chunk_key
-from .local import LocalVersion, adopt, read_state
+from .local import FolderLock, LocalVersion, adopt, claim, clear_folder, read_state
 from .pipeline import TASK_BYTES, ordered_map
 from .pulling import PullConfig, pull
 from .repo import Repo
@@ -201,7 +201,7 @@ def _encode_all(jobs: list[_Job], encoder: _Encoder, out: _Assembler, cfg: Publi
     out.finish()
 
 
-def _base_for(repo: Repo, parent: Manifest, base_dir: Path | None, cache_dir: Path, cfg_pull) -> LocalVersion:
+def _base_for(repo: Repo, parent: Manifest, base_dir: Path | None, cache_dir: Path, cfg_pull, lock) -> LocalVersion:
     """A verified-on-read view of the parent version: ``base_dir`` if given, else the cache folder,
     brought to the parent version by a pull when it holds something else. ``repo`` may show only
     some files of each version (a rank's view, :mod:`weightsync.parts`): the cache then holds those."""
@@ -210,9 +210,10 @@ def _base_for(repo: Repo, parent: Manifest, base_dir: Path | None, cache_dir: Pa
     state = read_state(cache_dir) if cache_dir.exists() else None
     needed = {f.path for f in repo.manifest(parent.version).files}
     if state is None or state.version != parent.version or state.store != repo.url or not needed <= set(state.files):
-        if state is not None and state.store != repo.url:
-            shutil.rmtree(cache_dir)
-        pull(repo, cache_dir, parent.version, cfg_pull)
+        with claim(cache_dir, lock, "weightsync publish (its delta-base cache)") as held:
+            if state is not None and state.store != repo.url:
+                clear_folder(cache_dir)
+            pull(repo, cache_dir, parent.version, cfg_pull, lock=held)
     return LocalVersion(cache_dir, parent)
 
 
@@ -283,37 +284,49 @@ def publish(
     scan = lambda: scan_checkpoint(src, config.ignore)  # noqa: E731
     files = scan()  # validate the input before anything is written
     target = plan_version(repo, version, config)
-    enc = encode_folder(repo, files, scan, target, config, base_dir, cache_dir, progress, on_bytes)
-    result, manifest = commit_encoded(repo, target, enc)
-    if cache_dir is not None and still_as_scanned(files):  # else the cache is brought up by a pull when needed
-        adopt(Path(cache_dir), manifest, src, repo.url)
+    with cache_claim(cache_dir) as lock:  # one publish at a time on a cache folder
+        enc = encode_folder(repo, files, scan, target, config, base_dir, cache_dir, progress, on_bytes, lock=lock)
+        result, manifest = commit_encoded(repo, target, enc)
+        if cache_dir is not None and still_as_scanned(files):  # else the cache is brought up by a pull when needed
+            adopt(Path(cache_dir), manifest, src, repo.url, lock=lock)
     return result
+
+
+def cache_claim(cache_dir: str | os.PathLike[str] | None) -> FolderLock | contextlib.nullcontext:
+    """A lock on the publish cache for one publish (nothing to lock without a cache)."""
+    if cache_dir is None:
+        return contextlib.nullcontext()
+    return FolderLock(Path(cache_dir), "weightsync publish (its delta-base cache)")
 
 
 def encode_folder(repo: Repo, files: list[SourceFile], rescan: Callable[[], list[SourceFile]], target: Target,
                   cfg: PublishConfig, base_dir: str | os.PathLike[str] | None, cache_dir: str | os.PathLike[str] | None,
-                  progress: Progress | None, on_bytes: Callable[[int], None] | None, base_repo: Repo | None = None) -> Encoded:
+                  progress: Progress | None, on_bytes: Callable[[int], None] | None, base_repo: Repo | None = None,
+                  lock: FolderLock | None = None) -> Encoded:
     """Encode ``files`` (of a checkpoint folder) against ``target.parent`` and upload their chunks;
     commits nothing. The parent's bytes come from ``base_dir``, else from ``cache_dir`` (or a
     temporary folder), pulled from ``base_repo`` (default ``repo``; a view of some files only
-    pulls just those); a stale cache is rebuilt once, from the files ``rescan()`` returns."""
+    pulls just those); a stale cache is rebuilt once, from the files ``rescan()`` returns.
+    ``lock``: the caller's lock on ``cache_dir``, if it holds one."""
     with tempfile.TemporaryDirectory(prefix="weightsync-base-") as tmp:
         cache = Path(cache_dir) if cache_dir is not None else Path(tmp) / "base"
         explicit = None if base_dir is None else Path(base_dir)
         try:
-            return _encode_folder(repo, base_repo or repo, files, target, cfg, explicit, cache, progress, on_bytes)
+            return _encode_folder(repo, base_repo or repo, files, target, cfg, explicit, cache, progress, on_bytes, lock)
         except BaseMismatchError:
             if explicit is not None or cache_dir is None:
                 raise
-            shutil.rmtree(cache, ignore_errors=True)  # a stale cache: rebuild it from the store once
-            return _encode_folder(repo, base_repo or repo, rescan(), target, cfg, None, cache, progress, on_bytes)
+            with claim(cache, lock, "weightsync publish (its delta-base cache)"):
+                clear_folder(cache)  # a stale cache: rebuild it from the store once
+            return _encode_folder(repo, base_repo or repo, rescan(), target, cfg, None, cache, progress, on_bytes, lock)
 
 
-def _encode_folder(repo, base_repo, files, target: Target, cfg: PublishConfig, base_dir, cache, progress, on_bytes) -> Encoded:
+def _encode_folder(repo, base_repo, files, target: Target, cfg: PublishConfig, base_dir, cache, progress, on_bytes,
+                   lock) -> Encoded:
     t0 = time.perf_counter()
     base = None
     if target.parent is not None:  # deltas, and a keyframe's deltas for followers, need the parent's bytes
-        base = _base_for(base_repo, target.parent, base_dir, cache, PullConfig(decode_threads=cfg.encode_threads))
+        base = _base_for(base_repo, target.parent, base_dir, cache, PullConfig(decode_threads=cfg.encode_threads), lock)
     fds: dict[str, int] = {}
     try:
         for f in files:  # each opened once, checked to be the file scanned; every read goes through it

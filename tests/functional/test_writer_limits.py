@@ -64,7 +64,7 @@ def test_a_store_at_the_largest_version_refuses_a_plain_publish_and_stays_readab
     ws.assert_replica(out, trajectory[0])
 
 
-def test_publisher_skips_a_checkpoint_whose_step_no_version_can_hold(tmp_path, daemons):
+def test_publisher_skips_a_checkpoint_whose_step_no_version_can_hold(tmp_path, daemons):  # noqa: F811
     store, watch = f"file://{tmp_path / 'store'}", tmp_path / "watch"
     watch.mkdir()
     t = SyntheticTrainer(**TINY)
