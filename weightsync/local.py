@@ -76,15 +76,15 @@ def _own_dir(path: Path, create: bool) -> bool:
     return True
 
 
-def private_dir(folder: Path, name: str | None = None, create: bool = True) -> Path:
+def private_dir(folder: Path, name: str | None = None, create: bool = True) -> Path | None:
     """``folder/.weightsync`` (or an entry ``name`` in it), checked to be a real directory and
-    created if needed: local state is never written or read through a link."""
+    created if needed (else None if absent): local state is never written or read through a link."""
     sdir = state_dir(folder)
-    _own_dir(sdir, create)
+    if not _own_dir(sdir, create):
+        return None
     if name is None:
         return sdir
-    _own_dir(sdir / name, create)
-    return sdir / name
+    return sdir / name if _own_dir(sdir / name, create) else None
 
 
 def safe_join(folder: Path, rel: str) -> Path:
@@ -162,8 +162,7 @@ class FolderLock:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
-                    raise FolderBusyError(f"{folder} is in use by {holder}; one writer per folder") from None
+                    raise FolderBusyError(f"{folder} is in use by {_holder(fd)}; one writer per folder") from None
                 if not _same_file(fd, path):
                     os.close(fd)  # its holder removed it as we opened it: lock the one there now
                     continue
@@ -192,6 +191,15 @@ class FolderLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _holder(fd: int) -> str:
+    """Who holds a lock, as its holder wrote it (which it does just after locking: wait a little)."""
+    for _ in range(20):
+        if text := os.pread(fd, 4096, 0).decode(errors="replace").strip():
+            return text
+        time.sleep(0.01)
+    return "another process"
 
 
 def _same_file(fd: int, path: Path) -> bool:
@@ -309,6 +317,7 @@ def _apply_journal(folder: Path, journal: dict) -> None:
     the folder is marked as holding no version and :class:`TornInstallError` is raised."""
     sdir = state_dir(folder)
     staging = sdir / "staging"
+    private_dir(folder, "staging", create=False)  # a link there is refused
     for rel in journal["remove"]:  # first, so that a file may become a folder and back
         path = safe_join(folder, rel)
         if path.is_dir() and not path.is_symlink():
@@ -384,10 +393,8 @@ def recover(folder: Path) -> None:
     journal = _read_journal(folder)
     if journal is not None:
         _apply_journal(folder, journal)
-    else:
-        staging = state_dir(folder) / "staging"
-        if os.path.lexists(staging):
-            shutil.rmtree(staging) if staging.is_dir() and not staging.is_symlink() else staging.unlink()
+    elif private_dir(folder, "staging", create=False):  # a link there is refused, not followed or removed
+        shutil.rmtree(state_dir(folder) / "staging")
 
 
 def interrupted(folder: Path) -> bool:
@@ -448,12 +455,13 @@ def prepare_target(folder: Path, owned: bool = False) -> LocalState | None:
     return state
 
 
-Snapshot = dict[str, tuple[int, int, int, int]]  # path -> (mode, inode, size, mtime_ns)
+Snapshot = dict[str, tuple[int, int, int, int, int]]  # path -> (mode, inode, size, mtime_ns, ctime_ns)
 
 
 def snapshot(folder: Path) -> Snapshot:
     """What each entry of ``folder`` is (``.weightsync`` aside), cheaply (one lstat each): a file
-    rewritten, replaced, added or removed behind weightsync's back changes it."""
+    rewritten (even with its mtime set back: the ctime moves), replaced, added or removed changes
+    it. Linking or unlinking another name of a file moves its ctime too."""
     files, dirs = list_files(folder)
     out = {}
     for rel in files:
@@ -461,7 +469,7 @@ def snapshot(folder: Path) -> Snapshot:
             st = os.lstat(os.path.join(folder, rel))
         except FileNotFoundError:
             continue
-        out[rel] = (stat.S_IFMT(st.st_mode), st.st_ino, st.st_size, st.st_mtime_ns)
+        out[rel] = (stat.S_IFMT(st.st_mode), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     return out
 
 
@@ -473,7 +481,7 @@ def snapshot_differs(snap: Snapshot, recorded: dict[str, tuple[int, int | None]]
             return f"{rel} was added"
         if rel not in snap:
             return f"{rel} was removed"
-        mode, _, size, mtime = snap[rel]
+        mode, _, size, mtime, _ = snap[rel]
         want_size, want_mtime = recorded[rel]
         if mode != stat.S_IFREG or size != want_size or (want_mtime is not None and mtime != want_mtime):
             return f"{rel} was modified"

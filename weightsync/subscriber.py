@@ -332,6 +332,23 @@ class Subscriber:
 
     def _fill(self, folder: Path, version: int) -> SyncResult:
         """Bring a slot to ``version`` and verify it (runs in a worker thread)."""
+        try:
+            return self._fill_slot(folder, version)
+        finally:
+            self._rebase_served()
+
+    def _rebase_served(self) -> None:
+        """Take in the ctimes a fill moved in the served slot (linking its files into the standby,
+        or replacing such links there, changes their link count), and nothing else: a served slot
+        that changed otherwise still differs from its snapshot, for :meth:`_check_served`."""
+        cur = self.slots.current()
+        if cur is None or self._served is None:
+            return
+        now = snapshot(self.slots.path(cur))
+        if {p: e[:4] for p, e in now.items()} == {p: e[:4] for p, e in self._served.items()}:
+            self._served = now
+
+    def _fill_slot(self, folder: Path, version: int) -> SyncResult:
         self._clear_other_mode(folder)
         base = None
         if self.cfg.partial:
@@ -431,6 +448,10 @@ class Subscriber:
             await asyncio.to_thread(_drop_copy, folder)
             event(log, "could not copy the current version into the standby slot; the next delta creates its files",
                   level=logging.WARNING, folder=folder, version=current, error=exc)
+            return False
+        await asyncio.to_thread(self._check_served)  # a served file rewritten while copied: not the version
+        if self.view.current != current:
+            await asyncio.to_thread(_drop_copy, folder)
             return False
         self.view, self._seeded = replace(self.view, standby=current), self.slots.standby()
         event(log, "seeded the standby slot with a copy of the current version", folder=folder, version=current,

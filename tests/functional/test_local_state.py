@@ -1,0 +1,343 @@
+"""A target folder's private state (``.weightsync``) as hostile input, and one writer per folder.
+
+What lies under ``.weightsync`` was written by weightsync, but anyone who can write the folder can
+plant, truncate or link anything there. Every entry is checked before it is used: a planted or
+damaged entry is a one-line error (or, where it is only a cache, dropped), never a path followed
+out of the folder, and never a folder that records a version its files do not hold. The whole
+temporary tree is compared before and after each refused command. See docs/RELIABILITY.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from test_daemons import Daemon, wait_for
+
+import weightsync
+from weightsync.errors import UsageError, WeightsyncError
+from weightsync.local import FolderBusyError, FolderLock, TornInstallError, read_state
+from weightsync.pulling import PullConfig
+
+NOFSYNC = PullConfig(fsync=False, decode_threads=2)
+
+
+@pytest.fixture
+def pulled(published, ok_cli, tmp_path):
+    """(store URL, checkpoints, a folder holding version 1, a file outside it that must survive)."""
+    store, ckpts = published
+    url = f"file://{store}"
+    out = tmp_path / "out"
+    ok_cli("pull", "--store", url, out, "--version", 1)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("not weightsync's")
+    return url, ckpts, out, victim
+
+
+def _refused(run_cli, ws, tmp_path, args, match: str) -> str:
+    """Run a command that must fail with one line matching ``match`` and change nothing at all."""
+    before = ws.snapshot(tmp_path)
+    rc, _, err = run_cli(*args)
+    line = ws.error_line(err)
+    assert rc != 0 and match in line, line
+    assert ws.snapshot(tmp_path) == before, "a refused command changed the tree"
+    return line
+
+
+JOURNALS = {
+    "escape": {"version": 2, "store": "x", "install": [], "remove": ["../victim.txt"], "files": {}},
+    "absolute": {"version": 2, "store": "x", "install": [], "remove": ["/etc/hostname"], "files": {}},
+    "install-escape": {"version": 2, "store": "x", "install": ["../victim.txt"], "remove": [],
+                       "files": {"../victim.txt": [1, "0" * 32]}},
+    "installs-what-it-lacks": {"version": 2, "store": "x", "install": ["a"], "remove": [], "files": {}},
+    "version-out-of-range": {"version": 10**19, "store": "x", "install": [], "remove": [], "files": {}},
+    "garbage": b"garbage",
+    "empty-object": {},
+    "list": [],
+    "truncated": b'{"version": 2, "store": "x", "install": [',
+    "deep": b"[" * 100_000 + b"]" * 100_000,
+    "wrong-types": {"version": "2", "store": "x", "install": "model.safetensors", "remove": [], "files": {}},
+}
+
+
+@pytest.mark.parametrize("name", JOURNALS)
+def test_a_planted_or_damaged_journal_is_refused_in_one_line(pulled, run_cli, ws, tmp_path, name):
+    url, _, out, victim = pulled
+    doc = JOURNALS[name]
+    (out / ".weightsync" / "journal.json").write_bytes(doc if isinstance(doc, bytes) else json.dumps(doc).encode())
+    _refused(run_cli, ws, tmp_path, ["pull", "--store", url, out, "--version", 2], "journal")
+    assert victim.read_text() == "not weightsync's"
+
+
+def test_a_journal_path_through_a_linked_folder_is_not_followed(pulled, run_cli, ws, tmp_path):
+    """A path that is fine as text but leads through a symlink planted in the folder."""
+    url, _, out, victim = pulled
+    (out / "sub").symlink_to(tmp_path)
+    journal = {"version": 2, "store": url, "install": [], "remove": ["sub/victim.txt"], "files": {}}
+    (out / ".weightsync" / "journal.json").write_text(json.dumps(journal))
+    _refused(run_cli, ws, tmp_path, ["pull", "--store", url, out, "--version", 2], "refusing to go through it")
+    assert victim.exists()
+
+
+STATES = {
+    "garbage": b"garbage",
+    "list": b"[]",
+    "escape": json.dumps({"version": 1, "store": "x", "files": {"../victim.txt": [1, "0" * 32, 0]}}).encode(),
+    "deep": b"{\"a\":" * 50_000 + b"1" + b"}" * 50_000,
+    "files-not-an-object": json.dumps({"version": 1, "store": "x", "files": []}).encode(),
+}
+
+
+@pytest.mark.parametrize("name", STATES)
+def test_a_planted_or_damaged_state_is_refused_in_one_line(pulled, run_cli, ws, tmp_path, name):
+    url, _, out, victim = pulled
+    (out / ".weightsync" / "state.json").write_bytes(STATES[name])
+    _refused(run_cli, ws, tmp_path, ["pull", "--store", url, out, "--version", 2], "state")
+    assert victim.exists()
+
+
+@pytest.mark.parametrize("entry", ["spool", "staging", "state.json", "journal.json", "lock"])
+def test_private_entries_that_are_links_are_never_followed(pulled, run_cli, ws, tmp_path, entry):
+    """``.weightsync/<entry>`` as a symlink to a folder (or file) of someone else's: refused before
+    anything is written through it or removed from behind it."""
+    url, _, out, _ = pulled
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "keep.bin").write_bytes(b"keep me")
+    link = out / ".weightsync" / entry
+    if link.exists():
+        link.unlink()
+    link.symlink_to(theirs if entry in ("spool", "staging") else theirs / "keep.bin")
+    _refused(run_cli, ws, tmp_path, ["pull", "--store", url, out, "--version", 2], "")
+    assert (theirs / "keep.bin").read_bytes() == b"keep me"
+
+
+def test_the_state_folder_itself_as_a_link_is_refused(pulled, run_cli, ws, tmp_path):
+    url, _, out, _ = pulled
+    shutil.move(out / ".weightsync", tmp_path / "elsewhere")
+    (out / ".weightsync").symlink_to(tmp_path / "elsewhere")
+    _refused(run_cli, ws, tmp_path, ["pull", "--store", url, out, "--version", 2], "refusing to use it")
+
+
+def test_a_wrong_spooled_chunk_of_the_right_size_is_fetched_again(published, tmp_path):
+    """Chunks of a store without local files (here ``memory://``) are spooled; one planted (or
+    left damaged) under its id with the right size is checked by content, dropped and fetched
+    again, so it neither blocks the pull nor blames the store."""
+    store, ckpts = published
+    mem = "memory://spool-test"
+    for ckpt in ckpts[:2]:
+        weightsync.publish(ckpt, mem)
+    out = tmp_path / "out"
+    weightsync.pull(mem, out, 0, config=NOFSYNC)
+    m = weightsync.open_repo(mem).manifest(1)
+    spool = out / ".weightsync" / "spool"
+    spool.mkdir()
+    for ref in m.chunks:
+        (spool / ref.id).write_bytes(b"\x00" * ref.size)
+    r = weightsync.pull(mem, out, 1, config=NOFSYNC)
+    assert r.version == 1 and r.fetched_bytes > 0
+    assert weightsync.verify(mem, out, 1) == 1
+    assert not spool.exists()
+
+
+def test_a_spool_damaged_after_its_check_is_dropped_and_fetched_once_more(published, tmp_path, monkeypatch):
+    """A spooled chunk that goes bad between its check and its use (the disk, a hand in the
+    folder): the payload's checksum fails, the spool is dropped and the pull fetches again once."""
+    import weightsync.transfer as transfer
+
+    store, ckpts = published
+    mem = "memory://spool-retry"
+    for ckpt in ckpts[:2]:
+        weightsync.publish(ckpt, mem)
+    out = tmp_path / "out"
+    weightsync.pull(mem, out, 0, config=NOFSYNC)
+    m = weightsync.open_repo(mem).manifest(1)
+    spool = out / ".weightsync" / "spool"
+    spool.mkdir()
+    for ref in m.chunks:
+        (spool / ref.id).write_bytes(b"\x00" * ref.size)
+    checked = transfer._spooled
+    trusting = lambda path, chunk_id, size: path.exists() and path.stat().st_size == size  # noqa: E731
+    calls = []
+    monkeypatch.setattr(transfer, "_spooled", lambda *a: calls.append(a) or (trusting(*a) if len(calls) <= len(m.chunks)
+                                                                             else checked(*a)))
+    assert weightsync.pull(mem, out, 1, config=NOFSYNC).version == 1
+    assert weightsync.verify(mem, out, 1) == 1
+
+
+def test_a_staged_file_gone_before_its_install_fails_and_the_next_pull_rebuilds(pulled, run_cli, ws, tmp_path):
+    """A journal whose staged file vanished (another process emptied staging, the old bug): the
+    install fails in one line, the folder claims no version, and the next pull rebuilds it whole."""
+    url, ckpts, out, _ = pulled
+    m = weightsync.open_repo(url).manifest(2)
+    changed = [f.path for f in m.files if f.xxh3 != read_state(out).files[f.path][1]]
+    assert changed
+    journal = {"version": 2, "store": url, "install": changed, "remove": [],
+               "files": {f.path: [f.size, f.xxh3] for f in m.files}}
+    (out / ".weightsync" / "journal.json").write_text(json.dumps(journal))
+    rc, _, err = run_cli("pull", "--store", url, out, "--version", 2)
+    assert rc != 0 and "vanished before its install" in ws.error_line(err)
+    assert read_state(out) is None
+    with pytest.raises(WeightsyncError):
+        weightsync.verify(url, out, 2)  # its bytes are still version 1's
+    rc, _, err = run_cli("pull", "--store", url, out, "--version", 2)
+    assert rc == 0, err
+    assert weightsync.verify(url, out, 2) == 2
+    ws.assert_replica(out, ckpts[2])
+
+
+def test_an_install_killed_after_its_renames_is_finished_by_its_checksums(pulled, tmp_path):
+    """The legitimate case of a staged file that is gone: it was renamed into place before a kill.
+    Recovery checks the file in place against the journal and finishes the install."""
+    url, ckpts, out, _ = pulled
+    m = weightsync.open_repo(url).manifest(2)
+    tmp = tmp_path / "v2"
+    weightsync.pull(url, tmp, 2, config=NOFSYNC)
+    for f in m.files:  # the renames ran (each staged file is in place), then the process died
+        os.replace(tmp / f.path, out / f.path)
+    journal = {"version": 2, "store": url, "install": [f.path for f in m.files], "remove": [],
+               "files": {f.path: [f.size, f.xxh3] for f in m.files}}
+    (out / ".weightsync" / "journal.json").write_text(json.dumps(journal))
+    assert weightsync.pull(url, out, 2, config=NOFSYNC).version == 2
+    assert weightsync.verify(url, out, 2) == 2
+
+
+def test_recovering_a_journal_whose_file_in_place_is_wrong_marks_the_folder_torn(pulled):
+    url, _, out, _ = pulled
+    m = weightsync.open_repo(url).manifest(2)
+    journal = {"version": 2, "store": url, "install": [f.path for f in m.files], "remove": [],
+               "files": {f.path: [f.size, f.xxh3] for f in m.files}}
+    (out / ".weightsync" / "journal.json").write_text(json.dumps(journal))
+    from weightsync.local import recover
+
+    with pytest.raises(TornInstallError):
+        recover(out)
+    assert read_state(out) is None and (out / ".weightsync" / "refill.json").exists()
+
+
+def test_verify_is_read_only(pulled, run_cli, ws, tmp_path):
+    """``verify`` finishes nothing and removes nothing: an interrupted install is reported as such
+    (and a later pull finishes it), staging and the spool stay as they are."""
+    url, _, out, _ = pulled
+    (out / ".weightsync" / "staging").mkdir()
+    (out / ".weightsync" / "staging" / "half.bin").write_bytes(b"half")
+    before = ws.snapshot(tmp_path)
+    rc, _, err = run_cli("verify", "--store", url, out, "--version", 1)
+    assert rc == 0, err
+    assert ws.snapshot(tmp_path) == before
+    journal = {"version": 1, "store": url, "install": [], "remove": [], "files": read_state(out).files}
+    journal["files"] = {p: [s, h] for p, (s, h, _) in journal["files"].items()}
+    (out / ".weightsync" / "journal.json").write_text(json.dumps(journal))
+    _refused(run_cli, ws, tmp_path, ["verify", "--store", url, out, "--version", 1], "interrupted")
+
+
+def test_a_second_writer_fails_naming_the_holder_and_a_refused_one_leaves_no_trace(published, run_cli, ws, tmp_path):
+    store, _ = published
+    url = f"file://{store}"
+    out = tmp_path / "out"
+    with FolderLock(out, "test holder"):
+        rc, _, err = run_cli("pull", "--store", url, out, "--version", 1)
+        line = ws.error_line(err)
+        assert rc == 2 and "in use by test holder (pid" in line and "one writer per folder" in line
+        with pytest.raises(FolderBusyError):
+            weightsync.pull(url, out, 1, config=NOFSYNC)
+        assert read_state(out) is None
+    assert not out.exists()  # the claim made the folder, and nothing else happened in it
+    weightsync.pull(url, out, 1, config=NOFSYNC)
+    assert sorted(p.name for p in (out / ".weightsync").iterdir()) == ["state.json"]  # no lock left behind
+
+
+def test_a_lock_removed_while_held_never_lets_two_in(tmp_path):
+    """Releasing removes the lock file. A claimant that opened the old file just before gets its
+    flock once the holder lets go, but sees that the file it locked is no longer the one at the
+    path, and locks that one instead (where the next holder already is)."""
+    import fcntl
+
+    from weightsync.local import _same_file
+
+    folder = tmp_path / "f"
+    a = FolderLock(folder, "a").acquire()
+    path = folder / ".weightsync" / "lock"
+    fd = os.open(path, os.O_RDWR)  # the racing claimant's open
+    a.release()
+    b = FolderLock(folder, "b").acquire()
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # succeeds: the old inode is nobody's now
+    assert not _same_file(fd, path)  # ... which is why FolderLock checks this before it trusts it
+    with pytest.raises(FolderBusyError, match="in use by b"):
+        FolderLock(folder, "c").acquire()
+    os.close(fd)
+    b.release()
+
+
+@pytest.mark.parametrize("kind", ["dir", "fifo"])
+def test_a_lock_that_is_not_a_file_is_refused(tmp_path, kind):
+    folder = tmp_path / "f"
+    (folder / ".weightsync").mkdir(parents=True)
+    lock = folder / ".weightsync" / "lock"
+    lock.mkdir() if kind == "dir" else os.mkfifo(lock)
+    with pytest.raises(UsageError):
+        FolderLock(folder, "x").acquire()
+
+
+def _subscriber(url: str, target: Path, tmp_path: Path, *extra) -> Daemon:
+    return Daemon("subscriber", ["--store", url, "--target", target, "--no-fsync", *extra], tmp_path).start()
+
+
+def test_a_running_subscriber_owns_its_folder(published, run_cli, ws, tmp_path):
+    """Pulls into its ``current``, its slots or the folder itself, and a second subscriber, are
+    refused naming it; it keeps serving the version it claims, byte for byte."""
+    store, _ = published
+    url = f"file://{store}"
+    target = tmp_path / "sub"
+    sub = _subscriber(url, target, tmp_path, "--version", 2)
+    try:
+        sub.wait_version(2)
+        for where in (target / "current", target / "slots" / "a", target / "slots" / "b", target):
+            rc, _, err = run_cli("pull", "--store", url, where, "--version", 4)
+            last = err.strip().splitlines()[-1]  # after the daemon's start-up log lines
+        assert rc == 2 and last.startswith("weightsync: error:") and "in use by weightsync subscriber" in last, err
+        assert "Traceback" not in err, (where, err)
+        rc, _, err = run_cli("subscriber", "--store", url, "--target", target, "--listen", "127.0.0.1:0")
+        last = err.strip().splitlines()[-1]  # after the daemon's start-up log lines
+        assert rc == 2 and last.startswith("weightsync: error:") and "in use by weightsync subscriber" in last, err
+        assert "Traceback" not in err
+        assert sub.status()["current_version"] == 2
+        assert weightsync.verify(url, target / "current", 2) == 2
+    finally:
+        assert sub.stop() == 0
+
+
+@pytest.mark.parametrize("change", ["rewrite", "rewrite-keeping-mtime", "replace", "add", "remove"])
+def test_a_subscriber_notices_its_served_slot_changed_and_swaps_a_fresh_copy_in(published, ws, tmp_path, change):
+    store, ckpts = published
+    url = f"file://{store}"
+    target = tmp_path / "sub"
+    sub = _subscriber(url, target, tmp_path, "--version", 3)
+    try:
+        sub.wait_version(3)
+        served = (target / "current").resolve()
+        shard = sorted(served.glob("*.safetensors"))[0]
+        st = shard.stat()
+        if change.startswith("rewrite"):
+            ws.flip_byte(shard, -1)
+            if change == "rewrite-keeping-mtime":
+                os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+        elif change == "replace":
+            tmp = shard.with_suffix(".tmp")
+            shutil.copy2(shard, tmp)
+            os.replace(tmp, shard)  # same bytes, same mtime, another inode: someone's hand all the same
+        elif change == "add":
+            (served / "extra.safetensors").write_bytes(b"\0" * 16)
+        else:
+            shard.unlink()
+        wait_for(lambda: (target / "current").resolve() != served and sub.status()["state"] == "serving", 30,
+                 f"a fresh copy swapped in\n{sub.log()}")
+        assert "changed behind weightsync's back" in sub.log()
+        assert sub.status()["current_version"] == 3
+        assert weightsync.verify(url, target / "current", 3) == 3
+        ws.assert_replica(target / "current", ckpts[3])
+    finally:
+        assert sub.stop() == 0
