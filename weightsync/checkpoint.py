@@ -18,6 +18,7 @@ import json
 import math
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,7 +62,7 @@ class SourceFile:
     kind: str
     size: int
     segments: tuple[SourceSegment, ...]
-    identity: tuple[int, ...] = ()  # (st_dev, st_ino, st_size, st_mtime_ns) when scanned
+    identity: tuple[int, ...] = ()  # (st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns, st_nlink) when scanned
     head: bytes = b""  # a safetensors file's header segment as scanned (b"" for a blob)
 
 
@@ -125,7 +126,14 @@ def _tensor_segment(name: str, info: object, base: int, what: str) -> SourceSegm
 
 
 def _identity(st: os.stat_result) -> tuple[int, ...]:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_nlink)
+
+
+def _same(now: tuple[int, ...], then: tuple[int, ...]) -> bool:
+    """Whether a file is as it was: same device, inode, size and mtime, and a ctime that moved only
+    with the link count (a name added or removed, not its bytes; a write that set its mtime back
+    moves the ctime alone)."""
+    return now[:4] == then[:4] and (now[4] == then[4] or now[5] != then[5])
 
 
 def describe_file(abspath: Path, relpath: str) -> SourceFile:
@@ -186,7 +194,7 @@ def check_unchanged(fd: int, f: SourceFile) -> None:
     """Raises :class:`CheckpointChanged` unless the open file ``fd`` still has ``f``'s scanned
     identity (same device and inode, size and mtime): replaced, written, appended or truncated."""
     now = _identity(os.fstat(fd))
-    if f.identity and now != f.identity:
+    if f.identity and not _same(now, f.identity):
         what = ("was replaced by another file" if now[:2] != f.identity[:2] else
                 f"changed size from {f.identity[2]} to {now[2]} bytes" if now[2] != f.identity[2] else "was modified")
         raise CheckpointChanged(f"{f.path}: {what} while being published; nothing was committed, publish it again "
@@ -197,9 +205,31 @@ def still_as_scanned(files: list[SourceFile]) -> bool:
     """Every file's path still leads to the file scanned, unchanged (e.g. before linking the
     checkpoint into a cache as the version just published)."""
     try:
-        return all(_identity(os.stat(f.abspath)) == f.identity for f in files if f.identity)
+        return all(_same(_identity(os.stat(f.abspath)), f.identity) for f in files if f.identity)
     except OSError:
         return False
+
+
+def check_still_as_scanned(files: list[SourceFile], rescan: Callable[[], list[SourceFile]]) -> None:
+    """Raises :class:`CheckpointChanged` unless the checkpoint is still what was scanned: every
+    path leads to the file read, unchanged, and no file was added or removed (called before a
+    commit: a version is one state of the folder, never files of two training steps)."""
+    for f in files:
+        try:
+            now = _identity(os.stat(f.abspath))
+        except OSError as exc:
+            raise CheckpointChanged(f"{f.path}: {exc.strerror.lower()} since it was read for publishing; nothing was "
+                                    "committed, publish it again once it is complete") from None
+        if f.identity and not _same(now, f.identity):
+            what = "was replaced" if now[:2] != f.identity[:2] else "was modified"
+            raise CheckpointChanged(f"{f.path}: {what} while being published; nothing was committed, publish it "
+                                    "again once it is complete")
+    before, after = {f.path for f in files}, {f.path for f in rescan()}
+    if before != after:
+        diff = sorted(after - before) or sorted(before - after)
+        how = "appeared in" if after - before else "vanished from"
+        raise CheckpointChanged(f"{diff[0]}: {how} the checkpoint while it was published; nothing was committed, "
+                                "publish it again once it is complete")
 
 
 def check_header(f: SourceFile, data: np.ndarray) -> None:

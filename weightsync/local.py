@@ -16,6 +16,7 @@ version but is known to be weightsync's own (the marker), so the next refill ove
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -45,7 +46,7 @@ LOCK = "lock"  # held (flock) by the one process that writes the folder; never r
 class LocalState:
     version: int
     store: str
-    files: dict[str, tuple[int, str, int]]  # path -> (size, xxh3, mtime_ns)
+    files: dict[str, tuple[int, str, int, int | None]]  # path -> (size, xxh3, mtime_ns, ctime_ns or None: not recorded)
 
 
 def state_dir(folder: Path) -> Path:
@@ -157,8 +158,9 @@ class FolderLock:
             except OSError as exc:
                 raise UsageError(f"cannot open the lock {path}: {exc.strerror}") from None
             try:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    raise UsageError(f"{path} is not a regular file; refusing to use it")
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:  # a hard link to a file elsewhere: not ours
+                    raise UsageError(f"{path} is not a regular file of its own (a hard link?); refusing to use it")
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
@@ -173,6 +175,18 @@ class FolderLock:
             except BaseException:
                 os.close(fd)
                 raise
+
+    def check(self) -> None:
+        """Take the lock again on any folder whose lock file is no longer the one held (the folder
+        or its ``.weightsync`` was removed by hand): FolderBusyError if another process took it."""
+        for key, (fd, path, made) in list(self._held.items()):
+            if _same_file(fd, path):
+                continue
+            os.close(fd)
+            del self._held[key]
+            folder = path.parent.parent
+            folder.mkdir(parents=True, exist_ok=True)
+            self._held[key] = (self._open_locked(folder, private_dir(folder) / LOCK), path, made)
 
     def covers(self, folder: Path) -> bool:
         """Whether this lock, held, is the claim on ``folder``."""
@@ -279,8 +293,10 @@ def read_state(folder: Path) -> LocalState | None:
         return None
     try:
         files = {}
-        for p, (size, digest, mtime) in doc["files"].items():
-            files[check_path(p)] = (int(size), str(digest), int(mtime))
+        for p, (size, digest, mtime, *ctime) in doc["files"].items():
+            if len(ctime) > 1:
+                raise ValueError(f"{p}: too many fields")
+            files[check_path(p)] = (int(size), str(digest), int(mtime), int(ctime[0]) if ctime else None)
         return LocalState(_version(doc["version"]), str(doc["store"]), files)
     except (ValueError, KeyError, TypeError, AttributeError, WeightsyncError) as exc:
         raise UsageError(f"{path}: corrupt weightsync state ({exc}); remove {STATE_DIR} to start afresh") from None
@@ -342,7 +358,7 @@ def _apply_journal(folder: Path, journal: dict) -> None:
             _mark_torn(folder)
             raise TornInstallError(f"{folder}: {rel} is not the file version {journal['version']} installs; "
                                    "the folder now holds no version: pull again to rebuild it")
-        files[rel] = (size, digest, st.st_mtime_ns)
+        files[rel] = (size, digest, st.st_mtime_ns, st.st_ctime_ns)
     write_json_atomic(sdir / "state.json", {"version": journal["version"], "store": journal["store"], "files": files})
     (sdir / "journal.json").unlink()
     (sdir / REFILL).unlink(missing_ok=True)  # a refill interrupted before this install replaced it
@@ -360,10 +376,20 @@ def _holds(path: Path, size: int, digest: str) -> bool:
         return False
 
 
+def open_regular(path: Path, follow: bool = True) -> int:
+    """A read-only descriptor on ``path``, refused (OSError) unless it is a regular file: a FIFO or
+    a device planted where a file should be is never read (the open does not block on it)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise IsADirectoryError(errno.EINVAL, "not a regular file", str(path))
+    return fd
+
+
 def hash_file(path: Path, block: int = 16 << 20) -> tuple[int, str]:
-    """The size and xxh3-128 of a file's bytes, read once."""
+    """The size and xxh3-128 of a regular file's bytes, read once."""
     h, size = xxhash.xxh3_128(), 0
-    with open(path, "rb") as f:
+    with open(open_regular(path), "rb") as f:
         while buf := f.read(block):
             h.update(buf)
             size += len(buf)
@@ -455,13 +481,13 @@ def prepare_target(folder: Path, owned: bool = False) -> LocalState | None:
     return state
 
 
-Snapshot = dict[str, tuple[int, int, int, int, int]]  # path -> (mode, inode, size, mtime_ns, ctime_ns)
+Snapshot = dict[str, tuple[int, ...]]  # path -> (mode, inode, size, mtime_ns, ctime_ns, nlink)
 
 
 def snapshot(folder: Path) -> Snapshot:
     """What each entry of ``folder`` is (``.weightsync`` aside), cheaply (one lstat each): a file
     rewritten (even with its mtime set back: the ctime moves), replaced, added or removed changes
-    it. Linking or unlinking another name of a file moves its ctime too."""
+    it. Linking or unlinking another name of a file moves its ctime too (and its link count)."""
     files, dirs = list_files(folder)
     out = {}
     for rel in files:
@@ -469,21 +495,43 @@ def snapshot(folder: Path) -> Snapshot:
             st = os.lstat(os.path.join(folder, rel))
         except FileNotFoundError:
             continue
-        out[rel] = (stat.S_IFMT(st.st_mode), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        out[rel] = (stat.S_IFMT(st.st_mode), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_nlink)
     return out
 
 
-def snapshot_differs(snap: Snapshot, recorded: dict[str, tuple[int, int | None]]) -> str | None:
-    """Why ``snap`` is not the folder as installed (``recorded``: path -> (size, mtime_ns or None)),
-    or None if it is."""
+def snapshot_change(before: Snapshot, now: Snapshot) -> str | None:
+    """How a folder changed between two snapshots, or None. A ctime that moved with the link count
+    (a hard link made or dropped elsewhere: a backup, a clone) is no change of its bytes."""
+    for rel in sorted(set(before) | set(now)):
+        if rel not in before:
+            return f"{rel} was added"
+        if rel not in now:
+            return f"{rel} was removed"
+        a, b = before[rel], now[rel]
+        if a[:2] != b[:2]:
+            return f"{rel} was replaced"
+        if a[2:4] != b[2:4] or (a[4] != b[4] and a[5] == b[5]):
+            return f"{rel} was modified"
+    return None
+
+
+Recorded = dict[str, tuple[int, str, int | None, int | None]]  # path -> (size, xxh3, mtime_ns, ctime_ns) as installed
+
+
+def installed_change(folder: Path, recorded: Recorded, snap: Snapshot) -> str | None:
+    """How ``folder`` (as ``snap`` saw it) differs from the files its state records, or None. A
+    file whose ctime alone moved is hashed to tell (a link count change, or a write that set its
+    mtime back)."""
     for rel in sorted(set(snap) | set(recorded)):
         if rel not in recorded:
             return f"{rel} was added"
         if rel not in snap:
             return f"{rel} was removed"
-        mode, _, size, mtime, _ = snap[rel]
-        want_size, want_mtime = recorded[rel]
-        if mode != stat.S_IFREG or size != want_size or (want_mtime is not None and mtime != want_mtime):
+        mode, _, size, mtime, ctime, _ = snap[rel]
+        want_size, digest, want_mtime, want_ctime = recorded[rel]
+        if mode != stat.S_IFREG or size != want_size or want_mtime not in (None, mtime):
+            return f"{rel} was modified"
+        if want_ctime not in (None, ctime) and not _holds(safe_join(folder, rel), size, digest):
             return f"{rel} was modified"
     return None
 
@@ -585,7 +633,7 @@ def open_in_place(path: Path):
 
 def finish_refill(folder: Path, manifest: Manifest, store_url: str, fsync: bool = True) -> None:
     """After every file of ``manifest`` is in place and verified: the state, then the marker goes."""
-    files = {f.path: (f.size, f.xxh3, (folder / f.path).stat().st_mtime_ns) for f in manifest.files}
+    files = {f.path: (f.size, f.xxh3, *_times(folder / f.path)) for f in manifest.files}
     sdir = state_dir(folder)
     write_json_atomic(sdir / "state.json", {"version": manifest.version, "store": store_url, "files": files}, fsync)
     (sdir / REFILL).unlink(missing_ok=True)
@@ -601,8 +649,16 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _times(path: Path) -> tuple[int, int]:
+    st = os.lstat(path)
+    return st.st_mtime_ns, st.st_ctime_ns
+
+
 def unchanged_files(folder: Path, state: LocalState | None, manifest: Manifest) -> set[str]:
-    """Paths whose local file already holds the target's bytes (same checksum, untouched since)."""
+    """Paths whose local file already holds the target's bytes: same checksum recorded, and the
+    file untouched since (size, mtime and ctime as recorded; a write with its mtime set back still
+    moves the ctime). A file whose ctime alone moved (a hard link made or dropped, an old state
+    that recorded none) is hashed to tell."""
     if state is None:
         return set()
     same = set()
@@ -613,7 +669,9 @@ def unchanged_files(folder: Path, state: LocalState | None, manifest: Manifest) 
                 st = os.lstat(safe_join(folder, f.path))
             except (FileNotFoundError, NotADirectoryError):
                 continue
-            if stat.S_ISREG(st.st_mode) and st.st_size == f.size and st.st_mtime_ns == rec[2]:
+            if not (stat.S_ISREG(st.st_mode) and st.st_size == f.size and st.st_mtime_ns == rec[2]):
+                continue
+            if st.st_ctime_ns == rec[3] or _holds(safe_join(folder, f.path), f.size, f.xxh3):
                 same.add(f.path)
     return same
 
@@ -641,7 +699,7 @@ class LocalVersion:
         what = f"{self.folder}/{path}"
         try:
             if path not in self._fds:
-                self._fds[path] = os.open(self.folder / path, os.O_RDONLY)
+                self._fds[path] = open_regular(self.folder / path)
             data = read_range(self._fds[path], seg.begin, seg.end, what)
         except (OSError, WeightsyncError) as exc:
             raise BaseMismatchError(f"{what}: base for version {self.manifest.version} unreadable ({exc})") from None
@@ -682,7 +740,7 @@ def clone(src: Path, dst: Path, copy: bool = False, fsync: bool = False, check: 
     if state is None:
         raise UsageError(f"{src} holds no weightsync version to clone")
     clear_folder(dst)
-    for rel, (size, _, mtime) in state.files.items():
+    for rel, (size, _, mtime, _) in state.files.items():
         if check:
             check()
         st = os.lstat(safe_join(src, rel))
@@ -699,7 +757,7 @@ def clone(src: Path, dst: Path, copy: bool = False, fsync: bool = False, check: 
     if fsync:
         for d in {(dst / rel).parent for rel in state.files}:
             fsync_dir(d)
-    files = {rel: (size, digest, os.stat(dst / rel).st_mtime_ns) for rel, (size, digest, _) in state.files.items()}
+    files = {rel: (size, digest, *_times(dst / rel)) for rel, (size, digest, *_) in state.files.items()}
     write_json_atomic(private_dir(dst) / "state.json", {"version": state.version, "store": state.store, "files": files})
 
 
@@ -707,7 +765,7 @@ def _copy_file(src: Path, dst: Path, fsync: bool, check: Callable[[], None] | No
     """Copy ``src`` to ``dst`` in the kernel (``copy_file_range``; reads and writes where that is
     not supported) piece by piece, calling ``check`` before each, then its mode and mtime (which
     state.json records)."""
-    with open(src, "rb") as fi, open(dst, "wb") as fo:
+    with open(open_regular(src, follow=False), "rb") as fi, open(dst, "wb") as fo:
         size, done = os.fstat(fi.fileno()).st_size, 0
         kernel = hasattr(os, "copy_file_range")
         while done < size:

@@ -41,8 +41,8 @@ from .codec import rebuild
 from .errors import BaseMismatchError, ChecksumError, CheckpointError, FormatError, UsageError, VersionError, WeightsyncError
 from .format import MAX_VERSION, FileEntry, Manifest, Segment, check_path
 from .local import (
-    PARTIAL_STATE, REFILL, STATE_DIR, FolderLock, check_checksum, claim, empty_folder, private_dir, read_doc, safe_join, spool_dir,
-    stray_entries, write_json_atomic,
+    PARTIAL_STATE, REFILL, STATE_DIR, FolderLock, check_checksum, claim, empty_folder, open_regular, private_dir, read_doc,
+    safe_join, spool_dir, stray_entries, write_json_atomic,
 )
 from .pipeline import TASK_BYTES, ordered_map
 from .planner import ChunkNeed, Recipe, Step, merge_ranges, plan_segment
@@ -82,7 +82,7 @@ def _read_payload(fds: dict[str, int], chunks: dict[str, Path], step: Step) -> b
     for rng in step.ranges:
         fd = fds.get(rng.chunk.id)
         if fd is None:
-            fd = fds.setdefault(rng.chunk.id, os.open(chunks[rng.chunk.id], os.O_RDONLY))
+            fd = fds.setdefault(rng.chunk.id, open_regular(chunks[rng.chunk.id]))
         buf += os.pread(fd, rng.length, rng.offset)
     check_checksum(f"payload of version {step.version}", step.xxh3, buf)
     return bytes(buf)
@@ -164,8 +164,9 @@ def read_partial_state(folder: Path) -> PartialState | None:
         for p, rec in doc["files"].items():
             tensors = {str(n): str(h) for n, h in rec["tensors"].items()}
             files[check_path(p)] = {"size": int(rec["size"]), "xxh3": str(rec["xxh3"]), "tensors": tensors}
-            if "mtime_ns" in rec:
-                files[p]["mtime_ns"] = int(rec["mtime_ns"])
+            for key in ("mtime_ns", "ctime_ns"):
+                if key in rec:
+                    files[p][key] = int(rec[key])
         version = doc["version"]
         if type(version) is not int or not 0 <= version <= MAX_VERSION:
             raise TypeError(f"version {version!r} out of range")
@@ -193,7 +194,7 @@ class _PartialBase:
             if self.state is None or path not in self.state.files:
                 raise FileNotFoundError(path)
             begin, end = (seg.begin, seg.end) if seg.role != "tensor" else self._offsets(path)[seg.name]
-            fd = os.open(self.folder / path, os.O_RDONLY)
+            fd = open_regular(self.folder / path)
             try:
                 data = read_range(fd, begin, end, path)
             finally:
@@ -206,7 +207,7 @@ class _PartialBase:
 
 
 def _head_bytes(f: Path) -> bytes:
-    with open(f, "rb") as fh:
+    with open(open_regular(f), "rb") as fh:
         n = int.from_bytes(fh.read(8), "little")
         fh.seek(0)
         return fh.read(8 + n)
@@ -318,7 +319,8 @@ def _write(repo, out: Path, target: Manifest, files, jobs, base, state, sel: Sel
         dst = safe_join(out, path)
         dst.parent.mkdir(parents=True, exist_ok=True)
         os.replace(staging / path, dst)
-        record[path]["mtime_ns"] = os.lstat(dst).st_mtime_ns
+        st = os.lstat(dst)
+        record[path].update(mtime_ns=st.st_mtime_ns, ctime_ns=st.st_ctime_ns)
     for path in set(state.files if state else ()) - set(record):
         safe_join(out, path).unlink(missing_ok=True)
     doc = {"format": "weightsync.partial", "version": target.version, "store": repo.url,

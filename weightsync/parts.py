@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .checkpoint import SourceFile, scan_checkpoint, still_as_scanned
+from .checkpoint import SourceFile, check_still_as_scanned, scan_checkpoint, still_as_scanned
 from .errors import AlreadyExistsError, CheckpointError, FormatError, NotFoundError, UsageError, VersionError
 from .format import (
     MAX_VERSION, MAX_WORLD, ChunkRef, Delta, FileEntry, Manifest, Part, PartManifest, Payload, Segment, check_path,
@@ -135,6 +135,7 @@ def publish_part(
     view = RankView(repo, [f.path for f in mine])
     with cache_claim(cache_dir) as lock:  # one publish at a time on a cache folder
         enc = encode_folder(repo, mine, scan, target, config, base_dir, cache_dir, progress, on_bytes, view, lock=lock)
+        check_still_as_scanned(enc.sources, scan)  # the part is one state of the rank's files
         head = repo.head_version()
         if head != parent:
             raise VersionError(f"the head of {repo.url} moved from {parent} to {head} while rank {rank} encoded version "

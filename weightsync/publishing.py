@@ -22,7 +22,8 @@ import numpy as np
 import xxhash
 
 from .checkpoint import (
-    SourceFile, SourceSegment, check_header, check_unchanged, open_source, read_range, scan_checkpoint, still_as_scanned,
+    SourceFile, SourceSegment, check_header, check_still_as_scanned, check_unchanged, open_source, read_range,
+    scan_checkpoint, still_as_scanned,
 )
 from .chunking import DEFAULT_CHUNK_BYTES, ChunkPacker
 from .codec import CodecConfig, EncodedTensor, encode_tensor
@@ -51,6 +52,7 @@ class PublishConfig:
     # chunks stored longer ago than this are touched again right before the commit (or part), so
     # that gc's grace (default 3600 s) need only cover the commit, not the whole publish
     refresh_after: float = REFRESH_AFTER
+    sources: list[SourceFile] = field(default_factory=list)  # the checkpoint's files as read (to check before a commit)
 
     def __post_init__(self) -> None:
         if self.keyframe_interval < 1:
@@ -286,6 +288,7 @@ def publish(
     target = plan_version(repo, version, config)
     with cache_claim(cache_dir) as lock:  # one publish at a time on a cache folder
         enc = encode_folder(repo, files, scan, target, config, base_dir, cache_dir, progress, on_bytes, lock=lock)
+        check_still_as_scanned(enc.sources, scan)  # the version is one state of the folder
         result, manifest = commit_encoded(repo, target, enc)
         if cache_dir is not None and still_as_scanned(files):  # else the cache is brought up by a pull when needed
             adopt(Path(cache_dir), manifest, src, repo.url, lock=lock)
@@ -332,7 +335,9 @@ def _encode_folder(repo, base_repo, files, target: Target, cfg: PublishConfig, b
         for f in files:  # each opened once, checked to be the file scanned; every read goes through it
             fds[f.path] = open_source(f)
         encoder = _Encoder(cfg, base, fds, target.keyframe)
-        return encode_and_upload(repo, files, target.parent, target.keyframe, encoder, cfg, progress, on_bytes, t0)
+        enc = encode_and_upload(repo, files, target.parent, target.keyframe, encoder, cfg, progress, on_bytes, t0)
+        enc.sources = list(files)
+        return enc
     finally:
         for fd in fds.values():
             os.close(fd)

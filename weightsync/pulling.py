@@ -25,7 +25,7 @@ from .codec import SLICE_BYTES, rebuild
 from .errors import BaseMismatchError, ChecksumError, FormatError, NotFoundError, UsageError, VersionError
 from .format import Manifest, chunk_key, version_key
 from .local import (
-    FolderLock, LocalVersion, begin_refill, check_checksum, claim, finish_refill, install, open_in_place,
+    FolderLock, LocalVersion, begin_refill, check_checksum, claim, finish_refill, install, open_in_place, open_regular,
     prepare_target, read_state, spool_dir, staging_dir, unchanged_files,
 )
 from .pipeline import TASK_BYTES, ordered_map
@@ -88,7 +88,7 @@ class _Builder:
             fd = self._fds.get(rng.chunk.id)
             if fd is None:
                 try:
-                    fd = self._fds.setdefault(rng.chunk.id, os.open(path, os.O_RDONLY))
+                    fd = self._fds.setdefault(rng.chunk.id, open_regular(path))
                 except FileNotFoundError:
                     key = chunk_key(rng.chunk.id)
                     raise NotFoundError(f"{self.url}: missing chunk {key} (collected while pulling?)", key=key) from None

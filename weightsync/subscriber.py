@@ -40,8 +40,8 @@ from .hooks import HookRunner
 from .integrity import verify_folder
 from .ledger import FleetRecord, superseded_at, write_record
 from .local import (
-    REFILL, STATE_DIR, FolderLock, Snapshot, clear_folder, clone, disown, empty_folder, read_state, snapshot,
-    snapshot_differs,
+    REFILL, STATE_DIR, FolderLock, Recorded, Snapshot, clear_folder, clone, disown, empty_folder, installed_change,
+    read_state, snapshot, snapshot_change,
 )
 from .metrics import Metrics
 from .partial import STATE as PARTIAL_STATE
@@ -260,7 +260,7 @@ class Subscriber:
         self.view = View(current, standby)
         if current is not None:
             self._served = snapshot(self.slots.path(cur))
-            self._check_served()  # changed while no subscriber watched
+            self._check_served(installed=True)  # changed while no subscriber watched
         self.metrics.current_version.set(-1 if current is None else current)
         event(log, "started", target_dir=self.cfg.target_dir, current=current, standby=standby, target=self.target,
               target_from=self.target_from, partial=self.cfg.partial)
@@ -268,6 +268,8 @@ class Subscriber:
     async def _iteration(self) -> float:
         """One poll: plan, act, update gauges. Returns the seconds to wait before the next one."""
         try:
+            if self._lock is not None:
+                await asyncio.to_thread(self._lock.check)  # a slot removed by hand: its lock is taken again
             if self._served is not None:
                 await asyncio.to_thread(self._check_served)
             head = await asyncio.to_thread(self.repo.head_version)
@@ -346,7 +348,7 @@ class Subscriber:
             return
         now = snapshot(self.slots.path(cur))
         if {p: e[:4] for p, e in now.items()} == {p: e[:4] for p, e in self._served.items()}:
-            self._served = now
+            self._served = now  # a link made and dropped again moves the ctime, not the link count
 
     def _fill_slot(self, folder: Path, version: int) -> SyncResult:
         self._clear_other_mode(folder)
@@ -370,23 +372,26 @@ class Subscriber:
             if self.cfg.verify_before_swap:
                 verify_folder(folder, self.repo.manifest(version))
         served = snapshot(folder)
-        if (why := snapshot_differs(served, _recorded(folder, self.cfg.partial))) is not None:
+        if (why := installed_change(folder, _recorded(folder, self.cfg.partial), served)) is not None:
             raise UsageError(f"{folder} changed while it was being filled ({why}); not swapping to it")
         return SyncResult(r.version, r.from_version, r.fetched_bytes, raw, fetch_s, build_s, base is not None, served)
 
-    def _check_served(self) -> None:
+    def _check_served(self, installed: bool = False) -> None:
         """Notice the served slot changed behind our back (a hand, another tool): it then claims no
         version, the daemon is not ready, and the loop syncs a fresh copy into the standby and
-        swaps to it (worker thread)."""
+        swaps to it (worker thread). Each poll compares one lstat per file with the snapshot taken
+        at the swap; ``installed`` (at start-up) compares with the slot's recorded state instead."""
         cur = self.slots.current()
         if cur is None or self._served is None:
             return
         folder = self.slots.path(cur)
         now = snapshot(folder)
-        why = snapshot_differs(now, _recorded(folder, self.cfg.partial))
-        if why is None and now != self._served:
-            why = next(f"{p} was replaced" for p in sorted(now) if now[p] != self._served.get(p))
+        if installed:
+            why = installed_change(folder, _recorded(folder, self.cfg.partial), now)
+        else:
+            why = snapshot_change(self._served, now)
         if why is None:
+            self._served = now  # link counts (and their ctimes) move with others' hard links
             return
         event(log, "the served slot changed behind weightsync's back; it no longer claims a version, "
               "a fresh copy is synced and swapped in", logging.ERROR, folder=folder, version=self.view.current, change=why)
@@ -542,10 +547,11 @@ class Subscriber:
             event(log, "could not write the fleet ledger", logging.WARNING, error=str(exc))
 
 
-def _recorded(folder: Path, partial: bool) -> dict[str, tuple[int, int | None]]:
-    """path -> (size, mtime_ns or None) of the version ``folder`` claims, from its local state."""
+def _recorded(folder: Path, partial: bool) -> Recorded:
+    """The files of the version ``folder`` claims, as its local state records them."""
     if partial:
         state = read_partial_state(folder)
-        return {} if state is None else {p: (r["size"], r.get("mtime_ns")) for p, r in state.files.items()}
+        return {} if state is None else {p: (r["size"], r["xxh3"], r.get("mtime_ns"), r.get("ctime_ns"))
+                                         for p, r in state.files.items()}
     state = read_state(folder)
-    return {} if state is None else {p: (size, mtime) for p, (size, _, mtime) in state.files.items()}
+    return {} if state is None else dict(state.files.items())

@@ -92,9 +92,11 @@ def _overwrite(shard: Path, other: Path) -> None:
 
 
 MUTATIONS = [_replace, _append, _truncate, _delete, _overwrite]
-# at-open: a file replaced or deleted after the publisher opened it is still read whole through its
-# descriptor (a consistent snapshot: the file as scanned); one written, appended or truncated is not
-AT_OPEN_SUCCEEDS = {_replace, _delete}
+# at-open: every change fails the publish. A file replaced or deleted after the publisher opened it
+# is still read whole through its descriptor, but the folder no longer holds it: committing it would
+# make a version of files from two states of the folder (two training steps), so the check before
+# the commit refuses it; one written, appended or truncated fails as it is read
+AT_OPEN_SUCCEEDS: set = set()
 
 
 def _open_by(pid: int, path: str) -> bool:

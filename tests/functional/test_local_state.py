@@ -229,7 +229,7 @@ def test_verify_is_read_only(pulled, run_cli, ws, tmp_path):
     assert rc == 0, err
     assert ws.snapshot(tmp_path) == before
     journal = {"version": 1, "store": url, "install": [], "remove": [], "files": read_state(out).files}
-    journal["files"] = {p: [s, h] for p, (s, h, _) in journal["files"].items()}
+    journal["files"] = {p: [s, h] for p, (s, h, *_) in journal["files"].items()}
     (out / ".weightsync" / "journal.json").write_text(json.dumps(journal))
     _refused(run_cli, ws, tmp_path, ["verify", "--store", url, out, "--version", 1], "interrupted")
 
@@ -339,5 +339,116 @@ def test_a_subscriber_notices_its_served_slot_changed_and_swaps_a_fresh_copy_in(
         assert sub.status()["current_version"] == 3
         assert weightsync.verify(url, target / "current", 3) == 3
         ws.assert_replica(target / "current", ckpts[3])
+    finally:
+        assert sub.stop() == 0
+
+
+def _rewrite_keeping_mtime(path: Path) -> None:
+    """Change one byte in place and set the mtime back: only the ctime tells."""
+    st = path.stat()
+    with open(path, "r+b") as f:
+        b = f.read(1)
+        f.seek(0)
+        f.write(bytes([b[0] ^ 1]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_a_file_rewritten_with_its_mtime_set_back_is_not_kept(pulled, ws):
+    """A kept file must be untouched since its install: size and mtime are not enough (a tool can
+    set the mtime back), the ctime is recorded too, and a file whose ctime moved is hashed."""
+    url, ckpts, out, _ = pulled
+    _rewrite_keeping_mtime(out / "config.json")
+    assert weightsync.pull(url, out, 1, config=NOFSYNC).written_files >= 1  # rebuilt, not trusted
+    assert weightsync.verify(url, out, 1) == 1
+    _rewrite_keeping_mtime(out / "config.json")
+    assert weightsync.pull(url, out, 2, config=NOFSYNC).version == 2
+    ws.assert_replica(out, ckpts[2])
+    os.link(out / "config.json", out.parent / "backup.json")  # a hard link moves the ctime, not the bytes
+    assert weightsync.pull(url, out, 2, config=NOFSYNC).written_files == 0  # hashed, and kept
+
+
+@pytest.mark.parametrize("where", ["standby", "served-while-stopped"])
+def test_a_subscriber_never_serves_a_slot_rewritten_with_its_mtime_set_back(published, ws, tmp_path, where):
+    """In the standby slot (refilled in place at the next version, its unchanged files kept), or in
+    the served slot while no subscriber ran: the rewrite is seen by its ctime."""
+    store, ckpts = published
+    url = f"file://{store}"
+    target = tmp_path / "sub"
+    sub = _subscriber(url, target, tmp_path, "--version", 2, "--standby-hold", "0")
+    sub.wait_version(2)
+    sub.put_target(3)
+    sub.wait_version(3)
+    slot = (target / "current").resolve()
+    if where == "standby":
+        slot = target / "slots" / ("a" if slot.name == "b" else "b")  # holds version 2
+    else:
+        assert sub.stop() == 0
+    _rewrite_keeping_mtime(slot / "config.json")  # config.json is the same in every version
+    if where == "standby":
+        sub.put_target(4)
+        sub.wait_version(4)
+    else:
+        sub.start()
+        wait_for(lambda: sub.status()["state"] == "serving" and (target / "current").resolve() != slot, 30,
+                 f"a fresh copy swapped in\n{sub.log()}")
+    try:
+        v = sub.status()["current_version"]
+        assert weightsync.verify(url, target / "current", v) == v
+    finally:
+        assert sub.stop() == 0
+
+
+def test_a_hard_link_elsewhere_does_not_alarm_the_subscriber(published, tmp_path):
+    """A backup's ``cp -al`` of the served slot moves the ctimes of its files, with their link count:
+    no change of bytes, no resync."""
+    store, _ = published
+    url = f"file://{store}"
+    target = tmp_path / "sub"
+    sub = _subscriber(url, target, tmp_path, "--version", 1, "--standby-hold", "never")
+    try:
+        sub.wait_version(1)
+        served = (target / "current").resolve()
+        shutil.copytree(served, tmp_path / "backup", copy_function=os.link,
+                        ignore=shutil.ignore_patterns(".weightsync"))
+        sub.put_target(2)  # polls go on until the next version is served ...
+        sub.wait_version(2)
+        assert "changed behind" not in sub.log()  # ... and none of them took the link for a change
+    finally:
+        assert sub.stop() == 0
+
+
+def test_a_lock_hard_linked_to_a_file_elsewhere_is_refused(pulled, run_cli, ws, tmp_path):
+    url, _, out, victim = pulled
+    os.link(victim, out / ".weightsync" / "lock")
+    _refused(run_cli, ws, tmp_path, ["pull", "--store", url, out, "--version", 2], "hard link")
+    assert victim.read_text() == "not weightsync's"
+
+
+@pytest.mark.parametrize("command", ["verify", "pull"])
+def test_a_fifo_where_a_file_should_be_is_an_error_not_a_hang(pulled, run_cli, ws, command):
+    url, _, out, _ = pulled
+    shard = sorted(out.glob("*.safetensors"))[0]
+    shard.unlink()
+    os.mkfifo(shard)
+    rc, _, err = run_cli(command, "--store", url, out, "--version", 2, timeout=60)
+    if command == "verify":
+        assert rc != 0 and "not a regular file" in ws.error_line(err)
+    else:  # the FIFO is no base to read: the pull rebuilds that file and replaces it
+        assert rc == 0, err
+        assert weightsync.verify(url, out, 2) == 2
+
+
+def test_a_subscriber_takes_its_lock_again_when_a_slot_is_removed_by_hand(published, run_cli, ws, tmp_path):
+    store, _ = published
+    url = f"file://{store}"
+    target = tmp_path / "sub"
+    sub = _subscriber(url, target, tmp_path, "--version", 1, "--standby-hold", "never")
+    try:
+        sub.wait_version(1)
+        standby = target / "slots" / ("a" if (target / "current").resolve().name == "b" else "b")
+        shutil.rmtree(standby)
+        wait_for(lambda: (standby / ".weightsync" / "lock").exists(), 20, "the lock taken again")
+        rc, _, err = run_cli("pull", "--store", url, standby, "--version", 2)
+        assert rc == 2 and "in use by weightsync subscriber" in ws.error_line(err)
     finally:
         assert sub.stop() == 0

@@ -418,8 +418,9 @@ def test_scan_of_a_very_deep_tree(tmp_path):
         d += "/d"
         os.mkdir(d)
     Path(d, "x.json").write_text("{}")
-    try:
-        assert [f.path for f in scan_checkpoint(tmp_path)] == ["d/" * 1100 + "x.json"]
+    try:  # walked without recursion, then refused in one line: no version can hold such a path
+        with pytest.raises(CheckpointError, match="over 255 components"):
+            scan_checkpoint(tmp_path)
     finally:  # shutil.rmtree recurses too: take the tree down level by level
         os.unlink(Path(d, "x.json"))
         while d != str(tmp_path):
@@ -521,3 +522,28 @@ def test_still_as_scanned_tells_a_changed_path(tmp_path, change):
     assert still_as_scanned([f])
     change(f.abspath)
     assert not still_as_scanned([f])
+
+
+def test_a_checkpoint_must_still_be_as_scanned_before_a_commit(tmp_path):
+    """A version is one state of the folder: a file rewritten in place with its mtime set back (the
+    ctime tells), a file added, or one removed, all refuse the commit; a hard link made elsewhere
+    (a backup) does not."""
+    from weightsync.checkpoint import check_still_as_scanned
+
+    f = _scanned_shard(tmp_path)
+    files = scan_checkpoint(tmp_path)
+    rescan = lambda: scan_checkpoint(tmp_path)  # noqa: E731
+    check_still_as_scanned(files, rescan)
+    os.link(f.abspath, tmp_path.parent / "backup.safetensors")
+    check_still_as_scanned(files, rescan)
+    (tmp_path / "late.json").write_text("{}")
+    with pytest.raises(CheckpointChanged, match="late.json: appeared"):
+        check_still_as_scanned(files, rescan)
+    (tmp_path / "late.json").unlink()
+    st = f.abspath.stat()
+    with open(f.abspath, "r+b") as fh:
+        fh.seek(st.st_size - 1)
+        fh.write(b"\x01")
+    os.utime(f.abspath, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(CheckpointChanged, match="was modified"):
+        check_still_as_scanned(files, rescan)
