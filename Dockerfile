@@ -24,13 +24,28 @@ ENV PIP_NO_CACHE_DIR=1 \
 RUN python -m venv /opt/weightsync
 WORKDIR /src
 # .dockerignore lets only the package sources and its metadata through.
-COPY . .
+# Dependencies first, from pyproject.toml alone (with the [torch] extra when WITH_TORCH is set; the
+# base image's Python 3.11+ reads it with tomllib): a source edit does not rebuild this layer.
+COPY pyproject.toml ./
 RUN set -eu; \
     extra=""; \
-    if [ "$WITH_TORCH" = "1" ] || [ "$WITH_TORCH" = "true" ]; then extra="[torch]"; fi; \
+    if [ "$WITH_TORCH" = "1" ] || [ "$WITH_TORCH" = "true" ]; then extra="torch"; fi; \
     if [ -z "$PIP_EXTRA_INDEX_URL" ]; then unset PIP_EXTRA_INDEX_URL; fi; \
-    /opt/weightsync/bin/pip install ".${extra}"; \
-    /opt/weightsync/bin/weightsync --help >/dev/null
+    /opt/weightsync/bin/python -c 'import sys, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print("\n".join(p["dependencies"] + [r for e in sys.argv[1:] for r in p["optional-dependencies"][e]]))' $extra \
+        > /tmp/requirements.txt; \
+    /opt/weightsync/bin/pip install -r /tmp/requirements.txt; \
+    rm /tmp/requirements.txt
+# Then the package itself, without touching the dependencies; `pip check` fails the build if the
+# layer above no longer satisfies them.
+COPY . .
+RUN /opt/weightsync/bin/pip install --no-deps . \
+ && /opt/weightsync/bin/pip check \
+ && /opt/weightsync/bin/weightsync --help >/dev/null
+# Compile the numba kernels into the installed package's __pycache__ (about 7 s), so that no start
+# pays it: numba keys the cache on the source's path and contents and on the CPU, and the runtime
+# stage below checks that it is served from there, read-only, without compiling. On a machine of
+# another kind the kernels compile at start and go to NUMBA_CACHE_DIR if that is writable.
+RUN /opt/weightsync/bin/python -m weightsync.jit
 
 # --- runtime: the same base image, the virtual environment, an unprivileged user ----------------
 FROM ${PYTHON_IMAGE} AS runtime
@@ -44,12 +59,18 @@ RUN groupadd --system --gid 10001 weightsync \
 COPY --from=build /opt/weightsync /opt/weightsync
 # State and caches live under /var/lib/weightsync (mount a volume there to keep the publisher's
 # head copy across restarts); no .pyc files are written at run time (read-only root file system).
+# NUMBA_CACHE_DIR: where kernels compiled at run time are kept (used only where writable: mount a
+# volume there, or at /var/lib/weightsync); those compiled at build time are read from the package.
 ENV PATH="/opt/weightsync/bin:${PATH}" \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     XDG_STATE_HOME=/var/lib/weightsync/state \
-    XDG_CACHE_HOME=/var/lib/weightsync/cache
+    XDG_CACHE_HOME=/var/lib/weightsync/cache \
+    NUMBA_CACHE_DIR=/var/lib/weightsync/cache/numba
 USER 10001:10001
+# As the unprivileged user, with no writable cache directory (as under a read-only root file
+# system): the kernels compiled at build time load without compiling, or the build fails.
+RUN NUMBA_CACHE_DIR="" XDG_CACHE_HOME=/nonexistent python -m weightsync.jit --require-cached
 WORKDIR /home/weightsync
 # Default API ports: publisher 8470, subscriber 8471 (the daemons serve HTTP only with --listen).
 EXPOSE 8470 8471 8472

@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ._version import __version__ as __version__
 from .codec import CodecConfig
 from .errors import WeightsyncError
 from .publishing import PublishConfig, PublishResult
@@ -27,7 +28,6 @@ __all__ = [
     "CodecConfig", "PublishConfig", "PublishResult", "PullConfig", "PullResult", "Repo", "Store",
     "VersionInfo", "WeightsyncError", "open_repo", "publish", "pull", "verify", "versions",
 ]
-__version__ = "0.1.0"
 
 StoreLike = str | os.PathLike | Store | Repo
 

@@ -22,10 +22,10 @@ from __future__ import annotations
 import struct
 
 import numpy as np
-from numba import njit
 
 from .dtypes import ITEMSIZE
 from .errors import FormatError
+from .jit import njit
 
 # dtype -> (shift, bits) of the exponent field within the unsigned view (sign bit excluded);
 # other dtypes use a single context.
@@ -45,7 +45,7 @@ _SLOWEST = int(_RATE[_LIMIT])  # the rate of a model that has seen _LIMIT bits o
 _PREFIX_MODELS = 66
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(nogil=True, inline="always")
 def _update(p, cnt, m, bit, rate):
     n = cnt[m]
     target = 0 if bit else _ONE
@@ -55,7 +55,7 @@ def _update(p, cnt, m, bit, rate):
         cnt[m] = n + 1
 
 
-@njit(cache=True, nogil=True)
+@njit(nogil=True)
 def _shift_low(low, cache, csize, pos, out):
     """Emit the top byte of ``low`` (through the carry cache); returns the new low, cache, cache
     size and output position."""
@@ -73,7 +73,7 @@ def _shift_low(low, cache, csize, pos, out):
     return (low & 0x00FFFFFF) << 8, cache, csize + 1, pos
 
 
-@njit(cache=True, nogil=True)
+@njit(nogil=True)
 def _encode(old, new, width_bits, shift, mask, n_ctx, out, rate):
     """Code a block; returns (bytes written or -1 if ``out`` was too small, elements changed).
 
@@ -174,7 +174,7 @@ def _encode(old, new, width_bits, shift, mask, n_ctx, out, rate):
     return pos, j
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(nogil=True, inline="always")
 def _refill(code, rng, pos, data):
     """Normalize the decoder: shift in bytes while the range is below 2^24 (zeros past the end)."""
     while rng < _TOP:
@@ -185,7 +185,7 @@ def _refill(code, rng, pos, data):
     return code, rng, pos
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(nogil=True, inline="always")
 def _dec_bit(code, rng, pos, data, p, cnt, m, rate):
     """One modelled decision; returns (bit, code, range, pos)."""
     bound = (rng >> _PROB_BITS) * p[m]
@@ -201,7 +201,7 @@ def _dec_bit(code, rng, pos, data, p, cnt, m, rate):
     return bit, code, rng, pos
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(nogil=True, inline="always")
 def _dec_direct(code, rng, pos, data):
     rng >>= 1
     bit = 0
@@ -212,7 +212,7 @@ def _dec_direct(code, rng, pos, data):
     return bit, code, rng, pos
 
 
-@njit(cache=True, nogil=True)
+@njit(nogil=True)
 def _decode(old, data, width_bits, shift, mask, n_ctx, k, rate, idx, zz):
     """Decode a block's changes: positions into ``idx``, zigzag codes into ``zz``; returns how many
     elements changed (must equal ``k``), -1 if the stream is longer than ``k`` or runs past its end, or

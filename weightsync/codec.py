@@ -416,23 +416,27 @@ def rebuild(dtype: str, nbytes: int, xxh3: str, base: np.ndarray | None,
 
 
 def warm_up() -> None:
-    """Compile the numba kernels, or load them from numba's cache, for every element width, by
-    coding a tiny tensor pair with each codec. Daemons run this at start in the background, so
-    that their first delta does not pay it (about 6 s of compiling with a cold cache, 0.4 s to
-    load a warm one)."""
+    """Compile the numba kernels, or load them from numba's cache (:mod:`weightsync.jit`), for every
+    element width and every signature publishes and pulls use, by coding a tiny tensor pair with
+    each codec: deltas and keyframes, decoded from a read-only payload (as fetched) and a writable
+    one, into a fresh buffer and in place. Daemons run this at start in the background, so that
+    their first delta does not pay it (about 7 s of compiling with a cold cache, 0.5 s to load a
+    warm one); an image build runs it (``python -m weightsync.jit``) to fill the image's cache."""
     rng = np.random.default_rng(0)
     for width in sorted(set(UINT_VIEW)):
         dtype = next(d for d in ("U8", "BF16", "F32", "F64") if itemsize(d) == width)
         old = rng.integers(0, 256, 1024 * width, dtype=np.uint8)
         new = old.copy()
         new[:: 37 * width] += 1  # 2.7% of the elements change: the delta codecs, not dense
-        for cfg in (CodecConfig(), CodecConfig(entropy_coder=False)):
-            enc = encode_tensor(dtype, new, old, cfg)
-            base = old.copy()  # decoded into a fresh buffer, and in place (as pulls do): two kernels
-            for out in (decode_tensor(dtype, enc.codec, enc.payload, old, new.size),
-                        decode_tensor(dtype, enc.codec, enc.payload, base, new.size, out=base)):
-                if not np.array_equal(out, new):
-                    raise AssertionError(f"codec warm-up: {enc.codec} did not round-trip")  # never expected
+        for cfg, base in ((CodecConfig(), old), (CodecConfig(entropy_coder=False), old), (CodecConfig(), None)):
+            enc = encode_tensor(dtype, new, base, cfg)  # base None: a keyframe ("full")
+            for payload in (bytes(enc.payload), bytearray(enc.payload)):  # read-only and writable arrays
+                into = old.copy()  # decoded into a fresh buffer, and in place (as pulls do): two kernels
+                for out in (decode_tensor(dtype, enc.codec, payload, base, new.size),
+                            decode_tensor(dtype, enc.codec, payload, into if base is not None else None, new.size,
+                                          out=into)):
+                    if not np.array_equal(out, new):
+                        raise AssertionError(f"codec warm-up: {enc.codec} did not round-trip")  # never expected
 
 
 def _decode_payload(codec: str, dtype: str, payload: memoryview, old: np.ndarray | None, out: np.ndarray, what: str,

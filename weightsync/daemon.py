@@ -118,7 +118,9 @@ def warm_codec() -> None:
         except Exception as exc:  # the first delta then compiles what it needs, as before
             event(log, "codec warm-up failed", level=logging.WARNING, error=f"{type(exc).__name__}: {exc}")
             return
-        event(log, "codec kernels ready", seconds=f"{time.perf_counter() - t0:.2f}")
+        from .jit import stats  # signatures loaded from numba's cache and compiled
+
+        event(log, "codec kernels ready", seconds=f"{time.perf_counter() - t0:.2f}", **stats())
 
     threading.Thread(target=work, name="codec-warm-up", daemon=True).start()
 

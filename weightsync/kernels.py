@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.extending import intrinsic
+
+from .jit import njit
 
 
 @intrinsic
@@ -20,13 +22,13 @@ def _trailing_zeros(typingctx, x):
     return types.uint64(types.uint64), codegen
 
 
-@njit(cache=True)
+@njit()
 def gap_width(max_gap):
     """Bytes per gap in a ``sparse`` block: the narrowest of 1, 2 and 4 that holds ``max_gap``."""
     return 1 if max_gap < 1 << 8 else 2 if max_gap < 1 << 16 else 4
 
 
-@njit(cache=True, nogil=True)
+@njit(nogil=True)
 def _sparse_streams(old, new):
     n = old.size
     pos = np.empty(n + 1, np.uint32)  # pages are only touched up to the number of changes (+1:
@@ -95,7 +97,7 @@ def sparse_streams(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, int, i
     return _sparse_streams(old, new)
 
 
-@njit(cache=True, nogil=True)
+@njit(nogil=True)
 def _split_planes(x, out):
     n = x.size
     for j in range(x.itemsize):  # a plane at a time: each loop is a vectorised narrowing (10x numpy's transpose)
@@ -105,7 +107,7 @@ def _split_planes(x, out):
             out[base + i] = np.uint8(np.uint64(x[i]) >> shift)
 
 
-@njit(cache=True, nogil=True)
+@njit(nogil=True)
 def _merge_planes(planes, x):
     n = x.size
     for i in range(np.uint64(0), np.uint64(n)):
@@ -137,7 +139,7 @@ def merge_planes(planes: np.ndarray, out: np.ndarray) -> np.ndarray:
     return out
 
 
-@njit(cache=True, nogil=True)
+@njit(nogil=True)
 def _apply_sparse(out, src, start, gaps, gw, vals, k, pos, end):
     if src is not None:
         for i in range(np.uint64(start), np.uint64(end)):  # unsigned: no negative-index wrap, so a memcpy

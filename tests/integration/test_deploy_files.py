@@ -199,7 +199,7 @@ def test_dockerfile_runs_weightsync_as_an_unprivileged_user():
 def test_dockerfile_makes_torch_optional_and_bakes_in_no_secret():
     ins = dockerfile_instructions((ROOT / "Dockerfile").read_text())
     assert ("ARG", "WITH_TORCH=0") in ins
-    assert any(w == "RUN" and "[torch]" in a and "WITH_TORCH" in a for w, a in ins)
+    assert any(w == "RUN" and "WITH_TORCH" in a and 'extra="torch"' in a for w, a in ins)
     secret = re.compile(r"(SECRET|PASSWORD|TOKEN|ACCESS_KEY|CREDENTIAL)", re.I)
     for word, rest in ins:
         if word in ("ENV", "ARG", "LABEL"):
@@ -212,6 +212,48 @@ def test_dockerfile_makes_torch_optional_and_bakes_in_no_secret():
     allowed = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
     assert {"pyproject.toml", "weightsync"} <= allowed
     assert not allowed & {".git", "tests", "deploy", ".env", "benchmarks"}
+
+
+def _build_stage() -> list[tuple[str, str]]:
+    ins = dockerfile_instructions((ROOT / "Dockerfile").read_text())
+    starts = [i for i, (word, _) in enumerate(ins) if word == "FROM"]
+    return ins[starts[0]:starts[1]]
+
+
+def test_dockerfile_installs_dependencies_in_a_layer_a_source_edit_keeps():
+    """pyproject.toml alone, then its dependencies; only then the sources, installed --no-deps. The
+    dependency list the deps layer computes is exactly pyproject's (with the torch extra or not)."""
+    build = _build_stage()
+    copies = [(i, a) for i, (w, a) in enumerate(build) if w == "COPY"]
+    (first, src), (second, everything) = copies
+    assert src.split() == ["pyproject.toml", "./"] and everything.split() == [".", "."]
+    deps = [a for w, a in build[first:second] if w == "RUN"]
+    assert len(deps) == 1 and "pip install -r" in deps[0]
+    assert any("pip install --no-deps ." in a for w, a in build[second:] if w == "RUN")
+    program = re.search(r"python -c '([^']*)'", deps[0]).group(1)
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+, like the image
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for extras, expected in (([], project["dependencies"]),
+                             (["torch"], project["dependencies"] + project["optional-dependencies"]["torch"])):
+        r = subprocess.run([sys.executable, "-c", program, *extras], cwd=ROOT, capture_output=True, text=True,
+                           timeout=60, check=False)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split() == expected
+
+
+def test_dockerfile_ships_the_compiled_kernels_and_checks_they_load_read_only():
+    """The build stage compiles the numba kernels into the installed package; the runtime stage sets
+    NUMBA_CACHE_DIR under /var/lib/weightsync (writable only where a volume is mounted) and, as the
+    unprivileged user with no writable cache, checks that they load without compiling."""
+    build = _build_stage()
+    installed = max(i for i, (w, a) in enumerate(build) if w == "RUN" and "pip install --no-deps" in a)
+    assert any(w == "RUN" and a.endswith("-m weightsync.jit") for w, a in build[installed:])
+    final = final_stage(dockerfile_instructions((ROOT / "Dockerfile").read_text()))
+    env = " ".join(a for w, a in final if w == "ENV")
+    assert re.search(r"\bNUMBA_CACHE_DIR=/var/lib/weightsync/\S+", env)
+    user = max(i for i, (w, _) in enumerate(final) if w == "USER")
+    (check,) = [a for w, a in final[user:] if w == "RUN" and "weightsync.jit" in a]
+    assert "--require-cached" in check and 'NUMBA_CACHE_DIR=""' in check and "XDG_CACHE_HOME=/nonexistent" in check
 
 
 def test_dockerfile_passes_hadolint():
@@ -511,6 +553,25 @@ def test_k8s_pods_are_hardened_probed_and_sized():
             env = {e["name"]: e.get("valueFrom", {}) for e in c["env"]}
             assert env["WEIGHTSYNC_API_TOKEN"]["secretKeyRef"]["name"] == "weightsync-api", where
     assert daemons == 2 and mirrors == 1
+
+
+def test_k8s_daemons_have_a_writable_numba_cache_dir():
+    """The publisher and the subscriber run with a read-only root: the image's NUMBA_CACHE_DIR lies
+    on a writable volume, so kernels the image did not compile for the node's CPU are compiled
+    once per pod (the image's own compiled kernels load read-only either way)."""
+    final = final_stage(dockerfile_instructions((ROOT / "Dockerfile").read_text()))
+    image_default = re.search(r"\bNUMBA_CACHE_DIR=(\S+)", " ".join(a for w, a in final if w == "ENV")).group(1)
+    daemons = 0
+    for name, _, pod in pod_specs():
+        for c in containers(pod):
+            if not is_weightsync(c) or k8s_argv(c)[0] not in DAEMON_PORTS:
+                continue
+            daemons += 1
+            cache_dir = next((e["value"] for e in c.get("env", []) if e["name"] == "NUMBA_CACHE_DIR"), image_default)
+            mounts = [m["mountPath"].rstrip("/") for m in c.get("volumeMounts", []) if not m.get("readOnly")]
+            assert any(cache_dir == m or cache_dir.startswith(m + "/") for m in mounts), \
+                f"{name}/{c['name']}: {cache_dir} is on the read-only root"
+    assert daemons == 2
 
 
 def test_k8s_references_resolve():

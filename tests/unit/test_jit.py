@@ -1,0 +1,70 @@
+"""The numba kernels' cache and warm-up (:mod:`weightsync.jit`, :func:`weightsync.codec.warm_up`).
+
+Read-only installs and a cache filled ahead of time are tested with real processes in
+``tests/functional/test_readonly_install.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import weightsync
+from weightsync import codec, jit
+from weightsync.synth import make_trajectory
+
+
+def _overloads() -> dict[int, set]:
+    return {id(d): set(d.overloads) for d in jit._DISPATCHERS}
+
+
+def _new_overloads(before: dict[int, set]) -> list[str]:
+    return [f"{d.py_func.__qualname__}{sig}" for d in jit._DISPATCHERS for sig in set(d.overloads) - before[id(d)]]
+
+
+def test_every_kernel_uses_the_layered_cache():
+    import weightsync.arith  # registers its kernels
+    import weightsync.kernels  # noqa: F401
+
+    names = {d.py_func.__qualname__ for d in jit._DISPATCHERS}
+    assert {"gap_width", "_sparse_streams", "_apply_sparse", "_split_planes", "_merge_planes", "_encode", "_decode"} <= names
+    assert all(isinstance(d._cache, jit.LayeredCache) for d in jit._DISPATCHERS)
+
+
+def test_warm_up_compiles_every_signature_publish_and_pull_use(tmp_path):
+    """A daemon's warm-up (and the image's cache) covers what its work needs: after it, publishing
+    keyframes and deltas and pulling them (fresh, and updating a folder) compiles nothing new."""
+    codec.warm_up()
+    before = _overloads()
+    traj = make_trajectory(tmp_path / "traj", steps=3, shards=2, hidden=32, layers=1, experts=2, vocab=128)
+    store = f"file://{tmp_path / 'store'}"
+    for ckpt in traj:
+        weightsync.publish(ckpt, store, config=weightsync.PublishConfig(keyframe_interval=2), cache_dir=tmp_path / "cache")
+    weightsync.pull(store, tmp_path / "fresh")
+    weightsync.pull(store, tmp_path / "updated", version=1)
+    weightsync.pull(store, tmp_path / "updated")
+    assert weightsync.verify(store, tmp_path / "updated") == len(traj) - 1
+    assert _new_overloads(before) == []
+
+
+def test_jit_main_reports_and_checks_the_cache(tmp_path):
+    env = {"NUMBA_CACHE_DIR": str(tmp_path / "numba"), "PATH": "/usr/bin:/bin"}
+    argv = [sys.executable, "-m", "weightsync.jit"]
+    first = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert first.returncode == 0, first.stderr
+    report = json.loads(first.stdout.splitlines()[-1])  # compiled, or loaded from this tree's __pycache__
+    assert report["compiled"] + report["cached"] > 0
+    assert report["writable"] and all(p.startswith(str(tmp_path / "numba")) for p in report["writable"])
+    again = subprocess.run([*argv, "--require-cached"], env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert again.returncode == 0, again.stdout + again.stderr
+    report = json.loads(again.stdout.splitlines()[-1])
+    assert report["compiled"] == 0 and report["cached"] > 0
+
+
+@pytest.mark.parametrize("option", ["cache"])
+def test_njit_refuses_a_cache_option(option):
+    with pytest.raises(TypeError):
+        jit.njit(**{option: True})
