@@ -27,6 +27,7 @@ from .store.retry import RetryPolicy
 TOKEN_ENV = "WEIGHTSYNC_API_TOKEN"
 _ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 DEFAULT_HOOK_BODY = '{"version": {version}, "path": "{path}"}'
+_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # an HTTP token (RFC 9110)
 
 
 def _positive(name: str, value: float) -> None:
@@ -156,10 +157,16 @@ class HookConfig:
     backoff: Backoff = field(default_factory=lambda: Backoff(0.5, 10.0))
     timeout: float = 30.0
     env: Mapping[str, str] = field(default_factory=dict)  # the command's environment (secrets removed)
+    headers: tuple[tuple[str, str], ...] = field(default=(), repr=False)  # sent with the HTTP request; never printed
 
     def __post_init__(self) -> None:
         if bool(self.url) == bool(self.command):
             raise UsageError("a swap hook is either --hook-url or --hook-command")
+        if self.headers and not self.url:
+            raise UsageError("hook headers go with an HTTP hook (--hook-url), not a command")
+        for name, value in self.headers:
+            if not _HEADER_NAME.match(name) or any(c in value for c in "\r\n\0"):
+                raise UsageError(f"hook header {name[:40]!r}: not a valid HTTP header (its value is not shown)")
         if self.url and not self.url.startswith(("http://", "https://")):
             raise UsageError(f"hook URL must be http:// or https://, got {self.url!r}")
         if self.method not in ("POST", "PUT", "GET"):
@@ -453,10 +460,14 @@ def add_subscriber_args(p: argparse.ArgumentParser, environ: Mapping[str, str] |
     add("--exclude", action="append", default=[], sep=",", help="glob over tensor names to skip (repeatable)")
     add("--hook-url", help="HTTP endpoint called after each swap")
     add("--hook-method", default="POST", help="HTTP method of the hook (default POST)")
+    add("--hook-header", action="append", default=[], sep="\n", metavar="'NAME: VALUE'",
+        help="HTTP header sent with each hook request, e.g. 'Authorization: Bearer ...' (repeatable; "
+             "values are never logged; prefer the variable to the flag, which ps shows)")
     add("--hook-body", default=DEFAULT_HOOK_BODY, help="JSON template; {version}, {path}, {current} are replaced")
     add("--hook-command", help="command run after each swap (split like a shell; same placeholders)")
-    add("--hook-attempts", type=int, default=5)
-    add("--hook-timeout", type=float, default=30.0)
+    add("--hook-attempts", type=int, default=5,
+        help="tries of the hook per swap, each failure logged and counted (default 5)")
+    add("--hook-timeout", type=float, default=30.0, help="seconds each try of the hook may take (default 30)")
     add("--hook-backoff", type=float, default=0.5, help="first wait between hook attempts, doubling (default 0.5)")
     add("--ledger-interval", type=float, default=30.0, help="seconds between fleet ledger heartbeats (default 30)")
     add("--concurrency", type=int, default=32, help="chunks in flight (default 32)")
@@ -590,11 +601,21 @@ def publisher_config(args, environ: Mapping[str, str] = os.environ) -> Publisher
     )
 
 
-_SECRETISH = re.compile(r"SECRET|TOKEN|PASSWORD|CREDENTIAL|^AWS_", re.IGNORECASE)
+_SECRETISH = re.compile(r"SECRET|TOKEN|PASSWORD|CREDENTIAL|^AWS_|^WEIGHTSYNC_HOOK_HEADER$", re.IGNORECASE)
+
+
+def _header(text: str, source: str) -> tuple[str, str]:
+    """``'Name: value'`` -> (name, value); an error never shows the value (it may be a secret)."""
+    name, colon, value = text.partition(":")
+    if not colon or not name.strip():
+        raise UsageError(f"{source} wants 'NAME: VALUE' (e.g. 'Authorization: Bearer ...'), not a line without a name and colon")
+    return name.strip(), value.strip()
 
 
 def _hook(args, environ: Mapping[str, str]) -> HookConfig | None:
     if not args.hook_url and not args.hook_command:
+        if getattr(args, "hook_header", None):
+            raise UsageError(f"{_source(args, 'hook_header', '--hook-header')} needs --hook-url")
         return None
     import shlex
 
@@ -605,6 +626,7 @@ def _hook(args, environ: Mapping[str, str]) -> HookConfig | None:
         url=args.hook_url, command=command, method=args.hook_method.upper(), body=args.hook_body,
         attempts=args.hook_attempts, backoff=Backoff(args.hook_backoff, max(args.hook_backoff, 30.0)),
         timeout=args.hook_timeout, env=env,
+        headers=tuple(_header(h, _source(args, "hook_header", "--hook-header")) for h in getattr(args, "hook_header", [])),
     )
 
 

@@ -20,6 +20,7 @@ import pytest
 
 from weightsync import cli
 from weightsync.config import (
+    HookConfig,
     add_publisher_args,
     env_sources,
     env_var,
@@ -228,6 +229,39 @@ def test_token_sources_in_order(tmp_path):
         token([], WEIGHTSYNC_API_TOKEN=" ")
     with pytest.raises(UsageError, match="^cannot read WEIGHTSYNC_API_TOKEN_FILE"):
         token([], WEIGHTSYNC_API_TOKEN_FILE=str(tmp_path / "missing"))
+
+
+# --- hook headers -------------------------------------------------------------------------------------------
+def test_hook_headers_from_flags_and_the_environment(tmp_path):
+    url = ["--hook-url", "http://127.0.0.1:9/hook"]
+    args = parse(["subscriber", *url, "--hook-header", "Authorization: Bearer abc", "--hook-header", "X-Run:  r1 "],
+                 sub_env(tmp_path))
+    hook = subscriber_config(args, {}).hook
+    assert hook.headers == (("Authorization", "Bearer abc"), ("X-Run", "r1"))
+    assert "abc" not in repr(hook) and "abc" not in repr(subscriber_config(args, {}))
+    env = sub_env(tmp_path, WEIGHTSYNC_HOOK_HEADER="Authorization: Bearer xyz\nX-Two: 2\n")
+    assert subscriber_config(parse(["subscriber", *url], env), env).hook.headers == (("Authorization", "Bearer xyz"), ("X-Two", "2"))
+    flagged = parse(["subscriber", *url, "--hook-header", "X-Only: 1"], env)
+    assert subscriber_config(flagged, env).hook.headers == (("X-Only", "1"),)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--hook-url", "http://h/", "--hook-header", "no colon secret-value"], "wants 'NAME: VALUE'"),
+    (["--hook-url", "http://h/", "--hook-header", "Bad Name: secret-value"], "not a valid HTTP header"),
+    (["--hook-command", "true", "--hook-header", "A: secret-value"], "HTTP hook"),
+    (["--hook-header", "A: secret-value"], "--hook-header needs --hook-url"),
+])
+def test_bad_hook_headers_are_refused_without_showing_the_value(tmp_path, argv, words):
+    with pytest.raises(UsageError, match=words) as err:
+        subscriber_config(parse(["subscriber", *argv], sub_env(tmp_path)), {})
+    assert "secret-value" not in str(err.value)
+    with pytest.raises(UsageError):
+        HookConfig(url="http://h/", headers=(("A", "x\r\nInjected: 1"),))
+
+
+def test_hook_attempts_and_timeout_say_their_defaults():
+    p = subparser("subscriber")
+    assert "(default 5)" in _option(p, "--hook-attempts").help and "(default 30)" in _option(p, "--hook-timeout").help
 
 
 def test_plain_parsers_still_work_without_the_environment(tmp_path):
