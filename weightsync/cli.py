@@ -15,6 +15,7 @@ import weightsync
 from .config import (
     EnvParser,
     add_encoding_args,
+    add_log_args,
     add_publisher_args,
     add_rank_args,
     add_subscriber_args,
@@ -146,58 +147,91 @@ def _side_store(args, side: str):
     return StoreConfig(url, getattr(args, f"{side}_endpoint_url", None) or getattr(args, "endpoint_url", None))
 
 
-def _serve_metrics(text: str, registry):
-    """Serve ``registry`` at ``http://HOST:PORT/metrics`` (any path answers) from a daemon thread."""
-    from prometheus_client import start_http_server
+class _MirrorHealth:
+    """What the mirror's ``/readyz`` says: ready once a pass has succeeded (both stores reachable, the
+    destination a mirror of the source), and the outcome of the latest pass."""
 
-    host, port = parse_listen(text, "--metrics-listen")
+    def __init__(self) -> None:
+        self.ready, self.state, self.last_error = False, "starting", None
+
+    def passed(self) -> None:
+        self.ready, self.state, self.last_error = True, "idle", None
+
+    def failed(self, exc: Exception) -> None:
+        self.state, self.last_error = "error", f"{type(exc).__name__}: {exc}"
+
+    def readyz(self):
+        from .daemon import json_answer
+
+        doc = {"ready": self.ready, "state": self.state, **({"last_error": self.last_error} if self.last_error else {})}
+        return json_answer(doc, 200 if self.ready else 503)
+
+
+def _serve_mirror_http(text: str, flag: str, metrics, health: _MirrorHealth, log):
+    """Serve ``/metrics``, ``/healthz`` and ``/readyz`` at ``http://HOST:PORT`` from a daemon thread."""
+    from .daemon import event, json_answer, serve_routes
+    from .metrics import CONTENT_TYPE
+
+    host, port = parse_listen(text, flag)
+    routes = {"/metrics": lambda: (200, CONTENT_TYPE, metrics.render()), "/healthz": lambda: json_answer({"status": "ok"}),
+              "/readyz": health.readyz}
     try:
-        server, _ = start_http_server(port, host, registry)
+        server = serve_routes(host, port, routes)
     except OSError as exc:  # address in use, not ours, or a host that does not resolve
-        raise UsageError(f"--metrics-listen {text}: cannot listen there: {exc.strerror or exc}") from None
+        raise UsageError(f"{flag} {text}: cannot listen there: {exc.strerror or exc}") from None
     bound = server.server_address[1]
     shown = f"[{host}]" if ":" in host else host
-    print(f"weightsync: mirror metrics listening on http://{shown}:{bound}/metrics", file=sys.stderr, flush=True)
+    event(log, f"mirror metrics listening on http://{shown}:{bound}/metrics (and /healthz, /readyz)")
     return server
 
 
 def cmd_mirror(args) -> int:
+    import logging
     import signal
     import threading
 
     from prometheus_client import CollectorRegistry
 
-    from .daemon import open_daemon_repo
+    from .config import LogConfig, env_sources
+    from .daemon import event, open_daemon_repo, setup_logging
     from .metrics import Metrics
     from .mirror import MirrorConfig, mirror
 
+    setup_logging(LogConfig(args.log_json, args.log_level))
+    log = logging.getLogger("weightsync.mirror")
     cfg = MirrorConfig(concurrency=args.concurrency, interval=args.interval)
     metrics = Metrics(CollectorRegistry(), "mirror", region=args.region, cluster=args.cluster)
+    health = _MirrorHealth()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
 
     def copied(version: int, chunks: int, nbytes: int) -> None:
         metrics.mirror_version(version, chunks, nbytes)
-        print(f"mirrored version {version}: {chunks} chunks, {human_bytes(nbytes)} copied", file=sys.stderr, flush=True)
+        event(log, f"mirrored version {version}: {chunks} chunks, {human_bytes(nbytes)} copied", version=version)
 
     def failed(exc: Exception) -> None:
         metrics.mirror_error(exc)
-        print(f"weightsync: mirror pass failed, retrying in {args.interval:g}s: {exc}", file=sys.stderr, flush=True)
+        health.failed(exc)
+        event(log, f"mirror pass failed, retrying in {args.interval:g}s", logging.WARNING, error=f"{type(exc).__name__}: {exc}")
 
-    server = None if args.metrics_listen is None else _serve_metrics(args.metrics_listen, metrics.registry)
+    def passed(result) -> None:
+        metrics.mirror_pass(result)
+        health.passed()
+
+    flag = env_sources(args).get("metrics_listen", "--metrics-listen")
+    server = None if args.metrics_listen is None else _serve_mirror_http(args.metrics_listen, flag, metrics, health, log)
     try:
         src = open_daemon_repo(_side_store(args, "from"), metrics.on_retry)  # retries as the daemons do, counted
         dst = open_daemon_repo(_side_store(args, "to"), metrics.on_retry)
         r = mirror(src, dst, follow=args.follow, config=cfg, stop=stop, on_version=copied, on_error=failed,
-                   on_heads=metrics.mirror_heads, on_pass=metrics.mirror_pass, on_chunk=metrics.mirror_chunk)
+                   on_heads=metrics.mirror_heads, on_pass=passed, on_chunk=metrics.mirror_chunk)
     finally:
         if server is not None:
             server.shutdown()
             server.server_close()
-    print(f"mirror {args.src} -> {args.dst}: {len(r.copied_versions)} versions, {r.copied_chunks} chunks, "
-          f"{human_bytes(r.copied_bytes)} copied, {r.skipped_chunks} chunks already there, head {r.head}, "
-          f"{r.seconds:.2f}s", file=sys.stderr)
+    event(log, f"mirror {args.src} -> {args.dst}: {len(r.copied_versions)} versions, {r.copied_chunks} chunks, "
+          f"{human_bytes(r.copied_bytes)} copied, {r.skipped_chunks} chunks already there, head {r.head}, {r.seconds:.2f}s")
     print("" if r.head is None else r.head)
     return 0
 
@@ -358,9 +392,10 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     add("--from-endpoint-url", help="S3 endpoint of the source (overrides --endpoint-url)")
     add("--to-endpoint-url", help="S3 endpoint of the destination (overrides --endpoint-url)")
     add("--metrics-listen", metavar="HOST:PORT",
-        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: none; host 127.0.0.1)")
+        help="serve /metrics (Prometheus), /healthz and /readyz at http://HOST:PORT (default: none; host 127.0.0.1)")
     add("--region", default="", help="region label of the metrics (the destination's region)")
     add("--cluster", default="", help="cluster label of the metrics")
+    add_log_args(p, env)
     p.set_defaults(func=cmd_mirror)
 
     p = sub.add_parser("gc", help="delete old versions and the chunks only they need")

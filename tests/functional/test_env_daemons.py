@@ -3,7 +3,9 @@
 A subscriber started as plain ``weightsync subscriber`` with every setting in ``WEIGHTSYNC_*``
 variables serves the store's head, logs JSON, and calls its swap hook with the configured headers
 (an ``Authorization`` among them) on a real HTTP server on 127.0.0.1, never logging their values.
-A bad variable stops a daemon at once with one line naming it (exit 2).
+A bad variable stops a daemon at once with one line naming it (exit 2). The mirror, also configured
+from the environment, answers ``/healthz`` and ``/readyz``: 503 while its passes fail (a source
+chunk is missing), 200 once one succeeded.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import http.server
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -165,6 +168,7 @@ def test_a_hook_refused_without_its_header_is_retried_and_logged_without_values(
     ("subscriber", {"WEIGHTSYNC_POLL_INTERVAL": "0"}, "WEIGHTSYNC_POLL_INTERVAL"),
     ("subscriber", {"WEIGHTSYNC_NO_FSYNC": "maybe"}, "WEIGHTSYNC_NO_FSYNC"),
     ("publisher", {"WEIGHTSYNC_CHUNK_MIB": "lots"}, "WEIGHTSYNC_CHUNK_MIB"),
+    ("mirror", {"WEIGHTSYNC_METRICS_LISTEN": "127.0.0.1:99999"}, "WEIGHTSYNC_METRICS_LISTEN"),
 ])
 def test_a_bad_variable_stops_the_daemon_with_one_line(published, cli_env, tmp_path, role, settings, var):
     store, _ = published
@@ -178,3 +182,36 @@ def test_a_bad_variable_stops_the_daemon_with_one_line(published, cli_env, tmp_p
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert lines[0].startswith(f"weightsync: error: {var}"), lines[0]
     assert not (tmp_path / "sub").exists() and not (tmp_path / "dst").exists()
+
+
+def test_the_mirror_answers_healthz_and_readyz(published, cli_env, tmp_path):
+    store, _ = published
+    chunks, hidden = store / "chunks", tmp_path / "chunks-aside"
+    shutil.move(chunks, hidden)  # every pass fails (a missing source chunk) until they are back
+    env = _env(cli_env, WEIGHTSYNC_FROM=f"file://{store}", WEIGHTSYNC_TO=f"file://{tmp_path / 'regional'}",
+               WEIGHTSYNC_FOLLOW="yes", WEIGHTSYNC_INTERVAL="0.1", WEIGHTSYNC_METRICS_LISTEN="127.0.0.1:0",
+               WEIGHTSYNC_REGION="region-b", WEIGHTSYNC_LOG_JSON="on", WEIGHTSYNC_LOG_LEVEL="info")
+    mirror = _Process("mirror", env, tmp_path / "mirror.log")
+    try:
+        url = mirror.url()
+        assert _get(url + "/healthz") == (200, {"status": "ok"})
+        code, body = mirror.wait(lambda: (r := _get(url + "/readyz"))[1]["state"] == "error" and r, "a failed pass")
+        assert code == 503 and body["ready"] is False and "NotFoundError" in body["last_error"]
+        shutil.move(hidden, chunks)
+        code, body = mirror.wait(lambda: (r := _get(url + "/readyz"))[0] == 200 and r, "a pass to succeed")
+        assert body == {"ready": True, "state": "idle"}
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+            assert resp.headers["Content-Type"].startswith("text/plain")
+            assert re.search(r'^weightsync_mirror_destination_version\{[^}]*region="region-b"[^}]*\} 5\.0$',
+                             resp.read().decode(), re.MULTILINE)
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(url + "/nowhere", timeout=10)
+        assert err.value.code == 404
+        assert _get(url + "/healthz")[0] == 200
+    finally:
+        code = mirror.stop()
+    assert code == 0
+    records = [json.loads(line) for line in mirror.log.read_text().splitlines() if line.strip()]
+    msgs = [r["msg"] for r in records]
+    assert any(m.startswith("mirror pass failed") for m in msgs) and any(m.startswith("mirrored version 5") for m in msgs)
+    assert {r["logger"] for r in records} == {"weightsync.mirror"}

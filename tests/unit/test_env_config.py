@@ -113,8 +113,10 @@ def test_defaults_stay_without_the_environment(tmp_path):
 
 def test_the_mirror_and_gc_take_the_environment():
     args = parse(["mirror"], {"WEIGHTSYNC_FROM": "s3://a/x", "WEIGHTSYNC_TO": "s3://b/x", "WEIGHTSYNC_FOLLOW": "on",
-                              "WEIGHTSYNC_INTERVAL": "1.5", "WEIGHTSYNC_METRICS_LISTEN": "0.0.0.0:8472"})
+                              "WEIGHTSYNC_INTERVAL": "1.5", "WEIGHTSYNC_METRICS_LISTEN": "0.0.0.0:8472",
+                              "WEIGHTSYNC_LOG_JSON": "1", "WEIGHTSYNC_LOG_LEVEL": "WARNING"})
     assert (args.src, args.dst, args.follow, args.interval, args.metrics_listen) == ("s3://a/x", "s3://b/x", True, 1.5, "0.0.0.0:8472")
+    assert (args.log_json, args.log_level) == (True, "WARNING")
     args = parse(["gc"], {"WEIGHTSYNC_STORE": "s3://b/x", "WEIGHTSYNC_KEEP": "50", "WEIGHTSYNC_DRY_RUN": "no"})
     assert (args.store, args.keep, args.dry_run, args.grace_seconds) == ("s3://b/x", 50, False, 3600.0)
     assert parse(["gc", "--keep", "3"], {"WEIGHTSYNC_STORE": "s", "WEIGHTSYNC_KEEP": "50"}).keep == 3
