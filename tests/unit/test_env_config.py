@@ -12,6 +12,7 @@ checked against the parser here.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 from pathlib import Path
@@ -273,3 +274,20 @@ def test_plain_parsers_still_work_without_the_environment(tmp_path):
     assert publisher_config(args, {}).publish.codec.level == 5
     with pytest.raises(TypeError):
         add_publisher_args(argparse.ArgumentParser(), {})
+
+
+# --- the table of docs/OPERATIONS.md ------------------------------------------------------------------------
+def _env_table():
+    spec = importlib.util.spec_from_file_location("env_table", ROOT / "scripts" / "env_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_operations_table_of_variables_is_the_parsers():
+    table = _env_table()
+    assert table.current(ROOT / "docs" / "OPERATIONS.md") == table.render(), "run: python scripts/env_table.py --write"
+    rendered = table.render()
+    for var in ("WEIGHTSYNC_STORE", "WEIGHTSYNC_TARGET", "WEIGHTSYNC_LISTEN", "WEIGHTSYNC_POLL_INTERVAL", "WEIGHTSYNC_API_TOKEN",
+                "WEIGHTSYNC_HOOK_HEADER", "WEIGHTSYNC_FROM", "WEIGHTSYNC_KEEP", "WEIGHTSYNC_HEALTHCHECK_URLS"):
+        assert f"`{var}`" in rendered, var
