@@ -6,13 +6,24 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
 
 import weightsync
 
-from .codec import CodecConfig
-from .config import parse_listen, version_arg
+from .config import (
+    EnvParser,
+    add_encoding_args,
+    add_log_args,
+    add_publisher_args,
+    add_rank_args,
+    add_subscriber_args,
+    env_argument,
+    parse_listen,
+    publish_config,
+    version_arg,
+)
 from .errors import UsageError, WeightsyncError
 from .progress import Progress, human_bytes
 from .publishing import PublishConfig
@@ -33,13 +44,7 @@ def _repo(args):
 
 
 def _publish_config(args) -> PublishConfig:
-    return PublishConfig(
-        codec=CodecConfig(level=args.level, entropy_coder=not args.fast_codec),
-        chunk_bytes=args.chunk_mib << 20,
-        keyframe_interval=args.keyframe_interval,
-        upload_concurrency=args.concurrency,
-        ignore=tuple(args.ignore),
-    )
+    return publish_config(args)
 
 
 def cmd_publish(args) -> int:
@@ -142,58 +147,91 @@ def _side_store(args, side: str):
     return StoreConfig(url, getattr(args, f"{side}_endpoint_url", None) or getattr(args, "endpoint_url", None))
 
 
-def _serve_metrics(text: str, registry):
-    """Serve ``registry`` at ``http://HOST:PORT/metrics`` (any path answers) from a daemon thread."""
-    from prometheus_client import start_http_server
+class _MirrorHealth:
+    """What the mirror's ``/readyz`` says: ready once a pass has succeeded (both stores reachable, the
+    destination a mirror of the source), and the outcome of the latest pass."""
 
-    host, port = parse_listen(text, "--metrics-listen")
+    def __init__(self) -> None:
+        self.ready, self.state, self.last_error = False, "starting", None
+
+    def passed(self) -> None:
+        self.ready, self.state, self.last_error = True, "idle", None
+
+    def failed(self, exc: Exception) -> None:
+        self.state, self.last_error = "error", f"{type(exc).__name__}: {exc}"
+
+    def readyz(self):
+        from .daemon import json_answer
+
+        doc = {"ready": self.ready, "state": self.state, **({"last_error": self.last_error} if self.last_error else {})}
+        return json_answer(doc, 200 if self.ready else 503)
+
+
+def _serve_mirror_http(text: str, flag: str, metrics, health: _MirrorHealth, log):
+    """Serve ``/metrics``, ``/healthz`` and ``/readyz`` at ``http://HOST:PORT`` from a daemon thread."""
+    from .daemon import event, json_answer, serve_routes
+    from .metrics import CONTENT_TYPE
+
+    host, port = parse_listen(text, flag)
+    routes = {"/metrics": lambda: (200, CONTENT_TYPE, metrics.render()), "/healthz": lambda: json_answer({"status": "ok"}),
+              "/readyz": health.readyz}
     try:
-        server, _ = start_http_server(port, host, registry)
+        server = serve_routes(host, port, routes)
     except OSError as exc:  # address in use, not ours, or a host that does not resolve
-        raise UsageError(f"--metrics-listen {text}: cannot listen there: {exc.strerror or exc}") from None
+        raise UsageError(f"{flag} {text}: cannot listen there: {exc.strerror or exc}") from None
     bound = server.server_address[1]
     shown = f"[{host}]" if ":" in host else host
-    print(f"weightsync: mirror metrics listening on http://{shown}:{bound}/metrics", file=sys.stderr, flush=True)
+    event(log, f"mirror metrics listening on http://{shown}:{bound}/metrics (and /healthz, /readyz)")
     return server
 
 
 def cmd_mirror(args) -> int:
+    import logging
     import signal
     import threading
 
     from prometheus_client import CollectorRegistry
 
-    from .daemon import open_daemon_repo
+    from .config import LogConfig, env_sources
+    from .daemon import event, open_daemon_repo, setup_logging
     from .metrics import Metrics
     from .mirror import MirrorConfig, mirror
 
+    setup_logging(LogConfig(args.log_json, args.log_level))
+    log = logging.getLogger("weightsync.mirror")
     cfg = MirrorConfig(concurrency=args.concurrency, interval=args.interval)
     metrics = Metrics(CollectorRegistry(), "mirror", region=args.region, cluster=args.cluster)
+    health = _MirrorHealth()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
 
     def copied(version: int, chunks: int, nbytes: int) -> None:
         metrics.mirror_version(version, chunks, nbytes)
-        print(f"mirrored version {version}: {chunks} chunks, {human_bytes(nbytes)} copied", file=sys.stderr, flush=True)
+        event(log, f"mirrored version {version}: {chunks} chunks, {human_bytes(nbytes)} copied", version=version)
 
     def failed(exc: Exception) -> None:
         metrics.mirror_error(exc)
-        print(f"weightsync: mirror pass failed, retrying in {args.interval:g}s: {exc}", file=sys.stderr, flush=True)
+        health.failed(exc)
+        event(log, f"mirror pass failed, retrying in {args.interval:g}s", logging.WARNING, error=f"{type(exc).__name__}: {exc}")
 
-    server = None if args.metrics_listen is None else _serve_metrics(args.metrics_listen, metrics.registry)
+    def passed(result) -> None:
+        metrics.mirror_pass(result)
+        health.passed()
+
+    flag = env_sources(args).get("metrics_listen", "--metrics-listen")
+    server = None if args.metrics_listen is None else _serve_mirror_http(args.metrics_listen, flag, metrics, health, log)
     try:
         src = open_daemon_repo(_side_store(args, "from"), metrics.on_retry)  # retries as the daemons do, counted
         dst = open_daemon_repo(_side_store(args, "to"), metrics.on_retry)
         r = mirror(src, dst, follow=args.follow, config=cfg, stop=stop, on_version=copied, on_error=failed,
-                   on_heads=metrics.mirror_heads, on_pass=metrics.mirror_pass, on_chunk=metrics.mirror_chunk)
+                   on_heads=metrics.mirror_heads, on_pass=passed, on_chunk=metrics.mirror_chunk)
     finally:
         if server is not None:
             server.shutdown()
             server.server_close()
-    print(f"mirror {args.src} -> {args.dst}: {len(r.copied_versions)} versions, {r.copied_chunks} chunks, "
-          f"{human_bytes(r.copied_bytes)} copied, {r.skipped_chunks} chunks already there, head {r.head}, "
-          f"{r.seconds:.2f}s", file=sys.stderr)
+    event(log, f"mirror {args.src} -> {args.dst}: {len(r.copied_versions)} versions, {r.copied_chunks} chunks, "
+          f"{human_bytes(r.copied_bytes)} copied, {r.skipped_chunks} chunks already there, head {r.head}, {r.seconds:.2f}s")
     print("" if r.head is None else r.head)
     return 0
 
@@ -271,29 +309,25 @@ def cmd_fleet(args) -> int:
     return 0
 
 
-def _add_store(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--store", required=True, help="file:///abs/path, a plain path, or s3://bucket/prefix")
-    p.add_argument("--endpoint-url", help="S3 endpoint (default: boto3's, e.g. AWS_ENDPOINT_URL)")
+def _add_store(p: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
+    """``--store`` and ``--endpoint-url``; with ``environ``, with environment defaults (deployed jobs)."""
+    env_argument(p, environ, "--store", required=True, help="file:///abs/path, a plain path, or s3://bucket/prefix")
+    env_argument(p, environ, "--endpoint-url", help="S3 endpoint (default: boto3's, e.g. AWS_ENDPOINT_URL)")
 
 
 def _add_publish_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base", help="folder holding exactly the parent version (e.g. the previous checkpoint)")
     p.add_argument("--cache-dir", help="where to keep a copy of the head version (default: ~/.cache/weightsync)")
     p.add_argument("--no-cache", action="store_true", help="keep no copy; pull the parent when a delta needs it")
-    p.add_argument("--keyframe-interval", type=int, default=20, help="a full snapshot every K versions (default 20)")
-    p.add_argument("--chunk-mib", type=int, default=16, help="chunk size in MiB (default 16)")
-    p.add_argument("--level", type=int, default=CodecConfig.level,
-                   help=f"zstd level of the 'sparse' and 'dense' delta streams, with min_match 7 and hash_log 10 "
-                        f"(default {CodecConfig.level})")
-    p.add_argument("--fast-codec", action="store_true",
-                   help="code deltas with 'sparse' (6-8x faster to encode, 10x to decode, ~1.5x larger) instead of the arithmetic coder")
-    p.add_argument("--concurrency", type=int, default=32, help="chunks in flight (default 32)")
-    p.add_argument("--ignore", action="append", default=[], metavar="GLOB",
-                   help="do not publish files whose relative path matches (repeatable), e.g. COMPLETE")
+    add_encoding_args(p)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="weightsync", description="Bit-exact weight delta sync over object storage.")
+def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """The command line. The daemons, ``mirror``, ``gc`` and ``fleet`` take a default for every flag
+    from ``environ`` (``WEIGHTSYNC_<FLAG>``; None: from nothing, but the help still names them);
+    the one-shot commands read no environment."""
+    env = {} if environ is None else environ
+    parser = EnvParser(prog="weightsync", description="Bit-exact weight delta sync over object storage.")
     parser.add_argument("--version", action="version", version=f"weightsync {weightsync.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -307,8 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("publish-part", help="publish one rank's files as its part of the next version (multi-rank)")
     p.add_argument("checkpoint_dir")
     _add_store(p)
-    p.add_argument("--rank", type=int, required=True, help="this process's rank, 0..W-1")
-    p.add_argument("--world", type=int, required=True, help="W, the number of ranks publishing the version")
+    add_rank_args(p, required=True)
     p.add_argument("--files", nargs="+", metavar="PATH",
                    help="relative paths this rank publishes (default: the safetensors files round-robin by sorted "
                         "path, every other file on rank 0)")
@@ -349,47 +382,48 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=256, help="model width (default 256: ~40 MB checkpoints)")
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("mirror", help="copy versions into a regional store (chunks, manifest, head)")
-    p.add_argument("--from", dest="src", required=True, help="source store URL")
-    p.add_argument("--to", dest="dst", required=True, help="destination (regional) store URL")
-    p.add_argument("--follow", action="store_true", help="keep polling the source until SIGTERM/SIGINT")
-    p.add_argument("--interval", type=float, default=5.0, help="seconds between polls with --follow (default 5)")
-    p.add_argument("--concurrency", type=int, default=32, help="chunks copied at once (default 32)")
-    p.add_argument("--endpoint-url", help="S3 endpoint of both stores (default: boto3's)")
-    p.add_argument("--from-endpoint-url", help="S3 endpoint of the source (overrides --endpoint-url)")
-    p.add_argument("--to-endpoint-url", help="S3 endpoint of the destination (overrides --endpoint-url)")
-    p.add_argument("--metrics-listen", metavar="HOST:PORT",
-                   help="serve Prometheus metrics at http://HOST:PORT/metrics (default: none; host 127.0.0.1)")
-    p.add_argument("--region", default="", help="region label of the metrics (the destination's region)")
-    p.add_argument("--cluster", default="", help="cluster label of the metrics")
+    add = lambda *flags, **kw: env_argument(p, env, *flags, **kw)  # noqa: E731
+    add("--from", dest="src", required=True, help="source store URL")
+    add("--to", dest="dst", required=True, help="destination (regional) store URL")
+    add("--follow", action="store_true", help="keep polling the source until SIGTERM/SIGINT")
+    add("--interval", type=float, default=5.0, help="seconds between polls with --follow, > 0 (default 5)")
+    add("--concurrency", type=int, default=32, help="chunks copied at once (default 32)")
+    add("--endpoint-url", help="S3 endpoint of both stores (default: boto3's)")
+    add("--from-endpoint-url", help="S3 endpoint of the source (overrides --endpoint-url)")
+    add("--to-endpoint-url", help="S3 endpoint of the destination (overrides --endpoint-url)")
+    add("--metrics-listen", metavar="HOST:PORT",
+        help="serve /metrics (Prometheus), /healthz and /readyz at http://HOST:PORT (default: none; host 127.0.0.1)")
+    add("--region", default="", help="region label of the metrics (the destination's region)")
+    add("--cluster", default="", help="cluster label of the metrics")
+    add_log_args(p, env)
     p.set_defaults(func=cmd_mirror)
 
     p = sub.add_parser("gc", help="delete old versions and the chunks only they need")
-    _add_store(p)
-    p.add_argument("--keep", type=int, required=True, help="newest versions to keep, with their chains")
-    p.add_argument("--grace-seconds", type=float, default=3600.0,
-                   help="never delete an unreferenced chunk younger than this (default 3600; > publishers' refresh_after, 900)")
-    p.add_argument("--dry-run", action="store_true", help="report what would be deleted; delete nothing")
+    add = lambda *flags, **kw: env_argument(p, env, *flags, **kw)  # noqa: E731
+    _add_store(p, env)
+    add("--keep", type=int, required=True, help="newest versions to keep, with their chains")
+    add("--grace-seconds", type=float, default=3600.0,
+        help="never delete an unreferenced chunk younger than this (default 3600; > publishers' refresh_after, 900)")
+    add("--dry-run", action="store_true", help="report what would be deleted; delete nothing")
     p.set_defaults(func=cmd_gc)
 
-    from .config import add_publisher_args, add_subscriber_args
-
     p = sub.add_parser("publisher", help="daemon: publish every checkpoint dropped into a folder")
-    add_publisher_args(p)
+    add_publisher_args(p, env)
     p.set_defaults(func=cmd_publisher)
 
     p = sub.add_parser("subscriber", help="daemon: keep a folder at the newest (or a pinned) version, A/B swapped")
-    add_subscriber_args(p)
+    add_subscriber_args(p, env)
     p.set_defaults(func=cmd_subscriber)
 
     p = sub.add_parser("fleet", help="every subscriber's version, lag and staleness (the fleet ledger)")
-    _add_store(p)
+    _add_store(p, env)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_fleet)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser(os.environ).parse_args(argv)
     try:
         return args.func(args)
     except WeightsyncError as exc:

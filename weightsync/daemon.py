@@ -1,5 +1,6 @@
-"""What the publisher and subscriber daemons share: logging, the stop token, opening the store,
-and running an aiohttp application until SIGTERM or SIGINT.
+"""What the publisher and subscriber daemons (and the mirror) share: logging, the stop token, opening
+the store, running an aiohttp application until SIGTERM or SIGINT, and a plain HTTP server for the
+mirror's probes and metrics.
 
 Shutdown: a signal sets the stop token. Work running in a thread sees it through its progress
 callbacks and aborts before it commits anything (a publish before its manifest, a pull before its
@@ -11,15 +12,18 @@ is flipped by single atomic operations.
 from __future__ import annotations
 
 import asyncio
+import http.server
 import json
 import logging
 import signal
+import socket
 import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import suppress
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
@@ -123,6 +127,41 @@ def warm_codec() -> None:
         event(log, "codec kernels ready", seconds=f"{time.perf_counter() - t0:.2f}", **stats())
 
     threading.Thread(target=work, name="codec-warm-up", daemon=True).start()
+
+
+# --- a plain HTTP server for processes without the aiohttp API (the mirror) ---------------------------
+Answer = tuple[int, str, bytes]  # (status, content type, body)
+
+
+class _RoutesHandler(http.server.BaseHTTPRequestHandler):
+    server_version = "weightsync"
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        route = self.server.routes.get(urlsplit(self.path).path)  # type: ignore[attr-defined]
+        status, ctype, body = route() if route else (404, "application/json", b'{"error": "Not Found"}')
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:  # no access log, as the daemons
+        pass
+
+
+def serve_routes(host: str, port: int, routes: dict[str, Callable[[], Answer]]) -> http.server.ThreadingHTTPServer:
+    """Serve ``GET path`` -> ``routes[path]()`` at ``host:port`` from a daemon thread (other paths:
+    404). Raises OSError if it cannot listen there; stop it with ``shutdown()`` and ``server_close()``."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    server_class = type("Server", (http.server.ThreadingHTTPServer,), {"address_family": family, "daemon_threads": True})
+    server = server_class((host, port), _RoutesHandler)
+    server.routes = routes  # type: ignore[attr-defined]
+    threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
+    return server
+
+
+def json_answer(doc: dict, status: int = 200) -> Answer:
+    return status, "application/json", json.dumps(doc).encode()
 
 
 # --- background loops and the app runner ---------------------------------------------------------

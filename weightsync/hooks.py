@@ -1,6 +1,7 @@
 """Swap hooks: tell the serving process that ``current`` now points at a new version.
 
-A hook is an HTTP request (a JSON body rendered from a template) or a command. Each swap fires the
+A hook is an HTTP request (a JSON body rendered from a template, with the configured headers, e.g.
+``Authorization``, whose values are never logged) or a command. Each swap fires the
 hook once, with up to ``attempts`` tries and doubling backoff; every failed try is logged and
 counted, and the outcome is kept for the status endpoint. A hook never affects what ``current``
 points at: the swap has already happened, atomically, before the hook runs.
@@ -73,12 +74,16 @@ class HookRunner:
 
     async def _http(self, version: int, path: str, current: str) -> None:
         import aiohttp
+        from multidict import CIMultiDict
 
         body = render(self.cfg.body, version, path, current, json_strings=True)
         json.loads(body)  # a template that does not render to JSON is a configuration error, reported per try
         async with aiohttp.ClientSession() as session:
             data = None if self.cfg.method == "GET" else body.encode()
-            headers = {} if data is None else {"Content-Type": "application/json"}
+            headers = CIMultiDict({} if data is None else {"Content-Type": "application/json"})
+            for name, value in self.cfg.headers:  # the operator's (auth, ...): never logged; they may replace ours
+                headers.popall(name, None)
+            headers.extend(self.cfg.headers)
             async with session.request(self.cfg.method, self.cfg.url, data=data, headers=headers) as resp:
                 if resp.status >= 300:
                     text = (await resp.text())[:200]

@@ -108,7 +108,7 @@ def _run(args, env, timeout, cwd=None) -> CliResult:
 
 @pytest.fixture(scope="session")
 def cli_env(tmp_path_factory) -> dict[str, str]:
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTSYNC_")}  # no stray flag defaults
     env["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
     env.pop("AWS_ENDPOINT_URL", None)
     return env

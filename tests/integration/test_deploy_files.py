@@ -89,8 +89,8 @@ def is_weightsync(container: dict) -> bool:
     return "/weightsync:" in container["image"] or container["image"].startswith("weightsync:")
 
 
-def k8s_argv(container: dict, pod_name: str = "pod-0") -> list[str]:
-    """The container's arguments with $(VAR) replaced by what Kubernetes would put there."""
+def k8s_env(container: dict, pod_name: str = "pod-0") -> dict[str, str]:
+    """The container's environment as Kubernetes would set it (secrets as placeholders)."""
     maps = {c["metadata"]["name"]: c["data"] for c in k8s_kind("ConfigMap")}
     env = {}
     for e in container.get("env", []):
@@ -104,6 +104,12 @@ def k8s_argv(container: dict, pod_name: str = "pod-0") -> list[str]:
             env[e["name"]] = pod_name
         else:
             env[e["name"]] = "secret"
+    return env
+
+
+def k8s_argv(container: dict, pod_name: str = "pod-0") -> list[str]:
+    """The container's arguments with $(VAR) replaced by what Kubernetes would put there."""
+    env = k8s_env(container, pod_name)
     return [re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env[m.group(1)], a) for a in container.get("args", [])]
 
 
@@ -112,13 +118,23 @@ def interpolate(value: str) -> str:
     return re.sub(r"\$\{[A-Za-z_][A-Za-z0-9_]*:-([^}]*)\}", r"\1", value)
 
 
-def flag(argv: list[str], name: str) -> str | None:
+def flag(argv: list[str], name: str, env: dict[str, str] | None = None) -> str | None:
+    """A flag's value in ``argv``, else its WEIGHTSYNC_<FLAG> variable in ``env``; a boolean flag: "1"."""
     for i, a in enumerate(argv):
         if a.startswith(f"{name}="):
             return a.split("=", 1)[1]
-        if a == name and i + 1 < len(argv):
-            return argv[i + 1]
-    return None
+        if a == name:
+            return argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else "1"
+    return (env or {}).get("WEIGHTSYNC_" + name.lstrip("-").upper().replace("-", "_"))
+
+
+def compose_env(svc: dict) -> dict[str, str]:
+    return {k: interpolate(str(v)) for k, v in svc.get("environment", {}).items()}
+
+
+def setting(svc: dict, name: str) -> str | None:
+    """A compose service's setting: its flag in ``command``, else its variable in ``environment``."""
+    return flag(svc["command"], name, compose_env(svc))
 
 
 def weightsync_services(compose: dict) -> dict[str, dict]:
@@ -298,11 +314,12 @@ def test_dockerfile_healthcheck_probes_the_daemon(status, expected):
 
 
 # --- the commands the deploy files run -----------------------------------------------------------
-def deploy_commands() -> list[tuple[str, list[str]]]:
+def deploy_commands() -> list[tuple[str, list[str], dict[str, str]]]:
+    """(where, argv, environment) of every weightsync process in compose and Kubernetes."""
     compose = load_compose()
-    out = [(f"compose:{n}", [interpolate(a) for a in s["command"]]) for n, s in weightsync_services(compose).items()]
+    out = [(f"compose:{n}", [interpolate(a) for a in s["command"]], compose_env(s)) for n, s in weightsync_services(compose).items()]
     for name, _, pod in pod_specs():
-        out += [(f"k8s:{name}/{c['name']}", k8s_argv(c)) for c in containers(pod) if is_weightsync(c)]
+        out += [(f"k8s:{name}/{c['name']}", k8s_argv(c), k8s_env(c)) for c in containers(pod) if is_weightsync(c)]
     return out
 
 
@@ -314,11 +331,11 @@ def test_cli_lists_the_daemons():
         assert re.search(rf"\b{command}\b", out), f"`weightsync --help` does not list {command}"
 
 
-@pytest.mark.parametrize("where, argv", deploy_commands(), ids=[where for where, _ in deploy_commands()])
-def test_deploy_commands_parse_with_the_cli(where, argv):
+@pytest.mark.parametrize("where, argv, env", deploy_commands(), ids=[where for where, _, _ in deploy_commands()])
+def test_deploy_commands_parse_with_the_cli(where, argv, env):
     from weightsync import cli
 
-    parser = cli.build_parser()
+    parser = cli.build_parser(env)  # the settings are WEIGHTSYNC_<FLAG> variables
     commands = next(a for a in parser._actions if a.dest == "command").choices
     if argv[0] not in commands:
         pytest.skip(f"`weightsync {argv[0]}` is pending: the CLI has no such subcommand yet")
@@ -331,8 +348,23 @@ def test_deploy_commands_parse_with_the_cli(where, argv):
     if argv[0] in DAEMON_PORTS:
         config = pytest.importorskip("weightsync.config")
         build = config.publisher_config if argv[0] == "publisher" else config.subscriber_config
-        cfg = build(args, {})  # validates ids, the listen address, hooks
+        cfg = build(args, env)  # validates ids, the listen address, hooks, the token
         assert (cfg.api.host, cfg.api.port) == ("0.0.0.0", DAEMON_PORTS[argv[0]]), f"{where} must listen on all addresses"
+
+
+@pytest.mark.parametrize("where, argv, env", deploy_commands(), ids=[where for where, _, _ in deploy_commands()])
+def test_deploy_files_configure_weightsync_through_its_variables(where, argv, env):
+    """Kubernetes args hold no $(VAR) expansion and every process gets only its subcommand: its
+    settings are WEIGHTSYNC_<FLAG> variables, each one a variable its command reads (a misspelt
+    or foreign one would be silently ignored)."""
+    from weightsync import cli
+
+    assert argv[1:] == [] and not any("$(" in a for a in argv), f"{where}: settings belong in the environment: {argv}"
+    parser = cli.build_parser({})
+    (sub,) = [a for a in parser._actions if a.dest == "command"]
+    known = {getattr(a, "env_var", None) for a in sub.choices[argv[0]]._actions} - {None}
+    ours = {k for k in env if k.startswith("WEIGHTSYNC_")}
+    assert ours - known == set(), f"{where}: variables that `weightsync {argv[0]}` does not read"
 
 
 # --- compose ---------------------------------------------------------------------------------------
@@ -390,23 +422,23 @@ def test_compose_s3_credentials_are_the_seaweedfs_identity():
 
 def test_compose_two_regions_and_a_mirror_between_them():
     services = weightsync_services(load_compose())
-    by_role: dict[str, list[list[str]]] = {}
+    by_role: dict[str, list[dict]] = {}
     for svc in services.values():
-        by_role.setdefault(svc["command"][0], []).append(svc["command"])
+        by_role.setdefault(svc["command"][0], []).append(svc)
     (publisher,), (mirror,) = by_role["publisher"], by_role["mirror"]
-    assert "--follow" in mirror and flag(mirror, "--from") == flag(publisher, "--store")
-    stores = {flag(c, "--store") for c in by_role["subscriber"]}
-    assert stores == {flag(publisher, "--store"), flag(mirror, "--to")}, "one subscriber per region's bucket"
-    assert len({flag(c, "--region") for c in by_role["subscriber"]}) == 2
-    reader = next(c for c in by_role["subscriber"] if flag(c, "--store") == flag(mirror, "--to"))
-    assert flag(mirror, "--region") == flag(reader, "--region"), "the mirror's region label is its destination's region"
-    assert flag(mirror, "--metrics-listen") == f"0.0.0.0:{MIRROR_PORT}"
+    assert setting(mirror, "--follow") in ("1", "true") and setting(mirror, "--from") == setting(publisher, "--store")
+    stores = {setting(c, "--store") for c in by_role["subscriber"]}
+    assert stores == {setting(publisher, "--store"), setting(mirror, "--to")}, "one subscriber per region's bucket"
+    assert len({setting(c, "--region") for c in by_role["subscriber"]}) == 2
+    reader = next(c for c in by_role["subscriber"] if setting(c, "--store") == setting(mirror, "--to"))
+    assert setting(mirror, "--region") == setting(reader, "--region"), "the mirror's region label is its destination's region"
+    assert setting(mirror, "--metrics-listen") == f"0.0.0.0:{MIRROR_PORT}"
 
 
 def test_prometheus_scrapes_every_listening_compose_service():
     listening = {}
     for name, svc in weightsync_services(load_compose()).items():
-        listen = flag(svc["command"], "--listen") or flag(svc["command"], "--metrics-listen")
+        listen = setting(svc, "--listen") or setting(svc, "--metrics-listen")
         if listen:
             listening[f"{name}:{listen.rsplit(':', 1)[1]}"] = svc["command"][0]
     assert "mirror" in listening.values(), "the compose mirror serves no metrics (--metrics-listen)"
@@ -524,23 +556,23 @@ def test_k8s_pods_are_hardened_probed_and_sized():
             sc = c["securityContext"]
             assert sc["runAsNonRoot"] and sc["readOnlyRootFilesystem"] and sc["capabilities"]["drop"] == ["ALL"], where
             assert "memory" in c["resources"]["limits"], where
-            argv = k8s_argv(c)
+            argv, env = k8s_argv(c), k8s_env(c)
             if argv[0] == "mirror":
                 mirrors += 1
-                assert flag(argv, "--metrics-listen") == f"0.0.0.0:{MIRROR_PORT}", where
-                assert flag(argv, "--region") and flag(argv, "--cluster"), f"{where}: metrics without region/cluster labels"
+                assert flag(argv, "--metrics-listen", env) == f"0.0.0.0:{MIRROR_PORT}", where
+                assert flag(argv, "--region", env) and flag(argv, "--cluster", env), f"{where}: metrics without region/cluster labels"
                 ports = {p["name"]: p["containerPort"] for p in c["ports"]}
                 assert ports == {"http": MIRROR_PORT}, where
-                for probe in ("readinessProbe", "livenessProbe"):
+                for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
                     get = c[probe]["httpGet"]
-                    assert get["path"] == "/metrics" and get["port"] == "http", f"{where} {probe}"
+                    assert get["path"] == path and get["port"] == "http", f"{where} {probe}"
                 notes = meta["annotations"]
                 assert (notes["prometheus.io/scrape"], notes["prometheus.io/port"], notes["prometheus.io/path"]) == \
                     ("true", str(MIRROR_PORT), "/metrics")
             if argv[0] not in DAEMON_PORTS:
                 continue
             daemons += 1
-            port = int(flag(argv, "--listen").rsplit(":", 1)[1])
+            port = int(flag(argv, "--listen", env).rsplit(":", 1)[1])
             assert port == DAEMON_PORTS[argv[0]], where
             ports = {p["name"]: p["containerPort"] for p in c["ports"]}
             for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
@@ -821,6 +853,17 @@ class Stack:
             out.append((target, self.root / "volumes" / source))
         return sorted(out, key=lambda m: -len(m[0]))
 
+    def _local(self, name: str, svc: dict, key: str, value: str) -> str:
+        """A setting's value for a local process: listen addresses on a free loopback port (kept
+        in ``ports``), paths under a volume's mount point in that volume's folder."""
+        if key in ("--listen", "--metrics-listen", "WEIGHTSYNC_LISTEN", "WEIGHTSYNC_METRICS_LISTEN"):
+            self.ports[name] = free_port()
+            return f"127.0.0.1:{self.ports[name]}"
+        for target, local in self._mounts(svc):
+            if value == target or value.startswith(target + "/"):
+                return str(local) + value[len(target):]
+        return value
+
     def argv(self, name: str) -> list[str]:
         svc = self.compose["services"][name]
         if "entrypoint" in svc:
@@ -829,22 +872,19 @@ class Stack:
         out = []
         for arg in svc["command"]:
             key, eq, value = arg.partition("=")
-            if key in ("--listen", "--metrics-listen"):
-                self.ports[name] = free_port()
-                value = f"127.0.0.1:{self.ports[name]}"
-            for target, local in self._mounts(svc):
-                if value == target or value.startswith(target + "/"):
-                    value = str(local) + value[len(target):]
-                    break
-            out.append(f"{key}{eq}{value}" if eq else arg)
+            out.append(f"{key}{eq}{self._local(name, svc, key, value)}" if eq else arg)
         return [sys.executable, "-m", "weightsync.cli", *out]
 
     def start(self, name: str, **env: str) -> None:
         svc = self.compose["services"][name]
         for _, local in self._mounts(svc):
             local.mkdir(parents=True, exist_ok=True)
+        argv, environ = self.argv(name), self._env(svc, env)
+        if "entrypoint" not in svc:  # a weightsync process: its settings are WEIGHTSYNC_* variables
+            environ.update({k: self._local(name, svc, k, v) for k, v in environ.items()
+                            if k.startswith("WEIGHTSYNC_") and k not in env})
         log = open(self.root / f"{name}.log", "wb")
-        self.procs[name] = subprocess.Popen(self.argv(name), env=self._env(svc, env), cwd=self.root, stdout=log,
+        self.procs[name] = subprocess.Popen(argv, env=environ, cwd=self.root, stdout=log,
                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
 
@@ -993,7 +1033,7 @@ def test_compose_stack_runs_without_docker(deploy_seaweed, tmp_path):
 
         current = {(s.labels["subscriber"], s.labels["region"]): s.value for family in text_string_to_metric_families(scraped)
                    for s in family.samples if s.name == "weightsync_current_version"}
-        expected = {(flag(services[n]["command"], "--id"), flag(services[n]["command"], "--region")): 2.0 for n in subscribers}
+        expected = {(setting(services[n], "--id"), setting(services[n], "--region")): 2.0 for n in subscribers}
         assert current == expected
     finally:
         stack.stop()
