@@ -390,6 +390,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.func in (cmd_publisher, cmd_subscriber, cmd_mirror):  # the processes that serve /metrics
+        from prometheus_client import disable_created_metrics
+
+        disable_created_metrics()  # no *_created series: Prometheus does not use them
     try:
         return args.func(args)
     except WeightsyncError as exc:
