@@ -13,7 +13,7 @@ import weightsync
 
 from .codec import CodecConfig
 from .config import parse_listen, version_arg
-from .errors import UsageError, WeightsyncError
+from .errors import ChecksumError, UsageError, WeightsyncError
 from .progress import Progress, human_bytes
 from .publishing import PublishConfig
 from .pulling import PullConfig
@@ -122,8 +122,29 @@ def cmd_versions(args) -> int:
     return 0
 
 
+VERIFY_DIFFERS = 1  # the folder does not hold the version (a file differs, is missing or is extra)
+VERIFY_UNCHECKED = 3  # could not tell: store unreachable, version missing, folder unreadable, install interrupted
+VERIFY_EXIT_STATUS = f"""exit status:
+  0  DIR holds the version byte for byte
+  {VERIFY_DIFFERS}  DIR does not hold it: a file differs, is missing, or is not part of the version
+  2  bad command line (an unknown option, a --version that is not a number or 'latest')
+  {VERIFY_UNCHECKED}  could not check: the store URL cannot be opened, the store is unreachable or not a store,
+     the version does not exist, DIR is missing or unreadable, or an install into DIR was
+     interrupted (pull again to finish it)"""
+
+
 def cmd_verify(args) -> int:
-    v = weightsync.verify(_repo(args), args.dir, args.version)
+    try:
+        v = weightsync.verify(_repo(args), args.dir, args.version)
+    except ChecksumError:
+        raise  # exit_code 1: differs
+    except WeightsyncError as exc:
+        exc.exit_code = VERIFY_UNCHECKED
+        raise
+    except OSError as exc:
+        where = f" {exc.filename}" if getattr(exc, "filename", None) else ""
+        print(f"weightsync: error: could not check{where}: {exc.strerror or exc}", file=sys.stderr)
+        return VERIFY_UNCHECKED
     print(f"{args.dir} holds version {v} byte for byte", file=sys.stderr)
     return 0
 
@@ -337,10 +358,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_versions)
 
-    p = sub.add_parser("verify", help="exit 0 iff DIR holds the version byte for byte")
+    p = sub.add_parser("verify", help="exit 0 iff DIR holds the version byte for byte",
+                       description="Check, read-only, that DIR holds the version byte for byte.",
+                       epilog=VERIFY_EXIT_STATUS, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_store(p)
     p.add_argument("--version", type=version_arg, default="latest")
-    p.add_argument("dir")
+    p.add_argument("dir", metavar="DIR", help="the folder to check")
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("demo", help="generate, publish, pull and verify a small trajectory on a file store")
