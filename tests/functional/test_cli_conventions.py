@@ -5,6 +5,8 @@
 - Shell completion: the entry point answers argcomplete's protocol (``_ARGCOMPLETE``,
   ``COMP_LINE``/``COMP_POINT``, the candidates written to fd 8), as bash does with
   ``eval "$(register-python-argcomplete weightsync)"``.
+- The documented entry points are attributes of the top-level package; ``import weightsync``
+  imports no torch, and the torch ones say how to get it when it is missing.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ import termios
 import threading
 from pathlib import Path
 
+import pytest
+
+import weightsync
 from weightsync.progress import Progress
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -136,3 +141,51 @@ def test_shell_completion_offers_commands_options_and_paths(tmp_path, cli_env):
 def test_entry_point_carries_the_argcomplete_marker():
     """register-python-argcomplete's global mode completes only scripts marked in their first 1 KiB."""
     assert "PYTHON_ARGCOMPLETE_OK" in (ROOT / "weightsync" / "cli.py").read_bytes()[:1024].decode()
+
+
+# --- the top-level package ----------------------------------------------------------------------------
+def test_import_weightsync_imports_no_torch_and_exports_the_entry_points():
+    code = """
+import sys
+import weightsync
+assert "torch" not in sys.modules, "import weightsync imported torch"
+from weightsync import StateDictPublisher, commit_parts, publish_part, publish_state_dict
+import weightsync.parts, weightsync.publisher
+assert publish_state_dict is weightsync.publisher.publish_state_dict and StateDictPublisher is weightsync.publisher.StateDictPublisher
+assert publish_part is weightsync.parts.publish_part and commit_parts is weightsync.parts.commit_parts
+assert "torch" not in sys.modules, "the torch-free entry points imported torch"
+namespace = {}
+exec("from weightsync import *", namespace)
+assert "torch" not in sys.modules and "publish_state_dict" in namespace and "TorchSink" not in namespace
+from weightsync import DeviceDiffPublisher, TorchSink
+import weightsync.devicediff, weightsync.torch
+assert TorchSink is weightsync.torch.TorchSink and DeviceDiffPublisher is weightsync.devicediff.DeviceDiffPublisher
+assert weightsync.CoverageError is weightsync.torch.CoverageError
+assert {"TorchSink", "publish_state_dict", "publish_part"} <= set(dir(weightsync))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_without_torch_the_package_works_and_the_torch_entry_points_say_what_to_install():
+    code = """
+import sys
+sys.modules["torch"] = None  # as if torch were not installed
+import weightsync
+from weightsync import publish_state_dict  # needs no torch to import
+for name in ("TorchSink", "DeviceDiffPublisher"):
+    try:
+        getattr(weightsync, name)
+    except ImportError as exc:
+        assert "pip install 'weightsync[torch]'" in str(exc), exc
+    else:
+        raise AssertionError(name + " without torch")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_unknown_attributes_still_raise_attribute_error():
+    with pytest.raises(AttributeError):
+        weightsync.no_such_entry_point  # noqa: B018
+    assert not hasattr(weightsync, "no_such_entry_point")
