@@ -7,26 +7,52 @@ The Python API mirrors the CLI::
     weightsync.pull("s3://bucket/run1", "/models/run1")        # -> PullResult
     weightsync.versions("s3://bucket/run1")                   # -> [VersionInfo, ...]
     weightsync.verify("s3://bucket/run1", "/models/run1")      # raises unless byte-identical
+
+The other documented entry points are here too, imported on first use: ``publish_state_dict`` and
+``StateDictPublisher`` (in-process publishing, :mod:`weightsync.publisher`), ``publish_part`` and
+``commit_parts`` (multi-rank, :mod:`weightsync.parts`), and, with torch installed
+(``pip install 'weightsync[torch]'``), ``TorchSink`` (:mod:`weightsync.torch`) and
+``DeviceDiffPublisher`` (:mod:`weightsync.devicediff`). ``import weightsync`` never imports torch;
+the torch ones are left out of ``__all__`` so that ``from weightsync import *`` does not either.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ._version import __version__ as __version__
 from .codec import CodecConfig
-from .errors import WeightsyncError
+from .errors import ChecksumError, StoreError, UsageError, VersionError, WeightsyncError
 from .publishing import PublishConfig, PublishResult
 from .pulling import PullConfig, PullResult
 from .repo import Repo
 from .store import Store, open_store
 from .store.retry import RetryingStore, RetryPolicy
 
+if TYPE_CHECKING:  # imported on first use, see __getattr__
+    from .devicediff import DeviceDiffPublisher  # noqa: F401
+    from .parts import CommitResult, PartResult, commit_parts, publish_part
+    from .publisher import StateDictPublisher, publish_state_dict
+    from .torch import ApplyError, CoverageError, TorchSink  # noqa: F401
+
+# name -> module of the entry points imported on first use (torch, the daemons' modules)
+_LAZY = {
+    "StateDictPublisher": ".publisher", "publish_state_dict": ".publisher",
+    "publish_part": ".parts", "commit_parts": ".parts", "PartResult": ".parts", "CommitResult": ".parts",
+    "TorchSink": ".torch", "CoverageError": ".torch", "ApplyError": ".torch",
+    "DeviceDiffPublisher": ".devicediff",
+}
+_NEEDS_TORCH = frozenset({".torch", ".devicediff"})
+
 __all__ = [
-    "CodecConfig", "PublishConfig", "PublishResult", "PullConfig", "PullResult", "Repo", "Store",
-    "VersionInfo", "WeightsyncError", "open_repo", "publish", "pull", "verify", "versions",
+    "ChecksumError", "CodecConfig", "CommitResult", "PartResult", "PublishConfig", "PublishResult", "PullConfig",
+    "PullResult", "Repo", "RetryPolicy", "StateDictPublisher", "Store", "StoreError", "UsageError", "VersionError",
+    "VersionInfo", "WeightsyncError", "commit_parts", "open_repo", "open_store", "publish", "publish_part",
+    "publish_state_dict", "pull", "verify", "versions",
 ]
 
 StoreLike = str | os.PathLike | Store | Repo
@@ -89,7 +115,9 @@ def versions(store: StoreLike) -> list[VersionInfo]:
 
 def verify(store: StoreLike, directory: str | os.PathLike, version: int | str | None = "latest") -> int:
     """Raise unless ``directory`` holds ``version`` byte for byte; returns the version checked.
-    Strictly read-only: a folder whose install was interrupted is reported, not finished."""
+    Strictly read-only: a folder whose install was interrupted is reported, not finished.
+    :class:`ChecksumError`: the folder does not hold the version (``weightsync verify`` exits 1);
+    any other error: it could not be checked (exit 3)."""
     from .pulling import resolve_version
     from .integrity import verify_folder
 
@@ -98,3 +126,22 @@ def verify(store: StoreLike, directory: str | os.PathLike, version: int | str | 
     v = resolve_version(repo, version)
     verify_folder(Path(directory), repo.manifest(v))
     return v
+
+
+def __getattr__(name: str):
+    """The entry points of ``_LAZY``, imported when first asked for (PEP 562)."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        value = getattr(importlib.import_module(module, __name__), name)
+    except ModuleNotFoundError as exc:
+        if module in _NEEDS_TORCH and exc.name == "torch":
+            raise ImportError(f"weightsync.{name} needs torch: pip install 'weightsync[torch]'", name="torch") from exc
+        raise
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

@@ -1,3 +1,4 @@
+# PYTHON_ARGCOMPLETE_OK  (shell completion: eval "$(register-python-argcomplete weightsync)")
 """The ``weightsync`` command line. Builds configuration from flags and environment, then calls the API."""
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from .config import (
     publish_config,
     version_arg,
 )
-from .errors import UsageError, WeightsyncError
+from .errors import ChecksumError, UsageError, WeightsyncError
 from .progress import Progress, human_bytes
 from .publishing import PublishConfig
 from .pulling import PullConfig
@@ -43,6 +44,11 @@ def _repo(args):
     return weightsync.open_repo(args.store, **_store_options(args))
 
 
+def _progress(args, label: str) -> Progress:
+    """A tqdm bar on stderr: only on a terminal (or in a notebook), off with --no-progress or TQDM_DISABLE=1."""
+    return Progress(label, enabled=False if args.no_progress else None)
+
+
 def _publish_config(args) -> PublishConfig:
     return publish_config(args)
 
@@ -52,8 +58,9 @@ def cmd_publish(args) -> int:
     if args.version == "latest":
         raise UsageError("publish takes an integer --version")
     cache = None if args.no_cache else Path(args.cache_dir or _default_cache()) / _cache_name(args.store)
-    r = weightsync.publish(args.checkpoint_dir, _repo(args), args.version, config=cfg, base_dir=args.base,
-                           cache_dir=cache, progress=Progress(f"publish {args.checkpoint_dir}"))
+    with _progress(args, f"publish {args.checkpoint_dir}") as progress:
+        r = weightsync.publish(args.checkpoint_dir, _repo(args), args.version, config=cfg, base_dir=args.base,
+                               cache_dir=cache, progress=progress)
     kind = "keyframe" if r.keyframe else f"delta from {r.parent}"
     print(f"published version {r.version} ({kind}): {human_bytes(r.raw_bytes)} -> {human_bytes(r.payload_bytes)} "
           f"({r.ratio:.1f}x), {100 * r.changed_fraction:.2f}% elements changed, {human_bytes(r.uploaded_bytes)} uploaded "
@@ -70,9 +77,9 @@ def cmd_publish_part(args) -> int:
         raise UsageError("publish-part takes an integer --version")
     name = f"{_cache_name(args.store)}-rank{args.rank}-of-{args.world}"  # one base per rank, several per host
     cache = None if args.no_cache else Path(args.cache_dir or _default_cache()) / name
-    r = publish_part(args.checkpoint_dir, _repo(args), args.rank, args.world, files=args.files, version=args.version,
-                     config=cfg, base_dir=args.base, cache_dir=cache,
-                     progress=Progress(f"publish-part {args.rank}/{args.world} {args.checkpoint_dir}"))
+    with _progress(args, f"publish-part {args.rank}/{args.world} {args.checkpoint_dir}") as progress:
+        r = publish_part(args.checkpoint_dir, _repo(args), args.rank, args.world, files=args.files, version=args.version,
+                         config=cfg, base_dir=args.base, cache_dir=cache, progress=progress)
     kind = "keyframe" if r.keyframe else f"delta from {r.parent}"
     done = " (the same part was already stored)" if r.existed else ""
     print(f"rank {r.rank} of {r.world}: part of version {r.version} ({kind}), {len(r.files)} files: "
@@ -103,8 +110,9 @@ def _cache_name(url: str) -> str:
 
 
 def cmd_pull(args) -> int:
-    r = weightsync.pull(_repo(args), args.out_dir, args.version, config=PullConfig(fetch_concurrency=args.concurrency),
-                        progress=Progress(f"pull {args.out_dir}"))
+    with _progress(args, f"pull {args.out_dir}") as progress:
+        r = weightsync.pull(_repo(args), args.out_dir, args.version, config=PullConfig(fetch_concurrency=args.concurrency),
+                            progress=progress)
     src = "empty folder" if r.from_version is None else f"version {r.from_version}"
     print(f"pulled version {r.version} from {src}: {human_bytes(r.fetched_bytes)} fetched, {r.written_files} files written, "
           f"{r.kept_files} kept, {r.seconds['total']:.2f}s", file=sys.stderr)
@@ -127,8 +135,29 @@ def cmd_versions(args) -> int:
     return 0
 
 
+VERIFY_DIFFERS = 1  # the folder does not hold the version (a file differs, is missing or is extra)
+VERIFY_UNCHECKED = 3  # could not tell: store unreachable, version missing, folder unreadable, install interrupted
+VERIFY_EXIT_STATUS = f"""exit status:
+  0  DIR holds the version byte for byte
+  {VERIFY_DIFFERS}  DIR does not hold it: a file differs, is missing, or is not part of the version
+  2  bad command line (an unknown option, a --version that is not a number or 'latest')
+  {VERIFY_UNCHECKED}  could not check: the store URL cannot be opened, the store is unreachable or not a store,
+     the version does not exist, DIR is missing or unreadable, or an install into DIR was
+     interrupted (pull again to finish it)"""
+
+
 def cmd_verify(args) -> int:
-    v = weightsync.verify(_repo(args), args.dir, args.version)
+    try:
+        v = weightsync.verify(_repo(args), args.dir, args.version)
+    except ChecksumError:
+        raise  # exit_code 1: differs
+    except WeightsyncError as exc:
+        exc.exit_code = VERIFY_UNCHECKED
+        raise
+    except OSError as exc:
+        where = f" {exc.filename}" if getattr(exc, "filename", None) else ""
+        print(f"weightsync: error: could not check{where}: {exc.strerror or exc}", file=sys.stderr)
+        return VERIFY_UNCHECKED
     print(f"{args.dir} holds version {v} byte for byte", file=sys.stderr)
     return 0
 
@@ -315,6 +344,11 @@ def _add_store(p: argparse.ArgumentParser, environ: Mapping[str, str] | None = N
     env_argument(p, environ, "--endpoint-url", help="S3 endpoint (default: boto3's, e.g. AWS_ENDPOINT_URL)")
 
 
+def _add_progress(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (default: one on stderr when it is a terminal; TQDM_DISABLE=1 also turns it off)")
+
+
 def _add_publish_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base", help="folder holding exactly the parent version (e.g. the previous checkpoint)")
     p.add_argument("--cache-dir", help="where to keep a copy of the head version (default: ~/.cache/weightsync)")
@@ -336,6 +370,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     _add_store(p)
     p.add_argument("--version", type=version_arg, default=None, help="version number (default: head + 1)")
     _add_publish_options(p)
+    _add_progress(p)
     p.set_defaults(func=cmd_publish)
 
     p = sub.add_parser("publish-part", help="publish one rank's files as its part of the next version (multi-rank)")
@@ -347,6 +382,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
                         "path, every other file on rank 0)")
     p.add_argument("--version", type=version_arg, default=None, help="version number (default: head + 1)")
     _add_publish_options(p)
+    _add_progress(p)
     p.set_defaults(func=cmd_publish_part)
 
     p = sub.add_parser("commit-parts", help="merge the W parts of a version into one version and commit it")
@@ -363,6 +399,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     p.add_argument("--version", type=version_arg, default="latest")
     p.add_argument("--concurrency", type=int, default=32, help="chunks in flight (default 32)")
     p.add_argument("out_dir")
+    _add_progress(p)
     p.set_defaults(func=cmd_pull)
 
     p = sub.add_parser("versions", help="list the versions in a store")
@@ -370,10 +407,12 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_versions)
 
-    p = sub.add_parser("verify", help="exit 0 iff DIR holds the version byte for byte")
+    p = sub.add_parser("verify", help="exit 0 iff DIR holds the version byte for byte",
+                       description="Check, read-only, that DIR holds the version byte for byte.",
+                       epilog=VERIFY_EXIT_STATUS, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_store(p)
     p.add_argument("--version", type=version_arg, default="latest")
-    p.add_argument("dir")
+    p.add_argument("dir", metavar="DIR", help="the folder to check")
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("demo", help="generate, publish, pull and verify a small trajectory on a file store")
@@ -423,7 +462,16 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser(os.environ).parse_args(argv)
+    parser = build_parser(os.environ)
+    if "_ARGCOMPLETE" in os.environ:  # the shell asks for completions (argcomplete): print them and exit
+        import argcomplete
+
+        argcomplete.autocomplete(parser)
+    args = parser.parse_args(argv)
+    if args.func in (cmd_publisher, cmd_subscriber, cmd_mirror):  # the processes that serve /metrics
+        from prometheus_client import disable_created_metrics
+
+        disable_created_metrics()  # no *_created series: Prometheus does not use them
     try:
         return args.func(args)
     except WeightsyncError as exc:

@@ -1,16 +1,36 @@
 """Prometheus metrics of the daemons and the mirror: one :class:`Metrics` class over a caller's registry.
 
-Names carry the ``weightsync_`` prefix and base-unit suffixes. Every series of a process carries the
-same constant labels (``region``, ``cluster``; subscribers also ``subscriber``), so one Prometheus
-can scrape a whole fleet. Versions are ``-1`` until known.
+Names carry the ``weightsync_`` prefix and base-unit suffixes (``_bytes``, ``_seconds``, ``_total``;
+fractions in 0..1 end in ``_ratio``). Every ``weightsync_*`` series of a process carries the same
+constant labels (``region``, ``cluster``; subscribers also ``subscriber``), so one Prometheus can
+scrape a whole fleet. Versions are ``-1`` until known.
+
+Each registry also gets the standard process, platform and garbage-collector collectors
+(``process_resident_memory_bytes``, ``process_cpu_seconds_total``, ``process_open_fds``,
+``python_info``, ``python_gc_*``) and ``weightsync_build_info{version}`` (always 1). Store retries
+are counted per ``op`` and ``reason``, two small fixed sets (:data:`RETRY_OPS`, :data:`RETRY_REASONS`),
+every combination exported from the start at 0. The ``*_created`` series of counters and histograms
+are switched off once, at the command line's entry point (:func:`weightsync.cli.main`).
 """
 
 from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from .store.retry import RETRY_OPS, RETRY_REASONS, retry_op, retry_reason
 
 PHASES = ("read", "diff", "encode", "upload", "commit")
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
@@ -19,15 +39,25 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 ROLES = ("publisher", "subscriber", "mirror")
 
 
+def register_runtime_collectors(registry: CollectorRegistry) -> None:
+    """Add the process, platform and GC collectors to ``registry`` (a fresh ``CollectorRegistry()``
+    has none; prometheus_client's default ``REGISTRY`` has them already)."""
+    if registry is REGISTRY:
+        return
+    for collector in (ProcessCollector, PlatformCollector, GCCollector):
+        collector(registry=registry)
+
+
 class Metrics:
     """The metrics of one process (``role`` is ``publisher``, ``subscriber`` or ``mirror``) in ``registry``.
 
     A mirror's ``mirror_*`` methods are the observers of :func:`weightsync.mirror.mirror`; a failed
     pass counts in ``weightsync_loop_errors_total``, as a failed daemon loop iteration does.
+    ``runtime``: also register the process, platform and GC collectors on ``registry``.
     """
 
     def __init__(self, registry: CollectorRegistry, role: str, *, region: str = "", cluster: str = "", subscriber: str = "",
-                 clock=time.time):
+                 clock=time.time, runtime: bool = True):
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
         self.registry, self.role = registry, role
@@ -48,7 +78,18 @@ class Metrics:
         def histogram(name: str, doc: str, buckets=_SECONDS) -> Histogram:
             return Histogram(name, doc, names, registry=registry, buckets=buckets).labels(**self.labels)
 
-        self.store_retries = counter("weightsync_store_retries_total", "Store operations retried after a retryable error.")
+        if runtime:
+            register_runtime_collectors(registry)
+        from . import __version__
+
+        Gauge("weightsync_build_info", "Always 1; the version label is the weightsync version running.",
+              (*names, "version"), registry=registry).labels(**self.labels, version=__version__).set(1)
+        self._store_retries = Counter("weightsync_store_retries_total",
+                                      "Store operations retried after a retryable error, by operation and reason.",
+                                      (*names, "op", "reason"), registry=registry)
+        for op in RETRY_OPS:
+            for reason in RETRY_REASONS:
+                self._store_retries.labels(**self.labels, op=op, reason=reason)
         self.loop_errors = counter("weightsync_loop_errors_total", "Failed iterations of the daemon loop (logged, then backed off).")
         if role == "publisher":
             self.published_version = gauge("weightsync_published_version", "Newest version this publisher committed.", -1)
@@ -58,7 +99,8 @@ class Metrics:
             self.upload_bytes = counter("weightsync_upload_bytes_total", "Chunk bytes uploaded to the store.")
             self.checkpoint_bytes = gauge("weightsync_checkpoint_bytes", "Size of the last published checkpoint.")
             self.delta_bytes = gauge("weightsync_delta_bytes", "Encoded payload bytes of the last published version.")
-            self.changed_fraction = gauge("weightsync_changed_fraction", "Fraction of elements that changed in the last version.")
+            self.changed_ratio = gauge("weightsync_changed_ratio",
+                                       "Fraction (0..1) of elements that changed in the last version.")
             self.publish_failures = counter("weightsync_publish_failures_total", "Publish attempts that failed.")
         elif role == "mirror":
             self._clock = clock
@@ -106,7 +148,7 @@ class Metrics:
         self.upload_bytes.inc(result.uploaded_bytes)
         self.checkpoint_bytes.set(result.raw_bytes)
         self.delta_bytes.set(result.payload_bytes)
-        self.changed_fraction.set(result.changed_fraction)
+        self.changed_ratio.set(result.changed_fraction)
 
     # --- the mirror's observers (see weightsync.mirror.mirror) ------------------------------------
     def mirror_heads(self, source: int | None, destination: int | None) -> None:
@@ -145,8 +187,9 @@ class Metrics:
         self.destination_version.set(version)
 
     def on_retry(self, op: str, key: str, exc: Exception) -> None:
-        """``on_retry`` callback of :class:`~weightsync.store.retry.RetryingStore`."""
-        self.store_retries.inc()
+        """``on_retry`` callback of :class:`~weightsync.store.retry.RetryingStore`: counted by operation
+        and reason, never by key or message (those would make a series per object)."""
+        self._store_retries.labels(**self.labels, op=retry_op(op), reason=retry_reason(exc)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,9 +1,15 @@
-"""A one-line progress bar on stderr, shown only when stderr is a terminal."""
+"""Progress bars of long command-line work (publish, publish-part, pull), drawn by tqdm.
+
+A bar shows the bytes done of the total, the rate and the time left (ETA). It is drawn on stderr
+when stderr is a terminal, and as a widget in a Jupyter notebook (``tqdm.auto``); never into a log,
+a pipe or CI output. Off switches: ``--no-progress`` (``Progress(..., enabled=False)``) and tqdm's
+own ``TQDM_DISABLE=1`` in the environment.
+"""
 
 from __future__ import annotations
 
 import sys
-import time
+import threading
 
 
 def human_bytes(n: float) -> str:
@@ -14,23 +20,66 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def in_notebook() -> bool:
+    """Whether this runs in a Jupyter kernel where tqdm draws widgets (cheap outside one)."""
+    if "ipykernel" not in sys.modules:
+        return False
+    import tqdm.auto  # picks the notebook class, its warnings silenced
+    from tqdm.autonotebook import tqdm
+
+    return tqdm.__module__ == "tqdm.notebook"
+
+
+def _isatty(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
 class Progress:
-    def __init__(self, label: str, stream=None, interval: float = 0.1):
+    """The ``progress(done, total)`` callback (bytes) of publish and pull, as one tqdm bar.
+
+    ``enabled``: None (default) draws when ``stream`` (stderr) is a terminal or in a notebook;
+    False never draws; True always does. ``TQDM_DISABLE=1`` turns every bar off. Safe to call from
+    several threads. The bar closes when ``done`` reaches ``total`` (or on :meth:`close`).
+    """
+
+    def __init__(self, label: str, stream=None, enabled: bool | None = None):
         self.label = label
         self.stream = stream or sys.stderr
-        self.enabled = self.stream.isatty()
-        self.interval = interval
-        self._last = 0.0
-        self._t0 = time.perf_counter()
+        self.enabled = (_isatty(self.stream) or in_notebook()) if enabled is None else enabled
+        self._bar = None
+        self._lock = threading.Lock()
 
     def __call__(self, done: int, total: int) -> None:
-        now = time.perf_counter()
-        if not self.enabled or (now - self._last < self.interval and done < total):
+        if not self.enabled:
             return
-        self._last = now
-        pct = 100.0 * done / total if total else 100.0
-        rate = done / max(now - self._t0, 1e-9)
-        self.stream.write(f"\r{self.label}: {pct:5.1f}% {human_bytes(done)} / {human_bytes(total)} ({human_bytes(rate)}/s)\x1b[K")
-        if done >= total:
-            self.stream.write("\n")
-        self.stream.flush()
+        with self._lock:
+            if self._bar is None:
+                from tqdm.auto import tqdm
+
+                # disable is not passed, so that TQDM_DISABLE (tqdm's environment default) applies
+                self._bar = tqdm(total=total, desc=self.label, unit="B", unit_scale=True, unit_divisor=1024,
+                                 file=self.stream, leave=True, dynamic_ncols=True, mininterval=0.1)
+            bar = self._bar
+            if total != bar.total:
+                bar.total = total
+            bar.update(done - bar.n)
+            if done >= total:
+                self._close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -3,7 +3,8 @@
     python deploy/grafana/generate.py          # rewrite the dashboard JSON
     python deploy/grafana/generate.py --check  # exit 1 if the committed JSON is out of date
 
-Every query is PromQL over the metrics of the daemons and the mirror (``weightsync.metrics``).
+Every query is PromQL over the metrics of the daemons and the mirror (``weightsync.metrics``, with
+the process collectors' ``process_*`` series); a test runs each against a real Prometheus scrape.
 Panels reference the Prometheus data source through the ``datasource`` template variable, so the
 dashboard imports into any Grafana; provisioning (deploy/grafana/provisioning) names the compose data source ``prometheus``.
 Grafana replaces ``$__rate_interval`` and ``$region`` before sending a query; the test suite does
@@ -20,6 +21,7 @@ from pathlib import Path
 OUT = Path(__file__).resolve().parent / "dashboards" / "weightsync.json"
 DS = {"type": "prometheus", "uid": "${datasource}"}
 REGION = 'region=~"$region"'
+JOBS = 'job=~"weightsync.*"'
 RATE = "$__rate_interval"
 
 
@@ -134,7 +136,7 @@ def panels() -> list[dict]:
             ("weightsync_checkpoint_bytes / (weightsync_delta_bytes > 0)", "{{region}}/{{cluster}}"),
         ], unit="suffix:x", width=8, step=True, description="checkpoint_bytes / delta_bytes: how many times smaller the delta is."),
         timeseries("Changed elements", [
-            ("weightsync_changed_fraction", "{{region}}/{{cluster}}"),
+            ("weightsync_changed_ratio", "{{region}}/{{cluster}}"),
         ], unit="percentunit", width=8, step=True, description="Fraction of elements that changed from the parent version."),
         row("Latency"),
         timeseries("Publish time by phase", quantiles("weightsync_publish_seconds", "phase"), unit="s",
@@ -187,8 +189,9 @@ def panels() -> list[dict]:
             (f"sum by (region, subscriber) (increase(weightsync_swap_hook_failures_total{{{REGION}}}[{RATE}]))", "{{region}} {{subscriber}}"),
         ], width=8, bars=True),
         timeseries("Store retries", [
-            (f"sum by (job, region) (rate(weightsync_store_retries_total[{RATE}]))", "{{job}} {{region}}"),
-        ], unit="ops", width=8),
+            (f"sum by (job, region, reason) (rate(weightsync_store_retries_total[{RATE}]))", "{{job}} {{region}} {{reason}}"),
+        ], unit="ops", width=8, description="Retried store requests per second by reason (throttled, server_error, timeout, "
+                                            "connection, truncated, other); op= splits them by request kind."),
         timeseries("Publish failures and loop errors", [
             (f"sum by (region, cluster) (increase(weightsync_publish_failures_total[{RATE}]))", "publish {{region}}/{{cluster}}"),
             (f"sum by (job, region) (increase(weightsync_loop_errors_total[{RATE}]))", "loop {{job}} {{region}}"),
@@ -196,6 +199,20 @@ def panels() -> list[dict]:
         timeseries("Targets up", [
             ('up{job=~"weightsync.*"}', "{{job}} {{instance}}"),
         ], step=True),
+        row("Processes"),
+        timeseries("Resident memory", [
+            (f"process_resident_memory_bytes{{{JOBS}}}", "{{job}} {{instance}}"),
+        ], unit="bytes", width=6, description="Resident set size of each publisher, subscriber and mirror process."),
+        timeseries("CPU", [
+            (f"rate(process_cpu_seconds_total{{{JOBS}}}[{RATE}])", "{{job}} {{instance}}"),
+        ], width=6, description="CPU seconds per second (cores busy) of each process."),
+        timeseries("Open file descriptors", [
+            (f"process_open_fds{{{JOBS}}} / process_max_fds{{{JOBS}}}", "{{job}} {{instance}}"),
+        ], unit="percentunit", width=6, description="Open file descriptors as a fraction of the process limit."),
+        timeseries("Versions running", [
+            ("count by (version) (weightsync_build_info)", "{{version}}"),
+        ], width=6, step=True, description="Processes per weightsync version (weightsync_build_info): more than one line "
+                                           "during a rollout."),
     ]
 
 

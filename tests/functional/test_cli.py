@@ -120,6 +120,9 @@ def test_incremental_pull_forward_and_rollback(published, tmp_path, run_cli, ok_
     ok_cli("verify", "--store", url, "--version", 5, out)
 
 
+VERIFY_DIFFERS, VERIFY_UNCHECKED = 1, 3  # the documented exit codes of `weightsync verify`
+
+
 def _verify_rc(run_cli, url, version, folder) -> int:
     rc, _, err = run_cli("verify", "--store", url, "--version", version, folder)
     if rc:
@@ -133,33 +136,33 @@ def test_verify(published, tmp_path, run_cli, ok_cli, ws):
     out = tmp_path / "replica"
     ok_cli("pull", "--store", url, "--version", 4, out)
     assert _verify_rc(run_cli, url, 4, out) == 0
-    assert _verify_rc(run_cli, url, "latest", out) != 0
-    assert _verify_rc(run_cli, url, 3, out) != 0
+    assert _verify_rc(run_cli, url, "latest", out) == VERIFY_DIFFERS
+    assert _verify_rc(run_cli, url, 3, out) == VERIFY_DIFFERS
 
     shard = out / "model-00002-of-00002.safetensors"
     pos = ws.tensor_data_offset(shard) + 5
     ws.flip_byte(shard, pos)  # one byte of a tensor
-    assert _verify_rc(run_cli, url, 4, out) != 0
+    assert _verify_rc(run_cli, url, 4, out) == VERIFY_DIFFERS
     ws.flip_byte(shard, pos)  # back to the original byte
     assert _verify_rc(run_cli, url, 4, out) == 0
 
     ws.flip_byte(out / "model-00001-of-00002.safetensors", 20)  # inside the JSON header
-    assert _verify_rc(run_cli, url, 4, out) != 0
+    assert _verify_rc(run_cli, url, 4, out) == VERIFY_DIFFERS
     (out / "config.json").unlink()
-    assert _verify_rc(run_cli, url, 4, out) != 0
+    assert _verify_rc(run_cli, url, 4, out) == VERIFY_DIFFERS
     ok_cli("pull", "--store", url, "--version", 4, out)  # a pull repairs the folder
     ws.assert_replica(out, traj[4])
 
     (out / "stray.txt").write_text("x")
-    assert _verify_rc(run_cli, url, 4, out) != 0
+    assert _verify_rc(run_cli, url, 4, out) == VERIFY_DIFFERS
     (out / "stray.txt").unlink()
     (out / "sub").mkdir()
     (out / "sub" / "stray.bin").write_bytes(b"")
-    assert _verify_rc(run_cli, url, 4, out) != 0
+    assert _verify_rc(run_cli, url, 4, out) == VERIFY_DIFFERS
     shutil.rmtree(out / "sub")
     with open(out / "config.json", "ab") as f:
         f.write(b"\n")  # a longer file with the same prefix
-    assert _verify_rc(run_cli, url, 4, out) != 0
+    assert _verify_rc(run_cli, url, 4, out) == VERIFY_DIFFERS
 
     # verify also checks a plain checkpoint directory (no .weightsync at all)
     assert _verify_rc(run_cli, url, 2, traj[2]) == 0
@@ -178,7 +181,55 @@ def test_verify_rejects_stray_directory(stray, published, tmp_path, run_cli, ok_
         (tmp_path / "elsewhere").mkdir()
         (tmp_path / "elsewhere" / "weights.bin").write_bytes(b"not part of version 1")
         (out / "extra").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
-    assert _verify_rc(run_cli, url, 1, out) != 0
+    assert _verify_rc(run_cli, url, 1, out) == VERIFY_DIFFERS
+
+
+def test_verify_exit_code_tells_could_not_check_from_differs(published, tmp_path, run_cli, ok_cli):
+    """1: the folder does not hold the version; 3: verify could not tell (and says why); 2: bad usage."""
+    store, _ = published
+    url = f"file://{store}"
+    out = tmp_path / "replica"
+    ok_cli("pull", "--store", url, "--version", 2, out)
+    assert _verify_rc(run_cli, url, 2, out) == 0
+    assert _verify_rc(run_cli, url, 1, out) == VERIFY_DIFFERS
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "not_a_store").mkdir()
+    (tmp_path / "not_a_store" / "data.bin").write_text("x")
+    unchecked = {
+        "no such store": (f"file://{tmp_path / 'nowhere'}", 2, out),
+        "not a store": (f"file://{tmp_path / 'not_a_store'}", 2, out),
+        "no such version": (url, 99, out),
+        "no such folder": (url, 2, tmp_path / "missing"),
+        "a file, not a folder": (url, 2, tmp_path / "a_file"),
+        "a bad store URL": ("ftp://host/x", 2, out),
+    }
+    for what, (store_url, version, folder) in unchecked.items():
+        assert _verify_rc(run_cli, store_url, version, folder) == VERIFY_UNCHECKED, what
+    (out / ".weightsync" / "journal.json").write_text("{}")  # an install into the folder was interrupted
+    rc, _, err = run_cli("verify", "--store", url, "--version", 2, out)
+    assert rc == VERIFY_UNCHECKED and "interrupted" in err, err
+    rc, _, err = run_cli("verify", "--store", url, "--version", "two", out)
+    assert rc == 2 and "usage:" in err, err
+    rc, help_text, _ = run_cli("verify", "--help")
+    assert rc == 0 and f"{VERIFY_DIFFERS}  DIR does not hold it" in help_text and f"{VERIFY_UNCHECKED}  could not check" in help_text
+
+
+def test_verify_exits_3_when_a_file_cannot_be_read(published, tmp_path, ok_cli, monkeypatch, capsys):
+    """An OSError while reading the folder (EACCES, EIO: not producible as root, so injected) is
+    "could not check", not "differs"."""
+    from weightsync import cli, integrity
+
+    store, _ = published
+    out = tmp_path / "replica"
+    ok_cli("pull", "--store", f"file://{store}", "--version", 2, out)
+
+    def unreadable(path, *a, **kw):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(integrity, "hash_file", unreadable)
+    assert cli.main(["verify", "--store", f"file://{store}", "--version", "2", str(out)]) == VERIFY_UNCHECKED
+    err = capsys.readouterr().err
+    assert err.startswith("weightsync: error: could not check") and "Permission denied" in err, err
 
 
 # --- explicit and default version numbers --------------------------------------------------------

@@ -42,6 +42,7 @@ ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
 LABELS = {"region": "region-b", "cluster": "infer-b"}
 SCRAPE = {"job": "weightsync-mirror", "instance": "mirror:8472"}  # what Prometheus adds to every series
 M = "weightsync_mirror_"
+EXTRA_LABELS = {"weightsync_store_retries_total": {"op", "reason"}, "weightsync_build_info": {"version"}}
 
 
 class Mirror:
@@ -86,13 +87,16 @@ class Mirror:
             return resp.read().decode(), time.time()
 
     def values(self) -> dict[str, float]:
-        """name -> value of every sample; each carries exactly the mirror's constant labels."""
-        out = {}
+        """name -> value (summed over the series of a name) of every ``weightsync_*`` sample; each
+        carries the mirror's constant labels and no other, but for the fixed extra ones of the retry
+        counter and the build info."""
+        out: dict[str, float] = {}
         for family in text_string_to_metric_families(self.scrape()[0]):
             for s in family.samples:
                 if s.name.startswith("weightsync_") and not s.name.endswith("_bucket"):
-                    assert s.labels == LABELS, s
-                    out[s.name] = s.value
+                    extra = set(s.labels) - set(LABELS)
+                    assert {k: s.labels.get(k) for k in LABELS} == LABELS and extra <= EXTRA_LABELS.get(s.name, set()), s
+                    out[s.name] = out.get(s.name, 0.0) + s.value
         return out
 
     def wait(self, pred, what: str, timeout: float = 60.0):
@@ -138,6 +142,25 @@ def promtool() -> str:
 def check_metrics(text: str) -> None:
     r = subprocess.run([promtool(), "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+RUNTIME_METRICS = ("process_resident_memory_bytes", "process_cpu_seconds_total", "process_open_fds", "python_info",
+                   "python_gc_collections_total")
+
+
+def check_conventions(text: str) -> None:
+    """A scrape of a weightsync process: process, platform and GC collectors, ``weightsync_build_info``
+    of the running version at 1, no ``*_created`` series, retries by a fixed ``op``/``reason`` only."""
+    from weightsync.store.retry import RETRY_OPS, RETRY_REASONS
+
+    samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+    names = {s.name for s in samples}
+    assert set(RUNTIME_METRICS) <= names, set(RUNTIME_METRICS) - names
+    assert not {n for n in names if n.endswith("_created")}, sorted(n for n in names if n.endswith("_created"))
+    build = [s for s in samples if s.name == "weightsync_build_info"]
+    assert [(s.labels["version"], s.value) for s in build] == [(weightsync.__version__, 1.0)], build
+    retries = {(s.labels["op"], s.labels["reason"]) for s in samples if s.name == "weightsync_store_retries_total"}
+    assert retries == {(op, reason) for op in RETRY_OPS for reason in RETRY_REASONS}, retries
 
 
 def frozen_series(text: str, scraped_at: float, minutes: int = 30) -> list[dict]:
@@ -210,6 +233,7 @@ def test_metrics_follow_versions_published_while_the_mirror_runs(tmp_path, ok_cl
                                    "another successful pass")
         assert later[f"{M}copied_bytes_total"] == v[f"{M}copied_bytes_total"]
         check_metrics(mirror.scrape()[0])
+        check_conventions(mirror.scrape()[0])
         assert mirror.stop().strip() == str(last)
     assert weightsync.open_repo(f"file://{dst}").versions() == list(range(len(traj)))
 

@@ -5,7 +5,7 @@ SlowDown), 500s, connection resets, slow answers, bodies cut short, and answers 
 server acted. SeaweedFS itself is stopped and restarted in the middle of transfers. Every test
 checks that the work completes through retries, that every stored chunk still matches its id, that
 what is served is byte-identical to the checkpoint, and that the daemons count their retries in
-``weightsync_store_retries_total``.
+``weightsync_store_retries_total``, by the reason of each retry.
 
 The disk-full test mounts a size-limited tmpfs (needs root or CAP_SYS_ADMIN; skipped otherwise)
 under the subscriber's target folder.
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import xxhash
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "functional"))  # the daemon helpers
 
@@ -30,6 +31,7 @@ from test_daemons import Daemon, http, trainer, wait_for  # noqa: E402
 
 import weightsync  # noqa: E402
 from weightsync.format import chunk_key  # noqa: E402
+from weightsync.store.retry import RETRY_OPS, RETRY_REASONS  # noqa: E402
 from weightsync.synth import SyntheticTrainer, make_trajectory  # noqa: E402
 
 TINY = dict(hidden=32, layers=1, experts=2, vocab=128)
@@ -48,6 +50,19 @@ def metric(text: str, name: str) -> float:
     """Sum of every series of ``name`` in a Prometheus text exposition."""
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def retry_reasons(*texts: str) -> dict[str, float]:
+    """reason -> retries of ``weightsync_store_retries_total`` in Prometheus text expositions; every
+    series is labelled with an ``op`` and a ``reason`` of their fixed sets."""
+    out: dict[str, float] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == "weightsync_store_retries_total":
+                    assert s.labels["op"] in RETRY_OPS and s.labels["reason"] in RETRY_REASONS, s.labels
+                    out[s.labels["reason"]] = out.get(s.labels["reason"], 0.0) + s.value
+    return out
 
 
 def check_chunks(repo: weightsync.Repo) -> int:
@@ -155,6 +170,9 @@ def test_daemons_converge_through_random_faults_and_count_their_retries(s3_url, 
         retries = {d.role: metric(d.get("/metrics")[1], "weightsync_store_retries_total") for d in (pub, sub)}
         assert retries["subscriber"] > 0 and retries["publisher"] > 0, retries
         assert metric(sub.get("/metrics")[1], "weightsync_checksum_failures_total") == 0
+        # each injected kind is told apart: 503 SlowDown, 500, resets and drops, bodies cut short
+        reasons = retry_reasons(*(d.get("/metrics")[1] for d in (pub, sub)))
+        assert reasons["other"] == 0 and {r for r, n in reasons.items() if n} >= {"throttled", "server_error", "connection"}, reasons
     finally:
         assert pub.stop() == 0 and sub.stop() == 0
     injected = proxy.counts()

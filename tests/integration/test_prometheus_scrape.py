@@ -21,6 +21,13 @@ one series with a finite value. A query that cannot have data in this setup by i
 listed in ``NO_DATA`` with the reason (it is then an expected failure, and a strict one: once it
 returns data the entry has to go). The alert rules must load and evaluate with health ``ok``, and a
 healthy fleet fires no alert. The promtool checks of the same files are in test_deploy_files.py.
+
+Every metric name the alert rules, the dashboards (targets, annotations, variables) and any
+recording rules use must be in the scrape, with series from a weightsync job: a rename in
+weightsync/metrics.py that the deploy files do not follow fails here. Every process (publisher,
+subscribers, mirror) exports the process and Python collectors and ``weightsync_build_info`` of the
+running version, and no ``*_created`` series; each one's own ``/metrics`` passes ``promtool check
+metrics``.
 """
 
 from __future__ import annotations
@@ -45,8 +52,14 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "functional"))
 from test_daemons import Daemon, wait_for  # noqa: E402
 from test_mirror_metrics import LABELS as MIRROR_LABELS  # noqa: E402
-from test_mirror_metrics import Mirror  # noqa: E402
+from test_mirror_metrics import (  # noqa: E402
+    RUNTIME_METRICS,
+    Mirror,
+    check_conventions,
+    check_metrics,
+)
 
+import weightsync  # noqa: E402
 from weightsync.synth import SyntheticTrainer  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -116,6 +129,29 @@ def variable_queries() -> list[tuple[str, str, str]]:
             if var.get("type") == "query" and (m := re.fullmatch(r"\s*label_values\((\w+)\s*,\s*(\w+)\)\s*", query)):
                 out.append((f"{path.stem}: ${var['name']}", m.group(1), m.group(2)))
     return out
+
+
+def rule_exprs() -> list[tuple[str, str]]:
+    """(id, expr) of every alerting and recording rule of the rule files prometheus.yml loads."""
+    out = []
+    for name in yaml.safe_load((PROM / "prometheus.yml").read_text()).get("rule_files", []):
+        for group in yaml.safe_load((PROM / name).read_text())["groups"]:
+            out += [(f"{name}: {r.get('alert') or r.get('record')}", r["expr"]) for r in group["rules"]]
+    return out
+
+
+# A metric name in PromQL: ours and the process collectors' (label values such as job=~"weightsync.*"
+# hold no underscore after the prefix, so they do not match).
+METRIC_NAME = re.compile(r"\b(?:weightsync|process|python)_[a-z0-9_]+\b")
+
+
+def used_metric_names() -> dict[str, list[str]]:
+    """metric name -> where it is used (alerts, recording rules, dashboard targets, annotations, variables)."""
+    used: dict[str, list[str]] = {}
+    for where, expr in [*rule_exprs(), *QUERIES, *((vid, metric) for vid, metric, _ in variable_queries())]:
+        for name in METRIC_NAME.findall(expr):
+            used.setdefault(name, []).append(where)
+    return used
 
 
 QUERIES = dashboard_queries()
@@ -352,3 +388,38 @@ def test_alert_rules_load_evaluate_ok_and_stay_quiet_on_a_healthy_fleet(prom):
     assert not bad, bad
     active = [(a["labels"]["alertname"], a["state"]) for a in prom.server.api("alerts")["alerts"]]
     assert not active, f"alerts on a healthy fleet: {active}"
+
+
+def test_every_metric_the_alerts_and_dashboards_name_is_scraped_from_a_weightsync_job(prom):
+    used = used_metric_names()
+    alerting = {n for _, expr in rule_exprs() for n in METRIC_NAME.findall(expr)}
+    assert alerting and set(used) > alerting, used  # the dashboards name more than the alerts
+    pattern = "|".join(sorted(used))
+    scraped = {s["metric"]["__name__"] for s in prom.server.query(
+        f'count by (__name__) ({{__name__=~"{pattern}", job=~"weightsync.*"}})', prom.at)}
+    missing = {name: where for name, where in used.items() if name not in scraped}
+    assert not missing, f"named by the deploy files, not in a real scrape of the daemons: {missing}"
+
+
+def test_every_process_exports_runtime_metrics_and_its_build_info_and_no_created_series(prom):
+    expected = {"weightsync-publisher": 1, "weightsync-subscriber": prom.subscribers, "weightsync-mirror": 1}
+    for name in (*RUNTIME_METRICS, f'weightsync_build_info{{version="{weightsync.__version__}"}}'):
+        selector = name.replace("{", '{job=~"weightsync.*", ') if "{" in name else f'{name}{{job=~"weightsync.*"}}'
+        counts = {s["metric"]["job"]: int(float(s["value"][1])) for s in prom.server.query(f"count by (job) (group by (job, instance) ({selector}))", prom.at)}
+        assert counts == expected, (name, counts)
+    created = prom.server.query('count by (__name__, job) ({__name__=~".+_created", job=~"weightsync.*"})', prom.at)
+    assert not created, [s["metric"] for s in created]
+
+
+def test_each_process_scrape_passes_promtool_check_metrics(fleet):
+    texts = {d.url: d.get("/metrics", token=None) for d in (fleet.publisher, *fleet.subscribers)}
+    for url, (code, text, _) in texts.items():
+        assert code == 200, (url, text)
+    texts = {url: text for url, (_, text, _) in texts.items()}
+    texts[fleet.mirror.url] = fleet.mirror.scrape()[0]
+    for url, text in texts.items():
+        try:
+            check_metrics(text)
+            check_conventions(text)
+        except AssertionError as exc:
+            raise AssertionError(f"{url}: {exc}") from None

@@ -30,6 +30,24 @@ from .base import PutMode, Store
 T = TypeVar("T")
 OnRetry = Callable[[str, str, StoreError], None]
 
+# What a retry is counted by (the ``op`` and ``reason`` labels of ``weightsync_store_retries_total``):
+# two small fixed sets, never a key or an error message.
+RETRY_OPS = ("get", "put", "head", "list", "delete", "copy")  # RetryingStore's op names, lower case
+RETRY_REASONS = ("throttled", "server_error", "timeout", "connection", "truncated", "other")
+
+
+def retry_op(op: str) -> str:
+    """``op`` (``GET``, ``PUT``...) as a label value of :data:`RETRY_OPS`, or ``other``."""
+    op = op.lower()
+    return op if op in RETRY_OPS else "other"
+
+
+def retry_reason(exc: BaseException) -> str:
+    """Why a retryable error happened, one of :data:`RETRY_REASONS`: its ``retry_reason`` attribute
+    (set by the S3 backend) when that is one of them, else ``other``."""
+    reason = getattr(exc, "retry_reason", None)
+    return reason if reason in RETRY_REASONS else "other"
+
 
 def is_retryable(exc: BaseException) -> bool:
     """Whether a store error says that trying again may help."""

@@ -68,6 +68,20 @@ _TRANSPORT_ERRORS = (
     ConnectionError,
     TimeoutError,
 )
+# The ``reason`` label of a retry (weightsync.store.retry.RETRY_REASONS), from the error's kind.
+_THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "TooManyRequests"})
+_TIMEOUT_CODES = frozenset({"RequestTimeout", "RequestTimeoutException"})
+_TIMEOUT_ERRORS = (
+    TimeoutError,
+    urllib3.exceptions.TimeoutError,
+    botocore.exceptions.ReadTimeoutError,
+    botocore.exceptions.ConnectTimeoutError,
+)
+_TRUNCATED_ERRORS = (
+    IncompleteReadError,
+    urllib3.exceptions.IncompleteRead,
+    botocore.exceptions.ResponseStreamingError,
+)
 _CHECKSUM_FIELDS = tuple(
     f"Checksum{name}" for name in ("CRC32", "CRC32C", "CRC64NVME", "SHA1", "SHA256")
 )
@@ -86,6 +100,22 @@ def _code_status(exc: ClientError) -> tuple[str, int]:
         except ValueError:
             pass
     return code, status
+
+
+def _status_reason(code: str, status: int) -> str:
+    """The retry reason of a retryable S3 error response."""
+    if status == 429 or code in _THROTTLE_CODES:
+        return "throttled"
+    if code in _TIMEOUT_CODES:
+        return "timeout"
+    return "server_error" if status >= 500 or code in _RETRYABLE_CODES else "other"
+
+
+def _transport_reason(exc: BaseException) -> str:
+    """The retry reason of a transport failure (no response, or a body cut short)."""
+    if isinstance(exc, _TIMEOUT_ERRORS):
+        return "timeout"
+    return "truncated" if isinstance(exc, _TRUNCATED_ERRORS) else "connection"
 
 
 def _one_line(exc: BaseException) -> str:
@@ -126,10 +156,11 @@ class S3Store(Store):
     # -- error mapping -----------------------------------------------------------------------
 
     def _error(
-        self, op: str, key: str, what: str, *, cls=StoreError, retryable=False
+        self, op: str, key: str, what: str, *, cls=StoreError, retryable=False, reason="other"
     ) -> StoreError:
         err = cls(f"{self.url}: {op} {key}: {what}", key=key)
         err.retryable = retryable
+        err.retry_reason = reason  # the retry counter's label, when retryable
         return err
 
     @contextmanager
@@ -145,7 +176,8 @@ class S3Store(Store):
             raise self._client_error(op, key, exc, conflict) from exc
         except _TRANSPORT_ERRORS as exc:
             raise self._error(
-                op, key, f"{type(exc).__name__}: {_one_line(exc)}", retryable=True
+                op, key, f"{type(exc).__name__}: {_one_line(exc)}", retryable=True,
+                reason=_transport_reason(exc),
             ) from exc
         except BotoCoreError as exc:  # no credentials, invalid parameters...
             raise self._error(op, key, f"{type(exc).__name__}: {_one_line(exc)}") from exc
@@ -160,7 +192,7 @@ class S3Store(Store):
         if code in ("NoSuchKey", "NotFound"):
             return self._error(op, key, what, cls=NotFoundError)
         retryable = status in _RETRYABLE_STATUS or code in _RETRYABLE_CODES
-        return self._error(op, key, what, retryable=retryable)
+        return self._error(op, key, what, retryable=retryable, reason=_status_reason(code, status))
 
     # -- small objects -----------------------------------------------------------------------
 
@@ -387,7 +419,7 @@ class S3Store(Store):
                 written = _stream_to(resp["Body"], fd, offset)
             if written != length:
                 short = f"{byte_range}: got {written} of {length} bytes"
-                raise self._error("GET", key, short, retryable=True)
+                raise self._error("GET", key, short, retryable=True, reason="truncated")
 
         return fetch
 
