@@ -301,10 +301,11 @@ def _materialize(repo: Repo, out: Path, version: int, selection: Selection, conc
 
 def _write(repo, out: Path, target: Manifest, files, jobs, base, state, sel: Selection, concurrency, threads, fsync, cancel, t0) -> PartialResult:
     sdir = out / STATE_DIR
+    spool = spool_dir(out)  # checked (never a link) before anything is written
     staging = private_dir(out, "staging")
     empty_folder(staging)
     on_bytes = (lambda n: cancel()) if cancel else None
-    paths, fetched = fetch_for(repo, jobs, spool_dir(out), concurrency, on_bytes)
+    paths, fetched = fetch_for(repo, jobs, spool, concurrency, on_bytes)
     t_fetch = time.perf_counter()
     seconds = {"fetch": t_fetch - t0}
     built = build_tensors(jobs, paths, base, threads=threads, cancel=cancel)

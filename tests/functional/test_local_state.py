@@ -452,3 +452,58 @@ def test_a_subscriber_takes_its_lock_again_when_a_slot_is_removed_by_hand(publis
         assert rc == 2 and "in use by weightsync subscriber" in ws.error_line(err)
     finally:
         assert sub.stop() == 0
+
+
+PARTIAL_STATES = {
+    "escape": lambda doc: {**doc, "files": {"../victim.txt": {"size": 1, "xxh3": "0" * 32, "tensors": {}}}},
+    "garbage": lambda doc: "garbage",
+    "list": lambda doc: [],
+    "version-out-of-range": lambda doc: {**doc, "version": -1},
+    "files-not-records": lambda doc: {**doc, "files": {"config.json": 7}},
+}
+
+
+@pytest.mark.parametrize("name", PARTIAL_STATES)
+def test_a_planted_or_damaged_partial_state_is_refused(published, ws, tmp_path, name):
+    """The partial path (``--include``/``--exclude`` subscribers): ``partial.json`` is checked like
+    ``state.json``; nothing outside the folder is touched, nothing in it changes."""
+    from weightsync.partial import Selection, materialize
+
+    store, _ = published
+    url = f"file://{store}"
+    repo = weightsync.open_repo(url)
+    out = tmp_path / "part"
+    materialize(repo, out, 1, Selection(include=("*embed*",)), fsync=False)
+    (tmp_path / "victim.txt").write_text("not weightsync's")
+    doc = json.loads((out / ".weightsync" / "partial.json").read_text())
+    (out / ".weightsync" / "partial.json").write_text(json.dumps(PARTIAL_STATES[name](doc)))
+    before = ws.snapshot(tmp_path)
+    with pytest.raises(UsageError, match="partial.json"):
+        materialize(repo, out, 2, Selection(include=("*embed*",)), fsync=False)
+    assert ws.snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("plant", ["foreign-file", "spool-link", "state-dir-link"])
+def test_the_partial_path_refuses_foreign_folders_and_links(published, ws, tmp_path, plant):
+    from weightsync.partial import Selection, materialize
+
+    store, _ = published
+    repo = weightsync.open_repo(f"file://{store}")
+    out, theirs = tmp_path / "part", tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "keep.bin").write_bytes(b"keep me")
+    if plant == "foreign-file":
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+    else:
+        materialize(repo, out, 1, Selection(include=("*embed*",)), fsync=False)
+        if plant == "spool-link":
+            (out / ".weightsync" / "spool").symlink_to(theirs)
+        else:
+            shutil.move(out / ".weightsync", tmp_path / "moved")
+            (out / ".weightsync").symlink_to(tmp_path / "moved")
+    before = ws.snapshot(tmp_path)
+    with pytest.raises(UsageError):
+        materialize(repo, out, 2, Selection(include=("*embed*",)), fsync=False)
+    assert ws.snapshot(tmp_path) == before
+    assert (theirs / "keep.bin").read_bytes() == b"keep me"
