@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_torch_sink import module_from
 
 import weightsync.torch as wtorch
 from weightsync.errors import UsageError, WeightsyncError
@@ -23,20 +24,6 @@ def bits(t: torch.Tensor) -> bytes:
 
 def holds(tensors, expected: dict[str, torch.Tensor]) -> bool:
     return all(bits(tensors[n]) == bits(t) for n, t in expected.items())
-
-
-def module_of(sd: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """A module tree whose state_dict() names are ``sd``'s names, holding clones as Parameters."""
-    root = torch.nn.Module()
-    for name, t in sd.items():
-        *path, leaf = name.split(".")
-        m = root
-        for p in path:
-            if not hasattr(m, p):
-                m.add_module(p, torch.nn.Module())
-            m = getattr(m, p)
-        m.register_parameter(leaf, torch.nn.Parameter(t.clone(), requires_grad=False))
-    return root
 
 
 # -- a transformers v5 MoE model: experts fused in memory, one tensor per expert on disk ----------------
@@ -146,11 +133,11 @@ def test_names_the_model_lacks_are_refused(small, mode):
     store, versions = small
     with pytest.raises(CoverageError, match=r"2 store tensors of version 0 have no destination in the model \(a, b\).*"
                                             r"2 model tensors have no source in it \(net.a, net.b\)"):
-        TorchSink(store, module_of({f"net.{k}": v for k, v in versions[0].items()}), 0, mode=mode, verify=False)
+        TorchSink(store, module_from({f"net.{k}": v for k, v in versions[0].items()}), 0, mode=mode, verify=False)
     with pytest.raises(CoverageError, match=r"1 store tensor of version 0 has no destination in the model \(b\)"):
-        TorchSink(store, module_of({"a": versions[0]["a"], "bb": versions[0]["b"]}), 0, mode=mode,
+        TorchSink(store, module_from({"a": versions[0]["a"], "bb": versions[0]["b"]}), 0, mode=mode,
                   name_map=lambda n: "b_typo" if n == "b" else n, exclude=["bb"])
-    model = module_of({f"net.{k}": v for k, v in versions[0].items()})
+    model = module_from({f"net.{k}": v for k, v in versions[0].items()})
     sink = TorchSink(store, model, 0, mode=mode, name_map=lambda n: f"net.{n}")
     assert sink.excluded == ()
     sink.update(1)
@@ -160,7 +147,7 @@ def test_names_the_model_lacks_are_refused(small, mode):
 @MODES
 def test_a_version_whose_names_change_is_refused_and_nothing_is_applied(small, mode):
     store, versions = small
-    model = module_of(versions[0])
+    model = module_from(versions[0])
     sink = TorchSink(store, model, 0, mode=mode)
     sink.update(1)
     for v, match in ((2, r"1 store tensor of version 2 has no destination in the model \(c\)"),
@@ -174,7 +161,7 @@ def test_a_version_whose_names_change_is_refused_and_nothing_is_applied(small, m
         assert sink.version == 1 and holds(model.state_dict(), versions[1])
     sink.update(6)  # the sink is still usable
     assert holds(model.state_dict(), versions[6])
-    ignoring = TorchSink(store, module_of(versions[1]), 1, mode=mode, exclude=["c"])
+    ignoring = TorchSink(store, module_from(versions[1]), 1, mode=mode, exclude=["c"])
     assert ignoring.update(2).excluded == ("c",)
     with pytest.raises(CoverageError, match="no source in version 3"):
         ignoring.prepare(3)
@@ -183,7 +170,7 @@ def test_a_version_whose_names_change_is_refused_and_nothing_is_applied(small, m
 @MODES
 def test_exclude_leaves_model_tensors_alone(small, mode):
     store, versions = small
-    model = module_of({**versions[0], "extra.scale": torch.ones(3)})
+    model = module_from({**versions[0], "extra.scale": torch.ones(3)})
     with pytest.raises(CoverageError, match=r"1 model tensor has no source in version 0 \(extra.scale\)"):
         TorchSink(store, model, 0, mode=mode)
     sink = TorchSink(store, model, 0, mode=mode, exclude=["extra.*"])
@@ -197,7 +184,7 @@ def test_exclude_leaves_model_tensors_alone(small, mode):
 # -- a failure in the middle of the pause --------------------------------------------------------------
 def test_patch_apply_failing_midway_is_reported_and_repaired(small, monkeypatch):
     store, versions = small
-    model = module_of(versions[0])
+    model = module_from(versions[0])
     sink = TorchSink(store, model, 0, dense_above=1.0)
     up = sink.prepare(1)
     stale = sink.prepare(6)
