@@ -75,7 +75,7 @@ WORKDIR /home/weightsync
 # Default API ports: publisher 8470, subscriber 8471 (the daemons serve HTTP only with --listen).
 EXPOSE 8470 8471 8472
 # Probes GET /healthz on the URLs in WEIGHTSYNC_HEALTHCHECK_URLS (space separated; default: the
-# publisher's, the subscriber's and the mirror's metrics ports; the mirror answers any path) and
+# publisher's, the subscriber's and the mirror's metrics ports, which all serve /healthz) and
 # succeeds if any answers 2xx. One-shot
 # commands (gc, fleet) exit before the first probe. Kubernetes ignores this and uses its own probes.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=60s --retries=3 \

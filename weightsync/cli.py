@@ -456,7 +456,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
 
     p = sub.add_parser("fleet", help="every subscriber's version, lag and staleness (the fleet ledger)")
     _add_store(p, env)
-    p.add_argument("--json", action="store_true")
+    env_argument(p, env, "--json", action="store_true", help="the fleet as JSON instead of a table")
     p.set_defaults(func=cmd_fleet)
     return parser
 

@@ -87,6 +87,9 @@ class HookRunner:
             async with session.request(self.cfg.method, self.cfg.url, data=data, headers=headers) as resp:
                 if resp.status >= 300:
                     text = (await resp.text())[:200]
+                    for _, value in self.cfg.headers:  # a server that echoes the request must not leak them
+                        if value:
+                            text = text.replace(value, "***")
                     raise RuntimeError(f"HTTP {resp.status} from hook: {text}")
 
     async def _command(self, version: int, path: str, current: str) -> None:

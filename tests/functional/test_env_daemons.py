@@ -89,7 +89,8 @@ class _Process:
 
 class _HookServer:
     """A plain HTTP server on 127.0.0.1 recording each request's headers and JSON body; 401
-    unless the expected ``Authorization`` header came."""
+    unless the expected ``Authorization`` header came, echoing the one that did (as debugging
+    servers do: the daemon must not log it from the answer either)."""
 
     def __init__(self, expected_auth: str):
         calls = self.calls = []
@@ -99,9 +100,11 @@ class _HookServer:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 calls.append((dict(self.headers.items()), json.loads(body)))
                 ok = self.headers.get("Authorization") == expected_auth
+                answer = b"" if ok else f"refused Authorization: {self.headers.get('Authorization')}".encode()
                 self.send_response(200 if ok else 401)
-                self.send_header("Content-Length", "0")
+                self.send_header("Content-Length", str(len(answer)))
                 self.end_headers()
+                self.wfile.write(answer)
 
             def log_message(self, *args):
                 pass
