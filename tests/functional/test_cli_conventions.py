@@ -33,9 +33,10 @@ IFS = "\013"  # argcomplete's default separator of candidates
 
 # --- progress ---------------------------------------------------------------------------------------
 def run_on_a_terminal(args, env: dict) -> tuple[int, str, str]:
-    """``python -m weightsync.cli *args`` with stderr on a pseudo-terminal (120 columns): (rc, stdout, stderr)."""
+    """``python -m weightsync.cli *args`` with stderr on a pseudo-terminal, wide enough (400 columns) that
+    tqdm never shortens a bar labelled with a long temporary path: (rc, stdout, stderr)."""
     master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 400, 0, 0))
     proc = subprocess.Popen([sys.executable, "-m", "weightsync.cli", *map(str, args)], stdout=subprocess.PIPE,
                             stderr=slave, stdin=subprocess.DEVNULL, env=env)
     os.close(slave)
