@@ -45,7 +45,7 @@ RUN /opt/weightsync/bin/pip install --no-deps . \
 # pays it: numba keys the cache on the source's path and contents and on the CPU, and the runtime
 # stage below checks that it is served from there, read-only, without compiling. On a machine of
 # another kind the kernels compile at start and go to NUMBA_CACHE_DIR if that is writable.
-RUN /opt/weightsync/bin/python -m weightsync.jit
+RUN /opt/weightsync/bin/python -m weightsync.codec.jit
 
 # --- runtime: the same base image, the virtual environment, an unprivileged user ----------------
 FROM ${PYTHON_IMAGE} AS runtime
@@ -70,7 +70,7 @@ ENV PATH="/opt/weightsync/bin:${PATH}" \
 USER 10001:10001
 # As the unprivileged user, with no writable cache directory (as under a read-only root file
 # system): the kernels compiled at build time load without compiling, or the build fails.
-RUN NUMBA_CACHE_DIR="" XDG_CACHE_HOME=/nonexistent python -m weightsync.jit --require-cached
+RUN NUMBA_CACHE_DIR="" XDG_CACHE_HOME=/nonexistent python -m weightsync.codec.jit --require-cached
 WORKDIR /home/weightsync
 # Default API ports: publisher 8470, subscriber 8471 (the daemons serve HTTP only with --listen).
 EXPOSE 8470 8471 8472

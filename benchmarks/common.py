@@ -154,7 +154,7 @@ def parallel_seconds(fn: Callable[[T], object], items: list[T], threads: int, re
     if threads <= 1:
         return best_of(lambda: [fn(item) for item in items], repeat=repeat)[1]
     if nbytes is not None:
-        from weightsync.pipeline import TASK_BYTES, ordered_map
+        from weightsync.sync.pipeline import TASK_BYTES, ordered_map
 
         weight = lambda item: 3 * nbytes(item)  # noqa: E731  as publish and pull weigh a tensor
         return best_of(lambda: list(ordered_map(fn, items, weight, 1 << 62, threads, 3 * TASK_BYTES)), repeat=repeat)[1]

@@ -35,10 +35,10 @@ ensure_repo_importable()
 
 import torch  # noqa: E402
 
-from weightsync.codec import CodecConfig  # noqa: E402
-from weightsync.devicediff import DeviceDiffPublisher  # noqa: E402
-from weightsync.publisher import StateDictPublisher  # noqa: E402
-from weightsync.publishing import PublishConfig  # noqa: E402
+from weightsync.codec.tensor import CodecConfig
+from weightsync.sync.publish import PublishConfig
+from weightsync.torch.device import DeviceDiffPublisher
+from weightsync.torch.state_dict import StateDictPublisher
 
 
 def make_model(elements: int, hidden: int = 1024, seed: int = 0) -> dict[str, torch.Tensor]:

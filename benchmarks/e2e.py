@@ -85,7 +85,7 @@ def log(msg: str) -> None:
 # --- checkpoints ---------------------------------------------------------------------------------
 def trajectory(size: str, versions: int) -> list[Path]:
     """Checkpoints step_000000..step_<versions-1>, written once by SyntheticTrainer into benchmarks/.cache."""
-    from weightsync.synth import SyntheticTrainer
+    from weightsync.demo import SyntheticTrainer
 
     kw, shards = SIZES[size]
     name = "e2e-" + "-".join(f"{k}{v}" for k, v in kw.items()) + f"-shards{shards}-lr{LR:g}"

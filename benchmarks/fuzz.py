@@ -33,10 +33,10 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import weightsync  # noqa: E402
-from weightsync.errors import WeightsyncError  # noqa: E402
-from weightsync.format import chunk_key, version_key  # noqa: E402
-from weightsync.pulling import PullConfig  # noqa: E402
-from weightsync.synth import make_trajectory  # noqa: E402
+from weightsync.demo import make_trajectory
+from weightsync.errors import WeightsyncError
+from weightsync.format.keys import chunk_key, version_key
+from weightsync.sync.pull import PullConfig
 
 TINY = dict(hidden=32, layers=1, experts=2, vocab=128)
 MANIFEST_OPS = ("flip", "set", "delete", "insert", "truncate",

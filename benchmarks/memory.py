@@ -18,11 +18,11 @@ from pathlib import Path
 
 import numpy as np
 
-from weightsync.synth import write_safetensors
+from weightsync.demo import write_safetensors
 
 OP = """
 import json, sys, weightsync
-from weightsync.publishing import PublishConfig
+from weightsync.sync.publish import PublishConfig
 op, a, b, v = sys.argv[1:5]
 if op == "publish":
     cfg = PublishConfig(keyframe_interval=int(sys.argv[6]) if len(sys.argv) > 6 else 20)

@@ -45,7 +45,7 @@ sys.path.insert(0, str(BENCH_DIR.parent))
 from faultproxy import FaultProxy, Rule  # noqa: E402
 
 import weightsync  # noqa: E402
-from weightsync.synth import SyntheticTrainer  # noqa: E402
+from weightsync.demo import SyntheticTrainer
 
 MODEL = dict(hidden=64, layers=2, experts=2, vocab=256)  # ~0.4 MB per checkpoint
 FAULT_KINDS = ("503", "500", "reset", "truncate", "drop", "delay")

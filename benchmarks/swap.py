@@ -55,7 +55,7 @@ from safetensors.torch import load_file  # noqa: E402
 from trajectory import ModelConfig, MoeForCausalLM  # noqa: E402
 
 import weightsync  # noqa: E402
-from weightsync.torch import TorchSink, point_to  # noqa: E402
+from weightsync.torch.sink import TorchSink, point_to
 
 STEPS = 6
 

@@ -87,7 +87,7 @@ print(json.dumps({"seconds": seconds, "rss": hwm, **extra}))
 
 def trajectory(size: str, steps: int) -> list[Path]:
     """Checkpoints step_0..step_<steps> of the synthetic trainer, cached in benchmarks/.cache."""
-    from weightsync.synth import SyntheticTrainer
+    from weightsync.demo import SyntheticTrainer
 
     kw = SIZES[size]
     root = BENCH_DIR / ".cache" / ("transfer-" + "-".join(f"{k}{v}" for k, v in kw.items()) + f"-lr{LR:g}")

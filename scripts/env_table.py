@@ -34,7 +34,7 @@ OTHERS = [
 
 
 def _value(action: argparse.Action) -> str:
-    from weightsync.config import hold_arg, version_arg
+    from weightsync.service.flags import hold_arg, version_arg
 
     if isinstance(action, argparse._StoreTrueAction):
         return "1/0, true/false, yes/no, on/off"

@@ -11,9 +11,9 @@ from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
 
-import weightsync
-
-from .config import (
+from weightsync._version import __version__
+from weightsync.errors import ChecksumError, UsageError, WeightsyncError
+from weightsync.service.flags import (
     EnvParser,
     add_encoding_args,
     add_log_args,
@@ -25,10 +25,10 @@ from .config import (
     publish_config,
     version_arg,
 )
-from .errors import ChecksumError, UsageError, WeightsyncError
-from .progress import Progress, human_bytes
-from .publishing import PublishConfig
-from .pulling import PullConfig
+from weightsync.service.progress import Progress, human_bytes
+from weightsync.store.repo import open_repo, versions
+from weightsync.sync.publish import PublishConfig, publish
+from weightsync.sync.pull import PullConfig, pull, verify
 
 
 def _default_cache() -> Path:
@@ -41,7 +41,7 @@ def _store_options(args) -> dict:
 
 
 def _repo(args):
-    return weightsync.open_repo(args.store, **_store_options(args))
+    return open_repo(args.store, **_store_options(args))
 
 
 def _progress(args, label: str) -> Progress:
@@ -59,7 +59,7 @@ def cmd_publish(args) -> int:
         raise UsageError("publish takes an integer --version")
     cache = None if args.no_cache else Path(args.cache_dir or _default_cache()) / _cache_name(args.store)
     with _progress(args, f"publish {args.checkpoint_dir}") as progress:
-        r = weightsync.publish(args.checkpoint_dir, _repo(args), args.version, config=cfg, base_dir=args.base,
+        r = publish(args.checkpoint_dir, _repo(args), args.version, config=cfg, base_dir=args.base,
                                cache_dir=cache, progress=progress)
     kind = "keyframe" if r.keyframe else f"delta from {r.parent}"
     print(f"published version {r.version} ({kind}): {human_bytes(r.raw_bytes)} -> {human_bytes(r.payload_bytes)} "
@@ -70,7 +70,7 @@ def cmd_publish(args) -> int:
 
 
 def cmd_publish_part(args) -> int:
-    from .parts import publish_part
+    from weightsync.sync.parts import publish_part
 
     cfg = _publish_config(args)
     if args.version == "latest":
@@ -90,7 +90,7 @@ def cmd_publish_part(args) -> int:
 
 
 def cmd_commit_parts(args) -> int:
-    from .parts import commit_parts
+    from weightsync.sync.parts import commit_parts
 
     if args.timeout < 0:
         raise UsageError(f"--timeout must be >= 0 seconds, not {args.timeout:g}")
@@ -111,7 +111,7 @@ def _cache_name(url: str) -> str:
 
 def cmd_pull(args) -> int:
     with _progress(args, f"pull {args.out_dir}") as progress:
-        r = weightsync.pull(_repo(args), args.out_dir, args.version, config=PullConfig(fetch_concurrency=args.concurrency),
+        r = pull(_repo(args), args.out_dir, args.version, config=PullConfig(fetch_concurrency=args.concurrency),
                             progress=progress)
     src = "empty folder" if r.from_version is None else f"version {r.from_version}"
     print(f"pulled version {r.version} from {src}: {human_bytes(r.fetched_bytes)} fetched, {r.written_files} files written, "
@@ -121,7 +121,7 @@ def cmd_pull(args) -> int:
 
 
 def cmd_versions(args) -> int:
-    infos = weightsync.versions(_repo(args))
+    infos = versions(_repo(args))
     if args.json:
         print(json.dumps([asdict(i) for i in infos], indent=2))
         return 0
@@ -148,7 +148,7 @@ VERIFY_EXIT_STATUS = f"""exit status:
 
 def cmd_verify(args) -> int:
     try:
-        v = weightsync.verify(_repo(args), args.dir, args.version)
+        v = verify(_repo(args), args.dir, args.version)
     except ChecksumError:
         raise  # exit_code 1: differs
     except WeightsyncError as exc:
@@ -163,14 +163,14 @@ def cmd_verify(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from .demo import run_demo
+    from weightsync.demo import run_demo
 
     return run_demo(args.workdir, steps=args.steps, hidden=args.hidden)
 
 
 def _side_store(args, side: str):
     """The mirror's ``--from`` or ``--to`` store: its URL and S3 endpoint (``--{side}-endpoint-url``, else ``--endpoint-url``)."""
-    from .config import StoreConfig
+    from weightsync.service.config import StoreConfig
 
     url = args.src if side == "from" else args.dst
     return StoreConfig(url, getattr(args, f"{side}_endpoint_url", None) or getattr(args, "endpoint_url", None))
@@ -190,7 +190,7 @@ class _MirrorHealth:
         self.state, self.last_error = "error", f"{type(exc).__name__}: {exc}"
 
     def readyz(self):
-        from .daemon import json_answer
+        from weightsync.service.runtime import json_answer
 
         doc = {"ready": self.ready, "state": self.state, **({"last_error": self.last_error} if self.last_error else {})}
         return json_answer(doc, 200 if self.ready else 503)
@@ -198,8 +198,8 @@ class _MirrorHealth:
 
 def _serve_mirror_http(text: str, flag: str, metrics, health: _MirrorHealth, log):
     """Serve ``/metrics``, ``/healthz`` and ``/readyz`` at ``http://HOST:PORT`` from a daemon thread."""
-    from .daemon import event, json_answer, serve_routes
-    from .metrics import CONTENT_TYPE
+    from weightsync.service.metrics import CONTENT_TYPE
+    from weightsync.service.runtime import event, json_answer, serve_routes
 
     host, port = parse_listen(text, flag)
     routes = {"/metrics": lambda: (200, CONTENT_TYPE, metrics.render()), "/healthz": lambda: json_answer({"status": "ok"}),
@@ -221,10 +221,11 @@ def cmd_mirror(args) -> int:
 
     from prometheus_client import CollectorRegistry
 
-    from .config import LogConfig, env_sources
-    from .daemon import event, open_daemon_repo, setup_logging
-    from .metrics import Metrics
-    from .mirror import MirrorConfig, mirror
+    from weightsync.service.config import LogConfig
+    from weightsync.service.flags import env_sources
+    from weightsync.service.metrics import Metrics
+    from weightsync.service.runtime import event, open_daemon_repo, setup_logging
+    from weightsync.sync.mirror import MirrorConfig, mirror
 
     setup_logging(LogConfig(args.log_json, args.log_level))
     log = logging.getLogger("weightsync.mirror")
@@ -266,7 +267,7 @@ def cmd_mirror(args) -> int:
 
 
 def cmd_gc(args) -> int:
-    from .gc import GcConfig, gc
+    from weightsync.sync.gc import GcConfig, gc
 
     cfg = GcConfig(keep=args.keep, grace_seconds=args.grace_seconds, dry_run=args.dry_run)
     r = gc(_repo(args), cfg)
@@ -288,13 +289,13 @@ def cmd_gc(args) -> int:
 
 
 def cmd_publisher(args) -> int:
-    from .config import publisher_config
+    from weightsync.service.flags import publisher_config
 
     return _run_daemon(publisher_config(args, os.environ))
 
 
 def cmd_subscriber(args) -> int:
-    from .config import subscriber_config
+    from weightsync.service.flags import subscriber_config
 
     return _run_daemon(subscriber_config(args, os.environ))
 
@@ -303,10 +304,10 @@ def _run_daemon(cfg) -> int:
     """Build a daemon from its config (publisher or subscriber) and serve it until SIGTERM."""
     from prometheus_client import CollectorRegistry
 
-    from .api import Deps, create_app
-    from .config import PublisherConfig
-    from .daemon import open_daemon_repo, run, setup_logging
-    from .metrics import Metrics
+    from weightsync.service.api import Deps, create_app
+    from weightsync.service.config import PublisherConfig
+    from weightsync.service.metrics import Metrics
+    from weightsync.service.runtime import open_daemon_repo, run, setup_logging
 
     setup_logging(cfg.log)
     ident = cfg.identity
@@ -315,11 +316,11 @@ def _run_daemon(cfg) -> int:
                       cluster=ident.cluster, subscriber="" if publisher else ident.id)
     repo = open_daemon_repo(cfg.store, metrics.on_retry)
     if publisher:
-        from .publisher import Publisher
+        from weightsync.service.publisher import Publisher
 
         daemon = Publisher(cfg, repo, metrics)
     else:
-        from .subscriber import Subscriber
+        from weightsync.service.subscriber import Subscriber
 
         daemon = Subscriber(cfg, repo, metrics)
         daemon.claim()  # another process writing the folder: a one-line error before anything is served
@@ -329,7 +330,7 @@ def _run_daemon(cfg) -> int:
 def cmd_fleet(args) -> int:
     import time
 
-    from .ledger import format_fleet, read_fleet
+    from weightsync.sync.fleet import format_fleet, read_fleet
 
     repo = _repo(args)
     repo.require()
@@ -362,7 +363,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     the one-shot commands read no environment."""
     env = {} if environ is None else environ
     parser = EnvParser(prog="weightsync", description="Bit-exact weight delta sync over object storage.")
-    parser.add_argument("--version", action="version", version=f"weightsync {weightsync.__version__}")
+    parser.add_argument("--version", action="version", version=f"weightsync {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("publish", help="publish a checkpoint directory as a new version")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from weightsync.synth import make_trajectory
+from weightsync.demo import make_trajectory
 
 TINY = {"hidden": 32, "layers": 1, "experts": 2, "vocab": 128}
 STATE_DIR = ".weightsync"

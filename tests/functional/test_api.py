@@ -21,8 +21,8 @@ from schemathesis.config import SchemathesisConfig
 from test_daemons import Daemon, http, wait_for
 
 import weightsync
-from weightsync.api import openapi_document
-from weightsync.synth import make_trajectory
+from weightsync.demo import make_trajectory
+from weightsync.service.openapi import openapi_document
 
 TOKEN = "api-test-token"
 TINY = dict(hidden=32, layers=1, experts=2, vocab=128)

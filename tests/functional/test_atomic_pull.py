@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from weightsync.local import recover
-from weightsync.synth import write_safetensors
+from weightsync.demo import write_safetensors
+from weightsync.local.install import recover
 
 # Runs ``weightsync.cli.main(argv)`` and kills itself (or raises) right after the n-th event of a kind:
 #   fsync N    the n-th fsync: a file written into staging (nothing installed yet)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from weightsync.synth import write_safetensors
+from weightsync.demo import write_safetensors
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from weightsync.synth import write_safetensors
+from weightsync.demo import write_safetensors
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc to see the publisher's files")
 

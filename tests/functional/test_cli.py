@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from weightsync.synth import write_safetensors
+from weightsync.demo import write_safetensors
 
 DTYPES = ["BOOL", "U8", "I8", "I16", "U16", "I32", "U32", "I64", "U64",
           "F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"]
@@ -217,7 +217,8 @@ def test_verify_exit_code_tells_could_not_check_from_differs(published, tmp_path
 def test_verify_exits_3_when_a_file_cannot_be_read(published, tmp_path, ok_cli, monkeypatch, capsys):
     """An OSError while reading the folder (EACCES, EIO: not producible as root, so injected) is
     "could not check", not "differs"."""
-    from weightsync import cli, integrity
+    from weightsync import cli
+    from weightsync.local import verify as integrity
 
     store, _ = published
     out = tmp_path / "replica"

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 import weightsync
-from weightsync.progress import Progress
+from weightsync.service.progress import Progress
 
 ROOT = Path(__file__).resolve().parents[2]
 IFS = "\013"  # argcomplete's default separator of candidates
@@ -159,8 +159,8 @@ namespace = {}
 exec("from weightsync import *", namespace)
 assert "torch" not in sys.modules and "publish_state_dict" in namespace and "TorchSink" not in namespace
 from weightsync import DeviceDiffPublisher, TorchSink
-import weightsync.devicediff, weightsync.torch
-assert TorchSink is weightsync.torch.TorchSink and DeviceDiffPublisher is weightsync.devicediff.DeviceDiffPublisher
+import weightsync.torch.device, weightsync.torch
+assert TorchSink is weightsync.torch.TorchSink and DeviceDiffPublisher is weightsync.torch.device.DeviceDiffPublisher
 assert weightsync.CoverageError is weightsync.torch.CoverageError
 assert {"TorchSink", "publish_state_dict", "publish_part"} <= set(dir(weightsync))
 """

@@ -25,15 +25,15 @@ from pathlib import Path
 import pytest
 
 import weightsync
-from weightsync.checkpoint import scan_checkpoint
-from weightsync.partial import read_partial_state, verify_partial
-from weightsync.synth import SyntheticTrainer, make_trajectory
+from weightsync.demo import SyntheticTrainer, make_trajectory
+from weightsync.local.checkpoint import scan_checkpoint
+from weightsync.sync.selection import read_partial_state, verify_partial
 
 TINY = dict(hidden=32, layers=1, experts=2, vocab=128)
 TRAINER = """
 import sys, time
 from pathlib import Path
-from weightsync.synth import SyntheticTrainer
+from weightsync.demo import SyntheticTrainer
 root, first, steps, delay = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 t = SyntheticTrainer(hidden=32, layers=1, experts=2, vocab=128, seed=0)
 for i in range(first + steps):
@@ -340,9 +340,9 @@ def test_sigterm_mid_sync_leaves_current_intact_and_restart_resumes(tmp_path, da
 def test_stop_token_aborts_pull_and_publish_before_they_commit(tmp_path):
     """The daemons' shutdown path: a set stop token makes a pull or publish raise from its progress
     callback, before anything is installed or committed."""
-    from weightsync.daemon import StopToken, Stopped
-    from weightsync.integrity import verify_folder
-    from weightsync.local import read_state
+    from weightsync.local.state import read_state
+    from weightsync.local.verify import verify_folder
+    from weightsync.service.runtime import Stopped, StopToken
 
     store = tmp_path / "store"
     traj = make_trajectory(tmp_path / "traj", steps=3, **TINY)

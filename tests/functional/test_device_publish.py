@@ -12,13 +12,13 @@ import pytest
 import torch
 
 import weightsync
-from weightsync import hostmirror
-from weightsync.codec import CodecConfig
-from weightsync.devicediff import DeviceDiffPublisher
+from weightsync.codec.tensor import CodecConfig
+from weightsync.demo import SyntheticTrainer
 from weightsync.errors import StoreError, VersionError
-from weightsync.publisher import StateDictPublisher, publish_state_dict, save_state_dict
-from weightsync.publishing import PublishConfig
-from weightsync.synth import SyntheticTrainer
+from weightsync.sync.publish import PublishConfig
+from weightsync.torch import hostpatch as hostmirror
+from weightsync.torch.device import DeviceDiffPublisher
+from weightsync.torch.state_dict import StateDictPublisher, publish_state_dict, save_state_dict
 
 TINY = {"hidden": 32, "layers": 1, "experts": 2, "vocab": 128}
 INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -15,7 +15,7 @@ from procs import finish, spawn_cli
 from test_daemons import Daemon
 
 import weightsync
-from weightsync.local import read_state
+from weightsync.local.state import read_state
 
 BUSY = "one writer per folder"
 

@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 
 import weightsync
-import weightsync.gc as gc_module
-from weightsync.chunking import chunk_id
-from weightsync.format import chunk_key
-from weightsync.gc import GcConfig, gc, object_age
-from weightsync.mirror import mirror
+import weightsync.sync.gc as gc_module
+from weightsync.format.chunking import chunk_id
+from weightsync.format.keys import chunk_key
 from weightsync.store import FileStore
+from weightsync.sync.gc import GcConfig, gc, object_age
+from weightsync.sync.mirror import mirror
 
 OLD = time.time() - 10 * 24 * 3600
 KEYFRAMES = weightsync.PublishConfig(keyframe_interval=1)  # every version a keyframe: no chain to keep
@@ -210,7 +210,7 @@ def test_a_publish_whose_chunks_gc_took_before_its_commit_commits_nothing(trajec
     """A publish longer than gc's grace: chunks stored earlier than ``refresh_after`` are touched
     again right before the commit, and one already collected stops the commit (no torn version)."""
     from weightsync.errors import VersionError
-    from weightsync.transfer import Uploader
+    from weightsync.sync.transfer import Uploader
 
     store = tmp_path / "store"
     r = weightsync.open_repo(store)
@@ -242,7 +242,7 @@ def test_only_chunks_stored_before_refresh_after_are_touched_again_at_the_commit
     r = weightsync.open_repo(tmp_path / "store")
     weightsync.publish(trajectory[0], r, config=KEYFRAMES)  # default refresh_after: a short publish touches nothing
     assert touched == []
-    from weightsync.transfer import Uploader
+    from weightsync.sync.transfer import Uploader
 
     real_join = Uploader.join
 

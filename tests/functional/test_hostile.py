@@ -27,14 +27,15 @@ from hypothesis import strategies as st
 from test_daemons import Daemon, wait_for
 
 import weightsync
-from weightsync.checkpoint import scan_checkpoint
-from weightsync.codec import MAGIC
+from weightsync.codec.tensor import MAGIC
+from weightsync.demo import SyntheticTrainer
 from weightsync.errors import ChecksumError, FormatError, NotFoundError, UsageError, VersionError, WeightsyncError
-from weightsync.format import chunk_key, manifest_checksum, version_key
-from weightsync.partial import Selection, materialize
-from weightsync.planner import plan_pull
-from weightsync.pulling import PullConfig
-from weightsync.synth import SyntheticTrainer
+from weightsync.format.keys import chunk_key, version_key
+from weightsync.format.manifest import manifest_checksum
+from weightsync.local.checkpoint import scan_checkpoint
+from weightsync.sync.plan import plan_pull
+from weightsync.sync.pull import PullConfig
+from weightsync.sync.selection import Selection, materialize
 
 _FUZZ = Path(__file__).resolve().parents[2] / "benchmarks" / "fuzz.py"
 _spec = importlib.util.spec_from_file_location("weightsync_bench_fuzz", _FUZZ)

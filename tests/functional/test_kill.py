@@ -29,9 +29,9 @@ import pytest
 from test_daemons import Daemon, wait_for
 
 import weightsync
-from weightsync.format import chunk_key
-from weightsync.local import read_state
-from weightsync.synth import make_trajectory
+from weightsync.demo import make_trajectory
+from weightsync.format.keys import chunk_key
+from weightsync.local.state import read_state
 
 MODEL = dict(hidden=256, layers=1, experts=2, vocab=1024)  # ~3 MB: keyframes span 3-4 chunks of 1 MiB
 PUBLISH = weightsync.PublishConfig(chunk_bytes=1 << 20, keyframe_interval=3)

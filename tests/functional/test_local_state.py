@@ -19,8 +19,10 @@ from test_daemons import Daemon, wait_for
 
 import weightsync
 from weightsync.errors import UsageError, WeightsyncError
-from weightsync.local import FolderBusyError, FolderLock, TornInstallError, read_state
-from weightsync.pulling import PullConfig
+from weightsync.local.install import TornInstallError
+from weightsync.local.lock import FolderBusyError, FolderLock
+from weightsync.local.state import read_state
+from weightsync.sync.pull import PullConfig
 
 NOFSYNC = PullConfig(fsync=False, decode_threads=2)
 
@@ -154,7 +156,7 @@ def test_a_wrong_spooled_chunk_of_the_right_size_is_fetched_again(published, tmp
 def test_a_spool_damaged_after_its_check_is_dropped_and_fetched_once_more(published, tmp_path, monkeypatch):
     """A spooled chunk that goes bad between its check and its use (the disk, a hand in the
     folder): the payload's checksum fails, the spool is dropped and the pull fetches again once."""
-    import weightsync.transfer as transfer
+    import weightsync.sync.transfer as transfer
 
     mem, out, m = _planted_spool(published, tmp_path, "spool-retry")
     checked = transfer._spooled
@@ -209,7 +211,7 @@ def test_recovering_a_journal_whose_file_in_place_is_wrong_marks_the_folder_torn
     journal = {"version": 2, "store": url, "install": [f.path for f in m.files], "remove": [],
                "files": {f.path: [f.size, f.xxh3] for f in m.files}}
     (out / ".weightsync" / "journal.json").write_text(json.dumps(journal))
-    from weightsync.local import recover
+    from weightsync.local.install import recover
 
     with pytest.raises(TornInstallError):
         recover(out)
@@ -254,7 +256,7 @@ def test_a_lock_removed_while_held_never_lets_two_in(tmp_path):
     path, and locks that one instead (where the next holder already is)."""
     import fcntl
 
-    from weightsync.local import _same_file
+    from weightsync.local.lock import _same_file
 
     folder = tmp_path / "f"
     a = FolderLock(folder, "a").acquire()
@@ -461,7 +463,7 @@ PARTIAL_STATES = {
 def test_a_planted_or_damaged_partial_state_is_refused(published, ws, tmp_path, name):
     """The partial path (``--include``/``--exclude`` subscribers): ``partial.json`` is checked like
     ``state.json``; nothing outside the folder is touched, nothing in it changes."""
-    from weightsync.partial import Selection, materialize
+    from weightsync.sync.selection import Selection, materialize
 
     store, _ = published
     url = f"file://{store}"
@@ -479,7 +481,7 @@ def test_a_planted_or_damaged_partial_state_is_refused(published, ws, tmp_path, 
 
 @pytest.mark.parametrize("plant", ["foreign-file", "spool-link", "state-dir-link"])
 def test_the_partial_path_refuses_foreign_folders_and_links(published, ws, tmp_path, plant):
-    from weightsync.partial import Selection, materialize
+    from weightsync.sync.selection import Selection, materialize
 
     store, _ = published
     repo = weightsync.open_repo(f"file://{store}")

@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 
 import weightsync
+from weightsync.demo import make_trajectory
 from weightsync.errors import ChecksumError, FormatError, NotAStoreError, StoreError
-from weightsync.format import HEAD_KEY, chunk_key, version_key
-from weightsync.gc import GcConfig, gc, list_chunks_with_age
-from weightsync.mirror import MirrorConfig, MirrorError, mirror
+from weightsync.format.keys import HEAD_KEY, chunk_key, version_key
 from weightsync.store import FileStore, MemoryStore
-from weightsync.synth import make_trajectory
+from weightsync.sync.gc import GcConfig, gc, list_chunks_with_age
+from weightsync.sync.mirror import MirrorConfig, MirrorError, mirror
 
 OLD = time.time() - 10 * 24 * 3600  # an mtime far outside any grace period
 
@@ -238,7 +238,7 @@ def test_gc_grace_period_protects_young_unreferenced_chunks(published, tmp_path)
     r = repo(store)
     age_all(store)
     orphan = b"a chunk uploaded by a publisher whose manifest does not exist yet"
-    from weightsync.chunking import chunk_id
+    from weightsync.format.chunking import chunk_id
 
     r.put_chunk(chunk_id(orphan), orphan)
     res = gc(r, GcConfig(keep=6, grace_seconds=3600))

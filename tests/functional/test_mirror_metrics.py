@@ -30,12 +30,13 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 import weightsync
-from weightsync.format import HEAD_KEY, head_to_json, manifest_from_json, version_key
-from weightsync.metrics import Metrics
-from weightsync.mirror import mirror as run_mirror
-from weightsync.progress import human_bytes
+from weightsync.demo import make_trajectory
+from weightsync.format.keys import HEAD_KEY, version_key
+from weightsync.format.manifest import head_to_json, manifest_from_json
+from weightsync.service.metrics import Metrics
+from weightsync.service.progress import human_bytes
 from weightsync.store import FileStore
-from weightsync.synth import make_trajectory
+from weightsync.sync.mirror import mirror as run_mirror
 
 ROOT = Path(__file__).resolve().parents[2]
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"

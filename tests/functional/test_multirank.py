@@ -14,17 +14,17 @@ import time
 from pathlib import Path
 
 import pytest
-
-import weightsync
 from procs import finish, spawn_cli
 from test_daemons import daemons, http, wait_for  # noqa: F401  (daemons is a fixture)
+
+import weightsync
+from weightsync.demo import make_trajectory
 from weightsync.errors import StoreError, VersionError
-from weightsync.format import HEAD_KEY, PARTS_PREFIX, chunk_key, part_key, parts_prefix, version_key
-from weightsync.gc import GcConfig, gc
-from weightsync.parts import assign_files, commit_parts, publish_part
-from weightsync.publishing import PublishConfig
+from weightsync.format.keys import HEAD_KEY, PARTS_PREFIX, chunk_key, part_key, parts_prefix, version_key
 from weightsync.store import FileStore
-from weightsync.synth import make_trajectory
+from weightsync.sync.gc import GcConfig, gc
+from weightsync.sync.parts import assign_files, commit_parts, publish_part
+from weightsync.sync.publish import PublishConfig
 
 TINY = {"hidden": 32, "layers": 1, "experts": 2, "vocab": 128}
 OLD = time.time() - 10 * 24 * 3600
@@ -384,7 +384,7 @@ def test_bad_input_gives_one_line_and_changes_nothing(sharded, tmp_path, run_cli
 def test_a_rank_whose_chunks_gc_took_before_its_part_writes_no_part(sharded, tmp_path, monkeypatch):
     """Like a single publisher before its commit: chunks stored earlier than ``refresh_after`` are
     touched again before the part is written, and one already collected stops the rank."""
-    from weightsync.transfer import Uploader
+    from weightsync.sync.transfer import Uploader
 
     store = tmp_path / "store"
     publish_ranks(sharded[0], store, 2)

@@ -7,7 +7,7 @@ namespace (``unshare``) in which the package directory (a copy of this tree's ``
 home directory, ``XDG_CACHE_HOME`` and ``NUMBA_CACHE_DIR`` are read-only bind mounts; the subprocess
 first checks that it cannot write any of them.
 
-Then the image's arrangement: ``NUMBA_CACHE_DIR`` filled once by ``python -m weightsync.jit`` (the
+Then the image's arrangement: ``NUMBA_CACHE_DIR`` filled once by ``python -m weightsync.codec.jit`` (the
 Docker build step), read-only at run time, serves every kernel a pull needs without compiling.
 """
 
@@ -47,8 +47,8 @@ from weightsync.cli import main
 store, out = sys.argv[1:3]
 if main(["pull", "--store", store, out]) != 0 or main(["verify", "--store", store, out]) != 0:
     sys.exit("pull or verify failed")
-import weightsync.arith, weightsync.kernels  # every kernel module imports
-from weightsync import jit
+import weightsync.codec.arith, weightsync.codec.kernels  # every kernel module imports
+from weightsync.codec import jit
 
 print(json.dumps(jit.stats()))
 """
@@ -130,7 +130,7 @@ def test_pull_from_a_read_only_install_without_any_cache(unshare, install, publi
 def test_pull_from_a_read_only_install_loads_a_prefilled_numba_cache(unshare, install, published, tmp_path, ws):
     """NUMBA_CACHE_DIR filled at "build time" (writable then), read-only at run time: no compiling."""
     store, checkpoints = published
-    fill = subprocess.run([sys.executable, "-m", "weightsync.jit"], env=_env(install),
+    fill = subprocess.run([sys.executable, "-m", "weightsync.codec.jit"], env=_env(install),
                           cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
     assert fill.returncode == 0, fill.stderr
     filled = json.loads(fill.stdout.strip().splitlines()[-1])

@@ -11,9 +11,10 @@ import pytest
 from conftest import assert_replica, flip_byte, snapshot, tensor_data_offset
 
 import weightsync
+from weightsync.demo import make_trajectory
 from weightsync.errors import UsageError, WeightsyncError
-from weightsync.local import REFILL, clone, read_state, state_dir
-from weightsync.synth import make_trajectory
+from weightsync.local.base import clone
+from weightsync.local.state import REFILL, read_state, state_dir
 
 PULL = weightsync.PullConfig(fsync=False)
 
@@ -164,7 +165,7 @@ def test_a_copy_falls_back_to_reads_and_writes_where_the_kernel_copy_fails(tmp_p
     kernel): the rest goes through memory, byte for byte, with the source's mtime."""
     import os
 
-    import weightsync.local as local
+    import weightsync.local.base as local
 
     src, dst = tmp_path / "src.bin", tmp_path / "dst.bin"
     src.write_bytes(os.urandom(5 * 1024 + 7))
@@ -200,7 +201,7 @@ def test_a_base_changed_behind_our_back_is_found_after_the_decode_and_the_refill
 def test_a_wrong_result_from_a_right_base_is_reported_as_it_is(store, tmp_path, monkeypatch):
     """When the result is wrong but the base checks out, the error is the result's (not blamed on the
     base, which would send the pull round it)."""
-    import weightsync.pulling as pulling
+    import weightsync.sync.pull as pulling
     from weightsync.errors import ChecksumError
 
     base, out = tmp_path / "a", tmp_path / "b"

@@ -29,9 +29,10 @@ import pytest
 from test_daemons import Daemon, http, wait_for
 
 import weightsync
-import weightsync.api
-from weightsync.config import ApiConfig, parse_listen
-from weightsync.synth import make_trajectory
+import weightsync.service.api
+from weightsync.demo import make_trajectory
+from weightsync.service.config import ApiConfig
+from weightsync.service.flags import parse_listen
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "weightsync"
@@ -115,7 +116,7 @@ def test_tokens_are_enforced_and_no_secret_leaks_into_logs_answers_or_the_store(
 
 
 def test_the_token_is_compared_in_constant_time():
-    src = textwrap.dedent(inspect.getsource(weightsync.api._auth))
+    src = textwrap.dedent(inspect.getsource(weightsync.service.api._auth))
     assert "hmac.compare_digest(" in src
     tree = ast.parse(src)
     names = {"token", "expected", "given"}

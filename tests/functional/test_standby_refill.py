@@ -11,7 +11,7 @@ import pytest
 from test_daemons import daemons, verify_current, wait_for  # noqa: F401  (daemons is a fixture)
 
 import weightsync
-from weightsync.synth import make_trajectory
+from weightsync.demo import make_trajectory
 
 
 @pytest.fixture
@@ -91,7 +91,7 @@ def test_a_seed_killed_midway_is_cleared_even_when_the_standby_is_released(setup
     no version and no refill: the next sync empties it, and never writes through the links."""
     import os
 
-    from weightsync.local import read_state
+    from weightsync.local.state import read_state
 
     store, traj = setup
     weightsync.publish(traj[1], store, 1, base_dir=traj[0])
@@ -111,8 +111,8 @@ def test_a_seed_killed_midway_is_cleared_even_when_the_standby_is_released(setup
 def test_a_partial_subscriber_clears_a_slot_left_by_a_killed_refill(setup, tmp_path, daemons):  # noqa: F811
     """An interrupted refill is a full-mode slot: a subscriber restarted with --include empties it
     rather than keeping its files beside the selected tensors."""
-    from weightsync.local import REFILL
-    from weightsync.partial import verify_partial
+    from weightsync.local.state import REFILL
+    from weightsync.sync.selection import verify_partial
 
     store, traj = setup
     target = tmp_path / "t"
@@ -128,7 +128,7 @@ def test_a_partial_subscriber_clears_a_slot_left_by_a_killed_refill(setup, tmp_p
 
 
 def seeded(target: Path, slot: str, version: int) -> bool:
-    from weightsync.local import read_state
+    from weightsync.local.state import read_state
 
     state = read_state(target / "slots" / slot)
     return state is not None and state.version == version
@@ -186,11 +186,11 @@ def test_an_idle_copy_gives_way_to_a_new_head_a_request_or_a_stop(setup, tmp_pat
 
     from prometheus_client import CollectorRegistry
 
-    import weightsync.local as local
-    from weightsync.config import Identity, StoreConfig, SubscriberConfig
-    from weightsync.daemon import Stopped
-    from weightsync.metrics import Metrics
-    from weightsync.subscriber import Subscriber
+    import weightsync.local.base as local
+    from weightsync.service.config import Identity, StoreConfig, SubscriberConfig
+    from weightsync.service.metrics import Metrics
+    from weightsync.service.runtime import Stopped
+    from weightsync.service.subscriber import Subscriber
 
     store, traj = setup
     monkeypatch.setattr(local, "_copy_file", functools.partial(local._copy_file, piece=1024))

@@ -17,7 +17,7 @@ import time
 from test_daemons import daemons, verify_current  # noqa: F401 - daemons is a fixture
 
 import weightsync
-from weightsync.synth import make_trajectory
+from weightsync.demo import make_trajectory
 
 TINY = dict(hidden=32, layers=1, experts=2, vocab=128)
 

@@ -12,13 +12,13 @@ import xxhash
 from safetensors.torch import load_file
 
 import weightsync
+import weightsync.torch.sink as wtorch
+from weightsync.demo import SyntheticTrainer, make_trajectory
 from weightsync.errors import BaseMismatchError, NotFoundError, UsageError
-from weightsync.format import chunk_key
-from weightsync.publisher import StateDictPublisher, publish_state_dict
-from weightsync.publishing import PublishConfig
-from weightsync.synth import SyntheticTrainer, make_trajectory
-import weightsync.torch as wtorch
-from weightsync.torch import TorchSink
+from weightsync.format.keys import chunk_key
+from weightsync.sync.publish import PublishConfig
+from weightsync.torch.sink import TorchSink
+from weightsync.torch.state_dict import StateDictPublisher, publish_state_dict
 
 TINY = dict(hidden=32, layers=1, experts=2, vocab=128)
 MODES = pytest.mark.parametrize("mode", ["patch", "flip"])

@@ -17,8 +17,8 @@ import pytest
 from test_daemons import daemons, wait_for  # noqa: F401  (daemons: a fixture)
 
 import weightsync
-from weightsync.format import MAX_VERSION
-from weightsync.synth import SyntheticTrainer, write_safetensors
+from weightsync.demo import SyntheticTrainer, write_safetensors
+from weightsync.format.keys import MAX_VERSION
 
 TINY = dict(hidden=32, layers=1, experts=2, vocab=128)
 

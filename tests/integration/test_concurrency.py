@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "functional"))  # t
 from test_daemons import Daemon, wait_for  # noqa: E402
 
 import weightsync  # noqa: E402
-from weightsync.errors import WeightsyncError  # noqa: E402
-from weightsync.gc import GcConfig, gc  # noqa: E402
-from weightsync.synth import SyntheticTrainer  # noqa: E402
+from weightsync.demo import SyntheticTrainer
+from weightsync.errors import WeightsyncError
+from weightsync.sync.gc import GcConfig, gc
 
 TINY = dict(hidden=32, layers=1, experts=2, vocab=128)
 SUBSCRIBERS = 20

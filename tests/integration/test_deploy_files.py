@@ -263,12 +263,12 @@ def test_dockerfile_ships_the_compiled_kernels_and_checks_they_load_read_only():
     unprivileged user with no writable cache, checks that they load without compiling."""
     build = _build_stage()
     installed = max(i for i, (w, a) in enumerate(build) if w == "RUN" and "pip install --no-deps" in a)
-    assert any(w == "RUN" and a.endswith("-m weightsync.jit") for w, a in build[installed:])
+    assert any(w == "RUN" and a.endswith("-m weightsync.codec.jit") for w, a in build[installed:])
     final = final_stage(dockerfile_instructions((ROOT / "Dockerfile").read_text()))
     env = " ".join(a for w, a in final if w == "ENV")
     assert re.search(r"\bNUMBA_CACHE_DIR=/var/lib/weightsync/\S+", env)
     user = max(i for i, (w, _) in enumerate(final) if w == "USER")
-    (check,) = [a for w, a in final[user:] if w == "RUN" and "weightsync.jit" in a]
+    (check,) = [a for w, a in final[user:] if w == "RUN" and "weightsync.codec.jit" in a]
     assert "--require-cached" in check and 'NUMBA_CACHE_DIR=""' in check and "XDG_CACHE_HOME=/nonexistent" in check
 
 
@@ -346,7 +346,7 @@ def test_deploy_commands_parse_with_the_cli(where, argv, env):
         except SystemExit:
             pytest.fail(f"{where}: `weightsync {' '.join(argv)}` does not parse:\n{err.getvalue()}")
     if argv[0] in DAEMON_PORTS:
-        config = pytest.importorskip("weightsync.config")
+        config = pytest.importorskip("weightsync.service.flags")
         build = config.publisher_config if argv[0] == "publisher" else config.subscriber_config
         cfg = build(args, env)  # validates ids, the listen address, hooks, the token
         assert (cfg.api.host, cfg.api.port) == ("0.0.0.0", DAEMON_PORTS[argv[0]]), f"{where} must listen on all addresses"
@@ -808,7 +808,7 @@ def test_dashboard_queries_are_valid_promql(tmp_path):
 
 
 def exported_metric_names() -> set[str]:
-    metrics = pytest.importorskip("weightsync.metrics")
+    metrics = pytest.importorskip("weightsync.service.metrics")
     from prometheus_client import CollectorRegistry
 
     names = set()

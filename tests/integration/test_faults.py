@@ -30,9 +30,9 @@ from faultproxy import FaultProxy, Rule  # noqa: E402
 from test_daemons import Daemon, http, trainer, wait_for  # noqa: E402
 
 import weightsync  # noqa: E402
-from weightsync.format import chunk_key  # noqa: E402
-from weightsync.store.retry import RETRY_OPS, RETRY_REASONS  # noqa: E402
-from weightsync.synth import SyntheticTrainer, make_trajectory  # noqa: E402
+from weightsync.demo import SyntheticTrainer, make_trajectory
+from weightsync.format.keys import chunk_key
+from weightsync.store.retry import RETRY_OPS, RETRY_REASONS
 
 TINY = dict(hidden=32, layers=1, experts=2, vocab=128)
 SMALL = dict(hidden=128, layers=1, experts=2, vocab=512)  # ~0.8 MB: keyframes span several 64 KiB chunks
@@ -314,7 +314,7 @@ def test_disk_full_on_the_subscriber_is_a_clear_error_and_current_keeps_serving(
 def test_gc_retries_its_own_s3_reads(s3_url, proxy, tmp_path):
     """gc reads object ages with LIST pages and HEADs of its own (not through the Store protocol);
     those are retried like every other store read, so throttling does not fail a gc run."""
-    from weightsync.gc import GcConfig, gc
+    from weightsync.sync.gc import GcConfig, gc
 
     traj = make_trajectory(tmp_path / "traj", steps=3, **SMALL)
     repo = weightsync.open_repo(s3_url, endpoint_url=proxy.endpoint)

@@ -10,13 +10,13 @@ import time
 from pathlib import Path
 
 import pytest
+from procs import finish, spawn_cli
 
 import weightsync
-from procs import finish, spawn_cli
-from weightsync.format import PARTS_PREFIX
-from weightsync.gc import GcConfig, gc
-from weightsync.parts import commit_parts, publish_part
-from weightsync.synth import make_trajectory
+from weightsync.demo import make_trajectory
+from weightsync.format.keys import PARTS_PREFIX
+from weightsync.sync.gc import GcConfig, gc
+from weightsync.sync.parts import commit_parts, publish_part
 
 pytestmark = pytest.mark.integration
 

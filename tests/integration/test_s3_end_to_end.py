@@ -17,14 +17,14 @@ import time
 from pathlib import Path
 
 import pytest
+from procs import finish, spawn_cli
 
 import weightsync
-from procs import finish, spawn_cli
+from weightsync.demo import make_trajectory
 from weightsync.errors import WeightsyncError
-from weightsync.format import chunk_key
-from weightsync.gc import GcConfig, gc, list_chunks_with_age
-from weightsync.mirror import mirror
-from weightsync.synth import make_trajectory
+from weightsync.format.keys import chunk_key
+from weightsync.sync.gc import GcConfig, gc, list_chunks_with_age
+from weightsync.sync.mirror import mirror
 
 pytestmark = pytest.mark.integration
 
@@ -252,7 +252,7 @@ def test_racing_publishers_exactly_one_wins(backend, request, traj, tmp_path, en
 
 COMMIT_RACER = """
 import os, sys, time, weightsync
-from weightsync.repo import Repo
+from weightsync.store.repo import Repo
 
 store, ckpt, base, ready, go = sys.argv[1:]
 commit = Repo.commit

@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightsync import arith
-from weightsync.codec import CodecConfig, decode_tensor, encode_tensor
-from weightsync.dtypes import ITEMSIZE
+from weightsync.codec import arith
+from weightsync.codec.tensor import CodecConfig, decode_tensor, encode_tensor
+from weightsync.demo import to_bf16_bits
 from weightsync.errors import FormatError, UsageError
-from weightsync.synth import to_bf16_bits
+from weightsync.format.dtypes import ITEMSIZE
 
 FLOATS = {"BF16": np.float32, "F16": np.float16, "F32": np.float32}
 

@@ -13,13 +13,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from weightsync.checkpoint import (
-    MAX_HEADER, CheckpointChanged, check_header, check_unchanged, describe_file, open_source, parse_safetensors_header,
-    read_range, scan_checkpoint, still_as_scanned,
-)
-from weightsync.dtypes import ITEMSIZE
+from weightsync.demo import write_safetensors
 from weightsync.errors import CheckpointError
-from weightsync.synth import write_safetensors
+from weightsync.format.dtypes import ITEMSIZE
+from weightsync.format.safetensors import MAX_HEADER, parse_safetensors_header
+from weightsync.local.checkpoint import (
+    CheckpointChanged,
+    check_header,
+    check_unchanged,
+    describe_file,
+    open_source,
+    read_range,
+    scan_checkpoint,
+    still_as_scanned,
+)
 
 TORCH_DTYPES = {
     "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
@@ -528,7 +535,7 @@ def test_a_checkpoint_must_still_be_as_scanned_before_a_commit(tmp_path):
     """A version is one state of the folder: a file rewritten in place with its mtime set back (the
     ctime tells), a file added, or one removed, all refuse the commit; a hard link made elsewhere
     (a backup) does not."""
-    from weightsync.checkpoint import check_still_as_scanned
+    from weightsync.local.checkpoint import check_still_as_scanned
 
     f = _scanned_shard(tmp_path)
     files = scan_checkpoint(tmp_path)

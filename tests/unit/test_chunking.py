@@ -7,9 +7,9 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightsync.chunking import ChunkPacker, chunk_id
 from weightsync.errors import UsageError
-from weightsync.format import ChunkRef, Part
+from weightsync.format.chunking import ChunkPacker, chunk_id
+from weightsync.format.manifest import ChunkRef, Part
 
 
 def payload(i: int, size: int) -> bytes:

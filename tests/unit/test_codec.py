@@ -18,14 +18,22 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import weightsync.codec as codec_mod
-from weightsync.codec import (
-    MAGIC, MAX_BLOCK_ELEMS, CodecConfig, decode_tensor, encode_tensor, from_planes, rebuild, to_planes, unzigzag,
+import weightsync.codec.tensor as codec_mod
+from weightsync.codec.tensor import (
+    MAGIC,
+    MAX_BLOCK_ELEMS,
+    CodecConfig,
+    decode_tensor,
+    encode_tensor,
+    from_planes,
+    rebuild,
+    to_planes,
+    unzigzag,
     zigzag,
 )
-from weightsync.dtypes import INT_VIEW, ITEMSIZE, UINT_VIEW
+from weightsync.demo import to_bf16_bits
 from weightsync.errors import ChecksumError, FormatError, UsageError, WeightsyncError
-from weightsync.synth import to_bf16_bits
+from weightsync.format.dtypes import INT_VIEW, ITEMSIZE, UINT_VIEW
 
 FAST = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -477,7 +485,7 @@ def test_from_planes_result_is_writable_and_owned():
 def test_plane_kernels_agree_with_numpys_transpose(width, n):
     """The kernels behind to_planes / from_planes against the transpose they replace, also into a
     slice of a bigger buffer (as a block of a tensor is decoded), with its neighbours untouched."""
-    from weightsync.kernels import merge_planes, split_planes
+    from weightsync.codec.kernels import merge_planes, split_planes
 
     values = np.random.default_rng(n + width).integers(0, 256, n * width, dtype=np.uint8).view(UINT_VIEW[width])
     reference = np.ascontiguousarray(values.view(np.uint8).reshape(-1, width).T).reshape(-1)
@@ -819,7 +827,7 @@ def _streams_reference(old: np.ndarray, new: np.ndarray) -> tuple[bytes, int, in
 
 
 def _check_streams(old: np.ndarray, new: np.ndarray) -> tuple[int, int]:
-    from weightsync.kernels import sparse_streams
+    from weightsync.codec.kernels import sparse_streams
 
     streams, k, gw = sparse_streams(old, new)
     assert streams.dtype == np.uint8 and (streams.tobytes(), k, gw) == _streams_reference(old, new)
@@ -867,7 +875,7 @@ def test_sparse_streams_gap_width_is_the_narrowest_that_holds_the_largest_gap(ga
 
 def test_sparse_streams_and_apply_sparse_refuse_what_their_kernels_would_misread():
     """The kernels do not check bounds: their wrappers refuse arguments that do not fit."""
-    from weightsync.kernels import apply_sparse, sparse_streams
+    from weightsync.codec.kernels import apply_sparse, sparse_streams
 
     a = np.zeros(8, np.uint16)
     with pytest.raises(ValueError):

@@ -13,17 +13,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from weightsync.codec import (
-    CodecConfig,
-    decode_tensor,
-    encode_sparse_from_changes,
-    encode_tensor,
-)
-from weightsync.devicediff import DeviceSnapshot
-from weightsync.hostmirror import ST_DTYPE, TORCH_DTYPE, DeviceDiff, HostMirror, TensorChange, clone_file
-from weightsync.dtypes import ITEMSIZE, UINT_VIEW
+from weightsync.codec.tensor import CodecConfig, decode_tensor, encode_sparse_from_changes, encode_tensor
 from weightsync.errors import UsageError
-from weightsync.publisher import save_state_dict
+from weightsync.format.dtypes import ITEMSIZE, UINT_VIEW
+from weightsync.torch.device import DeviceSnapshot
+from weightsync.torch.hostpatch import ST_DTYPE, TORCH_DTYPE, DeviceDiff, HostMirror, TensorChange, clone_file
+from weightsync.torch.state_dict import save_state_dict
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 DTYPES = sorted(ITEMSIZE)

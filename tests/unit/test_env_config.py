@@ -20,15 +20,9 @@ from pathlib import Path
 import pytest
 
 from weightsync import cli
-from weightsync.config import (
-    HookConfig,
-    add_publisher_args,
-    env_sources,
-    env_var,
-    publisher_config,
-    subscriber_config,
-)
 from weightsync.errors import UsageError
+from weightsync.service.config import HookConfig
+from weightsync.service.flags import add_publisher_args, env_sources, env_var, publisher_config, subscriber_config
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV_COMMANDS = ("publisher", "subscriber", "mirror", "gc", "fleet")
@@ -199,7 +193,7 @@ def test_publish_and_the_publisher_share_one_definition_of_the_publish_flags():
     for flag in ("--rank", "--world"):
         assert (_option(daemon, flag).dest, _option(daemon, flag).type) == (_option(part, flag).dest, _option(part, flag).type)
     assert _option(part, "--rank").required and not _option(daemon, "--rank").required
-    sources = "".join((ROOT / "weightsync" / name).read_text() for name in ("cli.py", "config.py"))
+    sources = "".join((ROOT / "weightsync" / name).read_text() for name in ("cli.py", "service/flags.py"))
     for flag in set(ENCODING) - {"--concurrency", "--world"}:  # those two are also other commands' own flags
         assert sources.count(f'"{flag}"') == 1, f"{flag} is defined more than once"
 

@@ -11,13 +11,32 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from weightsync.dtypes import ITEMSIZE
 from weightsync.errors import FormatError
-from weightsync.format import (
-    FORMAT_VERSION, MAX_SIZE, MAX_VERSION, ChunkRef, Delta, FileEntry, Manifest, Part, Payload, Segment, check_marker,
-    check_path, chunk_key, head_from_json, head_to_json, manifest_checksum, manifest_from_json, manifest_to_json,
+from weightsync.format.dtypes import ITEMSIZE
+from weightsync.format.keys import (
+    FORMAT_VERSION,
+    MAX_SIZE,
+    MAX_VERSION,
+    check_path,
+    chunk_key,
+    parse_version_key,
+    version_key,
+)
+from weightsync.format.manifest import (
+    ChunkRef,
+    Delta,
+    FileEntry,
+    Manifest,
+    Part,
+    Payload,
+    Segment,
+    check_marker,
+    head_from_json,
+    head_to_json,
+    manifest_checksum,
+    manifest_from_json,
+    manifest_to_json,
     marker_to_json,
-    parse_version_key, version_key,
 )
 
 H = [f"{i:032x}" for i in range(1, 40)]  # distinct valid checksums / chunk ids
@@ -558,7 +577,7 @@ def test_the_writer_covers_every_field():
     """A field added to a dataclass must be added to the writer too (or this fails)."""
     from dataclasses import fields
 
-    import weightsync.format as fmt
+    import weightsync.format.manifest as fmt
 
     m = sample_manifest(keyframe=True, deltas=True)
     seg_ = next(s for f in m.files for s in f.segments if s.delta is not None and s.payload is not None)
@@ -617,7 +636,7 @@ def test_overlapping_pauses_from_many_threads_leave_the_collector_on():
     import sys
     import threading
 
-    from weightsync.format import no_gc
+    from weightsync.format.manifest import no_gc
 
     def work():
         for _ in range(5000):

@@ -17,10 +17,9 @@ import pytest
 import xxhash
 
 import weightsync
-from weightsync.codec import decode_tensor
-from weightsync.format import (
-    HEAD_KEY, MARKER_KEY, check_marker, chunk_key, head_from_json, manifest_from_json, parse_version_key, version_key,
-)
+from weightsync.codec.tensor import decode_tensor
+from weightsync.format.keys import HEAD_KEY, MARKER_KEY, chunk_key, parse_version_key, version_key
+from weightsync.format.manifest import check_marker, head_from_json, manifest_from_json
 
 GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "golden"
 EXPECTED = json.loads((GOLDEN / "expected.json").read_text())

@@ -1,4 +1,4 @@
-"""The numba kernels' cache and warm-up (:mod:`weightsync.jit`, :func:`weightsync.codec.warm_up`).
+"""The numba kernels' cache and warm-up (:mod:`weightsync.codec.jit`, :func:`weightsync.codec.warm_up`).
 
 Read-only installs and a cache filled ahead of time are tested with real processes in
 ``tests/functional/test_readonly_install.py``.
@@ -13,8 +13,9 @@ import sys
 import pytest
 
 import weightsync
-from weightsync import codec, jit
-from weightsync.synth import make_trajectory
+from weightsync.codec import jit
+from weightsync.codec import tensor as codec
+from weightsync.demo import make_trajectory
 
 
 def _overloads() -> dict[int, set]:
@@ -26,8 +27,8 @@ def _new_overloads(before: dict[int, set]) -> list[str]:
 
 
 def test_every_kernel_uses_the_layered_cache():
-    import weightsync.arith  # registers its kernels
-    import weightsync.kernels  # noqa: F401
+    import weightsync.codec.arith
+    import weightsync.codec.kernels
 
     names = {d.py_func.__qualname__ for d in jit._DISPATCHERS}
     assert {"gap_width", "_sparse_streams", "_apply_sparse", "_split_planes", "_merge_planes", "_encode", "_decode"} <= names
@@ -52,7 +53,7 @@ def test_warm_up_compiles_every_signature_publish_and_pull_use(tmp_path):
 
 def test_jit_main_reports_and_checks_the_cache(tmp_path):
     env = {"NUMBA_CACHE_DIR": str(tmp_path / "numba"), "PATH": "/usr/bin:/bin"}
-    argv = [sys.executable, "-m", "weightsync.jit"]
+    argv = [sys.executable, "-m", "weightsync.codec.jit"]
     first = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert first.returncode == 0, first.stderr
     report = json.loads(first.stdout.splitlines()[-1])  # compiled, or loaded from this tree's __pycache__

@@ -17,7 +17,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 import weightsync
 from weightsync.errors import StoreError
-from weightsync.metrics import ROLES, Metrics
+from weightsync.service.metrics import ROLES, Metrics
 from weightsync.store import s3
 from weightsync.store.retry import RETRY_OPS, RETRY_REASONS, retry_op, retry_reason
 
@@ -49,7 +49,7 @@ def test_runtime_collectors_are_optional_and_never_doubled_on_the_default_regist
     m = Metrics(CollectorRegistry(), "mirror")
     assert {s.name for s in samples(m)} >= set(RUNTIME)
     # the default registry has them already: registering again would raise "Duplicated timeseries"
-    from weightsync.metrics import register_runtime_collectors
+    from weightsync.service.metrics import register_runtime_collectors
 
     register_runtime_collectors(REGISTRY)
 

@@ -8,11 +8,23 @@ from dataclasses import replace
 import pytest
 
 from weightsync.errors import FormatError, UsageError, VersionError
-from weightsync.format import (
-    ChunkRef, Delta, FileEntry, Manifest, Part, PartManifest, Payload, Segment, manifest_checksum, manifest_from_json,
-    manifest_to_json, parse_part_key, part_from_json, part_key, part_to_json, parts_prefix,
+from weightsync.format.keys import parse_part_key, part_key, parts_prefix
+from weightsync.format.manifest import (
+    ChunkRef,
+    Delta,
+    FileEntry,
+    Manifest,
+    Part,
+    PartManifest,
+    Payload,
+    Segment,
+    manifest_checksum,
+    manifest_from_json,
+    manifest_to_json,
+    part_from_json,
+    part_to_json,
 )
-from weightsync.parts import assign_files, merge_parts, same_part
+from weightsync.sync.parts import assign_files, merge_parts, same_part
 
 H = [f"{i:032x}" for i in range(1, 200)]
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from weightsync.pipeline import ordered_map
+from weightsync.sync.pipeline import ordered_map
 
 
 class Tracker:

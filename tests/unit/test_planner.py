@@ -6,10 +6,18 @@ import pytest
 import xxhash
 
 from weightsync.errors import FormatError
-from weightsync.format import (
-    ChunkRef, Delta, FileEntry, Manifest, Part, Payload, Segment, manifest_from_json, manifest_to_json,
+from weightsync.format.manifest import (
+    ChunkRef,
+    Delta,
+    FileEntry,
+    Manifest,
+    Part,
+    Payload,
+    Segment,
+    manifest_from_json,
+    manifest_to_json,
 )
-from weightsync.planner import ChunkNeed, merge_ranges, plan_pull, plan_segment
+from weightsync.sync.plan import ChunkNeed, merge_ranges, plan_pull, plan_segment
 
 
 def hx(tag: str) -> str:

@@ -8,13 +8,7 @@ from collections import Counter
 
 import pytest
 
-from weightsync.errors import (
-    AlreadyExistsError,
-    NotFoundError,
-    PreconditionFailedError,
-    StoreError,
-    UsageError,
-)
+from weightsync.errors import AlreadyExistsError, NotFoundError, PreconditionFailedError, StoreError, UsageError
 from weightsync.store import MemoryStore, Store
 from weightsync.store.retry import RetryingStore, RetryPolicy, is_retryable
 

@@ -1,6 +1,6 @@
 """When the standby slot may be overwritten in place (weightsync.slots.StandbyRelease)."""
 
-from weightsync.slots import StandbyRelease
+from weightsync.service.slots import StandbyRelease
 
 
 class Clock:

@@ -10,17 +10,24 @@ from pathlib import Path
 
 import pytest
 
-from weightsync.config import (
-    ApiConfig, Backoff, HookConfig, Identity, add_publisher_args, add_subscriber_args, parse_listen, publisher_config,
+from weightsync.errors import FormatError, UsageError
+from weightsync.service.config import ApiConfig, Backoff, HookConfig, Identity
+from weightsync.service.flags import (
+    add_publisher_args,
+    add_subscriber_args,
+    parse_listen,
+    publisher_config,
     subscriber_config,
 )
-from weightsync.errors import FormatError, UsageError
-from weightsync.hooks import render
-from weightsync.ledger import FleetRecord, fleet_view, record_from_json
-from weightsync.partial import Selection
-from weightsync.publisher import Candidate, Idle as PIdle, Publish, Wait as PWait, parse_step, plan_publish
-from weightsync.subscriber import Idle, Sync, View, Wait, plan_next
-from weightsync.target import LATEST, ForeignTargetError, read_target, startup_target, target_path, write_target
+from weightsync.service.hooks import render
+from weightsync.service.pin import LATEST, ForeignTargetError, read_target, startup_target, target_path, write_target
+from weightsync.service.publisher import Candidate, Publish, parse_step, plan_publish
+from weightsync.service.runtime import Idle, Wait
+from weightsync.service.runtime import Idle as PIdle
+from weightsync.service.runtime import Wait as PWait
+from weightsync.service.subscriber import Sync, View, plan_next
+from weightsync.sync.fleet import FleetRecord, fleet_view, record_from_json
+from weightsync.sync.selection import Selection
 
 NOW = 1000.0
 

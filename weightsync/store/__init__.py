@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import UsageError
-from .base import Store, check_key
-from .file import FileStore
-from .memory import MemoryStore
+from weightsync.errors import UsageError
+from weightsync.store.base import Store, check_key
+from weightsync.store.file import FileStore
+from weightsync.store.memory import MemoryStore
 
 __all__ = ["Store", "FileStore", "MemoryStore", "open_store", "check_key"]
 
@@ -21,7 +21,7 @@ def open_store(url: str | Path, **options) -> Store:
     if not url:
         raise UsageError("store URL is empty")
     if url.startswith("s3://"):
-        from .s3 import S3Store  # boto3 is imported only when an s3 store is used
+        from weightsync.store.s3 import S3Store
 
         return S3Store.from_url(url, **options)
     if url.startswith("memory://"):

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
-from ..errors import StoreError
+from weightsync.errors import StoreError
 
 PutMode = Literal["create", "overwrite"]
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import xxhash
 
-from ..errors import AlreadyExistsError, NotFoundError, PreconditionFailedError, StoreError
-from .base import PutMode, Store, check_key
+from weightsync.errors import AlreadyExistsError, NotFoundError, PreconditionFailedError, StoreError
+from weightsync.store.base import PutMode, Store, check_key
 
 
 class FileStore(Store):

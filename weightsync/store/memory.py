@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import xxhash
 
-from ..errors import AlreadyExistsError, NotFoundError, PreconditionFailedError
-from .base import PutMode, Store, check_key
+from weightsync.errors import AlreadyExistsError, NotFoundError, PreconditionFailedError
+from weightsync.store.base import PutMode, Store, check_key
 
 _NAMED: dict[str, MemoryStore] = {}
 _NAMED_LOCK = threading.Lock()

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, TypeVar
 
-from ..errors import AlreadyExistsError, PreconditionFailedError, StoreError, UsageError
-from .base import PutMode, Store
+from weightsync.errors import AlreadyExistsError, PreconditionFailedError, StoreError, UsageError
+from weightsync.store.base import PutMode, Store
 
 T = TypeVar("T")
 OnRetry = Callable[[str, str, StoreError], None]

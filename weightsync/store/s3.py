@@ -40,15 +40,9 @@ import botocore.session
 import urllib3.exceptions
 from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError, IncompleteReadError
 
-from ..errors import (
-    AlreadyExistsError,
-    NotFoundError,
-    PreconditionFailedError,
-    StoreError,
-    UsageError,
-)
-from .base import PutMode, Store, check_key
-from .s3_client import MiB, S3Options, _make_client
+from weightsync.errors import AlreadyExistsError, NotFoundError, PreconditionFailedError, StoreError, UsageError
+from weightsync.store.base import PutMode, Store, check_key
+from weightsync.store.s3_client import MiB, S3Options, _make_client
 
 MAX_PARTS = 10_000
 _STREAM_BLOCK = MiB

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 import botocore.session
 from botocore.config import Config
 
-from ..errors import UsageError
+from weightsync.errors import UsageError
 
 MiB = 1 << 20
 MIN_PART_SIZE = 5 * MiB  # S3's minimum for every part but the last

@@ -1,0 +1,242 @@
+"""numba's ``njit`` with an on-disk cache of compiled kernels that also works from a read-only install.
+
+numba's own ``cache=True`` insists on a *writable* cache directory, chosen when the function is
+decorated: ``NUMBA_CACHE_DIR``, else the ``__pycache__`` beside the source, else the user-wide
+``$XDG_CACHE_HOME/numba`` (``~/.cache/numba``). With none writable (a read-only root file system,
+no writable home) the import itself fails (``RuntimeError: cannot cache function ...: no locator
+available``); a directory it can read but not write, such as a cache compiled into an image at
+build time, is never used.
+
+Here each kernel's cache has layers, looked up in this order:
+
+1. the first *writable* one of numba's locations, in numba's order: loaded from and saved to;
+2. every other of those locations that exists but cannot be written (``NUMBA_CACHE_DIR`` filled at
+   image build time, a ``__pycache__`` filled by whoever installed the package): loaded from only.
+
+Without any, the kernels compile in every process at their first use (about 7 s for all of them;
+logged once at INFO). A compiled kernel that cannot be saved is used all the same. numba keys an
+entry on the source file's directory path and contents (its size and mtime before numba 0.62), the
+numba version and the CPU (name and features, or ``NUMBA_CPU_NAME``/``NUMBA_CPU_FEATURES``), so
+a cache only hits for the same install path on the same kind of machine.
+
+``python -m weightsync.jit`` compiles (or loads) every kernel and reports hits and compiles;
+``--require-cached`` exits 1 if anything had to be compiled (the image build checks its cache so).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+
+import numba
+from numba.core import caching, config
+
+log = logging.getLogger("weightsync.jit")
+
+
+_DISPATCHERS: list = []  # every kernel made here, for stats()
+
+
+_logged: set[str] = set()
+
+
+_log_lock = threading.Lock()
+
+
+def _log_once(key: str, level: int, msg: str, *args) -> None:
+    with _log_lock:
+        if key in _logged:
+            return
+        _logged.add(key)
+    log.log(level, msg, *args)
+
+
+def _read_only(locator_class: type) -> type:
+    """``locator_class`` accepting an existing, readable directory that it cannot write."""
+
+    def ensure_cache_path(self) -> None:
+        path = self.get_cache_path()
+        if not (os.path.isdir(path) and os.access(path, os.R_OK | os.X_OK)):
+            raise OSError(f"{path}: not a readable directory")
+
+    return type(f"ReadOnly{locator_class.__name__}", (locator_class,), {"ensure_cache_path": ensure_cache_path})
+
+
+def _numba_classes(*names: str) -> tuple[type, ...] | None:
+    """Classes of ``numba.core.caching`` (numba < 0.62 spells the locators with a leading underscore);
+    None if one is missing (a numba that reorganised its caches: then numba's ``cache=True`` is used)."""
+    found = tuple(getattr(caching, n, None) or getattr(caching, "_" + n, None) for n in names)
+    return None if None in found else found
+
+
+# numba's own order; the IPython and zip locators do not apply to an installed package.
+_LOCATORS = _numba_classes("UserProvidedCacheLocator", "InTreeCacheLocator", "UserWideCacheLocator")
+
+
+_READ_ONLY_LOCATORS = tuple(_read_only(c) for c in _LOCATORS) if _LOCATORS else None
+
+
+def _function_cache(py_func, locator_class: type):
+    """numba's cache of ``py_func`` at ``locator_class``'s location; None where that does not apply
+    (numba's locator search raises when its one candidate is refused)."""
+    impl = type("CacheImpl", (caching.CompileResultCacheImpl,), {"_locator_classes": [locator_class]})
+    cache_class = type("FunctionCache", (caching.FunctionCache,), {"_impl_class": impl})
+    try:
+        return cache_class(py_func)
+    except RuntimeError:
+        return None
+
+
+class LayeredCache:
+    """A writable numba cache (or none) in front of read-only ones (see the module's docstring); the
+    interface of numba's caches (``numba.core.caching._Cache``), which a dispatcher calls."""
+
+    def __init__(self, py_func, writable, read_only: list) -> None:
+        self._name = f"{py_func.__module__}.{py_func.__qualname__}"
+        self._writable = writable
+        self._read_only = read_only
+        self._layers = ([writable] if writable is not None else []) + read_only
+        self._enabled = True
+
+    @property
+    def cache_path(self):
+        return self._layers[0].cache_path if self._layers else None
+
+    @property
+    def paths(self) -> tuple[str | None, list[str]]:
+        return (self._writable.cache_path if self._writable else None), [c.cache_path for c in self._read_only]
+
+    def load_overload(self, sig, target_context):
+        if not self._enabled:
+            return None
+        for layer in self._layers:
+            try:
+                data = layer.load_overload(sig, target_context)
+            except Exception as exc:  # noqa: BLE001 - a damaged or unreadable cache: compile instead
+                _log_once(f"load:{layer.cache_path}", logging.WARNING, "numba cache %s could not be read (%s: %s); "
+                          "compiling instead", layer.cache_path, type(exc).__name__, exc)
+                continue
+            if data is not None:
+                return data
+        return None
+
+    def save_overload(self, sig, data) -> None:
+        if not self._enabled:
+            return
+        if self._writable is None:
+            _log_once("unsaved", logging.INFO, "numba kernels compiled in this process are not cached: no writable "
+                      "cache directory (NUMBA_CACHE_DIR, the package's __pycache__, $XDG_CACHE_HOME/numba); "
+                      "every start compiles them again (%s)", self._name)
+            return
+        try:
+            self._writable.save_overload(sig, data)
+        except OSError as exc:  # a full disk, a directory made read-only since: use the kernel anyway
+            _log_once(f"save:{self._writable.cache_path}", logging.INFO, "numba cache %s could not be written (%s); "
+                      "kernels compiled here are not saved", self._writable.cache_path, exc)
+
+    def enable(self) -> None:
+        self._enabled = True
+
+    def disable(self) -> None:
+        self._enabled = False
+
+    def flush(self) -> None:
+        if self._writable is not None:
+            self._writable.flush()
+
+
+def layered_cache(py_func) -> LayeredCache:
+    if _LOCATORS is None or not hasattr(caching, "CompileResultCacheImpl"):
+        raise RuntimeError(f"numba {numba.__version__}'s cache classes are not the ones expected")
+    writable = None
+    for cls in _LOCATORS:
+        writable = _function_cache(py_func, cls)
+        if writable is not None:
+            break
+    read_only, seen = [], {writable.cache_path} if writable is not None else set()
+    for cls in _READ_ONLY_LOCATORS:
+        cache = _function_cache(py_func, cls)
+        if cache is not None and cache.cache_path not in seen:
+            seen.add(cache.cache_path)
+            read_only.append(cache)
+    if writable is None:
+        _log_once("no-writable", logging.DEBUG, "no writable numba cache directory; loading kernels from %s",
+                  [c.cache_path for c in read_only] or "nowhere (they compile at first use)")
+    return LayeredCache(py_func, writable, read_only)
+
+
+def njit(**options) -> Callable:
+    """``numba.njit(**options)`` (keyword options only) with a :class:`LayeredCache`."""
+    if "cache" in options:
+        raise TypeError("weightsync.jit.njit always caches where it can; drop cache=")
+
+    def decorate(py_func):
+        dispatcher = numba.njit(**options)(py_func)
+        try:
+            if getattr(config, "CACHE_LOCATOR_CLASSES", None):  # NUMBA_CACHE_LOCATOR_CLASSES: numba decides
+                raise RuntimeError("NUMBA_CACHE_LOCATOR_CLASSES is set")
+            dispatcher._cache = layered_cache(py_func)  # what numba's own enable_caching() sets
+        except Exception as why:  # noqa: BLE001 - never let the cache stop a kernel from loading
+            try:
+                dispatcher.enable_caching()  # numba's cache=True
+            except RuntimeError as exc:  # no writable location
+                _log_once("disabled", logging.INFO, "numba cache disabled (%s; %s): kernels compile at first use",
+                          why, exc)
+        _DISPATCHERS.append(dispatcher)
+        return dispatcher
+
+    return decorate
+
+
+def stats() -> dict[str, int]:
+    """Signatures of this module's kernels loaded from a cache (``cached``) and compiled (``compiled``)
+    in this process so far."""
+    hits = sum(sum(d.stats.cache_hits.values()) for d in _DISPATCHERS)
+    misses = sum(sum(d.stats.cache_misses.values()) for d in _DISPATCHERS)
+    return {"cached": hits, "compiled": misses}
+
+
+def cache_locations() -> dict[str, object]:
+    """The kernels' cache directories: ``writable`` (numba's, per source directory; a list, empty when
+    none is writable) and ``read_only`` (a list)."""
+    writable: list[str] = []
+    read_only: list[str] = []
+    for d in _DISPATCHERS:
+        cache = getattr(d, "_cache", None)
+        if isinstance(cache, LayeredCache):
+            w, ro = cache.paths
+            writable += [p for p in [w] if p and p not in writable]
+            read_only += [p for p in ro if p not in read_only]
+    return {"writable": writable, "read_only": read_only}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+    import time
+
+    parser = argparse.ArgumentParser(prog="python -m weightsync.jit", description=(
+        "Compile the codec's numba kernels, or load them from numba's cache, and report how many of "
+        "each. Run it where the cache should be filled (an image build with NUMBA_CACHE_DIR set)."))
+    parser.add_argument("--require-cached", action="store_true",
+                        help="exit 1 if any kernel had to be compiled (checks a cache filled earlier)")
+    args = parser.parse_args(argv)
+    from weightsync.codec.tensor import warm_up
+
+    t0 = time.perf_counter()
+    warm_up()
+    report = {**stats(), "seconds": round(time.perf_counter() - t0, 2), **cache_locations(),
+              "numba": numba.__version__}
+    print(json.dumps(report))
+    if args.require_cached and (report["compiled"] or not report["cached"]):
+        print("weightsync.jit: kernels were compiled, not loaded from the cache", flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":  # run as a script: the kernels register with the imported module, not __main__
+    from weightsync.codec.jit import main as _main
+
+    raise SystemExit(_main())

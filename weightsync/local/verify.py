@@ -1,0 +1,31 @@
+"""Checking that a folder holds a version byte for byte."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from weightsync.errors import ChecksumError, UsageError
+from weightsync.format.manifest import Manifest
+from weightsync.local.install import interrupted
+from weightsync.local.state import hash_file, list_files, stray_entries
+
+
+def verify_folder(folder: str | os.PathLike[str], manifest: Manifest) -> None:
+    """Raise unless ``folder`` holds exactly ``manifest``'s files with their checksums (read-only)."""
+    root = Path(folder)
+    if not root.is_dir():
+        raise UsageError(f"not a directory: {root}")
+    if interrupted(root):
+        raise UsageError(f"{root}: an install was interrupted and is not finished; pull again to finish it")
+    expected = {f.path for f in manifest.files}
+    if missing := sorted(expected - list_files(root)[0]):
+        raise ChecksumError(f"{root}: missing files", "present", ", ".join(missing[:5]))
+    if extra := stray_entries(root, expected):
+        raise ChecksumError(f"{root}: unexpected entries", "absent", ", ".join(extra[:5]))
+    for f in manifest.files:
+        size, digest = hash_file(root / f.path)
+        if size != f.size:
+            raise ChecksumError(f"{root / f.path} (size)", str(f.size), str(size))
+        if digest != f.xxh3:
+            raise ChecksumError(str(root / f.path), f.xxh3, digest)

@@ -1,0 +1,260 @@
+"""The daemons' HTTP API (aiohttp) and its OpenAPI document, served at ``/openapi.json``.
+
+Both daemons: ``GET /healthz``, ``GET /readyz``, ``GET /metrics`` (open), ``GET /v1/status``,
+``GET /v1/versions``. Subscriber: ``PUT /v1/target``. Publisher: ``POST /v1/publish``,
+``GET /v1/fleet``. With a token configured every ``/v1`` request needs
+``Authorization: Bearer <token>`` (compared in constant time); the token is never logged or returned.
+Handlers never block: store and file work runs in threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+
+from aiohttp import web
+
+from weightsync.errors import CheckpointError, UsageError, VersionError, WeightsyncError
+from weightsync.format.keys import MAX_VERSION
+from weightsync.service.metrics import CONTENT_TYPE, Metrics
+from weightsync.service.openapi import openapi_document
+from weightsync.service.pin import LATEST
+from weightsync.service.publisher import PathNotAllowed, PathNotFound, Publisher
+from weightsync.service.runtime import background
+from weightsync.service.subscriber import Subscriber
+from weightsync.store.repo import Repo
+from weightsync.sync.fleet import read_fleet
+
+
+@dataclass(frozen=True)
+class Deps:
+    daemon: Publisher | Subscriber
+    metrics: Metrics
+    token: str | None = None
+    grace: float = 30.0
+    run_loop: bool = True  # False: serve the API only (tests of the API itself)
+
+
+PUBLISHER = web.AppKey("publisher", Publisher)
+
+
+SUBSCRIBER = web.AppKey("subscriber", Subscriber)
+
+
+METRICS = web.AppKey("metrics", Metrics)
+
+
+OPENAPI = web.AppKey("openapi", dict)
+
+
+log = logging.getLogger("weightsync.api")
+
+
+MAX_BODY = 1 << 20  # bytes of a request body; larger ones get 413
+
+
+def create_app(deps: Deps) -> web.Application:
+    """The application of one daemon; its loop runs for the application's lifetime (cleanup_ctx)."""
+    app = web.Application(middlewares=[_json_errors, _auth(deps.token), _known_query], client_max_size=MAX_BODY)
+    app[METRICS] = deps.metrics
+    d = deps.daemon
+    routes = [
+        web.get("/healthz", healthz), web.get("/readyz", readyz), web.get("/metrics", metrics),
+        web.get("/openapi.json", openapi), web.get("/v1/status", status), web.get("/v1/versions", versions),
+    ]
+    if isinstance(d, Subscriber):
+        app[SUBSCRIBER] = d
+        routes.append(web.put("/v1/target", put_target))
+    else:
+        app[PUBLISHER] = d
+        routes += [web.post("/v1/publish", post_publish), web.get("/v1/fleet", fleet)]
+    app.add_routes(routes)
+    app[OPENAPI] = openapi_document("subscriber" if isinstance(d, Subscriber) else "publisher", deps.token is not None)
+    if deps.run_loop:
+        app.cleanup_ctx.append(background(type(d).__name__.lower(), d.run, d.request_stop, deps.grace))
+    return app
+
+
+def _daemon(request: web.Request) -> Publisher | Subscriber:
+    app = request.app
+    return app[SUBSCRIBER] if SUBSCRIBER in app else app[PUBLISHER]
+
+
+# --- middlewares ---------------------------------------------------------------------------------
+def _error(status: int, message: str, headers: dict | None = None) -> web.Response:
+    return web.json_response({"error": message}, status=status, headers=headers)
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler):
+    """Every error answers JSON; weightsync errors map to 4xx/5xx by kind."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "www-authenticate")}
+        message = exc.text if exc.status == 413 and exc.text else exc.reason  # 413: says the limit
+        return _error(exc.status, message, headers)
+    except PathNotAllowed as exc:
+        return _error(403, str(exc))
+    except PathNotFound as exc:
+        return _error(404, str(exc))
+    except UsageError as exc:
+        return _error(400, str(exc))
+    except VersionError as exc:
+        return _error(409, str(exc))
+    except CheckpointError as exc:
+        return _error(422, str(exc))
+    except WeightsyncError as exc:
+        return _error(502, f"{type(exc).__name__}: {exc}")
+    except Exception as exc:  # a bug: still one line of JSON to the client, the traceback to the log
+        log.exception("unexpected error answering %s %s", request.method, request.path)
+        return _error(500, f"internal error ({type(exc).__name__})")
+
+
+@web.middleware
+async def _known_query(request: web.Request, handler):
+    """Query parameters that the OpenAPI document does not declare for an operation are rejected."""
+    if request.query:
+        op = request.app[OPENAPI]["paths"].get(request.path, {}).get(request.method.lower(), {})
+        known = {p["name"] for p in op.get("parameters", ()) if p["in"] == "query"}
+        if unknown := sorted(set(request.query) - known):
+            raise UsageError(f"unknown query parameters: {unknown}")
+    return await handler(request)
+
+
+def _auth(token: str | None):
+    if token is not None and (not token or any(c.isspace() for c in token)):  # never an open door
+        raise UsageError("the API token must be non-empty and hold no whitespace")
+    expected = None if token is None else f"Bearer {token}".encode()
+
+    @web.middleware
+    async def auth(request: web.Request, handler):
+        if expected is not None and (request.path == "/v1" or request.path.startswith("/v1/")):
+            given = request.headers.get("Authorization", "").encode("utf-8", "replace")
+            if not hmac.compare_digest(given, expected):
+                return _error(401, "missing or wrong bearer token", {"WWW-Authenticate": 'Bearer realm="weightsync"'})
+        return await handler(request)
+
+    return auth
+
+
+# --- handlers ------------------------------------------------------------------------------------
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    d = _daemon(request)
+    body = {"ready": d.ready, "state": d.state}
+    return web.json_response(body, status=200 if d.ready else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[METRICS].render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(request.app[OPENAPI])
+
+
+async def status(request: web.Request) -> web.Response:
+    return web.json_response(_daemon(request).status())
+
+
+def _integral(v: object) -> int | None:
+    """``v`` as an int if it is one in JSON Schema's sense (``3`` and ``3.0``; not ``True``)."""
+    if type(v) is int:
+        return v
+    if type(v) is float and v.is_integer():
+        return int(v)
+    return None
+
+
+def _limit(request: web.Request) -> int:
+    raw = request.query.get("limit", "100")
+    try:
+        n = _integral(int(raw) if raw.strip().lstrip("+-").isdigit() else float(raw))
+    except (ValueError, OverflowError):
+        n = None
+    if n is None or not 1 <= n <= 1000:
+        raise UsageError("limit must be an integer in 1..1000")
+    return n
+
+
+def list_versions(repo: Repo, limit: int) -> list[dict]:
+    """The newest ``limit`` committed versions, oldest first (reads their manifests)."""
+    out = []
+    for v in repo.versions()[-limit:]:
+        m = repo.manifest(v)
+        elements = m.stats.get("elements", 0) or 0
+        out.append({
+            "version": v, "parent": m.parent, "keyframe": m.keyframe, "raw_bytes": m.raw_bytes,
+            "payload_bytes": m.payload_bytes, "changed_fraction": (m.stats.get("changed", 0) or 0) / max(1, elements),
+            "created": m.created,
+        })
+    return out
+
+
+async def versions(request: web.Request) -> web.Response:
+    limit = _limit(request)
+    repo = _daemon(request).repo
+    head = await asyncio.to_thread(repo.head_version)
+    items = await asyncio.to_thread(list_versions, repo, limit) if head is not None else []
+    return web.json_response({"head_version": head, "versions": items})
+
+
+async def _json_body(request: web.Request, allowed: set[str], required: set[str]) -> dict:
+    try:
+        doc = json.loads(await request.read())
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deeply
+        why = "nested too deeply" if isinstance(exc, RecursionError) else "not valid JSON"
+        raise UsageError(f"the body must be a JSON object ({why})") from None
+    if not isinstance(doc, dict):
+        raise UsageError("the body must be a JSON object")
+    if extra := set(doc) - allowed:
+        raise UsageError(f"unknown fields: {sorted(extra)}")
+    if missing := required - set(doc):
+        raise UsageError(f"missing fields: {sorted(missing)}")
+    return doc
+
+
+def _version_value(v: object, allow_latest: bool) -> int | str:
+    if allow_latest and v == LATEST:
+        return v
+    v = _integral(v)
+    if v is None or not 0 <= v <= MAX_VERSION:
+        raise UsageError(f"version must be an integer in 0..{MAX_VERSION}" + (" or 'latest'" if allow_latest else ""))
+    return v
+
+
+async def put_target(request: web.Request) -> web.Response:
+    doc = await _json_body(request, {"version"}, {"version"})
+    target = _version_value(doc["version"], allow_latest=True)
+    sub = request.app[SUBSCRIBER]
+    try:
+        await sub.set_target(target)
+    except VersionError as exc:
+        return _error(404, str(exc))
+    return web.json_response(sub.status())
+
+
+async def post_publish(request: web.Request) -> web.Response:
+    doc = await _json_body(request, {"path", "version"}, {"path"})
+    if not isinstance(doc["path"], str) or not doc["path"]:
+        raise UsageError("path must be a non-empty string")
+    version = None if doc.get("version") is None else _version_value(doc["version"], allow_latest=False)
+    pub = request.app[PUBLISHER]
+    r = await pub.publish_request(doc["path"], version)
+    return web.json_response({**asdict(r), "ratio": r.ratio, "changed_fraction": r.changed_fraction})
+
+
+async def fleet(request: web.Request) -> web.Response:
+    repo = request.app[PUBLISHER].repo
+    return web.json_response(await asyncio.to_thread(read_fleet, repo, time.time()))

@@ -1,0 +1,206 @@
+"""TODO docstring"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from weightsync.errors import UsageError
+from weightsync.store.retry import RetryPolicy
+from weightsync.sync.publish import PublishConfig
+
+TOKEN_ENV = "WEIGHTSYNC_API_TOKEN"
+
+
+_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+
+
+DEFAULT_HOOK_BODY = '{"version": {version}, "path": "{path}"}'
+
+
+_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # an HTTP token (RFC 9110)
+
+
+def _positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise UsageError(f"{name} must be positive, got {value}")
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    """Where the HTTP API listens (``port=None``: no HTTP server) and the bearer token, if any."""
+
+    host: str = "127.0.0.1"
+    port: int | None = None
+    token: str | None = field(default=None, repr=False)  # never printed
+
+    def __post_init__(self) -> None:
+        if self.port is not None and not 0 <= self.port <= 65535:
+            raise UsageError(f"port must be in 0..65535, got {self.port}")
+        if self.token is not None and (not self.token or any(c.isspace() for c in self.token)):
+            raise UsageError("the API token must be non-empty and hold no whitespace")
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who a daemon is, for metrics labels and the fleet ledger."""
+
+    id: str
+    region: str = ""
+    cluster: str = ""
+
+    def __post_init__(self) -> None:
+        if not _ID_RE.match(self.id) or self.id in (".", ".."):
+            raise UsageError(f"id must be 1-128 characters of A-Z a-z 0-9 . _ -, got {self.id!r}")
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    url: str
+    endpoint_url: str | None = None
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+
+    def __post_init__(self) -> None:
+        if not self.url:
+            raise UsageError("--store is empty")
+
+    def options(self) -> dict:
+        return {"endpoint_url": self.endpoint_url} if self.endpoint_url else {}
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    json: bool = False
+    level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise UsageError(f"log level must be DEBUG, INFO, WARNING or ERROR, got {self.level!r}")
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Exponential backoff between failed attempts: ``base * 2**(n-1)`` capped at ``maximum``."""
+
+    base: float = 1.0
+    maximum: float = 60.0
+
+    def __post_init__(self) -> None:
+        _positive("backoff", self.base)
+        if self.maximum < self.base:
+            raise UsageError("maximum backoff must be at least the base backoff")
+
+    def delay(self, failures: int) -> float:
+        return 0.0 if failures <= 0 else min(self.maximum, self.base * 2.0 ** min(failures - 1, 32))
+
+
+@dataclass(frozen=True)
+class PublisherConfig:
+    store: StoreConfig
+    watch_dir: Path
+    state_dir: Path  # holds cache/ (the head version, a delta base of last resort)
+    identity: Identity
+    marker: str = "COMPLETE"
+    poll_interval: float = 2.0
+    stale_after: float = 3600.0  # an unfinished checkpoint older than this no longer blocks later ones
+    publish: PublishConfig = field(default_factory=PublishConfig)
+    publish_roots: tuple[Path, ...] = ()  # folders POST /v1/publish may read (besides watch_dir)
+    backoff: Backoff = field(default_factory=Backoff)
+    api: ApiConfig = field(default_factory=ApiConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    grace: float = 30.0  # seconds to let a publish in flight finish on SIGTERM
+    rank: int | None = None  # rank mode: publish this rank's part of each version (weightsync.parts)
+    world: int = 1  # ... of this many ranks
+    commit: bool = False  # ... and merge and commit the version once every part is stored
+    commit_timeout: float = 600.0  # seconds the committer waits for the other ranks' parts
+    own_files: bool = False  # ... every file of the folder is this rank's (no shared listing)
+
+    def __post_init__(self) -> None:
+        _positive("poll interval", self.poll_interval)
+        _positive("stale-after", self.stale_after)
+        if not self.marker or "/" in self.marker or self.marker in (".", ".."):
+            raise UsageError(f"marker must be a plain file name, got {self.marker!r}")
+        from weightsync.sync.parts import check_world
+
+        check_world(self.rank, self.world)
+        if self.rank is None and (self.world != 1 or self.commit or self.own_files):
+            raise UsageError("--world, --commit and --own-files need --rank (the publisher's rank of the world)")
+        if self.rank is not None:
+            _positive("commit timeout", self.commit_timeout)
+            if self.world == 1 and not self.commit:
+                raise UsageError("--rank 0 --world 1 needs --commit: no other rank would commit its versions")
+
+
+@dataclass(frozen=True)
+class HookConfig:
+    """What to run after each swap: an HTTP request (``url``) or a command (``command``), not both.
+
+    ``body`` is a JSON template in which ``{version}``, ``{path}`` (the verified version folder) and
+    ``{current}`` (the ``current`` symlink) are replaced; the command's arguments too. Each swap gets
+    up to ``attempts`` tries, ``backoff`` apart (doubling), each bounded by ``timeout`` seconds.
+    """
+
+    url: str | None = None
+    command: tuple[str, ...] = ()
+    method: str = "POST"
+    body: str = DEFAULT_HOOK_BODY
+    attempts: int = 5
+    backoff: Backoff = field(default_factory=lambda: Backoff(0.5, 10.0))
+    timeout: float = 30.0
+    env: Mapping[str, str] = field(default_factory=dict)  # the command's environment (secrets removed)
+    headers: tuple[tuple[str, str], ...] = field(default=(), repr=False)  # sent with the HTTP request; never printed
+
+    def __post_init__(self) -> None:
+        if bool(self.url) == bool(self.command):
+            raise UsageError("a swap hook is either --hook-url or --hook-command")
+        if self.headers and not self.url:
+            raise UsageError("hook headers go with an HTTP hook (--hook-url), not a command")
+        for name, value in self.headers:
+            if not _HEADER_NAME.match(name) or any(c in value for c in "\r\n\0"):
+                raise UsageError(f"hook header {name[:40]!r}: not a valid HTTP header (its value is not shown)")
+        if self.url and not self.url.startswith(("http://", "https://")):
+            raise UsageError(f"hook URL must be http:// or https://, got {self.url!r}")
+        if self.method not in ("POST", "PUT", "GET"):
+            raise UsageError(f"hook method must be POST, PUT or GET, got {self.method!r}")
+        if self.attempts < 1:
+            raise UsageError("hook attempts must be at least 1")
+        _positive("hook timeout", self.timeout)
+
+
+@dataclass(frozen=True)
+class SubscriberConfig:
+    store: StoreConfig
+    target_dir: Path
+    identity: Identity
+    poll_interval: float = 2.0
+    pin: int | str | None = None  # start at this version, or "latest" (the head); None: the stored target
+    include: tuple[str, ...] = ()  # glob patterns over tensor names: partial fetch when set
+    exclude: tuple[str, ...] = ()
+    hook: HookConfig | None = None
+    ledger_interval: float = 30.0  # heartbeat of the fleet record (also written after each swap)
+    fetch_concurrency: int = 32
+    decode_threads: int = max(1, min(8, os.cpu_count() or 1))
+    fsync: bool = True
+    verify_before_swap: bool = False  # re-read the whole standby folder before each swap
+    standby_hold: float | None = 30.0  # without a hook, refill the standby in place this long after a swap; None: never
+    backoff: Backoff = field(default_factory=Backoff)
+    api: ApiConfig = field(default_factory=ApiConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    grace: float = 30.0
+
+    def __post_init__(self) -> None:
+        _positive("poll interval", self.poll_interval)
+        _positive("ledger interval", self.ledger_interval)
+        if self.pin is not None and self.pin != "latest" and not (type(self.pin) is int and self.pin >= 0):
+            raise UsageError(f"--version must be a non-negative version number or 'latest', not {self.pin!r}")
+        if self.fetch_concurrency < 1 or self.decode_threads < 1:
+            raise UsageError("concurrency must be positive")
+        if self.standby_hold is not None and not self.standby_hold >= 0:
+            raise UsageError(f"--standby-hold must be a number of seconds >= 0 or 'never', not {self.standby_hold}")
+
+    @property
+    def partial(self) -> bool:
+        return bool(self.include or self.exclude)

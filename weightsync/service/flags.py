@@ -1,0 +1,482 @@
+"""Configuration of the publisher and subscriber daemons: frozen dataclasses validated on construction.
+
+Built once at the entry point from command-line flags and the environment (:func:`publisher_config`,
+:func:`subscriber_config`), then passed down. This module and ``cli.py`` are the only places that
+read the environment: every flag of the daemons, the mirror and gc has a default ``WEIGHTSYNC_<FLAG>``
+(:func:`env_argument`; the command line wins), taken from the mapping the entry point passes in;
+besides, ``XDG_STATE_HOME`` and the command hook's environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import xxhash
+
+from weightsync.codec.tensor import CodecConfig
+from weightsync.errors import UsageError
+from weightsync.service.config import (
+    DEFAULT_HOOK_BODY,
+    TOKEN_ENV,
+    ApiConfig,
+    Backoff,
+    HookConfig,
+    Identity,
+    LogConfig,
+    PublisherConfig,
+    StoreConfig,
+    SubscriberConfig,
+)
+from weightsync.store.retry import RetryPolicy
+from weightsync.sync.publish import PublishConfig
+
+# --- environment defaults (12-factor) --------------------------------------------------------------
+ENV_PREFIX = "WEIGHTSYNC_"
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+LIST_SEPARATORS = {",": "comma-separated", os.pathsep: f"{os.pathsep!r}-separated like PATH", "\n": "one per line"}
+
+
+def env_var(flag: str) -> str:
+    """The environment variable of a flag: ``--poll-interval`` -> ``WEIGHTSYNC_POLL_INTERVAL``."""
+    return ENV_PREFIX + flag.lstrip("-").upper().replace("-", "_")
+
+
+@dataclass(frozen=True)
+class _FromEnv:
+    """An argument's default as found in the environment: converted (and checked) by
+    :class:`EnvParser` once the command line is parsed, so that a bad value only stops the command
+    that uses it, with a one-line error naming the variable."""
+
+    var: str
+    raw: str = field(repr=False)  # may be a secret
+
+
+class _EnvAppend(argparse._AppendAction):
+    """``action="append"`` whose flags replace a list taken from the environment instead of extending it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if isinstance(getattr(namespace, self.dest, None), _FromEnv):
+            setattr(namespace, self.dest, [])
+        super().__call__(parser, namespace, values, option_string)
+
+
+def parse_bool(text: str) -> bool:
+    """1/0, true/false, yes/no, on/off (any case, surrounding blanks ignored)."""
+    word = text.strip().lower()
+    if word in _TRUE or word in _FALSE:
+        return word in _TRUE
+    raise argparse.ArgumentTypeError(f"wants one of {'/'.join(_TRUE + _FALSE)}")
+
+
+class EnvParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose arguments may take their defaults from the environment
+    (:func:`env_argument`); the command line always wins. Subcommand parsers inherit the class."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        for action in self._actions:
+            value = getattr(namespace, action.dest, None)
+            if isinstance(value, _FromEnv):
+                setattr(namespace, action.dest, self._from_env(action, value))
+                namespace._env_sources = {**getattr(namespace, "_env_sources", {}), action.dest: value.var}
+        return namespace, extras
+
+    def _from_env(self, action: argparse.Action, value: _FromEnv):
+        try:
+            if isinstance(action, argparse._StoreTrueAction):
+                return parse_bool(value.raw)
+            if isinstance(action, _EnvAppend):
+                items = [item.strip() for item in value.raw.split(action.env_sep)]
+                return [self._convert(action, item) for item in items if item]
+            return self._convert(action, value.raw)
+        except (argparse.ArgumentTypeError, TypeError, ValueError) as exc:
+            flag = action.option_strings[0]
+            self.exit(2, f"weightsync: error: {value.var}={value.raw!r} (the default of {flag}): {exc}\n")
+
+    @staticmethod
+    def _convert(action: argparse.Action, text: str):
+        if action.type is None:
+            out = text
+        else:
+            try:
+                out = action.type(text)
+            except (TypeError, ValueError) as exc:
+                words = {int: "not an integer", float: "not a number"}
+                raise argparse.ArgumentTypeError(words.get(action.type, str(exc))) from None
+        if action.choices is not None and out not in action.choices:
+            raise ValueError(f"wants one of {', '.join(map(str, action.choices))}")
+        return out
+
+    def error(self, message: str):
+        """argparse's error; a missing required flag also names its variable."""
+        for action in self._actions:
+            var = getattr(action, "env_var", None)
+            if var and action.required and action.option_strings:
+                flag = "/".join(action.option_strings)
+                message = message.replace(flag, f"{flag} (or {var})")
+        super().error(message)
+
+
+def env_argument(p: argparse.ArgumentParser, environ: Mapping[str, str] | None, *flags: str, sep: str | None = None,
+                 **kwargs) -> argparse.Action:
+    """``p.add_argument(*flags, **kwargs)`` with the default ``WEIGHTSYNC_<FLAG>`` from ``environ``.
+
+    ``environ`` None: a plain argument (a command that reads no environment). Otherwise the help
+    says the variable, and a variable that is set replaces the default (a required flag becomes
+    optional). Its value is read like the flag's: by the argument's ``type`` and ``choices``; for a
+    boolean flag (``store_true``) one of 1/0/true/false/yes/no/on/off; for a repeatable flag
+    (``append``) a list, split at ``sep`` (items stripped, empty ones dropped). Only values that
+    fail a type or a choice are shown in errors: secrets (the token, hook headers) have neither.
+    """
+    if environ is None:
+        return p.add_argument(*flags, **kwargs)
+    if not isinstance(p, EnvParser):
+        raise TypeError("environment defaults need an EnvParser")
+    var = env_var(next(f for f in flags if f.startswith("--")))
+    if kwargs.get("action") == "append":
+        if sep not in LIST_SEPARATORS:
+            raise ValueError(f"a list flag needs a separator, one of {list(LIST_SEPARATORS)}")
+        kwargs["action"] = _EnvAppend
+    where = f"env {var}" + (f", {LIST_SEPARATORS[sep]}" if sep else "")
+    kwargs["help"] = f"{kwargs['help']} ({where})" if kwargs.get("help") else f"({where})"
+    if var in environ:
+        kwargs["default"] = _FromEnv(var, environ[var])
+        kwargs["required"] = False
+    action = p.add_argument(*flags, **kwargs)
+    action.env_var, action.env_sep = var, sep
+    return action
+
+
+def env_sources(args) -> dict[str, str]:
+    """dest -> variable of the arguments whose value came from the environment."""
+    return getattr(args, "_env_sources", {})
+
+
+def _source(args, dest: str, flag: str) -> str:
+    """How to name an argument in an error: its variable if the value came from there, else its flag."""
+    return env_sources(args).get(dest, flag)
+
+
+def env_arguments(parser: argparse.ArgumentParser) -> list[tuple[str, str, str, str]]:
+    """(variable, flag, command, help) of every argument with an environment default, in parser order."""
+    out = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                out += [(var, flag, f"{name} {cmd}".strip(), text) for var, flag, cmd, text in env_arguments(sub)]
+        elif getattr(action, "env_var", None):
+            out.append((action.env_var, "/".join(action.option_strings), "", action.help or ""))
+    return out
+
+
+# --- flags ---------------------------------------------------------------------------------------
+def parse_listen(text: str, flag: str = "--listen") -> tuple[str, int]:
+    """``HOST:PORT``, ``[V6]:PORT``, ``:PORT`` or ``PORT`` (host 127.0.0.1); port 0 picks a free one."""
+    host, sep, port = text.rpartition(":")
+    host = (host if sep else "").strip("[]") or "127.0.0.1"
+    if not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
+        raise UsageError(f"{flag} wants HOST:PORT with a port in 0..65535, got {text!r}")
+    return host, int(port)
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def add_log_args(p: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
+    """``--log-json`` and ``--log-level``, for every long-running process (the daemons, the mirror)."""
+    env_argument(p, environ, "--log-json", action="store_true", help="log one JSON object per line")
+    env_argument(p, environ, "--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
+                 help="the least severe messages logged (default INFO)")
+
+
+def _common_args(p: argparse.ArgumentParser, environ: Mapping[str, str] | None) -> None:
+    add = lambda *flags, **kw: env_argument(p, environ, *flags, **kw)  # noqa: E731
+    add("--store", required=True, help="file:///abs/path, a plain path, or s3://bucket/prefix")
+    add("--endpoint-url", help="S3 endpoint (default: boto3's, e.g. AWS_ENDPOINT_URL)")
+    add("--listen", metavar="HOST:PORT", help="serve the HTTP API here (default: no HTTP server; host 127.0.0.1)")
+    add("--api-token-file", help="file holding the bearer token for /v1")
+    add("--api-token", help="bearer token for /v1 (the flag is visible in ps: prefer the variable or a file)")
+    add("--id", help="this daemon's id (default: host name and a hash of its folder)")
+    add("--region", default="", help="region label for metrics and the fleet ledger")
+    add("--cluster", default="", help="cluster label for metrics and the fleet ledger")
+    add("--poll-interval", type=float, default=2.0,
+        help="seconds between store checks, > 0 (default 2; 0 is refused: it would poll the store without pause)")
+    add_log_args(p, environ)
+    add("--retry-attempts", type=int, default=5, help="attempts per store operation (default 5)")
+    add("--grace", type=float, default=30.0, help="seconds to let work in flight finish on SIGTERM (default 30)")
+
+
+def add_encoding_args(p: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
+    """How versions are cut and coded: one definition for ``publish``, ``publish-part`` and the
+    publisher daemon (ranks of one multi-rank publish must agree on them)."""
+    add = lambda *flags, **kw: env_argument(p, environ, *flags, **kw)  # noqa: E731
+    add("--keyframe-interval", type=int, default=20, help="a full snapshot every K versions (default 20)")
+    add("--chunk-mib", type=int, default=16, help="chunk size in MiB (default 16)")
+    add("--level", type=int, default=CodecConfig.level,
+        help=f"zstd level of the 'sparse' and 'dense' delta streams, with min_match 7 and hash_log 10 "
+             f"(default {CodecConfig.level})")
+    add("--fast-codec", action="store_true",
+        help="code deltas with 'sparse' (6-8x faster to encode, 10x to decode, ~1.5x larger) instead of the arithmetic coder")
+    add("--concurrency", type=int, default=32, help="chunks in flight (default 32)")
+    add("--ignore", action="append", default=[], metavar="GLOB", sep=",",
+        help="do not publish files whose relative path matches (repeatable), e.g. COMPLETE")
+
+
+def add_rank_args(p: argparse.ArgumentParser, environ: Mapping[str, str] | None = None, *, required: bool) -> None:
+    """``--rank`` and ``--world`` of a multi-rank publish (``publish-part``: both required; the
+    publisher: rank mode when ``--rank`` is given)."""
+    add = lambda *flags, **kw: env_argument(p, environ, *flags, **kw)  # noqa: E731
+    add("--rank", type=int, required=required,
+        help="this process's rank, 0..W-1" + ("" if required else ": publish only this rank's part of each version "
+                                              "(the safetensors files round-robin by sorted path, every other file on rank 0)"))
+    add("--world", type=int, required=required, default=None if required else 1,
+        help="W, the number of ranks publishing each version" + ("" if required else " (default 1)"))
+
+
+def publish_config(args, ignore: tuple[str, ...] = ()) -> PublishConfig:
+    """The :class:`PublishConfig` of :func:`add_encoding_args`' flags (``ignore`` first, then ``--ignore``)."""
+    return PublishConfig(
+        codec=CodecConfig(level=args.level, entropy_coder=not args.fast_codec),
+        chunk_bytes=args.chunk_mib << 20,
+        keyframe_interval=args.keyframe_interval,
+        upload_concurrency=args.concurrency,
+        ignore=(*ignore, *args.ignore),
+    )
+
+
+def add_publisher_args(p: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
+    """The publisher daemon's flags; with ``environ`` (a mapping, possibly empty) each has an
+    environment default (:func:`env_argument`)."""
+    _common_args(p, environ)
+    add = lambda *flags, **kw: env_argument(p, environ, *flags, **kw)  # noqa: E731
+    add("--watch", required=True, help="folder whose subfolders (ending in a step number) are checkpoints")
+    add("--marker", default="COMPLETE", help="file that marks a checkpoint as ready (default COMPLETE)")
+    add("--state-dir", help="publisher state (default: ~/.local/state/weightsync/publisher-<store hash>)")
+    add("--stale-after", type=float, default=3600.0,
+        help="seconds after which an unfinished checkpoint is skipped (default 3600)")
+    add("--publish-root", action="append", default=[], sep=os.pathsep,
+        help="extra folder POST /v1/publish may read (repeatable)")
+    add_encoding_args(p, environ)
+    add_rank_args(p, environ, required=False)
+    add("--commit", action="store_true", help="with --rank: also merge and commit each version once all "
+        "its parts are stored (one rank, or several: they commit once)")
+    add("--commit-timeout", type=float, default=None,
+        help="with --commit: seconds to wait for the other ranks' parts (default 600)")
+    add("--own-files", action="store_true",
+        help="with --rank: every file of each checkpoint folder is this rank's (ranks with folders of their own)")
+
+
+def add_subscriber_args(p: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
+    """The subscriber daemon's flags; ``environ`` as for :func:`add_publisher_args`."""
+    _common_args(p, environ)
+    add = lambda *flags, **kw: env_argument(p, environ, *flags, **kw)  # noqa: E731
+    add("--target", required=True, help="folder holding slots/a, slots/b and the current symlink")
+    add("--version", dest="pin", type=version_arg, metavar="N|latest",
+        help="start at this version (a pin), or 'latest' to follow the head; overrides the target "
+             "stored by PUT /v1/target (default: the stored target, else the head)")
+    add("--include", action="append", default=[], sep=",", help="glob over tensor names to fetch (repeatable)")
+    add("--exclude", action="append", default=[], sep=",", help="glob over tensor names to skip (repeatable)")
+    add("--hook-url", help="HTTP endpoint called after each swap")
+    add("--hook-method", default="POST", help="HTTP method of the hook (default POST)")
+    add("--hook-header", action="append", default=[], sep="\n", metavar="'NAME: VALUE'",
+        help="HTTP header sent with each hook request, e.g. 'Authorization: Bearer ...' (repeatable; "
+             "values are never logged; prefer the variable to the flag, which ps shows)")
+    add("--hook-body", default=DEFAULT_HOOK_BODY, help="JSON template; {version}, {path}, {current} are replaced")
+    add("--hook-command", help="command run after each swap (split like a shell; same placeholders)")
+    add("--hook-attempts", type=int, default=5,
+        help="tries of the hook per swap, each failure logged and counted (default 5)")
+    add("--hook-timeout", type=float, default=30.0, help="seconds each try of the hook may take (default 30)")
+    add("--hook-backoff", type=float, default=0.5, help="first wait between hook attempts, doubling (default 0.5)")
+    add("--ledger-interval", type=float, default=30.0, help="seconds between fleet ledger heartbeats (default 30)")
+    add("--concurrency", type=int, default=32, help="chunks in flight (default 32)")
+    add("--verify-before-swap", action="store_true", help="re-read the whole standby copy before each swap")
+    add("--standby-hold", type=hold_arg, default=30.0, metavar="SECONDS|never",
+        help="overwrite the standby slot's files in place (half the CPU of new files) once nothing reads "
+             "them: with a swap hook, once the hook of the latest swap succeeded; without one, this many "
+             "seconds after the swap; 'never': always write new files (default 30)")
+    add("--no-fsync", action="store_true", help="skip fsync of written files (tests, tmpfs)")
+
+
+# --- building configs ------------------------------------------------------------------------------
+def _number_or(word: str, kind: type, noun: str, value_of_word):
+    """An argparse type: a non-negative ``kind`` (``noun`` in errors), or ``word`` (giving ``value_of_word``)."""
+
+    def parse(text: str):
+        if text == word:
+            return value_of_word
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"wants {noun} or {word!r}, not {text!r}") from None
+        if not v >= 0:
+            raise argparse.ArgumentTypeError(f"wants {noun} >= 0 or {word!r}, not {text!r}")
+        return v
+
+    return parse
+
+
+hold_arg = _number_or("never", float, "seconds", None)  # --standby-hold: seconds, or never (None)
+
+
+version_arg = _number_or("latest", int, "a version number", "latest")  # --version: N, or latest
+
+
+def _token(args, environ: Mapping[str, str]) -> str | None:
+    """The API token from ``--api-token-file`` or ``--api-token``, the first given, flags before
+    their variables (``WEIGHTSYNC_API_TOKEN_FILE``, ``WEIGHTSYNC_API_TOKEN``); None if none is.
+    One given but empty is refused: a missing secret must not turn auth off."""
+    given = [(dest, getattr(args, dest, None)) for dest in ("api_token_file", "api_token")]
+    given = sorted(((d, v) for d, v in given if v is not None), key=lambda g: g[0] in env_sources(args))  # flags first
+    if not given and TOKEN_ENV in environ:  # arguments parsed without environment defaults
+        given = [("api_token", environ[TOKEN_ENV])]
+        args = argparse.Namespace(_env_sources={"api_token": TOKEN_ENV})
+    if not given:
+        return None
+    dest, value = given[0]
+    source = _source(args, dest, "--" + dest.replace("_", "-"))
+    if dest == "api_token_file":
+        source = f"{source} {value}"
+        try:
+            token = Path(value).read_text().strip()
+        except OSError as exc:
+            raise UsageError(f"cannot read {source}: {exc.strerror}") from None
+        except ValueError:  # not UTF-8
+            raise UsageError(f"cannot read {source}: not a UTF-8 text file") from None
+    else:
+        token = value
+    if not token.strip():
+        raise UsageError(f"{source} gives an empty API token: refusing to start without authentication "
+                         f"(give a token, or none of --api-token-file, --api-token, {TOKEN_ENV}_FILE and {TOKEN_ENV})")
+    return token
+
+
+def _api(args, environ: Mapping[str, str]) -> ApiConfig:
+    token = _token(args, environ)
+    if args.listen is None:
+        return ApiConfig(token=token)
+    host, port = parse_listen(args.listen, _source(args, "listen", "--listen"))
+    return ApiConfig(host, port, token)
+
+
+def _poll_interval(args) -> float:
+    """``--poll-interval``: seconds > 0. Zero is refused, never replaced by the default: a daemon
+    that polled its store without pause would spend requests (and money) for nothing."""
+    value = args.poll_interval
+    if not value > 0:
+        raise UsageError(f"{_source(args, 'poll_interval', '--poll-interval')} must be a number of seconds > 0, "
+                         f"not {value:g} (a poll interval of 0 would poll the store without pause)")
+    return value
+
+
+def _folder(flag: str, value: str) -> Path:
+    """A folder flag's value, absolute; an empty one (an unset variable) is refused, not taken as the
+    current folder (``--publish-root ''`` would let POST /v1/publish read anything under it)."""
+    if not value.strip():
+        raise UsageError(f"{flag} is empty")
+    return Path(value).absolute()
+
+
+def default_id(folder: Path) -> str:
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:64] or "host"
+    return f"{host}-{xxhash.xxh3_64_hexdigest(str(folder.absolute()).encode())[:8]}"
+
+
+def _store(args) -> StoreConfig:
+    return StoreConfig(args.store, args.endpoint_url, RetryPolicy(attempts=args.retry_attempts))
+
+
+def _state_home(environ: Mapping[str, str]) -> Path:
+    return Path(environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "weightsync"
+
+
+def _commit_timeout(args) -> float:
+    if args.commit_timeout is not None and not args.commit:
+        raise UsageError("--commit-timeout needs --commit (and --rank)")
+    return 600.0 if args.commit_timeout is None else args.commit_timeout
+
+
+def publisher_config(args, environ: Mapping[str, str] = os.environ) -> PublisherConfig:
+    watch = _folder(_source(args, "watch", "--watch"), args.watch)
+    store_hash = xxhash.xxh3_64_hexdigest(str(args.store).encode())
+    name = f"publisher-{store_hash}" + ("" if args.rank is None else f"-rank{args.rank}-of-{args.world}")  # ranks may share a host
+    state = _folder(_source(args, "state_dir", "--state-dir"), args.state_dir) if args.state_dir is not None else _state_home(environ) / name
+    return PublisherConfig(
+        store=_store(args),
+        watch_dir=watch,
+        state_dir=state,
+        identity=Identity(args.id or default_id(watch), args.region, args.cluster),
+        marker=args.marker,
+        poll_interval=_poll_interval(args),
+        stale_after=args.stale_after,
+        publish=publish_config(args, ignore=(args.marker,)),
+        publish_roots=tuple(_folder(_source(args, "publish_root", "--publish-root"), p) for p in args.publish_root),
+        api=_api(args, environ),
+        log=LogConfig(args.log_json, args.log_level),
+        grace=args.grace,
+        rank=args.rank,
+        world=args.world,
+        commit=args.commit,
+        commit_timeout=_commit_timeout(args),
+        own_files=args.own_files,
+    )
+
+
+_SECRETISH = re.compile(r"SECRET|TOKEN|PASSWORD|CREDENTIAL|^AWS_|^WEIGHTSYNC_HOOK_HEADER$", re.IGNORECASE)
+
+
+def _header(text: str, source: str) -> tuple[str, str]:
+    """``'Name: value'`` -> (name, value); an error never shows the value (it may be a secret)."""
+    name, colon, value = text.partition(":")
+    if not colon or not name.strip():
+        raise UsageError(f"{source} wants 'NAME: VALUE' (e.g. 'Authorization: Bearer ...'), not a line without a name and colon")
+    return name.strip(), value.strip()
+
+
+def _hook(args, environ: Mapping[str, str]) -> HookConfig | None:
+    if not args.hook_url and not args.hook_command:
+        if getattr(args, "hook_header", None):
+            raise UsageError(f"{_source(args, 'hook_header', '--hook-header')} needs --hook-url")
+        return None
+    import shlex
+
+    command = tuple(shlex.split(args.hook_command)) if args.hook_command else ()
+    # a command hook inherits the environment minus anything that looks like a secret
+    env = {k: v for k, v in environ.items() if not _SECRETISH.search(k)}
+    return HookConfig(
+        url=args.hook_url, command=command, method=args.hook_method.upper(), body=args.hook_body,
+        attempts=args.hook_attempts, backoff=Backoff(args.hook_backoff, max(args.hook_backoff, 30.0)),
+        timeout=args.hook_timeout, env=env,
+        headers=tuple(_header(h, _source(args, "hook_header", "--hook-header")) for h in getattr(args, "hook_header", [])),
+    )
+
+
+def subscriber_config(args, environ: Mapping[str, str] = os.environ) -> SubscriberConfig:
+    target = _folder(_source(args, "target", "--target"), args.target)
+    return SubscriberConfig(
+        store=_store(args),
+        target_dir=target,
+        identity=Identity(args.id or default_id(target), args.region, args.cluster),
+        poll_interval=_poll_interval(args),
+        pin=args.pin,
+        include=tuple(args.include),
+        exclude=tuple(args.exclude),
+        hook=_hook(args, environ),
+        ledger_interval=args.ledger_interval,
+        fetch_concurrency=args.concurrency,
+        fsync=not args.no_fsync,
+        verify_before_swap=args.verify_before_swap,
+        standby_hold=args.standby_hold,
+        api=_api(args, environ),
+        log=LogConfig(args.log_json, args.log_level),
+        grace=args.grace,
+    )

@@ -1,0 +1,359 @@
+"""The publisher daemon: publish every checkpoint a trainer drops into a folder, in order, and
+:func:`publish_state_dict` for trainers that publish in-process.
+
+A checkpoint is a subfolder of the watched folder whose name ends in its step number
+(``checkpoint-120``, ``step_000120``, ``120``); it is ready once it holds the marker file
+(``COMPLETE``). Step N is published as version N. Each iteration lists the folder, reads the head
+and asks the pure :func:`plan_publish` what to do: the lowest step above the head is next, and
+nothing after it is published until it is ready (so none is skipped), unless it stayed unfinished
+for ``stale_after`` seconds. A restart resumes from the store's head.
+
+Delta base: the folder of the head version's checkpoint when it still exists (publish verifies its
+bytes against the checksums); if those bytes differ, or the folder is gone, a cache folder under
+the state dir (kept at the head version by hard links, or pulled from the store when behind).
+The marker file is not published: subscribers' folders hold the checkpoint's other files only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import re
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from weightsync.errors import BaseMismatchError, NotFoundError, UsageError, VersionError
+from weightsync.format.keys import MAX_VERSION, part_key
+from weightsync.format.manifest import part_from_json
+from weightsync.local.checkpoint import scan_checkpoint
+from weightsync.service.config import PublisherConfig
+from weightsync.service.metrics import Metrics
+from weightsync.service.progress import human_bytes
+from weightsync.service.runtime import (
+    Idle,
+    Stopped,
+    StopToken,
+    Wait,
+    event,
+    iteration_failed,
+    sleep_or_wake,
+    warm_codec,
+)
+from weightsync.store.repo import Repo
+from weightsync.sync.parts import commit_parts, publish_part
+from weightsync.sync.publish import PublishResult, publish
+
+log = logging.getLogger("weightsync.publisher")
+
+
+_STEP = re.compile(r"(\d+)$")
+
+
+class PathNotAllowed(UsageError):
+    """An explicit publish of a folder outside the watched folder and the publish roots."""
+
+
+class PathNotFound(UsageError):
+    """An explicit publish of a folder that does not exist."""
+
+
+def parse_step(name: str) -> int | None:
+    """The step number a checkpoint folder's name ends in, or None. A number above the format's
+    largest version (10^18) comes back as ``MAX_VERSION + 1``: :func:`scan` sets such folders aside."""
+    m = _STEP.search(name)
+    if m is None or name.startswith("."):
+        return None
+    digits = m.group(1).lstrip("0") or "0"
+    return MAX_VERSION + 1 if len(digits) > len(str(MAX_VERSION)) else min(int(digits), MAX_VERSION + 1)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    step: int
+    path: Path
+    ready: bool
+    mtime: float  # last change of the folder, for stale detection
+
+
+def scan(watch_dir: Path, marker: str, too_large: list[str] | None = None) -> list[Candidate]:
+    """Checkpoint folders under ``watch_dir``, by step (the first name wins for a repeated step).
+    A folder whose step is above the largest version the format allows (10^18) can never be
+    published: it is no candidate, and its name goes to ``too_large``."""
+    found: dict[int, Candidate] = {}
+    try:
+        entries = sorted(os.scandir(watch_dir), key=lambda e: e.name)
+    except FileNotFoundError:
+        return []
+    for e in entries:
+        step = parse_step(e.name)
+        if step is None or step in found or not e.is_dir(follow_symlinks=False):
+            continue
+        if step > MAX_VERSION:
+            if too_large is not None:
+                too_large.append(e.name)
+            continue
+        ready = os.path.isfile(os.path.join(e.path, marker))
+        found[step] = Candidate(step, Path(e.path), ready, e.stat(follow_symlinks=False).st_mtime)
+    return sorted(found.values(), key=lambda c: c.step)
+
+
+# --- planning (pure) -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Publish:
+    candidate: Candidate
+    base: Path | None  # the head version's checkpoint folder, when it is still there
+    skipped: tuple[int, ...] = ()  # unfinished steps given up on (older than stale_after)
+
+
+PublishAction = Idle | Wait | Publish
+
+
+def plan_publish(candidates: list[Candidate], head: int | None, now: float, stale_after: float,
+                 failed_step: int | None = None, retry_at: float = 0.0) -> PublishAction:
+    """The next checkpoint to publish: the lowest step above the head, once it is ready."""
+    skipped = []
+    for c in candidates:
+        if head is not None and c.step <= head:
+            continue
+        if not c.ready:
+            if now - c.mtime < stale_after:
+                return Wait(f"waiting for checkpoint {c.step} to complete")
+            skipped.append(c.step)
+            continue
+        if c.step == failed_step and now < retry_at:
+            return Wait(f"checkpoint {c.step} failed; retrying in {retry_at - now:.1f}s")
+        base = next((x.path for x in candidates if x.step == head and x.ready), None)
+        return Publish(c, base, tuple(skipped))
+    return Idle("no checkpoint to publish" if head is None else f"version {head} is the newest checkpoint")
+
+
+# --- the daemon ----------------------------------------------------------------------------------
+class Publisher:
+    """The publisher's state and loop; the HTTP API (``weightsync.api``) reads and steers it."""
+
+    def __init__(self, cfg: PublisherConfig, repo: Repo, metrics: Metrics, clock=time.time):
+        self.cfg, self.repo, self.metrics, self.clock = cfg, repo, metrics, clock
+        self.cache_dir = cfg.state_dir / "cache"
+        self.state = "starting"
+        self.reason = ""
+        self.head: int | None = None
+        self.pending: list[int] = []
+        self.last_error: str | None = None
+        self.last_publish: dict | None = None
+        self.stop_token = StopToken()
+        self._lock: asyncio.Lock | None = None
+        self._wake: asyncio.Event | None = None
+        self._failed: tuple[int, int, float] | None = None  # step, failures, retry_at
+        self._errors = 0
+        self._part: int | None = None  # rank mode: the version whose part this rank stored, not yet committed
+        self._too_large: set[str] = set()  # checkpoint folders already reported as beyond the format's versions
+
+    def request_stop(self) -> None:
+        self.stop_token.set()
+        self.state = "stopping"
+        if self._wake is not None:
+            self._wake.set()
+
+    @property
+    def ready(self) -> bool:
+        return self.state not in ("starting", "stopping")
+
+    def status(self) -> dict:
+        return {
+            "role": "publisher", "id": self.cfg.identity.id, "region": self.cfg.identity.region,
+            "cluster": self.cfg.identity.cluster, "store": self.repo.url, "watch_dir": str(self.cfg.watch_dir),
+            "head_version": self.head, "pending": self.pending, "state": self.state, "reason": self.reason,
+            "last_publish": self.last_publish, "last_error": self.last_error,
+            "rank": self.cfg.rank, "world": self.cfg.world, "part_stored": self._part,
+        }
+
+    async def run(self) -> None:
+        self._lock = self._lock or asyncio.Lock()
+        self._wake = asyncio.Event()
+        warm_codec()
+        self.cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        while not self.stop_token.is_set:
+            await sleep_or_wake(self._wake, await self._iteration(), self.stop_token)
+
+    async def _iteration(self) -> float:
+        try:
+            too_large: list[str] = []
+            candidates = await asyncio.to_thread(scan, self.cfg.watch_dir, self.cfg.marker, too_large)
+            self._report_too_large(too_large)
+            self.head = await asyncio.to_thread(self.repo.head_version)
+            if self._part is not None and self.head is not None and self.head >= self._part:
+                if self.head > self._part:
+                    event(log, f"the head moved past version {self._part}, which this rank stored a part of", logging.WARNING,
+                          head=self.head, part=self._part)
+                self._part = None  # committed (by this rank or another)
+            self.pending = [c.step for c in candidates if self.head is None or c.step > self.head]
+            failed_step, _, retry_at = self._failed or (None, 0, 0.0)
+            if self._part is not None:  # rank mode: nothing else until this part's version is committed
+                return await self._await_commit(failed_step, retry_at)
+            # ranks must agree on every version, so in rank mode no rank skips an unfinished checkpoint
+            stale = self.cfg.stale_after if self.cfg.rank is None else math.inf
+            action = plan_publish(candidates, self.head, self.clock(), stale, failed_step, retry_at)
+            self.reason = f"publishing checkpoint {action.candidate.step}" if isinstance(action, Publish) else action.reason
+            self._errors = 0
+            if not isinstance(action, Publish):
+                self.state = "idle" if isinstance(action, Idle) else "waiting"
+                return self.cfg.poll_interval
+            for step in action.skipped:
+                event(log, f"skipping unfinished checkpoint {step}", logging.WARNING, step=step, stale_after=self.cfg.stale_after)
+            c = action.candidate
+            if self.cfg.rank is not None and await asyncio.to_thread(self._part_stored, c.step):
+                self._part = c.step  # stored before a restart: not encoded again
+                event(log, f"part {self.cfg.rank} of version {c.step} is already stored", version=c.step)
+                return 0.0
+            await self.publish_folder(c.path, c.step, action.base)
+            return 0.0  # look for the next one at once
+        except Stopped:
+            return 0.0
+        except Exception as exc:  # logged, counted, backed off; the loop goes on
+            return iteration_failed(self, exc, log)
+
+    def _report_too_large(self, names: list[str]) -> None:
+        """Log once each checkpoint folder skipped for good: its step is no version the format allows."""
+        for name in sorted(set(names) - self._too_large):
+            event(log, f"skipping checkpoint {name!r}: its step is above {MAX_VERSION}, the largest version the "
+                  "format allows", logging.ERROR, path=str(self.cfg.watch_dir / name))
+        self._too_large = set(names)
+
+    async def _await_commit(self, failed_step: int | None, retry_at: float) -> float:
+        """Rank mode with a part stored: commit it (``--commit``) or wait for another rank to."""
+        part = self._part
+        self._errors = 0
+        if not self.cfg.commit or (failed_step == part and self.clock() < retry_at):
+            self.state = "waiting"
+            self.reason = (f"part {self.cfg.rank} of version {part} stored; waiting for its commit" if not self.cfg.commit else
+                           f"committing version {part} failed; retrying in {retry_at - self.clock():.1f}s")
+            return self.cfg.poll_interval if not self.cfg.commit else min(self.cfg.poll_interval, retry_at - self.clock())
+        self.reason = f"committing version {part} once all {self.cfg.world} parts are stored"
+        await self._guarded(part, "committing", self._commit_blocking, part)
+        return 0.0
+
+    def _part_stored(self, version: int) -> bool:
+        """This rank's part of ``version`` is in the store, built on the current head."""
+        key = part_key(version, self.cfg.rank, self.cfg.world)
+        try:
+            part = part_from_json(self.repo.store.get(key), f"{self.repo.url}/{key}")
+        except NotFoundError:
+            return False
+        return part.parent == self.head
+
+    async def publish_folder(self, path: Path, version: int | None, base: Path | None = None) -> PublishResult:
+        """Publish ``path`` as ``version`` (default: its step if above the head, else head + 1); in
+        rank mode this rank's part of it (committed by the next iterations)."""
+        result = await self._guarded(version, "publishing", self._publish_blocking, path, version, base)
+        if self.cfg.rank is None:
+            self.head = max(self.head or -1, result.version)
+        else:
+            self._part = result.version
+        self._record(path, result)
+        return result
+
+    async def _guarded(self, step: int | None, state: str, fn, *args):
+        """Run ``fn(*args)`` on a worker thread under the publish lock; a failure is counted and
+        backs off the retries of ``step``."""
+        self._lock = self._lock or asyncio.Lock()
+        async with self._lock:
+            self.state = state
+            try:
+                result = await asyncio.to_thread(fn, *args)
+            except (Stopped, asyncio.CancelledError):
+                raise
+            except Exception:
+                self.metrics.publish_failures.inc()
+                if step is not None:
+                    failures = self._failed[1] + 1 if self._failed and self._failed[0] == step else 1
+                    self._failed = (step, failures, self.clock() + self.cfg.backoff.delay(failures))
+                self.state = "error"
+                raise
+            self._failed = None
+            self.state = "idle"
+            return result
+
+    def _publish_blocking(self, path: Path, version: int | None, base: Path | None) -> PublishResult:
+        cfg, cache = self.cfg.publish, self.cache_dir
+        check = self.stop_token.check
+        if self.cfg.rank is None:
+            run = lambda b: publish(path, self.repo, version, config=cfg, base_dir=b, cache_dir=cache, progress=check)  # noqa: E731
+        else:
+            files = [f.path for f in scan_checkpoint(path, cfg.ignore)] if self.cfg.own_files else None
+            run = lambda b: publish_part(path, self.repo, self.cfg.rank, self.cfg.world, files, version=version,  # noqa: E731
+                                         config=cfg, base_dir=b, cache_dir=cache, progress=check)
+        result = None
+        if base is not None:
+            try:
+                result = run(base)
+            except BaseMismatchError as exc:
+                event(log, "previous checkpoint differs from the head version; using the cache", logging.WARNING,
+                      base=base, error=str(exc))
+        return result or run(None)
+
+    def _commit_blocking(self, version: int) -> None:
+        """Rank mode with --commit: wait for every part of ``version``, merge and commit it."""
+
+        def sleep(seconds: float) -> None:
+            self.stop_token.check()
+            time.sleep(seconds)
+
+        r = commit_parts(self.repo, version, self.cfg.world, timeout=self.cfg.commit_timeout, sleep=sleep)
+        self._part = None
+        self.head = max(self.head or -1, r.version)
+        self.metrics.published_version.set(r.version)
+        event(log, f"{'found' if r.already else 'committed'} version {r.version} from {r.world} parts", version=r.version,
+              files=r.files, size=human_bytes(r.raw_bytes), stored=human_bytes(r.payload_bytes), seconds=f"{r.seconds:.3f}")
+
+    def _record(self, path: Path, r: PublishResult) -> None:
+        self.metrics.observe_publish(r, committed=self.cfg.rank is None)
+        self.last_publish = {"path": str(path), "time": self.clock(), **asdict(r), "ratio": r.ratio,
+                             "changed_fraction": r.changed_fraction}
+        self.last_error = None
+        s = r.seconds
+        kind = "keyframe" if r.keyframe else f"delta from {r.parent}"
+        what = f"part {self.cfg.rank} of {self.cfg.world} of version {r.version}" if self.cfg.rank is not None else f"version {r.version}"
+        event(log, f"published {what}", version=r.version, kind=kind, size=human_bytes(r.raw_bytes),
+              stored=human_bytes(r.payload_bytes), ratio=f"{r.ratio:.1f}x", changed=f"{100 * r.changed_fraction:.2f}%",
+              uploaded=human_bytes(r.uploaded_bytes), **{f"{k}_s": f"{v:.3f}" for k, v in s.items()})
+
+    def allowed(self, path: str) -> Path:
+        """An explicit publish's folder, resolved (symlinks too): a strict subfolder of the watched folder
+        or of a publish root, and none of those folders itself nor one holding them."""
+        if len(path.encode("utf-8", "surrogatepass")) > 4096:  # PATH_MAX; and resolve() is quadratic in depth
+            raise UsageError(f"path is longer than 4096 bytes: {path[:100]!r}...")
+        try:
+            p = Path(path).resolve()
+            roots = [self.cfg.watch_dir.resolve(), *(r.resolve() for r in self.cfg.publish_roots)]
+            if not any(p != r and p.is_relative_to(r) for r in roots):
+                raise PathNotAllowed(f"{path!r} is not under the watched folder or a --publish-root")
+            if any(r.is_relative_to(p) for r in roots):  # a root: every checkpoint in it as one version
+                raise PathNotAllowed(f"{path!r} is the watched folder or a --publish-root, or holds one; "
+                                     "give one checkpoint folder inside it")
+            if not p.is_dir():
+                raise PathNotFound(f"{path!r} is not a directory")
+        except (OSError, ValueError) as exc:  # NUL bytes, unencodable names, loops
+            raise PathNotFound(f"{path!r} is not a usable folder name ({exc})") from None
+        return p
+
+    def default_version(self, path: Path, head: int | None) -> int:
+        step = parse_step(path.name)
+        nxt = 0 if head is None else head + 1
+        return step if step is not None and step >= nxt else nxt
+
+    async def publish_request(self, path: str, version: int | None) -> PublishResult:
+        """``POST /v1/publish``: publish a folder now (waits for a publish in flight)."""
+        if self.cfg.rank is not None:
+            raise UsageError("this publisher runs in rank mode (--rank): it publishes its part of each checkpoint in its "
+                             "watched folder, and POST /v1/publish, which publishes whole versions, is off")
+        folder = await asyncio.to_thread(self.allowed, path)  # resolving symlinks may block on the file system
+        head = await asyncio.to_thread(self.repo.head_version)
+        v = self.default_version(folder, head) if version is None else version
+        if head is not None and v <= head:
+            raise VersionError(f"version {v} is not after the head version {head}")
+        candidates = await asyncio.to_thread(scan, self.cfg.watch_dir, self.cfg.marker)
+        base = next((c.path for c in candidates if c.step == head and c.ready and c.path != folder), None)
+        return await self.publish_folder(folder, v, base)

@@ -1,0 +1,280 @@
+"""What the publisher and subscriber daemons (and the mirror) share: logging, the stop token, opening
+the store, running an aiohttp application until SIGTERM or SIGINT, and a plain HTTP server for the
+mirror's probes and metrics.
+
+Shutdown: a signal sets the stop token. Work running in a thread sees it through its progress
+callbacks and aborts before it commits anything (a publish before its manifest, a pull before its
+install), or finishes if it is past that point; background loops are given ``grace`` seconds to
+return, then cancelled. Nothing visible is ever half-written: versions are committed and ``current``
+is flipped by single atomic operations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import json
+import logging
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import suppress
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from aiohttp import web
+
+from weightsync.errors import WeightsyncError
+from weightsync.service.config import ApiConfig, LogConfig, StoreConfig
+from weightsync.store import open_store
+from weightsync.store.repo import Repo, open_repo
+from weightsync.store.retry import RetryingStore
+
+log = logging.getLogger("weightsync.daemon")
+
+
+class Stopped(WeightsyncError):
+    """Raised inside a worker thread's callback to abort work because the daemon is stopping."""
+
+
+class StopToken:
+    """A thread-safe flag; :meth:`check` raises :class:`Stopped` once it is set."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    @property
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def check(self, *_args) -> None:
+        if self._event.is_set():
+            raise Stopped("stopping")
+
+
+# --- logging -------------------------------------------------------------------------------------
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        doc = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+            **getattr(record, "fields", {}),
+        }
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return json.dumps(doc, default=str)
+
+
+class _TextFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        fields = getattr(record, "fields", None)
+        if fields:
+            line += " " + " ".join(f"{k}={v}" for k, v in fields.items())
+        return line
+
+
+def setup_logging(cfg: LogConfig) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if cfg.json:
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(_TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(cfg.level)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def event(logger: logging.Logger, msg: str, level: int = logging.INFO, **fields) -> None:
+    """Log ``msg`` with structured ``fields`` (key=value in text logs, keys in JSON logs)."""
+    logger.log(level, msg, extra={"fields": fields})
+
+
+# --- store ---------------------------------------------------------------------------------------
+def open_daemon_repo(cfg: StoreConfig, on_retry: Callable[[str, str, Exception], None]) -> Repo:
+    """The repo of a daemon or of the mirror (once per side): the store wrapped in bounded retries
+    (``cfg.retry``; only retryable errors, which the S3 backend marks) that report each retry."""
+    store = open_store(cfg.url, **cfg.options())
+    return open_repo(RetryingStore(store, cfg.retry, on_retry=on_retry))
+
+
+def warm_codec() -> None:
+    """Load the codec's kernels (:func:`weightsync.codec.warm_up`) on a daemon thread, so that the
+    first delta after a start does not compile them; a failure is logged, never fatal."""
+
+    def work() -> None:
+        from weightsync.codec.tensor import warm_up
+
+        t0 = time.perf_counter()
+        try:
+            warm_up()
+        except Exception as exc:  # the first delta then compiles what it needs, as before
+            event(log, "codec warm-up failed", level=logging.WARNING, error=f"{type(exc).__name__}: {exc}")
+            return
+        from weightsync.codec.jit import stats
+
+        event(log, "codec kernels ready", seconds=f"{time.perf_counter() - t0:.2f}", **stats())
+
+    threading.Thread(target=work, name="codec-warm-up", daemon=True).start()
+
+
+# --- a plain HTTP server for processes without the aiohttp API (the mirror) ---------------------------
+Answer = tuple[int, str, bytes]  # (status, content type, body)
+
+
+class _RoutesHandler(http.server.BaseHTTPRequestHandler):
+    server_version = "weightsync"
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        route = self.server.routes.get(urlsplit(self.path).path)  # type: ignore[attr-defined]
+        status, ctype, body = route() if route else (404, "application/json", b'{"error": "Not Found"}')
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:  # no access log, as the daemons
+        pass
+
+
+def serve_routes(host: str, port: int, routes: dict[str, Callable[[], Answer]]) -> http.server.ThreadingHTTPServer:
+    """Serve ``GET path`` -> ``routes[path]()`` at ``host:port`` from a daemon thread (other paths:
+    404). Raises OSError if it cannot listen there; stop it with ``shutdown()`` and ``server_close()``."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    server_class = type("Server", (http.server.ThreadingHTTPServer,), {"address_family": family, "daemon_threads": True})
+    server = server_class((host, port), _RoutesHandler)
+    server.routes = routes  # type: ignore[attr-defined]
+    threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
+    return server
+
+
+def json_answer(doc: dict, status: int = 200) -> Answer:
+    return status, "application/json", json.dumps(doc).encode()
+
+
+# --- background loops and the app runner ---------------------------------------------------------
+def background(name: str, run: Callable[[], Awaitable[None]], stop: Callable[[], None], grace: float):
+    """A ``cleanup_ctx`` entry that runs ``run()`` as a task for the application's lifetime.
+
+    On cleanup, ``stop()`` asks the loop to finish; after ``grace`` seconds it is cancelled.
+    A loop that dies of an unexpected error is logged and stops the daemon (exit code 1).
+    """
+
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(run(), name=name)
+        task.add_done_callback(lambda t: _loop_done(app, name, t))
+        yield
+        stop()
+        try:
+            await asyncio.wait_for(asyncio.shield(task), grace)
+        except asyncio.TimeoutError:
+            log.warning("%s did not stop within %.0fs; cancelling it", name, grace)
+            task.cancel()
+            with suppress(asyncio.CancelledError):
+                await task
+        except Exception:  # already logged by _loop_done
+            pass
+
+    return ctx
+
+
+SHUTDOWN = web.AppKey("shutdown", asyncio.Event)
+
+
+EXIT_CODE = web.AppKey("exit_code", list)
+
+
+def _loop_done(app: web.Application, name: str, task: asyncio.Task) -> None:
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None:
+        log.error("%s died: %s", name, exc, exc_info=exc)
+        app[EXIT_CODE].append(1)
+    if SHUTDOWN in app:
+        app[SHUTDOWN].set()  # a loop that returns ends the daemon
+
+
+async def sleep_or_wake(wake: asyncio.Event, delay: float, stop: StopToken) -> None:
+    """Wait ``delay`` seconds before a daemon's next iteration, or less if ``wake`` is set (an API
+    call asks for work) or the daemon is stopping. Wakes set during the iteration are dropped."""
+    wake.clear()
+    if stop.is_set:
+        return
+    with suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(wake.wait(), delay)
+
+
+def iteration_failed(daemon, exc: Exception, logger: logging.Logger) -> float:
+    """Record a failed loop iteration of ``daemon`` (a publisher or subscriber: ``_errors``,
+    ``metrics.loop_errors``, ``last_error``, ``state``, ``cfg.poll_interval``, ``cfg.backoff``):
+    log it, count it, and return how long to back off before the next one."""
+    daemon._errors += 1
+    daemon.metrics.loop_errors.inc()
+    daemon.last_error = f"{type(exc).__name__}: {exc}"
+    daemon.state = "error"
+    delay = max(daemon.cfg.poll_interval, daemon.cfg.backoff.delay(daemon._errors))
+    event(logger, "iteration failed", logging.ERROR, error=daemon.last_error, retry_in=f"{delay:.1f}s")
+    if not isinstance(exc, WeightsyncError):
+        logger.error("unexpected error", exc_info=exc)
+    return delay
+
+
+# --- outcomes shared by the daemons' pure planning functions ---------------------------------------
+@dataclass(frozen=True)
+class Idle:
+    """Nothing to do: ``reason`` says why (shown in /v1/status)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Something to do, but not yet (an unfinished checkpoint, a back-off): ``reason`` says what."""
+
+    reason: str
+
+
+async def serve(app: web.Application, api: ApiConfig) -> int:
+    """Run ``app`` (HTTP only if ``api.port`` is set) until SIGTERM/SIGINT or its loop ends."""
+    app[SHUTDOWN] = asyncio.Event()
+    app[EXIT_CODE] = []
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, app[SHUTDOWN].set)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None)
+    await runner.setup()
+    try:
+        if api.port is not None:
+            site = web.TCPSite(runner, api.host, api.port)
+            await site.start()
+            for addr in runner.addresses:
+                event(log, "listening", url=f"http://{addr[0]}:{addr[1]}", auth="bearer" if api.token else "none")
+        await app[SHUTDOWN].wait()
+        event(log, "stopping")
+    finally:
+        await runner.cleanup()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    code = max(app[EXIT_CODE], default=0)
+    event(log, "stopped", exit_code=code)
+    return code
+
+
+def run(app_factory: Callable[[], web.Application], api: ApiConfig) -> int:
+    """Build the app inside a fresh event loop and serve it; returns the process exit code."""
+
+    async def main() -> int:
+        return await serve(app_factory(), api)
+
+    return asyncio.run(main())

@@ -1,0 +1,110 @@
+"""A subscriber's A/B slots: the ``current`` symlink, the version each slot holds, and when the
+standby slot may be overwritten in place.
+
+Updating the standby slot by writing new files and renaming them over the old ones (the journaled
+install of :mod:`weightsync.local`) never changes a byte that anyone can still read, but creating
+files costs the page cache about as much CPU as decoding the delta. Refilling the standby in place
+(:func:`weightsync.pulling.pull` with ``base_dir``) halves a sync's CPU time, but a process that
+still reads the previous version through that slot would see its bytes change. So the standby is
+overwritten in place only once nothing should read it any more:
+
+- with a swap hook: once the hook of the latest swap succeeded (the serving process has loaded the
+  version now current). While it runs, after it failed (the server may still be on the old
+  version) or before any swap of this process, the standby is not released;
+- without one: ``hold`` seconds after the slot stopped being current (counted from start-up after
+  a restart, as nothing is known about earlier swaps);
+
+and never when ``hold`` is None. Files the slot shares with the current one (hard links from a
+seed by :func:`weightsync.local.clone`) are always replaced by new files, never written through.
+One exception to the release rule lives in the subscriber: a copy of the current version that it
+made into an empty standby while idle has never been served, so it is refilled in place whatever
+the hook or hold says (until the next flip).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from weightsync.errors import UsageError
+from weightsync.local.state import STATE_DIR, fsync_dir, read_state
+from weightsync.sync.selection import STATE as PARTIAL_STATE
+from weightsync.sync.selection import read_partial_state
+
+
+class Slots:
+    """The A/B slots of a target folder and the ``current`` symlink that names one of them."""
+
+    NAMES = ("a", "b")
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.link = self.root / "current"
+
+    def path(self, name: str) -> Path:
+        return self.root / "slots" / name
+
+    def current(self) -> str | None:
+        """The slot ``current`` points at; None if there is no ``current`` yet."""
+        try:
+            dest = os.readlink(self.link)
+        except FileNotFoundError:
+            return None
+        except OSError:
+            raise UsageError(f"{self.link} exists and is not a symlink; refusing to manage {self.root}") from None
+        for name in self.NAMES:
+            if dest == f"slots/{name}":
+                return name
+        raise UsageError(f"{self.link} points at {dest!r}, not at slots/a or slots/b")
+
+    def standby(self) -> str:
+        return "b" if self.current() == "a" else "a"
+
+    def flip(self, name: str) -> None:
+        """Point ``current`` at slot ``name`` atomically (new symlink, then rename over the old)."""
+        tmp = self.root / f".current-{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        os.symlink(f"slots/{name}", tmp)
+        os.replace(tmp, self.link)
+        fsync_dir(self.root)
+
+
+def slot_version(folder: Path, partial: bool) -> int | None:
+    """The version a slot holds in the given mode (None if empty, or filled in the other mode)."""
+    if partial:
+        state = read_partial_state(folder)
+        return None if state is None else state.version
+    if (folder / STATE_DIR / PARTIAL_STATE).exists():
+        return None
+    state = read_state(folder)
+    return None if state is None else state.version
+
+
+class StandbyRelease:
+    """Whether the standby slot's files may be overwritten in place (see the module doc). Swaps are
+    numbered; a hook outcome counts only for the swap it was fired for."""
+
+    def __init__(self, hold: float | None, hooked: bool, clock: Callable[[], float] = time.monotonic):
+        self.hold, self.hooked, self.clock = hold, hooked, clock
+        self.since = clock()  # nothing is known about swaps before this process started
+        self.swaps = 0
+        self.confirmed = 0  # the last swap whose hook succeeded (0: none)
+
+    def swapped(self) -> int:
+        """The slot that served until now became the standby; returns this swap's number."""
+        self.since = self.clock()
+        self.swaps += 1
+        return self.swaps
+
+    def confirm(self, swap: int) -> None:
+        """The hook fired for swap number ``swap`` succeeded."""
+        self.confirmed = max(self.confirmed, swap)
+
+    def free(self) -> bool:
+        if self.hold is None:
+            return False
+        if self.hooked:
+            return self.swaps > 0 and self.confirmed == self.swaps
+        return self.clock() - self.since >= self.hold

@@ -1,0 +1,584 @@
+"""The subscriber daemon: follow the store's head (or a pinned version) into A/B slots, swap atomically.
+
+Layout of the target folder::
+
+    DIR/current -> slots/a        symlink to a complete, verified version folder, always
+    DIR/slots/a, DIR/slots/b      the two copies: the current one and the standby
+    DIR/.weightsync/target.json   the target set through the API (a pinned version or "latest")
+
+Each iteration reads the head (one small object), asks the pure :func:`plan_next` what to do, and
+does it: a :class:`Sync` pulls the version into the standby slot (incrementally from whatever
+version that slot holds; every checksum is verified by the pull), then flips ``current`` by
+creating a new symlink under a temporary name and renaming it over ``current``. The old current
+becomes the next standby, so disk use stays at two copies. After each swap the swap hook fires
+and the fleet ledger record is rewritten.
+
+The target survives restarts: ``PUT /v1/target`` stores it atomically before acting on it, and a
+starting subscriber reads it back. A command-line pin (``--version``) wins at start-up and is not
+stored, so removing the flag gives the last API choice back. A damaged file stops the start-up.
+
+With ``--include``/``--exclude`` the slots are partial folders (:mod:`weightsync.partial`).
+Moving forward, the standby slot is refilled in place from the current one (one delta, files
+overwritten where they are) once nothing should read it any more: after the hook of the latest
+swap succeeded, or without a hook ``--standby-hold`` seconds after it (:mod:`weightsync.slots`).
+Before that, and when going back, its files are replaced by rename, so a server still reading the
+previous version through open files keeps its bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from weightsync.errors import ChecksumError, UsageError, VersionError, WeightsyncError
+from weightsync.local.base import clone
+from weightsync.local.install import clear_folder, empty_folder
+from weightsync.local.lock import FolderLock
+from weightsync.local.state import (
+    REFILL,
+    STATE_DIR,
+    Recorded,
+    Snapshot,
+    disown,
+    installed_change,
+    read_state,
+    snapshot,
+    snapshot_change,
+)
+from weightsync.local.verify import verify_folder
+from weightsync.service.config import SubscriberConfig
+from weightsync.service.hooks import HookRunner
+from weightsync.service.metrics import Metrics
+from weightsync.service.pin import (
+    LATEST,
+    ForeignTargetError,
+    Target,
+    read_target,
+    startup_target,
+    target_path,
+    write_target,
+)
+from weightsync.service.progress import human_bytes
+from weightsync.service.runtime import (
+    Idle,
+    Stopped,
+    StopToken,
+    Wait,
+    event,
+    iteration_failed,
+    sleep_or_wake,
+    warm_codec,
+)
+from weightsync.service.slots import Slots, StandbyRelease, slot_version
+from weightsync.store.repo import Repo
+from weightsync.sync.fleet import FleetRecord, superseded_at, write_record
+from weightsync.sync.pull import PullConfig, pull
+from weightsync.sync.selection import STATE as PARTIAL_STATE
+from weightsync.sync.selection import Selection, materialize, read_partial_state
+
+log = logging.getLogger("weightsync.subscriber")
+
+
+def _drop_copy(folder: Path) -> None:
+    """Remove what an unfinished copy into the standby slot left (it claims no version)."""
+    clear_folder(folder)
+
+
+class _SeedInterrupted(Exception):
+    """The idle copy into the standby slot gave way to other work."""
+
+
+# --- planning (pure) -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class View:
+    """What the planner knows about the local side."""
+
+    current: int | None  # version ``current`` points at (None: nothing served yet)
+    standby: int | None = None  # version the standby slot holds, if any
+    failed_version: int | None = None  # the last version whose sync failed ...
+    failures: int = 0  # ... how many times in a row ...
+    retry_at: float = 0.0  # ... and when it may be tried again
+
+
+@dataclass(frozen=True)
+class Sync:
+    version: int
+    reason: str
+
+
+Action = Idle | Wait | Sync
+
+
+def plan_next(view: View, head: int | None, target: Target, now: float) -> Action:
+    """What to do next, given the local view, the store's head version and the target."""
+    if head is None:
+        return Wait("the store has no versions yet")
+    desired = head if target == LATEST else int(target)
+    if desired > head:
+        return Wait(f"pinned version {desired} is not published yet (head {head})")
+    if view.current == desired:
+        return Idle(f"serving version {desired}" + (" (pinned)" if target != LATEST else ""))
+    if view.failed_version == desired and now < view.retry_at:
+        return Wait(f"version {desired} failed {view.failures} time(s); retrying in {view.retry_at - now:.1f}s")
+    if view.standby == desired:
+        return Sync(desired, "the standby slot already holds it")
+    how = "head moved" if target == LATEST else "pinned"
+    return Sync(desired, f"{how}: {view.current} -> {desired}")
+
+
+# --- the daemon ----------------------------------------------------------------------------------
+@dataclass
+class SyncResult:
+    version: int
+    from_version: int | None
+    fetched_bytes: int
+    raw_bytes: int
+    fetch_seconds: float
+    build_seconds: float
+    in_place: bool = False  # the standby slot was refilled in place
+    served: Snapshot | None = None  # the slot's files as filled (what the served-slot check compares)
+
+
+class Subscriber:
+    """The subscriber's state and loop; the HTTP API (``weightsync.api``) reads and steers it."""
+
+    def __init__(self, cfg: SubscriberConfig, repo: Repo, metrics: Metrics, clock=time.time):
+        self.cfg, self.repo, self.metrics, self.clock = cfg, repo, metrics, clock
+        self.slots = Slots(cfg.target_dir)
+        self.release = StandbyRelease(cfg.standby_hold, cfg.hook is not None)
+        self.selection = Selection(cfg.include, cfg.exclude)
+        self.target, self.target_from = self._initial_target()
+        self._target_lock: asyncio.Lock | None = None
+        self.view = View(None)
+        self.latest: int | None = None
+        self.state = "starting"
+        self.reason = ""
+        self.last_error: str | None = None
+        self.last_sync: dict | None = None
+        self.stop_token = StopToken()
+        self.hooks = HookRunner(cfg.hook, metrics.hook_failures.inc) if cfg.hook else None
+        self._hook_task: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None
+        self.staleness = 0.0
+        self._superseded: tuple[int | None, float] | None = None
+        self._errors = 0
+        self._last_ledger = 0.0
+        self._store_ok = False
+        self._seed_failed: int | None = None  # the current version a standby copy failed for (not retried)
+        self._seeded: str | None = None  # the standby slot holding that copy, until the next flip: never served
+        self._seed_poll = 0.0  # when the copy next asks the store for its head
+        self._lock: FolderLock | None = None  # the target folder and both slots: one writer, us
+        self._served: Snapshot | None = None  # the current slot as swapped in, to notice a hand in it
+
+    def claim(self) -> None:
+        """Take the target folder and both slots for this process (FolderBusyError if another
+        process writes them); released when :meth:`run` ends."""
+        if self._lock is None:
+            root = Path(self.cfg.target_dir)
+            folders = [root] + [self.slots.path(n) for n in Slots.NAMES]
+            self._lock = FolderLock(folders, f"weightsync subscriber ({self.cfg.identity.id})").acquire()
+
+    # -- control (called by the API) --------------------------------------------------------------
+    def request_stop(self) -> None:
+        self.stop_token.set()
+        self.state = "stopping"
+        if self._wake is not None:
+            self._wake.set()
+
+    def _initial_target(self) -> tuple[Target, str]:
+        """The start-up target (:func:`startup_target`), logged with its source."""
+        pin, stored = self.cfg.pin, None
+        try:
+            stored = read_target(self.cfg.target_dir, self.repo.url)
+        except ForeignTargetError as exc:
+            event(log, "ignoring a target stored for another store", logging.WARNING, error=exc)
+        except UsageError as exc:
+            if pin is None:
+                raise
+            event(log, "ignoring a damaged stored target: the command line pins a version", logging.WARNING, error=exc)
+        target, source = startup_target(pin, stored)
+        overrides = {} if pin is None or stored in (None, pin) else {"overrides_stored": stored}
+        event(log, "target at start-up", target=target, source=source, **overrides,
+              file=Path(self.cfg.target_dir) / STATE_DIR / "target.json")
+        return target, source
+
+    async def set_target(self, target: Target) -> None:
+        """Pin a version (it must exist) or follow ``"latest"``; the loop acts on it at once. The
+        target is stored first (it survives restarts); if that fails nothing changes."""
+        if target != LATEST:
+            head = await asyncio.to_thread(self.repo.head_version)
+            if head is None or int(target) > head:
+                raise VersionError(f"version {target} does not exist in {self.repo.url} (head {head})")
+            await asyncio.to_thread(self.repo.manifest, int(target))
+        if self._target_lock is None:
+            self._target_lock = asyncio.Lock()
+        async with self._target_lock:  # the file and memory agree on the last call
+            try:
+                await asyncio.to_thread(write_target, self.cfg.target_dir, target, self.cfg.fsync, self.repo.url)
+            except OSError as exc:
+                raise WeightsyncError(f"could not store the target in {target_path(self.cfg.target_dir)}: "
+                                      f"{exc.strerror or exc}; target unchanged") from None
+            self.target, self.target_from = target, "api"
+        event(log, "target set", target=target, stored=target_path(self.cfg.target_dir))
+        if self.view.failed_version is not None:
+            self.view = View(self.view.current, self.view.standby)  # a new target gets a fresh try
+        if self._wake is not None:
+            self._wake.set()
+
+    @property
+    def ready(self) -> bool:
+        return self.view.current is not None
+
+    def status(self) -> dict:
+        lag = None if self.latest is None or self.view.current is None else self.latest - self.view.current
+        return {
+            "role": "subscriber",
+            "id": self.cfg.identity.id,
+            "region": self.cfg.identity.region,
+            "cluster": self.cfg.identity.cluster,
+            "store": self.repo.url,
+            "target_dir": str(self.cfg.target_dir),
+            "current_version": self.view.current,
+            "standby_version": self.view.standby,
+            "latest_version": self.latest,
+            "target": self.target,
+            "target_from": self.target_from,  # command line, stored, default (the head) or api
+            "state": self.state,
+            "reason": self.reason,
+            "lag": lag,
+            "staleness_seconds": self.staleness,
+            "partial": {"include": list(self.cfg.include), "exclude": list(self.cfg.exclude)} if self.cfg.partial else None,
+            "last_sync": self.last_sync,
+            "last_error": self.last_error,
+            "hook": None if self.hooks is None or self.hooks.last is None else vars(self.hooks.last),
+        }
+
+    # -- the loop ---------------------------------------------------------------------------------
+    async def run(self) -> None:
+        self._wake = asyncio.Event()
+        warm_codec()
+        try:
+            await asyncio.to_thread(self.claim)
+            await asyncio.to_thread(self._startup)
+            while not self.stop_token.is_set:
+                await sleep_or_wake(self._wake, await self._iteration(), self.stop_token)
+        finally:
+            if self._hook_task is not None and not self._hook_task.done():
+                self._hook_task.cancel()
+            await self._write_ledger(force=True)
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
+
+    def _startup(self) -> None:
+        self.cfg.target_dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.cfg.target_dir.glob(".current-*"):  # a flip killed before its rename
+            stale.unlink(missing_ok=True)
+        for stale in target_path(self.cfg.target_dir).parent.glob(".tmp-*"):  # a target write killed likewise
+            stale.unlink(missing_ok=True)
+        for name in Slots.NAMES:
+            self.slots.path(name).mkdir(parents=True, exist_ok=True)
+        cur = self.slots.current()
+        current = None if cur is None else slot_version(self.slots.path(cur), self.cfg.partial)
+        standby = slot_version(self.slots.path(self.slots.standby()), self.cfg.partial)
+        self.view = View(current, standby)
+        if current is not None:
+            self._served = snapshot(self.slots.path(cur))
+            self._check_served(installed=True)  # changed while no subscriber watched
+        self.metrics.current_version.set(-1 if current is None else current)
+        event(log, "started", target_dir=self.cfg.target_dir, current=current, standby=standby, target=self.target,
+              target_from=self.target_from, partial=self.cfg.partial)
+
+    async def _iteration(self) -> float:
+        """One poll: plan, act, update gauges. Returns the seconds to wait before the next one."""
+        try:
+            if self._lock is not None:
+                await asyncio.to_thread(self._lock.check)  # a slot removed by hand: its lock is taken again
+            if self._served is not None:
+                await asyncio.to_thread(self._check_served)
+            head = await asyncio.to_thread(self.repo.head_version)
+            self.latest = head
+            self.metrics.latest_version.set(-1 if head is None else head)
+            action = plan_next(self.view, head, self.target, self.clock())
+            self.reason = action.reason
+            interrupted = False
+            if isinstance(action, Sync):
+                await self._sync(action.version)
+            else:
+                self.state = "serving" if isinstance(action, Idle) and self.ready else "waiting"
+                if isinstance(action, Idle):
+                    interrupted = await self._seed_standby()
+            await self._update_lag()
+            await self._write_ledger()
+            self._errors = 0
+            if isinstance(action, Idle):
+                self.last_error = None
+            return 0.0 if interrupted else self._next_delay()  # an interrupted copy: at once to what interrupted it
+        except Stopped:
+            return 0.0
+        except Exception as exc:  # logged, counted, backed off; the loop goes on
+            return iteration_failed(self, exc, log)
+
+    def _next_delay(self) -> float:
+        delay = self.cfg.poll_interval
+        if self.view.failed_version is not None:
+            delay = min(delay, max(0.0, self.view.retry_at - self.clock()))
+        return delay
+
+    async def _sync(self, version: int) -> None:
+        self.state = "syncing"
+        standby = self.slots.standby()
+        folder = self.slots.path(standby)
+        try:
+            result = await asyncio.to_thread(self._fill, folder, version)
+        except Stopped:
+            raise
+        except Exception as exc:
+            if isinstance(exc, ChecksumError):
+                self.metrics.checksum_failures.inc()
+            failures = self.view.failures + 1 if self.view.failed_version == version else 1
+            retry_at = self.clock() + self.cfg.backoff.delay(failures)
+            self.view = View(self.view.current, None, version, failures, retry_at)
+            raise
+        if self.stop_token.is_set:
+            self.view = View(self.view.current, version)
+            raise Stopped("stopping before the swap; the standby slot keeps the new version")
+        self.state = "swapping"
+        t0 = time.perf_counter()
+        self._seeded = None  # before the flip: a flip that fails late may already have switched `current`
+        self._served = None
+        await asyncio.to_thread(self.slots.flip, standby)
+        pause = time.perf_counter() - t0
+        self._served = result.served
+        swap = self.release.swapped()
+        self.view = View(version, self.view.current)
+        self._after_swap(result, folder, pause, swap)
+        await self._write_ledger(force=True)
+        self.state = "serving"
+
+    def _fill(self, folder: Path, version: int) -> SyncResult:
+        """Bring a slot to ``version`` and verify it (runs in a worker thread)."""
+        try:
+            return self._fill_slot(folder, version)
+        finally:
+            self._rebase_served()
+
+    def _rebase_served(self) -> None:
+        """Take in the ctimes a fill moved in the served slot (linking its files into the standby,
+        or replacing such links there, changes their link count), and nothing else: a served slot
+        that changed otherwise still differs from its snapshot, for :meth:`_check_served`."""
+        cur = self.slots.current()
+        if cur is None or self._served is None:
+            return
+        now = snapshot(self.slots.path(cur))
+        if {p: e[:4] for p, e in now.items()} == {p: e[:4] for p, e in self._served.items()}:
+            self._served = now  # a link made and dropped again moves the ctime, not the link count
+
+    def _fill_slot(self, folder: Path, version: int) -> SyncResult:
+        self._clear_other_mode(folder)
+        base = None
+        if self.cfg.partial:
+            r = materialize(self.repo, folder, version, self.selection, concurrency=self.cfg.fetch_concurrency,
+                            threads=self.cfg.decode_threads, fsync=self.cfg.fsync, cancel=self.stop_token.check,
+                            lock=self._lock)
+            raw = sum(f["size"] for f in read_partial_state(folder).files.values())
+            fetch_s, build_s = r.seconds.get("fetch", 0.0), r.seconds.get("build", 0.0)
+        else:
+            self._clear_unclaimed(folder)
+            base = self._refill_base(version)
+            if base is None:
+                self._seed_from_current(folder, version)
+            cfg = PullConfig(fetch_concurrency=self.cfg.fetch_concurrency, decode_threads=self.cfg.decode_threads, fsync=self.cfg.fsync)
+            r = pull(self.repo, folder, version, config=cfg, progress=self.stop_token.check, on_bytes=self.stop_token.check,
+                     base_dir=base, lock=self._lock)
+            raw = self.repo.manifest(version).raw_bytes
+            fetch_s, build_s = r.seconds.get("fetch", 0.0), r.seconds.get("build", 0.0)
+            if self.cfg.verify_before_swap:
+                verify_folder(folder, self.repo.manifest(version))
+        served = snapshot(folder)
+        if (why := installed_change(folder, _recorded(folder, self.cfg.partial), served)) is not None:
+            raise UsageError(f"{folder} changed while it was being filled ({why}); not swapping to it")
+        return SyncResult(r.version, r.from_version, r.fetched_bytes, raw, fetch_s, build_s, base is not None, served)
+
+    def _check_served(self, installed: bool = False) -> None:
+        """Notice the served slot changed behind our back (a hand, another tool): it then claims no
+        version, the daemon is not ready, and the loop syncs a fresh copy into the standby and
+        swaps to it (worker thread). Each poll compares one lstat per file with the snapshot taken
+        at the swap; ``installed`` (at start-up) compares with the slot's recorded state instead."""
+        cur = self.slots.current()
+        if cur is None or self._served is None:
+            return
+        folder = self.slots.path(cur)
+        now = snapshot(folder)
+        if installed:
+            why = installed_change(folder, _recorded(folder, self.cfg.partial), now)
+        else:
+            why = snapshot_change(self._served, now)
+        if why is None:
+            self._served = now  # link counts (and their ctimes) move with others' hard links
+            return
+        event(log, "the served slot changed behind weightsync's back; it no longer claims a version, "
+              "a fresh copy is synced and swapped in", logging.ERROR, folder=folder, version=self.view.current, change=why)
+        self.metrics.checksum_failures.inc()
+        self.last_error = f"the served slot {folder} changed behind weightsync's back ({why})"
+        disown(folder)
+        self._served = None
+        self.view = View(None, self.view.standby)
+        self.metrics.current_version.set(-1)
+
+    def _refill_base(self, version: int) -> Path | None:
+        """The current slot, to refill the standby in place from, when moving forward and the
+        standby is released (:class:`weightsync.slots.StandbyRelease`); else None."""
+        cur = self.slots.current()
+        current = None if cur is None else slot_version(self.slots.path(cur), False)
+        never_served = self._seeded == self.slots.standby()  # a copy made while idle: nothing reads it
+        if current is None or version <= current or not (never_served or self.release.free()):
+            return None
+        return self.slots.path(cur)
+
+    def _clear_unclaimed(self, folder: Path) -> None:
+        """Empty a standby that claims no version and is no interrupted refill (a clone killed
+        midway; never served), keeping ``.weightsync`` (its spool of verified chunks)."""
+        if slot_version(folder, False) is None and not (folder / STATE_DIR / REFILL).exists():
+            empty_folder(folder)
+
+    def _seed_from_current(self, folder: Path, version: int) -> None:
+        """Moving forward, start the standby from the current version (hard links, no download):
+        one delta to apply instead of two, and no full download after a fresh start."""
+        cur = self.slots.current()
+        current = None if cur is None else slot_version(self.slots.path(cur), False)
+        if current is None or version <= current or slot_version(folder, False) == current:
+            return
+        event(log, "seeding the standby slot from the current version", folder=folder, version=current)
+        clone(self.slots.path(cur), folder)
+
+    async def _seed_standby(self) -> bool:
+        """While idle, give an empty standby slot a copy of the current version, so that the next
+        delta refills it in place instead of creating every file (what the first delta after a
+        start paid). Skipped where no refill would follow (partial mode, ``--standby-hold never``),
+        where the standby holds or is refilling something, and after a failed copy of this version
+        (its remains are removed: a full disk is not filled twice). Returns True when the copy gave
+        way to other work (:meth:`_seed_check`); it is redone when idle again."""
+        cur, current = self.slots.current(), self.view.current
+        if self.cfg.partial or self.release.hold is None or cur is None or current is None or self.view.standby is not None:
+            return False
+        folder = self.slots.path(self.slots.standby())
+        if self._seed_failed == current or (folder / STATE_DIR / REFILL).exists() or slot_version(folder, False) is not None:
+            return False
+        t0, self._seed_poll = time.perf_counter(), time.monotonic() + self.cfg.poll_interval
+        try:
+            await asyncio.to_thread(clone, self.slots.path(cur), folder, True, self.cfg.fsync, self._seed_check)
+        except _SeedInterrupted as exc:  # the loop has other work: the copy is redone when idle again
+            await asyncio.to_thread(_drop_copy, folder)
+            event(log, f"stopped copying the current version into the standby slot: {exc}", folder=folder, version=current)
+            return True
+        except OSError as exc:
+            self._seed_failed = current
+            await asyncio.to_thread(_drop_copy, folder)
+            event(log, "could not copy the current version into the standby slot; the next delta creates its files",
+                  level=logging.WARNING, folder=folder, version=current, error=exc)
+            return False
+        await asyncio.to_thread(self._check_served)  # a served file rewritten while copied: not the version
+        if self.view.current != current:
+            await asyncio.to_thread(_drop_copy, folder)
+            return False
+        self.view, self._seeded = replace(self.view, standby=current), self.slots.standby()
+        event(log, "seeded the standby slot with a copy of the current version", folder=folder, version=current,
+              seconds=f"{time.perf_counter() - t0:.3f}")
+        return False
+
+    def _seed_check(self) -> None:
+        """Called between 64 MiB pieces of the standby copy (worker thread): a stop, an API request
+        (the wake event) or a new head (polled every poll interval) ends the copy, so it never
+        holds up a sync."""
+        self.stop_token.check()
+        if self._wake is not None and self._wake.is_set():
+            raise _SeedInterrupted("a request came in")
+        if time.monotonic() >= self._seed_poll:
+            self._seed_poll = time.monotonic() + self.cfg.poll_interval
+            try:
+                head = self.repo.head_version()
+            except WeightsyncError:
+                return  # the loop reports store errors; the copy goes on
+            if head != self.latest:
+                raise _SeedInterrupted(f"version {head} was published")
+
+    def _clear_other_mode(self, folder: Path) -> None:
+        partial_state = (folder / STATE_DIR / PARTIAL_STATE).exists()
+        full_state = (folder / STATE_DIR / "state.json").exists() or (folder / STATE_DIR / REFILL).exists()
+        if (self.cfg.partial and full_state and not partial_state) or (not self.cfg.partial and partial_state):
+            event(log, "clearing a slot filled in the other mode", folder=folder)
+            clear_folder(folder)
+
+    def _after_swap(self, r: SyncResult, folder: Path, pause: float, swap: int) -> None:
+        m = self.metrics
+        m.current_version.set(r.version)
+        m.download_bytes.inc(r.fetched_bytes)
+        m.download_seconds.observe(r.fetch_seconds)
+        m.apply_seconds.observe(r.build_seconds)
+        m.swap_pause.observe(pause)
+        m.swaps.inc()
+        self.last_sync = {
+            "version": r.version, "from_version": r.from_version, "fetched_bytes": r.fetched_bytes, "raw_bytes": r.raw_bytes,
+            "fetch_seconds": round(r.fetch_seconds, 6), "build_seconds": round(r.build_seconds, 6),
+            "swap_seconds": round(pause, 6), "in_place": r.in_place, "time": self.clock(),
+        }
+        ratio = f"{r.raw_bytes / r.fetched_bytes:.1f}x" if r.fetched_bytes else "-"
+        event(log, f"swapped to version {r.version}", version=r.version, from_version=r.from_version, slot=folder.name,
+              fetched=human_bytes(r.fetched_bytes), size=human_bytes(r.raw_bytes), ratio=ratio,
+              fetch_s=f"{r.fetch_seconds:.3f}", build_s=f"{r.build_seconds:.3f}", in_place=r.in_place, swap_ms=f"{1000 * pause:.2f}")
+        if self.hooks is not None:
+            if self._hook_task is not None and not self._hook_task.done():
+                self._hook_task.cancel()  # superseded: the server is told about the newer version
+            self._hook_task = asyncio.create_task(self._fire_hook(swap, r.version, folder))
+
+    async def _fire_hook(self, swap: int, version: int, folder: Path) -> None:
+        """The swap hook; its success releases the standby slot, for this swap only."""
+        if (await self.hooks.fire(version, str(folder), str(self.slots.link))).ok:
+            self.release.confirm(swap)
+
+    async def _update_lag(self) -> None:
+        cur, head, m = self.view.current, self.latest, self.metrics
+        if head is None or cur is None:
+            m.version_lag.set(0 if head is None else head + 1)
+            return
+        m.version_lag.set(max(0, head - cur))
+        if cur >= head:
+            self.staleness = 0.0
+        else:
+            if self._superseded is None or self._superseded[0] != cur:
+                since = await asyncio.to_thread(superseded_at, self.repo, cur)
+                self._superseded = None if since is None else (cur, since)
+            if self._superseded is not None:
+                self.staleness = max(0.0, self.clock() - self._superseded[1])
+        m.staleness.set(self.staleness)
+
+    async def _write_ledger(self, force: bool = False) -> None:
+        now = self.clock()
+        if not force and now - self._last_ledger < self.cfg.ledger_interval:
+            return
+        ident = self.cfg.identity
+        rec = FleetRecord(ident.id, ident.region, ident.cluster, self.view.current, self.target, self.state, now)
+        try:
+            # never write into a location that is not (yet) a weightsync store: the record would
+            # make it "hold other objects" and a publisher would refuse to create the store there
+            self._store_ok = self._store_ok or await asyncio.to_thread(self.repo.check)
+            if not self._store_ok:
+                return
+            await asyncio.to_thread(write_record, self.repo.store, rec)
+            self._last_ledger = now
+        except WeightsyncError as exc:
+            event(log, "could not write the fleet ledger", logging.WARNING, error=str(exc))
+
+
+def _recorded(folder: Path, partial: bool) -> Recorded:
+    """The files of the version ``folder`` claims, as its local state records them."""
+    if partial:
+        state = read_partial_state(folder)
+        return {} if state is None else {p: (r["size"], r["xxh3"], r.get("mtime_ns"), r.get("ctime_ns"))
+                                         for p, r in state.files.items()}
+    state = read_state(folder)
+    return {} if state is None else dict(state.files.items())

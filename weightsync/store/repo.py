@@ -1,0 +1,284 @@
+"""A weightsync store: the marker, the head pointer, manifests and chunks over a :class:`Store`.
+
+The commit order makes a version atomic: chunks first (content-addressed, create-only), then the
+manifest (create-only, so two publishers cannot both own a version), then a conditional update of
+the head pointer. Readers only trust manifests at or below the head.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import xxhash
+
+from weightsync.errors import (
+    AlreadyExistsError,
+    ChecksumError,
+    FormatError,
+    NotAStoreError,
+    NotFoundError,
+    PreconditionFailedError,
+    VersionError,
+)
+from weightsync.format.keys import (
+    FLEET_PREFIX,
+    HEAD_KEY,
+    MARKER_KEY,
+    MAX_VERSION,
+    VERSIONS_PREFIX,
+    chunk_key,
+    parse_version_key,
+    version_key,
+)
+from weightsync.format.manifest import (
+    Manifest,
+    check_marker,
+    head_from_json,
+    head_to_json,
+    manifest_from_json,
+    manifest_to_json,
+    marker_to_json,
+)
+from weightsync.store import Store, open_store
+from weightsync.store.retry import RetryingStore, RetryPolicy
+
+
+class Repo:
+    """Weightsync operations on one store. Thread-safe; caches parsed manifests (they are immutable)."""
+
+    def __init__(self, store: Store, manifest_cache: int = 64):
+        self.store = store
+        self._manifests: OrderedDict[int, Manifest] = OrderedDict()
+        self._cache_size = manifest_cache
+        self._lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return self.store.url
+
+    # --- marker ----------------------------------------------------------------------------------
+    def check(self) -> bool:
+        """True if this is a weightsync store, False if the location is empty; raises otherwise."""
+        try:
+            check_marker(self.store.get(MARKER_KEY))
+            return True
+        except NotFoundError:
+            # empty, or holding only subscribers' ledger records (they may start before the store)
+            if all(k.startswith(FLEET_PREFIX) for k in self.store.list("")):
+                return False
+            if self.store.head(MARKER_KEY) is not None:
+                return self.check()  # a first publish created the store between our two reads
+            raise NotAStoreError(f"{self.url} is not a weightsync store (it holds other objects)") from None
+        except FormatError as exc:
+            raise NotAStoreError(f"{self.url} is not a weightsync store: {exc}") from None
+
+    def require(self) -> None:
+        if not self.check():
+            raise NotAStoreError(f"{self.url} is not a weightsync store (it is empty)")
+
+    def init(self) -> None:
+        if not self.check():
+            try:
+                self.store.put(MARKER_KEY, marker_to_json(), mode="create")
+            except AlreadyExistsError:
+                self.require()
+
+    # --- head and versions -----------------------------------------------------------------------
+    def head(self) -> tuple[int | None, str | None]:
+        """The head version and the tag to update it conditionally (None, None on a fresh store)."""
+        try:
+            data, etag = self.store.get_with_etag(HEAD_KEY)
+        except NotFoundError:
+            return None, None
+        return head_from_json(data), etag
+
+    def head_version(self) -> int | None:
+        return self.head()[0]
+
+    def versions(self) -> list[int]:
+        """Committed versions (manifests at or below the head), ascending."""
+        head = self.head_version()
+        if head is None:
+            return []
+        found = (parse_version_key(k) for k in self.store.list(VERSIONS_PREFIX))
+        return sorted(v for v in found if v is not None and v <= head)
+
+    def manifest(self, version: int) -> Manifest:
+        with self._lock:
+            if version in self._manifests:
+                self._manifests.move_to_end(version)
+                return self._manifests[version]
+        key = version_key(version)
+        try:
+            data = self.store.get(key)
+        except NotFoundError:
+            raise VersionError(f"version {version} does not exist in {self.url}") from None
+        m = manifest_from_json(data, f"{self.url}/{key}")
+        if m.version != version:
+            raise FormatError(f"{self.url}/{key}: manifest claims version {m.version}")
+        with self._lock:
+            self._manifests[version] = m
+            while len(self._manifests) > self._cache_size:
+                self._manifests.popitem(last=False)
+        return m
+
+    def chain(self, version: int, back_to: int | None = None, limit: int = 1000) -> list[Manifest]:
+        """Manifests from the keyframe that ``version`` builds on up to ``version``, in order.
+
+        With ``back_to`` (a local version older than that keyframe and an ancestor of ``version``),
+        the chain starts at ``back_to`` instead, so keyframes' own deltas can be followed.
+        """
+        out = [self.manifest(version)]
+        while not out[-1].keyframe:
+            out.append(self.manifest(out[-1].parent))
+        to_keyframe = len(out)
+        if back_to is not None and back_to < out[-1].version:
+            try:
+                while out[-1].parent is not None and out[-1].parent >= back_to and len(out) < to_keyframe + limit:
+                    if self.store.head(version_key(out[-1].parent)) is None:
+                        break  # collected by gc (the manifest cache cannot tell): no path from there
+                    out.append(self.manifest(out[-1].parent))
+            except VersionError:
+                pass
+            if out[-1].version != back_to:
+                del out[to_keyframe:]
+        return out[::-1]
+
+    # --- writes ----------------------------------------------------------------------------------
+    def put_chunk(self, chunk_id: str, data: bytes) -> bool:
+        """Upload a chunk unless an object of that id and size is there; True if bytes moved
+        (see :meth:`store_chunk`)."""
+        return self.store_chunk(chunk_id, len(data), data)
+
+    def store_chunk(self, chunk_id: str, size: int, data: bytes | Callable[[], bytes]) -> bool:
+        """Make the chunk ``chunk_id`` of ``size`` bytes present; True if bytes moved. ``data`` is
+        the chunk, or a function that returns it (called only when it must be uploaded: a mirror
+        reads the source only for chunks the destination lacks).
+
+        A chunk that is already there is touched, so that a concurrent ``gc`` (which spares young
+        objects) cannot delete it between this check and the commit of the manifest that uses it;
+        one that gc collected between the check and the touch is uploaded again. An object of the
+        wrong size under a chunk's key is damaged and is replaced.
+        """
+        key = chunk_key(chunk_id)
+        have = self.store.head(key)
+        if have == size:
+            try:
+                self.store.touch(key)
+                return False
+            except NotFoundError:
+                have = None  # collected by gc since the HEAD: upload it again
+        try:
+            self.store.put(key, data() if callable(data) else data, mode="create" if have is None else "overwrite")
+        except AlreadyExistsError:
+            if self.store.head(key) != size:  # a racing writer stored the same id: it must be these bytes
+                raise
+            return False
+        return True
+
+    def get_chunk(self, chunk_id: str, size: int) -> bytes:
+        key = chunk_key(chunk_id)
+        data = self.store.get(key)
+        verify_chunk(f"{self.url}/{key}", chunk_id, size, data)
+        return data
+
+    def commit(self, manifest: Manifest, expected_head: str | None) -> None:
+        """Write the manifest (create-only), then move the head to it if it is newer.
+
+        A manifest already stored under the version is accepted when it describes the same files
+        from the same parent: our own write whose answer was lost and retried, or a re-publish of
+        the same checkpoint after a publisher died between the manifest and the head. A version
+        number the format does not allow is refused before anything is written: readers would
+        reject the head for good.
+        """
+        if not 0 <= manifest.version <= MAX_VERSION:
+            raise VersionError(f"version {manifest.version} is outside the format's range 0..{MAX_VERSION}; not committed")
+        try:
+            self.store.put(version_key(manifest.version), manifest_to_json(manifest), mode="create")
+        except AlreadyExistsError:
+            if not self._same_version(manifest):
+                raise VersionError(f"version {manifest.version} already exists in {self.url}") from None
+        etag = expected_head
+        for _ in range(100):
+            try:
+                self.store.put_if_match(HEAD_KEY, head_to_json(manifest.version), etag)
+                return
+            except PreconditionFailedError:
+                current, etag = self.head()
+                if current == manifest.version:
+                    return  # our own write landed (an ambiguous retry) or an identical re-publish
+                if current is not None and current > manifest.version:
+                    raise VersionError(
+                        f"version {manifest.version} was stored but head moved to {current} concurrently"
+                    ) from None
+        raise VersionError(f"could not move head to {manifest.version}: too much contention")
+
+    def _same_version(self, manifest: Manifest) -> bool:
+        head = self.head_version()
+        if head is not None and head >= manifest.version:
+            return False  # a committed version is never replaced
+        try:
+            stored = manifest_from_json(self.store.get(version_key(manifest.version)))
+        except (FormatError, NotFoundError):
+            return False
+        files = lambda m: [(f.path, f.size, f.xxh3) for f in m.files]  # noqa: E731
+        return stored.parent == manifest.parent and files(stored) == files(manifest)
+
+    def set_head(self, version: int) -> None:
+        """Point the head at ``version`` unconditionally (mirror and repair use)."""
+        if not 0 <= version <= MAX_VERSION:
+            raise VersionError(f"version {version} is outside the format's range 0..{MAX_VERSION}; head not moved")
+        self.store.put(HEAD_KEY, head_to_json(version), mode="overwrite")
+
+
+def verify_chunk(what: str, chunk_id: str, size: int, data: bytes | memoryview) -> None:
+    if len(data) != size:
+        raise ChecksumError(what, f"{chunk_id} ({size} bytes)", f"{len(data)} bytes")
+    actual = xxhash.xxh3_128_hexdigest(data)
+    if actual != chunk_id:
+        raise ChecksumError(what, chunk_id, actual)
+
+
+StoreLike = str | os.PathLike | Store | Repo
+
+
+def open_repo(store: StoreLike, *, retry: RetryPolicy | None = RetryPolicy(), **options) -> Repo:
+    """A :class:`Repo` for a URL (``file://``, plain path, ``s3://``, ``memory://``), Store or Repo.
+
+    A remote (``s3://``) store opened from a URL retries throttling, 5xx, timeouts and resets with
+    ``retry`` (None: no retries).
+    """
+    if isinstance(store, Repo):
+        return store
+    if isinstance(store, Store):
+        return Repo(store)
+    opened = open_store(store, **options)
+    if retry is not None and str(store).startswith("s3://"):
+        opened = RetryingStore(opened, retry)
+    return Repo(opened)
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    version: int
+    parent: int | None
+    keyframe: bool
+    raw_bytes: int
+    payload_bytes: int
+    changed_fraction: float
+    created: str
+
+
+def versions(store: StoreLike) -> list[VersionInfo]:
+    repo = open_repo(store)
+    repo.require()
+    out = []
+    for v in repo.versions():
+        m = repo.manifest(v)
+        frac = m.stats.get("changed", 0) / max(1, m.stats.get("elements", 0) or 1)
+        out.append(VersionInfo(v, m.parent, m.keyframe, m.raw_bytes, m.payload_bytes, frac, m.created))
+    return out

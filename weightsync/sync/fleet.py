@@ -1,0 +1,178 @@
+"""The fleet ledger: each subscriber's record in the store, and the fleet view built from them.
+
+Each subscriber owns one object, ``fleet/<id>.json`` (docs/FORMAT.md, section 1), and overwrites it
+after every swap and on a heartbeat::
+
+    {"format": "weightsync.fleet", "id": "...", "region": "...", "cluster": "...",
+     "current_version": 12, "target": "latest", "state": "serving", "updated": 1767225600.5}
+
+The view (:func:`fleet_view`, pure) adds per subscriber the lag behind the head (versions), the
+staleness (seconds since a version newer than the one it serves was published; 0 at the head) and
+how long ago it last wrote its record. Records that do not parse are reported, not trusted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from datetime import datetime
+
+from weightsync.errors import FormatError, NotFoundError, VersionError
+from weightsync.format.keys import FLEET_PREFIX, MAX_VERSION
+from weightsync.store import Store, check_key
+from weightsync.store.repo import Repo
+
+FORMAT = "weightsync.fleet"
+
+
+@dataclass(frozen=True)
+class FleetRecord:
+    id: str
+    region: str
+    cluster: str
+    current_version: int | None
+    target: int | str  # a pinned version or "latest"
+    state: str
+    updated: float  # unix seconds
+
+    def to_json(self) -> bytes:
+        return json.dumps({"format": FORMAT, **asdict(self)}, sort_keys=True).encode()
+
+
+def record_key(subscriber_id: str) -> str:
+    return check_key(f"{FLEET_PREFIX}{subscriber_id}.json")
+
+
+def _version(v: object, what: str, allow: tuple = (None,)) -> int | str | None:
+    if v in allow:
+        return v
+    if type(v) is not int or not 0 <= v <= MAX_VERSION:
+        shown = repr(v)[:40] if isinstance(v, (int, float, str)) else f"of type {type(v).__name__}"  # no deep repr
+        raise FormatError(f"{what}: bad version {shown}")
+    return v
+
+
+def record_from_json(data: bytes, what: str) -> FleetRecord:
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deeply
+        raise FormatError(f"{what}: not valid JSON ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise FormatError(f"{what}: not a fleet record")
+    strings = ("id", "region", "cluster", "state")
+    if not all(isinstance(doc.get(k), str) for k in strings):
+        raise FormatError(f"{what}: fields {strings} must be strings")
+    updated = doc.get("updated")
+    if not isinstance(updated, (int, float)) or isinstance(updated, bool) or not math.isfinite(updated):
+        raise FormatError(f"{what}: 'updated' must be a number")
+    return FleetRecord(
+        doc["id"], doc["region"], doc["cluster"],
+        _version(doc.get("current_version"), what), _version(doc.get("target"), what, ("latest",)),
+        doc["state"], float(updated),
+    )
+
+
+def write_record(store: Store, record: FleetRecord) -> None:
+    store.put(record_key(record.id), record.to_json(), mode="overwrite")
+
+
+def read_records(store: Store) -> tuple[list[FleetRecord], list[str]]:
+    """Every parseable record, and one error line per object that is not one."""
+    records, errors = [], []
+    for key in store.list(FLEET_PREFIX):
+        if not key.endswith(".json"):
+            continue
+        try:
+            records.append(record_from_json(store.get(key), key))
+        except NotFoundError:
+            continue  # removed while listing
+        except FormatError as exc:
+            errors.append(str(exc))
+    return sorted(records, key=lambda r: r.id), errors
+
+
+# --- staleness ------------------------------------------------------------------------------------
+def created_seconds(created: str) -> float | None:
+    """A manifest's ``created`` timestamp as unix seconds (None if absent or unparsable)."""
+    try:
+        return datetime.fromisoformat(created).timestamp() if created else None
+    except ValueError:
+        return None
+
+
+def superseded_at(repo: Repo, version: int | None, versions: Iterable[int] | None = None) -> float | None:
+    """When the first version newer than ``version`` was published (None if there is none).
+
+    This is when a subscriber serving ``version`` started being stale. ``versions`` saves a listing
+    when the caller has one.
+    """
+    vs = repo.versions() if versions is None else versions
+    newer = [v for v in vs if version is None or v > version]
+    if not newer:
+        return None
+    try:
+        return created_seconds(repo.manifest(min(newer)).created)
+    except VersionError:
+        return None
+
+
+@dataclass(frozen=True)
+class FleetRow:
+    id: str
+    region: str
+    cluster: str
+    current_version: int | None
+    target: int | str
+    state: str
+    lag: int | None  # versions behind the head (head minus current); None if it serves nothing
+    staleness_seconds: float | None  # since a newer version than the current one was published
+    last_seen_seconds: float  # since the record was written
+
+
+def fleet_view(
+    records: list[FleetRecord], head: int | None, superseded: Callable[[int | None], float | None], now: float
+) -> list[FleetRow]:
+    """Rows of the fleet table (pure but for ``superseded(version) -> unix seconds or None``)."""
+    rows = []
+    for r in records:
+        cur = r.current_version
+        lag = None if head is None or cur is None else head - cur
+        since = None if head is None or (cur is not None and cur >= head) else superseded(cur)
+        stale = 0.0 if head is not None and cur is not None and cur >= head else None if since is None else max(0.0, now - since)
+        rows.append(FleetRow(r.id, r.region, r.cluster, cur, r.target, r.state, lag, stale, max(0.0, now - r.updated)))
+    return rows
+
+
+def read_fleet(repo: Repo, now: float) -> dict:
+    """The fleet as JSON-ready data: the head version, one row per subscriber, and bad records."""
+    head = repo.head_version()
+    records, errors = read_records(repo.store)
+    versions = repo.versions() if records and head is not None else []
+    cache: dict[int | None, float | None] = {}
+
+    def superseded(v: int | None) -> float | None:
+        if v not in cache:
+            cache[v] = superseded_at(repo, v, versions)
+        return cache[v]
+
+    rows = fleet_view(records, head, superseded, now)
+    return {"head_version": head, "subscribers": [asdict(r) for r in rows], "errors": errors}
+
+
+def format_fleet(fleet: dict) -> str:
+    """The fleet as a text table (``weightsync fleet``)."""
+    def fmt(v, spec="") -> str:
+        return "-" if v is None else format(v, spec)
+
+    lines = [f"head version: {fmt(fleet['head_version'])}",
+             f"{'subscriber':<28} {'region':<12} {'cluster':<12} {'version':>8} {'target':>8} {'lag':>5} {'stale':>9} {'seen':>9}  state"]
+    for r in fleet["subscribers"]:
+        stale = fmt(r["staleness_seconds"], ".0f") + ("s" if r["staleness_seconds"] is not None else "")
+        lines.append(
+            f"{r['id']:<28} {r['region'] or '-':<12} {r['cluster'] or '-':<12} {fmt(r['current_version']):>8} "
+            f"{r['target']!s:>8} {fmt(r['lag']):>5} {stale:>9} {r['last_seen_seconds']:>8.0f}s  {r['state']}"
+        )
+    lines += [f"bad record: {e}" for e in fleet["errors"]]
+    return "\n".join(lines)

@@ -1,0 +1,475 @@
+"""Retention: delete old versions, then the chunks no remaining version needs.
+
+Plan (pure, :func:`plan_gc`): keep the ``keep`` newest committed versions (the head among them),
+and every manifest in their chains back to a keyframe (:meth:`Repo.chain`). Manifests above the
+head belong to a publish in progress and are kept too, unless older than the grace period: those
+were left by publishers that died between the manifest and the head update, and they would block
+every later publish of their version number, so gc deletes them. A chunk is needed when any kept
+manifest references it (keyframes' ``delta`` payloads live in the same chunk list).
+
+Execution (:func:`gc`): manifests are deleted first, oldest first, so that a reader never finds a
+manifest whose chunks are gone; then chunks that no kept manifest references, but only those older
+than ``grace_seconds``: a publisher uploads its chunks before its manifest exists, so a young
+unreferenced chunk may belong to a version being published. Right before its commit (or its
+part) a publisher touches again every chunk it stored more than ``PublishConfig.refresh_after``
+(900 s) earlier, and refuses to commit if one is gone, so ``grace_seconds`` must exceed
+``refresh_after`` plus the time those touches and the commit take, not the whole publish; with a
+margin for the store's timestamp resolution (S3's ``LastModified`` and ``Date`` have whole seconds:
+an age can read up to ~2 s too old). Last, leftovers of killed writers older than the grace period
+go too: a file store's temporary files, an S3 store's incomplete multipart uploads.
+
+Parts of multi-rank publishes (``parts/<N>/``, :mod:`weightsync.parts`, :func:`plan_parts`): those
+of a version at or below the head are done with (merged, or stale) and are deleted; those of a
+version above the head are kept while any of them is younger than the grace period (ranks still
+publishing, a committer waiting) and deleted together once all are older: a version that missed a
+part is abandoned. The chunks named by kept parts are needed, like those of pending manifests.
+
+Re-checks before each delete. A publisher that finds one of its chunks already stored touches it
+(:meth:`Repo.put_chunk`) instead of uploading it again, so an old unreferenced chunk can become
+needed while gc runs. Ages are listed once, but each candidate's age is read again (a stat, or a
+HEAD) right before its delete, and a candidate now younger than the grace period is kept
+(``touched_during_gc``; it is counted in ``young_chunks`` too). Candidates are deleted in batches,
+and before each batch ``versions/`` is listed again: chunks referenced by a manifest stored since
+the plan are kept (``referenced_during_gc``, counted in ``kept_chunks`` too). The age re-check alone
+would need the grace period to exceed the longest publish *plus gc's own run time up to that
+delete*, since a publisher may have touched a chunk just before gc's plan and committed just after;
+the manifest re-check takes gc's run time out of that rule (up to one batch), and it also protects
+chunks a writer re-uses without touching them (the mirror) when its manifest lands before the batch.
+What remains is the gap between one re-check and its delete (one round trip): stores offer no
+"delete if not modified since" for chunks.
+
+Object ages need more than the :class:`Store` protocol offers (``list`` gives keys only), so this
+module reads them backend by backend: a file store's files are ``os.stat``-ed, an S3 store is
+listed with ``list_objects_v2`` and asked with ``head_object`` (``LastModified``, compared with the
+server's own ``Date`` so that clock skew does not matter). A backend without ages (memory) has every
+object treated as young: nothing is collected there unless ``grace_seconds`` is 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
+
+from weightsync.errors import FormatError, NotFoundError, StoreError, UsageError, VersionError
+from weightsync.format.keys import (
+    CHUNKS_PREFIX,
+    PARTS_PREFIX,
+    VERSIONS_PREFIX,
+    parse_part_key,
+    parse_version_key,
+    version_key,
+)
+from weightsync.format.manifest import manifest_from_json, part_from_json
+from weightsync.store import FileStore, Store
+from weightsync.store.repo import Repo
+from weightsync.store.retry import RetryingStore
+
+log = logging.getLogger("weightsync.gc")
+
+
+_CHUNK_PREFIX_LEN = len(CHUNKS_PREFIX) + 3  # "chunks/ab/"
+
+
+_BATCH = 1024  # chunk deletes between two re-reads of versions/
+
+
+@dataclass(frozen=True)
+class GcConfig:
+    """``keep``: newest committed versions to keep (>= 1). ``grace_seconds``: never delete an
+    unreferenced chunk younger than this. ``concurrency``: deletes in flight."""
+
+    keep: int
+    grace_seconds: float = 3600.0
+    dry_run: bool = False
+    concurrency: int = 16
+
+    def __post_init__(self) -> None:
+        if self.keep < 1:
+            raise UsageError(f"gc must keep at least 1 version, got --keep {self.keep}")
+        if self.grace_seconds < 0:
+            raise UsageError(f"grace period must be >= 0 seconds, got {self.grace_seconds}")
+        if self.concurrency < 1:
+            raise UsageError(f"gc concurrency must be at least 1, got {self.concurrency}")
+
+
+@dataclass(frozen=True)
+class GcPlan:
+    head: int | None
+    kept_versions: tuple[int, ...]  # committed versions kept: the newest `keep` and their chains
+    pending_versions: tuple[int, ...]  # manifests above the head (publishes in progress)
+    delete_versions: tuple[int, ...]  # ascending: deleted oldest first
+    abandoned_versions: tuple[int, ...]  # manifests above the head older than the grace period
+    needed_chunks: frozenset[str]
+
+
+@dataclass
+class GcResult:
+    head: int | None
+    kept_versions: list[int]
+    deleted_versions: list[int]
+    abandoned_versions: list[int]  # manifests of publishes that died before moving the head
+    deleted_chunks: int = 0
+    deleted_bytes: int = 0
+    young_chunks: int = 0  # unreferenced but inside the grace period: left for a later gc
+    kept_chunks: int = 0
+    touched_during_gc: int = 0  # of young_chunks: old when listed, young when re-checked (re-used meanwhile)
+    referenced_during_gc: int = 0  # of kept_chunks: referenced by a manifest stored while gc ran
+    dry_run: bool = False
+    seconds: float = 0.0
+    partial_writes: int = 0  # removed leftovers of killed writers: temp files, multipart uploads
+    deleted_parts: int = 0  # part objects of merged, stale or abandoned multi-rank publishes
+    pending_parts: int = 0  # part objects of versions above the head, kept (a publish in progress)
+
+
+@dataclass(frozen=True)
+class PartsPlan:
+    delete: tuple[str, ...]  # part keys: at or below the head, or above it and all older than the grace
+    pending: tuple[str, ...]  # part keys kept: a multi-rank publish in progress
+    needed_chunks: frozenset[str]  # chunks the kept parts name
+
+
+def plan_parts(repo: Repo, head: int | None, grace: float) -> PartsPlan:
+    """Which parts to delete and which chunks the kept ones need (module docstring)."""
+    by_version: dict[int, list[tuple[str, float | None]]] = {}
+    for key, _, age in list_with_age(repo.store, PARTS_PREFIX):
+        parsed = parse_part_key(key)
+        if parsed is not None:
+            by_version.setdefault(parsed[0], []).append((key, age))
+    delete, pending, needed = [], [], set()
+    for v, items in sorted(by_version.items()):
+        if (head is not None and v <= head) or not any(_young(age, grace) for _, age in items):
+            delete.extend(k for k, _ in items)
+            continue
+        for key, _ in items:
+            pending.append(key)
+            try:
+                needed.update(c.id for c in part_from_json(repo.store.get(key), f"{repo.url}/{key}").chunks)
+            except (NotFoundError, FormatError) as exc:  # a damaged part protects nothing; a committer refuses it
+                log.warning("gc %s: cannot read part %s (%s)", repo.url, key, exc)
+    return PartsPlan(tuple(delete), tuple(pending), frozenset(needed))
+
+
+def plan_gc(repo: Repo, keep: int, abandoned: frozenset[int] = frozenset()) -> GcPlan:
+    """Which manifests to delete and which chunks the remaining ones need (reads manifests only).
+
+    ``abandoned``: versions above the head known to be left by dead publishers (see :func:`gc`).
+    """
+    head = repo.head_version()
+    listed = sorted(v for v in (parse_version_key(k) for k in repo.store.list(VERSIONS_PREFIX)) if v is not None)
+    above = [v for v in listed if head is None or v > head]
+    pending = [v for v in above if v not in abandoned]
+    dead = tuple(v for v in above if v in abandoned)
+    if head is None:
+        return GcPlan(None, (), tuple(pending), (), dead, frozenset(_chunks_of(repo, pending)))
+    committed = [v for v in listed if v <= head]
+    if head not in committed:
+        raise VersionError(f"{repo.url}: head {head} has no manifest; refusing to collect anything")
+    kept: set[int] = set()
+    for v in committed[-keep:]:
+        kept.update(m.version for m in repo.chain(v))
+    delete = [v for v in committed if v not in kept]
+    needed = _chunks_of(repo, sorted(kept) + pending)
+    return GcPlan(head, tuple(sorted(kept)), tuple(pending), tuple(delete), dead, frozenset(needed))
+
+
+def _chunks_of(repo: Repo, versions: list[int]) -> set[str]:
+    needed: set[str] = set()
+    for v in versions:
+        try:
+            needed.update(c.id for c in repo.manifest(v).chunks)
+        except VersionError:
+            if v <= (repo.head_version() or -1):
+                raise  # a kept committed version must be readable
+    return needed
+
+
+def gc(repo: Repo, config: GcConfig) -> GcResult:
+    """Delete versions outside ``config.keep`` and the chunks only they needed (module docstring)."""
+    t0 = time.perf_counter()
+    repo.require()
+    plan = plan_gc(repo, config.keep, _abandoned(repo, config.grace_seconds))
+    parts = plan_parts(repo, plan.head, config.grace_seconds)
+    plan = dataclasses.replace(plan, needed_chunks=plan.needed_chunks | parts.needed_chunks)
+    result = GcResult(plan.head, list(plan.kept_versions), list(plan.delete_versions),
+                      list(plan.abandoned_versions), dry_run=config.dry_run, deleted_parts=len(parts.delete),
+                      pending_parts=len(parts.pending))
+    if not config.dry_run:
+        for v in plan.delete_versions + plan.abandoned_versions:  # oldest first, chunks after
+            repo.store.delete(version_key(v))
+        for key in parts.delete:
+            repo.store.delete(key)
+        _prune_part_folders(repo.store, parts.delete)
+    # Listed after the manifests are gone: a chunk stored from here on is younger than the grace.
+    doomed = []
+    for key, size, age in list_chunks_with_age(repo.store):
+        cid = key[_CHUNK_PREFIX_LEN:]
+        if cid in plan.needed_chunks:
+            result.kept_chunks += 1
+        elif _young(age, config.grace_seconds):
+            result.young_chunks += 1
+        else:
+            doomed.append((key, size))
+    if config.dry_run:
+        result.deleted_chunks = len(doomed)
+        result.deleted_bytes = sum(size for _, size in doomed)
+    elif doomed:
+        _delete_chunks(repo, plan, doomed, config, result)
+    if not config.dry_run:
+        result.partial_writes = _remove_partial_writes(repo.store, config.grace_seconds)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _delete_chunks(repo: Repo, plan: GcPlan, doomed: list[tuple[str, int]], config: GcConfig,
+                   result: GcResult) -> None:
+    """Delete ``doomed`` chunks in batches, re-checking before each (module docstring)."""
+    known = set(plan.kept_versions + plan.pending_versions)  # their chunks are in plan.needed_chunks
+    referenced: set[str] = set()
+
+    def one(kv: tuple[str, int]) -> str:
+        try:
+            age = object_age(repo.store, kv[0])
+        except NotFoundError:
+            return "gone"  # deleted meanwhile (another gc)
+        if _young(age, config.grace_seconds):
+            return "young"
+        repo.store.delete(kv[0])
+        return "deleted"
+
+    with ThreadPoolExecutor(min(config.concurrency, len(doomed)), thread_name_prefix="ws-gc") as pool:
+        for start in range(0, len(doomed), _BATCH):
+            referenced |= _new_references(repo, known)
+            batch = [kv for kv in doomed[start : start + _BATCH] if kv[0][_CHUNK_PREFIX_LEN:] not in referenced]
+            result.referenced_during_gc += min(_BATCH, len(doomed) - start) - len(batch)
+            for kv, outcome in zip(batch, pool.map(one, batch)):
+                if outcome == "deleted":
+                    result.deleted_chunks += 1
+                    result.deleted_bytes += kv[1]
+                elif outcome == "young":
+                    result.touched_during_gc += 1
+    result.young_chunks += result.touched_during_gc
+    result.kept_chunks += result.referenced_during_gc
+    if result.touched_during_gc or result.referenced_during_gc:
+        log.info("gc %s: kept %d chunks re-used while gc ran (%d touched or uploaded again, %d referenced by a "
+                 "new manifest)", repo.url, result.touched_during_gc + result.referenced_during_gc,
+                 result.touched_during_gc, result.referenced_during_gc)
+
+
+def _young(age: float | None, grace: float) -> bool:
+    """Inside the grace period (an unknown age counts as young unless the grace period is 0)."""
+    return (age is None and grace > 0) or (age is not None and age < grace)
+
+
+def _new_references(repo: Repo, known: set[int]) -> set[str]:
+    """Chunk ids of manifests stored since ``known`` was filled (``known`` is updated). Read from
+    the store, not the manifest cache: a version number gc removed (abandoned) may be reused."""
+    found: set[str] = set()
+    for key in repo.store.list(VERSIONS_PREFIX):
+        v = parse_version_key(key)
+        if v is None or v in known:
+            continue
+        try:
+            m = manifest_from_json(repo.store.get(key), f"{repo.url}/{key}")
+        except NotFoundError:
+            continue  # deleted meanwhile
+        known.add(v)
+        found.update(c.id for c in m.chunks)
+    return found
+
+
+# --- object ages, backend by backend ----------------------------------------------------------------
+def _layers(store: Store) -> list[Store]:
+    """``store`` and the stores under it, down to the backend, through wrappers that keep the next
+    one as ``inner`` (RetryingStore, fault injectors)."""
+    out = [store]
+    while hasattr(out[-1], "inner") and len(out) < 16:
+        out.append(out[-1].inner)
+    return out
+
+
+def _unwrap(store: Store) -> Store:
+    return _layers(store)[-1]
+
+
+def _retries(store: Store):
+    """The retrying ``call(op, key, fn)`` of the first RetryingStore around the backend (object ages
+    are read beside the Store protocol, so its retries are borrowed), else a plain call."""
+    for layer in _layers(store):
+        if isinstance(layer, RetryingStore):
+            return layer.call
+    return lambda op, key, fn: fn()
+
+
+def _server_now(response: dict) -> float:
+    """The S3 server's clock (its ``Date`` header), so that ages do not depend on clock skew."""
+    date = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+    return parsedate_to_datetime(date).timestamp() if date else time.time()
+
+
+def _abandoned(repo: Repo, grace: float) -> frozenset[int]:
+    """Manifests above the head older than the grace period: their publishers died between the
+    manifest and the head update (a live one moves the head right after), and they block every
+    later publish of that version number."""
+    head = repo.head_version()
+    out = set()
+    for key, _, age in list_with_age(repo.store, VERSIONS_PREFIX):
+        v = parse_version_key(key)
+        if v is not None and (head is None or v > head) and age is not None and age >= grace:
+            out.add(v)
+    return frozenset(out)
+
+
+def list_chunks_with_age(store: Store) -> Iterator[tuple[str, int, float | None]]:
+    """``(key, size, age in seconds or None if unknown)`` of every chunk object."""
+    return list_with_age(store, CHUNKS_PREFIX)
+
+
+def list_with_age(store: Store, prefix: str) -> Iterator[tuple[str, int, float | None]]:
+    """``(key, size, age in seconds or None if unknown)`` of every object under ``prefix``."""
+    backend = _unwrap(store)
+    custom = getattr(backend, "list_with_times", None)
+    if callable(custom):  # a backend that offers ages itself: (key, size, mtime epoch seconds)
+        now = time.time()
+        return ((k, size, now - mtime) for k, size, mtime in custom(prefix))
+    if isinstance(backend, FileStore):
+        return _file_ages(backend, prefix)
+    if type(backend).__name__ == "S3Store":
+        return _s3_ages(backend, prefix, _retries(store))
+    return ((k, store.head(k) or 0, None) for k in store.list(prefix))
+
+
+def object_age(store: Store, key: str) -> float | None:
+    """Age in seconds of one object now (None if the backend keeps no ages); raises
+    :class:`NotFoundError` if it does not exist."""
+    backend = _unwrap(store)
+    custom = getattr(backend, "list_with_times", None)
+    if callable(custom):
+        now = time.time()
+        for k, _, mtime in custom(key):
+            if k == key:
+                return now - mtime
+    elif isinstance(backend, FileStore):
+        try:
+            return time.time() - os.stat(backend.local_path(key)).st_mtime
+        except FileNotFoundError:
+            pass
+    elif type(backend).__name__ == "S3Store":
+        age = _retries(store)("HEAD", key, lambda: _s3_age(backend, key))
+        if age is not None:
+            return age
+    elif store.head(key) is not None:
+        return None
+    raise NotFoundError(f"{store.url}: no object {key}", key=key)
+
+
+def _file_ages(store: FileStore, prefix: str) -> Iterator[tuple[str, int, float | None]]:
+    now = time.time()
+    for key in store.list(prefix):
+        try:
+            st = os.stat(store.local_path(key))
+        except FileNotFoundError:
+            continue
+        yield key, st.st_size, now - st.st_mtime
+
+
+def _s3_ages(store, prefix: str, call) -> Iterator[tuple[str, int, float | None]]:
+    """Every object under ``prefix`` with its age by the server's clock, one page per request
+    (each page retried as the store's other reads are)."""
+    skip = len(store._key_prefix)
+    args = {"Bucket": store.bucket, "Prefix": store._key_prefix + prefix}
+    while True:
+        page = call("LIST", prefix, lambda: _s3_page(store, prefix, args))
+        now = _server_now(page)
+        for obj in page.get("Contents", ()):
+            key = obj["Key"][skip:]
+            if key and not key.endswith("/"):
+                yield key, int(obj["Size"]), now - obj["LastModified"].timestamp()
+        if not page.get("IsTruncated"):
+            return
+        args = {**args, "ContinuationToken": page["NextContinuationToken"]}
+
+
+def _s3_page(store, prefix: str, args: dict) -> dict:
+    with store._errors("LIST", prefix):
+        return store._client.list_objects_v2(**args)
+
+
+def _s3_age(store, key: str) -> float | None:
+    """One HEAD: the object's age by the server's clock, or None if it does not exist."""
+    from botocore.exceptions import ClientError
+
+    with store._errors("HEAD", key):
+        try:
+            resp = store._client.head_object(**store._obj(key))
+        except ClientError as exc:
+            if exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
+                return None
+            raise
+    return _server_now(resp) - resp["LastModified"].timestamp()
+
+
+def _remove_partial_writes(store: Store, grace: float) -> int:
+    """Leftovers of writers killed mid-write, older than ``grace``: a file store's ``.tmp-*``
+    files, an S3 store's incomplete multipart uploads (which the bucket bills for)."""
+    backend = _unwrap(store)
+    if isinstance(backend, FileStore):
+        return _remove_temp_files(backend, grace)
+    if type(backend).__name__ == "S3Store":
+        return _abort_multipart_uploads(backend, grace)
+    return 0
+
+
+def _prune_part_folders(store: Store, deleted: tuple[str, ...]) -> None:
+    """A file store keeps a folder per version under ``parts/``: remove the ones emptied."""
+    backend = _unwrap(store)
+    if isinstance(backend, FileStore):
+        for folder in sorted({backend.local_path(k).parent for k in deleted}):
+            try:
+                folder.rmdir()
+            except OSError:
+                pass  # not empty: a part written since
+
+
+def _remove_temp_files(backend: FileStore, grace: float) -> int:
+    removed, now = 0, time.time()
+    for sub in (CHUNKS_PREFIX, VERSIONS_PREFIX, PARTS_PREFIX):
+        root = backend.root / sub
+        for dirpath, _, filenames in os.walk(root):
+            for name in filenames:
+                if not name.startswith(".tmp-"):
+                    continue
+                path = os.path.join(dirpath, name)
+                try:
+                    if now - os.stat(path).st_mtime >= grace:
+                        os.unlink(path)
+                        removed += 1
+                except FileNotFoundError:
+                    pass
+    return removed
+
+
+def _abort_multipart_uploads(store, grace: float) -> int:
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    client, bucket, root = store._client, store.bucket, store._key_prefix
+    aborted = 0
+    try:
+        for page in client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=root):
+            now = _server_now(page)
+            for upload in page.get("Uploads", ()):
+                if now - upload["Initiated"].timestamp() >= grace:
+                    client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                    aborted += 1
+    except (BotoCoreError, ClientError) as exc:
+        what = " ".join(str(exc).split())
+        raise StoreError(f"{store.url}: abort stale multipart uploads: {type(exc).__name__}: {what}") from exc
+    return aborted
+
+
+__all__ = ["GcConfig", "GcPlan", "GcResult", "PartsPlan", "gc", "plan_parts", "list_chunks_with_age", "list_with_age", "object_age", "plan_gc"]

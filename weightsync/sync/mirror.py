@@ -1,0 +1,294 @@
+"""Regional mirrors: copy versions from one store into another, so that one cross-region transfer
+serves a whole region (its subscribers point at the regional store).
+
+A pass copies every source version above the destination's head, in ascending order, each in the
+store's commit order: its chunks (in parallel, each verified: size and XXH3-128 equal to its id;
+chunks already there with the right size are not copied but touched, as a publisher does, so a
+regional gc treats them as young), then its manifest (parsed and validated,
+create-only, byte for byte as in the source), then the head, moved forward only, with
+``put_if_match``. A destination reader therefore never sees a version whose chunks or manifest are
+missing. Versions at or below the destination head that the destination lacks were collected there
+on purpose (regional retention) and are not copied again.
+
+An empty destination gets the store marker first. A destination that holds other objects, whose
+head is ahead of the source's, or whose manifest of a version differs from the source's is
+refused: it is not a mirror of this source.
+
+Memory: at most ``concurrency`` chunks in flight (32 x 16 MiB = 512 MiB by default) plus the
+manifest being copied.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+
+from weightsync.errors import (
+    AlreadyExistsError,
+    NotAStoreError,
+    NotFoundError,
+    PreconditionFailedError,
+    StoreError,
+    UsageError,
+    VersionError,
+)
+from weightsync.format.keys import HEAD_KEY, version_key
+from weightsync.format.manifest import ChunkRef, head_to_json, manifest_from_json
+from weightsync.store.repo import Repo
+
+
+class MirrorError(NotAStoreError):
+    """The destination is not a mirror of the source (other lineage, or ahead of it)."""
+
+
+@dataclass(frozen=True)
+class MirrorConfig:
+    """``concurrency``: chunks copied at once (memory: ``concurrency`` x chunk size).
+    ``interval``: seconds between polls of the source head when following."""
+
+    concurrency: int = 32
+    interval: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise UsageError(f"mirror concurrency must be at least 1, got {self.concurrency}")
+        if not self.interval > 0:
+            raise UsageError(f"mirror interval must be positive, got {self.interval}")
+
+
+@dataclass
+class MirrorResult:
+    copied_versions: list[int] = field(default_factory=list)  # manifest written here, head moved to it
+    skipped_versions: list[int] = field(default_factory=list)  # manifest already there, identical
+    copied_chunks: int = 0  # chunk totals: counted as each chunk is done, in failed passes too
+    copied_bytes: int = 0
+    skipped_chunks: int = 0  # already at the destination (touched, not copied)
+    head: int | None = None  # the destination head when the mirror returned
+    source_head: int | None = None  # the source head read by the last pass
+    passes: int = 0
+    errors: int = 0  # failed passes while following (each retried at the next poll)
+    seconds: float = 0.0
+
+
+OnVersion = Callable[[int, int, int], None]  # (version, chunks copied, bytes copied)
+
+
+OnChunk = Callable[[bool, int], None]  # (copied: False if it was already there, the chunk's size)
+
+
+OnHeads = Callable[[int | None, int | None], None]  # (source head, destination head); None: no head yet
+
+
+OnPass = Callable[[MirrorResult], None]  # the running totals, after a pass that succeeded
+
+
+class _Stopped(Exception):
+    pass
+
+
+class _Mirror:
+    def __init__(self, src: Repo, dst: Repo, cfg: MirrorConfig, stop: threading.Event, on_version: OnVersion | None,
+                 on_heads: OnHeads | None = None, on_chunk: OnChunk | None = None):
+        self.src, self.dst, self.cfg, self.stop = src, dst, cfg, stop
+        self.on_version, self.on_heads, self.on_chunk = on_version, on_heads, on_chunk
+        self.result = MirrorResult()
+        self.present: set[str] = set()  # chunk ids known to be at the destination, right size
+        self._lock = threading.Lock()
+
+    # --- one pass ---------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        if self.src.url == self.dst.url:
+            raise UsageError(f"mirror source and destination are the same store: {self.src.url}")
+        self.src.require()
+        if not self.dst.check():
+            self.dst.init()
+
+    def run_pass(self) -> None:
+        self.result.passes += 1
+        self.present.clear()  # a regional gc may have collected chunks since the last pass
+        src_head = self.src.head_version()
+        dst_head = self.dst.head_version()
+        self.result.head, self.result.source_head = dst_head, src_head
+        self._check_lineage(src_head, dst_head)
+        if self.on_heads:
+            self.on_heads(src_head, dst_head)
+        if src_head is None or (dst_head is not None and dst_head >= src_head):
+            return
+        for v in self.src.versions():
+            if dst_head is not None and v <= dst_head:
+                continue
+            if self.stop.is_set():
+                raise _Stopped
+            self._copy_version(v)
+
+    def _check_lineage(self, src_head: int | None, dst_head: int | None) -> None:
+        if dst_head is None:
+            return
+        if src_head is None or dst_head > src_head:
+            raise MirrorError(f"{self.dst.url} is not a mirror of {self.src.url}: its head {dst_head} is ahead of the source head {src_head}")
+        try:
+            ours = self.src.store.get(version_key(dst_head))
+        except NotFoundError:
+            return  # collected at the source: nothing left to compare with
+        self._same_manifest(dst_head, ours)
+
+    def _same_manifest(self, version: int, data: bytes) -> None:
+        try:
+            theirs = self.dst.store.get(version_key(version))
+        except NotFoundError:
+            raise MirrorError(f"{self.dst.url} is not a mirror of {self.src.url}: it has no manifest of version {version}") from None
+        if theirs != data:
+            raise MirrorError(f"{self.dst.url} is not a mirror of {self.src.url}: version {version} differs")
+
+    # --- one version ------------------------------------------------------------------------------
+    def _copy_version(self, version: int) -> None:
+        key = version_key(version)
+        try:
+            data = self.src.store.get(key)
+        except NotFoundError:
+            return  # collected at the source since it was listed
+        m = manifest_from_json(data, f"{self.src.url}/{key}")
+        if m.version != version:
+            raise VersionError(f"{self.src.url}/{key}: manifest claims version {m.version}")
+        try:  # chunks are checked even under an existing manifest: a regional gc may be at work
+            chunks, nbytes = self._copy_chunks(m.chunks)
+        except NotFoundError:
+            if self.src.store.head(key) is None:
+                return  # collected at the source while we copied it
+            raise
+        try:
+            self.dst.store.put(key, data, mode="create")
+            written = True
+        except AlreadyExistsError:  # an interrupted earlier pass, or another mirror
+            self._same_manifest(version, data)
+            written = False
+        self._move_head(version)
+        if written:  # counted once the head is there: a head move that fails leaves it to the next pass
+            self.result.copied_versions.append(version)
+            if self.on_version:
+                self.on_version(version, chunks, nbytes)
+        else:
+            self.result.skipped_versions.append(version)
+
+    def _counted(self, ref: ChunkRef, copied: bool, moved: list[int]) -> None:
+        """Count one chunk as it is done (the totals, ``moved`` of its version, ``on_chunk``); under the lock."""
+        if copied:
+            moved[0] += 1
+            moved[1] += ref.size
+            self.result.copied_chunks += 1
+            self.result.copied_bytes += ref.size
+        else:
+            self.result.skipped_chunks += 1
+        if self.on_chunk:
+            self.on_chunk(copied, ref.size)
+
+    def _copy_chunks(self, refs: tuple[ChunkRef, ...]) -> tuple[int, int]:
+        """Copy the chunks the destination lacks; returns (chunks, bytes) copied.
+
+        Each chunk is counted as soon as it is copied or found (even if the version fails later),
+        so the totals and ``on_chunk`` follow a long copy chunk by chunk."""
+        moved = [0, 0]
+        todo: dict[str, ChunkRef] = {}
+        with self._lock:
+            for r in refs:
+                if r.id in self.present or r.id in todo:  # an earlier version's, or a repeat in this one
+                    self._counted(r, False, moved)
+                else:
+                    todo[r.id] = r
+
+        def one(ref: ChunkRef) -> None:
+            if self.stop.is_set():
+                raise _Stopped
+            # present chunks are touched (a regional gc spares them until their manifest lands);
+            # the source is read, size and XXH3-128 verified, only for chunks the region lacks
+            copied = self.dst.store_chunk(ref.id, ref.size, lambda: self.src.get_chunk(ref.id, ref.size))
+            with self._lock:
+                self.present.add(ref.id)
+                self._counted(ref, copied, moved)
+
+        pool = ThreadPoolExecutor(min(self.cfg.concurrency, max(1, len(todo))), thread_name_prefix="ws-mirror")
+        try:
+            futures = [pool.submit(one, ref) for ref in todo.values()]
+            wait(futures, return_when=FIRST_EXCEPTION)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+        for f in futures:
+            if not f.cancelled() and f.exception() is not None:
+                raise f.exception()
+        return moved[0], moved[1]
+
+    def _move_head(self, version: int) -> None:
+        """Move the destination head forward to ``version``; never backward."""
+        for _ in range(100):
+            current, etag = self.dst.head()
+            if current is not None and current >= version:
+                self.result.head = current
+                return
+            try:
+                self.dst.store.put_if_match(HEAD_KEY, head_to_json(version), etag)
+                self.result.head = version
+                return
+            except PreconditionFailedError:
+                continue
+        raise VersionError(f"could not move the head of {self.dst.url} to {version}: too much contention")
+
+
+def mirror(
+    src: Repo,
+    dst: Repo,
+    follow: bool = False,
+    config: MirrorConfig = MirrorConfig(),
+    stop: threading.Event | None = None,
+    on_version: OnVersion | None = None,
+    on_error: Callable[[StoreError], None] | None = None,
+    on_heads: OnHeads | None = None,
+    on_pass: OnPass | None = None,
+    on_chunk: OnChunk | None = None,
+) -> MirrorResult:
+    """Copy ``src``'s versions into ``dst`` (see the module docstring).
+
+    With ``follow``, keep polling the source head every ``config.interval`` seconds until ``stop``
+    is set; a pass that fails with a store error (network, throttling) is reported to
+    ``on_error`` and retried at the next poll, while integrity errors (checksums, a destination
+    that is not a mirror) end the mirror. Setting ``stop`` ends a pass between chunks; the version
+    being copied is then left uncommitted (its chunks are reused by the next run).
+
+    Observers (for metrics; each is called in the mirror's thread, except ``on_chunk``):
+    ``on_heads(src_head, dst_head)`` once a pass has read both heads, before it copies anything;
+    ``on_chunk(copied, nbytes)`` as each chunk of a version is done, ``copied`` False for a chunk
+    that was already there (called from the copying threads, one call at a time, also in a pass
+    that fails later; the result's chunk totals move with it); ``on_version(version, chunks,
+    bytes)`` once this mirror wrote a version's manifest and the destination head is at (or past)
+    it, with the chunks and bytes it copied for that version in this pass; ``on_pass(result)``
+    after every pass that succeeded, with the running totals (``result.head`` is the destination
+    head it left); ``on_error(exc)`` after every pass that failed and will be retried.
+    """
+    stop = stop or threading.Event()
+    t0 = time.perf_counter()
+    m = _Mirror(src, dst, config, stop, on_version, on_heads, on_chunk)
+    try:
+        m.prepare()
+        while True:
+            try:
+                m.run_pass()
+            except _Stopped:
+                break
+            except (MirrorError, NotAStoreError):
+                raise
+            except StoreError as exc:
+                if not follow:
+                    raise
+                m.result.errors += 1
+                if on_error:
+                    on_error(exc)
+            else:
+                if on_pass:
+                    on_pass(m.result)
+            if not follow or stop.wait(config.interval):
+                break
+    finally:
+        m.result.seconds = time.perf_counter() - t0
+    return m.result

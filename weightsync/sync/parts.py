@@ -1,0 +1,399 @@
+"""One version published by several processes: each rank publishes a part, a committer merges them.
+
+Rank ``r`` of ``W`` (:func:`publish_part`) reads the head once, decides the version (head + 1 by
+default) and keyframe-or-delta exactly as :func:`weightsync.publishing.publish` does, from the
+head manifest alone, so the ranks agree without talking to each other. It encodes the files it owns
+against the parent's entries for them with the single publisher's own pipeline, uploads the
+chunks, then writes ``parts/<N>/<r>-of-<W>.json`` create-only (docs/FORMAT.md, section 6). The
+committer (:func:`commit_parts`; any process, e.g. rank 0 after its part) waits until all ``W``
+parts are there, checks them (:func:`merge_parts`: one part per rank, same world, version, parent
+equal to the head, same keyframe flag and chain, disjoint files) and merges them into an ordinary
+manifest, committed as every version is: manifest create-only, then ``HEAD`` from the parent with
+If-Match. Readers (pull, subscriber, mirror, verify, gc) cannot tell such a version from a
+single publisher's.
+
+Which files a rank owns (:func:`assign_files`, unless a list is given): the ``.safetensors``
+files of the folder, sorted by path, go round-robin (the i-th to rank ``i mod W``: with
+``model-0000k-of-0000W`` shards, rank r gets shard r + 1); every other file (config, index,
+tokenizer) belongs to rank 0. This needs every rank to see the same folder listing (a shared
+checkpoint folder); ranks that each hold only their own files pass their paths explicitly.
+
+Each rank keeps its delta base for its own files only: ``base_dir`` (e.g. its previous
+checkpoint), or ``cache_dir``, which after a part holds the rank's files as the new version and
+is otherwise brought to the head by pulling those files alone.
+
+Ranks publish one version at a time: a rank starts its next part once the previous version is
+committed (the head moved). One that starts earlier reads the old head, so it computes the same
+version number (its new part then collides with its own previous one) or, given a version, the
+old parent (the committer refuses the mix).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+from weightsync.errors import AlreadyExistsError, CheckpointError, FormatError, NotFoundError, UsageError, VersionError
+from weightsync.format.keys import MAX_VERSION, MAX_WORLD, check_path, parse_part_key, part_key, parts_prefix
+from weightsync.format.manifest import (
+    ChunkRef,
+    Delta,
+    FileEntry,
+    Manifest,
+    Part,
+    PartManifest,
+    Payload,
+    Segment,
+    check_paths_disjoint,
+    no_gc,
+    part_from_json,
+    part_to_json,
+)
+from weightsync.local.base import adopt
+from weightsync.local.checkpoint import SourceFile, check_still_as_scanned, scan_checkpoint, still_as_scanned
+from weightsync.store.repo import Repo
+from weightsync.sync.publish import PublishConfig, PublishResult, cache_claim, encode_folder, plan_version
+
+Progress = Callable[[int, int], None]
+
+
+def check_world(rank: int | None, world: int) -> None:
+    if not 1 <= world <= MAX_WORLD:
+        raise UsageError(f"world size must be in 1..{MAX_WORLD}, not {world}")
+    if rank is not None and not 0 <= rank < world:
+        raise UsageError(f"rank must be in 0..{world - 1} for a world of {world}, not {rank}")
+
+
+def assign_files(paths: Iterable[str], rank: int, world: int) -> list[str]:
+    """The default owner rule (module docstring): safetensors files round-robin by sorted path,
+    every other file to rank 0. Pure; every rank computes the same split from the same listing."""
+    check_world(rank, world)
+    paths = sorted(paths)
+    shards = [p for p in paths if p.endswith(".safetensors")]
+    mine = {p for i, p in enumerate(shards) if i % world == rank}
+    if rank == 0:
+        mine.update(p for p in paths if not p.endswith(".safetensors"))
+    return sorted(mine)
+
+
+class RankView(Repo):
+    """The store as one rank sees it: every manifest shows only ``paths``, so pulling a version
+    through it fetches and rebuilds just those files (a rank's delta base)."""
+
+    def __init__(self, repo: Repo, paths: Iterable[str]):
+        super().__init__(repo.store)
+        self._inner, self._paths = repo, frozenset(paths)
+
+    def manifest(self, version: int) -> Manifest:
+        m = self._inner.manifest(version)
+        return replace(m, files=tuple(f for f in m.files if f.path in self._paths))
+
+
+# --- the rank side ---------------------------------------------------------------------------------
+@dataclass
+class PartResult(PublishResult):
+    """What a rank published: the :class:`PublishResult` figures of its files, and which part."""
+
+    rank: int = 0
+    world: int = 1
+    files: list[str] = field(default_factory=list)
+    existed: bool = False  # the same part was already stored (a retry, or a rank run again): nothing written
+
+
+def same_part(a: PartManifest, b: PartManifest) -> bool:
+    """Two parts describe the same bytes from the same parent (``created`` and ``stats`` aside:
+    a rank run again uploads nothing and finishes later)."""
+    key = lambda p: (p.version, p.parent, p.world, p.rank, p.keyframe, p.chain_length, p.files, p.chunks)  # noqa: E731
+    return key(a) == key(b)
+
+
+def _select(files: list[SourceFile], rank: int, world: int, only: list[str] | None, src: Path) -> list[SourceFile]:
+    by_path = {f.path: f for f in files}
+    if only is None:
+        return [by_path[p] for p in assign_files(by_path, rank, world)]
+    wanted = []
+    for p in only:
+        try:
+            p = check_path(p[2:] if p.startswith("./") else p)
+        except FormatError as exc:
+            raise UsageError(f"--files: {exc}") from None
+        if p not in by_path:
+            raise CheckpointError(f"{src}: no file {p!r} to publish (paths are relative to the checkpoint folder)")
+        wanted.append(p)
+    if len(set(wanted)) != len(wanted):
+        raise UsageError("--files names a file twice")
+    return [by_path[p] for p in sorted(wanted)]
+
+
+def publish_part(
+    checkpoint_dir: str | Path, repo: Repo, rank: int, world: int, files: list[str] | None = None,
+    version: int | None = None, config: PublishConfig = PublishConfig(), base_dir: str | Path | None = None,
+    cache_dir: str | Path | None = None, progress: Progress | None = None, on_bytes: Callable[[int], None] | None = None,
+) -> PartResult:
+    """Publish rank ``rank`` of ``world``'s files of ``checkpoint_dir`` as its part of ``version``
+    (default: head + 1). ``files``: relative paths this rank owns (default :func:`assign_files`).
+    The version is not visible until :func:`commit_parts` has merged all ``world`` parts."""
+    check_world(rank, world)
+    src = Path(checkpoint_dir)
+    scan = lambda: _select(scan_checkpoint(src, config.ignore), rank, world, files, src)  # noqa: E731
+    mine = scan()  # validate the input before anything is written
+    target = plan_version(repo, version, config)
+    parent = None if target.parent is None else target.parent.version
+    view = RankView(repo, [f.path for f in mine])
+    with cache_claim(cache_dir) as lock:  # one publish at a time on a cache folder
+        enc = encode_folder(repo, mine, scan, target, config, base_dir, cache_dir, progress, on_bytes, view, lock=lock)
+        check_still_as_scanned(enc.sources, scan)  # the part is one state of the rank's files
+        head = repo.head_version()
+        if head != parent:
+            raise VersionError(f"the head of {repo.url} moved from {parent} to {head} while rank {rank} encoded version "
+                               f"{target.version}; its part was not written (publish again on the new head)")
+        part = PartManifest(target.version, parent, world, rank, target.keyframe, target.chain_length, enc.files,
+                            enc.chunks, datetime.now(timezone.utc).isoformat(timespec="seconds"), enc.codec_config,
+                            enc.stats)
+        t_w = time.perf_counter()
+        enc.refresh(repo)
+        existed = _write_part(repo, part)
+        seconds = dict(enc.seconds, part=time.perf_counter() - t_w, total=time.perf_counter() - enc.t0)
+        if cache_dir is not None and still_as_scanned(mine):  # the rank's next delta base, should this version be committed
+            as_version = Manifest(part.version, parent, part.keyframe, part.chain_length, part.files, part.chunks)
+            adopt(Path(cache_dir), as_version, src, repo.url, lock=lock)
+    payload = sum(s.payload.size for f in part.files for s in f.segments if s.payload)
+    return PartResult(part.version, parent, part.keyframe, sum(f.size for f in part.files), payload, enc.uploaded_bytes,
+                      len(part.chunks), enc.changed, enc.elements, seconds,
+                      rank=rank, world=world, files=[f.path for f in part.files], existed=existed)
+
+
+def _write_part(repo: Repo, part: PartManifest) -> bool:
+    """Create the part's key; True if an identical part was there already."""
+    key = part_key(part.version, part.rank, part.world)
+    try:
+        repo.store.put(key, part_to_json(part), mode="create")
+        return False
+    except AlreadyExistsError:
+        pass
+    try:
+        stored = part_from_json(repo.store.get(key), f"{repo.url}/{key}")
+    except FormatError as exc:
+        raise VersionError(f"{repo.url}/{key} already exists and is damaged ({exc})") from None
+    if not same_part(stored, part):
+        raise VersionError(f"{repo.url}/{key} already holds a different part (version {part.version} is not committed "
+                           "yet, or was abandoned): wait for its commit, publish as another --version, or let gc "
+                           "remove the abandoned parts")
+    return True
+
+
+# --- merging (pure) --------------------------------------------------------------------------------
+def merge_parts(parts: list[PartManifest], parent: Manifest | None, allow_removed: bool = False) -> Manifest:
+    """The manifest of the version the ``parts`` make up, on top of ``parent`` (the current head
+    manifest, None on an empty store). Raises :class:`VersionError` for a set that does not make
+    one version: a rank missing or twice, mixed worlds, versions, parents, keyframe flags or
+    chains, a parent that is not the head, a file in two parts, and unless ``allow_removed`` a
+    file of the parent that no part has (a rank's file list came up short: committing would
+    serve a checkpoint without it)."""
+    if not parts:
+        raise VersionError("no parts to merge")
+    p0 = parts[0]
+    version, world = p0.version, p0.world
+    what = f"parts of version {version}"
+    for name in ("version", "world", "keyframe", "chain_length", "parent"):
+        values = sorted({getattr(p, name) for p in parts}, key=repr)
+        if len(values) > 1:
+            raise VersionError(f"{what} disagree on {name}: {', '.join(map(repr, values))}")
+    ranks = sorted(p.rank for p in parts)
+    if ranks != list(range(world)):
+        dup = sorted({r for r in ranks if ranks.count(r) > 1})
+        missing = sorted(set(range(world)) - set(ranks))
+        raise VersionError(f"{what}: expected ranks 0..{world - 1} once each (missing {missing}, repeated {dup})")
+    head = None if parent is None else parent.version
+    if p0.parent != head:
+        raise VersionError(f"{what} were built on version {p0.parent} but the head is {head}: a stale parent, "
+                           "refused (publish the parts again on the new head)")
+    if parent is not None and version <= parent.version:
+        raise VersionError(f"{what}: version {version} is not after the head version {parent.version}")
+    chain = 0 if p0.keyframe else None if parent is None else parent.chain_length + 1
+    if p0.chain_length != chain:
+        raise VersionError(f"{what}: chain length {p0.chain_length} does not follow the head's ({chain} expected)")
+    parts = sorted(parts, key=lambda p: p.rank)
+    owner: dict[str, int] = {}
+    for p in parts:
+        for f in p.files:
+            if f.path in owner:
+                raise VersionError(f"{what}: file {f.path!r} is in the parts of ranks {owner[f.path]} and {p.rank}")
+            owner[f.path] = p.rank
+    try:
+        check_paths_disjoint(list(owner), what)
+    except FormatError as exc:
+        raise VersionError(str(exc)) from None
+    if parent is not None and not allow_removed and (gone := sorted({f.path for f in parent.files} - owner.keys())):
+        shown = ", ".join(gone[:5]) + (f" and {len(gone) - 5} more" if len(gone) > 5 else "")
+        raise VersionError(f"{what}: no rank published {shown} of version {parent.version}; nothing committed. "
+                           f"Parts are create-only: publish every rank again as version {version + 1} with the "
+                           "missing files, or commit with --allow-removed-files if the checkpoint dropped them")
+    chunks: list[ChunkRef] = []
+    index: dict[ChunkRef, int] = {}
+    files: list[FileEntry] = []
+    with no_gc():  # tens of thousands of segments rebuilt: see format.no_gc
+        for p in parts:  # chunk lists concatenated in rank order, a chunk stored by two ranks listed once
+            remap = []
+            for c in p.chunks:
+                if c not in index:
+                    index[c] = len(chunks)
+                    chunks.append(c)
+                remap.append(index[c])
+            files.extend(_renumber(f, remap) for f in p.files)
+    stats: dict[str, int] = {}
+    for p in parts:
+        for k, v in p.stats.items():
+            if type(v) is int:
+                stats[k] = stats.get(k, 0) + v
+    return Manifest(version, p0.parent, p0.keyframe, p0.chain_length, tuple(sorted(files, key=lambda f: f.path)),
+                    tuple(chunks), max(p.created for p in parts), dict(p0.codec_config), stats)
+
+
+def _renumber(f: FileEntry, remap: list[int]) -> FileEntry:
+    if all(i == j for i, j in enumerate(remap)):
+        return f  # rank order puts the first part's chunks first: nothing to renumber
+
+    def pay(p: Payload | None) -> Payload | None:
+        return None if p is None else Payload(p.size, p.xxh3, tuple(Part(remap[x.chunk], x.offset, x.length) for x in p.parts))
+
+    def seg(s: Segment) -> Segment:
+        delta = None if s.delta is None else Delta(s.delta.codec, s.delta.changed, pay(s.delta.payload))
+        return Segment(s.role, s.name, s.dtype, s.shape, s.begin, s.end, s.xxh3, s.codec, s.changed, pay(s.payload), delta)
+
+    return FileEntry(f.path, f.kind, f.size, f.xxh3, tuple(seg(s) for s in f.segments))
+
+
+# --- the committer ---------------------------------------------------------------------------------
+@dataclass
+class CommitResult:
+    version: int
+    parent: int | None
+    keyframe: bool
+    world: int
+    files: int
+    raw_bytes: int
+    payload_bytes: int
+    uploaded_bytes: int
+    chunks: int
+    changed: int
+    elements: int
+    seconds: float
+    already: bool  # another committer had committed the same version from the same parts
+
+
+def commit_parts(repo: Repo, version: int, world: int, timeout: float = 600.0, poll: float = 0.25,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+                 allow_removed: bool = False) -> CommitResult:
+    """Wait (at most ``timeout`` seconds, polling up to every ``poll``) until all ``world`` parts of
+    ``version`` are stored, merge them (:func:`merge_parts`) and commit the version (an empty
+    location counts as a store whose ranks have not started). Nothing is committed unless every
+    part is there and they agree. A part that is damaged, names another world size, or was built
+    on a parent that is no longer the head fails at once, and so does a set that leaves out a file
+    of the head unless ``allow_removed``. Two committers may race: one commits, the other finds the
+    same version committed and succeeds too."""
+    check_world(None, world)
+    if not 0 <= version <= MAX_VERSION:
+        raise UsageError(f"version must be an integer in 0..{MAX_VERSION} (docs/FORMAT.md), not {version}")
+    t0, deadline, delay = clock(), clock() + timeout, min(0.05, poll)
+    parts: dict[int, PartManifest] = {}
+    parent: Manifest | None = None
+    exists = False  # the first rank may not have created the store yet
+    while True:
+        exists = exists or repo.check()
+        head, etag = repo.head() if exists else (None, None)
+        if head is not None and head >= version:
+            return _already(repo, version, world, head, t0, clock)
+        if exists:
+            _read_new(repo, version, world, parts)  # parts are read as they arrive, and the head
+            parent = None if head is None else repo.manifest(head)  # manifest too: off the critical path
+        for p in parts.values():
+            if p.parent != head:
+                raise VersionError(f"rank {p.rank}'s part of version {version} was built on version {p.parent} but the "
+                                   f"head is {head}: a stale parent, refused; nothing committed")
+        if len(parts) == world:
+            break
+        if clock() >= deadline:
+            missing = sorted(set(range(world)) - set(parts))
+            shown = ", ".join(map(str, missing[:10])) + (", ..." if len(missing) > 10 else "")
+            raise VersionError(f"version {version}: {len(parts)} of {world} parts stored after {timeout:g}s (missing "
+                               f"rank{'s' if len(missing) > 1 else ''} {shown}); nothing committed")
+        sleep(max(0.0, min(delay, deadline - clock())))
+        delay = min(2 * delay, poll)
+    manifest = merge_parts(list(parts.values()), parent, allow_removed)
+    try:
+        repo.commit(manifest, etag)
+    except VersionError:
+        now = repo.head_version()
+        if now is None or now < version:
+            raise
+        return _already(repo, version, world, now, t0, clock)
+    return _result(manifest, world, clock() - t0, False)
+
+
+def _read_new(repo: Repo, version: int, world: int, parts: dict[int, PartManifest]) -> None:
+    """Read and check the parts of ``version`` stored since the last call (into ``parts``)."""
+    new = []
+    for key in repo.store.list(parts_prefix(version)):
+        parsed = parse_part_key(key)
+        if parsed is None:
+            continue
+        v, rank, w = parsed
+        if w != world:
+            raise VersionError(f"{repo.url}/{key}: a part for a world of {w}, not {world}; nothing committed")
+        if rank >= world:
+            raise FormatError(f"{repo.url}/{key}: rank {rank} of a world of {w}")
+        if v == version and rank not in parts:
+            new.append((key, rank))
+
+    def read(kr: tuple[str, int]) -> PartManifest:
+        key, rank = kr
+        p = part_from_json(repo.store.get(key), f"{repo.url}/{key}")
+        if (p.version, p.rank, p.world) != (version, rank, world):
+            raise FormatError(f"{repo.url}/{key}: holds rank {p.rank} of {p.world}, version {p.version}")
+        return p
+
+    if new:
+        with ThreadPoolExecutor(min(16, len(new)), thread_name_prefix="ws-parts") as pool:
+            for (_, rank), p in zip(new, pool.map(read, new)):
+                parts[rank] = p
+
+
+def _already(repo: Repo, version: int, world: int, head: int, t0: float, clock) -> CommitResult:
+    """The head reached ``version``: succeed if the stored version is the one the parts make up."""
+    try:
+        stored = repo.manifest(version)
+    except VersionError:
+        raise VersionError(f"version {version} is not after the head version {head} in {repo.url}") from None
+    parts: dict[int, PartManifest] = {}
+    try:
+        _read_new(repo, version, world, parts)
+    except NotFoundError:
+        pass  # collected between the listing and the read
+    if len(parts) < world:
+        raise VersionError(f"version {version} is already committed in {repo.url} and its parts are not all stored "
+                           "any more (collected by gc?): cannot tell whether it was merged from them")
+    parent = None if stored.parent is None else repo.manifest(stored.parent)
+    try:
+        merged = merge_parts(list(parts.values()), parent, allow_removed=True)  # whoever committed decided that
+    except VersionError as exc:
+        raise VersionError(f"version {version} already exists in {repo.url}, not merged from its parts ({exc})") from None
+    same = lambda m: (m.parent, m.keyframe, m.files, m.chunks)  # noqa: E731
+    if same(merged) != same(stored):
+        raise VersionError(f"version {version} already exists in {repo.url} and differs from its parts")
+    return _result(stored, world, clock() - t0, True)
+
+
+def _result(m: Manifest, world: int, seconds: float, already: bool) -> CommitResult:
+    s = m.stats
+    return CommitResult(m.version, m.parent, m.keyframe, world, len(m.files), m.raw_bytes, m.payload_bytes,
+                        s.get("uploaded_bytes", 0), len(m.chunks), s.get("changed", 0), s.get("elements", 0),
+                        seconds, already)
+
+
+__all__ = ["CommitResult", "PartResult", "RankView", "assign_files", "commit_parts", "merge_parts", "publish_part",
+           "same_part"]

@@ -1,0 +1,181 @@
+"""Planning a pull (pure): for every segment of the target version, the cheapest way to rebuild it.
+
+A segment is rebuilt from one of:
+- ``copy``: the local folder already holds identical bytes (same path and name, same checksum);
+- ``local``: the local version's bytes plus the deltas after it, when the local version lies on
+  the target's chain;
+- ``full``: the last full encoding on the chain plus the deltas after it.
+The cheapest in fetched bytes wins; ties go to local bytes. Files whose local copy already equals
+the target are kept as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from weightsync.errors import FormatError
+from weightsync.format.manifest import ChunkRef, FileEntry, Manifest, Payload, Segment
+
+
+@dataclass(frozen=True)
+class ChunkRange:
+    chunk: ChunkRef
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Step:
+    """One payload to decode: a full encoding, or a delta to apply to the bytes so far."""
+
+    version: int
+    codec: str
+    size: int
+    xxh3: str
+    ranges: tuple[ChunkRange, ...]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    target: Segment
+    base: Segment | None  # a segment of the local version's file at the same path
+    steps: tuple[Step, ...]
+
+    @property
+    def fetch_bytes(self) -> int:
+        return sum(s.size for s in self.steps)
+
+
+@dataclass(frozen=True)
+class FilePlan:
+    entry: FileEntry
+    keep: bool  # the local file already equals the target: nothing to do
+    recipes: tuple[Recipe, ...]
+
+
+@dataclass(frozen=True)
+class ChunkNeed:
+    """The byte ranges of one chunk that a plan reads, merged and sorted."""
+
+    chunk: ChunkRef
+    ranges: tuple[tuple[int, int], ...]  # (offset, length)
+
+    @property
+    def needed_bytes(self) -> int:
+        return sum(n for _, n in self.ranges)
+
+    def whole(self, threshold: float = 0.75) -> bool:
+        """Fetch the whole chunk (and verify its id) rather than ranges of it."""
+        return self.needed_bytes >= threshold * self.chunk.size
+
+    @property
+    def fetch_bytes(self) -> int:
+        return self.chunk.size if self.whole() else self.needed_bytes
+
+
+def merge_ranges(ranges: list[tuple[int, int]], gap: int = 0) -> tuple[tuple[int, int], ...]:
+    """Sort (offset, length) ranges and merge those that overlap or lie within ``gap`` bytes."""
+    out: list[list[int]] = []
+    for off, n in sorted(ranges):
+        if out and off <= out[-1][0] + out[-1][1] + gap:
+            out[-1][1] = max(out[-1][1], off + n - out[-1][0])
+        else:
+            out.append([off, n])
+    return tuple((o, n) for o, n in out)
+
+
+@dataclass(frozen=True)
+class Plan:
+    target: Manifest
+    local_version: int | None
+    files: tuple[FilePlan, ...]
+    chunks: tuple[ChunkNeed, ...]
+
+    @property
+    def fetch_bytes(self) -> int:
+        return sum(c.fetch_bytes for c in self.chunks)
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(r.fetch_bytes for f in self.files for r in f.recipes)
+
+
+def _step(m: Manifest, codec: str, p: Payload) -> Step:
+    ranges = tuple(ChunkRange(m.chunks[part.chunk], part.offset, part.length) for part in p.parts)
+    return Step(m.version, codec, p.size, p.xxh3, ranges)
+
+
+def _find(m: Manifest, path: str, key: tuple[str, str]) -> Segment | None:
+    f = m.file(path)
+    return None if f is None else next((s for s in f.segments if s.key == key), None)
+
+
+def plan_segment(chain: list[Manifest], path: str, target: Segment, local: Manifest | None) -> Recipe:
+    """The cheapest recipe for ``target`` (a segment of ``chain[-1]``) given the local version.
+
+    Walks the chain backwards collecting deltas. The first full encoding met gives the ``full``
+    candidate; a keyframe's segment may also carry a delta from its parent, which lets the walk go
+    on to an older local version.
+    """
+    if local is not None:
+        same = _find(local, path, target.key)
+        if same is not None and same.xxh3 == target.xxh3 and same.nbytes == target.nbytes:
+            return Recipe(target, same, ())
+    deltas: list[Step] = []
+    via_local = via_full = None
+    cur = target
+    for i in range(len(chain) - 1, -1, -1):
+        m = chain[i]
+        if local is not None and m.version == local.version:
+            via_local = Recipe(target, cur, tuple(reversed(deltas)))  # the folder holds ``cur``
+            break
+        if cur.codec == "full":
+            via_full = via_full or Recipe(target, None, (_step(m, "full", cur.payload), *reversed(deltas)))
+            if cur.delta is None or local is None:
+                break
+            if cur.delta.codec != "same":
+                deltas.append(_step(m, cur.delta.codec, cur.delta.payload))
+        elif cur.codec != "same":
+            deltas.append(_step(m, cur.codec, cur.payload))
+        prev = _find(chain[i - 1], path, cur.key) if i else None
+        if prev is None or prev.nbytes != cur.nbytes:
+            if i and via_full is None:
+                raise FormatError(f"version {m.version}: {path}: {cur.name or cur.role} is a delta without a base")
+            break
+        cur = prev
+    candidates = [r for r in (via_local, via_full) if r is not None]
+    if not candidates:
+        raise FormatError(f"{path}: {target.name or target.role} has no full encoding on its chain")
+    return min(candidates, key=lambda r: r.fetch_bytes)  # ties: local bytes first
+
+
+def plan_pull(chain: list[Manifest], local: Manifest | None, keep: set[str] = frozenset()) -> Plan:
+    """Plan rebuilding ``chain[-1]`` from the keyframe ``chain[0]`` and the local version.
+
+    ``chain`` runs from a keyframe (or from the local version, when that is an ancestor of the
+    target) to the target, each manifest the parent of the next. ``local`` is
+    the version the folder holds (None for an empty folder); ``keep`` lists paths whose local file
+    already equals the target's.
+    """
+    if not chain or not (chain[0].keyframe or (local is not None and chain[0].version == local.version)):
+        raise FormatError("a pull chain must start at a keyframe or at the local version")
+    for a, b in zip(chain, chain[1:]):
+        if b.parent != a.version:
+            raise FormatError(f"version {b.version} does not follow version {a.version}")
+    target = chain[-1]
+    files: list[FilePlan] = []
+    chunks: dict[str, ChunkRef] = {}
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for entry in target.files:
+        if entry.path in keep:
+            files.append(FilePlan(entry, True, ()))
+            continue
+        recipes = tuple(plan_segment(chain, entry.path, s, local) for s in entry.segments)
+        for r in recipes:
+            for step in r.steps:
+                for rng in step.ranges:
+                    chunks[rng.chunk.id] = rng.chunk
+                    ranges.setdefault(rng.chunk.id, []).append((rng.offset, rng.length))
+        files.append(FilePlan(entry, False, recipes))
+    needs = tuple(ChunkNeed(c, merge_ranges(ranges[cid], gap=64 << 10)) for cid, c in chunks.items())
+    return Plan(target, None if local is None else local.version, tuple(files), needs)

@@ -1,0 +1,453 @@
+"""Publishing a checkpoint directory as a new version: diff against the parent, encode, upload, commit.
+
+Memory: at most ``inflight_bytes`` (256 MiB) of segments being read and encoded at once, but always
+at least one segment (its new and old bytes and its payload: about 2x the largest tensor, with the
+small ones handed to the same worker before it), plus the
+uploader's bound (``upload_concurrency * chunk_bytes`` = 32 x 16 MiB = 512 MiB by default).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from weightsync.codec.tensor import CodecConfig, EncodedTensor, encode_tensor
+from weightsync.errors import BaseMismatchError, NotFoundError, UsageError, VersionError
+from weightsync.format.chunking import DEFAULT_CHUNK_BYTES, ChunkPacker
+from weightsync.format.dtypes import itemsize
+from weightsync.format.keys import MAX_VERSION, chunk_key
+from weightsync.format.manifest import ChunkRef, Delta, FileEntry, Manifest, Payload, Segment
+from weightsync.format.safetensors import SourceSegment
+from weightsync.local.base import LocalVersion, adopt
+from weightsync.local.checkpoint import (
+    SourceFile,
+    check_header,
+    check_still_as_scanned,
+    check_unchanged,
+    open_source,
+    read_range,
+    scan_checkpoint,
+    still_as_scanned,
+)
+from weightsync.local.install import clear_folder
+from weightsync.local.lock import FolderLock, claim
+from weightsync.local.state import read_state
+from weightsync.store.repo import Repo, StoreLike, open_repo
+from weightsync.sync.pipeline import TASK_BYTES, ordered_map
+from weightsync.sync.pull import PullConfig, pull
+from weightsync.sync.transfer import Uploader
+
+Progress = Callable[[int, int], None]  # (bytes done, bytes total)
+
+
+REFRESH_AFTER = 900.0  # seconds: see PublishConfig.refresh_after
+
+
+@dataclass(frozen=True)
+class PublishConfig:
+    codec: CodecConfig = field(default_factory=CodecConfig)
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    keyframe_interval: int = 20
+    upload_concurrency: int = 32  # ~32 streams of ~100 MB/s fill a 25 Gb/s link
+    encode_threads: int = max(1, min(8, os.cpu_count() or 1))
+    inflight_bytes: int = 256 << 20
+    ignore: tuple[str, ...] = ()  # globs of relative paths not to publish (e.g. "COMPLETE")
+    # chunks stored longer ago than this are touched again right before the commit (or part), so
+    # that gc's grace (default 3600 s) need only cover the commit, not the whole publish
+    refresh_after: float = REFRESH_AFTER
+    sources: list[SourceFile] = field(default_factory=list)  # the checkpoint's files as read (to check before a commit)
+
+    def __post_init__(self) -> None:
+        if self.keyframe_interval < 1:
+            raise UsageError("keyframe interval must be at least 1")
+        if self.chunk_bytes < 1024:
+            raise UsageError("chunk size must be at least 1 KiB")
+        if self.upload_concurrency < 1 or self.encode_threads < 1 or self.inflight_bytes < 1:
+            raise UsageError("concurrency and memory limits must be positive")
+        if not self.refresh_after >= 0:
+            raise UsageError("refresh_after must be a number of seconds >= 0")
+
+
+@dataclass
+class PublishResult:
+    version: int
+    parent: int | None
+    keyframe: bool
+    raw_bytes: int
+    payload_bytes: int
+    uploaded_bytes: int
+    chunks: int
+    changed: int
+    elements: int
+    seconds: dict[str, float]
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_bytes / max(1, self.payload_bytes)
+
+    @property
+    def changed_fraction(self) -> float:
+        return self.changed / max(1, self.elements)
+
+
+@dataclass
+class _Job:
+    file: SourceFile
+    seg: SourceSegment
+    base_seg: Segment | None
+
+
+class _Encoder:
+    """Reads, diffs and encodes segments on a thread pool; results come back in file order."""
+
+    def __init__(self, cfg: PublishConfig, base: LocalVersion | None, fds: dict[str, int], keyframe: bool):
+        self.cfg, self.base, self.fds, self.keyframe = cfg, base, fds, keyframe
+        self.seconds = {"read": 0.0, "diff": 0.0, "encode": 0.0}
+        self._lock = threading.Lock()
+
+    def _timed(self, phase: str, t0: float) -> float:
+        t1 = time.perf_counter()
+        with self._lock:
+            self.seconds[phase] += t1 - t0
+        return t1
+
+    def run(self, job: _Job) -> tuple[np.ndarray, str, EncodedTensor, EncodedTensor | None]:
+        """Returns the new bytes, their checksum, the encoding, and for keyframes the delta too."""
+        t = time.perf_counter()
+        new = read_range(self.fds[job.file.path], job.seg.begin, job.seg.end, job.file.path)
+        if job.seg.role == "header":
+            check_header(job.file, new)
+        digest = xxhash.xxh3_128_hexdigest(new)
+        t = self._timed("read", t)
+        old = None
+        if job.base_seg is not None:
+            old = self.base.read(job.file.path, job.base_seg)
+            t = self._timed("diff", t)
+        delta = None
+        if old is not None:
+            same = job.base_seg.xxh3 == digest and np.array_equal(old, new)
+            delta = EncodedTensor("same", b"", 0) if same else encode_tensor(job.seg.dtype, new, old, self.cfg.codec)
+            del old  # a keyframe's full encoding does not need it: keep the peak at two tensors
+        enc = encode_tensor(job.seg.dtype, new, None, self.cfg.codec) if self.keyframe or delta is None else delta
+        self._timed("encode", t)
+        return new, digest, enc, delta if self.keyframe else None
+
+    def file_read(self, f: SourceFile) -> None:
+        """Every segment of ``f`` was read: it must still be the file scanned (not written meanwhile)."""
+        check_unchanged(self.fds[f.path], f)
+
+
+def _jobs(files: list[SourceFile], parent: Manifest | None) -> list[_Job]:
+    jobs = []
+    for f in files:
+        pf = None if parent is None else parent.file(f.path)
+        for seg in f.segments:
+            base = None
+            if pf is not None:
+                base = next((s for s in pf.segments if s.key == seg.key), None)
+                if base is not None and (base.dtype, base.shape) != (seg.dtype, seg.shape):
+                    base = None  # changed shape or dtype: encode in full
+            jobs.append(_Job(f, seg, base))
+    return jobs
+
+
+class _Assembler:
+    """Consumes encoded segments in file order: file checksums, chunk packing, manifest entries."""
+
+    def __init__(self, cfg: PublishConfig, uploader: Uploader):
+        self.packer = ChunkPacker(cfg.chunk_bytes)
+        self.delta_packer = ChunkPacker(cfg.chunk_bytes, self.packer.refs)  # keyframe deltas apart
+        self.uploader = uploader
+        self.files: list[FileEntry] = []
+        self.changed = self.elements = 0
+        self._segs: list[Segment] = []
+        self._hasher = xxhash.xxh3_128()
+
+    def _pack(self, enc: EncodedTensor, packer: ChunkPacker) -> Payload | None:
+        if enc.codec == "same":
+            return None
+        parts, _ = packer.add(enc.payload, self.uploader.submit)
+        return Payload(len(enc.payload), xxhash.xxh3_128_hexdigest(enc.payload), parts)
+
+    def add(self, job: _Job, new: np.ndarray, digest: str, enc: EncodedTensor, delta: EncodedTensor | None) -> None:
+        self._hasher.update(new)
+        payload = self._pack(enc, self.packer)
+        alt = None if delta is None else Delta(delta.codec, delta.changed, self._pack(delta, self.delta_packer))
+        s = job.seg
+        self._segs.append(Segment(s.role, s.name, s.dtype, s.shape, s.begin, s.end, digest, enc.codec, enc.changed, payload, alt))
+        if s.role == "tensor":
+            self.changed += enc.changed if delta is None else delta.changed
+            self.elements += s.nbytes // itemsize(s.dtype)
+        if s is job.file.segments[-1]:
+            f = job.file
+            self.files.append(FileEntry(f.path, f.kind, f.size, self._hasher.hexdigest(), tuple(self._segs)))
+            self._segs, self._hasher = [], xxhash.xxh3_128()
+
+    def finish(self) -> None:
+        for chunk in self.packer.finish() + self.delta_packer.finish():
+            self.uploader.submit(chunk)
+
+    def packer_refs(self) -> tuple[ChunkRef, ...]:
+        return tuple(self.packer.refs)
+
+
+def _encode_all(jobs: list[_Job], encoder: _Encoder, out: _Assembler, cfg: PublishConfig, progress: Progress | None) -> None:
+    """Encode every job on the pool, keeping at most ``inflight_bytes`` of work in memory."""
+    total, done = sum(j.seg.nbytes for j in jobs), 0
+    weight = lambda j: 3 * j.seg.nbytes  # noqa: E731  new, old and working arrays
+    file_read = getattr(encoder, "file_read", None)
+    for job, result in ordered_map(encoder.run, jobs, weight, cfg.inflight_bytes, cfg.encode_threads, 3 * TASK_BYTES):
+        if file_read is not None and job.seg is job.file.segments[-1]:
+            file_read(job.file)  # results come in order: every segment of the file has been read
+        out.add(job, *result)
+        done += job.seg.nbytes
+        if progress:
+            progress(done, total)
+    out.finish()
+
+
+def _base_for(repo: Repo, parent: Manifest, base_dir: Path | None, cache_dir: Path, cfg_pull, lock) -> LocalVersion:
+    """A verified-on-read view of the parent version: ``base_dir`` if given, else the cache folder,
+    brought to the parent version by a pull when it holds something else. ``repo`` may show only
+    some files of each version (a rank's view, :mod:`weightsync.parts`): the cache then holds those."""
+    if base_dir is not None:
+        return LocalVersion(base_dir, parent)
+    state = read_state(cache_dir) if cache_dir.exists() else None
+    needed = {f.path for f in repo.manifest(parent.version).files}
+    if state is None or state.version != parent.version or state.store != repo.url or not needed <= set(state.files):
+        with claim(cache_dir, lock, "weightsync publish (its delta-base cache)") as held:
+            if state is not None and state.store != repo.url:
+                clear_folder(cache_dir)
+            pull(repo, cache_dir, parent.version, config=cfg_pull, lock=held)
+    return LocalVersion(cache_dir, parent)
+
+
+@dataclass(frozen=True)
+class Target:
+    """The version about to be published and what it builds on, decided from the head alone (so
+    every rank of a multi-rank publish decides alike): ``etag`` is the head's tag when read."""
+
+    version: int
+    parent: Manifest | None
+    keyframe: bool
+    etag: str | None
+
+    @property
+    def chain_length(self) -> int:
+        return 0 if self.keyframe else self.parent.chain_length + 1
+
+
+def next_version(repo: Repo, head: int | None, version: int | None) -> int:
+    """The version to publish above ``head``: ``version``, else head + 1 (0 on an empty store).
+    Refuses, before anything is written, a number the format does not allow (docs/FORMAT.md:
+    0..10^18; readers, gc and the publisher would reject the store for good) or one not above the head."""
+    if version is None:
+        if head is not None and head >= MAX_VERSION:
+            raise VersionError(f"the head of {repo.url} is version {head}, the largest the format allows "
+                               f"({MAX_VERSION}): no version can follow it")
+        return 0 if head is None else head + 1
+    if not 0 <= version <= MAX_VERSION:
+        raise UsageError(f"version must be an integer in 0..{MAX_VERSION} (docs/FORMAT.md), not {version}")
+    if head is not None and version <= head:
+        exists = version in repo.versions()
+        raise VersionError(f"version {version} {'already exists' if exists else f'is not after the head version {head}'} in {repo.url}")
+    return version
+
+
+def plan_version(repo: Repo, version: int | None, config: PublishConfig) -> Target:
+    """Create the store if it is empty; read the head once; the next version (:func:`next_version`:
+    default head + 1, 0 on an empty store) and whether it is a keyframe (the first version, or the
+    chain would reach ``keyframe_interval``)."""
+    if version is not None and not 0 <= version <= MAX_VERSION:
+        next_version(repo, None, version)  # refused before the store is created
+    if not repo.check():
+        repo.init()
+    head, etag = repo.head()
+    version = next_version(repo, head, version)
+    parent = None if head is None else repo.manifest(head)
+    keyframe = parent is None or parent.chain_length + 1 >= config.keyframe_interval
+    return Target(version, parent, keyframe, etag)
+
+
+def publish(
+    checkpoint_dir: str | os.PathLike[str],
+    store: StoreLike,
+    version: int | None = None,
+    *,
+    config: PublishConfig | None = None,
+    base_dir: str | os.PathLike[str] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    progress: Progress | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+) -> PublishResult:
+    """Publish ``checkpoint_dir`` as ``version`` (default: head + 1; 0 on an empty store) into
+    ``store`` (a URL, :class:`Store` or :class:`Repo`).
+
+    A delta needs the parent's bytes: ``base_dir`` (a folder holding exactly the parent version,
+    e.g. the previous checkpoint) or else ``cache_dir``, a folder weightsync keeps at the head
+    version (pulled from the store when it is behind). Without either, a temporary folder is used.
+    """
+    repo, config = open_repo(store), config or PublishConfig()
+    src = Path(checkpoint_dir)
+    scan = lambda: scan_checkpoint(src, config.ignore)  # noqa: E731
+    files = scan()  # validate the input before anything is written
+    target = plan_version(repo, version, config)
+    with cache_claim(cache_dir) as lock:  # one publish at a time on a cache folder
+        enc = encode_folder(repo, files, scan, target, config, base_dir, cache_dir, progress, on_bytes, lock=lock)
+        check_still_as_scanned(enc.sources, scan)  # the version is one state of the folder
+        result, manifest = commit_encoded(repo, target, enc)
+        if cache_dir is not None and still_as_scanned(files):  # else the cache is brought up by a pull when needed
+            adopt(Path(cache_dir), manifest, src, repo.url, lock=lock)
+    return result
+
+
+def cache_claim(cache_dir: str | os.PathLike[str] | None) -> FolderLock | contextlib.nullcontext:
+    """A lock on the publish cache for one publish (nothing to lock without a cache)."""
+    if cache_dir is None:
+        return contextlib.nullcontext()
+    return FolderLock(Path(cache_dir), "weightsync publish (its delta-base cache)")
+
+
+def encode_folder(repo: Repo, files: list[SourceFile], rescan: Callable[[], list[SourceFile]], target: Target,
+                  cfg: PublishConfig, base_dir: str | os.PathLike[str] | None, cache_dir: str | os.PathLike[str] | None,
+                  progress: Progress | None, on_bytes: Callable[[int], None] | None, base_repo: Repo | None = None,
+                  lock: FolderLock | None = None) -> Encoded:
+    """Encode ``files`` (of a checkpoint folder) against ``target.parent`` and upload their chunks;
+    commits nothing. The parent's bytes come from ``base_dir``, else from ``cache_dir`` (or a
+    temporary folder), pulled from ``base_repo`` (default ``repo``; a view of some files only
+    pulls just those); a stale cache is rebuilt once, from the files ``rescan()`` returns.
+    ``lock``: the caller's lock on ``cache_dir``, if it holds one."""
+    with tempfile.TemporaryDirectory(prefix="weightsync-base-") as tmp:
+        cache = Path(cache_dir) if cache_dir is not None else Path(tmp) / "base"
+        explicit = None if base_dir is None else Path(base_dir)
+        try:
+            return _encode_folder(repo, base_repo or repo, files, target, cfg, explicit, cache, progress, on_bytes, lock)
+        except BaseMismatchError:
+            if explicit is not None or cache_dir is None:
+                raise
+            with claim(cache, lock, "weightsync publish (its delta-base cache)"):
+                clear_folder(cache)  # a stale cache: rebuild it from the store once
+            return _encode_folder(repo, base_repo or repo, rescan(), target, cfg, None, cache, progress, on_bytes, lock)
+
+
+def _encode_folder(repo, base_repo, files, target: Target, cfg: PublishConfig, base_dir, cache, progress, on_bytes,
+                   lock) -> Encoded:
+    t0 = time.perf_counter()
+    base = None
+    if target.parent is not None:  # deltas, and a keyframe's deltas for followers, need the parent's bytes
+        base = _base_for(base_repo, target.parent, base_dir, cache, PullConfig(decode_threads=cfg.encode_threads), lock)
+    fds: dict[str, int] = {}
+    try:
+        for f in files:  # each opened once, checked to be the file scanned; every read goes through it
+            fds[f.path] = open_source(f)
+        encoder = _Encoder(cfg, base, fds, target.keyframe)
+        enc = encode_and_upload(repo, files, target.parent, target.keyframe, encoder, cfg, progress, on_bytes, t0)
+        enc.sources = list(files)
+        return enc
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+        if base is not None:
+            base.close()
+
+
+@dataclass
+class Encoded:
+    """Encoded and uploaded files, not yet committed: the body of a manifest (or of a rank's part)."""
+
+    files: tuple[FileEntry, ...]
+    chunks: tuple[ChunkRef, ...]
+    changed: int
+    elements: int
+    uploaded_bytes: int
+    seconds: dict[str, float]
+    t0: float  # when the publish started (perf_counter), for seconds["total"]
+    codec_config: dict = field(default_factory=dict)
+    stored_at: dict[str, float] = field(default_factory=dict)  # chunk id -> monotonic time stored or touched
+    refresh_after: float = REFRESH_AFTER
+
+    def refresh(self, repo: Repo) -> int:
+        """Touch the chunks stored more than ``refresh_after`` seconds ago, right before they are
+        committed (:mod:`weightsync.gc` spares chunks younger than its grace). Raises
+        :class:`VersionError`, committing nothing, if gc already took one. Returns how many."""
+        now, old = time.monotonic(), []
+        for c in self.chunks:
+            at = self.stored_at.get(c.id)
+            if at is None or now - at > self.refresh_after:
+                old.append(c)
+        for c in old:
+            try:
+                repo.store.touch(chunk_key(c.id))
+            except NotFoundError:
+                raise VersionError(f"chunk {c.id} of this publish was deleted before its commit (gc ran with a "
+                                   f"grace shorter than the publish); nothing was committed: publish again") from None
+        return len(old)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return {"changed": self.changed, "elements": self.elements, "uploaded_bytes": self.uploaded_bytes}
+
+
+def encode_and_upload(repo: Repo, files: list[SourceFile], parent: Manifest | None, keyframe: bool, encoder,
+                      cfg: PublishConfig, progress: Progress | None, on_bytes: Callable[[int], None] | None,
+                      t0: float) -> Encoded:
+    """Encode every segment with ``encoder`` (``run(job) -> (new, digest, encoding, keyframe
+    delta)``), pack the payloads into chunks and upload them; commits nothing."""
+    uploader = Uploader(repo, cfg.upload_concurrency, on_bytes)
+    out = _Assembler(cfg, uploader)
+    try:
+        _encode_all(_jobs(files, parent), encoder, out, cfg, progress)
+        t_up = time.perf_counter()
+        uploader.join()
+        seconds = dict(encoder.seconds, upload=time.perf_counter() - t_up)
+    finally:
+        uploader.close()
+    return Encoded(tuple(out.files), out.packer_refs(), out.changed, out.elements, uploader.uploaded_bytes, seconds, t0,
+                   asdict(cfg.codec), dict(uploader.stored_at), cfg.refresh_after)
+
+
+def commit_encoded(repo: Repo, target: Target, enc: Encoded) -> tuple[PublishResult, Manifest]:
+    """The manifest of ``enc`` as version ``target.version``, committed (manifest, then the head
+    from ``target.etag``)."""
+    manifest = Manifest(
+        version=target.version,
+        parent=None if target.parent is None else target.parent.version,
+        keyframe=target.keyframe,
+        chain_length=target.chain_length,
+        files=enc.files,
+        chunks=enc.chunks,
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        codec_config=enc.codec_config,
+        stats=enc.stats,
+    )
+    seconds = dict(enc.seconds)
+    t_c = time.perf_counter()
+    enc.refresh(repo)
+    repo.commit(manifest, target.etag)
+    seconds["commit"] = time.perf_counter() - t_c
+    seconds["total"] = time.perf_counter() - enc.t0
+    result = PublishResult(
+        target.version, manifest.parent, target.keyframe, manifest.raw_bytes, manifest.payload_bytes,
+        enc.uploaded_bytes, len(manifest.chunks), enc.changed, enc.elements, seconds,
+    )
+    return result, manifest
+
+
+def encode_and_commit(repo: Repo, files: list[SourceFile], parent: Manifest | None, keyframe: bool, version: int,
+                      etag: str | None, encoder, cfg: PublishConfig, progress: Progress | None,
+                      on_bytes: Callable[[int], None] | None, t0: float) -> tuple[PublishResult, Manifest]:
+    """Encode every segment with ``encoder``, pack and upload the chunks, then commit the manifest:
+    :func:`encode_and_upload` then :func:`commit_encoded`, for publishing from known changes
+    (:mod:`weightsync.hostmirror`), which decides its version itself."""
+    enc = encode_and_upload(repo, files, parent, keyframe, encoder, cfg, progress, on_bytes, t0)
+    return commit_encoded(repo, Target(version, parent, keyframe, etag), enc)

@@ -1,0 +1,292 @@
+"""Pulling a version into a local folder: plan, fetch verified chunks, rebuild in staging, install.
+
+Every rebuilt segment and every file is checked against the manifest's xxh3 before the install;
+the folder switches versions only through :func:`weightsync.local.install`. A folder nothing reads
+(a subscriber's standby slot) may instead be refilled in place from another folder's version
+(``base_dir``): :func:`weightsync.local.begin_refill` and ``finish_refill``.
+Memory: at most ``inflight_bytes`` of segments being rebuilt (at least one: about 3x the largest
+tensor, with the small ones handed to the same worker before it), plus ``fetch_concurrency``
+chunks while downloading.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from weightsync.codec.tensor import SLICE_BYTES, rebuild
+from weightsync.errors import BaseMismatchError, ChecksumError, FormatError, NotFoundError, UsageError, VersionError
+from weightsync.format.keys import chunk_key, version_key
+from weightsync.format.manifest import Manifest
+from weightsync.local.base import LocalVersion, check_checksum
+from weightsync.local.install import (
+    begin_refill,
+    finish_refill,
+    install,
+    open_in_place,
+    prepare_target,
+    spool_dir,
+    staging_dir,
+)
+from weightsync.local.lock import FolderLock, claim
+from weightsync.local.state import open_regular, read_state, unchanged_files
+from weightsync.local.verify import verify_folder
+from weightsync.store.repo import Repo, StoreLike, open_repo
+from weightsync.sync.pipeline import TASK_BYTES, ordered_map
+from weightsync.sync.plan import FilePlan, Plan, Recipe, plan_pull
+from weightsync.sync.transfer import clear_spool, fetch_chunks
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class PullConfig:
+    fetch_concurrency: int = 32
+    decode_threads: int = max(1, min(8, os.cpu_count() or 1))
+    inflight_bytes: int = 256 << 20
+    fsync: bool = True
+
+    def __post_init__(self) -> None:
+        if self.fetch_concurrency < 1 or self.decode_threads < 1 or self.inflight_bytes < 1:
+            raise UsageError("concurrency and memory limits must be positive")
+
+
+@dataclass
+class PullResult:
+    version: int
+    from_version: int | None
+    fetched_bytes: int
+    written_files: int
+    kept_files: int
+    seconds: dict[str, float]
+
+
+def resolve_version(repo: Repo, version: int | str | None) -> int:
+    head = repo.head_version()
+    if head is None:
+        raise VersionError(f"{repo.url} has no versions yet")
+    if version in (None, "latest"):
+        return head
+    try:
+        v = int(version)
+    except (TypeError, ValueError):
+        raise UsageError(f"version must be an integer or 'latest', not {version!r}") from None
+    if v > head:
+        raise VersionError(f"version {v} does not exist in {repo.url} (head is {head})")
+    repo.manifest(v)  # raises VersionError if missing
+    return v
+
+
+class _Builder:
+    """Rebuilds segments from a local base and fetched payloads; verifies every result."""
+
+    def __init__(self, url: str, chunks: dict[str, Path], base: LocalVersion | None):
+        self.url, self.chunks, self.base = url, chunks, base
+        self._fds: dict[str, int] = {}
+
+    def _payload(self, step) -> bytes:
+        buf = bytearray()
+        for rng in step.ranges:
+            path = self.chunks[rng.chunk.id]
+            fd = self._fds.get(rng.chunk.id)
+            if fd is None:
+                try:
+                    fd = self._fds.setdefault(rng.chunk.id, open_regular(path))
+                except FileNotFoundError:
+                    key = chunk_key(rng.chunk.id)
+                    raise NotFoundError(f"{self.url}: missing chunk {key} (collected while pulling?)", key=key) from None
+            buf += os.pread(fd, rng.length, rng.offset)
+        keys = ", ".join(sorted({chunk_key(r.chunk.id) for r in step.ranges}))
+        check_checksum(f"payload of version {step.version} in {self.url}/{keys}", step.xxh3, buf)
+        return bytes(buf)
+
+    def build(self, job: tuple[str, Recipe]) -> np.ndarray:
+        path, r = job
+        t = r.target
+        # A fresh buffer, decoded in place. It is hashed only if the result is wrong: the result's
+        # hash covers it (a wrong base cannot give the right result), and a second read then tells
+        # a base that changed behind our back (BaseMismatchError: rebuild without it) from a bad
+        # payload. Saves a pass over every byte of the model per pull.
+        base = None if r.base is None else self.base.read(path, r.base, check=False)
+        steps = [(step.codec, partial(self._payload, step)) for step in r.steps]
+        try:
+            return rebuild(t.dtype, t.nbytes, t.xxh3, base, steps, f"{path}: {t.name or t.role}", in_place=True)
+        except (ChecksumError, FormatError):
+            if r.base is not None:
+                self.base.read(path, r.base)  # raises BaseMismatchError if the base is not what it should be
+            raise
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+
+
+def _write_files(plan: Plan, builder: _Builder, root: Path, cfg: PullConfig, progress: Progress | None,
+                 in_place: bool = False) -> list[str]:
+    """Rebuild every file that changed into ``root`` (the staging area, or the folder itself when
+    refilling in place); returns their paths."""
+    todo = [f for f in plan.files if not f.keep]
+    jobs = [(f.entry.path, r) for f in todo for r in f.recipes]
+    total, done = sum(r.target.nbytes for _, r in jobs), 0
+    results = ordered_map(builder.build, jobs, lambda j: 3 * j[1].target.nbytes, cfg.inflight_bytes, cfg.decode_threads,
+                          3 * TASK_BYTES)
+    try:
+        for fp in todo:
+            _write_one(fp, results, root, cfg, in_place)
+            done += fp.entry.size
+            if progress:
+                progress(done, total)
+    finally:
+        results.close()  # stop the workers now if a file failed
+    return [f.entry.path for f in todo]
+
+
+def _write_one(fp: FilePlan, results, root: Path, cfg: PullConfig, in_place: bool) -> None:
+    dest = root / fp.entry.path
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    hasher = xxhash.xxh3_128()
+    with open_in_place(dest) if in_place else open(dest, "wb") as f:
+        for _ in fp.recipes:
+            _, data = next(results)
+            for a in range(0, len(data), SLICE_BYTES):  # hash each slice, then write it from cache
+                piece = data[a : a + SLICE_BYTES]
+                hasher.update(piece)
+                f.write(piece)
+        f.truncate()
+        if cfg.fsync:
+            f.flush()
+            os.fsync(f.fileno())
+        size = f.tell()
+    if size != fp.entry.size:
+        raise ChecksumError(f"{fp.entry.path} (size)", str(fp.entry.size), str(size))
+    if hasher.hexdigest() != fp.entry.xxh3:
+        raise ChecksumError(fp.entry.path, fp.entry.xxh3, hasher.hexdigest())
+
+
+def _local_manifest(repo: Repo, version: int | None) -> Manifest | None:
+    if version is None:
+        return None
+    try:
+        return repo.manifest(version)
+    except VersionError:
+        return None  # collected by gc: only whole unchanged files can be reused
+
+
+def pull(
+    store: StoreLike,
+    out_dir: str | os.PathLike[str],
+    version: int | str | None = "latest",
+    *,
+    config: PullConfig | None = None,
+    progress: Progress | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+    base_dir: str | os.PathLike[str] | None = None,
+    lock: FolderLock | None = None,
+) -> PullResult:
+    """Make ``out_dir`` hold ``version`` byte for byte, applying only deltas where it can.
+
+    The delta base is the version ``out_dir`` holds, and the update is atomic (built in staging,
+    installed through a journal). With ``base_dir``, a folder holding some version (the slot being
+    served), the base is read from there instead and ``out_dir`` is *refilled in place*: its files
+    are overwritten where they are, which costs the page cache far less than new files, but
+    ``out_dir`` claims no version until the refill ends (a kill leaves it to be refilled again).
+    Only for a folder weightsync owns whole and nothing reads, like a subscriber's standby slot.
+
+    One writer per folder: the pull holds ``out_dir``'s lock (:class:`weightsync.local.FolderLock`)
+    throughout, or runs under ``lock``, a lock on it that the caller holds.
+    """
+    repo, config = open_repo(store), config or PullConfig()
+    with claim(Path(out_dir), lock, "weightsync pull"):
+        return _pull(repo, Path(out_dir), version, config, progress, on_bytes, base_dir)
+
+
+def _pull(repo: Repo, out: Path, version, config: PullConfig, progress, on_bytes, base_dir) -> PullResult:
+    base = out if base_dir is None else Path(base_dir)
+    if base_dir is not None:
+        b, o = os.path.realpath(base), os.path.realpath(out)
+        if b == o or b.startswith(o + os.sep) or o.startswith(b + os.sep):
+            raise UsageError(f"cannot refill {out} in place from {base}: the folders overlap")
+        if read_state(base) is None:
+            raise UsageError(f"{base} holds no weightsync version to refill {out} from")
+    repo.require()
+    target_version = resolve_version(repo, version)
+    state = prepare_target(out, owned=base_dir is not None)
+    base_state = state if base_dir is None else read_state(base)
+    t0 = time.perf_counter()
+    chain = repo.chain(target_version, back_to=None if base_state is None else base_state.version)
+    target = chain[-1]
+    keep = unchanged_files(out, state, target)
+    if state is not None and state.version == target_version and len(keep) == len(target.files):
+        return PullResult(target_version, state.version, 0, 0, len(keep), {"total": time.perf_counter() - t0})
+    local = _local_manifest(repo, None if base_state is None else base_state.version)
+    run = lambda plan: _pull_plan(repo, out, base, plan, base_state, config, progress, on_bytes, t0)
+    try:
+        try:
+            return run(plan_pull(chain, local, keep))
+        except ChecksumError:
+            if not _spool_used(out):
+                raise
+            # a spooled chunk went bad after it was checked (the disk, or a hand in .weightsync):
+            # drop every spooled copy and fetch again, once; a second failure is the store's
+            clear_spool(spool_dir(out))
+            return run(plan_pull(chain, local, keep))
+    except BaseMismatchError:
+        # the base folder was modified behind our back: rebuild from the keyframe without local bytes
+        return run(plan_pull(repo.chain(target_version), None, set()))
+    except NotFoundError:
+        if all(repo.store.head(version_key(m.version)) is not None for m in chain):
+            raise  # the store lost an object of a live version: report it, do not route around it
+        # versions between the local one and the target's keyframe were collected while we
+        # planned: the target's own chain (which gc keeps) still serves
+        return run(plan_pull(repo.chain(target_version), local, keep))
+
+
+def _pull_plan(repo, out: Path, base: Path, plan: Plan, base_state, cfg: PullConfig, progress, on_bytes, t0: float) -> PullResult:
+    seconds = {}
+    in_place = base != out
+    paths = fetch_chunks(repo, plan.chunks, spool_dir(out), cfg.fetch_concurrency, on_bytes)
+    seconds["fetch"] = time.perf_counter() - t0
+    local = None if plan.local_version is None else LocalVersion(base, repo.manifest(plan.local_version))
+    builder = _Builder(repo.url, paths, local)
+    if in_place:
+        begin_refill(out, plan.target, repo.url, cfg.fsync)
+    try:
+        written = _write_files(plan, builder, out if in_place else staging_dir(out), cfg, progress, in_place)
+    finally:
+        builder.close()
+        if local:
+            local.close()
+    seconds["build"] = time.perf_counter() - t0 - seconds["fetch"]
+    if in_place:
+        finish_refill(out, plan.target, repo.url, cfg.fsync)
+    else:
+        install(out, plan.target, repo.url, written, cfg.fsync)
+    clear_spool(spool_dir(out))
+    seconds["total"] = time.perf_counter() - t0
+    kept = sum(f.keep for f in plan.files)
+    fetched = plan.fetch_bytes
+    return PullResult(plan.target.version, None if base_state is None else base_state.version, fetched, len(written), kept, seconds)
+
+
+def _spool_used(out: Path) -> bool:
+    spool = spool_dir(out)
+    return any(p.name != ".tmp" and not p.name.startswith(".tmp-") for p in spool.iterdir())
+
+
+def verify(store: StoreLike, directory: str | os.PathLike, version: int | str | None = "latest") -> int:
+    """Raise unless ``directory`` holds ``version`` byte for byte; returns the version checked.
+    Strictly read-only: a folder whose install was interrupted is reported, not finished.
+    :class:`ChecksumError`: the folder does not hold the version (``weightsync verify`` exits 1);
+    any other error: it could not be checked (exit 3)."""
+    repo = open_repo(store)
+    repo.require()
+    v = resolve_version(repo, version)
+    verify_folder(Path(directory), repo.manifest(v))
+    return v

@@ -1,0 +1,415 @@
+"""Fetching selected tensors of a version, and partial folders that hold only them.
+
+Built on the core: :func:`~weightsync.planner.plan_segment` picks the cheapest recipe per tensor,
+:func:`~weightsync.transfer.fetch_chunks` downloads only the chunks those recipes touch,
+:func:`~weightsync.codec.decode_tensor` rebuilds each tensor, and every result is checked against
+its segment's xxh3 before anyone sees it.
+
+Partial folder layout (what ``weightsync subscriber --include/--exclude`` materializes)::
+
+    <folder>/<path>.safetensors     one file per source safetensors file that has a selected tensor,
+                                    holding only the selected tensors, in source order, same
+                                    names/dtypes/shapes, the source header's __metadata__ kept
+    <folder>/<other files>          non-safetensors files (config.json, the index...) copied whole
+    <folder>/.weightsync/partial.json
+        {"format": "weightsync.partial", "version": N, "store": URL, "include": [...],
+         "exclude": [...], "files": {path: {"size": S, "xxh3": H, "tensors": {name: xxh3}}}}
+
+The index JSON of a sharded checkpoint is copied as is: it names every tensor of the full model.
+An update builds every file in ``.weightsync/staging``, then drops ``partial.json``, renames the
+files into place and writes the new ``partial.json``; an interrupted update leaves a folder without
+``partial.json``, which the next update rebuilds without reusing local bytes.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from weightsync.codec.tensor import rebuild
+from weightsync.errors import (
+    BaseMismatchError,
+    CheckpointError,
+    ChecksumError,
+    FormatError,
+    UsageError,
+    VersionError,
+    WeightsyncError,
+)
+from weightsync.format.keys import MAX_VERSION, check_path
+from weightsync.format.manifest import FileEntry, Manifest, Segment
+from weightsync.format.safetensors import parse_safetensors_header
+from weightsync.local.base import check_checksum
+from weightsync.local.checkpoint import read_range
+from weightsync.local.install import empty_folder, spool_dir
+from weightsync.local.lock import FolderLock, claim
+from weightsync.local.state import (
+    PARTIAL_STATE,
+    REFILL,
+    STATE_DIR,
+    open_regular,
+    private_dir,
+    read_doc,
+    safe_join,
+    stray_entries,
+    write_json_atomic,
+)
+from weightsync.store.repo import Repo
+from weightsync.sync.pipeline import TASK_BYTES, ordered_map
+from weightsync.sync.plan import ChunkNeed, Recipe, Step, merge_ranges, plan_segment
+from weightsync.sync.transfer import clear_spool, fetch_chunks
+
+STATE = PARTIAL_STATE
+
+
+BaseReader = Callable[[str, Segment], np.ndarray]  # (file path, local segment) -> its bytes, verified
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Glob patterns (``fnmatch``, case-sensitive) over tensor names: included and not excluded."""
+
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+
+    def matches(self, name: str) -> bool:
+        if self.include and not any(fnmatch.fnmatchcase(name, p) for p in self.include):
+            return False
+        return not any(fnmatch.fnmatchcase(name, p) for p in self.exclude)
+
+
+@dataclass(frozen=True)
+class TensorJob:
+    path: str
+    recipe: Recipe
+
+
+def plan_tensors(chain: list[Manifest], local: Manifest | None, wanted: list[tuple[str, Segment]]) -> list[TensorJob]:
+    """The cheapest recipe for each wanted ``(path, segment)`` of ``chain[-1]``."""
+    return [TensorJob(path, plan_segment(chain, path, seg, local)) for path, seg in wanted]
+
+
+def _read_payload(fds: dict[str, int], chunks: dict[str, Path], step: Step) -> bytes:
+    buf = bytearray()
+    for rng in step.ranges:
+        fd = fds.get(rng.chunk.id)
+        if fd is None:
+            fd = fds.setdefault(rng.chunk.id, open_regular(chunks[rng.chunk.id]))
+        buf += os.pread(fd, rng.length, rng.offset)
+    check_checksum(f"payload of version {step.version}", step.xxh3, buf)
+    return bytes(buf)
+
+
+def chunks_for(jobs: list[TensorJob]) -> list[ChunkNeed]:
+    """The byte ranges of each chunk that ``jobs`` read payloads from (merged like a pull's)."""
+    chunks: dict[str, object] = {}
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for j in jobs:
+        for step in j.recipe.steps:
+            for rng in step.ranges:
+                chunks[rng.chunk.id] = rng.chunk
+                ranges.setdefault(rng.chunk.id, []).append((rng.offset, rng.length))
+    return [ChunkNeed(c, merge_ranges(ranges[cid], gap=64 << 10)) for cid, c in chunks.items()]
+
+
+def fetch_for(repo: Repo, jobs: list[TensorJob], spool: Path, concurrency: int = 32,
+              on_bytes: Callable[[int], None] | None = None) -> tuple[dict[str, Path], int]:
+    """Make the bytes ``jobs`` need available locally; returns chunk id -> file and bytes to fetch."""
+    needs = chunks_for(jobs)
+    return fetch_chunks(repo, needs, spool, concurrency, on_bytes), sum(n.fetch_bytes for n in needs)
+
+
+def build_tensors(
+    jobs: list[TensorJob], chunk_paths: dict[str, Path], base: BaseReader, *, threads: int = 4,
+    inflight_bytes: int = 256 << 20, cancel: Callable[[], None] | None = None,
+) -> Iterator[tuple[TensorJob, np.ndarray]]:
+    """Yield each job with its rebuilt, verified bytes, in order (decoding on ``threads`` threads).
+
+    ``base(path, segment)`` returns the local bytes a recipe starts from; it raises
+    :class:`BaseMismatchError` when they are not what the segment says.
+    """
+    fds: dict[str, int] = {}
+
+    def build(job: TensorJob) -> np.ndarray:
+        if cancel:
+            cancel()
+        r, t = job.recipe, job.recipe.target
+        cur = None if r.base is None else base(job.path, r.base)
+        steps = [(step.codec, functools.partial(_read_payload, fds, chunk_paths, step)) for step in r.steps]
+        return rebuild(t.dtype, t.nbytes, t.xxh3, cur, steps, f"{job.path}: {t.name or t.role}")
+
+    try:
+        yield from ordered_map(build, jobs, lambda j: 3 * j.recipe.target.nbytes, inflight_bytes, threads, 3 * TASK_BYTES)
+    finally:
+        for fd in list(fds.values()):
+            os.close(fd)
+
+
+# --- partial folders -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PartialState:
+    version: int
+    store: str
+    selection: Selection
+    files: dict  # path -> {"size", "xxh3", "tensors": {name: xxh3}}
+
+
+@dataclass
+class PartialResult:
+    version: int
+    from_version: int | None
+    fetched_bytes: int
+    written_files: int
+    tensors: int
+    seconds: dict[str, float]
+
+
+def read_partial_state(folder: Path) -> PartialState | None:
+    """The partial folder's state, every path and field checked; None if it has none."""
+    path = folder / STATE_DIR / STATE
+    doc = read_doc(path, STATE)
+    if doc is None:
+        return None
+    try:
+        sel = Selection(tuple(map(str, doc["include"])), tuple(map(str, doc["exclude"])))
+        files = {}
+        for p, rec in doc["files"].items():
+            tensors = {str(n): str(h) for n, h in rec["tensors"].items()}
+            files[check_path(p)] = {"size": int(rec["size"]), "xxh3": str(rec["xxh3"]), "tensors": tensors}
+            for key in ("mtime_ns", "ctime_ns"):
+                if key in rec:
+                    files[p][key] = int(rec[key])
+        version = doc["version"]
+        if type(version) is not int or not 0 <= version <= MAX_VERSION:
+            raise TypeError(f"version {version!r} out of range")
+        return PartialState(version, str(doc["store"]), sel, files)
+    except (ValueError, KeyError, TypeError, AttributeError, WeightsyncError) as exc:
+        raise UsageError(f"{path}: corrupt {STATE} ({exc}); remove {STATE_DIR} to start afresh") from None
+
+
+class _PartialBase:
+    """Reads a partial folder's tensors by name, verified against the local version's segments."""
+
+    def __init__(self, folder: Path, state: PartialState | None):
+        self.folder, self.state = folder, state
+        self._index: dict[str, dict[str, tuple[int, int]]] = {}
+
+    def _offsets(self, path: str) -> dict[str, tuple[int, int]]:
+        if path not in self._index:
+            f = self.folder / path
+            segs = parse_safetensors_header(_head_bytes(f), f.stat().st_size, path)
+            self._index[path] = {s.name: (s.begin, s.end) for s in segs if s.role == "tensor"}
+        return self._index[path]
+
+    def __call__(self, path: str, seg: Segment) -> np.ndarray:
+        try:
+            if self.state is None or path not in self.state.files:
+                raise FileNotFoundError(path)
+            begin, end = (seg.begin, seg.end) if seg.role != "tensor" else self._offsets(path)[seg.name]
+            fd = open_regular(self.folder / path)
+            try:
+                data = read_range(fd, begin, end, path)
+            finally:
+                os.close(fd)
+        except (OSError, KeyError, ValueError, CheckpointError) as exc:
+            raise BaseMismatchError(f"{self.folder}/{path}: no local bytes for {seg.name or seg.role} ({exc})") from None
+        if xxhash.xxh3_128_hexdigest(data) != seg.xxh3:
+            raise BaseMismatchError(f"{self.folder}/{path}: {seg.name or seg.role} differs from the local version")
+        return data
+
+
+def _head_bytes(f: Path) -> bytes:
+    with open(open_regular(f), "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        fh.seek(0)
+        return fh.read(8 + n)
+
+
+def _wanted(target: Manifest, sel: Selection) -> list[tuple[FileEntry, list[Segment]]]:
+    out = []
+    for f in target.files:
+        if f.kind != "safetensors":
+            out.append((f, list(f.segments)))
+            continue
+        tensors = [s for s in f.segments if s.role == "tensor" and sel.matches(s.name)]
+        if tensors:
+            out.append((f, [f.segments[0], *tensors]))  # the header, for its __metadata__
+    return out
+
+
+def _header(f: FileEntry, header_bytes: np.ndarray, tensors: list[Segment]) -> bytes:
+    verified = {s.name: s for s in parse_safetensors_header(header_bytes.tobytes(), f.size, f.path) if s.role == "tensor"}
+    n = int.from_bytes(header_bytes[:8].tobytes(), "little")
+    src = json.loads(header_bytes[8 : 8 + n].tobytes())  # parsed once already, above
+    for s in tensors:  # the header bytes were checked against their checksum; the manifest's labels must agree
+        v = verified.get(s.name)
+        if v is None or (v.dtype, v.shape, v.begin, v.end) != (s.dtype, s.shape, s.begin, s.end):
+            raise FormatError(f"{f.path}: the manifest's entry for {s.name!r} disagrees with the file's verified header")
+    doc: dict = {"__metadata__": src["__metadata__"]} if "__metadata__" in src else {}
+    off = 0
+    for s in tensors:
+        doc[s.name] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [off, off + s.nbytes]}
+        off += s.nbytes
+    raw = json.dumps(doc, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def materialize(
+    repo: Repo, folder: str | os.PathLike[str], version: int, selection: Selection, *, concurrency: int = 32,
+    threads: int = 4, fsync: bool = True, cancel: Callable[[], None] | None = None, lock: FolderLock | None = None,
+) -> PartialResult:
+    """Make ``folder`` a partial folder holding ``selection`` of ``version`` (see the module doc).
+    One writer per folder: runs under ``lock`` (a lock on ``folder`` the caller holds) or takes one."""
+    with claim(Path(folder), lock, "weightsync partial pull"):
+        return _materialize(repo, Path(folder), version, selection, concurrency, threads, fsync, cancel)
+
+
+def _prepare(out: Path) -> PartialState | None:
+    """The folder's partial state, after refusing a folder that holds what weightsync did not put
+    there, and emptying one whose update was interrupted (marked, no state)."""
+    private_dir(out)
+    state = read_partial_state(out)
+    if state is None:
+        if (out / STATE_DIR / REFILL).exists():
+            empty_folder(out)
+            (out / STATE_DIR / REFILL).unlink()
+        elif any(p.name != STATE_DIR for p in out.iterdir()):
+            raise UsageError(f"{out} is not empty and holds no weightsync version; refusing to overwrite it")
+    elif stray := stray_entries(out, set(state.files)):
+        raise UsageError(f"{out} holds entries weightsync did not put there ({', '.join(stray[:3])}); move them away first")
+    return state
+
+
+def _materialize(repo: Repo, out: Path, version: int, selection: Selection, concurrency: int, threads: int,
+                 fsync: bool, cancel) -> PartialResult:
+    t0 = time.perf_counter()
+    state = _prepare(out)
+    if state is not None and (state.store != repo.url or state.selection != selection):
+        state = None  # another store or selection: nothing local is reused
+    if state is not None and state.version == version:
+        return PartialResult(version, version, 0, 0, 0, {"total": 0.0})
+    chain = repo.chain(version, back_to=None if state is None else state.version)
+    local = None
+    if state is not None:
+        try:
+            local = repo.manifest(state.version)  # also off the chain: identical tensors are copied
+        except VersionError:
+            state = None  # collected by gc
+    target = chain[-1]
+    files = _wanted(target, selection)
+    if not any(f.kind == "safetensors" for f, _ in files) and (selection.include or selection.exclude):
+        raise UsageError(f"no tensor of version {version} matches include={list(selection.include)} exclude={list(selection.exclude)}")
+    wanted = [(f.path, s) for f, segs in files for s in segs]
+    # headers are rebuilt from the chain (the local folder holds our header, not the source's)
+    jobs = [TensorJob(p, plan_segment(chain, p, s, None if s.role == "header" else local)) for p, s in wanted]
+    base = _PartialBase(out, state)
+    try:
+        return _write(repo, out, target, files, jobs, base, state, selection, concurrency, threads, fsync, cancel, t0)
+    except BaseMismatchError:  # the folder changed behind our back: rebuild without local bytes
+        jobs = [TensorJob(p, plan_segment(repo.chain(version), p, s, None)) for p, s in wanted]
+        return _write(repo, out, target, files, jobs, base, state, selection, concurrency, threads, fsync, cancel, t0)
+
+
+def _write(repo, out: Path, target: Manifest, files, jobs, base, state, sel: Selection, concurrency, threads, fsync, cancel, t0) -> PartialResult:
+    sdir = out / STATE_DIR
+    spool = spool_dir(out)  # checked (never a link) before anything is written
+    staging = private_dir(out, "staging")
+    empty_folder(staging)
+    on_bytes = (lambda n: cancel()) if cancel else None
+    paths, fetched = fetch_for(repo, jobs, spool, concurrency, on_bytes)
+    t_fetch = time.perf_counter()
+    seconds = {"fetch": t_fetch - t0}
+    built = build_tensors(jobs, paths, base, threads=threads, cancel=cancel)
+    record: dict[str, dict] = {}
+    for f, segs in files:
+        record[f.path] = _write_file(staging / f.path, f, segs, built, fsync)
+    built.close()
+    seconds["build"] = time.perf_counter() - t_fetch
+    write_json_atomic(sdir / REFILL, {"partial": True}, fsync)  # ours, claiming no version, until the state
+    (sdir / STATE).unlink(missing_ok=True)
+    for path in record:
+        dst = safe_join(out, path)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staging / path, dst)
+        st = os.lstat(dst)
+        record[path].update(mtime_ns=st.st_mtime_ns, ctime_ns=st.st_ctime_ns)
+    for path in set(state.files if state else ()) - set(record):
+        safe_join(out, path).unlink(missing_ok=True)
+    doc = {"format": "weightsync.partial", "version": target.version, "store": repo.url,
+           "include": list(sel.include), "exclude": list(sel.exclude), "files": record}
+    write_json_atomic(sdir / STATE, doc, fsync)
+    (sdir / REFILL).unlink()
+    shutil.rmtree(staging, ignore_errors=True)
+    clear_spool(spool_dir(out))
+    seconds["total"] = time.perf_counter() - t0
+    n = sum(len(r["tensors"]) for r in record.values())
+    return PartialResult(target.version, None if state is None else state.version, fetched, len(record), n, seconds)
+
+
+def _write_file(dest: Path, f: FileEntry, segs: list[Segment], built: Iterator, fsync: bool) -> dict:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    hasher, tensors = xxhash.xxh3_128(), {}
+    with open(dest, "wb") as fh:
+        if f.kind != "safetensors":
+            for _ in segs:
+                _, data = next(built)
+                fh.write(memoryview(data))
+                hasher.update(data)
+        else:
+            _, header_bytes = next(built)
+            head = _header(f, header_bytes, segs[1:])
+            fh.write(head)
+            hasher.update(head)
+            for seg in segs[1:]:
+                _, data = next(built)
+                fh.write(memoryview(data))
+                hasher.update(data)
+                tensors[seg.name] = seg.xxh3
+        if fsync:
+            fh.flush()
+            os.fsync(fh.fileno())
+        size = fh.tell()
+    if f.kind != "safetensors" and hasher.hexdigest() != f.xxh3:
+        raise ChecksumError(f.path, f.xxh3, hasher.hexdigest())
+    return {"size": size, "xxh3": hasher.hexdigest(), "tensors": tensors}
+
+
+def verify_partial(repo: Repo, folder: str | os.PathLike[str], version: int | None = None) -> int:
+    """Raise unless ``folder`` is a complete partial folder of ``version`` (default: the one it claims);
+    every tensor is re-read and checked against the version's manifest."""
+    out = Path(folder)
+    state = read_partial_state(out)
+    if state is None:
+        raise UsageError(f"{out} is not a partial folder")
+    v = state.version if version is None else version
+    if state.version != v:
+        raise ChecksumError(f"{out} (version)", str(v), str(state.version))
+    target = repo.manifest(v)
+    expected = {f.path: [s.name for s in segs if s.role == "tensor"] for f, segs in _wanted(target, state.selection)}
+    if set(expected) != set(state.files):
+        raise ChecksumError(f"{out}: files", ", ".join(sorted(expected)), ", ".join(sorted(state.files)))
+    for path, names in expected.items():
+        rec, f = state.files[path], target.file(path)
+        data = (out / path).read_bytes()
+        check_checksum(str(out / path), rec["xxh3"], data)
+        if f.kind != "safetensors":
+            check_checksum(str(out / path), f.xxh3, data)
+            continue
+        segs = {s.name: s for s in parse_safetensors_header(data, len(data), path) if s.role == "tensor"}
+        if list(segs) != names:
+            raise ChecksumError(f"{out / path}: tensors", ", ".join(names), ", ".join(segs))
+        for s in f.segments:
+            if s.name in segs:
+                check_checksum(f"{out / path}: {s.name}", s.xxh3, data[segs[s.name].begin : segs[s.name].end])
+    return v

@@ -1,0 +1,112 @@
+"""TODO docstring"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from weightsync.errors import BaseMismatchError
+from weightsync.store.repo import open_repo
+from weightsync.sync.publish import PublishConfig, PublishResult, publish
+
+
+# --- in-process publishing from a trainer --------------------------------------------------------
+def default_work_dir() -> Path:
+    """``/dev/shm`` when it is there and writable (tmpfs: no disk I/O), else the temp folder."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+class StateDictPublisher:
+    """Publishes a trainer's state dict in-process, without a checkpoint on disk.
+
+    Cost: each :meth:`publish` serializes the tensors once with safetensors into a folder under
+    ``work_dir`` (tmpfs by default: a memory copy, plus a device-to-host copy for GPU tensors),
+    which :func:`weightsync.publish` then reads back. The previous version's folder is kept as the
+    delta base, so tmpfs holds up to two serialized copies of the model at a time.
+
+    ``device_diff=True``: diff on the tensors' devices against a device-side copy of the last
+    published tensors and move only the changes to the host (:mod:`weightsync.devicediff`; costs
+    device memory for that copy).
+    """
+
+    def __init__(self, store, *, config: PublishConfig | None = None, work_dir: str | os.PathLike | None = None,
+                 cache_dir: str | os.PathLike | None = None, filename: str = "model.safetensors",
+                 device_diff: bool = False):
+        self.repo = open_repo(store)
+        self.config = config or PublishConfig()
+        root = Path(work_dir) if work_dir is not None else default_work_dir()
+        root.mkdir(parents=True, exist_ok=True)
+        self.work = Path(tempfile.mkdtemp(prefix="weightsync-sd-", dir=root))
+        self.cache_dir = None if cache_dir is None else Path(cache_dir)
+        self.filename = filename
+        self._prev: tuple[int, Path] | None = None
+        self._device = None
+        if device_diff:
+            from weightsync.torch.device import DeviceDiffPublisher
+
+            self._device = DeviceDiffPublisher(self.repo, config=self.config, work_dir=self.work,
+                                               cache_dir=self.cache_dir, filename=filename)
+
+    def publish(self, state_dict, version: int | None = None, metadata: dict[str, str] | None = None) -> PublishResult:
+        if self._device is not None:
+            return self._device.publish(state_dict, version, metadata)
+        folder = self.work / f"v{len(os.listdir(self.work))}-{time.monotonic_ns()}"
+        folder.mkdir()
+        save_state_dict(state_dict, folder / self.filename, metadata)
+        head = self.repo.head_version()
+        base = self._prev[1] if self._prev is not None and self._prev[0] == head else None
+        try:
+            try:
+                r = publish(folder, self.repo, version, config=self.config, base_dir=base, cache_dir=self.cache_dir)
+            except BaseMismatchError:
+                if base is None:
+                    raise
+                r = publish(folder, self.repo, version, config=self.config, cache_dir=self.cache_dir)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        if self._prev is not None:
+            shutil.rmtree(self._prev[1], ignore_errors=True)
+        self._prev = (r.version, folder)
+        return r
+
+    def close(self) -> None:
+        if self._device is not None:
+            self._device.close()
+        shutil.rmtree(self.work, ignore_errors=True)
+        self._prev = None
+
+    def __enter__(self) -> StateDictPublisher:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def save_state_dict(state_dict, path: Path, metadata: dict[str, str] | None = None) -> None:
+    """Write torch tensors to a safetensors file (on CPU, contiguous; tensors sharing memory, such as
+    tied weights, are each saved in full)."""
+    from safetensors.torch import save_file
+
+    seen, tensors = set(), {}
+    for name, t in state_dict.items():
+        t = t.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        tensors[name] = t.clone() if ptr in seen and t.numel() else t
+        seen.add(ptr)
+    save_file(tensors, str(path), metadata=metadata or {"format": "pt"})
+
+
+def publish_state_dict(state_dict, store, version: int | None = None, *, config: PublishConfig | None = None,
+                       cache_dir: str | os.PathLike | None = None, work_dir: str | os.PathLike | None = None,
+                       metadata: dict[str, str] | None = None) -> PublishResult:
+    """Publish a state dict as one version (one-shot; keep a :class:`StateDictPublisher` across steps
+    so the previous step's bytes serve as the delta base). With ``cache_dir`` the parent version is
+    kept there between calls (linked when on the same file system as ``work_dir``, else copied);
+    without it the parent is pulled from the store for every delta."""
+    with StateDictPublisher(store, config=config, work_dir=work_dir, cache_dir=cache_dir) as p:
+        return p.publish(state_dict, version, metadata)
