@@ -27,8 +27,8 @@ from weightsync.format.manifest import (
     Delta,
     FileEntry,
     Manifest,
-    Part,
     Payload,
+    Piece,
     Segment,
     check_marker,
     head_from_json,
@@ -54,7 +54,7 @@ def sample_manifest(keyframe: bool = False, deltas: bool = False) -> Manifest:
         return _with_deltas(sample_manifest(keyframe=True))
     chunks = (ChunkRef(H[10], 100), ChunkRef(H[11], 64))
     codec = (lambda c: "full") if keyframe else (lambda c: c)
-    pay = lambda size, *parts: Payload(size, H[20 + size % 10], tuple(Part(*p) for p in parts))  # noqa: E731
+    pay = lambda size, *parts: Payload(size, H[20 + size % 10], tuple(Piece(*p) for p in parts))  # noqa: E731
     st_segs = (
         seg("header", "", "U8", (24,), 0, "full", pay(40, (0, 0, 40))),
         seg("tensor", "a.weight", "BF16", (2, 3), 24, codec("sparse"), pay(30, (0, 40, 30)), changed=2),
@@ -78,9 +78,9 @@ def _with_deltas(m: Manifest) -> Manifest:
     chunks = m.chunks + (ChunkRef(H[12], 50),)
     f0 = m.files[0]
     segs = list(f0.segments)
-    segs[1] = replace(segs[1], delta=Delta("sparse", 2, Payload(20, H[30], (Part(2, 0, 20),))))
+    segs[1] = replace(segs[1], delta=Delta("sparse", 2, Payload(20, H[30], (Piece(2, 0, 20),))))
     segs[3] = replace(segs[3], delta=Delta("same", 0, None))
-    segs[4] = replace(segs[4], delta=Delta("dense", 4, Payload(30, H[31], (Part(2, 20, 30),))))
+    segs[4] = replace(segs[4], delta=Delta("dense", 4, Payload(30, H[31], (Piece(2, 20, 30),))))
     files = (replace(f0, segments=tuple(segs)),) + m.files[1:]
     return replace(m, parent=3, files=files, chunks=chunks)
 

@@ -14,9 +14,9 @@ from weightsync.format.manifest import (
     Delta,
     FileEntry,
     Manifest,
-    Part,
     PartManifest,
     Payload,
+    Piece,
     Segment,
     manifest_checksum,
     manifest_from_json,
@@ -30,7 +30,7 @@ H = [f"{i:032x}" for i in range(1, 200)]
 
 
 def blob(path: str, size: int, chunk: int, offset: int = 0, codec: str = "full", xxh3: str = H[0]) -> FileEntry:
-    payload = None if codec == "same" else Payload(size, H[100 + size % 50], (Part(chunk, offset, size),))
+    payload = None if codec == "same" else Payload(size, H[100 + size % 50], (Piece(chunk, offset, size),))
     return FileEntry(path, "blob", size, xxh3, (Segment("blob", "", "U8", (size,), 0, size, xxh3, codec, 0, payload),))
 
 
@@ -154,9 +154,9 @@ def test_merge_renumbers_chunks_sorts_files_and_sums_stats():
     assert [f.path for f in m.files] == ["a/z.bin", "b.bin", "c.bin"]
     assert m.chunks == (ChunkRef(H[20], 7), ChunkRef(H[21], 6), ChunkRef(H[12], 10))  # rank order
     by_path = {f.path: f for f in m.files}
-    assert by_path["a/z.bin"].segments[0].payload.parts == (Part(0, 3, 4),)
-    assert by_path["b.bin"].segments[0].payload.parts == (Part(1, 0, 6),)
-    assert by_path["c.bin"].segments[0].payload.parts == (Part(2, 0, 10),)
+    assert by_path["a/z.bin"].segments[0].payload.parts == (Piece(0, 3, 4),)
+    assert by_path["b.bin"].segments[0].payload.parts == (Piece(1, 0, 6),)
+    assert by_path["c.bin"].segments[0].payload.parts == (Piece(2, 0, 10),)
     assert m.stats == {"changed": 0 + 5 + 2, "elements": 21, "uploaded_bytes": 20}
     assert m.created == "2026-01-01T00:00:09+00:00" and m.codec_config == {"level": 3}
     assert manifest_from_json(manifest_to_json(m)) == m  # a valid manifest, checksum included
@@ -169,15 +169,15 @@ def test_merge_lists_a_chunk_stored_by_two_ranks_once_and_keeps_keyframe_deltas(
     def kf_blob(path, offset):
         f = blob(path, 10, 1, codec="full")
         s = f.segments[0]
-        s = replace(s, delta=Delta("sparse", 1, Payload(3, H[60], (Part(0, offset, 3),))))
+        s = replace(s, delta=Delta("sparse", 1, Payload(3, H[60], (Piece(0, offset, 3),))))
         return replace(f, segments=(s,))
 
     parts = [part(r, world=2, keyframe=True, files=(kf_blob(f"f{r}", 3 * r),), chunks=(shared, ChunkRef(H[40 + r], 10)))
              for r in range(2)]
     m = merge_parts(parts, head())
     assert m.chunks == (shared, ChunkRef(H[40], 10), ChunkRef(H[41], 10))
-    assert m.files[1].segments[0].payload.parts == (Part(2, 0, 10),)
-    assert m.files[1].segments[0].delta.payload.parts == (Part(0, 3, 3),)
+    assert m.files[1].segments[0].payload.parts == (Piece(2, 0, 10),)
+    assert m.files[1].segments[0].delta.payload.parts == (Piece(0, 3, 3),)
     assert manifest_from_json(manifest_to_json(m)) == m
 
 

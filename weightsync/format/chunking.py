@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import xxhash
 
 from weightsync.errors import UsageError
-from weightsync.format.manifest import ChunkRef, Part
+from weightsync.format.manifest import ChunkRef, Piece
 
 DEFAULT_CHUNK_BYTES = 16 << 20
 
@@ -58,7 +58,7 @@ class ChunkPacker:
 
     def add(
         self, payload: bytes | memoryview, emit: Callable[[SealedChunk], None] | None = None
-    ) -> tuple[tuple[Part, ...], list[SealedChunk]]:
+    ) -> tuple[tuple[Piece, ...], list[SealedChunk]]:
         """Place ``payload``; returns its parts and the chunks that this sealed.
 
         With ``emit``, each chunk is handed over as soon as it seals (and not returned), so a large
@@ -75,7 +75,7 @@ class ChunkPacker:
                 self._index = len(self.refs)
                 self.refs.append(None)
             take = min(len(view), self.chunk_bytes - self._open_size)
-            parts.append(Part(self._index, self._open_size, take))
+            parts.append(Piece(self._index, self._open_size, take))
             self._open.append(bytes(view[:take]))
             self._open_size += take
             view = view[take:]

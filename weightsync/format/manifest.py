@@ -44,7 +44,10 @@ _HEX = re.compile(r"[0-9a-f]{32}")
 
 # --- dataclasses ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Part:
+class Piece:
+    """A run of a payload's bytes inside one chunk (a payload may span chunks). Stored in the JSON
+    field ``parts`` (docs/FORMAT.md); the multi-rank "parts" of sync/parts.py are another thing."""
+
     chunk: int  # index into Manifest.chunks
     offset: int
     length: int
@@ -52,9 +55,12 @@ class Part:
 
 @dataclass(frozen=True)
 class Payload:
+    """An encoded byte string (docs/FORMAT.md, "Payloads") of ``size`` bytes with checksum ``xxh3``,
+    stored as ``parts``: pieces of chunks, concatenated in order."""
+
     size: int
     xxh3: str
-    parts: tuple[Part, ...]
+    parts: tuple[Piece, ...]
 
 
 @dataclass(frozen=True)
@@ -309,7 +315,7 @@ def _payload(doc: Any, chunks: tuple[ChunkRef, ...], what: str) -> Payload:
             raise FormatError(f"{what}: a part must be [chunk, offset, length]")
         if not (0 <= ci < n and off >= 0 and length > 0 and off + length <= chunks[ci].size):
             raise FormatError(f"{what}: part {raw} lies outside its chunk")
-        parts.append(Part(ci, off, length))
+        parts.append(Piece(ci, off, length))
         total += length
     if total != size:
         raise FormatError(f"{what}: parts add up to {total} bytes, not {size}")

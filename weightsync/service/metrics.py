@@ -88,7 +88,7 @@ class Metrics:
 
         if runtime:
             register_runtime_collectors(registry)
-        from weightsync import __version__
+        from weightsync._version import __version__
 
         Gauge("weightsync_build_info", "Always 1; the version label is the weightsync version running.",
               (*names, "version"), registry=registry).labels(**self.labels, version=__version__).set(1)

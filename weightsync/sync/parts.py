@@ -44,9 +44,9 @@ from weightsync.format.manifest import (
     Delta,
     FileEntry,
     Manifest,
-    Part,
     PartManifest,
     Payload,
+    Piece,
     Segment,
     check_paths_disjoint,
     no_gc,
@@ -259,7 +259,7 @@ def _renumber(f: FileEntry, remap: list[int]) -> FileEntry:
         return f  # rank order puts the first part's chunks first: nothing to renumber
 
     def pay(p: Payload | None) -> Payload | None:
-        return None if p is None else Payload(p.size, p.xxh3, tuple(Part(remap[x.chunk], x.offset, x.length) for x in p.parts))
+        return None if p is None else Payload(p.size, p.xxh3, tuple(Piece(remap[x.chunk], x.offset, x.length) for x in p.parts))
 
     def seg(s: Segment) -> Segment:
         delta = None if s.delta is None else Delta(s.delta.codec, s.delta.changed, pay(s.delta.payload))
