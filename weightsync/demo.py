@@ -1,10 +1,6 @@
-"""A small synthetic RL trajectory for the demo and the tests (numpy only, seeded).
-
-fp32 master weights take Adam-like steps of about ``lr`` per element; every step is published in
-bf16, so most elements stay put and the ones that move mostly move by one unit in the last place,
-with smaller weights (finer bf16 spacing) flipping more often, as in real RL fine-tuning.
-The realistic benchmark trajectories come from really training a model (benchmarks/trajectory.py).
-"""
+"""``weightsync demo`` and the synthetic RL trajectory it (and the tests) publish: fp32 master
+weights take Adam-like steps, published in bf16, so most elements stay put and the ones that move
+mostly move by one unit in the last place (numpy only, seeded)."""
 
 from __future__ import annotations
 

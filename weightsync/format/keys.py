@@ -1,4 +1,5 @@
-"""TODO docstring"""
+"""Store keys and limits (docs/FORMAT.md): where the marker, head, manifests, parts, chunks and
+fleet records live, the bounds readers enforce, and the check every stored file path passes."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""The stored format (docs/FORMAT.md): store keys, the manifest, the head pointer, the store marker.
+"""The manifest and the other stored documents (docs/FORMAT.md): the data model as frozen
+dataclasses, their canonical JSON, the head pointer and the store marker.
 
-Pure: JSON in, validated frozen dataclasses out, and back. Everything read from a store is
-validated here before any other module trusts it: types, ranges, paths that stay inside the target
-folder, chunk references within their chunks, segments that tile each file exactly.
-"""
+Pure: JSON in, validated dataclasses out, and back. Everything read from a store is validated here
+before any other module trusts it: types, ranges, paths that stay inside the target folder, chunk
+references within their chunks, segments that tile each file exactly."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""TODO docstring"""
+"""The safetensors header (the library's file layout): a length prefix, a JSON header, then the
+tensors in offset order. Parsed and validated into the segments that tile the file exactly."""
 
 from __future__ import annotations
 

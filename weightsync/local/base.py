@@ -1,4 +1,6 @@
-"""TODO docstring"""
+"""The version a folder holds as the base of a delta: :class:`LocalVersion` reads its segments,
+each checked against the manifest's checksum; :func:`clone` and :func:`adopt` make a folder hold a
+version from another folder's files (reflinks or copies) without the store."""
 
 from __future__ import annotations
 

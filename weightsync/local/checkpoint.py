@@ -1,15 +1,6 @@
-"""Reading a checkpoint directory: files, safetensors headers validated, byte ranges as arrays.
-
-A file is a sequence of segments that tile it exactly: a ``.safetensors`` file is its header
-(length prefix and JSON) followed by its tensors in offset order; any other file is one blob.
-
-A checkpoint may change while it is published (a trainer replaces a shard by write-then-rename,
-or appends to it). The scan records each file's identity (device, inode, size, mtime, from
-``fstat`` on the descriptor it read the header through) and its header bytes; the publisher opens
-each file once (:func:`open_source`, which checks that identity), reads every segment through that
-descriptor (a rename cannot swap it), and checks the identity again after the last read
-(:func:`check_unchanged`): a change fails the publish with :class:`CheckpointChanged`.
-"""
+"""Reading a checkpoint folder to publish it: its files as segments (a safetensors file's header and
+tensors, any other file one blob), byte ranges as arrays, and the identity checks that fail a
+publish whose files change while it reads them (docs/DESIGN.md)."""
 
 from __future__ import annotations
 

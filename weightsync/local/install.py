@@ -1,4 +1,7 @@
-"""TODO docstring"""
+"""Changing a folder atomically (docs/RELIABILITY.md): a new version is built in ``staging/``, a
+journal naming every rename is written, then the renames run; :func:`recover` rolls an interrupted
+install forward. A standby folder may instead be refilled in place (``refill.json`` marks it
+meanwhile, so it claims no version until the refill ends)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""TODO docstring"""
+"""One writer per folder: :class:`FolderLock`, an exclusive ``flock`` on ``FOLDER/.weightsync/lock``
+held across processes by pull, publish's cache and the subscriber's slots (docs/RELIABILITY.md,
+"The target folder")."""
 
 from __future__ import annotations
 

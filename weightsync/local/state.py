@@ -1,18 +1,6 @@
-"""A local folder that holds one complete version: its state, verified reads, atomic updates.
-
-Layout inside the folder (docs/FORMAT.md, "Local folders"): the version's files, and one hidden
-``.weightsync`` directory with ``state.json`` (which version, from which store), ``journal.json``
-while an update is being installed, ``staging/`` for the files being built and ``spool/`` for
-verified downloaded chunks. An update is built entirely in ``staging/``, then a journal naming every
-rename is written atomically, then the renames run. A kill before the journal leaves the old version
-untouched; a kill after it is rolled forward by :func:`recover`, which every operation calls first.
-
-A folder that nothing reads (a subscriber's standby slot) may instead be *refilled in place*:
-``refill.json`` is written and ``state.json`` removed before the first byte changes, the files are
-overwritten where they are (much cheaper than new files: their pages are already cached and
-allocated), and ``state.json`` comes back last. A kill in between leaves a folder that claims no
-version but is known to be weightsync's own (the marker), so the next refill overwrites it again.
-"""
+"""What a local folder holds (docs/FORMAT.md section 5): its own ``.weightsync`` directory, the
+``state.json`` that names the version it holds, checked paths into it, and snapshots of its files
+that tell what changed since (size, mtime, ctime; hashes when only the ctime moved)."""
 
 from __future__ import annotations
 

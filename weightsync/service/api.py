@@ -1,11 +1,7 @@
-"""The daemons' HTTP API (aiohttp) and its OpenAPI document, served at ``/openapi.json``.
-
-Both daemons: ``GET /healthz``, ``GET /readyz``, ``GET /metrics`` (open), ``GET /v1/status``,
-``GET /v1/versions``. Subscriber: ``PUT /v1/target``. Publisher: ``POST /v1/publish``,
-``GET /v1/fleet``. With a token configured every ``/v1`` request needs
-``Authorization: Bearer <token>`` (compared in constant time); the token is never logged or returned.
-Handlers never block: store and file work runs in threads.
-"""
+"""The daemons' HTTP API (aiohttp): health, readiness, metrics, status, versions; the subscriber's
+``PUT /v1/target``, the publisher's ``POST /v1/publish`` and ``GET /v1/fleet``. With a token every
+``/v1`` request needs ``Authorization: Bearer <token>`` (constant-time compare; never logged).
+Handlers never block: store and file work runs in threads."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""TODO docstring"""
+"""The daemons' configuration: frozen dataclasses, validated on construction, built once at the
+entry point (:mod:`weightsync.service.flags`) and passed down."""
 
 from __future__ import annotations
 

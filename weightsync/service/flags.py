@@ -1,11 +1,6 @@
-"""Configuration of the publisher and subscriber daemons: frozen dataclasses validated on construction.
-
-Built once at the entry point from command-line flags and the environment (:func:`publisher_config`,
-:func:`subscriber_config`), then passed down. This module and ``cli.py`` are the only places that
-read the environment: every flag of the daemons, the mirror and gc has a default ``WEIGHTSYNC_<FLAG>``
-(:func:`env_argument`; the command line wins), taken from the mapping the entry point passes in;
-besides, ``XDG_STATE_HOME`` and the command hook's environment.
-"""
+"""The daemons' and commands' flags, each defined once, with ``WEIGHTSYNC_<FLAG>`` environment
+defaults (the command line wins), and the builders of :mod:`weightsync.service.config` from them.
+This module and ``cli.py`` are the only readers of the environment."""
 
 from __future__ import annotations
 

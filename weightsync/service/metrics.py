@@ -1,17 +1,6 @@
-"""Prometheus metrics of the daemons and the mirror: one :class:`Metrics` class over a caller's registry.
-
-Names carry the ``weightsync_`` prefix and base-unit suffixes (``_bytes``, ``_seconds``, ``_total``;
-fractions in 0..1 end in ``_ratio``). Every ``weightsync_*`` series of a process carries the same
-constant labels (``region``, ``cluster``; subscribers also ``subscriber``), so one Prometheus can
-scrape a whole fleet. Versions are ``-1`` until known.
-
-Each registry also gets the standard process, platform and garbage-collector collectors
-(``process_resident_memory_bytes``, ``process_cpu_seconds_total``, ``process_open_fds``,
-``python_info``, ``python_gc_*``) and ``weightsync_build_info{version}`` (always 1). Store retries
-are counted per ``op`` and ``reason``, two small fixed sets (:data:`RETRY_OPS`, :data:`RETRY_REASONS`),
-every combination exported from the start at 0. The ``*_created`` series of counters and histograms
-are switched off once, at the command line's entry point (:func:`weightsync.cli.main`).
-"""
+"""Prometheus metrics of the daemons and the mirror: one :class:`Metrics` class over a caller's
+registry, ``weightsync_`` names with unit suffixes, the same constant labels on every series
+(docs/DESIGN.md; the list is in docs/OPERATIONS.md)."""
 
 from __future__ import annotations
 

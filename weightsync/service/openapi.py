@@ -1,4 +1,5 @@
-"""TODO docstring"""
+"""The OpenAPI 3.1 document of the daemons' HTTP API, per role (publisher or subscriber), served at
+``/openapi.json``; tests check the running daemons against it (schemathesis)."""
 
 from __future__ import annotations
 

@@ -1,18 +1,6 @@
-"""The publisher daemon: publish every checkpoint a trainer drops into a folder, in order, and
-:func:`publish_state_dict` for trainers that publish in-process.
-
-A checkpoint is a subfolder of the watched folder whose name ends in its step number
-(``checkpoint-120``, ``step_000120``, ``120``); it is ready once it holds the marker file
-(``COMPLETE``). Step N is published as version N. Each iteration lists the folder, reads the head
-and asks the pure :func:`plan_publish` what to do: the lowest step above the head is next, and
-nothing after it is published until it is ready (so none is skipped), unless it stayed unfinished
-for ``stale_after`` seconds. A restart resumes from the store's head.
-
-Delta base: the folder of the head version's checkpoint when it still exists (publish verifies its
-bytes against the checksums); if those bytes differ, or the folder is gone, a cache folder under
-the state dir (kept at the head version by hard links, or pulled from the store when behind).
-The marker file is not published: subscribers' folders hold the checkpoint's other files only.
-"""
+"""The publisher daemon: publish every checkpoint a trainer drops into a watched folder (step N as
+version N, once its marker file is there, in order, none skipped unless stale), delta-based on the
+head's checkpoint folder or a cache (docs/DESIGN.md)."""
 
 from __future__ import annotations
 

@@ -1,25 +1,6 @@
 """A subscriber's A/B slots: the ``current`` symlink, the version each slot holds, and when the
-standby slot may be overwritten in place.
-
-Updating the standby slot by writing new files and renaming them over the old ones (the journaled
-install of :mod:`weightsync.local`) never changes a byte that anyone can still read, but creating
-files costs the page cache about as much CPU as decoding the delta. Refilling the standby in place
-(:func:`weightsync.pulling.pull` with ``base_dir``) halves a sync's CPU time, but a process that
-still reads the previous version through that slot would see its bytes change. So the standby is
-overwritten in place only once nothing should read it any more:
-
-- with a swap hook: once the hook of the latest swap succeeded (the serving process has loaded the
-  version now current). While it runs, after it failed (the server may still be on the old
-  version) or before any swap of this process, the standby is not released;
-- without one: ``hold`` seconds after the slot stopped being current (counted from start-up after
-  a restart, as nothing is known about earlier swaps);
-
-and never when ``hold`` is None. Files the slot shares with the current one (hard links from a
-seed by :func:`weightsync.local.clone`) are always replaced by new files, never written through.
-One exception to the release rule lives in the subscriber: a copy of the current version that it
-made into an empty standby while idle has never been served, so it is refilled in place whatever
-the hook or hold says (until the next flip).
-"""
+standby slot may be refilled in place (after the swap hook succeeded, or ``hold`` seconds without
+one; docs/DESIGN.md gives the rule and why)."""
 
 from __future__ import annotations
 

@@ -1,29 +1,6 @@
-"""The subscriber daemon: follow the store's head (or a pinned version) into A/B slots, swap atomically.
-
-Layout of the target folder::
-
-    DIR/current -> slots/a        symlink to a complete, verified version folder, always
-    DIR/slots/a, DIR/slots/b      the two copies: the current one and the standby
-    DIR/.weightsync/target.json   the target set through the API (a pinned version or "latest")
-
-Each iteration reads the head (one small object), asks the pure :func:`plan_next` what to do, and
-does it: a :class:`Sync` pulls the version into the standby slot (incrementally from whatever
-version that slot holds; every checksum is verified by the pull), then flips ``current`` by
-creating a new symlink under a temporary name and renaming it over ``current``. The old current
-becomes the next standby, so disk use stays at two copies. After each swap the swap hook fires
-and the fleet ledger record is rewritten.
-
-The target survives restarts: ``PUT /v1/target`` stores it atomically before acting on it, and a
-starting subscriber reads it back. A command-line pin (``--version``) wins at start-up and is not
-stored, so removing the flag gives the last API choice back. A damaged file stops the start-up.
-
-With ``--include``/``--exclude`` the slots are partial folders (:mod:`weightsync.partial`).
-Moving forward, the standby slot is refilled in place from the current one (one delta, files
-overwritten where they are) once nothing should read it any more: after the hook of the latest
-swap succeeded, or without a hook ``--standby-hold`` seconds after it (:mod:`weightsync.slots`).
-Before that, and when going back, its files are replaced by rename, so a server still reading the
-previous version through open files keeps its bytes.
-"""
+"""The subscriber daemon: follow the store's head (or a pinned version) into A/B slots, verify,
+swap the ``current`` symlink atomically, fire the swap hook and write the fleet record. Each
+iteration asks the pure :func:`plan_next` what to do (docs/DESIGN.md: layout, pins, refills)."""
 
 from __future__ import annotations
 

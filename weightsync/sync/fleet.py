@@ -1,15 +1,5 @@
-"""The fleet ledger: each subscriber's record in the store, and the fleet view built from them.
-
-Each subscriber owns one object, ``fleet/<id>.json`` (docs/FORMAT.md, section 1), and overwrites it
-after every swap and on a heartbeat::
-
-    {"format": "weightsync.fleet", "id": "...", "region": "...", "cluster": "...",
-     "current_version": 12, "target": "latest", "state": "serving", "updated": 1767225600.5}
-
-The view (:func:`fleet_view`, pure) adds per subscriber the lag behind the head (versions), the
-staleness (seconds since a version newer than the one it serves was published; 0 at the head) and
-how long ago it last wrote its record. Records that do not parse are reported, not trusted.
-"""
+"""The fleet ledger: each subscriber's record in the store (``fleet/<id>.json``), and the fleet view
+built from them (:func:`fleet_view`, pure: lag, staleness, age of each record)."""
 
 from __future__ import annotations
 

@@ -1,22 +1,6 @@
-"""Regional mirrors: copy versions from one store into another, so that one cross-region transfer
-serves a whole region (its subscribers point at the regional store).
-
-A pass copies every source version above the destination's head, in ascending order, each in the
-store's commit order: its chunks (in parallel, each verified: size and XXH3-128 equal to its id;
-chunks already there with the right size are not copied but touched, as a publisher does, so a
-regional gc treats them as young), then its manifest (parsed and validated,
-create-only, byte for byte as in the source), then the head, moved forward only, with
-``put_if_match``. A destination reader therefore never sees a version whose chunks or manifest are
-missing. Versions at or below the destination head that the destination lacks were collected there
-on purpose (regional retention) and are not copied again.
-
-An empty destination gets the store marker first. A destination that holds other objects, whose
-head is ahead of the source's, or whose manifest of a version differs from the source's is
-refused: it is not a mirror of this source.
-
-Memory: at most ``concurrency`` chunks in flight (32 x 16 MiB = 512 MiB by default) plus the
-manifest being copied.
-"""
+"""Regional mirrors: copy versions from one store into another in the store's commit order (chunks
+verified, then the manifest, then the head), so that one cross-region transfer serves a region
+(docs/DESIGN.md: what a destination must be, memory)."""
 
 from __future__ import annotations
 

@@ -1,32 +1,6 @@
-"""One version published by several processes: each rank publishes a part, a committer merges them.
-
-Rank ``r`` of ``W`` (:func:`publish_part`) reads the head once, decides the version (head + 1 by
-default) and keyframe-or-delta exactly as :func:`weightsync.publishing.publish` does, from the
-head manifest alone, so the ranks agree without talking to each other. It encodes the files it owns
-against the parent's entries for them with the single publisher's own pipeline, uploads the
-chunks, then writes ``parts/<N>/<r>-of-<W>.json`` create-only (docs/FORMAT.md, section 6). The
-committer (:func:`commit_parts`; any process, e.g. rank 0 after its part) waits until all ``W``
-parts are there, checks them (:func:`merge_parts`: one part per rank, same world, version, parent
-equal to the head, same keyframe flag and chain, disjoint files) and merges them into an ordinary
-manifest, committed as every version is: manifest create-only, then ``HEAD`` from the parent with
-If-Match. Readers (pull, subscriber, mirror, verify, gc) cannot tell such a version from a
-single publisher's.
-
-Which files a rank owns (:func:`assign_files`, unless a list is given): the ``.safetensors``
-files of the folder, sorted by path, go round-robin (the i-th to rank ``i mod W``: with
-``model-0000k-of-0000W`` shards, rank r gets shard r + 1); every other file (config, index,
-tokenizer) belongs to rank 0. This needs every rank to see the same folder listing (a shared
-checkpoint folder); ranks that each hold only their own files pass their paths explicitly.
-
-Each rank keeps its delta base for its own files only: ``base_dir`` (e.g. its previous
-checkpoint), or ``cache_dir``, which after a part holds the rank's files as the new version and
-is otherwise brought to the head by pulling those files alone.
-
-Ranks publish one version at a time: a rank starts its next part once the previous version is
-committed (the head moved). One that starts earlier reads the old head, so it computes the same
-version number (its new part then collides with its own previous one) or, given a version, the
-old parent (the committer refuses the mix).
-"""
+"""One version published by several processes: each rank publishes a part (:func:`publish_part`),
+a committer checks and merges them into an ordinary manifest (:func:`commit_parts`). Which files
+a rank owns: :func:`assign_files` (docs/FORMAT.md section 6; docs/DESIGN.md)."""
 
 from __future__ import annotations
 

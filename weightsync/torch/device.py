@@ -1,43 +1,11 @@
-"""Publishing a state dict by diffing it where its tensors live (CUDA when present).
+"""Publishing a state dict by diffing it where its tensors live (CUDA when present): only the changed
+positions and their new bit patterns cross to the host, which patches its mirror of the last
+version's file and publishes it (docs/DESIGN.md: the path, the costs)::
 
     with DeviceDiffPublisher(store) as pub:         # or StateDictPublisher(store, device_diff=True)
         for step in range(steps):
             train_step()
-            r = pub.publish(model.state_dict())      # r.d2h_bytes: what crossed to the host
-
-Per publish, for each tensor (:class:`DeviceSnapshot`, on the tensor's device): its integer view
-(``view(int16)`` for bf16 and so on: bit patterns, never float compares, so NaN payloads and -0.0
-count), the changed mask against a device-side copy of the last published version, the changed
-flat positions (``nonzero``) and the new bit patterns there. Only those two arrays go to the host,
-through one reusable pinned buffer with ``non_blocking`` copies on CUDA. New bit patterns rather
-than differences travel (same size): the host takes the wrapping difference in numpy's unsigned
-arithmetic, and a device never relies on signed integer overflow. A tensor that is new or
-changed shape, dtype or device is copied whole, and so is one whose changes would take more
-bytes than it does (more than a third of a bf16 tensor); the host then diffs it against the mirror.
-
-On the host (:class:`~weightsync.hostmirror.HostMirror`) the last published version's safetensors file is patched at
-the changed positions, which yields the new bytes (the manifest's checksums need them; they are
-the next delta base) and the wrapping differences. It is patched in place (and undone if the
-publish fails) or, when the previous bytes must stay readable as a separate base folder,
-copy-on-write into a new folder (reflink, else ``copy_file_range``). When the tensor names,
-dtypes, shapes and metadata change, the file is rebuilt with safetensors from the mirror's bytes
-and the copied tensors. The file is byte for byte what ``save_state_dict`` writes.
-
-:func:`~weightsync.hostmirror.publish_changes` then publishes the file as :func:`weightsync.publishing.publish` would,
-with the same codec choices and so the same payloads, chunks and manifest, but builds ``sparse``
-payloads straight from the changes (:func:`~weightsync.codec.encode_sparse_from_changes`) instead
-of re-diffing on the host; ``ac`` (the default for elements of up to 4 bytes) codes every
-element's change bit, so it still reads whole tensors (the old ones rebuilt from the new bytes
-and the differences). The mirror is checked against the parent's file checksum first.
-``direct=False`` calls :func:`weightsync.publish` on a patched copy instead (the host diffs again;
-same result).
-
-Costs: device memory for a copy of every published tensor (tied tensors twice) plus, per tensor
-diffed, a mask of one byte per element of a slice (``slice_elems``) and the changed positions;
-pinned host memory ``staging_bytes`` (grown for a larger single change); one copy of the file on
-the host (two during a copy-on-write publish). A failed publish leaves the snapshot ahead of the
-store, so the next publish copies every tensor again.
-"""
+            r = pub.publish(model.state_dict())      # r.d2h_bytes: what crossed to the host"""
 
 from __future__ import annotations
 

@@ -1,71 +1,11 @@
-"""In-process hot swap: bring a live torch model's tensors to a version of a store (CPU or CUDA).
+"""In-process hot swap: bring a live torch model's tensors to a version of a store (CPU or CUDA);
+``prepare`` does the work without the serving lock, ``apply`` holds it for the swap alone
+(docs/DESIGN.md: patch and flip modes, coverage, failures)::
 
     lock = threading.Lock()                      # the serving loop holds it around each forward
     sink = TorchSink(store_url, model, version=7, lock=lock)            # or mode="flip"
     update = sink.prepare("latest")               # fetch, decode, verify, stage: no lock held
-    pause = sink.apply(update)                    # under the lock: only the swap
-
-:meth:`TorchSink.prepare` does all the work before the pause: it plans the cheapest recipe per
-tensor from the version held (:func:`~weightsync.planner.plan_segment`), fetches only the bytes
-they need, rebuilds each changed tensor on the CPU from the sink's (checksummed) bytes of the
-current version, verifies it against the new version's xxh3 and reduces it to a patch: the changed
-positions and their new bit patterns, or the whole tensor when over ``dense_above`` of it changed,
-written with ``scatter_`` (``copy_``) on an integer view of the same width: every bit pattern, NaN
-payloads included, is copied exactly. :meth:`TorchSink.apply` holds the lock for the swap alone.
-
-``mode="patch"`` (the default): ``prepare`` moves the patches (int64 positions) to the tensors'
-devices; ``apply`` scatters them into the live tensors in place (dense ones are copied) and
-synchronizes the device before it releases the lock. The pause grows with the changed elements
-(``benchmarks/swap.py``, CPU: 50-80% of a ``load_state_dict`` on the real apply, 40-65% warm). No
-memory beyond the patches, storages never change: for engines that read raw data pointers.
-
-``mode="flip"`` (double buffered): every distinct tensor the sink updates gets a standby buffer
-cloned on construction: **a second copy of the weights' memory** (:attr:`~TorchSink.standby_bytes`),
-plus, from an ``apply`` to the next ``prepare``, 4 bytes per position the last update changed
-(:attr:`~TorchSink.replay_bytes`; int64 from 2**31 elements). ``prepare`` (no lock) first brings
-each standby to its live tensor's version by copying the live values at those positions (exact: the
-others are equal), or the whole tensor after a failed or unapplied prepare; then it decodes from the
-standby (verified against the current version's xxh3), writes the new version into it and
-synchronizes. ``apply`` only repoints each changed tensor at its standby (``tensor.data = standby``:
-the objects stay, their storages swap): one assignment per changed tensor whatever the change
-(``benchmarks/swap.py``, CPU: 0.07-0.09 ms or 1.4-2% of a ``load_state_dict`` on the real apply,
-0.017 ms warm); the retired storage is the next standby. Pass an ``nn.Module``
-(``state_dict(keep_vars=True)`` is used; tied weights are swapped once) or a mapping of its
-Parameters. Refused: other tensors in a mapping (plain ones such as ``model.state_dict()``'s are
-detached aliases: repointing them would leave the module stale while the next ``prepare`` wrote its
-storage), and a managed tensor that is a view into a larger storage (a fused flat buffer) or shares
-memory with another one given. Engines that read raw data pointers (CUDA graphs) need patch mode. A
-``.data`` repointed behind the sink's back is refused by ``apply``; ``prepare`` starts it afresh.
-
-Flip mode's safety rules: a failed ``prepare`` leaves the live tensors untouched (the next one
-copies the standbys it may have written from live); only the latest successful ``prepare``'s update
-can be applied, and (both modes) only while the model holds its ``from_version``. Bytes written into
-a live tensor behind the sink's back end up in the retired storage and fail the next ``prepare``'s
-verification of the standby, which copies it from live and retries, then falls back to the keyframe.
-
-On CUDA the device work runs on the calling thread's current stream; flip-mode ``prepare`` and
-patch-mode ``apply`` synchronize before they return. The serving loop should let its kernels finish
-before it releases the lock, so that no forward pass overlaps a patch or reads a retired storage.
-
-Tied weights (several names, one tensor) are updated once; their bytes must agree in every version.
-
-Coverage: the sink refuses (:class:`CoverageError`, on construction and on every ``prepare``) a
-version with a tensor that has no destination in the model, or a model tensor (parameter or
-persistent buffer) with no source in it: either would stay stale while the sink reported success.
-A tensor tied to one the store names is covered. ``name_map`` renames store tensors (None: leave
-one alone); ``exclude`` takes ``fnmatch`` patterns (case-sensitive, as the subscriber's
-``--exclude``) over store and model names: what they match, and the model tensors that excluded
-store tensors map to, are left alone and listed in :attr:`TorchSink.excluded`. E.g. transformers v5
-MoE models fuse their experts in memory (``mlp.experts.gate_up_proj`` [E, 2I, H], ``down_proj``)
-where checkpoints hold one tensor per expert: ``exclude=["*.mlp.experts.*"]`` syncs the rest and
-leaves the experts at the version they hold. A dtype or shape that differs is an error (both
-modes). Each of these is raised by ``prepare`` before anything is staged: the model is untouched.
-
-A failed ``apply`` raises :class:`ApplyError`. Flip mode repoints back: the model still holds
-``from_version`` and the update stays staged. Patch mode cannot undo the patches already written:
-the model is torn, so the sink refuses updates prepared before, and the next ``prepare`` (even to
-the version held) rebuilds every tensor from the keyframe and patches it from its live bytes.
-"""
+    pause = sink.apply(update)                    # under the lock: only the swap"""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""TODO docstring"""
+"""Publishing a trainer's state dict in-process, without a checkpoint on disk: each step is
+serialized with safetensors into tmpfs and published; the previous step's folder is the delta base."""
 
 from __future__ import annotations
 
