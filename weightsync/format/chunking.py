@@ -19,11 +19,14 @@ DEFAULT_CHUNK_BYTES = 16 << 20
 
 
 def chunk_id(data: bytes | memoryview) -> str:
+    """A chunk's id: the XXH3-128 of its bytes, hex."""
     return xxhash.xxh3_128_hexdigest(data)
 
 
 @dataclass(frozen=True)
 class SealedChunk:
+    """A full (or final) chunk ready to upload: its index in the version's chunk list, id and bytes."""
+
     index: int
     id: str
     data: bytes
@@ -89,5 +92,6 @@ class ChunkPacker:
         return tuple(parts), [s for s in sealed if s is not None]
 
     def finish(self) -> list[SealedChunk]:
+        """Seal the open chunk, if any: the last chunk of this packer."""
         last = self._seal()
         return [last] if last else []

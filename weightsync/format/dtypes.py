@@ -34,8 +34,6 @@ UINT_VIEW: dict[int, np.dtype] = {
     4: np.dtype("<u4"),
     8: np.dtype("<u8"),
 }
-
-
 INT_VIEW: dict[int, np.dtype] = {
     1: np.dtype("<i1"),
     2: np.dtype("<i2"),
@@ -45,6 +43,7 @@ INT_VIEW: dict[int, np.dtype] = {
 
 
 def itemsize(dtype: str) -> int:
+    """Bytes per element of a safetensors dtype; :class:`CheckpointError` for one this code does not know."""
     try:
         return ITEMSIZE[dtype]
     except KeyError:

@@ -12,52 +12,28 @@ STATE_DIR = ".weightsync"  # a local folder's own state (docs/FORMAT.md section 
 
 
 MARKER_KEY = "weightsync.json"
-
-
 HEAD_KEY = "HEAD"
-
-
 VERSIONS_PREFIX = "versions/"
-
-
 CHUNKS_PREFIX = "chunks/"
-
-
 FLEET_PREFIX = "fleet/"
-
-
 PARTS_PREFIX = "parts/"
-
-
 MAX_WORLD = 99999  # ranks of one multi-rank publish (part keys hold five digits)
-
-
 MAX_VERSION = 10**18
-
-
 MAX_SIZE = 1 << 50  # 1 PiB: larger declared sizes are rejected as hostile
-
-
 MAX_PATH_BYTES = 4096  # a file path, UTF-8 (Linux PATH_MAX)
-
-
 MAX_PATH_DEPTH = 255  # components of a file path
-
-
 MAX_NAME_BYTES = 255  # one component, UTF-8 (NAME_MAX)
-
-
 MAX_INFO_DEPTH = 32  # nesting of the informational objects (codec_config, stats)
-
-
 MAX_SHAPE_DIMS = 64  # dimensions of a segment's shape
 
 
 def version_key(version: int) -> str:
+    """The key of ``version``'s manifest."""
     return f"{VERSIONS_PREFIX}{version:020d}.json"
 
 
 def parse_version_key(key: str) -> int | None:
+    """The version a manifest key names, or None for any other key."""
     m = re.fullmatch(r"versions/([0-9]{20})\.json", key)
     return int(m.group(1)) if m else None
 
@@ -68,6 +44,7 @@ def parts_prefix(version: int) -> str:
 
 
 def part_key(version: int, rank: int, world: int) -> str:
+    """The key of rank ``rank`` of ``world``'s part of ``version``."""
     return f"{parts_prefix(version)}{rank:05d}-of-{world:05d}.json"
 
 
@@ -78,6 +55,7 @@ def parse_part_key(key: str) -> tuple[int, int, int] | None:
 
 
 def chunk_key(chunk_id: str) -> str:
+    """The key of a chunk (fanned out by the id's first two hex digits)."""
     return f"{CHUNKS_PREFIX}{chunk_id[:2]}/{chunk_id}"
 
 

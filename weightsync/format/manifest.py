@@ -34,11 +34,7 @@ from weightsync.format.keys import (
 )
 
 ROLES = ("header", "tensor", "blob")
-
-
 SEGMENT_CODECS = ("same", "full", "sparse", "dense", "ac")
-
-
 _HEX = re.compile(r"[0-9a-f]{32}")
 
 
@@ -90,15 +86,20 @@ class Segment:
 
     @property
     def nbytes(self) -> int:
+        """Length of the byte range."""
         return self.end - self.begin
 
     @property
     def key(self) -> tuple[str, str]:
+        """``(role, name)``: what identifies the segment within its file across versions."""
         return (self.role, self.name)
 
 
 @dataclass(frozen=True)
 class FileEntry:
+    """One file of a version: its path inside the folder, its kind (``safetensors`` or ``blob``),
+    size and checksum, and the segments that tile it exactly."""
+
     path: str
     kind: str  # safetensors | blob
     size: int
@@ -108,12 +109,19 @@ class FileEntry:
 
 @dataclass(frozen=True)
 class ChunkRef:
+    """A chunk of the version: its id (the XXH3-128 of its bytes, hex; the store key derives from it)
+    and size. Payload pieces index into :attr:`Manifest.chunks`."""
+
     id: str
     size: int
 
 
 @dataclass(frozen=True)
 class Manifest:
+    """One version (docs/FORMAT.md, "Manifest"): its parent, keyframe flag and delta-chain length,
+    its files, the chunks their payloads live in, when it was created, the codec settings and
+    informational stats. Immutable once committed; readers trust only manifests at or below the head."""
+
     version: int
     parent: int | None
     keyframe: bool
@@ -125,14 +133,17 @@ class Manifest:
     stats: dict[str, Any] = field(default_factory=dict)
 
     def file(self, path: str) -> FileEntry | None:
+        """The entry of the file at ``path``, or None."""
         return next((f for f in self.files if f.path == path), None)
 
     @property
     def raw_bytes(self) -> int:
+        """Bytes of the version's files, as installed."""
         return sum(f.size for f in self.files)
 
     @property
     def payload_bytes(self) -> int:
+        """Bytes of the payloads stored for this version (its own segments' encodings)."""
         return sum(s.payload.size for f in self.files for s in f.segments if s.payload)
 
 
@@ -156,11 +167,7 @@ class PartManifest:
 
 # --- serialization -------------------------------------------------------------------------------
 _gc_lock = threading.Lock()
-
-
 _gc_paused = 0  # threads inside no_gc()
-
-
 _gc_was_enabled = False
 
 
@@ -189,10 +196,12 @@ _dumps = partial(json.dumps, separators=(",", ":"), sort_keys=True)
 
 
 def manifest_to_json(m: Manifest) -> bytes:
+    """The manifest's canonical JSON (sorted keys, no spaces), as stored."""
     return _to_json({"format": "weightsync.manifest", "format_version": FORMAT_VERSION, **_shallow(m)})
 
 
 def part_to_json(p: PartManifest) -> bytes:
+    """A part manifest's canonical JSON, as stored."""
     return _to_json({"format": "weightsync.part", "format_version": FORMAT_VERSION, **_shallow(p)})
 
 
@@ -394,6 +403,7 @@ def _file(doc: Any, chunks: tuple[ChunkRef, ...], what: str) -> FileEntry:
 
 
 def manifest_from_json(data: bytes, what: str = "manifest") -> Manifest:
+    """Parse and validate a stored manifest; :class:`FormatError` names what is wrong."""
     with no_gc():
         doc = _sealed(data, "weightsync.manifest", what)
         return Manifest(*_body(doc, what), **_info(doc, what))
@@ -486,10 +496,12 @@ def check_paths_disjoint(paths: list[str], what: str) -> None:
 
 # --- head pointer and store marker ---------------------------------------------------------------
 def head_to_json(version: int) -> bytes:
+    """The head pointer's document for ``version``."""
     return json.dumps({"format": "weightsync.head", "version": version}).encode()
 
 
 def head_from_json(data: bytes) -> int:
+    """The version a head pointer names, validated."""
     doc = _load_json(data, HEAD_KEY)
     if doc.get("format") != "weightsync.head":
         raise FormatError(f"{HEAD_KEY}: not a weightsync head pointer")
@@ -497,10 +509,12 @@ def head_from_json(data: bytes) -> int:
 
 
 def marker_to_json() -> bytes:
+    """The store marker's document (``weightsync.json``)."""
     return json.dumps({"format": "weightsync.store", "format_version": FORMAT_VERSION}).encode()
 
 
 def check_marker(data: bytes) -> None:
+    """Raise :class:`FormatError` unless ``data`` is a marker of a format version this code reads."""
     doc = _load_json(data, MARKER_KEY)
     if doc.get("format") != "weightsync.store":
         raise FormatError(f"{MARKER_KEY}: not a weightsync store marker")

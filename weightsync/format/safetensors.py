@@ -16,6 +16,9 @@ MAX_HEADER = 100 << 20  # the safetensors library's own limit
 
 @dataclass(frozen=True)
 class SourceSegment:
+    """A byte range [begin, end) of a checkpoint file: its header, one tensor (name, dtype, shape) or
+    a whole non-safetensors file (a blob)."""
+
     role: str
     name: str
     dtype: str
@@ -25,10 +28,12 @@ class SourceSegment:
 
     @property
     def key(self) -> tuple[str, str]:
+        """``(role, name)``, as :attr:`weightsync.format.manifest.Segment.key`."""
         return (self.role, self.name)
 
     @property
     def nbytes(self) -> int:
+        """Length of the byte range."""
         return self.end - self.begin
 
 

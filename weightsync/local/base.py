@@ -43,6 +43,7 @@ class LocalVersion:
         return None if f is None else next((s for s in f.segments if s.key == key), None)
 
     def file(self, path: str) -> FileEntry | None:
+        """The manifest's entry of the file at ``path``, or None."""
         return self._files.get(path)
 
     def read(self, path: str, seg: Segment, check: bool = True) -> np.ndarray:
@@ -67,12 +68,14 @@ class LocalVersion:
         return data
 
     def close(self) -> None:
+        """Close the files opened by :meth:`read`."""
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
 
 
 def check_checksum(what: str, expected: str, data: bytes | np.ndarray) -> None:
+    """Raise :class:`ChecksumError` unless ``data`` has the XXH3-128 ``expected``."""
     actual = xxhash.xxh3_128_hexdigest(data)
     if actual != expected:
         raise ChecksumError(what, expected, actual)

@@ -26,6 +26,9 @@ class CheckpointChanged(CheckpointError):
 
 @dataclass(frozen=True)
 class SourceFile:
+    """A checkpoint file as scanned: its path, kind, size and segments, and the identity and header
+    bytes that tell whether it changed while being published."""
+
     path: str  # relative, "/"-separated
     abspath: Path
     kind: str

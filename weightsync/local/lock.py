@@ -40,6 +40,7 @@ class FolderLock:
         self._held: dict[str, tuple[int, Path, list[Path]]] = {}  # realpath -> (fd, lock path, dirs we made)
 
     def acquire(self) -> FolderLock:
+        """Take the lock; :class:`FolderBusyError` (one line, naming the holder) if another holds it."""
         try:
             for folder in self.folders:
                 self._lock_one(folder)
@@ -108,6 +109,7 @@ class FolderLock:
         return os.path.realpath(folder) in self._held
 
     def release(self) -> None:
+        """Release the lock and remove what taking it created (lock file, empty ``.weightsync``, folder)."""
         for fd, path, made in self._held.values():
             if _same_file(fd, path):
                 path.unlink()  # while still locked: a claimant that opened it retries on the new one

@@ -19,19 +19,21 @@ from weightsync.format.keys import MAX_VERSION, STATE_DIR, check_path
 from weightsync.format.manifest import Manifest
 
 REFILL = "refill.json"  # present while a folder is being refilled in place
-
-
 PARTIAL_STATE = "partial.json"  # a partial folder's state (weightsync.partial)
 
 
 @dataclass(frozen=True)
 class LocalState:
+    """What ``state.json`` records: the version a folder holds, the store it came from, and per file
+    its size, checksum and the times it had when installed (to tell later changes)."""
+
     version: int
     store: str
     files: dict[str, tuple[int, str, int, int | None]]  # path -> (size, xxh3, mtime_ns, ctime_ns or None: not recorded)
 
 
 def state_dir(folder: Path) -> Path:
+    """``folder/.weightsync``, the folder's own state (not checked: see :func:`private_dir`)."""
     return Path(folder) / STATE_DIR
 
 
@@ -85,6 +87,8 @@ def safe_join(folder: Path, rel: str) -> Path:
 
 
 def write_json_atomic(path: Path, doc: object, fsync: bool = True) -> None:
+    """Write ``doc`` to ``path`` through a temporary file (fsynced unless ``fsync=False``) renamed
+    over it: readers see the old file or the new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     with os.fdopen(fd, "w") as f:
@@ -119,6 +123,7 @@ def _version(v: object) -> int:
 
 
 def read_state(folder: Path) -> LocalState | None:
+    """The folder's :class:`LocalState`, or None if it claims no version; :class:`UsageError` if damaged."""
     path = state_dir(folder) / "state.json"
     doc = read_doc(path, "weightsync state")
     if doc is None:
@@ -244,6 +249,7 @@ def disown(folder: Path) -> None:
 
 
 def fsync_dir(path: Path) -> None:
+    """fsync a directory, so that renames in it survive a crash."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)

@@ -36,20 +36,10 @@ class Deps:
 
 
 PUBLISHER = web.AppKey("publisher", Publisher)
-
-
 SUBSCRIBER = web.AppKey("subscriber", Subscriber)
-
-
 METRICS = web.AppKey("metrics", Metrics)
-
-
 OPENAPI = web.AppKey("openapi", dict)
-
-
 log = logging.getLogger("weightsync.api")
-
-
 MAX_BODY = 1 << 20  # bytes of a request body; larger ones get 413
 
 

@@ -14,14 +14,8 @@ from weightsync.store.retry import RetryPolicy
 from weightsync.sync.publish import PublishConfig
 
 TOKEN_ENV = "WEIGHTSYNC_API_TOKEN"
-
-
 _ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
-
-
 DEFAULT_HOOK_BODY = '{"version": {version}, "path": "{path}"}'
-
-
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # an HTTP token (RFC 9110)
 
 
@@ -60,6 +54,8 @@ class Identity:
 
 @dataclass(frozen=True)
 class StoreConfig:
+    """Where the daemon's store is and how it is reached: URL, S3 endpoint, retry policy."""
+
     url: str
     endpoint_url: str | None = None
     retry: RetryPolicy = field(default_factory=RetryPolicy)
@@ -69,11 +65,14 @@ class StoreConfig:
             raise UsageError("--store is empty")
 
     def options(self) -> dict:
+        """Keyword options for :func:`weightsync.store.open_store`."""
         return {"endpoint_url": self.endpoint_url} if self.endpoint_url else {}
 
 
 @dataclass(frozen=True)
 class LogConfig:
+    """Log format (``text`` or ``json``) and level."""
+
     json: bool = False
     level: str = "INFO"
 
@@ -95,11 +94,15 @@ class Backoff:
             raise UsageError("maximum backoff must be at least the base backoff")
 
     def delay(self, failures: int) -> float:
+        """Seconds to wait after ``failures`` consecutive failed iterations."""
         return 0.0 if failures <= 0 else min(self.maximum, self.base * 2.0 ** min(failures - 1, 32))
 
 
 @dataclass(frozen=True)
 class PublisherConfig:
+    """Everything the publisher daemon runs with, validated: the watched folder and marker, the
+    store, encoding, ranks, the API, logging and back-off."""
+
     store: StoreConfig
     watch_dir: Path
     state_dir: Path  # holds cache/ (the head version, a delta base of last resort)
@@ -173,6 +176,9 @@ class HookConfig:
 
 @dataclass(frozen=True)
 class SubscriberConfig:
+    """Everything the subscriber daemon runs with, validated: the target folder and slots, the store,
+    the version to follow, selection, standby refills, hooks, the API, logging and back-off."""
+
     store: StoreConfig
     target_dir: Path
     identity: Identity
@@ -204,4 +210,5 @@ class SubscriberConfig:
 
     @property
     def partial(self) -> bool:
+        """Whether the slots hold selected tensors only (``--include``/``--exclude``)."""
         return bool(self.include or self.exclude)

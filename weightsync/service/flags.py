@@ -33,11 +33,7 @@ from weightsync.sync.publish import PublishConfig
 
 # --- environment defaults (12-factor) --------------------------------------------------------------
 ENV_PREFIX = "WEIGHTSYNC_"
-
-
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
 LIST_SEPARATORS = {",": "comma-separated", os.pathsep: f"{os.pathsep!r}-separated like PATH", "\n": "one per line"}
 
 
@@ -78,6 +74,7 @@ class EnvParser(argparse.ArgumentParser):
     (:func:`env_argument`); the command line always wins. Subcommand parsers inherit the class."""
 
     def parse_known_args(self, args=None, namespace=None):
+        """As argparse's, then the environment defaults and their sources are resolved (see :func:`env_argument`)."""
         namespace, extras = super().parse_known_args(args, namespace)
         for action in self._actions:
             value = getattr(namespace, action.dest, None)
@@ -321,8 +318,6 @@ def _number_or(word: str, kind: type, noun: str, value_of_word):
 
 
 hold_arg = _number_or("never", float, "seconds", None)  # --standby-hold: seconds, or never (None)
-
-
 version_arg = _number_or("latest", int, "a version number", "latest")  # --version: N, or latest
 
 
@@ -382,6 +377,7 @@ def _folder(flag: str, value: str) -> Path:
 
 
 def default_id(folder: Path) -> str:
+    """A subscriber id when none is given: the host name and a hash of the target folder's path."""
     host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:64] or "host"
     return f"{host}-{xxhash.xxh3_64_hexdigest(str(folder.absolute()).encode())[:8]}"
 
@@ -401,6 +397,7 @@ def _commit_timeout(args) -> float:
 
 
 def publisher_config(args, environ: Mapping[str, str] = os.environ) -> PublisherConfig:
+    """The publisher daemon's :class:`PublisherConfig` from parsed flags and the environment."""
     watch = _folder(_source(args, "watch", "--watch"), args.watch)
     store_hash = xxhash.xxh3_64_hexdigest(str(args.store).encode())
     name = f"publisher-{store_hash}" + ("" if args.rank is None else f"-rank{args.rank}-of-{args.world}")  # ranks may share a host
@@ -456,6 +453,7 @@ def _hook(args, environ: Mapping[str, str]) -> HookConfig | None:
 
 
 def subscriber_config(args, environ: Mapping[str, str] = os.environ) -> SubscriberConfig:
+    """The subscriber daemon's :class:`SubscriberConfig` from parsed flags and the environment."""
     target = _folder(_source(args, "target", "--target"), args.target)
     return SubscriberConfig(
         store=_store(args),

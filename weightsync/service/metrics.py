@@ -22,17 +22,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from weightsync.store.retry import RETRY_OPS, RETRY_REASONS, retry_op, retry_reason
 
 PHASES = ("read", "diff", "encode", "upload", "commit")
-
-
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
-
-
 _PAUSE = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
-
-
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-
-
 ROLES = ("publisher", "subscriber", "mirror")
 
 

@@ -13,8 +13,6 @@ def _nullable(t: str | dict) -> dict:
 
 
 _VERSION = {"type": "integer", "minimum": 0, "maximum": MAX_VERSION}
-
-
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
 
 

@@ -10,14 +10,10 @@ from weightsync.errors import UsageError
 from weightsync.local.state import STATE_DIR, fsync_dir, write_json_atomic
 
 LATEST = "latest"
-
-
 Target = int | str  # a version, or "latest"
 
 
 _TARGET_FORMAT = "weightsync.subscriber-target"
-
-
 _REPAIR = "start with --version N to pin a version, or remove the file to follow the head"
 
 

@@ -19,6 +19,9 @@ FORMAT = "weightsync.fleet"
 
 @dataclass(frozen=True)
 class FleetRecord:
+    """One subscriber's record in the store: who it is, where, what it serves and targets, its state,
+    when it wrote this."""
+
     id: str
     region: str
     cluster: str
@@ -28,10 +31,12 @@ class FleetRecord:
     updated: float  # unix seconds
 
     def to_json(self) -> bytes:
+        """The record's stored document."""
         return json.dumps({"format": FORMAT, **asdict(self)}, sort_keys=True).encode()
 
 
 def record_key(subscriber_id: str) -> str:
+    """The store key of subscriber ``subscriber_id``'s record."""
     return check_key(f"{FLEET_PREFIX}{subscriber_id}.json")
 
 
@@ -45,6 +50,7 @@ def _version(v: object, what: str, allow: tuple = (None,)) -> int | str | None:
 
 
 def record_from_json(data: bytes, what: str) -> FleetRecord:
+    """Parse and validate a stored record (:class:`FormatError` if it does not parse)."""
     try:
         doc = json.loads(data)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deeply
@@ -65,6 +71,7 @@ def record_from_json(data: bytes, what: str) -> FleetRecord:
 
 
 def write_record(store: Store, record: FleetRecord) -> None:
+    """Overwrite the subscriber's record in the store."""
     store.put(record_key(record.id), record.to_json(), mode="overwrite")
 
 
@@ -110,6 +117,9 @@ def superseded_at(repo: Repo, version: int | None, versions: Iterable[int] | Non
 
 @dataclass(frozen=True)
 class FleetRow:
+    """One subscriber in the fleet view: its record's fields plus lag behind the head (versions),
+    staleness (seconds) and how long ago the record was written."""
+
     id: str
     region: str
     cluster: str

@@ -45,6 +45,9 @@ class MirrorConfig:
 
 @dataclass
 class MirrorResult:
+    """What a mirror run did, over all its passes: versions copied or already there, chunks copied or
+    touched, bytes, the heads seen, failed passes, seconds."""
+
     copied_versions: list[int] = field(default_factory=list)  # manifest written here, head moved to it
     skipped_versions: list[int] = field(default_factory=list)  # manifest already there, identical
     copied_chunks: int = 0  # chunk totals: counted as each chunk is done, in failed passes too
@@ -58,14 +61,8 @@ class MirrorResult:
 
 
 OnVersion = Callable[[int, int, int], None]  # (version, chunks copied, bytes copied)
-
-
 OnChunk = Callable[[bool, int], None]  # (copied: False if it was already there, the chunk's size)
-
-
 OnHeads = Callable[[int | None, int | None], None]  # (source head, destination head); None: no head yet
-
-
 OnPass = Callable[[MirrorResult], None]  # the running totals, after a pass that succeeded
 
 
