@@ -1,7 +1,7 @@
 """The package's layers import one way (docs/ARCHITECTURE.md): format <- codec <- store <- local <-
 sync <- service <- the demo and the command line, with torch/ on top (nothing imports it but the
-facade, lazily). Read from the source, every
-import counted (inside functions and TYPE_CHECKING blocks too: a lazy import is still a dependency)."""
+facade, lazily). Read from the source, every import counted (inside functions and TYPE_CHECKING
+blocks too: a lazy import is still a dependency)."""
 
 from __future__ import annotations
 
