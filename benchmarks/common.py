@@ -149,7 +149,7 @@ def parallel_seconds(fn: Callable[[T], object], items: list[T], threads: int, re
                      nbytes: Callable[[T], int] | None = None) -> float:
     """Fastest wall time over ``repeat`` runs of ``fn`` on every item, on a pool of ``threads``
     (one thread: a plain loop, without a pool's hand-offs). With ``nbytes`` (an item's tensor
-    bytes), on the daemons' own pool: ``weightsync.pipeline.ordered_map``, which hands small items
+    bytes), on the daemons' own pool: ``weightsync.sync.pipeline.ordered_map``, which hands small items
     to a worker in runs of ``TASK_BYTES``."""
     if threads <= 1:
         return best_of(lambda: [fn(item) for item in items], repeat=repeat)[1]

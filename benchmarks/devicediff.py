@@ -1,4 +1,4 @@
-"""Device-side diffing (weightsync.devicediff) against the host path of StateDictPublisher.
+"""Device-side diffing (weightsync.torch.device) against the host path of StateDictPublisher.
 
 A bf16 model of about 100M elements (``--elements``) is published once, then ``--steps`` times
 after ``--changed`` of its elements moved (mostly by one unit in the last place, as in RL

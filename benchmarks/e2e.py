@@ -4,7 +4,7 @@ swapped and verified", beside reading the checkpoint once from the page cache an
 the whole checkpoint with boto3 (full-copy sync), all measured in the same run.
 
 Per version N: the checkpoint's files appear in the publisher's watch folder as ``step_00000N/``
-(hard links to a cached copy written by :class:`weightsync.synth.SyntheticTrainer`, lr 1e-6, read
+(hard links to a cached copy written by :class:`weightsync.demo.SyntheticTrainer`, lr 1e-6, read
 once so they sit in the page cache as a trainer's fresh write would), then the ``COMPLETE`` marker
 is written last: that is t0. The publisher daemon diffs, encodes and uploads; both subscriber
 daemons pull into their standby slot (every checksum verified) and flip ``current``; a swap hook
@@ -289,7 +289,7 @@ def run(args: argparse.Namespace, ckpts: list[Path], work: Path) -> dict:
         subs = []
         for s in ("a", "b"):
             # the hook stands in for an inference server confirming that it loaded the new version,
-            # which releases the standby slot for an in-place refill (weightsync.slots)
+            # which releases the standby slot for an in-place refill (weightsync.service.slots)
             extra = ["--no-fsync"] if args.no_fsync else []
             extra += ["--hook-command", "true", "--standby-hold", args.standby_hold]
             subs.append(Daemon(f"subscriber-{s}", ["subscriber", *common, "--target", str(work / f"sub-{s}"), "--id", f"sub-{s}",

@@ -27,7 +27,7 @@ branch predictors): a lower bound, not what the first apply costs. "pause/load" 
 two by the ``load_state_dict`` time. A patch-mode replay re-runs the same scatters and copies (the
 same memory traffic; the values are already set). A flip-mode replay flips the changed tensors back
 to their previous storage and then forward again, under the lock, timing each of the two flips on
-its own, exactly as ``apply`` times its flip (the same :func:`weightsync.torch.point_to` call over
+its own, exactly as ``apply`` times its flip (the same :func:`weightsync.torch.sink.point_to` call over
 the same tensors); the model ends on the new version. The model is checked bit for bit against the
 last checkpoint at the end, in each mode.
 

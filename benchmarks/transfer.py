@@ -2,7 +2,7 @@
 ``upload_file`` / ``download_file`` of the same checkpoint files, and the time to sync a version as
 a delta versus as a full copy.
 
-The trajectory comes from :class:`weightsync.synth.SyntheticTrainer` (bf16, lr 1e-6): about
+The trajectory comes from :class:`weightsync.demo.SyntheticTrainer` (bf16, lr 1e-6): about
 1.05 GiB per checkpoint by default, ~70 MB with ``--quick``; it is cached in benchmarks/.cache.
 Every measured operation runs in a fresh subprocess that reports its own wall time (of the
 operation, not of Python's start) and peak RSS (VmHWM). weightsync and boto3 get the same

@@ -5,7 +5,7 @@
     python scripts/env_table.py --check   # exit 1 if docs/OPERATIONS.md is out of date
 
 Every flag of ``weightsync publisher``, ``subscriber``, ``mirror``, ``gc`` and ``fleet`` has a
-variable (``weightsync.config.env_argument``); ``tests/unit/test_env_config.py`` fails when the
+variable (``weightsync.service.flags.env_argument``); ``tests/unit/test_env_config.py`` fails when the
 committed table differs from this output.
 """
 

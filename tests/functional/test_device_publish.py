@@ -1,4 +1,4 @@
-"""In-process publishing with device-side diffs (weightsync.devicediff) on a file store.
+"""In-process publishing with device-side diffs (weightsync.torch.device) on a file store.
 
 CPU tensors here; the same code runs on CUDA tensors (the last test runs where CUDA is present).
 Every version is pulled back and compared byte for byte with a safetensors dump of the state dict,

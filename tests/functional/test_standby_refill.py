@@ -1,4 +1,4 @@
-"""When a subscriber daemon refills its standby slot in place (weightsync.slots): with a swap hook,
+"""When a subscriber daemon refills its standby slot in place (weightsync.service.slots): with a swap hook,
 only once the hook of the latest swap succeeded; without one, ``--standby-hold`` seconds after the
 swap. Before that its files are replaced by rename, so a reader of the previous version keeps its
 bytes. Every version served is verified byte for byte."""
