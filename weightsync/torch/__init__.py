@@ -1,7 +1,25 @@
-"""Every torch integration: hot swap into a live model, publishing from a state dict, device-side
-diffs. The only part of weightsync that imports torch."""
+"""Every torch integration: hot swap into a live model (sink.py), publishing from a state dict
+(state_dict.py), device-side diffs (device.py, hostpatch.py). The only part of weightsync that
+imports torch; this package's names import it on first use, so that the state-dict publisher
+(which needs torch only when it serializes) imports without it."""
 
-from weightsync.torch.device import DeviceDiffPublisher
-from weightsync.torch.sink import ApplyError, CoverageError, TorchSink
+from __future__ import annotations
 
-__all__ = ["ApplyError", "CoverageError", "DeviceDiffPublisher", "TorchSink"]
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from weightsync.torch.device import DeviceDiffPublisher
+    from weightsync.torch.sink import ApplyError, CoverageError, TorchSink
+
+_LAZY = {"ApplyError": "sink", "CoverageError": "sink", "TorchSink": "sink", "DeviceDiffPublisher": "device"}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    """The names of ``_LAZY``, imported when first asked for (PEP 562)."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"weightsync.torch.{_LAZY[name]}"), name)
+    globals()[name] = value
+    return value
