@@ -1,6 +1,6 @@
 """S3Store on a real SeaweedFS: what the shared contract cannot show.
 
-Races between processes, credentials, error mapping, file transfers, restarts. The contract
+Races between processes, credentials, error mapping, file transfers, incomplete uploads, restarts. The contract
 itself (tests/unit/test_store_contract.py) also runs against SeaweedFS.
 """
 
@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -211,6 +212,29 @@ def test_get_to_file_refuses_to_mix_versions(s3_url, tmp_path):
         store.get_to_file("blob", tmp_path / "blob")
     assert info.value.retryable is True
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.integration
+def test_sweep_incomplete_aborts_old_multipart_uploads_under_the_prefix(s3_url, seaweed):
+    """Uploads a killed writer (any client) left: aborted once old enough by the server's clock;
+    those of another prefix are not ours."""
+    bucket, prefix = s3_url[len("s3://") :].split("/", 1)
+    client = seaweed.client()
+    ours = client.create_multipart_upload(Bucket=bucket, Key=f"{prefix}/chunks/ab/ab12")["UploadId"]
+    client.upload_part(Bucket=bucket, Key=f"{prefix}/chunks/ab/ab12", UploadId=ours, PartNumber=1, Body=b"x")
+    theirs = client.create_multipart_upload(Bucket=bucket, Key=f"{prefix}-other/k")["UploadId"]
+    try:
+        with open_store(s3_url) as store:
+            store.put("chunks/ab/ab13", b"complete")
+            assert store.sweep_incomplete(3600.0) == []  # young: maybe in flight
+            time.sleep(1.1)
+            assert store.sweep_incomplete(0.0) == [f"chunks/ab/ab12 ({ours})"]
+            assert store.sweep_incomplete(0.0) == []
+            assert list(store.list()) == ["chunks/ab/ab13"]
+        uploads = client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", ())
+        assert [u["UploadId"] for u in uploads] == [theirs]
+    finally:
+        client.abort_multipart_upload(Bucket=bucket, Key=f"{prefix}-other/k", UploadId=theirs)
 
 
 def test_options_are_validated(fake_credentials):

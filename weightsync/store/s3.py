@@ -16,6 +16,11 @@ PUT conditionals are atomic, so ``put_if_match`` always uses one request (head p
 a large ``put(mode="create")`` is safe only where racing writers write the same bytes
 (content-addressed chunks).
 
+Ages: ``last_modified`` is the object's ``LastModified`` and :meth:`S3Store.now` the server's
+``Date``, both by the server's clock in whole seconds (an age can read up to ~2 s off).
+:meth:`S3Store.sweep_incomplete` aborts old unfinished multipart uploads under the prefix, ours
+or any other client's.
+
 Every :class:`StoreError` raised here carries ``retryable: bool`` (throttling, 5xx, timeouts,
 dropped connections, truncated bodies) for :class:`~weightsync.store.retry.RetryingStore`.
 No retries happen inside: botocore's own retries are off.
@@ -26,10 +31,12 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import fields
+from email.utils import parsedate_to_datetime
 from http import HTTPStatus
 from pathlib import Path
 from typing import TypeVar
@@ -41,7 +48,7 @@ import urllib3.exceptions
 from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError, IncompleteReadError
 
 from weightsync.errors import AlreadyExistsError, NotFoundError, PreconditionFailedError, StoreError, UsageError
-from weightsync.store.base import PutMode, Store, check_key
+from weightsync.store.base import ObjectMeta, PutMode, Store, check_key
 from weightsync.store.s3_client import MiB, S3Options, _make_client
 
 MAX_PARTS = 10_000
@@ -82,6 +89,13 @@ _CHECKSUM_FIELDS = tuple(
 
 T = TypeVar("T")
 ReadPart = Callable[[int, int], bytes]  # (offset, length) -> the bytes of one part
+
+
+def _server_now(response: dict) -> float:
+    """The server's clock (its ``Date`` header, whole seconds), so that ages do not depend on this
+    host's clock; this host's clock if the header is missing."""
+    date = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+    return parsedate_to_datetime(date).timestamp() if date else time.time()
 
 
 def _code_status(exc: ClientError) -> tuple[str, int]:
@@ -241,27 +255,78 @@ class S3Store(Store):
             self._client.put_object(**obj, Body=bytes(data), **condition)
 
     def head(self, key: str) -> int | None:
+        resp = self._head(key)
+        return None if resp is None else int(resp["ContentLength"])
+
+    def _head(self, key: str) -> dict | None:
+        """The ``head_object`` answer, or None if the object does not exist."""
         obj = self._obj(key)
         with self._errors("HEAD", key):
             try:
-                resp = self._client.head_object(**obj)
+                return self._client.head_object(**obj)
             except ClientError as exc:
                 if _code_status(exc)[1] == 404:
                     return None
                 raise
-        return int(resp["ContentLength"])
 
     def list(self, prefix: str = "") -> Iterator[str]:
-        keys: list[str] = []
+        # Sorted because not every server lists in order.
+        return iter(sorted(meta.key for meta in self.list_meta(prefix)))
+
+    def list_meta(self, prefix: str = "", *, offset: str | None = None) -> Iterator[ObjectMeta]:
+        """One ``list_objects_v2`` request per page, lazily; ``offset`` is ``StartAfter``.
+        Directory markers some servers list (keys ending in ``/``) are skipped."""
         skip = len(self._key_prefix)
-        with self._errors("LIST", prefix or "''"):
-            pages = self._client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.bucket, Prefix=self._key_prefix + prefix
-            )
-            for page in pages:
-                keys.extend(obj["Key"][skip:] for obj in page.get("Contents", ()))
-        # Skip directory markers some servers list; sort because not every server lists in order.
-        return iter(sorted(k for k in keys if k and not k.endswith("/")))
+        args = {"Bucket": self.bucket, "Prefix": self._key_prefix + prefix}
+        if offset is not None:
+            args["StartAfter"] = self._key_prefix + offset
+        while True:
+            with self._errors("LIST", prefix or "''"):
+                page = self._client.list_objects_v2(**args)
+            for obj in page.get("Contents", ()):
+                key = obj["Key"][skip:]
+                if key and not key.endswith("/"):
+                    yield ObjectMeta(key, int(obj["Size"]), obj["LastModified"].timestamp())
+            if not page.get("IsTruncated"):
+                return
+            args = {**args, "ContinuationToken": page["NextContinuationToken"]}
+
+    def head_meta(self, key: str) -> ObjectMeta | None:
+        resp = self._head(key)
+        if resp is None:
+            return None
+        return ObjectMeta(key, int(resp["ContentLength"]), resp["LastModified"].timestamp())
+
+    def now(self) -> float:
+        """The ``Date`` of a ``HeadBucket`` answer (whole seconds)."""
+        with self._errors("HEAD", "''"):
+            return _server_now(self._client.head_bucket(Bucket=self.bucket))
+
+    def sweep_incomplete(self, older_than: float) -> list[str]:
+        """Abort the multipart uploads under the store's prefix initiated at least ``older_than``
+        seconds ago by the server's clock (the bucket bills for their parts), whoever started them."""
+        removed: list[str] = []
+        args = {"Bucket": self.bucket, "Prefix": self._key_prefix}
+        skip = len(self._key_prefix)
+        while True:
+            with self._errors("LIST multipart uploads", "''"):
+                page = self._client.list_multipart_uploads(**args)
+            now = _server_now(page)
+            for upload in page.get("Uploads", ()):
+                if now - upload["Initiated"].timestamp() < older_than:
+                    continue
+                key, upload_id = upload["Key"], upload["UploadId"]
+                with self._errors("DELETE (abort multipart)", key[skip:]):
+                    try:
+                        self._client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+                    except ClientError as exc:
+                        if _code_status(exc)[0] != "NoSuchUpload" and _code_status(exc)[1] != 404:
+                            raise
+                        continue  # aborted or completed meanwhile
+                removed.append(f"{key[skip:]} ({upload_id})")
+            if not page.get("IsTruncated"):
+                return removed
+            args = {**args, "KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
 
     def touch(self, key: str) -> None:
         """Copy the object onto itself (new LastModified, no data through this client)."""
