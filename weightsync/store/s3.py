@@ -28,8 +28,6 @@ No retries happen inside: botocore's own retries are off.
 
 from __future__ import annotations
 
-import os
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -38,7 +36,6 @@ from contextlib import contextmanager
 from dataclasses import fields
 from email.utils import parsedate_to_datetime
 from http import HTTPStatus
-from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlsplit
 
@@ -49,10 +46,9 @@ from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError, Inc
 
 from weightsync.errors import AlreadyExistsError, NotFoundError, PreconditionFailedError, StoreError, UsageError
 from weightsync.store.base import ObjectMeta, PutMode, Store, check_key
-from weightsync.store.s3_client import MiB, S3Options, _make_client
+from weightsync.store.s3_client import S3Options, _make_client
 
 MAX_PARTS = 10_000
-_STREAM_BLOCK = MiB
 
 _CONFLICT_CODES = frozenset({"PreconditionFailed", "ConditionalRequestConflict"})
 _RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
@@ -354,47 +350,6 @@ class S3Store(Store):
 
     # -- large objects -----------------------------------------------------------------------
 
-    def put_file(
-        self, key: str, path: str | os.PathLike[str], *, mode: PutMode = "overwrite"
-    ) -> None:
-        """Upload a local file, multipart above ``multipart_threshold``.
-
-        Memory: at most ``max_parts_in_flight * part_size`` bytes of part buffers; small files
-        are streamed from disk by botocore.
-        """
-        conditions, conflict = self._put_conditions(mode)
-        obj = self._obj(key)
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size > self.options.multipart_threshold:
-                fd = f.fileno()
-                self._put_multipart(key, size, lambda off, n: os.pread(fd, n, off), mode)
-                return
-            with self._errors("PUT", key, conflict):
-                self._client.put_object(**obj, Body=f, **conditions)
-
-    def get_to_file(self, key: str, path: str | os.PathLike[str]) -> int:
-        """Download an object to ``path`` (temp file, then ``os.replace``); returns its size.
-
-        Parts of ``part_size`` are fetched in parallel, each pinned to the first response's ETag
-        (If-Match), so an object overwritten mid-download fails with a retryable error instead
-        of mixing versions. Memory: at most ``max_parts_in_flight`` MiB of stream buffers.
-        """
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        try:
-            try:
-                size = self._download(key, fd)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return size
-
     def _put_conditions(self, mode: str) -> tuple[dict[str, str], type[StoreError] | None]:
         if mode == "create":
             return {"IfNoneMatch": "*"}, AlreadyExistsError
@@ -442,46 +397,6 @@ class S3Store(Store):
 
         return upload
 
-    def _download(self, key: str, fd: int) -> int:
-        """First part alone (it tells the size and ETag), then the others in parallel."""
-        obj, part_size = self._obj(key), self.options.part_size
-        with self._errors("GET", key):
-            try:
-                resp = self._client.get_object(**obj, Range=f"bytes=0-{part_size - 1}")
-            except ClientError as exc:
-                if _code_status(exc)[1] != 416:
-                    raise
-                resp = self._client.get_object(**obj)  # a 0-byte object: no range fits
-            _stream_to(resp["Body"], fd, 0)
-        if "ContentRange" not in resp:  # the whole object came back
-            return int(resp["ContentLength"])
-        total = int(resp["ContentRange"].rsplit("/", 1)[1])
-        jobs = (
-            self._range_job(key, resp["ETag"], fd, offset, min(part_size, total - offset))
-            for offset in range(part_size, total, part_size)
-        )
-        self._run_bounded(jobs)
-        return total
-
-    def _range_job(self, key, etag, fd, offset, length) -> Callable[[], None]:
-        def fetch() -> None:
-            byte_range = f"bytes={offset}-{offset + length - 1}"
-            with self._errors("GET", key):
-                try:
-                    resp = self._client.get_object(**self._obj(key), IfMatch=etag, Range=byte_range)
-                except ClientError as exc:
-                    if _code_status(exc)[1] != 412:
-                        raise
-                    changed = self._error("GET", key, "object changed during download")
-                    changed.retryable = True
-                    raise changed from exc
-                written = _stream_to(resp["Body"], fd, offset)
-            if written != length:
-                short = f"{byte_range}: got {written} of {length} bytes"
-                raise self._error("GET", key, short, retryable=True, reason="truncated")
-
-        return fetch
-
     def _executor(self) -> ThreadPoolExecutor:
         with self._pool_lock:
             if self._pool is None:
@@ -524,14 +439,3 @@ class S3Store(Store):
             wait(futures)
         return [future.result() for future in futures]
 
-
-def _stream_to(body, fd: int, offset: int) -> int:
-    """Copy a botocore streaming body to ``fd`` at ``offset`` in 1 MiB blocks; bytes written."""
-    written = 0
-    while block := body.read(_STREAM_BLOCK):
-        view = memoryview(block)
-        while view:
-            n = os.pwrite(fd, view, offset + written)
-            view = view[n:]
-            written += n
-    return written
