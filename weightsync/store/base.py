@@ -90,12 +90,14 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def list_meta(self, prefix: str = "", *, offset: str | None = None) -> Iterator[ObjectMeta]:
         """:class:`ObjectMeta` of every object whose key starts with ``prefix`` and, when
-        ``offset`` is given, sorts after ``offset`` (so that a listing cut short can resume from
-        the last key it gave).
+        ``offset`` is given, comes after ``offset`` in the listing's order (so that a listing cut
+        short can resume after the last key it gave: every key once).
 
-        Keys come in lexicographic order (S3: the server's listing order, which the S3 API
-        defines as lexicographic for the ASCII keys :func:`check_key` allows). The listing may be lazy (S3: one request per page), so
-        errors can surface while iterating; an object deleted while listed may be left out.
+        The order is the store's own: lexicographic for the memory and file stores and on AWS S3,
+        but an S3-compatible server may differ (SeaweedFS lists a folder's objects where the
+        folder's name sorts, ``a/b`` before ``a-b``); :meth:`list` is always sorted. The listing
+        may be lazy (S3: one request per page), so errors can surface while iterating; an object
+        deleted while listed may be left out.
         """
 
     @abc.abstractmethod

@@ -270,8 +270,8 @@ class S3Store(Store):
         return iter(sorted(meta.key for meta in self.list_meta(prefix)))
 
     def list_meta(self, prefix: str = "", *, offset: str | None = None) -> Iterator[ObjectMeta]:
-        """One ``list_objects_v2`` request per page, lazily; ``offset`` is ``StartAfter``.
-        Directory markers some servers list (keys ending in ``/``) are skipped."""
+        """One ``list_objects_v2`` request per page, lazily, in the server's order; ``offset`` is
+        ``StartAfter``. Directory markers some servers list (keys ending in ``/``) are skipped."""
         skip = len(self._key_prefix)
         args = {"Bucket": self.bucket, "Prefix": self._key_prefix + prefix}
         if offset is not None:
