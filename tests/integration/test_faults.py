@@ -312,7 +312,7 @@ def test_disk_full_on_the_subscriber_is_a_clear_error_and_current_keeps_serving(
 
 @S3
 def test_gc_retries_its_own_s3_reads(s3_url, proxy, tmp_path):
-    """gc reads object ages with LIST pages and HEADs of its own (not through the Store protocol);
+    """gc reads object ages with LIST pages and HEADs (the protocol's list_meta and head_meta);
     those are retried like every other store read, so throttling does not fail a gc run."""
     from weightsync.sync.gc import GcConfig, gc
 

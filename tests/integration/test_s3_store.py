@@ -1,15 +1,15 @@
 """S3Store on a real SeaweedFS: what the shared contract cannot show.
 
-Races between processes, credentials, error mapping, file transfers, restarts. The contract
+Races between processes, credentials, error mapping, incomplete uploads, restarts. The contract
 itself (tests/unit/test_store_contract.py) also runs against SeaweedFS.
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +21,6 @@ from weightsync.store.retry import RetryingStore, RetryPolicy
 from weightsync.store.s3 import S3Options, S3Store
 
 MiB = 1 << 20
-SMALL_PARTS = {"multipart_threshold": 6 * MiB, "part_size": 5 * MiB, "max_parts_in_flight": 2}
 REPO = Path(__file__).resolve().parents[2]
 
 # A racer: reads "key tag payload" lines, tries put_if_match, answers "win" or "lost".
@@ -173,44 +172,26 @@ def test_endpoint_option_and_localhost_endpoint(s3_env, s3_url, monkeypatch):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("size", [0, 1, 5 * MiB, 11 * MiB + 7])
-def test_put_file_and_get_to_file(s3_url, tmp_path, size):
-    data = os.urandom(size)
-    source = tmp_path / "source.bin"
-    source.write_bytes(data)
-    with open_store(s3_url, **SMALL_PARTS) as store:
-        store.put_file("files/blob", source, mode="create")
-        assert store.head("files/blob") == size
-        target = tmp_path / "out" / "blob.bin"
-        assert store.get_to_file("files/blob", target) == size
-    assert target.read_bytes() == data
-    assert sorted(p.name for p in target.parent.iterdir()) == ["blob.bin"]
-
-
-@pytest.mark.integration
-def test_get_to_file_missing_leaves_nothing(s3_url, tmp_path):
-    with pytest.raises(NotFoundError):
-        open_store(s3_url).get_to_file("nope", tmp_path / "x")
-    assert list(tmp_path.iterdir()) == []
-
-
-class _OverwriteMidDownload(S3Store):
-    """Overwrites the object after the first part was read, as a concurrent publisher would."""
-
-    def _range_job(self, key, etag, fd, offset, length):
-        self.put(key, b"new version" * MiB)
-        return super()._range_job(key, etag, fd, offset, length)
-
-
-@pytest.mark.integration
-def test_get_to_file_refuses_to_mix_versions(s3_url, tmp_path):
+def test_sweep_incomplete_aborts_old_multipart_uploads_under_the_prefix(s3_url, seaweed):
+    """Uploads a killed writer (any client) left: aborted once old enough by the server's clock;
+    those of another prefix are not ours."""
     bucket, prefix = s3_url[len("s3://") :].split("/", 1)
-    store = _OverwriteMidDownload(bucket, prefix, S3Options(**SMALL_PARTS))
-    store.put("blob", os.urandom(11 * MiB))
-    with pytest.raises(StoreError, match="changed during download") as info:
-        store.get_to_file("blob", tmp_path / "blob")
-    assert info.value.retryable is True
-    assert list(tmp_path.iterdir()) == []
+    client = seaweed.client()
+    ours = client.create_multipart_upload(Bucket=bucket, Key=f"{prefix}/chunks/ab/ab12")["UploadId"]
+    client.upload_part(Bucket=bucket, Key=f"{prefix}/chunks/ab/ab12", UploadId=ours, PartNumber=1, Body=b"x")
+    theirs = client.create_multipart_upload(Bucket=bucket, Key=f"{prefix}-other/k")["UploadId"]
+    try:
+        with open_store(s3_url) as store:
+            store.put("chunks/ab/ab13", b"complete")
+            assert store.sweep_incomplete(3600.0) == []  # young: maybe in flight
+            time.sleep(1.1)
+            assert store.sweep_incomplete(0.0) == [f"chunks/ab/ab12 ({ours})"]
+            assert store.sweep_incomplete(0.0) == []
+            assert list(store.list()) == ["chunks/ab/ab13"]
+        uploads = client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", ())
+        assert [u["UploadId"] for u in uploads] == [theirs]
+    finally:
+        client.abort_multipart_upload(Bucket=bucket, Key=f"{prefix}-other/k", UploadId=theirs)
 
 
 def test_options_are_validated(fake_credentials):

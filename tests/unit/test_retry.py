@@ -72,6 +72,22 @@ class FaultyStore(Store):
     def delete(self, key):
         return self._do("delete", key, lambda: self.inner.delete(key))
 
+    def list_meta(self, prefix="", *, offset=None):
+        """Lazy, so that a scripted fault can strike mid-listing: ``fail("list_meta_item", ...)``
+        scripts the items (a fault before an item loses it, as a lost page would)."""
+        yield from self._do("list_meta", prefix, lambda: iter(()))
+        for meta in self.inner.list_meta(prefix, offset=offset):
+            yield self._do("list_meta_item", meta.key, lambda meta=meta: meta)
+
+    def head_meta(self, key):
+        return self._do("head_meta", key, lambda: self.inner.head_meta(key))
+
+    def now(self):
+        return self._do("now", "", self.inner.now)
+
+    def sweep_incomplete(self, older_than):
+        return self._do("sweep_incomplete", "", lambda: self.inner.sweep_incomplete(older_than))
+
 
 class Recorder:
     """Collects sleeps and on_retry calls instead of waiting."""
@@ -125,6 +141,10 @@ def test_transient_failures_are_retried(faulty, rec):
         ("list", lambda s: list(s.list("")), ["k"]),
         ("put", lambda s: s.put("k2", b"x"), None),
         ("delete", lambda s: s.delete("k"), None),
+        ("list_meta", lambda s: [m.key for m in s.list_meta()], ["k"]),
+        ("head_meta", lambda s: s.head_meta("k").size, 5),
+        ("now", lambda s: type(s.now()), float),
+        ("sweep_incomplete", lambda s: s.sweep_incomplete(0.0), []),
     ],
 )
 def test_every_operation_retries(faulty, rec, op, call, expected):
@@ -138,6 +158,26 @@ def test_list_failure_while_paging_is_retried(faulty, rec):
     store = retrying(faulty, rec)
     faulty.fail("list", AFTER)  # the inner call ran, then its results were lost
     assert list(store.list()) == ["k"]
+
+
+def test_list_meta_failure_mid_listing_resumes_after_the_last_key(faulty, rec):
+    for key in ("a", "b", "c", "d"):  # and the fixture's "k"
+        faulty.inner.put(key, b"x")
+    store = retrying(faulty, rec, attempts=2)
+    listing = store.list_meta()
+    assert next(listing).key == "a"
+    faulty.fail("list_meta_item", None, BEFORE, None, BEFORE)  # b, c lost; resumed: c, d lost; resumed
+    assert [m.key for m in listing] == ["b", "c", "d", "k"]  # every key once, in order
+    assert len(rec.retries) == 2  # attempts count afresh after each key: 2 attempts were enough
+    assert faulty.calls["list_meta"] == 3  # resumed twice (offset: the last key given)
+
+
+def test_list_meta_gives_up_without_progress(faulty, rec):
+    store = retrying(faulty, rec, attempts=3)
+    faulty.fail("list_meta", BEFORE, BEFORE, BEFORE)
+    with pytest.raises(StoreError, match="LIST : gave up after 3 attempts") as info:
+        list(store.list_meta())
+    assert not is_retryable(info.value) and len(rec.retries) == 2
 
 
 @pytest.mark.parametrize(

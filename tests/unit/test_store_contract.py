@@ -6,12 +6,14 @@ quirk belongs in that backend, not in its callers.
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 
 import pytest
 
 from weightsync.errors import AlreadyExistsError, NotFoundError, PreconditionFailedError, StoreError
-from weightsync.store import FileStore, MemoryStore, open_store
+from weightsync.store import FileStore, MemoryStore, ObjectMeta, open_store
 from weightsync.store.retry import RetryingStore, RetryPolicy
 
 MiB = 1 << 20
@@ -102,6 +104,7 @@ def test_invalid_keys_rejected(store, key):
         lambda: store.get(key),
         lambda: store.get_range(key, 0, 1),
         lambda: store.head(key),
+        lambda: store.head_meta(key),
         lambda: store.delete(key),
         lambda: store.put_if_match(key, b"x", None),
     ):
@@ -246,6 +249,110 @@ def test_delete_is_idempotent(store):
     with pytest.raises(NotFoundError):
         store.get("d/x")
     assert list(store.list("d/")) == ["d/y"]
+
+
+# -- object metadata, the store's clock, incomplete writes (what retention needs) ----------------
+
+# How far apart the store's clock and the timestamps it writes may read: S3 has whole seconds.
+CLOCK_SLACK = 5.0
+
+
+def test_list_meta(store):
+    # no empty object here: on SeaweedFS 4.48 a PUT after an empty PUT on one connection times out
+    sizes = {"a/b/c": 3, "a/bc": 4, "a-b": 1, "ab": 7, "chunks/ab/ab12": 12, "z": 2}
+    for key, size in sizes.items():
+        store.put(key, b"x" * size)
+    before = store.now()
+    metas = list(store.list_meta())  # the store's order: lexicographic but on some S3 servers
+    assert all(isinstance(m, ObjectMeta) for m in metas)
+    assert sorted((m.key, m.size) for m in metas) == sorted(sizes.items())
+    assert sorted(m.key for m in metas) == list(store.list())
+    assert sorted(m.key for m in store.list_meta("a/")) == ["a/b/c", "a/bc"]
+    assert list(store.list_meta("nothing")) == []
+    # offset: what comes after a key the listing gave, in the same order (how a listing resumes)
+    keys = [m.key for m in metas]
+    for i, key in enumerate(keys):
+        assert [m.key for m in store.list_meta(offset=key)] == keys[i + 1 :]
+    assert [m.key for m in store.list_meta("a/", offset="a/b/c")] == ["a/bc"]
+    # last_modified: by the store's clock, close to now(), or None where the backend keeps no times
+    kept = {m.last_modified is None for m in metas}
+    assert len(kept) == 1
+    if kept == {False}:
+        assert all(-CLOCK_SLACK < before - m.last_modified < 60 for m in metas)
+
+
+def test_list_meta_of_an_empty_store(store):
+    assert list(store.list_meta()) == []
+    assert list(store.list_meta("x/", offset="x/a")) == []
+
+
+def test_head_meta(store):
+    store.put("h/x", b"12345")
+    meta = store.head_meta("h/x")
+    assert meta is not None and (meta.key, meta.size) == ("h/x", 5)
+    assert meta == next(iter(store.list_meta("h/")))
+    assert store.head_meta("h/nope") is None
+    store.delete("h/x")
+    assert store.head_meta("h/x") is None
+
+
+def test_now_is_a_clock(store):
+    first = store.now()
+    assert isinstance(first, float)
+    assert abs(first - time.time()) < CLOCK_SLACK  # the test's server runs on this host
+    assert store.now() >= first - 1.0  # whole seconds on S3
+
+
+def test_touch_refreshes_last_modified(store):
+    store.put("t/old", b"payload")
+    before = store.head_meta("t/old").last_modified
+    store.touch("t/old")
+    after = store.head_meta("t/old").last_modified
+    assert (before is None) == (after is None)
+    if after is not None:
+        assert after >= before and abs(store.now() - after) < CLOCK_SLACK
+
+
+def test_sweep_incomplete_never_touches_objects(store):
+    for key in ("chunks/ab/ab12", "versions/x", "parts/1/p"):
+        store.put(key, b"complete")
+    assert store.sweep_incomplete(3600.0) == []
+    assert store.sweep_incomplete(0.0) == []
+    assert list(store.list()) == ["chunks/ab/ab12", "parts/1/p", "versions/x"]
+
+
+def test_file_store_sweeps_old_temporary_files(tmp_path):
+    store = FileStore(tmp_path / "store", fsync=False)
+    store.put("chunks/00/00ab", b"chunk")
+    old = time.time() - 7200
+    leftovers = {"chunks/00/.tmp-old": old, ".tmp-root": old, "chunks/00/.tmp-young": time.time()}
+    for rel, mtime in leftovers.items():
+        path = tmp_path / "store" / rel
+        path.write_bytes(b"half a chunk")
+        os.utime(path, (mtime, mtime))
+    assert list(store.list()) == ["chunks/00/00ab"]  # temporary files are not objects
+    assert store.sweep_incomplete(3600.0) == [".tmp-root", "chunks/00/.tmp-old"]
+    assert not (tmp_path / "store" / "chunks/00/.tmp-old").exists()
+    assert (tmp_path / "store" / "chunks/00/.tmp-young").exists()  # maybe a write in flight
+    assert store.sweep_incomplete(3600.0) == []
+    assert store.sweep_incomplete(0.0) == ["chunks/00/.tmp-young"]
+    assert store.get("chunks/00/00ab") == b"chunk"
+
+
+def test_file_store_delete_removes_the_folders_it_empties(tmp_path):
+    root = tmp_path / "store"
+    store = FileStore(root, fsync=False)
+    store.put("parts/1/a", b"1")
+    store.put("parts/1/b", b"2")
+    store.put("parts/2/a", b"3")
+    store.delete("parts/1/a")
+    assert (root / "parts" / "1").is_dir()  # not empty yet
+    store.delete("parts/1/b")
+    assert not (root / "parts" / "1").exists() and (root / "parts" / "2").is_dir()
+    store.delete("parts/2/a")
+    assert not (root / "parts").exists() and root.is_dir()  # never the root
+    store.put("parts/2/a", b"again")  # the folders come back with the next write
+    assert store.get("parts/2/a") == b"again"
 
 
 def test_pattern_is_binary():

@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from weightsync.errors import UsageError
-from weightsync.store.base import Store, check_key
+from weightsync.store.base import ObjectMeta, Store, check_key
 from weightsync.store.file import FileStore
 from weightsync.store.memory import MemoryStore
 
-__all__ = ["Store", "FileStore", "MemoryStore", "open_store", "check_key"]
+__all__ = ["Store", "ObjectMeta", "FileStore", "MemoryStore", "open_store", "check_key"]
 
 
 def open_store(url: str | Path, **options) -> Store:

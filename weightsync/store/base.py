@@ -2,6 +2,12 @@
 
 Every backend (memory, file, s3) implements :class:`Store`; wrappers (retries, fault injection)
 implement it too. Keys are ``/``-separated relative paths such as ``chunks/ab/ab12...``.
+
+Retention (:mod:`weightsync.sync.gc`) needs object ages and a sweep of what crashed writers left;
+the protocol offers them in the manner of obstore's ``list``/``head``: :meth:`Store.list_meta` and
+:meth:`Store.head_meta` give :class:`ObjectMeta` (``last_modified`` by the store's own clock),
+:meth:`Store.now` reads that clock, and :meth:`Store.sweep_incomplete` removes old incomplete
+writes.
 """
 
 from __future__ import annotations
@@ -9,6 +15,7 @@ from __future__ import annotations
 import abc
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -24,6 +31,21 @@ def check_key(key: str) -> str:
     if not _KEY_RE.fullmatch(key) or any(part in (".", "..") for part in key.split("/")):
         raise StoreError(f"invalid store key {key!r}", key=key)
     return key
+
+
+@dataclass(frozen=True)
+class ObjectMeta:
+    """One object as a listing sees it.
+
+    ``last_modified``: when the object was last written or touched, in seconds since the epoch by
+    the clock of the store (an S3 server's, not this host's: compare it with :meth:`Store.now`
+    only), or ``None`` where the backend keeps no times (memory). Its resolution is the backend's
+    (whole seconds on S3).
+    """
+
+    key: str
+    size: int
+    last_modified: float | None
 
 
 class Store(abc.ABC):
@@ -64,6 +86,41 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def list(self, prefix: str = "") -> Iterator[str]:
         """Keys that start with ``prefix``, in lexicographic order."""
+
+    @abc.abstractmethod
+    def list_meta(self, prefix: str = "", *, offset: str | None = None) -> Iterator[ObjectMeta]:
+        """:class:`ObjectMeta` of every object whose key starts with ``prefix`` and, when
+        ``offset`` is given, comes after ``offset`` in the listing's order (so that a listing cut
+        short can resume after the last key it gave: every key once).
+
+        The order is the store's own: lexicographic for the memory and file stores and on AWS S3,
+        but an S3-compatible server may differ (SeaweedFS lists a folder's objects where the
+        folder's name sorts, ``a/b`` before ``a-b``); :meth:`list` is always sorted. The listing
+        may be lazy (S3: one request per page), so errors can surface while iterating; an object
+        deleted while listed may be left out.
+        """
+
+    @abc.abstractmethod
+    def head_meta(self, key: str) -> ObjectMeta | None:
+        """:class:`ObjectMeta` of one object read now (one request), or ``None`` if it does not
+        exist."""
+
+    @abc.abstractmethod
+    def now(self) -> float:
+        """The current time, in seconds since the epoch, by the clock that stamps
+        ``last_modified`` (an S3 server's ``Date``: one request), so that ``now() - last_modified``
+        is an object's age whatever this host's clock says. The local clock where the store is
+        local."""
+
+    @abc.abstractmethod
+    def sweep_incomplete(self, older_than: float) -> list[str]:
+        """Remove what writers killed mid-write left behind, once at least ``older_than`` seconds
+        old by the store's clock (younger ones may belong to a write in flight): a file store's
+        temporary files, an S3 bucket's unfinished multipart uploads under the store's prefix
+        (whoever started them). Objects are never touched. Returns what was removed, one entry
+        per leftover, each naming it (a path relative to the store, or ``key (upload id)``);
+        ``[]`` where a backend leaves nothing (memory). Removing a leftover that is already gone
+        is not an error."""
 
     @abc.abstractmethod
     def delete(self, key: str) -> None:

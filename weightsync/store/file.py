@@ -3,6 +3,13 @@
 Each key is a file under the root. Writes go to a temporary file in the same directory, are
 fsynced, then linked (create) or renamed (overwrite) into place, so a reader sees the old object or
 the new one. Conditional updates hold an exclusive ``flock`` on ``<root>/.lock``.
+
+Ages are the files' modification times by this host's clock. A writer killed mid-write leaves its
+``.tmp-*`` file; :meth:`FileStore.sweep_incomplete` removes the old ones. A delete that empties a
+folder removes it, and the folders above it that it empties, up to the root (as obstore's
+``LocalFileSystem`` with automatic cleanup): a store keeps a folder per multi-rank version under
+``parts/``. A writer whose folder is removed between its ``mkdir`` and its temporary file makes
+the folder again.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ import errno
 import fcntl
 import os
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,7 +26,10 @@ from pathlib import Path
 import xxhash
 
 from weightsync.errors import AlreadyExistsError, NotFoundError, PreconditionFailedError, StoreError
-from weightsync.store.base import PutMode, Store, check_key
+from weightsync.store.base import ObjectMeta, PutMode, Store, check_key
+
+_TEMP_PREFIX = ".tmp-"
+_MKDIR_TRIES = 8  # a concurrent delete may remove an emptied folder between mkdir and mkstemp
 
 
 class FileStore(Store):
@@ -48,8 +59,14 @@ class FileStore(Store):
             return os.pread(f.fileno(), length, start)
 
     def _write_temp(self, path: Path, data: bytes | memoryview) -> str:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        for attempt in range(1, _MKDIR_TRIES + 1):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_TEMP_PREFIX)
+                break
+            except FileNotFoundError:  # the folder was emptied and removed by a delete meanwhile
+                if attempt == _MKDIR_TRIES:
+                    raise
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
@@ -127,14 +144,69 @@ class FileStore(Store):
             )
         return iter(sorted(keys))
 
-    def delete(self, key: str) -> None:
+    def list_meta(self, prefix: str = "", *, offset: str | None = None) -> Iterator[ObjectMeta]:
+        for key in self.list(prefix):
+            if offset is not None and key <= offset:
+                continue
+            try:
+                st = self._path(key).stat()
+            except FileNotFoundError:
+                continue  # deleted since the walk
+            except OSError as exc:
+                raise StoreError(f"{self.url}: {key}: {exc.strerror}", key=key) from exc
+            yield ObjectMeta(key, st.st_size, st.st_mtime)
+
+    def head_meta(self, key: str) -> ObjectMeta | None:
         try:
-            os.unlink(self._path(key))
+            st = self._path(key).stat()
         except FileNotFoundError:
-            pass
+            return None
+        except OSError as exc:
+            raise StoreError(f"{self.url}: {key}: {exc.strerror}", key=key) from exc
+        return ObjectMeta(key, st.st_size, st.st_mtime)
+
+    def now(self) -> float:
+        return time.time()
+
+    def sweep_incomplete(self, older_than: float) -> list[str]:
+        """Temporary files (``.tmp-*``) anywhere under the root, by modification time."""
+        removed: list[str] = []
+        now = time.time()
+        for dirpath, _, filenames in os.walk(self.root):
+            for name in filenames:
+                if not name.startswith(_TEMP_PREFIX):
+                    continue
+                path = os.path.join(dirpath, name)
+                try:
+                    if now - os.stat(path).st_mtime >= older_than:
+                        os.unlink(path)
+                        removed.append(os.path.relpath(path, self.root).replace(os.sep, "/"))
+                except FileNotFoundError:
+                    pass  # renamed into place, or removed by another sweep
+                except OSError as exc:
+                    raise StoreError(f"{self.url}: sweep {path}: {exc.strerror}") from exc
+        return sorted(removed)
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return
         except OSError as exc:
             if exc.errno != errno.ENOENT:
                 raise StoreError(f"{self.url}: {key}: {exc.strerror}", key=key) from exc
+            return
+        self._remove_empty_folders(path.parent)
+
+    def _remove_empty_folders(self, folder: Path) -> None:
+        """``folder`` and its parents below the root, while they are empty."""
+        while folder != self.root and self.root in folder.parents:
+            try:
+                folder.rmdir()
+            except OSError:
+                return  # not empty (or already gone): a sibling, or a write since
+            folder = folder.parent
 
     def touch(self, key: str) -> None:
         with self._errors(key):

@@ -1,14 +1,19 @@
-"""An in-process store, for tests and for wrapping in fault injectors."""
+"""An in-process store, for tests and for wrapping in fault injectors.
+
+It keeps no modification times (``last_modified`` is ``None``), so retention treats its objects
+as young; writes are whole dict assignments, so nothing is ever left incomplete.
+"""
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import xxhash
 
 from weightsync.errors import AlreadyExistsError, NotFoundError, PreconditionFailedError
-from weightsync.store.base import PutMode, Store, check_key
+from weightsync.store.base import ObjectMeta, PutMode, Store, check_key
 
 _NAMED: dict[str, MemoryStore] = {}
 _NAMED_LOCK = threading.Lock()
@@ -70,6 +75,24 @@ class MemoryStore(Store):
         with self._lock:
             keys = sorted(k for k in self._objects if k.startswith(prefix))
         return iter(keys)
+
+    def list_meta(self, prefix: str = "", *, offset: str | None = None) -> Iterator[ObjectMeta]:
+        with self._lock:
+            found = sorted(
+                (k, len(v)) for k, v in self._objects.items()
+                if k.startswith(prefix) and (offset is None or k > offset)
+            )
+        return iter([ObjectMeta(k, size, None) for k, size in found])
+
+    def head_meta(self, key: str) -> ObjectMeta | None:
+        size = self.head(key)
+        return None if size is None else ObjectMeta(key, size, None)
+
+    def now(self) -> float:
+        return time.time()
+
+    def sweep_incomplete(self, older_than: float) -> list[str]:
+        return []
 
     def delete(self, key: str) -> None:
         with self._lock:

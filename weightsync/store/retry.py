@@ -13,6 +13,9 @@ RetryingStore does not hide this, because only the caller knows what success mea
 the conflict unchanged but sets ``exc.ambiguous = True`` (the conflict came after a failed
 attempt, so it may be our own write). For content-addressed chunks an AlreadyExists is success
 either way; a head-pointer update should re-read the head and compare it with what it wrote.
+
+A lazy listing (:meth:`RetryingStore.list_meta`) is retried where it failed: it resumes after the
+last key it gave (the protocol's ``offset``), and its attempts count afresh after each key.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from pathlib import Path
 from typing import Literal, TypeVar
 
 from weightsync.errors import AlreadyExistsError, PreconditionFailedError, StoreError, UsageError
-from weightsync.store.base import PutMode, Store
+from weightsync.store.base import ObjectMeta, PutMode, Store
 
 T = TypeVar("T")
 OnRetry = Callable[[str, str, StoreError], None]
@@ -108,7 +111,7 @@ class RetryingStore(Store):
         self._rng = rng or random.Random()
 
     def call(self, op: str, key: str, fn: Callable[[], T]) -> T:
-        """``fn()`` with this store's retries (for reads a wrapper cannot express, such as object ages)."""
+        """``fn()`` with this store's retries; ``op`` and ``key`` name it in errors and ``on_retry``."""
         attempt = 1
         while True:
             try:
@@ -157,6 +160,37 @@ class RetryingStore(Store):
     def list(self, prefix: str = "") -> Iterator[str]:
         # Materialise inside the retry, so that a failure while paging is retried too.
         return iter(self.call("LIST", prefix, lambda: list(self.inner.list(prefix))))
+
+    def list_meta(self, prefix: str = "", *, offset: str | None = None) -> Iterator[ObjectMeta]:
+        """The inner listing, lazily; a retryable failure while iterating resumes it after the
+        last key given (every key once, in order)."""
+        attempt, last = 1, offset
+        while True:
+            try:
+                for meta in self.inner.list_meta(prefix, offset=last):
+                    yield meta
+                    last, attempt = meta.key, 1
+                return
+            except StoreError as exc:
+                if not is_retryable(exc):
+                    raise
+                if attempt >= self.policy.attempts:
+                    raise self._gave_up("LIST", prefix, attempt, exc) from exc
+                if self._on_retry is not None:
+                    self._on_retry("LIST", prefix, exc)
+                self._sleep(self.policy.delay(attempt, self._rng))
+                attempt += 1
+
+    def head_meta(self, key: str) -> ObjectMeta | None:
+        return self.call("HEAD", key, lambda: self.inner.head_meta(key))
+
+    def now(self) -> float:
+        return self.call("HEAD", "", self.inner.now)
+
+    def sweep_incomplete(self, older_than: float) -> list[str]:
+        """Retried as a whole (a sweep is idempotent; what an attempt that failed removed is not
+        in the answer)."""
+        return self.call("DELETE", "", lambda: self.inner.sweep_incomplete(older_than))
 
     def delete(self, key: str) -> None:
         return self.call("DELETE", key, lambda: self.inner.delete(key))

@@ -16,6 +16,11 @@ PUT conditionals are atomic, so ``put_if_match`` always uses one request (head p
 a large ``put(mode="create")`` is safe only where racing writers write the same bytes
 (content-addressed chunks).
 
+Ages: ``last_modified`` is the object's ``LastModified`` and :meth:`S3Store.now` the server's
+``Date``, both by the server's clock in whole seconds (an age can read up to ~2 s off).
+:meth:`S3Store.sweep_incomplete` aborts old unfinished multipart uploads under the prefix, ours
+or any other client's.
+
 Every :class:`StoreError` raised here carries ``retryable: bool`` (throttling, 5xx, timeouts,
 dropped connections, truncated bodies) for :class:`~weightsync.store.retry.RetryingStore`.
 No retries happen inside: botocore's own retries are off.
@@ -23,15 +28,14 @@ No retries happen inside: botocore's own retries are off.
 
 from __future__ import annotations
 
-import os
-import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import fields
+from email.utils import parsedate_to_datetime
 from http import HTTPStatus
-from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlsplit
 
@@ -41,11 +45,10 @@ import urllib3.exceptions
 from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError, IncompleteReadError
 
 from weightsync.errors import AlreadyExistsError, NotFoundError, PreconditionFailedError, StoreError, UsageError
-from weightsync.store.base import PutMode, Store, check_key
-from weightsync.store.s3_client import MiB, S3Options, _make_client
+from weightsync.store.base import ObjectMeta, PutMode, Store, check_key
+from weightsync.store.s3_client import S3Options, _make_client
 
 MAX_PARTS = 10_000
-_STREAM_BLOCK = MiB
 
 _CONFLICT_CODES = frozenset({"PreconditionFailed", "ConditionalRequestConflict"})
 _RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
@@ -82,6 +85,13 @@ _CHECKSUM_FIELDS = tuple(
 
 T = TypeVar("T")
 ReadPart = Callable[[int, int], bytes]  # (offset, length) -> the bytes of one part
+
+
+def _server_now(response: dict) -> float:
+    """The server's clock (its ``Date`` header, whole seconds), so that ages do not depend on this
+    host's clock; this host's clock if the header is missing."""
+    date = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+    return parsedate_to_datetime(date).timestamp() if date else time.time()
 
 
 def _code_status(exc: ClientError) -> tuple[str, int]:
@@ -241,27 +251,78 @@ class S3Store(Store):
             self._client.put_object(**obj, Body=bytes(data), **condition)
 
     def head(self, key: str) -> int | None:
+        resp = self._head(key)
+        return None if resp is None else int(resp["ContentLength"])
+
+    def _head(self, key: str) -> dict | None:
+        """The ``head_object`` answer, or None if the object does not exist."""
         obj = self._obj(key)
         with self._errors("HEAD", key):
             try:
-                resp = self._client.head_object(**obj)
+                return self._client.head_object(**obj)
             except ClientError as exc:
                 if _code_status(exc)[1] == 404:
                     return None
                 raise
-        return int(resp["ContentLength"])
 
     def list(self, prefix: str = "") -> Iterator[str]:
-        keys: list[str] = []
+        # Sorted because not every server lists in order.
+        return iter(sorted(meta.key for meta in self.list_meta(prefix)))
+
+    def list_meta(self, prefix: str = "", *, offset: str | None = None) -> Iterator[ObjectMeta]:
+        """One ``list_objects_v2`` request per page, lazily, in the server's order; ``offset`` is
+        ``StartAfter``. Directory markers some servers list (keys ending in ``/``) are skipped."""
         skip = len(self._key_prefix)
-        with self._errors("LIST", prefix or "''"):
-            pages = self._client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.bucket, Prefix=self._key_prefix + prefix
-            )
-            for page in pages:
-                keys.extend(obj["Key"][skip:] for obj in page.get("Contents", ()))
-        # Skip directory markers some servers list; sort because not every server lists in order.
-        return iter(sorted(k for k in keys if k and not k.endswith("/")))
+        args = {"Bucket": self.bucket, "Prefix": self._key_prefix + prefix}
+        if offset is not None:
+            args["StartAfter"] = self._key_prefix + offset
+        while True:
+            with self._errors("LIST", prefix or "''"):
+                page = self._client.list_objects_v2(**args)
+            for obj in page.get("Contents", ()):
+                key = obj["Key"][skip:]
+                if key and not key.endswith("/"):
+                    yield ObjectMeta(key, int(obj["Size"]), obj["LastModified"].timestamp())
+            if not page.get("IsTruncated"):
+                return
+            args = {**args, "ContinuationToken": page["NextContinuationToken"]}
+
+    def head_meta(self, key: str) -> ObjectMeta | None:
+        resp = self._head(key)
+        if resp is None:
+            return None
+        return ObjectMeta(key, int(resp["ContentLength"]), resp["LastModified"].timestamp())
+
+    def now(self) -> float:
+        """The ``Date`` of a ``HeadBucket`` answer (whole seconds)."""
+        with self._errors("HEAD", "''"):
+            return _server_now(self._client.head_bucket(Bucket=self.bucket))
+
+    def sweep_incomplete(self, older_than: float) -> list[str]:
+        """Abort the multipart uploads under the store's prefix initiated at least ``older_than``
+        seconds ago by the server's clock (the bucket bills for their parts), whoever started them."""
+        removed: list[str] = []
+        args = {"Bucket": self.bucket, "Prefix": self._key_prefix}
+        skip = len(self._key_prefix)
+        while True:
+            with self._errors("LIST multipart uploads", "''"):
+                page = self._client.list_multipart_uploads(**args)
+            now = _server_now(page)
+            for upload in page.get("Uploads", ()):
+                if now - upload["Initiated"].timestamp() < older_than:
+                    continue
+                key, upload_id = upload["Key"], upload["UploadId"]
+                with self._errors("DELETE (abort multipart)", key[skip:]):
+                    try:
+                        self._client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+                    except ClientError as exc:
+                        if _code_status(exc)[0] != "NoSuchUpload" and _code_status(exc)[1] != 404:
+                            raise
+                        continue  # aborted or completed meanwhile
+                removed.append(f"{key[skip:]} ({upload_id})")
+            if not page.get("IsTruncated"):
+                return removed
+            args = {**args, "KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
 
     def touch(self, key: str) -> None:
         """Copy the object onto itself (new LastModified, no data through this client)."""
@@ -288,47 +349,6 @@ class S3Store(Store):
         self._client.close()
 
     # -- large objects -----------------------------------------------------------------------
-
-    def put_file(
-        self, key: str, path: str | os.PathLike[str], *, mode: PutMode = "overwrite"
-    ) -> None:
-        """Upload a local file, multipart above ``multipart_threshold``.
-
-        Memory: at most ``max_parts_in_flight * part_size`` bytes of part buffers; small files
-        are streamed from disk by botocore.
-        """
-        conditions, conflict = self._put_conditions(mode)
-        obj = self._obj(key)
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size > self.options.multipart_threshold:
-                fd = f.fileno()
-                self._put_multipart(key, size, lambda off, n: os.pread(fd, n, off), mode)
-                return
-            with self._errors("PUT", key, conflict):
-                self._client.put_object(**obj, Body=f, **conditions)
-
-    def get_to_file(self, key: str, path: str | os.PathLike[str]) -> int:
-        """Download an object to ``path`` (temp file, then ``os.replace``); returns its size.
-
-        Parts of ``part_size`` are fetched in parallel, each pinned to the first response's ETag
-        (If-Match), so an object overwritten mid-download fails with a retryable error instead
-        of mixing versions. Memory: at most ``max_parts_in_flight`` MiB of stream buffers.
-        """
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        try:
-            try:
-                size = self._download(key, fd)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return size
 
     def _put_conditions(self, mode: str) -> tuple[dict[str, str], type[StoreError] | None]:
         if mode == "create":
@@ -377,46 +397,6 @@ class S3Store(Store):
 
         return upload
 
-    def _download(self, key: str, fd: int) -> int:
-        """First part alone (it tells the size and ETag), then the others in parallel."""
-        obj, part_size = self._obj(key), self.options.part_size
-        with self._errors("GET", key):
-            try:
-                resp = self._client.get_object(**obj, Range=f"bytes=0-{part_size - 1}")
-            except ClientError as exc:
-                if _code_status(exc)[1] != 416:
-                    raise
-                resp = self._client.get_object(**obj)  # a 0-byte object: no range fits
-            _stream_to(resp["Body"], fd, 0)
-        if "ContentRange" not in resp:  # the whole object came back
-            return int(resp["ContentLength"])
-        total = int(resp["ContentRange"].rsplit("/", 1)[1])
-        jobs = (
-            self._range_job(key, resp["ETag"], fd, offset, min(part_size, total - offset))
-            for offset in range(part_size, total, part_size)
-        )
-        self._run_bounded(jobs)
-        return total
-
-    def _range_job(self, key, etag, fd, offset, length) -> Callable[[], None]:
-        def fetch() -> None:
-            byte_range = f"bytes={offset}-{offset + length - 1}"
-            with self._errors("GET", key):
-                try:
-                    resp = self._client.get_object(**self._obj(key), IfMatch=etag, Range=byte_range)
-                except ClientError as exc:
-                    if _code_status(exc)[1] != 412:
-                        raise
-                    changed = self._error("GET", key, "object changed during download")
-                    changed.retryable = True
-                    raise changed from exc
-                written = _stream_to(resp["Body"], fd, offset)
-            if written != length:
-                short = f"{byte_range}: got {written} of {length} bytes"
-                raise self._error("GET", key, short, retryable=True, reason="truncated")
-
-        return fetch
-
     def _executor(self) -> ThreadPoolExecutor:
         with self._pool_lock:
             if self._pool is None:
@@ -459,14 +439,3 @@ class S3Store(Store):
             wait(futures)
         return [future.result() for future in futures]
 
-
-def _stream_to(body, fd: int, offset: int) -> int:
-    """Copy a botocore streaming body to ``fd`` at ``offset`` in 1 MiB blocks; bytes written."""
-    written = 0
-    while block := body.read(_STREAM_BLOCK):
-        view = memoryview(block)
-        while view:
-            n = os.pwrite(fd, view, offset + written)
-            view = view[n:]
-            written += n
-    return written

@@ -25,8 +25,7 @@ class S3Options:
     """Connection and transfer settings of an :class:`S3Store`.
 
     Memory bound: a multipart upload holds at most ``max_parts_in_flight * part_size`` bytes of
-    part buffers besides the caller's data (8 x 16 MiB = 128 MiB by default); ``get_to_file``
-    streams each range in 1 MiB blocks, so it holds at most ``max_parts_in_flight`` MiB.
+    part buffers besides the caller's data (8 x 16 MiB = 128 MiB by default).
     ``max_concurrency`` bounds the store's connection pool and worker threads, shared by all
     transfers of this store.
     """

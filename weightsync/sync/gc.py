@@ -16,7 +16,8 @@ part) a publisher touches again every chunk it stored more than ``PublishConfig.
 ``refresh_after`` plus the time those touches and the commit take, not the whole publish; with a
 margin for the store's timestamp resolution (S3's ``LastModified`` and ``Date`` have whole seconds:
 an age can read up to ~2 s too old). Last, leftovers of killed writers older than the grace period
-go too: a file store's temporary files, an S3 store's incomplete multipart uploads.
+go too (:meth:`Store.sweep_incomplete`): a file store's temporary files, an S3 store's incomplete
+multipart uploads.
 
 Parts of multi-rank publishes (``parts/<N>/``, :mod:`weightsync.parts`, :func:`plan_parts`): those
 of a version at or below the head are done with (merged, or stale) and are deleted; those of a
@@ -26,37 +27,38 @@ part is abandoned. The chunks named by kept parts are needed, like those of pend
 
 Re-checks before each delete. A publisher that finds one of its chunks already stored touches it
 (:meth:`Repo.put_chunk`) instead of uploading it again, so an old unreferenced chunk can become
-needed while gc runs. Ages are listed once, but each candidate's age is read again (a stat, or a
-HEAD) right before its delete, and a candidate now younger than the grace period is kept
-(``touched_during_gc``; it is counted in ``young_chunks`` too). Candidates are deleted in batches,
-and before each batch ``versions/`` is listed again: chunks referenced by a manifest stored since
-the plan are kept (``referenced_during_gc``, counted in ``kept_chunks`` too). The age re-check alone
-would need the grace period to exceed the longest publish *plus gc's own run time up to that
-delete*, since a publisher may have touched a chunk just before gc's plan and committed just after;
-the manifest re-check takes gc's run time out of that rule (up to one batch), and it also protects
-chunks a writer re-uses without touching them (the mirror) when its manifest lands before the batch.
-What remains is the gap between one re-check and its delete (one round trip): stores offer no
-"delete if not modified since" for chunks.
+needed while gc runs. Ages are listed once, but each candidate's age is read again
+(:meth:`Store.head_meta`: a stat, or a HEAD) right before its delete, and a candidate now younger
+than the grace period is kept (``touched_during_gc``; it is counted in ``young_chunks`` too).
+Candidates are deleted in batches, and before each batch ``versions/`` is listed again: chunks
+referenced by a manifest stored since the plan are kept (``referenced_during_gc``, counted in
+``kept_chunks`` too). The age re-check alone would need the grace period to exceed the longest
+publish *plus gc's own run time up to that delete*, since a publisher may have touched a chunk just
+before gc's plan and committed just after; the manifest re-check takes gc's run time out of that
+rule (up to one batch), and it also protects chunks a writer re-uses without touching them (the
+mirror) when its manifest lands before the batch. What remains is the gap between one re-check and
+its delete (one round trip): stores offer no "delete if not modified since" for chunks.
 
-Object ages need more than the :class:`Store` protocol offers (``list`` gives keys only), so this
-module reads them backend by backend: a file store's files are ``os.stat``-ed, an S3 store is
-listed with ``list_objects_v2`` and asked with ``head_object`` (``LastModified``, compared with the
-server's own ``Date`` so that clock skew does not matter). A backend without ages (memory) has every
-object treated as young: nothing is collected there unless ``grace_seconds`` is 0.
+Object ages come from the :class:`Store` protocol: :meth:`Store.list_meta` and
+:meth:`Store.head_meta` give each object's ``last_modified`` and :meth:`Store.now` the current time,
+both by the store's own clock (an S3 server's ``LastModified`` and ``Date``), so that clock skew
+does not matter; ``now`` is read before the listing (and before each batch of re-checks), so the
+time a listing or a batch takes can only make an age read younger (the timestamps' resolution
+aside). Leftovers of killed writers go through :meth:`Store.sweep_incomplete`. A
+backend without ages (memory) has every object treated as young: nothing is collected there unless
+``grace_seconds`` is 0.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from email.utils import parsedate_to_datetime
 
-from weightsync.errors import FormatError, NotFoundError, StoreError, UsageError, VersionError
+from weightsync.errors import FormatError, NotFoundError, UsageError, VersionError
 from weightsync.format.keys import (
     CHUNKS_PREFIX,
     PARTS_PREFIX,
@@ -66,9 +68,8 @@ from weightsync.format.keys import (
     version_key,
 )
 from weightsync.format.manifest import manifest_from_json, part_from_json
-from weightsync.store import FileStore, Store
+from weightsync.store import ObjectMeta, Store
 from weightsync.store.repo import Repo
-from weightsync.store.retry import RetryingStore
 
 log = logging.getLogger("weightsync.gc")
 
@@ -203,8 +204,7 @@ def gc(repo: Repo, config: GcConfig) -> GcResult:
         for v in plan.delete_versions + plan.abandoned_versions:  # oldest first, chunks after
             repo.store.delete(version_key(v))
         for key in parts.delete:
-            repo.store.delete(key)
-        _prune_part_folders(repo.store, parts.delete)
+            repo.store.delete(key)  # a file store removes the folders this empties
     # Listed after the manifests are gone: a chunk stored from here on is younger than the grace.
     doomed = []
     for key, size, age in list_chunks_with_age(repo.store):
@@ -221,7 +221,7 @@ def gc(repo: Repo, config: GcConfig) -> GcResult:
     elif doomed:
         _delete_chunks(repo, plan, doomed, config, result)
     if not config.dry_run:
-        result.partial_writes = _remove_partial_writes(repo.store, config.grace_seconds)
+        result.partial_writes = len(repo.store.sweep_incomplete(config.grace_seconds))
     result.seconds = time.perf_counter() - t0
     return result
 
@@ -232,9 +232,9 @@ def _delete_chunks(repo: Repo, plan: GcPlan, doomed: list[tuple[str, int]], conf
     known = set(plan.kept_versions + plan.pending_versions)  # their chunks are in plan.needed_chunks
     referenced: set[str] = set()
 
-    def one(kv: tuple[str, int]) -> str:
+    def one(kv: tuple[str, int], now: float) -> str:
         try:
-            age = object_age(repo.store, kv[0])
+            age = object_age(repo.store, kv[0], now)
         except NotFoundError:
             return "gone"  # deleted meanwhile (another gc)
         if _young(age, config.grace_seconds):
@@ -247,7 +247,8 @@ def _delete_chunks(repo: Repo, plan: GcPlan, doomed: list[tuple[str, int]], conf
             referenced |= _new_references(repo, known)
             batch = [kv for kv in doomed[start : start + _BATCH] if kv[0][_CHUNK_PREFIX_LEN:] not in referenced]
             result.referenced_during_gc += min(_BATCH, len(doomed) - start) - len(batch)
-            for kv, outcome in zip(batch, pool.map(one, batch)):
+            now = repo.store.now()  # read before the batch's HEADs: ages can only err young
+            for kv, outcome in zip(batch, pool.map(lambda kv: one(kv, now), batch)):
                 if outcome == "deleted":
                     result.deleted_chunks += 1
                     result.deleted_bytes += kv[1]
@@ -283,35 +284,7 @@ def _new_references(repo: Repo, known: set[int]) -> set[str]:
     return found
 
 
-# --- object ages, backend by backend ----------------------------------------------------------------
-def _layers(store: Store) -> list[Store]:
-    """``store`` and the stores under it, down to the backend, through wrappers that keep the next
-    one as ``inner`` (RetryingStore, fault injectors)."""
-    out = [store]
-    while hasattr(out[-1], "inner") and len(out) < 16:
-        out.append(out[-1].inner)
-    return out
-
-
-def _unwrap(store: Store) -> Store:
-    return _layers(store)[-1]
-
-
-def _retries(store: Store):
-    """The retrying ``call(op, key, fn)`` of the first RetryingStore around the backend (object ages
-    are read beside the Store protocol, so its retries are borrowed), else a plain call."""
-    for layer in _layers(store):
-        if isinstance(layer, RetryingStore):
-            return layer.call
-    return lambda op, key, fn: fn()
-
-
-def _server_now(response: dict) -> float:
-    """The S3 server's clock (its ``Date`` header), so that ages do not depend on clock skew."""
-    date = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
-    return parsedate_to_datetime(date).timestamp() if date else time.time()
-
-
+# --- object ages, through the Store protocol ----------------------------------------------------
 def _abandoned(repo: Repo, grace: float) -> frozenset[int]:
     """Manifests above the head older than the grace period: their publishers died between the
     manifest and the head update (a live one moves the head right after), and they block every
@@ -331,145 +304,29 @@ def list_chunks_with_age(store: Store) -> Iterator[tuple[str, int, float | None]
 
 
 def list_with_age(store: Store, prefix: str) -> Iterator[tuple[str, int, float | None]]:
-    """``(key, size, age in seconds or None if unknown)`` of every object under ``prefix``."""
-    backend = _unwrap(store)
-    custom = getattr(backend, "list_with_times", None)
-    if callable(custom):  # a backend that offers ages itself: (key, size, mtime epoch seconds)
-        now = time.time()
-        return ((k, size, now - mtime) for k, size, mtime in custom(prefix))
-    if isinstance(backend, FileStore):
-        return _file_ages(backend, prefix)
-    if type(backend).__name__ == "S3Store":
-        return _s3_ages(backend, prefix, _retries(store))
-    return ((k, store.head(k) or 0, None) for k in store.list(prefix))
+    """``(key, size, age in seconds or None if unknown)`` of every object under ``prefix``.
+
+    Ages are ``store.now()`` read before the listing minus each object's ``last_modified``, both by
+    the store's clock: the time the listing takes can only make an object look younger.
+    """
+    now = store.now()
+    for meta in store.list_meta(prefix):
+        yield meta.key, meta.size, _age(meta, now)
 
 
-def object_age(store: Store, key: str) -> float | None:
+def object_age(store: Store, key: str, now: float | None = None) -> float | None:
     """Age in seconds of one object now (None if the backend keeps no ages); raises
-    :class:`NotFoundError` if it does not exist."""
-    backend = _unwrap(store)
-    custom = getattr(backend, "list_with_times", None)
-    if callable(custom):
-        now = time.time()
-        for k, _, mtime in custom(key):
-            if k == key:
-                return now - mtime
-    elif isinstance(backend, FileStore):
-        try:
-            return time.time() - os.stat(backend.local_path(key)).st_mtime
-        except FileNotFoundError:
-            pass
-    elif type(backend).__name__ == "S3Store":
-        age = _retries(store)("HEAD", key, lambda: _s3_age(backend, key))
-        if age is not None:
-            return age
-    elif store.head(key) is not None:
-        return None
-    raise NotFoundError(f"{store.url}: no object {key}", key=key)
+    :class:`NotFoundError` if it does not exist. ``now``: ``store.now()`` read earlier (it must be
+    read before the object's metadata, so that the age can only err young); read here if omitted."""
+    if now is None:
+        now = store.now()
+    meta = store.head_meta(key)
+    if meta is None:
+        raise NotFoundError(f"{store.url}: no object {key}", key=key)
+    return _age(meta, now)
 
 
-def _file_ages(store: FileStore, prefix: str) -> Iterator[tuple[str, int, float | None]]:
-    now = time.time()
-    for key in store.list(prefix):
-        try:
-            st = os.stat(store.local_path(key))
-        except FileNotFoundError:
-            continue
-        yield key, st.st_size, now - st.st_mtime
-
-
-def _s3_ages(store, prefix: str, call) -> Iterator[tuple[str, int, float | None]]:
-    """Every object under ``prefix`` with its age by the server's clock, one page per request
-    (each page retried as the store's other reads are)."""
-    skip = len(store._key_prefix)
-    args = {"Bucket": store.bucket, "Prefix": store._key_prefix + prefix}
-    while True:
-        page = call("LIST", prefix, lambda: _s3_page(store, prefix, args))
-        now = _server_now(page)
-        for obj in page.get("Contents", ()):
-            key = obj["Key"][skip:]
-            if key and not key.endswith("/"):
-                yield key, int(obj["Size"]), now - obj["LastModified"].timestamp()
-        if not page.get("IsTruncated"):
-            return
-        args = {**args, "ContinuationToken": page["NextContinuationToken"]}
-
-
-def _s3_page(store, prefix: str, args: dict) -> dict:
-    with store._errors("LIST", prefix):
-        return store._client.list_objects_v2(**args)
-
-
-def _s3_age(store, key: str) -> float | None:
-    """One HEAD: the object's age by the server's clock, or None if it does not exist."""
-    from botocore.exceptions import ClientError
-
-    with store._errors("HEAD", key):
-        try:
-            resp = store._client.head_object(**store._obj(key))
-        except ClientError as exc:
-            if exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
-                return None
-            raise
-    return _server_now(resp) - resp["LastModified"].timestamp()
-
-
-def _remove_partial_writes(store: Store, grace: float) -> int:
-    """Leftovers of writers killed mid-write, older than ``grace``: a file store's ``.tmp-*``
-    files, an S3 store's incomplete multipart uploads (which the bucket bills for)."""
-    backend = _unwrap(store)
-    if isinstance(backend, FileStore):
-        return _remove_temp_files(backend, grace)
-    if type(backend).__name__ == "S3Store":
-        return _abort_multipart_uploads(backend, grace)
-    return 0
-
-
-def _prune_part_folders(store: Store, deleted: tuple[str, ...]) -> None:
-    """A file store keeps a folder per version under ``parts/``: remove the ones emptied."""
-    backend = _unwrap(store)
-    if isinstance(backend, FileStore):
-        for folder in sorted({backend.local_path(k).parent for k in deleted}):
-            try:
-                folder.rmdir()
-            except OSError:
-                pass  # not empty: a part written since
-
-
-def _remove_temp_files(backend: FileStore, grace: float) -> int:
-    removed, now = 0, time.time()
-    for sub in (CHUNKS_PREFIX, VERSIONS_PREFIX, PARTS_PREFIX):
-        root = backend.root / sub
-        for dirpath, _, filenames in os.walk(root):
-            for name in filenames:
-                if not name.startswith(".tmp-"):
-                    continue
-                path = os.path.join(dirpath, name)
-                try:
-                    if now - os.stat(path).st_mtime >= grace:
-                        os.unlink(path)
-                        removed += 1
-                except FileNotFoundError:
-                    pass
-    return removed
-
-
-def _abort_multipart_uploads(store, grace: float) -> int:
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    client, bucket, root = store._client, store.bucket, store._key_prefix
-    aborted = 0
-    try:
-        for page in client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=root):
-            now = _server_now(page)
-            for upload in page.get("Uploads", ()):
-                if now - upload["Initiated"].timestamp() >= grace:
-                    client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
-                    aborted += 1
-    except (BotoCoreError, ClientError) as exc:
-        what = " ".join(str(exc).split())
-        raise StoreError(f"{store.url}: abort stale multipart uploads: {type(exc).__name__}: {what}") from exc
-    return aborted
-
+def _age(meta: ObjectMeta, now: float) -> float | None:
+    return None if meta.last_modified is None else now - meta.last_modified
 
 __all__ = ["GcConfig", "GcPlan", "GcResult", "PartsPlan", "gc", "plan_parts", "list_chunks_with_age", "list_with_age", "object_age", "plan_gc"]
