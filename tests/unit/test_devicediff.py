@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from weightsync.codec.tensor import CodecConfig, decode_tensor, encode_sparse_from_changes, encode_tensor
+from weightsync.codec.payload import CodecConfig, decode_tensor, encode_sparse_from_changes, encode_tensor
 from weightsync.errors import UsageError
 from weightsync.format.dtypes import ITEMSIZE, UINT_VIEW
 from weightsync.torch.device import DeviceSnapshot
