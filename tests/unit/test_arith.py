@@ -8,8 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightsync.codec import arith
-from weightsync.codec import CodecConfig, decode_tensor, encode_tensor
+from weightsync.codec import CodecConfig, arith, decode_tensor, encode_tensor
 from weightsync.demo import to_bf16_bits
 from weightsync.errors import FormatError, UsageError
 from weightsync.format.dtypes import ITEMSIZE
