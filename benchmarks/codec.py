@@ -47,7 +47,7 @@ else:  # run as a script from benchmarks/
     import e2e
 
 common.ensure_repo_importable()
-from weightsync.codec.tensor import CodecConfig, decode_tensor, encode_tensor
+from weightsync.codec import CodecConfig, decode_tensor, encode_tensor
 
 TRAJECTORIES = {"lr 1e-6": 1e-6, "lr 1e-5": 1e-5}
 STEPS = 6  # published checkpoints per trajectory: 5 consecutive pairs

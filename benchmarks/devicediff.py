@@ -35,7 +35,7 @@ ensure_repo_importable()
 
 import torch  # noqa: E402
 
-from weightsync.codec.tensor import CodecConfig
+from weightsync.codec import CodecConfig
 from weightsync.sync.publish import PublishConfig
 from weightsync.torch.device import DeviceDiffPublisher
 from weightsync.torch.state_dict import StateDictPublisher

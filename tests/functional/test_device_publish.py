@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import weightsync
-from weightsync.codec.tensor import CodecConfig
+from weightsync.codec import CodecConfig
 from weightsync.demo import SyntheticTrainer
 from weightsync.errors import StoreError, VersionError
 from weightsync.sync.publish import PublishConfig

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from test_daemons import Daemon, wait_for
 
 import weightsync
-from weightsync.codec.tensor import MAGIC
+from weightsync.codec.payload import MAGIC
 from weightsync.demo import SyntheticTrainer
 from weightsync.errors import ChecksumError, FormatError, NotFoundError, UsageError, VersionError, WeightsyncError
 from weightsync.format.keys import chunk_key, version_key

@@ -8,8 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightsync.codec import arith
-from weightsync.codec.tensor import CodecConfig, decode_tensor, encode_tensor
+from weightsync.codec import CodecConfig, arith, decode_tensor, encode_tensor
 from weightsync.demo import to_bf16_bits
 from weightsync.errors import FormatError, UsageError
 from weightsync.format.dtypes import ITEMSIZE
@@ -141,5 +140,4 @@ def test_an_exp_golomb_prefix_longer_than_the_element_is_refused(dtype):
     shift, bits = arith.EXPONENT_FIELD.get(dtype, (0, 0))
     block = arith._HEAD.pack(4, shift, bits, 0) + b"\xff" * 2000
     with pytest.raises(FormatError, match="wider than the element"):
-        arith.decode_block(dtype, memoryview(block), old.view(f"<u{width}"), np.empty(4, f"<u{width}"),
-                           lambda z: z, "x")
+        arith.decode_block(dtype, memoryview(block), old.view(f"<u{width}"), np.empty(4, f"<u{width}"), "x")

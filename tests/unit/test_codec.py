@@ -18,19 +18,10 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import weightsync.codec.tensor as codec_mod
-from weightsync.codec.tensor import (
-    MAGIC,
-    MAX_BLOCK_ELEMS,
-    CodecConfig,
-    decode_tensor,
-    encode_tensor,
-    from_planes,
-    rebuild,
-    to_planes,
-    unzigzag,
-    zigzag,
-)
+from weightsync.codec import sparse as sparse_codec
+from weightsync.codec import streams as codec_streams
+from weightsync.codec.payload import MAGIC, MAX_BLOCK_ELEMS, CodecConfig, decode_tensor, encode_tensor, rebuild
+from weightsync.codec.streams import from_planes, to_planes, unzigzag, zigzag
 from weightsync.demo import to_bf16_bits
 from weightsync.errors import ChecksumError, FormatError, UsageError, WeightsyncError
 from weightsync.format.dtypes import INT_VIEW, ITEMSIZE, UINT_VIEW
@@ -196,11 +187,11 @@ def test_decode_into_given_buffer(case):
 @contextlib.contextmanager
 def slices_of(nbytes: int):
     """Decode in slices of ``nbytes`` (a few elements), so small tensors cross many slice edges."""
-    saved, codec_mod.SLICE_BYTES = codec_mod.SLICE_BYTES, nbytes
+    saved, codec_streams.SLICE_BYTES = codec_streams.SLICE_BYTES, nbytes
     try:
         yield
     finally:
-        codec_mod.SLICE_BYTES = saved
+        codec_streams.SLICE_BYTES = saved
 
 
 @FAST
@@ -831,8 +822,8 @@ def _check_streams(old: np.ndarray, new: np.ndarray) -> tuple[int, int]:
 
     streams, k, gw = sparse_streams(old, new)
     assert streams.dtype == np.uint8 and (streams.tobytes(), k, gw) == _streams_reference(old, new)
-    payload = codec_mod._encode_sparse(old, new, 1)[0]  # the block written from them, and from numpy's
-    assert payload == codec_mod._sparse_block(np.flatnonzero(old != new), (new - old)[old != new], 1)
+    payload = sparse_codec.encode_block(old, new, 1)[0]  # the block written from them, and from numpy's
+    assert payload == sparse_codec.block_from_changes(np.flatnonzero(old != new), (new - old)[old != new], 1)
     return k, gw
 
 

@@ -13,11 +13,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from weightsync.codec.tensor import CodecConfig, decode_tensor, encode_sparse_from_changes, encode_tensor
+from weightsync.codec.payload import CodecConfig, decode_tensor, encode_sparse_from_changes, encode_tensor
 from weightsync.errors import UsageError
 from weightsync.format.dtypes import ITEMSIZE, UINT_VIEW
 from weightsync.torch.device import DeviceSnapshot
-from weightsync.torch.hostpatch import ST_DTYPE, TORCH_DTYPE, DeviceDiff, HostMirror, TensorChange, clone_file
+from weightsync.torch.dtypes import ST_DTYPE, TORCH_DTYPE
+from weightsync.torch.hostpatch import DeviceDiff, HostMirror, TensorChange, clone_file
 from weightsync.torch.state_dict import save_state_dict
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

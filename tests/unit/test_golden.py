@@ -17,7 +17,7 @@ import pytest
 import xxhash
 
 import weightsync
-from weightsync.codec.tensor import decode_tensor
+from weightsync.codec import decode_tensor
 from weightsync.format.keys import HEAD_KEY, MARKER_KEY, chunk_key, parse_version_key, version_key
 from weightsync.format.manifest import check_marker, head_from_json, manifest_from_json
 

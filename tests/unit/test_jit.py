@@ -1,4 +1,4 @@
-"""The numba kernels' cache and warm-up (:mod:`weightsync.codec.jit`, :func:`weightsync.codec.warm_up`).
+"""The numba kernels' cache and warm-up (:mod:`weightsync.codec.jit`, :func:`weightsync.codec.payload.warm_up`).
 
 Read-only installs and a cache filled ahead of time are tested with real processes in
 ``tests/functional/test_readonly_install.py``.
@@ -14,7 +14,7 @@ import pytest
 
 import weightsync
 from weightsync.codec import jit
-from weightsync.codec import tensor as codec
+from weightsync.codec import payload as codec
 from weightsync.demo import make_trajectory
 
 

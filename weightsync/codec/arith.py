@@ -1,4 +1,4 @@
-"""Adaptive binary arithmetic coding of a delta (codec ``ac``), conditioned on the old value.
+"""Codec ``ac`` (id 4): adaptive binary arithmetic coding of a delta, conditioned on the old value.
 
 For every element of a block one binary decision says whether it changed; its probability model is
 chosen by the exponent field of the element's *old* value (both sides hold it) and by whether the
@@ -23,7 +23,10 @@ import struct
 
 import numpy as np
 
+from weightsync.codec.abc import Codec
 from weightsync.codec.jit import njit
+from weightsync.codec.registry import register
+from weightsync.codec.streams import unzigzag
 from weightsync.errors import FormatError
 from weightsync.format.dtypes import ITEMSIZE
 
@@ -33,7 +36,6 @@ EXPONENT_FIELD: dict[str, tuple[int, int]] = {
     "BF16": (7, 8),
     "F16": (10, 5),
     "F32": (23, 8),
-    "F64": (55, 8),
 }
 
 
@@ -317,7 +319,8 @@ def encode_block(dtype: str, old: np.ndarray, new: np.ndarray) -> tuple[bytes, i
         cap *= 4  # dense or adversarial changes: grow until the block fits
 
 
-def decode_block(dtype: str, block: memoryview, old: np.ndarray, out: np.ndarray, unzigzag, what: str) -> None:
+def decode_block(dtype: str, block: memoryview, old: np.ndarray, out: np.ndarray, what: str) -> None:
+    """Write the elements the ``ac`` block codes against ``old`` into ``out`` (may be ``old``)."""
     if out.ctypes.data != old.ctypes.data:  # else decoding in place: out is old
         out[:] = old
     if len(block) == 0:
@@ -340,3 +343,20 @@ def decode_block(dtype: str, block: memoryview, old: np.ndarray, out: np.ndarray
     if int(zz.max()) >= 1 << (8 * old.dtype.itemsize):
         raise FormatError(f"{what}: ac difference wider than the element")
     out[idx] = old[idx] + unzigzag(zz.astype(old.dtype))
+
+
+@register
+class AC(Codec):
+    id = 4
+    name = "ac"
+
+    def supports(self, dtype):
+        return supports(dtype)
+
+    def encode(self, dtype, old, new, config):
+        return encode_block(dtype, old, new)
+
+    def decode(self, dtype, block, old, out, what, hasher=None):
+        decode_block(dtype, block, old, out, what)
+        if hasher is not None:
+            hasher.update(out)

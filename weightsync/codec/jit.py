@@ -19,7 +19,7 @@ entry on the source file's directory path and contents (its size and mtime befor
 numba version and the CPU (name and features, or ``NUMBA_CPU_NAME``/``NUMBA_CPU_FEATURES``), so
 a cache only hits for the same install path on the same kind of machine.
 
-``python -m weightsync.jit`` compiles (or loads) every kernel and reports hits and compiles;
+``python -m weightsync.codec.jit`` compiles (or loads) every kernel and reports hits and compiles;
 ``--require-cached`` exits 1 if anything had to be compiled (the image build checks its cache so).
 """
 
@@ -217,13 +217,13 @@ def main(argv: list[str] | None = None) -> int:
     import json
     import time
 
-    parser = argparse.ArgumentParser(prog="python -m weightsync.jit", description=(
+    parser = argparse.ArgumentParser(prog="python -m weightsync.codec.jit", description=(
         "Compile the codec's numba kernels, or load them from numba's cache, and report how many of "
         "each. Run it where the cache should be filled (an image build with NUMBA_CACHE_DIR set)."))
     parser.add_argument("--require-cached", action="store_true",
                         help="exit 1 if any kernel had to be compiled (checks a cache filled earlier)")
     args = parser.parse_args(argv)
-    from weightsync.codec.tensor import warm_up
+    from weightsync.codec.payload import warm_up
 
     t0 = time.perf_counter()
     warm_up()

@@ -1,4 +1,4 @@
-"""numba kernels of the plain codecs (the range coder's are in :mod:`weightsync.arith`)."""
+"""numba kernels of the plain codecs (the range coder's are in :mod:`weightsync.codec.arith`)."""
 
 from __future__ import annotations
 

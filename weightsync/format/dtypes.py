@@ -49,6 +49,3 @@ def itemsize(dtype: str) -> int:
     except KeyError:
         raise CheckpointError(f"unsupported safetensors dtype {dtype!r}") from None
 
-
-def uint_view(dtype: str) -> np.dtype:
-    return UINT_VIEW[itemsize(dtype)]

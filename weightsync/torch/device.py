@@ -23,8 +23,9 @@ from weightsync.errors import BaseMismatchError, UsageError
 from weightsync.format.dtypes import UINT_VIEW
 from weightsync.store.repo import open_repo
 from weightsync.sync.publish import PublishConfig, PublishResult, publish
+from weightsync.torch.dtypes import ST_DTYPE
+from weightsync.torch.dtypes import TORCH_INT as _TORCH_INT
 from weightsync.torch.hostpatch import (
-    ST_DTYPE,
     Deltas,
     DeviceDiff,
     HostMirror,
@@ -32,8 +33,6 @@ from weightsync.torch.hostpatch import (
     TensorChange,
     publish_changes,
 )
-
-_TORCH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 # --- device side ---------------------------------------------------------------------------------

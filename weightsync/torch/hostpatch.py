@@ -33,21 +33,8 @@ from weightsync.local.base import adopt
 from weightsync.local.checkpoint import describe_file, scan_checkpoint
 from weightsync.store.repo import Repo
 from weightsync.sync.publish import PublishConfig, PublishResult, encode_and_commit, next_version
-
-# torch dtype -> safetensors dtype (the subset weightsync stores)
-ST_DTYPE: dict[torch.dtype, str] = {
-    torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.int32: "I32",
-    torch.int64: "I64", torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
-}
-
-
-TORCH_DTYPE = {v: k for k, v in ST_DTYPE.items()}
-
-
-_NP_INT = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
-
+from weightsync.torch.dtypes import NP_INT as _NP_INT
+from weightsync.torch.dtypes import TORCH_DTYPE
 
 _FICLONE = 0x40049409
 

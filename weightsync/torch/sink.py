@@ -31,21 +31,11 @@ from weightsync.store.repo import open_repo
 from weightsync.sync.plan import plan_segment
 from weightsync.sync.pull import resolve_version
 from weightsync.sync.selection import TensorJob, build_tensors, fetch_for
-
-TORCH_DTYPE: dict[str, torch.dtype] = {
-    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-    "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-
+from weightsync.torch.dtypes import NP_INT as _NP_INT
+from weightsync.torch.dtypes import TORCH_DTYPE
+from weightsync.torch.dtypes import TORCH_INT as _INT_VIEW
 
 MODES = ("patch", "flip")
-
-
-_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-_NP_INT = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
 log = logging.getLogger("weightsync.torch")

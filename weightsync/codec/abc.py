@@ -1,0 +1,68 @@
+"""The interface every block codec implements (docs/FORMAT.md, "Payloads").
+
+A codec codes one block of a payload: at most ``block_elems`` elements of one tensor, as the
+unsigned integer view of the element width (``<u1``, ``<u2``, ``<u4``, ``<u8``). The payload
+container around the blocks (header, block lengths) and the choice of a codec per tensor are
+:mod:`weightsync.codec.payload`'s; a codec sees only its block and the same block of the base.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, ClassVar
+
+import numpy as np
+
+from weightsync.format.dtypes import ITEMSIZE
+
+if TYPE_CHECKING:
+    from weightsync.codec.payload import CodecConfig
+
+
+class Codec(ABC):
+    """One block codec, registered under the id its payloads store (:mod:`weightsync.codec.registry`).
+
+    **Bit-exact.** Every operation is on the unsigned integer view of the element width, arithmetic
+    wraps modulo 2^(8w): NaN payloads, -0.0, infinities and subnormals round-trip bit for bit, and
+    ``decode(encode(old, new))`` writes exactly ``new``. ``encode`` is deterministic: the same
+    block, base and config give the same bytes on every machine (those bytes are the stored
+    format, pinned by tests/fixtures/golden).
+
+    **Thread-safe.** A codec is a stateless singleton: any number of threads may encode or decode
+    different blocks with it at once (zstd contexts are per thread, the numba kernels release the
+    GIL). A decode writes only its ``out``.
+
+    **Hostile input.** ``decode`` checks everything it reads and raises
+    :class:`~weightsync.errors.FormatError` (naming ``what``) for a block that does not decode to
+    exactly ``out.size`` elements; it never reads or writes outside its arrays.
+    """
+
+    id: ClassVar[int]
+    """The codec id as stored in a payload's header (1..255, unique)."""
+
+    name: ClassVar[str]
+    """The codec's name as stored in a manifest's ``codec`` fields (unique)."""
+
+    needs_base: ClassVar[bool] = True
+    """Whether blocks are coded against the same block of the base (False for ``full`` only)."""
+
+    def supports(self, dtype: str) -> bool:
+        """Whether the codec takes elements of safetensors ``dtype`` (every dtype unless overridden)."""
+        return dtype in ITEMSIZE
+
+    @abstractmethod
+    def encode(self, dtype: str, old: np.ndarray | None, new: np.ndarray, config: CodecConfig) -> tuple[bytes, int]:
+        """The block coding ``new`` against ``old`` (same length and unsigned view; None when not
+        :attr:`needs_base`), and how many elements differ from ``old`` (all of them without one).
+        Never modifies its arguments."""
+
+    @abstractmethod
+    def decode(self, dtype: str, block: memoryview, old: np.ndarray | None, out: np.ndarray, what: str,
+               hasher=None) -> None:
+        """Write the elements ``block`` codes into ``out`` (the unsigned view, same length as
+        ``old``). ``out`` may be ``old`` itself (decoding in place); any other overlap is refused
+        before this is called. ``hasher`` (anything with ``update``), if given, is fed ``out``'s
+        bytes once, in order, after or while they are written."""
+
+    def __repr__(self) -> str:
+        return f"<codec {self.name!r} (id {self.id})>"

@@ -1,0 +1,299 @@
+"""Tensors as payloads (docs/FORMAT.md, "Payloads"): the container of independent blocks, the
+choice of a codec per tensor, and rebuilding a tensor from a chain of payloads.
+
+A tensor's bytes are encoded against the same tensor in the parent version (``old``) or in full:
+
+- ``same``: unchanged, no payload (no codec of the registry: nothing is stored);
+- otherwise a payload: a header naming the codec by id, the element width and count and the
+  block size, the block lengths, then the blocks, each coded by the codec on its own
+  (:mod:`weightsync.codec.registry`): ``full`` for keyframes, ``ac`` for deltas of elements of up
+  to 4 bytes, ``sparse`` for wider ones or with the entropy coder off, ``dense`` where most
+  elements changed and it is smaller.
+
+Blocks of at most ``block_elems`` elements bound memory and let blocks be coded in parallel.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from weightsync.codec import registry
+from weightsync.codec.abc import Codec
+from weightsync.codec.streams import copy, same_memory
+from weightsync.errors import ChecksumError, FormatError, UsageError
+from weightsync.format.dtypes import UINT_VIEW, itemsize
+
+MAGIC = b"WSP1"
+
+
+_HEADER = struct.Struct("<4sBBHQQI")  # magic, codec id, elem width, reserved, n elems, block elems, n blocks
+
+
+MAX_BLOCK_ELEMS = 1 << 31
+
+
+@dataclass(frozen=True)
+class CodecConfig:
+    """How tensors are encoded. Decoding needs none of it: payloads are self-describing.
+
+    level: zstd level of delta streams; full_level: zstd level of full tensors (both with
+    ``min_match`` 7 and ``hash_log`` 10, see :func:`weightsync.codec.streams.compressor`);
+    block_bytes: raw bytes per block (bounds encoder memory to a few blocks per thread);
+    dense_above: changed fraction above which the dense coding is also tried;
+    entropy_coder: use ``ac`` where it applies (smallest); False: ``sparse`` (6-8x faster to encode, 10x to decode).
+    """
+
+    level: int = 1
+    full_level: int = 1
+    block_bytes: int = 32 << 20
+    dense_above: float = 0.25
+    entropy_coder: bool = True
+
+    def __post_init__(self) -> None:
+        if not (1 <= self.level <= 22 and 1 <= self.full_level <= 22):
+            raise UsageError("zstd levels must be in 1..22")
+        if not (8 <= self.block_bytes <= MAX_BLOCK_ELEMS):
+            raise UsageError(f"block_bytes must be in 8..{MAX_BLOCK_ELEMS}")
+        if not 0.0 <= self.dense_above <= 1.0:
+            raise UsageError("dense_above must be a fraction in [0, 1]")
+
+    def block_elems(self, width: int) -> int:
+        return max(1, self.block_bytes // width)
+
+
+@dataclass(frozen=True)
+class EncodedTensor:
+    codec: str
+    payload: bytes | bytearray
+    changed: int  # elements that differ from old (all of them for a full encoding)
+
+
+# --- encoding ------------------------------------------------------------------------------------
+def _encode_payload(codec: Codec, dtype: str, old: np.ndarray | None, new: np.ndarray,
+                    cfg: CodecConfig) -> tuple[bytearray, int]:
+    width = new.dtype.itemsize
+    step = cfg.block_elems(width)
+    n_blocks = -(-new.size // step)
+    blocks, changed = [], 0
+    for i in range(n_blocks):
+        sl = slice(i * step, (i + 1) * step)
+        data, n = codec.encode(dtype, None if old is None else old[sl], new[sl], cfg)
+        blocks.append(data)
+        changed += n
+    head = _HEADER.pack(MAGIC, codec.id, width, 0, new.size, step, n_blocks)
+    return _assemble(head, blocks), changed
+
+
+def _assemble(head: bytes, blocks: list[bytes]) -> bytearray:
+    """Header, block lengths and blocks in one buffer, releasing each block once copied (a full
+    payload of a huge tensor is never held twice)."""
+    out = bytearray(head)
+    out += np.array([len(b) for b in blocks], dtype="<u8").tobytes()
+    for i, b in enumerate(blocks):
+        out += b  # grows in place (no zero-filled buffer touched up front)
+        blocks[i] = b = b""
+    return out
+
+
+def _as_elements(buf: np.ndarray, dtype: str, what: str) -> np.ndarray:
+    width = itemsize(dtype)
+    if buf.dtype != np.uint8 or buf.ndim != 1:
+        raise UsageError(f"{what}: expected a 1-D uint8 array of raw bytes")
+    if buf.size % width:
+        raise FormatError(f"{what}: {buf.size} bytes is not a whole number of {dtype} elements")
+    return buf.view(UINT_VIEW[width])
+
+
+def encode_tensor(
+    dtype: str, new: np.ndarray, old: np.ndarray | None, config: CodecConfig = CodecConfig()
+) -> EncodedTensor:
+    """Encode ``new`` (raw bytes, 1-D uint8) against ``old`` (same length) or in full if ``old`` is None.
+
+    Elements of up to 4 bytes use ``ac`` (unless ``entropy_coder`` is off), wider ones ``sparse``;
+    above ``dense_above`` changed, ``dense`` is tried too and the smaller wins. An unchanged tensor
+    is ``same``.
+    """
+    new_e = _as_elements(new, dtype, "new tensor")
+    if old is None:
+        payload, changed = _encode_payload(registry.get("full"), dtype, None, new_e, config)
+        return EncodedTensor("full", payload, changed)
+    old_e = _as_elements(old, dtype, "old tensor")
+    if old_e.size != new_e.size:
+        raise UsageError("old and new tensors differ in size; encode in full")
+    ac = registry.get("ac")
+    codec = ac if config.entropy_coder and ac.supports(dtype) else registry.get("sparse")
+    payload, changed = _encode_payload(codec, dtype, old_e, new_e, config)
+    if changed == 0:
+        return EncodedTensor("same", b"", 0)
+    best = EncodedTensor(codec.name, payload, changed)
+    if changed > config.dense_above * new_e.size:
+        dense, _ = _encode_payload(registry.get("dense"), dtype, old_e, new_e, config)
+        if len(dense) < len(best.payload):
+            best = EncodedTensor("dense", dense, changed)
+    return best
+
+
+def encode_sparse_from_changes(
+    dtype: str, n_elems: int, idx: np.ndarray, diffs: np.ndarray, config: CodecConfig = CodecConfig()
+) -> bytes:
+    """The ``sparse`` payload of a change given as flat positions ``idx`` (strictly ascending, below
+    ``n_elems``) and the wrapping differences ``u_new - u_old`` there (nonzero integers of the
+    element width), without the old or new tensor: byte for byte what :func:`encode_tensor` writes
+    for the same change when it chooses ``sparse``. Raises :class:`UsageError` for a malformed change.
+    """
+    width = itemsize(dtype)
+    if n_elems < 0:
+        raise UsageError(f"element count must be non-negative, not {n_elems}")
+    idx = np.asarray(idx)
+    diffs = np.asarray(diffs)
+    if idx.ndim != 1 or diffs.shape != idx.shape or idx.dtype.kind not in "iu" or diffs.dtype.kind not in "iu":
+        raise UsageError("idx and diffs must be 1-D integer arrays of the same length")
+    if diffs.dtype.itemsize != width:
+        raise UsageError(f"diffs of {diffs.dtype.itemsize}-byte integers for {dtype} elements of {width} bytes")
+    idx = idx.astype(np.int64, copy=False)
+    if idx.size and (idx[0] < 0 or idx[-1] >= n_elems or np.any(idx[1:] <= idx[:-1])):
+        raise UsageError(f"positions must be strictly ascending in [0, {n_elems})")
+    diffs = diffs.view(UINT_VIEW[width])
+    if np.any(diffs == 0):
+        raise UsageError("a zero difference is not a change")
+    from weightsync.codec.sparse import Sparse, block_from_changes  # numba: imported on first use
+
+    step = config.block_elems(width)
+    n_blocks = -(-n_elems // step)
+    cuts = np.searchsorted(idx, np.arange(n_blocks + 1, dtype=np.int64) * step)
+    blocks = [block_from_changes(idx[a:b] - i * step, diffs[a:b], config.level)
+              for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:]))]
+    head = _HEADER.pack(MAGIC, Sparse.id, width, 0, n_elems, step, n_blocks)
+    return bytes(_assemble(head, blocks))
+
+
+# --- decoding ------------------------------------------------------------------------------------
+def _codec(name: str, what: str) -> Codec:
+    try:
+        return registry.get(name)
+    except KeyError:
+        raise FormatError(f"{what}: unknown codec {name!r}") from None
+
+
+def decode_tensor(
+    dtype: str, codec: str, payload: bytes | memoryview, old: np.ndarray | None, nbytes: int,
+    out: np.ndarray | None = None, what: str = "tensor", hasher=None,
+) -> np.ndarray:
+    """Rebuild a tensor's raw bytes (1-D uint8 of ``nbytes``), into ``out`` if given.
+
+    ``hasher`` (``xxhash.xxh3_128()`` or anything with ``update``) is fed the result in order as it
+    is written; ``sparse`` and ``same`` hash each slice while it is still in cache, so verifying
+    costs little more than the copy. On an error it may have been fed part of the result.
+    ``out`` may be ``old`` itself: the tensor is then decoded in place (``sparse`` and ``same``
+    copy nothing), and on an error ``old`` may be half overwritten. Any other overlap is refused.
+
+    Raises :class:`FormatError` for a payload that does not match the declared codec, dtype or size.
+    """
+    width = itemsize(dtype)
+    if nbytes % width:
+        raise FormatError(f"{what}: {nbytes} bytes is not a whole number of {dtype} elements")
+    impl = None if codec == "same" else _codec(codec, what)
+    if impl is not None and not impl.supports(dtype):
+        raise FormatError(f"{what}: codec {codec!r} does not take {dtype} elements")
+    if impl is not None and len(payload) >= _HEADER.size:
+        _, _, pw, _, pn, _, _ = _HEADER.unpack_from(payload)
+        if pw * pn != nbytes:
+            raise FormatError(f"{what}: payload declares {pn} x {pw}-byte elements, expected {nbytes} bytes")
+    if out is None:
+        try:
+            out = np.empty(nbytes, dtype=np.uint8)
+        except MemoryError:
+            raise FormatError(f"{what}: declared size of {nbytes} bytes cannot be allocated") from None
+    if out.size != nbytes:
+        raise UsageError(f"{what}: output buffer has {out.size} bytes, need {nbytes}")
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise UsageError(f"{what}: output buffer must be contiguous and writable")
+    if old is not None and np.may_share_memory(out, old) and not same_memory(out, old):
+        raise UsageError(f"{what}: output buffer overlaps the base without being it")
+    out_e = out.view(UINT_VIEW[width])
+    old_e = None if old is None else _as_elements(old, dtype, f"{what} base")
+    if (impl is None or impl.needs_base) and (old_e is None or old_e.size != out_e.size):
+        raise FormatError(f"{what}: codec {codec!r} needs a base of {nbytes} bytes")
+    if impl is None:
+        if len(payload):
+            raise FormatError(f"{what}: codec 'same' carries no payload")
+        copy(old_e, out_e, hasher)
+        return out
+    _decode_payload(impl, dtype, memoryview(payload), old_e, out_e, what, hasher)
+    return out
+
+
+def _decode_payload(codec: Codec, dtype: str, payload: memoryview, old: np.ndarray | None, out: np.ndarray,
+                    what: str, hasher=None) -> None:
+    if len(payload) < _HEADER.size:
+        raise FormatError(f"{what}: payload of {len(payload)} bytes is too short")
+    magic, cid, width, _, n, step, n_blocks = _HEADER.unpack_from(payload)
+    if magic != MAGIC or cid != codec.id:
+        raise FormatError(f"{what}: payload is not a {codec.name!r} payload")
+    if width != out.dtype.itemsize or n != out.size or not 0 < step <= MAX_BLOCK_ELEMS:
+        raise FormatError(f"{what}: payload declares {n} x {width}-byte elements, expected {out.size} x {out.dtype.itemsize}")
+    if n_blocks != -(-n // step):
+        raise FormatError(f"{what}: payload declares {n_blocks} blocks for {n} elements")
+    pos = _HEADER.size + 8 * n_blocks
+    if pos > len(payload):
+        raise FormatError(f"{what}: truncated payload")
+    lengths = np.frombuffer(payload[_HEADER.size : pos], dtype="<u8").tolist()
+    if sum(lengths) != len(payload) - pos:  # Python ints: no wrap-around
+        raise FormatError(f"{what}: block lengths do not add up to the payload size")
+    for i, length in enumerate(lengths):
+        sl = slice(i * step, (i + 1) * step)
+        block = payload[pos : pos + length]
+        codec.decode(dtype, block, None if old is None else old[sl], out[sl], f"{what} block {i}", hasher)
+        pos += length
+
+
+def rebuild(dtype: str, nbytes: int, xxh3: str, base: np.ndarray | None,
+            steps: Sequence[tuple[str, Callable[[], bytes | memoryview]]], what: str = "tensor",
+            in_place: bool = False) -> np.ndarray:
+    """Apply ``steps`` in turn to ``base`` (each a codec and a function giving its payload, called
+    only when that step is decoded) and check the result's XXH3-128 against ``xxh3`` (hex): the
+    hash is fed while the last decode writes. ``in_place``: ``base`` is the caller's to overwrite
+    (a buffer read for this call), so each step decodes into it. Raises :class:`ChecksumError` for
+    a wrong result, :class:`FormatError` for a bad payload or a recipe with neither base nor steps."""
+    if not steps:
+        if base is None:
+            raise FormatError(f"{what}: recipe without a base or a payload")
+        actual = xxhash.xxh3_128_hexdigest(base)
+    else:
+        hasher, cur = xxhash.xxh3_128(), base
+        for i, (codec, payload) in enumerate(steps, 1):
+            out = cur if in_place and cur is not None and cur.size == nbytes else None
+            cur = decode_tensor(dtype, codec, payload(), cur, nbytes, out, what, hasher if i == len(steps) else None)
+        base, actual = cur, hasher.hexdigest()
+    if actual != xxh3:
+        raise ChecksumError(what, xxh3, actual)
+    return base
+
+
+def warm_up() -> None:
+    """Compile the numba kernels, or load them from numba's cache (:mod:`weightsync.codec.jit`), for
+    every element width and every signature publishes and pulls use, by coding a tiny tensor pair
+    with each codec: deltas and keyframes, decoded from a read-only payload (as fetched) and a
+    writable one, into a fresh buffer and in place. Daemons run this at start in the background, so
+    that their first delta does not pay it (about 7 s of compiling with a cold cache, 0.5 s to load
+    a warm one); an image build runs it (``python -m weightsync.codec.jit``) to fill the image's cache."""
+    rng = np.random.default_rng(0)
+    for width in sorted(set(UINT_VIEW)):
+        dtype = next(d for d in ("U8", "BF16", "F32", "F64") if itemsize(d) == width)
+        old = rng.integers(0, 256, 1024 * width, dtype=np.uint8)
+        new = old.copy()
+        new[:: 37 * width] += 1  # 2.7% of the elements change: the delta codecs, not dense
+        for cfg, base in ((CodecConfig(), old), (CodecConfig(entropy_coder=False), old), (CodecConfig(), None)):
+            enc = encode_tensor(dtype, new, base, cfg)  # base None: a keyframe ("full")
+            for payload in (bytes(enc.payload), bytearray(enc.payload)):  # read-only and writable arrays
+                into = old.copy()  # decoded into a fresh buffer, and in place (as pulls do): two kernels
+                for out in (decode_tensor(dtype, enc.codec, payload, base, new.size),
+                            decode_tensor(dtype, enc.codec, payload, into if base is not None else None, new.size,
+                                          out=into)):
+                    if not np.array_equal(out, new):
+                        raise AssertionError(f"codec warm-up: {enc.codec} did not round-trip")  # never expected
