@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from weightsync.errors import UsageError
 from weightsync.format.chunking import ChunkPacker, chunk_id
-from weightsync.format.manifest import ChunkRef, Part
+from weightsync.format.manifest import ChunkRef, Piece
 
 
 def payload(i: int, size: int) -> bytes:
@@ -40,7 +40,7 @@ def check_packing(sizes: list[int], chunk_bytes: int):
         assert c.id == chunk_id(c.data) == xxhash.xxh3_128_hexdigest(c.data)
     # every payload reassembles exactly from its parts
     for p, ps in zip(payloads, parts):
-        assert all(isinstance(x, Part) and x.length > 0 for x in ps)
+        assert all(isinstance(x, Piece) and x.length > 0 for x in ps)
         assert b"".join(sealed[x.chunk].data[x.offset : x.offset + x.length] for x in ps) == p
         if len(p) == 0:
             assert ps == ()
@@ -97,9 +97,9 @@ def test_chunk_counts(sizes, chunk_bytes, chunks):
 
 def test_small_payload_starts_a_fresh_chunk():
     packer = ChunkPacker(16)
-    assert packer.add(b"a" * 10) == ((Part(0, 0, 10),), [])
+    assert packer.add(b"a" * 10) == ((Piece(0, 0, 10),), [])
     parts, sealed = packer.add(b"b" * 10)
-    assert parts == (Part(1, 0, 10),)
+    assert parts == (Piece(1, 0, 10),)
     assert [s.data for s in sealed] == [b"a" * 10]
     assert [s.data for s in packer.finish()] == [b"b" * 10]
 
@@ -108,14 +108,14 @@ def test_large_payload_tops_up_the_open_chunk():
     packer = ChunkPacker(16)
     packer.add(b"a" * 10)
     parts, sealed = packer.add(b"b" * 30)
-    assert parts == (Part(0, 10, 6), Part(1, 0, 16), Part(2, 0, 8))
+    assert parts == (Piece(0, 10, 6), Piece(1, 0, 16), Piece(2, 0, 8))
     assert [s.data for s in sealed] == [b"a" * 10 + b"b" * 6, b"b" * 16]
 
 
 def test_chunks_are_sealed_as_soon_as_they_fill():
     packer = ChunkPacker(8)
     parts, sealed = packer.add(b"x" * 8)
-    assert parts == (Part(0, 0, 8),) and [s.index for s in sealed] == [0]
+    assert parts == (Piece(0, 0, 8),) and [s.index for s in sealed] == [0]
     assert packer.finish() == []
 
 
@@ -171,8 +171,8 @@ def test_shared_refs_keep_payload_kinds_in_separate_chunks():
     d2, s = side.add(b"e" * 20)
     sealed += s
     sealed += main.finish() + side.finish()
-    assert p1 == (Part(0, 0, 10),) and d1 == (Part(1, 0, 4),) and p2 == (Part(0, 10, 4),)
-    assert d2 == (Part(1, 4, 12), Part(2, 0, 8))
+    assert p1 == (Piece(0, 0, 10),) and d1 == (Piece(1, 0, 4),) and p2 == (Piece(0, 10, 4),)
+    assert d2 == (Piece(1, 4, 12), Piece(2, 0, 8))
     assert None not in main.refs and len(main.refs) == 3
     by_index = {c.index: c for c in sealed}
     assert sorted(by_index) == [0, 1, 2]

@@ -27,8 +27,6 @@ def _new_overloads(before: dict[int, set]) -> list[str]:
 
 
 def test_every_kernel_uses_the_layered_cache():
-    import weightsync.codec.arith
-    import weightsync.codec.kernels
 
     names = {d.py_func.__qualname__ for d in jit._DISPATCHERS}
     assert {"gap_width", "_sparse_streams", "_apply_sparse", "_split_planes", "_merge_planes", "_encode", "_decode"} <= names

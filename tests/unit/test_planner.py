@@ -11,8 +11,8 @@ from weightsync.format.manifest import (
     Delta,
     FileEntry,
     Manifest,
-    Part,
     Payload,
+    Piece,
     Segment,
     manifest_from_json,
     manifest_to_json,
@@ -36,7 +36,7 @@ def manifest(version: int, parent: int | None, files: dict[str, list[tuple]], ke
 
     def payload(tag: str, size: int) -> Payload:
         chunks.append(ChunkRef(hx(f"chunk {version} {tag}"), size + 3))
-        return Payload(size, hx(f"payload {version} {tag}"), (Part(len(chunks) - 1, 3, size),))
+        return Payload(size, hx(f"payload {version} {tag}"), (Piece(len(chunks) - 1, 3, size),))
 
     entries = []
     for path, specs in files.items():
@@ -231,7 +231,7 @@ def test_shared_chunk_ranges_are_merged():
     shared = ChunkRef(hx("shared"), 1000)
     layout = [(0, 5), (5, 5), (500, 5)]  # a, b adjacent; c far away in the same chunk
     segs = tuple(Segment("tensor", n, "U8", (10,), 10 * i, 10 * i + 10, hx(n), "full", 0,
-                         Payload(ln, hx("p" + n), (Part(0, off, ln),))) for i, (n, (off, ln)) in enumerate(zip("abc", layout)))
+                         Payload(ln, hx("p" + n), (Piece(0, off, ln),))) for i, (n, (off, ln)) in enumerate(zip("abc", layout)))
     m = Manifest(0, None, True, 0, (FileEntry(A, "safetensors", 30, hx("f"), segs),), (shared,))
     assert manifest_from_json(manifest_to_json(m)) == m
     plan = plan_pull([m], None)
