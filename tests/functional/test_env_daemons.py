@@ -217,4 +217,4 @@ def test_the_mirror_answers_healthz_and_readyz(published, cli_env, tmp_path):
     records = [json.loads(line) for line in mirror.log.read_text().splitlines() if line.strip()]
     msgs = [r["msg"] for r in records]
     assert any(m.startswith("mirror pass failed") for m in msgs) and any(m.startswith("mirrored version 5") for m in msgs)
-    assert {r["logger"] for r in records} == {"weightsync.sync.mirror"}
+    assert {r["logger"] for r in records} == {"weightsync.mirror"}

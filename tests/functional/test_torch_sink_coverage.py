@@ -89,7 +89,7 @@ def test_an_moe_model_with_fused_experts_is_refused_not_left_stale(moe, mode):
 def test_an_moe_model_with_the_experts_excluded_updates_the_rest(moe, mode, caplog):
     store, model, trained, _ = moe
     live = transformers_copy(model)
-    with caplog.at_level("INFO", logger="weightsync.torch.sink"):
+    with caplog.at_level("INFO", logger="weightsync.torch"):
         sink = TorchSink(store, live, 0, mode=mode, exclude=["*.mlp.experts.*"])
     assert "version 0: leaving 28 tensors alone (exclude=['*.mlp.experts.*'])" in caplog.text
     assert len(sink.excluded) == 24 + 4 and all(".mlp.experts." in n for n in sink.excluded)
