@@ -8,10 +8,8 @@ The Python API mirrors the CLI::
     weightsync.versions("s3://bucket/run1")                   # -> [VersionInfo, ...]
     weightsync.verify("s3://bucket/run1", "/models/run1")      # raises unless byte-identical
 
-This module only re-exports (docs/ARCHITECTURE.md maps the layers). The entry points that need
-torch (``TorchSink``, ``DeviceDiffPublisher``, ``publish_state_dict``...) and the multi-rank ones
-are imported on first use: ``import weightsync`` never imports torch, and the torch ones are left
-out of ``__all__`` so that ``from weightsync import *`` does not either.
+This module only re-exports (docs/ARCHITECTURE.md maps the layers); the torch and multi-rank
+entry points import on first use, so ``import weightsync`` never imports torch.
 """
 
 from __future__ import annotations

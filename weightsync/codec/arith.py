@@ -1,21 +1,6 @@
-"""Codec ``ac`` (id 4): adaptive binary arithmetic coding of a delta, conditioned on the old value.
-
-For every element of a block one binary decision says whether it changed; its probability model is
-chosen by the exponent field of the element's *old* value (both sides hold it) and by whether the
-previous element changed. Between RL steps small-magnitude weights (finer bf16 spacing) flip far
-more often than large ones, so these models code the change mask below its zeroth-order entropy.
-A changed element's difference is coded as zigzag(d) - 1 with binary decisions: "is it +-1"
-(modelled per exponent), which sign, else an Exp-Golomb code with modelled prefix bits.
-
-The coder is an LZMA-style range coder (32-bit range, carry propagation through a cache byte) with
-16-bit probabilities whose adaptation rate falls from 1/2 to 1/256 as a model sees more bits.
-Everything runs in numba kernels, one pass over the block each way. Most elements are unchanged
-and take a short path of one decision, about 20 instructions (loads, the model's context, one
-multiply for the range and one for the adaptation, the renormalisation test): 2-3 ns an element
-on one core, near 0.75 GB/s of bf16. The bound is that work, not the chain of dependent
-operations: a prototype with two interleaved coders (independent ranges and models) ran slower.
-Blocks are independent, so throughput scales with cores.
-"""
+"""Codec ``ac`` (id 4): adaptive binary arithmetic coding of a delta, conditioned on the old value's
+exponent field, in numba kernels (an LZMA-style range coder; docs/DESIGN.md has the models and
+the cost per element)."""
 
 from __future__ import annotations
 
@@ -347,6 +332,9 @@ def decode_block(dtype: str, block: memoryview, old: np.ndarray, out: np.ndarray
 
 @register
 class AC(Codec):
+    """``ac``: the change mask and the differences, arithmetic-coded with models chosen by the old
+    value's exponent (elements of up to 4 bytes)."""
+
     id = 4
     name = "ac"
 

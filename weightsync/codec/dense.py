@@ -12,6 +12,9 @@ from weightsync.codec.streams import compressor, decompress, from_planes, to_pla
 
 @register
 class Dense(Codec):
+    """``dense``: every element's wrapping difference, zigzagged, as byte planes, zstd-compressed (for
+    blocks where most elements changed)."""
+
     id = 3
     name = "dense"
 

@@ -10,6 +10,8 @@ from weightsync.codec.streams import compressor, decompress, from_planes, to_pla
 
 @register
 class Full(Codec):
+    """``full``: the new bytes themselves as byte planes, zstd-compressed (keyframes; needs no base)."""
+
     id = 1
     name = "full"
     needs_base = False

@@ -1,27 +1,7 @@
-"""numba's ``njit`` with an on-disk cache of compiled kernels that also works from a read-only install.
-
-numba's own ``cache=True`` insists on a *writable* cache directory, chosen when the function is
-decorated: ``NUMBA_CACHE_DIR``, else the ``__pycache__`` beside the source, else the user-wide
-``$XDG_CACHE_HOME/numba`` (``~/.cache/numba``). With none writable (a read-only root file system,
-no writable home) the import itself fails (``RuntimeError: cannot cache function ...: no locator
-available``); a directory it can read but not write, such as a cache compiled into an image at
-build time, is never used.
-
-Here each kernel's cache has layers, looked up in this order:
-
-1. the first *writable* one of numba's locations, in numba's order: loaded from and saved to;
-2. every other of those locations that exists but cannot be written (``NUMBA_CACHE_DIR`` filled at
-   image build time, a ``__pycache__`` filled by whoever installed the package): loaded from only.
-
-Without any, the kernels compile in every process at their first use (about 7 s for all of them;
-logged once at INFO). A compiled kernel that cannot be saved is used all the same. numba keys an
-entry on the source file's directory path and contents (its size and mtime before numba 0.62), the
-numba version and the CPU (name and features, or ``NUMBA_CPU_NAME``/``NUMBA_CPU_FEATURES``), so
-a cache only hits for the same install path on the same kind of machine.
-
-``python -m weightsync.codec.jit`` compiles (or loads) every kernel and reports hits and compiles;
-``--require-cached`` exits 1 if anything had to be compiled (the image build checks its cache so).
-"""
+"""numba's ``njit`` with an on-disk cache of compiled kernels that also works from a read-only
+install: the first writable numba cache location is loaded from and saved to, every other that
+exists is loaded from only (docs/DESIGN.md). ``python -m weightsync.codec.jit`` compiles or loads
+every kernel; ``--require-cached`` exits 1 if anything had to be compiled."""
 
 from __future__ import annotations
 

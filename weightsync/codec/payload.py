@@ -1,17 +1,6 @@
 """Tensors as payloads (docs/FORMAT.md, "Payloads"): the container of independent blocks, the
-choice of a codec per tensor, and rebuilding a tensor from a chain of payloads.
-
-A tensor's bytes are encoded against the same tensor in the parent version (``old``) or in full:
-
-- ``same``: unchanged, no payload (no codec of the registry: nothing is stored);
-- otherwise a payload: a header naming the codec by id, the element width and count and the
-  block size, the block lengths, then the blocks, each coded by the codec on its own
-  (:mod:`weightsync.codec.registry`): ``full`` for keyframes, ``ac`` for deltas of elements of up
-  to 4 bytes, ``sparse`` for wider ones or with the entropy coder off, ``dense`` where most
-  elements changed and it is smaller.
-
-Blocks of at most ``block_elems`` elements bound memory and let blocks be coded in parallel.
-"""
+choice of a codec per tensor (``same``, ``full``, ``ac``, ``sparse``, ``dense``), and rebuilding a
+tensor from a chain of payloads (docs/DESIGN.md)."""
 
 from __future__ import annotations
 
@@ -63,11 +52,15 @@ class CodecConfig:
             raise UsageError("dense_above must be a fraction in [0, 1]")
 
     def block_elems(self, width: int) -> int:
+        """Elements per block for elements of ``width`` bytes (blocks are coded independently)."""
         return max(1, self.block_bytes // width)
 
 
 @dataclass(frozen=True)
 class EncodedTensor:
+    """One tensor encoded: the codec chosen (a registry name, or ``same`` with an empty payload), the
+    payload bytes, and how many elements differ from the old tensor."""
+
     codec: str
     payload: bytes | bytearray
     changed: int  # elements that differ from old (all of them for a full encoding)

@@ -50,6 +50,9 @@ def _pack(data: memoryview, k: int, gw: int, level: int) -> bytes:
 
 @register
 class Sparse(Codec):
+    """``sparse``: the positions of the changed elements (gaps) and their zigzag differences, as byte
+    planes, zstd-compressed."""
+
     id = 2
     name = "sparse"
 

@@ -78,6 +78,7 @@ def zigzag(diff: np.ndarray) -> np.ndarray:
 
 
 def unzigzag(code: np.ndarray) -> np.ndarray:
+    """The inverse of :func:`zigzag`: wrapping differences back from their zigzag codes."""
     width = code.dtype.itemsize
     s = code.view(INT_VIEW[width])
     return ((code >> 1).view(INT_VIEW[width]) ^ -(s & 1)).view(UINT_VIEW[width])

@@ -1,16 +1,6 @@
-"""The embedded default: a store in a local directory.
-
-Each key is a file under the root. Writes go to a temporary file in the same directory, are
-fsynced, then linked (create) or renamed (overwrite) into place, so a reader sees the old object or
-the new one. Conditional updates hold an exclusive ``flock`` on ``<root>/.lock``.
-
-Ages are the files' modification times by this host's clock. A writer killed mid-write leaves its
-``.tmp-*`` file; :meth:`FileStore.sweep_incomplete` removes the old ones. A delete that empties a
-folder removes it, and the folders above it that it empties, up to the root (as obstore's
-``LocalFileSystem`` with automatic cleanup): a store keeps a folder per multi-rank version under
-``parts/``. A writer whose folder is removed between its ``mkdir`` and its temporary file makes
-the folder again.
-"""
+"""The embedded default: a store in a local directory, one file per key, written through a
+temporary file then linked or renamed into place; conditional updates under an ``flock``
+(docs/DESIGN.md: ages, sweeps, folders)."""
 
 from __future__ import annotations
 

@@ -58,6 +58,7 @@ class Repo:
 
     @property
     def url(self) -> str:
+        """The store's URL (for messages and state files)."""
         return self.store.url
 
     # --- marker ----------------------------------------------------------------------------------
@@ -77,10 +78,12 @@ class Repo:
             raise NotAStoreError(f"{self.url} is not a weightsync store: {exc}") from None
 
     def require(self) -> None:
+        """Raise :class:`NotAStoreError` unless this is a weightsync store with its marker."""
         if not self.check():
             raise NotAStoreError(f"{self.url} is not a weightsync store (it is empty)")
 
     def init(self) -> None:
+        """Make this location a weightsync store (write the marker) unless it is one; refuses one holding other objects."""
         if not self.check():
             try:
                 self.store.put(MARKER_KEY, marker_to_json(), mode="create")
@@ -97,6 +100,7 @@ class Repo:
         return head_from_json(data), etag
 
     def head_version(self) -> int | None:
+        """The head version, or None on a fresh store."""
         return self.head()[0]
 
     def versions(self) -> list[int]:
@@ -108,6 +112,7 @@ class Repo:
         return sorted(v for v in found if v is not None and v <= head)
 
     def manifest(self, version: int) -> Manifest:
+        """The validated manifest of ``version`` (cached); :class:`VersionError` if the store has none."""
         with self._lock:
             if version in self._manifests:
                 self._manifests.move_to_end(version)
@@ -181,6 +186,7 @@ class Repo:
         return True
 
     def get_chunk(self, chunk_id: str, size: int) -> bytes:
+        """A chunk's bytes, checked against its id and size (:class:`ChecksumError` otherwise)."""
         key = chunk_key(chunk_id)
         data = self.store.get(key)
         verify_chunk(f"{self.url}/{key}", chunk_id, size, data)
@@ -236,6 +242,7 @@ class Repo:
 
 
 def verify_chunk(what: str, chunk_id: str, size: int, data: bytes | memoryview) -> None:
+    """Raise :class:`ChecksumError` unless ``data`` is ``size`` bytes whose XXH3-128 is ``chunk_id``."""
     if len(data) != size:
         raise ChecksumError(what, f"{chunk_id} ({size} bytes)", f"{len(data)} bytes")
     actual = xxhash.xxh3_128_hexdigest(data)
@@ -264,6 +271,9 @@ def open_repo(store: StoreLike, *, retry: RetryPolicy | None = RetryPolicy(), **
 
 @dataclass(frozen=True)
 class VersionInfo:
+    """One committed version as ``weightsync versions`` lists it: parent, keyframe flag, bytes of its
+    files and of its own payloads, fraction of elements changed from the parent, creation time."""
+
     version: int
     parent: int | None
     keyframe: bool
@@ -274,6 +284,7 @@ class VersionInfo:
 
 
 def versions(store: StoreLike) -> list[VersionInfo]:
+    """Every committed version of ``store``, ascending, as :class:`VersionInfo`."""
     repo = open_repo(store)
     repo.require()
     out = []

@@ -1,22 +1,6 @@
-"""Retries as a store wrapper: :class:`RetryingStore` implements :class:`Store` around another.
-
-Only errors marked ``retryable = True`` are retried (the S3 backend marks throttling, 5xx,
-timeouts, dropped connections and truncated bodies); everything else, including
-:class:`NotFoundError`, :class:`AlreadyExistsError` and :class:`PreconditionFailedError`,
-passes through at once. Delays grow exponentially from ``base_delay`` up to ``max_delay``, with
-full jitter (a uniform draw in ``[0, delay]``) so that many clients do not retry in lockstep.
-
-Conditional writes and retries. A ``put(mode="create")`` or ``put_if_match`` whose first attempt
-timed out may have succeeded on the server; its retry then fails with
-:class:`AlreadyExistsError` / :class:`PreconditionFailedError` although the write is ours.
-RetryingStore does not hide this, because only the caller knows what success means: it raises
-the conflict unchanged but sets ``exc.ambiguous = True`` (the conflict came after a failed
-attempt, so it may be our own write). For content-addressed chunks an AlreadyExists is success
-either way; a head-pointer update should re-read the head and compare it with what it wrote.
-
-A lazy listing (:meth:`RetryingStore.list_meta`) is retried where it failed: it resumes after the
-last key it gave (the protocol's ``offset``), and its attempts count afresh after each key.
-"""
+"""Retries as a store wrapper: :class:`RetryingStore` implements :class:`Store` around another and
+retries the errors marked ``retryable``, with exponential backoff and full jitter; a conflict
+after a failed attempt is raised with ``ambiguous = True`` (docs/DESIGN.md)."""
 
 from __future__ import annotations
 

@@ -1,30 +1,6 @@
-"""S3 backend: a :class:`Store` over any S3-compatible service, through boto3's botocore.
-
-Objects live under ``s3://bucket/prefix/<key>``. The endpoint is the ``endpoint_url`` option, or
-boto3's own resolution (``AWS_ENDPOINT_URL``, config files); credentials come only from boto3's
-standard chain. This module never reads the environment itself.
-
-Conditional writes use S3 preconditions: ``put(mode="create")`` sends ``If-None-Match: *``,
-``put_if_match`` sends ``If-Match: <etag>`` (or ``If-None-Match: *`` for ``etag=None``). A 412,
-``PreconditionFailed`` or ``ConditionalRequestConflict`` answer becomes
-:class:`AlreadyExistsError` / :class:`PreconditionFailedError`.
-
-Objects above ``multipart_threshold`` go up as multipart uploads, parts in parallel on a bounded
-thread pool. Caveat: SeaweedFS (4.48) checks ``If-None-Match``/``If-Match`` on
-CompleteMultipartUpload, but not atomically: concurrent completes can all succeed. Single-request
-PUT conditionals are atomic, so ``put_if_match`` always uses one request (head pointers are small);
-a large ``put(mode="create")`` is safe only where racing writers write the same bytes
-(content-addressed chunks).
-
-Ages: ``last_modified`` is the object's ``LastModified`` and :meth:`S3Store.now` the server's
-``Date``, both by the server's clock in whole seconds (an age can read up to ~2 s off).
-:meth:`S3Store.sweep_incomplete` aborts old unfinished multipart uploads under the prefix, ours
-or any other client's.
-
-Every :class:`StoreError` raised here carries ``retryable: bool`` (throttling, 5xx, timeouts,
-dropped connections, truncated bodies) for :class:`~weightsync.store.retry.RetryingStore`.
-No retries happen inside: botocore's own retries are off.
-"""
+"""S3 backend: a :class:`Store` over any S3-compatible service through botocore; conditional writes
+as S3 preconditions, ages by the server's clock, credentials only from boto3's standard chain,
+no retries inside (every error says whether it is ``retryable``; docs/DESIGN.md)."""
 
 from __future__ import annotations
 

@@ -1,53 +1,7 @@
-"""Retention: delete old versions, then the chunks no remaining version needs.
-
-Plan (pure, :func:`plan_gc`): keep the ``keep`` newest committed versions (the head among them),
-and every manifest in their chains back to a keyframe (:meth:`Repo.chain`). Manifests above the
-head belong to a publish in progress and are kept too, unless older than the grace period: those
-were left by publishers that died between the manifest and the head update, and they would block
-every later publish of their version number, so gc deletes them. A chunk is needed when any kept
-manifest references it (keyframes' ``delta`` payloads live in the same chunk list).
-
-Execution (:func:`gc`): manifests are deleted first, oldest first, so that a reader never finds a
-manifest whose chunks are gone; then chunks that no kept manifest references, but only those older
-than ``grace_seconds``: a publisher uploads its chunks before its manifest exists, so a young
-unreferenced chunk may belong to a version being published. Right before its commit (or its
-part) a publisher touches again every chunk it stored more than ``PublishConfig.refresh_after``
-(900 s) earlier, and refuses to commit if one is gone, so ``grace_seconds`` must exceed
-``refresh_after`` plus the time those touches and the commit take, not the whole publish; with a
-margin for the store's timestamp resolution (S3's ``LastModified`` and ``Date`` have whole seconds:
-an age can read up to ~2 s too old). Last, leftovers of killed writers older than the grace period
-go too (:meth:`Store.sweep_incomplete`): a file store's temporary files, an S3 store's incomplete
-multipart uploads.
-
-Parts of multi-rank publishes (``parts/<N>/``, :mod:`weightsync.parts`, :func:`plan_parts`): those
-of a version at or below the head are done with (merged, or stale) and are deleted; those of a
-version above the head are kept while any of them is younger than the grace period (ranks still
-publishing, a committer waiting) and deleted together once all are older: a version that missed a
-part is abandoned. The chunks named by kept parts are needed, like those of pending manifests.
-
-Re-checks before each delete. A publisher that finds one of its chunks already stored touches it
-(:meth:`Repo.put_chunk`) instead of uploading it again, so an old unreferenced chunk can become
-needed while gc runs. Ages are listed once, but each candidate's age is read again
-(:meth:`Store.head_meta`: a stat, or a HEAD) right before its delete, and a candidate now younger
-than the grace period is kept (``touched_during_gc``; it is counted in ``young_chunks`` too).
-Candidates are deleted in batches, and before each batch ``versions/`` is listed again: chunks
-referenced by a manifest stored since the plan are kept (``referenced_during_gc``, counted in
-``kept_chunks`` too). The age re-check alone would need the grace period to exceed the longest
-publish *plus gc's own run time up to that delete*, since a publisher may have touched a chunk just
-before gc's plan and committed just after; the manifest re-check takes gc's run time out of that
-rule (up to one batch), and it also protects chunks a writer re-uses without touching them (the
-mirror) when its manifest lands before the batch. What remains is the gap between one re-check and
-its delete (one round trip): stores offer no "delete if not modified since" for chunks.
-
-Object ages come from the :class:`Store` protocol: :meth:`Store.list_meta` and
-:meth:`Store.head_meta` give each object's ``last_modified`` and :meth:`Store.now` the current time,
-both by the store's own clock (an S3 server's ``LastModified`` and ``Date``), so that clock skew
-does not matter; ``now`` is read before the listing (and before each batch of re-checks), so the
-time a listing or a batch takes can only make an age read younger (the timestamps' resolution
-aside). Leftovers of killed writers go through :meth:`Store.sweep_incomplete`. A
-backend without ages (memory) has every object treated as young: nothing is collected there unless
-``grace_seconds`` is 0.
-"""
+"""Retention: delete old versions, then the chunks no remaining version needs. A pure plan
+(:func:`plan_gc`, :func:`plan_parts`) then :func:`gc`, which re-checks each candidate's age and
+new manifests before deleting, so that a publish in progress never loses a chunk (docs/DESIGN.md
+gives the rules and the grace period they need)."""
 
 from __future__ import annotations
 
