@@ -150,8 +150,8 @@ def measure_ours(old: common.Checkpoint, new: common.Checkpoint, res: PairResult
     # per-tensor best-of would find a small tensor's inputs still in cache). All cores: tensors are
     # independent (the kernels, zstd and xxhash release the GIL); largest first, on the daemons' pool.
     names = sorted(new, key=lambda n: -new[n][1].size)
-    encode = lambda n: encode_tensor(new[n][0], new[n][1], old[n][1], cfg)
-    decode = lambda n: decode_verify(new[n][0], encoded[n], old[n][1], new[n][1].size, outs[n])
+    encode = lambda n: encode_tensor(new[n][0], new[n][1], old[n][1], cfg)  # noqa: E731
+    decode = lambda n: decode_verify(new[n][0], encoded[n], old[n][1], new[n][1].size, outs[n])  # noqa: E731
     size = lambda n: new[n][1].size  # noqa: E731
     for suffix, threads in (("_s", 1), ("_all_s", CORES)):
         setattr(res, pre + "encode" + suffix, common.parallel_seconds(encode, names, threads, TIMING_REPEAT, size))

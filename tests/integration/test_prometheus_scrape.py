@@ -60,7 +60,7 @@ from test_mirror_metrics import (  # noqa: E402
 )
 
 import weightsync  # noqa: E402
-from weightsync.demo import SyntheticTrainer
+from weightsync.demo import SyntheticTrainer  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
