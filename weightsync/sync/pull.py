@@ -15,17 +15,15 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
-import numpy as np
 import xxhash
 
-from weightsync.codec.tensor import SLICE_BYTES, rebuild
-from weightsync.errors import BaseMismatchError, ChecksumError, FormatError, NotFoundError, UsageError, VersionError
-from weightsync.format.keys import chunk_key, version_key
+from weightsync.codec.tensor import SLICE_BYTES
+from weightsync.errors import BaseMismatchError, ChecksumError, NotFoundError, UsageError, VersionError
+from weightsync.format.keys import version_key
 from weightsync.format.manifest import Manifest
-from weightsync.local.base import LocalVersion, check_checksum
+from weightsync.local.base import LocalVersion
 from weightsync.local.install import (
     begin_refill,
     finish_refill,
@@ -36,11 +34,11 @@ from weightsync.local.install import (
     staging_dir,
 )
 from weightsync.local.lock import FolderLock, claim
-from weightsync.local.state import open_regular, read_state, unchanged_files
+from weightsync.local.state import read_state, unchanged_files
 from weightsync.local.verify import verify_folder
 from weightsync.store.repo import Repo, StoreLike, open_repo
-from weightsync.sync.pipeline import TASK_BYTES, ordered_map
-from weightsync.sync.plan import FilePlan, Plan, Recipe, plan_pull
+from weightsync.sync.plan import FilePlan, Plan, plan_pull
+from weightsync.sync.rebuild import TensorJob, build_tensors
 from weightsync.sync.transfer import clear_spool, fetch_chunks
 
 Progress = Callable[[int, int], None]
@@ -84,59 +82,14 @@ def resolve_version(repo: Repo, version: int | str | None) -> int:
     return v
 
 
-class _Builder:
-    """Rebuilds segments from a local base and fetched payloads; verifies every result."""
-
-    def __init__(self, url: str, chunks: dict[str, Path], base: LocalVersion | None):
-        self.url, self.chunks, self.base = url, chunks, base
-        self._fds: dict[str, int] = {}
-
-    def _payload(self, step) -> bytes:
-        buf = bytearray()
-        for rng in step.ranges:
-            path = self.chunks[rng.chunk.id]
-            fd = self._fds.get(rng.chunk.id)
-            if fd is None:
-                try:
-                    fd = self._fds.setdefault(rng.chunk.id, open_regular(path))
-                except FileNotFoundError:
-                    key = chunk_key(rng.chunk.id)
-                    raise NotFoundError(f"{self.url}: missing chunk {key} (collected while pulling?)", key=key) from None
-            buf += os.pread(fd, rng.length, rng.offset)
-        keys = ", ".join(sorted({chunk_key(r.chunk.id) for r in step.ranges}))
-        check_checksum(f"payload of version {step.version} in {self.url}/{keys}", step.xxh3, buf)
-        return bytes(buf)
-
-    def build(self, job: tuple[str, Recipe]) -> np.ndarray:
-        path, r = job
-        t = r.target
-        # A fresh buffer, decoded in place. It is hashed only if the result is wrong: the result's
-        # hash covers it (a wrong base cannot give the right result), and a second read then tells
-        # a base that changed behind our back (BaseMismatchError: rebuild without it) from a bad
-        # payload. Saves a pass over every byte of the model per pull.
-        base = None if r.base is None else self.base.read(path, r.base, check=False)
-        steps = [(step.codec, partial(self._payload, step)) for step in r.steps]
-        try:
-            return rebuild(t.dtype, t.nbytes, t.xxh3, base, steps, f"{path}: {t.name or t.role}", in_place=True)
-        except (ChecksumError, FormatError):
-            if r.base is not None:
-                self.base.read(path, r.base)  # raises BaseMismatchError if the base is not what it should be
-            raise
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-
-
-def _write_files(plan: Plan, builder: _Builder, root: Path, cfg: PullConfig, progress: Progress | None,
-                 in_place: bool = False) -> list[str]:
+def _write_files(plan: Plan, chunks: dict[str, Path], url: str, base: LocalVersion | None, root: Path, cfg: PullConfig,
+                 progress: Progress | None, in_place: bool = False) -> list[str]:
     """Rebuild every file that changed into ``root`` (the staging area, or the folder itself when
     refilling in place); returns their paths."""
     todo = [f for f in plan.files if not f.keep]
-    jobs = [(f.entry.path, r) for f in todo for r in f.recipes]
-    total, done = sum(r.target.nbytes for _, r in jobs), 0
-    results = ordered_map(builder.build, jobs, lambda j: 3 * j[1].target.nbytes, cfg.inflight_bytes, cfg.decode_threads,
-                          3 * TASK_BYTES)
+    jobs = [TensorJob(f.entry.path, r) for f in todo for r in f.recipes]
+    total, done = sum(j.recipe.target.nbytes for j in jobs), 0
+    results = build_tensors(jobs, chunks, base, url=url, threads=cfg.decode_threads, inflight_bytes=cfg.inflight_bytes)
     try:
         for fp in todo:
             _write_one(fp, results, root, cfg, in_place)
@@ -254,13 +207,11 @@ def _pull_plan(repo, out: Path, base: Path, plan: Plan, base_state, cfg: PullCon
     paths = fetch_chunks(repo, plan.chunks, spool_dir(out), cfg.fetch_concurrency, on_bytes)
     seconds["fetch"] = time.perf_counter() - t0
     local = None if plan.local_version is None else LocalVersion(base, repo.manifest(plan.local_version))
-    builder = _Builder(repo.url, paths, local)
     if in_place:
         begin_refill(out, plan.target, repo.url, cfg.fsync)
     try:
-        written = _write_files(plan, builder, out if in_place else staging_dir(out), cfg, progress, in_place)
+        written = _write_files(plan, paths, repo.url, local, out if in_place else staging_dir(out), cfg, progress, in_place)
     finally:
-        builder.close()
         if local:
             local.close()
     seconds["build"] = time.perf_counter() - t0 - seconds["fetch"]

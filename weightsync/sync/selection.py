@@ -1,9 +1,8 @@
 """Fetching selected tensors of a version, and partial folders that hold only them.
 
-Built on the core: :func:`~weightsync.planner.plan_segment` picks the cheapest recipe per tensor,
-:func:`~weightsync.transfer.fetch_chunks` downloads only the chunks those recipes touch,
-:func:`~weightsync.codec.decode_tensor` rebuilds each tensor, and every result is checked against
-its segment's xxh3 before anyone sees it.
+Built on the core: :func:`~weightsync.sync.plan.plan_segment` picks the cheapest recipe per tensor,
+and :mod:`weightsync.sync.rebuild` (the pull's own path) fetches only the chunks those recipes touch
+and rebuilds each tensor, every result checked against its segment's xxh3 before anyone sees it.
 
 Partial folder layout (what ``weightsync subscriber --include/--exclude`` materializes)::
 
@@ -24,7 +23,6 @@ files into place and writes the new ``partial.json``; an interrupted update leav
 from __future__ import annotations
 
 import fnmatch
-import functools
 import json
 import os
 import shutil
@@ -36,7 +34,6 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from weightsync.codec.tensor import rebuild
 from weightsync.errors import (
     BaseMismatchError,
     CheckpointError,
@@ -65,14 +62,11 @@ from weightsync.local.state import (
     write_json_atomic,
 )
 from weightsync.store.repo import Repo
-from weightsync.sync.pipeline import TASK_BYTES, ordered_map
-from weightsync.sync.plan import ChunkNeed, Recipe, Step, merge_ranges, plan_segment
-from weightsync.sync.transfer import clear_spool, fetch_chunks
+from weightsync.sync.plan import plan_segment
+from weightsync.sync.rebuild import TensorJob, build_tensors, fetch_jobs
+from weightsync.sync.transfer import clear_spool
 
 STATE = PARTIAL_STATE
-
-
-BaseReader = Callable[[str, Segment], np.ndarray]  # (file path, local segment) -> its bytes, verified
 
 
 @dataclass(frozen=True)
@@ -86,73 +80,6 @@ class Selection:
         if self.include and not any(fnmatch.fnmatchcase(name, p) for p in self.include):
             return False
         return not any(fnmatch.fnmatchcase(name, p) for p in self.exclude)
-
-
-@dataclass(frozen=True)
-class TensorJob:
-    path: str
-    recipe: Recipe
-
-
-def plan_tensors(chain: list[Manifest], local: Manifest | None, wanted: list[tuple[str, Segment]]) -> list[TensorJob]:
-    """The cheapest recipe for each wanted ``(path, segment)`` of ``chain[-1]``."""
-    return [TensorJob(path, plan_segment(chain, path, seg, local)) for path, seg in wanted]
-
-
-def _read_payload(fds: dict[str, int], chunks: dict[str, Path], step: Step) -> bytes:
-    buf = bytearray()
-    for rng in step.ranges:
-        fd = fds.get(rng.chunk.id)
-        if fd is None:
-            fd = fds.setdefault(rng.chunk.id, open_regular(chunks[rng.chunk.id]))
-        buf += os.pread(fd, rng.length, rng.offset)
-    check_checksum(f"payload of version {step.version}", step.xxh3, buf)
-    return bytes(buf)
-
-
-def chunks_for(jobs: list[TensorJob]) -> list[ChunkNeed]:
-    """The byte ranges of each chunk that ``jobs`` read payloads from (merged like a pull's)."""
-    chunks: dict[str, object] = {}
-    ranges: dict[str, list[tuple[int, int]]] = {}
-    for j in jobs:
-        for step in j.recipe.steps:
-            for rng in step.ranges:
-                chunks[rng.chunk.id] = rng.chunk
-                ranges.setdefault(rng.chunk.id, []).append((rng.offset, rng.length))
-    return [ChunkNeed(c, merge_ranges(ranges[cid], gap=64 << 10)) for cid, c in chunks.items()]
-
-
-def fetch_for(repo: Repo, jobs: list[TensorJob], spool: Path, concurrency: int = 32,
-              on_bytes: Callable[[int], None] | None = None) -> tuple[dict[str, Path], int]:
-    """Make the bytes ``jobs`` need available locally; returns chunk id -> file and bytes to fetch."""
-    needs = chunks_for(jobs)
-    return fetch_chunks(repo, needs, spool, concurrency, on_bytes), sum(n.fetch_bytes for n in needs)
-
-
-def build_tensors(
-    jobs: list[TensorJob], chunk_paths: dict[str, Path], base: BaseReader, *, threads: int = 4,
-    inflight_bytes: int = 256 << 20, cancel: Callable[[], None] | None = None,
-) -> Iterator[tuple[TensorJob, np.ndarray]]:
-    """Yield each job with its rebuilt, verified bytes, in order (decoding on ``threads`` threads).
-
-    ``base(path, segment)`` returns the local bytes a recipe starts from; it raises
-    :class:`BaseMismatchError` when they are not what the segment says.
-    """
-    fds: dict[str, int] = {}
-
-    def build(job: TensorJob) -> np.ndarray:
-        if cancel:
-            cancel()
-        r, t = job.recipe, job.recipe.target
-        cur = None if r.base is None else base(job.path, r.base)
-        steps = [(step.codec, functools.partial(_read_payload, fds, chunk_paths, step)) for step in r.steps]
-        return rebuild(t.dtype, t.nbytes, t.xxh3, cur, steps, f"{job.path}: {t.name or t.role}")
-
-    try:
-        yield from ordered_map(build, jobs, lambda j: 3 * j.recipe.target.nbytes, inflight_bytes, threads, 3 * TASK_BYTES)
-    finally:
-        for fd in list(fds.values()):
-            os.close(fd)
 
 
 # --- partial folders -------------------------------------------------------------------------------
@@ -327,10 +254,10 @@ def _write(repo, out: Path, target: Manifest, files, jobs, base, state, sel: Sel
     staging = private_dir(out, "staging")
     empty_folder(staging)
     on_bytes = (lambda n: cancel()) if cancel else None
-    paths, fetched = fetch_for(repo, jobs, spool, concurrency, on_bytes)
+    paths, fetched = fetch_jobs(repo, jobs, spool, concurrency, on_bytes)
     t_fetch = time.perf_counter()
     seconds = {"fetch": t_fetch - t0}
-    built = build_tensors(jobs, paths, base, threads=threads, cancel=cancel)
+    built = build_tensors(jobs, paths, base, url=repo.url, threads=threads, cancel=cancel)
     record: dict[str, dict] = {}
     for f, segs in files:
         record[f.path] = _write_file(staging / f.path, f, segs, built, fsync)

@@ -90,7 +90,7 @@ from weightsync.format.manifest import Manifest, Segment
 from weightsync.store.repo import open_repo
 from weightsync.sync.plan import plan_segment
 from weightsync.sync.pull import resolve_version
-from weightsync.sync.selection import TensorJob, build_tensors, fetch_for
+from weightsync.sync.rebuild import TensorJob, build_tensors, fetch_jobs
 
 TORCH_DTYPE: dict[str, torch.dtype] = {
     "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
@@ -414,9 +414,9 @@ class TorchSink:
 
         try:
             with tempfile.TemporaryDirectory(prefix="weightsync-sink-") as spool:
-                paths, up.fetched_bytes = fetch_for(self.repo, jobs, Path(spool), self.fetch_concurrency)
+                paths, up.fetched_bytes = fetch_jobs(self.repo, jobs, Path(spool), self.fetch_concurrency)
                 up.seconds["fetch"] = time.perf_counter() - t0
-                for job, new in build_tensors(jobs, paths, base, threads=self.threads):
+                for job, new in build_tensors(jobs, paths, base, url=self.repo.url, threads=self.threads):
                     key = (job.path, job.recipe.target.name)
                     with lock:
                         old = host.pop(key, None)
