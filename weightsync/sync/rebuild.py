@@ -25,6 +25,7 @@ from weightsync.format.manifest import Segment
 from weightsync.local.base import LocalVersion, check_checksum
 from weightsync.local.state import open_regular
 from weightsync.store.repo import Repo
+from weightsync.sync.observer import Operation
 from weightsync.sync.pipeline import TASK_BYTES, ordered_map
 from weightsync.sync.plan import ChunkNeed, Recipe, Step, chunk_needs
 from weightsync.sync.transfer import fetch_chunks
@@ -41,11 +42,11 @@ class TensorJob:
 
 
 def fetch_jobs(repo: Repo, jobs: Sequence[TensorJob], spool: Path, concurrency: int = 32,
-               on_bytes: Callable[[int], None] | None = None) -> tuple[dict[str, Path], int]:
+               op: Operation | None = None) -> tuple[dict[str, Path], int]:
     """Make the chunk bytes ``jobs`` read available locally (:func:`fetch_chunks`); returns chunk
     id -> file and the bytes to fetch."""
     needs: tuple[ChunkNeed, ...] = chunk_needs(j.recipe for j in jobs)
-    return fetch_chunks(repo, needs, spool, concurrency, on_bytes), sum(n.fetch_bytes for n in needs)
+    return fetch_chunks(repo, needs, spool, concurrency, op), sum(n.fetch_bytes for n in needs)
 
 
 class Payloads:
@@ -104,14 +105,14 @@ def rebuild_job(job: TensorJob, payloads: Payloads, base: LocalVersion | BaseRea
 
 def build_segments(jobs: Sequence[TensorJob], payloads: Payloads, base: LocalVersion | BaseReader | None, *,
                    threads: int = 4, inflight_bytes: int = 256 << 20,
-                   cancel: Callable[[], None] | None = None) -> Iterator[tuple[TensorJob, np.ndarray]]:
+                   op: Operation | None = None) -> Iterator[tuple[TensorJob, np.ndarray]]:
     """Yield each job with its rebuilt, verified bytes (:func:`rebuild_job`), in order, decoding on
     ``threads`` threads with at most about ``inflight_bytes`` of work in memory (3x each segment).
-    ``cancel()`` runs before each segment."""
+    ``op``'s observer may cancel (:meth:`~weightsync.sync.observer.Observer.check`) before each segment."""
 
     def build(job: TensorJob) -> np.ndarray:
-        if cancel is not None:
-            cancel()
+        if op is not None:
+            op.check()
         return rebuild_job(job, payloads, base)
 
     yield from ordered_map(build, jobs, lambda j: 3 * j.recipe.target.nbytes, inflight_bytes, threads, 3 * TASK_BYTES)
@@ -119,11 +120,11 @@ def build_segments(jobs: Sequence[TensorJob], payloads: Payloads, base: LocalVer
 
 def build_tensors(jobs: Sequence[TensorJob], chunk_paths: dict[str, Path], base: LocalVersion | BaseReader | None, *,
                   url: str, threads: int = 4, inflight_bytes: int = 256 << 20,
-                  cancel: Callable[[], None] | None = None) -> Iterator[tuple[TensorJob, np.ndarray]]:
+                  op: Operation | None = None) -> Iterator[tuple[TensorJob, np.ndarray]]:
     """:func:`build_segments` reading payloads from ``chunk_paths`` (chunk id -> local file, as
     :func:`fetch_jobs` returns), closing them when done or abandoned."""
     payloads = Payloads(url, chunk_paths)
     try:
-        yield from build_segments(jobs, payloads, base, threads=threads, inflight_bytes=inflight_bytes, cancel=cancel)
+        yield from build_segments(jobs, payloads, base, threads=threads, inflight_bytes=inflight_bytes, op=op)
     finally:
         payloads.close()

@@ -26,8 +26,7 @@ import fnmatch
 import json
 import os
 import shutil
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,7 +61,9 @@ from weightsync.local.state import (
     write_json_atomic,
 )
 from weightsync.store.repo import Repo
+from weightsync.sync.observer import Observer, Operation
 from weightsync.sync.plan import plan_segment
+from weightsync.sync.pull import PullConfig
 from weightsync.sync.rebuild import TensorJob, build_tensors, fetch_jobs
 from weightsync.sync.transfer import clear_spool
 
@@ -193,13 +194,15 @@ def _header(f: FileEntry, header_bytes: np.ndarray, tensors: list[Segment]) -> b
 
 
 def materialize(
-    repo: Repo, folder: str | os.PathLike[str], version: int, selection: Selection, *, concurrency: int = 32,
-    threads: int = 4, fsync: bool = True, cancel: Callable[[], None] | None = None, lock: FolderLock | None = None,
+    repo: Repo, folder: str | os.PathLike[str], version: int, selection: Selection, *, config: PullConfig | None = None,
+    observer: Observer | None = None, lock: FolderLock | None = None,
 ) -> PartialResult:
     """Make ``folder`` a partial folder holding ``selection`` of ``version`` (see the module doc).
+    ``config``: the fetch concurrency, decode threads, memory bound and fsync, as a pull's.
+    ``observer``: as :func:`weightsync.sync.pull.pull`'s (cancels before the folder changes).
     One writer per folder: runs under ``lock`` (a lock on ``folder`` the caller holds) or takes one."""
     with claim(Path(folder), lock, "weightsync partial pull"):
-        return _materialize(repo, Path(folder), version, selection, concurrency, threads, fsync, cancel)
+        return _materialize(repo, Path(folder), version, selection, config or PullConfig(), Operation(observer))
 
 
 def _prepare(out: Path) -> PartialState | None:
@@ -218,14 +221,14 @@ def _prepare(out: Path) -> PartialState | None:
     return state
 
 
-def _materialize(repo: Repo, out: Path, version: int, selection: Selection, concurrency: int, threads: int,
-                 fsync: bool, cancel) -> PartialResult:
-    t0 = time.perf_counter()
+def _materialize(repo: Repo, out: Path, version: int, selection: Selection, cfg: PullConfig, op: Operation) -> PartialResult:
     state = _prepare(out)
     if state is not None and (state.store != repo.url or state.selection != selection):
         state = None  # another store or selection: nothing local is reused
     if state is not None and state.version == version:
-        return PartialResult(version, version, 0, 0, 0, {"total": 0.0})
+        result = PartialResult(version, version, 0, 0, 0, {"total": 0.0})
+        op.done(result.seconds)
+        return result
     chain = repo.chain(version, back_to=None if state is None else state.version)
     local = None
     if state is not None:
@@ -242,27 +245,35 @@ def _materialize(repo: Repo, out: Path, version: int, selection: Selection, conc
     jobs = [TensorJob(p, plan_segment(chain, p, s, None if s.role == "header" else local)) for p, s in wanted]
     base = _PartialBase(out, state)
     try:
-        return _write(repo, out, target, files, jobs, base, state, selection, concurrency, threads, fsync, cancel, t0)
+        result = _write(repo, base, target, selection, jobs, cfg, op)
     except BaseMismatchError:  # the folder changed behind our back: rebuild without local bytes
         jobs = [TensorJob(p, plan_segment(repo.chain(version), p, s, None)) for p, s in wanted]
-        return _write(repo, out, target, files, jobs, base, state, selection, concurrency, threads, fsync, cancel, t0)
+        result = _write(repo, base, target, selection, jobs, cfg, op)
+    op.done(result.seconds)
+    return result
 
 
-def _write(repo, out: Path, target: Manifest, files, jobs, base, state, sel: Selection, concurrency, threads, fsync, cancel, t0) -> PartialResult:
+def _write(repo: Repo, base: _PartialBase, target: Manifest, sel: Selection, jobs: list[TensorJob], cfg: PullConfig,
+           op: Operation) -> PartialResult:
+    """Rebuild ``jobs`` (the files of ``sel`` in ``target``, in order) in staging, then swap them
+    into ``base.folder`` in place of the files of ``base.state``."""
+    out, state, fsync = base.folder, base.state, cfg.fsync
+    files = _wanted(target, sel)
     sdir = out / STATE_DIR
     spool = spool_dir(out)  # checked (never a link) before anything is written
     staging = private_dir(out, "staging")
     empty_folder(staging)
-    on_bytes = (lambda n: cancel()) if cancel else None
-    paths, fetched = fetch_jobs(repo, jobs, spool, concurrency, on_bytes)
-    t_fetch = time.perf_counter()
-    seconds = {"fetch": t_fetch - t0}
-    built = build_tensors(jobs, paths, base, url=repo.url, threads=threads, cancel=cancel)
+    paths, fetched = fetch_jobs(repo, jobs, spool, cfg.fetch_concurrency, op)
+    seconds = {"fetch": op.elapsed()}
+    op.phase("write", sum(j.recipe.target.nbytes for j in jobs))
+    built = build_tensors(jobs, paths, base, url=repo.url, threads=cfg.decode_threads,
+                          inflight_bytes=cfg.inflight_bytes, op=op)
     record: dict[str, dict] = {}
     for f, segs in files:
         record[f.path] = _write_file(staging / f.path, f, segs, built, fsync)
+        op.progress(sum(s.nbytes for s in segs))
     built.close()
-    seconds["build"] = time.perf_counter() - t_fetch
+    seconds["build"] = op.elapsed() - seconds["fetch"]
     write_json_atomic(sdir / REFILL, {"partial": True}, fsync)  # ours, claiming no version, until the state
     (sdir / STATE).unlink(missing_ok=True)
     for path in record:
@@ -279,7 +290,7 @@ def _write(repo, out: Path, target: Manifest, files, jobs, base, state, sel: Sel
     (sdir / REFILL).unlink()
     shutil.rmtree(staging, ignore_errors=True)
     clear_spool(spool_dir(out))
-    seconds["total"] = time.perf_counter() - t0
+    seconds["total"] = op.elapsed()
     n = sum(len(r["tensors"]) for r in record.values())
     return PartialResult(target.version, None if state is None else state.version, fetched, len(record), n, seconds)
 
