@@ -28,11 +28,11 @@ from urllib.parse import urlsplit
 from aiohttp import web
 
 from weightsync.errors import WeightsyncError
-from weightsync.sync.observer import Observer
 from weightsync.service.config import ApiConfig, LogConfig, StoreConfig
 from weightsync.store import open_store
 from weightsync.store.repo import Repo, open_repo
 from weightsync.store.retry import RetryingStore
+from weightsync.sync.observer import Observer
 
 log = logging.getLogger("weightsync.daemon")
 

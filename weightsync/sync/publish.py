@@ -48,7 +48,6 @@ from weightsync.sync.pipeline import TASK_BYTES, ordered_map
 from weightsync.sync.pull import PullConfig, pull
 from weightsync.sync.transfer import Uploader
 
-
 REFRESH_AFTER = 900.0  # seconds: see PublishConfig.refresh_after
 
 

@@ -36,8 +36,8 @@ from weightsync.local.lock import FolderLock, claim
 from weightsync.local.state import read_state, unchanged_files
 from weightsync.local.verify import verify_folder
 from weightsync.store.repo import Repo, StoreLike, open_repo
-from weightsync.sync.plan import FilePlan, Plan, plan_pull
 from weightsync.sync.observer import Observer, Operation, observer_of
+from weightsync.sync.plan import FilePlan, Plan, plan_pull
 from weightsync.sync.rebuild import Payloads, TensorJob, build_segments
 from weightsync.sync.transfer import clear_spool, fetch_chunks
 

@@ -63,10 +63,13 @@ class Payloads:
             fd = self._fds.get(rng.chunk.id)
             if fd is None:
                 try:
-                    fd = self._fds.setdefault(rng.chunk.id, open_regular(self.chunks[rng.chunk.id]))
+                    opened = open_regular(self.chunks[rng.chunk.id])
                 except FileNotFoundError:
                     key = chunk_key(rng.chunk.id)
                     raise NotFoundError(f"{self.url}: missing chunk {key} (collected while pulling?)", key=key) from None
+                fd = self._fds.setdefault(rng.chunk.id, opened)
+                if fd != opened:  # another thread opened it first
+                    os.close(opened)
             buf += os.pread(fd, rng.length, rng.offset)
         keys = ", ".join(sorted({chunk_key(r.chunk.id) for r in step.ranges}))
         check_checksum(f"payload of version {step.version} in {self.url}/{keys}", step.xxh3, buf)

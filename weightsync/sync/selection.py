@@ -221,7 +221,8 @@ def _prepare(out: Path) -> PartialState | None:
     return state
 
 
-def _materialize(repo: Repo, out: Path, version: int, selection: Selection, cfg: PullConfig, op: Operation) -> PartialResult:
+def _materialize(repo: Repo, out: Path, version: int, selection: Selection, cfg: PullConfig,
+                 op: Operation) -> PartialResult:
     state = _prepare(out)
     if state is not None and (state.store != repo.url or state.selection != selection):
         state = None  # another store or selection: nothing local is reused
@@ -269,10 +270,12 @@ def _write(repo: Repo, base: _PartialBase, target: Manifest, sel: Selection, job
     built = build_tensors(jobs, paths, base, url=repo.url, threads=cfg.decode_threads,
                           inflight_bytes=cfg.inflight_bytes, op=op)
     record: dict[str, dict] = {}
-    for f, segs in files:
-        record[f.path] = _write_file(staging / f.path, f, segs, built, fsync)
-        op.progress(sum(s.nbytes for s in segs))
-    built.close()
+    try:
+        for f, segs in files:
+            record[f.path] = _write_file(staging / f.path, f, segs, built, fsync)
+            op.progress(sum(s.nbytes for s in segs))
+    finally:
+        built.close()  # stop the workers now if a file failed
     seconds["build"] = op.elapsed() - seconds["fetch"]
     write_json_atomic(sdir / REFILL, {"partial": True}, fsync)  # ours, claiming no version, until the state
     (sdir / STATE).unlink(missing_ok=True)

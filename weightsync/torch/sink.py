@@ -88,9 +88,9 @@ from weightsync.errors import BaseMismatchError, UsageError, VersionError, Weigh
 from weightsync.format.dtypes import UINT_VIEW, itemsize
 from weightsync.format.manifest import Manifest, Segment
 from weightsync.store.repo import open_repo
+from weightsync.sync.observer import Observer, Operation
 from weightsync.sync.plan import plan_segment
 from weightsync.sync.pull import resolve_version
-from weightsync.sync.observer import Observer, Operation
 from weightsync.sync.rebuild import TensorJob, build_tensors, fetch_jobs
 
 TORCH_DTYPE: dict[str, torch.dtype] = {
