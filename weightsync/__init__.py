@@ -26,6 +26,7 @@ from weightsync.errors import ChecksumError, StoreError, UsageError, VersionErro
 from weightsync.store import Store, open_store
 from weightsync.store.repo import Repo, StoreLike, VersionInfo, open_repo, versions
 from weightsync.store.retry import RetryingStore, RetryPolicy
+from weightsync.sync.observer import Observer
 from weightsync.sync.publish import PublishConfig, PublishResult, publish
 from weightsync.sync.pull import PullConfig, PullResult, pull, verify
 
@@ -46,10 +47,10 @@ _LAZY = {
 _MOVED = {"weightsync.parts": "weightsync.sync.parts", "weightsync.publisher": "weightsync.torch.state_dict"}
 
 __all__ = [
-    "ChecksumError", "CodecConfig", "CommitResult", "PartResult", "PublishConfig", "PublishResult", "PullConfig",
-    "PullResult", "Repo", "RetryPolicy", "RetryingStore", "StateDictPublisher", "Store", "StoreError", "StoreLike",
-    "UsageError", "VersionError", "VersionInfo", "WeightsyncError", "commit_parts", "open_repo", "open_store",
-    "publish", "publish_part", "publish_state_dict", "pull", "verify", "versions",
+    "ChecksumError", "CodecConfig", "CommitResult", "Observer", "PartResult", "PublishConfig", "PublishResult",
+    "PullConfig", "PullResult", "Repo", "RetryPolicy", "RetryingStore", "StateDictPublisher", "Store", "StoreError",
+    "StoreLike", "UsageError", "VersionError", "VersionInfo", "WeightsyncError", "commit_parts", "open_repo",
+    "open_store", "publish", "publish_part", "publish_state_dict", "pull", "verify", "versions",
 ]
 
 

@@ -60,7 +60,7 @@ def cmd_publish(args) -> int:
     cache = None if args.no_cache else Path(args.cache_dir or _default_cache()) / _cache_name(args.store)
     with _progress(args, f"publish {args.checkpoint_dir}") as progress:
         r = publish(args.checkpoint_dir, _repo(args), args.version, config=cfg, base_dir=args.base,
-                               cache_dir=cache, progress=progress)
+                               cache_dir=cache, observer=progress)
     kind = "keyframe" if r.keyframe else f"delta from {r.parent}"
     print(f"published version {r.version} ({kind}): {human_bytes(r.raw_bytes)} -> {human_bytes(r.payload_bytes)} "
           f"({r.ratio:.1f}x), {100 * r.changed_fraction:.2f}% elements changed, {human_bytes(r.uploaded_bytes)} uploaded "
@@ -79,7 +79,7 @@ def cmd_publish_part(args) -> int:
     cache = None if args.no_cache else Path(args.cache_dir or _default_cache()) / name
     with _progress(args, f"publish-part {args.rank}/{args.world} {args.checkpoint_dir}") as progress:
         r = publish_part(args.checkpoint_dir, _repo(args), args.rank, args.world, files=args.files, version=args.version,
-                         config=cfg, base_dir=args.base, cache_dir=cache, progress=progress)
+                         config=cfg, base_dir=args.base, cache_dir=cache, observer=progress)
     kind = "keyframe" if r.keyframe else f"delta from {r.parent}"
     done = " (the same part was already stored)" if r.existed else ""
     print(f"rank {r.rank} of {r.world}: part of version {r.version} ({kind}), {len(r.files)} files: "
@@ -112,7 +112,7 @@ def _cache_name(url: str) -> str:
 def cmd_pull(args) -> int:
     with _progress(args, f"pull {args.out_dir}") as progress:
         r = pull(_repo(args), args.out_dir, args.version, config=PullConfig(fetch_concurrency=args.concurrency),
-                            progress=progress)
+                            observer=progress)
     src = "empty folder" if r.from_version is None else f"version {r.from_version}"
     print(f"pulled version {r.version} from {src}: {human_bytes(r.fetched_bytes)} fetched, {r.written_files} files written, "
           f"{r.kept_files} kept, {r.seconds['total']:.2f}s", file=sys.stderr)

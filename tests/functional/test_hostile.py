@@ -426,7 +426,7 @@ def test_a_manifest_that_relabels_tensors_is_not_served_under_the_false_names(da
     part = tmp_path / "part"
     repo = weightsync.open_repo(world.store)
     try:
-        materialize(repo, part, 4, Selection(include=(b,)), threads=2, fsync=False)
+        materialize(repo, part, 4, Selection(include=(b,)), config=PullConfig(decode_threads=2, fsync=False))
     except WeightsyncError as exc:
         assert version_key(4) in str(exc) or shard in str(exc), exc
         return

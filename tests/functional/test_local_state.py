@@ -469,13 +469,13 @@ def test_a_planted_or_damaged_partial_state_is_refused(published, ws, tmp_path, 
     url = f"file://{store}"
     repo = weightsync.open_repo(url)
     out = tmp_path / "part"
-    materialize(repo, out, 1, Selection(include=("*embed*",)), fsync=False)
+    materialize(repo, out, 1, Selection(include=("*embed*",)), config=PullConfig(fsync=False))
     (tmp_path / "victim.txt").write_text("not weightsync's")
     doc = json.loads((out / ".weightsync" / "partial.json").read_text())
     (out / ".weightsync" / "partial.json").write_text(json.dumps(PARTIAL_STATES[name](doc)))
     before = ws.snapshot(tmp_path)
     with pytest.raises(UsageError, match="partial.json"):
-        materialize(repo, out, 2, Selection(include=("*embed*",)), fsync=False)
+        materialize(repo, out, 2, Selection(include=("*embed*",)), config=PullConfig(fsync=False))
     assert ws.snapshot(tmp_path) == before
 
 
@@ -492,7 +492,7 @@ def test_the_partial_path_refuses_foreign_folders_and_links(published, ws, tmp_p
         out.mkdir()
         (out / "notes.txt").write_text("mine")
     else:
-        materialize(repo, out, 1, Selection(include=("*embed*",)), fsync=False)
+        materialize(repo, out, 1, Selection(include=("*embed*",)), config=PullConfig(fsync=False))
         if plant == "spool-link":
             (out / ".weightsync" / "spool").symlink_to(theirs)
         else:
@@ -500,6 +500,6 @@ def test_the_partial_path_refuses_foreign_folders_and_links(published, ws, tmp_p
             (out / ".weightsync").symlink_to(tmp_path / "moved")
     before = ws.snapshot(tmp_path)
     with pytest.raises(UsageError):
-        materialize(repo, out, 2, Selection(include=("*embed*",)), fsync=False)
+        materialize(repo, out, 2, Selection(include=("*embed*",)), config=PullConfig(fsync=False))
     assert ws.snapshot(tmp_path) == before
     assert (theirs / "keep.bin").read_bytes() == b"keep me"

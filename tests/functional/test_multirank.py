@@ -23,6 +23,7 @@ from weightsync.errors import StoreError, VersionError
 from weightsync.format.keys import HEAD_KEY, PARTS_PREFIX, chunk_key, part_key, parts_prefix, version_key
 from weightsync.store import FileStore
 from weightsync.sync.gc import GcConfig, gc
+from weightsync.sync.observer import Callbacks
 from weightsync.sync.parts import assign_files, commit_parts, publish_part
 from weightsync.sync.publish import PublishConfig
 
@@ -217,7 +218,7 @@ def test_a_rank_refuses_to_write_its_part_when_the_head_moves_while_it_encodes(s
             moved.append(weightsync.publish(sharded[1], repo(store)).version)
 
     with pytest.raises(VersionError, match="moved from 0 to 1 while rank 0 encoded version 1; its part was not written"):
-        publish_part(sharded[2], repo(store), 0, 2, progress=progress)
+        publish_part(sharded[2], repo(store), 0, 2, observer=Callbacks(progress))
     assert moved == [1] and not (store / PARTS_PREFIX).exists()
 
 

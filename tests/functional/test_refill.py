@@ -201,7 +201,7 @@ def test_a_base_changed_behind_our_back_is_found_after_the_decode_and_the_refill
 def test_a_wrong_result_from_a_right_base_is_reported_as_it_is(store, tmp_path, monkeypatch):
     """When the result is wrong but the base checks out, the error is the result's (not blamed on the
     base, which would send the pull round it)."""
-    import weightsync.sync.pull as pulling
+    import weightsync.sync.rebuild as pulling
     from weightsync.errors import ChecksumError
 
     base, out = tmp_path / "a", tmp_path / "b"

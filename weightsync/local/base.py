@@ -14,7 +14,7 @@ import numpy as np
 import xxhash
 
 from weightsync.errors import BaseMismatchError, ChecksumError, UsageError, WeightsyncError
-from weightsync.format.manifest import FileEntry, Manifest, Segment
+from weightsync.format.manifest import Manifest, Segment
 from weightsync.local.checkpoint import read_range
 from weightsync.local.install import clear_folder, install, prepare_target, staging_dir
 from weightsync.local.lock import FolderLock, claim
@@ -36,15 +36,6 @@ class LocalVersion:
         self.folder = Path(folder)
         self.manifest = manifest
         self._fds: dict[str, int] = {}
-        self._files = {f.path: f for f in manifest.files}
-
-    def find(self, path: str, key: tuple[str, str]) -> Segment | None:
-        f = self._files.get(path)
-        return None if f is None else next((s for s in f.segments if s.key == key), None)
-
-    def file(self, path: str) -> FileEntry | None:
-        """The manifest's entry of the file at ``path``, or None."""
-        return self._files.get(path)
 
     def read(self, path: str, seg: Segment, check: bool = True) -> np.ndarray:
         """The segment's bytes, checked against its checksum; BaseMismatchError if they differ or

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import xxhash
 
-from weightsync.codec.tensor import CodecConfig
+from weightsync.codec.payload import CodecConfig
 from weightsync.errors import UsageError
 from weightsync.service.config import (
     DEFAULT_HOOK_BODY,

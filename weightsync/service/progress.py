@@ -1,4 +1,5 @@
-"""Progress bars of long command-line work (publish, publish-part, pull), drawn by tqdm.
+"""Progress bars of long command-line work (publish, publish-part, pull), drawn by tqdm: an
+:class:`~weightsync.sync.observer.Observer`.
 
 A bar shows the bytes done of the total, the rate and the time left (ETA). It is drawn on stderr
 when stderr is a terminal, and as a widget in a Jupyter notebook (``tqdm.auto``); never into a log,
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import sys
 import threading
+
+from weightsync.sync.observer import Observer
 
 
 def human_bytes(n: float) -> str:
@@ -37,12 +40,14 @@ def _isatty(stream) -> bool:
         return False
 
 
-class Progress:
-    """The ``progress(done, total)`` callback (bytes) of publish and pull, as one tqdm bar.
+class Progress(Observer):
+    """The observer of a publish, publish-part or pull that draws its phase (bytes encoded, or
+    written) as one tqdm bar; also callable as ``progress(done, total)``.
 
     ``enabled``: None (default) draws when ``stream`` (stderr) is a terminal or in a notebook;
     False never draws; True always does. ``TQDM_DISABLE=1`` turns every bar off. Safe to call from
-    several threads. The bar closes when ``done`` reaches ``total`` (or on :meth:`close`).
+    several threads. The bar closes when ``done`` reaches ``total`` (or on :meth:`close`, or when
+    the operation is done).
     """
 
     def __init__(self, label: str, stream=None, enabled: bool | None = None):
@@ -51,6 +56,17 @@ class Progress:
         self.enabled = (_isatty(self.stream) or in_notebook()) if enabled is None else enabled
         self._bar = None
         self._lock = threading.Lock()
+        self._done = self._total = 0
+
+    def on_phase(self, name: str, total_bytes: int) -> None:
+        self._done, self._total = 0, total_bytes
+
+    def on_progress(self, nbytes: int) -> None:
+        self._done += nbytes
+        self(self._done, self._total)
+
+    def on_done(self, seconds: dict[str, float]) -> None:
+        self.close()
 
     def __call__(self, done: int, total: int) -> None:
         if not self.enabled:

@@ -266,13 +266,13 @@ class Publisher:
 
     def _publish_blocking(self, path: Path, version: int | None, base: Path | None) -> PublishResult:
         cfg, cache = self.cfg.publish, self.cache_dir
-        check = self.stop_token.check
+        stop = self.stop_token
         if self.cfg.rank is None:
-            run = lambda b: publish(path, self.repo, version, config=cfg, base_dir=b, cache_dir=cache, progress=check)  # noqa: E731
+            run = lambda b: publish(path, self.repo, version, config=cfg, base_dir=b, cache_dir=cache, observer=stop)  # noqa: E731
         else:
             files = [f.path for f in scan_checkpoint(path, cfg.ignore)] if self.cfg.own_files else None
             run = lambda b: publish_part(path, self.repo, self.cfg.rank, self.cfg.world, files, version=version,  # noqa: E731
-                                         config=cfg, base_dir=b, cache_dir=cache, progress=check)
+                                         config=cfg, base_dir=b, cache_dir=cache, observer=stop)
         result = None
         if base is not None:
             try:

@@ -2,8 +2,8 @@
 the store, running an aiohttp application until SIGTERM or SIGINT, and a plain HTTP server for the
 mirror's probes and metrics.
 
-Shutdown: a signal sets the stop token. Work running in a thread sees it through its progress
-callbacks and aborts before it commits anything (a publish before its manifest, a pull before its
+Shutdown: a signal sets the stop token. Work running in a thread sees it through its observer's
+``check`` (the token is the observer) and aborts before it commits anything (a publish before its manifest, a pull before its
 install), or finishes if it is past that point; background loops are given ``grace`` seconds to
 return, then cancelled. Nothing visible is ever half-written: versions are committed and ``current``
 is flipped by single atomic operations.
@@ -32,6 +32,7 @@ from weightsync.service.config import ApiConfig, LogConfig, StoreConfig
 from weightsync.store import open_store
 from weightsync.store.repo import Repo, open_repo
 from weightsync.store.retry import RetryingStore
+from weightsync.sync.observer import Observer
 
 log = logging.getLogger("weightsync.daemon")
 
@@ -40,8 +41,10 @@ class Stopped(WeightsyncError):
     """Raised inside a worker thread's callback to abort work because the daemon is stopping."""
 
 
-class StopToken:
-    """A thread-safe flag; :meth:`check` raises :class:`Stopped` once it is set."""
+class StopToken(Observer):
+    """A thread-safe flag; :meth:`check` raises :class:`Stopped` once it is set. An
+    :class:`~weightsync.sync.observer.Observer`: passed as the ``observer`` of a publish or pull, it
+    stops the work at its next report (before anything is committed or installed)."""
 
     def __init__(self) -> None:
         self._event = threading.Event()
@@ -112,7 +115,7 @@ def warm_codec() -> None:
     first delta after a start does not compile them; a failure is logged, never fatal."""
 
     def work() -> None:
-        from weightsync.codec.tensor import warm_up
+        from weightsync.codec.payload import warm_up
 
         t0 = time.perf_counter()
         try:

@@ -357,10 +357,9 @@ class Subscriber:
     def _fill_slot(self, folder: Path, version: int) -> SyncResult:
         self._clear_other_mode(folder)
         base = None
+        cfg = PullConfig(fetch_concurrency=self.cfg.fetch_concurrency, decode_threads=self.cfg.decode_threads, fsync=self.cfg.fsync)
         if self.cfg.partial:
-            r = materialize(self.repo, folder, version, self.selection, concurrency=self.cfg.fetch_concurrency,
-                            threads=self.cfg.decode_threads, fsync=self.cfg.fsync, cancel=self.stop_token.check,
-                            lock=self._lock)
+            r = materialize(self.repo, folder, version, self.selection, config=cfg, observer=self.stop_token, lock=self._lock)
             raw = sum(f["size"] for f in read_partial_state(folder).files.values())
             fetch_s, build_s = r.seconds.get("fetch", 0.0), r.seconds.get("build", 0.0)
         else:
@@ -368,9 +367,7 @@ class Subscriber:
             base = self._refill_base(version)
             if base is None:
                 self._seed_from_current(folder, version)
-            cfg = PullConfig(fetch_concurrency=self.cfg.fetch_concurrency, decode_threads=self.cfg.decode_threads, fsync=self.cfg.fsync)
-            r = pull(self.repo, folder, version, config=cfg, progress=self.stop_token.check, on_bytes=self.stop_token.check,
-                     base_dir=base, lock=self._lock)
+            r = pull(self.repo, folder, version, config=cfg, observer=self.stop_token, base_dir=base, lock=self._lock)
             raw = self.repo.manifest(version).raw_bytes
             fetch_s, build_s = r.seconds.get("fetch", 0.0), r.seconds.get("build", 0.0)
             if self.cfg.verify_before_swap:

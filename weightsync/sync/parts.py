@@ -30,9 +30,8 @@ from weightsync.format.manifest import (
 from weightsync.local.base import adopt
 from weightsync.local.checkpoint import SourceFile, check_still_as_scanned, scan_checkpoint, still_as_scanned
 from weightsync.store.repo import Repo
-from weightsync.sync.publish import PublishConfig, PublishResult, cache_claim, encode_folder, plan_version
-
-Progress = Callable[[int, int], None]
+from weightsync.sync.observer import Observer, Operation
+from weightsync.sync.publish import DeltaBase, PublishConfig, PublishResult, cache_claim, encode_folder, plan_version
 
 
 def check_world(rank: int | None, world: int) -> None:
@@ -106,11 +105,12 @@ def _select(files: list[SourceFile], rank: int, world: int, only: list[str] | No
 def publish_part(
     checkpoint_dir: str | Path, repo: Repo, rank: int, world: int, files: list[str] | None = None,
     version: int | None = None, config: PublishConfig = PublishConfig(), base_dir: str | Path | None = None,
-    cache_dir: str | Path | None = None, progress: Progress | None = None, on_bytes: Callable[[int], None] | None = None,
+    cache_dir: str | Path | None = None, observer: Observer | None = None,
 ) -> PartResult:
     """Publish rank ``rank`` of ``world``'s files of ``checkpoint_dir`` as its part of ``version``
     (default: head + 1). ``files``: relative paths this rank owns (default :func:`assign_files`).
-    The version is not visible until :func:`commit_parts` has merged all ``world`` parts."""
+    The version is not visible until :func:`commit_parts` has merged all ``world`` parts.
+    ``observer``: as :func:`weightsync.sync.publish.publish`'s (cancels before the part is written)."""
     check_world(rank, world)
     src = Path(checkpoint_dir)
     scan = lambda: _select(scan_checkpoint(src, config.ignore), rank, world, files, src)  # noqa: E731
@@ -119,7 +119,8 @@ def publish_part(
     parent = None if target.parent is None else target.parent.version
     view = RankView(repo, [f.path for f in mine])
     with cache_claim(cache_dir) as lock:  # one publish at a time on a cache folder
-        enc = encode_folder(repo, mine, scan, target, config, base_dir, cache_dir, progress, on_bytes, view, lock=lock)
+        op = Operation(observer)
+        enc = encode_folder(repo, mine, scan, target, config, DeltaBase(base_dir, cache_dir, view, lock), op)
         check_still_as_scanned(enc.sources, scan)  # the part is one state of the rank's files
         head = repo.head_version()
         if head != parent:
@@ -131,11 +132,12 @@ def publish_part(
         t_w = time.perf_counter()
         enc.refresh(repo)
         existed = _write_part(repo, part)
-        seconds = dict(enc.seconds, part=time.perf_counter() - t_w, total=time.perf_counter() - enc.t0)
+        seconds = dict(enc.seconds, part=time.perf_counter() - t_w, total=op.elapsed())
         if cache_dir is not None and still_as_scanned(mine):  # the rank's next delta base, should this version be committed
             as_version = Manifest(part.version, parent, part.keyframe, part.chain_length, part.files, part.chunks)
             adopt(Path(cache_dir), as_version, src, repo.url, lock=lock)
     payload = sum(s.payload.size for f in part.files for s in f.segments if s.payload)
+    op.done(seconds)
     return PartResult(part.version, parent, part.keyframe, sum(f.size for f in part.files), payload, enc.uploaded_bytes,
                       len(part.chunks), enc.changed, enc.elements, seconds,
                       rank=rank, world=world, files=[f.path for f in part.files], existed=existed)
@@ -281,7 +283,7 @@ def commit_parts(repo: Repo, version: int, world: int, timeout: float = 600.0, p
         exists = exists or repo.check()
         head, etag = repo.head() if exists else (None, None)
         if head is not None and head >= version:
-            return _already(repo, version, world, head, t0, clock)
+            return _result(_already(repo, version, world, head), world, clock() - t0, True)
         if exists:
             _read_new(repo, version, world, parts)  # parts are read as they arrive, and the head
             parent = None if head is None else repo.manifest(head)  # manifest too: off the critical path
@@ -305,7 +307,7 @@ def commit_parts(repo: Repo, version: int, world: int, timeout: float = 600.0, p
         now = repo.head_version()
         if now is None or now < version:
             raise
-        return _already(repo, version, world, now, t0, clock)
+        return _result(_already(repo, version, world, now), world, clock() - t0, True)
     return _result(manifest, world, clock() - t0, False)
 
 
@@ -337,8 +339,8 @@ def _read_new(repo: Repo, version: int, world: int, parts: dict[int, PartManifes
                 parts[rank] = p
 
 
-def _already(repo: Repo, version: int, world: int, head: int, t0: float, clock) -> CommitResult:
-    """The head reached ``version``: succeed if the stored version is the one the parts make up."""
+def _already(repo: Repo, version: int, world: int, head: int) -> Manifest:
+    """The head reached ``version``: the stored version, if it is the one the parts make up."""
     try:
         stored = repo.manifest(version)
     except VersionError:
@@ -359,7 +361,7 @@ def _already(repo: Repo, version: int, world: int, head: int, t0: float, clock) 
     same = lambda m: (m.parent, m.keyframe, m.files, m.chunks)  # noqa: E731
     if same(merged) != same(stored):
         raise VersionError(f"version {version} already exists in {repo.url} and differs from its parts")
-    return _result(stored, world, clock() - t0, True)
+    return stored
 
 
 def _result(m: Manifest, world: int, seconds: float, already: bool) -> CommitResult:

@@ -11,6 +11,7 @@ the target are kept as they are.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from weightsync.errors import FormatError
@@ -82,6 +83,22 @@ def merge_ranges(ranges: list[tuple[int, int]], gap: int = 0) -> tuple[tuple[int
         else:
             out.append([off, n])
     return tuple((o, n) for o, n in out)
+
+
+RANGE_GAP = 64 << 10  # ranges of a chunk closer than this are fetched as one
+
+
+def chunk_needs(recipes: Iterable[Recipe], gap: int = RANGE_GAP) -> tuple[ChunkNeed, ...]:
+    """The byte ranges of each chunk that ``recipes`` read payloads from, merged (:func:`merge_ranges`),
+    in the order the chunks are first met: what a pull, a partial pull or a sink fetches."""
+    chunks: dict[str, ChunkRef] = {}
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for r in recipes:
+        for step in r.steps:
+            for rng in step.ranges:
+                chunks[rng.chunk.id] = rng.chunk
+                ranges.setdefault(rng.chunk.id, []).append((rng.offset, rng.length))
+    return tuple(ChunkNeed(c, merge_ranges(ranges[cid], gap)) for cid, c in chunks.items())
 
 
 @dataclass(frozen=True)
@@ -164,18 +181,10 @@ def plan_pull(chain: list[Manifest], local: Manifest | None, keep: set[str] = fr
             raise FormatError(f"version {b.version} does not follow version {a.version}")
     target = chain[-1]
     files: list[FilePlan] = []
-    chunks: dict[str, ChunkRef] = {}
-    ranges: dict[str, list[tuple[int, int]]] = {}
     for entry in target.files:
         if entry.path in keep:
             files.append(FilePlan(entry, True, ()))
             continue
-        recipes = tuple(plan_segment(chain, entry.path, s, local) for s in entry.segments)
-        for r in recipes:
-            for step in r.steps:
-                for rng in step.ranges:
-                    chunks[rng.chunk.id] = rng.chunk
-                    ranges.setdefault(rng.chunk.id, []).append((rng.offset, rng.length))
-        files.append(FilePlan(entry, False, recipes))
-    needs = tuple(ChunkNeed(c, merge_ranges(ranges[cid], gap=64 << 10)) for cid, c in chunks.items())
+        files.append(FilePlan(entry, False, tuple(plan_segment(chain, entry.path, s, local) for s in entry.segments)))
+    needs = chunk_needs(r for f in files for r in f.recipes)
     return Plan(target, None if local is None else local.version, tuple(files), needs)

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from weightsync.codec.tensor import CodecConfig, EncodedTensor, encode_tensor
+from weightsync.codec.payload import CodecConfig, EncodedTensor, encode_tensor
 from weightsync.errors import BaseMismatchError, NotFoundError, UsageError, VersionError
 from weightsync.format.chunking import DEFAULT_CHUNK_BYTES, ChunkPacker
 from weightsync.format.dtypes import itemsize
@@ -43,12 +43,10 @@ from weightsync.local.install import clear_folder
 from weightsync.local.lock import FolderLock, claim
 from weightsync.local.state import read_state
 from weightsync.store.repo import Repo, StoreLike, open_repo
+from weightsync.sync.observer import Observer, Operation, observer_of
 from weightsync.sync.pipeline import TASK_BYTES, ordered_map
 from weightsync.sync.pull import PullConfig, pull
 from weightsync.sync.transfer import Uploader
-
-Progress = Callable[[int, int], None]  # (bytes done, bytes total)
-
 
 REFRESH_AFTER = 900.0  # seconds: see PublishConfig.refresh_after
 
@@ -115,10 +113,10 @@ class _Encoder:
         self.seconds = {"read": 0.0, "diff": 0.0, "encode": 0.0}
         self._lock = threading.Lock()
 
-    def _timed(self, phase: str, t0: float) -> float:
+    def _timed(self, phase: str, since: float) -> float:
         t1 = time.perf_counter()
         with self._lock:
-            self.seconds[phase] += t1 - t0
+            self.seconds[phase] += t1 - since
         return t1
 
     def run(self, job: _Job) -> tuple[np.ndarray, str, EncodedTensor, EncodedTensor | None]:
@@ -201,18 +199,16 @@ class _Assembler:
         return tuple(self.packer.refs)
 
 
-def _encode_all(jobs: list[_Job], encoder: _Encoder, out: _Assembler, cfg: PublishConfig, progress: Progress | None) -> None:
+def _encode_all(jobs: list[_Job], encoder: _Encoder, out: _Assembler, cfg: PublishConfig, op: Operation) -> None:
     """Encode every job on the pool, keeping at most ``inflight_bytes`` of work in memory."""
-    total, done = sum(j.seg.nbytes for j in jobs), 0
+    op.phase("encode", sum(j.seg.nbytes for j in jobs))
     weight = lambda j: 3 * j.seg.nbytes  # noqa: E731  new, old and working arrays
     file_read = getattr(encoder, "file_read", None)
     for job, result in ordered_map(encoder.run, jobs, weight, cfg.inflight_bytes, cfg.encode_threads, 3 * TASK_BYTES):
         if file_read is not None and job.seg is job.file.segments[-1]:
             file_read(job.file)  # results come in order: every segment of the file has been read
         out.add(job, *result)
-        done += job.seg.nbytes
-        if progress:
-            progress(done, total)
+        op.progress(job.seg.nbytes)
     out.finish()
 
 
@@ -287,8 +283,8 @@ def publish(
     config: PublishConfig | None = None,
     base_dir: str | os.PathLike[str] | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
-    progress: Progress | None = None,
-    on_bytes: Callable[[int], None] | None = None,
+    observer: Observer | None = None,
+    **legacy: Callable | None,
 ) -> PublishResult:
     """Publish ``checkpoint_dir`` as ``version`` (default: head + 1; 0 on an empty store) into
     ``store`` (a URL, :class:`Store` or :class:`Repo`).
@@ -296,18 +292,26 @@ def publish(
     A delta needs the parent's bytes: ``base_dir`` (a folder holding exactly the parent version,
     e.g. the previous checkpoint) or else ``cache_dir``, a folder weightsync keeps at the head
     version (pulled from the store when it is behind). Without either, a temporary folder is used.
+
+    ``observer`` (:class:`weightsync.sync.observer.Observer`) sees the ``"encode"`` phase and the
+    uploads, and may cancel the publish (before its commit) from its ``check``. The older
+    ``progress=`` (``progress(done, total)``, bytes encoded) and ``on_bytes=`` (bytes uploaded)
+    callables are still accepted, for one release, in its place.
     """
     repo, config = open_repo(store), config or PublishConfig()
+    observer = observer_of(observer, legacy)
     src = Path(checkpoint_dir)
     scan = lambda: scan_checkpoint(src, config.ignore)  # noqa: E731
     files = scan()  # validate the input before anything is written
     target = plan_version(repo, version, config)
     with cache_claim(cache_dir) as lock:  # one publish at a time on a cache folder
-        enc = encode_folder(repo, files, scan, target, config, base_dir, cache_dir, progress, on_bytes, lock=lock)
+        op = Operation(observer)
+        enc = encode_folder(repo, files, scan, target, config, DeltaBase(base_dir, cache_dir, lock=lock), op)
         check_still_as_scanned(enc.sources, scan)  # the version is one state of the folder
-        result, manifest = commit_encoded(repo, target, enc)
+        result, manifest = commit_encoded(repo, target, enc, op)
         if cache_dir is not None and still_as_scanned(files):  # else the cache is brought up by a pull when needed
             adopt(Path(cache_dir), manifest, src, repo.url, lock=lock)
+    op.done(result.seconds)
     return result
 
 
@@ -318,40 +322,51 @@ def cache_claim(cache_dir: str | os.PathLike[str] | None) -> FolderLock | contex
     return FolderLock(Path(cache_dir), "weightsync publish (its delta-base cache)")
 
 
+@dataclass(frozen=True)
+class DeltaBase:
+    """Where a publish finds the parent version's bytes: ``base_dir`` (a folder holding exactly the
+    parent), else ``cache_dir`` (or a temporary folder) brought to the parent by a pull from
+    ``repo`` (default: the store published to; a rank's view pulls its own files only). ``lock``:
+    the caller's lock on ``cache_dir``, if it holds one."""
+
+    base_dir: str | os.PathLike[str] | None = None
+    cache_dir: str | os.PathLike[str] | None = None
+    repo: Repo | None = None
+    lock: FolderLock | None = None
+
+
 def encode_folder(repo: Repo, files: list[SourceFile], rescan: Callable[[], list[SourceFile]], target: Target,
-                  cfg: PublishConfig, base_dir: str | os.PathLike[str] | None, cache_dir: str | os.PathLike[str] | None,
-                  progress: Progress | None, on_bytes: Callable[[int], None] | None, base_repo: Repo | None = None,
-                  lock: FolderLock | None = None) -> Encoded:
+                  cfg: PublishConfig, base: DeltaBase, op: Operation) -> Encoded:
     """Encode ``files`` (of a checkpoint folder) against ``target.parent`` and upload their chunks;
-    commits nothing. The parent's bytes come from ``base_dir``, else from ``cache_dir`` (or a
-    temporary folder), pulled from ``base_repo`` (default ``repo``; a view of some files only
-    pulls just those); a stale cache is rebuilt once, from the files ``rescan()`` returns.
-    ``lock``: the caller's lock on ``cache_dir``, if it holds one."""
+    commits nothing. The parent's bytes come from ``base`` (:class:`DeltaBase`); a stale cache is
+    rebuilt once, from the files ``rescan()`` returns (the clock of ``op`` then starts again)."""
     with tempfile.TemporaryDirectory(prefix="weightsync-base-") as tmp:
-        cache = Path(cache_dir) if cache_dir is not None else Path(tmp) / "base"
-        explicit = None if base_dir is None else Path(base_dir)
+        cache = Path(base.cache_dir) if base.cache_dir is not None else Path(tmp) / "base"
+        explicit = None if base.base_dir is None else Path(base.base_dir)
         try:
-            return _encode_folder(repo, base_repo or repo, files, target, cfg, explicit, cache, progress, on_bytes, lock)
+            return _encode_folder(repo, files, target, cfg, DeltaBase(explicit, cache, base.repo or repo, base.lock), op)
         except BaseMismatchError:
-            if explicit is not None or cache_dir is None:
+            if explicit is not None or base.cache_dir is None:
                 raise
-            with claim(cache, lock, "weightsync publish (its delta-base cache)"):
+            with claim(cache, base.lock, "weightsync publish (its delta-base cache)"):
                 clear_folder(cache)  # a stale cache: rebuild it from the store once
-            return _encode_folder(repo, base_repo or repo, rescan(), target, cfg, None, cache, progress, on_bytes, lock)
+            op.restart()
+            return _encode_folder(repo, rescan(), target, cfg, DeltaBase(None, cache, base.repo or repo, base.lock), op)
 
 
-def _encode_folder(repo, base_repo, files, target: Target, cfg: PublishConfig, base_dir, cache, progress, on_bytes,
-                   lock) -> Encoded:
-    t0 = time.perf_counter()
+def _encode_folder(repo: Repo, files: list[SourceFile], target: Target, cfg: PublishConfig, where: DeltaBase,
+                   op: Operation) -> Encoded:
+    """:func:`encode_folder` with ``where`` resolved: ``cache_dir`` a folder and ``repo`` set."""
     base = None
     if target.parent is not None:  # deltas, and a keyframe's deltas for followers, need the parent's bytes
-        base = _base_for(base_repo, target.parent, base_dir, cache, PullConfig(decode_threads=cfg.encode_threads), lock)
+        cfg_pull = PullConfig(decode_threads=cfg.encode_threads)
+        base = _base_for(where.repo, target.parent, where.base_dir, where.cache_dir, cfg_pull, where.lock)
     fds: dict[str, int] = {}
     try:
         for f in files:  # each opened once, checked to be the file scanned; every read goes through it
             fds[f.path] = open_source(f)
         encoder = _Encoder(cfg, base, fds, target.keyframe)
-        enc = encode_and_upload(repo, files, target.parent, target.keyframe, encoder, cfg, progress, on_bytes, t0)
+        enc = encode_and_upload(repo, files, target, encoder, cfg, op)
         enc.sources = list(files)
         return enc
     finally:
@@ -371,7 +386,6 @@ class Encoded:
     elements: int
     uploaded_bytes: int
     seconds: dict[str, float]
-    t0: float  # when the publish started (perf_counter), for seconds["total"]
     codec_config: dict = field(default_factory=dict)
     stored_at: dict[str, float] = field(default_factory=dict)  # chunk id -> monotonic time stored or touched
     refresh_after: float = REFRESH_AFTER
@@ -398,27 +412,27 @@ class Encoded:
         return {"changed": self.changed, "elements": self.elements, "uploaded_bytes": self.uploaded_bytes}
 
 
-def encode_and_upload(repo: Repo, files: list[SourceFile], parent: Manifest | None, keyframe: bool, encoder,
-                      cfg: PublishConfig, progress: Progress | None, on_bytes: Callable[[int], None] | None,
-                      t0: float) -> Encoded:
+def encode_and_upload(repo: Repo, files: list[SourceFile], target: Target, encoder, cfg: PublishConfig,
+                      op: Operation) -> Encoded:
     """Encode every segment with ``encoder`` (``run(job) -> (new, digest, encoding, keyframe
-    delta)``), pack the payloads into chunks and upload them; commits nothing."""
-    uploader = Uploader(repo, cfg.upload_concurrency, on_bytes)
+    delta)``) against ``target.parent``, pack the payloads into chunks and upload them; commits
+    nothing."""
+    uploader = Uploader(repo, cfg.upload_concurrency, op)
     out = _Assembler(cfg, uploader)
     try:
-        _encode_all(_jobs(files, parent), encoder, out, cfg, progress)
+        _encode_all(_jobs(files, target.parent), encoder, out, cfg, op)
         t_up = time.perf_counter()
         uploader.join()
         seconds = dict(encoder.seconds, upload=time.perf_counter() - t_up)
     finally:
         uploader.close()
-    return Encoded(tuple(out.files), out.packer_refs(), out.changed, out.elements, uploader.uploaded_bytes, seconds, t0,
+    return Encoded(tuple(out.files), out.packer_refs(), out.changed, out.elements, uploader.uploaded_bytes, seconds,
                    asdict(cfg.codec), dict(uploader.stored_at), cfg.refresh_after)
 
 
-def commit_encoded(repo: Repo, target: Target, enc: Encoded) -> tuple[PublishResult, Manifest]:
+def commit_encoded(repo: Repo, target: Target, enc: Encoded, op: Operation) -> tuple[PublishResult, Manifest]:
     """The manifest of ``enc`` as version ``target.version``, committed (manifest, then the head
-    from ``target.etag``)."""
+    from ``target.etag``); ``seconds["total"]`` runs from the start of ``op``."""
     manifest = Manifest(
         version=target.version,
         parent=None if target.parent is None else target.parent.version,
@@ -435,7 +449,7 @@ def commit_encoded(repo: Repo, target: Target, enc: Encoded) -> tuple[PublishRes
     enc.refresh(repo)
     repo.commit(manifest, target.etag)
     seconds["commit"] = time.perf_counter() - t_c
-    seconds["total"] = time.perf_counter() - enc.t0
+    seconds["total"] = op.elapsed()
     result = PublishResult(
         target.version, manifest.parent, target.keyframe, manifest.raw_bytes, manifest.payload_bytes,
         enc.uploaded_bytes, len(manifest.chunks), enc.changed, enc.elements, seconds,
@@ -443,11 +457,12 @@ def commit_encoded(repo: Repo, target: Target, enc: Encoded) -> tuple[PublishRes
     return result, manifest
 
 
-def encode_and_commit(repo: Repo, files: list[SourceFile], parent: Manifest | None, keyframe: bool, version: int,
-                      etag: str | None, encoder, cfg: PublishConfig, progress: Progress | None,
-                      on_bytes: Callable[[int], None] | None, t0: float) -> tuple[PublishResult, Manifest]:
+def encode_and_commit(repo: Repo, files: list[SourceFile], target: Target, encoder, cfg: PublishConfig,
+                      op: Operation) -> tuple[PublishResult, Manifest]:
     """Encode every segment with ``encoder``, pack and upload the chunks, then commit the manifest:
     :func:`encode_and_upload` then :func:`commit_encoded`, for publishing from known changes
-    (:mod:`weightsync.hostmirror`), which decides its version itself."""
-    enc = encode_and_upload(repo, files, parent, keyframe, encoder, cfg, progress, on_bytes, t0)
-    return commit_encoded(repo, Target(version, parent, keyframe, etag), enc)
+    (:mod:`weightsync.torch.hostpatch`), which decides its target version itself."""
+    enc = encode_and_upload(repo, files, target, encoder, cfg, op)
+    result = commit_encoded(repo, target, enc, op)
+    op.done(result[0].seconds)
+    return result

@@ -12,20 +12,17 @@ chunks while downloading.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
-import numpy as np
 import xxhash
 
-from weightsync.codec.tensor import SLICE_BYTES, rebuild
-from weightsync.errors import BaseMismatchError, ChecksumError, FormatError, NotFoundError, UsageError, VersionError
-from weightsync.format.keys import chunk_key, version_key
+from weightsync.codec.streams import SLICE_BYTES
+from weightsync.errors import BaseMismatchError, ChecksumError, NotFoundError, UsageError, VersionError
+from weightsync.format.keys import version_key
 from weightsync.format.manifest import Manifest
-from weightsync.local.base import LocalVersion, check_checksum
+from weightsync.local.base import LocalVersion
 from weightsync.local.install import (
     begin_refill,
     finish_refill,
@@ -36,14 +33,13 @@ from weightsync.local.install import (
     staging_dir,
 )
 from weightsync.local.lock import FolderLock, claim
-from weightsync.local.state import open_regular, read_state, unchanged_files
+from weightsync.local.state import read_state, unchanged_files
 from weightsync.local.verify import verify_folder
 from weightsync.store.repo import Repo, StoreLike, open_repo
-from weightsync.sync.pipeline import TASK_BYTES, ordered_map
-from weightsync.sync.plan import FilePlan, Plan, Recipe, plan_pull
+from weightsync.sync.observer import Observer, Operation, observer_of
+from weightsync.sync.plan import FilePlan, Plan, plan_pull
+from weightsync.sync.rebuild import Payloads, TensorJob, build_segments
 from weightsync.sync.transfer import clear_spool, fetch_chunks
-
-Progress = Callable[[int, int], None]
 
 
 @dataclass(frozen=True)
@@ -84,65 +80,18 @@ def resolve_version(repo: Repo, version: int | str | None) -> int:
     return v
 
 
-class _Builder:
-    """Rebuilds segments from a local base and fetched payloads; verifies every result."""
-
-    def __init__(self, url: str, chunks: dict[str, Path], base: LocalVersion | None):
-        self.url, self.chunks, self.base = url, chunks, base
-        self._fds: dict[str, int] = {}
-
-    def _payload(self, step) -> bytes:
-        buf = bytearray()
-        for rng in step.ranges:
-            path = self.chunks[rng.chunk.id]
-            fd = self._fds.get(rng.chunk.id)
-            if fd is None:
-                try:
-                    fd = self._fds.setdefault(rng.chunk.id, open_regular(path))
-                except FileNotFoundError:
-                    key = chunk_key(rng.chunk.id)
-                    raise NotFoundError(f"{self.url}: missing chunk {key} (collected while pulling?)", key=key) from None
-            buf += os.pread(fd, rng.length, rng.offset)
-        keys = ", ".join(sorted({chunk_key(r.chunk.id) for r in step.ranges}))
-        check_checksum(f"payload of version {step.version} in {self.url}/{keys}", step.xxh3, buf)
-        return bytes(buf)
-
-    def build(self, job: tuple[str, Recipe]) -> np.ndarray:
-        path, r = job
-        t = r.target
-        # A fresh buffer, decoded in place. It is hashed only if the result is wrong: the result's
-        # hash covers it (a wrong base cannot give the right result), and a second read then tells
-        # a base that changed behind our back (BaseMismatchError: rebuild without it) from a bad
-        # payload. Saves a pass over every byte of the model per pull.
-        base = None if r.base is None else self.base.read(path, r.base, check=False)
-        steps = [(step.codec, partial(self._payload, step)) for step in r.steps]
-        try:
-            return rebuild(t.dtype, t.nbytes, t.xxh3, base, steps, f"{path}: {t.name or t.role}", in_place=True)
-        except (ChecksumError, FormatError):
-            if r.base is not None:
-                self.base.read(path, r.base)  # raises BaseMismatchError if the base is not what it should be
-            raise
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-
-
-def _write_files(plan: Plan, builder: _Builder, root: Path, cfg: PullConfig, progress: Progress | None,
+def _write_files(plan: Plan, payloads: Payloads, base: LocalVersion | None, root: Path, cfg: PullConfig, op: Operation,
                  in_place: bool = False) -> list[str]:
     """Rebuild every file that changed into ``root`` (the staging area, or the folder itself when
     refilling in place); returns their paths."""
     todo = [f for f in plan.files if not f.keep]
-    jobs = [(f.entry.path, r) for f in todo for r in f.recipes]
-    total, done = sum(r.target.nbytes for _, r in jobs), 0
-    results = ordered_map(builder.build, jobs, lambda j: 3 * j[1].target.nbytes, cfg.inflight_bytes, cfg.decode_threads,
-                          3 * TASK_BYTES)
+    jobs = [TensorJob(f.entry.path, r) for f in todo for r in f.recipes]
+    op.phase("write", sum(j.recipe.target.nbytes for j in jobs))
+    results = build_segments(jobs, payloads, base, threads=cfg.decode_threads, inflight_bytes=cfg.inflight_bytes, op=op)
     try:
         for fp in todo:
             _write_one(fp, results, root, cfg, in_place)
-            done += fp.entry.size
-            if progress:
-                progress(done, total)
+            op.progress(fp.entry.size)
     finally:
         results.close()  # stop the workers now if a file failed
     return [f.entry.path for f in todo]
@@ -185,10 +134,10 @@ def pull(
     version: int | str | None = "latest",
     *,
     config: PullConfig | None = None,
-    progress: Progress | None = None,
-    on_bytes: Callable[[int], None] | None = None,
+    observer: Observer | None = None,
     base_dir: str | os.PathLike[str] | None = None,
     lock: FolderLock | None = None,
+    **legacy: Callable | None,
 ) -> PullResult:
     """Make ``out_dir`` hold ``version`` byte for byte, applying only deltas where it can.
 
@@ -201,13 +150,19 @@ def pull(
 
     One writer per folder: the pull holds ``out_dir``'s lock (:class:`weightsync.local.FolderLock`)
     throughout, or runs under ``lock``, a lock on it that the caller holds.
+
+    ``observer`` (:class:`weightsync.sync.observer.Observer`) sees the ``"write"`` phase and the
+    downloads, and may cancel the pull (before the install) from its ``check``. The older
+    ``progress=`` (``progress(done, total)``, bytes written) and ``on_bytes=`` (bytes downloaded)
+    callables are still accepted, for one release, in its place.
     """
     repo, config = open_repo(store), config or PullConfig()
+    observer = observer_of(observer, legacy)
     with claim(Path(out_dir), lock, "weightsync pull"):
-        return _pull(repo, Path(out_dir), version, config, progress, on_bytes, base_dir)
+        return _pull(repo, Path(out_dir), version, config, observer, base_dir)
 
 
-def _pull(repo: Repo, out: Path, version, config: PullConfig, progress, on_bytes, base_dir) -> PullResult:
+def _pull(repo: Repo, out: Path, version, config: PullConfig, observer: Observer | None, base_dir) -> PullResult:
     base = out if base_dir is None else Path(base_dir)
     if base_dir is not None:
         b, o = os.path.realpath(base), os.path.realpath(out)
@@ -219,14 +174,16 @@ def _pull(repo: Repo, out: Path, version, config: PullConfig, progress, on_bytes
     target_version = resolve_version(repo, version)
     state = prepare_target(out, owned=base_dir is not None)
     base_state = state if base_dir is None else read_state(base)
-    t0 = time.perf_counter()
+    op = Operation(observer)
     chain = repo.chain(target_version, back_to=None if base_state is None else base_state.version)
     target = chain[-1]
     keep = unchanged_files(out, state, target)
     if state is not None and state.version == target_version and len(keep) == len(target.files):
-        return PullResult(target_version, state.version, 0, 0, len(keep), {"total": time.perf_counter() - t0})
+        result = PullResult(target_version, state.version, 0, 0, len(keep), {"total": op.elapsed()})
+        op.done(result.seconds)
+        return result
     local = _local_manifest(repo, None if base_state is None else base_state.version)
-    run = lambda plan: _pull_plan(repo, out, base, plan, base_state, config, progress, on_bytes, t0)
+    run = lambda plan: _pull_plan(repo, out, base, plan, base_state, config, op)
     try:
         try:
             return run(plan_pull(chain, local, keep))
@@ -248,31 +205,32 @@ def _pull(repo: Repo, out: Path, version, config: PullConfig, progress, on_bytes
         return run(plan_pull(repo.chain(target_version), local, keep))
 
 
-def _pull_plan(repo, out: Path, base: Path, plan: Plan, base_state, cfg: PullConfig, progress, on_bytes, t0: float) -> PullResult:
+def _pull_plan(repo, out: Path, base: Path, plan: Plan, base_state, cfg: PullConfig, op: Operation) -> PullResult:
     seconds = {}
     in_place = base != out
-    paths = fetch_chunks(repo, plan.chunks, spool_dir(out), cfg.fetch_concurrency, on_bytes)
-    seconds["fetch"] = time.perf_counter() - t0
+    payloads = Payloads(repo.url, fetch_chunks(repo, plan.chunks, spool_dir(out), cfg.fetch_concurrency, op))
+    seconds["fetch"] = op.elapsed()
     local = None if plan.local_version is None else LocalVersion(base, repo.manifest(plan.local_version))
-    builder = _Builder(repo.url, paths, local)
     if in_place:
         begin_refill(out, plan.target, repo.url, cfg.fsync)
     try:
-        written = _write_files(plan, builder, out if in_place else staging_dir(out), cfg, progress, in_place)
+        written = _write_files(plan, payloads, local, out if in_place else staging_dir(out), cfg, op, in_place)
     finally:
-        builder.close()
+        payloads.close()
         if local:
             local.close()
-    seconds["build"] = time.perf_counter() - t0 - seconds["fetch"]
+    seconds["build"] = op.elapsed() - seconds["fetch"]
     if in_place:
         finish_refill(out, plan.target, repo.url, cfg.fsync)
     else:
         install(out, plan.target, repo.url, written, cfg.fsync)
     clear_spool(spool_dir(out))
-    seconds["total"] = time.perf_counter() - t0
+    seconds["total"] = op.elapsed()
     kept = sum(f.keep for f in plan.files)
-    fetched = plan.fetch_bytes
-    return PullResult(plan.target.version, None if base_state is None else base_state.version, fetched, len(written), kept, seconds)
+    result = PullResult(plan.target.version, None if base_state is None else base_state.version, plan.fetch_bytes,
+                        len(written), kept, seconds)
+    op.done(seconds)
+    return result
 
 
 def _spool_used(out: Path) -> bool:

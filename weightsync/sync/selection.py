@@ -1,9 +1,8 @@
 """Fetching selected tensors of a version, and partial folders that hold only them.
 
-Built on the core: :func:`~weightsync.planner.plan_segment` picks the cheapest recipe per tensor,
-:func:`~weightsync.transfer.fetch_chunks` downloads only the chunks those recipes touch,
-:func:`~weightsync.codec.decode_tensor` rebuilds each tensor, and every result is checked against
-its segment's xxh3 before anyone sees it.
+Built on the core: :func:`~weightsync.sync.plan.plan_segment` picks the cheapest recipe per tensor,
+and :mod:`weightsync.sync.rebuild` (the pull's own path) fetches only the chunks those recipes touch
+and rebuilds each tensor, every result checked against its segment's xxh3 before anyone sees it.
 
 Partial folder layout (what ``weightsync subscriber --include/--exclude`` materializes)::
 
@@ -24,19 +23,16 @@ files into place and writes the new ``partial.json``; an interrupted update leav
 from __future__ import annotations
 
 import fnmatch
-import functools
 import json
 import os
 import shutil
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import xxhash
 
-from weightsync.codec.tensor import rebuild
 from weightsync.errors import (
     BaseMismatchError,
     CheckpointError,
@@ -65,14 +61,13 @@ from weightsync.local.state import (
     write_json_atomic,
 )
 from weightsync.store.repo import Repo
-from weightsync.sync.pipeline import TASK_BYTES, ordered_map
-from weightsync.sync.plan import ChunkNeed, Recipe, Step, merge_ranges, plan_segment
-from weightsync.sync.transfer import clear_spool, fetch_chunks
+from weightsync.sync.observer import Observer, Operation
+from weightsync.sync.plan import plan_segment
+from weightsync.sync.pull import PullConfig
+from weightsync.sync.rebuild import TensorJob, build_tensors, fetch_jobs
+from weightsync.sync.transfer import clear_spool
 
 STATE = PARTIAL_STATE
-
-
-BaseReader = Callable[[str, Segment], np.ndarray]  # (file path, local segment) -> its bytes, verified
 
 
 @dataclass(frozen=True)
@@ -86,73 +81,6 @@ class Selection:
         if self.include and not any(fnmatch.fnmatchcase(name, p) for p in self.include):
             return False
         return not any(fnmatch.fnmatchcase(name, p) for p in self.exclude)
-
-
-@dataclass(frozen=True)
-class TensorJob:
-    path: str
-    recipe: Recipe
-
-
-def plan_tensors(chain: list[Manifest], local: Manifest | None, wanted: list[tuple[str, Segment]]) -> list[TensorJob]:
-    """The cheapest recipe for each wanted ``(path, segment)`` of ``chain[-1]``."""
-    return [TensorJob(path, plan_segment(chain, path, seg, local)) for path, seg in wanted]
-
-
-def _read_payload(fds: dict[str, int], chunks: dict[str, Path], step: Step) -> bytes:
-    buf = bytearray()
-    for rng in step.ranges:
-        fd = fds.get(rng.chunk.id)
-        if fd is None:
-            fd = fds.setdefault(rng.chunk.id, open_regular(chunks[rng.chunk.id]))
-        buf += os.pread(fd, rng.length, rng.offset)
-    check_checksum(f"payload of version {step.version}", step.xxh3, buf)
-    return bytes(buf)
-
-
-def chunks_for(jobs: list[TensorJob]) -> list[ChunkNeed]:
-    """The byte ranges of each chunk that ``jobs`` read payloads from (merged like a pull's)."""
-    chunks: dict[str, object] = {}
-    ranges: dict[str, list[tuple[int, int]]] = {}
-    for j in jobs:
-        for step in j.recipe.steps:
-            for rng in step.ranges:
-                chunks[rng.chunk.id] = rng.chunk
-                ranges.setdefault(rng.chunk.id, []).append((rng.offset, rng.length))
-    return [ChunkNeed(c, merge_ranges(ranges[cid], gap=64 << 10)) for cid, c in chunks.items()]
-
-
-def fetch_for(repo: Repo, jobs: list[TensorJob], spool: Path, concurrency: int = 32,
-              on_bytes: Callable[[int], None] | None = None) -> tuple[dict[str, Path], int]:
-    """Make the bytes ``jobs`` need available locally; returns chunk id -> file and bytes to fetch."""
-    needs = chunks_for(jobs)
-    return fetch_chunks(repo, needs, spool, concurrency, on_bytes), sum(n.fetch_bytes for n in needs)
-
-
-def build_tensors(
-    jobs: list[TensorJob], chunk_paths: dict[str, Path], base: BaseReader, *, threads: int = 4,
-    inflight_bytes: int = 256 << 20, cancel: Callable[[], None] | None = None,
-) -> Iterator[tuple[TensorJob, np.ndarray]]:
-    """Yield each job with its rebuilt, verified bytes, in order (decoding on ``threads`` threads).
-
-    ``base(path, segment)`` returns the local bytes a recipe starts from; it raises
-    :class:`BaseMismatchError` when they are not what the segment says.
-    """
-    fds: dict[str, int] = {}
-
-    def build(job: TensorJob) -> np.ndarray:
-        if cancel:
-            cancel()
-        r, t = job.recipe, job.recipe.target
-        cur = None if r.base is None else base(job.path, r.base)
-        steps = [(step.codec, functools.partial(_read_payload, fds, chunk_paths, step)) for step in r.steps]
-        return rebuild(t.dtype, t.nbytes, t.xxh3, cur, steps, f"{job.path}: {t.name or t.role}")
-
-    try:
-        yield from ordered_map(build, jobs, lambda j: 3 * j.recipe.target.nbytes, inflight_bytes, threads, 3 * TASK_BYTES)
-    finally:
-        for fd in list(fds.values()):
-            os.close(fd)
 
 
 # --- partial folders -------------------------------------------------------------------------------
@@ -266,13 +194,15 @@ def _header(f: FileEntry, header_bytes: np.ndarray, tensors: list[Segment]) -> b
 
 
 def materialize(
-    repo: Repo, folder: str | os.PathLike[str], version: int, selection: Selection, *, concurrency: int = 32,
-    threads: int = 4, fsync: bool = True, cancel: Callable[[], None] | None = None, lock: FolderLock | None = None,
+    repo: Repo, folder: str | os.PathLike[str], version: int, selection: Selection, *, config: PullConfig | None = None,
+    observer: Observer | None = None, lock: FolderLock | None = None,
 ) -> PartialResult:
     """Make ``folder`` a partial folder holding ``selection`` of ``version`` (see the module doc).
+    ``config``: the fetch concurrency, decode threads, memory bound and fsync, as a pull's.
+    ``observer``: as :func:`weightsync.sync.pull.pull`'s (cancels before the folder changes).
     One writer per folder: runs under ``lock`` (a lock on ``folder`` the caller holds) or takes one."""
     with claim(Path(folder), lock, "weightsync partial pull"):
-        return _materialize(repo, Path(folder), version, selection, concurrency, threads, fsync, cancel)
+        return _materialize(repo, Path(folder), version, selection, config or PullConfig(), Operation(observer))
 
 
 def _prepare(out: Path) -> PartialState | None:
@@ -291,14 +221,15 @@ def _prepare(out: Path) -> PartialState | None:
     return state
 
 
-def _materialize(repo: Repo, out: Path, version: int, selection: Selection, concurrency: int, threads: int,
-                 fsync: bool, cancel) -> PartialResult:
-    t0 = time.perf_counter()
+def _materialize(repo: Repo, out: Path, version: int, selection: Selection, cfg: PullConfig,
+                 op: Operation) -> PartialResult:
     state = _prepare(out)
     if state is not None and (state.store != repo.url or state.selection != selection):
         state = None  # another store or selection: nothing local is reused
     if state is not None and state.version == version:
-        return PartialResult(version, version, 0, 0, 0, {"total": 0.0})
+        result = PartialResult(version, version, 0, 0, 0, {"total": 0.0})
+        op.done(result.seconds)
+        return result
     chain = repo.chain(version, back_to=None if state is None else state.version)
     local = None
     if state is not None:
@@ -315,27 +246,37 @@ def _materialize(repo: Repo, out: Path, version: int, selection: Selection, conc
     jobs = [TensorJob(p, plan_segment(chain, p, s, None if s.role == "header" else local)) for p, s in wanted]
     base = _PartialBase(out, state)
     try:
-        return _write(repo, out, target, files, jobs, base, state, selection, concurrency, threads, fsync, cancel, t0)
+        result = _write(repo, base, target, selection, jobs, cfg, op)
     except BaseMismatchError:  # the folder changed behind our back: rebuild without local bytes
         jobs = [TensorJob(p, plan_segment(repo.chain(version), p, s, None)) for p, s in wanted]
-        return _write(repo, out, target, files, jobs, base, state, selection, concurrency, threads, fsync, cancel, t0)
+        result = _write(repo, base, target, selection, jobs, cfg, op)
+    op.done(result.seconds)
+    return result
 
 
-def _write(repo, out: Path, target: Manifest, files, jobs, base, state, sel: Selection, concurrency, threads, fsync, cancel, t0) -> PartialResult:
+def _write(repo: Repo, base: _PartialBase, target: Manifest, sel: Selection, jobs: list[TensorJob], cfg: PullConfig,
+           op: Operation) -> PartialResult:
+    """Rebuild ``jobs`` (the files of ``sel`` in ``target``, in order) in staging, then swap them
+    into ``base.folder`` in place of the files of ``base.state``."""
+    out, state, fsync = base.folder, base.state, cfg.fsync
+    files = _wanted(target, sel)
     sdir = out / STATE_DIR
     spool = spool_dir(out)  # checked (never a link) before anything is written
     staging = private_dir(out, "staging")
     empty_folder(staging)
-    on_bytes = (lambda n: cancel()) if cancel else None
-    paths, fetched = fetch_for(repo, jobs, spool, concurrency, on_bytes)
-    t_fetch = time.perf_counter()
-    seconds = {"fetch": t_fetch - t0}
-    built = build_tensors(jobs, paths, base, threads=threads, cancel=cancel)
+    paths, fetched = fetch_jobs(repo, jobs, spool, cfg.fetch_concurrency, op)
+    seconds = {"fetch": op.elapsed()}
+    op.phase("write", sum(j.recipe.target.nbytes for j in jobs))
+    built = build_tensors(jobs, paths, base, url=repo.url, threads=cfg.decode_threads,
+                          inflight_bytes=cfg.inflight_bytes, op=op)
     record: dict[str, dict] = {}
-    for f, segs in files:
-        record[f.path] = _write_file(staging / f.path, f, segs, built, fsync)
-    built.close()
-    seconds["build"] = time.perf_counter() - t_fetch
+    try:
+        for f, segs in files:
+            record[f.path] = _write_file(staging / f.path, f, segs, built, fsync)
+            op.progress(sum(s.nbytes for s in segs))
+    finally:
+        built.close()  # stop the workers now if a file failed
+    seconds["build"] = op.elapsed() - seconds["fetch"]
     write_json_atomic(sdir / REFILL, {"partial": True}, fsync)  # ours, claiming no version, until the state
     (sdir / STATE).unlink(missing_ok=True)
     for path in record:
@@ -352,7 +293,7 @@ def _write(repo, out: Path, target: Manifest, files, jobs, base, state, sel: Sel
     (sdir / REFILL).unlink()
     shutil.rmtree(staging, ignore_errors=True)
     clear_spool(spool_dir(out))
-    seconds["total"] = time.perf_counter() - t0
+    seconds["total"] = op.elapsed()
     n = sum(len(r["tensors"]) for r in record.values())
     return PartialResult(target.version, None if state is None else state.version, fetched, len(record), n, seconds)
 

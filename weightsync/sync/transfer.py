@@ -13,7 +13,7 @@ import stat
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
@@ -23,20 +23,21 @@ from weightsync.errors import ChecksumError, NotFoundError, UsageError
 from weightsync.format.chunking import SealedChunk
 from weightsync.format.keys import chunk_key
 from weightsync.store.repo import Repo
+from weightsync.sync.observer import Operation
 from weightsync.sync.plan import ChunkNeed
 
 
 class Uploader:
     """Uploads sealed chunks in the background; :meth:`join` waits and re-raises the first failure."""
 
-    def __init__(self, repo: Repo, concurrency: int, on_bytes: Callable[[int], None] | None = None):
+    def __init__(self, repo: Repo, concurrency: int, op: Operation | None = None):
         if concurrency < 1:
             raise UsageError("upload concurrency must be at least 1")
         self.repo = repo
         self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="ws-upload")
         self._slots = threading.Semaphore(concurrency)
         self._futures: list[Future] = []
-        self._on_bytes = on_bytes
+        self._op = op
         self.uploaded_bytes = 0
         self.skipped_bytes = 0
         self.seconds = 0.0
@@ -61,8 +62,8 @@ class Uploader:
                 self.uploaded_bytes += len(chunk.data)
             else:
                 self.skipped_bytes += len(chunk.data)
-        if moved and self._on_bytes:
-            self._on_bytes(len(chunk.data))
+        if moved and self._op is not None:
+            self._op.transferred(len(chunk.data))
 
     def _raise_failed(self) -> None:
         for f in self._futures:
@@ -83,7 +84,7 @@ def fetch_chunks(
     needs: Iterable[ChunkNeed],
     spool: Path,
     concurrency: int,
-    on_bytes: Callable[[int], None] | None = None,
+    op: Operation | None = None,
 ) -> dict[str, Path]:
     """Make the needed bytes of every chunk available in a local file; returns id -> path.
 
@@ -92,7 +93,8 @@ def fetch_chunks(
     verified chunk, so a restarted pull does not download it again); a chunk of which little is
     needed is fetched as ranged reads into a sparse file at the same offsets. Every payload read
     from either is checked against its own checksum before it is decoded. ``spool`` is a real
-    directory of the caller's (checked by :func:`weightsync.local.spool_dir`).
+    directory of the caller's (checked by :func:`weightsync.local.spool_dir`). Each download is
+    reported to ``op`` (:meth:`~weightsync.sync.observer.Operation.transferred`).
     """
 
     def one(need: ChunkNeed) -> tuple[str, Path]:
@@ -118,8 +120,8 @@ def fetch_chunks(
         else:
             dest = spool / f"{ref.id}.ranges"
             os.replace(tmp, dest)
-        if on_bytes:
-            on_bytes(moved)
+        if op is not None:
+            op.transferred(moved)
         return ref.id, dest
 
     with ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="ws-fetch") as pool:

@@ -22,6 +22,7 @@ import torch
 from weightsync.errors import BaseMismatchError, UsageError
 from weightsync.format.dtypes import UINT_VIEW
 from weightsync.store.repo import open_repo
+from weightsync.sync.observer import Observer
 from weightsync.sync.publish import PublishConfig, PublishResult, publish
 from weightsync.torch.dtypes import ST_DTYPE
 from weightsync.torch.dtypes import TORCH_INT as _TORCH_INT
@@ -196,7 +197,10 @@ class DeviceDiffPublisher:
         self.snapshot = DeviceSnapshot(slice_elems, staging_bytes)
         self.mirror = HostMirror(self.work, filename)
 
-    def publish(self, state_dict, version: int | None = None, metadata: dict[str, str] | None = None) -> DevicePublishResult:
+    def publish(self, state_dict, version: int | None = None, metadata: dict[str, str] | None = None, *,
+                observer: Observer | None = None) -> DevicePublishResult:
+        """Publish ``state_dict`` as ``version`` (default: head + 1). ``observer``: as
+        :func:`weightsync.sync.publish.publish`'s (it sees the host-side encode and upload)."""
         head = self.repo.head_version()
         based = self.mirror.current is not None and self.mirror.version == head  # the mirror holds the head
         in_place = based and self.direct and self.cache_dir is None  # (a cache may hard-link the mirror)
@@ -216,7 +220,7 @@ class DeviceDiffPublisher:
             mf, deltas = self.mirror.write(diff, metadata, in_place)
             patch_s = time.perf_counter() - t0
             try:
-                r, route = self._publish(mf, deltas, version, based)
+                r, route = self._publish(mf, deltas, version, based, observer)
             except BaseException:
                 self.mirror.discard(mf)
                 raise
@@ -227,23 +231,25 @@ class DeviceDiffPublisher:
         r.seconds.update(diff.seconds, mirror=patch_s, **({"verify_base": verify_s} if in_place else {}))
         return DevicePublishResult(**asdict(r), d2h_bytes=diff.d2h_bytes, tensor_bytes=diff.tensor_bytes, route=route)
 
-    def _publish(self, mf: MirrorFile, deltas: Deltas, version: int | None, based: bool) -> tuple[PublishResult, str]:
+    def _publish(self, mf: MirrorFile, deltas: Deltas, version: int | None, based: bool,
+                 observer: Observer | None) -> tuple[PublishResult, str]:
 
         base = self.mirror.current.folder if based else None
         if base is not None and self.direct:
             changes = {(self.mirror.filename, n): d for n, d in deltas.items()}
             try:
                 return publish_changes(mf.folder, self.repo, changes, self.mirror.version, None if base == mf.folder else base,
-                                       version, self.config, self.cache_dir), "direct"
+                                       version, self.config, self.cache_dir, observer), "direct"
             except BaseMismatchError:
                 base = None
         if base is not None and base != mf.folder:
             try:
                 return publish(mf.folder, self.repo, version, config=self.config, base_dir=base,
-                                          cache_dir=self.cache_dir), "folder"
+                               cache_dir=self.cache_dir, observer=observer), "folder"
             except BaseMismatchError:
                 pass
-        return publish(mf.folder, self.repo, version, config=self.config, cache_dir=self.cache_dir), "full"
+        return publish(mf.folder, self.repo, version, config=self.config, cache_dir=self.cache_dir,
+                       observer=observer), "full"
 
     def close(self) -> None:
         self.snapshot.reset()

@@ -24,7 +24,7 @@ import torch
 import xxhash
 
 from weightsync.codec import arith
-from weightsync.codec.tensor import EncodedTensor, encode_sparse_from_changes, encode_tensor
+from weightsync.codec.payload import EncodedTensor, encode_sparse_from_changes, encode_tensor
 from weightsync.errors import BaseMismatchError, UsageError
 from weightsync.format.dtypes import UINT_VIEW, itemsize
 from weightsync.format.manifest import Manifest
@@ -32,7 +32,8 @@ from weightsync.format.safetensors import SourceSegment
 from weightsync.local.base import adopt
 from weightsync.local.checkpoint import describe_file, scan_checkpoint
 from weightsync.store.repo import Repo
-from weightsync.sync.publish import PublishConfig, PublishResult, encode_and_commit, next_version
+from weightsync.sync.observer import Observer, Operation
+from weightsync.sync.publish import PublishConfig, PublishResult, Target, encode_and_commit, next_version
 from weightsync.torch.dtypes import NP_INT as _NP_INT
 from weightsync.torch.dtypes import TORCH_DTYPE
 
@@ -297,6 +298,7 @@ def publish_changes(
     folder: str | os.PathLike[str], repo: Repo, changes: Changes, base_version: int,
     base_dir: str | os.PathLike[str] | None = None, version: int | None = None,
     config: PublishConfig = PublishConfig(), cache_dir: str | os.PathLike[str] | None = None,
+    observer: Observer | None = None,
 ) -> PublishResult:
     """Publish ``folder`` as :func:`weightsync.publishing.publish` would with ``base_dir`` (same
     payloads, chunks and manifest), given ``changes``: for tensors ``(file path, name)`` of the
@@ -304,7 +306,8 @@ def publish_changes(
     from the base and the wrapping differences there (unsigned, element width); tensors not listed
     are diffed on the host. ``base_dir`` must hold ``base_version``, the store's head (checked
     here; :class:`BaseMismatchError` before anything is written). ``base_dir=None``: ``folder``
-    held ``base_version`` (the caller checked it) and was patched in place by ``changes`` only."""
+    held ``base_version`` (the caller checked it) and was patched in place by ``changes`` only.
+    ``observer``: as :func:`weightsync.sync.publish.publish`'s."""
     src, base_dir = Path(folder), None if base_dir is None else Path(base_dir)
     files = scan_checkpoint(src, config.ignore)
     head, etag = repo.head()
@@ -313,12 +316,12 @@ def publish_changes(
     version = next_version(repo, head, version)
     parent = repo.manifest(head)
     keyframe = parent.chain_length + 1 >= config.keyframe_interval
-    t0 = time.perf_counter()
+    op = Operation(observer)
     encoder = _ChangeEncoder(config, files, base_dir, changes, keyframe)
     if base_dir is not None:
         _check_base(base_dir, parent)
-        encoder.seconds["verify_base"] = time.perf_counter() - t0
-    result, manifest = encode_and_commit(repo, files, parent, keyframe, version, etag, encoder, config, None, None, t0)
+        encoder.seconds["verify_base"] = op.elapsed()
+    result, manifest = encode_and_commit(repo, files, Target(version, parent, keyframe, etag), encoder, config, op)
     if cache_dir is not None:
         adopt(Path(cache_dir), manifest, src, repo.url)
     return result

@@ -28,9 +28,10 @@ from weightsync.errors import BaseMismatchError, UsageError, VersionError, Weigh
 from weightsync.format.dtypes import UINT_VIEW, itemsize
 from weightsync.format.manifest import Manifest, Segment
 from weightsync.store.repo import open_repo
+from weightsync.sync.observer import Observer, Operation
 from weightsync.sync.plan import plan_segment
 from weightsync.sync.pull import resolve_version
-from weightsync.sync.selection import TensorJob, build_tensors, fetch_for
+from weightsync.sync.rebuild import TensorJob, build_tensors, fetch_jobs
 from weightsync.torch.dtypes import NP_INT as _NP_INT
 from weightsync.torch.dtypes import TORCH_DTYPE
 from weightsync.torch.dtypes import TORCH_INT as _INT_VIEW
@@ -276,10 +277,17 @@ class TorchSink:
         return len(matched)
 
     # -- prepare: everything before the pause ------------------------------------------------------
-    def prepare(self, version: int | str = "latest") -> Update:
+    def prepare(self, version: int | str = "latest", *, observer: Observer | None = None) -> Update:
         """Fetch, decode and verify ``version``, staged on the tensors' devices: as patches (patch
-        mode) or written into the standby buffers (flip mode)."""
-        t0 = time.perf_counter()
+        mode) or written into the standby buffers (flip mode). ``observer``
+        (:class:`~weightsync.sync.observer.Observer`) sees the ``"stage"`` phase (the bytes of the
+        changed tensors) and the downloads, and may cancel the prepare from its ``check``."""
+        op = Operation(observer)
+        up = self._prepare_version(version, op)
+        op.done(up.seconds)
+        return up
+
+    def _prepare_version(self, version: int | str, op: Operation) -> Update:
         flip = self.mode == "flip"
         with self._apply_lock if flip else contextlib.nullcontext():  # flip: one standby, one writer
             target_v = resolve_version(self.repo, version)
@@ -299,21 +307,21 @@ class TorchSink:
                 local = None  # collected by gc: rebuild changed tensors from the keyframe
             chain = self.repo.chain(target_v, back_to=None if torn else self.version)
             try:
-                up = self._prepare(up, chain, local, t0)
+                up = self._prepare(up, chain, local, op)
             except BaseMismatchError:
                 if local is None:
                     raise
                 up = None
                 if flip:  # a standby that differs from its live tensor is copied from it: try once more
                     with contextlib.suppress(BaseMismatchError):  # (unless the live tensor itself differs)
-                        up = self._prepare(fresh(), chain, local, t0)
+                        up = self._prepare(fresh(), chain, local, op)
                 if up is None:
-                    up = self._prepare(fresh(), self.repo.chain(target_v), None, t0)
+                    up = self._prepare(fresh(), self.repo.chain(target_v), None, op)
             if flip:
                 self._staged = up
             return up
 
-    def _prepare(self, up: Update, chain: list[Manifest], local: Manifest | None, t0: float) -> Update:
+    def _prepare(self, up: Update, chain: list[Manifest], local: Manifest | None, op: Operation) -> Update:
         matched = self._matched(chain[-1])
         up.tensors, up.excluded = len(matched), self.excluded
         # tied weights: one entry per distinct tensor (flip: per slot; patch: per memory view)
@@ -344,9 +352,10 @@ class TorchSink:
 
         try:
             with tempfile.TemporaryDirectory(prefix="weightsync-sink-") as spool:
-                paths, up.fetched_bytes = fetch_for(self.repo, jobs, Path(spool), self.fetch_concurrency)
-                up.seconds["fetch"] = time.perf_counter() - t0
-                for job, new in build_tensors(jobs, paths, base, threads=self.threads):
+                paths, up.fetched_bytes = fetch_jobs(self.repo, jobs, Path(spool), self.fetch_concurrency, op)
+                up.seconds["fetch"] = op.elapsed()
+                op.phase("stage", sum(j.recipe.target.nbytes for j in jobs))
+                for job, new in build_tensors(jobs, paths, base, url=self.repo.url, threads=self.threads, op=op):
                     key = (job.path, job.recipe.target.name)
                     with lock:
                         old = host.pop(key, None)
@@ -355,12 +364,13 @@ class TorchSink:
                     else:
                         up.flips.append(self._stage(job.recipe.target, live[key], old, new, up))
                         up.patches.append(up.flips[-1].replay)
+                    op.progress(job.recipe.target.nbytes)
             _sync({f.new.device for f in up.flips})
         except BaseException:
             for slot in (x for x in live.values() if isinstance(x, _Slot)):  # flip: each standby it touched
                 slot.dirty = True  # is suspect until copied from live again
             raise
-        up.seconds["prepare"] = time.perf_counter() - t0
+        up.seconds["prepare"] = op.elapsed()
         return up
 
     def _patch(self, seg: Segment, t: torch.Tensor, old: np.ndarray | None, new: np.ndarray, up: Update) -> Patch:
@@ -485,9 +495,9 @@ class TorchSink:
         update.seconds["pause"] = pause
         return pause
 
-    def update(self, version: int | str = "latest") -> Update:
+    def update(self, version: int | str = "latest", *, observer: Observer | None = None) -> Update:
         """:meth:`prepare` then :meth:`apply`; returns the update with its timings."""
-        up = self.prepare(version)
+        up = self.prepare(version, observer=observer)
         self.apply(up)
         return up
 
