@@ -16,7 +16,7 @@ import xxhash
 from weightsync.errors import BaseMismatchError, ChecksumError, UsageError, WeightsyncError
 from weightsync.format.manifest import Manifest, Segment
 from weightsync.local.checkpoint import read_range
-from weightsync.local.install import clear_folder, install, prepare_target, staging_dir
+from weightsync.local.install import clear_folder, install, prepare_folder, staging_dir
 from weightsync.local.lock import FolderLock, claim
 from weightsync.local.state import (
     _times,
@@ -146,7 +146,7 @@ def adopt(folder: Path, manifest: Manifest, source: Path, store_url: str, lock: 
 
 
 def _adopt(folder: Path, manifest: Manifest, source: Path, store_url: str) -> None:
-    prepare_target(folder)
+    prepare_folder(folder)
     staging = staging_dir(folder)
     for f in manifest.files:
         dst = staging / f.path

@@ -129,7 +129,7 @@ def interrupted(folder: Path) -> bool:
     return os.path.lexists(state_dir(folder) / "journal.json")
 
 
-def prepare_target(folder: Path, owned: bool = False) -> LocalState | None:
+def prepare_folder(folder: Path, owned: bool = False) -> LocalState | None:
     """Create the folder if needed, recover, and refuse a folder holding anything weightsync does not
     own. An interrupted refill (:func:`begin_refill`) is kept as it is for the next refill
     (``owned``), else emptied. The caller holds the folder's lock (:func:`claim`)."""

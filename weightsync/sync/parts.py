@@ -115,18 +115,18 @@ def publish_part(
     src = Path(checkpoint_dir)
     scan = lambda: _select(scan_checkpoint(src, config.ignore), rank, world, files, src)  # noqa: E731
     mine = scan()  # validate the input before anything is written
-    target = plan_version(repo, version, config)
-    parent = None if target.parent is None else target.parent.version
+    new = plan_version(repo, version, config)
+    parent = None if new.parent is None else new.parent.version
     view = RankView(repo, [f.path for f in mine])
     with cache_claim(cache_dir) as lock:  # one publish at a time on a cache folder
         op = Operation(observer)
-        enc = encode_folder(repo, mine, scan, target, config, DeltaBase(base_dir, cache_dir, view, lock), op)
+        enc = encode_folder(repo, mine, scan, new, config, DeltaBase(base_dir, cache_dir, view, lock), op)
         check_still_as_scanned(enc.sources, scan)  # the part is one state of the rank's files
         head = repo.head_version()
         if head != parent:
             raise VersionError(f"the head of {repo.url} moved from {parent} to {head} while rank {rank} encoded version "
-                               f"{target.version}; its part was not written (publish again on the new head)")
-        part = PartManifest(target.version, parent, world, rank, target.keyframe, target.chain_length, enc.files,
+                               f"{new.version}; its part was not written (publish again on the new head)")
+        part = PartManifest(new.version, parent, world, rank, new.keyframe, new.chain_length, enc.files,
                             enc.chunks, datetime.now(timezone.utc).isoformat(timespec="seconds"), enc.codec_config,
                             enc.stats)
         t_w = time.perf_counter()

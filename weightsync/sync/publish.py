@@ -229,7 +229,7 @@ def _base_for(repo: Repo, parent: Manifest, base_dir: Path | None, cache_dir: Pa
 
 
 @dataclass(frozen=True)
-class Target:
+class NewVersion:
     """The version about to be published and what it builds on, decided from the head alone (so
     every rank of a multi-rank publish decides alike): ``etag`` is the head's tag when read."""
 
@@ -260,7 +260,7 @@ def next_version(repo: Repo, head: int | None, version: int | None) -> int:
     return version
 
 
-def plan_version(repo: Repo, version: int | None, config: PublishConfig) -> Target:
+def plan_version(repo: Repo, version: int | None, config: PublishConfig) -> NewVersion:
     """Create the store if it is empty; read the head once; the next version (:func:`next_version`:
     default head + 1, 0 on an empty store) and whether it is a keyframe (the first version, or the
     chain would reach ``keyframe_interval``)."""
@@ -272,7 +272,7 @@ def plan_version(repo: Repo, version: int | None, config: PublishConfig) -> Targ
     version = next_version(repo, head, version)
     parent = None if head is None else repo.manifest(head)
     keyframe = parent is None or parent.chain_length + 1 >= config.keyframe_interval
-    return Target(version, parent, keyframe, etag)
+    return NewVersion(version, parent, keyframe, etag)
 
 
 def publish(
@@ -303,12 +303,12 @@ def publish(
     src = Path(checkpoint_dir)
     scan = lambda: scan_checkpoint(src, config.ignore)  # noqa: E731
     files = scan()  # validate the input before anything is written
-    target = plan_version(repo, version, config)
+    new = plan_version(repo, version, config)
     with cache_claim(cache_dir) as lock:  # one publish at a time on a cache folder
         op = Operation(observer)
-        enc = encode_folder(repo, files, scan, target, config, DeltaBase(base_dir, cache_dir, lock=lock), op)
+        enc = encode_folder(repo, files, scan, new, config, DeltaBase(base_dir, cache_dir, lock=lock), op)
         check_still_as_scanned(enc.sources, scan)  # the version is one state of the folder
-        result, manifest = commit_encoded(repo, target, enc, op)
+        result, manifest = commit_encoded(repo, new, enc, op)
         if cache_dir is not None and still_as_scanned(files):  # else the cache is brought up by a pull when needed
             adopt(Path(cache_dir), manifest, src, repo.url, lock=lock)
     op.done(result.seconds)
@@ -335,38 +335,38 @@ class DeltaBase:
     lock: FolderLock | None = None
 
 
-def encode_folder(repo: Repo, files: list[SourceFile], rescan: Callable[[], list[SourceFile]], target: Target,
+def encode_folder(repo: Repo, files: list[SourceFile], rescan: Callable[[], list[SourceFile]], new: NewVersion,
                   cfg: PublishConfig, base: DeltaBase, op: Operation) -> Encoded:
-    """Encode ``files`` (of a checkpoint folder) against ``target.parent`` and upload their chunks;
+    """Encode ``files`` (of a checkpoint folder) against ``new.parent`` and upload their chunks;
     commits nothing. The parent's bytes come from ``base`` (:class:`DeltaBase`); a stale cache is
     rebuilt once, from the files ``rescan()`` returns (the clock of ``op`` then starts again)."""
     with tempfile.TemporaryDirectory(prefix="weightsync-base-") as tmp:
         cache = Path(base.cache_dir) if base.cache_dir is not None else Path(tmp) / "base"
         explicit = None if base.base_dir is None else Path(base.base_dir)
         try:
-            return _encode_folder(repo, files, target, cfg, DeltaBase(explicit, cache, base.repo or repo, base.lock), op)
+            return _encode_folder(repo, files, new, cfg, DeltaBase(explicit, cache, base.repo or repo, base.lock), op)
         except BaseMismatchError:
             if explicit is not None or base.cache_dir is None:
                 raise
             with claim(cache, base.lock, "weightsync publish (its delta-base cache)"):
                 clear_folder(cache)  # a stale cache: rebuild it from the store once
             op.restart()
-            return _encode_folder(repo, rescan(), target, cfg, DeltaBase(None, cache, base.repo or repo, base.lock), op)
+            return _encode_folder(repo, rescan(), new, cfg, DeltaBase(None, cache, base.repo or repo, base.lock), op)
 
 
-def _encode_folder(repo: Repo, files: list[SourceFile], target: Target, cfg: PublishConfig, where: DeltaBase,
+def _encode_folder(repo: Repo, files: list[SourceFile], new: NewVersion, cfg: PublishConfig, where: DeltaBase,
                    op: Operation) -> Encoded:
     """:func:`encode_folder` with ``where`` resolved: ``cache_dir`` a folder and ``repo`` set."""
     base = None
-    if target.parent is not None:  # deltas, and a keyframe's deltas for followers, need the parent's bytes
+    if new.parent is not None:  # deltas, and a keyframe's deltas for followers, need the parent's bytes
         cfg_pull = PullConfig(decode_threads=cfg.encode_threads)
-        base = _base_for(where.repo, target.parent, where.base_dir, where.cache_dir, cfg_pull, where.lock)
+        base = _base_for(where.repo, new.parent, where.base_dir, where.cache_dir, cfg_pull, where.lock)
     fds: dict[str, int] = {}
     try:
         for f in files:  # each opened once, checked to be the file scanned; every read goes through it
             fds[f.path] = open_source(f)
-        encoder = _Encoder(cfg, base, fds, target.keyframe)
-        enc = encode_and_upload(repo, files, target, encoder, cfg, op)
+        encoder = _Encoder(cfg, base, fds, new.keyframe)
+        enc = encode_and_upload(repo, files, new, encoder, cfg, op)
         enc.sources = list(files)
         return enc
     finally:
@@ -412,15 +412,15 @@ class Encoded:
         return {"changed": self.changed, "elements": self.elements, "uploaded_bytes": self.uploaded_bytes}
 
 
-def encode_and_upload(repo: Repo, files: list[SourceFile], target: Target, encoder, cfg: PublishConfig,
+def encode_and_upload(repo: Repo, files: list[SourceFile], new: NewVersion, encoder, cfg: PublishConfig,
                       op: Operation) -> Encoded:
     """Encode every segment with ``encoder`` (``run(job) -> (new, digest, encoding, keyframe
-    delta)``) against ``target.parent``, pack the payloads into chunks and upload them; commits
+    delta)``) against ``new.parent``, pack the payloads into chunks and upload them; commits
     nothing."""
     uploader = Uploader(repo, cfg.upload_concurrency, op)
     out = _Assembler(cfg, uploader)
     try:
-        _encode_all(_jobs(files, target.parent), encoder, out, cfg, op)
+        _encode_all(_jobs(files, new.parent), encoder, out, cfg, op)
         t_up = time.perf_counter()
         uploader.join()
         seconds = dict(encoder.seconds, upload=time.perf_counter() - t_up)
@@ -430,14 +430,14 @@ def encode_and_upload(repo: Repo, files: list[SourceFile], target: Target, encod
                    asdict(cfg.codec), dict(uploader.stored_at), cfg.refresh_after)
 
 
-def commit_encoded(repo: Repo, target: Target, enc: Encoded, op: Operation) -> tuple[PublishResult, Manifest]:
-    """The manifest of ``enc`` as version ``target.version``, committed (manifest, then the head
-    from ``target.etag``); ``seconds["total"]`` runs from the start of ``op``."""
+def commit_encoded(repo: Repo, new: NewVersion, enc: Encoded, op: Operation) -> tuple[PublishResult, Manifest]:
+    """The manifest of ``enc`` as version ``new.version``, committed (manifest, then the head
+    from ``new.etag``); ``seconds["total"]`` runs from the start of ``op``."""
     manifest = Manifest(
-        version=target.version,
-        parent=None if target.parent is None else target.parent.version,
-        keyframe=target.keyframe,
-        chain_length=target.chain_length,
+        version=new.version,
+        parent=None if new.parent is None else new.parent.version,
+        keyframe=new.keyframe,
+        chain_length=new.chain_length,
         files=enc.files,
         chunks=enc.chunks,
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -447,22 +447,22 @@ def commit_encoded(repo: Repo, target: Target, enc: Encoded, op: Operation) -> t
     seconds = dict(enc.seconds)
     t_c = time.perf_counter()
     enc.refresh(repo)
-    repo.commit(manifest, target.etag)
+    repo.commit(manifest, new.etag)
     seconds["commit"] = time.perf_counter() - t_c
     seconds["total"] = op.elapsed()
     result = PublishResult(
-        target.version, manifest.parent, target.keyframe, manifest.raw_bytes, manifest.payload_bytes,
+        new.version, manifest.parent, new.keyframe, manifest.raw_bytes, manifest.payload_bytes,
         enc.uploaded_bytes, len(manifest.chunks), enc.changed, enc.elements, seconds,
     )
     return result, manifest
 
 
-def encode_and_commit(repo: Repo, files: list[SourceFile], target: Target, encoder, cfg: PublishConfig,
+def encode_and_commit(repo: Repo, files: list[SourceFile], new: NewVersion, encoder, cfg: PublishConfig,
                       op: Operation) -> tuple[PublishResult, Manifest]:
     """Encode every segment with ``encoder``, pack and upload the chunks, then commit the manifest:
     :func:`encode_and_upload` then :func:`commit_encoded`, for publishing from known changes
-    (:mod:`weightsync.torch.hostpatch`), which decides its target version itself."""
-    enc = encode_and_upload(repo, files, target, encoder, cfg, op)
-    result = commit_encoded(repo, target, enc, op)
+    (:mod:`weightsync.torch.hostpatch`), which decides its new version itself."""
+    enc = encode_and_upload(repo, files, new, encoder, cfg, op)
+    result = commit_encoded(repo, new, enc, op)
     op.done(result[0].seconds)
     return result

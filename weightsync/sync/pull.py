@@ -28,7 +28,7 @@ from weightsync.local.install import (
     finish_refill,
     install,
     open_in_place,
-    prepare_target,
+    prepare_folder,
     spool_dir,
     staging_dir,
 )
@@ -172,7 +172,7 @@ def _pull(repo: Repo, out: Path, version, config: PullConfig, observer: Observer
             raise UsageError(f"{base} holds no weightsync version to refill {out} from")
     repo.require()
     target_version = resolve_version(repo, version)
-    state = prepare_target(out, owned=base_dir is not None)
+    state = prepare_folder(out, owned=base_dir is not None)
     base_state = state if base_dir is None else read_state(base)
     op = Operation(observer)
     chain = repo.chain(target_version, back_to=None if base_state is None else base_state.version)

@@ -33,7 +33,7 @@ from weightsync.local.base import adopt
 from weightsync.local.checkpoint import describe_file, scan_checkpoint
 from weightsync.store.repo import Repo
 from weightsync.sync.observer import Observer, Operation
-from weightsync.sync.publish import PublishConfig, PublishResult, Target, encode_and_commit, next_version
+from weightsync.sync.publish import NewVersion, PublishConfig, PublishResult, encode_and_commit, next_version
 from weightsync.torch.dtypes import NP_INT as _NP_INT
 from weightsync.torch.dtypes import TORCH_DTYPE
 
@@ -321,7 +321,7 @@ def publish_changes(
     if base_dir is not None:
         _check_base(base_dir, parent)
         encoder.seconds["verify_base"] = op.elapsed()
-    result, manifest = encode_and_commit(repo, files, Target(version, parent, keyframe, etag), encoder, config, op)
+    result, manifest = encode_and_commit(repo, files, NewVersion(version, parent, keyframe, etag), encoder, config, op)
     if cache_dir is not None:
         adopt(Path(cache_dir), manifest, src, repo.url)
     return result
