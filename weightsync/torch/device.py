@@ -49,6 +49,12 @@ def _unsigned(a: np.ndarray) -> np.ndarray:
     return a.view(UINT_VIEW[a.dtype.itemsize])
 
 
+def default_work_dir() -> Path:
+    """``/dev/shm`` when it is there and writable (tmpfs: no disk I/O), else the temp folder."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
 class _Staging:
     """Device-to-host copies: one reusable pinned buffer and ``non_blocking`` copies on CUDA,
     then one synchronization; CPU tensors are already on the host."""
@@ -184,9 +190,6 @@ class DeviceDiffPublisher:
     def __init__(self, store, *, config: PublishConfig | None = None, work_dir: str | os.PathLike | None = None,
                  cache_dir: str | os.PathLike | None = None, filename: str = "model.safetensors",
                  direct: bool = True, slice_elems: int = 1 << 28, staging_bytes: int = 64 << 20):
-        
-        from weightsync.torch.state_dict import default_work_dir
-
         self.repo = open_repo(store)
         self.config = config or PublishConfig()
         root = Path(work_dir) if work_dir is not None else default_work_dir()

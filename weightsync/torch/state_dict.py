@@ -13,13 +13,7 @@ from weightsync.errors import BaseMismatchError
 from weightsync.store.repo import open_repo
 from weightsync.sync.publish import PublishConfig, PublishResult, publish
 
-
 # --- in-process publishing from a trainer --------------------------------------------------------
-def default_work_dir() -> Path:
-    """``/dev/shm`` when it is there and writable (tmpfs: no disk I/O), else the temp folder."""
-    shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
-
 
 class StateDictPublisher:
     """Publishes a trainer's state dict in-process, without a checkpoint on disk.
@@ -37,6 +31,8 @@ class StateDictPublisher:
     def __init__(self, store, *, config: PublishConfig | None = None, work_dir: str | os.PathLike | None = None,
                  cache_dir: str | os.PathLike | None = None, filename: str = "model.safetensors",
                  device_diff: bool = False):
+        from weightsync.torch.device import default_work_dir  # imports torch: only once a publisher is made
+
         self.repo = open_repo(store)
         self.config = config or PublishConfig()
         root = Path(work_dir) if work_dir is not None else default_work_dir()
