@@ -95,7 +95,7 @@ def describe(plan) -> dict[tuple[str, str], tuple]:
         for r in fp.recipes:
             steps = tuple((s.version, s.codec, s.size) for s in r.steps)
             how = "fresh" if r.base is None else "local" if steps else "copy"
-            out[(fp.entry.path, r.target.name)] = (how, steps)
+            out[(fp.entry.path, r.segment.name)] = (how, steps)
     return out
 
 
@@ -190,15 +190,15 @@ def test_plan_table(case):
     versions, local, expected = PLAN_CASES[case]
     chain = [ALL[v] for v in versions]
     plan = plan_pull(chain, None if local is None else ALL[local])
-    assert plan.target is chain[-1] and plan.local_version == local
+    assert plan.manifest is chain[-1] and plan.local_version == local
     assert describe(plan) == expected
     for fp in plan.files:
-        assert [r.target for r in fp.recipes] == list(fp.entry.segments)
+        assert [r.segment for r in fp.recipes] == list(fp.entry.segments)
         for r in fp.recipes:
             if r.base is not None:  # reads the local file's segment with the same key
-                assert r.base.key == r.target.key
+                assert r.base.key == r.segment.key
                 if not r.steps:
-                    assert r.base.xxh3 == r.target.xxh3
+                    assert r.base.xxh3 == r.segment.xxh3
     # every referenced range is covered by a chunk need, each chunk listed once
     needs = {n.chunk.id: n for n in plan.chunks}
     assert len(needs) == len(plan.chunks)
@@ -220,7 +220,7 @@ def test_steps_point_into_their_own_versions_chunks():
             for r in fp.recipes:
                 for step in r.steps:
                     m = ALL[step.version]
-                    seg = next(s for s in m.file(fp.entry.path).segments if s.key == r.target.key)
+                    seg = next(s for s in m.file(fp.entry.path).segments if s.key == r.segment.key)
                     enc = seg if seg.codec == step.codec else seg.delta
                     assert step.codec == enc.codec and step.xxh3 == enc.payload.xxh3 and step.size == enc.payload.size
                     assert [(g.chunk, g.offset, g.length) for g in step.ranges] == [
@@ -314,7 +314,7 @@ def test_full_encoding_after_local_is_used():
 def test_plan_segment_directly():
     target = V3.file(A).segments[0]
     r = plan_segment([V0, V1, V2, V3], A, target, V2)
-    assert r.target is target and r.base == V2.file(A).segments[0] and [s.version for s in r.steps] == [3]
+    assert r.segment is target and r.base == V2.file(A).segments[0] and [s.version for s in r.steps] == [3]
     assert r.fetch_bytes == 7
     assert plan_segment([V0, V1, V2, V3], A, target, None).fetch_bytes == 50 + 5 + 6 + 7
 

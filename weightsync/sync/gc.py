@@ -55,6 +55,9 @@ class GcConfig:
 
 @dataclass(frozen=True)
 class GcPlan:
+    """What retention keeps and deletes (pure, from the listing): versions kept and their chains,
+    publishes in progress, versions to delete (oldest first), abandoned manifests, needed chunks."""
+
     head: int | None
     kept_versions: tuple[int, ...]  # committed versions kept: the newest `keep` and their chains
     pending_versions: tuple[int, ...]  # manifests above the head (publishes in progress)
@@ -65,6 +68,9 @@ class GcPlan:
 
 @dataclass
 class GcResult:
+    """What a gc did (or would do with ``dry_run``): versions kept and deleted, chunks deleted, kept
+    and left young, the re-checks that saved chunks, seconds."""
+
     head: int | None
     kept_versions: list[int]
     deleted_versions: list[int]
@@ -84,6 +90,8 @@ class GcResult:
 
 @dataclass(frozen=True)
 class PartsPlan:
+    """Which parts of multi-rank publishes gc deletes, which it keeps, and the chunks kept parts need."""
+
     delete: tuple[str, ...]  # part keys: at or below the head, or above it and all older than the grace
     pending: tuple[str, ...]  # part keys kept: a multi-rank publish in progress
     needed_chunks: frozenset[str]  # chunks the kept parts name

@@ -1,10 +1,7 @@
-"""Watching and stopping a long operation: one :class:`Observer` for progress, transfers and cancellation.
-
-In the manner of s3transfer's subscribers, a publish, pull, partial pull or torch-sink prepare takes
-one ``observer`` and calls its hooks as it runs; every hook of the base class does nothing, so a
-subclass overrides only what it needs (the command line's tqdm bars,
-:class:`weightsync.service.progress.Progress`; the daemons' stop token,
-:class:`weightsync.service.runtime.StopToken`)::
+"""Watching and stopping a long operation: one :class:`Observer` for progress, transfers and
+cancellation, passed once (as s3transfer's subscribers). Publish, pull, partial pulls and the torch
+sink call its hooks as they run; the base class's do nothing, so a subclass overrides what it needs
+(the CLI's tqdm bars, :class:`~weightsync.service.progress.Progress`; the daemons' stop token)::
 
     class Stop(Observer):
         def check(self):
@@ -12,11 +9,6 @@ subclass overrides only what it needs (the command line's tqdm bars,
                 raise Stopped()
 
     weightsync.pull(store, folder, observer=Stop())
-
-An observer may be reused, one operation after the other or several at once (the hooks of
-concurrent operations then interleave). Internally each operation wraps it in an
-:class:`Operation`, which also holds the operation's clock: the one start time its result's
-``seconds`` are measured from.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from weightsync.sync.publish import DeltaBase, PublishConfig, PublishResult, cac
 
 
 def check_world(rank: int | None, world: int) -> None:
+    """Raise :class:`UsageError` unless ``world`` is a world size and ``rank`` a rank of it."""
     if not 1 <= world <= MAX_WORLD:
         raise UsageError(f"world size must be in 1..{MAX_WORLD}, not {world}")
     if rank is not None and not 0 <= rank < world:
@@ -62,6 +63,7 @@ class RankView(Repo):
         self._inner, self._paths = repo, frozenset(paths)
 
     def manifest(self, version: int) -> Manifest:
+        """The manifest of ``version`` with this rank's files only."""
         m = self._inner.manifest(version)
         return replace(m, files=tuple(f for f in m.files if f.path in self._paths))
 
@@ -247,6 +249,10 @@ def _renumber(f: FileEntry, remap: list[int]) -> FileEntry:
 # --- the committer ---------------------------------------------------------------------------------
 @dataclass
 class CommitResult:
+    """What committing a multi-rank version did: the version, parent, keyframe flag, world, the totals
+    of its parts (files, bytes, chunks, elements changed), seconds, and whether another committer
+    had already committed it from the same parts."""
+
     version: int
     parent: int | None
     keyframe: bool

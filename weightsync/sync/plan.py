@@ -20,6 +20,8 @@ from weightsync.format.manifest import ChunkRef, FileEntry, Manifest, Payload, S
 
 @dataclass(frozen=True)
 class ChunkRange:
+    """Bytes [offset, offset + length) of a chunk: where (part of) a payload lies."""
+
     chunk: ChunkRef
     offset: int
     length: int
@@ -38,17 +40,24 @@ class Step:
 
 @dataclass(frozen=True)
 class Recipe:
-    target: Segment
+    """How to rebuild one segment of the version pulled: from ``base`` (the local version's segment
+    at the same path, or None), apply ``steps`` in order (a full encoding first when there is no
+    usable base). No steps: the base already holds the segment's bytes."""
+
+    segment: Segment
     base: Segment | None  # a segment of the local version's file at the same path
     steps: tuple[Step, ...]
 
     @property
     def fetch_bytes(self) -> int:
+        """Payload bytes the steps read."""
         return sum(s.size for s in self.steps)
 
 
 @dataclass(frozen=True)
 class FilePlan:
+    """One file of the version pulled: kept as it is, or rebuilt segment by segment from ``recipes``."""
+
     entry: FileEntry
     keep: bool  # the local file already equals the target: nothing to do
     recipes: tuple[Recipe, ...]
@@ -63,6 +72,7 @@ class ChunkNeed:
 
     @property
     def needed_bytes(self) -> int:
+        """Bytes of the chunk the plan reads."""
         return sum(n for _, n in self.ranges)
 
     def whole(self, threshold: float = 0.75) -> bool:
@@ -71,6 +81,7 @@ class ChunkNeed:
 
     @property
     def fetch_bytes(self) -> int:
+        """Bytes fetched for the chunk: all of it when :meth:`whole`, else the ranges."""
         return self.chunk.size if self.whole() else self.needed_bytes
 
 
@@ -103,17 +114,22 @@ def chunk_needs(recipes: Iterable[Recipe], gap: int = RANGE_GAP) -> tuple[ChunkN
 
 @dataclass(frozen=True)
 class Plan:
-    target: Manifest
+    """A pull, planned: the manifest pulled, the version the folder held (None: nothing usable), what
+    to do per file, and which chunk ranges to fetch."""
+
+    manifest: Manifest
     local_version: int | None
     files: tuple[FilePlan, ...]
     chunks: tuple[ChunkNeed, ...]
 
     @property
     def fetch_bytes(self) -> int:
+        """Bytes the pull fetches from the store."""
         return sum(c.fetch_bytes for c in self.chunks)
 
     @property
     def payload_bytes(self) -> int:
+        """Payload bytes the recipes read (without the merged ranges' gaps or whole chunks)."""
         return sum(r.fetch_bytes for f in self.files for r in f.recipes)
 
 

@@ -53,6 +53,9 @@ REFRESH_AFTER = 900.0  # seconds: see PublishConfig.refresh_after
 
 @dataclass(frozen=True)
 class PublishConfig:
+    """How a version is cut and coded (codec settings, chunk size, keyframe interval, files to
+    ignore) and the bounds of publishing it (upload streams, encode threads, bytes in flight)."""
+
     codec: CodecConfig = field(default_factory=CodecConfig)
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     keyframe_interval: int = 20
@@ -78,6 +81,10 @@ class PublishConfig:
 
 @dataclass
 class PublishResult:
+    """What a publish committed: the version, its parent, keyframe flag, bytes of the files and of the
+    payloads, bytes uploaded (chunks the store already held are not), chunks, elements changed of
+    all, and seconds per phase (``total`` from the start)."""
+
     version: int
     parent: int | None
     keyframe: bool
@@ -91,10 +98,12 @@ class PublishResult:
 
     @property
     def ratio(self) -> float:
+        """Bytes of the files per byte of payload."""
         return self.raw_bytes / max(1, self.payload_bytes)
 
     @property
     def changed_fraction(self) -> float:
+        """Fraction of the elements that changed from the parent."""
         return self.changed / max(1, self.elements)
 
 
@@ -240,6 +249,7 @@ class NewVersion:
 
     @property
     def chain_length(self) -> int:
+        """Deltas since the last keyframe, this version included (0 for a keyframe)."""
         return 0 if self.keyframe else self.parent.chain_length + 1
 
 
@@ -409,6 +419,7 @@ class Encoded:
 
     @property
     def stats(self) -> dict[str, int]:
+        """The manifest's informational ``stats``."""
         return {"changed": self.changed, "elements": self.elements, "uploaded_bytes": self.uploaded_bytes}
 
 

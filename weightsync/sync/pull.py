@@ -44,6 +44,9 @@ from weightsync.sync.transfer import clear_spool, fetch_chunks
 
 @dataclass(frozen=True)
 class PullConfig:
+    """The bounds of a pull: chunk fetches in flight, decode threads, bytes in flight; whether the
+    installed files are fsynced."""
+
     fetch_concurrency: int = 32
     decode_threads: int = max(1, min(8, os.cpu_count() or 1))
     inflight_bytes: int = 256 << 20
@@ -56,6 +59,9 @@ class PullConfig:
 
 @dataclass
 class PullResult:
+    """What a pull did: the version now held, the one the folder held before (None: none), bytes
+    fetched, files written and kept, seconds per phase."""
+
     version: int
     from_version: int | None
     fetched_bytes: int
@@ -65,6 +71,8 @@ class PullResult:
 
 
 def resolve_version(repo: Repo, version: int | str | None) -> int:
+    """The version ``version`` names in ``repo`` (``latest``/None: the head); :class:`VersionError`
+    if there is none, :class:`UsageError` if it is not a version."""
     head = repo.head_version()
     if head is None:
         raise VersionError(f"{repo.url} has no versions yet")
@@ -86,7 +94,7 @@ def _write_files(plan: Plan, payloads: Payloads, base: LocalVersion | None, root
     refilling in place); returns their paths."""
     todo = [f for f in plan.files if not f.keep]
     jobs = [TensorJob(f.entry.path, r) for f in todo for r in f.recipes]
-    op.phase("write", sum(j.recipe.target.nbytes for j in jobs))
+    op.phase("write", sum(j.recipe.segment.nbytes for j in jobs))
     results = build_segments(jobs, payloads, base, threads=cfg.decode_threads, inflight_bytes=cfg.inflight_bytes, op=op)
     try:
         for fp in todo:
@@ -212,7 +220,7 @@ def _pull_plan(repo, out: Path, base: Path, plan: Plan, base_state, cfg: PullCon
     seconds["fetch"] = op.elapsed()
     local = None if plan.local_version is None else LocalVersion(base, repo.manifest(plan.local_version))
     if in_place:
-        begin_refill(out, plan.target, repo.url, cfg.fsync)
+        begin_refill(out, plan.manifest, repo.url, cfg.fsync)
     try:
         written = _write_files(plan, payloads, local, out if in_place else staging_dir(out), cfg, op, in_place)
     finally:
@@ -221,13 +229,13 @@ def _pull_plan(repo, out: Path, base: Path, plan: Plan, base_state, cfg: PullCon
             local.close()
     seconds["build"] = op.elapsed() - seconds["fetch"]
     if in_place:
-        finish_refill(out, plan.target, repo.url, cfg.fsync)
+        finish_refill(out, plan.manifest, repo.url, cfg.fsync)
     else:
-        install(out, plan.target, repo.url, written, cfg.fsync)
+        install(out, plan.manifest, repo.url, written, cfg.fsync)
     clear_spool(spool_dir(out))
     seconds["total"] = op.elapsed()
     kept = sum(f.keep for f in plan.files)
-    result = PullResult(plan.target.version, None if base_state is None else base_state.version, plan.fetch_bytes,
+    result = PullResult(plan.manifest.version, None if base_state is None else base_state.version, plan.fetch_bytes,
                         len(written), kept, seconds)
     op.done(seconds)
     return result

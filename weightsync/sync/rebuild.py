@@ -91,7 +91,7 @@ def rebuild_job(job: TensorJob, payloads: Payloads, base: LocalVersion | BaseRea
     bad payload. Saves a pass over every byte of the model per pull. Otherwise a function giving
     verified bytes that stay the caller's (decoded into a new buffer).
     """
-    r, t = job.recipe, job.recipe.target
+    r, t = job.recipe, job.recipe.segment
     what = f"{job.path}: {t.name or t.role}"
     steps = [(step.codec, partial(payloads.read, step)) for step in r.steps]
     if not isinstance(base, LocalVersion):
@@ -118,7 +118,7 @@ def build_segments(jobs: Sequence[TensorJob], payloads: Payloads, base: LocalVer
             op.check()
         return rebuild_job(job, payloads, base)
 
-    yield from ordered_map(build, jobs, lambda j: 3 * j.recipe.target.nbytes, inflight_bytes, threads, 3 * TASK_BYTES)
+    yield from ordered_map(build, jobs, lambda j: 3 * j.recipe.segment.nbytes, inflight_bytes, threads, 3 * TASK_BYTES)
 
 
 def build_tensors(jobs: Sequence[TensorJob], chunk_paths: dict[str, Path], base: LocalVersion | BaseReader | None, *,

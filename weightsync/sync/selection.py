@@ -1,24 +1,6 @@
-"""Fetching selected tensors of a version, and partial folders that hold only them.
-
-Built on the core: :func:`~weightsync.sync.plan.plan_segment` picks the cheapest recipe per tensor,
-and :mod:`weightsync.sync.rebuild` (the pull's own path) fetches only the chunks those recipes touch
-and rebuilds each tensor, every result checked against its segment's xxh3 before anyone sees it.
-
-Partial folder layout (what ``weightsync subscriber --include/--exclude`` materializes)::
-
-    <folder>/<path>.safetensors     one file per source safetensors file that has a selected tensor,
-                                    holding only the selected tensors, in source order, same
-                                    names/dtypes/shapes, the source header's __metadata__ kept
-    <folder>/<other files>          non-safetensors files (config.json, the index...) copied whole
-    <folder>/.weightsync/partial.json
-        {"format": "weightsync.partial", "version": N, "store": URL, "include": [...],
-         "exclude": [...], "files": {path: {"size": S, "xxh3": H, "tensors": {name: xxh3}}}}
-
-The index JSON of a sharded checkpoint is copied as is: it names every tensor of the full model.
-An update builds every file in ``.weightsync/staging``, then drops ``partial.json``, renames the
-files into place and writes the new ``partial.json``; an interrupted update leaves a folder without
-``partial.json``, which the next update rebuilds without reusing local bytes.
-"""
+"""Fetching selected tensors of a version (``--include``/``--exclude``), and partial folders that
+hold only them: the pull's own plan and rebuild path (:mod:`weightsync.sync.rebuild`), every
+tensor checked before anyone sees it (docs/DESIGN.md: the folder's layout and updates)."""
 
 from __future__ import annotations
 
@@ -86,6 +68,9 @@ class Selection:
 # --- partial folders -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PartialState:
+    """What ``partial.json`` records: the version a partial folder holds, its store and selection, and
+    per file its size, checksum and its tensors' checksums."""
+
     version: int
     store: str
     selection: Selection
@@ -94,6 +79,9 @@ class PartialState:
 
 @dataclass
 class PartialResult:
+    """What a partial pull did: the version now held, the one before, bytes fetched, files written,
+    tensors selected, seconds per phase."""
+
     version: int
     from_version: int | None
     fetched_bytes: int
@@ -266,7 +254,7 @@ def _write(repo: Repo, base: _PartialBase, target: Manifest, sel: Selection, job
     empty_folder(staging)
     paths, fetched = fetch_jobs(repo, jobs, spool, cfg.fetch_concurrency, op)
     seconds = {"fetch": op.elapsed()}
-    op.phase("write", sum(j.recipe.target.nbytes for j in jobs))
+    op.phase("write", sum(j.recipe.segment.nbytes for j in jobs))
     built = build_tensors(jobs, paths, base, url=repo.url, threads=cfg.decode_threads,
                           inflight_bytes=cfg.inflight_bytes, op=op)
     record: dict[str, dict] = {}

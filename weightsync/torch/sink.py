@@ -354,17 +354,17 @@ class TorchSink:
             with tempfile.TemporaryDirectory(prefix="weightsync-sink-") as spool:
                 paths, up.fetched_bytes = fetch_jobs(self.repo, jobs, Path(spool), self.fetch_concurrency, op)
                 up.seconds["fetch"] = op.elapsed()
-                op.phase("stage", sum(j.recipe.target.nbytes for j in jobs))
+                op.phase("stage", sum(j.recipe.segment.nbytes for j in jobs))
                 for job, new in build_tensors(jobs, paths, base, url=self.repo.url, threads=self.threads, op=op):
-                    key = (job.path, job.recipe.target.name)
+                    key = (job.path, job.recipe.segment.name)
                     with lock:
                         old = host.pop(key, None)
                     if self.mode == "patch":
-                        up.patches.append(self._patch(job.recipe.target, live[key], old, new, up))
+                        up.patches.append(self._patch(job.recipe.segment, live[key], old, new, up))
                     else:
-                        up.flips.append(self._stage(job.recipe.target, live[key], old, new, up))
+                        up.flips.append(self._stage(job.recipe.segment, live[key], old, new, up))
                         up.patches.append(up.flips[-1].replay)
-                    op.progress(job.recipe.target.nbytes)
+                    op.progress(job.recipe.segment.nbytes)
             _sync({f.new.device for f in up.flips})
         except BaseException:
             for slot in (x for x in live.values() if isinstance(x, _Slot)):  # flip: each standby it touched
