@@ -174,6 +174,9 @@ class DeviceSnapshot:
 # --- the trainer-side publisher ------------------------------------------------------------------
 @dataclass
 class DevicePublishResult(PublishResult):
+    """A :class:`PublishResult` plus what crossed from the devices to the host, the state dict's bytes,
+    and the route the version took (``direct``, ``folder`` or ``full``)."""
+
     d2h_bytes: int = 0  # bytes copied from the tensors' devices to the host for this version
     tensor_bytes: int = 0  # bytes of the state dict's tensors (what a full copy moves)
     route: str = ""  # "direct" (payloads from the device's changes), "folder" (host re-diff) or "full" (no usable base)
@@ -255,6 +258,7 @@ class DeviceDiffPublisher:
                        observer=observer), "full"
 
     def close(self) -> None:
+        """Free the device snapshot and the host mirror's folder."""
         self.snapshot.reset()
         shutil.rmtree(self.work, ignore_errors=True)
         self.mirror.current = None

@@ -52,11 +52,14 @@ class TensorChange:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the change on the host (positions and values)."""
         return self.values.nbytes + (0 if self.index is None else self.index.nbytes)
 
 
 @dataclass
 class DeviceDiff:
+    """Every tensor's change since the snapshot, as it reached the host, with the bytes moved."""
+
     changes: dict[str, TensorChange]  # every tensor of the state dict, in its order
     d2h_bytes: int  # bytes copied from the tensors' devices to the host (counted on CPU too)
     tensor_bytes: int  # bytes of all the tensors: what a full copy would move

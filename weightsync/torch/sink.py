@@ -57,6 +57,8 @@ class ApplyError(WeightsyncError):
 
 @dataclass
 class Patch:
+    """One staged write into a live tensor: its positions and new bit patterns (or the whole tensor)."""
+
     name: str
     target: torch.Tensor  # a flat integer view of the tensor it writes (same width, same memory)
     index: torch.Tensor | None  # positions on the tensor's device, int64 (flip: int32 if < 2**31); None: dense

@@ -49,6 +49,8 @@ class StateDictPublisher:
                                                cache_dir=self.cache_dir, filename=filename)
 
     def publish(self, state_dict, version: int | None = None, metadata: dict[str, str] | None = None) -> PublishResult:
+        """Publish ``state_dict`` (name -> tensor) as ``version`` (default: head + 1), with ``metadata`` in
+        the safetensors header; the previous step's folder is the delta base when the head is still it."""
         if self._device is not None:
             return self._device.publish(state_dict, version, metadata)
         folder = self.work / f"v{len(os.listdir(self.work))}-{time.monotonic_ns()}"
@@ -72,6 +74,7 @@ class StateDictPublisher:
         return r
 
     def close(self) -> None:
+        """Remove the work folder (and free the device publisher's snapshot)."""
         if self._device is not None:
             self._device.close()
         shutil.rmtree(self.work, ignore_errors=True)
