@@ -30,6 +30,9 @@ def render(template: str, version: int, path: str, current: str, *, json_strings
 
 @dataclass
 class HookOutcome:
+    """How a swap hook ended for ``version``: succeeded or not, after how many attempts, the last error,
+    seconds."""
+
     version: int
     ok: bool
     attempts: int
@@ -46,6 +49,8 @@ class HookRunner:
         self.last: HookOutcome | None = None
 
     async def fire(self, version: int, path: str, current: str) -> HookOutcome:
+        """Run the hook for a swap to ``version`` (``path`` the slot, ``current`` the link), retrying as
+        configured; a failure is logged and returned, never raised (cancellation aside)."""
         t0 = time.monotonic()
         error = None
         for attempt in range(1, self.cfg.attempts + 1):

@@ -124,6 +124,7 @@ class Metrics:
             self.swaps = counter("weightsync_swaps_total", "Completed swaps.")
 
     def publish_phase(self, phase: str, seconds: float) -> None:
+        """Observe the seconds one phase of a publish took."""
         self._publish_seconds.labels(**self.labels, phase=phase).observe(seconds)
 
     def observe_publish(self, result, committed: bool = True) -> None:
@@ -169,6 +170,7 @@ class Metrics:
         self.last_success.set(self._clock())
 
     def mirror_error(self, exc: Exception) -> None:
+        """Count a failed mirror pass."""
         self.loop_errors.inc()
 
     def _set_destination(self, version: int) -> None:
@@ -181,4 +183,5 @@ class Metrics:
         self._store_retries.labels(**self.labels, op=retry_op(op), reason=retry_reason(exc)).inc()
 
     def render(self) -> bytes:
+        """The registry in Prometheus' text format."""
         return generate_latest(self.registry)

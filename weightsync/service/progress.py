@@ -16,6 +16,7 @@ from weightsync.sync.observer import Observer
 
 
 def human_bytes(n: float) -> str:
+    """``n`` bytes for people: ``512 B``, ``1.5 MiB``..."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -86,6 +87,7 @@ class Progress(Observer):
                 self._close()
 
     def close(self) -> None:
+        """Close the bar (once the operation ended, or failed)."""
         with self._lock:
             self._close()
 

@@ -60,6 +60,9 @@ def parse_step(name: str) -> int | None:
 
 @dataclass(frozen=True)
 class Candidate:
+    """A checkpoint folder under the watched folder: its step, path, whether its marker is there, and
+    when it last changed (to give up on a stale one)."""
+
     step: int
     path: Path
     ready: bool
@@ -91,6 +94,9 @@ def scan(watch_dir: Path, marker: str, too_large: list[str] | None = None) -> li
 # --- planning (pure) -----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Publish:
+    """The plan's answer "publish this candidate": with the head's checkpoint folder as the delta base
+    when it is still there, and the unfinished steps given up on."""
+
     candidate: Candidate
     base: Path | None  # the head version's checkpoint folder, when it is still there
     skipped: tuple[int, ...] = ()  # unfinished steps given up on (older than stale_after)
@@ -140,6 +146,7 @@ class Publisher:
         self._too_large: set[str] = set()  # checkpoint folders already reported as beyond the format's versions
 
     def request_stop(self) -> None:
+        """Stop after the current step (a publish in progress is cancelled at its next check)."""
         self.stop_token.set()
         self.state = "stopping"
         if self._wake is not None:
@@ -147,9 +154,11 @@ class Publisher:
 
     @property
     def ready(self) -> bool:
+        """Whether ``/readyz`` answers ready: started and not stopping."""
         return self.state not in ("starting", "stopping")
 
     def status(self) -> dict:
+        """The ``GET /v1/status`` document."""
         return {
             "role": "publisher", "id": self.cfg.identity.id, "region": self.cfg.identity.region,
             "cluster": self.cfg.identity.cluster, "store": self.repo.url, "watch_dir": str(self.cfg.watch_dir),
@@ -159,6 +168,7 @@ class Publisher:
         }
 
     async def run(self) -> None:
+        """The daemon's loop: list, plan, publish, until stopped."""
         self._lock = self._lock or asyncio.Lock()
         self._wake = asyncio.Event()
         warm_codec()
@@ -328,6 +338,7 @@ class Publisher:
         return p
 
     def default_version(self, path: Path, head: int | None) -> int:
+        """The version ``POST /v1/publish`` gives a folder: its step if at least head + 1, else head + 1."""
         step = parse_step(path.name)
         nxt = 0 if head is None else head + 1
         return step if step is not None and step >= nxt else nxt

@@ -50,13 +50,16 @@ class StopToken(Observer):
         self._event = threading.Event()
 
     def set(self) -> None:
+        """Ask every operation watching this token to stop."""
         self._event.set()
 
     @property
     def is_set(self) -> bool:
+        """Whether a stop was asked for."""
         return self._event.is_set()
 
     def check(self, *_args) -> None:
+        """Raise :class:`Stopped` once a stop was asked for (the observer hook of a running operation)."""
         if self._event.is_set():
             raise Stopped("stopping")
 
@@ -86,6 +89,7 @@ class _TextFormatter(logging.Formatter):
 
 
 def setup_logging(cfg: LogConfig) -> None:
+    """Log to stderr as text or JSON lines, at the configured level."""
     handler = logging.StreamHandler(sys.stderr)
     if cfg.json:
         handler.setFormatter(_JsonFormatter())
@@ -162,6 +166,7 @@ def serve_routes(host: str, port: int, routes: dict[str, Callable[[], Answer]]) 
 
 
 def json_answer(doc: dict, status: int = 200) -> Answer:
+    """An answer of :func:`serve_routes`: ``doc`` as JSON with ``status``."""
     return status, "application/json", json.dumps(doc).encode()
 
 

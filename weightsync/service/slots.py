@@ -25,6 +25,7 @@ class Slots:
         self.link = self.root / "current"
 
     def path(self, name: str) -> Path:
+        """The folder of slot ``name`` (``a`` or ``b``)."""
         return self.root / "slots" / name
 
     def current(self) -> str | None:
@@ -41,6 +42,7 @@ class Slots:
         raise UsageError(f"{self.link} points at {dest!r}, not at slots/a or slots/b")
 
     def standby(self) -> str:
+        """The slot ``current`` does not point at."""
         return "b" if self.current() == "a" else "a"
 
     def flip(self, name: str) -> None:
@@ -84,6 +86,7 @@ class StandbyRelease:
         self.confirmed = max(self.confirmed, swap)
 
     def free(self) -> bool:
+        """Whether the standby slot may be refilled in place now (the rule in docs/DESIGN.md)."""
         if self.hold is None:
             return False
         if self.hooked:

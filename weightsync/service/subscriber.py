@@ -82,6 +82,8 @@ class View:
 
 @dataclass(frozen=True)
 class Sync:
+    """The plan's answer "bring the standby slot to ``version``, then swap", and why."""
+
     version: int
     reason: str
 
@@ -109,6 +111,9 @@ def plan_next(view: View, head: int | None, target: Target, now: float) -> Actio
 # --- the daemon ----------------------------------------------------------------------------------
 @dataclass
 class SyncResult:
+    """What one sync did: the version now in the slot, the one before, bytes fetched and installed,
+    seconds fetching and building, whether the slot was refilled in place."""
+
     version: int
     from_version: int | None
     fetched_bytes: int
@@ -160,6 +165,7 @@ class Subscriber:
 
     # -- control (called by the API) --------------------------------------------------------------
     def request_stop(self) -> None:
+        """Stop after the current step (a pull in progress is cancelled at its next check)."""
         self.stop_token.set()
         self.state = "stopping"
         if self._wake is not None:
@@ -207,9 +213,11 @@ class Subscriber:
 
     @property
     def ready(self) -> bool:
+        """Whether ``/readyz`` answers ready: a version is served."""
         return self.view.current is not None
 
     def status(self) -> dict:
+        """The ``GET /v1/status`` document."""
         lag = None if self.latest is None or self.view.current is None else self.latest - self.view.current
         return {
             "role": "subscriber",
@@ -235,6 +243,7 @@ class Subscriber:
 
     # -- the loop ---------------------------------------------------------------------------------
     async def run(self) -> None:
+        """The daemon's loop: claim the folders, then read the head, plan, sync and swap, until stopped."""
         self._wake = asyncio.Event()
         warm_codec()
         try:
