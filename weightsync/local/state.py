@@ -19,7 +19,7 @@ from weightsync.format.keys import MAX_VERSION, STATE_DIR, check_path
 from weightsync.format.manifest import Manifest
 
 REFILL = "refill.json"  # present while a folder is being refilled in place
-PARTIAL_STATE = "partial.json"  # a partial folder's state (weightsync.partial)
+PARTIAL_STATE = "partial.json"  # a partial folder's state (weightsync.sync.selection)
 
 
 @dataclass(frozen=True)

@@ -116,7 +116,7 @@ class PublisherConfig:
     api: ApiConfig = field(default_factory=ApiConfig)
     log: LogConfig = field(default_factory=LogConfig)
     grace: float = 30.0  # seconds to let a publish in flight finish on SIGTERM
-    rank: int | None = None  # rank mode: publish this rank's part of each version (weightsync.parts)
+    rank: int | None = None  # rank mode: publish this rank's part of each version (weightsync.sync.parts)
     world: int = 1  # ... of this many ranks
     commit: bool = False  # ... and merge and commit the version once every part is stored
     commit_timeout: float = 600.0  # seconds the committer waits for the other ranks' parts

@@ -40,7 +40,7 @@ def register_runtime_collectors(registry: CollectorRegistry) -> None:
 class Metrics:
     """The metrics of one process (``role`` is ``publisher``, ``subscriber`` or ``mirror``) in ``registry``.
 
-    A mirror's ``mirror_*`` methods are the observers of :func:`weightsync.mirror.mirror`; a failed
+    A mirror's ``mirror_*`` methods are the observers of :func:`weightsync.sync.mirror.mirror`; a failed
     pass counts in ``weightsync_loop_errors_total``, as a failed daemon loop iteration does.
     ``runtime``: also register the process, platform and GC collectors on ``registry``.
     """
@@ -128,7 +128,7 @@ class Metrics:
         self._publish_seconds.labels(**self.labels, phase=phase).observe(seconds)
 
     def observe_publish(self, result, committed: bool = True) -> None:
-        """Record a :class:`~weightsync.publishing.PublishResult` (a rank's part: not ``committed``,
+        """Record a :class:`~weightsync.sync.publish.PublishResult` (a rank's part: not ``committed``,
         so the published version waits for the commit)."""
         for phase in PHASES:
             if phase in result.seconds:
@@ -140,7 +140,7 @@ class Metrics:
         self.delta_bytes.set(result.payload_bytes)
         self.changed_ratio.set(result.changed_fraction)
 
-    # --- the mirror's observers (see weightsync.mirror.mirror) ------------------------------------
+    # --- the mirror's observers (see weightsync.sync.mirror.mirror) ------------------------------------
     def mirror_heads(self, source: int | None, destination: int | None) -> None:
         """A pass read both heads and starts copying: the time to the next version counts from now."""
         self._mark = time.monotonic()
@@ -164,7 +164,7 @@ class Metrics:
         self._set_destination(max(version, self._destination))  # the head is there (or past it), never back
 
     def mirror_pass(self, result) -> None:
-        """After a successful pass (``result``: the running :class:`~weightsync.mirror.MirrorResult`)."""
+        """After a successful pass (``result``: the running :class:`~weightsync.sync.mirror.MirrorResult`)."""
         if result.head is not None:
             self._set_destination(result.head)
         self.last_success.set(self._clock())

@@ -126,7 +126,7 @@ def plan_publish(candidates: list[Candidate], head: int | None, now: float, stal
 
 # --- the daemon ----------------------------------------------------------------------------------
 class Publisher:
-    """The publisher's state and loop; the HTTP API (``weightsync.api``) reads and steers it."""
+    """The publisher's state and loop; the HTTP API (``weightsync.service.api``) reads and steers it."""
 
     def __init__(self, cfg: PublisherConfig, repo: Repo, metrics: Metrics, clock=time.time):
         self.cfg, self.repo, self.metrics, self.clock = cfg, repo, metrics, clock

@@ -111,7 +111,7 @@ def plan_next(view: View, head: int | None, target: Target, now: float) -> Actio
 # --- the daemon ----------------------------------------------------------------------------------
 @dataclass
 class SyncResult:
-    """What one sync did: the version now in the slot, the one before, bytes fetched and installed,
+    """What one sync did: the version now in the slot, the one before, bytes fetched, the version's bytes,
     seconds fetching and building, whether the slot was refilled in place."""
 
     version: int
@@ -125,7 +125,7 @@ class SyncResult:
 
 
 class Subscriber:
-    """The subscriber's state and loop; the HTTP API (``weightsync.api``) reads and steers it."""
+    """The subscriber's state and loop; the HTTP API (``weightsync.service.api``) reads and steers it."""
 
     def __init__(self, cfg: SubscriberConfig, repo: Repo, metrics: Metrics, clock=time.time):
         self.cfg, self.repo, self.metrics, self.clock = cfg, repo, metrics, clock
@@ -414,7 +414,7 @@ class Subscriber:
 
     def _refill_base(self, version: int) -> Path | None:
         """The current slot, to refill the standby in place from, when moving forward and the
-        standby is released (:class:`weightsync.slots.StandbyRelease`); else None."""
+        standby is released (:class:`weightsync.service.slots.StandbyRelease`); else None."""
         cur = self.slots.current()
         current = None if cur is None else slot_version(self.slots.path(cur), False)
         never_served = self._seeded == self.slots.standby()  # a copy made while idle: nothing reads it

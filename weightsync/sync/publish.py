@@ -224,7 +224,7 @@ def _encode_all(jobs: list[_Job], encoder: _Encoder, out: _Assembler, cfg: Publi
 def _base_for(repo: Repo, parent: Manifest, base_dir: Path | None, cache_dir: Path, cfg_pull, lock) -> LocalVersion:
     """A verified-on-read view of the parent version: ``base_dir`` if given, else the cache folder,
     brought to the parent version by a pull when it holds something else. ``repo`` may show only
-    some files of each version (a rank's view, :mod:`weightsync.parts`): the cache then holds those."""
+    some files of each version (a rank's view, :mod:`weightsync.sync.parts`): the cache then holds those."""
     if base_dir is not None:
         return LocalVersion(base_dir, parent)
     state = read_state(cache_dir) if cache_dir.exists() else None
@@ -402,7 +402,7 @@ class Encoded:
 
     def refresh(self, repo: Repo) -> int:
         """Touch the chunks stored more than ``refresh_after`` seconds ago, right before they are
-        committed (:mod:`weightsync.gc` spares chunks younger than its grace). Raises
+        committed (:mod:`weightsync.sync.gc` spares chunks younger than its grace). Raises
         :class:`VersionError`, committing nothing, if gc already took one. Returns how many."""
         now, old = time.monotonic(), []
         for c in self.chunks:

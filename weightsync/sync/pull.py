@@ -156,7 +156,7 @@ def pull(
     ``out_dir`` claims no version until the refill ends (a kill leaves it to be refilled again).
     Only for a folder weightsync owns whole and nothing reads, like a subscriber's standby slot.
 
-    One writer per folder: the pull holds ``out_dir``'s lock (:class:`weightsync.local.FolderLock`)
+    One writer per folder: the pull holds ``out_dir``'s lock (:class:`weightsync.local.lock.FolderLock`)
     throughout, or runs under ``lock``, a lock on it that the caller holds.
 
     ``observer`` (:class:`weightsync.sync.observer.Observer`) sees the ``"write"`` phase and the

@@ -6,7 +6,7 @@ changes that came from the device, and publishing straight from those changes.
 bytes that the manifest's checksums need and the wrapping differences. :func:`publish_changes`
 then publishes the file as :func:`weightsync.publish` would (same codec choices, payloads, chunks
 and manifest), building ``sparse`` payloads from the changes instead of re-diffing on the host.
-See :mod:`weightsync.devicediff` for the device side and the trainer-facing publisher.
+See :mod:`weightsync.torch.device` for the device side and the trainer-facing publisher.
 """
 
 from __future__ import annotations
@@ -232,7 +232,7 @@ class HostMirror:
 class _ChangeEncoder:
     """The publish pipeline's encoder (``run(job)``, ``seconds``) for a folder whose difference
     from its base is known: ``sparse`` payloads come from the changes; everything else is coded as
-    :class:`weightsync.publishing._Encoder` codes it, from memory-mapped files. Without a base
+    :class:`weightsync.sync.publish._Encoder` codes it, from memory-mapped files. Without a base
     folder the folder was patched in place: base bytes are the new ones minus the changes."""
 
     def __init__(self, cfg: PublishConfig, files, base_dir: Path | None, changes: Changes, keyframe: bool):
@@ -303,7 +303,7 @@ def publish_changes(
     config: PublishConfig = PublishConfig(), cache_dir: str | os.PathLike[str] | None = None,
     observer: Observer | None = None,
 ) -> PublishResult:
-    """Publish ``folder`` as :func:`weightsync.publishing.publish` would with ``base_dir`` (same
+    """Publish ``folder`` as :func:`weightsync.sync.publish.publish` would with ``base_dir`` (same
     payloads, chunks and manifest), given ``changes``: for tensors ``(file path, name)`` of the
     same dtype and shape in both, the flat positions (int64, ascending) where ``folder`` differs
     from the base and the wrapping differences there (unsigned, element width); tensors not listed

@@ -24,7 +24,7 @@ class StateDictPublisher:
     delta base, so tmpfs holds up to two serialized copies of the model at a time.
 
     ``device_diff=True``: diff on the tensors' devices against a device-side copy of the last
-    published tensors and move only the changes to the host (:mod:`weightsync.devicediff`; costs
+    published tensors and move only the changes to the host (:mod:`weightsync.torch.device`; costs
     device memory for that copy).
     """
 
