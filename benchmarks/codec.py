@@ -176,9 +176,7 @@ def analyse_change(old: common.Checkpoint, new: common.Checkpoint, res: PairResu
     per_tensor = np.array([p.bound_bits() for p in parts]).sum(axis=0) / 8
     pooled = ChangeCounts.pooled(parts)
     bound, bound_exp = np.array(pooled.bound_bits()) / 8
-    res.sizes.update(
-        bound=per_tensor[0], bound_pooled=bound, bound_exp=per_tensor[1], bound_exp_pooled=bound_exp
-    )
+    res.sizes.update(bound=per_tensor[0], bound_pooled=bound, bound_exp=per_tensor[1], bound_exp_pooled=bound_exp)
     d = pooled.changed_keys & 0xFFFF
     res.changed = int(d.size)
     res.ulp1 = int(np.count_nonzero((d == 1) | (d == 0xFFFF)))
@@ -297,8 +295,10 @@ def size_table(report: dict) -> str:
 
 
 def pair_table(report: dict) -> str:
-    lines = ["| trajectory | pair | changed | of which +-1 ulp | codecs | ours ratio | ours / bound |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| trajectory | pair | changed | of which +-1 ulp | codecs | ours ratio | ours / bound |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for label, pairs in report["trajectories"].items():
         for p in pairs:
             n = p["raw"] // 2
@@ -315,11 +315,19 @@ def speed_table(report: dict) -> str:
     """GB/s of raw tensor bytes on one core and on all cores, and ours as a fraction of memcpy."""
     trajs = {**report["trajectories"], **report.get("speed_only", {})}
     cores = report["cores"]
-    lines = ["| throughput, GB/s of raw tensor bytes | " + " | ".join(
-        f"{k}: 1 core | {k}: {cores} cores" for k in trajs) + " |", "|---" * (1 + 2 * len(trajs)) + "|"]
+    lines = [
+        "| throughput, GB/s of raw tensor bytes | "
+        + " | ".join(f"{k}: 1 core | {k}: {cores} cores" for k in trajs)
+        + " |",
+        "|---" * (1 + 2 * len(trajs)) + "|",
+    ]
     speeds = {}
-    for key, title in (("encode", "ours encode (diff + code)"), ("decode", "ours decode (decode + apply + xxh3 verify)"),
-                       ("sparse_encode", "`sparse` encode"), ("sparse_decode", "`sparse` decode (+ xxh3 verify)")):
+    for key, title in (
+        ("encode", "ours encode (diff + code)"),
+        ("decode", "ours decode (decode + apply + xxh3 verify)"),
+        ("sparse_encode", "`sparse` encode"),
+        ("sparse_decode", "`sparse` decode (+ xxh3 verify)"),
+    ):
         cells = []
         for label, pairs in trajs.items():
             raw = sum(p["raw"] for p in pairs)
@@ -328,43 +336,67 @@ def speed_table(report: dict) -> str:
                 cells.append(f"{speeds[(key, label, suffix)]:.2f}")
         lines.append(f"| {title} | " + " | ".join(cells) + " |")
     mem = {"_s": report["memcpy_gbps"], "_all_s": report["memcpy_all_gbps"]}
-    lines.append("| memcpy (np.copyto, 128 MiB) | " + " | ".join(
-        f"{mem['_s']:.2f} | {mem['_all_s']:.2f}" for _ in trajs) + " |")
+    lines.append(
+        "| memcpy (np.copyto, 128 MiB) | " + " | ".join(f"{mem['_s']:.2f} | {mem['_all_s']:.2f}" for _ in trajs) + " |"
+    )
     if "fresh_gbps" in report:  # reports written before this row existed lack it
-        lines.append("| memcpy into fresh arrays (pages zeroed on first touch) | " + " | ".join(
-            f"{report['fresh_gbps']:.2f} | {report['fresh_all_gbps']:.2f}" for _ in trajs) + " |")
+        lines.append(
+            "| memcpy into fresh arrays (pages zeroed on first touch) | "
+            + " | ".join(f"{report['fresh_gbps']:.2f} | {report['fresh_all_gbps']:.2f}" for _ in trajs)
+            + " |"
+        )
     lines.append("| uint16 XOR (128 MiB) | " + " | ".join(f"{report['xor_gbps']:.2f} | -" for _ in trajs) + " |")
     for key in ("encode", "decode", "sparse_encode", "sparse_decode"):
-        lines.append(f"| {'ours ' + key if '_' not in key else '`sparse` ' + key.split('_')[1]} / memcpy | " + " | ".join(
-            f"{speeds[(key, label, suffix)] / mem[suffix]:.3f}" for label in trajs for suffix in ("_s", "_all_s")) + " |")
+        lines.append(
+            f"| {'ours ' + key if '_' not in key else '`sparse` ' + key.split('_')[1]} / memcpy | "
+            + " | ".join(
+                f"{speeds[(key, label, suffix)] / mem[suffix]:.3f}" for label in trajs for suffix in ("_s", "_all_s")
+            )
+            + " |"
+        )
     return "\n".join(lines)
 
 
 def render(report: dict) -> str:
     n = {k: len(v) for k, v in report["trajectories"].items()}
     raw = next(iter(report["trajectories"].values()))[0]["raw"]
-    return "\n\n".join([
-        (f"## Delta size per step ({raw / 1e6:.1f} MB raw checkpoint; step pairs: {n}; "
-        "ratio = raw / size over all pairs, range over single pairs)"),
-        size_table(report),
-        "## Per step pair",
-        pair_table(report),
-        "## Throughput",
-        speed_table(report),
-        *([f"{LARGE}: one step pair of benchmarks/e2e.py's checkpoints, throughput only."] if report.get("speed_only") else []),
-        (f"1-minute load average at the end: {report['load_average_1min']:.2f} "
-        f"on {os.cpu_count()} cores (other processes slow the timings)."),
-        (f"Peak RSS: {report['peak_rss_mib_start']:.0f} MiB after imports, "
-        f"{report['peak_rss_mib_after_ours']:.0f} MiB after the `ours` pass (two checkpoints loaded), "
-        f"{report['peak_rss_mib']:.0f} MiB at the end (bounds, baselines, memcpy/XOR buffers incl.)."),
-    ])
+    return "\n\n".join(
+        [
+            (
+                f"## Delta size per step ({raw / 1e6:.1f} MB raw checkpoint; step pairs: {n}; "
+                "ratio = raw / size over all pairs, range over single pairs)"
+            ),
+            size_table(report),
+            "## Per step pair",
+            pair_table(report),
+            "## Throughput",
+            speed_table(report),
+            *(
+                [f"{LARGE}: one step pair of benchmarks/e2e.py's checkpoints, throughput only."]
+                if report.get("speed_only")
+                else []
+            ),
+            (
+                f"1-minute load average at the end: {report['load_average_1min']:.2f} "
+                f"on {os.cpu_count()} cores (other processes slow the timings)."
+            ),
+            (
+                f"Peak RSS: {report['peak_rss_mib_start']:.0f} MiB after imports, "
+                f"{report['peak_rss_mib_after_ours']:.0f} MiB after the `ours` pass (two checkpoints loaded), "
+                f"{report['peak_rss_mib']:.0f} MiB at the end (bounds, baselines, memcpy/XOR buffers incl.)."
+            ),
+        ]
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help=f"only the first {QUICK_PAIRS} pairs per trajectory")
-    ap.add_argument("--no-large", action="store_true",
-                    help=f"skip the throughput on {LARGE} checkpoints (built once by e2e.py's generator, ~90 s)")
+    ap.add_argument(
+        "--no-large",
+        action="store_true",
+        help=f"skip the throughput on {LARGE} checkpoints (built once by e2e.py's generator, ~90 s)",
+    )
     ap.add_argument("--json", metavar="FILE", help="also write the raw measurements as JSON")
     args = ap.parse_args()
     try:

@@ -58,8 +58,16 @@ def build_cached(name: str, lr: float, steps: int) -> list[Path]:
     training's memory peak, out of the caller's process)."""
     dirs = cache_dirs(name, lr=lr, steps=steps)
     if not is_complete(dirs):
-        cmd = [sys.executable, str(BENCH_DIR / "trajectory.py"), "--cache", name,
-               "--lr", repr(lr), "--steps", str(steps)]
+        cmd = [
+            sys.executable,
+            str(BENCH_DIR / "trajectory.py"),
+            "--cache",
+            name,
+            "--lr",
+            repr(lr),
+            "--steps",
+            str(steps),
+        ]
         subprocess.run(cmd, check=True, stdout=sys.stderr)
     if not is_complete(dirs):
         raise RuntimeError(f"trajectory {name} was not built under {dirs[0].parent}")
@@ -145,8 +153,9 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def parallel_seconds(fn: Callable[[T], object], items: list[T], threads: int, repeat: int = 3,
-                     nbytes: Callable[[T], int] | None = None) -> float:
+def parallel_seconds(
+    fn: Callable[[T], object], items: list[T], threads: int, repeat: int = 3, nbytes: Callable[[T], int] | None = None
+) -> float:
     """Fastest wall time over ``repeat`` runs of ``fn`` on every item, on a pool of ``threads``
     (one thread: a plain loop, without a pool's hand-offs). With ``nbytes`` (an item's tensor
     bytes), on the daemons' own pool: ``weightsync.sync.pipeline.ordered_map``, which hands small items

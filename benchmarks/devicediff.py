@@ -47,10 +47,15 @@ def make_model(elements: int, hidden: int = 1024, seed: int = 0) -> dict[str, to
     vocab = max(1, elements // (4 * hidden))
     sd = {"model.embed_tokens.weight": (torch.randn(vocab, hidden, generator=g) * 0.02).bfloat16()}
     total, i = vocab * hidden, 0
-    shapes = [("self_attn.q_proj", (hidden, hidden)), ("self_attn.k_proj", (hidden // 4, hidden)),
-              ("self_attn.v_proj", (hidden // 4, hidden)), ("self_attn.o_proj", (hidden, hidden)),
-              ("mlp.gate_proj", (3 * hidden, hidden)), ("mlp.up_proj", (3 * hidden, hidden)),
-              ("mlp.down_proj", (hidden, 3 * hidden))]
+    shapes = [
+        ("self_attn.q_proj", (hidden, hidden)),
+        ("self_attn.k_proj", (hidden // 4, hidden)),
+        ("self_attn.v_proj", (hidden // 4, hidden)),
+        ("self_attn.o_proj", (hidden, hidden)),
+        ("mlp.gate_proj", (3 * hidden, hidden)),
+        ("mlp.up_proj", (3 * hidden, hidden)),
+        ("mlp.down_proj", (hidden, 3 * hidden)),
+    ]
     while total < elements:
         for name, shape in shapes:
             sd[f"model.layers.{i}.{name}.weight"] = (torch.randn(*shape, generator=g) / shape[1] ** 0.5).bfloat16()
@@ -75,7 +80,9 @@ def step(sd: dict[str, torch.Tensor], changed: float, seed: int) -> int:
     return moved
 
 
-def run(path: str, codec: CodecConfig, sd0: dict[str, torch.Tensor], steps: int, changed: float, root: Path) -> list[dict]:
+def run(
+    path: str, codec: CodecConfig, sd0: dict[str, torch.Tensor], steps: int, changed: float, root: Path
+) -> list[dict]:
     sd = {k: v.clone() for k, v in sd0.items()}
     cfg = PublishConfig(codec=codec, keyframe_interval=1000)
     store, work = root / f"store-{path}-{codec.entropy_coder}", root / "work"
@@ -93,11 +100,22 @@ def run(path: str, codec: CodecConfig, sd0: dict[str, torch.Tensor], steps: int,
             wall = time.perf_counter() - t0
             tensor_bytes = sum(t.nbytes for t in sd.values())
             device_s = r.seconds.get("device_diff", 0.0)
-            rows.append({"path": path, "codec": "ac" if codec.entropy_coder else "sparse", "version": r.version,
-                         "d2h_bytes": getattr(r, "d2h_bytes", tensor_bytes), "tensor_bytes": tensor_bytes,
-                         "device_s": device_s, "host_s": wall - device_s, "payload_bytes": r.payload_bytes,
-                         "changed": r.changed, "elements": r.elements, "route": getattr(r, "route", "host"),
-                         "seconds": r.seconds})
+            rows.append(
+                {
+                    "path": path,
+                    "codec": "ac" if codec.entropy_coder else "sparse",
+                    "version": r.version,
+                    "d2h_bytes": getattr(r, "d2h_bytes", tensor_bytes),
+                    "tensor_bytes": tensor_bytes,
+                    "device_s": device_s,
+                    "host_s": wall - device_s,
+                    "payload_bytes": r.payload_bytes,
+                    "changed": r.changed,
+                    "elements": r.elements,
+                    "route": getattr(r, "route", "host"),
+                    "seconds": r.seconds,
+                }
+            )
     shutil.rmtree(store, ignore_errors=True)
     return rows
 
@@ -111,24 +129,33 @@ def main() -> None:
     args = ap.parse_args()
     sd0 = make_model(int(args.elements))
     n = sum(t.numel() for t in sd0.values())
-    print(f"model: {len(sd0)} bf16 tensors, {n / 1e6:.1f}M elements, {2 * n / 2**20:.0f} MiB; "
-          f"{100 * args.changed:g}% changed per step; torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"device: CPU (CUDA unmeasured)", file=sys.stderr)
+    print(
+        f"model: {len(sd0)} bf16 tensors, {n / 1e6:.1f}M elements, {2 * n / 2**20:.0f} MiB; "
+        f"{100 * args.changed:g}% changed per step; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"device: CPU (CUDA unmeasured)",
+        file=sys.stderr,
+    )
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-dd-") as tmp:
         for codec in (CodecConfig(), CodecConfig(entropy_coder=False)):
             for path in ("host", "device+folder", "device+direct"):
                 rows += run(path, codec, sd0, args.steps, args.changed, Path(tmp))
-    print(f"{'codec':7} {'path':14} {'d2h MiB/step':>13} {'of full':>8} {'device s':>9} {'host s':>7} {'payload KiB':>12}")
+    print(
+        f"{'codec':7} {'path':14} {'d2h MiB/step':>13} {'of full':>8} {'device s':>9} {'host s':>7} {'payload KiB':>12}"
+    )
     for codec in ("ac", "sparse"):
         for path in ("host", "device+folder", "device+direct"):
             sel = [r for r in rows if r["codec"] == codec and r["path"] == path and r["version"] > 0]
             d2h = sum(r["d2h_bytes"] for r in sel) / len(sel)
             full = sel[0]["tensor_bytes"]
-            print(f"{codec:7} {path:14} {d2h / 2**20:13.1f} {d2h / full:8.3f} {min(r['device_s'] for r in sel):9.3f} "
-                  f"{min(r['host_s'] for r in sel):7.3f} {sum(r['payload_bytes'] for r in sel) / len(sel) / 1024:12.0f}")
-    print("host seconds by phase, best step (mirror: patch the host copy; verify_base: checksum of the previous"
-          " version; read: checksums of the new bytes; encode: payloads, all threads):")
+            print(
+                f"{codec:7} {path:14} {d2h / 2**20:13.1f} {d2h / full:8.3f} {min(r['device_s'] for r in sel):9.3f} "
+                f"{min(r['host_s'] for r in sel):7.3f} {sum(r['payload_bytes'] for r in sel) / len(sel) / 1024:12.0f}"
+            )
+    print(
+        "host seconds by phase, best step (mirror: patch the host copy; verify_base: checksum of the previous"
+        " version; read: checksums of the new bytes; encode: payloads, all threads):"
+    )
     for codec in ("ac", "sparse"):
         for path in ("device+folder", "device+direct"):
             sel = [r for r in rows if r["codec"] == codec and r["path"] == path and r["version"] > 0]
@@ -136,7 +163,10 @@ def main() -> None:
             phases = ("mirror", "verify_base", "read", "diff", "encode", "upload", "commit")
             print(f"  {codec:7} {path:14} " + " ".join(f"{k} {best.get(k, 0.0):.3f}" for k in phases))
     first = [r for r in rows if r["version"] == 0]
-    print(f"first publish (full copy, keyframe): host s {min(r['host_s'] for r in first):.2f}..{max(r['host_s'] for r in first):.2f}")
+    print(
+        "first publish (full copy, keyframe): host s "
+        f"{min(r['host_s'] for r in first):.2f}..{max(r['host_s'] for r in first):.2f}"
+    )
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "rows": rows}, indent=1))
 

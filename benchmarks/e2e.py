@@ -154,11 +154,19 @@ class Daemon:
         self.name, self.port = name, port
         self.logfile = logdir / f"{name}.log"
         with open(self.logfile, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "weightsync.cli", *args], env=env, stdout=out,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "weightsync.cli", *args],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
 
     def get(self, path: str, timeout: float = 10.0) -> dict:
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", headers={"Authorization": f"Bearer {TOKEN}"})
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}{path}", headers={"Authorization": f"Bearer {TOKEN}"}
+        )
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return json.loads(resp.read())
 
@@ -222,37 +230,73 @@ def wait_version(pub: Daemon, subs: list[Daemon], version: int, timeout: float) 
             if not d.alive():
                 raise RuntimeError(f"{d.name} exited:\n{d.tail()}")
         if now > deadline:
-            states = {d.name: {k: d.get("/v1/status").get(k) for k in ("state", "reason", "last_error")} for d in (pub, *subs)}
+            states = {
+                d.name: {k: d.get("/v1/status").get(k) for k in ("state", "reason", "last_error")} for d in (pub, *subs)
+            }
             raise TimeoutError(f"version {version} not on every subscriber after {timeout:.0f}s: {states}")
         time.sleep(0.05)
 
 
 def boto3_op(op: str, env: dict[str, str], **cfg) -> dict:
-    return json.loads(subprocess.run([sys.executable, "-c", CHILD, op, json.dumps(cfg, default=str)], env=env,
-                                     check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
+    return json.loads(
+        subprocess.run(
+            [sys.executable, "-c", CHILD, op, json.dumps(cfg, default=str)],
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
 
 
 def full_copy(env: dict[str, str], endpoint: str, ckpt: Path, work: Path, concurrency: int) -> dict:
     """boto3: upload the checkpoint's files once, then download them twice in parallel."""
     base = {"endpoint": endpoint, "concurrency": concurrency, "bucket": BUCKET, "files": files_of(ckpt)}
     up = boto3_op("upload", env, **base, prefix="full-copy", dir=ckpt)
-    procs = [subprocess.Popen([sys.executable, "-c", CHILD, "download", json.dumps({**base, "prefix": "full-copy", "dir": str(work / f"full-copy-{s}")})],
-                              env=env, stdout=subprocess.PIPE, text=True) for s in ("a", "b")]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                CHILD,
+                "download",
+                json.dumps({**base, "prefix": "full-copy", "dir": str(work / f"full-copy-{s}")}),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for s in ("a", "b")
+    ]
     outs = [p.communicate()[0] for p in procs]
     if any(p.returncode for p in procs):
         raise RuntimeError("boto3 download failed")
     downs = [json.loads(o.strip().splitlines()[-1]) for o in outs]
-    wall = max(d["end"] for d in downs) - min(d["start"] for d in downs)  # first request to last byte, no interpreter start
+    wall = max(d["end"] for d in downs) - min(
+        d["start"] for d in downs
+    )  # first request to last byte, no interpreter start
     for s in ("a", "b"):
         shutil.rmtree(work / f"full-copy-{s}", ignore_errors=True)
-    return {"upload_s": up["seconds"], "download_s": wall, "downloads_s": [d["seconds"] for d in downs],
-            "total_s": up["seconds"] + wall, "bytes": up["bytes"]}
+    return {
+        "upload_s": up["seconds"],
+        "download_s": wall,
+        "downloads_s": [d["seconds"] for d in downs],
+        "total_s": up["seconds"] + wall,
+        "bytes": up["bytes"],
+    }
 
 
 def verify(env: dict[str, str], store: str, version: int, folder: Path) -> float:
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "weightsync.cli", "verify", "--store", store, "--version", str(version), str(folder)],
-                          check=False, env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "weightsync.cli", "verify", "--store", store, "--version", str(version), str(folder)],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"verify of {folder} at version {version} failed: {proc.stderr.strip()}")
     return time.perf_counter() - t0
@@ -267,12 +311,25 @@ def run(args: argparse.Namespace, ckpts: list[Path], work: Path) -> dict:
     daemons: list[Daemon] = []
     try:
         server.make_bucket(BUCKET)
-        env = {**os.environ, **server.env(), "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
-               "WEIGHTSYNC_API_TOKEN": TOKEN}
+        env = {
+            **os.environ,
+            **server.env(),
+            "AWS_CONFIG_FILE": os.devnull,
+            "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+            "WEIGHTSYNC_API_TOKEN": TOKEN,
+        }
         store = f"s3://{BUCKET}/run"
         log("warm-up upload (SeaweedFS allocates volumes on the first writes)")
-        boto3_op("upload", env, endpoint=server.endpoint, concurrency=args.concurrency, bucket=BUCKET, prefix="warm-up",
-                 dir=ckpts[0], files=files_of(ckpts[0])[:1])
+        boto3_op(
+            "upload",
+            env,
+            endpoint=server.endpoint,
+            concurrency=args.concurrency,
+            bucket=BUCKET,
+            prefix="warm-up",
+            dir=ckpts[0],
+            files=files_of(ckpts[0])[:1],
+        )
         read_seconds(ckpts[-1])
         log("baseline: full-copy sync with boto3")
         full = full_copy(env, server.endpoint, ckpts[-1], work, args.concurrency)
@@ -281,10 +338,35 @@ def run(args: argparse.Namespace, ckpts: list[Path], work: Path) -> dict:
         watch, logs = work / "watch", work / "logs"
         watch.mkdir()
         logs.mkdir()
-        common = ["--store", store, "--poll-interval", str(args.poll), "--concurrency", str(args.concurrency), "--grace", "5"]
-        pub = Daemon("publisher", ["publisher", *common, "--watch", str(watch), "--state-dir", str(work / "publisher-state"),
-                                   "--listen", f"127.0.0.1:{(pp := free_port())}", "--region", "r0",
-                                   *(["--fast-codec"] if args.fast_codec else [])], env, logs, pp)
+        common = [
+            "--store",
+            store,
+            "--poll-interval",
+            str(args.poll),
+            "--concurrency",
+            str(args.concurrency),
+            "--grace",
+            "5",
+        ]
+        pub = Daemon(
+            "publisher",
+            [
+                "publisher",
+                *common,
+                "--watch",
+                str(watch),
+                "--state-dir",
+                str(work / "publisher-state"),
+                "--listen",
+                f"127.0.0.1:{(pp := free_port())}",
+                "--region",
+                "r0",
+                *(["--fast-codec"] if args.fast_codec else []),
+            ],
+            env,
+            logs,
+            pp,
+        )
         daemons.append(pub)
         subs = []
         for s in ("a", "b"):
@@ -292,9 +374,27 @@ def run(args: argparse.Namespace, ckpts: list[Path], work: Path) -> dict:
             # which releases the standby slot for an in-place refill (weightsync.service.slots)
             extra = ["--no-fsync"] if args.no_fsync else []
             extra += ["--hook-command", "true", "--standby-hold", args.standby_hold]
-            subs.append(Daemon(f"subscriber-{s}", ["subscriber", *common, "--target", str(work / f"sub-{s}"), "--id", f"sub-{s}",
-                                                    "--region", f"r{s}", "--listen", f"127.0.0.1:{(sp := free_port())}", *extra],
-                               env, logs, sp))
+            subs.append(
+                Daemon(
+                    f"subscriber-{s}",
+                    [
+                        "subscriber",
+                        *common,
+                        "--target",
+                        str(work / f"sub-{s}"),
+                        "--id",
+                        f"sub-{s}",
+                        "--region",
+                        f"r{s}",
+                        "--listen",
+                        f"127.0.0.1:{(sp := free_port())}",
+                        *extra,
+                    ],
+                    env,
+                    logs,
+                    sp,
+                )
+            )
         daemons += subs
         wait_healthy(daemons)
 
@@ -315,19 +415,35 @@ def run(args: argparse.Namespace, ckpts: list[Path], work: Path) -> dict:
             t_verify = [verify(env, store, v, work / f"sub-{s}" / "current") for s in ("a", "b")]
             t_settle = settle(subs, args.timeout) if args.standby_hold != "never" else 0.0
             row = {
-                "version": v, "keyframe": pst["keyframe"], "raw_bytes": pst["raw_bytes"], "payload_bytes": pst["payload_bytes"],
-                "uploaded_bytes": pst["uploaded_bytes"], "changed_fraction": pst["changed_fraction"],
-                "publish_seconds": pst["seconds"], "published_at_s": pst["time"] - t0_wall,
-                "fetched_bytes": [s["fetched_bytes"] for s in sst], "from_version": [s["from_version"] for s in sst],
-                "fetch_s": [s["fetch_seconds"] for s in sst], "build_s": [s["build_seconds"] for s in sst],
-                "swap_s": [s["swap_seconds"] for s in sst], "in_place": [s.get("in_place", False) for s in sst], "swapped_at_s": [s["time"] - t0_wall for s in sst],
-                "t_sync_s": t_sync, "read_s": t_read, "verify_s": t_verify, "verified": True, "settle_s": t_settle,
+                "version": v,
+                "keyframe": pst["keyframe"],
+                "raw_bytes": pst["raw_bytes"],
+                "payload_bytes": pst["payload_bytes"],
+                "uploaded_bytes": pst["uploaded_bytes"],
+                "changed_fraction": pst["changed_fraction"],
+                "publish_seconds": pst["seconds"],
+                "published_at_s": pst["time"] - t0_wall,
+                "fetched_bytes": [s["fetched_bytes"] for s in sst],
+                "from_version": [s["from_version"] for s in sst],
+                "fetch_s": [s["fetch_seconds"] for s in sst],
+                "build_s": [s["build_seconds"] for s in sst],
+                "swap_s": [s["swap_seconds"] for s in sst],
+                "in_place": [s.get("in_place", False) for s in sst],
+                "swapped_at_s": [s["time"] - t0_wall for s in sst],
+                "t_sync_s": t_sync,
+                "read_s": t_read,
+                "verify_s": t_verify,
+                "verified": True,
+                "settle_s": t_settle,
                 "cpu_s": dict(zip(("publisher", "subscriber-a", "subscriber-b", "seaweedfs"), cpu, strict=True)),
             }
             rows.append(row)
-            log(f"v{v}: t_sync {t_sync:.2f}s (published at +{row['published_at_s']:.2f}s, swapped at "
+            log(
+                f"v{v}: t_sync {t_sync:.2f}s (published at +{row['published_at_s']:.2f}s, swapped at "
                 f"{', '.join(f'+{x:.2f}s' for x in row['swapped_at_s'])}); page-cache read {t_read:.3f}s; "
-                f"uploaded {pst['uploaded_bytes'] / MiB:.1f} MiB; both verified; standby slots settled {t_settle:.2f}s later")
+                f"uploaded {pst['uploaded_bytes'] / MiB:.1f} MiB; both verified; standby slots settled "
+                f"{t_settle:.2f}s later"
+            )
         return {"full_copy": full, "rows": rows}
     finally:
         for d in daemons:
@@ -341,8 +457,10 @@ def _pair(xs, fmt: str = "{:.2f}") -> str:
 
 def tables(res: dict, args: argparse.Namespace) -> str:
     full, rows = res["full_copy"], res["rows"]
-    head = ("| version | kind | checkpoint | changed | uploaded | fetched per subscriber | published at | t_sync | "
-            "page-cache read | t_sync / read | full copy | delta speed-up |")
+    head = (
+        "| version | kind | checkpoint | changed | uploaded | fetched per subscriber | published at | t_sync | "
+        "page-cache read | t_sync / read | full copy | delta speed-up |"
+    )
     out = [head, "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         kind = "keyframe" if r["keyframe"] else "delta"
@@ -350,25 +468,42 @@ def tables(res: dict, args: argparse.Namespace) -> str:
         fetched = _pair([b / MiB for b in r["fetched_bytes"]], "{:,.1f}") + " MiB"
         out.append(
             f"| {r['version']} | {kind} | {r['raw_bytes'] / GiB:.2f} GiB | {changed} | "
-            f"{r['uploaded_bytes'] / MiB:,.1f} MiB | {fetched} | {r['published_at_s']:.2f} s | **{r['t_sync_s']:.2f} s** | "
-            f"{r['read_s']:.3f} s | {r['t_sync_s'] / r['read_s']:.1f}x | {full['total_s']:.2f} s | {full['total_s'] / r['t_sync_s']:.2f}x |")
-    note = ("Where the time goes (publisher phases are thread-seconds summed over its encode threads; "
-            "subscriber figures are a / b):")
-    out += ["", note, "",
-            ("| version | pulled from | publish read | diff | encode | upload | commit | publish total | fetch | build+verify | swap | "
-            "CPU-s publisher | CPU-s subscribers | CPU-s SeaweedFS |"),
-            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            f"{r['uploaded_bytes'] / MiB:,.1f} MiB | {fetched} | {r['published_at_s']:.2f} s | "
+            f"**{r['t_sync_s']:.2f} s** | "
+            f"{r['read_s']:.3f} s | {r['t_sync_s'] / r['read_s']:.1f}x | {full['total_s']:.2f} s | "
+            f"{full['total_s'] / r['t_sync_s']:.2f}x |"
+        )
+    note = (
+        "Where the time goes (publisher phases are thread-seconds summed over its encode threads; "
+        "subscriber figures are a / b):"
+    )
+    out += [
+        "",
+        note,
+        "",
+        (
+            "| version | pulled from | publish read | diff | encode | upload | commit | publish total | fetch | "
+            "build+verify | swap | "
+            "CPU-s publisher | CPU-s subscribers | CPU-s SeaweedFS |"
+        ),
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         p, c = r["publish_seconds"], r["cpu_s"]
         src = _pair(["empty" if x is None else f"v{x}" for x in r["from_version"]], "{}")
         src += " (in place)" if all(r.get("in_place", [False])) else ""
-        out.append(f"| {r['version']} | {src} | {p.get('read', 0):.2f} | {p.get('diff', 0):.2f} | {p.get('encode', 0):.2f} | "
-                   f"{p.get('upload', 0):.2f} | {p.get('commit', 0):.2f} | {p.get('total', 0):.2f} | {_pair(r['fetch_s'])} | "
-                   f"{_pair(r['build_s'])} | {_pair([1e3 * x for x in r['swap_s']], '{:.1f}')} ms | "
-                   f"{c['publisher']:.1f} | {c['subscriber-a']:.1f} / {c['subscriber-b']:.1f} | {c['seaweedfs']:.1f} |")
-    copy = (f"Full copy (boto3, concurrency {args.concurrency}): upload_file {full['upload_s']:.2f} s, then two download_file "
-            f"runs in parallel {full['download_s']:.2f} s (each {_pair(full['downloads_s'])} s); "
-            f"{full['bytes'] / GiB:.2f} GiB up, twice that down; no checksums, no fsync, no atomic swap.")
+        out.append(
+            f"| {r['version']} | {src} | {p.get('read', 0):.2f} | {p.get('diff', 0):.2f} | {p.get('encode', 0):.2f} | "
+            f"{p.get('upload', 0):.2f} | {p.get('commit', 0):.2f} | {p.get('total', 0):.2f} | {_pair(r['fetch_s'])} | "
+            f"{_pair(r['build_s'])} | {_pair([1e3 * x for x in r['swap_s']], '{:.1f}')} ms | "
+            f"{c['publisher']:.1f} | {c['subscriber-a']:.1f} / {c['subscriber-b']:.1f} | {c['seaweedfs']:.1f} |"
+        )
+    copy = (
+        f"Full copy (boto3, concurrency {args.concurrency}): upload_file {full['upload_s']:.2f} s, then two "
+        "download_file "
+        f"runs in parallel {full['download_s']:.2f} s (each {_pair(full['downloads_s'])} s); "
+        f"{full['bytes'] / GiB:.2f} GiB up, twice that down; no checksums, no fsync, no atomic swap."
+    )
     out += ["", copy]
     return "\n".join(out)
 
@@ -377,11 +512,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="68 MiB checkpoints instead of 2.03 GiB (a smoke run)")
     ap.add_argument("--versions", type=int, default=4, help="checkpoints: one keyframe, then deltas (default 4)")
-    ap.add_argument("--concurrency", type=int, default=16, help="chunks / parts in flight, for the daemons and boto3 (default 16)")
+    ap.add_argument(
+        "--concurrency", type=int, default=16, help="chunks / parts in flight, for the daemons and boto3 (default 16)"
+    )
     ap.add_argument("--poll", type=float, default=0.2, help="daemons' --poll-interval in seconds (default 0.2)")
     ap.add_argument("--no-fsync", action="store_true", help="subscribers skip fsync of written files")
-    ap.add_argument("--fast-codec", action="store_true", help="the publisher codes deltas with `sparse` instead of `ac`")
-    ap.add_argument("--standby-hold", default="30", help="subscribers' --standby-hold; with their swap hook only 'never' (always write new files) changes anything")
+    ap.add_argument(
+        "--fast-codec", action="store_true", help="the publisher codes deltas with `sparse` instead of `ac`"
+    )
+    ap.add_argument(
+        "--standby-hold",
+        default="30",
+        help="subscribers' --standby-hold; with their swap hook only 'never' (always write new files) changes anything",
+    )
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for one version (default 600)")
     ap.add_argument("--workdir", help="server data, watch folder, slots (default: a temp dir, removed after)")
     ap.add_argument("--json", type=Path, help="also write the results here")
@@ -406,19 +549,30 @@ def main() -> int:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
     load1 = os.getloadavg()[0]
-    print(f"\n### End to end on SeaweedFS (loopback): publisher + 2 subscribers, {raw / GiB:.2f} GiB bf16 checkpoints "
-          f"({len(files_of(ckpts[0]))} files), lr {LR:g}, {args.versions} versions, {os.cpu_count()} CPUs\n")
+    print(
+        f"\n### End to end on SeaweedFS (loopback): publisher + 2 subscribers, {raw / GiB:.2f} GiB bf16 checkpoints "
+        f"({len(files_of(ckpts[0]))} files), lr {LR:g}, {args.versions} versions, {os.cpu_count()} CPUs\n"
+    )
     print(tables(res, args))
-    print(f"\nt_sync: COMPLETE written -> both subscribers' /v1/status report the version (daemon poll "
-          f"{args.poll:g} s, status poll 50 ms); every version then passed `weightsync verify` on both `current` folders, "
-          f"and the next checkpoint came once both standby slots held a version (after v0 the subscribers copy it into "
-          f"their empty standby while idle: {res['rows'][0].get('settle_s', 0.0):.1f} s). "
-          f"Codec: {'sparse (--fast-codec)' if args.fast_codec else 'ac'}. "
-          f"Subscribers {'without' if args.no_fsync else 'with'} fsync, swap hook `true`, --standby-hold {args.standby_hold}. SeaweedFS, the publisher, both subscribers and "
-          f"the boto3 baseline share {os.cpu_count()} CPUs; 1-minute load average {load0:.2f} at the start, {load1:.2f} at "
-          f"the end; run took {time.perf_counter() - t_start:.0f} s.")
+    print(
+        f"\nt_sync: COMPLETE written -> both subscribers' /v1/status report the version (daemon poll "
+        f"{args.poll:g} s, status poll 50 ms); every version then passed `weightsync verify` on both `current` "
+        "folders, "
+        f"and the next checkpoint came once both standby slots held a version (after v0 the subscribers copy it into "
+        f"their empty standby while idle: {res['rows'][0].get('settle_s', 0.0):.1f} s). "
+        f"Codec: {'sparse (--fast-codec)' if args.fast_codec else 'ac'}. "
+        f"Subscribers {'without' if args.no_fsync else 'with'} fsync, swap hook `true`, --standby-hold "
+        f"{args.standby_hold}. SeaweedFS, the publisher, both subscribers and "
+        f"the boto3 baseline share {os.cpu_count()} CPUs; 1-minute load average {load0:.2f} at the start, "
+        f"{load1:.2f} at "
+        f"the end; run took {time.perf_counter() - t_start:.0f} s."
+    )
     if args.json:
-        args.json.write_text(json.dumps({"checkpoint_bytes": raw, "args": vars(args) | {"json": str(args.json)}, **res}, indent=2, default=str))
+        args.json.write_text(
+            json.dumps(
+                {"checkpoint_bytes": raw, "args": vars(args) | {"json": str(args.json)}, **res}, indent=2, default=str
+            )
+        )
     return 0
 
 

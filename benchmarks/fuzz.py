@@ -39,14 +39,56 @@ from weightsync.format.keys import chunk_key, version_key
 from weightsync.sync.pull import PullConfig
 
 TINY = dict(hidden=32, layers=1, experts=2, vocab=128)
-MANIFEST_OPS = ("flip", "set", "delete", "insert", "truncate",
-                "json-delete", "json-replace", "json-bump", "json-swap", "json-dup")
+MANIFEST_OPS = (
+    "flip",
+    "set",
+    "delete",
+    "insert",
+    "truncate",
+    "json-delete",
+    "json-replace",
+    "json-bump",
+    "json-swap",
+    "json-dup",
+)
 CHUNK_OPS = ("flip", "truncate", "extend", "swap", "missing")
 OTHER_OPS = ("manifest-swap", "manifest-missing", "head")
 # JSON values a mutation may put anywhere in a manifest (besides ones drawn at random)
-SPECIAL = (None, True, False, 0, -1, 1, 2**31, 2**63, 10**18 + 1, 1 << 50, 1.5, float("1e308"), "", "../evil",
-           "/etc/passwd", "a/../../b", ".weightsync/state.json", "x\\y", "ok.bin", [], {}, [0, 0, 1], "same",
-           "full", "sparse", "dense", "BF16", "F16", "header", "tensor", "blob", "0" * 32, "f" * 32)
+SPECIAL = (
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1,
+    2**31,
+    2**63,
+    10**18 + 1,
+    1 << 50,
+    1.5,
+    float("1e308"),
+    "",
+    "../evil",
+    "/etc/passwd",
+    "a/../../b",
+    ".weightsync/state.json",
+    "x\\y",
+    "ok.bin",
+    [],
+    {},
+    [0, 0, 1],
+    "same",
+    "full",
+    "sparse",
+    "dense",
+    "BF16",
+    "F16",
+    "header",
+    "tensor",
+    "blob",
+    "0" * 32,
+    "f" * 32,
+)
 
 
 def _sha(data: bytes) -> str:
@@ -187,11 +229,11 @@ def mutate_bytes(data: bytes, op: str, a: int, b: int, value) -> bytes:
     n = len(data)
     pos = a % max(1, n)
     if op == "flip":
-        return data[:pos] + bytes([data[pos] ^ (1 << (b % 8))]) + data[pos + 1:] if n else b"\x00"
+        return data[:pos] + bytes([data[pos] ^ (1 << (b % 8))]) + data[pos + 1 :] if n else b"\x00"
     if op == "set":
-        return data[:pos] + bytes([b % 256]) + data[pos + 1:] if n else b"\x00"
+        return data[:pos] + bytes([b % 256]) + data[pos + 1 :] if n else b"\x00"
     if op == "delete":
-        return data[:pos] + data[pos + 1 + b % 16:]
+        return data[:pos] + data[pos + 1 + b % 16 :]
     if op == "insert":
         extra = value if isinstance(value, bytes) else str(value).encode()
         return data[:pos] + extra + data[pos:]
@@ -235,7 +277,11 @@ def apply(world: World, m: Mutation) -> None:
     elif m.op == "manifest-missing":
         (store / version_key(m.version)).unlink()
     elif m.op == "head":
-        value = m.value if isinstance(m.value, bytes) else json.dumps({"format": "weightsync.head", "version": m.value}).encode()
+        value = (
+            m.value
+            if isinstance(m.value, bytes)
+            else json.dumps({"format": "weightsync.head", "version": m.value}).encode()
+        )
         (store / "HEAD").write_bytes(value)
     else:
         raise ValueError(f"unknown mutation {m}")
@@ -248,8 +294,14 @@ def random_mutation(rng: random.Random, versions: list[int]) -> Mutation:
     if rng.random() < 0.5:
         value = rng.choice(SPECIAL)
     else:
-        value = rng.choice([rng.randrange(-2**40, 2**40), rng.random(), rng.randbytes(rng.randrange(0, 8)),
-                            "".join(rng.choice("ab./_-\\0") for _ in range(rng.randrange(0, 12)))])
+        value = rng.choice(
+            [
+                rng.randrange(-(2**40), 2**40),
+                rng.random(),
+                rng.randbytes(rng.randrange(0, 8)),
+                "".join(rng.choice("ab./_-\\0") for _ in range(rng.randrange(0, 12))),
+            ]
+        )
     if op == "head" and not isinstance(value, (int, bytes)):
         value = rng.choice([-1, 0, 1, 2, 3, 99, 10**18, b"", b"{}", b"garbage"])
     # mostly the versions a pull of the last two reads (the older ones only matter for chunk sharing)
@@ -290,8 +342,9 @@ def run_case(world: World, m: Mutation, work: Path, incremental: bool, version: 
             after = tree(out)
             if incremental and tree(out, skip_state=True) != tree(world.replicas[prev], skip_state=True):
                 outcome = Outcome("wrong", f"refused ({exc}) but the folder no longer holds version {prev}")
-            elif not incremental and {p: h for p, h in after.items() if not p.startswith(".weightsync")} != \
-                    {p: h for p, h in before.items() if not p.startswith(".weightsync")}:
+            elif not incremental and {p: h for p, h in after.items() if not p.startswith(".weightsync")} != {
+                p: h for p, h in before.items() if not p.startswith(".weightsync")
+            }:
                 outcome = Outcome("wrong", f"refused ({exc}) but files appeared in the folder")
         except Exception as exc:  # noqa: BLE001 - the point: anything else is a crash
             outcome = Outcome("crash", f"{type(exc).__name__}: {exc}"[:300])
@@ -343,10 +396,17 @@ def main(argv: list[str] | None = None) -> int:
                 how = f"{'incremental' if incremental else 'fresh'} pull of {'latest' if version is None else version}"
                 violations.append((str(m), how, f"{o.kind}: {o.detail}"))
     seconds = time.monotonic() - t0
-    figures = {"cases": n, "seconds": round(seconds, 1), "seed": args.seed, "outcomes": dict(outcomes),
-               "mutations": dict(by_target), "violations": len(violations),
-               "wrong_outputs": sum(1 for v in violations if v[2].startswith("wrong")),
-               "crashes": sum(1 for v in violations if v[2].startswith("crash")), "examples": violations[:20]}
+    figures = {
+        "cases": n,
+        "seconds": round(seconds, 1),
+        "seed": args.seed,
+        "outcomes": dict(outcomes),
+        "mutations": dict(by_target),
+        "violations": len(violations),
+        "wrong_outputs": sum(1 for v in violations if v[2].startswith("wrong")),
+        "crashes": sum(1 for v in violations if v[2].startswith("crash")),
+        "examples": violations[:20],
+    }
     print(f"weightsync end-to-end fuzz: {n} cases in {seconds:.0f} s (seed {args.seed})")
     for k, c in sorted(outcomes.items(), key=lambda kv: -kv[1]):
         print(f"  {c:>7}  {k}")

@@ -89,8 +89,14 @@ class SoakResult:
 
     @property
     def ok(self) -> bool:
-        return (not self.errors and self.identical_at_end and self.wrong_bytes == 0 and self.checksum_failures == 0
-                and self.published == self.config["versions"] and set(self.exit_codes.values()) <= {0})
+        return (
+            not self.errors
+            and self.identical_at_end
+            and self.wrong_bytes == 0
+            and self.checksum_failures == 0
+            and self.published == self.config["versions"]
+            and set(self.exit_codes.values()) <= {0}
+        )
 
 
 # --- small process and HTTP helpers -------------------------------------------------------------------------
@@ -214,12 +220,47 @@ def run_soak(cfg: SoakConfig, work: Path, server, bucket: str, prefix: str = "so
         return weightsync.open_repo(url, endpoint_url=direct["AWS_ENDPOINT_URL"])
 
     try:
-        pub = _Daemon("publisher", "publisher", ["--store", url, "--watch", watch, "--state-dir", work / "pubstate",
-                                                 "--poll-interval", 0.2, "--id", "soak-pub"], work, env)
+        pub = _Daemon(
+            "publisher",
+            "publisher",
+            [
+                "--store",
+                url,
+                "--watch",
+                watch,
+                "--state-dir",
+                work / "pubstate",
+                "--poll-interval",
+                0.2,
+                "--id",
+                "soak-pub",
+            ],
+            work,
+            env,
+        )
         daemons.append(pub)
-        subs = [_Daemon(f"subscriber-{i}", "subscriber", ["--store", url, "--target", work / f"sub-{i}", "--no-fsync",
-                                                          "--poll-interval", 0.2, "--id", f"soak-sub-{i}", "--ledger-interval", 5],
-                        work, env) for i in range(cfg.subscribers)]
+        subs = [
+            _Daemon(
+                f"subscriber-{i}",
+                "subscriber",
+                [
+                    "--store",
+                    url,
+                    "--target",
+                    work / f"sub-{i}",
+                    "--no-fsync",
+                    "--poll-interval",
+                    0.2,
+                    "--id",
+                    f"soak-sub-{i}",
+                    "--ledger-interval",
+                    5,
+                ],
+                work,
+                env,
+            )
+            for i in range(cfg.subscribers)
+        ]
         daemons += subs
         for d in daemons:
             d.wait_up()
@@ -250,8 +291,9 @@ def run_soak(cfg: SoakConfig, work: Path, server, bucket: str, prefix: str = "so
         def sampler() -> None:
             while not stop.is_set():
                 now = time.monotonic() - t0
-                if not res.warm_seconds and all((g := _served(work / f"sub-{i}")) and g[0] >= cfg.versions // 5
-                                                for i in range(len(subs))):
+                if not res.warm_seconds and all(
+                    (g := _served(work / f"sub-{i}")) and g[0] >= cfg.versions // 5 for i in range(len(subs))
+                ):
                     res.warm_seconds = round(now, 1)
                 for d in daemons:
                     rss = _rss_mib(d.proc.pid)
@@ -320,7 +362,9 @@ def run_soak(cfg: SoakConfig, work: Path, server, bucket: str, prefix: str = "so
             if got is None or got[0] != last or got[1] != want:
                 res.errors.append(f"{s.name} does not serve version {last} byte for byte at the end")
         res.final_versions = finals
-        res.identical_at_end = all(v == last for v in finals.values()) and not any("byte for byte" in e for e in res.errors)
+        res.identical_at_end = all(v == last for v in finals.values()) and not any(
+            "byte for byte" in e for e in res.errors
+        )
         for d in daemons:
             m = d.metrics()
             res.retries[d.name] = _metric(m, "weightsync_store_retries_total")
@@ -342,10 +386,19 @@ def run_soak(cfg: SoakConfig, work: Path, server, bucket: str, prefix: str = "so
         values = [r for t, r in d.rss if res.warm_seconds and t >= res.warm_seconds]
         q = max(1, len(values) // 4)
         if values:
-            res.rss_mib[d.name] = {"first_quarter": round(sum(values[:q]) / q, 1), "last_quarter": round(sum(values[-q:]) / q, 1),
-                                   "max": round(max(values), 1), "samples": len(values),
-                                   "mib_per_100_versions": round(_slope([(t, r) for t, r in d.rss if t >= res.warm_seconds])
-                                                                 * 100 * res.seconds / max(1, res.published), 2)}
+            res.rss_mib[d.name] = {
+                "first_quarter": round(sum(values[:q]) / q, 1),
+                "last_quarter": round(sum(values[-q:]) / q, 1),
+                "max": round(max(values), 1),
+                "samples": len(values),
+                "mib_per_100_versions": round(
+                    _slope([(t, r) for t, r in d.rss if t >= res.warm_seconds])
+                    * 100
+                    * res.seconds
+                    / max(1, res.published),
+                    2,
+                ),
+            }
     res.wrong_examples = res.wrong_examples[:10]
     return res
 
@@ -378,8 +431,10 @@ def report(res: SoakResult) -> str:
         f"  RSS MiB after the warm-up ({res.warm_seconds:.0f} s), first quarter -> last quarter (max):",
     ]
     for name, r in res.rss_mib.items():
-        lines.append(f"    {name:<14} {r['first_quarter']:7.1f} -> {r['last_quarter']:7.1f}  (max {r['max']:.1f}, "
-                     f"{r['mib_per_100_versions']:+.2f} MiB per 100 versions, {r['samples']} samples)")
+        lines.append(
+            f"    {name:<14} {r['first_quarter']:7.1f} -> {r['last_quarter']:7.1f}  (max {r['max']:.1f}, "
+            f"{r['mib_per_100_versions']:+.2f} MiB per 100 versions, {r['samples']} samples)"
+        )
     lines.append(f"  exit codes                  {res.exit_codes}")
     for e in res.errors:
         lines.append(f"  ERROR: {e}")
@@ -401,7 +456,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from seaweed import SeaweedServer
 
-    cfg = SoakConfig(args.versions, args.subscribers, args.fault_rate, args.interval, args.seconds, args.store_restarts, seed=args.seed)
+    cfg = SoakConfig(
+        args.versions,
+        args.subscribers,
+        args.fault_rate,
+        args.interval,
+        args.seconds,
+        args.store_restarts,
+        seed=args.seed,
+    )
     work = Path(tempfile.mkdtemp(prefix="weightsync-soak-"))
     server = SeaweedServer(work / "seaweed")
     server.start()

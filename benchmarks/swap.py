@@ -150,19 +150,32 @@ def run_mode(mode: str, store: str, dirs: list[Path], last: dict, device: torch.
         t_prep = time.perf_counter() - t0
         serve(model, device)  # weights are hot in a serving process: one forward pass between updates
         pause = sink.apply(up)
-        rows.append({"version": v, "changed": up.changed_elements / n_elem, "fetched_bytes": up.fetched_bytes,
-                     "prepare_s": t_prep, "pause_s": pause, "pause_best_s": min(pause, replay_seconds(sink, up, device)),
-                     "replay_bytes": sink.replay_bytes,
-                     "dense_tensors": sum(p.index is None for p in up.patches), "patched_tensors": len(up.patches)})
+        rows.append(
+            {
+                "version": v,
+                "changed": up.changed_elements / n_elem,
+                "fetched_bytes": up.fetched_bytes,
+                "prepare_s": t_prep,
+                "pause_s": pause,
+                "pause_best_s": min(pause, replay_seconds(sink, up, device)),
+                "replay_bytes": sink.replay_bytes,
+                "dense_tensors": sum(p.index is None for p in up.patches),
+                "patched_tensors": len(up.patches),
+            }
+        )
     serve(model, device)
     firsts = [r["pause_s"] for r in rows]
     return {
-        "mode": mode, "standby_bytes": sink.standby_bytes, "bit_exact": same_bits(model, last),
+        "mode": mode,
+        "standby_bytes": sink.standby_bytes,
+        "bit_exact": same_bits(model, last),
         "replay_bytes_median": statistics.median(r["replay_bytes"] for r in rows),
         "changed_mean": statistics.mean(r["changed"] for r in rows),
         "prepare_median_s": statistics.median(r["prepare_s"] for r in rows),
-        "first_pause_median_s": statistics.median(firsts), "first_pause_max_s": max(firsts),
-        "best_pause_median_s": statistics.median(r["pause_best_s"] for r in rows), "steps": rows,
+        "first_pause_median_s": statistics.median(firsts),
+        "first_pause_max_s": max(firsts),
+        "best_pause_median_s": statistics.median(r["pause_best_s"] for r in rows),
+        "steps": rows,
     }
 
 
@@ -182,24 +195,62 @@ def run(lr: float, device: torch.device, dense_above: float, modes: list[str]) -
         out = []
         for mode in modes:
             r = run_mode(mode, store, dirs, last, device, dense_above)
-            out.append({"lr": lr, "device": str(device), "model_bytes": n_bytes, "elements": n_elem,
-                        "load_state_dict_s": t_load, "disk_load_s": t_disk, **r,
-                        "first_pause_ratio": r["first_pause_median_s"] / t_load,
-                        "best_pause_ratio": r["best_pause_median_s"] / t_load})
+            out.append(
+                {
+                    "lr": lr,
+                    "device": str(device),
+                    "model_bytes": n_bytes,
+                    "elements": n_elem,
+                    "load_state_dict_s": t_load,
+                    "disk_load_s": t_disk,
+                    **r,
+                    "first_pause_ratio": r["first_pause_median_s"] / t_load,
+                    "best_pause_ratio": r["best_pause_median_s"] / t_load,
+                }
+            )
     return out
 
 
 def table(results: list[dict]) -> str:
-    cols = [("lr", 6), ("device", 6), ("model", 6), ("mode", 5), ("changed", 7), ("load_state_dict", 15),
-            ("file+load", 9), ("prepare", 9), ("1st pause", 9), ("1st max", 9), ("best pause", 10),
-            ("pause/load (1st)", 16), ("pause/load (best)", 17), ("standby", 7), ("replay", 7), ("exact", 5)]
-    rows = [[f"{r['lr']:g}", r["device"], f"{r['model_bytes'] / 1e6:.0f}MB", r["mode"], f"{100 * r['changed_mean']:.2f}%",
-             f"{1e3 * r['load_state_dict_s']:.2f} ms", f"{1e3 * r['disk_load_s']:.1f} ms",
-             f"{1e3 * r['prepare_median_s']:.1f} ms", f"{1e3 * r['first_pause_median_s']:.3f} ms",
-             f"{1e3 * r['first_pause_max_s']:.3f} ms", f"{1e3 * r['best_pause_median_s']:.3f} ms",
-             f"{100 * r['first_pause_ratio']:.2f}%", f"{100 * r['best_pause_ratio']:.2f}%",
-             f"{r['standby_bytes'] / 1e6:.0f}MB", f"{r['replay_bytes_median'] / 1e6:.1f}MB" if r["mode"] == "flip" else "-",
-             "yes" if r["bit_exact"] else "NO"] for r in results]
+    cols = [
+        ("lr", 6),
+        ("device", 6),
+        ("model", 6),
+        ("mode", 5),
+        ("changed", 7),
+        ("load_state_dict", 15),
+        ("file+load", 9),
+        ("prepare", 9),
+        ("1st pause", 9),
+        ("1st max", 9),
+        ("best pause", 10),
+        ("pause/load (1st)", 16),
+        ("pause/load (best)", 17),
+        ("standby", 7),
+        ("replay", 7),
+        ("exact", 5),
+    ]
+    rows = [
+        [
+            f"{r['lr']:g}",
+            r["device"],
+            f"{r['model_bytes'] / 1e6:.0f}MB",
+            r["mode"],
+            f"{100 * r['changed_mean']:.2f}%",
+            f"{1e3 * r['load_state_dict_s']:.2f} ms",
+            f"{1e3 * r['disk_load_s']:.1f} ms",
+            f"{1e3 * r['prepare_median_s']:.1f} ms",
+            f"{1e3 * r['first_pause_median_s']:.3f} ms",
+            f"{1e3 * r['first_pause_max_s']:.3f} ms",
+            f"{1e3 * r['best_pause_median_s']:.3f} ms",
+            f"{100 * r['first_pause_ratio']:.2f}%",
+            f"{100 * r['best_pause_ratio']:.2f}%",
+            f"{r['standby_bytes'] / 1e6:.0f}MB",
+            f"{r['replay_bytes_median'] / 1e6:.1f}MB" if r["mode"] == "flip" else "-",
+            "yes" if r["bit_exact"] else "NO",
+        ]
+        for r in results
+    ]
     widths = [max(w, len(name), *(len(row[i]) for row in rows)) for i, (name, w) in enumerate(cols)]
     head = " ".join(name.rjust(w) for (name, _), w in zip(cols, widths))
     return "\n".join([head, "-" * len(head)] + [" ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows])
@@ -207,7 +258,9 @@ def table(results: list[dict]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--mode", choices=("patch", "flip", "both"), default="both", help="sink mode(s) to measure (default both)")
+    ap.add_argument(
+        "--mode", choices=("patch", "flip", "both"), default="both", help="sink mode(s) to measure (default both)"
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--lr", type=float, action="append", help="learning rates (default: 1e-6 and 1e-5)")
     ap.add_argument("--dense-above", type=float, default=0.05, help="copy a whole tensor above this changed fraction")

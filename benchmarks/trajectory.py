@@ -258,9 +258,7 @@ def change_stats(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> 
 
 
 def adamw(model: nn.Module, lr: float, tc: TrainConfig) -> torch.optim.AdamW:
-    return torch.optim.AdamW(
-        model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=tc.weight_decay
-    )
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=tc.weight_decay)
 
 
 def warm_start(mc: ModelConfig, tc: TrainConfig, data: MarkovData) -> tuple[nn.Module, float]:

@@ -112,13 +112,21 @@ def files_of(ckpt: Path) -> list[str]:
 
 
 def run(op: str, env: dict[str, str], **cfg) -> dict:
-    proc = subprocess.run([sys.executable, "-c", CHILD, op, json.dumps(cfg, default=str)],
-                          check=False, env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, op, json.dumps(cfg, default=str)],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{op} failed:\n{proc.stderr}")
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(f"  {op:8} {res['seconds']:7.2f}s  {json.dumps({k: v for k, v in cfg.items() if k in ('version', 'out', 'prefix')}, default=str)}",
-          file=sys.stderr)
+    print(
+        f"  {op:8} {res['seconds']:7.2f}s  "
+        f"{json.dumps({k: v for k, v in cfg.items() if k in ('version', 'out', 'prefix')}, default=str)}",
+        file=sys.stderr,
+    )
     return res
 
 
@@ -127,8 +135,10 @@ def table(rows: list[tuple[str, dict, dict | None]], raw: int) -> str:
     for name, r, ref in rows:
         speed = raw / r["seconds"] / 1e9
         ratio = f"{ref['seconds'] / r['seconds']:.2f}x" if ref else "-"
-        out.append(f"| {name} | {r['moved'] / MiB:,.1f} MiB | {r['seconds']:.2f} | {speed:.2f} | {ratio} | "
-                   f"{r['rss'] / MiB:,.0f} MiB |")
+        out.append(
+            f"| {name} | {r['moved'] / MiB:,.1f} MiB | {r['seconds']:.2f} | {speed:.2f} | {ratio} | "
+            f"{r['rss'] / MiB:,.0f} MiB |"
+        )
     return "\n".join(out)
 
 
@@ -150,7 +160,10 @@ def main() -> None:
         env = {**os.environ, **server.env(), "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
         base = {"endpoint": server.endpoint, "concurrency": args.concurrency}
         store = f"s3://{BUCKET}/ws"
-        print(f"checkpoint {raw / GiB:.3f} GiB in {len(files_of(ckpts[0]))} files; concurrency {args.concurrency}", file=sys.stderr)
+        print(
+            f"checkpoint {raw / GiB:.3f} GiB in {len(files_of(ckpts[0]))} files; concurrency {args.concurrency}",
+            file=sys.stderr,
+        )
         run("upload", env, **base, bucket=BUCKET, prefix="warm-up", dir=ckpts[2], files=files_of(ckpts[2]))  # volumes
         up = run("upload", env, **base, bucket=BUCKET, prefix="raw0", dir=ckpts[0], files=files_of(ckpts[0]))
         down = run("download", env, **base, bucket=BUCKET, prefix="raw0", dir=work / "boto3", files=files_of(ckpts[0]))
@@ -164,30 +177,46 @@ def main() -> None:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
 
-    print(f"\n### weightsync vs boto3 on SeaweedFS (loopback), {raw / GiB:.2f} GiB bf16 checkpoint, "
-          f"lr {LR:g}, concurrency {args.concurrency}, {os.cpu_count()} CPUs\n")
-    print(table([
-        ("boto3 upload_file (raw files)", up, None),
-        ("weightsync publish v0 (keyframe)", pub0, up),
-        (f"weightsync publish v1 (delta, {100 * pub1['changed']:.2f}% changed)", pub1, up),
-        ("boto3 download_file (raw files)", down, None),
-        ("weightsync pull v0 (empty folder)", pull0, down),
-        ("weightsync pull v1 (delta onto v0)", pull1, down),
-        ("weightsync pull v1 (empty folder)", fresh1, down),
-    ], raw))
+    print(
+        f"\n### weightsync vs boto3 on SeaweedFS (loopback), {raw / GiB:.2f} GiB bf16 checkpoint, "
+        f"lr {LR:g}, concurrency {args.concurrency}, {os.cpu_count()} CPUs\n"
+    )
+    print(
+        table(
+            [
+                ("boto3 upload_file (raw files)", up, None),
+                ("weightsync publish v0 (keyframe)", pub0, up),
+                (f"weightsync publish v1 (delta, {100 * pub1['changed']:.2f}% changed)", pub1, up),
+                ("boto3 download_file (raw files)", down, None),
+                ("weightsync pull v0 (empty folder)", pull0, down),
+                ("weightsync pull v1 (delta onto v0)", pull1, down),
+                ("weightsync pull v1 (empty folder)", fresh1, down),
+            ],
+            raw,
+        )
+    )
     delta = pub1["seconds"] + pull1["seconds"]
     full_ws = pub0["seconds"] + fresh1["seconds"]
     full_boto = up["seconds"] + down["seconds"]
     print("\n| sync one version | seconds | bytes over the wire | speed-up vs full boto3 copy |")
     print("|---|---:|---:|---:|")
-    print(f"| as a delta (publish delta + pull delta) | {delta:.2f} | {(pub1['moved'] + pull1['moved']) / MiB:,.1f} MiB | "
-          f"{full_boto / delta:.1f}x |")
-    print(f"| as a full copy, weightsync (keyframe + fresh pull) | {full_ws:.2f} | "
-          f"{(pub0['moved'] + fresh1['moved']) / MiB:,.1f} MiB | {full_boto / full_ws:.1f}x |")
-    print(f"| as a full copy, boto3 (upload_file + download_file) | {full_boto:.2f} | "
-          f"{(up['moved'] + down['moved']) / MiB:,.1f} MiB | 1.0x |")
-    print("\n'raw GB/s': checkpoint bytes / seconds (the bytes a full copy would move). 'vs boto3': boto3's "
-          "seconds / ours for the same direction (> 1: faster). Peak RSS per process, interpreter included.")
+    print(
+        f"| as a delta (publish delta + pull delta) | {delta:.2f} | "
+        f"{(pub1['moved'] + pull1['moved']) / MiB:,.1f} MiB | "
+        f"{full_boto / delta:.1f}x |"
+    )
+    print(
+        f"| as a full copy, weightsync (keyframe + fresh pull) | {full_ws:.2f} | "
+        f"{(pub0['moved'] + fresh1['moved']) / MiB:,.1f} MiB | {full_boto / full_ws:.1f}x |"
+    )
+    print(
+        f"| as a full copy, boto3 (upload_file + download_file) | {full_boto:.2f} | "
+        f"{(up['moved'] + down['moved']) / MiB:,.1f} MiB | 1.0x |"
+    )
+    print(
+        "\n'raw GB/s': checkpoint bytes / seconds (the bytes a full copy would move). 'vs boto3': boto3's "
+        "seconds / ours for the same direction (> 1: faster). Peak RSS per process, interpreter included."
+    )
 
 
 if __name__ == "__main__":

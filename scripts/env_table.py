@@ -25,11 +25,20 @@ ORDER = ("publisher", "subscriber", "mirror", "gc", "fleet")  # whose help text 
 
 # Variables that are not flag defaults.
 OTHERS = [
-    ("WEIGHTSYNC_HEALTHCHECK_URLS", "the image's `HEALTHCHECK`: URLs it probes, space separated (default: /healthz on 8470, 8471 and 8472)"),
-    ("WEIGHTSYNC_VERSION, WEIGHTSYNC_PATH, WEIGHTSYNC_CURRENT", (
-        "set by the subscriber for a `--hook-command`: the version it swapped to, its folder and the `current` link "
-        "(the command's environment is the subscriber's without secret-looking variables; this `WEIGHTSYNC_VERSION` "
-        "replaces the subscriber's own there)")),
+    (
+        "WEIGHTSYNC_HEALTHCHECK_URLS",
+        "the image's `HEALTHCHECK`: URLs it probes, space separated (default: /healthz on 8470, 8471 and 8472)",
+    ),
+    (
+        "WEIGHTSYNC_VERSION, WEIGHTSYNC_PATH, WEIGHTSYNC_CURRENT",
+        (
+            "set by the subscriber for a `--hook-command`: the version it swapped to, its folder and the "
+            "`current` link "
+            "(the command's environment is the subscriber's without secret-looking variables; this "
+            "`WEIGHTSYNC_VERSION` "
+            "replaces the subscriber's own there)"
+        ),
+    ),
 ]
 
 
@@ -86,7 +95,7 @@ def current(doc: Path = DOC) -> str:
     start, end = text.find(BEGIN), text.find(END)
     if start < 0 or end < start:
         return ""
-    return text[start:end + len(END)]
+    return text[start : end + len(END)]
 
 
 def main() -> int:
@@ -98,8 +107,10 @@ def main() -> int:
     table = render()
     if args.check:
         ok = current() == table
-        print("up to date" if ok else "docs/OPERATIONS.md is out of date: run python scripts/env_table.py --write",
-              file=sys.stderr)
+        print(
+            "up to date" if ok else "docs/OPERATIONS.md is out of date: run python scripts/env_table.py --write",
+            file=sys.stderr,
+        )
         return 0 if ok else 1
     if args.write:
         old = current()

@@ -20,7 +20,8 @@ Faults (``Rule.fault``):
   of answering: the client cannot tell whether its write happened.
 
 A rule applies to requests whose method equals ``method`` (None: any) and whose URL-decoded path
-and query (``/bucket/prefix/chunks/ab/ab12...``, ``/bucket?list-type=2&prefix=...``) match the regex ``key`` (``re.search``; None: any), with ``probability`` (drawn from a seeded
+and query (``/bucket/prefix/chunks/ab/ab12...``, ``/bucket?list-type=2&prefix=...``) match the regex
+``key`` (``re.search``; None: any), with ``probability`` (drawn from a seeded
 RNG), and only ``count`` times if set (then it is spent). Rules are tried in the order added; the
 first that fires wins. Everything else is forwarded unchanged: the ``Host`` header is kept, so
 SigV4 signatures made for the proxy's address stay valid upstream.
@@ -76,8 +77,9 @@ class Rule:
         return self.count is not None and self.fired >= self.count
 
     def matches(self, method: str, path: str) -> bool:
-        return ((self.method is None or self.method == method)
-                and (self._regex is None or self._regex.search(path) is not None))
+        return (self.method is None or self.method == method) and (
+            self._regex is None or self._regex.search(path) is not None
+        )
 
 
 @dataclass
@@ -139,8 +141,11 @@ class FaultProxy:
         """Requests logged since ``since`` (monotonic time) matching ``method`` and regex ``key``."""
         regex = None if key is None else re.compile(key)
         with self._lock:
-            return sum(1 for t, m, p, _ in self.log if t >= since and (method is None or m == method)
-                       and (regex is None or regex.search(p)))
+            return sum(
+                1
+                for t, m, p, _ in self.log
+                if t >= since and (method is None or m == method) and (regex is None or regex.search(p))
+            )
 
     def _choose(self, method: str, path: str) -> Rule | None:
         with self._lock:
@@ -169,7 +174,8 @@ class FaultProxy:
             self._loop = loop
             try:
                 self._server = loop.run_until_complete(
-                    asyncio.start_server(self._serve, self.host, self.port, limit=_HEAD_LIMIT))
+                    asyncio.start_server(self._serve, self.host, self.port, limit=_HEAD_LIMIT)
+                )
                 self.port = self._server.sockets[0].getsockname()[1]
             except BaseException as exc:  # noqa: BLE001 - reported to start()
                 failure.append(exc)
@@ -379,12 +385,16 @@ def _response_head(status: str, headers: list[tuple[str, str]], length: int | No
 
 async def _send_error(writer: asyncio.StreamWriter, fault: str, req: _Request) -> None:
     status, code, message = _ERRORS[fault]
-    body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>{message}</Message>'
-            f"<Resource>{req.path}</Resource><RequestId>faultproxy</RequestId></Error>").encode()
+    body = (
+        f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>{message}</Message>'
+        f"<Resource>{req.path}</Resource><RequestId>faultproxy</RequestId></Error>"
+    ).encode()
     if req.method == "HEAD":
         body = b""
-    head = (f"HTTP/1.1 {status}\r\nContent-Type: application/xml\r\nContent-Length: {len(body)}\r\n"
-            f"x-amz-request-id: faultproxy\r\n")
+    head = (
+        f"HTTP/1.1 {status}\r\nContent-Type: application/xml\r\nContent-Length: {len(body)}\r\n"
+        f"x-amz-request-id: faultproxy\r\n"
+    )
     if fault == "503":
         head += "Retry-After: 1\r\n"
     writer.write(head.encode() + b"\r\n" + body)

@@ -8,8 +8,13 @@ import sys
 
 def spawn_cli(*args, env: dict | None = None) -> subprocess.Popen:
     """Start ``weightsync ARGS...`` (text pipes for stdout and stderr)."""
-    return subprocess.Popen([sys.executable, "-m", "weightsync.cli", *map(str, args)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "weightsync.cli", *map(str, args)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str, str]:

@@ -59,8 +59,14 @@ class PrometheusError(RuntimeError):
 class PrometheusServer:
     """One ``prometheus`` process with its own TSDB folder, config file, log and port."""
 
-    def __init__(self, base_dir: str | os.PathLike[str], config: Callable[[str], dict], *,
-                 startup_timeout: float = 30.0, attempts: int = 5):
+    def __init__(
+        self,
+        base_dir: str | os.PathLike[str],
+        config: Callable[[str], dict],
+        *,
+        startup_timeout: float = 30.0,
+        attempts: int = 5,
+    ):
         binary = prometheus_binary()
         if binary is None:
             raise FileNotFoundError("prometheus binary not found (apt-get install prometheus)")
@@ -143,12 +149,23 @@ class PrometheusServer:
         return "\n".join(self.log().splitlines()[-lines:])
 
     def _spawn(self) -> None:
-        argv = [self.binary, f"--config.file={self.config_path}", f"--storage.tsdb.path={self.base_dir / 'data'}",
-                f"--web.listen-address={self.address}", "--storage.tsdb.retention.time=1d", "--log.level=warn"]
+        argv = [
+            self.binary,
+            f"--config.file={self.config_path}",
+            f"--storage.tsdb.path={self.base_dir / 'data'}",
+            f"--web.listen-address={self.address}",
+            "--storage.tsdb.retention.time=1d",
+            "--log.level=warn",
+        ]
         log = open(self.log_path, "ab")
         try:
-            self._proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(os.getpid()), *argv], stdout=log,
-                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", _LAUNCHER, str(os.getpid()), *argv],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         finally:
             log.close()
 

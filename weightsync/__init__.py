@@ -37,20 +37,50 @@ if TYPE_CHECKING:  # imported on first use, see __getattr__
 
 # name -> module of the entry points imported on first use (torch, multi-rank publishing)
 _LAZY = {
-    "StateDictPublisher": "weightsync.torch.state_dict", "publish_state_dict": "weightsync.torch.state_dict",
-    "publish_part": "weightsync.sync.parts", "commit_parts": "weightsync.sync.parts",
-    "PartResult": "weightsync.sync.parts", "CommitResult": "weightsync.sync.parts",
-    "TorchSink": "weightsync.torch", "CoverageError": "weightsync.torch", "ApplyError": "weightsync.torch",
+    "StateDictPublisher": "weightsync.torch.state_dict",
+    "publish_state_dict": "weightsync.torch.state_dict",
+    "publish_part": "weightsync.sync.parts",
+    "commit_parts": "weightsync.sync.parts",
+    "PartResult": "weightsync.sync.parts",
+    "CommitResult": "weightsync.sync.parts",
+    "TorchSink": "weightsync.torch",
+    "CoverageError": "weightsync.torch",
+    "ApplyError": "weightsync.torch",
     "DeviceDiffPublisher": "weightsync.torch",
 }
 # module paths that the README documented before the package had layers -> where they live now
 _MOVED = {"weightsync.parts": "weightsync.sync.parts", "weightsync.publisher": "weightsync.torch.state_dict"}
 
 __all__ = [
-    "ChecksumError", "CodecConfig", "CommitResult", "Observer", "PartResult", "PublishConfig", "PublishResult",
-    "PullConfig", "PullResult", "Repo", "RetryPolicy", "RetryingStore", "StateDictPublisher", "Store", "StoreError",
-    "StoreLike", "UsageError", "VersionError", "VersionInfo", "WeightsyncError", "commit_parts", "open_repo",
-    "open_store", "publish", "publish_part", "publish_state_dict", "pull", "verify", "versions",
+    "ChecksumError",
+    "CodecConfig",
+    "CommitResult",
+    "Observer",
+    "PartResult",
+    "PublishConfig",
+    "PublishResult",
+    "PullConfig",
+    "PullResult",
+    "Repo",
+    "RetryPolicy",
+    "RetryingStore",
+    "StateDictPublisher",
+    "Store",
+    "StoreError",
+    "StoreLike",
+    "UsageError",
+    "VersionError",
+    "VersionInfo",
+    "WeightsyncError",
+    "commit_parts",
+    "open_repo",
+    "open_store",
+    "publish",
+    "publish_part",
+    "publish_state_dict",
+    "pull",
+    "verify",
+    "versions",
 ]
 
 

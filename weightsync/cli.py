@@ -59,12 +59,22 @@ def cmd_publish(args) -> int:
         raise UsageError("publish takes an integer --version")
     cache = None if args.no_cache else Path(args.cache_dir or _default_cache()) / _cache_name(args.store)
     with _progress(args, f"publish {args.checkpoint_dir}") as progress:
-        r = publish(args.checkpoint_dir, _repo(args), args.version, config=cfg, base_dir=args.base,
-                               cache_dir=cache, observer=progress)
+        r = publish(
+            args.checkpoint_dir,
+            _repo(args),
+            args.version,
+            config=cfg,
+            base_dir=args.base,
+            cache_dir=cache,
+            observer=progress,
+        )
     kind = "keyframe" if r.keyframe else f"delta from {r.parent}"
-    print(f"published version {r.version} ({kind}): {human_bytes(r.raw_bytes)} -> {human_bytes(r.payload_bytes)} "
-          f"({r.ratio:.1f}x), {100 * r.changed_fraction:.2f}% elements changed, {human_bytes(r.uploaded_bytes)} uploaded "
-          f"in {r.seconds['total']:.2f}s", file=sys.stderr)
+    print(
+        f"published version {r.version} ({kind}): {human_bytes(r.raw_bytes)} -> {human_bytes(r.payload_bytes)} "
+        f"({r.ratio:.1f}x), {100 * r.changed_fraction:.2f}% elements changed, {human_bytes(r.uploaded_bytes)} uploaded "
+        f"in {r.seconds['total']:.2f}s",
+        file=sys.stderr,
+    )
     print(r.version)
     return 0
 
@@ -78,13 +88,26 @@ def cmd_publish_part(args) -> int:
     name = f"{_cache_name(args.store)}-rank{args.rank}-of-{args.world}"  # one base per rank, several per host
     cache = None if args.no_cache else Path(args.cache_dir or _default_cache()) / name
     with _progress(args, f"publish-part {args.rank}/{args.world} {args.checkpoint_dir}") as progress:
-        r = publish_part(args.checkpoint_dir, _repo(args), args.rank, args.world, files=args.files, version=args.version,
-                         config=cfg, base_dir=args.base, cache_dir=cache, observer=progress)
+        r = publish_part(
+            args.checkpoint_dir,
+            _repo(args),
+            args.rank,
+            args.world,
+            files=args.files,
+            version=args.version,
+            config=cfg,
+            base_dir=args.base,
+            cache_dir=cache,
+            observer=progress,
+        )
     kind = "keyframe" if r.keyframe else f"delta from {r.parent}"
     done = " (the same part was already stored)" if r.existed else ""
-    print(f"rank {r.rank} of {r.world}: part of version {r.version} ({kind}), {len(r.files)} files: "
-          f"{human_bytes(r.raw_bytes)} -> {human_bytes(r.payload_bytes)}, {human_bytes(r.uploaded_bytes)} uploaded in "
-          f"{r.seconds['total']:.2f}s{done}; visible once commit-parts merges all {r.world} parts", file=sys.stderr)
+    print(
+        f"rank {r.rank} of {r.world}: part of version {r.version} ({kind}), {len(r.files)} files: "
+        f"{human_bytes(r.raw_bytes)} -> {human_bytes(r.payload_bytes)}, {human_bytes(r.uploaded_bytes)} uploaded in "
+        f"{r.seconds['total']:.2f}s{done}; visible once commit-parts merges all {r.world} parts",
+        file=sys.stderr,
+    )
     print(r.version)
     return 0
 
@@ -94,11 +117,16 @@ def cmd_commit_parts(args) -> int:
 
     if args.timeout < 0:
         raise UsageError(f"--timeout must be >= 0 seconds, not {args.timeout:g}")
-    r = commit_parts(_repo(args), args.version, args.world, timeout=args.timeout, allow_removed=args.allow_removed_files)
+    r = commit_parts(
+        _repo(args), args.version, args.world, timeout=args.timeout, allow_removed=args.allow_removed_files
+    )
     kind = "keyframe" if r.keyframe else f"delta from {r.parent}"
     done = "was already committed" if r.already else "committed"
-    print(f"version {r.version} ({kind}) {done} from {r.world} parts: {r.files} files, {human_bytes(r.raw_bytes)} -> "
-          f"{human_bytes(r.payload_bytes)} in {r.chunks} chunks, {r.seconds:.2f}s", file=sys.stderr)
+    print(
+        f"version {r.version} ({kind}) {done} from {r.world} parts: {r.files} files, {human_bytes(r.raw_bytes)} -> "
+        f"{human_bytes(r.payload_bytes)} in {r.chunks} chunks, {r.seconds:.2f}s",
+        file=sys.stderr,
+    )
     print(r.version)
     return 0
 
@@ -111,11 +139,20 @@ def _cache_name(url: str) -> str:
 
 def cmd_pull(args) -> int:
     with _progress(args, f"pull {args.out_dir}") as progress:
-        r = pull(_repo(args), args.out_dir, args.version, config=PullConfig(fetch_concurrency=args.concurrency),
-                            observer=progress)
+        r = pull(
+            _repo(args),
+            args.out_dir,
+            args.version,
+            config=PullConfig(fetch_concurrency=args.concurrency),
+            observer=progress,
+        )
     src = "empty folder" if r.from_version is None else f"version {r.from_version}"
-    print(f"pulled version {r.version} from {src}: {human_bytes(r.fetched_bytes)} fetched, {r.written_files} files written, "
-          f"{r.kept_files} kept, {r.seconds['total']:.2f}s", file=sys.stderr)
+    print(
+        f"pulled version {r.version} from {src}: {human_bytes(r.fetched_bytes)} fetched, {r.written_files} "
+        "files written, "
+        f"{r.kept_files} kept, {r.seconds['total']:.2f}s",
+        file=sys.stderr,
+    )
     print(r.version)
     return 0
 
@@ -130,8 +167,10 @@ def cmd_versions(args) -> int:
         kind = "keyframe" if i.keyframe else "delta"
         ratio = i.raw_bytes / max(1, i.payload_bytes)
         parent = "-" if i.parent is None else str(i.parent)
-        print(f"{i.version:>8} {parent:>7} {kind:>8} {human_bytes(i.raw_bytes):>10} {human_bytes(i.payload_bytes):>10} "
-              f"{ratio:>6.1f}x {100 * i.changed_fraction:>7.2f}%  {i.created}")
+        print(
+            f"{i.version:>8} {parent:>7} {kind:>8} {human_bytes(i.raw_bytes):>10} {human_bytes(i.payload_bytes):>10} "
+            f"{ratio:>6.1f}x {100 * i.changed_fraction:>7.2f}%  {i.created}"
+        )
     return 0
 
 
@@ -169,7 +208,8 @@ def cmd_demo(args) -> int:
 
 
 def _side_store(args, side: str):
-    """The mirror's ``--from`` or ``--to`` store: its URL and S3 endpoint (``--{side}-endpoint-url``, else ``--endpoint-url``)."""
+    """The mirror's ``--from`` or ``--to`` store: its URL and S3 endpoint (``--{side}-endpoint-url``, else "
+    "``--endpoint-url``)."""
     from weightsync.service.config import StoreConfig
 
     url = args.src if side == "from" else args.dst
@@ -202,8 +242,11 @@ def _serve_mirror_http(text: str, flag: str, metrics, health: _MirrorHealth, log
     from weightsync.service.runtime import event, json_answer, serve_routes
 
     host, port = parse_listen(text, flag)
-    routes = {"/metrics": lambda: (200, CONTENT_TYPE, metrics.render()), "/healthz": lambda: json_answer({"status": "ok"}),
-              "/readyz": health.readyz}
+    routes = {
+        "/metrics": lambda: (200, CONTENT_TYPE, metrics.render()),
+        "/healthz": lambda: json_answer({"status": "ok"}),
+        "/readyz": health.readyz,
+    }
     try:
         server = serve_routes(host, port, routes)
     except OSError as exc:  # address in use, not ours, or a host that does not resolve
@@ -243,25 +286,46 @@ def cmd_mirror(args) -> int:
     def failed(exc: Exception) -> None:
         metrics.mirror_error(exc)
         health.failed(exc)
-        event(log, f"mirror pass failed, retrying in {args.interval:g}s", logging.WARNING, error=f"{type(exc).__name__}: {exc}")
+        event(
+            log,
+            f"mirror pass failed, retrying in {args.interval:g}s",
+            logging.WARNING,
+            error=f"{type(exc).__name__}: {exc}",
+        )
 
     def passed(result) -> None:
         metrics.mirror_pass(result)
         health.passed()
 
     flag = env_sources(args).get("metrics_listen", "--metrics-listen")
-    server = None if args.metrics_listen is None else _serve_mirror_http(args.metrics_listen, flag, metrics, health, log)
+    server = (
+        None if args.metrics_listen is None else _serve_mirror_http(args.metrics_listen, flag, metrics, health, log)
+    )
     try:
         src = open_daemon_repo(_side_store(args, "from"), metrics.on_retry)  # retries as the daemons do, counted
         dst = open_daemon_repo(_side_store(args, "to"), metrics.on_retry)
-        r = mirror(src, dst, follow=args.follow, config=cfg, stop=stop, on_version=copied, on_error=failed,
-                   on_heads=metrics.mirror_heads, on_pass=passed, on_chunk=metrics.mirror_chunk)
+        r = mirror(
+            src,
+            dst,
+            follow=args.follow,
+            config=cfg,
+            stop=stop,
+            on_version=copied,
+            on_error=failed,
+            on_heads=metrics.mirror_heads,
+            on_pass=passed,
+            on_chunk=metrics.mirror_chunk,
+        )
     finally:
         if server is not None:
             server.shutdown()
             server.server_close()
-    event(log, f"mirror {args.src} -> {args.dst}: {len(r.copied_versions)} versions, {r.copied_chunks} chunks, "
-          f"{human_bytes(r.copied_bytes)} copied, {r.skipped_chunks} chunks already there, head {r.head}, {r.seconds:.2f}s")
+    event(
+        log,
+        f"mirror {args.src} -> {args.dst}: {len(r.copied_versions)} versions, {r.copied_chunks} chunks, "
+        f"{human_bytes(r.copied_bytes)} copied, {r.skipped_chunks} chunks already there, head {r.head}, "
+        f"{r.seconds:.2f}s",
+    )
     print("" if r.head is None else r.head)
     return 0
 
@@ -272,19 +336,42 @@ def cmd_gc(args) -> int:
     cfg = GcConfig(keep=args.keep, grace_seconds=args.grace_seconds, dry_run=args.dry_run)
     r = gc(_repo(args), cfg)
     verb = "would delete" if r.dry_run else "deleted"
-    print(f"gc {args.store}: kept versions {r.kept_versions}, {verb} {len(r.deleted_versions)} versions and "
-          f"{r.deleted_chunks} chunks ({human_bytes(r.deleted_bytes)}); {r.young_chunks} unreferenced chunks younger "
-          f"than {args.grace_seconds:g}s left, {len(r.abandoned_versions)} abandoned publishes removed, {r.seconds:.2f}s", file=sys.stderr)
+    print(
+        f"gc {args.store}: kept versions {r.kept_versions}, {verb} {len(r.deleted_versions)} versions and "
+        f"{r.deleted_chunks} chunks ({human_bytes(r.deleted_bytes)}); {r.young_chunks} unreferenced chunks younger "
+        f"than {args.grace_seconds:g}s left, {len(r.abandoned_versions)} abandoned publishes removed, {r.seconds:.2f}s",
+        file=sys.stderr,
+    )
     if r.touched_during_gc or r.referenced_during_gc:
-        print(f"gc {args.store}: kept {r.touched_during_gc} chunks re-used and {r.referenced_during_gc} chunks referenced "
-              "by writers while gc ran", file=sys.stderr)
+        print(
+            f"gc {args.store}: kept {r.touched_during_gc} chunks re-used and {r.referenced_during_gc} chunks "
+            "referenced "
+            "by writers while gc ran",
+            file=sys.stderr,
+        )
     if r.deleted_parts or r.pending_parts:
-        print(f"gc {args.store}: {verb} {r.deleted_parts} parts of merged, stale or abandoned multi-rank publishes; "
-              f"kept {r.pending_parts} of publishes in progress", file=sys.stderr)
-    print(json.dumps({"kept": r.kept_versions, "deleted": r.deleted_versions, "deleted_chunks": r.deleted_chunks,
-                      "deleted_bytes": r.deleted_bytes, "young_chunks": r.young_chunks, "abandoned": r.abandoned_versions,
-                      "touched_during_gc": r.touched_during_gc, "referenced_during_gc": r.referenced_during_gc,
-                      "deleted_parts": r.deleted_parts, "pending_parts": r.pending_parts, "dry_run": r.dry_run}))
+        print(
+            f"gc {args.store}: {verb} {r.deleted_parts} parts of merged, stale or abandoned multi-rank publishes; "
+            f"kept {r.pending_parts} of publishes in progress",
+            file=sys.stderr,
+        )
+    print(
+        json.dumps(
+            {
+                "kept": r.kept_versions,
+                "deleted": r.deleted_versions,
+                "deleted_chunks": r.deleted_chunks,
+                "deleted_bytes": r.deleted_bytes,
+                "young_chunks": r.young_chunks,
+                "abandoned": r.abandoned_versions,
+                "touched_during_gc": r.touched_during_gc,
+                "referenced_during_gc": r.referenced_during_gc,
+                "deleted_parts": r.deleted_parts,
+                "pending_parts": r.pending_parts,
+                "dry_run": r.dry_run,
+            }
+        )
+    )
     return 0
 
 
@@ -312,8 +399,13 @@ def _run_daemon(cfg) -> int:
     setup_logging(cfg.log)
     ident = cfg.identity
     publisher = isinstance(cfg, PublisherConfig)
-    metrics = Metrics(CollectorRegistry(), "publisher" if publisher else "subscriber", region=ident.region,
-                      cluster=ident.cluster, subscriber="" if publisher else ident.id)
+    metrics = Metrics(
+        CollectorRegistry(),
+        "publisher" if publisher else "subscriber",
+        region=ident.region,
+        cluster=ident.cluster,
+        subscriber="" if publisher else ident.id,
+    )
     repo = open_daemon_repo(cfg.store, metrics.on_retry)
     if publisher:
         from weightsync.service.publisher import Publisher
@@ -346,8 +438,11 @@ def _add_store(p: argparse.ArgumentParser, environ: Mapping[str, str] | None = N
 
 
 def _add_progress(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--no-progress", action="store_true",
-                   help="no progress bar (default: one on stderr when it is a terminal; TQDM_DISABLE=1 also turns it off)")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (default: one on stderr when it is a terminal; TQDM_DISABLE=1 also turns it off)",
+    )
 
 
 def _add_publish_options(p: argparse.ArgumentParser) -> None:
@@ -378,9 +473,13 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     p.add_argument("checkpoint_dir")
     _add_store(p)
     add_rank_args(p, required=True)
-    p.add_argument("--files", nargs="+", metavar="PATH",
-                   help="relative paths this rank publishes (default: the safetensors files round-robin by sorted "
-                        "path, every other file on rank 0)")
+    p.add_argument(
+        "--files",
+        nargs="+",
+        metavar="PATH",
+        help="relative paths this rank publishes (default: the safetensors files round-robin by sorted "
+        "path, every other file on rank 0)",
+    )
     p.add_argument("--version", type=version_arg, default=None, help="version number (default: head + 1)")
     _add_publish_options(p)
     _add_progress(p)
@@ -391,8 +490,11 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     p.add_argument("--version", type=int, required=True, help="the version the parts make up")
     p.add_argument("--world", type=int, required=True, help="W, the number of parts (ranks)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for all parts (default 600)")
-    p.add_argument("--allow-removed-files", action="store_true",
-                   help="commit even if no part has some file of the head version (default: refuse, nothing committed)")
+    p.add_argument(
+        "--allow-removed-files",
+        action="store_true",
+        help="commit even if no part has some file of the head version (default: refuse, nothing committed)",
+    )
     p.set_defaults(func=cmd_commit_parts)
 
     p = sub.add_parser("pull", help="create or incrementally update a folder to hold a version")
@@ -408,9 +510,13 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_versions)
 
-    p = sub.add_parser("verify", help="exit 0 iff DIR holds the version byte for byte",
-                       description="Check, read-only, that DIR holds the version byte for byte.",
-                       epilog=VERIFY_EXIT_STATUS, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "verify",
+        help="exit 0 iff DIR holds the version byte for byte",
+        description="Check, read-only, that DIR holds the version byte for byte.",
+        epilog=VERIFY_EXIT_STATUS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _add_store(p)
     p.add_argument("--version", type=version_arg, default="latest")
     p.add_argument("dir", metavar="DIR", help="the folder to check")
@@ -431,8 +537,11 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     add("--endpoint-url", help="S3 endpoint of both stores (default: boto3's)")
     add("--from-endpoint-url", help="S3 endpoint of the source (overrides --endpoint-url)")
     add("--to-endpoint-url", help="S3 endpoint of the destination (overrides --endpoint-url)")
-    add("--metrics-listen", metavar="HOST:PORT",
-        help="serve /metrics (Prometheus), /healthz and /readyz at http://HOST:PORT (default: none; host 127.0.0.1)")
+    add(
+        "--metrics-listen",
+        metavar="HOST:PORT",
+        help="serve /metrics (Prometheus), /healthz and /readyz at http://HOST:PORT (default: none; host 127.0.0.1)",
+    )
     add("--region", default="", help="region label of the metrics (the destination's region)")
     add("--cluster", default="", help="cluster label of the metrics")
     add_log_args(p, env)
@@ -442,8 +551,12 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     add = lambda *flags, **kw: env_argument(p, env, *flags, **kw)  # noqa: E731
     _add_store(p, env)
     add("--keep", type=int, required=True, help="newest versions to keep, with their chains")
-    add("--grace-seconds", type=float, default=3600.0,
-        help="never delete an unreferenced chunk younger than this (default 3600; > publishers' refresh_after, 900)")
+    add(
+        "--grace-seconds",
+        type=float,
+        default=3600.0,
+        help="never delete an unreferenced chunk younger than this (default 3600; > publishers' refresh_after, 900)",
+    )
     add("--dry-run", action="store_true", help="report what would be deleted; delete nothing")
     p.set_defaults(func=cmd_gc)
 

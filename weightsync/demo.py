@@ -24,7 +24,9 @@ def to_bf16_bits(x: np.ndarray) -> np.ndarray:
     return rounded.astype(np.uint16)
 
 
-def write_safetensors(path: Path, tensors: dict[str, tuple[str, tuple[int, ...], bytes]], metadata: dict | None = None) -> None:
+def write_safetensors(
+    path: Path, tensors: dict[str, tuple[str, tuple[int, ...], bytes]], metadata: dict | None = None
+) -> None:
     """Write a safetensors file from raw little-endian bytes (dtype name, shape, data) per tensor."""
     header: dict = {"__metadata__": metadata} if metadata else {}
     offset = 0
@@ -49,7 +51,11 @@ def _shapes(hidden: int, layers: int, experts: int, vocab: int) -> dict[str, tup
             shapes[f"{p}.self_attn.{proj}.weight"] = (hidden, hidden)
         shapes[f"{p}.mlp.gate.weight"] = (experts, hidden)
         for e in range(experts):
-            for proj, shape in (("gate_proj", (2 * hidden, hidden)), ("up_proj", (2 * hidden, hidden)), ("down_proj", (hidden, 2 * hidden))):
+            for proj, shape in (
+                ("gate_proj", (2 * hidden, hidden)),
+                ("up_proj", (2 * hidden, hidden)),
+                ("down_proj", (hidden, 2 * hidden)),
+            ):
                 shapes[f"{p}.mlp.experts.{e}.{proj}.weight"] = shape
         shapes[f"{p}.input_layernorm.weight"] = (hidden,)
     shapes["model.norm.weight"] = (hidden,)
@@ -60,7 +66,9 @@ def _shapes(hidden: int, layers: int, experts: int, vocab: int) -> dict[str, tup
 class SyntheticTrainer:
     """Holds fp32 master weights; :meth:`step` moves them, :meth:`save` writes a bf16 checkpoint."""
 
-    def __init__(self, hidden: int = 128, layers: int = 2, experts: int = 4, vocab: int = 1024, lr: float = 1e-5, seed: int = 0):
+    def __init__(
+        self, hidden: int = 128, layers: int = 2, experts: int = 4, vocab: int = 1024, lr: float = 1e-5, seed: int = 0
+    ):
         self.rng = np.random.default_rng(seed)
         self.lr = lr
         self.master = {}
@@ -95,8 +103,14 @@ class SyntheticTrainer:
             write_safetensors(directory / fname, tensors, {"format": "pt"})
             index.update({n: fname for n in tensors})
         if shards > 1:
-            (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}, indent=2))
-        (directory / "config.json").write_text(json.dumps({"model_type": "synthetic-moe", "hidden_size": int(next(iter(self.master.values())).shape[1])}, indent=2))
+            (directory / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {}, "weight_map": index}, indent=2)
+            )
+        (directory / "config.json").write_text(
+            json.dumps(
+                {"model_type": "synthetic-moe", "hidden_size": int(next(iter(self.master.values())).shape[1])}, indent=2
+            )
+        )
         return directory
 
 
@@ -118,7 +132,10 @@ def run_demo(workdir: str | None, steps: int = 8, hidden: int = 256) -> int:
     replica = root / "replica"
     trainer = SyntheticTrainer(hidden=hidden, layers=4, experts=8, vocab=8192, lr=1e-6, seed=0)
     print(f"weightsync demo in {root}: store {store}, replica {replica}")
-    print(f"{'step':>4} {'kind':>8} {'checkpoint':>11} {'delta':>10} {'ratio':>7} {'changed':>8} {'publish':>8} {'pull':>7} {'verify':>7}")
+    print(
+        f"{'step':>4} {'kind':>8} {'checkpoint':>11} {'delta':>10} {'ratio':>7} {'changed':>8} {'publish':>8} "
+        f"{'pull':>7} {'verify':>7}"
+    )
     raw_total = payload_total = 0
     cfg = PublishConfig(keyframe_interval=max(2, steps + 1))
     t_all = time.perf_counter()
@@ -126,7 +143,9 @@ def run_demo(workdir: str | None, steps: int = 8, hidden: int = 256) -> int:
         if step:
             trainer.step()
         ckpt = trainer.save(root / "checkpoints" / f"step_{step:06d}")
-        pub = publish(ckpt, store, step, config=cfg, base_dir=root / "checkpoints" / f"step_{step - 1:06d}" if step else None)
+        pub = publish(
+            ckpt, store, step, config=cfg, base_dir=root / "checkpoints" / f"step_{step - 1:06d}" if step else None
+        )
         t0 = time.perf_counter()
         pull(store, replica, step)
         t_pull = time.perf_counter() - t0
@@ -134,14 +153,19 @@ def run_demo(workdir: str | None, steps: int = 8, hidden: int = 256) -> int:
         verify(store, replica, step)
         t_verify = time.perf_counter() - t0
         kind = "keyframe" if pub.keyframe else "delta"
-        print(f"{step:>4} {kind:>8} {human_bytes(pub.raw_bytes):>11} {human_bytes(pub.payload_bytes):>10} {pub.ratio:>6.1f}x "
-              f"{100 * pub.changed_fraction:>7.2f}% {pub.seconds['total']:>7.2f}s {t_pull:>6.2f}s {t_verify:>6.2f}s")
+        print(
+            f"{step:>4} {kind:>8} {human_bytes(pub.raw_bytes):>11} {human_bytes(pub.payload_bytes):>10} "
+            f"{pub.ratio:>6.1f}x "
+            f"{100 * pub.changed_fraction:>7.2f}% {pub.seconds['total']:>7.2f}s {t_pull:>6.2f}s {t_verify:>6.2f}s"
+        )
         if step:
             raw_total += pub.raw_bytes
             payload_total += pub.payload_bytes
     if raw_total:
-        print(f"deltas: {human_bytes(raw_total)} of checkpoints shipped as {human_bytes(payload_total)} "
-              f"({raw_total / max(1, payload_total):.1f}x smaller); replica verified byte for byte at every step; "
-              f"total {time.perf_counter() - t_all:.1f}s")
+        print(
+            f"deltas: {human_bytes(raw_total)} of checkpoints shipped as {human_bytes(payload_total)} "
+            f"({raw_total / max(1, payload_total):.1f}x smaller); replica verified byte for byte at every step; "
+            f"total {time.perf_counter() - t_all:.1f}s"
+        )
     sys.stdout.flush()
     return 0

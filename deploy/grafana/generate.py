@@ -3,10 +3,11 @@
     python deploy/grafana/generate.py          # rewrite the dashboard JSON
     python deploy/grafana/generate.py --check  # exit 1 if the committed JSON is out of date
 
-Every query is PromQL over the metrics of the daemons and the mirror (``weightsync.metrics``, with
+Every query is PromQL over the metrics of the daemons and the mirror (``weightsync.service.metrics``, with
 the process collectors' ``process_*`` series); a test runs each against a real Prometheus scrape.
 Panels reference the Prometheus data source through the ``datasource`` template variable, so the
-dashboard imports into any Grafana; provisioning (deploy/grafana/provisioning) names the compose data source ``prometheus``.
+dashboard imports into any Grafana; provisioning (deploy/grafana/provisioning) names the compose
+data source ``prometheus``.
 Grafana replaces ``$__rate_interval`` and ``$region`` before sending a query; the test suite does
 the same and then checks every expression with ``promtool``.
 """
@@ -36,7 +37,9 @@ def _defaults(unit: str, **custom) -> dict:
     return {"defaults": {"unit": unit, "custom": custom} if custom else {"unit": unit}, "overrides": []}
 
 
-def stat(title: str, expr: str, unit: str = "none", description: str = "", thresholds: list[tuple[str, float | None]] = ()) -> dict:
+def stat(
+    title: str, expr: str, unit: str = "none", description: str = "", thresholds: list[tuple[str, float | None]] = ()
+) -> dict:
     steps = [{"color": color, "value": value} for color, value in (thresholds or [("green", None)])]
     field = _defaults(unit)
     field["defaults"]["thresholds"] = {"mode": "absolute", "steps": steps}
@@ -47,16 +50,31 @@ def stat(title: str, expr: str, unit: str = "none", description: str = "", thres
         "datasource": DS,
         "targets": _targets([(expr, "")], instant=True, range=False),
         "fieldConfig": field,
-        "options": {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}, "colorMode": "value", "graphMode": "area"},
+        "options": {
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+            "colorMode": "value",
+            "graphMode": "area",
+        },
         "_w": 4,
         "_h": 4,
     }
 
 
-def timeseries(title: str, queries: list[tuple[str, str]], unit: str = "none", description: str = "", width: int = 12,
-               step: bool = False, bars: bool = False) -> dict:
-    custom = {"drawStyle": "bars" if bars else "line", "lineInterpolation": "stepAfter" if step else "linear",
-              "showPoints": "auto", "fillOpacity": 10}
+def timeseries(
+    title: str,
+    queries: list[tuple[str, str]],
+    unit: str = "none",
+    description: str = "",
+    width: int = 12,
+    step: bool = False,
+    bars: bool = False,
+) -> dict:
+    custom = {
+        "drawStyle": "bars" if bars else "line",
+        "lineInterpolation": "stepAfter" if step else "linear",
+        "showPoints": "auto",
+        "fillOpacity": 10,
+    }
     return {
         "type": "timeseries",
         "title": title,
@@ -64,8 +82,10 @@ def timeseries(title: str, queries: list[tuple[str, str]], unit: str = "none", d
         "datasource": DS,
         "targets": _targets(queries),
         "fieldConfig": _defaults(unit, **custom),
-        "options": {"legend": {"displayMode": "table", "placement": "bottom", "calcs": ["lastNotNull", "max"]},
-                    "tooltip": {"mode": "multi", "sort": "desc"}},
+        "options": {
+            "legend": {"displayMode": "table", "placement": "bottom", "calcs": ["lastNotNull", "max"]},
+            "tooltip": {"mode": "multi", "sort": "desc"},
+        },
         "_w": width,
         "_h": 8,
     }
@@ -82,10 +102,18 @@ def table(title: str, queries: list[tuple[str, str]], description: str = "") -> 
         "options": {"showHeader": True, "sortBy": [{"displayName": "lag", "desc": True}]},
         "transformations": [
             {"id": "merge", "options": {}},
-            {"id": "organize", "options": {
-                "excludeByName": {"Time": True, "__name__": True, "job": True, "instance": True},
-                "renameByName": {"Value #A": "current", "Value #B": "latest", "Value #C": "lag", "Value #D": "staleness (s)"},
-            }},
+            {
+                "id": "organize",
+                "options": {
+                    "excludeByName": {"Time": True, "__name__": True, "job": True, "instance": True},
+                    "renameByName": {
+                        "Value #A": "current",
+                        "Value #B": "latest",
+                        "Value #C": "lag",
+                        "Value #D": "staleness (s)",
+                    },
+                },
+            },
         ],
         "_w": 12,
         "_h": 8,
@@ -99,7 +127,10 @@ def row(title: str) -> dict:
 def quantiles(metric: str, by: str, selector: str = "", qs: tuple[float, ...] = (0.5, 0.99)) -> list[tuple[str, str]]:
     sel = f"{{{selector}}}" if selector else ""
     return [
-        (f"histogram_quantile({q}, sum by (le, {by}) (rate({metric}_bucket{sel}[{RATE}])))", f"p{int(q * 100)} {{{{{by}}}}}")
+        (
+            f"histogram_quantile({q}, sum by (le, {by}) (rate({metric}_bucket{sel}[{RATE}])))",
+            f"p{int(q * 100)} {{{{{by}}}}}",
+        )
         for q in qs
     ]
 
@@ -107,112 +138,288 @@ def quantiles(metric: str, by: str, selector: str = "", qs: tuple[float, ...] = 
 def panels() -> list[dict]:
     return [
         row("Overview"),
-        stat("Published version", "max(weightsync_published_version)", description="Newest version committed by a publisher."),
-        stat("Subscribers", f"count(weightsync_current_version{{{REGION}}})", description="Subscribers reporting metrics."),
-        stat("Max version lag", f"max(weightsync_version_lag{{{REGION}}})",
-             description="Largest latest-minus-current version over the subscribers.",
-             thresholds=[("green", None), ("orange", 2), ("red", 4)]),
-        stat("Max staleness", f"max(weightsync_staleness_seconds{{{REGION}}})", unit="s",
-             description="Longest time a subscriber has served a version after a newer one appeared.",
-             thresholds=[("green", None), ("orange", 300), ("red", 900)]),
-        stat("Compression (last version)", "sum(weightsync_checkpoint_bytes) / sum(weightsync_delta_bytes > 0)", unit="suffix:x",
-             description="Checkpoint bytes over stored delta bytes of the newest version."),
-        stat("Firing alerts", 'count(ALERTS{alertname=~"Weightsync.*", alertstate="firing"}) or vector(0)',
-             thresholds=[("green", None), ("red", 1)]),
+        stat(
+            "Published version",
+            "max(weightsync_published_version)",
+            description="Newest version committed by a publisher.",
+        ),
+        stat(
+            "Subscribers",
+            f"count(weightsync_current_version{{{REGION}}})",
+            description="Subscribers reporting metrics.",
+        ),
+        stat(
+            "Max version lag",
+            f"max(weightsync_version_lag{{{REGION}}})",
+            description="Largest latest-minus-current version over the subscribers.",
+            thresholds=[("green", None), ("orange", 2), ("red", 4)],
+        ),
+        stat(
+            "Max staleness",
+            f"max(weightsync_staleness_seconds{{{REGION}}})",
+            unit="s",
+            description="Longest time a subscriber has served a version after a newer one appeared.",
+            thresholds=[("green", None), ("orange", 300), ("red", 900)],
+        ),
+        stat(
+            "Compression (last version)",
+            "sum(weightsync_checkpoint_bytes) / sum(weightsync_delta_bytes > 0)",
+            unit="suffix:x",
+            description="Checkpoint bytes over stored delta bytes of the newest version.",
+        ),
+        stat(
+            "Firing alerts",
+            'count(ALERTS{alertname=~"Weightsync.*", alertstate="firing"}) or vector(0)',
+            thresholds=[("green", None), ("red", 1)],
+        ),
         row("Transfer"),
-        timeseries("Transfer throughput", [
-            (f"sum by (region, cluster) (rate(weightsync_upload_bytes_total[{RATE}]))", "upload {{region}}/{{cluster}}"),
-            (f"sum by (region) (rate(weightsync_download_bytes_total{{{REGION}}}[{RATE}]))", "download {{region}}"),
-        ], unit="Bps", description="Bytes per second the publishers upload and the subscribers download, per region."),
-        timeseries("Download per subscriber", [
-            (f"sum by (region, subscriber) (rate(weightsync_download_bytes_total{{{REGION}}}[{RATE}]))", "{{region}} {{subscriber}}"),
-        ], unit="Bps"),
+        timeseries(
+            "Transfer throughput",
+            [
+                (
+                    f"sum by (region, cluster) (rate(weightsync_upload_bytes_total[{RATE}]))",
+                    "upload {{region}}/{{cluster}}",
+                ),
+                (f"sum by (region) (rate(weightsync_download_bytes_total{{{REGION}}}[{RATE}]))", "download {{region}}"),
+            ],
+            unit="Bps",
+            description="Bytes per second the publishers upload and the subscribers download, per region.",
+        ),
+        timeseries(
+            "Download per subscriber",
+            [
+                (
+                    f"sum by (region, subscriber) (rate(weightsync_download_bytes_total{{{REGION}}}[{RATE}]))",
+                    "{{region}} {{subscriber}}",
+                ),
+            ],
+            unit="Bps",
+        ),
         row("Versions: size and compression"),
-        timeseries("Checkpoint and delta size", [
-            ("weightsync_checkpoint_bytes", "checkpoint {{region}}/{{cluster}}"),
-            ("weightsync_delta_bytes", "delta {{region}}/{{cluster}}"),
-        ], unit="bytes", width=8, step=True, description="Raw checkpoint bytes and encoded (stored) bytes of each version."),
-        timeseries("Compression ratio per version", [
-            ("weightsync_checkpoint_bytes / (weightsync_delta_bytes > 0)", "{{region}}/{{cluster}}"),
-        ], unit="suffix:x", width=8, step=True, description="checkpoint_bytes / delta_bytes: how many times smaller the delta is."),
-        timeseries("Changed elements", [
-            ("weightsync_changed_ratio", "{{region}}/{{cluster}}"),
-        ], unit="percentunit", width=8, step=True, description="Fraction of elements that changed from the parent version."),
+        timeseries(
+            "Checkpoint and delta size",
+            [
+                ("weightsync_checkpoint_bytes", "checkpoint {{region}}/{{cluster}}"),
+                ("weightsync_delta_bytes", "delta {{region}}/{{cluster}}"),
+            ],
+            unit="bytes",
+            width=8,
+            step=True,
+            description="Raw checkpoint bytes and encoded (stored) bytes of each version.",
+        ),
+        timeseries(
+            "Compression ratio per version",
+            [
+                ("weightsync_checkpoint_bytes / (weightsync_delta_bytes > 0)", "{{region}}/{{cluster}}"),
+            ],
+            unit="suffix:x",
+            width=8,
+            step=True,
+            description="checkpoint_bytes / delta_bytes: how many times smaller the delta is.",
+        ),
+        timeseries(
+            "Changed elements",
+            [
+                ("weightsync_changed_ratio", "{{region}}/{{cluster}}"),
+            ],
+            unit="percentunit",
+            width=8,
+            step=True,
+            description="Fraction of elements that changed from the parent version.",
+        ),
         row("Latency"),
-        timeseries("Publish time by phase", quantiles("weightsync_publish_seconds", "phase"), unit="s",
-                   description="p50 and p99 of read, diff, encode, upload and commit per version."),
+        timeseries(
+            "Publish time by phase",
+            quantiles("weightsync_publish_seconds", "phase"),
+            unit="s",
+            description="p50 and p99 of read, diff, encode, upload and commit per version.",
+        ),
         timeseries("Download time per sync", quantiles("weightsync_download_seconds", "region", REGION), unit="s"),
-        timeseries("Apply time per sync", quantiles("weightsync_apply_seconds", "region", REGION), unit="s",
-                   description="Decoding and writing a version, p50 and p99 per region."),
-        timeseries("Swap pause", quantiles("weightsync_swap_pause_seconds", "region", REGION), unit="s",
-                   description="How long the swap itself took (symlink flip or in-place patch)."),
+        timeseries(
+            "Apply time per sync",
+            quantiles("weightsync_apply_seconds", "region", REGION),
+            unit="s",
+            description="Decoding and writing a version, p50 and p99 per region.",
+        ),
+        timeseries(
+            "Swap pause",
+            quantiles("weightsync_swap_pause_seconds", "region", REGION),
+            unit="s",
+            description="How long the swap itself took (symlink flip or in-place patch).",
+        ),
         row("Fleet"),
-        timeseries("Version lag per region", [
-            (f"max by (region) (weightsync_version_lag{{{REGION}}})", "max {{region}}"),
-            (f"avg by (region) (weightsync_version_lag{{{REGION}}})", "avg {{region}}"),
-        ], step=True, description="Latest minus current version; a pinned subscriber lags by design."),
-        timeseries("Staleness per region", [
-            (f"max by (region) (weightsync_staleness_seconds{{{REGION}}})", "max {{region}}"),
-        ], unit="s", description="Seconds since a newer version than the served one appeared."),
-        timeseries("Versions", [
-            ("max(weightsync_published_version)", "published"),
-            (f"max by (region) (weightsync_latest_version{{{REGION}}})", "latest in store {{region}}"),
-            (f"weightsync_current_version{{{REGION}}}", "current {{subscriber}}"),
-        ], step=True, description="Published version, newest version in each region's store, and each subscriber's version."),
-        table("Subscribers", [
-            (f"weightsync_current_version{{{REGION}}}", ""),
-            (f"weightsync_latest_version{{{REGION}}}", ""),
-            (f"weightsync_version_lag{{{REGION}}}", ""),
-            (f"weightsync_staleness_seconds{{{REGION}}}", ""),
-        ]),
+        timeseries(
+            "Version lag per region",
+            [
+                (f"max by (region) (weightsync_version_lag{{{REGION}}})", "max {{region}}"),
+                (f"avg by (region) (weightsync_version_lag{{{REGION}}})", "avg {{region}}"),
+            ],
+            step=True,
+            description="Latest minus current version; a pinned subscriber lags by design.",
+        ),
+        timeseries(
+            "Staleness per region",
+            [
+                (f"max by (region) (weightsync_staleness_seconds{{{REGION}}})", "max {{region}}"),
+            ],
+            unit="s",
+            description="Seconds since a newer version than the served one appeared.",
+        ),
+        timeseries(
+            "Versions",
+            [
+                ("max(weightsync_published_version)", "published"),
+                (f"max by (region) (weightsync_latest_version{{{REGION}}})", "latest in store {{region}}"),
+                (f"weightsync_current_version{{{REGION}}}", "current {{subscriber}}"),
+            ],
+            step=True,
+            description="Published version, newest version in each region's store, and each subscriber's version.",
+        ),
+        table(
+            "Subscribers",
+            [
+                (f"weightsync_current_version{{{REGION}}}", ""),
+                (f"weightsync_latest_version{{{REGION}}}", ""),
+                (f"weightsync_version_lag{{{REGION}}}", ""),
+                (f"weightsync_staleness_seconds{{{REGION}}}", ""),
+            ],
+        ),
         row("Mirror"),
-        timeseries("Regional head vs source head", [
-            (f"max by (region) (weightsync_mirror_source_version{{{REGION}}})", "source {{region}}"),
-            (f"max by (region) (weightsync_mirror_destination_version{{{REGION}}})", "regional {{region}}"),
-        ], width=6, step=True,
-            description="Head of the source store as the last mirror pass read it, and head of the region's store."),
-        timeseries("Mirror throughput", [
-            (f"sum by (region) (rate(weightsync_mirror_copied_bytes_total{{{REGION}}}[{RATE}]))", "copied {{region}}"),
-        ], unit="Bps", width=6, description="Chunk bytes per second the mirror copies into each region."),
-        timeseries("Seconds per mirrored version", quantiles("weightsync_mirror_version_seconds", "region", REGION), unit="s",
-                   width=6, description="Time to copy one version (chunks, manifest, head), p50 and p99 per region."),
-        timeseries("Since the last successful mirror pass", [
-            (f"time() - (weightsync_mirror_last_success_timestamp_seconds{{{REGION}}} > 0"
-             f" or weightsync_mirror_start_time_seconds{{{REGION}}})", "{{region}} {{instance}}"),
-        ], unit="s", width=6,
-            description="Seconds since a mirror pass last succeeded (since the mirror started if none has); alert at 600."),
+        timeseries(
+            "Regional head vs source head",
+            [
+                (f"max by (region) (weightsync_mirror_source_version{{{REGION}}})", "source {{region}}"),
+                (f"max by (region) (weightsync_mirror_destination_version{{{REGION}}})", "regional {{region}}"),
+            ],
+            width=6,
+            step=True,
+            description="Head of the source store as the last mirror pass read it, and head of the region's store.",
+        ),
+        timeseries(
+            "Mirror throughput",
+            [
+                (
+                    f"sum by (region) (rate(weightsync_mirror_copied_bytes_total{{{REGION}}}[{RATE}]))",
+                    "copied {{region}}",
+                ),
+            ],
+            unit="Bps",
+            width=6,
+            description="Chunk bytes per second the mirror copies into each region.",
+        ),
+        timeseries(
+            "Seconds per mirrored version",
+            quantiles("weightsync_mirror_version_seconds", "region", REGION),
+            unit="s",
+            width=6,
+            description="Time to copy one version (chunks, manifest, head), p50 and p99 per region.",
+        ),
+        timeseries(
+            "Since the last successful mirror pass",
+            [
+                (
+                    f"time() - (weightsync_mirror_last_success_timestamp_seconds{{{REGION}}} > 0"
+                    f" or weightsync_mirror_start_time_seconds{{{REGION}}})",
+                    "{{region}} {{instance}}",
+                ),
+            ],
+            unit="s",
+            width=6,
+            description="Seconds since a mirror pass last succeeded (since the mirror started if none has); "
+            "alert at 600.",
+        ),
         row("Errors and retries"),
-        timeseries("Checksum failures", [
-            (f"sum by (region, subscriber) (increase(weightsync_checksum_failures_total{{{REGION}}}[{RATE}]))", "{{region}} {{subscriber}}"),
-        ], width=8, bars=True, description="Data rejected by checksum verification (should stay zero)."),
-        timeseries("Swap hook failures", [
-            (f"sum by (region, subscriber) (increase(weightsync_swap_hook_failures_total{{{REGION}}}[{RATE}]))", "{{region}} {{subscriber}}"),
-        ], width=8, bars=True),
-        timeseries("Store retries", [
-            (f"sum by (job, region, reason) (rate(weightsync_store_retries_total[{RATE}]))", "{{job}} {{region}} {{reason}}"),
-        ], unit="ops", width=8, description="Retried store requests per second by reason (throttled, server_error, timeout, "
-                                            "connection, truncated, other); op= splits them by request kind."),
-        timeseries("Publish failures and loop errors", [
-            (f"sum by (region, cluster) (increase(weightsync_publish_failures_total[{RATE}]))", "publish {{region}}/{{cluster}}"),
-            (f"sum by (job, region) (increase(weightsync_loop_errors_total[{RATE}]))", "loop {{job}} {{region}}"),
-        ], bars=True),
-        timeseries("Targets up", [
-            ('up{job=~"weightsync.*"}', "{{job}} {{instance}}"),
-        ], step=True),
+        timeseries(
+            "Checksum failures",
+            [
+                (
+                    f"sum by (region, subscriber) (increase(weightsync_checksum_failures_total{{{REGION}}}[{RATE}]))",
+                    "{{region}} {{subscriber}}",
+                ),
+            ],
+            width=8,
+            bars=True,
+            description="Data rejected by checksum verification (should stay zero).",
+        ),
+        timeseries(
+            "Swap hook failures",
+            [
+                (
+                    f"sum by (region, subscriber) (increase(weightsync_swap_hook_failures_total{{{REGION}}}[{RATE}]))",
+                    "{{region}} {{subscriber}}",
+                ),
+            ],
+            width=8,
+            bars=True,
+        ),
+        timeseries(
+            "Store retries",
+            [
+                (
+                    f"sum by (job, region, reason) (rate(weightsync_store_retries_total[{RATE}]))",
+                    "{{job}} {{region}} {{reason}}",
+                ),
+            ],
+            unit="ops",
+            width=8,
+            description="Retried store requests per second by reason (throttled, server_error, timeout, "
+            "connection, truncated, other); op= splits them by request kind.",
+        ),
+        timeseries(
+            "Publish failures and loop errors",
+            [
+                (
+                    f"sum by (region, cluster) (increase(weightsync_publish_failures_total[{RATE}]))",
+                    "publish {{region}}/{{cluster}}",
+                ),
+                (f"sum by (job, region) (increase(weightsync_loop_errors_total[{RATE}]))", "loop {{job}} {{region}}"),
+            ],
+            bars=True,
+        ),
+        timeseries(
+            "Targets up",
+            [
+                ('up{job=~"weightsync.*"}', "{{job}} {{instance}}"),
+            ],
+            step=True,
+        ),
         row("Processes"),
-        timeseries("Resident memory", [
-            (f"process_resident_memory_bytes{{{JOBS}}}", "{{job}} {{instance}}"),
-        ], unit="bytes", width=6, description="Resident set size of each publisher, subscriber and mirror process."),
-        timeseries("CPU", [
-            (f"rate(process_cpu_seconds_total{{{JOBS}}}[{RATE}])", "{{job}} {{instance}}"),
-        ], width=6, description="CPU seconds per second (cores busy) of each process."),
-        timeseries("Open file descriptors", [
-            (f"process_open_fds{{{JOBS}}} / process_max_fds{{{JOBS}}}", "{{job}} {{instance}}"),
-        ], unit="percentunit", width=6, description="Open file descriptors as a fraction of the process limit."),
-        timeseries("Versions running", [
-            ("count by (version) (weightsync_build_info)", "{{version}}"),
-        ], width=6, step=True, description="Processes per weightsync version (weightsync_build_info): more than one line "
-                                           "during a rollout."),
+        timeseries(
+            "Resident memory",
+            [
+                (f"process_resident_memory_bytes{{{JOBS}}}", "{{job}} {{instance}}"),
+            ],
+            unit="bytes",
+            width=6,
+            description="Resident set size of each publisher, subscriber and mirror process.",
+        ),
+        timeseries(
+            "CPU",
+            [
+                (f"rate(process_cpu_seconds_total{{{JOBS}}}[{RATE}])", "{{job}} {{instance}}"),
+            ],
+            width=6,
+            description="CPU seconds per second (cores busy) of each process.",
+        ),
+        timeseries(
+            "Open file descriptors",
+            [
+                (f"process_open_fds{{{JOBS}}} / process_max_fds{{{JOBS}}}", "{{job}} {{instance}}"),
+            ],
+            unit="percentunit",
+            width=6,
+            description="Open file descriptors as a fraction of the process limit.",
+        ),
+        timeseries(
+            "Versions running",
+            [
+                ("count by (version) (weightsync_build_info)", "{{version}}"),
+            ],
+            width=6,
+            step=True,
+            description="Processes per weightsync version (weightsync_build_info): more than one line "
+            "during a rollout.",
+        ),
     ]
 
 
@@ -233,21 +440,45 @@ def layout(items: list[dict]) -> list[dict]:
 
 
 def templating() -> dict:
-    return {"list": [
-        {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
-         "current": {}, "hide": 0, "refresh": 1, "regex": "", "options": []},
-        {"name": "region", "label": "Region", "type": "query", "datasource": DS,
-         "query": {"query": "label_values(weightsync_current_version, region)", "refId": "region"},
-         "definition": "label_values(weightsync_current_version, region)",
-         "includeAll": True, "multi": True, "allValue": ".*", "current": {}, "hide": 0, "refresh": 2, "sort": 1, "options": []},
-    ]}
+    return {
+        "list": [
+            {
+                "name": "datasource",
+                "label": "Data source",
+                "type": "datasource",
+                "query": "prometheus",
+                "current": {},
+                "hide": 0,
+                "refresh": 1,
+                "regex": "",
+                "options": [],
+            },
+            {
+                "name": "region",
+                "label": "Region",
+                "type": "query",
+                "datasource": DS,
+                "query": {"query": "label_values(weightsync_current_version, region)", "refId": "region"},
+                "definition": "label_values(weightsync_current_version, region)",
+                "includeAll": True,
+                "multi": True,
+                "allValue": ".*",
+                "current": {},
+                "hide": 0,
+                "refresh": 2,
+                "sort": 1,
+                "options": [],
+            },
+        ]
+    }
 
 
 def build() -> dict:
     return {
         "uid": "weightsync",
         "title": "weightsync",
-        "description": "Cross-region weight delta sync: publishing, transfer, fleet versions, latency, mirrors, errors.",
+        "description": "Cross-region weight delta sync: publishing, transfer, fleet versions, latency, mirrors, "
+        "errors.",
         "tags": ["weightsync"],
         "timezone": "browser",
         "editable": True,
@@ -256,11 +487,19 @@ def build() -> dict:
         "time": {"from": "now-3h", "to": "now"},
         "schemaVersion": 39,
         "version": 1,
-        "annotations": {"list": [
-            {"name": "New version", "datasource": DS, "enable": True, "iconColor": "blue",
-             "expr": "changes(max(weightsync_published_version)[2m:]) > 0", "step": "30s",
-             "titleFormat": "version published"},
-        ]},
+        "annotations": {
+            "list": [
+                {
+                    "name": "New version",
+                    "datasource": DS,
+                    "enable": True,
+                    "iconColor": "blue",
+                    "expr": "changes(max(weightsync_published_version)[2m:]) > 0",
+                    "step": "30s",
+                    "titleFormat": "version published",
+                },
+            ]
+        },
         "templating": templating(),
         "panels": layout(panels()),
     }

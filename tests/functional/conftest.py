@@ -101,8 +101,15 @@ CliResult = tuple[int, str, str]
 
 
 def _run(args, env, timeout, cwd=None) -> CliResult:
-    proc = subprocess.run([sys.executable, "-m", "weightsync.cli", *map(str, args)],
-                          check=False, capture_output=True, text=True, env=env, timeout=timeout, cwd=cwd)
+    proc = subprocess.run(
+        [sys.executable, "-m", "weightsync.cli", *map(str, args)],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=cwd,
+    )
     return proc.returncode, proc.stdout, proc.stderr
 
 
@@ -116,7 +123,8 @@ def cli_env(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def run_cli(cli_env) -> Callable[..., CliResult]:
-    """``run_cli(*args, timeout=120, cwd=None)`` runs ``python -m weightsync.cli *args``; returns (rc, stdout, stderr)."""
+    """``run_cli(*args, timeout=120, cwd=None)`` runs ``python -m weightsync.cli *args``; returns (rc, stdout, "
+    "stderr)."""
 
     def run(*args, timeout: float = 120, cwd=None) -> CliResult:
         return _run(args, cli_env, timeout, cwd)
@@ -173,7 +181,14 @@ def error_line(stderr: str) -> str:
 def ws():
     """The helpers above for test modules (they cannot import this conftest reliably by name)."""
     return types.SimpleNamespace(
-        sha256_file=sha256_file, snapshot=snapshot, content=content, entries=entries,
-        expected_entries=expected_entries, assert_replica=assert_replica, flip_byte=flip_byte,
-        tensor_data_offset=tensor_data_offset, error_line=error_line, TINY=TINY,
+        sha256_file=sha256_file,
+        snapshot=snapshot,
+        content=content,
+        entries=entries,
+        expected_entries=expected_entries,
+        assert_replica=assert_replica,
+        flip_byte=flip_byte,
+        tensor_data_offset=tensor_data_offset,
+        error_line=error_line,
+        TINY=TINY,
     )

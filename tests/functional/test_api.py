@@ -36,10 +36,30 @@ def world(tmp_path_factory):
     for ckpt in traj:
         weightsync.publish(ckpt, tmp / "store")
     env = {"WEIGHTSYNC_API_TOKEN": TOKEN}
-    sub = Daemon("subscriber", ["--store", tmp / "store", "--target", tmp / "sub", "--no-fsync", "--id", "api-sub",
-                                "--ledger-interval", "0.2"], tmp, env=env, token=TOKEN).start()
-    pub = Daemon("publisher", ["--store", tmp / "store", "--watch", tmp / "watch", "--state-dir", tmp / "st"],
-                 tmp, env=env, token=TOKEN).start()
+    sub = Daemon(
+        "subscriber",
+        [
+            "--store",
+            tmp / "store",
+            "--target",
+            tmp / "sub",
+            "--no-fsync",
+            "--id",
+            "api-sub",
+            "--ledger-interval",
+            "0.2",
+        ],
+        tmp,
+        env=env,
+        token=TOKEN,
+    ).start()
+    pub = Daemon(
+        "publisher",
+        ["--store", tmp / "store", "--watch", tmp / "watch", "--state-dir", tmp / "st"],
+        tmp,
+        env=env,
+        token=TOKEN,
+    ).start()
     try:
         sub.wait_version(2)
         yield tmp, sub, pub
@@ -55,7 +75,13 @@ def test_openapi_documents_are_valid(role, auth):
     doc = openapi_document(role, auth)
     validate(doc)
     ops = {(m.upper(), p) for p, item in doc["paths"].items() for m in item}
-    common = {("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/metrics"), ("GET", "/v1/status"), ("GET", "/v1/versions")}
+    common = {
+        ("GET", "/healthz"),
+        ("GET", "/readyz"),
+        ("GET", "/metrics"),
+        ("GET", "/v1/status"),
+        ("GET", "/v1/versions"),
+    }
     extra = {("PUT", "/v1/target")} if role == "subscriber" else {("POST", "/v1/publish"), ("GET", "/v1/fleet")}
     assert ops == common | extra
     for p, item in doc["paths"].items():
@@ -75,9 +101,15 @@ def _fuzz(daemon: Daemon, max_examples: int) -> list[str]:
         labels.append(op.label)
         statuses: dict[GenerationMode, set[int]] = {m: set() for m in GenerationMode}
         for mode in GenerationMode:
+
             @given(case=op.as_strategy(generation_mode=mode))
-            @settings(max_examples=max_examples, deadline=None, database=None, derandomize=True,
-                      suppress_health_check=list(HealthCheck))
+            @settings(
+                max_examples=max_examples,
+                deadline=None,
+                database=None,
+                derandomize=True,
+                suppress_health_check=list(HealthCheck),
+            )
             def run(case):
                 statuses[mode].add(case.call_and_validate(base_url=daemon.url).status_code)
 
@@ -111,8 +143,15 @@ def test_explicit_calls(world):
     # subscriber: pin, bad bodies, unknown version, back to latest
     assert sub.put_target(1)["target"] == 1
     sub.wait_version(1)
-    for body, code in (({"version": -1}, 400), ({"version": "1"}, 400), ({"version": 1, "x": 2}, 400), ({}, 400),
-                       (b"not json", 400), ({"version": 99}, 404), ({"version": True}, 400)):
+    for body, code in (
+        ({"version": -1}, 400),
+        ({"version": "1"}, 400),
+        ({"version": 1, "x": 2}, 400),
+        ({}, 400),
+        (b"not json", 400),
+        ({"version": 99}, 404),
+        ({"version": True}, 400),
+    ):
         got, doc, _ = http("PUT", sub.url + "/v1/target", body, token=TOKEN)
         assert got == code and "error" in doc, (body, got, doc)
     assert sub.put_target("latest")["target"] == "latest"
@@ -133,8 +172,13 @@ def test_explicit_calls(world):
     (tmp / "watch" / "empty").mkdir()
     code, doc, _ = http("POST", pub.url + "/v1/publish", {"path": str(tmp / "watch" / "empty")}, token=TOKEN)
     assert code == 422 and "empty" in doc["error"], doc
-    fleet = wait_for(lambda: (f := pub.get("/v1/fleet")[1]) and f["subscribers"] and f["subscribers"][0]["current_version"] == 5 and f,
-                     15, "the subscriber to reach version 5 in the ledger")
+    fleet = wait_for(
+        lambda: (
+            (f := pub.get("/v1/fleet")[1]) and f["subscribers"] and f["subscribers"][0]["current_version"] == 5 and f
+        ),
+        15,
+        "the subscriber to reach version 5 in the ledger",
+    )
     assert fleet["head_version"] == 5 and fleet["subscribers"][0]["id"] == "api-sub" and fleet["errors"] == []
     assert pub.status()["head_version"] == 5
 
@@ -152,12 +196,23 @@ def test_metrics_pass_promtool(world):
 MALFORMED = {  # body -> the status it must get; the path and version are valid where the test is not about them
     "deep array": (b"[" * 200_000 + b"]" * 200_000, 400),
     "deep object": (b'{"a":' * 100_000 + b"1" + b"}" * 100_000, 400),
-    "deep value": (b'{"path": ' + b"[" * 100_000 + b"]" * 100_000 + b', "version": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400),
-    "array": (b"[]", 400), "string": (b'"x"', 400), "number": (b"1", 400), "null": (b"null", 400), "empty": (b"", 400),
-    "not utf-8": (b'{"path": "\xff"}', 400), "huge number": (b'{"version": ' + b"9" * 100_000 + b"}", 400),
-    "nan": (b'{"path": "/x", "version": NaN}', 400), "bool version": (b'{"path": "/x", "version": true}', 400),
-    "float version": (b'{"path": "/x", "version": 1.5}', 400), "wrong path": (b'{"path": ["/x"], "version": 1}', 400),
-    "too large": (b'{"path": "' + b"a" * (2 << 20) + b'"}', 413), "long path": (b'{"path": "' + b"/a" * 300_000 + b'"}', 400),
+    "deep value": (
+        b'{"path": ' + b"[" * 100_000 + b"]" * 100_000 + b', "version": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        400,
+    ),
+    "array": (b"[]", 400),
+    "string": (b'"x"', 400),
+    "number": (b"1", 400),
+    "null": (b"null", 400),
+    "empty": (b"", 400),
+    "not utf-8": (b'{"path": "\xff"}', 400),
+    "huge number": (b'{"version": ' + b"9" * 100_000 + b"}", 400),
+    "nan": (b'{"path": "/x", "version": NaN}', 400),
+    "bool version": (b'{"path": "/x", "version": true}', 400),
+    "float version": (b'{"path": "/x", "version": 1.5}', 400),
+    "wrong path": (b'{"path": ["/x"], "version": 1}', 400),
+    "too large": (b'{"path": "' + b"a" * (2 << 20) + b'"}', 413),
+    "long path": (b'{"path": "' + b"/a" * 300_000 + b'"}', 400),
 }
 
 
@@ -185,9 +240,23 @@ def test_publish_takes_only_a_strict_subfolder_of_a_root(world):
         link.symlink_to(to, target_is_directory=True)
     head = pub.status()["head_version"]
     try:
-        for path in (watch, f"{watch}/", f"{watch}//", f"{watch}/.", f"{watch}/step_000001/..", f"{watch}/./step_000001/../.",
-                     f"{watch}/../{watch.name}", watch / "loop", f"{watch}/loop/", watch / "escape", watch / "up",
-                     f"{watch}/up/{watch.name}", tmp, "/", outside):
+        for path in (
+            watch,
+            f"{watch}/",
+            f"{watch}//",
+            f"{watch}/.",
+            f"{watch}/step_000001/..",
+            f"{watch}/./step_000001/../.",
+            f"{watch}/../{watch.name}",
+            watch / "loop",
+            f"{watch}/loop/",
+            watch / "escape",
+            watch / "up",
+            f"{watch}/up/{watch.name}",
+            tmp,
+            "/",
+            outside,
+        ):
             code, doc, _ = http("POST", pub.url + "/v1/publish", {"path": str(path)}, token=TOKEN)
             assert code == 403 and "\n" not in doc["error"], (path, code, doc)
         assert pub.status()["head_version"] == head and weightsync.open_repo(tmp / "store").head_version() == head

@@ -117,14 +117,19 @@ def small_store(tmp_path_factory, ok_cli):
 
 
 def _drive(cli_env, kind: str, n: int, out: Path, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", DRIVER, kind, str(n), str(out), *map(str, args)],
-                          check=False, capture_output=True, text=True, env=cli_env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", DRIVER, kind, str(n), str(out), *map(str, args)],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=cli_env,
+        timeout=120,
+    )
 
 
 # Staging kills must leave version 0 as it was; from the journal on, recovery rolls forward to 1.
 # Version 1 installs 5 files (3 shards, new_only.bin, sub/new.txt) and removes 2.
-KILL_POINTS = [("fsync", 1, 0), ("fsync", 5, 0), ("journal", 1, 1), ("rename", 1, 1), ("rename", 4, 1),
-               ("state", 1, 1)]
+KILL_POINTS = [("fsync", 1, 0), ("fsync", 5, 0), ("journal", 1, 1), ("rename", 1, 1), ("rename", 4, 1), ("state", 1, 1)]
 
 
 @pytest.mark.parametrize("kind,n,expect", KILL_POINTS, ids=[f"{k}{n}" for k, n, _ in KILL_POINTS])
@@ -162,7 +167,9 @@ def test_recovery_by_the_next_pull(small_store, tmp_path, cli_env, run_cli, ws):
     store, versions, at_v0 = small_store
     out = tmp_path / "out"
     shutil.copytree(at_v0, out)
-    assert _drive(cli_env, "rename", 2, out, "pull", "--store", store, "--version", 1, out).returncode == -signal.SIGKILL
+    assert (
+        _drive(cli_env, "rename", 2, out, "pull", "--store", store, "--version", 1, out).returncode == -signal.SIGKILL
+    )
     rc, _, stderr = run_cli("pull", "--store", store, "--version", 0, out)
     assert rc == 0, stderr
     assert "from version 1:" in stderr
@@ -191,8 +198,10 @@ def big_store(tmp_path_factory, ok_cli):
     of the elements changing per version, so a pull from 0 to 2 decodes and rewrites everything."""
     root = tmp_path_factory.mktemp("big")
     rng = np.random.default_rng(5)
-    shards = {f"model-{k:05d}-of-00004.safetensors": [rng.standard_normal(1 << 20, dtype=np.float32) for _ in range(4)]
-              for k in range(4)}
+    shards = {
+        f"model-{k:05d}-of-00004.safetensors": [rng.standard_normal(1 << 20, dtype=np.float32) for _ in range(4)]
+        for k in range(4)
+    }
     store, versions = root / "store", []
     for v in range(3):
         d = root / "src" / f"v{v}"
@@ -200,7 +209,9 @@ def big_store(tmp_path_factory, ok_cli):
         for fname, tensors in shards.items():
             for t in tensors if v else ():
                 t[rng.integers(0, t.size, t.size // 3)] += np.float32(1e-3)
-            write_safetensors(d / fname, {f"{fname[:11]}.w{j}": ("F32", t.shape, t.tobytes()) for j, t in enumerate(tensors)})
+            write_safetensors(
+                d / fname, {f"{fname[:11]}.w{j}": ("F32", t.shape, t.tobytes()) for j, t in enumerate(tensors)}
+            )
         (d / "config.json").write_text(json.dumps({"version": v}))
         base = ["--base", versions[-1]] if versions else []
         ok_cli("publish", d, "--store", store, "--no-cache", *base, timeout=300)
@@ -229,9 +240,12 @@ def test_random_kills_during_pull(big_store, tmp_path, cli_env, run_cli, ok_cli,
     outcomes = []
     for i in range(rounds):
         old, new = (0, 2) if i % 2 == 0 else (2, 0)
-        proc = subprocess.Popen([sys.executable, "-m", "weightsync.cli", "pull", "--store", str(store),
-                                 "--version", str(new), str(out)], env=cli_env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "weightsync.cli", "pull", "--store", str(store), "--version", str(new), str(out)],
+            env=cli_env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         deadline = time.monotonic() + 60
         while not _started(out) and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.001)

@@ -44,7 +44,7 @@ def _shard(ckpt: Path) -> Path:
 def _header(path: Path) -> tuple[dict, bytes]:
     raw = path.read_bytes()
     n = int.from_bytes(raw[:8], "little")
-    return json.loads(raw[8:8 + n]), raw[8 + n:]
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
 
 
 def _rewrite(path: Path, header: dict | bytes, data: bytes) -> None:
@@ -147,9 +147,20 @@ def _bad_metadata(p: Path) -> None:
 
 
 CORRUPTIONS = [
-    _truncate_half, _truncate_tail, _tiny_file, _huge_header_length, _garbage_header, _header_not_utf8,
-    _offsets_past_end, _offsets_overlap, _offsets_swapped, _offsets_do_not_fit_shape, _unknown_dtype,
-    _duplicate_tensor, _trailing_bytes, _bad_metadata,
+    _truncate_half,
+    _truncate_tail,
+    _tiny_file,
+    _huge_header_length,
+    _garbage_header,
+    _header_not_utf8,
+    _offsets_past_end,
+    _offsets_overlap,
+    _offsets_swapped,
+    _offsets_do_not_fit_shape,
+    _unknown_dtype,
+    _duplicate_tensor,
+    _trailing_bytes,
+    _bad_metadata,
 ]
 
 

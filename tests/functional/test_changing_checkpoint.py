@@ -59,8 +59,21 @@ def template(tmp_path_factory) -> Path:
     _checkpoint(root / "step0", 0)
     _checkpoint(root / "step1", 1)
     _checkpoint(root / "other", 2, {"note": "x" * 200})
-    rc = subprocess.run([sys.executable, "-m", "weightsync.cli", "publish", root / "step0", "--store",
-                         f"file://{root / 'store'}", "--no-cache"], capture_output=True, text=True, check=False)
+    rc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "weightsync.cli",
+            "publish",
+            root / "step0",
+            "--store",
+            f"file://{root / 'store'}",
+            "--no-cache",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert rc.returncode == 0, rc.stderr
     return root
 
@@ -133,15 +146,22 @@ def _run(template: Path, tmp_path: Path, cli_env: dict, mutate, when) -> tuple[i
     shard = ckpt / SHARD
     before = shard.read_bytes()
     env = dict(cli_env, TMPDIR=str(tmpdir))
-    proc = subprocess.Popen([sys.executable, "-m", "weightsync.cli", "publish", ckpt, "--store", f"file://{store}",
-                             "--no-cache"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "weightsync.cli", "publish", ckpt, "--store", f"file://{store}", "--no-cache"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         pulling_base = lambda: any(n.startswith("weightsync-base-") for n in os.listdir(tmpdir))  # noqa: E731
         shard_open = lambda: _open_by(proc.pid, str(shard))  # noqa: E731
         if when == "before-open":
             assert _wait(proc, pulling_base), "the publisher never pulled its delta base"
         elif when == "at-open":
-            assert _wait(proc, pulling_base) and _wait(proc, shard_open), "the publisher never opened the shard to read it"
+            assert _wait(proc, pulling_base) and _wait(proc, shard_open), (
+                "the publisher never opened the shard to read it"
+            )
         else:
             time.sleep(when)
         was_open = shard_open() if proc.poll() is None else None
@@ -175,8 +195,10 @@ def _check_outcome(rc: int, err: str, truth: dict, store: Path, out: Path, run_c
     got = (out / SHARD).read_bytes() if (out / SHARD).exists() else None
     if got == truth["before"]:
         return "before"
-    assert got == truth["after"], (f"version 1 holds a torn shard ({None if got is None else len(got)} bytes): "
-                                   "neither the file before the change nor after it")
+    assert got == truth["after"], (
+        f"version 1 holds a torn shard ({None if got is None else len(got)} bytes): "
+        "neither the file before the change nor after it"
+    )
     return "after"
 
 
@@ -201,7 +223,9 @@ def test_a_shard_changed_while_it_is_read(mutate, template, tmp_path, cli_env, r
 
 @pytest.mark.parametrize("delay", [0.5, 1.3])
 @pytest.mark.parametrize("mutate", MUTATIONS, ids=lambda f: f.__name__.lstrip("_"))
-def test_a_shard_changed_at_any_time_commits_only_a_consistent_file(mutate, delay, template, tmp_path, cli_env, run_cli):
+def test_a_shard_changed_at_any_time_commits_only_a_consistent_file(
+    mutate, delay, template, tmp_path, cli_env, run_cli
+):
     """Changed at a delay after the start (anywhere: before the scan, during it, during the pull of
     the base, the read, the upload): exit 0 only with a whole file in the version."""
     rc, err, _, truth = _run(template, tmp_path, cli_env, mutate, delay)

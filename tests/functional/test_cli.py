@@ -18,10 +18,40 @@ import pytest
 
 from weightsync.demo import write_safetensors
 
-DTYPES = ["BOOL", "U8", "I8", "I16", "U16", "I32", "U32", "I64", "U64",
-          "F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"]
-WIDTH = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-         "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+DTYPES = [
+    "BOOL",
+    "U8",
+    "I8",
+    "I16",
+    "U16",
+    "I32",
+    "U32",
+    "I64",
+    "U64",
+    "F16",
+    "BF16",
+    "F32",
+    "F64",
+    "F8_E4M3",
+    "F8_E5M2",
+]
+WIDTH = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
 UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 # Bit patterns that float arithmetic would lose or merge: NaNs with payloads and signs, -0.0, +0.0,
@@ -30,8 +60,17 @@ SPECIALS = {
     "F16": [0x7E01, 0xFE02, 0x7C01, 0x8000, 0x0000, 0x7C00, 0xFC00, 0x0001, 0x8001],
     "BF16": [0x7FC1, 0xFFC2, 0x7F81, 0x8000, 0x0000, 0x7F80, 0xFF80, 0x0001, 0x8001],
     "F32": [0x7FC00001, 0xFFC00002, 0x7F800001, 0x80000000, 0, 0x7F800000, 0xFF800000, 1, 0x80000001],
-    "F64": [0x7FF8000000000001, 0xFFF8000000000002, 0x7FF0000000000001, 0x8000000000000000, 0,
-            0x7FF0000000000000, 0xFFF0000000000000, 1, 0x8000000000000001],
+    "F64": [
+        0x7FF8000000000001,
+        0xFFF8000000000002,
+        0x7FF0000000000001,
+        0x8000000000000000,
+        0,
+        0x7FF0000000000000,
+        0xFFF0000000000000,
+        1,
+        0x8000000000000001,
+    ],
     "F8_E4M3": [0x7F, 0xFF, 0x80, 0x00, 0x01, 0x81],
     "F8_E5M2": [0x7D, 0xFE, 0x7F, 0x80, 0x00, 0x7C, 0xFC, 0x01, 0x81],
 }
@@ -83,7 +122,9 @@ def test_publish_versions_and_pull_each(trajectory, tmp_path, ok_cli, ws):
 
 def _pull_counts(stderr: str) -> tuple[str, float, int, int]:
     """(source, bytes fetched, files written, files kept) from pull's summary line."""
-    m = re.search(r"from (empty folder|version \d+): ([\d.]+) (B|KiB|MiB|GiB) fetched, (\d+) files written, (\d+) kept", stderr)
+    m = re.search(
+        r"from (empty folder|version \d+): ([\d.]+) (B|KiB|MiB|GiB) fetched, (\d+) files written, (\d+) kept", stderr
+    )
     assert m, stderr
     fetched = float(m.group(2)) * 1024 ** ["B", "KiB", "MiB", "GiB"].index(m.group(3))
     return m.group(1), fetched, int(m.group(4)), int(m.group(5))
@@ -211,7 +252,11 @@ def test_verify_exit_code_tells_could_not_check_from_differs(published, tmp_path
     rc, _, err = run_cli("verify", "--store", url, "--version", "two", out)
     assert rc == 2 and "usage:" in err, err
     rc, help_text, _ = run_cli("verify", "--help")
-    assert rc == 0 and f"{VERIFY_DIFFERS}  DIR does not hold it" in help_text and f"{VERIFY_UNCHECKED}  could not check" in help_text
+    assert (
+        rc == 0
+        and f"{VERIFY_DIFFERS}  DIR does not hold it" in help_text
+        and f"{VERIFY_UNCHECKED}  could not check" in help_text
+    )
 
 
 def test_verify_exits_3_when_a_file_cannot_be_read(published, tmp_path, ok_cli, monkeypatch, capsys):
@@ -347,9 +392,16 @@ def _evolving_checkpoints(root: Path) -> list[Path]:
         return d
 
     d = ckpt(0)  # a (F32 8x8), b (BF16 32), step (I64 scalar), w (F32 256); tokenizer files
-    write_safetensors(d / "model.safetensors", {"a": ("F32", (8, 8), a), "b": ("BF16", (32,), b),
-                                                "step": ("I64", (), np.int64(0).tobytes()),
-                                                "w": ("F32", (256,), w.tobytes())}, {"format": "pt"})
+    write_safetensors(
+        d / "model.safetensors",
+        {
+            "a": ("F32", (8, 8), a),
+            "b": ("BF16", (32,), b),
+            "step": ("I64", (), np.int64(0).tobytes()),
+            "w": ("F32", (256,), w.tobytes()),
+        },
+        {"format": "pt"},
+    )
     (d / "config.json").write_text('{"v": 0}\n')
     (d / "tokenizer").mkdir()
     (d / "tokenizer" / "vocab.txt").write_text("a\nb\nc\n")
@@ -358,9 +410,16 @@ def _evolving_checkpoints(root: Path) -> list[Path]:
 
     d = ckpt(1)  # a reshaped, b becomes F16, step disappears, c appears, w slightly changed
     w[::17] ^= 1
-    write_safetensors(d / "model.safetensors", {"c": ("I32", (3, 2), _rand(rng, 24)),
-                                                "w": ("F32", (256,), w.tobytes()),
-                                                "a": ("F32", (4, 16), a), "b": ("F16", (32,), b)}, {"format": "pt"})
+    write_safetensors(
+        d / "model.safetensors",
+        {
+            "c": ("I32", (3, 2), _rand(rng, 24)),
+            "w": ("F32", (256,), w.tobytes()),
+            "a": ("F32", (4, 16), a),
+            "b": ("F16", (32,), b),
+        },
+        {"format": "pt"},
+    )
     (d / "config.json").write_text('{"v": 1, "more": true}\n')
     (d / "tokenizer").mkdir()
     (d / "tokenizer" / "vocab.txt").write_text("a\nb\nc\n")
@@ -369,9 +428,16 @@ def _evolving_checkpoints(root: Path) -> list[Path]:
 
     d = ckpt(2)  # a grows, b changes dtype and shape, extra file gone, tokenizer dir gone, w again
     w[::5] += 3
-    write_safetensors(d / "model.safetensors", {"a": ("F32", (8, 16), a + a), "b": ("U16", (2, 16), b),
-                                                "c": ("I32", (3, 2), _rand(rng, 24)),
-                                                "w": ("F32", (256,), w.tobytes())}, {"format": "pt", "step": "2"})
+    write_safetensors(
+        d / "model.safetensors",
+        {
+            "a": ("F32", (8, 16), a + a),
+            "b": ("U16", (2, 16), b),
+            "c": ("I32", (3, 2), _rand(rng, 24)),
+            "w": ("F32", (256,), w.tobytes()),
+        },
+        {"format": "pt", "step": "2"},
+    )
     (d / "config.json").write_text('{"v": 2}\n')
 
     d = ckpt(3)  # tensors all replaced by empty and scalar ones, a zero-byte file, a nested shard
@@ -382,9 +448,16 @@ def _evolving_checkpoints(root: Path) -> list[Path]:
     write_safetensors(d / "sub" / "deeper" / "w.safetensors", {"w": ("F32", (16, 16), w.tobytes())})
 
     d = ckpt(4)  # back to something like v1
-    write_safetensors(d / "model.safetensors", {"c": ("I32", (3, 2), _rand(rng, 24)),
-                                                "w": ("F32", (256,), w.tobytes()),
-                                                "a": ("F32", (4, 16), a), "b": ("F16", (32,), b)}, {"format": "pt"})
+    write_safetensors(
+        d / "model.safetensors",
+        {
+            "c": ("I32", (3, 2), _rand(rng, 24)),
+            "w": ("F32", (256,), w.tobytes()),
+            "a": ("F32", (4, 16), a),
+            "b": ("F16", (32,), b),
+        },
+        {"format": "pt"},
+    )
     (d / "config.json").write_text('{"v": 4}\n')
     return versions
 
@@ -502,9 +575,11 @@ def _safetensors_lib_file(path: Path, mutate: bool) -> None:
 def _raw_safetensors(path: Path, mutate: bool) -> None:
     """A legal file in an unusual spelling: spaces in the JSON, keys not in offset order, odd padding."""
     data = bytes(range(48)) if not mutate else bytes(range(1, 49))
-    header = (b'{ "z_first" : {"data_offsets":[16,48], "shape":[8], "dtype":"F32"},\n'
-              b'  "__metadata__": {"note": "h\\u00e9llo", "empty": ""},\n'
-              b'  "a_last": {"dtype":"I64","shape":[2],"data_offsets":[0,16]} }')
+    header = (
+        b'{ "z_first" : {"data_offsets":[16,48], "shape":[8], "dtype":"F32"},\n'
+        b'  "__metadata__": {"note": "h\\u00e9llo", "empty": ""},\n'
+        b'  "a_last": {"dtype":"I64","shape":[2],"data_offsets":[0,16]} }'
+    )
     header += b"\t" * (-len(header) % 8)
     path.write_bytes(len(header).to_bytes(8, "little") + header + data)
 
@@ -581,11 +656,19 @@ def test_demo_default(tmp_path, ok_cli):
 def _peak_rss_bytes(cli_env, *args) -> int:
     """Run one CLI command alone and return its peak resident set size."""
     # a parent that waits for the command alone: its RUSAGE_CHILDREN peak is the command's (KiB on Linux)
-    code = ("import resource, subprocess, sys; "
-            "rc = subprocess.call(sys.argv[1:]); "
-            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(rc)")
-    proc = subprocess.run([sys.executable, "-c", code, sys.executable, "-m", "weightsync.cli", *map(str, args)],
-                          check=False, capture_output=True, text=True, env=cli_env, timeout=600)
+    code = (
+        "import resource, subprocess, sys; "
+        "rc = subprocess.call(sys.argv[1:]); "
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(rc)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, sys.executable, "-m", "weightsync.cli", *map(str, args)],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=cli_env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr
     return int(proc.stdout.strip().splitlines()[-1]) * 1024
 
@@ -604,7 +687,10 @@ def test_memory_bounded_by_largest_tensor(tmp_path, cli_env, ws):
         if v:
             idx = rng.integers(0, n, n // 10)
             big[idx] += np.float32(1e-3)
-        write_safetensors(d / "model.safetensors", {"big": ("F32", (n,), big.view(np.uint8).data), "small": ("F32", (1000,), small.tobytes())})
+        write_safetensors(
+            d / "model.safetensors",
+            {"big": ("F32", (n,), big.view(np.uint8).data), "small": ("F32", (1000,), small.tobytes())},
+        )
         (d / "config.json").write_text("{}")
         dirs.append(d)
     del big

@@ -37,8 +37,13 @@ def run_on_a_terminal(args, env: dict) -> tuple[int, str, str]:
     tqdm never shortens a bar labelled with a long temporary path: (rc, stdout, stderr)."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 400, 0, 0))
-    proc = subprocess.Popen([sys.executable, "-m", "weightsync.cli", *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=slave, stdin=subprocess.DEVNULL, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "weightsync.cli", *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=slave,
+        stdin=subprocess.DEVNULL,
+        env=env,
+    )
     os.close(slave)
     chunks: list[bytes] = []
 
@@ -86,8 +91,14 @@ def test_progress_bar_on_a_terminal_and_its_off_switches(trajectory, tmp_path, c
     rc, _, err = run_on_a_terminal(["pull", "--store", store, out], {**env, "TQDM_DISABLE": "1"})
     assert rc == 0 and not bars(err) and "pulled version 1" in err, err
 
-    proc = subprocess.run([sys.executable, "-m", "weightsync.cli", "publish", str(trajectory[2]), "--store", str(store),
-                           "--no-cache"], check=False, capture_output=True, text=True, env=env, timeout=120)  # stderr: a pipe
+    proc = subprocess.run(
+        [sys.executable, "-m", "weightsync.cli", "publish", str(trajectory[2]), "--store", str(store), "--no-cache"],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )  # stderr: a pipe
     assert proc.returncode == 0 and not bars(proc.stderr) and "%|" not in proc.stderr, proc.stderr
 
 
@@ -119,10 +130,23 @@ def test_every_long_command_has_the_off_switch(run_cli):
 def complete(line: str, env: dict) -> list[str]:
     """The candidates the entry point offers for the cursor at the end of ``line`` (argcomplete's
     protocol: the shell's fd 8 receives them; here it is the pipe we read, stdout goes nowhere)."""
-    env = {**env, "_ARGCOMPLETE": "1", "_ARGCOMPLETE_IFS": IFS, "COMP_LINE": line, "COMP_POINT": str(len(line)),
-           "COMP_TYPE": "9"}
-    proc = subprocess.run(["sh", "-c", 'exec "$@" 8>&1 >/dev/null', "sh", sys.executable, "-m", "weightsync.cli"],
-                          check=False, stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env, timeout=60)
+    env = {
+        **env,
+        "_ARGCOMPLETE": "1",
+        "_ARGCOMPLETE_IFS": IFS,
+        "COMP_LINE": line,
+        "COMP_POINT": str(len(line)),
+        "COMP_TYPE": "9",
+    }
+    proc = subprocess.run(
+        ["sh", "-c", 'exec "$@" 8>&1 >/dev/null', "sh", sys.executable, "-m", "weightsync.cli"],
+        check=False,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     return sorted(c for c in proc.stdout.split(IFS) if c)
 
@@ -152,7 +176,8 @@ import weightsync
 assert "torch" not in sys.modules, "import weightsync imported torch"
 from weightsync import StateDictPublisher, commit_parts, publish_part, publish_state_dict
 import weightsync.parts, weightsync.publisher
-assert publish_state_dict is weightsync.publisher.publish_state_dict and StateDictPublisher is weightsync.publisher.StateDictPublisher
+assert publish_state_dict is weightsync.publisher.publish_state_dict
+assert StateDictPublisher is weightsync.publisher.StateDictPublisher
 assert publish_part is weightsync.parts.publish_part and commit_parts is weightsync.parts.commit_parts
 assert "torch" not in sys.modules, "the torch-free entry points imported torch"
 namespace = {}

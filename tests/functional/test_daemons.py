@@ -104,15 +104,22 @@ class Daemon:
     def start(self) -> Daemon:
         seen = len(self.log())  # a restart appends to the same log: look only at what follows
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "weightsync.cli", *self.args], stdout=log,
-                                     stderr=subprocess.STDOUT, env=self.env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "weightsync.cli", *self.args], stdout=log, stderr=subprocess.STDOUT, env=self.env
+        )
         log.close()
-        bound = wait_for(lambda: self._alive() and re.search(r"listening.*?http://127\.0\.0\.1:(\d+)", self.log()[seen:]), 20,
-                         f"{self.role} to log its port\n{self.log()}")
+        bound = wait_for(
+            lambda: self._alive() and re.search(r"listening.*?http://127\.0\.0\.1:(\d+)", self.log()[seen:]),
+            20,
+            f"{self.role} to log its port\n{self.log()}",
+        )
         self.port = int(bound.group(1))
         self.url = f"http://127.0.0.1:{self.port}"
-        wait_for(lambda: self._alive() and http("GET", self.url + "/healthz", timeout=1)[0] == 200, 20,
-                 f"{self.role} to answer /healthz\n{self.log()}")
+        wait_for(
+            lambda: self._alive() and http("GET", self.url + "/healthz", timeout=1)[0] == 200,
+            20,
+            f"{self.role} to answer /healthz\n{self.log()}",
+        )
         return self
 
     def _alive(self) -> bool:
@@ -134,8 +141,11 @@ class Daemon:
         return body
 
     def wait_version(self, version: int, timeout: float = 30.0) -> dict:
-        return wait_for(lambda: (s := self.status())["current_version"] == version and s["state"] == "serving" and s,
-                        timeout, f"{self.role} to serve version {version}\n{self.log()}")
+        return wait_for(
+            lambda: (s := self.status())["current_version"] == version and s["state"] == "serving" and s,
+            timeout,
+            f"{self.role} to serve version {version}\n{self.log()}",
+        )
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
         if self.proc is None or self.proc.poll() is not None:
@@ -197,7 +207,9 @@ class HookServer:
             await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
             self._started.set()
 
-        self._thread = threading.Thread(target=lambda: (self._loop.run_until_complete(main()), self._loop.run_forever()), daemon=True)
+        self._thread = threading.Thread(
+            target=lambda: (self._loop.run_until_complete(main()), self._loop.run_forever()), daemon=True
+        )
         self._thread.start()
         assert self._started.wait(10)
 
@@ -223,13 +235,31 @@ def tensor_bytes(folder: Path) -> dict[str, bytes]:
 def verify_current(store: str, target: Path, version: int, checkpoint: Path) -> None:
     """``target/current`` holds ``version`` byte for byte: ``weightsync verify`` and a comparison with
     the checkpoint folder it was published from."""
-    proc = subprocess.run([sys.executable, "-m", "weightsync.cli", "verify", "--store", store, "--version", str(version),
-                           str(target / "current")], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "weightsync.cli",
+            "verify",
+            "--store",
+            store,
+            "--version",
+            str(version),
+            str(target / "current"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     live = target / "current"
     assert os.readlink(live) in ("slots/a", "slots/b")
-    files = sorted(p.relative_to(checkpoint).as_posix() for p in checkpoint.rglob("*") if p.is_file() and p.name != "COMPLETE")
-    assert sorted(p.relative_to(live).as_posix() for p in live.rglob("*") if p.is_file() and ".weightsync" not in p.parts) == files
+    files = sorted(
+        p.relative_to(checkpoint).as_posix() for p in checkpoint.rglob("*") if p.is_file() and p.name != "COMPLETE"
+    )
+    assert (
+        sorted(p.relative_to(live).as_posix() for p in live.rglob("*") if p.is_file() and ".weightsync" not in p.parts)
+        == files
+    )
     for f in files:
         assert (live / f).read_bytes() == (checkpoint / f).read_bytes(), f
 
@@ -241,13 +271,29 @@ def test_two_subscribers_converge_pin_roll_back_and_forward_hooks_fleet_sigterm(
     hook = HookServer(fail_first=1)  # the first call fails: retried, counted
     hook_log = tmp_path / "hook-command.log"
     try:
-        pub = daemons("publisher", ["--store", store, "--watch", watch, "--state-dir", tmp_path / "pubstate",
-                                    "--id", "pub", "--region", "eu"])
+        pub = daemons(
+            "publisher",
+            ["--store", store, "--watch", watch, "--state-dir", tmp_path / "pubstate", "--id", "pub", "--region", "eu"],
+        )
         common = ["--store", store, "--ledger-interval", "0.2", "--no-fsync", "--hook-backoff", "0.05"]
-        a = daemons("subscriber", [*common, "--target", tmp_path / "a", "--id", "sub-a", "--region", "us",
-                                   "--hook-url", hook.url])
-        b = daemons("subscriber", [*common, "--target", tmp_path / "b", "--id", "sub-b", "--region", "ap",
-                                   "--hook-command", f"sh -c 'echo {{version}} {{path}} >> {hook_log}'"])
+        a = daemons(
+            "subscriber",
+            [*common, "--target", tmp_path / "a", "--id", "sub-a", "--region", "us", "--hook-url", hook.url],
+        )
+        b = daemons(
+            "subscriber",
+            [
+                *common,
+                "--target",
+                tmp_path / "b",
+                "--id",
+                "sub-b",
+                "--region",
+                "ap",
+                "--hook-command",
+                f"sh -c 'echo {{version}} {{path}} >> {hook_log}'",
+            ],
+        )
         assert trainer(watch, 0, 5).wait(60) == 0
         wait_for(lambda: pub.status()["head_version"] == 4, 30, f"publisher to publish step 4\n{pub.log()}")
         for sub, name in ((a, "a"), (b, "b")):
@@ -267,19 +313,35 @@ def test_two_subscribers_converge_pin_roll_back_and_forward_hooks_fleet_sigterm(
         wait_for(lambda: [c["version"] for c in hook.calls][-4:] == [4, 2, 3, 4], 10, f"hook calls, got {hook.calls}")
         assert all(Path(c["path"]).parent == tmp_path / "a" / "slots" for c in hook.calls)
         assert "weightsync_swap_hook_failures_total" in a.get("/metrics")[1]
-        assert 'weightsync_swap_hook_failures_total{cluster="",region="us",subscriber="sub-a"} 1.0' in a.get("/metrics")[1]
+        assert (
+            'weightsync_swap_hook_failures_total{cluster="",region="us",subscriber="sub-a"} 1.0' in a.get("/metrics")[1]
+        )
         wait_for(lambda: hook_log.exists() and hook_log.read_text().split()[-2] == "4", 10, "hook command")
 
         # metrics and the fleet ledger
         metrics = a.get("/metrics")[1]
         assert 'weightsync_current_version{cluster="",region="us",subscriber="sub-a"} 4.0' in metrics
         assert 'weightsync_version_lag{cluster="",region="us",subscriber="sub-a"} 0.0' in metrics
-        fleet = wait_for(lambda: (f := pub.get("/v1/fleet")[1]) and len(f["subscribers"]) == 2
-                         and all(r["current_version"] == 4 for r in f["subscribers"]) and f, 10, "fleet")
+        fleet = wait_for(
+            lambda: (
+                (f := pub.get("/v1/fleet")[1])
+                and len(f["subscribers"]) == 2
+                and all(r["current_version"] == 4 for r in f["subscribers"])
+                and f
+            ),
+            10,
+            "fleet",
+        )
         assert {r["id"]: (r["region"], r["lag"], r["staleness_seconds"]) for r in fleet["subscribers"]} == {
-            "sub-a": ("us", 0, 0.0), "sub-b": ("ap", 0, 0.0)}
-        out = subprocess.run([sys.executable, "-m", "weightsync.cli", "fleet", "--store", store],
-                             capture_output=True, text=True, check=True).stdout
+            "sub-a": ("us", 0, 0.0),
+            "sub-b": ("ap", 0, 0.0),
+        }
+        out = subprocess.run(
+            [sys.executable, "-m", "weightsync.cli", "fleet", "--store", store],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         assert "sub-a" in out and "sub-b" in out and "head version: 4" in out
         pub_metrics = pub.get("/metrics")[1]
         assert 'weightsync_published_version{cluster="",region="eu"} 4.0' in pub_metrics
@@ -362,7 +424,9 @@ def test_stop_token_aborts_pull_and_publish_before_they_commit(tmp_path):
     assert repo.head_version() == 2
 
 
-def test_publisher_waits_for_unfinished_checkpoints_resumes_after_restart_and_survives_a_changed_base(tmp_path, daemons):
+def test_publisher_waits_for_unfinished_checkpoints_resumes_after_restart_and_survives_a_changed_base(
+    tmp_path, daemons
+):
     store, watch = f"file://{tmp_path / 'store'}", tmp_path / "watch"
     watch.mkdir()
     t = SyntheticTrainer(**TINY)
@@ -412,9 +476,22 @@ def test_partial_subscriber_fetches_and_materializes_only_selected_tensors(tmp_p
     for ckpt in traj:
         weightsync.publish(ckpt, store)
     target = tmp_path / "rank1"
-    sub = daemons("subscriber", ["--store", store, "--target", target, "--no-fsync",
-                                 "--include", "model.layers.*.mlp.experts.1.*", "--include", "model.norm.weight",
-                                 "--exclude", "*.down_proj.*"])
+    sub = daemons(
+        "subscriber",
+        [
+            "--store",
+            store,
+            "--target",
+            target,
+            "--no-fsync",
+            "--include",
+            "model.layers.*.mlp.experts.1.*",
+            "--include",
+            "model.norm.weight",
+            "--exclude",
+            "*.down_proj.*",
+        ],
+    )
     status = sub.wait_version(2)
     repo = weightsync.open_repo(store)
     assert verify_partial(repo, target / "current", 2) == 2
@@ -436,12 +513,28 @@ def test_auth_token_guards_v1_only_and_is_never_echoed(tmp_path, daemons):
     for ckpt in make_trajectory(tmp_path / "traj", steps=1, **TINY):
         weightsync.publish(ckpt, store)
     token = "s3cr3t-token-value"
-    sub = daemons("subscriber", ["--store", store, "--target", tmp_path / "sub", "--no-fsync", "--log-json"],
-                  env={"WEIGHTSYNC_API_TOKEN": token}, token=token)
+    sub = daemons(
+        "subscriber",
+        ["--store", store, "--target", tmp_path / "sub", "--no-fsync", "--log-json"],
+        env={"WEIGHTSYNC_API_TOKEN": token},
+        token=token,
+    )
     token_file = tmp_path / "token"
     token_file.write_text(token + "\n")
-    pub = daemons("publisher", ["--store", store, "--watch", tmp_path / "traj", "--state-dir", tmp_path / "st",
-                                "--api-token-file", token_file], token=token)
+    pub = daemons(
+        "publisher",
+        [
+            "--store",
+            store,
+            "--watch",
+            tmp_path / "traj",
+            "--state-dir",
+            tmp_path / "st",
+            "--api-token-file",
+            token_file,
+        ],
+        token=token,
+    )
     sub.wait_version(1)
     for d, paths in ((sub, ["/v1/status", "/v1/versions"]), (pub, ["/v1/status", "/v1/versions", "/v1/fleet"])):
         for path in paths:
@@ -467,11 +560,29 @@ def test_publisher_and_subscriber_converge_on_s3(s3_url, seaweed, tmp_path, daem
     watch.mkdir()
     env = seaweed.env()
     pub = daemons("publisher", ["--store", s3_url, "--watch", watch, "--state-dir", tmp_path / "st"], env=env)
-    sub = daemons("subscriber", ["--store", s3_url, "--target", tmp_path / "sub", "--no-fsync", "--ledger-interval", "0.2"], env=env)
+    sub = daemons(
+        "subscriber",
+        ["--store", s3_url, "--target", tmp_path / "sub", "--no-fsync", "--ledger-interval", "0.2"],
+        env=env,
+    )
     assert trainer(watch, 0, 3).wait(60) == 0
     sub.wait_version(2, timeout=60)
-    verify = subprocess.run([sys.executable, "-m", "weightsync.cli", "verify", "--store", s3_url, "--version", "2",
-                             str(tmp_path / "sub" / "current")], capture_output=True, text=True, env={**os.environ, **env})
+    verify = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "weightsync.cli",
+            "verify",
+            "--store",
+            s3_url,
+            "--version",
+            "2",
+            str(tmp_path / "sub" / "current"),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+    )
     assert verify.returncode == 0, verify.stderr
     wait_for(lambda: [r["current_version"] for r in pub.get("/v1/fleet")[1]["subscribers"]] == [2], 10, "fleet on S3")
     assert pub.stop() == 0 and sub.stop() == 0

@@ -35,8 +35,14 @@ class Trainer:
 
     def __init__(self):
         self.synth = SyntheticTrainer(**TINY)
-        self.extra = {"f32": torch.linspace(-1, 1, 300), "i64": torch.arange(40), "u8": torch.arange(64, dtype=torch.uint8),
-                      "f16": torch.zeros(50, dtype=torch.float16), "scalar": torch.tensor(0.5), "empty": torch.empty(0, 7)}
+        self.extra = {
+            "f32": torch.linspace(-1, 1, 300),
+            "i64": torch.arange(40),
+            "u8": torch.arange(64, dtype=torch.uint8),
+            "f16": torch.zeros(50, dtype=torch.float16),
+            "scalar": torch.tensor(0.5),
+            "empty": torch.empty(0, 7),
+        }
         self.metadata = None
 
     def state(self, step: int) -> dict[str, torch.Tensor]:
@@ -45,7 +51,9 @@ class Trainer:
             self.extra["f32"] += 1e-3
             self.extra["i64"][step] += 1
         if step == 1:
-            ints(self.extra["f16"])[:4] = torch.tensor([0x7E01, 0x7E02, -0x8000, 0x7C00], dtype=torch.int16)  # NaNs, -0.0, inf
+            ints(self.extra["f16"])[:4] = torch.tensor(
+                [0x7E01, 0x7E02, -0x8000, 0x7C00], dtype=torch.int16
+            )  # NaNs, -0.0, inf
         if step == 2:
             ints(self.extra["f16"])[0] = 0x7E03  # another NaN payload
             self.extra["new"] = torch.ones(9, dtype=torch.bfloat16)
@@ -91,8 +99,10 @@ def test_device_path_is_bit_exact_and_matches_the_host_path(tmp_path, monkeypatc
     real = hostmirror.encode_sparse_from_changes
     monkeypatch.setattr(hostmirror, "encode_sparse_from_changes", lambda *a: built.append(a[0]) or real(*a))
     trainer, prev, routes = Trainer(), None, []
-    with DeviceDiffPublisher(tmp_path / "dev", config=cfg, work_dir=tmp_path / "w") as dev, \
-            StateDictPublisher(tmp_path / "host", config=cfg, work_dir=tmp_path / "w") as host:
+    with (
+        DeviceDiffPublisher(tmp_path / "dev", config=cfg, work_dir=tmp_path / "w") as dev,
+        StateDictPublisher(tmp_path / "host", config=cfg, work_dir=tmp_path / "w") as host,
+    ):
         for step in range(7):
             sd = trainer.state(step)
             r = dev.publish(sd, metadata=trainer.metadata)
@@ -119,10 +129,13 @@ def test_folder_mode_and_cache_dir_give_the_same_versions(tmp_path):
     patched copy-on-write (the cache may hard-link it). Both equal the in-place direct path."""
     cfg = PublishConfig(keyframe_interval=4)
     t1, t2, t3 = Trainer(), Trainer(), Trainer()
-    with DeviceDiffPublisher(tmp_path / "a", config=cfg, work_dir=tmp_path / "w") as a, \
-            DeviceDiffPublisher(tmp_path / "b", config=cfg, work_dir=tmp_path / "w", direct=False) as b, \
-            StateDictPublisher(tmp_path / "c", config=cfg, work_dir=tmp_path / "w", cache_dir=tmp_path / "cache",
-                               device_diff=True) as c:
+    with (
+        DeviceDiffPublisher(tmp_path / "a", config=cfg, work_dir=tmp_path / "w") as a,
+        DeviceDiffPublisher(tmp_path / "b", config=cfg, work_dir=tmp_path / "w", direct=False) as b,
+        StateDictPublisher(
+            tmp_path / "c", config=cfg, work_dir=tmp_path / "w", cache_dir=tmp_path / "cache", device_diff=True
+        ) as c,
+    ):
         for step in range(5):
             ra = a.publish(t1.state(step), metadata=t1.metadata)
             rb = b.publish(t2.state(step), metadata=t2.metadata)

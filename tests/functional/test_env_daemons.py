@@ -49,7 +49,9 @@ def _wait(pred, what: str, proc: subprocess.Popen, log: Path, timeout: float = 6
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"exited with {proc.returncode} waiting for {what}:\n{log.read_text(errors='replace')}")
+            raise AssertionError(
+                f"exited with {proc.returncode} waiting for {what}:\n{log.read_text(errors='replace')}"
+            )
         try:
             if result := pred():
                 return result
@@ -65,11 +67,21 @@ class _Process:
     def __init__(self, command: str, env: dict, log: Path):
         self.log = log
         with open(log, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "weightsync.cli", command], env=env, stdout=subprocess.PIPE,
-                                         stderr=out, stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "weightsync.cli", command],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=out,
+                stdin=subprocess.DEVNULL,
+            )
 
     def url(self) -> str:
-        m = _wait(lambda: re.search(r"listening.*?(http://127\.0\.0\.1:\d+)", self.log.read_text()), "the port", self.proc, self.log)
+        m = _wait(
+            lambda: re.search(r"listening.*?(http://127\.0\.0\.1:\d+)", self.log.read_text()),
+            "the port",
+            self.proc,
+            self.log,
+        )
         return m.group(1)
 
     def wait(self, pred, what: str, timeout: float = 60.0):
@@ -121,16 +133,28 @@ class _HookServer:
 def test_a_subscriber_from_the_environment_alone_sends_its_hook_headers(published, cli_env, tmp_path):
     store, _ = published
     hook = _HookServer(f"Bearer {SECRET}")
-    env = _env(cli_env, WEIGHTSYNC_STORE=f"file://{store}", WEIGHTSYNC_TARGET=str(tmp_path / "sub"),
-               WEIGHTSYNC_LISTEN="127.0.0.1:0", WEIGHTSYNC_POLL_INTERVAL="0.1", WEIGHTSYNC_NO_FSYNC="true",
-               WEIGHTSYNC_ID="env-sub", WEIGHTSYNC_REGION="region-e", WEIGHTSYNC_LOG_JSON="1",
-               WEIGHTSYNC_API_TOKEN=API_TOKEN, WEIGHTSYNC_HOOK_URL=hook.url,
-               WEIGHTSYNC_HOOK_BODY='{"v": {version}, "path": "{path}"}', WEIGHTSYNC_HOOK_BACKOFF="0.05",
-               WEIGHTSYNC_HOOK_HEADER=f"Authorization: Bearer {SECRET}\nX-Weightsync-Run: run-7\n")
+    env = _env(
+        cli_env,
+        WEIGHTSYNC_STORE=f"file://{store}",
+        WEIGHTSYNC_TARGET=str(tmp_path / "sub"),
+        WEIGHTSYNC_LISTEN="127.0.0.1:0",
+        WEIGHTSYNC_POLL_INTERVAL="0.1",
+        WEIGHTSYNC_NO_FSYNC="true",
+        WEIGHTSYNC_ID="env-sub",
+        WEIGHTSYNC_REGION="region-e",
+        WEIGHTSYNC_LOG_JSON="1",
+        WEIGHTSYNC_API_TOKEN=API_TOKEN,
+        WEIGHTSYNC_HOOK_URL=hook.url,
+        WEIGHTSYNC_HOOK_BODY='{"v": {version}, "path": "{path}"}',
+        WEIGHTSYNC_HOOK_BACKOFF="0.05",
+        WEIGHTSYNC_HOOK_HEADER=f"Authorization: Bearer {SECRET}\nX-Weightsync-Run: run-7\n",
+    )
     sub = _Process("subscriber", env, tmp_path / "subscriber.log")
     try:
         url = sub.url()
-        status = sub.wait(lambda: (s := _get(url + "/v1/status", API_TOKEN)[1])["current_version"] == 5 and s, "version 5")
+        status = sub.wait(
+            lambda: (s := _get(url + "/v1/status", API_TOKEN)[1])["current_version"] == 5 and s, "version 5"
+        )
         assert status["id"] == "env-sub" and _get(url + "/readyz")[0] == 200
         assert _get(url + "/v1/status")[0] == 401, "the token came from WEIGHTSYNC_API_TOKEN"
         sub.wait(lambda: hook.calls, "the swap hook")
@@ -151,10 +175,18 @@ def test_a_subscriber_from_the_environment_alone_sends_its_hook_headers(publishe
 def test_a_hook_refused_without_its_header_is_retried_and_logged_without_values(published, cli_env, tmp_path):
     store, _ = published
     hook = _HookServer("Bearer something-else")
-    env = _env(cli_env, WEIGHTSYNC_STORE=f"file://{store}", WEIGHTSYNC_TARGET=str(tmp_path / "sub"),
-               WEIGHTSYNC_LISTEN="127.0.0.1:0", WEIGHTSYNC_POLL_INTERVAL="0.1", WEIGHTSYNC_NO_FSYNC="1",
-               WEIGHTSYNC_HOOK_URL=hook.url, WEIGHTSYNC_HOOK_ATTEMPTS="2", WEIGHTSYNC_HOOK_BACKOFF="0.05",
-               WEIGHTSYNC_HOOK_HEADER=f"Authorization: Bearer {SECRET}")
+    env = _env(
+        cli_env,
+        WEIGHTSYNC_STORE=f"file://{store}",
+        WEIGHTSYNC_TARGET=str(tmp_path / "sub"),
+        WEIGHTSYNC_LISTEN="127.0.0.1:0",
+        WEIGHTSYNC_POLL_INTERVAL="0.1",
+        WEIGHTSYNC_NO_FSYNC="1",
+        WEIGHTSYNC_HOOK_URL=hook.url,
+        WEIGHTSYNC_HOOK_ATTEMPTS="2",
+        WEIGHTSYNC_HOOK_BACKOFF="0.05",
+        WEIGHTSYNC_HOOK_HEADER=f"Authorization: Bearer {SECRET}",
+    )
     sub = _Process("subscriber", env, tmp_path / "subscriber.log")
     try:
         url = sub.url()
@@ -167,20 +199,32 @@ def test_a_hook_refused_without_its_header_is_retried_and_logged_without_values(
     assert "HTTP 401 from hook" in log and SECRET not in log
 
 
-@pytest.mark.parametrize("role, settings, var", [
-    ("subscriber", {"WEIGHTSYNC_POLL_INTERVAL": "0"}, "WEIGHTSYNC_POLL_INTERVAL"),
-    ("subscriber", {"WEIGHTSYNC_NO_FSYNC": "maybe"}, "WEIGHTSYNC_NO_FSYNC"),
-    ("publisher", {"WEIGHTSYNC_CHUNK_MIB": "lots"}, "WEIGHTSYNC_CHUNK_MIB"),
-    ("mirror", {"WEIGHTSYNC_METRICS_LISTEN": "127.0.0.1:99999"}, "WEIGHTSYNC_METRICS_LISTEN"),
-])
+@pytest.mark.parametrize(
+    "role, settings, var",
+    [
+        ("subscriber", {"WEIGHTSYNC_POLL_INTERVAL": "0"}, "WEIGHTSYNC_POLL_INTERVAL"),
+        ("subscriber", {"WEIGHTSYNC_NO_FSYNC": "maybe"}, "WEIGHTSYNC_NO_FSYNC"),
+        ("publisher", {"WEIGHTSYNC_CHUNK_MIB": "lots"}, "WEIGHTSYNC_CHUNK_MIB"),
+        ("mirror", {"WEIGHTSYNC_METRICS_LISTEN": "127.0.0.1:99999"}, "WEIGHTSYNC_METRICS_LISTEN"),
+    ],
+)
 def test_a_bad_variable_stops_the_daemon_with_one_line(published, cli_env, tmp_path, role, settings, var):
     store, _ = published
     (tmp_path / "watch").mkdir()
-    env = _env(cli_env, WEIGHTSYNC_STORE=str(store), WEIGHTSYNC_TARGET=str(tmp_path / "sub"), WEIGHTSYNC_WATCH=str(tmp_path / "watch"),
-               WEIGHTSYNC_STATE_DIR=str(tmp_path / "state"), WEIGHTSYNC_FROM=str(store), WEIGHTSYNC_TO=str(tmp_path / "dst"),
-               WEIGHTSYNC_LISTEN="127.0.0.1:0", **settings)
-    r = subprocess.run([sys.executable, "-m", "weightsync.cli", role], env=env, capture_output=True, text=True, timeout=60,
-                       check=False)
+    env = _env(
+        cli_env,
+        WEIGHTSYNC_STORE=str(store),
+        WEIGHTSYNC_TARGET=str(tmp_path / "sub"),
+        WEIGHTSYNC_WATCH=str(tmp_path / "watch"),
+        WEIGHTSYNC_STATE_DIR=str(tmp_path / "state"),
+        WEIGHTSYNC_FROM=str(store),
+        WEIGHTSYNC_TO=str(tmp_path / "dst"),
+        WEIGHTSYNC_LISTEN="127.0.0.1:0",
+        **settings,
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "weightsync.cli", role], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
     lines = r.stderr.splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert lines[0].startswith(f"weightsync: error: {var}"), lines[0]
@@ -191,9 +235,17 @@ def test_the_mirror_answers_healthz_and_readyz(published, cli_env, tmp_path):
     store, _ = published
     chunks, hidden = store / "chunks", tmp_path / "chunks-aside"
     shutil.move(chunks, hidden)  # every pass fails (a missing source chunk) until they are back
-    env = _env(cli_env, WEIGHTSYNC_FROM=f"file://{store}", WEIGHTSYNC_TO=f"file://{tmp_path / 'regional'}",
-               WEIGHTSYNC_FOLLOW="yes", WEIGHTSYNC_INTERVAL="0.1", WEIGHTSYNC_METRICS_LISTEN="127.0.0.1:0",
-               WEIGHTSYNC_REGION="region-b", WEIGHTSYNC_LOG_JSON="on", WEIGHTSYNC_LOG_LEVEL="info")
+    env = _env(
+        cli_env,
+        WEIGHTSYNC_FROM=f"file://{store}",
+        WEIGHTSYNC_TO=f"file://{tmp_path / 'regional'}",
+        WEIGHTSYNC_FOLLOW="yes",
+        WEIGHTSYNC_INTERVAL="0.1",
+        WEIGHTSYNC_METRICS_LISTEN="127.0.0.1:0",
+        WEIGHTSYNC_REGION="region-b",
+        WEIGHTSYNC_LOG_JSON="on",
+        WEIGHTSYNC_LOG_LEVEL="info",
+    )
     mirror = _Process("mirror", env, tmp_path / "mirror.log")
     try:
         url = mirror.url()
@@ -205,8 +257,11 @@ def test_the_mirror_answers_healthz_and_readyz(published, cli_env, tmp_path):
         assert body == {"ready": True, "state": "idle"}
         with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
             assert resp.headers["Content-Type"].startswith("text/plain")
-            assert re.search(r'^weightsync_mirror_destination_version\{[^}]*region="region-b"[^}]*\} 5\.0$',
-                             resp.read().decode(), re.MULTILINE)
+            assert re.search(
+                r'^weightsync_mirror_destination_version\{[^}]*region="region-b"[^}]*\} 5\.0$',
+                resp.read().decode(),
+                re.MULTILINE,
+            )
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(url + "/nowhere", timeout=10)
         assert err.value.code == 404
@@ -216,5 +271,7 @@ def test_the_mirror_answers_healthz_and_readyz(published, cli_env, tmp_path):
     assert code == 0
     records = [json.loads(line) for line in mirror.log.read_text().splitlines() if line.strip()]
     msgs = [r["msg"] for r in records]
-    assert any(m.startswith("mirror pass failed") for m in msgs) and any(m.startswith("mirrored version 5") for m in msgs)
+    assert any(m.startswith("mirror pass failed") for m in msgs) and any(
+        m.startswith("mirrored version 5") for m in msgs
+    )
     assert {r["logger"] for r in records} == {"weightsync.mirror"}

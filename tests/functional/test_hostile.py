@@ -135,8 +135,11 @@ def _damage_chunk(how: str):
         elif how == "swapped":
             path.write_bytes(next(d for k, d in sorted(w.objects.items()) if k.startswith("chunks/") and k != key))
         else:
-            path.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:] if how == "corrupted" else data[: len(data) // 2])
+            path.write_bytes(
+                data[:100] + bytes([data[100] ^ 1]) + data[101:] if how == "corrupted" else data[: len(data) // 2]
+            )
         return key
+
     return damage
 
 
@@ -146,6 +149,7 @@ def _damage_object(key: str, data):
         if data is not None:
             (w.store / key).write_bytes(data(w))
         return key if key != version_key(4) or data is not None else "version 4"
+
     return damage
 
 
@@ -204,13 +208,25 @@ def test_a_damaged_manifest_that_still_parses_is_detected(how, damaged):
     finally:
         got = files(out) if out.exists() else {}
         shutil.rmtree(out, ignore_errors=True)
-    assert got == world.expected[4], f"served a folder that is not version 4 ({how}): " \
-        f"{sorted(set(got) ^ set(world.expected[4]))}"
+    assert got == world.expected[4], (
+        f"served a folder that is not version 4 ({how}): {sorted(set(got) ^ set(world.expected[4]))}"
+    )
 
 
 # --- paths that try to escape ---------------------------------------------------------------------------
-HOSTILE_PATHS = ["../evil.json", "../../evil.json", "{abs}", "a/../../evil.json", ".weightsync/state.json",
-                 "..\\..\\evil.json", "evil\x00.json", "", "a//b.json", "./config.json", "config.json/../../evil.json"]
+HOSTILE_PATHS = [
+    "../evil.json",
+    "../../evil.json",
+    "{abs}",
+    "a/../../evil.json",
+    ".weightsync/state.json",
+    "..\\..\\evil.json",
+    "evil\x00.json",
+    "",
+    "a//b.json",
+    "./config.json",
+    "config.json/../../evil.json",
+]
 
 
 @pytest.mark.parametrize("path", HOSTILE_PATHS, ids=lambda p: repr(p))
@@ -232,7 +248,10 @@ def test_file_paths_that_escape_the_folder_are_refused(path, damaged):
 DEEP_MANIFESTS = {  # a manifest planted by hand -> what the one-line error says
     "2000-component path": (lambda doc: doc["files"][0].update(path="/".join(["a"] * 2000)), "over 255 components"),
     "256-component path": (lambda doc: doc["files"][0].update(path="/".join(["a"] * 256)), "over 255 components"),
-    "component over NAME_MAX": (lambda doc: doc["files"][0].update(path="a/" + "b" * 256), "a component over 255 bytes"),
+    "component over NAME_MAX": (
+        lambda doc: doc["files"][0].update(path="a/" + "b" * 256),
+        "a component over 255 bytes",
+    ),
     "deep JSON": (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
     "deep stats": (lambda doc: doc.update(stats={"x": json.loads("[" * 100 + "]" * 100)}), "nested more than 32 deep"),
 }
@@ -254,8 +273,9 @@ def test_a_too_deep_manifest_is_a_one_line_error_from_the_cli(case, damaged, run
     line = ws.error_line(stderr)
     assert why in line and version_key(4) in line and len(line) < 400, line
     after = fuzz.tree(world.root)
-    assert {p: h for p, h in after.items() if not p.startswith(out.name)} == \
-        {p: h for p, h in before.items() if not p.startswith(out.name)}
+    assert {p: h for p, h in after.items() if not p.startswith(out.name)} == {
+        p: h for p, h in before.items() if not p.startswith(out.name)
+    }
     assert not any(p.startswith(f"{out.name}/a") for p in after), "the refused pull created folders"
     shutil.rmtree(out, ignore_errors=True)
 
@@ -328,7 +348,9 @@ def test_an_absurd_declared_size_is_a_clear_error_not_an_allocation(damaged):
 
 
 def _full_payload(block: bytes, n: int) -> bytes:
-    head = MAGIC + bytes([1, 1]) + b"\0\0" + n.to_bytes(8, "little") + n.to_bytes(8, "little") + (1).to_bytes(4, "little")
+    head = (
+        MAGIC + bytes([1, 1]) + b"\0\0" + n.to_bytes(8, "little") + n.to_bytes(8, "little") + (1).to_bytes(4, "little")
+    )
     return head + len(block).to_bytes(8, "little") + block
 
 
@@ -347,8 +369,11 @@ def test_decompression_bombs_are_refused_by_declared_size(frame, damaged):
     payload = _full_payload(block, n)
     cid = put_chunk(world, payload)
     doc["chunks"].append({"id": cid, "size": len(payload)})
-    entry["segments"][0]["payload"] = {"size": len(payload), "xxh3": xxhash.xxh3_128_hexdigest(payload),
-                                       "parts": [[len(doc["chunks"]) - 1, 0, len(payload)]]}
+    entry["segments"][0]["payload"] = {
+        "size": len(payload),
+        "xxh3": xxhash.xxh3_128_hexdigest(payload),
+        "parts": [[len(doc["chunks"]) - 1, 0, len(payload)]],
+    }
     write_manifest(world, 4, doc)
     exc = refused(world, world.root / "out-bomb", 4, FormatError)
     assert "frame declares" in str(exc) and "config.json" in str(exc), exc
@@ -431,7 +456,9 @@ def test_a_manifest_that_relabels_tensors_is_not_served_under_the_false_names(da
         assert version_key(4) in str(exc) or shard in str(exc), exc
         return
     src = next(f for f in scan_checkpoint(world.replicas[4]) if f.path == shard)
-    truth = {s.name: (world.replicas[4] / shard).read_bytes()[s.begin : s.end] for s in src.segments if s.role == "tensor"}
+    truth = {
+        s.name: (world.replicas[4] / shard).read_bytes()[s.begin : s.end] for s in src.segments if s.role == "tensor"
+    }
     got = next(f for f in scan_checkpoint(part) if f.path == shard)
     served = {s.name: (part / shard).read_bytes()[s.begin : s.end] for s in got.segments if s.role == "tensor"}
     assert served[b] == truth[b], "served another tensor's bytes under the name " + b
@@ -454,16 +481,21 @@ def test_publisher_refuses_a_checkpoint_whose_header_lies_and_keeps_the_store(tm
     header[name]["data_offsets"][1] += 2  # the header lies: the tensor "ends" past its bytes
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
-    (bad / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n:])
+    (bad / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n :])
     (bad / "COMPLETE").write_text("")
     pub = Daemon("publisher", ["--store", store, "--watch", watch, "--state-dir", tmp_path / "st"], tmp_path).start()
     try:
-        status = wait_for(lambda: (s := pub.status())["head_version"] == 0 and s["last_error"] and s, 20,
-                          f"a failed publish of step 1\n{pub.log()}")
+        status = wait_for(
+            lambda: (s := pub.status())["head_version"] == 0 and s["last_error"] and s,
+            20,
+            f"a failed publish of step 1\n{pub.log()}",
+        )
         assert "model.safetensors" in status["last_error"] and "CheckpointError" in status["last_error"], status
         assert weightsync.open_repo(store).versions() == [0]
         assert "weightsync_publish_failures_total" in pub.get("/metrics")[1]
-        failures = [ln for ln in pub.get("/metrics")[1].splitlines() if ln.startswith("weightsync_publish_failures_total{")]
+        failures = [
+            ln for ln in pub.get("/metrics")[1].splitlines() if ln.startswith("weightsync_publish_failures_total{")
+        ]
         assert failures and float(failures[0].split()[-1]) >= 1
         t.save(bad)  # the trainer rewrites the folder (same step, a valid file)
         wait_for(lambda: pub.status()["head_version"] == 1, 30, "step 1 published after the fix")
@@ -475,7 +507,10 @@ def test_publisher_refuses_a_checkpoint_whose_header_lies_and_keeps_the_store(tm
 
 # --- end-to-end fuzz (the long run: python benchmarks/fuzz.py) --------------------------------------------------
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) | st.text(max_size=12)
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.text(max_size=12)
     | st.sampled_from(fuzz.SPECIAL),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
     max_leaves=4,
@@ -485,14 +520,26 @@ json_values = st.recursive(
 @st.composite
 def mutations(draw):
     target = draw(st.sampled_from(["manifest", "chunk", "other"]))
-    op = draw(st.sampled_from({"manifest": fuzz.MANIFEST_OPS, "chunk": fuzz.CHUNK_OPS, "other": fuzz.OTHER_OPS}[target]))
+    op = draw(
+        st.sampled_from({"manifest": fuzz.MANIFEST_OPS, "chunk": fuzz.CHUNK_OPS, "other": fuzz.OTHER_OPS}[target])
+    )
     value = draw(json_values if op.startswith("json-") else st.binary(max_size=8) | st.integers(-1, 12))
-    return fuzz.Mutation(target, op, draw(st.sampled_from([2, 3, 4, 4])), draw(st.integers(0, 1 << 20)),
-                         draw(st.integers(0, 1 << 20)), value)
+    return fuzz.Mutation(
+        target,
+        op,
+        draw(st.sampled_from([2, 3, 4, 4])),
+        draw(st.integers(0, 1 << 20)),
+        draw(st.integers(0, 1 << 20)),
+        value,
+    )
 
 
-@settings(max_examples=120, derandomize=True, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=120,
+    derandomize=True,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(m=mutations(), incremental=st.booleans(), version=st.sampled_from([None, 3, 4]))
 def test_fuzzed_store_objects_never_yield_a_wrong_byte(m, incremental, version, world, tmp_path):
     outcome = fuzz.run_case(world, m, tmp_path, incremental, version)

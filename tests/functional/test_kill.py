@@ -62,7 +62,8 @@ real_put, real_local = FileStore.put, FileStore.local_path
 
 def put(self, key, data, *, mode="overwrite"):
     real_put(self, key, data, mode=mode)
-    what = "chunk" if key.startswith("chunks/") else "manifest" if key.startswith("versions/") else "head" if key == "HEAD" else None
+    kinds = {"chunks/": "chunk", "versions/": "manifest"}
+    what = "head" if key == "HEAD" else next((w for p, w in kinds.items() if key.startswith(p)), None)
     if what and kind in (what, "any"):
         hit()
 
@@ -77,15 +78,18 @@ real_replace, real_fsync, real_symlink = os.replace, os.fsync, os.symlink
 def replace(src, dst, *a, **k):
     real_replace(src, dst, *a, **k)
     d = os.fspath(dst)
-    if (kind == "journal" and d.endswith("/.weightsync/journal.json")) or (kind == "state" and d.endswith("/.weightsync/state.json")) \
-       or (kind == "refill" and d.endswith("/.weightsync/refill.json")) \
-       or (kind == "rename" and "/slots/" in d and "/.weightsync/" not in d) or (kind == "flip" and d.endswith("/current")):
+    if ((kind == "journal" and d.endswith("/.weightsync/journal.json"))
+            or (kind == "state" and d.endswith("/.weightsync/state.json"))
+            or (kind == "refill" and d.endswith("/.weightsync/refill.json"))
+            or (kind == "rename" and "/slots/" in d and "/.weightsync/" not in d)
+            or (kind == "flip" and d.endswith("/current"))):
         hit()
 
 def fsync(fd):
     real_fsync(fd)
     path = os.readlink(f"/proc/self/fd/{fd}")
-    if (kind == "fsync" and "/.weightsync/staging/" in path) or (kind == "slotfsync" and "/slots/" in path and "/.weightsync" not in path):
+    if ((kind == "fsync" and "/.weightsync/staging/" in path)
+            or (kind == "slotfsync" and "/slots/" in path and "/.weightsync" not in path)):
         hit()
 
 def symlink(src, dst, *a, **k):
@@ -103,8 +107,12 @@ sys.exit(main(argv))
 def run_driver(kind: str, n: int, argv: list, log: Path, env: dict | None = None, timeout: float = 60) -> int:
     """Run the CLI under the killing driver; returns its exit status (-9 when the point was hit)."""
     with open(log, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-c", DRIVER, kind, str(n), *map(str, argv)], stdout=out,
-                                stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        proc = subprocess.Popen(
+            [sys.executable, "-c", DRIVER, kind, str(n), *map(str, argv)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
     try:
         return proc.wait(timeout)
     except subprocess.TimeoutExpired:
@@ -116,8 +124,13 @@ def run_driver(kind: str, n: int, argv: list, log: Path, env: dict | None = None
 def content(folder: Path) -> dict[str, bytes]:
     """The files of a checkpoint or replica, without ``.weightsync`` and the ``COMPLETE`` marker
     (which the publisher daemon does not publish)."""
-    return {rel: p.read_bytes() for p in sorted(folder.rglob("*"))
-            if p.is_file() and ".weightsync" not in (rel := p.relative_to(folder).as_posix()).split("/") and rel != "COMPLETE"}
+    return {
+        rel: p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+        and ".weightsync" not in (rel := p.relative_to(folder).as_posix()).split("/")
+        and rel != "COMPLETE"
+    }
 
 
 # --- publisher --------------------------------------------------------------------------------------------
@@ -148,16 +161,33 @@ def check_store(store: Path, checkpoints: list[Path], pulled: Path) -> int | Non
 
 
 def publisher_args(store: Path, checkpoints: list[Path], state: Path) -> list:
-    return ["--store", store, "--watch", checkpoints[0].parent, "--state-dir", state, "--chunk-mib", 1,
-            "--keyframe-interval", 3, "--poll-interval", 0.05]
+    return [
+        "--store",
+        store,
+        "--watch",
+        checkpoints[0].parent,
+        "--state-dir",
+        state,
+        "--chunk-mib",
+        1,
+        "--keyframe-interval",
+        3,
+        "--poll-interval",
+        0.05,
+    ]
 
 
 def chunk_inodes(store: Path) -> dict[str, int]:
-    return {p.name: p.stat().st_ino for p in (store / "chunks").rglob("*") if p.is_file() and not p.name.startswith(".")}
+    return {
+        p.name: p.stat().st_ino for p in (store / "chunks").rglob("*") if p.is_file() and not p.name.startswith(".")
+    }
 
 
-@pytest.mark.parametrize("kind, n", [("chunk", 2), ("chunk", 6), ("manifest", 2), ("head", 2)],
-                         ids=["mid-keyframe-upload", "mid-second-keyframe", "manifest-before-head", "head-before-cache"])
+@pytest.mark.parametrize(
+    "kind, n",
+    [("chunk", 2), ("chunk", 6), ("manifest", 2), ("head", 2)],
+    ids=["mid-keyframe-upload", "mid-second-keyframe", "manifest-before-head", "head-before-cache"],
+)
 def test_publisher_killed_after_a_store_write_restarts_and_finishes(kind, n, checkpoints, tmp_path):
     store, state = tmp_path / "store", tmp_path / "state"
     rc = run_driver(kind, n, ["publisher", *publisher_args(store, checkpoints, state)], tmp_path / "driver.log")
@@ -166,8 +196,13 @@ def test_publisher_killed_after_a_store_write_restarts_and_finishes(kind, n, che
     before = chunk_inodes(store)
     pub = Daemon("publisher", publisher_args(store, checkpoints, state), tmp_path).start()
     try:
-        wait_for(lambda: (s := pub.status())["head_version"] == 4 or (s["last_error"] and "already exists" in s["last_error"]),
-                 30, f"the restarted publisher to finish\n{pub.log()}")
+        wait_for(
+            lambda: (
+                (s := pub.status())["head_version"] == 4 or (s["last_error"] and "already exists" in s["last_error"])
+            ),
+            30,
+            f"the restarted publisher to finish\n{pub.log()}",
+        )
         status = pub.status()
         assert status["head_version"] == 4, f"the restarted publisher is stuck at {head}: {status['last_error']}"
     finally:
@@ -196,8 +231,13 @@ def test_publisher_killed_at_random_points_never_tears_a_version(checkpoints, tm
     check_store(store, checkpoints, tmp_path / "pulled-x")
     pub = Daemon("publisher", args, tmp_path).start()
     try:
-        wait_for(lambda: (s := pub.status())["head_version"] == 4 or (s["last_error"] and "already exists" in s["last_error"]),
-                 30, "the last run to finish")
+        wait_for(
+            lambda: (
+                (s := pub.status())["head_version"] == 4 or (s["last_error"] and "already exists" in s["last_error"])
+            ),
+            30,
+            "the last run to finish",
+        )
         status = pub.status()
         assert status["head_version"] == 4, f"the publisher is stuck: {status['last_error']}\n{pub.log()}"
     finally:

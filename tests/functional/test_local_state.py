@@ -52,8 +52,13 @@ def _refused(run_cli, ws, tmp_path, args, match: str) -> str:
 JOURNALS = {
     "escape": {"version": 2, "store": "x", "install": [], "remove": ["../victim.txt"], "files": {}},
     "absolute": {"version": 2, "store": "x", "install": [], "remove": ["/etc/hostname"], "files": {}},
-    "install-escape": {"version": 2, "store": "x", "install": ["../victim.txt"], "remove": [],
-                       "files": {"../victim.txt": [1, "0" * 32]}},
+    "install-escape": {
+        "version": 2,
+        "store": "x",
+        "install": ["../victim.txt"],
+        "remove": [],
+        "files": {"../victim.txt": [1, "0" * 32]},
+    },
     "installs-what-it-lacks": {"version": 2, "store": "x", "install": ["a"], "remove": [], "files": {}},
     "version-out-of-range": {"version": 10**19, "store": "x", "install": [], "remove": [], "files": {}},
     "garbage": b"garbage",
@@ -88,7 +93,7 @@ STATES = {
     "garbage": b"garbage",
     "list": b"[]",
     "escape": json.dumps({"version": 1, "store": "x", "files": {"../victim.txt": [1, "0" * 32, 0]}}).encode(),
-    "deep": b"{\"a\":" * 50_000 + b"1" + b"}" * 50_000,
+    "deep": b'{"a":' * 50_000 + b"1" + b"}" * 50_000,
     "files-not-an-object": json.dumps({"version": 1, "store": "x", "files": []}).encode(),
 }
 
@@ -162,8 +167,11 @@ def test_a_spool_damaged_after_its_check_is_dropped_and_fetched_once_more(publis
     checked = transfer._spooled
     trusting = lambda path, chunk_id, size: path.exists() and path.stat().st_size == size  # noqa: E731
     calls = []
-    monkeypatch.setattr(transfer, "_spooled", lambda *a: calls.append(a) or (trusting(*a) if len(calls) <= len(m.chunks)
-                                                                             else checked(*a)))
+    monkeypatch.setattr(
+        transfer,
+        "_spooled",
+        lambda *a: calls.append(a) or (trusting(*a) if len(calls) <= len(m.chunks) else checked(*a)),
+    )
     assert weightsync.pull(mem, out, 1, config=NOFSYNC).version == 1
     assert weightsync.verify(mem, out, 1) == 1
 
@@ -175,8 +183,13 @@ def test_a_staged_file_gone_before_its_install_fails_and_the_next_pull_rebuilds(
     m = weightsync.open_repo(url).manifest(2)
     changed = [f.path for f in m.files if f.xxh3 != read_state(out).files[f.path][1]]
     assert changed
-    journal = {"version": 2, "store": url, "install": changed, "remove": [],
-               "files": {f.path: [f.size, f.xxh3] for f in m.files}}
+    journal = {
+        "version": 2,
+        "store": url,
+        "install": changed,
+        "remove": [],
+        "files": {f.path: [f.size, f.xxh3] for f in m.files},
+    }
     (out / ".weightsync" / "journal.json").write_text(json.dumps(journal))
     rc, _, err = run_cli("pull", "--store", url, out, "--version", 2)
     assert rc != 0 and "vanished before its install" in ws.error_line(err)
@@ -198,8 +211,13 @@ def test_an_install_killed_after_its_renames_is_finished_by_its_checksums(pulled
     weightsync.pull(url, tmp, 2, config=NOFSYNC)
     for f in m.files:  # the renames ran (each staged file is in place), then the process died
         os.replace(tmp / f.path, out / f.path)
-    journal = {"version": 2, "store": url, "install": [f.path for f in m.files], "remove": [],
-               "files": {f.path: [f.size, f.xxh3] for f in m.files}}
+    journal = {
+        "version": 2,
+        "store": url,
+        "install": [f.path for f in m.files],
+        "remove": [],
+        "files": {f.path: [f.size, f.xxh3] for f in m.files},
+    }
     (out / ".weightsync" / "journal.json").write_text(json.dumps(journal))
     assert weightsync.pull(url, out, 2, config=NOFSYNC).version == 2
     assert weightsync.verify(url, out, 2) == 2
@@ -208,8 +226,13 @@ def test_an_install_killed_after_its_renames_is_finished_by_its_checksums(pulled
 def test_recovering_a_journal_whose_file_in_place_is_wrong_marks_the_folder_torn(pulled):
     url, _, out, _ = pulled
     m = weightsync.open_repo(url).manifest(2)
-    journal = {"version": 2, "store": url, "install": [f.path for f in m.files], "remove": [],
-               "files": {f.path: [f.size, f.xxh3] for f in m.files}}
+    journal = {
+        "version": 2,
+        "store": url,
+        "install": [f.path for f in m.files],
+        "remove": [],
+        "files": {f.path: [f.size, f.xxh3] for f in m.files},
+    }
     (out / ".weightsync" / "journal.json").write_text(json.dumps(journal))
     from weightsync.local.install import recover
 
@@ -337,8 +360,11 @@ def test_a_subscriber_notices_its_served_slot_changed_and_swaps_a_fresh_copy_in(
             (served / "extra.safetensors").write_bytes(b"\0" * 16)
         else:
             shard.unlink()
-        wait_for(lambda: (target / "current").resolve() != served and sub.status()["state"] == "serving", 30,
-                 f"a fresh copy swapped in\n{sub.log()}")
+        wait_for(
+            lambda: (target / "current").resolve() != served and sub.status()["state"] == "serving",
+            30,
+            f"a fresh copy swapped in\n{sub.log()}",
+        )
         assert "changed behind weightsync's back" in sub.log()
         assert sub.status()["current_version"] == 3
         assert weightsync.verify(url, target / "current", 3) == 3
@@ -393,8 +419,11 @@ def test_a_subscriber_never_serves_a_slot_rewritten_with_its_mtime_set_back(publ
         sub.wait_version(4)
     else:
         sub.start()
-        wait_for(lambda: sub.status()["state"] == "serving" and (target / "current").resolve() != slot, 30,
-                 f"a fresh copy swapped in\n{sub.log()}")
+        wait_for(
+            lambda: sub.status()["state"] == "serving" and (target / "current").resolve() != slot,
+            30,
+            f"a fresh copy swapped in\n{sub.log()}",
+        )
     try:
         v = sub.status()["current_version"]
         assert weightsync.verify(url, target / "current", v) == v
@@ -408,8 +437,9 @@ def test_a_hard_link_elsewhere_does_not_alarm_the_subscriber(published, tmp_path
     url, target, sub = _serving(published, tmp_path, 1, "--standby-hold", "never")
     try:
         served = (target / "current").resolve()
-        shutil.copytree(served, tmp_path / "backup", copy_function=os.link,
-                        ignore=shutil.ignore_patterns(".weightsync"))
+        shutil.copytree(
+            served, tmp_path / "backup", copy_function=os.link, ignore=shutil.ignore_patterns(".weightsync")
+        )
         sub.put_target(2)  # polls go on until the next version is served ...
         sub.wait_version(2)
         assert "changed behind" not in sub.log()  # ... and none of them took the link for a change

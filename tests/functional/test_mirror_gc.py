@@ -81,8 +81,12 @@ def test_mirror_resumes_after_failure_without_copying_again(published, tmp_path,
 
     chunks = []  # (copied, nbytes) as each chunk is done: the failed run's copies count too
     with pytest.raises(StoreError, match="injected"):
-        mirror(repo(store), weightsync.Repo(Failing(dst)), config=MirrorConfig(concurrency=1),
-               on_chunk=lambda copied, nbytes: chunks.append((copied, nbytes)))
+        mirror(
+            repo(store),
+            weightsync.Repo(Failing(dst)),
+            config=MirrorConfig(concurrency=1),
+            on_chunk=lambda copied, nbytes: chunks.append((copied, nbytes)),
+        )
     r = repo(dst)
     partial_head = r.head_version()
     assert partial_head is not None and partial_head < 5
@@ -104,12 +108,22 @@ def test_mirror_recognises_interrupted_manifest_copy(published, tmp_path):
     lost = chunk_key(repo(store).manifest(5).chunks[0].id)
     (dst / lost).unlink()  # and a chunk under an existing manifest went missing
     chunks, versions = [], []
-    res = mirror(repo(store), repo(dst), on_chunk=lambda copied, nbytes: chunks.append((copied, nbytes)),
-                 on_version=lambda *a: versions.append(a))
+    res = mirror(
+        repo(store),
+        repo(dst),
+        on_chunk=lambda copied, nbytes: chunks.append((copied, nbytes)),
+        on_version=lambda *a: versions.append(a),
+    )
     assert res.skipped_versions == [4, 5] and res.copied_versions == [] and res.head == 5
     assert res.copied_chunks == 1 and (dst / lost).read_bytes() == (store / lost).read_bytes()
-    assert [c for c in chunks if c[0]] == [(True, (dst / lost).stat().st_size)] and versions == []  # counted all the same
-    assert len(chunks) == res.copied_chunks + res.skipped_chunks == sum(len(repo(store).manifest(v).chunks) for v in (4, 5))
+    assert [c for c in chunks if c[0]] == [
+        (True, (dst / lost).stat().st_size)
+    ] and versions == []  # counted all the same
+    assert (
+        len(chunks)
+        == res.copied_chunks + res.skipped_chunks
+        == sum(len(repo(store).manifest(v).chunks) for v in (4, 5))
+    )
 
 
 def test_mirror_refuses_non_weightsync_destination(published, tmp_path, run_cli, ws):
@@ -183,8 +197,19 @@ def test_mirror_does_not_resurrect_versions_collected_at_the_destination(publish
 def test_mirror_follow_until_sigterm(trajectory, tmp_path, cli_env, ws):
     src, dst = tmp_path / "src", tmp_path / "regional"
     weightsync.publish(trajectory[0], repo(src))
-    cmd = [sys.executable, "-m", "weightsync.cli", "mirror", "--from", f"file://{src}", "--to", f"file://{dst}",
-           "--follow", "--interval", "0.1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "weightsync.cli",
+        "mirror",
+        "--from",
+        f"file://{src}",
+        "--to",
+        f"file://{dst}",
+        "--follow",
+        "--interval",
+        "0.1",
+    ]
     proc = subprocess.Popen(cmd, env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         sub = tmp_path / "subscriber"
@@ -344,15 +369,21 @@ for d in dirs:
 """
 
 
-def run_publisher_against_gc(store_url: str, r: weightsync.Repo, checkpoints: list[Path], tmp: Path,
-                             grace: float, pause: float, ws) -> tuple[int, int]:
+def run_publisher_against_gc(
+    store_url: str, r: weightsync.Repo, checkpoints: list[Path], tmp: Path, grace: float, pause: float, ws
+) -> tuple[int, int]:
     """A publisher process publishes ``checkpoints`` while ``gc --keep 2`` runs in a loop here;
     then every kept version pulls byte-identical. Returns (gc runs, chunks deleted while the publisher ran)."""
     script = tmp / "publisher.py"
     script.write_text(PUBLISHER)
     env = dict(os.environ)
-    proc = subprocess.Popen([sys.executable, str(script), store_url, str(pause), *map(str, checkpoints)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), store_url, str(pause), *map(str, checkpoints)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     runs = deleted = 0
     t0 = time.monotonic()
     try:

@@ -50,18 +50,38 @@ class Mirror:
     """``weightsync mirror --follow`` as a subprocess with its metrics on a port of its choosing."""
 
     def __init__(self, src: Path, dst: Path, log: Path, env: dict, *extra: str):
-        self.argv = [sys.executable, "-m", "weightsync.cli", "mirror", "--from", f"file://{src}", "--to", f"file://{dst}",
-                     "--follow", "--interval", "0.1", "--metrics-listen", "127.0.0.1:0",
-                     "--region", LABELS["region"], "--cluster", LABELS["cluster"], *extra]
+        self.argv = [
+            sys.executable,
+            "-m",
+            "weightsync.cli",
+            "mirror",
+            "--from",
+            f"file://{src}",
+            "--to",
+            f"file://{dst}",
+            "--follow",
+            "--interval",
+            "0.1",
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--region",
+            LABELS["region"],
+            "--cluster",
+            LABELS["cluster"],
+            *extra,
+        ]
         self.log_path, self.env = log, env
         self.proc: subprocess.Popen | None = None
         self.url = ""
 
     def __enter__(self) -> Mirror:
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
-                                         env=self.env, text=True)
-        bound = self.wait(lambda: re.search(r"listening on (http://127\.0\.0\.1:\d+/metrics)", self.log()), "the metrics port")
+            self.proc = subprocess.Popen(
+                self.argv, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, env=self.env, text=True
+            )
+        bound = self.wait(
+            lambda: re.search(r"listening on (http://127\.0\.0\.1:\d+/metrics)", self.log()), "the metrics port"
+        )
         self.url = bound.group(1)
         return self
 
@@ -96,7 +116,9 @@ class Mirror:
             for s in family.samples:
                 if s.name.startswith("weightsync_") and not s.name.endswith("_bucket"):
                     extra = set(s.labels) - set(LABELS)
-                    assert {k: s.labels.get(k) for k in LABELS} == LABELS and extra <= EXTRA_LABELS.get(s.name, set()), s
+                    assert {k: s.labels.get(k) for k in LABELS} == LABELS and extra <= EXTRA_LABELS.get(
+                        s.name, set()
+                    ), s
                     out[s.name] = out.get(s.name, 0.0) + s.value
         return out
 
@@ -145,8 +167,13 @@ def check_metrics(text: str) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-RUNTIME_METRICS = ("process_resident_memory_bytes", "process_cpu_seconds_total", "process_open_fds", "python_info",
-                   "python_gc_collections_total")
+RUNTIME_METRICS = (
+    "process_resident_memory_bytes",
+    "process_cpu_seconds_total",
+    "process_open_fds",
+    "python_info",
+    "python_gc_collections_total",
+)
 
 
 def check_conventions(text: str) -> None:
@@ -191,12 +218,24 @@ def run_alert_tests(tmp: Path, cases: list[tuple[str, list[dict], list[tuple[str
             rule.pop("annotations", None)  # checked by `promtool check rules` in test_deploy_files.py
     (tmp / "rules.yml").write_text(yaml.safe_dump(doc))
     labels = {**LABELS, **SCRAPE, "severity": "warning"}
-    tests = [{"interval": "1m", "name": name, "input_series": series, "alert_rule_test": [
-        {"eval_time": at, "alertname": alert, "exp_alerts": [{"exp_labels": labels}] if fires else []}
-        for at, alert, fires in checks]} for name, series, checks in cases]
-    (tmp / "tests.yml").write_text(yaml.safe_dump({"rule_files": [str(tmp / "rules.yml")], "evaluation_interval": "1m",
-                                                   "tests": tests}))
-    r = subprocess.run([promtool(), "test", "rules", str(tmp / "tests.yml")], capture_output=True, text=True, timeout=60)
+    tests = [
+        {
+            "interval": "1m",
+            "name": name,
+            "input_series": series,
+            "alert_rule_test": [
+                {"eval_time": at, "alertname": alert, "exp_alerts": [{"exp_labels": labels}] if fires else []}
+                for at, alert, fires in checks
+            ],
+        }
+        for name, series, checks in cases
+    ]
+    (tmp / "tests.yml").write_text(
+        yaml.safe_dump({"rule_files": [str(tmp / "rules.yml")], "evaluation_interval": "1m", "tests": tests})
+    )
+    r = subprocess.run(
+        [promtool(), "test", "rules", str(tmp / "tests.yml")], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -230,8 +269,10 @@ def test_metrics_follow_versions_published_while_the_mirror_runs(tmp_path, ok_cl
         assert v[f"{M}copied_bytes_total"] == sum(on_disk.values()) > first[f"{M}copied_bytes_total"]
         assert v[f"{M}start_time_seconds"] == first[f"{M}start_time_seconds"]
         # idle passes keep succeeding: the last success moves on while nothing is copied
-        later = mirror.wait_values(lambda w: w[f"{M}last_success_timestamp_seconds"] > v[f"{M}last_success_timestamp_seconds"],
-                                   "another successful pass")
+        later = mirror.wait_values(
+            lambda w: w[f"{M}last_success_timestamp_seconds"] > v[f"{M}last_success_timestamp_seconds"],
+            "another successful pass",
+        )
         assert later[f"{M}copied_bytes_total"] == v[f"{M}copied_bytes_total"]
         check_metrics(mirror.scrape()[0])
         check_conventions(mirror.scrape()[0])
@@ -281,17 +322,31 @@ def test_a_stuck_mirror_counts_failed_passes_and_raises_its_alerts(published, tm
     skipped = re.search(r"(\d+) chunks already there", mirror.log())
     assert skipped and int(skipped.group(1)) == v[f"{M}skipped_chunks_total"]
 
-    run_alert_tests(tmp_path, [
-        ("stuck", frozen_series(*stuck), [
-            ("9m", "WeightsyncMirrorBehind", False), ("9m", "WeightsyncMirrorStalled", False),
-            ("11m", "WeightsyncMirrorBehind", True), ("11m", "WeightsyncMirrorStalled", True),
-            ("11m", "WeightsyncTargetDown", False),
-        ]),
-        ("recovered", frozen_series(*recovered), [
-            ("9m", "WeightsyncMirrorBehind", False), ("9m", "WeightsyncMirrorStalled", False),
-            ("29m", "WeightsyncMirrorBehind", False),
-        ]),
-    ])
+    run_alert_tests(
+        tmp_path,
+        [
+            (
+                "stuck",
+                frozen_series(*stuck),
+                [
+                    ("9m", "WeightsyncMirrorBehind", False),
+                    ("9m", "WeightsyncMirrorStalled", False),
+                    ("11m", "WeightsyncMirrorBehind", True),
+                    ("11m", "WeightsyncMirrorStalled", True),
+                    ("11m", "WeightsyncTargetDown", False),
+                ],
+            ),
+            (
+                "recovered",
+                frozen_series(*recovered),
+                [
+                    ("9m", "WeightsyncMirrorBehind", False),
+                    ("9m", "WeightsyncMirrorStalled", False),
+                    ("29m", "WeightsyncMirrorBehind", False),
+                ],
+            ),
+        ],
+    )
 
 
 def test_chunks_are_counted_as_they_land_even_in_passes_that_fail(tmp_path, ok_cli, cli_env):
@@ -312,7 +367,11 @@ def test_chunks_are_counted_as_they_land_even_in_passes_that_fail(tmp_path, ok_c
     with Mirror(src, dst, tmp_path / "mirror.log", cli_env, "--concurrency", "1") as mirror:
         v = mirror.wait_values(lambda v: v["weightsync_loop_errors_total"] >= 2, "two failed passes")
         assert not (dst / version_key(0)).exists() and not (dst / HEAD_KEY).exists()
-        assert (v[f"{M}destination_version"], v[f"{M}copied_versions_total"], v[f"{M}version_seconds_count"]) == (-1, 0, 0)
+        assert (v[f"{M}destination_version"], v[f"{M}copied_versions_total"], v[f"{M}version_seconds_count"]) == (
+            -1,
+            0,
+            0,
+        )
         on_disk = chunk_files(dst)
         assert set(on_disk) == {r.id for r in first[:-1]}
         assert v[f"{M}copied_chunks_total"] == len(on_disk) == len(first) - 1 > 0
@@ -350,8 +409,14 @@ def test_version_seconds_are_observed_once_the_head_moved(published, tmp_path):
         seen.append((version, dst.head_version()))
         metrics.mirror_version(version, chunks, nbytes)
 
-    res = run_mirror(weightsync.open_repo(f"file://{src}"), dst, on_version=on_version, on_heads=metrics.mirror_heads,
-                     on_pass=metrics.mirror_pass, on_chunk=metrics.mirror_chunk)
+    res = run_mirror(
+        weightsync.open_repo(f"file://{src}"),
+        dst,
+        on_version=on_version,
+        on_heads=metrics.mirror_heads,
+        on_pass=metrics.mirror_pass,
+        on_chunk=metrics.mirror_chunk,
+    )
     assert seen == [(v, v) for v in range(6)]  # called with the head already there
 
     def value(name: str, **extra: str) -> float | None:
@@ -374,16 +439,35 @@ def _listening_socket() -> socket.socket:
     return sock
 
 
-@pytest.mark.parametrize("address", ["nonsense", "127.0.0.1:", "127.0.0.1:65536", "127.0.0.1:-1", "127.0.0.1:80x",
-                                     "no-such-host.invalid:9103", "in-use"])
+@pytest.mark.parametrize(
+    "address",
+    [
+        "nonsense",
+        "127.0.0.1:",
+        "127.0.0.1:65536",
+        "127.0.0.1:-1",
+        "127.0.0.1:80x",
+        "no-such-host.invalid:9103",
+        "in-use",
+    ],
+)
 def test_bad_metrics_listen_is_one_line_and_touches_no_store(address, published, tmp_path, run_cli, ws):
     src, _ = published
     sock = _listening_socket() if address == "in-use" else None
     try:
         if sock is not None:
             address = f"127.0.0.1:{sock.getsockname()[1]}"
-        rc, out, err = run_cli("mirror", "--from", f"file://{src}", "--to", f"file://{tmp_path / 'regional'}", "--follow",
-                               "--metrics-listen", address, timeout=60)
+        rc, out, err = run_cli(
+            "mirror",
+            "--from",
+            f"file://{src}",
+            "--to",
+            f"file://{tmp_path / 'regional'}",
+            "--follow",
+            "--metrics-listen",
+            address,
+            timeout=60,
+        )
     finally:
         if sock is not None:
             sock.close()

@@ -64,8 +64,12 @@ def step_as_processes(env, ckpt: Path, store: Path, world: int) -> int:
     url = f"file://{store}"
     head = repo(store).head_version() if (store / HEAD_KEY).exists() else None
     version = 0 if head is None else head + 1
-    committer = spawn_cli("commit-parts", "--store", url, "--version", version, "--world", world, "--timeout", 60, env=env)
-    ranks = [spawn_cli("publish-part", ckpt, "--store", url, "--rank", r, "--world", world, env=env) for r in range(world)]
+    committer = spawn_cli(
+        "commit-parts", "--store", url, "--version", version, "--world", world, "--timeout", 60, env=env
+    )
+    ranks = [
+        spawn_cli("publish-part", ckpt, "--store", url, "--rank", r, "--world", world, env=env) for r in range(world)
+    ]
     for r, proc in enumerate(ranks):
         rc, out, err = finish(proc)
         assert rc == 0, f"rank {r} exited {rc}: {err}"
@@ -119,15 +123,27 @@ def test_a_merged_version_encodes_every_segment_as_the_single_publisher_does(sha
         commit_parts(repo(multi), v, 3, timeout=5)
 
     def shape(m):
-        return [(f.path, f.size, f.xxh3, [(s.key, s.codec, s.xxh3, s.changed, s.payload and (s.payload.size, s.payload.xxh3))
-                                         for s in f.segments]) for f in m.files]
+        return [
+            (
+                f.path,
+                f.size,
+                f.xxh3,
+                [
+                    (s.key, s.codec, s.xxh3, s.changed, s.payload and (s.payload.size, s.payload.xxh3))
+                    for s in f.segments
+                ],
+            )
+            for f in m.files
+        ]
 
     for v in (0, 1):
         a, b = repo(single).manifest(v), repo(multi).manifest(v)
         assert shape(a) == shape(b)
         assert (a.parent, a.keyframe, a.chain_length) == (b.parent, b.keyframe, b.chain_length)
         assert a.stats["changed"] == b.stats["changed"] and a.stats["elements"] == b.stats["elements"]
-        assert sorted(json.loads((multi / version_key(v)).read_bytes())) == sorted(json.loads((single / version_key(v)).read_bytes()))
+        assert sorted(json.loads((multi / version_key(v)).read_bytes())) == sorted(
+            json.loads((single / version_key(v)).read_bytes())
+        )
 
 
 def test_ranks_with_their_own_folders_and_explicit_files(sharded, tmp_path, ws):
@@ -142,8 +158,9 @@ def test_ranks_with_their_own_folders_and_explicit_files(sharded, tmp_path, ws):
             folders[rank].mkdir()
             for n in wanted:
                 shutil.copy(ckpt / n, folders[rank] / n)
-            res = publish_part(folders[rank], repo(store), rank, 2, files=wanted, config=cfg,
-                               cache_dir=tmp_path / f"cache{rank}")
+            res = publish_part(
+                folders[rank], repo(store), rank, 2, files=wanted, config=cfg, cache_dir=tmp_path / f"cache{rank}"
+            )
             assert res.files == wanted and res.keyframe == (v % 2 == 0)
         assert commit_parts(repo(store), v, 2, timeout=5).version == v
         weightsync.pull(repo(store), tmp_path / "out", v)
@@ -182,7 +199,9 @@ def test_a_version_without_a_file_of_the_head_is_committed_only_when_allowed(sha
     rc, out, err = run_cli("commit-parts", "--store", url, "--version", 1, "--world", 2, "--timeout", 5)
     assert rc == 1 and out == "" and f"no rank published {shards[-1]} of version 0" in ws.error_line(err)
     assert (store / HEAD_KEY).read_bytes() == head and repo(store).versions() == [0]
-    rc, out, err = run_cli("commit-parts", "--store", url, "--version", 1, "--world", 2, "--timeout", 5, "--allow-removed-files")
+    rc, out, err = run_cli(
+        "commit-parts", "--store", url, "--version", 1, "--world", 2, "--timeout", 5, "--allow-removed-files"
+    )
     assert rc == 0 and out.strip() == "1"
     assert shards[-1] not in {f.path for f in repo(store).manifest(1).files}
     # a second committer (a re-run, or one that lost the race) finds it committed, with or without the flag
@@ -217,7 +236,9 @@ def test_a_rank_refuses_to_write_its_part_when_the_head_moves_while_it_encodes(s
         if not moved:
             moved.append(weightsync.publish(sharded[1], repo(store)).version)
 
-    with pytest.raises(VersionError, match="moved from 0 to 1 while rank 0 encoded version 1; its part was not written"):
+    with pytest.raises(
+        VersionError, match="moved from 0 to 1 while rank 0 encoded version 1; its part was not written"
+    ):
         publish_part(sharded[2], repo(store), 0, 2, observer=Callbacks(progress))
     assert moved == [1] and not (store / PARTS_PREFIX).exists()
 
@@ -360,18 +381,25 @@ def test_gc_keeps_every_part_of_a_version_while_one_is_young(sharded, tmp_path):
 
 
 # --- bad input -------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("args, rc, message", [
-    (["publish-part", "{ckpt}", "--rank", "4", "--world", "4"], 2, "rank must be in 0..3"),
-    (["publish-part", "{ckpt}", "--rank", "0", "--world", "0"], 2, "world size must be in"),
-    (["publish-part", "{ckpt}", "--rank", "0", "--world", "2", "--files", "missing.bin"], 1, "no file 'missing.bin'"),
-    (["publish-part", "{ckpt}", "--rank", "0", "--world", "2", "--files", "../x"], 2, "unsafe file path"),
-    (["publish-part", "{ckpt}", "--rank", "0", "--world", "2", "--version", "latest"], 2, "integer --version"),
-    (["publish-part", "{tmp}/nowhere", "--rank", "0", "--world", "2"], 1, "checkpoint directory not found"),
-    (["commit-parts", "--version", "0", "--world", "0"], 2, "world size must be in"),
-    (["commit-parts", "--version", "0", "--world", "2", "--timeout", "-1"], 2, "--timeout must be >= 0"),
-    (["commit-parts", "--version", "1", "--world", "2", "--timeout", "0"], 1, "0 of 2 parts stored after 0s"),
-    (["commit-parts", "--version", "0", "--world", "2", "--timeout", "0"], 1, "parts are not all stored any more"),
-])
+@pytest.mark.parametrize(
+    "args, rc, message",
+    [
+        (["publish-part", "{ckpt}", "--rank", "4", "--world", "4"], 2, "rank must be in 0..3"),
+        (["publish-part", "{ckpt}", "--rank", "0", "--world", "0"], 2, "world size must be in"),
+        (
+            ["publish-part", "{ckpt}", "--rank", "0", "--world", "2", "--files", "missing.bin"],
+            1,
+            "no file 'missing.bin'",
+        ),
+        (["publish-part", "{ckpt}", "--rank", "0", "--world", "2", "--files", "../x"], 2, "unsafe file path"),
+        (["publish-part", "{ckpt}", "--rank", "0", "--world", "2", "--version", "latest"], 2, "integer --version"),
+        (["publish-part", "{tmp}/nowhere", "--rank", "0", "--world", "2"], 1, "checkpoint directory not found"),
+        (["commit-parts", "--version", "0", "--world", "0"], 2, "world size must be in"),
+        (["commit-parts", "--version", "0", "--world", "2", "--timeout", "-1"], 2, "--timeout must be >= 0"),
+        (["commit-parts", "--version", "1", "--world", "2", "--timeout", "0"], 1, "0 of 2 parts stored after 0s"),
+        (["commit-parts", "--version", "0", "--world", "2", "--timeout", "0"], 1, "parts are not all stored any more"),
+    ],
+)
 def test_bad_input_gives_one_line_and_changes_nothing(sharded, tmp_path, run_cli, ws, args, rc, message):
     store = tmp_path / "store"
     weightsync.publish(sharded[0], repo(store))
@@ -432,13 +460,20 @@ def test_rank_publisher_daemons_publish_parts_and_one_commits_each_version(shard
     for r, p in pubs.items():
         for v in range(3):
             assert p.log().count(f"published part {r} of 3 of version {v}") == 1, (r, v)
-        s = wait_for(lambda p=p: (s := p.status())["head_version"] == 2 and s["part_stored"] is None and s, 20, "status")
+        s = wait_for(
+            lambda p=p: (s := p.status())["head_version"] == 2 and s["part_stored"] is None and s, 20, "status"
+        )
         assert s["rank"] == r and s["world"] == 3 and set(s["last_publish"]["files"]) == owned[r]
     assert pubs[2].log().count("committed version") == 3
 
 
 def test_a_rank_publisher_waits_for_the_commit_keeps_its_part_over_a_restart_and_refuses_bad_options(
-        sharded, tmp_path, daemons, run_cli, ws):  # noqa: F811  (daemons: the fixture imported above)
+    sharded,
+    tmp_path,
+    daemons,  # noqa: F811  (the fixture imported above)
+    run_cli,
+    ws,
+):
     store, watch = tmp_path / "store", tmp_path / "watch"
     for v in (0, 1):
         shutil.copytree(sharded[v], watch / f"step_{v:06d}")
@@ -452,14 +487,22 @@ def test_a_rank_publisher_waits_for_the_commit_keeps_its_part_over_a_restart_and
     assert pub.stop() == 0
     pub.start()  # the part is in the store: found, not encoded again
     wait_for(lambda: pub.status()["part_stored"] == 0, 20, "the stored part found")
-    assert "part 1 of version 0 is already stored" in pub.log() and pub.log().count("published part 1 of 2 of version 0") == 1
+    assert (
+        "part 1 of version 0 is already stored" in pub.log()
+        and pub.log().count("published part 1 of 2 of version 0") == 1
+    )
     publish_part(sharded[0], repo(store), 0, 2)
     commit_parts(repo(store), 0, 2, timeout=5)  # another process commits: the daemon goes on to version 1
     wait_for(lambda: pub.status()["part_stored"] == 1, 30, "the part of version 1")
-    for extra, message in ((["--rank", 2, "--world", 2], "rank must be in 0..1"), (["--world", 2], "need --rank"),
-                           (["--own-files"], "need --rank"), (["--world", 0], "world size must be in"),
-                           (["--rank", 0, "--world", 1], "needs --commit"), (["--commit"], "need --rank"),
-                           (["--rank", 0, "--world", 2, "--commit-timeout", 5], "--commit-timeout needs --commit")):
+    for extra, message in (
+        (["--rank", 2, "--world", 2], "rank must be in 0..1"),
+        (["--world", 2], "need --rank"),
+        (["--own-files"], "need --rank"),
+        (["--world", 0], "world size must be in"),
+        (["--rank", 0, "--world", 1], "needs --commit"),
+        (["--commit"], "need --rank"),
+        (["--rank", 0, "--world", 2, "--commit-timeout", 5], "--commit-timeout needs --commit"),
+    ):
         rc, out, err = run_cli("publisher", "--store", f"file://{store}", "--watch", watch, *extra)
         assert rc == 2 and message in ws.error_line(err), (extra, err)
 
@@ -468,8 +511,26 @@ def test_rank_publisher_daemons_with_folders_of_their_own(sharded, tmp_path, dae
     """--own-files: rank 1's folders hold two shards, rank 0's the rest; rank 1 commits."""
     store, url = tmp_path / "store", f"file://{tmp_path / 'store'}"
     watches = {r: tmp_path / f"watch{r}" for r in range(2)}
-    pubs = [daemons("publisher", ["--store", url, "--watch", watches[r], "--state-dir", tmp_path / f"state{r}", "--rank", r,
-                                  "--world", 2, "--own-files", *(["--commit"] if r == 1 else [])]) for r in range(2)]
+    pubs = [
+        daemons(
+            "publisher",
+            [
+                "--store",
+                url,
+                "--watch",
+                watches[r],
+                "--state-dir",
+                tmp_path / f"state{r}",
+                "--rank",
+                r,
+                "--world",
+                2,
+                "--own-files",
+                *(["--commit"] if r == 1 else []),
+            ],
+        )
+        for r in range(2)
+    ]
     for v, ckpt in enumerate(sharded[:2]):
         names = sorted(ws.content(ckpt))
         mine = {1: [n for n in names if n.endswith(("3-of-00004.safetensors", "4-of-00004.safetensors"))]}

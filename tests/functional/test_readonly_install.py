@@ -27,8 +27,10 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 # Read-only bind mounts of the directories before "--", then exec the command after it.
-_MOUNT_RO = ('while [ "$1" != -- ]; do mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" || exit 97; shift; '
-             'done; shift; exec "$@"')
+_MOUNT_RO = (
+    'while [ "$1" != -- ]; do mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" || exit 97; shift; '
+    'done; shift; exec "$@"'
+)
 
 _PULL = r"""
 import json, os, sys
@@ -63,8 +65,12 @@ def _unshare() -> list[str] | None:
         probe = Path(os.environ.get("TMPDIR", "/tmp")) / f"ws-ro-probe-{os.getpid()}"
         probe.mkdir(exist_ok=True)
         try:
-            r = subprocess.run([*argv, "sh", "-c", _MOUNT_RO, "sh", str(probe), "--", "sh", "-c", 'touch "$1"/x',
-                                "sh", str(probe)], capture_output=True, timeout=30, check=False)
+            r = subprocess.run(
+                [*argv, "sh", "-c", _MOUNT_RO, "sh", str(probe), "--", "sh", "-c", 'touch "$1"/x', "sh", str(probe)],
+                capture_output=True,
+                timeout=30,
+                check=False,
+            )
             if r.returncode not in (0, 97) and not (probe / "x").exists():
                 return argv  # mounted, and the write failed
         finally:
@@ -86,15 +92,23 @@ def install(tmp_path) -> dict[str, Path]:
     dirs = {name: tmp_path / name for name in ("site", "home", "xdg-cache", "numba-cache")}
     for d in dirs.values():
         d.mkdir()
-    shutil.copytree(ROOT / "weightsync", dirs["site"] / "weightsync", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copytree(
+        ROOT / "weightsync", dirs["site"] / "weightsync", ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+    )
     return dirs
 
 
 def _env(install: dict[str, Path], read_only: list[Path] = ()) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NUMBA_", "XDG_", "PYTHON"))}
-    env.update(HOME=str(install["home"]), XDG_CACHE_HOME=str(install["xdg-cache"]), PYTHONPATH=str(install["site"]),
-               NUMBA_CACHE_DIR=str(install["numba-cache"]), PYTHONDONTWRITEBYTECODE="1", RO_SITE=str(install["site"]),
-               RO_DIRS=os.pathsep.join(map(str, read_only)))
+    env.update(
+        HOME=str(install["home"]),
+        XDG_CACHE_HOME=str(install["xdg-cache"]),
+        PYTHONPATH=str(install["site"]),
+        NUMBA_CACHE_DIR=str(install["numba-cache"]),
+        PYTHONDONTWRITEBYTECODE="1",
+        RO_SITE=str(install["site"]),
+        RO_DIRS=os.pathsep.join(map(str, read_only)),
+    )
     return env
 
 
@@ -102,9 +116,28 @@ def _pull_read_only(unshare, install, store: Path, out: Path, writable: tuple[st
     """Pull and verify the latest version into ``out`` with every directory of ``install`` but
     ``writable`` read-only; the kernels' stats (signatures loaded from a cache and compiled)."""
     read_only = [d for name, d in install.items() if name not in writable]
-    r = subprocess.run([*unshare, "sh", "-c", _MOUNT_RO, "sh", *map(str, read_only), "--",
-                        sys.executable, "-c", _PULL, f"file://{store}", str(out)],
-                       env=_env(install, read_only), cwd=out.parent, capture_output=True, text=True, timeout=600, check=False)
+    r = subprocess.run(
+        [
+            *unshare,
+            "sh",
+            "-c",
+            _MOUNT_RO,
+            "sh",
+            *map(str, read_only),
+            "--",
+            sys.executable,
+            "-c",
+            _PULL,
+            f"file://{store}",
+            str(out),
+        ],
+        env=_env(install, read_only),
+        cwd=out.parent,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert r.returncode == 0, f"exit {r.returncode}\nstdout: {r.stdout}\nstderr: {r.stderr}"
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -130,11 +163,20 @@ def test_pull_from_a_read_only_install_without_any_cache(unshare, install, publi
 def test_pull_from_a_read_only_install_loads_a_prefilled_numba_cache(unshare, install, published, tmp_path, ws):
     """NUMBA_CACHE_DIR filled at "build time" (writable then), read-only at run time: no compiling."""
     store, checkpoints = published
-    fill = subprocess.run([sys.executable, "-m", "weightsync.codec.jit"], env=_env(install),
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
+    fill = subprocess.run(
+        [sys.executable, "-m", "weightsync.codec.jit"],
+        env=_env(install),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert fill.returncode == 0, fill.stderr
     filled = json.loads(fill.stdout.strip().splitlines()[-1])
-    assert filled["compiled"] > 0 and filled["writable"] and filled["writable"][0].startswith(str(install["numba-cache"]))
+    assert (
+        filled["compiled"] > 0 and filled["writable"] and filled["writable"][0].startswith(str(install["numba-cache"]))
+    )
     assert any(install["numba-cache"].rglob("*.nbi")), "nothing was cached"
     before = _listing(install)
     stats = _pull_read_only(unshare, install, store, tmp_path / "out")

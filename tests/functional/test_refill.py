@@ -21,7 +21,9 @@ PULL = weightsync.PullConfig(fsync=False)
 
 @pytest.fixture(scope="module")
 def traj(tmp_path_factory) -> list[Path]:
-    return make_trajectory(tmp_path_factory.mktemp("refill") / "traj", steps=3, shards=2, hidden=64, layers=1, experts=2, vocab=256)
+    return make_trajectory(
+        tmp_path_factory.mktemp("refill") / "traj", steps=3, shards=2, hidden=64, layers=1, experts=2, vocab=256
+    )
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +35,11 @@ def store(traj, tmp_path_factory) -> str:
 
 
 def inodes(folder: Path) -> dict[str, int]:
-    return {p.relative_to(folder).as_posix(): p.stat().st_ino for p in folder.rglob("*")
-            if p.is_file() and STATE not in p.relative_to(folder).parts}
+    return {
+        p.relative_to(folder).as_posix(): p.stat().st_ino
+        for p in folder.rglob("*")
+        if p.is_file() and STATE not in p.relative_to(folder).parts
+    }
 
 
 STATE = ".weightsync"
@@ -46,7 +51,11 @@ def test_refill_overwrites_its_own_files_in_place_and_never_writes_the_base(stor
     weightsync.pull(store, out, 0, config=PULL)
     before_base, before_out = snapshot(base), inodes(out)
     r = weightsync.pull(store, out, 2, config=PULL, base_dir=base)
-    assert (r.version, r.from_version, r.written_files) == (2, 1, 2)  # from the base; the two shards (config files kept)
+    assert (r.version, r.from_version, r.written_files) == (
+        2,
+        1,
+        2,
+    )  # from the base; the two shards (config files kept)
     assert_replica(out, traj[2])
     assert weightsync.verify(store, out, 2) == 2
     assert inodes(out) == before_out, "files were replaced, not overwritten in place"

@@ -38,8 +38,19 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "weightsync"
 TOKEN = "tok-3f9a1c0e5b7d2a64"
 TINY = dict(hidden=32, layers=1, experts=2, vocab=128)
-BAD_AUTH = [None, "", "Bearer", "Bearer wrong", TOKEN, f"Bearer {TOKEN}x", f"Bearer {TOKEN[:-1]}", f"Bearer  {TOKEN}",
-            f"Basic {TOKEN}", f"Bearer {TOKEN.upper()}", f"Bearer {TOKEN}\u00e9"]
+BAD_AUTH = [
+    None,
+    "",
+    "Bearer",
+    "Bearer wrong",
+    TOKEN,
+    f"Bearer {TOKEN}x",
+    f"Bearer {TOKEN[:-1]}",
+    f"Bearer  {TOKEN}",
+    f"Basic {TOKEN}",
+    f"Bearer {TOKEN.upper()}",
+    f"Bearer {TOKEN}\u00e9",
+]
 
 
 def _routes(role: str) -> list[tuple[str, str, object]]:
@@ -75,18 +86,46 @@ def test_tokens_are_enforced_and_no_secret_leaks_into_logs_answers_or_the_store(
         weightsync.publish(ckpt, repo)
     env = {**seaweed.env(), "WEIGHTSYNC_API_TOKEN": TOKEN}
     secrets = [TOKEN, seaweed.secret_key]
-    sub = Daemon("subscriber", ["--store", s3_url, "--target", tmp_path / "sub", "--no-fsync", "--ledger-interval", "0.2",
-                                "--log-level", "DEBUG"], tmp_path, env=env, token=TOKEN).start()
-    pub = Daemon("publisher", ["--store", s3_url, "--watch", tmp_path / "watch", "--state-dir", tmp_path / "st",
-                               "--log-level", "DEBUG"], tmp_path, env=env, token=TOKEN).start()
+    sub = Daemon(
+        "subscriber",
+        [
+            "--store",
+            s3_url,
+            "--target",
+            tmp_path / "sub",
+            "--no-fsync",
+            "--ledger-interval",
+            "0.2",
+            "--log-level",
+            "DEBUG",
+        ],
+        tmp_path,
+        env=env,
+        token=TOKEN,
+    ).start()
+    pub = Daemon(
+        "publisher",
+        ["--store", s3_url, "--watch", tmp_path / "watch", "--state-dir", tmp_path / "st", "--log-level", "DEBUG"],
+        tmp_path,
+        env=env,
+        token=TOKEN,
+    ).start()
     wrong_secret = seaweed.secret_key + "-but-wrong"
     secrets.append(wrong_secret)
-    bad = Daemon("subscriber", ["--store", s3_url, "--target", tmp_path / "bad", "--no-fsync", "--log-level", "DEBUG"], tmp_path,
-                 env={**env, "AWS_SECRET_ACCESS_KEY": wrong_secret}, token=TOKEN).start()
+    bad = Daemon(
+        "subscriber",
+        ["--store", s3_url, "--target", tmp_path / "bad", "--no-fsync", "--log-level", "DEBUG"],
+        tmp_path,
+        env={**env, "AWS_SECRET_ACCESS_KEY": wrong_secret},
+        token=TOKEN,
+    ).start()
     try:
         sub.wait_version(1)
-        wait_for(lambda: (s := bad.status())["last_error"] and "SignatureDoesNotMatch" in s["last_error"], 20,
-                 "the daemon with a wrong secret key to fail")
+        wait_for(
+            lambda: (s := bad.status())["last_error"] and "SignatureDoesNotMatch" in s["last_error"],
+            20,
+            "the daemon with a wrong secret key to fail",
+        )
         answers = []
         for d in (sub, pub, bad):
             for method, path, body in _routes(d.role):
@@ -132,19 +171,42 @@ def test_http_listens_on_loopback_by_default(tmp_path):
     store = tmp_path / "store"
     weightsync.publish(make_trajectory(tmp_path / "traj", steps=0, **TINY)[0], store)
     log = open(tmp_path / "sub.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "weightsync.cli", "subscriber", "--store", str(store), "--target",
-                             str(tmp_path / "sub"), "--no-fsync", "--listen", "0"], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "weightsync.cli",
+            "subscriber",
+            "--store",
+            str(store),
+            "--target",
+            str(tmp_path / "sub"),
+            "--no-fsync",
+            "--listen",
+            "0",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     log.close()
     try:  # "--listen 0": a port only, so the default host; the daemon logs where it listens
-        bound = wait_for(lambda: proc.poll() is None and re.search(r"listening url=http://([0-9.]+):(\d+)",
-                                                                   (tmp_path / "sub.log").read_text()), 20, "the subscriber")
+        bound = wait_for(
+            lambda: (
+                proc.poll() is None
+                and re.search(r"listening url=http://([0-9.]+):(\d+)", (tmp_path / "sub.log").read_text())
+            ),
+            20,
+            "the subscriber",
+        )
         assert bound.group(1) == "127.0.0.1"
         port = int(bound.group(2))
         assert http("GET", f"http://127.0.0.1:{port}/healthz", timeout=5)[0] == 200
         with socket.socket() as s:  # another loopback address: nothing listens there
             s.settimeout(2)
             assert s.connect_ex(("127.0.0.2", port)) != 0
-        listening = [line.split()[1] for line in Path("/proc/net/tcp").read_text().splitlines()[1:] if line.split()[3] == "0A"]
+        listening = [
+            line.split()[1] for line in Path("/proc/net/tcp").read_text().splitlines()[1:] if line.split()[3] == "0A"
+        ]
         assert f"0100007F:{port:04X}" in listening and f"00000000:{port:04X}" not in listening
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -177,15 +239,34 @@ def test_an_empty_configured_token_refuses_to_start(role, form, one_version, tmp
     (tmp_path / "blank").write_text(" \n\t\n")
     flags, env = EMPTY_TOKENS[form]
     flags = [f.format(empty=tmp_path / "empty", blank=tmp_path / "blank") for f in flags]
-    where = ["--watch", tmp_path / "watch", "--state-dir", tmp_path / "state"] if role == "publisher" else \
-        ["--target", tmp_path / "sub", "--no-fsync"]
+    where = (
+        ["--watch", tmp_path / "watch", "--state-dir", tmp_path / "state"]
+        if role == "publisher"
+        else ["--target", tmp_path / "sub", "--no-fsync"]
+    )
     (tmp_path / "watch").mkdir()
     env = {**{k: v for k, v in os.environ.items() if k != "WEIGHTSYNC_API_TOKEN"}, **env}
     log_path = tmp_path / "daemon.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "weightsync.cli", role, "--store", str(one_version), *map(str, where),
-                                 "--listen", "0.0.0.0:0", "--poll-interval", "0.1", *flags],
-                                stdout=subprocess.DEVNULL, stderr=log, env=env)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "weightsync.cli",
+                role,
+                "--store",
+                str(one_version),
+                *map(str, where),
+                "--listen",
+                "0.0.0.0:0",
+                "--poll-interval",
+                "0.1",
+                *flags,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            env=env,
+        )
     try:
         wait_for(lambda: proc.poll() is not None or "listening" in log_path.read_text(), 30, f"the {role} to exit")
     finally:
@@ -201,7 +282,13 @@ def test_an_empty_configured_token_refuses_to_start(role, form, one_version, tmp
 
 
 # --- static checks of the package ------------------------------------------------------------------------------
-CREDENTIAL_NAMES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_PROFILE")
+CREDENTIAL_NAMES = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_SECURITY_TOKEN",
+    "AWS_PROFILE",
+)
 CREDENTIAL_KWARGS = {"aws_access_key_id", "aws_secret_access_key", "aws_session_token", "profile_name"}
 ENV_READERS = {"weightsync/service/flags.py", "weightsync/cli.py"}
 
@@ -229,7 +316,9 @@ def _env_reads(tree: ast.AST) -> list[tuple[int, str]]:
         name = None
         if isinstance(node, ast.Subscript) and ast.unparse(node.value).endswith("environ"):
             name = node.slice
-        elif isinstance(node, ast.Call) and ast.unparse(node.func).endswith(("environ.get", "getenv", "environ.setdefault")):
+        elif isinstance(node, ast.Call) and ast.unparse(node.func).endswith(
+            ("environ.get", "getenv", "environ.setdefault")
+        ):
             name = node.args[0] if node.args else None
         if name is not None:
             out.append((node.lineno, name.value if isinstance(name, ast.Constant) else ast.unparse(name)))
@@ -249,7 +338,9 @@ def test_credentials_come_only_from_the_standard_aws_chain():
                 problems.append(f"{rel}:{node.value.lineno}: passes {node.arg}= to boto3")
         for line, var in _env_reads(tree):
             if rel not in ENV_READERS:
-                problems.append(f"{rel}:{line}: reads the environment ({var}) outside {' and '.join(sorted(ENV_READERS))}")
+                problems.append(
+                    f"{rel}:{line}: reads the environment ({var}) outside {' and '.join(sorted(ENV_READERS))}"
+                )
             elif str(var).startswith("AWS_"):
                 problems.append(f"{rel}:{line}: reads {var} itself instead of leaving it to boto3")
     assert not problems, "\n".join(problems)
@@ -262,5 +353,5 @@ def test_the_container_runs_as_an_unprivileged_user():
     assert users, "the runtime stage sets no USER: the container runs as root"
     user = users[-1].split(":")[0]
     assert user not in ("root", "0"), users[-1]
-    later = " ".join(lines[lines.index(next(ln for ln in lines[last_stage:] if ln.upper().startswith("USER "))):])
+    later = " ".join(lines[lines.index(next(ln for ln in lines[last_stage:] if ln.upper().startswith("USER "))) :])
     assert "USER root" not in later and "USER 0" not in later

@@ -55,7 +55,11 @@ def test_after_the_hold_the_standby_is_overwritten_in_place(setup, tmp_path, dae
     assert first["in_place"] is True and first["from_version"] == 0  # slot b was empty: filled from slot a
     inode = shard(target, "a").stat().st_ino
     last = publish_and_sync(store, traj, sub, target, 2)
-    assert last["in_place"] is True and last["from_version"] == 1 and last["fetched_bytes"] <= weightsync.open_repo(store).manifest(2).payload_bytes
+    assert (
+        last["in_place"] is True
+        and last["from_version"] == 1
+        and last["fetched_bytes"] <= weightsync.open_repo(store).manifest(2).payload_bytes
+    )
     assert shard(target, "a").stat().st_ino == inode  # the same file, rewritten
     # rolling back never writes in place: slot b holds version 1, which is reused as it is
     sub.put_target(1)
@@ -66,8 +70,10 @@ def test_after_the_hold_the_standby_is_overwritten_in_place(setup, tmp_path, dae
 def test_a_succeeded_swap_hook_releases_the_standby_and_nothing_else_does(setup, tmp_path, daemons):  # noqa: F811
     store, traj = setup
     target = tmp_path / "t"
-    sub = daemons("subscriber", ["--store", store, "--target", target, "--no-fsync", "--standby-hold", 3600,
-                                 "--hook-command", "true"])
+    sub = daemons(
+        "subscriber",
+        ["--store", store, "--target", target, "--no-fsync", "--standby-hold", 3600, "--hook-command", "true"],
+    )
     sub.wait_version(0)
     wait_for(lambda: (sub.status()["hook"] or {}).get("ok"), 10, "the swap hook of version 0")
     assert publish_and_sync(store, traj, sub, target, 1)["in_place"] is True
@@ -75,9 +81,15 @@ def test_a_succeeded_swap_hook_releases_the_standby_and_nothing_else_does(setup,
     assert publish_and_sync(store, traj, sub, target, 2)["in_place"] is True
     # a hook that fails, or one still running, keeps the standby as it is, whatever the hold
     weightsync.publish(traj[3], store, 3, base_dir=traj[2])
-    for name, hook in (("failing", ["--hook-command", "false", "--hook-attempts", 1]), ("slow", ["--hook-command", "sleep 60"])):
+    for name, hook in (
+        ("failing", ["--hook-command", "false", "--hook-attempts", 1]),
+        ("slow", ["--hook-command", "sleep 60"]),
+    ):
         other = tmp_path / name
-        d = daemons("subscriber", ["--store", store, "--target", other, "--no-fsync", "--standby-hold", 0, "--version", 1, *hook])
+        d = daemons(
+            "subscriber",
+            ["--store", store, "--target", other, "--no-fsync", "--standby-hold", 0, "--version", 1, *hook],
+        )
         d.wait_version(1)
         d.put_target(2)  # the first standby was never served: it may be refilled whatever the hook says
         d.wait_version(2)
@@ -102,7 +114,9 @@ def test_a_seed_killed_midway_is_cleared_even_when_the_standby_is_released(setup
     b.mkdir(parents=True)
     for rel in read_state(a).files:
         os.link(a / rel, b / rel)
-    sub = daemons("subscriber", ["--store", store, "--target", target, "--no-fsync", "--standby-hold", 0, "--version", 1])
+    sub = daemons(
+        "subscriber", ["--store", store, "--target", target, "--no-fsync", "--standby-hold", 0, "--version", 1]
+    )
     sub.wait_version(1)
     verify_current(store, target, 1, traj[1])
     assert weightsync.verify(store, a, 0) == 0  # the old slot was never written through the links

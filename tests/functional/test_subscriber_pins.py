@@ -111,8 +111,12 @@ def test_a_damaged_stored_target_stops_the_start_up(tmp_path, daemons):  # noqa:
     path = target / ".weightsync" / "target.json"
     path.write_text('{"format": "weightsync.subscriber-target", "tar')  # e.g. edited by hand
 
-    proc = subprocess.run([sys.executable, "-m", "weightsync.cli", "subscriber", *map(str, args),
-                           "--listen", "127.0.0.1:0"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "weightsync.cli", "subscriber", *map(str, args), "--listen", "127.0.0.1:0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     lines = proc.stderr.splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith("weightsync: error:") and str(path) in lines[0] and "damaged stored target" in lines[0]

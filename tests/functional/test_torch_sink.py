@@ -119,8 +119,9 @@ def test_serving_loop_never_sees_a_torn_model(published, mode):
 def test_module_name_map_and_dense_copies(published, mode):
     store, versions = published
     model = module_from({f"net.{k}": v for k, v in versions[0].items() if k != "model.step"})
-    sink = TorchSink(store, model, 0, name_map=lambda n: None if n == "model.step" else f"net.{n}", dense_above=0.0,
-                     mode=mode)
+    sink = TorchSink(
+        store, model, 0, name_map=lambda n: None if n == "model.step" else f"net.{n}", dense_above=0.0, mode=mode
+    )
     up = sink.update(2)
     assert up.patches and all(p.index is None for p in up.patches)  # every changed tensor copied whole
     assert_holds(model.state_dict(), {f"net.{k}": v for k, v in versions[2].items() if k != "model.step"})
@@ -152,8 +153,12 @@ def test_a_model_that_drifted_is_detected_and_repaired(published, mode):
 def test_updates_are_refused_when_they_cannot_apply(published, mode):
     store, versions = published
     with pytest.raises(UsageError, match="cannot patch in place"):
-        TorchSink(store, copy_of({k: v.float() if v.dtype == torch.bfloat16 else v for k, v in versions[0].items()}, mode),
-                  0, mode=mode)
+        TorchSink(
+            store,
+            copy_of({k: v.float() if v.dtype == torch.bfloat16 else v for k, v in versions[0].items()}, mode),
+            0,
+            mode=mode,
+        )
     with pytest.raises(UsageError, match="no tensor"):
         TorchSink(store, copy_of({"other": torch.zeros(3)}, mode), 0, mode=mode)
     live = copy_of(versions[0], mode)
@@ -326,7 +331,9 @@ def test_flip_refuses_tensors_that_overlap_without_being_one(published):
     live = copy_of(versions[0], "flip")
     live["alias"] = torch.nn.Parameter(live["model.embed_tokens.weight"].detach().view(-1)[8:40], requires_grad=False)
     with pytest.raises(UsageError, match="model.embed_tokens.weight and alias share memory"):
-        TorchSink(store, live, 0, mode="flip", exclude=["alias"])  # not in the store, would keep reading the retired storage
+        TorchSink(
+            store, live, 0, mode="flip", exclude=["alias"]
+        )  # not in the store, would keep reading the retired storage
     TorchSink(store, live, 0, mode="patch", exclude=["alias"])  # patching in place does not care
     with pytest.raises(UsageError, match="mode"):
         TorchSink(store, copy_of(versions[0], "flip"), 0, mode="swap")
@@ -346,7 +353,7 @@ def fused(sd: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Te
     views, at = {}, 0
     for k, t in sd.items():
         n = t.numel() * t.element_size()
-        views[k] = flat[at:at + n].view(t.dtype).view(t.shape)
+        views[k] = flat[at : at + n].view(t.dtype).view(t.shape)
         at += n
     return flat, views
 

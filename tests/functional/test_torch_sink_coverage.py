@@ -30,9 +30,19 @@ def holds(tensors, expected: dict[str, torch.Tensor]) -> bool:
 def tiny_moe():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.Qwen3MoeConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=4, num_experts_per_tok=2,
-        max_position_embeddings=32, tie_word_embeddings=True)
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=8,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+    )
     return transformers, cfg
 
 
@@ -119,9 +129,15 @@ def small(tmp_path_factory):
     g = torch.Generator().manual_seed(1)
     a, b = torch.randn(64, 8, generator=g).bfloat16(), torch.randn(32, generator=g).bfloat16()
     a1, b1 = (a.float() + 0.1).bfloat16(), (b.float() - 0.1).bfloat16()
-    versions = {0: {"a": a, "b": b}, 1: {"a": a1, "b": b1}, 2: {"a": a1, "b": b1, "c": torch.ones(4)},
-                3: {"a": a1}, 4: {"a": a1, "b": torch.zeros(16).bfloat16()}, 5: {"a": a1, "b": b1.float()},
-                6: {"a": a, "b": b1}}
+    versions = {
+        0: {"a": a, "b": b},
+        1: {"a": a1, "b": b1},
+        2: {"a": a1, "b": b1, "c": torch.ones(4)},
+        3: {"a": a1},
+        4: {"a": a1, "b": torch.zeros(16).bfloat16()},
+        5: {"a": a1, "b": b1.float()},
+        6: {"a": a, "b": b1},
+    }
     with StateDictPublisher(root / "store", config=PublishConfig(keyframe_interval=100), work_dir=root / "work") as pub:
         for v, sd in versions.items():
             pub.publish(sd, version=v)
@@ -131,12 +147,21 @@ def small(tmp_path_factory):
 @MODES
 def test_names_the_model_lacks_are_refused(small, mode):
     store, versions = small
-    with pytest.raises(CoverageError, match=r"2 store tensors of version 0 have no destination in the model \(a, b\).*"
-                                            r"2 model tensors have no source in it \(net.a, net.b\)"):
+    with pytest.raises(
+        CoverageError,
+        match=r"2 store tensors of version 0 have no destination in the model \(a, b\).*"
+        r"2 model tensors have no source in it \(net.a, net.b\)",
+    ):
         TorchSink(store, module_from({f"net.{k}": v for k, v in versions[0].items()}), 0, mode=mode, verify=False)
     with pytest.raises(CoverageError, match=r"1 store tensor of version 0 has no destination in the model \(b\)"):
-        TorchSink(store, module_from({"a": versions[0]["a"], "bb": versions[0]["b"]}), 0, mode=mode,
-                  name_map=lambda n: "b_typo" if n == "b" else n, exclude=["bb"])
+        TorchSink(
+            store,
+            module_from({"a": versions[0]["a"], "bb": versions[0]["b"]}),
+            0,
+            mode=mode,
+            name_map=lambda n: "b_typo" if n == "b" else n,
+            exclude=["bb"],
+        )
     model = module_from({f"net.{k}": v for k, v in versions[0].items()})
     sink = TorchSink(store, model, 0, mode=mode, name_map=lambda n: f"net.{n}")
     assert sink.excluded == ()
@@ -150,10 +175,12 @@ def test_a_version_whose_names_change_is_refused_and_nothing_is_applied(small, m
     model = module_from(versions[0])
     sink = TorchSink(store, model, 0, mode=mode)
     sink.update(1)
-    for v, match in ((2, r"1 store tensor of version 2 has no destination in the model \(c\)"),
-                     (3, r"1 model tensor has no source in version 3 \(b\)"),
-                     (4, r"b: the store has BF16\[16\].*cannot patch in place"),
-                     (5, r"b: the store has F32\[32\].*cannot patch in place")):
+    for v, match in (
+        (2, r"1 store tensor of version 2 has no destination in the model \(c\)"),
+        (3, r"1 model tensor has no source in version 3 \(b\)"),
+        (4, r"b: the store has BF16\[16\].*cannot patch in place"),
+        (5, r"b: the store has F32\[32\].*cannot patch in place"),
+    ):
         with pytest.raises(UsageError, match=match):
             sink.prepare(v)
         with pytest.raises(UsageError, match=match):

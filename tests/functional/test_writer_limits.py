@@ -34,8 +34,9 @@ def _fails(ws, run_cli, watched: list[Path], *args) -> str:
 
 
 @pytest.mark.parametrize("command", ["publish", "publish-part"])
-def test_a_version_above_the_format_limit_is_refused_before_anything_is_written(command, trajectory, tmp_path, run_cli,
-                                                                                 ok_cli, ws):
+def test_a_version_above_the_format_limit_is_refused_before_anything_is_written(
+    command, trajectory, tmp_path, run_cli, ok_cli, ws
+):
     extra = ["--rank", 0, "--world", 1] if command == "publish-part" else []
     fresh = tmp_path / "fresh"  # not even the store marker is created
     line = _fails(ws, run_cli, [fresh], command, trajectory[0], "--store", fresh, "--version", MAX_VERSION + 1, *extra)
@@ -43,13 +44,26 @@ def test_a_version_above_the_format_limit_is_refused_before_anything_is_written(
     store = tmp_path / "store"
     ok_cli("publish", trajectory[0], "--store", store)
     _fails(ws, run_cli, [store], command, trajectory[1], "--store", store, "--version", MAX_VERSION + 1, *extra)
-    _fails(ws, run_cli, [store], "commit-parts", "--store", store, "--version", MAX_VERSION + 1, "--world", 1,
-           "--timeout", 0)
+    _fails(
+        ws,
+        run_cli,
+        [store],
+        "commit-parts",
+        "--store",
+        store,
+        "--version",
+        MAX_VERSION + 1,
+        "--world",
+        1,
+        "--timeout",
+        0,
+    )
     assert weightsync.open_repo(store).versions() == [0]
 
 
-def test_a_store_at_the_largest_version_refuses_a_plain_publish_and_stays_readable(trajectory, tmp_path, run_cli,
-                                                                                  ok_cli, ws):
+def test_a_store_at_the_largest_version_refuses_a_plain_publish_and_stays_readable(
+    trajectory, tmp_path, run_cli, ok_cli, ws
+):
     store = tmp_path / "store"
     ok_cli("publish", trajectory[0], "--store", store, "--version", MAX_VERSION)
     line = _fails(ws, run_cli, [store], "publish", trajectory[1], "--store", store)
@@ -72,7 +86,9 @@ def test_publisher_skips_a_checkpoint_whose_step_no_version_can_hold(tmp_path, d
         (t.save(watch / name) / "COMPLETE").write_text("")
         t.step()
     pub = daemons("publisher", ["--store", store, "--watch", watch, "--state-dir", tmp_path / "state"])
-    wait_for(lambda: (s := pub.status())["head_version"] == 1 and s["state"] == "idle" and s, 30, f"head 1\n{pub.log()}")
+    wait_for(
+        lambda: (s := pub.status())["head_version"] == 1 and s["state"] == "idle" and s, 30, f"head 1\n{pub.log()}"
+    )
     time.sleep(1.5)  # fifteen polls: the skipped folders must not turn into failing iterations
     status, log = pub.status(), pub.log()
     assert status["state"] == "idle" and status["last_error"] is None, status

@@ -39,8 +39,13 @@ GRACE = 10.0  # longer than any publish here (module docstring)
 
 
 def content(folder: Path) -> dict[str, bytes]:
-    return {rel: p.read_bytes() for p in sorted(Path(folder).rglob("*"))
-            if p.is_file() and ".weightsync" not in (rel := p.relative_to(folder).as_posix()).split("/") and rel != "COMPLETE"}
+    return {
+        rel: p.read_bytes()
+        for p in sorted(Path(folder).rglob("*"))
+        if p.is_file()
+        and ".weightsync" not in (rel := p.relative_to(folder).as_posix()).split("/")
+        and rel != "COMPLETE"
+    }
 
 
 def metric(text: str, name: str) -> float:
@@ -69,11 +74,45 @@ def test_two_publishers_gc_and_twenty_subscribers_on_one_store(backend, request,
     else:
         url, env = f"file://{tmp_path / 'store'}", {}
     ckpts = {name: checkpoints(tmp_path / f"watch-{name}", seed) for name, seed in (("a", 0), ("b", 1))}
-    pubs = {name: Daemon("publisher", ["--store", url, "--watch", tmp_path / f"watch-{name}", "--state-dir", tmp_path / f"st-{name}",
-                                       "--keyframe-interval", 3, "--id", f"pub-{name}"], tmp_path, env=env)
-            for name in ckpts}
-    subs = [Daemon("subscriber", ["--store", url, "--target", tmp_path / f"sub-{i:02d}", "--no-fsync", "--id", f"sub-{i:02d}",
-                                  "--ledger-interval", "1"], tmp_path, env=env) for i in range(SUBSCRIBERS)]
+    pubs = {
+        name: Daemon(
+            "publisher",
+            [
+                "--store",
+                url,
+                "--watch",
+                tmp_path / f"watch-{name}",
+                "--state-dir",
+                tmp_path / f"st-{name}",
+                "--keyframe-interval",
+                3,
+                "--id",
+                f"pub-{name}",
+            ],
+            tmp_path,
+            env=env,
+        )
+        for name in ckpts
+    }
+    subs = [
+        Daemon(
+            "subscriber",
+            [
+                "--store",
+                url,
+                "--target",
+                tmp_path / f"sub-{i:02d}",
+                "--no-fsync",
+                "--id",
+                f"sub-{i:02d}",
+                "--ledger-interval",
+                "1",
+            ],
+            tmp_path,
+            env=env,
+        )
+        for i in range(SUBSCRIBERS)
+    ]
     repo = weightsync.open_repo(url)
     stop_gc = threading.Event()
     gc_runs, gc_errors = [], []
@@ -127,7 +166,9 @@ def test_two_publishers_gc_and_twenty_subscribers_on_one_store(backend, request,
     for sub in subs:
         assert content(Path(sub.args[sub.args.index("--target") + 1]) / "current") == expected
         swaps = logged(sub.log(), "swapped to version")
-        assert swaps == sorted(set(swaps)) and swaps[-1] == head, f"{sub.log_path.name} went backwards or twice: {swaps}"
+        assert swaps == sorted(set(swaps)) and swaps[-1] == head, (
+            f"{sub.log_path.name} went backwards or twice: {swaps}"
+        )
     assert sum(r.deleted_versions.__len__() for r in gc_runs) > 0, "gc never collected anything"
 
 

@@ -173,7 +173,7 @@ def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
 
 def final_stage(instructions: list[tuple[str, str]]) -> list[tuple[str, str]]:
     starts = [i for i, (word, _) in enumerate(instructions) if word == "FROM"]
-    return instructions[starts[-1]:]
+    return instructions[starts[-1] :]
 
 
 def healthcheck_argv() -> list[str]:
@@ -222,8 +222,11 @@ def test_dockerfile_makes_torch_optional_and_bakes_in_no_secret():
             assert not secret.search(rest), f"{word} {rest}"
         if word in ("COPY", "ADD"):
             assert ".env" not in rest and "credentials" not in rest
-    ignore = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
-              if line.strip() and not line.startswith("#")]
+    ignore = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     assert ignore[0] == "*", ".dockerignore must be an allow-list"
     allowed = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
     assert {"pyproject.toml", "weightsync"} <= allowed
@@ -233,7 +236,7 @@ def test_dockerfile_makes_torch_optional_and_bakes_in_no_secret():
 def _build_stage() -> list[tuple[str, str]]:
     ins = dockerfile_instructions((ROOT / "Dockerfile").read_text())
     starts = [i for i, (word, _) in enumerate(ins) if word == "FROM"]
-    return ins[starts[0]:starts[1]]
+    return ins[starts[0] : starts[1]]
 
 
 def test_dockerfile_installs_dependencies_in_a_layer_a_source_edit_keeps():
@@ -249,10 +252,13 @@ def test_dockerfile_installs_dependencies_in_a_layer_a_source_edit_keeps():
     program = re.search(r"python -c '([^']*)'", deps[0]).group(1)
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+, like the image
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    for extras, expected in (([], project["dependencies"]),
-                             (["torch"], project["dependencies"] + project["optional-dependencies"]["torch"])):
-        r = subprocess.run([sys.executable, "-c", program, *extras], cwd=ROOT, capture_output=True, text=True,
-                           timeout=60, check=False)
+    for extras, expected in (
+        ([], project["dependencies"]),
+        (["torch"], project["dependencies"] + project["optional-dependencies"]["torch"]),
+    ):
+        r = subprocess.run(
+            [sys.executable, "-c", program, *extras], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False
+        )
         assert r.returncode == 0, r.stderr
         assert r.stdout.split() == expected
 
@@ -297,7 +303,9 @@ def test_dockerfile_healthcheck_probes_the_daemon(status, expected):
     assert argv[0] == "python"
     if status is None:
         url = f"http://127.0.0.1:{free_port()}/healthz"  # nothing listens
-        r = subprocess.run([sys.executable, *argv[1:]], env={**os.environ, "WEIGHTSYNC_HEALTHCHECK_URLS": url}, timeout=30)
+        r = subprocess.run(
+            [sys.executable, *argv[1:]], env={**os.environ, "WEIGHTSYNC_HEALTHCHECK_URLS": url}, timeout=30
+        )
         assert r.returncode == expected
         return
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Health)
@@ -306,7 +314,9 @@ def test_dockerfile_healthcheck_probes_the_daemon(status, expected):
     try:
         down = f"http://127.0.0.1:{free_port()}/healthz"
         url = f"{down} http://127.0.0.1:{server.server_address[1]}/healthz"  # the first is down
-        r = subprocess.run([sys.executable, *argv[1:]], env={**os.environ, "WEIGHTSYNC_HEALTHCHECK_URLS": url}, timeout=30)
+        r = subprocess.run(
+            [sys.executable, *argv[1:]], env={**os.environ, "WEIGHTSYNC_HEALTHCHECK_URLS": url}, timeout=30
+        )
         assert r.returncode == expected
     finally:
         server.shutdown()
@@ -317,7 +327,10 @@ def test_dockerfile_healthcheck_probes_the_daemon(status, expected):
 def deploy_commands() -> list[tuple[str, list[str], dict[str, str]]]:
     """(where, argv, environment) of every weightsync process in compose and Kubernetes."""
     compose = load_compose()
-    out = [(f"compose:{n}", [interpolate(a) for a in s["command"]], compose_env(s)) for n, s in weightsync_services(compose).items()]
+    out = [
+        (f"compose:{n}", [interpolate(a) for a in s["command"]], compose_env(s))
+        for n, s in weightsync_services(compose).items()
+    ]
     for name, _, pod in pod_specs():
         out += [(f"k8s:{name}/{c['name']}", k8s_argv(c), k8s_env(c)) for c in containers(pod) if is_weightsync(c)]
     return out
@@ -349,7 +362,9 @@ def test_deploy_commands_parse_with_the_cli(where, argv, env):
         config = pytest.importorskip("weightsync.service.flags")
         build = config.publisher_config if argv[0] == "publisher" else config.subscriber_config
         cfg = build(args, env)  # validates ids, the listen address, hooks, the token
-        assert (cfg.api.host, cfg.api.port) == ("0.0.0.0", DAEMON_PORTS[argv[0]]), f"{where} must listen on all addresses"
+        assert (cfg.api.host, cfg.api.port) == ("0.0.0.0", DAEMON_PORTS[argv[0]]), (
+            f"{where} must listen on all addresses"
+        )
 
 
 @pytest.mark.parametrize("where, argv, env", deploy_commands(), ids=[where for where, _, _ in deploy_commands()])
@@ -375,7 +390,10 @@ def test_compose_matches_the_compose_spec():
 
     schema = json.loads((files("check_jsonschema.builtin_schemas.vendor") / "compose-spec.json").read_text())
     cls = jsonschema.validators.validator_for(schema)
-    errors = [f"{e.json_path}: {e.message}" for e in cls(schema, format_checker=cls.FORMAT_CHECKER).iter_errors(load_compose())]
+    errors = [
+        f"{e.json_path}: {e.message}"
+        for e in cls(schema, format_checker=cls.FORMAT_CHECKER).iter_errors(load_compose())
+    ]
     assert not errors, "\n".join(errors)
 
 
@@ -417,7 +435,9 @@ def test_compose_s3_credentials_are_the_seaweedfs_identity():
         env = svc.get("environment", {})
         if "AWS_ENDPOINT_URL" in env:
             assert env["AWS_ENDPOINT_URL"] == "http://s3:8333", name
-            assert (env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]) == (keys["accessKey"], keys["secretKey"]), name
+            assert (env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]) == (keys["accessKey"], keys["secretKey"]), (
+                name
+            )
 
 
 def test_compose_two_regions_and_a_mirror_between_them():
@@ -431,7 +451,9 @@ def test_compose_two_regions_and_a_mirror_between_them():
     assert stores == {setting(publisher, "--store"), setting(mirror, "--to")}, "one subscriber per region's bucket"
     assert len({setting(c, "--region") for c in by_role["subscriber"]}) == 2
     reader = next(c for c in by_role["subscriber"] if setting(c, "--store") == setting(mirror, "--to"))
-    assert setting(mirror, "--region") == setting(reader, "--region"), "the mirror's region label is its destination's region"
+    assert setting(mirror, "--region") == setting(reader, "--region"), (
+        "the mirror's region label is its destination's region"
+    )
     assert setting(mirror, "--metrics-listen") == f"0.0.0.0:{MIRROR_PORT}"
 
 
@@ -465,46 +487,104 @@ def test_grafana_provisioning_points_at_the_compose_services():
     assert home == f"{mounts['./grafana/dashboards']}/{DASHBOARD.name}"
     sources = yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "prometheus.yaml").read_text())["datasources"]
     (prom,) = sources
-    assert prom["type"] == "prometheus" and prom["url"] == "http://prometheus:9090" and "prometheus" in compose["services"]
+    assert (
+        prom["type"] == "prometheus" and prom["url"] == "http://prometheus:9090" and "prometheus" in compose["services"]
+    )
 
 
 # --- Kubernetes ------------------------------------------------------------------------------------
-_DURATION = {"type": "string", "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"}
+_DURATION = {
+    "type": "string",
+    "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$",
+}
 _STRINGS = {"type": "object", "additionalProperties": {"type": "string"}}
-_METADATA = {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}, "labels": _STRINGS, "annotations": _STRINGS}}
+_METADATA = {
+    "type": "object",
+    "required": ["name"],
+    "properties": {"name": {"type": "string"}, "labels": _STRINGS, "annotations": _STRINGS},
+}
 CRD_SCHEMAS = {  # the Prometheus Operator fields these manifests use (monitoring.coreos.com/v1)
     "ServiceMonitor": {
-        "type": "object", "required": ["apiVersion", "kind", "metadata", "spec"],
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
         "properties": {
-            "apiVersion": {"const": "monitoring.coreos.com/v1"}, "metadata": _METADATA,
-            "spec": {"type": "object", "required": ["selector", "endpoints"], "additionalProperties": False, "properties": {
-                "selector": {"type": "object", "additionalProperties": False, "properties": {"matchLabels": _STRINGS}},
-                "jobLabel": {"type": "string"},
-                "endpoints": {"type": "array", "minItems": 1, "items": {
-                    "type": "object", "required": ["port"], "additionalProperties": False, "properties": {
-                        "port": {"type": "string"}, "path": {"type": "string", "pattern": "^/"},
-                        "interval": _DURATION, "scrapeTimeout": _DURATION, "scheme": {"enum": ["http", "https"]},
-                    }}},
-            }},
+            "apiVersion": {"const": "monitoring.coreos.com/v1"},
+            "metadata": _METADATA,
+            "spec": {
+                "type": "object",
+                "required": ["selector", "endpoints"],
+                "additionalProperties": False,
+                "properties": {
+                    "selector": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {"matchLabels": _STRINGS},
+                    },
+                    "jobLabel": {"type": "string"},
+                    "endpoints": {
+                        "type": "array",
+                        "minItems": 1,
+                        "items": {
+                            "type": "object",
+                            "required": ["port"],
+                            "additionalProperties": False,
+                            "properties": {
+                                "port": {"type": "string"},
+                                "path": {"type": "string", "pattern": "^/"},
+                                "interval": _DURATION,
+                                "scrapeTimeout": _DURATION,
+                                "scheme": {"enum": ["http", "https"]},
+                            },
+                        },
+                    },
+                },
+            },
         },
     },
     "PrometheusRule": {
-        "type": "object", "required": ["apiVersion", "kind", "metadata", "spec"],
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
         "properties": {
-            "apiVersion": {"const": "monitoring.coreos.com/v1"}, "metadata": _METADATA,
-            "spec": {"type": "object", "required": ["groups"], "additionalProperties": False, "properties": {
-                "groups": {"type": "array", "minItems": 1, "items": {
-                    "type": "object", "required": ["name", "rules"], "additionalProperties": False, "properties": {
-                        "name": {"type": "string"}, "interval": _DURATION,
-                        "rules": {"type": "array", "minItems": 1, "items": {
-                            "type": "object", "required": ["expr"], "additionalProperties": False,
-                            "oneOf": [{"required": ["alert"]}, {"required": ["record"]}],
+            "apiVersion": {"const": "monitoring.coreos.com/v1"},
+            "metadata": _METADATA,
+            "spec": {
+                "type": "object",
+                "required": ["groups"],
+                "additionalProperties": False,
+                "properties": {
+                    "groups": {
+                        "type": "array",
+                        "minItems": 1,
+                        "items": {
+                            "type": "object",
+                            "required": ["name", "rules"],
+                            "additionalProperties": False,
                             "properties": {
-                                "alert": {"type": "string"}, "record": {"type": "string"}, "expr": {"type": "string"},
-                                "for": _DURATION, "labels": _STRINGS, "annotations": _STRINGS,
-                            }}},
-                    }}},
-            }},
+                                "name": {"type": "string"},
+                                "interval": _DURATION,
+                                "rules": {
+                                    "type": "array",
+                                    "minItems": 1,
+                                    "items": {
+                                        "type": "object",
+                                        "required": ["expr"],
+                                        "additionalProperties": False,
+                                        "oneOf": [{"required": ["alert"]}, {"required": ["record"]}],
+                                        "properties": {
+                                            "alert": {"type": "string"},
+                                            "record": {"type": "string"},
+                                            "expr": {"type": "string"},
+                                            "for": _DURATION,
+                                            "labels": _STRINGS,
+                                            "annotations": _STRINGS,
+                                        },
+                                    },
+                                },
+                            },
+                        },
+                    },
+                },
+            },
         },
     },
 }
@@ -512,7 +592,9 @@ CRD_SCHEMAS = {  # the Prometheus Operator fields these manifests use (monitorin
 
 @pytest.mark.parametrize("version", [K8S_MIN_VERSION, "latest"])
 def test_k8s_manifests_match_the_kubernetes_schemas(version):
-    kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (offline Kubernetes schemas)")
+    kv = pytest.importorskip(
+        "kubernetes_validate", reason="pip install kubernetes-validate (offline Kubernetes schemas)"
+    )
     version = kv.latest_version() if version == "latest" else version
     errors, kinds = [], set()
     for name, doc in k8s_docs():
@@ -532,7 +614,10 @@ def test_k8s_prometheus_operator_resources_match_their_schemas():
     for name, doc in k8s_docs():
         if doc["kind"] in CRD_SCHEMAS:
             found += 1
-            errors = [f"{e.json_path}: {e.message}" for e in jsonschema.Draft202012Validator(CRD_SCHEMAS[doc["kind"]]).iter_errors(doc)]
+            errors = [
+                f"{e.json_path}: {e.message}"
+                for e in jsonschema.Draft202012Validator(CRD_SCHEMAS[doc["kind"]]).iter_errors(doc)
+            ]
             assert not errors, f"{name}: " + "\n".join(errors)
     assert found == 2
 
@@ -560,15 +645,20 @@ def test_k8s_pods_are_hardened_probed_and_sized():
             if argv[0] == "mirror":
                 mirrors += 1
                 assert flag(argv, "--metrics-listen", env) == f"0.0.0.0:{MIRROR_PORT}", where
-                assert flag(argv, "--region", env) and flag(argv, "--cluster", env), f"{where}: metrics without region/cluster labels"
+                assert flag(argv, "--region", env) and flag(argv, "--cluster", env), (
+                    f"{where}: metrics without region/cluster labels"
+                )
                 ports = {p["name"]: p["containerPort"] for p in c["ports"]}
                 assert ports == {"http": MIRROR_PORT}, where
                 for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
                     get = c[probe]["httpGet"]
                     assert get["path"] == path and get["port"] == "http", f"{where} {probe}"
                 notes = meta["annotations"]
-                assert (notes["prometheus.io/scrape"], notes["prometheus.io/port"], notes["prometheus.io/path"]) == \
-                    ("true", str(MIRROR_PORT), "/metrics")
+                assert (notes["prometheus.io/scrape"], notes["prometheus.io/port"], notes["prometheus.io/path"]) == (
+                    "true",
+                    str(MIRROR_PORT),
+                    "/metrics",
+                )
             if argv[0] not in DAEMON_PORTS:
                 continue
             daemons += 1
@@ -581,7 +671,11 @@ def test_k8s_pods_are_hardened_probed_and_sized():
             if c in pod.get("initContainers", []):
                 assert c["restartPolicy"] == "Always", f"{where}: a sidecar must be a native sidecar"
             notes = meta["annotations"]
-            assert (notes["prometheus.io/scrape"], notes["prometheus.io/port"], notes["prometheus.io/path"]) == ("true", str(port), "/metrics")
+            assert (notes["prometheus.io/scrape"], notes["prometheus.io/port"], notes["prometheus.io/path"]) == (
+                "true",
+                str(port),
+                "/metrics",
+            )
             env = {e["name"]: e.get("valueFrom", {}) for e in c["env"]}
             assert env["WEIGHTSYNC_API_TOKEN"]["secretKeyRef"]["name"] == "weightsync-api", where
     assert daemons == 2 and mirrors == 1
@@ -601,8 +695,9 @@ def test_k8s_daemons_have_a_writable_numba_cache_dir():
             daemons += 1
             cache_dir = next((e["value"] for e in c.get("env", []) if e["name"] == "NUMBA_CACHE_DIR"), image_default)
             mounts = [m["mountPath"].rstrip("/") for m in c.get("volumeMounts", []) if not m.get("readOnly")]
-            assert any(cache_dir == m or cache_dir.startswith(m + "/") for m in mounts), \
+            assert any(cache_dir == m or cache_dir.startswith(m + "/") for m in mounts), (
                 f"{name}/{c['name']}: {cache_dir} is on the read-only root"
+            )
     assert daemons == 2
 
 
@@ -642,7 +737,11 @@ def test_k8s_references_resolve():
     (monitor,) = k8s_kind("ServiceMonitor")
     selector = monitor["spec"]["selector"]["matchLabels"]
     watched = [s for s in services if selector.items() <= s["metadata"].get("labels", {}).items()]
-    assert {s["metadata"]["name"] for s in watched} == {"weightsync-publisher", "weightsync-subscriber", "weightsync-mirror"}
+    assert {s["metadata"]["name"] for s in watched} == {
+        "weightsync-publisher",
+        "weightsync-subscriber",
+        "weightsync-mirror",
+    }
     for endpoint in monitor["spec"]["endpoints"]:
         assert all(endpoint["port"] in {p["name"] for p in s["spec"]["ports"]} for s in watched)
 
@@ -671,51 +770,142 @@ PUB = {"region": "region-a", "cluster": "train"}
 MIR = {"region": "region-b", "cluster": "infer-b", "job": "weightsync-mirror", "instance": f"mirror:{MIRROR_PORT}"}
 MIR_UP = {"job": MIR["job"], "instance": MIR["instance"]}
 ALERT_CASES = [  # (name, input series, [(eval time, alert, expected label sets)])
-    ("lag", [_series("weightsync_version_lag", "0 5x30", **SUB), _series("weightsync_version_lag", "1x30", **{**SUB, "subscriber": "sub-2"})],
-     [("5m", "WeightsyncSubscriberLagging", []), ("15m", "WeightsyncSubscriberLagging", [{**SUB, "severity": "warning"}])]),
-    ("stale", [_series("weightsync_staleness_seconds", "0+60x40", **SUB)],
-     [("10m", "WeightsyncStaleWeights", []), ("25m", "WeightsyncStaleWeights", [{**SUB, "severity": "warning"}])]),
-    ("checksum", [_series("weightsync_checksum_failures_total", "0x10 1x30", **SUB)],
-     [("8m", "WeightsyncChecksumFailures", []), ("12m", "WeightsyncChecksumFailures", [{**SUB, "severity": "critical"}]),
-      ("40m", "WeightsyncChecksumFailures", [])]),
-    ("hook", [_series("weightsync_swap_hook_failures_total", "0x5 3x10", **SUB)],
-     [("7m", "WeightsyncSwapHookFailures", [{**SUB, "severity": "warning"}])]),
-    ("stalled", [_series("weightsync_published_version", "0+1x60 60x60", **PUB)],
-     [("50m", "WeightsyncPublisherStalled", []), ("100m", "WeightsyncPublisherStalled", [{**PUB, "severity": "warning"}])]),
-    ("never published", [_series("weightsync_published_version", "-1x60", **PUB)],
-     [("59m", "WeightsyncPublisherStalled", [])]),
-    ("region behind", [_series("weightsync_published_version", "0+1x40", **PUB),
-                       _series("weightsync_latest_version", "0+1x40", **{**SUB, "region": "region-a"}),
-                       _series("weightsync_latest_version", "0x40", **SUB)],
-     [("10m", "WeightsyncRegionBehind", []), ("30m", "WeightsyncRegionBehind", [{"region": "region-b", "severity": "warning"}])]),
-    ("down", [_series("up", "1x5 0x20", job="weightsync-subscriber", instance="subscriber-a:8471"),
-              _series("up", "0x20", job="other", instance="x:1")],
-     [("15m", "WeightsyncTargetDown", [{"job": "weightsync-subscriber", "instance": "subscriber-a:8471", "severity": "warning"}]),
-      ("15m", "WeightsyncMirrorDown", [])]),
+    (
+        "lag",
+        [
+            _series("weightsync_version_lag", "0 5x30", **SUB),
+            _series("weightsync_version_lag", "1x30", **{**SUB, "subscriber": "sub-2"}),
+        ],
+        [
+            ("5m", "WeightsyncSubscriberLagging", []),
+            ("15m", "WeightsyncSubscriberLagging", [{**SUB, "severity": "warning"}]),
+        ],
+    ),
+    (
+        "stale",
+        [_series("weightsync_staleness_seconds", "0+60x40", **SUB)],
+        [("10m", "WeightsyncStaleWeights", []), ("25m", "WeightsyncStaleWeights", [{**SUB, "severity": "warning"}])],
+    ),
+    (
+        "checksum",
+        [_series("weightsync_checksum_failures_total", "0x10 1x30", **SUB)],
+        [
+            ("8m", "WeightsyncChecksumFailures", []),
+            ("12m", "WeightsyncChecksumFailures", [{**SUB, "severity": "critical"}]),
+            ("40m", "WeightsyncChecksumFailures", []),
+        ],
+    ),
+    (
+        "hook",
+        [_series("weightsync_swap_hook_failures_total", "0x5 3x10", **SUB)],
+        [("7m", "WeightsyncSwapHookFailures", [{**SUB, "severity": "warning"}])],
+    ),
+    (
+        "stalled",
+        [_series("weightsync_published_version", "0+1x60 60x60", **PUB)],
+        [
+            ("50m", "WeightsyncPublisherStalled", []),
+            ("100m", "WeightsyncPublisherStalled", [{**PUB, "severity": "warning"}]),
+        ],
+    ),
+    (
+        "never published",
+        [_series("weightsync_published_version", "-1x60", **PUB)],
+        [("59m", "WeightsyncPublisherStalled", [])],
+    ),
+    (
+        "region behind",
+        [
+            _series("weightsync_published_version", "0+1x40", **PUB),
+            _series("weightsync_latest_version", "0+1x40", **{**SUB, "region": "region-a"}),
+            _series("weightsync_latest_version", "0x40", **SUB),
+        ],
+        [
+            ("10m", "WeightsyncRegionBehind", []),
+            ("30m", "WeightsyncRegionBehind", [{"region": "region-b", "severity": "warning"}]),
+        ],
+    ),
+    (
+        "down",
+        [
+            _series("up", "1x5 0x20", job="weightsync-subscriber", instance="subscriber-a:8471"),
+            _series("up", "0x20", job="other", instance="x:1"),
+        ],
+        [
+            (
+                "15m",
+                "WeightsyncTargetDown",
+                [{"job": "weightsync-subscriber", "instance": "subscriber-a:8471", "severity": "warning"}],
+            ),
+            ("15m", "WeightsyncMirrorDown", []),
+        ],
+    ),
     # the mirror (series as the mirror exports them, a new version at the source every minute)
-    ("mirror keeps up", [_series("weightsync_mirror_source_version", "0+1x60", **MIR),
-                         _series("weightsync_mirror_destination_version", "-1x3 0+1x57", **MIR)],  # 3 minutes late
-     [("30m", "WeightsyncMirrorBehind", []), ("59m", "WeightsyncMirrorBehind", [])]),
-    ("mirror 12 minutes late", [_series("weightsync_mirror_source_version", "0+1x60", **MIR),
-                                _series("weightsync_mirror_destination_version", "-1x12 0+1x48", **MIR)],
-     [("9m", "WeightsyncMirrorBehind", []), ("11m", "WeightsyncMirrorBehind", [{**MIR, "severity": "warning"}]),
-      ("40m", "WeightsyncMirrorBehind", [{**MIR, "severity": "warning"}])]),
-    ("mirror stuck", [_series("weightsync_mirror_source_version", "0+1x40", **MIR),
-                      _series("weightsync_mirror_destination_version", "0+1x10 10x30", **MIR)],
-     [("10m", "WeightsyncMirrorBehind", []), ("19m", "WeightsyncMirrorBehind", []),
-      ("21m", "WeightsyncMirrorBehind", [{**MIR, "severity": "warning"}])]),
-    ("mirror passes stop", [_series("weightsync_mirror_last_success_timestamp_seconds", "60+60x5 360x30", **MIR),
-                            _series("weightsync_mirror_start_time_seconds", "0x35", **MIR)],
-     [("15m", "WeightsyncMirrorStalled", []), ("17m", "WeightsyncMirrorStalled", [{**MIR, "severity": "warning"}])]),
-    ("mirror never succeeds", [_series("weightsync_mirror_last_success_timestamp_seconds", "0x30", **MIR),
-                               _series("weightsync_mirror_start_time_seconds", "300x30", **MIR)],  # started at 5m
-     [("14m", "WeightsyncMirrorStalled", []), ("16m", "WeightsyncMirrorStalled", [{**MIR, "severity": "warning"}])]),
-    ("mirror healthy", [_series("weightsync_mirror_last_success_timestamp_seconds", "0 60+60x40", **MIR),
-                        _series("weightsync_mirror_start_time_seconds", "0x40", **MIR)],
-     [("30m", "WeightsyncMirrorStalled", [])]),
-    ("mirror down", [_series("up", "1x5 0x20", **MIR_UP)],
-     [("8m", "WeightsyncMirrorDown", []), ("15m", "WeightsyncMirrorDown", [{**MIR_UP, "severity": "warning"}]),
-      ("15m", "WeightsyncTargetDown", [])]),
+    (
+        "mirror keeps up",
+        [
+            _series("weightsync_mirror_source_version", "0+1x60", **MIR),
+            _series("weightsync_mirror_destination_version", "-1x3 0+1x57", **MIR),
+        ],  # 3 minutes late
+        [("30m", "WeightsyncMirrorBehind", []), ("59m", "WeightsyncMirrorBehind", [])],
+    ),
+    (
+        "mirror 12 minutes late",
+        [
+            _series("weightsync_mirror_source_version", "0+1x60", **MIR),
+            _series("weightsync_mirror_destination_version", "-1x12 0+1x48", **MIR),
+        ],
+        [
+            ("9m", "WeightsyncMirrorBehind", []),
+            ("11m", "WeightsyncMirrorBehind", [{**MIR, "severity": "warning"}]),
+            ("40m", "WeightsyncMirrorBehind", [{**MIR, "severity": "warning"}]),
+        ],
+    ),
+    (
+        "mirror stuck",
+        [
+            _series("weightsync_mirror_source_version", "0+1x40", **MIR),
+            _series("weightsync_mirror_destination_version", "0+1x10 10x30", **MIR),
+        ],
+        [
+            ("10m", "WeightsyncMirrorBehind", []),
+            ("19m", "WeightsyncMirrorBehind", []),
+            ("21m", "WeightsyncMirrorBehind", [{**MIR, "severity": "warning"}]),
+        ],
+    ),
+    (
+        "mirror passes stop",
+        [
+            _series("weightsync_mirror_last_success_timestamp_seconds", "60+60x5 360x30", **MIR),
+            _series("weightsync_mirror_start_time_seconds", "0x35", **MIR),
+        ],
+        [("15m", "WeightsyncMirrorStalled", []), ("17m", "WeightsyncMirrorStalled", [{**MIR, "severity": "warning"}])],
+    ),
+    (
+        "mirror never succeeds",
+        [
+            _series("weightsync_mirror_last_success_timestamp_seconds", "0x30", **MIR),
+            _series("weightsync_mirror_start_time_seconds", "300x30", **MIR),
+        ],  # started at 5m
+        [("14m", "WeightsyncMirrorStalled", []), ("16m", "WeightsyncMirrorStalled", [{**MIR, "severity": "warning"}])],
+    ),
+    (
+        "mirror healthy",
+        [
+            _series("weightsync_mirror_last_success_timestamp_seconds", "0 60+60x40", **MIR),
+            _series("weightsync_mirror_start_time_seconds", "0x40", **MIR),
+        ],
+        [("30m", "WeightsyncMirrorStalled", [])],
+    ),
+    (
+        "mirror down",
+        [_series("up", "1x5 0x20", **MIR_UP)],
+        [
+            ("8m", "WeightsyncMirrorDown", []),
+            ("15m", "WeightsyncMirrorDown", [{**MIR_UP, "severity": "warning"}]),
+            ("15m", "WeightsyncTargetDown", []),
+        ],
+    ),
 ]
 
 
@@ -727,15 +917,18 @@ def test_alerts_fire_when_they_should(tmp_path):
             rule.pop("annotations", None)
     rules = tmp_path / "rules.yml"
     rules.write_text(yaml.safe_dump(doc))
-    tests = [{
-        "interval": "1m",
-        "name": name,
-        "input_series": series,
-        "alert_rule_test": [
-            {"eval_time": at, "alertname": alert, "exp_alerts": [{"exp_labels": labels} for labels in expected]}
-            for at, alert, expected in checks
-        ],
-    } for name, series, checks in ALERT_CASES]
+    tests = [
+        {
+            "interval": "1m",
+            "name": name,
+            "input_series": series,
+            "alert_rule_test": [
+                {"eval_time": at, "alertname": alert, "exp_alerts": [{"exp_labels": labels} for labels in expected]}
+                for at, alert, expected in checks
+            ],
+        }
+        for name, series, checks in ALERT_CASES
+    ]
     spec = tmp_path / "tests.yml"
     spec.write_text(yaml.safe_dump({"rule_files": [str(rules)], "evaluation_interval": "1m", "tests": tests}))
     r = run_promtool("test", "rules", str(spec))
@@ -745,8 +938,11 @@ def test_alerts_fire_when_they_should(tmp_path):
 
 
 def test_every_alert_has_a_severity_and_a_runbook_section():
-    headings = {re.sub(r"[^a-z0-9 -]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
-                for line in OPERATIONS.read_text().splitlines() if line.startswith("#")}
+    headings = {
+        re.sub(r"[^a-z0-9 -]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+        for line in OPERATIONS.read_text().splitlines()
+        if line.startswith("#")
+    }
     for rule in alert_rules():
         assert rule["labels"]["severity"] in ("critical", "warning", "info"), rule["alert"]
         assert {"summary", "description", "runbook"} <= set(rule["annotations"]), rule["alert"]
@@ -784,12 +980,24 @@ def test_dashboard_panels_have_a_datasource_and_targets():
         for target in panel["targets"]:
             assert target["datasource"] == panel["datasource"] and target["expr"].strip() and target["refId"]
     exprs = " ".join(dashboard_exprs(dashboard))
-    for needed in ("weightsync_upload_bytes_total", "weightsync_download_bytes_total", "weightsync_checkpoint_bytes / ",
-                   "weightsync_publish_seconds_bucket", "weightsync_apply_seconds_bucket", "weightsync_swap_pause_seconds_bucket",
-                   "weightsync_version_lag", "weightsync_staleness_seconds", "weightsync_checksum_failures_total",
-                   "weightsync_store_retries_total", "histogram_quantile", "weightsync_mirror_source_version",
-                   "weightsync_mirror_destination_version", "weightsync_mirror_copied_bytes_total",
-                   "weightsync_mirror_version_seconds_bucket", "weightsync_mirror_last_success_timestamp_seconds"):
+    for needed in (
+        "weightsync_upload_bytes_total",
+        "weightsync_download_bytes_total",
+        "weightsync_checkpoint_bytes / ",
+        "weightsync_publish_seconds_bucket",
+        "weightsync_apply_seconds_bucket",
+        "weightsync_swap_pause_seconds_bucket",
+        "weightsync_version_lag",
+        "weightsync_staleness_seconds",
+        "weightsync_checksum_failures_total",
+        "weightsync_store_retries_total",
+        "histogram_quantile",
+        "weightsync_mirror_source_version",
+        "weightsync_mirror_destination_version",
+        "weightsync_mirror_copied_bytes_total",
+        "weightsync_mirror_version_seconds_bucket",
+        "weightsync_mirror_last_success_timestamp_seconds",
+    ):
         assert needed in exprs, f"no panel queries {needed}"
 
 
@@ -841,7 +1049,9 @@ class Stack:
     def _env(self, svc: dict, extra: dict) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "WEIGHTSYNC_"))}
         env.update({k: interpolate(str(v)) for k, v in svc.get("environment", {}).items()})
-        env.update({"XDG_STATE_HOME": str(self.root / "xdg-state"), "XDG_CACHE_HOME": str(self.root / "xdg-cache"), **extra})
+        env.update(
+            {"XDG_STATE_HOME": str(self.root / "xdg-state"), "XDG_CACHE_HOME": str(self.root / "xdg-cache"), **extra}
+        )
         if "AWS_ENDPOINT_URL" in env:
             env["AWS_ENDPOINT_URL"] = self.endpoint
         return env
@@ -861,7 +1071,7 @@ class Stack:
             return f"127.0.0.1:{self.ports[name]}"
         for target, local in self._mounts(svc):
             if value == target or value.startswith(target + "/"):
-                return str(local) + value[len(target):]
+                return str(local) + value[len(target) :]
         return value
 
     def argv(self, name: str) -> list[str]:
@@ -881,11 +1091,23 @@ class Stack:
             local.mkdir(parents=True, exist_ok=True)
         argv, environ = self.argv(name), self._env(svc, env)
         if "entrypoint" not in svc:  # a weightsync process: its settings are WEIGHTSYNC_* variables
-            environ.update({k: self._local(name, svc, k, v) for k, v in environ.items()
-                            if k.startswith("WEIGHTSYNC_") and k not in env})
+            environ.update(
+                {
+                    k: self._local(name, svc, k, v)
+                    for k, v in environ.items()
+                    if k.startswith("WEIGHTSYNC_") and k not in env
+                }
+            )
         log = open(self.root / f"{name}.log", "wb")
-        self.procs[name] = subprocess.Popen(argv, env=environ, cwd=self.root, stdout=log,
-                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.procs[name] = subprocess.Popen(
+            argv,
+            env=environ,
+            cwd=self.root,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         log.close()
 
     def run(self, name: str, timeout: float = 120, **env: str) -> None:
@@ -896,10 +1118,15 @@ class Stack:
         names = names or tuple(self.procs)
         return "\n".join(f"--- {n}\n" + (self.root / f"{n}.log").read_text(errors="replace")[-3000:] for n in names)
 
-    def request(self, name: str, path: str, method: str = "GET", body: dict | None = None, token: str | None = "default"):
+    def request(
+        self, name: str, path: str, method: str = "GET", body: dict | None = None, token: str | None = "default"
+    ):
         token = self.token if token == "default" else token
-        req = urllib.request.Request(f"http://127.0.0.1:{self.ports[name]}{path}", method=method,
-                                     data=None if body is None else json.dumps(body).encode())
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.ports[name]}{path}",
+            method=method,
+            data=None if body is None else json.dumps(body).encode(),
+        )
         if token:
             req.add_header("Authorization", f"Bearer {token}")
         if body is not None:
@@ -932,7 +1159,7 @@ class Stack:
         while pending:
             name = next(n for n in pending if set(self.compose["services"][n].get("depends_on", [])) <= started)
             deps = self.compose["services"][name].get("depends_on", {})
-            for dep, cond in (deps.items() if isinstance(deps, dict) else []):
+            for dep, cond in deps.items() if isinstance(deps, dict) else []:
                 if dep in provided:
                     continue
                 if cond["condition"] == "service_completed_successfully":
@@ -982,7 +1209,9 @@ def deploy_seaweed(tmp_path_factory):
         def _identities(self) -> dict:
             return identities
 
-    server = DeploySeaweed(tmp_path_factory.mktemp("deploy-seaweed"), access_key=keys["accessKey"], secret_key=keys["secretKey"])
+    server = DeploySeaweed(
+        tmp_path_factory.mktemp("deploy-seaweed"), access_key=keys["accessKey"], secret_key=keys["secretKey"]
+    )
     server.start()
     try:
         yield server
@@ -997,7 +1226,12 @@ def test_compose_stack_runs_without_docker(deploy_seaweed, tmp_path):
     services = weightsync_services(compose)
     subscribers = [n for n, s in services.items() if s["command"][0] == "subscriber"]
     checkpoints = tmp_path / "volumes" / "checkpoints"
-    trainer_env = {"CHECKPOINT_DIR": str(checkpoints), "TRAINER_STEPS": "3", "TRAINER_STEP_SECONDS": "0.2", "TRAINER_HIDDEN": "16"}
+    trainer_env = {
+        "CHECKPOINT_DIR": str(checkpoints),
+        "TRAINER_STEPS": "3",
+        "TRAINER_STEP_SECONDS": "0.2",
+        "TRAINER_HIDDEN": "16",
+    }
     try:
         stack.up(["buckets", "trainer", *services], provided={"s3"}, extra_env={"trainer": trainer_env})
         buckets = {b["Name"] for b in deploy_seaweed.client().list_buckets()["Buckets"]}
@@ -1005,12 +1239,16 @@ def test_compose_stack_runs_without_docker(deploy_seaweed, tmp_path):
         with pytest.raises(Exception, match="SignatureDoesNotMatch"):
             deploy_seaweed.client(aws_secret_access_key="not-the-secret").list_buckets()
 
-        stack.wait_for("the publisher to publish version 2",
-                       lambda: stack.request("publisher", "/v1/status")[1]["head_version"] == 2)
+        stack.wait_for(
+            "the publisher to publish version 2",
+            lambda: stack.request("publisher", "/v1/status")[1]["head_version"] == 2,
+        )
         assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000000", "step_000001", "step_000002"]
         assert (checkpoints / "step_000002" / "COMPLETE").is_file()
         for name in subscribers:
-            stack.wait_for(f"{name} to serve version 2", lambda n=name: stack.request(n, "/v1/status")[1]["current_version"] == 2)
+            stack.wait_for(
+                f"{name} to serve version 2", lambda n=name: stack.request(n, "/v1/status")[1]["current_version"] == 2
+            )
             assert stack.request(name, "/readyz")[0] == 200
             assert stack.healthy(name)
 
@@ -1018,12 +1256,22 @@ def test_compose_stack_runs_without_docker(deploy_seaweed, tmp_path):
         sub = subscribers[-1]
         assert stack.request(sub, "/v1/target", "PUT", {"version": 1}, token=None)[0] == 401
         assert stack.request(sub, "/v1/target", "PUT", {"version": 1})[0] == 200
-        stack.wait_for(f"{sub} to roll back to version 1", lambda: stack.request(sub, "/v1/status")[1]["current_version"] == 1)
+        stack.wait_for(
+            f"{sub} to roll back to version 1", lambda: stack.request(sub, "/v1/status")[1]["current_version"] == 1
+        )
         assert stack.request(sub, "/v1/target", "PUT", {"version": "latest"})[0] == 200
-        stack.wait_for(f"{sub} to follow the head again", lambda: stack.request(sub, "/v1/status")[1]["current_version"] == 2)
+        stack.wait_for(
+            f"{sub} to follow the head again", lambda: stack.request(sub, "/v1/status")[1]["current_version"] == 2
+        )
 
-        stack.wait_for("the mirror's metrics to show version 2 in region-b", lambda: re.search(
-            r'^weightsync_mirror_destination_version\{[^}]*region="region-b"[^}]*\} 2\.0$', stack.request("mirror", "/metrics")[1], re.M))
+        stack.wait_for(
+            "the mirror's metrics to show version 2 in region-b",
+            lambda: re.search(
+                r'^weightsync_mirror_destination_version\{[^}]*region="region-b"[^}]*\} 2\.0$',
+                stack.request("mirror", "/metrics")[1],
+                re.M,
+            ),
+        )
         scraped = "".join(stack.request(n, "/metrics")[1] for n in ("publisher", "mirror", *subscribers))
         names = set(re.findall(r"^(weightsync_[a-z_]+)", scraped, re.M))
         used = set(re.findall(r"\bweightsync_[a-z_]+\b", " ".join(dashboard_exprs(json.loads(DASHBOARD.read_text())))))
@@ -1031,8 +1279,12 @@ def test_compose_stack_runs_without_docker(deploy_seaweed, tmp_path):
         assert used <= names, f"not scraped: {sorted(used - names)}"
         from prometheus_client.parser import text_string_to_metric_families
 
-        current = {(s.labels["subscriber"], s.labels["region"]): s.value for family in text_string_to_metric_families(scraped)
-                   for s in family.samples if s.name == "weightsync_current_version"}
+        current = {
+            (s.labels["subscriber"], s.labels["region"]): s.value
+            for family in text_string_to_metric_families(scraped)
+            for s in family.samples
+            if s.name == "weightsync_current_version"
+        }
         expected = {(setting(services[n], "--id"), setting(services[n], "--region")): 2.0 for n in subscribers}
         assert current == expected
     finally:

@@ -42,14 +42,22 @@ S3 = pytest.mark.integration
 # --- helpers ------------------------------------------------------------------------------------------
 def content(folder: Path) -> dict[str, bytes]:
     """The files of a checkpoint or replica (not ``.weightsync``, not the ``COMPLETE`` marker)."""
-    return {rel: p.read_bytes() for p in sorted(Path(folder).rglob("*"))
-            if p.is_file() and ".weightsync" not in (rel := p.relative_to(folder).as_posix()).split("/") and rel != "COMPLETE"}
+    return {
+        rel: p.read_bytes()
+        for p in sorted(Path(folder).rglob("*"))
+        if p.is_file()
+        and ".weightsync" not in (rel := p.relative_to(folder).as_posix()).split("/")
+        and rel != "COMPLETE"
+    }
 
 
 def metric(text: str, name: str) -> float:
     """Sum of every series of ``name`` in a Prometheus text exposition."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    )
 
 
 def retry_reasons(*texts: str) -> dict[str, float]:
@@ -94,13 +102,18 @@ def test_every_fault_kind_is_retried_and_nothing_corrupt_is_stored_or_served(s3_
     repo = weightsync.open_repo(s3_url, endpoint_url=proxy.endpoint)  # retries: RetryingStore
     cfg = weightsync.PublishConfig(chunk_bytes=64 << 10, keyframe_interval=2)
     rules = [
-        Rule("503", method="PUT", key=r"/chunks/", count=3), Rule("500", method="PUT", key=r"/chunks/", count=2),
-        Rule("reset", method="PUT", key=r"/chunks/", count=2), Rule("drop", method="PUT", key=r"/chunks/", count=2),
-        Rule("delay", method="PUT", key=r"/chunks/", count=2, delay=0.3), Rule("503", method="HEAD", count=2),
-        Rule("reset", method="GET", key=r"/HEAD$", count=2), Rule("500", method="GET", key=r"/versions/", count=2),
+        Rule("503", method="PUT", key=r"/chunks/", count=3),
+        Rule("500", method="PUT", key=r"/chunks/", count=2),
+        Rule("reset", method="PUT", key=r"/chunks/", count=2),
+        Rule("drop", method="PUT", key=r"/chunks/", count=2),
+        Rule("delay", method="PUT", key=r"/chunks/", count=2, delay=0.3),
+        Rule("503", method="HEAD", count=2),
+        Rule("reset", method="GET", key=r"/HEAD$", count=2),
+        Rule("500", method="GET", key=r"/versions/", count=2),
         Rule("503", method="GET", key=r"list-type=2", count=2),  # LIST
         Rule("truncate", method="GET", key=r"/chunks/", count=3, fraction=0.3),
-        Rule("reset", method="GET", key=r"/chunks/", count=2), Rule("503", method="GET", key=r"/chunks/", count=2),
+        Rule("reset", method="GET", key=r"/chunks/", count=2),
+        Rule("503", method="GET", key=r"/chunks/", count=2),
         Rule("delay", method="GET", key=r"/chunks/", count=2, delay=0.3),
     ]
     for rule in rules:
@@ -160,9 +173,15 @@ def test_daemons_converge_through_random_faults_and_count_their_retries(s3_url, 
     watch = tmp_path / "watch"
     watch.mkdir()
     random_faults(proxy, 0.04)
-    pub = Daemon("publisher", ["--store", s3_url, "--watch", watch, "--state-dir", tmp_path / "st"], tmp_path, env=proxied_env).start()
-    sub = Daemon("subscriber", ["--store", s3_url, "--target", tmp_path / "sub", "--no-fsync", "--ledger-interval", "0.3"],
-                 tmp_path, env=proxied_env).start()
+    pub = Daemon(
+        "publisher", ["--store", s3_url, "--watch", watch, "--state-dir", tmp_path / "st"], tmp_path, env=proxied_env
+    ).start()
+    sub = Daemon(
+        "subscriber",
+        ["--store", s3_url, "--target", tmp_path / "sub", "--no-fsync", "--ledger-interval", "0.3"],
+        tmp_path,
+        env=proxied_env,
+    ).start()
     try:
         assert trainer(watch, 0, 4, 0.2).wait(60) == 0
         sub.wait_version(3, timeout=90)
@@ -172,7 +191,11 @@ def test_daemons_converge_through_random_faults_and_count_their_retries(s3_url, 
         assert metric(sub.get("/metrics")[1], "weightsync_checksum_failures_total") == 0
         # each injected kind is told apart: 503 SlowDown, 500, resets and drops, bodies cut short
         reasons = retry_reasons(*(d.get("/metrics")[1] for d in (pub, sub)))
-        assert reasons["other"] == 0 and {r for r, n in reasons.items() if n} >= {"throttled", "server_error", "connection"}, reasons
+        assert reasons["other"] == 0 and {r for r, n in reasons.items() if n} >= {
+            "throttled",
+            "server_error",
+            "connection",
+        }, reasons
     finally:
         assert pub.stop() == 0 and sub.stop() == 0
     injected = proxy.counts()
@@ -190,9 +213,15 @@ def test_seaweedfs_stopped_and_restarted_mid_transfer(s3_url, seaweed, proxy, pr
     watch = tmp_path / "watch"
     watch.mkdir()
     proxy.add(Rule("delay", key=r"/chunks/", delay=0.4))
-    pub = Daemon("publisher", ["--store", s3_url, "--watch", watch, "--state-dir", tmp_path / "st", "--chunk-mib", 1],
-                 tmp_path, env=proxied_env).start()
-    sub = Daemon("subscriber", ["--store", s3_url, "--target", tmp_path / "sub", "--no-fsync"], tmp_path, env=proxied_env).start()
+    pub = Daemon(
+        "publisher",
+        ["--store", s3_url, "--watch", watch, "--state-dir", tmp_path / "st", "--chunk-mib", 1],
+        tmp_path,
+        env=proxied_env,
+    ).start()
+    sub = Daemon(
+        "subscriber", ["--store", s3_url, "--target", tmp_path / "sub", "--no-fsync"], tmp_path, env=proxied_env
+    ).start()
     try:
         assert trainer(watch, 0, 1, 0.0).wait(60) == 0
         sub.wait_version(0, timeout=60)
@@ -217,7 +246,9 @@ def test_seaweedfs_stopped_and_restarted_mid_transfer(s3_url, seaweed, proxy, pr
 
 
 @S3
-def test_a_corrupt_chunk_is_never_served_and_the_subscriber_recovers_once_it_is_repaired(s3_url, seaweed, tmp_path, monkeypatch):
+def test_a_corrupt_chunk_is_never_served_and_the_subscriber_recovers_once_it_is_repaired(
+    s3_url, seaweed, tmp_path, monkeypatch
+):
     """Version 1's first chunk is overwritten with garbage in the bucket before the head moves: the
     subscriber counts a checksum failure, names the object, keeps serving version 0, and takes
     version 1 once the chunk is repaired."""
@@ -225,7 +256,9 @@ def test_a_corrupt_chunk_is_never_served_and_the_subscriber_recovers_once_it_is_
     repo = weightsync.open_repo(s3_url)
     weightsync.publish(traj[0], repo)
     target = tmp_path / "sub"
-    sub = Daemon("subscriber", ["--store", s3_url, "--target", target, "--no-fsync"], tmp_path, env=seaweed.env()).start()
+    sub = Daemon(
+        "subscriber", ["--store", s3_url, "--target", target, "--no-fsync"], tmp_path, env=seaweed.env()
+    ).start()
     try:
         sub.wait_version(0)
         saved = {}
@@ -240,7 +273,7 @@ def test_a_corrupt_chunk_is_never_served_and_the_subscriber_recovers_once_it_is_
         monkeypatch.setattr(weightsync.Repo, "commit", corrupt_then_commit)
         weightsync.publish(traj[1], repo)
         monkeypatch.undo()
-        (key, good), = saved.items()
+        ((key, good),) = saved.items()
         status = wait_for(lambda: (s := sub.status())["last_error"] and s, 30, "the failed sync")
         assert key in status["last_error"], status["last_error"]
         assert status["current_version"] == 0
@@ -260,7 +293,9 @@ def small_disk(tmp_path):
     """A 2 MiB tmpfs (``mount -t tmpfs -o size=2m``), unmounted after the test."""
     mnt = tmp_path / "disk"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0755", "tmpfs", str(mnt)], capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m,mode=0755", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
     if r.returncode:
         pytest.skip(f"cannot mount a size-limited tmpfs here (needs root or CAP_SYS_ADMIN): {r.stderr.strip()}")
     try:
@@ -296,8 +331,12 @@ def test_disk_full_on_the_subscriber_is_a_clear_error_and_current_keeps_serving(
         assert weightsync.verify(store, target / "current", 0) == 0
         assert content(target / "current") == content(v0)
 
-        r = subprocess.run([sys.executable, "-m", "weightsync.cli", "pull", "--store", str(store), str(replica)],
-                           capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            [sys.executable, "-m", "weightsync.cli", "pull", "--store", str(store), str(replica)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert r.returncode != 0 and r.stderr.count("\n") == 1 and "No space left on device" in r.stderr, r.stderr
         assert weightsync.verify(store, replica, 0) == 0
         subprocess.run(["rm", "-rf", str(replica)], check=True)
@@ -321,8 +360,10 @@ def test_gc_retries_its_own_s3_reads(s3_url, proxy, tmp_path):
     cfg = weightsync.PublishConfig(chunk_bytes=64 << 10, keyframe_interval=2)
     for ckpt in traj:
         weightsync.publish(ckpt, repo, config=cfg)
-    rules = [Rule("503", method="GET", key=r"list-type=2.*chunks", count=2),
-             Rule("500", method="HEAD", key=r"/chunks/", count=2)]
+    rules = [
+        Rule("503", method="GET", key=r"list-type=2.*chunks", count=2),
+        Rule("500", method="HEAD", key=r"/chunks/", count=2),
+    ]
     for rule in rules:
         proxy.add(rule)
     result = gc(repo, GcConfig(keep=1, grace_seconds=0))

@@ -24,15 +24,20 @@ TINY = {"hidden": 32, "layers": 1, "experts": 2, "vocab": 128}
 
 
 def content(root: Path) -> dict[str, str]:
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(Path(root).rglob("*")) if p.is_file() and ".weightsync" not in p.relative_to(root).parts}
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(Path(root).rglob("*"))
+        if p.is_file() and ".weightsync" not in p.relative_to(root).parts
+    }
 
 
 def test_three_ranks_on_s3_keyframe_then_delta(s3_url, tmp_path):
     traj = make_trajectory(tmp_path / "traj", steps=1, shards=3, **TINY)
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "xdg"))  # s3_env pointed boto3 at SeaweedFS
     committer = spawn_cli("commit-parts", "--store", s3_url, "--version", 0, "--world", 3, "--timeout", 90, env=env)
-    ranks = [spawn_cli("publish-part", traj[0], "--store", s3_url, "--rank", r, "--world", 3, env=env) for r in range(3)]
+    ranks = [
+        spawn_cli("publish-part", traj[0], "--store", s3_url, "--rank", r, "--world", 3, env=env) for r in range(3)
+    ]
     for proc in ranks + [committer]:
         rc, out, err = finish(proc)
         assert rc == 0 and out.strip().splitlines()[-1] == "0", err

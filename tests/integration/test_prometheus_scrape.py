@@ -65,7 +65,9 @@ from weightsync.demo import SyntheticTrainer  # noqa: E402
 pytestmark = pytest.mark.integration
 
 if prometheus_binary() is None:
-    pytest.skip("prometheus binary not found: apt-get install prometheus (scripts/test installs it)", allow_module_level=True)
+    pytest.skip(
+        "prometheus binary not found: apt-get install prometheus (scripts/test installs it)", allow_module_level=True
+    )
 
 PROM = ROOT / "deploy" / "prometheus"
 DASHBOARDS = ROOT / "deploy" / "grafana" / "dashboards"
@@ -94,6 +96,7 @@ def _panels(panels: list[dict]) -> list[dict]:
 
 def _substitute(expr: str, values: dict[str, str]) -> str:
     """Replace ``$name``, ``${name}`` and ``${name:format}`` of known variables; leave others."""
+
     def repl(m: re.Match) -> str:
         name = m.group(1) or m.group(2)
         return values.get(name, m.group(0))
@@ -112,7 +115,12 @@ def dashboard_queries() -> list[tuple[str, str]]:
                 values[var["name"]] = var.get("allValue") or ".*"
         for panel in _panels(dashboard.get("panels", [])):
             for target in panel.get("targets", []):
-                out.append((f"{path.stem}: {panel['type']} {panel['title']} [{target['refId']}]", _substitute(target["expr"], values)))
+                out.append(
+                    (
+                        f"{path.stem}: {panel['type']} {panel['title']} [{target['refId']}]",
+                        _substitute(target["expr"], values),
+                    )
+                )
         for ann in dashboard.get("annotations", {}).get("list", []):
             if ann.get("expr"):
                 out.append((f"{path.stem}: annotation {ann['name']}", _substitute(ann["expr"], values)))
@@ -157,7 +165,9 @@ def used_metric_names() -> dict[str, list[str]]:
 QUERIES = dashboard_queries()
 assert QUERIES, f"no dashboard queries under {DASHBOARDS}"
 assert len({qid for qid, _ in QUERIES}) == len(QUERIES), "two targets with one id: give them distinct titles or refIds"
-assert set(NO_DATA) <= {qid for qid, _ in QUERIES}, f"NO_DATA names unknown queries: {set(NO_DATA) - {q for q, _ in QUERIES}}"
+assert set(NO_DATA) <= {qid for qid, _ in QUERIES}, (
+    f"NO_DATA names unknown queries: {set(NO_DATA) - {q for q, _ in QUERIES}}"
+)
 
 
 # --- the daemons and Prometheus ------------------------------------------------------------------
@@ -200,10 +210,31 @@ def fleet(tmp_path_factory):
     watch = tmp / "watch"
     watch.mkdir()
     env = {"WEIGHTSYNC_API_TOKEN": TOKEN, "XDG_CACHE_HOME": str(tmp / "cache"), "XDG_STATE_HOME": str(tmp / "state")}
-    pub = Daemon("publisher", ["--store", f"file://{stores['region-a']}", "--watch", watch, "--state-dir", tmp / "pubstate",
-                               *ident(*PUBLISHER)], tmp, env=env, token=TOKEN)
-    subs = [Daemon("subscriber", ["--store", f"file://{stores[region]}", "--target", tmp / id_, "--no-fsync",
-                                  *ident(id_, region, cluster)], tmp, env=env, token=TOKEN) for id_, region, cluster in SUBSCRIBERS]
+    pub = Daemon(
+        "publisher",
+        [
+            "--store",
+            f"file://{stores['region-a']}",
+            "--watch",
+            watch,
+            "--state-dir",
+            tmp / "pubstate",
+            *ident(*PUBLISHER),
+        ],
+        tmp,
+        env=env,
+        token=TOKEN,
+    )
+    subs = [
+        Daemon(
+            "subscriber",
+            ["--store", f"file://{stores[region]}", "--target", tmp / id_, "--no-fsync", *ident(id_, region, cluster)],
+            tmp,
+            env=env,
+            token=TOKEN,
+        )
+        for id_, region, cluster in SUBSCRIBERS
+    ]
     assert PUBLISHER[1] == "region-a" and MIRROR_LABELS["region"] == "region-b"
     mirror = Mirror(stores["region-a"], stores["region-b"], tmp / "mirror.log", {**os.environ, **env})
     daemons = [pub, *subs]
@@ -215,7 +246,9 @@ def fleet(tmp_path_factory):
             trainer.drop()
         wait_for(lambda: pub.status()["head_version"] == trainer.step, 60, f"the publisher to publish {trainer.step}")
         mirror.__enter__()  # the source store exists now; the mirror creates region b's before sub-b starts
-        mirror.wait_values(lambda v: v["weightsync_mirror_destination_version"] == trainer.step, f"version {trainer.step} in region b")
+        mirror.wait_values(
+            lambda v: v["weightsync_mirror_destination_version"] == trainer.step, f"version {trainer.step} in region b"
+        )
         subs[1].start()
         for sub in subs:
             sub.wait_version(trainer.step, timeout=60)
@@ -231,8 +264,12 @@ def scrape_config(own_address: str, addresses: dict[str, list[str]]) -> dict:
     """deploy/prometheus/prometheus.yml with 1 s intervals, our targets and an absolute rule path."""
     deployed = yaml.safe_load((PROM / "prometheus.yml").read_text())
     cfg = copy.deepcopy(deployed)
-    cfg["global"] = {**cfg.get("global", {}), "scrape_interval": f"{INTERVAL:g}s", "scrape_timeout": f"{INTERVAL:g}s",
-                     "evaluation_interval": f"{INTERVAL:g}s"}
+    cfg["global"] = {
+        **cfg.get("global", {}),
+        "scrape_interval": f"{INTERVAL:g}s",
+        "scrape_timeout": f"{INTERVAL:g}s",
+        "evaluation_interval": f"{INTERVAL:g}s",
+    }
     cfg["rule_files"] = [str(PROM / f) for f in deployed.get("rule_files", [])]
     left = {role: list(addrs) for role, addrs in addresses.items()}
     for job in cfg["scrape_configs"]:
@@ -246,7 +283,9 @@ def scrape_config(own_address: str, addresses: dict[str, list[str]]) -> dict:
                     targets.append(own_address)
                 else:
                     assert port in ROLE_PORTS, f"prometheus.yml scrapes {target}: not a weightsync daemon port"
-                    assert left[ROLE_PORTS[port]], f"prometheus.yml has more {ROLE_PORTS[port]} targets than this test runs"
+                    assert left[ROLE_PORTS[port]], (
+                        f"prometheus.yml has more {ROLE_PORTS[port]} targets than this test runs"
+                    )
                     targets.append(left[ROLE_PORTS[port]].pop(0))
             static["targets"] = targets
     assert not any(left.values()), f"prometheus.yml does not scrape {left}"
@@ -261,9 +300,11 @@ def prom(fleet, tmp_path_factory):
     reported the new version, so each rate window of ``MACROS`` holds samples before and after it.
     """
     pub, subs, mirror, trainer = fleet.publisher, fleet.subscribers, fleet.mirror, fleet.trainer
-    addresses = {"publisher": [pub.url.removeprefix("http://")],
-                 "subscriber": [s.url.removeprefix("http://") for s in subs],
-                 "mirror": [mirror.url.removeprefix("http://").removesuffix("/metrics")]}
+    addresses = {
+        "publisher": [pub.url.removeprefix("http://")],
+        "subscriber": [s.url.removeprefix("http://") for s in subs],
+        "mirror": [mirror.url.removeprefix("http://").removesuffix("/metrics")],
+    }
     server = PrometheusServer(tmp_path_factory.mktemp("prometheus"), lambda own: scrape_config(own, addresses))
     try:
         server.start()
@@ -280,15 +321,19 @@ def prom(fleet, tmp_path_factory):
                 raise AssertionError(f"{exc}\n{logs()}") from None
 
         wanted = sum(map(len, addresses.values()))
-        wait(lambda: len(server.query('count_over_time(up{job=~"weightsync.*"}[1m]) >= 3 and up == 1')) == wanted,
-             f"{wanted} weightsync targets up and scraped 3 times before the change")
+        wait(
+            lambda: len(server.query('count_over_time(up{job=~"weightsync.*"}[1m]) >= 3 and up == 1')) == wanted,
+            f"{wanted} weightsync targets up and scraped 3 times before the change",
+        )
         version = trainer.drop()
         wait(lambda: pub.status()["head_version"] == version, f"the publisher to publish {version}")
         for sub in subs:
             wait(lambda sub=sub: sub.status()["current_version"] == version, f"{sub.url} to serve {version}")
-        seen = (f"max(weightsync_published_version) == {version}"
-                f" and on() count(weightsync_current_version == {version}) == {len(subs)}"
-                f" and on() max(weightsync_mirror_destination_version) == {version}")
+        seen = (
+            f"max(weightsync_published_version) == {version}"
+            f" and on() count(weightsync_current_version == {version}) == {len(subs)}"
+            f" and on() max(weightsync_mirror_destination_version) == {version}"
+        )
         wait(lambda: server.query(seen), f"Prometheus to scrape version {version} from every daemon")
         time.sleep(3 * INTERVAL)  # a few samples after the change
         yield SimpleNamespace(server=server, at=time.time(), version=version, subscribers=len(subs), logs=logs)
@@ -303,21 +348,37 @@ def test_prometheus_scrapes_the_publisher_the_mirror_and_both_subscribers_with_t
     deployed_jobs = [j["job_name"] for j in yaml.safe_load((PROM / "prometheus.yml").read_text())["scrape_configs"]]
     jobs = sorted(t["labels"]["job"] for t in targets)
     assert set(jobs) == set(deployed_jobs)
-    up = {(s["metric"]["job"], s["metric"]["instance"]): s["value"][1] for s in prom.server.query('up{job=~"weightsync.*"}', prom.at)}
-    assert sorted(job for job, _ in up) == ["weightsync-mirror", "weightsync-publisher", "weightsync-subscriber", "weightsync-subscriber"]
+    up = {
+        (s["metric"]["job"], s["metric"]["instance"]): s["value"][1]
+        for s in prom.server.query('up{job=~"weightsync.*"}', prom.at)
+    }
+    assert sorted(job for job, _ in up) == [
+        "weightsync-mirror",
+        "weightsync-publisher",
+        "weightsync-subscriber",
+        "weightsync-subscriber",
+    ]
     assert set(up.values()) == {"1"}
-    current = {(s["metric"]["subscriber"], s["metric"]["region"], s["metric"]["cluster"]): float(s["value"][1])
-               for s in prom.server.query("weightsync_current_version", prom.at)}
+    current = {
+        (s["metric"]["subscriber"], s["metric"]["region"], s["metric"]["cluster"]): float(s["value"][1])
+        for s in prom.server.query("weightsync_current_version", prom.at)
+    }
     assert current == {ident: prom.version for ident in SUBSCRIBERS}
-    heads = {(s["metric"]["__name__"], s["metric"]["region"], s["metric"]["cluster"], s["metric"]["job"]): float(s["value"][1])
-             for s in prom.server.query('{__name__=~"weightsync_mirror_(source|destination)_version"}', prom.at)}
+    heads = {
+        (s["metric"]["__name__"], s["metric"]["region"], s["metric"]["cluster"], s["metric"]["job"]): float(
+            s["value"][1]
+        )
+        for s in prom.server.query('{__name__=~"weightsync_mirror_(source|destination)_version"}', prom.at)
+    }
     mirror = (MIRROR_LABELS["region"], MIRROR_LABELS["cluster"], "weightsync-mirror")
     assert heads == {(f"weightsync_mirror_{side}_version", *mirror): prom.version for side in ("source", "destination")}
 
 
 def test_the_mirror_alert_expressions_see_a_healthy_mirror(prom):
     """Without their thresholds, the mirror rules' expressions compute what they should on a healthy mirror."""
-    rules = {r["alert"]: r["expr"] for g in yaml.safe_load((PROM / "alerts.yml").read_text())["groups"] for r in g["rules"]}
+    rules = {
+        r["alert"]: r["expr"] for g in yaml.safe_load((PROM / "alerts.yml").read_text())["groups"] for r in g["rules"]
+    }
     behind = rules["WeightsyncMirrorBehind"].removesuffix(" > 0").replace("offset 5m", "offset 2s")
     assert [float(s["value"][1]) for s in prom.server.query(behind, prom.at)] == [0.0], behind
     since = rules["WeightsyncMirrorStalled"].removesuffix(" > 600")
@@ -327,8 +388,15 @@ def test_the_mirror_alert_expressions_see_a_healthy_mirror(prom):
     assert [s["value"][1] for s in prom.server.query(down, prom.at)] == ["1"], down
 
 
-@pytest.mark.parametrize("expr", [pytest.param(expr, id=qid, marks=[pytest.mark.xfail(strict=True, reason=NO_DATA[qid])]
-                                               if qid in NO_DATA else []) for qid, expr in QUERIES])
+@pytest.mark.parametrize(
+    "expr",
+    [
+        pytest.param(
+            expr, id=qid, marks=[pytest.mark.xfail(strict=True, reason=NO_DATA[qid])] if qid in NO_DATA else []
+        )
+        for qid, expr in QUERIES
+    ],
+)
 def test_dashboard_query_returns_data(prom, expr):
     assert "$" not in expr, f"a Grafana variable this test does not know: {expr}"
     result = prom.server.query(expr, prom.at)
@@ -365,7 +433,11 @@ def test_mirror_panels_show_the_version_copied_while_prometheus_scraped(prom):
         return {s["metric"].get("region", ""): float(s["value"][1]) for s in prom.server.query(queries[qid], prom.at)}
 
     region = MIRROR_LABELS["region"]
-    assert panel("Regional head vs source head", "A") == panel("Regional head vs source head", "B") == {region: prom.version}
+    assert (
+        panel("Regional head vs source head", "A")
+        == panel("Regional head vs source head", "B")
+        == {region: prom.version}
+    )
     throughput = panel("Mirror throughput")
     assert set(throughput) == {region} and throughput[region] > 0, throughput
     for ref in ("A", "B"):
@@ -380,7 +452,9 @@ def test_alert_rules_load_evaluate_ok_and_stay_quiet_on_a_healthy_fleet(prom):
     def evaluated():
         groups = prom.server.api("rules")["groups"]
         rules = [r for g in groups for r in g["rules"]]
-        return len(rules) == sum(map(len, expected.values())) and all(r["health"] != "unknown" for r in rules) and groups
+        return (
+            len(rules) == sum(map(len, expected.values())) and all(r["health"] != "unknown" for r in rules) and groups
+        )
 
     groups = wait_for(evaluated, 10 * INTERVAL + 10, f"the rules to be evaluated\n{prom.logs()}", interval=0.25)
     assert {g["name"]: sorted(r["name"] for r in g["rules"]) for g in groups} == expected
@@ -395,8 +469,10 @@ def test_every_metric_the_alerts_and_dashboards_name_is_scraped_from_a_weightsyn
     alerting = {n for _, expr in rule_exprs() for n in METRIC_NAME.findall(expr)}
     assert alerting and set(used) > alerting, used  # the dashboards name more than the alerts
     pattern = "|".join(sorted(used))
-    scraped = {s["metric"]["__name__"] for s in prom.server.query(
-        f'count by (__name__) ({{__name__=~"{pattern}", job=~"weightsync.*"}})', prom.at)}
+    scraped = {
+        s["metric"]["__name__"]
+        for s in prom.server.query(f'count by (__name__) ({{__name__=~"{pattern}", job=~"weightsync.*"}})', prom.at)
+    }
     missing = {name: where for name, where in used.items() if name not in scraped}
     assert not missing, f"named by the deploy files, not in a real scrape of the daemons: {missing}"
 
@@ -405,7 +481,10 @@ def test_every_process_exports_runtime_metrics_and_its_build_info_and_no_created
     expected = {"weightsync-publisher": 1, "weightsync-subscriber": prom.subscribers, "weightsync-mirror": 1}
     for name in (*RUNTIME_METRICS, f'weightsync_build_info{{version="{weightsync.__version__}"}}'):
         selector = name.replace("{", '{job=~"weightsync.*", ') if "{" in name else f'{name}{{job=~"weightsync.*"}}'
-        counts = {s["metric"]["job"]: int(float(s["value"][1])) for s in prom.server.query(f"count by (job) (group by (job, instance) ({selector}))", prom.at)}
+        counts = {
+            s["metric"]["job"]: int(float(s["value"][1]))
+            for s in prom.server.query(f"count by (job) (group by (job, instance) ({selector}))", prom.at)
+        }
         assert counts == expected, (name, counts)
     created = prom.server.query('count by (__name__, job) ({__name__=~".+_created", job=~"weightsync.*"})', prom.at)
     assert not created, [s["metric"] for s in created]

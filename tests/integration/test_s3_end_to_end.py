@@ -131,8 +131,13 @@ def test_gc_on_s3_while_a_publisher_runs(s3_url, tmp_path, env):
     script.write_text(PUBLISHER)
     grace = 3.0  # S3 LastModified and Date have a resolution of one second: ages are +-1 s
     repo = weightsync.open_repo(s3_url)
-    proc = subprocess.Popen([sys.executable, str(script), s3_url, "0.3", *map(str, checkpoints)],
-                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), s3_url, "0.3", *map(str, checkpoints)],
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     runs = during = 0
     try:
         while proc.poll() is None:
@@ -164,7 +169,7 @@ def test_gc_on_s3_while_a_publisher_runs(s3_url, tmp_path, env):
 def test_gc_aborts_stale_multipart_uploads(s3_url, seaweed, traj):
     repo = weightsync.open_repo(s3_url)
     weightsync.publish(traj[0], repo)
-    bucket, prefix = s3_url[len("s3://"):].split("/", 1)
+    bucket, prefix = s3_url[len("s3://") :].split("/", 1)
     client = seaweed.client()
     key = f"{prefix}/chunks/ab/ab{'0' * 30}"  # a big chunk whose uploader was killed
     upload = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
@@ -184,7 +189,9 @@ def test_gc_aborts_stale_multipart_uploads(s3_url, seaweed, traj):
 def test_killed_publish_resumes_without_uploading_again(s3_url, tmp_path, env):
     ckpt = make_trajectory(tmp_path / "big", steps=0, hidden=512, layers=2, experts=4, vocab=4096)[0]
     repo = weightsync.open_repo(s3_url)
-    proc = spawn_cli("publish", ckpt, "--store", s3_url, "--no-cache", "--chunk-mib", "1", "--concurrency", "1", env=env())
+    proc = spawn_cli(
+        "publish", ckpt, "--store", s3_url, "--no-cache", "--chunk-mib", "1", "--concurrency", "1", env=env()
+    )
     try:
         deadline = time.monotonic() + 60
         while sum(1 for _ in repo.store.list("chunks/")) < 3:
@@ -232,7 +239,10 @@ def test_racing_publishers_exactly_one_wins(backend, request, traj, tmp_path, en
     t = threading.Thread(target=reader)
     t.start()
     try:
-        procs = [spawn_cli("publish", c, "--store", url, "--version", 1, "--base", traj[0], "--no-cache", env=env()) for c in candidates]
+        procs = [
+            spawn_cli("publish", c, "--store", url, "--version", 1, "--base", traj[0], "--no-cache", env=env())
+            for c in candidates
+        ]
         results = [finish(p, 120) for p in procs]
     finally:
         done.set()
@@ -281,12 +291,22 @@ def test_racing_commits_exactly_one_wins(backend, request, traj, tmp_path, env):
     script = tmp_path / "racer.py"
     script.write_text(COMMIT_RACER)
     go = tmp_path / "go"
-    procs = [subprocess.Popen([sys.executable, str(script), url, str(traj[i]), str(traj[0]), str(tmp_path / f"ready{i}"), str(go)],
-                              env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (1, 2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), url, str(traj[i]), str(traj[0]), str(tmp_path / f"ready{i}"), str(go)],
+            env=env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in (1, 2)
+    ]
     try:
         deadline = time.monotonic() + 60
         while not all((tmp_path / f"ready{i}").exists() for i in (1, 2)):
-            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, [p.communicate() for p in procs]
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, [
+                p.communicate() for p in procs
+            ]
             time.sleep(0.01)
         assert repo.head_version() == 0
         go.touch()

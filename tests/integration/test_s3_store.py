@@ -140,9 +140,7 @@ def fake_credentials(monkeypatch, tmp_path):
 
 def test_unreachable_endpoint_is_retryable(fake_credentials):
     endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    store = S3Store.from_url(
-        "s3://bucket/p", endpoint_url=endpoint, region="us-east-1", connect_timeout=1
-    )
+    store = S3Store.from_url("s3://bucket/p", endpoint_url=endpoint, region="us-east-1", connect_timeout=1)
     sent = []
     store._client.meta.events.register("before-send.s3", lambda **kw: sent.append(1))
     with pytest.raises(StoreError) as info:
@@ -151,9 +149,7 @@ def test_unreachable_endpoint_is_retryable(fake_credentials):
     assert len(sent) == 1  # botocore itself does not retry
     assert "HEAD k: EndpointConnectionError: Could not connect" in _one_line(info.value)
     retries = []
-    wrapped = RetryingStore(
-        store, RetryPolicy(attempts=3, base_delay=0.0), on_retry=lambda *a: retries.append(a)
-    )
+    wrapped = RetryingStore(store, RetryPolicy(attempts=3, base_delay=0.0), on_retry=lambda *a: retries.append(a))
     with pytest.raises(StoreError, match="gave up after 3 attempts") as info:
         wrapped.get("k")
     assert info.value.__cause__.retryable is True and len(retries) == 2
@@ -204,9 +200,7 @@ def test_options_are_validated(fake_credentials):
     for url in ["s3:///p", "s3://bucket/a/../b", "http://bucket/p"]:
         with pytest.raises(UsageError):
             S3Store.from_url(url)
-    store = S3Store.from_url(
-        "s3://bucket/a/b/", endpoint_url="http://127.0.0.1:1", region="us-east-1"
-    )
+    store = S3Store.from_url("s3://bucket/a/b/", endpoint_url="http://127.0.0.1:1", region="us-east-1")
     assert store.url == "s3://bucket/a/b" and store.options.max_concurrency == 64
     with pytest.raises(UsageError, match="put mode"):
         store.put("k", b"", mode="append")  # type: ignore[arg-type]

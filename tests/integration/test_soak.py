@@ -26,8 +26,16 @@ pytestmark = pytest.mark.integration
 
 def test_short_soak_with_random_faults(s3_env, s3_url, tmp_path):
     bucket, prefix = s3_url.removeprefix("s3://").split("/", 1)
-    cfg = soak.SoakConfig(versions=15, subscribers=3, fault_rate=0.04, interval=0.3, deadline=90, store_restarts=0,
-                          sample_every=0.25, seed=3)
+    cfg = soak.SoakConfig(
+        versions=15,
+        subscribers=3,
+        fault_rate=0.04,
+        interval=0.3,
+        deadline=90,
+        store_restarts=0,
+        sample_every=0.25,
+        seed=3,
+    )
     res = soak.run_soak(cfg, tmp_path / "soak", s3_env, bucket, prefix=prefix, log=lambda *_: None)
     text = soak.report(res)
     print(text)

@@ -77,7 +77,10 @@ def test_wide_dtypes_use_sparse():
 def test_ac_is_bit_exact_with_special_values(dtype, seed, block_bytes):
     old, new = _realistic(dtype, 1 << 15, {"BF16": 1e-5, "F16": 1e-5, "F32": 1e-8}[dtype], seed % 1000)
     width = ITEMSIZE[dtype]
-    specials = {2: [0x7FC1, 0xFF80, 0x8000, 0x0001, 0x7F80, 0xFFFF], 4: [0x7FC00001, 0x80000000, 1, 0x7F800000, 0xFFFFFFFF]}
+    specials = {
+        2: [0x7FC1, 0xFF80, 0x8000, 0x0001, 0x7F80, 0xFFFF],
+        4: [0x7FC00001, 0x80000000, 1, 0x7F800000, 0xFFFFFFFF],
+    }
     rng = np.random.default_rng(seed)
     sv = np.array(specials[width], dtype=f"<u{width}")
     o, n = old.view(f"<u{width}"), new.view(f"<u{width}")
@@ -108,8 +111,13 @@ def test_mutated_ac_payloads_raise_only_format_errors(data):
 
 
 # Payload hashes written by the first encoder (commit cd5dbbe); faster kernels must write the same bytes.
-GOLDEN_ENCODINGS = {"BF16": "7c667a0e3d48c8c9", "F16": "6eaaa5cab029a929", "F32": "4410c9568981fde4",
-                    "U8": "25d42b1dff8cf15e", "I32": "4fdfb8662c22c49e"}
+GOLDEN_ENCODINGS = {
+    "BF16": "7c667a0e3d48c8c9",
+    "F16": "6eaaa5cab029a929",
+    "F32": "4410c9568981fde4",
+    "U8": "25d42b1dff8cf15e",
+    "I32": "4fdfb8662c22c49e",
+}
 
 
 @pytest.mark.parametrize("dtype", sorted(GOLDEN_ENCODINGS))

@@ -29,10 +29,21 @@ from weightsync.local.checkpoint import (
 )
 
 TORCH_DTYPES = {
-    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-    "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
 }
 if hasattr(torch, "float8_e8m0fnu"):
     TORCH_DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
@@ -84,7 +95,9 @@ def test_accepts_files_from_the_safetensors_library(tmp_path):
     tensors = {}
     for i, (name, dt) in enumerate(sorted(TORCH_DTYPES.items())):
         base = torch.randint(0, 100, (3, i + 1), generator=g)
-        tensors[f"t.{name}"] = base.to(dt) if dt not in (torch.uint16, torch.uint32, torch.uint64) else base.to(torch.int64).to(dt)
+        tensors[f"t.{name}"] = (
+            base.to(dt) if dt not in (torch.uint16, torch.uint32, torch.uint64) else base.to(torch.int64).to(dt)
+        )
     tensors["scalar"] = torch.tensor(3.5, dtype=torch.bfloat16)
     tensors["empty"] = torch.zeros(0, 4, dtype=torch.float32)
     tensors["empty2"] = torch.zeros(0, dtype=torch.bfloat16)
@@ -125,7 +138,9 @@ def test_accepts_files_from_synth_write_safetensors(tmp_path, metadata):
 def test_header_only_file_is_accepted():
     segs = parse_bytes(raw_file({}))
     assert len(segs) == 1 and segs[0].role == "header"
-    segs = parse_bytes(raw_file({"__metadata__": {"a": "b"}, "e": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}}))
+    segs = parse_bytes(
+        raw_file({"__metadata__": {"a": "b"}, "e": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}})
+    )
     assert [s.name for s in segs] == ["", "e"] and segs[1].nbytes == 0
 
 
@@ -155,8 +170,12 @@ REJECT: dict[str, bytes] = {
     "header a list": raw_file([], b""),
     "header a string": raw_file("x", b""),
     "header null": raw_file(None, b""),
-    "duplicate tensor names": raw_file(b'{"a":' + json.dumps(T()).encode() + b',"a":' + json.dumps(T(offsets=(8, 16))).encode() + b"}", bytes(16)),
-    "duplicate keys inside a tensor": raw_file(b'{"a":{"dtype":"F32","dtype":"F32","shape":[2],"data_offsets":[0,8]}}', bytes(8)),
+    "duplicate tensor names": raw_file(
+        b'{"a":' + json.dumps(T()).encode() + b',"a":' + json.dumps(T(offsets=(8, 16))).encode() + b"}", bytes(16)
+    ),
+    "duplicate keys inside a tensor": raw_file(
+        b'{"a":{"dtype":"F32","dtype":"F32","shape":[2],"data_offsets":[0,8]}}', bytes(8)
+    ),
     "hole between tensors": raw_file({"a": T(offsets=(0, 8)), "b": T(offsets=(12, 20))}, bytes(20)),
     "hole at the start": raw_file({"a": T(offsets=(4, 12))}, bytes(12)),
     "overlapping tensors": raw_file({"a": T(offsets=(0, 8)), "b": T(offsets=(4, 12))}, bytes(12)),
@@ -216,8 +235,13 @@ def test_deeply_nested_header_is_a_checkpoint_error():
 
 
 def _valid_file() -> bytes:
-    header = {"__metadata__": {"format": "pt"}, "b": T("BF16", (3,), (8, 14)), "a": T(), "s": T("I64", (), (14, 22)),
-              "e": T("U8", (0, 2), (22, 22))}
+    header = {
+        "__metadata__": {"format": "pt"},
+        "b": T("BF16", (3,), (8, 14)),
+        "a": T(),
+        "s": T("I64", (), (14, 22)),
+        "e": T("U8", (0, 2), (22, 22)),
+    }
     return raw_file(header, bytes(range(22)))
 
 
@@ -249,10 +273,22 @@ def test_fuzzed_files_raise_only_checkpoint_errors(data):
 
 
 JSON = st.recursive(
-    st.one_of(st.none(), st.booleans(), st.integers(-(2**65), 2**65), st.floats(), st.text(max_size=8),
-              st.sampled_from(list(ITEMSIZE) + ["F4", "dtype", "shape", "data_offsets", "__metadata__"])),
-    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(
-        st.sampled_from(["dtype", "shape", "data_offsets", "__metadata__", "a", "b"]) | st.text(max_size=4), kids, max_size=4),
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-(2**65), 2**65),
+        st.floats(),
+        st.text(max_size=8),
+        st.sampled_from(list(ITEMSIZE) + ["F4", "dtype", "shape", "data_offsets", "__metadata__"]),
+    ),
+    lambda kids: (
+        st.lists(kids, max_size=4)
+        | st.dictionaries(
+            st.sampled_from(["dtype", "shape", "data_offsets", "__metadata__", "a", "b"]) | st.text(max_size=4),
+            kids,
+            max_size=4,
+        )
+    ),
     max_leaves=12,
 )
 
@@ -295,10 +331,17 @@ def make_tree(root: Path) -> None:
 def test_scan_nested_directories(tmp_path):
     make_tree(tmp_path)
     files = scan_checkpoint(tmp_path)
-    assert [f.path for f in files] == sorted([
-        ".hidden", "config.json", "empty.bin", "model.safetensors", "sub/.weightsync/kept", "sub/deeper/tok.json",
-        "sub/part.safetensors",
-    ])
+    assert [f.path for f in files] == sorted(
+        [
+            ".hidden",
+            "config.json",
+            "empty.bin",
+            "model.safetensors",
+            "sub/.weightsync/kept",
+            "sub/deeper/tok.json",
+            "sub/part.safetensors",
+        ]
+    )
     by = {f.path: f for f in files}
     for f in files:
         assert f.abspath == tmp_path / f.path and f.size == os.path.getsize(f.abspath)
@@ -356,8 +399,10 @@ def test_scan_empty_directory(tmp_path, layout):
         scan_checkpoint(tmp_path)
 
 
-@pytest.mark.parametrize("content", [b"", b"\x01", REJECT["hole between tensors"], REJECT["trailing garbage"],
-                                     REJECT["header length beyond file"]])
+@pytest.mark.parametrize(
+    "content",
+    [b"", b"\x01", REJECT["hole between tensors"], REJECT["trailing garbage"], REJECT["header length beyond file"]],
+)
 def test_scan_rejects_a_broken_safetensors_file(tmp_path, content):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(content)
@@ -372,7 +417,6 @@ def test_scan_rejects_a_file_name_that_cannot_be_stored(tmp_path):
         scan_checkpoint(tmp_path)
 
 
-
 def test_scan_follows_symlinks_to_folders_as_to_files(tmp_path):
     """Hugging Face cache snapshots are symlinks: a linked folder is published as if it were there."""
     ckpt, elsewhere = tmp_path / "ckpt", tmp_path / "elsewhere"
@@ -385,8 +429,9 @@ def test_scan_follows_symlinks_to_folders_as_to_files(tmp_path):
     (ckpt / "model.safetensors").symlink_to(elsewhere / "model.safetensors")
     paths = [f.path for f in scan_checkpoint(ckpt)]
     linked = [".weightsync/kept", "deeper/tok.json", "part.safetensors"]
-    assert paths == sorted(["config.json", "model.safetensors", *(f"shards/{p}" for p in linked),
-                            *(f"again/{p}" for p in linked)])
+    assert paths == sorted(
+        ["config.json", "model.safetensors", *(f"shards/{p}" for p in linked), *(f"again/{p}" for p in linked)]
+    )
 
 
 @pytest.mark.parametrize("target", [".", "..", "../.."], ids=["itself", "its parent", "the root"])
@@ -413,7 +458,9 @@ def test_scan_refuses_a_top_level_weightsync_that_is_not_the_state_folder(tmp_pa
     if kind == "file":
         (tmp_path / ".weightsync").write_text("mine")
     else:
-        (tmp_path / ".weightsync").symlink_to(tmp_path / ("elsewhere" if kind == "symlink to a folder" else "config.json"))
+        (tmp_path / ".weightsync").symlink_to(
+            tmp_path / ("elsewhere" if kind == "symlink to a folder" else "config.json")
+        )
     with pytest.raises(CheckpointError, match=r"\.weightsync.*reserved"):
         scan_checkpoint(tmp_path)
     assert ".weightsync" not in [f.path for f in scan_checkpoint(tmp_path, ignore=(".weightsync",))]
@@ -447,6 +494,7 @@ def test_scan_refuses_an_unreadable_folder(tmp_path):
     finally:
         (tmp_path / "locked").chmod(0o755)
 
+
 # --- a file that changes between the scan and the read ------------------------------------------------------
 def _scanned_shard(tmp_path: Path):
     write_safetensors(tmp_path / "m.safetensors", {"a": ("F32", (4,), bytes(16)), "b": ("U8", (8,), bytes(8))})
@@ -471,7 +519,9 @@ def _touch(p: Path) -> None:
     os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
 
 
-@pytest.mark.parametrize("change", [_replace, _append, _truncate, _touch, Path.unlink], ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize(
+    "change", [_replace, _append, _truncate, _touch, Path.unlink], ids=lambda f: f.__name__.strip("_")
+)
 def test_a_file_changed_after_the_scan_is_not_opened_as_if_it_were_the_same(tmp_path, change):
     f = _scanned_shard(tmp_path)
     assert f.identity and f.head == f.abspath.read_bytes()[: f.segments[0].end]

@@ -86,10 +86,22 @@ def test_packing_table(sizes, chunk_bytes):
     check_packing(sizes, chunk_bytes)
 
 
-@pytest.mark.parametrize("sizes,chunk_bytes,chunks", [
-    ([], 16, 0), ([0], 16, 0), ([16], 16, 1), ([17], 16, 2), ([15, 1], 16, 1), ([15, 2], 16, 2),
-    ([8, 8, 8], 16, 2), ([10, 10, 10], 16, 3), ([5, 40, 5], 16, 4), ([33], 16, 3), ([3] * 20, 16, 4),
-])
+@pytest.mark.parametrize(
+    "sizes,chunk_bytes,chunks",
+    [
+        ([], 16, 0),
+        ([0], 16, 0),
+        ([16], 16, 1),
+        ([17], 16, 2),
+        ([15, 1], 16, 1),
+        ([15, 2], 16, 2),
+        ([8, 8, 8], 16, 2),
+        ([10, 10, 10], 16, 3),
+        ([5, 40, 5], 16, 4),
+        ([33], 16, 3),
+        ([3] * 20, 16, 4),
+    ],
+)
 def test_chunk_counts(sizes, chunk_bytes, chunks):
     _, _, sealed, _ = pack(sizes, chunk_bytes)
     assert len(sealed) == chunks

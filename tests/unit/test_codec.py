@@ -48,12 +48,35 @@ SPECIALS: dict[str, list[int]] = {
     "BF16": [0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC1, 0x7F81, 0xFFC0, 0x0001, 0x007F, 0x8001, 0x7F7F, 0xFF7F],
     "I32": [0, 1, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF],
     "U32": [0, 1, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF],
-    "F32": [0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00001, 0x7F800001, 0xFFFFFFFF,
-            0x00000001, 0x007FFFFF, 0x80000001, 0x7F7FFFFF, 0xFF7FFFFF],
+    "F32": [
+        0x00000000,
+        0x80000000,
+        0x7F800000,
+        0xFF800000,
+        0x7FC00001,
+        0x7F800001,
+        0xFFFFFFFF,
+        0x00000001,
+        0x007FFFFF,
+        0x80000001,
+        0x7F7FFFFF,
+        0xFF7FFFFF,
+    ],
     "I64": [0, 1, 2**63 - 1, 2**63, 2**64 - 1],
     "U64": [0, 1, 2**63 - 1, 2**63, 2**64 - 1],
-    "F64": [0, 2**63, 0x7FF0000000000000, 0xFFF0000000000000, 0x7FF0000000000001, 0xFFF800000000DEAD,
-            0x7FF8000000000000, 1, 0x000FFFFFFFFFFFFF, 0x8000000000000001, 0x7FEFFFFFFFFFFFFF],
+    "F64": [
+        0,
+        2**63,
+        0x7FF0000000000000,
+        0xFFF0000000000000,
+        0x7FF0000000000001,
+        0xFFF800000000DEAD,
+        0x7FF8000000000000,
+        1,
+        0x000FFFFFFFFFFFFF,
+        0x8000000000000001,
+        0x7FEFFFFFFFFFFFFF,
+    ],
 }
 assert set(SPECIALS) == set(ITEMSIZE), "every dtype needs edge values"
 
@@ -238,8 +261,14 @@ def test_rebuild_in_place_decodes_into_the_base():
     for cfg in (CodecConfig(), CodecConfig(entropy_coder=False)):
         e1, e2 = encode_tensor("BF16", raw(v1), raw(v0), cfg), encode_tensor("BF16", raw(v2), raw(v1), cfg)
         base = raw(v0).copy()
-        out = rebuild("BF16", v2.nbytes, xxhash.xxh3_128_hexdigest(raw(v2)), base,
-                      [(e1.codec, lambda e=e1: e.payload), (e2.codec, lambda e=e2: e.payload)], in_place=True)
+        out = rebuild(
+            "BF16",
+            v2.nbytes,
+            xxhash.xxh3_128_hexdigest(raw(v2)),
+            base,
+            [(e1.codec, lambda e=e1: e.payload), (e2.codec, lambda e=e2: e.payload)],
+            in_place=True,
+        )
         assert out is base and np.array_equal(base, raw(v2))
         kept = raw(v0).copy()
         rebuild("BF16", v1.nbytes, xxhash.xxh3_128_hexdigest(raw(v1)), kept, [(e1.codec, lambda e=e1: e.payload)])
@@ -397,10 +426,18 @@ def test_encode_usage_errors():
         encode_tensor("C64", a, None)  # unknown dtype
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(level=0), dict(level=23), dict(full_level=0), dict(block_bytes=7), dict(block_bytes=MAX_BLOCK_ELEMS + 1),
-    dict(dense_above=-0.1), dict(dense_above=1.5),
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(level=0),
+        dict(level=23),
+        dict(full_level=0),
+        dict(block_bytes=7),
+        dict(block_bytes=MAX_BLOCK_ELEMS + 1),
+        dict(dense_above=-0.1),
+        dict(dense_above=1.5),
+    ],
+)
 def test_codec_config_validation(kwargs):
     with pytest.raises(UsageError):
         CodecConfig(**kwargs)
@@ -423,7 +460,9 @@ WIDTHS = (1, 2, 4, 8)
 def uint_arrays(draw):
     width = draw(st.sampled_from(WIDTHS))
     bits = 8 * width
-    edge = st.sampled_from([0, 1, 2, 2 ** (bits - 1) - 1, 2 ** (bits - 1), 2 ** (bits - 1) + 1, 2**bits - 2, 2**bits - 1])
+    edge = st.sampled_from(
+        [0, 1, 2, 2 ** (bits - 1) - 1, 2 ** (bits - 1), 2 ** (bits - 1) + 1, 2**bits - 2, 2**bits - 1]
+    )
     values = draw(st.lists(st.one_of(edge, st.integers(0, 2**bits - 1)), max_size=64))
     return np.array(values, dtype=UINT_VIEW[width])
 
@@ -505,10 +544,14 @@ def _valid(codec: str) -> tuple[bytes, np.ndarray | None, np.ndarray, str]:
         return enc.payload, None, raw(new), "U16"
     if codec == "sparse":
         new[[1, 2, 17, 39]] += np.array([1, 65535, 300, 7], dtype=np.uint16)
-        enc = encode_tensor("U16", raw(new), raw(old), CodecConfig(block_bytes=16, dense_above=1.0, entropy_coder=False))
+        enc = encode_tensor(
+            "U16", raw(new), raw(old), CodecConfig(block_bytes=16, dense_above=1.0, entropy_coder=False)
+        )
     else:
         new += rng.integers(1, 4, 40, dtype=np.uint16)
-        enc = encode_tensor("U16", raw(new), raw(old), CodecConfig(block_bytes=16, dense_above=0.0, entropy_coder=False))
+        enc = encode_tensor(
+            "U16", raw(new), raw(old), CodecConfig(block_bytes=16, dense_above=0.0, entropy_coder=False)
+        )
     assert enc.codec == codec
     return enc.payload, raw(old), raw(new), "U16"
 
@@ -657,7 +700,9 @@ def test_frame_that_lies_about_its_size_is_rejected():
         _decode("full", _full_payload_with_block(liar, 8), None, 16)
 
 
-@pytest.mark.parametrize("garbage", [b"", b"\x00", b"\x28\xb5\x2f\xfd", b"\x28\xb5\x2f\xfd" + bytes(20), b"not zstd at all"])
+@pytest.mark.parametrize(
+    "garbage", [b"", b"\x00", b"\x28\xb5\x2f\xfd", b"\x28\xb5\x2f\xfd" + bytes(20), b"not zstd at all"]
+)
 def test_garbage_block_is_rejected(garbage):
     with pytest.raises(FormatError):
         _decode("full", _full_payload_with_block(garbage, 8), None, 16)
@@ -667,8 +712,14 @@ def _sparse_payload(block: bytes, n: int = 8) -> bytes:
     return HEADER.pack(MAGIC, CODEC_ID["sparse"], 2, 0, n, n, 1) + struct.pack("<Q", len(block)) + block
 
 
-def _sparse_block(gaps: list[int], values: list[int], gap_width: int = 1, count: int | None = None,
-                  glen_delta: int = 0, width: int = 2) -> bytes:
+def _sparse_block(
+    gaps: list[int],
+    values: list[int],
+    gap_width: int = 1,
+    count: int | None = None,
+    glen_delta: int = 0,
+    width: int = 2,
+) -> bytes:
     zc = zstandard.ZstdCompressor(level=3, write_content_size=True)
     gz = zc.compress(to_planes(np.array(gaps, dtype=UINT_VIEW[gap_width])))
     vz = zc.compress(to_planes(np.array(values, dtype=UINT_VIEW[width])))
@@ -875,9 +926,15 @@ def test_sparse_streams_and_apply_sparse_refuse_what_their_kernels_would_misread
         sparse_streams(a, a.astype(np.int16))  # not unsigned
     gaps, vals = np.array([1], np.uint8), np.array([2, 0], np.uint8)  # +1 at position 1
     out = np.zeros(8, np.uint16)
-    for bad in ({"src": np.zeros(7, np.uint16)}, {"src": np.zeros(8, np.uint32)}, {"src": a, "start": 9},
-                {"src": a, "start": 0, "pos": 0}, {"end": 9}, {"k": 2},
-                {"src": a, "start": 4}):  # the change at position 1 lies before the copy: never applied
+    for bad in (
+        {"src": np.zeros(7, np.uint16)},
+        {"src": np.zeros(8, np.uint32)},
+        {"src": a, "start": 9},
+        {"src": a, "start": 0, "pos": 0},
+        {"end": 9},
+        {"k": 2},
+        {"src": a, "start": 4},
+    ):  # the change at position 1 lies before the copy: never applied
         kw = {"k": 0, "pos": -1, "end": 8, **bad}
         with pytest.raises(ValueError):
             apply_sparse(out, gaps, 1, vals, kw.pop("k"), kw.pop("pos"), kw.pop("end"), **kw)

@@ -64,8 +64,9 @@ def test_a_codec_is_added_by_one_class():
         old = rng.integers(0, 256, 4000, dtype=np.uint8)
         new = old.copy()
         new[::7] += 3
-        payload, changed = _encode_payload(registry.get("raw-test"), "BF16", old.view("<u2"), new.view("<u2"),
-                                           CodecConfig(block_bytes=512))
+        payload, changed = _encode_payload(
+            registry.get("raw-test"), "BF16", old.view("<u2"), new.view("<u2"), CodecConfig(block_bytes=512)
+        )
         assert changed == np.count_nonzero(old.view("<u2") != new.view("<u2"))
         assert np.array_equal(decode_tensor("BF16", "raw-test", payload, old, new.size), new)
         with pytest.raises(FormatError, match="is not a 'ac' payload"):

@@ -21,7 +21,9 @@ from weightsync.torch.dtypes import ST_DTYPE, TORCH_DTYPE
 from weightsync.torch.hostpatch import DeviceDiff, HostMirror, TensorChange, clone_file
 from weightsync.torch.state_dict import save_state_dict
 
-FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+FAST = settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 DTYPES = sorted(ITEMSIZE)
 TORCH_DTYPES = [TORCH_DTYPE[k] for k in sorted(TORCH_DTYPE)]  # the dtypes torch and safetensors share
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -60,8 +62,13 @@ def set_bits(t: torch.Tensor, positions, values) -> None:
 
 # --- codec: sparse payloads from precomputed changes -------------------------------------------------
 @FAST
-@given(dtype=st.sampled_from(DTYPES), n=st.integers(0, 300), block_bytes=st.sampled_from([8, 24, 64, 1 << 20]),
-       density=st.floats(0, 1), seed=st.integers(0, 2**32 - 1))
+@given(
+    dtype=st.sampled_from(DTYPES),
+    n=st.integers(0, 300),
+    block_bytes=st.sampled_from([8, 24, 64, 1 << 20]),
+    density=st.floats(0, 1),
+    seed=st.integers(0, 2**32 - 1),
+)
 def test_sparse_from_changes_is_byte_identical_to_encode_tensor(dtype, n, block_bytes, density, seed):
     w = ITEMSIZE[dtype]
     rng = np.random.default_rng(seed)
@@ -88,15 +95,18 @@ def test_sparse_from_changes_accepts_int32_positions_and_signed_differences():
     assert a == encode_tensor("BF16", new.view(np.uint8), old.view(np.uint8), CodecConfig(entropy_coder=False)).payload
 
 
-@pytest.mark.parametrize("idx, diffs, match", [
-    ([3, 2], [1, 1], "ascending"),
-    ([2, 2], [1, 1], "ascending"),
-    ([-1], [1], "ascending"),
-    ([10], [1], "ascending"),
-    ([1, 2], [1, 0], "zero difference"),
-    ([1, 2], [1], "same length"),
-    ([[1]], [[1]], "1-D"),
-])
+@pytest.mark.parametrize(
+    "idx, diffs, match",
+    [
+        ([3, 2], [1, 1], "ascending"),
+        ([2, 2], [1, 1], "ascending"),
+        ([-1], [1], "ascending"),
+        ([10], [1], "ascending"),
+        ([1, 2], [1, 0], "zero difference"),
+        ([1, 2], [1], "same length"),
+        ([[1]], [[1]], "1-D"),
+    ],
+)
 def test_sparse_from_changes_rejects_malformed_changes(idx, diffs, match):
     with pytest.raises(UsageError, match=match):
         encode_sparse_from_changes("BF16", 10, np.array(idx, np.int64), np.array(diffs, np.uint16))
@@ -175,8 +185,14 @@ def test_bit_level_changes_that_float_compares_miss_or_invent():
 
 
 @FAST
-@given(dtype=st.sampled_from(TORCH_DTYPES), n=st.integers(0, 200), density=st.floats(0, 1), seed=st.integers(0, 2**32 - 1),
-       slice_elems=st.sampled_from([1, 7, 64, 1 << 28]), staging=st.sampled_from([1, 100, 64 << 20]))
+@given(
+    dtype=st.sampled_from(TORCH_DTYPES),
+    n=st.integers(0, 200),
+    density=st.floats(0, 1),
+    seed=st.integers(0, 2**32 - 1),
+    slice_elems=st.sampled_from([1, 7, 64, 1 << 28]),
+    staging=st.sampled_from([1, 100, 64 << 20]),
+)
 def test_diff_matches_numpy_over_dtypes_slices_and_flushes(dtype, n, density, seed, slice_elems, staging):
     rng = np.random.default_rng(seed)
     a = random_tensor(dtype, (n,), seed)
@@ -193,13 +209,21 @@ def test_diff_matches_numpy_over_dtypes_slices_and_flushes(dtype, n, density, se
 
 
 def test_new_reshaped_retyped_and_removed_tensors():
-    sd = {"keep": random_tensor(torch.float32, (4, 4), 0), "shape": random_tensor(torch.bfloat16, (6,), 1),
-          "dtype": random_tensor(torch.float16, (3,), 2), "gone": random_tensor(torch.int64, (2,), 3)}
+    sd = {
+        "keep": random_tensor(torch.float32, (4, 4), 0),
+        "shape": random_tensor(torch.bfloat16, (6,), 1),
+        "dtype": random_tensor(torch.float16, (3,), 2),
+        "gone": random_tensor(torch.int64, (2,), 3),
+    }
     snap = DeviceSnapshot()
     snap.diff(sd)
     before = {k: v.clone() for k, v in sd.items()}
-    sd2 = {"keep": sd["keep"], "shape": random_tensor(torch.bfloat16, (2, 3), 1),
-           "dtype": random_tensor(torch.bfloat16, (3,), 2), "new": random_tensor(torch.uint8, (5,), 4)}
+    sd2 = {
+        "keep": sd["keep"],
+        "shape": random_tensor(torch.bfloat16, (2, 3), 1),
+        "dtype": random_tensor(torch.bfloat16, (3,), 2),
+        "new": random_tensor(torch.uint8, (5,), 4),
+    }
     diff = snap.diff(sd2)
     check_diff(diff, before, sd2)
     assert [n for n, c in diff.changes.items() if c.index is None] == ["shape", "dtype", "new"]
@@ -235,8 +259,11 @@ def dump(sd, tmp_path, metadata=None) -> bytes:
 
 @pytest.mark.parametrize("in_place", [True, False])
 def test_mirror_patches_to_what_save_state_dict_writes(tmp_path, in_place):
-    sd = {"a": random_tensor(torch.bfloat16, (64, 8), 0), "b": random_tensor(torch.float32, (10,), 1),
-          "e": torch.empty(0, 3, dtype=torch.float16)}
+    sd = {
+        "a": random_tensor(torch.bfloat16, (64, 8), 0),
+        "b": random_tensor(torch.float32, (10,), 1),
+        "e": torch.empty(0, 3, dtype=torch.float16),
+    }
     snap, mirror = DeviceSnapshot(), HostMirror(tmp_path / "work")
     (tmp_path / "work").mkdir()
     mf, deltas = mirror.write(snap.diff(sd), None, in_place)

@@ -74,10 +74,21 @@ def test_one_shot_commands_read_no_environment(command):
 
 # --- defaults honoured, the command line wins ------------------------------------------------------------
 def test_environment_defaults_are_honoured_with_their_types(tmp_path):
-    env = sub_env(tmp_path, WEIGHTSYNC_POLL_INTERVAL="0.25", WEIGHTSYNC_CONCURRENCY="7", WEIGHTSYNC_NO_FSYNC="yes",
-                  WEIGHTSYNC_VERIFY_BEFORE_SWAP="0", WEIGHTSYNC_LOG_LEVEL="debug", WEIGHTSYNC_LOG_JSON="TRUE",
-                  WEIGHTSYNC_VERSION="latest", WEIGHTSYNC_STANDBY_HOLD="never", WEIGHTSYNC_INCLUDE="a.*, b.*,,",
-                  WEIGHTSYNC_LISTEN="127.0.0.1:0", WEIGHTSYNC_REGION="r1", WEIGHTSYNC_ID="sub-1")
+    env = sub_env(
+        tmp_path,
+        WEIGHTSYNC_POLL_INTERVAL="0.25",
+        WEIGHTSYNC_CONCURRENCY="7",
+        WEIGHTSYNC_NO_FSYNC="yes",
+        WEIGHTSYNC_VERIFY_BEFORE_SWAP="0",
+        WEIGHTSYNC_LOG_LEVEL="debug",
+        WEIGHTSYNC_LOG_JSON="TRUE",
+        WEIGHTSYNC_VERSION="latest",
+        WEIGHTSYNC_STANDBY_HOLD="never",
+        WEIGHTSYNC_INCLUDE="a.*, b.*,,",
+        WEIGHTSYNC_LISTEN="127.0.0.1:0",
+        WEIGHTSYNC_REGION="r1",
+        WEIGHTSYNC_ID="sub-1",
+    )
     args = parse(["subscriber"], env)
     assert (args.store, args.target) == (env["WEIGHTSYNC_STORE"], env["WEIGHTSYNC_TARGET"])
     assert args.poll_interval == 0.25 and args.concurrency == 7
@@ -86,15 +97,40 @@ def test_environment_defaults_are_honoured_with_their_types(tmp_path):
     assert args.include == ["a.*", "b.*"]
     assert env_sources(args)["poll_interval"] == "WEIGHTSYNC_POLL_INTERVAL"
     cfg = subscriber_config(args, env)
-    assert (cfg.poll_interval, cfg.fetch_concurrency, cfg.fsync, cfg.identity.id, cfg.identity.region) == (0.25, 7, False, "sub-1", "r1")
+    assert (cfg.poll_interval, cfg.fetch_concurrency, cfg.fsync, cfg.identity.id, cfg.identity.region) == (
+        0.25,
+        7,
+        False,
+        "sub-1",
+        "r1",
+    )
     assert (cfg.api.host, cfg.api.port, cfg.log.json, cfg.log.level) == ("127.0.0.1", 0, True, "DEBUG")
 
 
 def test_the_command_line_wins_over_the_environment(tmp_path):
-    env = sub_env(tmp_path, WEIGHTSYNC_POLL_INTERVAL="9", WEIGHTSYNC_INCLUDE="a.*,b.*", WEIGHTSYNC_REGION="env-region",
-                  WEIGHTSYNC_LOG_LEVEL="ERROR")
-    args = parse(["subscriber", "--store", "/flag/store", "--poll-interval", "0.5", "--include", "c.*",
-                  "--region", "flag-region", "--log-level", "warning"], env)
+    env = sub_env(
+        tmp_path,
+        WEIGHTSYNC_POLL_INTERVAL="9",
+        WEIGHTSYNC_INCLUDE="a.*,b.*",
+        WEIGHTSYNC_REGION="env-region",
+        WEIGHTSYNC_LOG_LEVEL="ERROR",
+    )
+    args = parse(
+        [
+            "subscriber",
+            "--store",
+            "/flag/store",
+            "--poll-interval",
+            "0.5",
+            "--include",
+            "c.*",
+            "--region",
+            "flag-region",
+            "--log-level",
+            "warning",
+        ],
+        env,
+    )
     assert args.store == "/flag/store" and args.target == env["WEIGHTSYNC_TARGET"]
     assert args.poll_interval == 0.5 and args.region == "flag-region" and args.log_level == "WARNING"
     assert args.include == ["c.*"], "a repeated flag replaces the variable's list, it does not extend it"
@@ -107,10 +143,25 @@ def test_defaults_stay_without_the_environment(tmp_path):
 
 
 def test_the_mirror_and_gc_take_the_environment():
-    args = parse(["mirror"], {"WEIGHTSYNC_FROM": "s3://a/x", "WEIGHTSYNC_TO": "s3://b/x", "WEIGHTSYNC_FOLLOW": "on",
-                              "WEIGHTSYNC_INTERVAL": "1.5", "WEIGHTSYNC_METRICS_LISTEN": "0.0.0.0:8472",
-                              "WEIGHTSYNC_LOG_JSON": "1", "WEIGHTSYNC_LOG_LEVEL": "WARNING"})
-    assert (args.src, args.dst, args.follow, args.interval, args.metrics_listen) == ("s3://a/x", "s3://b/x", True, 1.5, "0.0.0.0:8472")
+    args = parse(
+        ["mirror"],
+        {
+            "WEIGHTSYNC_FROM": "s3://a/x",
+            "WEIGHTSYNC_TO": "s3://b/x",
+            "WEIGHTSYNC_FOLLOW": "on",
+            "WEIGHTSYNC_INTERVAL": "1.5",
+            "WEIGHTSYNC_METRICS_LISTEN": "0.0.0.0:8472",
+            "WEIGHTSYNC_LOG_JSON": "1",
+            "WEIGHTSYNC_LOG_LEVEL": "WARNING",
+        },
+    )
+    assert (args.src, args.dst, args.follow, args.interval, args.metrics_listen) == (
+        "s3://a/x",
+        "s3://b/x",
+        True,
+        1.5,
+        "0.0.0.0:8472",
+    )
     assert (args.log_json, args.log_level) == (True, "WARNING")
     args = parse(["gc"], {"WEIGHTSYNC_STORE": "s3://b/x", "WEIGHTSYNC_KEEP": "50", "WEIGHTSYNC_DRY_RUN": "no"})
     assert (args.store, args.keep, args.dry_run, args.grace_seconds) == ("s3://b/x", 50, False, 3600.0)
@@ -125,15 +176,18 @@ def test_a_missing_required_flag_names_its_variable(capsys):
 
 
 # --- a bad value: one line, exit 2, naming the variable; only the command that uses it --------------------
-@pytest.mark.parametrize("var, value, words", [
-    ("WEIGHTSYNC_POLL_INTERVAL", "soon", "not a number"),
-    ("WEIGHTSYNC_CONCURRENCY", "1.5", "not an integer"),
-    ("WEIGHTSYNC_NO_FSYNC", "maybe", "wants one of 1/true/yes/on/0/false/no/off"),
-    ("WEIGHTSYNC_NO_FSYNC", "", "wants one of"),
-    ("WEIGHTSYNC_LOG_LEVEL", "loud", "wants one of DEBUG, INFO, WARNING, ERROR"),
-    ("WEIGHTSYNC_VERSION", "newest", "wants a version number or 'latest'"),
-    ("WEIGHTSYNC_STANDBY_HOLD", "-1", "wants seconds >= 0"),
-])
+@pytest.mark.parametrize(
+    "var, value, words",
+    [
+        ("WEIGHTSYNC_POLL_INTERVAL", "soon", "not a number"),
+        ("WEIGHTSYNC_CONCURRENCY", "1.5", "not an integer"),
+        ("WEIGHTSYNC_NO_FSYNC", "maybe", "wants one of 1/true/yes/on/0/false/no/off"),
+        ("WEIGHTSYNC_NO_FSYNC", "", "wants one of"),
+        ("WEIGHTSYNC_LOG_LEVEL", "loud", "wants one of DEBUG, INFO, WARNING, ERROR"),
+        ("WEIGHTSYNC_VERSION", "newest", "wants a version number or 'latest'"),
+        ("WEIGHTSYNC_STANDBY_HOLD", "-1", "wants seconds >= 0"),
+    ],
+)
 def test_a_bad_value_is_a_one_line_error_naming_the_variable(tmp_path, capsys, var, value, words):
     with pytest.raises(SystemExit) as exc:
         parse(["subscriber"], sub_env(tmp_path, **{var: value}))
@@ -173,7 +227,16 @@ def test_a_small_poll_interval_is_kept(tmp_path):
 
 
 # --- the publish flags, defined once --------------------------------------------------------------------
-ENCODING = ("--keyframe-interval", "--chunk-mib", "--level", "--fast-codec", "--concurrency", "--ignore", "--rank", "--world")
+ENCODING = (
+    "--keyframe-interval",
+    "--chunk-mib",
+    "--level",
+    "--fast-codec",
+    "--concurrency",
+    "--ignore",
+    "--rank",
+    "--world",
+)
 
 
 def _option(p: argparse.ArgumentParser, flag: str) -> argparse.Action:
@@ -188,10 +251,18 @@ def test_publish_and_the_publisher_share_one_definition_of_the_publish_flags():
     pub, daemon, part = subparser("publish"), subparser("publisher"), subparser("publish-part")
     for flag in ENCODING[:6]:
         ours, theirs = _option(daemon, flag), _option(pub, flag)
-        assert (ours.dest, ours.type, ours.default, ours.const, _without_env(ours.help)) == \
-            (theirs.dest, theirs.type, theirs.default, theirs.const, theirs.help), flag
+        assert (ours.dest, ours.type, ours.default, ours.const, _without_env(ours.help)) == (
+            theirs.dest,
+            theirs.type,
+            theirs.default,
+            theirs.const,
+            theirs.help,
+        ), flag
     for flag in ("--rank", "--world"):
-        assert (_option(daemon, flag).dest, _option(daemon, flag).type) == (_option(part, flag).dest, _option(part, flag).type)
+        assert (_option(daemon, flag).dest, _option(daemon, flag).type) == (
+            _option(part, flag).dest,
+            _option(part, flag).type,
+        )
     assert _option(part, "--rank").required and not _option(daemon, "--rank").required
     sources = "".join((ROOT / "weightsync" / name).read_text() for name in ("cli.py", "service/flags.py"))
     for flag in set(ENCODING) - {"--concurrency", "--world"}:  # those two are also other commands' own flags
@@ -199,12 +270,32 @@ def test_publish_and_the_publisher_share_one_definition_of_the_publish_flags():
 
 
 def test_the_publisher_honours_level_and_ignore(tmp_path):
-    args = parse(["publisher", "--store", "s", "--watch", str(tmp_path), "--level", "7", "--ignore", "*.tmp",
-                  "--ignore", "logs/*", "--fast-codec"])
+    args = parse(
+        [
+            "publisher",
+            "--store",
+            "s",
+            "--watch",
+            str(tmp_path),
+            "--level",
+            "7",
+            "--ignore",
+            "*.tmp",
+            "--ignore",
+            "logs/*",
+            "--fast-codec",
+        ]
+    )
     cfg = publisher_config(args, {}).publish
     assert cfg.codec.level == 7 and not cfg.codec.entropy_coder and cfg.ignore == ("COMPLETE", "*.tmp", "logs/*")
-    env = {"WEIGHTSYNC_STORE": "s", "WEIGHTSYNC_WATCH": str(tmp_path), "WEIGHTSYNC_IGNORE": "*.tmp,logs/*",
-           "WEIGHTSYNC_LEVEL": "3", "WEIGHTSYNC_MARKER": "DONE", "WEIGHTSYNC_PUBLISH_ROOT": os.pathsep.join(["/a", "/b"])}
+    env = {
+        "WEIGHTSYNC_STORE": "s",
+        "WEIGHTSYNC_WATCH": str(tmp_path),
+        "WEIGHTSYNC_IGNORE": "*.tmp,logs/*",
+        "WEIGHTSYNC_LEVEL": "3",
+        "WEIGHTSYNC_MARKER": "DONE",
+        "WEIGHTSYNC_PUBLISH_ROOT": os.pathsep.join(["/a", "/b"]),
+    }
     cfg = publisher_config(parse(["publisher"], env), env)
     assert cfg.publish.codec.level == 3 and cfg.publish.ignore == ("DONE", "*.tmp", "logs/*")
     assert cfg.publish_roots == (Path("/a"), Path("/b"))
@@ -231,23 +322,31 @@ def test_token_sources_in_order(tmp_path):
 # --- hook headers -------------------------------------------------------------------------------------------
 def test_hook_headers_from_flags_and_the_environment(tmp_path):
     url = ["--hook-url", "http://127.0.0.1:9/hook"]
-    args = parse(["subscriber", *url, "--hook-header", "Authorization: Bearer abc", "--hook-header", "X-Run:  r1 "],
-                 sub_env(tmp_path))
+    args = parse(
+        ["subscriber", *url, "--hook-header", "Authorization: Bearer abc", "--hook-header", "X-Run:  r1 "],
+        sub_env(tmp_path),
+    )
     hook = subscriber_config(args, {}).hook
     assert hook.headers == (("Authorization", "Bearer abc"), ("X-Run", "r1"))
     assert "abc" not in repr(hook) and "abc" not in repr(subscriber_config(args, {}))
     env = sub_env(tmp_path, WEIGHTSYNC_HOOK_HEADER="Authorization: Bearer xyz\nX-Two: 2\n")
-    assert subscriber_config(parse(["subscriber", *url], env), env).hook.headers == (("Authorization", "Bearer xyz"), ("X-Two", "2"))
+    assert subscriber_config(parse(["subscriber", *url], env), env).hook.headers == (
+        ("Authorization", "Bearer xyz"),
+        ("X-Two", "2"),
+    )
     flagged = parse(["subscriber", *url, "--hook-header", "X-Only: 1"], env)
     assert subscriber_config(flagged, env).hook.headers == (("X-Only", "1"),)
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--hook-url", "http://h/", "--hook-header", "no colon secret-value"], "wants 'NAME: VALUE'"),
-    (["--hook-url", "http://h/", "--hook-header", "Bad Name: secret-value"], "not a valid HTTP header"),
-    (["--hook-command", "true", "--hook-header", "A: secret-value"], "HTTP hook"),
-    (["--hook-header", "A: secret-value"], "--hook-header needs --hook-url"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--hook-url", "http://h/", "--hook-header", "no colon secret-value"], "wants 'NAME: VALUE'"),
+        (["--hook-url", "http://h/", "--hook-header", "Bad Name: secret-value"], "not a valid HTTP header"),
+        (["--hook-command", "true", "--hook-header", "A: secret-value"], "HTTP hook"),
+        (["--hook-header", "A: secret-value"], "--hook-header needs --hook-url"),
+    ],
+)
 def test_bad_hook_headers_are_refused_without_showing_the_value(tmp_path, argv, words):
     with pytest.raises(UsageError, match=words) as err:
         subscriber_config(parse(["subscriber", *argv], sub_env(tmp_path)), {})
@@ -282,6 +381,15 @@ def test_the_operations_table_of_variables_is_the_parsers():
     table = _env_table()
     assert table.current(ROOT / "docs" / "OPERATIONS.md") == table.render(), "run: python scripts/env_table.py --write"
     rendered = table.render()
-    for var in ("WEIGHTSYNC_STORE", "WEIGHTSYNC_TARGET", "WEIGHTSYNC_LISTEN", "WEIGHTSYNC_POLL_INTERVAL", "WEIGHTSYNC_API_TOKEN",
-                "WEIGHTSYNC_HOOK_HEADER", "WEIGHTSYNC_FROM", "WEIGHTSYNC_KEEP", "WEIGHTSYNC_HEALTHCHECK_URLS"):
+    for var in (
+        "WEIGHTSYNC_STORE",
+        "WEIGHTSYNC_TARGET",
+        "WEIGHTSYNC_LISTEN",
+        "WEIGHTSYNC_POLL_INTERVAL",
+        "WEIGHTSYNC_API_TOKEN",
+        "WEIGHTSYNC_HOOK_HEADER",
+        "WEIGHTSYNC_FROM",
+        "WEIGHTSYNC_KEEP",
+        "WEIGHTSYNC_HEALTHCHECK_URLS",
+    ):
         assert f"`{var}`" in rendered, var

@@ -65,12 +65,24 @@ def sample_manifest(keyframe: bool = False, deltas: bool = False) -> Manifest:
     files = (
         FileEntry("model-00001-of-00002.safetensors", "safetensors", 48, H[1], st_segs),
         FileEntry("tok/vocab.json", "blob", 7, H[2], (seg("blob", "", "U8", (7,), 0, "full", pay(30, (1, 34, 30))),)),
-        FileEntry("empty.txt", "blob", 0, H[3], (seg("blob", "", "U8", (0,), 0, codec("same"), None if not keyframe else pay(10, (1, 4, 10))),)),
+        FileEntry(
+            "empty.txt",
+            "blob",
+            0,
+            H[3],
+            (seg("blob", "", "U8", (0,), 0, codec("same"), None if not keyframe else pay(10, (1, 4, 10))),),
+        ),
     )
     return Manifest(
-        version=7 if not keyframe else 4, parent=None if keyframe else 6, keyframe=keyframe,
-        chain_length=0 if keyframe else 3, files=files, chunks=chunks, created="2026-01-01T00:00:00+00:00",
-        codec_config={"level": 3, "block_bytes": 1024}, stats={"changed": 6, "elements": 13},
+        version=7 if not keyframe else 4,
+        parent=None if keyframe else 6,
+        keyframe=keyframe,
+        chain_length=0 if keyframe else 3,
+        files=files,
+        chunks=chunks,
+        created="2026-01-01T00:00:00+00:00",
+        codec_config={"level": 3, "block_bytes": 1024},
+        stats={"changed": 6, "elements": 13},
     )
 
 
@@ -136,12 +148,47 @@ def _short(path: str) -> str:
     return ascii(path) if len(path) <= 40 else f"{ascii(path[:12])}...{len(path)}"
 
 
-GOOD_PATHS = ["model.safetensors", "a/b/c.json", ".hidden", "a/.weightsync", "x..y", "...", "a b/ü.bin", "-",
-              "/".join(["a"] * 255), "x" * 255, "ü" * 127, "/".join(["d" * 254] * 16)[:4096], "bad\udcffbyte"]
+GOOD_PATHS = [
+    "model.safetensors",
+    "a/b/c.json",
+    ".hidden",
+    "a/.weightsync",
+    "x..y",
+    "...",
+    "a b/ü.bin",
+    "-",
+    "/".join(["a"] * 255),
+    "x" * 255,
+    "ü" * 127,
+    "/".join(["d" * 254] * 16)[:4096],
+    "bad\udcffbyte",
+]
 BAD_PATHS = [
-    "", "../x", "..", ".", "/abs", "/", "a/../b", "a/./b", "./a", "a//b", "a/", "a\\b", "..\\x", "C:\\x",
-    "a\x00b", ".weightsync", ".weightsync/x", ".weightsync/state.json", "x" * 4097,
-    "/".join(["a"] * 256), "/".join(["a"] * 2000), "x" * 256, "ü" * 128, "a/" + "é" * 2048, "lone\ud800surrogate",
+    "",
+    "../x",
+    "..",
+    ".",
+    "/abs",
+    "/",
+    "a/../b",
+    "a/./b",
+    "./a",
+    "a//b",
+    "a/",
+    "a\\b",
+    "..\\x",
+    "C:\\x",
+    "a\x00b",
+    ".weightsync",
+    ".weightsync/x",
+    ".weightsync/state.json",
+    "x" * 4097,
+    "/".join(["a"] * 256),
+    "/".join(["a"] * 2000),
+    "x" * 256,
+    "ü" * 128,
+    "a/" + "é" * 2048,
+    "lone\ud800surrogate",
 ]
 
 
@@ -176,12 +223,14 @@ def _s(doc, i=0, j=1):
 def _set(getter, key, value):
     def mutate(doc):
         getter(doc)[key] = value
+
     return mutate
 
 
 def _del(getter, key):
     def mutate(doc):
         del getter(doc)[key]
+
     return mutate
 
 
@@ -372,18 +421,32 @@ def test_keyframe_without_deltas_may_name_a_parent():
     assert load(doc).parent == 2
 
 
-@pytest.mark.parametrize("data", [
-    b"", b"null", b"[]", b"1", b'"manifest"', b"true", b"{", b"\xff\xfe\x00", b"{\"format\": NaN}",
-    b'{"format":"weightsync.manifest","format_version":1}',
-])
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"null",
+        b"[]",
+        b"1",
+        b'"manifest"',
+        b"true",
+        b"{",
+        b"\xff\xfe\x00",
+        b'{"format": NaN}',
+        b'{"format":"weightsync.manifest","format_version":1}',
+    ],
+)
 def test_non_manifest_documents_are_rejected(data):
     with pytest.raises(FormatError):
         manifest_from_json(data)
 
 
 def test_path_limits_are_named_in_the_error():
-    for path, why in (("/".join(["a"] * 2000), "over 255 components"), ("é" * 2049, "over 4096 bytes"),
-                      ("a/" + "b" * 256, "a component over 255 bytes")):
+    for path, why in (
+        ("/".join(["a"] * 2000), "over 255 components"),
+        ("é" * 2049, "over 4096 bytes"),
+        ("a/" + "b" * 256, "a component over 255 bytes"),
+    ):
         with pytest.raises(FormatError, match=f"unsafe file path in manifest \\({why}\\)") as err:
             check_path(path)
         assert len(str(err.value)) < 200
@@ -419,10 +482,18 @@ def test_deeply_nested_json_is_a_format_error():
 
 # --- fuzz --------------------------------------------------------------------------------------------
 JSON_LEAVES = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True),
-    st.text(max_size=40), st.sampled_from(H[:3] + ["../x", "", "a//b", H[0] + "\n"]),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True),
+    st.text(max_size=40),
+    st.sampled_from(H[:3] + ["../x", "", "a//b", H[0] + "\n"]),
 )
-JSON_VALUES = st.recursive(JSON_LEAVES, lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4), max_leaves=10)
+JSON_VALUES = st.recursive(
+    JSON_LEAVES,
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4),
+    max_leaves=10,
+)
 
 
 def _paths(obj, prefix=()):
@@ -488,12 +559,20 @@ def test_head_round_trip(version):
     assert head_from_json(head_to_json(version)) == version
 
 
-@pytest.mark.parametrize("data", [
-    b"", b"[]", b'{"format":"weightsync.head"}', b'{"format":"weightsync.manifest","version":1}',
-    b'{"format":"weightsync.head","version":-1}', b'{"format":"weightsync.head","version":true}',
-    b'{"format":"weightsync.head","version":"3"}', b'{"format":"weightsync.head","version":3.0}',
-    b'{"format":"weightsync.head","version":1000000000000000001}',
-])
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"[]",
+        b'{"format":"weightsync.head"}',
+        b'{"format":"weightsync.manifest","version":1}',
+        b'{"format":"weightsync.head","version":-1}',
+        b'{"format":"weightsync.head","version":true}',
+        b'{"format":"weightsync.head","version":"3"}',
+        b'{"format":"weightsync.head","version":3.0}',
+        b'{"format":"weightsync.head","version":1000000000000000001}',
+    ],
+)
 def test_bad_head_is_rejected(data):
     with pytest.raises(FormatError):
         head_from_json(data)
@@ -504,10 +583,18 @@ def test_marker_round_trip():
     assert json.loads(marker_to_json()) == {"format": "weightsync.store", "format_version": FORMAT_VERSION}
 
 
-@pytest.mark.parametrize("data", [
-    b"", b"{}", b"[]", b'{"format":"weightsync.store"}', b'{"format":"weightsync.store","format_version":2}',
-    b'{"format":"weightsync.head","format_version":1}', b"not json",
-])
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"{}",
+        b"[]",
+        b'{"format":"weightsync.store"}',
+        b'{"format":"weightsync.store","format_version":2}',
+        b'{"format":"weightsync.head","format_version":1}',
+        b"not json",
+    ],
+)
 def test_bad_marker_is_rejected(data):
     with pytest.raises(FormatError):
         check_marker(data)
@@ -525,13 +612,22 @@ def test_version_keys_sort_like_versions():
     assert sorted(version_key(v) for v in vs) == [version_key(v) for v in vs]
 
 
-@pytest.mark.parametrize("key", [
-    "versions/1.json", "versions/0000000000000000001.json", "versions/000000000000000000001.json",
-    "versions/00000000000000000001.json.tmp", "xversions/00000000000000000001.json",
-    "versions/0000000000000000000a.json", "versions/-0000000000000000001.json", "versions/00000000000000000001.JSON",
-    "chunks/00/00000000000000000001", "versions/" + "\u0660" * 19 + "\u0661" + ".json",
-    "versions/00000000000000000001.json\n",
-])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "versions/1.json",
+        "versions/0000000000000000001.json",
+        "versions/000000000000000000001.json",
+        "versions/00000000000000000001.json.tmp",
+        "xversions/00000000000000000001.json",
+        "versions/0000000000000000000a.json",
+        "versions/-0000000000000000001.json",
+        "versions/00000000000000000001.JSON",
+        "chunks/00/00000000000000000001",
+        "versions/" + "\u0660" * 19 + "\u0661" + ".json",
+        "versions/00000000000000000001.json\n",
+    ],
+)
 def test_non_version_keys_parse_to_none(key):
     assert parse_version_key(key) is None
 

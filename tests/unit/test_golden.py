@@ -33,8 +33,11 @@ def sha256(path: Path) -> str:
 
 def content(root: Path) -> dict[str, str]:
     """relpath -> sha256 of every file outside ``.weightsync``."""
-    return {p.relative_to(root).as_posix(): sha256(p) for p in sorted(root.rglob("*"))
-            if p.is_file() and p.relative_to(root).parts[0] != STATE_DIR}
+    return {
+        p.relative_to(root).as_posix(): sha256(p)
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.relative_to(root).parts[0] != STATE_DIR
+    }
 
 
 def checkpoint(version: int) -> Path:
@@ -102,8 +105,10 @@ def test_manifests_describe_the_trajectory(manifests):
 
 # --- decoding, segment by segment, straight from the chunks ----------------------------------------------
 def _payload_bytes(m, payload) -> bytes:
-    buf = b"".join((GOLDEN / "store" / chunk_key(m.chunks[p.chunk].id)).read_bytes()[p.offset : p.offset + p.length]
-                   for p in payload.parts)
+    buf = b"".join(
+        (GOLDEN / "store" / chunk_key(m.chunks[p.chunk].id)).read_bytes()[p.offset : p.offset + p.length]
+        for p in payload.parts
+    )
     assert len(buf) == payload.size and xxhash.xxh3_128_hexdigest(buf) == payload.xxh3
     return buf
 
@@ -147,11 +152,15 @@ def test_fresh_pull_of_every_version(store, tmp_path, version):
     assert_holds(out, version)
 
 
-@pytest.mark.parametrize("path", [
-    VERSIONS,  # forward, one version at a time
-    list(reversed(VERSIONS)),  # rollbacks
-    [VERSIONS[1], VERSIONS[3], VERSIONS[0], VERSIONS[2], VERSIONS[2], VERSIONS[1]],  # across keyframes, repeats
-], ids=["forward", "backward", "mixed"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        VERSIONS,  # forward, one version at a time
+        list(reversed(VERSIONS)),  # rollbacks
+        [VERSIONS[1], VERSIONS[3], VERSIONS[0], VERSIONS[2], VERSIONS[2], VERSIONS[1]],  # across keyframes, repeats
+    ],
+    ids=["forward", "backward", "mixed"],
+)
 def test_incremental_pulls(store, tmp_path, path):
     out = tmp_path / "replica"
     prev = None
@@ -177,7 +186,6 @@ def test_fixture_is_untouched_by_the_tests():
     root = GOLDEN / "store"
     assert not (root / ".lock").exists()
     assert {p.name for p in root.iterdir()} == {"HEAD", "weightsync.json", "versions", "chunks"}
-
 
 
 def test_committed_ac_payload_still_decodes():

@@ -29,7 +29,15 @@ def _new_overloads(before: dict[int, set]) -> list[str]:
 def test_every_kernel_uses_the_layered_cache():
 
     names = {d.py_func.__qualname__ for d in jit._DISPATCHERS}
-    assert {"gap_width", "_sparse_streams", "_apply_sparse", "_split_planes", "_merge_planes", "_encode", "_decode"} <= names
+    assert {
+        "gap_width",
+        "_sparse_streams",
+        "_apply_sparse",
+        "_split_planes",
+        "_merge_planes",
+        "_encode",
+        "_decode",
+    } <= names
     assert all(isinstance(d._cache, jit.LayeredCache) for d in jit._DISPATCHERS)
 
 
@@ -41,7 +49,9 @@ def test_warm_up_compiles_every_signature_publish_and_pull_use(tmp_path):
     traj = make_trajectory(tmp_path / "traj", steps=3, shards=2, hidden=32, layers=1, experts=2, vocab=128)
     store = f"file://{tmp_path / 'store'}"
     for ckpt in traj:
-        weightsync.publish(ckpt, store, config=weightsync.PublishConfig(keyframe_interval=2), cache_dir=tmp_path / "cache")
+        weightsync.publish(
+            ckpt, store, config=weightsync.PublishConfig(keyframe_interval=2), cache_dir=tmp_path / "cache"
+        )
     weightsync.pull(store, tmp_path / "fresh")
     weightsync.pull(store, tmp_path / "updated", version=1)
     weightsync.pull(store, tmp_path / "updated")
@@ -57,7 +67,9 @@ def test_jit_main_reports_and_checks_the_cache(tmp_path):
     report = json.loads(first.stdout.splitlines()[-1])  # compiled, or loaded from this tree's __pycache__
     assert report["compiled"] + report["cached"] > 0
     assert report["writable"] and all(p.startswith(str(tmp_path / "numba")) for p in report["writable"])
-    again = subprocess.run([*argv, "--require-cached"], env=env, capture_output=True, text=True, timeout=600, check=False)
+    again = subprocess.run(
+        [*argv, "--require-cached"], env=env, capture_output=True, text=True, timeout=600, check=False
+    )
     assert again.returncode == 0, again.stdout + again.stderr
     report = json.loads(again.stdout.splitlines()[-1])
     assert report["compiled"] == 0 and report["cached"] > 0

@@ -19,8 +19,10 @@ IO_LIBS = {"boto3", "botocore", "aiohttp", "prometheus_client"}
 
 
 def _modules() -> dict[str, Path]:
-    return {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"): p
-            for p in sorted(PACKAGE.rglob("*.py"))}
+    return {
+        ".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in sorted(PACKAGE.rglob("*.py"))
+    }
 
 
 def _imports(path: Path, name: str) -> list[tuple[int, str, list[str]]]:
@@ -83,13 +85,17 @@ def test_imports_run_one_way(module):
 def test_the_contract_sees_each_kind_of_violation(tmp_path):
     """The check is not vacuous: each kind of violation is found, in top-level and lazy imports."""
     bad = tmp_path / "bad.py"
-    bad.write_text("from weightsync.service.metrics import Metrics\nfrom weightsync import publish\n"
-                   "def f():\n    import torch\n    import boto3\n")
+    bad.write_text(
+        "from weightsync.service.metrics import Metrics\nfrom weightsync import publish\n"
+        "def f():\n    import torch\n    import boto3\n"
+    )
     found = violations("weightsync.codec.bad", bad)
     assert [v.split(":")[0] for v in found] == [
         "weightsync.codec.bad line 1 imports weightsync.service.metrics",
         "weightsync.codec.bad line 2 imports weightsync (the facade)",
-        "weightsync.codec.bad line 4 imports torch", "weightsync.codec.bad line 5 imports boto3"]
+        "weightsync.codec.bad line 4 imports torch",
+        "weightsync.codec.bad line 5 imports boto3",
+    ]
     good = tmp_path / "good.py"
     good.write_text("import torch\nfrom weightsync.service.metrics import Metrics\n")
     assert violations("weightsync.torch.good", good) == []

@@ -22,12 +22,19 @@ from weightsync.store import s3
 from weightsync.store.retry import RETRY_OPS, RETRY_REASONS, retry_op, retry_reason
 
 OPERATIONS = Path(__file__).resolve().parents[2] / "docs" / "OPERATIONS.md"
-RUNTIME = ("process_resident_memory_bytes", "process_cpu_seconds_total", "process_open_fds", "python_info",
-           "python_gc_collections_total")
+RUNTIME = (
+    "process_resident_memory_bytes",
+    "process_cpu_seconds_total",
+    "process_open_fds",
+    "python_info",
+    "python_gc_collections_total",
+)
 
 
 def metrics(role: str, registry: CollectorRegistry | None = None) -> Metrics:
-    return Metrics(registry or CollectorRegistry(), role, region="r", cluster="c", subscriber="s" if role == "subscriber" else "")
+    return Metrics(
+        registry or CollectorRegistry(), role, region="r", cluster="c", subscriber="s" if role == "subscriber" else ""
+    )
 
 
 def samples(m: Metrics) -> list:
@@ -89,29 +96,46 @@ def test_retry_op_and_reason_map_to_their_fixed_sets():
     assert retry_reason(err) == "timeout"
 
 
-@pytest.mark.parametrize("code, status, reason", [
-    ("SlowDown", 503, "throttled"), ("TooManyRequests", 429, "throttled"), ("Throttling", 400, "throttled"),
-    ("RequestTimeout", 400, "timeout"), ("InternalError", 500, "server_error"), ("ServiceUnavailable", 503, "server_error"),
-    ("BadGateway", 502, "server_error"), ("GatewayTimeout", 504, "server_error"),
-])
+@pytest.mark.parametrize(
+    "code, status, reason",
+    [
+        ("SlowDown", 503, "throttled"),
+        ("TooManyRequests", 429, "throttled"),
+        ("Throttling", 400, "throttled"),
+        ("RequestTimeout", 400, "timeout"),
+        ("InternalError", 500, "server_error"),
+        ("ServiceUnavailable", 503, "server_error"),
+        ("BadGateway", 502, "server_error"),
+        ("GatewayTimeout", 504, "server_error"),
+    ],
+)
 def test_s3_error_responses_carry_their_retry_reason(code, status, reason):
     assert s3._status_reason(code, status) == reason
     assert reason in RETRY_REASONS
 
 
-@pytest.mark.parametrize("exc, reason", [
-    (ReadTimeoutError(endpoint_url="http://x"), "timeout"), (ConnectTimeoutError(endpoint_url="http://x"), "timeout"),
-    (TimeoutError(), "timeout"), (EndpointConnectionError(endpoint_url="http://x"), "connection"),
-    (ConnectionResetError(), "connection"), (IncompleteReadError(actual_bytes=1, expected_bytes=2), "truncated"),
-])
+@pytest.mark.parametrize(
+    "exc, reason",
+    [
+        (ReadTimeoutError(endpoint_url="http://x"), "timeout"),
+        (ConnectTimeoutError(endpoint_url="http://x"), "timeout"),
+        (TimeoutError(), "timeout"),
+        (EndpointConnectionError(endpoint_url="http://x"), "connection"),
+        (ConnectionResetError(), "connection"),
+        (IncompleteReadError(actual_bytes=1, expected_bytes=2), "truncated"),
+    ],
+)
 def test_s3_transport_failures_carry_their_retry_reason(exc, reason):
     assert s3._transport_reason(exc) == reason
 
 
 def test_fractions_are_named_ratio():
     m = metrics("publisher")
-    m.observe_publish(SimpleNamespace(seconds={"read": 0.1}, version=3, uploaded_bytes=10, raw_bytes=100, payload_bytes=10,
-                                      changed_fraction=0.25))
+    m.observe_publish(
+        SimpleNamespace(
+            seconds={"read": 0.1}, version=3, uploaded_bytes=10, raw_bytes=100, payload_bytes=10, changed_fraction=0.25
+        )
+    )
     values = {s.name: s.value for s in samples(m)}
     assert values["weightsync_changed_ratio"] == 0.25
     assert "weightsync_changed_fraction" not in values

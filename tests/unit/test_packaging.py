@@ -39,8 +39,11 @@ def test_version_is_written_once():
     assert "version" in tomllib.loads(PYPROJECT.read_text())["project"]["dynamic"]
     assert config["project"]["version"] == weightsync.__version__ == _version.__version__
     assert Version(weightsync.__version__)  # PEP 440
-    others = [p for p in ROOT.joinpath("weightsync").rglob("*.py")
-              if p.name != "_version.py" and re.search(r"^__version__\s*=", p.read_text(), re.MULTILINE)]
+    others = [
+        p
+        for p in ROOT.joinpath("weightsync").rglob("*.py")
+        if p.name != "_version.py" and re.search(r"^__version__\s*=", p.read_text(), re.MULTILINE)
+    ]
     assert not others, f"__version__ assigned outside weightsync/_version.py: {others}"
 
 

@@ -34,16 +34,37 @@ def blob(path: str, size: int, chunk: int, offset: int = 0, codec: str = "full",
     return FileEntry(path, "blob", size, xxh3, (Segment("blob", "", "U8", (size,), 0, size, xxh3, codec, 0, payload),))
 
 
-def part(rank: int, world: int = 3, files=None, chunks=None, version: int = 5, parent: int | None = 4,
-         keyframe: bool = False, chain: int = 2, stats=None, created="2026-01-01T00:00:00+00:00") -> PartManifest:
+def part(
+    rank: int,
+    world: int = 3,
+    files=None,
+    chunks=None,
+    version: int = 5,
+    parent: int | None = 4,
+    keyframe: bool = False,
+    chain: int = 2,
+    stats=None,
+    created="2026-01-01T00:00:00+00:00",
+) -> PartManifest:
     """Rank ``rank``'s part: by default one 10-byte file ``r<rank>.bin`` in one chunk of its own."""
     if files is None:
         files = (blob(f"r{rank}.bin", 10, 0, codec="full" if keyframe else "sparse"),)
     if chunks is None:
         chunks = (ChunkRef(H[10 + rank], 10),)
     stats = {"changed": rank, "elements": 10, "uploaded_bytes": 10} if stats is None else stats
-    return PartManifest(version, parent, world, rank, keyframe, 0 if keyframe else chain, tuple(files), tuple(chunks),
-                        created, {"level": 3}, stats)
+    return PartManifest(
+        version,
+        parent,
+        world,
+        rank,
+        keyframe,
+        0 if keyframe else chain,
+        tuple(files),
+        tuple(chunks),
+        created,
+        {"level": 3},
+        stats,
+    )
 
 
 def head(version: int = 4, chain: int = 1) -> Manifest:
@@ -59,8 +80,12 @@ def test_part_keys_round_trip_and_sort_by_rank():
     assert part_key(7, 3, 64) == "parts/00000000000000000007/00003-of-00064.json"
     assert part_key(7, 3, 64).startswith(parts_prefix(7))
     assert parse_part_key(part_key(10**18, 99998, 99999)) == (10**18, 99998, 99999)
-    for bad in ("parts/7/3-of-64.json", "versions/00000000000000000007.json", "parts/00000000000000000007/00003-of-00064",
-                "parts/00000000000000000007/00003-of-00064.json.tmp"):
+    for bad in (
+        "parts/7/3-of-64.json",
+        "versions/00000000000000000007.json",
+        "parts/00000000000000000007/00003-of-00064",
+        "parts/00000000000000000007/00003-of-00064.json.tmp",
+    ):
         assert parse_part_key(bad) is None
     keys = [part_key(1, r, 12) for r in (11, 2, 0, 10)]
     assert sorted(keys) == [part_key(1, r, 12) for r in (0, 2, 10, 11)]
@@ -75,23 +100,26 @@ def test_part_json_round_trip():
     assert doc["files"][0]["segments"][0]["payload"]["parts"] == [[0, 0, 10]]
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda d: d.update(rank=3), "rank"),
-    (lambda d: d.update(rank=-1), "rank"),
-    (lambda d: d.update(world=0), "world"),
-    (lambda d: d.update(world=100000), "world"),
-    (lambda d: d.update(world="3"), "world"),
-    (lambda d: d.pop("rank"), "rank"),
-    (lambda d: d.update(parent=5), "parent"),
-    (lambda d: d.update(keyframe=True), "keyframe holds only full"),
-    (lambda d: d.update(chain_length=0), "chain_length"),
-    (lambda d: d["files"][0]["segments"][0]["payload"].update(parts=[[1, 0, 10]]), "outside its chunk"),
-    (lambda d: d["files"][0]["segments"][0]["payload"].update(parts=[[0, 5, 10]]), "outside its chunk"),
-    (lambda d: d["files"][0].update(path="../x"), "unsafe"),
-    (lambda d: d["files"].append(dict(d["files"][0])), "duplicate file paths"),
-    (lambda d: d.update(format="weightsync.manifest"), "not a weightsync part"),
-    (lambda d: d.update(format_version=2), "not a weightsync part"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda d: d.update(rank=3), "rank"),
+        (lambda d: d.update(rank=-1), "rank"),
+        (lambda d: d.update(world=0), "world"),
+        (lambda d: d.update(world=100000), "world"),
+        (lambda d: d.update(world="3"), "world"),
+        (lambda d: d.pop("rank"), "rank"),
+        (lambda d: d.update(parent=5), "parent"),
+        (lambda d: d.update(keyframe=True), "keyframe holds only full"),
+        (lambda d: d.update(chain_length=0), "chain_length"),
+        (lambda d: d["files"][0]["segments"][0]["payload"].update(parts=[[1, 0, 10]]), "outside its chunk"),
+        (lambda d: d["files"][0]["segments"][0]["payload"].update(parts=[[0, 5, 10]]), "outside its chunk"),
+        (lambda d: d["files"][0].update(path="../x"), "unsafe"),
+        (lambda d: d["files"].append(dict(d["files"][0])), "duplicate file paths"),
+        (lambda d: d.update(format="weightsync.manifest"), "not a weightsync part"),
+        (lambda d: d.update(format_version=2), "not a weightsync part"),
+    ],
+)
 def test_part_validation_rejects(edit, message):
     doc = json.loads(part_to_json(part(1)))
     edit(doc)
@@ -126,10 +154,16 @@ def test_same_part_ignores_created_and_stats_only():
 # --- the owner rule ----------------------------------------------------------------------------------
 def test_assign_files_round_robin_shards_and_the_rest_to_rank_0():
     paths = ["tokenizer/tok.json", "config.json", "model.safetensors.index.json"] + [
-        f"model-{k:05d}-of-00006.safetensors" for k in range(6, 0, -1)]
+        f"model-{k:05d}-of-00006.safetensors" for k in range(6, 0, -1)
+    ]
     split = [assign_files(paths, r, 4) for r in range(4)]
-    assert split[0] == ["config.json", "model-00001-of-00006.safetensors", "model-00005-of-00006.safetensors",
-                        "model.safetensors.index.json", "tokenizer/tok.json"]
+    assert split[0] == [
+        "config.json",
+        "model-00001-of-00006.safetensors",
+        "model-00005-of-00006.safetensors",
+        "model.safetensors.index.json",
+        "tokenizer/tok.json",
+    ]
     assert split[1] == ["model-00002-of-00006.safetensors", "model-00006-of-00006.safetensors"]
     assert split[3] == ["model-00004-of-00006.safetensors"]
     assert sorted(p for s in split for p in s) == sorted(paths)  # each file exactly once
@@ -145,8 +179,12 @@ def test_assign_files_round_robin_shards_and_the_rest_to_rank_0():
 def test_merge_renumbers_chunks_sorts_files_and_sums_stats():
     parts = [
         part(2, files=(blob("c.bin", 10, 0),), created="2026-01-01T00:00:03+00:00"),
-        part(0, files=(blob("b.bin", 6, 1), blob("a/z.bin", 4, 0, offset=3)),
-             chunks=(ChunkRef(H[20], 7), ChunkRef(H[21], 6)), created="2026-01-01T00:00:09+00:00"),
+        part(
+            0,
+            files=(blob("b.bin", 6, 1), blob("a/z.bin", 4, 0, offset=3)),
+            chunks=(ChunkRef(H[20], 7), ChunkRef(H[21], 6)),
+            created="2026-01-01T00:00:09+00:00",
+        ),
         part(1, files=(), chunks=(), stats={"changed": 5, "elements": 1}),
     ]
     m = merge_parts(parts, head())
@@ -172,8 +210,10 @@ def test_merge_lists_a_chunk_stored_by_two_ranks_once_and_keeps_keyframe_deltas(
         s = replace(s, delta=Delta("sparse", 1, Payload(3, H[60], (Piece(0, offset, 3),))))
         return replace(f, segments=(s,))
 
-    parts = [part(r, world=2, keyframe=True, files=(kf_blob(f"f{r}", 3 * r),), chunks=(shared, ChunkRef(H[40 + r], 10)))
-             for r in range(2)]
+    parts = [
+        part(r, world=2, keyframe=True, files=(kf_blob(f"f{r}", 3 * r),), chunks=(shared, ChunkRef(H[40 + r], 10)))
+        for r in range(2)
+    ]
     m = merge_parts(parts, head())
     assert m.chunks == (shared, ChunkRef(H[40], 10), ChunkRef(H[41], 10))
     assert m.files[1].segments[0].payload.parts == (Piece(2, 0, 10),)
@@ -189,25 +229,30 @@ def test_merge_of_the_first_version_on_an_empty_store():
         merge_parts(parts, head(0, chain=0))
 
 
-@pytest.mark.parametrize("parts, message", [
-    ([part(0), part(1)], r"missing \[2\]"),
-    ([part(0), part(1), part(1)], r"missing \[2\], repeated \[1\]"),
-    ([part(0), part(1), part(2), part(2)], r"repeated \[2\]"),
-    ([part(0), part(1), part(2), part(3, world=3)], "expected ranks 0..2"),
-    ([part(0), part(1), part(2, world=4)], "disagree on world"),
-    ([part(0), part(1), part(2, version=6)], "disagree on version"),
-    ([part(0), part(1), part(2, parent=3, chain=1)], "disagree on"),
-    ([part(0), part(1, parent=3), part(2)], "disagree on parent"),
-    ([part(0), part(1, keyframe=True), part(2)], "disagree on keyframe"),
-    ([part(0), part(1, chain=3), part(2)], "disagree on chain_length"),
-    ([part(r, parent=3) for r in range(3)], "built on version 3 but the head is 4: a stale parent"),
-    ([part(r, chain=5) for r in range(3)], "chain length 5 does not follow"),
-    ([part(r, version=4) for r in range(3)], "stale parent|not after the head"),
-    ([part(0, files=(blob("x.bin", 10, 0),)), part(1), part(2, files=(blob("x.bin", 10, 0),))],
-     "'x.bin' is in the parts of ranks 0 and 2"),
-    ([part(0, files=(blob("d", 10, 0),)), part(1, files=(blob("d/e", 10, 0),)), part(2)], "lies under file 'd'"),
-    ([], "no parts"),
-])
+@pytest.mark.parametrize(
+    "parts, message",
+    [
+        ([part(0), part(1)], r"missing \[2\]"),
+        ([part(0), part(1), part(1)], r"missing \[2\], repeated \[1\]"),
+        ([part(0), part(1), part(2), part(2)], r"repeated \[2\]"),
+        ([part(0), part(1), part(2), part(3, world=3)], "expected ranks 0..2"),
+        ([part(0), part(1), part(2, world=4)], "disagree on world"),
+        ([part(0), part(1), part(2, version=6)], "disagree on version"),
+        ([part(0), part(1), part(2, parent=3, chain=1)], "disagree on"),
+        ([part(0), part(1, parent=3), part(2)], "disagree on parent"),
+        ([part(0), part(1, keyframe=True), part(2)], "disagree on keyframe"),
+        ([part(0), part(1, chain=3), part(2)], "disagree on chain_length"),
+        ([part(r, parent=3) for r in range(3)], "built on version 3 but the head is 4: a stale parent"),
+        ([part(r, chain=5) for r in range(3)], "chain length 5 does not follow"),
+        ([part(r, version=4) for r in range(3)], "stale parent|not after the head"),
+        (
+            [part(0, files=(blob("x.bin", 10, 0),)), part(1), part(2, files=(blob("x.bin", 10, 0),))],
+            "'x.bin' is in the parts of ranks 0 and 2",
+        ),
+        ([part(0, files=(blob("d", 10, 0),)), part(1, files=(blob("d/e", 10, 0),)), part(2)], "lies under file 'd'"),
+        ([], "no parts"),
+    ],
+)
 def test_merge_refuses(parts, message):
     with pytest.raises(VersionError, match=message):
         merge_parts(parts, head())
@@ -226,11 +271,16 @@ def test_merge_refuses_a_parent_that_is_not_the_head_in_both_directions():
 
 def test_merge_refuses_to_drop_a_file_of_the_head_unless_allowed():
     """A rank's --files list that came up short would commit a checkpoint without that file."""
-    parent = replace(head(), files=(blob("r0.bin", 10, 0), blob("r1.bin", 10, 0), blob("r2.bin", 10, 0),
-                                    blob("tokenizer.json", 10, 0)))
+    parent = replace(
+        head(),
+        files=(blob("r0.bin", 10, 0), blob("r1.bin", 10, 0), blob("r2.bin", 10, 0), blob("tokenizer.json", 10, 0)),
+    )
     parts = [part(r) for r in range(3)]
-    with pytest.raises(VersionError, match="no rank published tokenizer.json of version 4; nothing committed. "
-                                           "Parts are create-only: publish every rank again as version 6"):
+    with pytest.raises(
+        VersionError,
+        match="no rank published tokenizer.json of version 4; nothing committed. "
+        "Parts are create-only: publish every rank again as version 6",
+    ):
         merge_parts(parts, parent)
     assert [f.path for f in merge_parts(parts, parent, allow_removed=True).files] == ["r0.bin", "r1.bin", "r2.bin"]
     merge_parts(parts, replace(parent, files=parent.files[:3]))  # every file there: fine

@@ -76,8 +76,9 @@ def test_a_failure_yields_the_items_before_it_then_raises(batch):
     fn = Tracker(fail_at=7)
     got = []
     with pytest.raises(ValueError, match="item 7"):
-        for item, result in ordered_map(fn, range(20), lambda i: 1, budget=4 if batch == 0 else 1000, threads=2,
-                                        batch=batch):
+        for item, result in ordered_map(
+            fn, range(20), lambda i: 1, budget=4 if batch == 0 else 1000, threads=2, batch=batch
+        ):
             got.append(item)
     assert got == list(range(7))
     if batch:  # the whole input was one run: nothing after the failure ran

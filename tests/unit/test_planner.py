@@ -24,8 +24,14 @@ def hx(tag: str) -> str:
     return xxhash.xxh3_128_hexdigest(tag.encode())
 
 
-def manifest(version: int, parent: int | None, files: dict[str, list[tuple]], keyframe: bool | None = None,
-             chain_length: int = 0, validate: bool = True) -> Manifest:
+def manifest(
+    version: int,
+    parent: int | None,
+    files: dict[str, list[tuple]],
+    keyframe: bool | None = None,
+    chain_length: int = 0,
+    validate: bool = True,
+) -> Manifest:
     """A manifest from segment specs ``(name, nbytes, codec, payload_size, content[, (delta codec, size)])``.
 
     ``content`` names the bytes (equal content, equal checksum). Every payload gets a chunk of its
@@ -61,26 +67,94 @@ A, B = "a.safetensors", "b.safetensors"
 # Chain 1, keyframe V0 then deltas V1..V3. w changes every version; s never changes; r is reshaped
 # (re-encoded in full) at V2; n appears at V2; file B appears at V3.
 V0 = manifest(0, None, {A: [("w", 100, "full", 50, "w0"), ("s", 40, "full", 20, "s0"), ("r", 100, "full", 40, "r0")]})
-V1 = manifest(1, 0, {A: [("w", 100, "sparse", 5, "w1"), ("s", 40, "same", 0, "s0"), ("r", 100, "dense", 3, "r1")]}, chain_length=1)
-V2 = manifest(2, 1, {A: [("w", 100, "sparse", 6, "w2"), ("s", 40, "same", 0, "s0"), ("r", 50, "full", 30, "r2"),
-                         ("n", 10, "full", 8, "n2")]}, chain_length=2)
-V3 = manifest(3, 2, {A: [("w", 100, "dense", 7, "w3"), ("s", 40, "same", 0, "s0"), ("r", 50, "sparse", 4, "r3"),
-                         ("n", 10, "sparse", 2, "n3")],
-                     B: [("x", 16, "full", 9, "x3")]}, chain_length=3)
+V1 = manifest(
+    1, 0, {A: [("w", 100, "sparse", 5, "w1"), ("s", 40, "same", 0, "s0"), ("r", 100, "dense", 3, "r1")]}, chain_length=1
+)
+V2 = manifest(
+    2,
+    1,
+    {
+        A: [
+            ("w", 100, "sparse", 6, "w2"),
+            ("s", 40, "same", 0, "s0"),
+            ("r", 50, "full", 30, "r2"),
+            ("n", 10, "full", 8, "n2"),
+        ]
+    },
+    chain_length=2,
+)
+V3 = manifest(
+    3,
+    2,
+    {
+        A: [
+            ("w", 100, "dense", 7, "w3"),
+            ("s", 40, "same", 0, "s0"),
+            ("r", 50, "sparse", 4, "r3"),
+            ("n", 10, "sparse", 2, "n3"),
+        ],
+        B: [("x", 16, "full", 9, "x3")],
+    },
+    chain_length=3,
+)
 VS = {m.version: m for m in (V0, V1, V2, V3)}
 
 # Chain 2, keyframes carrying deltas from their parents: K0 key, K1 delta, K2 keyframe (parent K1)
 # with deltas, K3 delta. u's keyframe delta is 'same'; big's keyframe delta is dearer than its full
 # encoding; fresh is new at K2 (no delta).
-K0 = manifest(10, None, {A: [("w", 100, "full", 50, "w0"), ("s", 40, "full", 20, "s0"), ("u", 30, "full", 15, "u0"),
-                             ("big", 64, "full", 30, "b0")]})
-K1 = manifest(11, 10, {A: [("w", 100, "sparse", 5, "w1"), ("s", 40, "same", 0, "s0"), ("u", 30, "sparse", 4, "u1"),
-                           ("big", 64, "dense", 60, "b1")]}, chain_length=1)
-K2 = manifest(12, 11, {A: [("w", 100, "full", 50, "w2", ("sparse", 6)), ("s", 40, "full", 20, "s0", ("same", 0)),
-                           ("u", 30, "full", 15, "u1", ("same", 0)), ("big", 64, "full", 30, "b2", ("dense", 80)),
-                           ("fresh", 8, "full", 7, "f2")]}, keyframe=True)
-K3 = manifest(13, 12, {A: [("w", 100, "sparse", 7, "w3"), ("s", 40, "same", 0, "s0"), ("u", 30, "sparse", 2, "u3"),
-                           ("big", 64, "sparse", 3, "b3"), ("fresh", 8, "sparse", 1, "f3")]}, chain_length=1)
+K0 = manifest(
+    10,
+    None,
+    {
+        A: [
+            ("w", 100, "full", 50, "w0"),
+            ("s", 40, "full", 20, "s0"),
+            ("u", 30, "full", 15, "u0"),
+            ("big", 64, "full", 30, "b0"),
+        ]
+    },
+)
+K1 = manifest(
+    11,
+    10,
+    {
+        A: [
+            ("w", 100, "sparse", 5, "w1"),
+            ("s", 40, "same", 0, "s0"),
+            ("u", 30, "sparse", 4, "u1"),
+            ("big", 64, "dense", 60, "b1"),
+        ]
+    },
+    chain_length=1,
+)
+K2 = manifest(
+    12,
+    11,
+    {
+        A: [
+            ("w", 100, "full", 50, "w2", ("sparse", 6)),
+            ("s", 40, "full", 20, "s0", ("same", 0)),
+            ("u", 30, "full", 15, "u1", ("same", 0)),
+            ("big", 64, "full", 30, "b2", ("dense", 80)),
+            ("fresh", 8, "full", 7, "f2"),
+        ]
+    },
+    keyframe=True,
+)
+K3 = manifest(
+    13,
+    12,
+    {
+        A: [
+            ("w", 100, "sparse", 7, "w3"),
+            ("s", 40, "same", 0, "s0"),
+            ("u", 30, "sparse", 2, "u3"),
+            ("big", 64, "sparse", 3, "b3"),
+            ("fresh", 8, "sparse", 1, "f3"),
+        ]
+    },
+    chain_length=1,
+)
 KS = {m.version: m for m in (K0, K1, K2, K3)}
 ALL = {**VS, **KS}
 
@@ -101,87 +175,143 @@ def describe(plan) -> dict[tuple[str, str], tuple]:
 
 PLAN_CASES = {
     # chain versions, local version, expected recipes
-    "fresh pull of the keyframe": ([0], None, {
-        (A, "w"): ("fresh", ((0, "full", 50),)),
-        (A, "s"): ("fresh", ((0, "full", 20),)),
-        (A, "r"): ("fresh", ((0, "full", 40),)),
-    }),
-    "fresh pull of the head": ([0, 1, 2, 3], None, {
-        (A, "w"): ("fresh", ((0, "full", 50), (1, "sparse", 5), (2, "sparse", 6), (3, "dense", 7))),
-        (A, "s"): ("fresh", ((0, "full", 20),)),  # 'same' segments cost nothing
-        (A, "r"): ("fresh", ((2, "full", 30), (3, "sparse", 4))),  # shape changed: full encoding mid-chain
-        (A, "n"): ("fresh", ((2, "full", 8), (3, "sparse", 2))),
-        (B, "x"): ("fresh", ((3, "full", 9),)),
-    }),
-    "local keyframe, target head": ([0, 1, 2, 3], 0, {
-        (A, "w"): ("local", ((1, "sparse", 5), (2, "sparse", 6), (3, "dense", 7))),
-        (A, "s"): ("copy", ()),
-        (A, "r"): ("fresh", ((2, "full", 30), (3, "sparse", 4))),  # reshaped after the local version
-        (A, "n"): ("fresh", ((2, "full", 8), (3, "sparse", 2))),
-        (B, "x"): ("fresh", ((3, "full", 9),)),
-    }),
-    "local on the chain": ([0, 1, 2, 3], 1, {
-        (A, "w"): ("local", ((2, "sparse", 6), (3, "dense", 7))),
-        (A, "s"): ("copy", ()),
-        (A, "r"): ("fresh", ((2, "full", 30), (3, "sparse", 4))),
-        (A, "n"): ("fresh", ((2, "full", 8), (3, "sparse", 2))),
-        (B, "x"): ("fresh", ((3, "full", 9),)),
-    }),
-    "local one behind": ([0, 1, 2, 3], 2, {
-        (A, "w"): ("local", ((3, "dense", 7),)),
-        (A, "s"): ("copy", ()),
-        (A, "r"): ("local", ((3, "sparse", 4),)),
-        (A, "n"): ("local", ((3, "sparse", 2),)),
-        (B, "x"): ("fresh", ((3, "full", 9),)),
-    }),
-    "local equals target": ([0, 1, 2, 3], 3, {
-        (A, "w"): ("copy", ()), (A, "s"): ("copy", ()), (A, "r"): ("copy", ()), (A, "n"): ("copy", ()), (B, "x"): ("copy", ()),
-    }),
-    "rollback": ([0, 1], 3, {
-        (A, "w"): ("fresh", ((0, "full", 50), (1, "sparse", 5))),
-        (A, "s"): ("copy", ()),  # identical bytes in the newer local version
-        (A, "r"): ("fresh", ((0, "full", 40), (1, "dense", 3))),  # other size locally
-    }),
-    "rollback to the keyframe": ([0], 2, {
-        (A, "w"): ("fresh", ((0, "full", 50),)),
-        (A, "s"): ("copy", ()),
-        (A, "r"): ("fresh", ((0, "full", 40),)),
-    }),
-    "keyframe: fresh pull": ([12, 13], None, {
-        (A, "w"): ("fresh", ((12, "full", 50), (13, "sparse", 7))),
-        (A, "s"): ("fresh", ((12, "full", 20),)),
-        (A, "u"): ("fresh", ((12, "full", 15), (13, "sparse", 2))),
-        (A, "big"): ("fresh", ((12, "full", 30), (13, "sparse", 3))),
-        (A, "fresh"): ("fresh", ((12, "full", 7), (13, "sparse", 1))),
-    }),
-    "keyframe: local is its parent": ([11, 12], 11, {
-        (A, "w"): ("local", ((12, "sparse", 6),)),  # the keyframe's delta, not its full payload
-        (A, "s"): ("copy", ()),
-        (A, "u"): ("copy", ()),
-        (A, "big"): ("fresh", ((12, "full", 30),)),  # its delta (80) costs more than the full encoding
-        (A, "fresh"): ("fresh", ((12, "full", 7),)),
-    }),
-    "keyframe: local behind it, target after it": ([11, 12, 13], 11, {
-        (A, "w"): ("local", ((12, "sparse", 6), (13, "sparse", 7))),
-        (A, "s"): ("copy", ()),
-        (A, "u"): ("local", ((13, "sparse", 2),)),  # 'same' keyframe delta costs nothing
-        (A, "big"): ("fresh", ((12, "full", 30), (13, "sparse", 3))),
-        (A, "fresh"): ("fresh", ((12, "full", 7), (13, "sparse", 1))),
-    }),
-    "keyframe: local two behind it": ([10, 11, 12, 13], 10, {
-        (A, "w"): ("local", ((11, "sparse", 5), (12, "sparse", 6), (13, "sparse", 7))),
-        (A, "s"): ("copy", ()),
-        (A, "u"): ("local", ((11, "sparse", 4), (13, "sparse", 2))),
-        (A, "big"): ("fresh", ((12, "full", 30), (13, "sparse", 3))),
-        (A, "fresh"): ("fresh", ((12, "full", 7), (13, "sparse", 1))),
-    }),
-    "keyframe: local not on the chain": ([12, 13], 11, {  # e.g. the store kept no path back
-        (A, "w"): ("fresh", ((12, "full", 50), (13, "sparse", 7))),
-        (A, "s"): ("copy", ()),
-        (A, "u"): ("fresh", ((12, "full", 15), (13, "sparse", 2))),
-        (A, "big"): ("fresh", ((12, "full", 30), (13, "sparse", 3))),
-        (A, "fresh"): ("fresh", ((12, "full", 7), (13, "sparse", 1))),
-    }),
+    "fresh pull of the keyframe": (
+        [0],
+        None,
+        {
+            (A, "w"): ("fresh", ((0, "full", 50),)),
+            (A, "s"): ("fresh", ((0, "full", 20),)),
+            (A, "r"): ("fresh", ((0, "full", 40),)),
+        },
+    ),
+    "fresh pull of the head": (
+        [0, 1, 2, 3],
+        None,
+        {
+            (A, "w"): ("fresh", ((0, "full", 50), (1, "sparse", 5), (2, "sparse", 6), (3, "dense", 7))),
+            (A, "s"): ("fresh", ((0, "full", 20),)),  # 'same' segments cost nothing
+            (A, "r"): ("fresh", ((2, "full", 30), (3, "sparse", 4))),  # shape changed: full encoding mid-chain
+            (A, "n"): ("fresh", ((2, "full", 8), (3, "sparse", 2))),
+            (B, "x"): ("fresh", ((3, "full", 9),)),
+        },
+    ),
+    "local keyframe, target head": (
+        [0, 1, 2, 3],
+        0,
+        {
+            (A, "w"): ("local", ((1, "sparse", 5), (2, "sparse", 6), (3, "dense", 7))),
+            (A, "s"): ("copy", ()),
+            (A, "r"): ("fresh", ((2, "full", 30), (3, "sparse", 4))),  # reshaped after the local version
+            (A, "n"): ("fresh", ((2, "full", 8), (3, "sparse", 2))),
+            (B, "x"): ("fresh", ((3, "full", 9),)),
+        },
+    ),
+    "local on the chain": (
+        [0, 1, 2, 3],
+        1,
+        {
+            (A, "w"): ("local", ((2, "sparse", 6), (3, "dense", 7))),
+            (A, "s"): ("copy", ()),
+            (A, "r"): ("fresh", ((2, "full", 30), (3, "sparse", 4))),
+            (A, "n"): ("fresh", ((2, "full", 8), (3, "sparse", 2))),
+            (B, "x"): ("fresh", ((3, "full", 9),)),
+        },
+    ),
+    "local one behind": (
+        [0, 1, 2, 3],
+        2,
+        {
+            (A, "w"): ("local", ((3, "dense", 7),)),
+            (A, "s"): ("copy", ()),
+            (A, "r"): ("local", ((3, "sparse", 4),)),
+            (A, "n"): ("local", ((3, "sparse", 2),)),
+            (B, "x"): ("fresh", ((3, "full", 9),)),
+        },
+    ),
+    "local equals target": (
+        [0, 1, 2, 3],
+        3,
+        {
+            (A, "w"): ("copy", ()),
+            (A, "s"): ("copy", ()),
+            (A, "r"): ("copy", ()),
+            (A, "n"): ("copy", ()),
+            (B, "x"): ("copy", ()),
+        },
+    ),
+    "rollback": (
+        [0, 1],
+        3,
+        {
+            (A, "w"): ("fresh", ((0, "full", 50), (1, "sparse", 5))),
+            (A, "s"): ("copy", ()),  # identical bytes in the newer local version
+            (A, "r"): ("fresh", ((0, "full", 40), (1, "dense", 3))),  # other size locally
+        },
+    ),
+    "rollback to the keyframe": (
+        [0],
+        2,
+        {
+            (A, "w"): ("fresh", ((0, "full", 50),)),
+            (A, "s"): ("copy", ()),
+            (A, "r"): ("fresh", ((0, "full", 40),)),
+        },
+    ),
+    "keyframe: fresh pull": (
+        [12, 13],
+        None,
+        {
+            (A, "w"): ("fresh", ((12, "full", 50), (13, "sparse", 7))),
+            (A, "s"): ("fresh", ((12, "full", 20),)),
+            (A, "u"): ("fresh", ((12, "full", 15), (13, "sparse", 2))),
+            (A, "big"): ("fresh", ((12, "full", 30), (13, "sparse", 3))),
+            (A, "fresh"): ("fresh", ((12, "full", 7), (13, "sparse", 1))),
+        },
+    ),
+    "keyframe: local is its parent": (
+        [11, 12],
+        11,
+        {
+            (A, "w"): ("local", ((12, "sparse", 6),)),  # the keyframe's delta, not its full payload
+            (A, "s"): ("copy", ()),
+            (A, "u"): ("copy", ()),
+            (A, "big"): ("fresh", ((12, "full", 30),)),  # its delta (80) costs more than the full encoding
+            (A, "fresh"): ("fresh", ((12, "full", 7),)),
+        },
+    ),
+    "keyframe: local behind it, target after it": (
+        [11, 12, 13],
+        11,
+        {
+            (A, "w"): ("local", ((12, "sparse", 6), (13, "sparse", 7))),
+            (A, "s"): ("copy", ()),
+            (A, "u"): ("local", ((13, "sparse", 2),)),  # 'same' keyframe delta costs nothing
+            (A, "big"): ("fresh", ((12, "full", 30), (13, "sparse", 3))),
+            (A, "fresh"): ("fresh", ((12, "full", 7), (13, "sparse", 1))),
+        },
+    ),
+    "keyframe: local two behind it": (
+        [10, 11, 12, 13],
+        10,
+        {
+            (A, "w"): ("local", ((11, "sparse", 5), (12, "sparse", 6), (13, "sparse", 7))),
+            (A, "s"): ("copy", ()),
+            (A, "u"): ("local", ((11, "sparse", 4), (13, "sparse", 2))),
+            (A, "big"): ("fresh", ((12, "full", 30), (13, "sparse", 3))),
+            (A, "fresh"): ("fresh", ((12, "full", 7), (13, "sparse", 1))),
+        },
+    ),
+    "keyframe: local not on the chain": (
+        [12, 13],
+        11,
+        {  # e.g. the store kept no path back
+            (A, "w"): ("fresh", ((12, "full", 50), (13, "sparse", 7))),
+            (A, "s"): ("copy", ()),
+            (A, "u"): ("fresh", ((12, "full", 15), (13, "sparse", 2))),
+            (A, "big"): ("fresh", ((12, "full", 30), (13, "sparse", 3))),
+            (A, "fresh"): ("fresh", ((12, "full", 7), (13, "sparse", 1))),
+        },
+    ),
 }
 
 
@@ -208,7 +338,9 @@ def test_plan_table(case):
         for r in fp.recipes:
             for s in r.steps:
                 for rng in s.ranges:
-                    assert any(o <= rng.offset and rng.offset + rng.length <= o + n for o, n in needs[rng.chunk.id].ranges)
+                    assert any(
+                        o <= rng.offset and rng.offset + rng.length <= o + n for o, n in needs[rng.chunk.id].ranges
+                    )
     assert plan.payload_bytes == sum(sz for _, steps in expected.values() for _, _, sz in steps)
     assert plan.fetch_bytes == sum(n.fetch_bytes for n in plan.chunks)
 
@@ -224,14 +356,28 @@ def test_steps_point_into_their_own_versions_chunks():
                     enc = seg if seg.codec == step.codec else seg.delta
                     assert step.codec == enc.codec and step.xxh3 == enc.payload.xxh3 and step.size == enc.payload.size
                     assert [(g.chunk, g.offset, g.length) for g in step.ranges] == [
-                        (m.chunks[p.chunk], p.offset, p.length) for p in enc.payload.parts]
+                        (m.chunks[p.chunk], p.offset, p.length) for p in enc.payload.parts
+                    ]
 
 
 def test_shared_chunk_ranges_are_merged():
     shared = ChunkRef(hx("shared"), 1000)
     layout = [(0, 5), (5, 5), (500, 5)]  # a, b adjacent; c far away in the same chunk
-    segs = tuple(Segment("tensor", n, "U8", (10,), 10 * i, 10 * i + 10, hx(n), "full", 0,
-                         Payload(ln, hx("p" + n), (Piece(0, off, ln),))) for i, (n, (off, ln)) in enumerate(zip("abc", layout)))
+    segs = tuple(
+        Segment(
+            "tensor",
+            n,
+            "U8",
+            (10,),
+            10 * i,
+            10 * i + 10,
+            hx(n),
+            "full",
+            0,
+            Payload(ln, hx("p" + n), (Piece(0, off, ln),)),
+        )
+        for i, (n, (off, ln)) in enumerate(zip("abc", layout))
+    )
     m = Manifest(0, None, True, 0, (FileEntry(A, "safetensors", 30, hx("f"), segs),), (shared,))
     assert manifest_from_json(manifest_to_json(m)) == m
     plan = plan_pull([m], None)
@@ -241,29 +387,35 @@ def test_shared_chunk_ranges_are_merged():
     assert need.needed_bytes <= 505 and not need.whole() and plan.fetch_bytes == need.needed_bytes
 
 
-@pytest.mark.parametrize("ranges,gap,expected", [
-    ([], 0, ()),
-    ([(0, 10)], 0, ((0, 10),)),
-    ([(10, 5), (0, 10)], 0, ((0, 15),)),  # adjacent
-    ([(0, 10), (5, 2)], 0, ((0, 10),)),  # contained
-    ([(0, 10), (5, 10)], 0, ((0, 15),)),  # overlapping
-    ([(0, 4), (0, 4)], 0, ((0, 4),)),  # duplicate
-    ([(0, 10), (11, 5)], 0, ((0, 10), (11, 5))),
-    ([(0, 10), (11, 5)], 1, ((0, 16),)),
-    ([(100, 1), (0, 1), (50, 1)], 10, ((0, 1), (50, 1), (100, 1))),
-    ([(100, 1), (0, 1), (50, 1)], 50, ((0, 101),)),
-])
+@pytest.mark.parametrize(
+    "ranges,gap,expected",
+    [
+        ([], 0, ()),
+        ([(0, 10)], 0, ((0, 10),)),
+        ([(10, 5), (0, 10)], 0, ((0, 15),)),  # adjacent
+        ([(0, 10), (5, 2)], 0, ((0, 10),)),  # contained
+        ([(0, 10), (5, 10)], 0, ((0, 15),)),  # overlapping
+        ([(0, 4), (0, 4)], 0, ((0, 4),)),  # duplicate
+        ([(0, 10), (11, 5)], 0, ((0, 10), (11, 5))),
+        ([(0, 10), (11, 5)], 1, ((0, 16),)),
+        ([(100, 1), (0, 1), (50, 1)], 10, ((0, 1), (50, 1), (100, 1))),
+        ([(100, 1), (0, 1), (50, 1)], 50, ((0, 101),)),
+    ],
+)
 def test_merge_ranges(ranges, gap, expected):
     assert merge_ranges(ranges, gap) == expected
 
 
-@pytest.mark.parametrize("size,ranges,whole,fetch", [
-    (100, ((0, 100),), True, 100),
-    (100, ((0, 75),), True, 100),
-    (100, ((0, 74),), False, 74),
-    (100, ((0, 40), (60, 40)), True, 100),
-    (100, ((10, 1),), False, 1),
-])
+@pytest.mark.parametrize(
+    "size,ranges,whole,fetch",
+    [
+        (100, ((0, 100),), True, 100),
+        (100, ((0, 75),), True, 100),
+        (100, ((0, 74),), False, 74),
+        (100, ((0, 40), (60, 40)), True, 100),
+        (100, ((10, 1),), False, 1),
+    ],
+)
 def test_chunk_need_fetches_whole_chunks_when_mostly_needed(size, ranges, whole, fetch):
     need = ChunkNeed(ChunkRef(hx("c"), size), ranges)
     assert need.whole() is whole and need.fetch_bytes == fetch
@@ -291,11 +443,14 @@ def test_local_bytes_win_when_deltas_since_local_exceed_the_full_encoding():
     assert describe(plan_pull([v0, v1, v2], v0)) == {(A, "w"): ("local", ((1, "sparse", 500), (2, "dense", 90)))}
 
 
-@pytest.mark.parametrize("delta_size,expected", [
-    (29, ("local", ((1, "dense", 29),))),
-    (30, ("local", ((1, "dense", 30),))),  # ties go to local bytes
-    (31, ("fresh", ((1, "full", 30),))),
-])
+@pytest.mark.parametrize(
+    "delta_size,expected",
+    [
+        (29, ("local", ((1, "dense", 29),))),
+        (30, ("local", ((1, "dense", 30),))),  # ties go to local bytes
+        (31, ("fresh", ((1, "full", 30),))),
+    ],
+)
 def test_keyframe_delta_versus_full_encoding(delta_size, expected):
     v0 = manifest(0, None, {A: [("w", 100, "full", 10, "w0")]})
     v1 = manifest(1, 0, {A: [("w", 100, "full", 30, "w1", ("dense", delta_size))]}, keyframe=True)
@@ -343,16 +498,30 @@ def test_chain_may_start_at_the_local_version():
     assert describe(plan_pull([V1, V2], V1))[(A, "w")] == ("local", ((2, "sparse", 6),))
 
 
-@pytest.mark.parametrize("chain", [[V0, V2], [V0, V1, V3], [V0, V0], [V0, V2, V1], [K0, K2], [V0, V1, K2]],
-                         ids=["skip", "skip-late", "repeat", "reorder", "skip-to-keyframe", "other-lineage"])
+@pytest.mark.parametrize(
+    "chain",
+    [[V0, V2], [V0, V1, V3], [V0, V0], [V0, V2, V1], [K0, K2], [V0, V1, K2]],
+    ids=["skip", "skip-late", "repeat", "reorder", "skip-to-keyframe", "other-lineage"],
+)
 def test_broken_parent_links_are_rejected(chain):
     with pytest.raises(FormatError):
         plan_pull(chain, None)
 
 
 def test_delta_without_base_is_rejected():
-    v1 = manifest(1, 0, {A: [("w", 100, "sparse", 5, "w1"), ("s", 40, "same", 0, "s0"), ("r", 100, "sparse", 3, "r1"),
-                             ("ghost", 8, "sparse", 2, "g1")]}, chain_length=1)
+    v1 = manifest(
+        1,
+        0,
+        {
+            A: [
+                ("w", 100, "sparse", 5, "w1"),
+                ("s", 40, "same", 0, "s0"),
+                ("r", 100, "sparse", 3, "r1"),
+                ("ghost", 8, "sparse", 2, "g1"),
+            ]
+        },
+        chain_length=1,
+    )
     with pytest.raises(FormatError, match="without a base"):
         plan_pull([V0, v1], None)
 

@@ -116,9 +116,7 @@ def rec():
 
 
 def retrying(faulty, rec, **policy) -> RetryingStore:
-    return RetryingStore(
-        faulty, RetryPolicy(**policy), on_retry=rec.on_retry, sleep=rec.sleep, rng=random.Random(1)
-    )
+    return RetryingStore(faulty, RetryPolicy(**policy), on_retry=rec.on_retry, sleep=rec.sleep, rng=random.Random(1))
 
 
 def test_transient_failures_are_retried(faulty, rec):
@@ -206,10 +204,7 @@ def test_final_error_names_key_attempts_and_cause(faulty, rec):
     assert type(err) is StoreError
     assert err.key == "k" and err.attempts == 3 and not is_retryable(err)
     assert err.__cause__ is faulty.raised[-1]
-    assert (
-        str(err)
-        == "memory://retry-test: GET k: gave up after 3 attempts; last: get k: injected before #3"
-    )
+    assert str(err) == "memory://retry-test: GET k: gave up after 3 attempts; last: get k: injected before #3"
     assert "\n" not in str(err)
     assert faulty.calls["get"] == 3 and len(rec.sleeps) == 2 and len(rec.retries) == 2
 

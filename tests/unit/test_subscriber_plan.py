@@ -83,7 +83,9 @@ PLAN_PUBLISH = [
 ]
 
 
-@pytest.mark.parametrize("cands,head,failed,kind,expect,base,skipped", [c[1:] for c in PLAN_PUBLISH], ids=[c[0] for c in PLAN_PUBLISH])
+@pytest.mark.parametrize(
+    "cands,head,failed,kind,expect,base,skipped", [c[1:] for c in PLAN_PUBLISH], ids=[c[0] for c in PLAN_PUBLISH]
+)
 def test_plan_publish(cands, head, failed, kind, expect, base, skipped):
     step, retry_at = failed or (None, 0.0)
     action = plan_publish(cands, head, NOW, 3600.0, step, retry_at)
@@ -96,10 +98,20 @@ def test_plan_publish(cands, head, failed, kind, expect, base, skipped):
         assert expect in action.reason
 
 
-@pytest.mark.parametrize("name,step", [
-    ("checkpoint-120", 120), ("step_000120", 120), ("120", 120), ("global_step7", 7), ("ckpt", None),
-    ("checkpoint-120.tmp", None), (".checkpoint-3", None), ("run2-step-0", 0), ("", None),
-])
+@pytest.mark.parametrize(
+    "name,step",
+    [
+        ("checkpoint-120", 120),
+        ("step_000120", 120),
+        ("120", 120),
+        ("global_step7", 7),
+        ("ckpt", None),
+        ("checkpoint-120.tmp", None),
+        (".checkpoint-3", None),
+        ("run2-step-0", 0),
+        ("", None),
+    ],
+)
 def test_parse_step(name, step):
     assert parse_step(name) == step
 
@@ -120,15 +132,44 @@ def test_fleet_view_lag_and_staleness():
     assert all(r.lag is None and r.staleness_seconds is None for r in fleet_view(recs, None, superseded.get, NOW))
 
 
-@pytest.mark.parametrize("doc,ok", [
-    ({"id": "a", "region": "", "cluster": "", "current_version": 3, "target": "latest", "state": "x", "updated": 1.5}, True),
-    ({"id": "a", "region": "", "cluster": "", "current_version": None, "target": 4, "state": "x", "updated": 1}, True),
-    ({"id": "a", "region": "", "cluster": "", "current_version": -1, "target": 4, "state": "x", "updated": 1}, False),
-    ({"id": "a", "region": "", "cluster": "", "current_version": 1, "target": "4", "state": "x", "updated": 1}, False),
-    ({"id": 5, "region": "", "cluster": "", "current_version": 1, "target": 4, "state": "x", "updated": 1}, False),
-    ({"id": "a", "region": "", "cluster": "", "current_version": True, "target": 4, "state": "x", "updated": 1}, False),
-    ({"id": "a", "region": "", "cluster": "", "current_version": 1, "target": 4, "state": "x", "updated": "now"}, False),
-])
+@pytest.mark.parametrize(
+    "doc,ok",
+    [
+        (
+            {
+                "id": "a",
+                "region": "",
+                "cluster": "",
+                "current_version": 3,
+                "target": "latest",
+                "state": "x",
+                "updated": 1.5,
+            },
+            True,
+        ),
+        (
+            {"id": "a", "region": "", "cluster": "", "current_version": None, "target": 4, "state": "x", "updated": 1},
+            True,
+        ),
+        (
+            {"id": "a", "region": "", "cluster": "", "current_version": -1, "target": 4, "state": "x", "updated": 1},
+            False,
+        ),
+        (
+            {"id": "a", "region": "", "cluster": "", "current_version": 1, "target": "4", "state": "x", "updated": 1},
+            False,
+        ),
+        ({"id": 5, "region": "", "cluster": "", "current_version": 1, "target": 4, "state": "x", "updated": 1}, False),
+        (
+            {"id": "a", "region": "", "cluster": "", "current_version": True, "target": 4, "state": "x", "updated": 1},
+            False,
+        ),
+        (
+            {"id": "a", "region": "", "cluster": "", "current_version": 1, "target": 4, "state": "x", "updated": "now"},
+            False,
+        ),
+    ],
+)
 def test_fleet_records_are_validated(doc, ok):
     data = json.dumps({"format": "weightsync.fleet", **doc}).encode()
     if ok:
@@ -139,13 +180,21 @@ def test_fleet_records_are_validated(doc, ok):
             record_from_json(data, "r")
 
 
-_RECORD = b'{"format": "weightsync.fleet", "id": "a", "region": "", "cluster": "", "target": 4, "state": "x", "updated": 1, '
+_RECORD = (
+    b'{"format": "weightsync.fleet", "id": "a", "region": "", "cluster": "", "target": 4, "state": "x", "updated": 1, '
+)
 
 
-@pytest.mark.parametrize("data", [b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 100_000 + b"1" + b"}" * 100_000,
-                                  _RECORD + b'"current_version": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
-                                  _RECORD + b'"current_version": [' + b"[0]," * 100_000 + b"0]}"],
-                         ids=["deep array", "deep object", "deep version", "huge version"])
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"[" * 100_000 + b"]" * 100_000,
+        b'{"a":' * 100_000 + b"1" + b"}" * 100_000,
+        _RECORD + b'"current_version": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        _RECORD + b'"current_version": [' + b"[0]," * 100_000 + b"0]}",
+    ],
+    ids=["deep array", "deep object", "deep version", "huge version"],
+)
 def test_deep_or_huge_fleet_records_are_a_short_format_error(data):
     """A hostile store's fleet record: a one-line FormatError, not a RecursionError or a megabyte message."""
     with pytest.raises(FormatError, match="^r: ") as err:
@@ -154,27 +203,42 @@ def test_deep_or_huge_fleet_records_are_a_short_format_error(data):
 
 
 def test_hook_templates_escape_paths_in_json():
-    body = render('{"version": {version}, "path": "{path}", "link": "{current}"}', 12, '/m/"a"\\b', "/m/current", json_strings=True)
+    body = render(
+        '{"version": {version}, "path": "{path}", "link": "{current}"}',
+        12,
+        '/m/"a"\\b',
+        "/m/current",
+        json_strings=True,
+    )
     assert json.loads(body) == {"version": 12, "path": '/m/"a"\\b', "link": "/m/current"}
     assert render("--v={version} {path}", 3, "/x y", "/c", json_strings=False) == "--v=3 /x y"
 
 
-@pytest.mark.parametrize("include,exclude,name,ok", [
-    ((), (), "anything", True),
-    (("model.layers.*.mlp.experts.3.*",), (), "model.layers.0.mlp.experts.3.up_proj.weight", True),
-    (("model.layers.*.mlp.experts.3.*",), (), "model.layers.0.mlp.experts.13.up_proj.weight", False),
-    (("*",), ("*.down_proj.*",), "model.layers.1.mlp.experts.0.down_proj.weight", False),
-    ((), ("lm_head.*",), "lm_head.weight", False),
-    (("Model.*",), (), "model.norm.weight", False),  # case-sensitive
-])
+@pytest.mark.parametrize(
+    "include,exclude,name,ok",
+    [
+        ((), (), "anything", True),
+        (("model.layers.*.mlp.experts.3.*",), (), "model.layers.0.mlp.experts.3.up_proj.weight", True),
+        (("model.layers.*.mlp.experts.3.*",), (), "model.layers.0.mlp.experts.13.up_proj.weight", False),
+        (("*",), ("*.down_proj.*",), "model.layers.1.mlp.experts.0.down_proj.weight", False),
+        ((), ("lm_head.*",), "lm_head.weight", False),
+        (("Model.*",), (), "model.norm.weight", False),  # case-sensitive
+    ],
+)
 def test_selection(include, exclude, name, ok):
     assert Selection(include, exclude).matches(name) is ok
 
 
-@pytest.mark.parametrize("text,expect", [
-    ("8080", ("127.0.0.1", 8080)), (":9000", ("127.0.0.1", 9000)), ("0.0.0.0:1", ("0.0.0.0", 1)),
-    ("[::1]:7000", ("::1", 7000)), ("localhost:0", ("localhost", 0)),
-])
+@pytest.mark.parametrize(
+    "text,expect",
+    [
+        ("8080", ("127.0.0.1", 8080)),
+        (":9000", ("127.0.0.1", 9000)),
+        ("0.0.0.0:1", ("0.0.0.0", 1)),
+        ("[::1]:7000", ("::1", 7000)),
+        ("localhost:0", ("localhost", 0)),
+    ],
+)
 def test_parse_listen(text, expect):
     assert parse_listen(text) == expect
 
@@ -201,28 +265,46 @@ def test_subscriber_version_flag(tmp_path, argv, pin):
     assert subscriber_config(_subscriber_args(tmp_path, argv), {}).pin == pin
 
 
-@pytest.mark.parametrize("argv,hold", [([], 30.0), (["--standby-hold", "0"], 0.0), (["--standby-hold", "2.5"], 2.5),
-                                       (["--standby-hold", "never"], None)])
+@pytest.mark.parametrize(
+    "argv,hold",
+    [([], 30.0), (["--standby-hold", "0"], 0.0), (["--standby-hold", "2.5"], 2.5), (["--standby-hold", "never"], None)],
+)
 def test_subscriber_standby_hold_flag(tmp_path, argv, hold):
     assert subscriber_config(_subscriber_args(tmp_path, argv), {}).standby_hold == hold
 
 
-@pytest.mark.parametrize("argv", [["--version", "newest"], ["--version", "-1"], ["--standby-hold", "-1"],
-                                  ["--standby-hold", "nan"], ["--standby-hold", "soon"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--version", "newest"],
+        ["--version", "-1"],
+        ["--standby-hold", "-1"],
+        ["--standby-hold", "nan"],
+        ["--standby-hold", "soon"],
+    ],
+)
 def test_subscriber_version_flag_refuses_bad_values(tmp_path, argv):
     with pytest.raises(SystemExit) as exc:  # argparse's one-line usage error
         _subscriber_args(tmp_path, argv)
     assert exc.value.code == 2
 
 
-@pytest.mark.parametrize("argv,env,token", [
-    ([], {}, None), ([], {"WEIGHTSYNC_API_TOKEN": "t1"}, "t1"), (["--api-token", "t2"], {"WEIGHTSYNC_API_TOKEN": ""}, "t2"),
-    (["--api-token-file", "{file}"], {"WEIGHTSYNC_API_TOKEN": ""}, "t3"),
-    (["--api-token", ""], {}, UsageError), (["--api-token", " "], {"WEIGHTSYNC_API_TOKEN": "t1"}, UsageError),
-    ([], {"WEIGHTSYNC_API_TOKEN": ""}, UsageError), ([], {"WEIGHTSYNC_API_TOKEN": "\t"}, UsageError),
-    (["--api-token-file", "{empty}"], {"WEIGHTSYNC_API_TOKEN": "t1"}, UsageError),
-    (["--api-token-file", ""], {}, UsageError), (["--api-token-file", "{missing}"], {}, UsageError),
-])
+@pytest.mark.parametrize(
+    "argv,env,token",
+    [
+        ([], {}, None),
+        ([], {"WEIGHTSYNC_API_TOKEN": "t1"}, "t1"),
+        (["--api-token", "t2"], {"WEIGHTSYNC_API_TOKEN": ""}, "t2"),
+        (["--api-token-file", "{file}"], {"WEIGHTSYNC_API_TOKEN": ""}, "t3"),
+        (["--api-token", ""], {}, UsageError),
+        (["--api-token", " "], {"WEIGHTSYNC_API_TOKEN": "t1"}, UsageError),
+        ([], {"WEIGHTSYNC_API_TOKEN": ""}, UsageError),
+        ([], {"WEIGHTSYNC_API_TOKEN": "\t"}, UsageError),
+        (["--api-token-file", "{empty}"], {"WEIGHTSYNC_API_TOKEN": "t1"}, UsageError),
+        (["--api-token-file", ""], {}, UsageError),
+        (["--api-token-file", "{missing}"], {}, UsageError),
+    ],
+)
 def test_a_token_given_empty_is_refused_not_ignored(tmp_path, argv, env, token):
     (tmp_path / "file").write_text("t3\n")
     (tmp_path / "empty").write_text("\n \n")
@@ -236,8 +318,15 @@ def test_a_token_given_empty_is_refused_not_ignored(tmp_path, argv, env, token):
         assert subscriber_config(args, env).api.token == token
 
 
-@pytest.mark.parametrize("role,flag", [("publisher", "--publish-root"), ("publisher", "--watch"),
-                                       ("publisher", "--state-dir"), ("subscriber", "--target")])
+@pytest.mark.parametrize(
+    "role,flag",
+    [
+        ("publisher", "--publish-root"),
+        ("publisher", "--watch"),
+        ("publisher", "--state-dir"),
+        ("subscriber", "--target"),
+    ],
+)
 def test_an_empty_folder_flag_is_refused_not_taken_as_the_current_folder(tmp_path, role, flag):
     p = argparse.ArgumentParser()
     (add_publisher_args if role == "publisher" else add_subscriber_args)(p)
@@ -255,15 +344,18 @@ def _subscriber_args(tmp_path: Path, argv: list[str]) -> argparse.Namespace:
 
 
 # --- the stored target --------------------------------------------------------------------------
-@pytest.mark.parametrize("pin,stored,expect", [
-    (None, None, (LATEST, "default")),
-    (None, 7, (7, "stored")),
-    (None, LATEST, (LATEST, "stored")),
-    (3, 7, (3, "command line")),
-    (3, LATEST, (3, "command line")),
-    (0, None, (0, "command line")),
-    (LATEST, 7, (LATEST, "command line")),
-])
+@pytest.mark.parametrize(
+    "pin,stored,expect",
+    [
+        (None, None, (LATEST, "default")),
+        (None, 7, (7, "stored")),
+        (None, LATEST, (LATEST, "stored")),
+        (3, 7, (3, "command line")),
+        (3, LATEST, (3, "command line")),
+        (0, None, (0, "command line")),
+        (LATEST, 7, (LATEST, "command line")),
+    ],
+)
 def test_startup_target_precedence(pin, stored, expect):
     assert startup_target(pin, stored) == expect
 
@@ -279,18 +371,31 @@ def test_stored_target_round_trip(tmp_path):
     assert read_target(target) == 9
 
 
-@pytest.mark.parametrize("content", [
-    b"", b"{", b"\xff\xfe", b"[]", b'{"target": 3}', b'{"format": "weightsync.subscriber-target"}',
-    b'{"format": "weightsync.subscriber-target", "target": -1}',
-    b'{"format": "weightsync.subscriber-target", "target": "3"}',
-    b'{"format": "weightsync.subscriber-target", "target": true}',
-    b'{"format": "weightsync.subscriber-target", "target": 2.5}',
-    b'{"format": "weightsync.subscriber-target", "target": "newest"}',
-    pytest.param(b"[" * 100_000 + b"]" * 100_000, id="deep"),
-    pytest.param(b'{"format": "weightsync.subscriber-target", "target": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", id="deep target"),
-    pytest.param(b'{"format": "weightsync.subscriber-target", "target": 3, "store": ' + b"[" * 900 + b"]" * 900 + b"}",
-                 id="deep store"),
-])
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"",
+        b"{",
+        b"\xff\xfe",
+        b"[]",
+        b'{"target": 3}',
+        b'{"format": "weightsync.subscriber-target"}',
+        b'{"format": "weightsync.subscriber-target", "target": -1}',
+        b'{"format": "weightsync.subscriber-target", "target": "3"}',
+        b'{"format": "weightsync.subscriber-target", "target": true}',
+        b'{"format": "weightsync.subscriber-target", "target": 2.5}',
+        b'{"format": "weightsync.subscriber-target", "target": "newest"}',
+        pytest.param(b"[" * 100_000 + b"]" * 100_000, id="deep"),
+        pytest.param(
+            b'{"format": "weightsync.subscriber-target", "target": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+            id="deep target",
+        ),
+        pytest.param(
+            b'{"format": "weightsync.subscriber-target", "target": 3, "store": ' + b"[" * 900 + b"]" * 900 + b"}",
+            id="deep store",
+        ),
+    ],
+)
 def test_a_damaged_stored_target_is_an_error_naming_the_file(tmp_path, content):
     path = target_path(tmp_path)
     path.parent.mkdir()

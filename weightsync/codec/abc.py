@@ -57,8 +57,9 @@ class Codec(ABC):
         Never modifies its arguments."""
 
     @abstractmethod
-    def decode(self, dtype: str, block: memoryview, old: np.ndarray | None, out: np.ndarray, what: str,
-               hasher=None) -> None:
+    def decode(
+        self, dtype: str, block: memoryview, old: np.ndarray | None, out: np.ndarray, what: str, hasher=None
+    ) -> None:
         """Write the elements ``block`` codes into ``out`` (the unsigned view, same length as
         ``old``). ``out`` may be ``old`` itself (decoding in place); any other overlap is refused
         before this is called. ``hasher`` (anything with ``update``), if given, is fed ``out``'s

@@ -266,7 +266,9 @@ def _decode(old, data, width_bits, shift, mask, n_ctx, k, rate, idx, zz):
         else:
             nbits = 0
             while True:
-                bit, code, rng, pos = _dec_bit(code, rng, pos, data, p, cnt, n_mask + 2 * n_ctx + min(nbits, _PREFIX_MODELS - 1), rate)
+                bit, code, rng, pos = _dec_bit(
+                    code, rng, pos, data, p, cnt, n_mask + 2 * n_ctx + min(nbits, _PREFIX_MODELS - 1), rate
+                )
                 if bit == 0:
                     break
                 nbits += 1
@@ -323,8 +325,14 @@ def decode_block(dtype: str, block: memoryview, old: np.ndarray, out: np.ndarray
     if got == -1:
         raise FormatError(f"{what}: ac stream holds more than the {k} changes its header says, or runs past its end")
     if got != k:
-        raise FormatError(f"{what}: ac stream " + ("codes a difference wider than the element" if got == -2
-                                                   else f"decodes to {got} changes, header says {k}"))
+        raise FormatError(
+            f"{what}: ac stream "
+            + (
+                "codes a difference wider than the element"
+                if got == -2
+                else f"decodes to {got} changes, header says {k}"
+            )
+        )
     if int(zz.max()) >= 1 << (8 * old.dtype.itemsize):
         raise FormatError(f"{what}: ac difference wider than the element")
     out[idx] = old[idx] + unzigzag(zz.astype(old.dtype))

@@ -95,8 +95,14 @@ class LayeredCache:
             try:
                 data = layer.load_overload(sig, target_context)
             except Exception as exc:  # noqa: BLE001 - a damaged or unreadable cache: compile instead
-                _log_once(f"load:{layer.cache_path}", logging.WARNING, "numba cache %s could not be read (%s: %s); "
-                          "compiling instead", layer.cache_path, type(exc).__name__, exc)
+                _log_once(
+                    f"load:{layer.cache_path}",
+                    logging.WARNING,
+                    "numba cache %s could not be read (%s: %s); compiling instead",
+                    layer.cache_path,
+                    type(exc).__name__,
+                    exc,
+                )
                 continue
             if data is not None:
                 return data
@@ -106,15 +112,25 @@ class LayeredCache:
         if not self._enabled:
             return
         if self._writable is None:
-            _log_once("unsaved", logging.INFO, "numba kernels compiled in this process are not cached: no writable "
-                      "cache directory (NUMBA_CACHE_DIR, the package's __pycache__, $XDG_CACHE_HOME/numba); "
-                      "every start compiles them again (%s)", self._name)
+            _log_once(
+                "unsaved",
+                logging.INFO,
+                "numba kernels compiled in this process are not cached: no writable "
+                "cache directory (NUMBA_CACHE_DIR, the package's __pycache__, $XDG_CACHE_HOME/numba); "
+                "every start compiles them again (%s)",
+                self._name,
+            )
             return
         try:
             self._writable.save_overload(sig, data)
         except OSError as exc:  # a full disk, a directory made read-only since: use the kernel anyway
-            _log_once(f"save:{self._writable.cache_path}", logging.INFO, "numba cache %s could not be written (%s); "
-                      "kernels compiled here are not saved", self._writable.cache_path, exc)
+            _log_once(
+                f"save:{self._writable.cache_path}",
+                logging.INFO,
+                "numba cache %s could not be written (%s); kernels compiled here are not saved",
+                self._writable.cache_path,
+                exc,
+            )
 
     def enable(self) -> None:
         self._enabled = True
@@ -142,8 +158,12 @@ def layered_cache(py_func) -> LayeredCache:
             seen.add(cache.cache_path)
             read_only.append(cache)
     if writable is None:
-        _log_once("no-writable", logging.DEBUG, "no writable numba cache directory; loading kernels from %s",
-                  [c.cache_path for c in read_only] or "nowhere (they compile at first use)")
+        _log_once(
+            "no-writable",
+            logging.DEBUG,
+            "no writable numba cache directory; loading kernels from %s",
+            [c.cache_path for c in read_only] or "nowhere (they compile at first use)",
+        )
     return LayeredCache(py_func, writable, read_only)
 
 
@@ -162,8 +182,9 @@ def njit(**options) -> Callable:
             try:
                 dispatcher.enable_caching()  # numba's cache=True
             except RuntimeError as exc:  # no writable location
-                _log_once("disabled", logging.INFO, "numba cache disabled (%s; %s): kernels compile at first use",
-                          why, exc)
+                _log_once(
+                    "disabled", logging.INFO, "numba cache disabled (%s; %s): kernels compile at first use", why, exc
+                )
         _DISPATCHERS.append(dispatcher)
         return dispatcher
 
@@ -197,18 +218,24 @@ def main(argv: list[str] | None = None) -> int:
     import json
     import time
 
-    parser = argparse.ArgumentParser(prog="python -m weightsync.codec.jit", description=(
-        "Compile the codec's numba kernels, or load them from numba's cache, and report how many of "
-        "each. Run it where the cache should be filled (an image build with NUMBA_CACHE_DIR set)."))
-    parser.add_argument("--require-cached", action="store_true",
-                        help="exit 1 if any kernel had to be compiled (checks a cache filled earlier)")
+    parser = argparse.ArgumentParser(
+        prog="python -m weightsync.codec.jit",
+        description=(
+            "Compile the codec's numba kernels, or load them from numba's cache, and report how many of "
+            "each. Run it where the cache should be filled (an image build with NUMBA_CACHE_DIR set)."
+        ),
+    )
+    parser.add_argument(
+        "--require-cached",
+        action="store_true",
+        help="exit 1 if any kernel had to be compiled (checks a cache filled earlier)",
+    )
     args = parser.parse_args(argv)
     from weightsync.codec.payload import warm_up
 
     t0 = time.perf_counter()
     warm_up()
-    report = {**stats(), "seconds": round(time.perf_counter() - t0, 2), **cache_locations(),
-              "numba": numba.__version__}
+    report = {**stats(), "seconds": round(time.perf_counter() - t0, 2), **cache_locations(), "numba": numba.__version__}
     print(json.dumps(report))
     if args.require_cached and (report["compiled"] or not report["cached"]):
         print("weightsync.jit: kernels were compiled, not loaded from the cache", flush=True)

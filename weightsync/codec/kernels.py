@@ -130,8 +130,13 @@ def split_planes(values: np.ndarray) -> np.ndarray:
 
 def merge_planes(planes: np.ndarray, out: np.ndarray) -> np.ndarray:
     """The integers whose byte planes ``planes`` (uint8, ``out.nbytes`` of them) holds, into ``out``."""
-    if (out.ndim != 1 or out.dtype.kind != "u" or not out.dtype.isnative or not out.flags.c_contiguous
-            or not out.flags.writeable):
+    if (
+        out.ndim != 1
+        or out.dtype.kind != "u"
+        or not out.dtype.isnative
+        or not out.flags.c_contiguous
+        or not out.flags.writeable
+    ):
         raise ValueError("merge_planes: out must be a writable, contiguous 1-D array of unsigned integers")
     if planes.dtype != np.uint8 or planes.ndim != 1 or planes.size != out.nbytes:
         raise ValueError(f"merge_planes: {planes.size} bytes of planes for {out.nbytes} bytes of integers")
@@ -152,8 +157,12 @@ def _apply_sparse(out, src, start, gaps, gw, vals, k, pos, end):
         elif gw == 2:
             gap = np.int64(gaps[k]) | np.int64(gaps[n + k]) << 8
         else:
-            gap = (np.int64(gaps[k]) | np.int64(gaps[n + k]) << 8 | np.int64(gaps[2 * n + k]) << 16
-                   | np.int64(gaps[3 * n + k]) << 24)
+            gap = (
+                np.int64(gaps[k])
+                | np.int64(gaps[n + k]) << 8
+                | np.int64(gaps[2 * n + k]) << 16
+                | np.int64(gaps[3 * n + k]) << 24
+            )
         nxt = pos + gap + 1
         if nxt >= end:
             break
@@ -170,8 +179,17 @@ def _apply_sparse(out, src, start, gaps, gw, vals, k, pos, end):
     return k, pos
 
 
-def apply_sparse(out: np.ndarray, gaps: np.ndarray, gap_width: int, vals: np.ndarray, k: int, pos: int,
-                 end: int, src: np.ndarray | None = None, start: int = 0) -> tuple[int, int]:
+def apply_sparse(
+    out: np.ndarray,
+    gaps: np.ndarray,
+    gap_width: int,
+    vals: np.ndarray,
+    k: int,
+    pos: int,
+    end: int,
+    src: np.ndarray | None = None,
+    start: int = 0,
+) -> tuple[int, int]:
     """Apply changes ``k, k+1, ...`` of a ``sparse`` block to ``out`` (unsigned elements, holding
     the old values) while their positions stay below ``end``; returns the next change and the last
     position applied (-1 before any). ``gaps`` and ``vals`` are the decompressed byte planes (gap
@@ -180,9 +198,22 @@ def apply_sparse(out: np.ndarray, gaps: np.ndarray, gap_width: int, vals: np.nda
     ``start:end`` are copied from it first, in the same call (the next change must then lie at or
     after ``start``: every change before it was applied by an earlier call)."""
     n = gaps.size // gap_width if gap_width in (1, 2, 4) else -1
-    if n < 0 or gaps.size != n * gap_width or vals.size != n * out.itemsize or not 0 <= k <= n or not -1 <= pos < end <= out.size:
-        raise ValueError("apply_sparse: planes, position or end do not fit the output")  # the kernel does not check bounds
-    if src is not None and (src.dtype != out.dtype or src.shape != out.shape or not pos < start <= end
-                            or k < n and pos + 1 + sum(int(gaps[j * n + k]) << 8 * j for j in range(gap_width)) < start):
+    if (
+        n < 0
+        or gaps.size != n * gap_width
+        or vals.size != n * out.itemsize
+        or not 0 <= k <= n
+        or not -1 <= pos < end <= out.size
+    ):
+        raise ValueError(
+            "apply_sparse: planes, position or end do not fit the output"
+        )  # the kernel does not check bounds
+    if src is not None and (
+        src.dtype != out.dtype
+        or src.shape != out.shape
+        or not pos < start <= end
+        or k < n
+        and pos + 1 + sum(int(gaps[j * n + k]) << 8 * j for j in range(gap_width)) < start
+    ):
         raise ValueError("apply_sparse: the source does not fit the output, or the next change lies before the copy")
     return _apply_sparse(out, src, start, gaps, gap_width, vals, k, pos, end)

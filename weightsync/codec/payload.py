@@ -67,8 +67,9 @@ class EncodedTensor:
 
 
 # --- encoding ------------------------------------------------------------------------------------
-def _encode_payload(codec: Codec, dtype: str, old: np.ndarray | None, new: np.ndarray,
-                    cfg: CodecConfig) -> tuple[bytearray, int]:
+def _encode_payload(
+    codec: Codec, dtype: str, old: np.ndarray | None, new: np.ndarray, cfg: CodecConfig
+) -> tuple[bytearray, int]:
     width = new.dtype.itemsize
     step = cfg.block_elems(width)
     n_blocks = -(-new.size // step)
@@ -159,8 +160,10 @@ def encode_sparse_from_changes(
     step = config.block_elems(width)
     n_blocks = -(-n_elems // step)
     cuts = np.searchsorted(idx, np.arange(n_blocks + 1, dtype=np.int64) * step)
-    blocks = [block_from_changes(idx[a:b] - i * step, diffs[a:b], config.level)
-              for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:]))]
+    blocks = [
+        block_from_changes(idx[a:b] - i * step, diffs[a:b], config.level)
+        for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:]))
+    ]
     head = _HEADER.pack(MAGIC, Sparse.id, width, 0, n_elems, step, n_blocks)
     return bytes(_assemble(head, blocks))
 
@@ -174,8 +177,14 @@ def _codec(name: str, what: str) -> Codec:
 
 
 def decode_tensor(
-    dtype: str, codec: str, payload: bytes | memoryview, old: np.ndarray | None, nbytes: int,
-    out: np.ndarray | None = None, what: str = "tensor", hasher=None,
+    dtype: str,
+    codec: str,
+    payload: bytes | memoryview,
+    old: np.ndarray | None,
+    nbytes: int,
+    out: np.ndarray | None = None,
+    what: str = "tensor",
+    hasher=None,
 ) -> np.ndarray:
     """Rebuild a tensor's raw bytes (1-D uint8 of ``nbytes``), into ``out`` if given.
 
@@ -221,15 +230,18 @@ def decode_tensor(
     return out
 
 
-def _decode_payload(codec: Codec, dtype: str, payload: memoryview, old: np.ndarray | None, out: np.ndarray,
-                    what: str, hasher=None) -> None:
+def _decode_payload(
+    codec: Codec, dtype: str, payload: memoryview, old: np.ndarray | None, out: np.ndarray, what: str, hasher=None
+) -> None:
     if len(payload) < _HEADER.size:
         raise FormatError(f"{what}: payload of {len(payload)} bytes is too short")
     magic, cid, width, _, n, step, n_blocks = _HEADER.unpack_from(payload)
     if magic != MAGIC or cid != codec.id:
         raise FormatError(f"{what}: payload is not a {codec.name!r} payload")
     if width != out.dtype.itemsize or n != out.size or not 0 < step <= MAX_BLOCK_ELEMS:
-        raise FormatError(f"{what}: payload declares {n} x {width}-byte elements, expected {out.size} x {out.dtype.itemsize}")
+        raise FormatError(
+            f"{what}: payload declares {n} x {width}-byte elements, expected {out.size} x {out.dtype.itemsize}"
+        )
     if n_blocks != -(-n // step):
         raise FormatError(f"{what}: payload declares {n_blocks} blocks for {n} elements")
     pos = _HEADER.size + 8 * n_blocks
@@ -245,9 +257,15 @@ def _decode_payload(codec: Codec, dtype: str, payload: memoryview, old: np.ndarr
         pos += length
 
 
-def rebuild(dtype: str, nbytes: int, xxh3: str, base: np.ndarray | None,
-            steps: Sequence[tuple[str, Callable[[], bytes | memoryview]]], what: str = "tensor",
-            in_place: bool = False) -> np.ndarray:
+def rebuild(
+    dtype: str,
+    nbytes: int,
+    xxh3: str,
+    base: np.ndarray | None,
+    steps: Sequence[tuple[str, Callable[[], bytes | memoryview]]],
+    what: str = "tensor",
+    in_place: bool = False,
+) -> np.ndarray:
     """Apply ``steps`` in turn to ``base`` (each a codec and a function giving its payload, called
     only when that step is decoded) and check the result's XXH3-128 against ``xxh3`` (hex): the
     hash is fed while the last decode writes. ``in_place``: ``base`` is the caller's to overwrite
@@ -285,8 +303,9 @@ def warm_up() -> None:
             enc = encode_tensor(dtype, new, base, cfg)  # base None: a keyframe ("full")
             for payload in (bytes(enc.payload), bytearray(enc.payload)):  # read-only and writable arrays
                 into = old.copy()  # decoded into a fresh buffer, and in place (as pulls do): two kernels
-                for out in (decode_tensor(dtype, enc.codec, payload, base, new.size),
-                            decode_tensor(dtype, enc.codec, payload, into if base is not None else None, new.size,
-                                          out=into)):
+                for out in (
+                    decode_tensor(dtype, enc.codec, payload, base, new.size),
+                    decode_tensor(dtype, enc.codec, payload, into if base is not None else None, new.size, out=into),
+                ):
                     if not np.array_equal(out, new):
                         raise AssertionError(f"codec warm-up: {enc.codec} did not round-trip")  # never expected

@@ -48,4 +48,3 @@ def itemsize(dtype: str) -> int:
         return ITEMSIZE[dtype]
     except KeyError:
         raise CheckpointError(f"unsupported safetensors dtype {dtype!r}") from None
-

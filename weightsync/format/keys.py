@@ -68,8 +68,15 @@ def check_path(path: str) -> str:
         raw = path.encode("utf-8", "surrogateescape")  # as os.fsencode: the bytes of the file name
     except UnicodeEncodeError:  # a lone surrogate names no file
         raw = None
-    if (raw is None or not path or path.startswith("/") or "\\" in path or "\x00" in path
-            or any(p in ("", ".", "..") for p in parts) or parts[0] == ".weightsync"):
+    if (
+        raw is None
+        or not path
+        or path.startswith("/")
+        or "\\" in path
+        or "\x00" in path
+        or any(p in ("", ".", "..") for p in parts)
+        or parts[0] == ".weightsync"
+    ):
         why = ""
     elif len(raw) > MAX_PATH_BYTES:
         why = f" (over {MAX_PATH_BYTES} bytes)"

@@ -226,18 +226,38 @@ def _shallow(obj) -> dict:
 
 
 def _payload_doc(p: Payload | None) -> dict | None:
-    return None if p is None else {"size": p.size, "xxh3": p.xxh3, "parts": [[x.chunk, x.offset, x.length] for x in p.parts]}
+    return (
+        None
+        if p is None
+        else {"size": p.size, "xxh3": p.xxh3, "parts": [[x.chunk, x.offset, x.length] for x in p.parts]}
+    )
 
 
 def _segment_doc(s: Segment) -> dict:
     d = s.delta
-    return {"role": s.role, "name": s.name, "dtype": s.dtype, "shape": s.shape, "begin": s.begin, "end": s.end,
-            "xxh3": s.xxh3, "codec": s.codec, "changed": s.changed, "payload": _payload_doc(s.payload),
-            "delta": None if d is None else {"codec": d.codec, "changed": d.changed, "payload": _payload_doc(d.payload)}}
+    return {
+        "role": s.role,
+        "name": s.name,
+        "dtype": s.dtype,
+        "shape": s.shape,
+        "begin": s.begin,
+        "end": s.end,
+        "xxh3": s.xxh3,
+        "codec": s.codec,
+        "changed": s.changed,
+        "payload": _payload_doc(s.payload),
+        "delta": None if d is None else {"codec": d.codec, "changed": d.changed, "payload": _payload_doc(d.payload)},
+    }
 
 
 def _file_doc(f: FileEntry) -> dict:
-    return {"path": f.path, "kind": f.kind, "size": f.size, "xxh3": f.xxh3, "segments": [_segment_doc(s) for s in f.segments]}
+    return {
+        "path": f.path,
+        "kind": f.kind,
+        "size": f.size,
+        "xxh3": f.xxh3,
+        "segments": [_segment_doc(s) for s in f.segments],
+    }
 
 
 def manifest_checksum(doc: dict) -> str:
@@ -338,7 +358,13 @@ def _segment(doc: Any, chunks: tuple[ChunkRef, ...], what: str) -> Segment:
         raise FormatError(f"{what}: segment must be an object")
     g = doc.get
     role, codec, dtype, name, shape = g("role"), g("codec"), g("dtype"), g("name"), g("shape")
-    if type(role) is not str or type(codec) is not str or type(dtype) is not str or type(name) is not str or type(shape) is not list:
+    if (
+        type(role) is not str
+        or type(codec) is not str
+        or type(dtype) is not str
+        or type(name) is not str
+        or type(shape) is not list
+    ):
         for key, typ in (("role", str), ("codec", str), ("dtype", str), ("name", str), ("shape", list)):
             _get(doc, key, typ, what)
     if role not in ROLES or codec not in SEGMENT_CODECS or dtype not in ITEMSIZE:
@@ -351,8 +377,14 @@ def _segment(doc: Any, chunks: tuple[ChunkRef, ...], what: str) -> Segment:
             raise FormatError(f"{what}: bad shape {_show(shape)}")
         count *= d
     begin, end, changed, xxh3 = g("begin"), g("end"), g("changed"), g("xxh3")
-    if not (type(begin) is int and type(end) is int and type(changed) is int and 0 <= begin <= MAX_SIZE
-            and 0 <= end <= MAX_SIZE and 0 <= changed <= MAX_SIZE):
+    if not (
+        type(begin) is int
+        and type(end) is int
+        and type(changed) is int
+        and 0 <= begin <= MAX_SIZE
+        and 0 <= end <= MAX_SIZE
+        and 0 <= changed <= MAX_SIZE
+    ):
         for key in ("begin", "end", "changed"):
             _int(doc, key, what)
     if end < begin or count * ITEMSIZE[dtype] != end - begin:

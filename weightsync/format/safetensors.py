@@ -68,7 +68,9 @@ def parse_safetensors_header(prefix: bytes, file_size: int, what: str) -> tuple[
     pos = 8 + n
     for t in tensors:
         if t.begin != pos:
-            raise CheckpointError(f"{what}: tensor {t.name!r} at offset {t.begin - 8 - n}, expected {pos - 8 - n} (holes or overlaps)")
+            raise CheckpointError(
+                f"{what}: tensor {t.name!r} at offset {t.begin - 8 - n}, expected {pos - 8 - n} (holes or overlaps)"
+            )
         pos = t.end
     if pos != file_size:
         raise CheckpointError(f"{what}: tensors end at byte {pos} but the file has {file_size} (truncated or padded)")
@@ -86,8 +88,10 @@ def _tensor_segment(name: str, info: object, base: int, what: str) -> SourceSegm
     if not ints(shape, None) or not all(type(d) is int and d >= 0 for d in shape):
         raise CheckpointError(f"{what}: tensor {name!r} has a bad shape {shape!r}")
     if len(shape) > MAX_SHAPE_DIMS or any(d > MAX_SIZE for d in shape):  # docs/FORMAT.md: readers refuse these
-        raise CheckpointError(f"{what}: tensor {name!r} has a shape the format cannot store (more than "
-                              f"{MAX_SHAPE_DIMS} dimensions, or one above 2^50): {shape!r}")
+        raise CheckpointError(
+            f"{what}: tensor {name!r} has a shape the format cannot store (more than "
+            f"{MAX_SHAPE_DIMS} dimensions, or one above 2^50): {shape!r}"
+        )
     if not ints(offsets, 2) or not all(type(o) is int and o >= 0 for o in offsets):
         raise CheckpointError(f"{what}: tensor {name!r} has bad data_offsets {offsets!r}")
     begin, end = offsets

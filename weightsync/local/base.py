@@ -72,7 +72,9 @@ def check_checksum(what: str, expected: str, data: bytes | np.ndarray) -> None:
         raise ChecksumError(what, expected, actual)
 
 
-def clone(src: Path, dst: Path, copy: bool = False, fsync: bool = False, check: Callable[[], None] | None = None) -> None:
+def clone(
+    src: Path, dst: Path, copy: bool = False, fsync: bool = False, check: Callable[[], None] | None = None
+) -> None:
     """Make ``dst`` hold the version ``src`` holds, by hard links where possible, or with ``copy``
     by copies of its own (which a later refill may overwrite in place).
 

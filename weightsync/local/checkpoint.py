@@ -63,14 +63,15 @@ def describe_file(abspath: Path, relpath: str) -> SourceFile:
             if size > MAX_SIZE:
                 raise CheckpointError(f"{relpath}: {size} bytes, more than the format's limit of 2^50")
             if not relpath.endswith(".safetensors"):
-                return SourceFile(relpath, abspath, "blob", size, (SourceSegment("blob", "", "U8", (size,), 0, size),),
-                                  _identity(st))
+                return SourceFile(
+                    relpath, abspath, "blob", size, (SourceSegment("blob", "", "U8", (size,), 0, size),), _identity(st)
+                )
             head = os.pread(fd, 8, 0)
             n = int.from_bytes(head, "little") if len(head) == 8 else 0
             if len(head) == 8 and n <= MAX_HEADER:
                 head += _pread_all(fd, min(n, size - 8), 8)
             segments = parse_safetensors_header(head, size, relpath)
-            return SourceFile(relpath, abspath, "safetensors", size, segments, _identity(st), head[:segments[0].end])
+            return SourceFile(relpath, abspath, "safetensors", size, segments, _identity(st), head[: segments[0].end])
         finally:
             os.close(fd)
     except OSError as exc:
@@ -93,8 +94,10 @@ def open_source(f: SourceFile) -> int:
     try:
         fd = os.open(f.abspath, _OPEN_FLAGS)
     except OSError as exc:
-        raise CheckpointChanged(f"{f.path}: changed while being published (cannot open it again: {exc.strerror}); "
-                                "nothing was committed, publish it again once it is complete") from None
+        raise CheckpointChanged(
+            f"{f.path}: changed while being published (cannot open it again: {exc.strerror}); "
+            "nothing was committed, publish it again once it is complete"
+        ) from None
     try:
         check_unchanged(fd, f)
     except BaseException:
@@ -108,10 +111,16 @@ def check_unchanged(fd: int, f: SourceFile) -> None:
     identity (same device and inode, size and mtime): replaced, written, appended or truncated."""
     now = _identity(os.fstat(fd))
     if f.identity and not _same(now, f.identity):
-        what = ("was replaced by another file" if now[:2] != f.identity[:2] else
-                f"changed size from {f.identity[2]} to {now[2]} bytes" if now[2] != f.identity[2] else "was modified")
-        raise CheckpointChanged(f"{f.path}: {what} while being published; nothing was committed, publish it again "
-                                "once it is complete")
+        what = (
+            "was replaced by another file"
+            if now[:2] != f.identity[:2]
+            else f"changed size from {f.identity[2]} to {now[2]} bytes"
+            if now[2] != f.identity[2]
+            else "was modified"
+        )
+        raise CheckpointChanged(
+            f"{f.path}: {what} while being published; nothing was committed, publish it again once it is complete"
+        )
 
 
 def still_as_scanned(files: list[SourceFile]) -> bool:
@@ -131,25 +140,32 @@ def check_still_as_scanned(files: list[SourceFile], rescan: Callable[[], list[So
         try:
             now = _identity(os.stat(f.abspath))
         except OSError as exc:
-            raise CheckpointChanged(f"{f.path}: {exc.strerror.lower()} since it was read for publishing; nothing was "
-                                    "committed, publish it again once it is complete") from None
+            raise CheckpointChanged(
+                f"{f.path}: {exc.strerror.lower()} since it was read for publishing; nothing was "
+                "committed, publish it again once it is complete"
+            ) from None
         if f.identity and not _same(now, f.identity):
             what = "was replaced" if now[:2] != f.identity[:2] else "was modified"
-            raise CheckpointChanged(f"{f.path}: {what} while being published; nothing was committed, publish it "
-                                    "again once it is complete")
+            raise CheckpointChanged(
+                f"{f.path}: {what} while being published; nothing was committed, publish it again once it is complete"
+            )
     before, after = {f.path for f in files}, {f.path for f in rescan()}
     if before != after:
         diff = sorted(after - before) or sorted(before - after)
         how = "appeared in" if after - before else "vanished from"
-        raise CheckpointChanged(f"{diff[0]}: {how} the checkpoint while it was published; nothing was committed, "
-                                "publish it again once it is complete")
+        raise CheckpointChanged(
+            f"{diff[0]}: {how} the checkpoint while it was published; nothing was committed, "
+            "publish it again once it is complete"
+        )
 
 
 def check_header(f: SourceFile, data: np.ndarray) -> None:
     """Raises :class:`CheckpointChanged` unless ``data``, read as ``f``'s header segment, is the header scanned."""
     if f.head and data.tobytes() != f.head:
-        raise CheckpointChanged(f"{f.path}: its safetensors header changed while being published; nothing was "
-                                "committed, publish it again once it is complete")
+        raise CheckpointChanged(
+            f"{f.path}: its safetensors header changed while being published; nothing was "
+            "committed, publish it again once it is complete"
+        )
 
 
 def scan_checkpoint(directory: str | os.PathLike[str], ignore: tuple[str, ...] = ()) -> list[SourceFile]:
@@ -176,8 +192,14 @@ def scan_checkpoint(directory: str | os.PathLike[str], ignore: tuple[str, ...] =
     return sorted(files, key=lambda f: f.path)
 
 
-def _scan_dir(root: Path, folder: Path, rel_dir: str, ancestors: frozenset[tuple[int, int]], ignore: tuple[str, ...],
-              out: list[SourceFile]) -> list[tuple[Path, str, frozenset[tuple[int, int]]]]:
+def _scan_dir(
+    root: Path,
+    folder: Path,
+    rel_dir: str,
+    ancestors: frozenset[tuple[int, int]],
+    ignore: tuple[str, ...],
+    out: list[SourceFile],
+) -> list[tuple[Path, str, frozenset[tuple[int, int]]]]:
     """Describe the files of one folder into ``out``; returns its subfolders to scan."""
     try:
         with os.scandir(folder) as it:
@@ -196,13 +218,17 @@ def _scan_dir(root: Path, folder: Path, rel_dir: str, ancestors: frozenset[tuple
             if is_dir and not e.is_symlink():
                 continue  # weightsync's own state: the checkpoint is a folder it pulled into
             if not any(fnmatch.fnmatchcase(rel, pat) for pat in ignore):
-                raise CheckpointError(f"{root}: cannot publish {rel!r}: the name is reserved for weightsync's state "
-                                      "folder (rename it, or leave it out with --ignore)")
+                raise CheckpointError(
+                    f"{root}: cannot publish {rel!r}: the name is reserved for weightsync's state "
+                    "folder (rename it, or leave it out with --ignore)"
+                )
             continue
         if is_dir:
             key = (st.st_dev, st.st_ino)
             if key in ancestors:
-                raise CheckpointError(f"{root}: cannot publish {rel!r}: a symlink to a folder that contains it (a loop)")
+                raise CheckpointError(
+                    f"{root}: cannot publish {rel!r}: a symlink to a folder that contains it (a loop)"
+                )
             subdirs.append((Path(e.path), f"{rel}/", ancestors | {key}))
             continue
         if any(fnmatch.fnmatchcase(rel, pat) for pat in ignore):

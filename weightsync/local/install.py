@@ -49,7 +49,9 @@ def _read_journal(folder: Path) -> dict | None:
     except (ValueError, KeyError, TypeError, AttributeError, WeightsyncError) as exc:
         raise UsageError(f"{path}: corrupt install journal ({exc}); remove {STATE_DIR} to start afresh") from None
     if not set(journal["install"]) <= set(journal["files"]) or set(journal["remove"]) & set(journal["files"]):
-        raise UsageError(f"{path}: corrupt install journal (it installs files its version lacks, or removes ones it has)")
+        raise UsageError(
+            f"{path}: corrupt install journal (it installs files its version lacks, or removes ones it has)"
+        )
     return journal
 
 
@@ -67,8 +69,9 @@ def _apply_journal(folder: Path, journal: dict) -> None:
     for rel in journal["remove"]:  # first, so that a file may become a folder and back
         path = safe_join(folder, rel)
         if path.is_dir() and not path.is_symlink():
-            raise UsageError(f"{path} is a folder weightsync did not put there (its version has a file there); "
-                             "move it away first")
+            raise UsageError(
+                f"{path} is a folder weightsync did not put there (its version has a file there); move it away first"
+            )
         path.unlink(missing_ok=True)
         _prune_dirs(folder, path.parent)
     for rel in journal["install"]:
@@ -80,21 +83,22 @@ def _apply_journal(folder: Path, journal: dict) -> None:
             _mark_torn(folder)
             raise TornInstallError(
                 f"{folder}: the staged file {rel} of version {journal['version']} vanished before its install "
-                f"(another process in {STATE_DIR}?); the folder now holds no version: pull again to rebuild it")
+                f"(another process in {STATE_DIR}?); the folder now holds no version: pull again to rebuild it"
+            )
     files = {}
     for rel, (size, digest) in journal["files"].items():
         st = os.lstat(safe_join(folder, rel))
         if not stat.S_ISREG(st.st_mode) or st.st_size != size:
             _mark_torn(folder)
-            raise TornInstallError(f"{folder}: {rel} is not the file version {journal['version']} installs; "
-                                   "the folder now holds no version: pull again to rebuild it")
+            raise TornInstallError(
+                f"{folder}: {rel} is not the file version {journal['version']} installs; "
+                "the folder now holds no version: pull again to rebuild it"
+            )
         files[rel] = (size, digest, st.st_mtime_ns, st.st_ctime_ns)
     write_json_atomic(sdir / "state.json", {"version": journal["version"], "store": journal["store"], "files": files})
     (sdir / "journal.json").unlink()
     (sdir / REFILL).unlink(missing_ok=True)  # a refill interrupted before this install replaced it
     shutil.rmtree(staging, ignore_errors=True)
-
-
 
 
 def _mark_torn(folder: Path) -> None:
@@ -153,7 +157,9 @@ def prepare_folder(folder: Path, owned: bool = False) -> LocalState | None:
     if state is None and any(p.name != STATE_DIR for p in folder.iterdir()):
         raise UsageError(f"{folder} is not empty and holds no weightsync version; refusing to overwrite it")
     if state is not None and (stray := stray_entries(folder, set(state.files))):
-        raise UsageError(f"{folder} holds entries weightsync did not put there ({', '.join(stray[:3])}); move them away first")
+        raise UsageError(
+            f"{folder} holds entries weightsync did not put there ({', '.join(stray[:3])}); move them away first"
+        )
     return state
 
 

@@ -283,6 +283,7 @@ def unchanged_files(folder: Path, state: LocalState | None, manifest: Manifest) 
                 same.add(f.path)
     return same
 
+
 def _holds(path: Path, size: int, digest: str) -> bool:
     """Whether ``path`` is a regular file with exactly these bytes."""
     try:

@@ -49,8 +49,12 @@ def create_app(deps: Deps) -> web.Application:
     app[METRICS] = deps.metrics
     d = deps.daemon
     routes = [
-        web.get("/healthz", healthz), web.get("/readyz", readyz), web.get("/metrics", metrics),
-        web.get("/openapi.json", openapi), web.get("/v1/status", status), web.get("/v1/versions", versions),
+        web.get("/healthz", healthz),
+        web.get("/readyz", readyz),
+        web.get("/metrics", metrics),
+        web.get("/openapi.json", openapi),
+        web.get("/v1/status", status),
+        web.get("/v1/versions", versions),
     ]
     if isinstance(d, Subscriber):
         app[SUBSCRIBER] = d
@@ -180,11 +184,17 @@ def list_versions(repo: Repo, limit: int) -> list[dict]:
     for v in repo.versions()[-limit:]:
         m = repo.manifest(v)
         elements = m.stats.get("elements", 0) or 0
-        out.append({
-            "version": v, "parent": m.parent, "keyframe": m.keyframe, "raw_bytes": m.raw_bytes,
-            "payload_bytes": m.payload_bytes, "changed_fraction": (m.stats.get("changed", 0) or 0) / max(1, elements),
-            "created": m.created,
-        })
+        out.append(
+            {
+                "version": v,
+                "parent": m.parent,
+                "keyframe": m.keyframe,
+                "raw_bytes": m.raw_bytes,
+                "payload_bytes": m.payload_bytes,
+                "changed_fraction": (m.stats.get("changed", 0) or 0) / max(1, elements),
+                "created": m.created,
+            }
+        )
     return out
 
 

@@ -119,8 +119,9 @@ class EnvParser(argparse.ArgumentParser):
         super().error(message)
 
 
-def env_argument(p: argparse.ArgumentParser, environ: Mapping[str, str] | None, *flags: str, sep: str | None = None,
-                 **kwargs) -> argparse.Action:
+def env_argument(
+    p: argparse.ArgumentParser, environ: Mapping[str, str] | None, *flags: str, sep: str | None = None, **kwargs
+) -> argparse.Action:
     """``p.add_argument(*flags, **kwargs)`` with the default ``WEIGHTSYNC_<FLAG>`` from ``environ``.
 
     ``environ`` None: a plain argument (a command that reads no environment). Otherwise the help
@@ -187,8 +188,15 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 def add_log_args(p: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
     """``--log-json`` and ``--log-level``, for every long-running process (the daemons, the mirror)."""
     env_argument(p, environ, "--log-json", action="store_true", help="log one JSON object per line")
-    env_argument(p, environ, "--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
-                 help="the least severe messages logged (default INFO)")
+    env_argument(
+        p,
+        environ,
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        help="the least severe messages logged (default INFO)",
+    )
 
 
 def _common_args(p: argparse.ArgumentParser, environ: Mapping[str, str] | None) -> None:
@@ -201,8 +209,12 @@ def _common_args(p: argparse.ArgumentParser, environ: Mapping[str, str] | None) 
     add("--id", help="this daemon's id (default: host name and a hash of its folder)")
     add("--region", default="", help="region label for metrics and the fleet ledger")
     add("--cluster", default="", help="cluster label for metrics and the fleet ledger")
-    add("--poll-interval", type=float, default=2.0,
-        help="seconds between store checks, > 0 (default 2; 0 is refused: it would poll the store without pause)")
+    add(
+        "--poll-interval",
+        type=float,
+        default=2.0,
+        help="seconds between store checks, > 0 (default 2; 0 is refused: it would poll the store without pause)",
+    )
     add_log_args(p, environ)
     add("--retry-attempts", type=int, default=5, help="attempts per store operation (default 5)")
     add("--grace", type=float, default=30.0, help="seconds to let work in flight finish on SIGTERM (default 30)")
@@ -214,25 +226,53 @@ def add_encoding_args(p: argparse.ArgumentParser, environ: Mapping[str, str] | N
     add = lambda *flags, **kw: env_argument(p, environ, *flags, **kw)  # noqa: E731
     add("--keyframe-interval", type=int, default=20, help="a full snapshot every K versions (default 20)")
     add("--chunk-mib", type=int, default=16, help="chunk size in MiB (default 16)")
-    add("--level", type=int, default=CodecConfig.level,
+    add(
+        "--level",
+        type=int,
+        default=CodecConfig.level,
         help=f"zstd level of the 'sparse' and 'dense' delta streams, with min_match 7 and hash_log 10 "
-             f"(default {CodecConfig.level})")
-    add("--fast-codec", action="store_true",
-        help="code deltas with 'sparse' (6-8x faster to encode, 10x to decode, ~1.5x larger) instead of the arithmetic coder")
+        f"(default {CodecConfig.level})",
+    )
+    add(
+        "--fast-codec",
+        action="store_true",
+        help="code deltas with 'sparse' (6-8x faster to encode, 10x to decode, ~1.5x larger) instead of the "
+        "arithmetic coder",
+    )
     add("--concurrency", type=int, default=32, help="chunks in flight (default 32)")
-    add("--ignore", action="append", default=[], metavar="GLOB", sep=",",
-        help="do not publish files whose relative path matches (repeatable), e.g. COMPLETE")
+    add(
+        "--ignore",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        sep=",",
+        help="do not publish files whose relative path matches (repeatable), e.g. COMPLETE",
+    )
 
 
 def add_rank_args(p: argparse.ArgumentParser, environ: Mapping[str, str] | None = None, *, required: bool) -> None:
     """``--rank`` and ``--world`` of a multi-rank publish (``publish-part``: both required; the
     publisher: rank mode when ``--rank`` is given)."""
     add = lambda *flags, **kw: env_argument(p, environ, *flags, **kw)  # noqa: E731
-    add("--rank", type=int, required=required,
-        help="this process's rank, 0..W-1" + ("" if required else ": publish only this rank's part of each version "
-                                              "(the safetensors files round-robin by sorted path, every other file on rank 0)"))
-    add("--world", type=int, required=required, default=None if required else 1,
-        help="W, the number of ranks publishing each version" + ("" if required else " (default 1)"))
+    add(
+        "--rank",
+        type=int,
+        required=required,
+        help="this process's rank, 0..W-1"
+        + (
+            ""
+            if required
+            else ": publish only this rank's part of each version "
+            "(the safetensors files round-robin by sorted path, every other file on rank 0)"
+        ),
+    )
+    add(
+        "--world",
+        type=int,
+        required=required,
+        default=None if required else 1,
+        help="W, the number of ranks publishing each version" + ("" if required else " (default 1)"),
+    )
 
 
 def publish_config(args, ignore: tuple[str, ...] = ()) -> PublishConfig:
@@ -254,18 +294,38 @@ def add_publisher_args(p: argparse.ArgumentParser, environ: Mapping[str, str] | 
     add("--watch", required=True, help="folder whose subfolders (ending in a step number) are checkpoints")
     add("--marker", default="COMPLETE", help="file that marks a checkpoint as ready (default COMPLETE)")
     add("--state-dir", help="publisher state (default: ~/.local/state/weightsync/publisher-<store hash>)")
-    add("--stale-after", type=float, default=3600.0,
-        help="seconds after which an unfinished checkpoint is skipped (default 3600)")
-    add("--publish-root", action="append", default=[], sep=os.pathsep,
-        help="extra folder POST /v1/publish may read (repeatable)")
+    add(
+        "--stale-after",
+        type=float,
+        default=3600.0,
+        help="seconds after which an unfinished checkpoint is skipped (default 3600)",
+    )
+    add(
+        "--publish-root",
+        action="append",
+        default=[],
+        sep=os.pathsep,
+        help="extra folder POST /v1/publish may read (repeatable)",
+    )
     add_encoding_args(p, environ)
     add_rank_args(p, environ, required=False)
-    add("--commit", action="store_true", help="with --rank: also merge and commit each version once all "
-        "its parts are stored (one rank, or several: they commit once)")
-    add("--commit-timeout", type=float, default=None,
-        help="with --commit: seconds to wait for the other ranks' parts (default 600)")
-    add("--own-files", action="store_true",
-        help="with --rank: every file of each checkpoint folder is this rank's (ranks with folders of their own)")
+    add(
+        "--commit",
+        action="store_true",
+        help="with --rank: also merge and commit each version once all "
+        "its parts are stored (one rank, or several: they commit once)",
+    )
+    add(
+        "--commit-timeout",
+        type=float,
+        default=None,
+        help="with --commit: seconds to wait for the other ranks' parts (default 600)",
+    )
+    add(
+        "--own-files",
+        action="store_true",
+        help="with --rank: every file of each checkpoint folder is this rank's (ranks with folders of their own)",
+    )
 
 
 def add_subscriber_args(p: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
@@ -273,29 +333,49 @@ def add_subscriber_args(p: argparse.ArgumentParser, environ: Mapping[str, str] |
     _common_args(p, environ)
     add = lambda *flags, **kw: env_argument(p, environ, *flags, **kw)  # noqa: E731
     add("--target", required=True, help="folder holding slots/a, slots/b and the current symlink")
-    add("--version", dest="pin", type=version_arg, metavar="N|latest",
+    add(
+        "--version",
+        dest="pin",
+        type=version_arg,
+        metavar="N|latest",
         help="start at this version (a pin), or 'latest' to follow the head; overrides the target "
-             "stored by PUT /v1/target (default: the stored target, else the head)")
+        "stored by PUT /v1/target (default: the stored target, else the head)",
+    )
     add("--include", action="append", default=[], sep=",", help="glob over tensor names to fetch (repeatable)")
     add("--exclude", action="append", default=[], sep=",", help="glob over tensor names to skip (repeatable)")
     add("--hook-url", help="HTTP endpoint called after each swap")
     add("--hook-method", default="POST", help="HTTP method of the hook (default POST)")
-    add("--hook-header", action="append", default=[], sep="\n", metavar="'NAME: VALUE'",
+    add(
+        "--hook-header",
+        action="append",
+        default=[],
+        sep="\n",
+        metavar="'NAME: VALUE'",
         help="HTTP header sent with each hook request, e.g. 'Authorization: Bearer ...' (repeatable; "
-             "values are never logged; prefer the variable to the flag, which ps shows)")
+        "values are never logged; prefer the variable to the flag, which ps shows)",
+    )
     add("--hook-body", default=DEFAULT_HOOK_BODY, help="JSON template; {version}, {path}, {current} are replaced")
     add("--hook-command", help="command run after each swap (split like a shell; same placeholders)")
-    add("--hook-attempts", type=int, default=5,
-        help="tries of the hook per swap, each failure logged and counted (default 5)")
+    add(
+        "--hook-attempts",
+        type=int,
+        default=5,
+        help="tries of the hook per swap, each failure logged and counted (default 5)",
+    )
     add("--hook-timeout", type=float, default=30.0, help="seconds each try of the hook may take (default 30)")
     add("--hook-backoff", type=float, default=0.5, help="first wait between hook attempts, doubling (default 0.5)")
     add("--ledger-interval", type=float, default=30.0, help="seconds between fleet ledger heartbeats (default 30)")
     add("--concurrency", type=int, default=32, help="chunks in flight (default 32)")
     add("--verify-before-swap", action="store_true", help="re-read the whole standby copy before each swap")
-    add("--standby-hold", type=hold_arg, default=30.0, metavar="SECONDS|never",
+    add(
+        "--standby-hold",
+        type=hold_arg,
+        default=30.0,
+        metavar="SECONDS|never",
         help="overwrite the standby slot's files in place (half the CPU of new files) once nothing reads "
-             "them: with a swap hook, once the hook of the latest swap succeeded; without one, this many "
-             "seconds after the swap; 'never': always write new files (default 30)")
+        "them: with a swap hook, once the hook of the latest swap succeeded; without one, this many "
+        "seconds after the swap; 'never': always write new files (default 30)",
+    )
     add("--no-fsync", action="store_true", help="skip fsync of written files (tests, tmpfs)")
 
 
@@ -345,8 +425,10 @@ def _token(args, environ: Mapping[str, str]) -> str | None:
     else:
         token = value
     if not token.strip():
-        raise UsageError(f"{source} gives an empty API token: refusing to start without authentication "
-                         f"(give a token, or none of --api-token-file, --api-token, {TOKEN_ENV}_FILE and {TOKEN_ENV})")
+        raise UsageError(
+            f"{source} gives an empty API token: refusing to start without authentication "
+            f"(give a token, or none of --api-token-file, --api-token, {TOKEN_ENV}_FILE and {TOKEN_ENV})"
+        )
     return token
 
 
@@ -363,8 +445,10 @@ def _poll_interval(args) -> float:
     that polled its store without pause would spend requests (and money) for nothing."""
     value = args.poll_interval
     if not value > 0:
-        raise UsageError(f"{_source(args, 'poll_interval', '--poll-interval')} must be a number of seconds > 0, "
-                         f"not {value:g} (a poll interval of 0 would poll the store without pause)")
+        raise UsageError(
+            f"{_source(args, 'poll_interval', '--poll-interval')} must be a number of seconds > 0, "
+            f"not {value:g} (a poll interval of 0 would poll the store without pause)"
+        )
     return value
 
 
@@ -400,8 +484,14 @@ def publisher_config(args, environ: Mapping[str, str] = os.environ) -> Publisher
     """The publisher daemon's :class:`PublisherConfig` from parsed flags and the environment."""
     watch = _folder(_source(args, "watch", "--watch"), args.watch)
     store_hash = xxhash.xxh3_64_hexdigest(str(args.store).encode())
-    name = f"publisher-{store_hash}" + ("" if args.rank is None else f"-rank{args.rank}-of-{args.world}")  # ranks may share a host
-    state = _folder(_source(args, "state_dir", "--state-dir"), args.state_dir) if args.state_dir is not None else _state_home(environ) / name
+    name = f"publisher-{store_hash}" + (
+        "" if args.rank is None else f"-rank{args.rank}-of-{args.world}"
+    )  # ranks may share a host
+    state = (
+        _folder(_source(args, "state_dir", "--state-dir"), args.state_dir)
+        if args.state_dir is not None
+        else _state_home(environ) / name
+    )
     return PublisherConfig(
         store=_store(args),
         watch_dir=watch,
@@ -430,7 +520,9 @@ def _header(text: str, source: str) -> tuple[str, str]:
     """``'Name: value'`` -> (name, value); an error never shows the value (it may be a secret)."""
     name, colon, value = text.partition(":")
     if not colon or not name.strip():
-        raise UsageError(f"{source} wants 'NAME: VALUE' (e.g. 'Authorization: Bearer ...'), not a line without a name and colon")
+        raise UsageError(
+            f"{source} wants 'NAME: VALUE' (e.g. 'Authorization: Bearer ...'), not a line without a name and colon"
+        )
     return name.strip(), value.strip()
 
 
@@ -445,10 +537,17 @@ def _hook(args, environ: Mapping[str, str]) -> HookConfig | None:
     # a command hook inherits the environment minus anything that looks like a secret
     env = {k: v for k, v in environ.items() if not _SECRETISH.search(k)}
     return HookConfig(
-        url=args.hook_url, command=command, method=args.hook_method.upper(), body=args.hook_body,
-        attempts=args.hook_attempts, backoff=Backoff(args.hook_backoff, max(args.hook_backoff, 30.0)),
-        timeout=args.hook_timeout, env=env,
-        headers=tuple(_header(h, _source(args, "hook_header", "--hook-header")) for h in getattr(args, "hook_header", [])),
+        url=args.hook_url,
+        command=command,
+        method=args.hook_method.upper(),
+        body=args.hook_body,
+        attempts=args.hook_attempts,
+        backoff=Backoff(args.hook_backoff, max(args.hook_backoff, 30.0)),
+        timeout=args.hook_timeout,
+        env=env,
+        headers=tuple(
+            _header(h, _source(args, "hook_header", "--hook-header")) for h in getattr(args, "hook_header", [])
+        ),
     )
 
 

@@ -100,7 +100,9 @@ class HookRunner:
     async def _command(self, version: int, path: str, current: str) -> None:
         argv = [render(a, version, path, current, json_strings=False) for a in self.cfg.command]
         env = dict(self.cfg.env, WEIGHTSYNC_VERSION=str(version), WEIGHTSYNC_PATH=path, WEIGHTSYNC_CURRENT=current)
-        proc = await asyncio.create_subprocess_exec(*argv, env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+        proc = await asyncio.create_subprocess_exec(
+            *argv, env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
+        )
         try:
             _, err = await proc.communicate()
         except asyncio.CancelledError:
@@ -108,4 +110,6 @@ class HookRunner:
             await proc.wait()
             raise
         if proc.returncode != 0:
-            raise RuntimeError(f"hook command exited with {proc.returncode}: {err.decode(errors='replace')[-200:].strip()}")
+            raise RuntimeError(
+                f"hook command exited with {proc.returncode}: {err.decode(errors='replace')[-200:].strip()}"
+            )

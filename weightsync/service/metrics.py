@@ -45,8 +45,17 @@ class Metrics:
     ``runtime``: also register the process, platform and GC collectors on ``registry``.
     """
 
-    def __init__(self, registry: CollectorRegistry, role: str, *, region: str = "", cluster: str = "", subscriber: str = "",
-                 clock=time.time, runtime: bool = True):
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        role: str,
+        *,
+        region: str = "",
+        cluster: str = "",
+        subscriber: str = "",
+        clock=time.time,
+        runtime: bool = True,
+    ):
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
         self.registry, self.role = registry, role
@@ -71,55 +80,97 @@ class Metrics:
             register_runtime_collectors(registry)
         from weightsync._version import __version__
 
-        Gauge("weightsync_build_info", "Always 1; the version label is the weightsync version running.",
-              (*names, "version"), registry=registry).labels(**self.labels, version=__version__).set(1)
-        self._store_retries = Counter("weightsync_store_retries_total",
-                                      "Store operations retried after a retryable error, by operation and reason.",
-                                      (*names, "op", "reason"), registry=registry)
+        Gauge(
+            "weightsync_build_info",
+            "Always 1; the version label is the weightsync version running.",
+            (*names, "version"),
+            registry=registry,
+        ).labels(**self.labels, version=__version__).set(1)
+        self._store_retries = Counter(
+            "weightsync_store_retries_total",
+            "Store operations retried after a retryable error, by operation and reason.",
+            (*names, "op", "reason"),
+            registry=registry,
+        )
         for op in RETRY_OPS:
             for reason in RETRY_REASONS:
                 self._store_retries.labels(**self.labels, op=op, reason=reason)
-        self.loop_errors = counter("weightsync_loop_errors_total", "Failed iterations of the daemon loop (logged, then backed off).")
+        self.loop_errors = counter(
+            "weightsync_loop_errors_total", "Failed iterations of the daemon loop (logged, then backed off)."
+        )
         if role == "publisher":
-            self.published_version = gauge("weightsync_published_version", "Newest version this publisher committed.", -1)
+            self.published_version = gauge(
+                "weightsync_published_version", "Newest version this publisher committed.", -1
+            )
             self._publish_seconds = Histogram(
-                "weightsync_publish_seconds", "Seconds per publish phase.", (*names, "phase"), registry=registry, buckets=_SECONDS
+                "weightsync_publish_seconds",
+                "Seconds per publish phase.",
+                (*names, "phase"),
+                registry=registry,
+                buckets=_SECONDS,
             )
             self.upload_bytes = counter("weightsync_upload_bytes_total", "Chunk bytes uploaded to the store.")
             self.checkpoint_bytes = gauge("weightsync_checkpoint_bytes", "Size of the last published checkpoint.")
             self.delta_bytes = gauge("weightsync_delta_bytes", "Encoded payload bytes of the last published version.")
-            self.changed_ratio = gauge("weightsync_changed_ratio",
-                                       "Fraction (0..1) of elements that changed in the last version.")
+            self.changed_ratio = gauge(
+                "weightsync_changed_ratio", "Fraction (0..1) of elements that changed in the last version."
+            )
             self.publish_failures = counter("weightsync_publish_failures_total", "Publish attempts that failed.")
         elif role == "mirror":
             self._clock = clock
             self._mark = time.monotonic()
             self._destination = -1
-            self.source_version = gauge("weightsync_mirror_source_version",
-                                        "Head version of the source store, read at the start of the last pass.", -1)
-            self.destination_version = gauge("weightsync_mirror_destination_version",
-                                             "Head version of the destination (regional) store.", -1)
-            self.copied_versions = counter("weightsync_mirror_copied_versions_total", "Versions copied into the destination.")
-            self.copied_chunks = counter("weightsync_mirror_copied_chunks_total",
-                                         "Chunks copied into the destination (counted as each lands, failed passes included).")
-            self.copied_bytes = counter("weightsync_mirror_copied_bytes_total",
-                                        "Chunk bytes copied into the destination (counted as each chunk lands).")
-            self.skipped_chunks = counter("weightsync_mirror_skipped_chunks_total", "Chunks not copied: already in the destination.")
-            self.version_seconds = histogram("weightsync_mirror_version_seconds",
-                                             "Seconds to mirror one version (chunks, manifest, head).")
-            self.last_success = gauge("weightsync_mirror_last_success_timestamp_seconds",
-                                      "Unix time at the end of the last successful pass (0: none yet).", 0)
+            self.source_version = gauge(
+                "weightsync_mirror_source_version",
+                "Head version of the source store, read at the start of the last pass.",
+                -1,
+            )
+            self.destination_version = gauge(
+                "weightsync_mirror_destination_version", "Head version of the destination (regional) store.", -1
+            )
+            self.copied_versions = counter(
+                "weightsync_mirror_copied_versions_total", "Versions copied into the destination."
+            )
+            self.copied_chunks = counter(
+                "weightsync_mirror_copied_chunks_total",
+                "Chunks copied into the destination (counted as each lands, failed passes included).",
+            )
+            self.copied_bytes = counter(
+                "weightsync_mirror_copied_bytes_total",
+                "Chunk bytes copied into the destination (counted as each chunk lands).",
+            )
+            self.skipped_chunks = counter(
+                "weightsync_mirror_skipped_chunks_total", "Chunks not copied: already in the destination."
+            )
+            self.version_seconds = histogram(
+                "weightsync_mirror_version_seconds", "Seconds to mirror one version (chunks, manifest, head)."
+            )
+            self.last_success = gauge(
+                "weightsync_mirror_last_success_timestamp_seconds",
+                "Unix time at the end of the last successful pass (0: none yet).",
+                0,
+            )
             self.start_time = gauge("weightsync_mirror_start_time_seconds", "Unix time the mirror started.", clock())
         else:
             self.current_version = gauge("weightsync_current_version", "Version the current symlink points at.", -1)
             self.latest_version = gauge("weightsync_latest_version", "Head version of the store at the last check.", -1)
             self.version_lag = gauge("weightsync_version_lag", "Latest minus current version.", 0)
-            self.staleness = gauge("weightsync_staleness_seconds", "Seconds since a newer version than the current one appeared.", 0)
+            self.staleness = gauge(
+                "weightsync_staleness_seconds", "Seconds since a newer version than the current one appeared.", 0
+            )
             self.download_bytes = counter("weightsync_download_bytes_total", "Chunk bytes fetched from the store.")
             self.download_seconds = histogram("weightsync_download_seconds", "Seconds spent fetching chunks per sync.")
-            self.apply_seconds = histogram("weightsync_apply_seconds", "Seconds spent decoding and writing a version per sync.")
-            self.swap_pause = histogram("weightsync_swap_pause_seconds", "Seconds the swap itself took (symlink flip or in-place patch).", _PAUSE)
-            self.checksum_failures = counter("weightsync_checksum_failures_total", "Data that failed checksum verification.")
+            self.apply_seconds = histogram(
+                "weightsync_apply_seconds", "Seconds spent decoding and writing a version per sync."
+            )
+            self.swap_pause = histogram(
+                "weightsync_swap_pause_seconds",
+                "Seconds the swap itself took (symlink flip or in-place patch).",
+                _PAUSE,
+            )
+            self.checksum_failures = counter(
+                "weightsync_checksum_failures_total", "Data that failed checksum verification."
+            )
             self.hook_failures = counter("weightsync_swap_hook_failures_total", "Failed swap hook attempts.")
             self.swaps = counter("weightsync_swaps_total", "Completed swaps.")
 

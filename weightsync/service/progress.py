@@ -77,8 +77,17 @@ class Progress(Observer):
                 from tqdm.auto import tqdm
 
                 # disable is not passed, so that TQDM_DISABLE (tqdm's environment default) applies
-                self._bar = tqdm(total=total, desc=self.label, unit="B", unit_scale=True, unit_divisor=1024,
-                                 file=self.stream, leave=True, dynamic_ncols=True, mininterval=0.1)
+                self._bar = tqdm(
+                    total=total,
+                    desc=self.label,
+                    unit="B",
+                    unit_scale=True,
+                    unit_divisor=1024,
+                    file=self.stream,
+                    leave=True,
+                    dynamic_ncols=True,
+                    mininterval=0.1,
+                )
             bar = self._bar
             if total != bar.total:
                 bar.total = total

@@ -105,8 +105,14 @@ class Publish:
 PublishAction = Idle | Wait | Publish
 
 
-def plan_publish(candidates: list[Candidate], head: int | None, now: float, stale_after: float,
-                 failed_step: int | None = None, retry_at: float = 0.0) -> PublishAction:
+def plan_publish(
+    candidates: list[Candidate],
+    head: int | None,
+    now: float,
+    stale_after: float,
+    failed_step: int | None = None,
+    retry_at: float = 0.0,
+) -> PublishAction:
     """The next checkpoint to publish: the lowest step above the head, once it is ready."""
     skipped = []
     for c in candidates:
@@ -160,11 +166,21 @@ class Publisher:
     def status(self) -> dict:
         """The ``GET /v1/status`` document."""
         return {
-            "role": "publisher", "id": self.cfg.identity.id, "region": self.cfg.identity.region,
-            "cluster": self.cfg.identity.cluster, "store": self.repo.url, "watch_dir": str(self.cfg.watch_dir),
-            "head_version": self.head, "pending": self.pending, "state": self.state, "reason": self.reason,
-            "last_publish": self.last_publish, "last_error": self.last_error,
-            "rank": self.cfg.rank, "world": self.cfg.world, "part_stored": self._part,
+            "role": "publisher",
+            "id": self.cfg.identity.id,
+            "region": self.cfg.identity.region,
+            "cluster": self.cfg.identity.cluster,
+            "store": self.repo.url,
+            "watch_dir": str(self.cfg.watch_dir),
+            "head_version": self.head,
+            "pending": self.pending,
+            "state": self.state,
+            "reason": self.reason,
+            "last_publish": self.last_publish,
+            "last_error": self.last_error,
+            "rank": self.cfg.rank,
+            "world": self.cfg.world,
+            "part_stored": self._part,
         }
 
     async def run(self) -> None:
@@ -184,8 +200,13 @@ class Publisher:
             self.head = await asyncio.to_thread(self.repo.head_version)
             if self._part is not None and self.head is not None and self.head >= self._part:
                 if self.head > self._part:
-                    event(log, f"the head moved past version {self._part}, which this rank stored a part of", logging.WARNING,
-                          head=self.head, part=self._part)
+                    event(
+                        log,
+                        f"the head moved past version {self._part}, which this rank stored a part of",
+                        logging.WARNING,
+                        head=self.head,
+                        part=self._part,
+                    )
                 self._part = None  # committed (by this rank or another)
             self.pending = [c.step for c in candidates if self.head is None or c.step > self.head]
             failed_step, _, retry_at = self._failed or (None, 0, 0.0)
@@ -194,13 +215,21 @@ class Publisher:
             # ranks must agree on every version, so in rank mode no rank skips an unfinished checkpoint
             stale = self.cfg.stale_after if self.cfg.rank is None else math.inf
             action = plan_publish(candidates, self.head, self.clock(), stale, failed_step, retry_at)
-            self.reason = f"publishing checkpoint {action.candidate.step}" if isinstance(action, Publish) else action.reason
+            self.reason = (
+                f"publishing checkpoint {action.candidate.step}" if isinstance(action, Publish) else action.reason
+            )
             self._errors = 0
             if not isinstance(action, Publish):
                 self.state = "idle" if isinstance(action, Idle) else "waiting"
                 return self.cfg.poll_interval
             for step in action.skipped:
-                event(log, f"skipping unfinished checkpoint {step}", logging.WARNING, step=step, stale_after=self.cfg.stale_after)
+                event(
+                    log,
+                    f"skipping unfinished checkpoint {step}",
+                    logging.WARNING,
+                    step=step,
+                    stale_after=self.cfg.stale_after,
+                )
             c = action.candidate
             if self.cfg.rank is not None and await asyncio.to_thread(self._part_stored, c.step):
                 self._part = c.step  # stored before a restart: not encoded again
@@ -216,8 +245,12 @@ class Publisher:
     def _report_too_large(self, names: list[str]) -> None:
         """Log once each checkpoint folder skipped for good: its step is no version the format allows."""
         for name in sorted(set(names) - self._too_large):
-            event(log, f"skipping checkpoint {name!r}: its step is above {MAX_VERSION}, the largest version the "
-                  "format allows", logging.ERROR, path=str(self.cfg.watch_dir / name))
+            event(
+                log,
+                f"skipping checkpoint {name!r}: its step is above {MAX_VERSION}, the largest version the format allows",
+                logging.ERROR,
+                path=str(self.cfg.watch_dir / name),
+            )
         self._too_large = set(names)
 
     async def _await_commit(self, failed_step: int | None, retry_at: float) -> float:
@@ -226,9 +259,14 @@ class Publisher:
         self._errors = 0
         if not self.cfg.commit or (failed_step == part and self.clock() < retry_at):
             self.state = "waiting"
-            self.reason = (f"part {self.cfg.rank} of version {part} stored; waiting for its commit" if not self.cfg.commit else
-                           f"committing version {part} failed; retrying in {retry_at - self.clock():.1f}s")
-            return self.cfg.poll_interval if not self.cfg.commit else min(self.cfg.poll_interval, retry_at - self.clock())
+            self.reason = (
+                f"part {self.cfg.rank} of version {part} stored; waiting for its commit"
+                if not self.cfg.commit
+                else f"committing version {part} failed; retrying in {retry_at - self.clock():.1f}s"
+            )
+            return (
+                self.cfg.poll_interval if not self.cfg.commit else min(self.cfg.poll_interval, retry_at - self.clock())
+            )
         self.reason = f"committing version {part} once all {self.cfg.world} parts are stored"
         await self._guarded(part, "committing", self._commit_blocking, part)
         return 0.0
@@ -277,19 +315,38 @@ class Publisher:
     def _publish_blocking(self, path: Path, version: int | None, base: Path | None) -> PublishResult:
         cfg, cache = self.cfg.publish, self.cache_dir
         stop = self.stop_token
-        if self.cfg.rank is None:
-            run = lambda b: publish(path, self.repo, version, config=cfg, base_dir=b, cache_dir=cache, observer=stop)  # noqa: E731
-        else:
-            files = [f.path for f in scan_checkpoint(path, cfg.ignore)] if self.cfg.own_files else None
-            run = lambda b: publish_part(path, self.repo, self.cfg.rank, self.cfg.world, files, version=version,  # noqa: E731
-                                         config=cfg, base_dir=b, cache_dir=cache, observer=stop)
+        files = None
+        if self.cfg.rank is not None and self.cfg.own_files:
+            files = [f.path for f in scan_checkpoint(path, cfg.ignore)]
+
+        def run(base: Path | None):
+            if self.cfg.rank is None:
+                return publish(path, self.repo, version, config=cfg, base_dir=base, cache_dir=cache, observer=stop)
+            return publish_part(
+                path,
+                self.repo,
+                self.cfg.rank,
+                self.cfg.world,
+                files,
+                version=version,
+                config=cfg,
+                base_dir=base,
+                cache_dir=cache,
+                observer=stop,
+            )
+
         result = None
         if base is not None:
             try:
                 result = run(base)
             except BaseMismatchError as exc:
-                event(log, "previous checkpoint differs from the head version; using the cache", logging.WARNING,
-                      base=base, error=str(exc))
+                event(
+                    log,
+                    "previous checkpoint differs from the head version; using the cache",
+                    logging.WARNING,
+                    base=base,
+                    error=str(exc),
+                )
         return result or run(None)
 
     def _commit_blocking(self, version: int) -> None:
@@ -303,20 +360,45 @@ class Publisher:
         self._part = None
         self.head = max(self.head or -1, r.version)
         self.metrics.published_version.set(r.version)
-        event(log, f"{'found' if r.already else 'committed'} version {r.version} from {r.world} parts", version=r.version,
-              files=r.files, size=human_bytes(r.raw_bytes), stored=human_bytes(r.payload_bytes), seconds=f"{r.seconds:.3f}")
+        event(
+            log,
+            f"{'found' if r.already else 'committed'} version {r.version} from {r.world} parts",
+            version=r.version,
+            files=r.files,
+            size=human_bytes(r.raw_bytes),
+            stored=human_bytes(r.payload_bytes),
+            seconds=f"{r.seconds:.3f}",
+        )
 
     def _record(self, path: Path, r: PublishResult) -> None:
         self.metrics.observe_publish(r, committed=self.cfg.rank is None)
-        self.last_publish = {"path": str(path), "time": self.clock(), **asdict(r), "ratio": r.ratio,
-                             "changed_fraction": r.changed_fraction}
+        self.last_publish = {
+            "path": str(path),
+            "time": self.clock(),
+            **asdict(r),
+            "ratio": r.ratio,
+            "changed_fraction": r.changed_fraction,
+        }
         self.last_error = None
         s = r.seconds
         kind = "keyframe" if r.keyframe else f"delta from {r.parent}"
-        what = f"part {self.cfg.rank} of {self.cfg.world} of version {r.version}" if self.cfg.rank is not None else f"version {r.version}"
-        event(log, f"published {what}", version=r.version, kind=kind, size=human_bytes(r.raw_bytes),
-              stored=human_bytes(r.payload_bytes), ratio=f"{r.ratio:.1f}x", changed=f"{100 * r.changed_fraction:.2f}%",
-              uploaded=human_bytes(r.uploaded_bytes), **{f"{k}_s": f"{v:.3f}" for k, v in s.items()})
+        what = (
+            f"part {self.cfg.rank} of {self.cfg.world} of version {r.version}"
+            if self.cfg.rank is not None
+            else f"version {r.version}"
+        )
+        event(
+            log,
+            f"published {what}",
+            version=r.version,
+            kind=kind,
+            size=human_bytes(r.raw_bytes),
+            stored=human_bytes(r.payload_bytes),
+            ratio=f"{r.ratio:.1f}x",
+            changed=f"{100 * r.changed_fraction:.2f}%",
+            uploaded=human_bytes(r.uploaded_bytes),
+            **{f"{k}_s": f"{v:.3f}" for k, v in s.items()},
+        )
 
     def allowed(self, path: str) -> Path:
         """An explicit publish's folder, resolved (symlinks too): a strict subfolder of the watched folder
@@ -329,8 +411,10 @@ class Publisher:
             if not any(p != r and p.is_relative_to(r) for r in roots):
                 raise PathNotAllowed(f"{path!r} is not under the watched folder or a --publish-root")
             if any(r.is_relative_to(p) for r in roots):  # a root: every checkpoint in it as one version
-                raise PathNotAllowed(f"{path!r} is the watched folder or a --publish-root, or holds one; "
-                                     "give one checkpoint folder inside it")
+                raise PathNotAllowed(
+                    f"{path!r} is the watched folder or a --publish-root, or holds one; "
+                    "give one checkpoint folder inside it"
+                )
             if not p.is_dir():
                 raise PathNotFound(f"{path!r} is not a directory")
         except (OSError, ValueError) as exc:  # NUL bytes, unencodable names, loops
@@ -346,8 +430,10 @@ class Publisher:
     async def publish_request(self, path: str, version: int | None) -> PublishResult:
         """``POST /v1/publish``: publish a folder now (waits for a publish in flight)."""
         if self.cfg.rank is not None:
-            raise UsageError("this publisher runs in rank mode (--rank): it publishes its part of each checkpoint in its "
-                             "watched folder, and POST /v1/publish, which publishes whole versions, is off")
+            raise UsageError(
+                "this publisher runs in rank mode (--rank): it publishes its part of each checkpoint in its "
+                "watched folder, and POST /v1/publish, which publishes whole versions, is off"
+            )
         folder = await asyncio.to_thread(self.allowed, path)  # resolving symlinks may block on the file system
         head = await asyncio.to_thread(self.repo.head_version)
         v = self.default_version(folder, head) if version is None else version

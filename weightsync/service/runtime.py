@@ -3,10 +3,10 @@ the store, running an aiohttp application until SIGTERM or SIGINT, and a plain H
 mirror's probes and metrics.
 
 Shutdown: a signal sets the stop token. Work running in a thread sees it through its observer's
-``check`` (the token is the observer) and aborts before it commits anything (a publish before its manifest, a pull before its
-install), or finishes if it is past that point; background loops are given ``grace`` seconds to
-return, then cancelled. Nothing visible is ever half-written: versions are committed and ``current``
-is flipped by single atomic operations.
+``check`` (the token is the observer) and aborts before it commits anything (a publish before its
+manifest, a pull before its install), or finishes if it is past that point; background loops are
+given ``grace`` seconds to return, then cancelled. Nothing visible is ever half-written: versions
+are committed and ``current`` is flipped by single atomic operations.
 """
 
 from __future__ import annotations
@@ -158,7 +158,9 @@ def serve_routes(host: str, port: int, routes: dict[str, Callable[[], Answer]]) 
     """Serve ``GET path`` -> ``routes[path]()`` at ``host:port`` from a daemon thread (other paths:
     404). Raises OSError if it cannot listen there; stop it with ``shutdown()`` and ``server_close()``."""
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    server_class = type("Server", (http.server.ThreadingHTTPServer,), {"address_family": family, "daemon_threads": True})
+    server_class = type(
+        "Server", (http.server.ThreadingHTTPServer,), {"address_family": family, "daemon_threads": True}
+    )
     server = server_class((host, port), _RoutesHandler)
     server.routes = routes  # type: ignore[attr-defined]
     threading.Thread(target=server.serve_forever, name="http", daemon=True).start()

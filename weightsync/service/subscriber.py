@@ -184,8 +184,14 @@ class Subscriber:
             event(log, "ignoring a damaged stored target: the command line pins a version", logging.WARNING, error=exc)
         target, source = startup_target(pin, stored)
         overrides = {} if pin is None or stored in (None, pin) else {"overrides_stored": stored}
-        event(log, "target at start-up", target=target, source=source, **overrides,
-              file=Path(self.cfg.target_dir) / STATE_DIR / "target.json")
+        event(
+            log,
+            "target at start-up",
+            target=target,
+            source=source,
+            **overrides,
+            file=Path(self.cfg.target_dir) / STATE_DIR / "target.json",
+        )
         return target, source
 
     async def set_target(self, target: Target) -> None:
@@ -202,8 +208,10 @@ class Subscriber:
             try:
                 await asyncio.to_thread(write_target, self.cfg.target_dir, target, self.cfg.fsync, self.repo.url)
             except OSError as exc:
-                raise WeightsyncError(f"could not store the target in {target_path(self.cfg.target_dir)}: "
-                                      f"{exc.strerror or exc}; target unchanged") from None
+                raise WeightsyncError(
+                    f"could not store the target in {target_path(self.cfg.target_dir)}: "
+                    f"{exc.strerror or exc}; target unchanged"
+                ) from None
             self.target, self.target_from = target, "api"
         event(log, "target set", target=target, stored=target_path(self.cfg.target_dir))
         if self.view.failed_version is not None:
@@ -235,7 +243,9 @@ class Subscriber:
             "reason": self.reason,
             "lag": lag,
             "staleness_seconds": self.staleness,
-            "partial": {"include": list(self.cfg.include), "exclude": list(self.cfg.exclude)} if self.cfg.partial else None,
+            "partial": {"include": list(self.cfg.include), "exclude": list(self.cfg.exclude)}
+            if self.cfg.partial
+            else None,
             "last_sync": self.last_sync,
             "last_error": self.last_error,
             "hook": None if self.hooks is None or self.hooks.last is None else vars(self.hooks.last),
@@ -275,8 +285,16 @@ class Subscriber:
             self._served = snapshot(self.slots.path(cur))
             self._check_served(installed=True)  # changed while no subscriber watched
         self.metrics.current_version.set(-1 if current is None else current)
-        event(log, "started", target_dir=self.cfg.target_dir, current=current, standby=standby, target=self.target,
-              target_from=self.target_from, partial=self.cfg.partial)
+        event(
+            log,
+            "started",
+            target_dir=self.cfg.target_dir,
+            current=current,
+            standby=standby,
+            target=self.target,
+            target_from=self.target_from,
+            partial=self.cfg.partial,
+        )
 
     async def _iteration(self) -> float:
         """One poll: plan, act, update gauges. Returns the seconds to wait before the next one."""
@@ -366,9 +384,13 @@ class Subscriber:
     def _fill_slot(self, folder: Path, version: int) -> SyncResult:
         self._clear_other_mode(folder)
         base = None
-        cfg = PullConfig(fetch_concurrency=self.cfg.fetch_concurrency, decode_threads=self.cfg.decode_threads, fsync=self.cfg.fsync)
+        cfg = PullConfig(
+            fetch_concurrency=self.cfg.fetch_concurrency, decode_threads=self.cfg.decode_threads, fsync=self.cfg.fsync
+        )
         if self.cfg.partial:
-            r = materialize(self.repo, folder, version, self.selection, config=cfg, observer=self.stop_token, lock=self._lock)
+            r = materialize(
+                self.repo, folder, version, self.selection, config=cfg, observer=self.stop_token, lock=self._lock
+            )
             raw = sum(f["size"] for f in read_partial_state(folder).files.values())
             fetch_s, build_s = r.seconds.get("fetch", 0.0), r.seconds.get("build", 0.0)
         else:
@@ -403,8 +425,15 @@ class Subscriber:
         if why is None:
             self._served = now  # link counts (and their ctimes) move with others' hard links
             return
-        event(log, "the served slot changed behind weightsync's back; it no longer claims a version, "
-              "a fresh copy is synced and swapped in", logging.ERROR, folder=folder, version=self.view.current, change=why)
+        event(
+            log,
+            "the served slot changed behind weightsync's back; it no longer claims a version, "
+            "a fresh copy is synced and swapped in",
+            logging.ERROR,
+            folder=folder,
+            version=self.view.current,
+            change=why,
+        )
         self.metrics.checksum_failures.inc()
         self.last_error = f"the served slot {folder} changed behind weightsync's back ({why})"
         disown(folder)
@@ -446,31 +475,54 @@ class Subscriber:
         (its remains are removed: a full disk is not filled twice). Returns True when the copy gave
         way to other work (:meth:`_seed_check`); it is redone when idle again."""
         cur, current = self.slots.current(), self.view.current
-        if self.cfg.partial or self.release.hold is None or cur is None or current is None or self.view.standby is not None:
+        if (
+            self.cfg.partial
+            or self.release.hold is None
+            or cur is None
+            or current is None
+            or self.view.standby is not None
+        ):
             return False
         folder = self.slots.path(self.slots.standby())
-        if self._seed_failed == current or (folder / STATE_DIR / REFILL).exists() or slot_version(folder, False) is not None:
+        if (
+            self._seed_failed == current
+            or (folder / STATE_DIR / REFILL).exists()
+            or slot_version(folder, False) is not None
+        ):
             return False
         t0, self._seed_poll = time.perf_counter(), time.monotonic() + self.cfg.poll_interval
         try:
             await asyncio.to_thread(clone, self.slots.path(cur), folder, True, self.cfg.fsync, self._seed_check)
         except _SeedInterrupted as exc:  # the loop has other work: the copy is redone when idle again
             await asyncio.to_thread(_drop_copy, folder)
-            event(log, f"stopped copying the current version into the standby slot: {exc}", folder=folder, version=current)
+            event(
+                log, f"stopped copying the current version into the standby slot: {exc}", folder=folder, version=current
+            )
             return True
         except OSError as exc:
             self._seed_failed = current
             await asyncio.to_thread(_drop_copy, folder)
-            event(log, "could not copy the current version into the standby slot; the next delta creates its files",
-                  level=logging.WARNING, folder=folder, version=current, error=exc)
+            event(
+                log,
+                "could not copy the current version into the standby slot; the next delta creates its files",
+                level=logging.WARNING,
+                folder=folder,
+                version=current,
+                error=exc,
+            )
             return False
         await asyncio.to_thread(self._check_served)  # a served file rewritten while copied: not the version
         if self.view.current != current:
             await asyncio.to_thread(_drop_copy, folder)
             return False
         self.view, self._seeded = replace(self.view, standby=current), self.slots.standby()
-        event(log, "seeded the standby slot with a copy of the current version", folder=folder, version=current,
-              seconds=f"{time.perf_counter() - t0:.3f}")
+        event(
+            log,
+            "seeded the standby slot with a copy of the current version",
+            folder=folder,
+            version=current,
+            seconds=f"{time.perf_counter() - t0:.3f}",
+        )
         return False
 
     def _seed_check(self) -> None:
@@ -505,14 +557,31 @@ class Subscriber:
         m.swap_pause.observe(pause)
         m.swaps.inc()
         self.last_sync = {
-            "version": r.version, "from_version": r.from_version, "fetched_bytes": r.fetched_bytes, "raw_bytes": r.raw_bytes,
-            "fetch_seconds": round(r.fetch_seconds, 6), "build_seconds": round(r.build_seconds, 6),
-            "swap_seconds": round(pause, 6), "in_place": r.in_place, "time": self.clock(),
+            "version": r.version,
+            "from_version": r.from_version,
+            "fetched_bytes": r.fetched_bytes,
+            "raw_bytes": r.raw_bytes,
+            "fetch_seconds": round(r.fetch_seconds, 6),
+            "build_seconds": round(r.build_seconds, 6),
+            "swap_seconds": round(pause, 6),
+            "in_place": r.in_place,
+            "time": self.clock(),
         }
         ratio = f"{r.raw_bytes / r.fetched_bytes:.1f}x" if r.fetched_bytes else "-"
-        event(log, f"swapped to version {r.version}", version=r.version, from_version=r.from_version, slot=folder.name,
-              fetched=human_bytes(r.fetched_bytes), size=human_bytes(r.raw_bytes), ratio=ratio,
-              fetch_s=f"{r.fetch_seconds:.3f}", build_s=f"{r.build_seconds:.3f}", in_place=r.in_place, swap_ms=f"{1000 * pause:.2f}")
+        event(
+            log,
+            f"swapped to version {r.version}",
+            version=r.version,
+            from_version=r.from_version,
+            slot=folder.name,
+            fetched=human_bytes(r.fetched_bytes),
+            size=human_bytes(r.raw_bytes),
+            ratio=ratio,
+            fetch_s=f"{r.fetch_seconds:.3f}",
+            build_s=f"{r.build_seconds:.3f}",
+            in_place=r.in_place,
+            swap_ms=f"{1000 * pause:.2f}",
+        )
         if self.hooks is not None:
             if self._hook_task is not None and not self._hook_task.done():
                 self._hook_task.cancel()  # superseded: the server is told about the newer version
@@ -561,7 +630,10 @@ def _recorded(folder: Path, partial: bool) -> Recorded:
     """The files of the version ``folder`` claims, as its local state records them."""
     if partial:
         state = read_partial_state(folder)
-        return {} if state is None else {p: (r["size"], r["xxh3"], r.get("mtime_ns"), r.get("ctime_ns"))
-                                         for p, r in state.files.items()}
+        return (
+            {}
+            if state is None
+            else {p: (r["size"], r["xxh3"], r.get("mtime_ns"), r.get("ctime_ns")) for p, r in state.files.items()}
+        )
     state = read_state(folder)
     return {} if state is None else dict(state.files.items())

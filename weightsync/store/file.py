@@ -128,9 +128,7 @@ class FileStore(Store):
                 dirnames[:] = []
                 continue
             keys.extend(
-                base + name
-                for name in filenames
-                if not name.startswith(".") and (base + name).startswith(prefix)
+                base + name for name in filenames if not name.startswith(".") and (base + name).startswith(prefix)
             )
         return iter(sorted(keys))
 

@@ -79,8 +79,7 @@ class MemoryStore(Store):
     def list_meta(self, prefix: str = "", *, offset: str | None = None) -> Iterator[ObjectMeta]:
         with self._lock:
             found = sorted(
-                (k, len(v)) for k, v in self._objects.items()
-                if k.startswith(prefix) and (offset is None or k > offset)
+                (k, len(v)) for k, v in self._objects.items() if k.startswith(prefix) and (offset is None or k > offset)
             )
         return iter([ObjectMeta(k, size, None) for k, size in found])
 

@@ -83,7 +83,8 @@ class Repo:
             raise NotAStoreError(f"{self.url} is not a weightsync store (it is empty)")
 
     def init(self) -> None:
-        """Make this location a weightsync store (write the marker) unless it is one; refuses one holding other objects."""
+        """Make this location a weightsync store (write the marker) unless it is one; refuses one holding other "
+        "objects."""
         if not self.check():
             try:
                 self.store.put(MARKER_KEY, marker_to_json(), mode="create")
@@ -202,7 +203,9 @@ class Repo:
         reject the head for good.
         """
         if not 0 <= manifest.version <= MAX_VERSION:
-            raise VersionError(f"version {manifest.version} is outside the format's range 0..{MAX_VERSION}; not committed")
+            raise VersionError(
+                f"version {manifest.version} is outside the format's range 0..{MAX_VERSION}; not committed"
+            )
         try:
             self.store.put(version_key(manifest.version), manifest_to_json(manifest), mode="create")
         except AlreadyExistsError:

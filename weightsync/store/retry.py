@@ -59,8 +59,7 @@ class RetryPolicy:
             raise UsageError(f"retry attempts must be >= 1, got {self.attempts}")
         if self.base_delay < 0 or self.max_delay < self.base_delay:
             raise UsageError(
-                "retry delays need 0 <= base_delay <= max_delay, "
-                f"got {self.base_delay} and {self.max_delay}"
+                f"retry delays need 0 <= base_delay <= max_delay, got {self.base_delay} and {self.max_delay}"
             )
         if self.jitter not in ("full", "none"):
             raise UsageError(f"retry jitter must be 'full' or 'none', got {self.jitter!r}")
@@ -116,9 +115,7 @@ class RetryingStore(Store):
 
     def _gave_up(self, op: str, key: str, attempts: int, exc: StoreError) -> StoreError:
         last = str(exc).removeprefix(f"{self.url}: ")
-        err = StoreError(
-            f"{self.url}: {op} {key}: gave up after {attempts} attempts; last: {last}", key=key
-        )
+        err = StoreError(f"{self.url}: {op} {key}: gave up after {attempts} attempts; last: {last}", key=key)
         err.attempts = attempts
         err.retryable = False  # retrying again at an outer level would multiply the attempts
         return err

@@ -55,9 +55,7 @@ _TRUNCATED_ERRORS = (
     urllib3.exceptions.IncompleteRead,
     botocore.exceptions.ResponseStreamingError,
 )
-_CHECKSUM_FIELDS = tuple(
-    f"Checksum{name}" for name in ("CRC32", "CRC32C", "CRC64NVME", "SHA1", "SHA256")
-)
+_CHECKSUM_FIELDS = tuple(f"Checksum{name}" for name in ("CRC32", "CRC32C", "CRC64NVME", "SHA1", "SHA256"))
 
 T = TypeVar("T")
 ReadPart = Callable[[int, int], bytes]  # (offset, length) -> the bytes of one part
@@ -135,9 +133,7 @@ class S3Store(Store):
 
     # -- error mapping -----------------------------------------------------------------------
 
-    def _error(
-        self, op: str, key: str, what: str, *, cls=StoreError, retryable=False, reason="other"
-    ) -> StoreError:
+    def _error(self, op: str, key: str, what: str, *, cls=StoreError, retryable=False, reason="other") -> StoreError:
         err = cls(f"{self.url}: {op} {key}: {what}", key=key)
         err.retryable = retryable
         err.retry_reason = reason  # the retry counter's label, when retryable
@@ -156,7 +152,10 @@ class S3Store(Store):
             raise self._client_error(op, key, exc, conflict) from exc
         except _TRANSPORT_ERRORS as exc:
             raise self._error(
-                op, key, f"{type(exc).__name__}: {_one_line(exc)}", retryable=True,
+                op,
+                key,
+                f"{type(exc).__name__}: {_one_line(exc)}",
+                retryable=True,
                 reason=_transport_reason(exc),
             ) from exc
         except BotoCoreError as exc:  # no credentials, invalid parameters...
@@ -350,9 +349,7 @@ class S3Store(Store):
             )
             parts = self._run_bounded(jobs)
             with self._errors("PUT (complete multipart)", key, conflict):
-                self._client.complete_multipart_upload(
-                    **obj, MultipartUpload={"Parts": parts}, **conditions
-                )
+                self._client.complete_multipart_upload(**obj, MultipartUpload={"Parts": parts}, **conditions)
         except BaseException:
             try:
                 self._client.abort_multipart_upload(**obj)
@@ -364,9 +361,7 @@ class S3Store(Store):
         def upload() -> dict:
             body = read_part(offset, length)
             with self._errors(f"PUT (part {number})", key):
-                resp = self._client.upload_part(
-                    **obj, PartNumber=number, Body=body, ChecksumAlgorithm="CRC32"
-                )
+                resp = self._client.upload_part(**obj, PartNumber=number, Body=body, ChecksumAlgorithm="CRC32")
             part = {"PartNumber": number, "ETag": resp["ETag"]}
             part.update({k: resp[k] for k in _CHECKSUM_FIELDS if k in resp})
             return part
@@ -376,9 +371,7 @@ class S3Store(Store):
     def _executor(self) -> ThreadPoolExecutor:
         with self._pool_lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(
-                    self.options.max_concurrency, thread_name_prefix="s3store"
-                )
+                self._pool = ThreadPoolExecutor(self.options.max_concurrency, thread_name_prefix="s3store")
             return self._pool
 
     def _run_bounded(self, jobs: Iterable[Callable[[], T]]) -> list[T]:
@@ -414,4 +407,3 @@ class S3Store(Store):
         finally:
             wait(futures)
         return [future.result() for future in futures]
-

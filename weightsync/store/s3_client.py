@@ -82,9 +82,7 @@ def _make_client(options: S3Options):
             retries={"total_max_attempts": 1, "mode": "standard"},
             tcp_keepalive=True,
         )
-        return session.create_client(
-            "s3", endpoint_url=options.endpoint_url, region_name=options.region, config=config
-        )
+        return session.create_client("s3", endpoint_url=options.endpoint_url, region_name=options.region, config=config)
 
     client = build(path_style=options.endpoint_url is not None)
     host = urlsplit(client.meta.endpoint_url).hostname or ""

@@ -64,9 +64,13 @@ def record_from_json(data: bytes, what: str) -> FleetRecord:
     if not isinstance(updated, (int, float)) or isinstance(updated, bool) or not math.isfinite(updated):
         raise FormatError(f"{what}: 'updated' must be a number")
     return FleetRecord(
-        doc["id"], doc["region"], doc["cluster"],
-        _version(doc.get("current_version"), what), _version(doc.get("target"), what, ("latest",)),
-        doc["state"], float(updated),
+        doc["id"],
+        doc["region"],
+        doc["cluster"],
+        _version(doc.get("current_version"), what),
+        _version(doc.get("target"), what, ("latest",)),
+        doc["state"],
+        float(updated),
     )
 
 
@@ -140,7 +144,13 @@ def fleet_view(
         cur = r.current_version
         lag = None if head is None or cur is None else head - cur
         since = None if head is None or (cur is not None and cur >= head) else superseded(cur)
-        stale = 0.0 if head is not None and cur is not None and cur >= head else None if since is None else max(0.0, now - since)
+        stale = (
+            0.0
+            if head is not None and cur is not None and cur >= head
+            else None
+            if since is None
+            else max(0.0, now - since)
+        )
         rows.append(FleetRow(r.id, r.region, r.cluster, cur, r.target, r.state, lag, stale, max(0.0, now - r.updated)))
     return rows
 
@@ -163,11 +173,15 @@ def read_fleet(repo: Repo, now: float) -> dict:
 
 def format_fleet(fleet: dict) -> str:
     """The fleet as a text table (``weightsync fleet``)."""
+
     def fmt(v, spec="") -> str:
         return "-" if v is None else format(v, spec)
 
-    lines = [f"head version: {fmt(fleet['head_version'])}",
-             f"{'subscriber':<28} {'region':<12} {'cluster':<12} {'version':>8} {'target':>8} {'lag':>5} {'stale':>9} {'seen':>9}  state"]
+    lines = [
+        f"head version: {fmt(fleet['head_version'])}",
+        f"{'subscriber':<28} {'region':<12} {'cluster':<12} {'version':>8} {'target':>8} {'lag':>5} "
+        f"{'stale':>9} {'seen':>9}  state",
+    ]
     for r in fleet["subscribers"]:
         stale = fmt(r["staleness_seconds"], ".0f") + ("s" if r["staleness_seconds"] is not None else "")
         lines.append(

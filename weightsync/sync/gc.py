@@ -159,9 +159,15 @@ def gc(repo: Repo, config: GcConfig) -> GcResult:
     plan = plan_gc(repo, config.keep, _abandoned(repo, config.grace_seconds))
     parts = plan_parts(repo, plan.head, config.grace_seconds)
     plan = dataclasses.replace(plan, needed_chunks=plan.needed_chunks | parts.needed_chunks)
-    result = GcResult(plan.head, list(plan.kept_versions), list(plan.delete_versions),
-                      list(plan.abandoned_versions), dry_run=config.dry_run, deleted_parts=len(parts.delete),
-                      pending_parts=len(parts.pending))
+    result = GcResult(
+        plan.head,
+        list(plan.kept_versions),
+        list(plan.delete_versions),
+        list(plan.abandoned_versions),
+        dry_run=config.dry_run,
+        deleted_parts=len(parts.delete),
+        pending_parts=len(parts.pending),
+    )
     if not config.dry_run:
         for v in plan.delete_versions + plan.abandoned_versions:  # oldest first, chunks after
             repo.store.delete(version_key(v))
@@ -188,8 +194,7 @@ def gc(repo: Repo, config: GcConfig) -> GcResult:
     return result
 
 
-def _delete_chunks(repo: Repo, plan: GcPlan, doomed: list[tuple[str, int]], config: GcConfig,
-                   result: GcResult) -> None:
+def _delete_chunks(repo: Repo, plan: GcPlan, doomed: list[tuple[str, int]], config: GcConfig, result: GcResult) -> None:
     """Delete ``doomed`` chunks in batches, re-checking before each (module docstring)."""
     known = set(plan.kept_versions + plan.pending_versions)  # their chunks are in plan.needed_chunks
     referenced: set[str] = set()
@@ -219,9 +224,14 @@ def _delete_chunks(repo: Repo, plan: GcPlan, doomed: list[tuple[str, int]], conf
     result.young_chunks += result.touched_during_gc
     result.kept_chunks += result.referenced_during_gc
     if result.touched_during_gc or result.referenced_during_gc:
-        log.info("gc %s: kept %d chunks re-used while gc ran (%d touched or uploaded again, %d referenced by a "
-                 "new manifest)", repo.url, result.touched_during_gc + result.referenced_during_gc,
-                 result.touched_during_gc, result.referenced_during_gc)
+        log.info(
+            "gc %s: kept %d chunks re-used while gc ran (%d touched or uploaded again, %d referenced by a "
+            "new manifest)",
+            repo.url,
+            result.touched_during_gc + result.referenced_during_gc,
+            result.touched_during_gc,
+            result.referenced_during_gc,
+        )
 
 
 def _young(age: float | None, grace: float) -> bool:
@@ -291,4 +301,16 @@ def object_age(store: Store, key: str, now: float | None = None) -> float | None
 def _age(meta: ObjectMeta, now: float) -> float | None:
     return None if meta.last_modified is None else now - meta.last_modified
 
-__all__ = ["GcConfig", "GcPlan", "GcResult", "PartsPlan", "gc", "plan_parts", "list_chunks_with_age", "list_with_age", "object_age", "plan_gc"]
+
+__all__ = [
+    "GcConfig",
+    "GcPlan",
+    "GcResult",
+    "PartsPlan",
+    "gc",
+    "plan_parts",
+    "list_chunks_with_age",
+    "list_with_age",
+    "object_age",
+    "plan_gc",
+]

@@ -71,8 +71,16 @@ class _Stopped(Exception):
 
 
 class _Mirror:
-    def __init__(self, src: Repo, dst: Repo, cfg: MirrorConfig, stop: threading.Event, on_version: OnVersion | None,
-                 on_heads: OnHeads | None = None, on_chunk: OnChunk | None = None):
+    def __init__(
+        self,
+        src: Repo,
+        dst: Repo,
+        cfg: MirrorConfig,
+        stop: threading.Event,
+        on_version: OnVersion | None,
+        on_heads: OnHeads | None = None,
+        on_chunk: OnChunk | None = None,
+    ):
         self.src, self.dst, self.cfg, self.stop = src, dst, cfg, stop
         self.on_version, self.on_heads, self.on_chunk = on_version, on_heads, on_chunk
         self.result = MirrorResult()
@@ -109,7 +117,10 @@ class _Mirror:
         if dst_head is None:
             return
         if src_head is None or dst_head > src_head:
-            raise MirrorError(f"{self.dst.url} is not a mirror of {self.src.url}: its head {dst_head} is ahead of the source head {src_head}")
+            raise MirrorError(
+                f"{self.dst.url} is not a mirror of {self.src.url}: its head {dst_head} is ahead of the source "
+                f"head {src_head}"
+            )
         try:
             ours = self.src.store.get(version_key(dst_head))
         except NotFoundError:
@@ -120,7 +131,9 @@ class _Mirror:
         try:
             theirs = self.dst.store.get(version_key(version))
         except NotFoundError:
-            raise MirrorError(f"{self.dst.url} is not a mirror of {self.src.url}: it has no manifest of version {version}") from None
+            raise MirrorError(
+                f"{self.dst.url} is not a mirror of {self.src.url}: it has no manifest of version {version}"
+            ) from None
         if theirs != data:
             raise MirrorError(f"{self.dst.url} is not a mirror of {self.src.url}: version {version} differs")
 

@@ -54,8 +54,9 @@ class Callbacks(Observer):
     took before observers (kept for one release): ``progress`` gets the bytes done of the current
     phase and its total after each step, ``on_bytes`` each transfer."""
 
-    def __init__(self, progress: Callable[[int, int], None] | None = None,
-                 on_bytes: Callable[[int], None] | None = None):
+    def __init__(
+        self, progress: Callable[[int, int], None] | None = None, on_bytes: Callable[[int], None] | None = None
+    ):
         self._progress, self._on_bytes = progress, on_bytes
         self._done = self._total = 0
 

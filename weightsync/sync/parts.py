@@ -105,9 +105,16 @@ def _select(files: list[SourceFile], rank: int, world: int, only: list[str] | No
 
 
 def publish_part(
-    checkpoint_dir: str | Path, repo: Repo, rank: int, world: int, files: list[str] | None = None,
-    version: int | None = None, config: PublishConfig = PublishConfig(), base_dir: str | Path | None = None,
-    cache_dir: str | Path | None = None, observer: Observer | None = None,
+    checkpoint_dir: str | Path,
+    repo: Repo,
+    rank: int,
+    world: int,
+    files: list[str] | None = None,
+    version: int | None = None,
+    config: PublishConfig = PublishConfig(),
+    base_dir: str | Path | None = None,
+    cache_dir: str | Path | None = None,
+    observer: Observer | None = None,
 ) -> PartResult:
     """Publish rank ``rank`` of ``world``'s files of ``checkpoint_dir`` as its part of ``version``
     (default: head + 1). ``files``: relative paths this rank owns (default :func:`assign_files`).
@@ -126,23 +133,50 @@ def publish_part(
         check_still_as_scanned(enc.sources, scan)  # the part is one state of the rank's files
         head = repo.head_version()
         if head != parent:
-            raise VersionError(f"the head of {repo.url} moved from {parent} to {head} while rank {rank} encoded version "
-                               f"{new.version}; its part was not written (publish again on the new head)")
-        part = PartManifest(new.version, parent, world, rank, new.keyframe, new.chain_length, enc.files,
-                            enc.chunks, datetime.now(timezone.utc).isoformat(timespec="seconds"), enc.codec_config,
-                            enc.stats)
+            raise VersionError(
+                f"the head of {repo.url} moved from {parent} to {head} while rank {rank} encoded version "
+                f"{new.version}; its part was not written (publish again on the new head)"
+            )
+        part = PartManifest(
+            new.version,
+            parent,
+            world,
+            rank,
+            new.keyframe,
+            new.chain_length,
+            enc.files,
+            enc.chunks,
+            datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            enc.codec_config,
+            enc.stats,
+        )
         t_w = time.perf_counter()
         enc.refresh(repo)
         existed = _write_part(repo, part)
         seconds = dict(enc.seconds, part=time.perf_counter() - t_w, total=op.elapsed())
-        if cache_dir is not None and still_as_scanned(mine):  # the rank's next delta base, should this version be committed
+        if cache_dir is not None and still_as_scanned(
+            mine
+        ):  # the rank's next delta base, should this version be committed
             as_version = Manifest(part.version, parent, part.keyframe, part.chain_length, part.files, part.chunks)
             adopt(Path(cache_dir), as_version, src, repo.url, lock=lock)
     payload = sum(s.payload.size for f in part.files for s in f.segments if s.payload)
     op.done(seconds)
-    return PartResult(part.version, parent, part.keyframe, sum(f.size for f in part.files), payload, enc.uploaded_bytes,
-                      len(part.chunks), enc.changed, enc.elements, seconds,
-                      rank=rank, world=world, files=[f.path for f in part.files], existed=existed)
+    return PartResult(
+        part.version,
+        parent,
+        part.keyframe,
+        sum(f.size for f in part.files),
+        payload,
+        enc.uploaded_bytes,
+        len(part.chunks),
+        enc.changed,
+        enc.elements,
+        seconds,
+        rank=rank,
+        world=world,
+        files=[f.path for f in part.files],
+        existed=existed,
+    )
 
 
 def _write_part(repo: Repo, part: PartManifest) -> bool:
@@ -158,9 +192,11 @@ def _write_part(repo: Repo, part: PartManifest) -> bool:
     except FormatError as exc:
         raise VersionError(f"{repo.url}/{key} already exists and is damaged ({exc})") from None
     if not same_part(stored, part):
-        raise VersionError(f"{repo.url}/{key} already holds a different part (version {part.version} is not committed "
-                           "yet, or was abandoned): wait for its commit, publish as another --version, or let gc "
-                           "remove the abandoned parts")
+        raise VersionError(
+            f"{repo.url}/{key} already holds a different part (version {part.version} is not committed "
+            "yet, or was abandoned): wait for its commit, publish as another --version, or let gc "
+            "remove the abandoned parts"
+        )
     return True
 
 
@@ -188,8 +224,10 @@ def merge_parts(parts: list[PartManifest], parent: Manifest | None, allow_remove
         raise VersionError(f"{what}: expected ranks 0..{world - 1} once each (missing {missing}, repeated {dup})")
     head = None if parent is None else parent.version
     if p0.parent != head:
-        raise VersionError(f"{what} were built on version {p0.parent} but the head is {head}: a stale parent, "
-                           "refused (publish the parts again on the new head)")
+        raise VersionError(
+            f"{what} were built on version {p0.parent} but the head is {head}: a stale parent, "
+            "refused (publish the parts again on the new head)"
+        )
     if parent is not None and version <= parent.version:
         raise VersionError(f"{what}: version {version} is not after the head version {parent.version}")
     chain = 0 if p0.keyframe else None if parent is None else parent.chain_length + 1
@@ -208,9 +246,11 @@ def merge_parts(parts: list[PartManifest], parent: Manifest | None, allow_remove
         raise VersionError(str(exc)) from None
     if parent is not None and not allow_removed and (gone := sorted({f.path for f in parent.files} - owner.keys())):
         shown = ", ".join(gone[:5]) + (f" and {len(gone) - 5} more" if len(gone) > 5 else "")
-        raise VersionError(f"{what}: no rank published {shown} of version {parent.version}; nothing committed. "
-                           f"Parts are create-only: publish every rank again as version {version + 1} with the "
-                           "missing files, or commit with --allow-removed-files if the checkpoint dropped them")
+        raise VersionError(
+            f"{what}: no rank published {shown} of version {parent.version}; nothing committed. "
+            f"Parts are create-only: publish every rank again as version {version + 1} with the "
+            "missing files, or commit with --allow-removed-files if the checkpoint dropped them"
+        )
     chunks: list[ChunkRef] = []
     index: dict[ChunkRef, int] = {}
     files: list[FileEntry] = []
@@ -228,8 +268,17 @@ def merge_parts(parts: list[PartManifest], parent: Manifest | None, allow_remove
         for k, v in p.stats.items():
             if type(v) is int:
                 stats[k] = stats.get(k, 0) + v
-    return Manifest(version, p0.parent, p0.keyframe, p0.chain_length, tuple(sorted(files, key=lambda f: f.path)),
-                    tuple(chunks), max(p.created for p in parts), dict(p0.codec_config), stats)
+    return Manifest(
+        version,
+        p0.parent,
+        p0.keyframe,
+        p0.chain_length,
+        tuple(sorted(files, key=lambda f: f.path)),
+        tuple(chunks),
+        max(p.created for p in parts),
+        dict(p0.codec_config),
+        stats,
+    )
 
 
 def _renumber(f: FileEntry, remap: list[int]) -> FileEntry:
@@ -237,11 +286,17 @@ def _renumber(f: FileEntry, remap: list[int]) -> FileEntry:
         return f  # rank order puts the first part's chunks first: nothing to renumber
 
     def pay(p: Payload | None) -> Payload | None:
-        return None if p is None else Payload(p.size, p.xxh3, tuple(Piece(remap[x.chunk], x.offset, x.length) for x in p.parts))
+        return (
+            None
+            if p is None
+            else Payload(p.size, p.xxh3, tuple(Piece(remap[x.chunk], x.offset, x.length) for x in p.parts))
+        )
 
     def seg(s: Segment) -> Segment:
         delta = None if s.delta is None else Delta(s.delta.codec, s.delta.changed, pay(s.delta.payload))
-        return Segment(s.role, s.name, s.dtype, s.shape, s.begin, s.end, s.xxh3, s.codec, s.changed, pay(s.payload), delta)
+        return Segment(
+            s.role, s.name, s.dtype, s.shape, s.begin, s.end, s.xxh3, s.codec, s.changed, pay(s.payload), delta
+        )
 
     return FileEntry(f.path, f.kind, f.size, f.xxh3, tuple(seg(s) for s in f.segments))
 
@@ -268,9 +323,16 @@ class CommitResult:
     already: bool  # another committer had committed the same version from the same parts
 
 
-def commit_parts(repo: Repo, version: int, world: int, timeout: float = 600.0, poll: float = 0.25,
-                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
-                 allow_removed: bool = False) -> CommitResult:
+def commit_parts(
+    repo: Repo,
+    version: int,
+    world: int,
+    timeout: float = 600.0,
+    poll: float = 0.25,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+    allow_removed: bool = False,
+) -> CommitResult:
     """Wait (at most ``timeout`` seconds, polling up to every ``poll``) until all ``world`` parts of
     ``version`` are stored, merge them (:func:`merge_parts`) and commit the version (an empty
     location counts as a store whose ranks have not started). Nothing is committed unless every
@@ -295,15 +357,19 @@ def commit_parts(repo: Repo, version: int, world: int, timeout: float = 600.0, p
             parent = None if head is None else repo.manifest(head)  # manifest too: off the critical path
         for p in parts.values():
             if p.parent != head:
-                raise VersionError(f"rank {p.rank}'s part of version {version} was built on version {p.parent} but the "
-                                   f"head is {head}: a stale parent, refused; nothing committed")
+                raise VersionError(
+                    f"rank {p.rank}'s part of version {version} was built on version {p.parent} but the "
+                    f"head is {head}: a stale parent, refused; nothing committed"
+                )
         if len(parts) == world:
             break
         if clock() >= deadline:
             missing = sorted(set(range(world)) - set(parts))
             shown = ", ".join(map(str, missing[:10])) + (", ..." if len(missing) > 10 else "")
-            raise VersionError(f"version {version}: {len(parts)} of {world} parts stored after {timeout:g}s (missing "
-                               f"rank{'s' if len(missing) > 1 else ''} {shown}); nothing committed")
+            raise VersionError(
+                f"version {version}: {len(parts)} of {world} parts stored after {timeout:g}s (missing "
+                f"rank{'s' if len(missing) > 1 else ''} {shown}); nothing committed"
+            )
         sleep(max(0.0, min(delay, deadline - clock())))
         delay = min(2 * delay, poll)
     manifest = merge_parts(list(parts.values()), parent, allow_removed)
@@ -357,13 +423,17 @@ def _already(repo: Repo, version: int, world: int, head: int) -> Manifest:
     except NotFoundError:
         pass  # collected between the listing and the read
     if len(parts) < world:
-        raise VersionError(f"version {version} is already committed in {repo.url} and its parts are not all stored "
-                           "any more (collected by gc?): cannot tell whether it was merged from them")
+        raise VersionError(
+            f"version {version} is already committed in {repo.url} and its parts are not all stored "
+            "any more (collected by gc?): cannot tell whether it was merged from them"
+        )
     parent = None if stored.parent is None else repo.manifest(stored.parent)
     try:
         merged = merge_parts(list(parts.values()), parent, allow_removed=True)  # whoever committed decided that
     except VersionError as exc:
-        raise VersionError(f"version {version} already exists in {repo.url}, not merged from its parts ({exc})") from None
+        raise VersionError(
+            f"version {version} already exists in {repo.url}, not merged from its parts ({exc})"
+        ) from None
     same = lambda m: (m.parent, m.keyframe, m.files, m.chunks)  # noqa: E731
     if same(merged) != same(stored):
         raise VersionError(f"version {version} already exists in {repo.url} and differs from its parts")
@@ -372,10 +442,30 @@ def _already(repo: Repo, version: int, world: int, head: int) -> Manifest:
 
 def _result(m: Manifest, world: int, seconds: float, already: bool) -> CommitResult:
     s = m.stats
-    return CommitResult(m.version, m.parent, m.keyframe, world, len(m.files), m.raw_bytes, m.payload_bytes,
-                        s.get("uploaded_bytes", 0), len(m.chunks), s.get("changed", 0), s.get("elements", 0),
-                        seconds, already)
+    return CommitResult(
+        m.version,
+        m.parent,
+        m.keyframe,
+        world,
+        len(m.files),
+        m.raw_bytes,
+        m.payload_bytes,
+        s.get("uploaded_bytes", 0),
+        len(m.chunks),
+        s.get("changed", 0),
+        s.get("elements", 0),
+        seconds,
+        already,
+    )
 
 
-__all__ = ["CommitResult", "PartResult", "RankView", "assign_files", "commit_parts", "merge_parts", "publish_part",
-           "same_part"]
+__all__ = [
+    "CommitResult",
+    "PartResult",
+    "RankView",
+    "assign_files",
+    "commit_parts",
+    "merge_parts",
+    "publish_part",
+    "same_part",
+]

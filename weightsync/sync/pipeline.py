@@ -17,7 +17,12 @@ TASK_BYTES = 4 << 20  # small tensors go to a worker in runs of about this many 
 
 
 def ordered_map(
-    fn: Callable[[T], R], items: Iterable[T], weight: Callable[[T], int], budget: int, threads: int, batch: int = 0,
+    fn: Callable[[T], R],
+    items: Iterable[T],
+    weight: Callable[[T], int],
+    budget: int,
+    threads: int,
+    batch: int = 0,
 ) -> Iterator[tuple[T, R]]:
     """Yield ``(item, fn(item))`` in input order, running ``fn`` on ``threads`` threads.
 

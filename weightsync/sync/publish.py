@@ -191,7 +191,9 @@ class _Assembler:
         payload = self._pack(enc, self.packer)
         alt = None if delta is None else Delta(delta.codec, delta.changed, self._pack(delta, self.delta_packer))
         s = job.seg
-        self._segs.append(Segment(s.role, s.name, s.dtype, s.shape, s.begin, s.end, digest, enc.codec, enc.changed, payload, alt))
+        self._segs.append(
+            Segment(s.role, s.name, s.dtype, s.shape, s.begin, s.end, digest, enc.codec, enc.changed, payload, alt)
+        )
         if s.role == "tensor":
             self.changed += enc.changed if delta is None else delta.changed
             self.elements += s.nbytes // itemsize(s.dtype)
@@ -259,14 +261,18 @@ def next_version(repo: Repo, head: int | None, version: int | None) -> int:
     0..10^18; readers, gc and the publisher would reject the store for good) or one not above the head."""
     if version is None:
         if head is not None and head >= MAX_VERSION:
-            raise VersionError(f"the head of {repo.url} is version {head}, the largest the format allows "
-                               f"({MAX_VERSION}): no version can follow it")
+            raise VersionError(
+                f"the head of {repo.url} is version {head}, the largest the format allows "
+                f"({MAX_VERSION}): no version can follow it"
+            )
         return 0 if head is None else head + 1
     if not 0 <= version <= MAX_VERSION:
         raise UsageError(f"version must be an integer in 0..{MAX_VERSION} (docs/FORMAT.md), not {version}")
     if head is not None and version <= head:
         exists = version in repo.versions()
-        raise VersionError(f"version {version} {'already exists' if exists else f'is not after the head version {head}'} in {repo.url}")
+        raise VersionError(
+            f"version {version} {'already exists' if exists else f'is not after the head version {head}'} in {repo.url}"
+        )
     return version
 
 
@@ -345,8 +351,15 @@ class DeltaBase:
     lock: FolderLock | None = None
 
 
-def encode_folder(repo: Repo, files: list[SourceFile], rescan: Callable[[], list[SourceFile]], new: NewVersion,
-                  cfg: PublishConfig, base: DeltaBase, op: Operation) -> Encoded:
+def encode_folder(
+    repo: Repo,
+    files: list[SourceFile],
+    rescan: Callable[[], list[SourceFile]],
+    new: NewVersion,
+    cfg: PublishConfig,
+    base: DeltaBase,
+    op: Operation,
+) -> Encoded:
     """Encode ``files`` (of a checkpoint folder) against ``new.parent`` and upload their chunks;
     commits nothing. The parent's bytes come from ``base`` (:class:`DeltaBase`); a stale cache is
     rebuilt once, from the files ``rescan()`` returns (the clock of ``op`` then starts again)."""
@@ -364,8 +377,9 @@ def encode_folder(repo: Repo, files: list[SourceFile], rescan: Callable[[], list
             return _encode_folder(repo, rescan(), new, cfg, DeltaBase(None, cache, base.repo or repo, base.lock), op)
 
 
-def _encode_folder(repo: Repo, files: list[SourceFile], new: NewVersion, cfg: PublishConfig, where: DeltaBase,
-                   op: Operation) -> Encoded:
+def _encode_folder(
+    repo: Repo, files: list[SourceFile], new: NewVersion, cfg: PublishConfig, where: DeltaBase, op: Operation
+) -> Encoded:
     """:func:`encode_folder` with ``where`` resolved: ``cache_dir`` a folder and ``repo`` set."""
     base = None
     if new.parent is not None:  # deltas, and a keyframe's deltas for followers, need the parent's bytes
@@ -413,8 +427,10 @@ class Encoded:
             try:
                 repo.store.touch(chunk_key(c.id))
             except NotFoundError:
-                raise VersionError(f"chunk {c.id} of this publish was deleted before its commit (gc ran with a "
-                                   f"grace shorter than the publish); nothing was committed: publish again") from None
+                raise VersionError(
+                    f"chunk {c.id} of this publish was deleted before its commit (gc ran with a "
+                    f"grace shorter than the publish); nothing was committed: publish again"
+                ) from None
         return len(old)
 
     @property
@@ -423,8 +439,9 @@ class Encoded:
         return {"changed": self.changed, "elements": self.elements, "uploaded_bytes": self.uploaded_bytes}
 
 
-def encode_and_upload(repo: Repo, files: list[SourceFile], new: NewVersion, encoder, cfg: PublishConfig,
-                      op: Operation) -> Encoded:
+def encode_and_upload(
+    repo: Repo, files: list[SourceFile], new: NewVersion, encoder, cfg: PublishConfig, op: Operation
+) -> Encoded:
     """Encode every segment with ``encoder`` (``run(job) -> (new, digest, encoding, keyframe
     delta)``) against ``new.parent``, pack the payloads into chunks and upload them; commits
     nothing."""
@@ -437,8 +454,17 @@ def encode_and_upload(repo: Repo, files: list[SourceFile], new: NewVersion, enco
         seconds = dict(encoder.seconds, upload=time.perf_counter() - t_up)
     finally:
         uploader.close()
-    return Encoded(tuple(out.files), out.packer_refs(), out.changed, out.elements, uploader.uploaded_bytes, seconds,
-                   asdict(cfg.codec), dict(uploader.stored_at), cfg.refresh_after)
+    return Encoded(
+        tuple(out.files),
+        out.packer_refs(),
+        out.changed,
+        out.elements,
+        uploader.uploaded_bytes,
+        seconds,
+        asdict(cfg.codec),
+        dict(uploader.stored_at),
+        cfg.refresh_after,
+    )
 
 
 def commit_encoded(repo: Repo, new: NewVersion, enc: Encoded, op: Operation) -> tuple[PublishResult, Manifest]:
@@ -462,14 +488,23 @@ def commit_encoded(repo: Repo, new: NewVersion, enc: Encoded, op: Operation) -> 
     seconds["commit"] = time.perf_counter() - t_c
     seconds["total"] = op.elapsed()
     result = PublishResult(
-        new.version, manifest.parent, new.keyframe, manifest.raw_bytes, manifest.payload_bytes,
-        enc.uploaded_bytes, len(manifest.chunks), enc.changed, enc.elements, seconds,
+        new.version,
+        manifest.parent,
+        new.keyframe,
+        manifest.raw_bytes,
+        manifest.payload_bytes,
+        enc.uploaded_bytes,
+        len(manifest.chunks),
+        enc.changed,
+        enc.elements,
+        seconds,
     )
     return result, manifest
 
 
-def encode_and_commit(repo: Repo, files: list[SourceFile], new: NewVersion, encoder, cfg: PublishConfig,
-                      op: Operation) -> tuple[PublishResult, Manifest]:
+def encode_and_commit(
+    repo: Repo, files: list[SourceFile], new: NewVersion, encoder, cfg: PublishConfig, op: Operation
+) -> tuple[PublishResult, Manifest]:
     """Encode every segment with ``encoder``, pack and upload the chunks, then commit the manifest:
     :func:`encode_and_upload` then :func:`commit_encoded`, for publishing from known changes
     (:mod:`weightsync.torch.hostpatch`), which decides its new version itself."""

@@ -88,8 +88,15 @@ def resolve_version(repo: Repo, version: int | str | None) -> int:
     return v
 
 
-def _write_files(plan: Plan, payloads: Payloads, base: LocalVersion | None, root: Path, cfg: PullConfig, op: Operation,
-                 in_place: bool = False) -> list[str]:
+def _write_files(
+    plan: Plan,
+    payloads: Payloads,
+    base: LocalVersion | None,
+    root: Path,
+    cfg: PullConfig,
+    op: Operation,
+    in_place: bool = False,
+) -> list[str]:
     """Rebuild every file that changed into ``root`` (the staging area, or the folder itself when
     refilling in place); returns their paths."""
     todo = [f for f in plan.files if not f.keep]
@@ -191,7 +198,10 @@ def _pull(repo: Repo, out: Path, version, config: PullConfig, observer: Observer
         op.done(result.seconds)
         return result
     local = _local_manifest(repo, None if base_state is None else base_state.version)
-    run = lambda plan: _pull_plan(repo, out, base, plan, base_state, config, op)
+
+    def run(plan: Plan) -> PullResult:
+        return _pull_plan(repo, out, base, plan, base_state, config, op)
+
     try:
         try:
             return run(plan_pull(chain, local, keep))
@@ -235,8 +245,14 @@ def _pull_plan(repo, out: Path, base: Path, plan: Plan, base_state, cfg: PullCon
     clear_spool(spool_dir(out))
     seconds["total"] = op.elapsed()
     kept = sum(f.keep for f in plan.files)
-    result = PullResult(plan.manifest.version, None if base_state is None else base_state.version, plan.fetch_bytes,
-                        len(written), kept, seconds)
+    result = PullResult(
+        plan.manifest.version,
+        None if base_state is None else base_state.version,
+        plan.fetch_bytes,
+        len(written),
+        kept,
+        seconds,
+    )
     op.done(seconds)
     return result
 

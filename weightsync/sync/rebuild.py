@@ -41,8 +41,9 @@ class TensorJob:
     recipe: Recipe
 
 
-def fetch_jobs(repo: Repo, jobs: Sequence[TensorJob], spool: Path, concurrency: int = 32,
-               op: Operation | None = None) -> tuple[dict[str, Path], int]:
+def fetch_jobs(
+    repo: Repo, jobs: Sequence[TensorJob], spool: Path, concurrency: int = 32, op: Operation | None = None
+) -> tuple[dict[str, Path], int]:
     """Make the chunk bytes ``jobs`` read available locally (:func:`fetch_chunks`); returns chunk
     id -> file and the bytes to fetch."""
     needs: tuple[ChunkNeed, ...] = chunk_needs(j.recipe for j in jobs)
@@ -66,7 +67,9 @@ class Payloads:
                     opened = open_regular(self.chunks[rng.chunk.id])
                 except FileNotFoundError:
                     key = chunk_key(rng.chunk.id)
-                    raise NotFoundError(f"{self.url}: missing chunk {key} (collected while pulling?)", key=key) from None
+                    raise NotFoundError(
+                        f"{self.url}: missing chunk {key} (collected while pulling?)", key=key
+                    ) from None
                 fd = self._fds.setdefault(rng.chunk.id, opened)
                 if fd != opened:  # another thread opened it first
                     os.close(opened)
@@ -106,9 +109,15 @@ def rebuild_job(job: TensorJob, payloads: Payloads, base: LocalVersion | BaseRea
         raise
 
 
-def build_segments(jobs: Sequence[TensorJob], payloads: Payloads, base: LocalVersion | BaseReader | None, *,
-                   threads: int = 4, inflight_bytes: int = 256 << 20,
-                   op: Operation | None = None) -> Iterator[tuple[TensorJob, np.ndarray]]:
+def build_segments(
+    jobs: Sequence[TensorJob],
+    payloads: Payloads,
+    base: LocalVersion | BaseReader | None,
+    *,
+    threads: int = 4,
+    inflight_bytes: int = 256 << 20,
+    op: Operation | None = None,
+) -> Iterator[tuple[TensorJob, np.ndarray]]:
     """Yield each job with its rebuilt, verified bytes (:func:`rebuild_job`), in order, decoding on
     ``threads`` threads with at most about ``inflight_bytes`` of work in memory (3x each segment).
     ``op``'s observer may cancel (:meth:`~weightsync.sync.observer.Observer.check`) before each segment."""
@@ -121,9 +130,16 @@ def build_segments(jobs: Sequence[TensorJob], payloads: Payloads, base: LocalVer
     yield from ordered_map(build, jobs, lambda j: 3 * j.recipe.segment.nbytes, inflight_bytes, threads, 3 * TASK_BYTES)
 
 
-def build_tensors(jobs: Sequence[TensorJob], chunk_paths: dict[str, Path], base: LocalVersion | BaseReader | None, *,
-                  url: str, threads: int = 4, inflight_bytes: int = 256 << 20,
-                  op: Operation | None = None) -> Iterator[tuple[TensorJob, np.ndarray]]:
+def build_tensors(
+    jobs: Sequence[TensorJob],
+    chunk_paths: dict[str, Path],
+    base: LocalVersion | BaseReader | None,
+    *,
+    url: str,
+    threads: int = 4,
+    inflight_bytes: int = 256 << 20,
+    op: Operation | None = None,
+) -> Iterator[tuple[TensorJob, np.ndarray]]:
     """:func:`build_segments` reading payloads from ``chunk_paths`` (chunk id -> local file, as
     :func:`fetch_jobs` returns), closing them when done or abandoned."""
     payloads = Payloads(url, chunk_paths)

@@ -138,7 +138,9 @@ class _PartialBase:
             finally:
                 os.close(fd)
         except (OSError, KeyError, ValueError, CheckpointError) as exc:
-            raise BaseMismatchError(f"{self.folder}/{path}: no local bytes for {seg.name or seg.role} ({exc})") from None
+            raise BaseMismatchError(
+                f"{self.folder}/{path}: no local bytes for {seg.name or seg.role} ({exc})"
+            ) from None
         if xxhash.xxh3_128_hexdigest(data) != seg.xxh3:
             raise BaseMismatchError(f"{self.folder}/{path}: {seg.name or seg.role} differs from the local version")
         return data
@@ -164,13 +166,17 @@ def _wanted(target: Manifest, sel: Selection) -> list[tuple[FileEntry, list[Segm
 
 
 def _header(f: FileEntry, header_bytes: np.ndarray, tensors: list[Segment]) -> bytes:
-    verified = {s.name: s for s in parse_safetensors_header(header_bytes.tobytes(), f.size, f.path) if s.role == "tensor"}
+    verified = {
+        s.name: s for s in parse_safetensors_header(header_bytes.tobytes(), f.size, f.path) if s.role == "tensor"
+    }
     n = int.from_bytes(header_bytes[:8].tobytes(), "little")
     src = json.loads(header_bytes[8 : 8 + n].tobytes())  # parsed once already, above
     for s in tensors:  # the header bytes were checked against their checksum; the manifest's labels must agree
         v = verified.get(s.name)
         if v is None or (v.dtype, v.shape, v.begin, v.end) != (s.dtype, s.shape, s.begin, s.end):
-            raise FormatError(f"{f.path}: the manifest's entry for {s.name!r} disagrees with the file's verified header")
+            raise FormatError(
+                f"{f.path}: the manifest's entry for {s.name!r} disagrees with the file's verified header"
+            )
     doc: dict = {"__metadata__": src["__metadata__"]} if "__metadata__" in src else {}
     off = 0
     for s in tensors:
@@ -182,8 +188,14 @@ def _header(f: FileEntry, header_bytes: np.ndarray, tensors: list[Segment]) -> b
 
 
 def materialize(
-    repo: Repo, folder: str | os.PathLike[str], version: int, selection: Selection, *, config: PullConfig | None = None,
-    observer: Observer | None = None, lock: FolderLock | None = None,
+    repo: Repo,
+    folder: str | os.PathLike[str],
+    version: int,
+    selection: Selection,
+    *,
+    config: PullConfig | None = None,
+    observer: Observer | None = None,
+    lock: FolderLock | None = None,
 ) -> PartialResult:
     """Make ``folder`` a partial folder holding ``selection`` of ``version`` (see the module doc).
     ``config``: the fetch concurrency, decode threads, memory bound and fsync, as a pull's.
@@ -205,12 +217,15 @@ def _prepare(out: Path) -> PartialState | None:
         elif any(p.name != STATE_DIR for p in out.iterdir()):
             raise UsageError(f"{out} is not empty and holds no weightsync version; refusing to overwrite it")
     elif stray := stray_entries(out, set(state.files)):
-        raise UsageError(f"{out} holds entries weightsync did not put there ({', '.join(stray[:3])}); move them away first")
+        raise UsageError(
+            f"{out} holds entries weightsync did not put there ({', '.join(stray[:3])}); move them away first"
+        )
     return state
 
 
-def _materialize(repo: Repo, out: Path, version: int, selection: Selection, cfg: PullConfig,
-                 op: Operation) -> PartialResult:
+def _materialize(
+    repo: Repo, out: Path, version: int, selection: Selection, cfg: PullConfig, op: Operation
+) -> PartialResult:
     state = _prepare(out)
     if state is not None and (state.store != repo.url or state.selection != selection):
         state = None  # another store or selection: nothing local is reused
@@ -228,7 +243,10 @@ def _materialize(repo: Repo, out: Path, version: int, selection: Selection, cfg:
     target = chain[-1]
     files = _wanted(target, selection)
     if not any(f.kind == "safetensors" for f, _ in files) and (selection.include or selection.exclude):
-        raise UsageError(f"no tensor of version {version} matches include={list(selection.include)} exclude={list(selection.exclude)}")
+        raise UsageError(
+            f"no tensor of version {version} matches include={list(selection.include)} "
+            f"exclude={list(selection.exclude)}"
+        )
     wanted = [(f.path, s) for f, segs in files for s in segs]
     # headers are rebuilt from the chain (the local folder holds our header, not the source's)
     jobs = [TensorJob(p, plan_segment(chain, p, s, None if s.role == "header" else local)) for p, s in wanted]
@@ -242,8 +260,15 @@ def _materialize(repo: Repo, out: Path, version: int, selection: Selection, cfg:
     return result
 
 
-def _write(repo: Repo, base: _PartialBase, target: Manifest, sel: Selection, jobs: list[TensorJob], cfg: PullConfig,
-           op: Operation) -> PartialResult:
+def _write(
+    repo: Repo,
+    base: _PartialBase,
+    target: Manifest,
+    sel: Selection,
+    jobs: list[TensorJob],
+    cfg: PullConfig,
+    op: Operation,
+) -> PartialResult:
     """Rebuild ``jobs`` (the files of ``sel`` in ``target``, in order) in staging, then swap them
     into ``base.folder`` in place of the files of ``base.state``."""
     out, state, fsync = base.folder, base.state, cfg.fsync
@@ -255,8 +280,9 @@ def _write(repo: Repo, base: _PartialBase, target: Manifest, sel: Selection, job
     paths, fetched = fetch_jobs(repo, jobs, spool, cfg.fetch_concurrency, op)
     seconds = {"fetch": op.elapsed()}
     op.phase("write", sum(j.recipe.segment.nbytes for j in jobs))
-    built = build_tensors(jobs, paths, base, url=repo.url, threads=cfg.decode_threads,
-                          inflight_bytes=cfg.inflight_bytes, op=op)
+    built = build_tensors(
+        jobs, paths, base, url=repo.url, threads=cfg.decode_threads, inflight_bytes=cfg.inflight_bytes, op=op
+    )
     record: dict[str, dict] = {}
     try:
         for f, segs in files:
@@ -275,8 +301,14 @@ def _write(repo: Repo, base: _PartialBase, target: Manifest, sel: Selection, job
         record[path].update(mtime_ns=st.st_mtime_ns, ctime_ns=st.st_ctime_ns)
     for path in set(state.files if state else ()) - set(record):
         safe_join(out, path).unlink(missing_ok=True)
-    doc = {"format": "weightsync.partial", "version": target.version, "store": repo.url,
-           "include": list(sel.include), "exclude": list(sel.exclude), "files": record}
+    doc = {
+        "format": "weightsync.partial",
+        "version": target.version,
+        "store": repo.url,
+        "include": list(sel.include),
+        "exclude": list(sel.exclude),
+        "files": record,
+    }
     write_json_atomic(sdir / STATE, doc, fsync)
     (sdir / REFILL).unlink()
     shutil.rmtree(staging, ignore_errors=True)

@@ -75,7 +75,7 @@ class _Staging:
                 total += -(-t.nbytes // 8) * 8
             if self._pinned is None or self._pinned.numel() < total:
                 self._pinned = torch.empty(max(total + total // 2, 1 << 20), dtype=torch.uint8, pin_memory=True)
-            views = [self._pinned[o:o + t.nbytes].view(t.dtype) for (_, t), o in zip(cuda, offsets)]
+            views = [self._pinned[o : o + t.nbytes].view(t.dtype) for (_, t), o in zip(cuda, offsets)]
             for (_, t), v in zip(cuda, views):
                 v.copy_(t, non_blocking=True)
             for d in {t.device for _, t in cuda}:
@@ -109,7 +109,7 @@ class DeviceSnapshot:
         index_dtype = torch.int32 if n <= 2**31 - 1 else torch.int64
         idx, vals = [], []
         for start in range(0, n, self.slice_elems):
-            c, p = cur[start:start + self.slice_elems], prev[start:start + self.slice_elems]
+            c, p = cur[start : start + self.slice_elems], prev[start : start + self.slice_elems]
             pos = torch.nonzero(c != p).view(-1)
             v = c[pos]
             p.index_copy_(0, pos, v)
@@ -190,9 +190,18 @@ class DeviceDiffPublisher:
     on the host with :func:`weightsync.publish` (same result; for comparison). Call
     :meth:`publish` once the step's kernels have finished on the tensors' current streams."""
 
-    def __init__(self, store, *, config: PublishConfig | None = None, work_dir: str | os.PathLike | None = None,
-                 cache_dir: str | os.PathLike | None = None, filename: str = "model.safetensors",
-                 direct: bool = True, slice_elems: int = 1 << 28, staging_bytes: int = 64 << 20):
+    def __init__(
+        self,
+        store,
+        *,
+        config: PublishConfig | None = None,
+        work_dir: str | os.PathLike | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        filename: str = "model.safetensors",
+        direct: bool = True,
+        slice_elems: int = 1 << 28,
+        staging_bytes: int = 64 << 20,
+    ):
         self.repo = open_repo(store)
         self.config = config or PublishConfig()
         root = Path(work_dir) if work_dir is not None else default_work_dir()
@@ -203,8 +212,14 @@ class DeviceDiffPublisher:
         self.snapshot = DeviceSnapshot(slice_elems, staging_bytes)
         self.mirror = HostMirror(self.work, filename)
 
-    def publish(self, state_dict, version: int | None = None, metadata: dict[str, str] | None = None, *,
-                observer: Observer | None = None) -> DevicePublishResult:
+    def publish(
+        self,
+        state_dict,
+        version: int | None = None,
+        metadata: dict[str, str] | None = None,
+        *,
+        observer: Observer | None = None,
+    ) -> DevicePublishResult:
         """Publish ``state_dict`` as ``version`` (default: head + 1). ``observer``: as
         :func:`weightsync.sync.publish.publish`'s (it sees the host-side encode and upload)."""
         head = self.repo.head_version()
@@ -237,25 +252,43 @@ class DeviceDiffPublisher:
         r.seconds.update(diff.seconds, mirror=patch_s, **({"verify_base": verify_s} if in_place else {}))
         return DevicePublishResult(**asdict(r), d2h_bytes=diff.d2h_bytes, tensor_bytes=diff.tensor_bytes, route=route)
 
-    def _publish(self, mf: MirrorFile, deltas: Deltas, version: int | None, based: bool,
-                 observer: Observer | None) -> tuple[PublishResult, str]:
+    def _publish(
+        self, mf: MirrorFile, deltas: Deltas, version: int | None, based: bool, observer: Observer | None
+    ) -> tuple[PublishResult, str]:
 
         base = self.mirror.current.folder if based else None
         if base is not None and self.direct:
             changes = {(self.mirror.filename, n): d for n, d in deltas.items()}
             try:
-                return publish_changes(mf.folder, self.repo, changes, self.mirror.version, None if base == mf.folder else base,
-                                       version, self.config, self.cache_dir, observer), "direct"
+                return publish_changes(
+                    mf.folder,
+                    self.repo,
+                    changes,
+                    self.mirror.version,
+                    None if base == mf.folder else base,
+                    version,
+                    self.config,
+                    self.cache_dir,
+                    observer,
+                ), "direct"
             except BaseMismatchError:
                 base = None
         if base is not None and base != mf.folder:
             try:
-                return publish(mf.folder, self.repo, version, config=self.config, base_dir=base,
-                               cache_dir=self.cache_dir, observer=observer), "folder"
+                return publish(
+                    mf.folder,
+                    self.repo,
+                    version,
+                    config=self.config,
+                    base_dir=base,
+                    cache_dir=self.cache_dir,
+                    observer=observer,
+                ), "folder"
             except BaseMismatchError:
                 pass
-        return publish(mf.folder, self.repo, version, config=self.config, cache_dir=self.cache_dir,
-                       observer=observer), "full"
+        return publish(
+            mf.folder, self.repo, version, config=self.config, cache_dir=self.cache_dir, observer=observer
+        ), "full"
 
     def close(self) -> None:
         """Free the device snapshot and the host mirror's folder."""

@@ -128,7 +128,9 @@ class HostMirror:
             raise BaseMismatchError(f"version {parent.version} is not a single {self.filename}")
         _check_base(self.current.folder, parent)
 
-    def write(self, diff: DeviceDiff, metadata: dict[str, str] | None, in_place: bool = False) -> tuple[MirrorFile, Deltas]:
+    def write(
+        self, diff: DeviceDiff, metadata: dict[str, str] | None, in_place: bool = False
+    ) -> tuple[MirrorFile, Deltas]:
         """The mirror with ``diff`` applied (in place when asked and the layout is unchanged, else
         in a new folder), and the wrapping differences of every tensor that the mirror holds with
         the same dtype and shape."""
@@ -160,8 +162,13 @@ class HostMirror:
         return MirrorFile(folder, layout, segments), deltas
 
     @staticmethod
-    def _apply(mm: np.ndarray, segments: dict[str, SourceSegment], diff: DeviceDiff,
-               out: dict[str, np.ndarray] | None, deltas: Deltas) -> Deltas:
+    def _apply(
+        mm: np.ndarray,
+        segments: dict[str, SourceSegment],
+        diff: DeviceDiff,
+        out: dict[str, np.ndarray] | None,
+        deltas: Deltas,
+    ) -> Deltas:
         """Patch each tensor of ``mm`` (in place, or into copies collected in ``out``), recording
         its wrapping differences in ``deltas`` as it goes (so a failed patch can be undone)."""
         for name, ch in diff.changes.items():
@@ -171,7 +178,7 @@ class HostMirror:
                     raise UsageError(f"{name}: a change against a tensor the mirror does not hold")
                 out[name] = ch.values
                 continue
-            e = mm[seg.begin:seg.end].view(UINT_VIEW[itemsize(ch.dtype)])
+            e = mm[seg.begin : seg.end].view(UINT_VIEW[itemsize(ch.dtype)])
             if out is not None:
                 e = out[name] = e.copy()
             if ch.index is None:
@@ -221,7 +228,7 @@ class HostMirror:
             mm = _map(mf.folder / self.filename, "r+")
             for name, (idx, diffs) in undo.items():
                 seg = mf.segments[name]
-                e = mm[seg.begin:seg.end].view(diffs.dtype)
+                e = mm[seg.begin : seg.end].view(diffs.dtype)
                 e[idx] -= diffs
         except Exception:  # the mirror is lost; the next publish copies every tensor
             shutil.rmtree(mf.folder, ignore_errors=True)
@@ -238,14 +245,18 @@ class _ChangeEncoder:
     def __init__(self, cfg: PublishConfig, files, base_dir: Path | None, changes: Changes, keyframe: bool):
         self.cfg, self.changes, self.keyframe = cfg, changes, keyframe
         self.new = {f.path: _map(f.abspath) for f in files}
-        self.old = None if base_dir is None else {f.path: _map(base_dir / f.path) for f in files if (base_dir / f.path).is_file()}
+        self.old = (
+            None
+            if base_dir is None
+            else {f.path: _map(base_dir / f.path) for f in files if (base_dir / f.path).is_file()}
+        )
         self.seconds = {"read": 0.0, "diff": 0.0, "encode": 0.0}
         self._lock = threading.Lock()
 
     def _old(self, job, new: np.ndarray, change) -> np.ndarray:
         b = job.base_seg
         if self.old is not None:
-            return self.old[job.file.path][b.begin:b.end]
+            return self.old[job.file.path][b.begin : b.end]
         if (b.begin, b.end) != (job.seg.begin, job.seg.end):
             raise BaseMismatchError(f"{job.file.path}: {job.seg.name or job.seg.role} moved; no in-place base")
         old = new.copy()
@@ -276,7 +287,7 @@ class _ChangeEncoder:
 
     def run(self, job) -> tuple[np.ndarray, str, EncodedTensor, EncodedTensor | None]:
         t0 = time.perf_counter()
-        new = self.new[job.file.path][job.seg.begin:job.seg.end]
+        new = self.new[job.file.path][job.seg.begin : job.seg.end]
         digest = xxhash.xxh3_128_hexdigest(new)
         t1 = time.perf_counter()
         delta = None if job.base_seg is None else self._delta(job, new, digest)
@@ -292,15 +303,22 @@ def _check_base(base_dir: Path, parent: Manifest) -> None:
         try:
             actual = xxhash.xxh3_128_hexdigest(_map(base_dir / f.path))
         except OSError as exc:
-            raise BaseMismatchError(f"{base_dir}/{f.path}: base for version {parent.version} unreadable ({exc})") from None
+            raise BaseMismatchError(
+                f"{base_dir}/{f.path}: base for version {parent.version} unreadable ({exc})"
+            ) from None
         if actual != f.xxh3:
             raise BaseMismatchError(f"{base_dir}/{f.path}: bytes differ from version {parent.version}")
 
 
 def publish_changes(
-    folder: str | os.PathLike[str], repo: Repo, changes: Changes, base_version: int,
-    base_dir: str | os.PathLike[str] | None = None, version: int | None = None,
-    config: PublishConfig = PublishConfig(), cache_dir: str | os.PathLike[str] | None = None,
+    folder: str | os.PathLike[str],
+    repo: Repo,
+    changes: Changes,
+    base_version: int,
+    base_dir: str | os.PathLike[str] | None = None,
+    version: int | None = None,
+    config: PublishConfig = PublishConfig(),
+    cache_dir: str | os.PathLike[str] | None = None,
     observer: Observer | None = None,
 ) -> PublishResult:
     """Publish ``folder`` as :func:`weightsync.sync.publish.publish` would with ``base_dir`` (same

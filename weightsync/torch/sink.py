@@ -154,10 +154,21 @@ class TorchSink:
     twice the weights' memory, plus :attr:`replay_bytes`).
     """
 
-    def __init__(self, store, tensors, version: int, *, lock: threading.Lock | None = None,
-                 name_map: Callable[[str], str | None] | None = None, exclude: Iterable[str] = (),
-                 dense_above: float = 0.05, verify: bool = True, threads: int = 4, fetch_concurrency: int = 32,
-                 mode: str = "patch"):
+    def __init__(
+        self,
+        store,
+        tensors,
+        version: int,
+        *,
+        lock: threading.Lock | None = None,
+        name_map: Callable[[str], str | None] | None = None,
+        exclude: Iterable[str] = (),
+        dense_above: float = 0.05,
+        verify: bool = True,
+        threads: int = 4,
+        fetch_concurrency: int = 32,
+        mode: str = "patch",
+    ):
         if mode not in MODES:
             raise UsageError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
         self.mode = mode
@@ -168,8 +179,10 @@ class TorchSink:
             live = dict(tensors)
             plain = [n for n, t in live.items() if mode == "flip" and not isinstance(t, torch.nn.Parameter)]
             if plain:
-                raise UsageError(f"flip mode: {plain[0]} is not a Parameter, and repointing a plain tensor (a detached alias, "
-                                 "as in model.state_dict()) misses the module: pass the module, its Parameters, or mode='patch'")
+                raise UsageError(
+                    f"flip mode: {plain[0]} is not a Parameter, and repointing a plain tensor (a detached alias, "
+                    "as in model.state_dict()) misses the module: pass the module, its Parameters, or mode='patch'"
+                )
         self.tensors: Mapping[str, torch.Tensor] = live
         self.version = version
         self.lock = lock or threading.Lock()
@@ -236,8 +249,10 @@ class TorchSink:
                     unplaced.append(s.name)
                     continue
                 if TORCH_DTYPE.get(s.dtype) != t.dtype or tuple(t.shape) != s.shape or not t.is_contiguous():
-                    raise UsageError(f"{s.name}: the store has {s.dtype}{list(s.shape)}, the model {t.dtype}{list(t.shape)}"
-                                     f"{'' if t.is_contiguous() else ' (not contiguous)'}; cannot patch in place")
+                    raise UsageError(
+                        f"{s.name}: the store has {s.dtype}{list(s.shape)}, the model {t.dtype}{list(t.shape)}"
+                        f"{'' if t.is_contiguous() else ' (not contiguous)'}; cannot patch in place"
+                    )
                 out.append((f.path, s, t))
                 placed.add(name)
         covered = {_view_key(t) for _, _, t in out}  # a tensor tied to one the store names is covered
@@ -253,13 +268,20 @@ class TorchSink:
             none = f"no tensor of version {manifest.version} matches the model's tensor names: " if not out else ""
             raise CoverageError(none + _coverage_message(manifest.version, unplaced, unsourced), unplaced, unsourced)
         if not out:
-            raise UsageError(f"no tensor of version {manifest.version} matches the model's tensor names"
-                             f"{f' ({len(excluded)} excluded)' if excluded else ''}")
+            raise UsageError(
+                f"no tensor of version {manifest.version} matches the model's tensor names"
+                f"{f' ({len(excluded)} excluded)' if excluded else ''}"
+            )
         if tuple(sorted(excluded)) != self.excluded:
             self.excluded = tuple(sorted(excluded))
             if excluded:
-                log.info("version %d: leaving %d tensors alone (exclude=%s), e.g. %s", manifest.version, len(excluded),
-                         list(self.exclude), _some(self.excluded))
+                log.info(
+                    "version %d: leaving %d tensors alone (exclude=%s), e.g. %s",
+                    manifest.version,
+                    len(excluded),
+                    list(self.exclude),
+                    _some(self.excluded),
+                )
         return out
 
     def _names(self, matched) -> list[str]:
@@ -327,7 +349,11 @@ class TorchSink:
         matched = self._matched(chain[-1])
         up.tensors, up.excluded = len(matched), self.excluded
         # tied weights: one entry per distinct tensor (flip: per slot; patch: per memory view)
-        slot_of = (lambda seg, t: self._slots[self.name_map(seg.name)]) if self.mode == "flip" else (lambda seg, t: _view_key(t))
+        slot_of = (
+            (lambda seg, t: self._slots[self.name_map(seg.name)])
+            if self.mode == "flip"
+            else (lambda seg, t: _view_key(t))
+        )
         matched = _distinct(matched, chain[-1].version, slot_of)
         if self.mode == "flip":
             self._ensure_standbys(self._names(matched))
@@ -403,8 +429,10 @@ class TorchSink:
         if any(o.data_ptr() != cur.data_ptr() for o in slot.objects[1:]):
             raise UsageError(f"{', '.join(slot.names)}: the tensor objects no longer share one storage")
         if cur.storage_offset() or cur.untyped_storage().nbytes() != cur.numel() * cur.element_size():
-            raise UsageError(f"{', '.join(slot.names)}: a view into a larger buffer; flip mode would repoint the view, "
-                             "not the buffer the engine reads (use mode='patch')")
+            raise UsageError(
+                f"{', '.join(slot.names)}: a view into a larger buffer; flip mode would repoint the view, "
+                "not the buffer the engine reads (use mode='patch')"
+            )
         if cur.data_ptr() != slot.live.data_ptr() or cur.device != slot.live.device:
             slot.live, slot.replay, slot.dirty = cur, None, True
         sb = slot.standby
@@ -442,10 +470,14 @@ class TorchSink:
             if update.mode != self.mode:
                 raise UsageError(f"update was prepared in {update.mode} mode, the sink is in {self.mode} mode")
             if update.from_version != self.version:
-                raise UsageError(f"update was prepared from version {update.from_version}, the model holds {self.version}")
+                raise UsageError(
+                    f"update was prepared from version {update.from_version}, the model holds {self.version}"
+                )
             if update.epoch != self._epoch:
-                raise UsageError(f"update to version {update.version} was prepared before an apply failed and left the "
-                                 "model torn; prepare again")
+                raise UsageError(
+                    f"update to version {update.version} was prepared before an apply failed and left the "
+                    "model torn; prepare again"
+                )
             if update.version == update.from_version and not self._torn:  # nothing to swap (flip: leave the staged one)
                 update.seconds["pause"] = 0.0
                 return 0.0
@@ -464,9 +496,11 @@ class TorchSink:
                     self._torn, self._epoch = True, self._epoch + 1
                     if not isinstance(exc, Exception):
                         raise
-                    raise ApplyError(f"apply to version {update.version} failed with {written} of {len(update.patches)} "
-                                     "tensors written: the model is torn until the next update, which rebuilds it "
-                                     f"from the keyframe ({_one_line(exc)})") from exc
+                    raise ApplyError(
+                        f"apply to version {update.version} failed with {written} of {len(update.patches)} "
+                        "tensors written: the model is torn until the next update, which rebuilds it "
+                        f"from the keyframe ({_one_line(exc)})"
+                    ) from exc
                 pause = time.perf_counter() - t0
             self.version, self._torn = update.version, False
             update.seconds["pause"] = pause
@@ -474,8 +508,10 @@ class TorchSink:
 
     def _apply_flip(self, update: Update) -> float:
         if update is not self._staged:
-            raise UsageError(f"update to version {update.version} is no longer staged in the standby "
-                             "(another prepare ran since, or it failed); prepare again")
+            raise UsageError(
+                f"update to version {update.version} is no longer staged in the standby "
+                "(another prepare ran since, or it failed); prepare again"
+            )
         for f in update.flips:
             if any(o.data_ptr() != f.old.data_ptr() for o in f.objects):
                 raise UsageError(f"{', '.join(f.names)}: the tensor's storage was repointed behind the sink's back")
@@ -487,8 +523,10 @@ class TorchSink:
                 point_to(update.flips, new=False)  # all or nothing: every object back on its live storage
                 if not isinstance(exc, Exception):
                     raise
-                raise ApplyError(f"apply to version {update.version} failed: the model still holds version "
-                                 f"{self.version} and the update stays staged ({_one_line(exc)})") from exc
+                raise ApplyError(
+                    f"apply to version {update.version} failed: the model still holds version "
+                    f"{self.version} and the update stays staged ({_one_line(exc)})"
+                ) from exc
             pause = time.perf_counter() - t0
         for f in update.flips:
             f.slot.live, f.slot.standby, f.slot.dirty, f.slot.replay = f.new, f.old, False, f.replay
@@ -512,14 +550,20 @@ def _coverage_message(version: int, unplaced: list[str], unsourced: list[str]) -
     parts = []
     if unplaced:
         one = len(unplaced) == 1
-        parts.append(f"{len(unplaced)} store tensor{'' if one else 's'} of version {version} "
-                     f"{'has' if one else 'have'} no destination in the model ({_some(unplaced)})")
+        parts.append(
+            f"{len(unplaced)} store tensor{'' if one else 's'} of version {version} "
+            f"{'has' if one else 'have'} no destination in the model ({_some(unplaced)})"
+        )
     if unsourced:
         one = len(unsourced) == 1
-        parts.append(f"{len(unsourced)} model tensor{'' if one else 's'} {'has' if one else 'have'} no source in "
-                     f"{'it' if unplaced else f'version {version}'} ({_some(unsourced)})")
-    return ("; ".join(parts) + ": they would stay stale; map names with name_map, or leave tensors alone with "
-            "exclude=[fnmatch patterns]")
+        parts.append(
+            f"{len(unsourced)} model tensor{'' if one else 's'} {'has' if one else 'have'} no source in "
+            f"{'it' if unplaced else f'version {version}'} ({_some(unsourced)})"
+        )
+    return (
+        "; ".join(parts) + ": they would stay stale; map names with name_map, or leave tensors alone with "
+        "exclude=[fnmatch patterns]"
+    )
 
 
 def _one_line(exc: BaseException) -> str:
@@ -569,13 +613,17 @@ def _refuse_overlaps(slots, managed: set) -> None:
         t = slot.objects[0]
         if t.numel() and t.device.type != "meta":
             extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
-            spans.append(((t.device.type, t.device.index), t.data_ptr(), t.data_ptr() + extent * t.element_size(), slot))
+            spans.append(
+                ((t.device.type, t.device.index), t.data_ptr(), t.data_ptr() + extent * t.element_size(), slot)
+            )
     spans.sort(key=lambda x: (str(x[0]), x[1]))
     reach: dict = {}  # device -> (furthest end so far, its slot)
     for dev, begin, end, slot in spans:
         prev = reach.get(dev)
         if prev is not None and begin < prev[0] and (slot in managed or prev[1] in managed):
-            raise UsageError(f"{prev[1].names[0]} and {slot.names[0]} share memory without being the same tensor; "
-                             "flip mode cannot repoint one alone (use mode='patch')")
+            raise UsageError(
+                f"{prev[1].names[0]} and {slot.names[0]} share memory without being the same tensor; "
+                "flip mode cannot repoint one alone (use mode='patch')"
+            )
         if prev is None or end > prev[0]:
             reach[dev] = (end, slot)

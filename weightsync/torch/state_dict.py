@@ -15,6 +15,7 @@ from weightsync.sync.publish import PublishConfig, PublishResult, publish
 
 # --- in-process publishing from a trainer --------------------------------------------------------
 
+
 class StateDictPublisher:
     """Publishes a trainer's state dict in-process, without a checkpoint on disk.
 
@@ -28,9 +29,16 @@ class StateDictPublisher:
     device memory for that copy).
     """
 
-    def __init__(self, store, *, config: PublishConfig | None = None, work_dir: str | os.PathLike | None = None,
-                 cache_dir: str | os.PathLike | None = None, filename: str = "model.safetensors",
-                 device_diff: bool = False):
+    def __init__(
+        self,
+        store,
+        *,
+        config: PublishConfig | None = None,
+        work_dir: str | os.PathLike | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        filename: str = "model.safetensors",
+        device_diff: bool = False,
+    ):
         from weightsync.torch.device import default_work_dir  # imports torch: only once a publisher is made
 
         self.repo = open_repo(store)
@@ -45,8 +53,9 @@ class StateDictPublisher:
         if device_diff:
             from weightsync.torch.device import DeviceDiffPublisher
 
-            self._device = DeviceDiffPublisher(self.repo, config=self.config, work_dir=self.work,
-                                               cache_dir=self.cache_dir, filename=filename)
+            self._device = DeviceDiffPublisher(
+                self.repo, config=self.config, work_dir=self.work, cache_dir=self.cache_dir, filename=filename
+            )
 
     def publish(self, state_dict, version: int | None = None, metadata: dict[str, str] | None = None) -> PublishResult:
         """Publish ``state_dict`` (name -> tensor) as ``version`` (default: head + 1), with ``metadata`` in
@@ -101,9 +110,16 @@ def save_state_dict(state_dict, path: Path, metadata: dict[str, str] | None = No
     save_file(tensors, str(path), metadata=metadata or {"format": "pt"})
 
 
-def publish_state_dict(state_dict, store, version: int | None = None, *, config: PublishConfig | None = None,
-                       cache_dir: str | os.PathLike | None = None, work_dir: str | os.PathLike | None = None,
-                       metadata: dict[str, str] | None = None) -> PublishResult:
+def publish_state_dict(
+    state_dict,
+    store,
+    version: int | None = None,
+    *,
+    config: PublishConfig | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    work_dir: str | os.PathLike | None = None,
+    metadata: dict[str, str] | None = None,
+) -> PublishResult:
     """Publish a state dict as one version (one-shot; keep a :class:`StateDictPublisher` across steps
     so the previous step's bytes serve as the delta base). With ``cache_dir`` the parent version is
     kept there between calls (linked when on the same file system as ``work_dir``, else copied);
