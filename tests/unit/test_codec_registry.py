@@ -24,6 +24,14 @@ def test_the_ids_are_the_formats():
         registry.get_by_id(5)
 
 
+def test_the_manifest_reader_accepts_every_built_in_codec():
+    """A codec the registry has but manifests may not name could never be read back."""
+    from weightsync.format.manifest import SEGMENT_CODECS
+
+    assert set(SEGMENT_CODECS) == {"same"} | {registry.get(n).name for n in SEGMENT_CODECS if n != "same"}
+    assert {c.name for c in registry._BY_NAME.values() if c.id < 200} == set(SEGMENT_CODECS) - {"same"}
+
+
 def test_supports():
     assert registry.get("ac").supports("BF16") and not registry.get("ac").supports("F64")
     assert all(registry.get(n).supports("F64") for n in ("full", "sparse", "dense"))

@@ -34,7 +34,8 @@ from weightsync.format.keys import (
 )
 
 ROLES = ("header", "tensor", "blob")
-SEGMENT_CODECS = ("same", "full", "sparse", "dense", "ac")
+SEGMENT_CODECS = ("same", "full", "sparse", "dense", "ac")  # docs/FORMAT.md; a new codec adds its name here
+DELTA_CODECS = tuple(c for c in SEGMENT_CODECS if c != "full")  # a keyframe's delta is never in full
 _HEX = re.compile(r"[0-9a-f]{32}")
 
 
@@ -404,8 +405,8 @@ def _segment(doc: Any, chunks: tuple[ChunkRef, ...], what: str) -> Segment:
 
 
 def _delta(doc: Any, chunks: tuple[ChunkRef, ...], what: str) -> Delta:
-    if not isinstance(doc, dict) or doc.get("codec") not in ("same", "sparse", "dense", "ac"):
-        raise FormatError(f"{what}: delta must be an object with codec same, sparse or dense")
+    if not isinstance(doc, dict) or doc.get("codec") not in DELTA_CODECS:
+        raise FormatError(f"{what}: delta must be an object with codec {', '.join(DELTA_CODECS)}")
     if doc["codec"] == "same" and doc.get("payload") is not None:
         raise FormatError(f"{what}: a 'same' delta has no payload")
     payload = None if doc["codec"] == "same" else _payload(doc.get("payload"), chunks, f"{what} delta")
