@@ -268,7 +268,7 @@ def cmd_mirror(args) -> int:
     from weightsync.service.flags import env_sources
     from weightsync.service.metrics import Metrics
     from weightsync.service.runtime import event, open_daemon_repo, setup_logging
-    from weightsync.sync.mirror import MirrorConfig, mirror
+    from weightsync.sync.mirror import MirrorConfig, MirrorObserver, mirror
 
     setup_logging(LogConfig(args.log_json, args.log_level))
     log = logging.getLogger("weightsync.mirror")
@@ -279,23 +279,30 @@ def cmd_mirror(args) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
 
-    def copied(version: int, chunks: int, nbytes: int) -> None:
-        metrics.mirror_version(version, chunks, nbytes)
-        event(log, f"mirrored version {version}: {chunks} chunks, {human_bytes(nbytes)} copied", version=version)
+    class Report(MirrorObserver):  # metrics, logs and the health endpoints
+        def on_heads(self, source: int | None, destination: int | None) -> None:
+            metrics.mirror_heads(source, destination)
 
-    def failed(exc: Exception) -> None:
-        metrics.mirror_error(exc)
-        health.failed(exc)
-        event(
-            log,
-            f"mirror pass failed, retrying in {args.interval:g}s",
-            logging.WARNING,
-            error=f"{type(exc).__name__}: {exc}",
-        )
+        def on_chunk(self, copied: bool, nbytes: int) -> None:
+            metrics.mirror_chunk(copied, nbytes)
 
-    def passed(result) -> None:
-        metrics.mirror_pass(result)
-        health.passed()
+        def on_version(self, version: int, chunks: int, nbytes: int) -> None:
+            metrics.mirror_version(version, chunks, nbytes)
+            event(log, f"mirrored version {version}: {chunks} chunks, {human_bytes(nbytes)} copied", version=version)
+
+        def on_error(self, exc: Exception) -> None:
+            metrics.mirror_error(exc)
+            health.failed(exc)
+            event(
+                log,
+                f"mirror pass failed, retrying in {args.interval:g}s",
+                logging.WARNING,
+                error=f"{type(exc).__name__}: {exc}",
+            )
+
+        def on_pass(self, result) -> None:
+            metrics.mirror_pass(result)
+            health.passed()
 
     flag = env_sources(args).get("metrics_listen", "--metrics-listen")
     server = (
@@ -310,11 +317,7 @@ def cmd_mirror(args) -> int:
             follow=args.follow,
             config=cfg,
             stop=stop,
-            on_version=copied,
-            on_error=failed,
-            on_heads=metrics.mirror_heads,
-            on_pass=passed,
-            on_chunk=metrics.mirror_chunk,
+            observer=Report(),
         )
     finally:
         if server is not None:

@@ -22,9 +22,22 @@ from weightsync.errors import ChecksumError, FormatError, NotAStoreError, StoreE
 from weightsync.format.keys import HEAD_KEY, chunk_key, version_key
 from weightsync.store import FileStore, MemoryStore
 from weightsync.sync.gc import GcConfig, gc, list_chunks_with_age
-from weightsync.sync.mirror import MirrorConfig, MirrorError, mirror
+from weightsync.sync.mirror import MirrorConfig, MirrorError, MirrorObserver, mirror
 
 OLD = time.time() - 10 * 24 * 3600  # an mtime far outside any grace period
+
+
+class Record(MirrorObserver):
+    """Collects what a mirror reports: (copied, nbytes) per chunk, (version, chunks, bytes) per version."""
+
+    def __init__(self, chunks: list | None = None, versions: list | None = None):
+        self.chunks, self.versions = [] if chunks is None else chunks, [] if versions is None else versions
+
+    def on_chunk(self, copied: bool, nbytes: int) -> None:
+        self.chunks.append((copied, nbytes))
+
+    def on_version(self, version: int, chunks: int, nbytes: int) -> None:
+        self.versions.append((version, chunks, nbytes))
 
 
 def repo(path: Path) -> weightsync.Repo:
@@ -85,7 +98,7 @@ def test_mirror_resumes_after_failure_without_copying_again(published, tmp_path,
             repo(store),
             weightsync.Repo(Failing(dst)),
             config=MirrorConfig(concurrency=1),
-            on_chunk=lambda copied, nbytes: chunks.append((copied, nbytes)),
+            observer=Record(chunks=chunks),
         )
     r = repo(dst)
     partial_head = r.head_version()
@@ -111,8 +124,7 @@ def test_mirror_recognises_interrupted_manifest_copy(published, tmp_path):
     res = mirror(
         repo(store),
         repo(dst),
-        on_chunk=lambda copied, nbytes: chunks.append((copied, nbytes)),
-        on_version=lambda *a: versions.append(a),
+        observer=Record(chunks=chunks, versions=versions),
     )
     assert res.skipped_versions == [4, 5] and res.copied_versions == [] and res.head == 5
     assert res.copied_chunks == 1 and (dst / lost).read_bytes() == (store / lost).read_bytes()

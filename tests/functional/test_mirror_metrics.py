@@ -36,6 +36,7 @@ from weightsync.format.manifest import head_to_json, manifest_from_json
 from weightsync.service.metrics import Metrics
 from weightsync.service.progress import human_bytes
 from weightsync.store import FileStore
+from weightsync.sync.mirror import MirrorObserver
 from weightsync.sync.mirror import mirror as run_mirror
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -405,18 +406,21 @@ def test_version_seconds_are_observed_once_the_head_moved(published, tmp_path):
     metrics = Metrics(CollectorRegistry(), "mirror")
     seen = []
 
-    def on_version(version: int, chunks: int, nbytes: int) -> None:
-        seen.append((version, dst.head_version()))
-        metrics.mirror_version(version, chunks, nbytes)
+    class Report(MirrorObserver):  # as the mirror command's, with the head each version saw
+        def on_heads(self, source, destination):
+            metrics.mirror_heads(source, destination)
 
-    res = run_mirror(
-        weightsync.open_repo(f"file://{src}"),
-        dst,
-        on_version=on_version,
-        on_heads=metrics.mirror_heads,
-        on_pass=metrics.mirror_pass,
-        on_chunk=metrics.mirror_chunk,
-    )
+        def on_chunk(self, copied, nbytes):
+            metrics.mirror_chunk(copied, nbytes)
+
+        def on_version(self, version, chunks, nbytes):
+            seen.append((version, dst.head_version()))
+            metrics.mirror_version(version, chunks, nbytes)
+
+        def on_pass(self, result):
+            metrics.mirror_pass(result)
+
+    res = run_mirror(weightsync.open_repo(f"file://{src}"), dst, observer=Report())
     assert seen == [(v, v) for v in range(6)]  # called with the head already there
 
     def value(name: str, **extra: str) -> float | None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
@@ -60,10 +59,27 @@ class MirrorResult:
     seconds: float = 0.0
 
 
-OnVersion = Callable[[int, int, int], None]  # (version, chunks copied, bytes copied)
-OnChunk = Callable[[bool, int], None]  # (copied: False if it was already there, the chunk's size)
-OnHeads = Callable[[int | None, int | None], None]  # (source head, destination head); None: no head yet
-OnPass = Callable[[MirrorResult], None]  # the running totals, after a pass that succeeded
+class MirrorObserver:
+    """What a mirror reports as it runs (metrics, logs, health); every hook does nothing until a
+    subclass overrides it. Each is called in the mirror's thread, except :meth:`on_chunk`."""
+
+    def on_heads(self, source: int | None, destination: int | None) -> None:
+        """A pass read both heads (None: no head yet), before it copies anything."""
+
+    def on_chunk(self, copied: bool, nbytes: int) -> None:
+        """A chunk of a version is done: copied, or found already there (``copied`` False). Called
+        from the copying threads, one call at a time, also in a pass that fails later (the
+        result's chunk totals move with it)."""
+
+    def on_version(self, version: int, chunks: int, nbytes: int) -> None:
+        """This mirror wrote ``version``'s manifest and the destination head is at (or past) it; the
+        chunks and bytes it copied for that version in this pass."""
+
+    def on_pass(self, result: MirrorResult) -> None:
+        """A pass succeeded; ``result`` holds the running totals (``result.head``: the destination head)."""
+
+    def on_error(self, exc: StoreError) -> None:
+        """A pass failed with a store error and will be retried at the next poll (``follow`` only)."""
 
 
 class _Stopped(Exception):
@@ -77,12 +93,9 @@ class _Mirror:
         dst: Repo,
         cfg: MirrorConfig,
         stop: threading.Event,
-        on_version: OnVersion | None,
-        on_heads: OnHeads | None = None,
-        on_chunk: OnChunk | None = None,
+        observer: MirrorObserver,
     ):
-        self.src, self.dst, self.cfg, self.stop = src, dst, cfg, stop
-        self.on_version, self.on_heads, self.on_chunk = on_version, on_heads, on_chunk
+        self.src, self.dst, self.cfg, self.stop, self.observer = src, dst, cfg, stop, observer
         self.result = MirrorResult()
         self.present: set[str] = set()  # chunk ids known to be at the destination, right size
         self._lock = threading.Lock()
@@ -102,8 +115,7 @@ class _Mirror:
         dst_head = self.dst.head_version()
         self.result.head, self.result.source_head = dst_head, src_head
         self._check_lineage(src_head, dst_head)
-        if self.on_heads:
-            self.on_heads(src_head, dst_head)
+        self.observer.on_heads(src_head, dst_head)
         if src_head is None or (dst_head is not None and dst_head >= src_head):
             return
         for v in self.src.versions():
@@ -162,8 +174,7 @@ class _Mirror:
         self._move_head(version)
         if written:  # counted once the head is there: a head move that fails leaves it to the next pass
             self.result.copied_versions.append(version)
-            if self.on_version:
-                self.on_version(version, chunks, nbytes)
+            self.observer.on_version(version, chunks, nbytes)
         else:
             self.result.skipped_versions.append(version)
 
@@ -176,8 +187,7 @@ class _Mirror:
             self.result.copied_bytes += ref.size
         else:
             self.result.skipped_chunks += 1
-        if self.on_chunk:
-            self.on_chunk(copied, ref.size)
+        self.observer.on_chunk(copied, ref.size)
 
     def _copy_chunks(self, refs: tuple[ChunkRef, ...]) -> tuple[int, int]:
         """Copy the chunks the destination lacks; returns (chunks, bytes) copied.
@@ -236,33 +246,22 @@ def mirror(
     follow: bool = False,
     config: MirrorConfig = MirrorConfig(),
     stop: threading.Event | None = None,
-    on_version: OnVersion | None = None,
-    on_error: Callable[[StoreError], None] | None = None,
-    on_heads: OnHeads | None = None,
-    on_pass: OnPass | None = None,
-    on_chunk: OnChunk | None = None,
+    observer: MirrorObserver | None = None,
 ) -> MirrorResult:
     """Copy ``src``'s versions into ``dst`` (see the module docstring).
 
     With ``follow``, keep polling the source head every ``config.interval`` seconds until ``stop``
     is set; a pass that fails with a store error (network, throttling) is reported to
-    ``on_error`` and retried at the next poll, while integrity errors (checksums, a destination
+    ``observer.on_error`` and retried at the next poll, while integrity errors (checksums, a destination
     that is not a mirror) end the mirror. Setting ``stop`` ends a pass between chunks; the version
     being copied is then left uncommitted (its chunks are reused by the next run).
 
-    Observers (for metrics; each is called in the mirror's thread, except ``on_chunk``):
-    ``on_heads(src_head, dst_head)`` once a pass has read both heads, before it copies anything;
-    ``on_chunk(copied, nbytes)`` as each chunk of a version is done, ``copied`` False for a chunk
-    that was already there (called from the copying threads, one call at a time, also in a pass
-    that fails later; the result's chunk totals move with it); ``on_version(version, chunks,
-    bytes)`` once this mirror wrote a version's manifest and the destination head is at (or past)
-    it, with the chunks and bytes it copied for that version in this pass; ``on_pass(result)``
-    after every pass that succeeded, with the running totals (``result.head`` is the destination
-    head it left); ``on_error(exc)`` after every pass that failed and will be retried.
+    ``observer`` (a :class:`MirrorObserver`) hears of heads, chunks, versions, passes and errors.
     """
     stop = stop or threading.Event()
     t0 = time.perf_counter()
-    m = _Mirror(src, dst, config, stop, on_version, on_heads, on_chunk)
+    observer = observer or MirrorObserver()
+    m = _Mirror(src, dst, config, stop, observer)
     try:
         m.prepare()
         while True:
@@ -276,11 +275,9 @@ def mirror(
                 if not follow:
                     raise
                 m.result.errors += 1
-                if on_error:
-                    on_error(exc)
+                observer.on_error(exc)
             else:
-                if on_pass:
-                    on_pass(m.result)
+                observer.on_pass(m.result)
             if not follow or stop.wait(config.interval):
                 break
     finally:
