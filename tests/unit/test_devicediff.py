@@ -1,4 +1,4 @@
-"""Device-side diffing (weightsync.devicediff): sparse payloads from known changes, the device
+"""Device-side diffing (weightsync.torch.device): sparse payloads from known changes, the device
 snapshot's diff, and the host mirror. CPU tensors here; the CUDA tests run where CUDA is present.
 
 Every comparison is on raw bytes or integer views, never on float values.

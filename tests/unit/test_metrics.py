@@ -1,4 +1,4 @@
-"""Metric idioms of :class:`weightsync.metrics.Metrics`: runtime collectors, build info, low-cardinality
+"""Metric idioms of :class:`weightsync.service.metrics.Metrics`: runtime collectors, build info, low-cardinality
 retry labels, ``_ratio`` names, and docs/OPERATIONS.md listing every metric.
 
 A real scrape of running daemons (no ``*_created`` series, every name used by the dashboards and the

@@ -77,7 +77,7 @@ def test_torch_extras_have_a_floor_not_a_pin(group):
     """An inference engine pins its own torch: the package's extras must accept it."""
     req = _requirements(group)["torch"]
     assert not any(s.operator in ("==", "===", "~=", "<", "<=") for s in req.specifier), str(req)
-    assert _floor(req) >= Version("2.3")  # torch.uint16/32/64 (weightsync.hostmirror)
+    assert _floor(req) >= Version("2.3")  # torch.uint16/32/64 (weightsync.torch.dtypes)
 
 
 def test_test_setup_keeps_the_cpu_wheel_pin():

@@ -1,4 +1,4 @@
-"""When the standby slot may be overwritten in place (weightsync.slots.StandbyRelease)."""
+"""When the standby slot may be overwritten in place (weightsync.service.slots.StandbyRelease)."""
 
 from weightsync.service.slots import StandbyRelease
 
