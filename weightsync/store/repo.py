@@ -201,30 +201,38 @@ class Repo:
         the same checkpoint after a publisher died between the manifest and the head. A version
         number the format does not allow is refused before anything is written: readers would
         reject the head for good.
+
+        The head never moves backwards: a version below the head (a slow publisher whose head was
+        moved past by another) is refused with :class:`VersionError`, and the manifest this call
+        wrote is removed again, since readers trust every manifest at or below the head.
         """
-        if not 0 <= manifest.version <= MAX_VERSION:
-            raise VersionError(
-                f"version {manifest.version} is outside the format's range 0..{MAX_VERSION}; not committed"
-            )
+        v = manifest.version
+        if not 0 <= v <= MAX_VERSION:
+            raise VersionError(f"version {v} is outside the format's range 0..{MAX_VERSION}; not committed")
+        head = self.head_version()
+        if head is not None and head > v:
+            raise VersionError(f"version {v} is below the head {head} of {self.url}; not committed")
+        created = True
         try:
-            self.store.put(version_key(manifest.version), manifest_to_json(manifest), mode="create")
+            self.store.put(version_key(v), manifest_to_json(manifest), mode="create")
         except AlreadyExistsError:
             if not self._same_version(manifest):
-                raise VersionError(f"version {manifest.version} already exists in {self.url}") from None
+                raise VersionError(f"version {v} already exists in {self.url}") from None
+            created = False
         etag = expected_head
         for _ in range(100):
             try:
-                self.store.put_if_match(HEAD_KEY, head_to_json(manifest.version), etag)
+                self.store.put_if_match(HEAD_KEY, head_to_json(v), etag)
                 return
             except PreconditionFailedError:
                 current, etag = self.head()
-                if current == manifest.version:
+                if current == v:
                     return  # our own write landed (an ambiguous retry) or an identical re-publish
-                if current is not None and current > manifest.version:
-                    raise VersionError(
-                        f"version {manifest.version} was stored but head moved to {current} concurrently"
-                    ) from None
-        raise VersionError(f"could not move head to {manifest.version}: too much contention")
+                if current is not None and current > v:
+                    if created:
+                        self.store.delete(version_key(v))  # readers trust every manifest at or below the head
+                    raise VersionError(f"version {v} not committed: the head moved to {current} concurrently") from None
+        raise VersionError(f"could not move head to {v}: too much contention")
 
     def _same_version(self, manifest: Manifest) -> bool:
         head = self.head_version()
