@@ -369,6 +369,36 @@ def test_invalid_manifest_is_rejected(case):
         load(doc)
 
 
+# Segments as (begin, end) of a 12-byte file: the last ends at 12 (and in the first two their lengths
+# add up to 12), so only the tiling check (each begins where the one before ended) refuses them.
+UNTILED = {
+    "overlap and gap": [(0, 4), (2, 6), (8, 12)],
+    "out of order": [(4, 8), (0, 4), (8, 12)],
+    "overlap": [(0, 8), (4, 12)],
+    "gap": [(0, 4), (8, 12)],
+}
+
+
+def _file_of(spans: list[tuple[int, int]]) -> Manifest:
+    chunks = (ChunkRef(H[10], 100),)
+    segs = tuple(
+        Segment(
+            "tensor", f"t{i}", "U8", (e - b,), b, e, H[i], "full", 0, Payload(e - b, H[20 + i], (Piece(0, b, e - b),))
+        )
+        for i, (b, e) in enumerate(spans)
+    )
+    return Manifest(0, None, True, 0, (FileEntry("model.safetensors", "safetensors", 12, H[1], segs),), chunks)
+
+
+@pytest.mark.parametrize("case", sorted(UNTILED))
+def test_segments_that_do_not_tile_their_file_are_refused(case):
+    """Overlapping or gapped segments would be trusted by the planner, partial fetch and the torch
+    sink: a byte range written twice, or one never written."""
+    manifest_from_json(manifest_to_json(_file_of([(0, 4), (4, 8), (8, 12)])))  # the tiled file is valid
+    with pytest.raises(FormatError, match="tile"):
+        manifest_from_json(manifest_to_json(_file_of(UNTILED[case])))
+
+
 def test_keyframe_chain_length_must_be_zero():
     doc = doc_of(sample_manifest(keyframe=True))
     load(doc)
