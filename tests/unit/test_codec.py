@@ -761,6 +761,32 @@ def test_hostile_sparse_block_is_a_format_error(attack, slice_bytes):
         _decode("sparse", _sparse_payload(block), old, 16)
 
 
+@pytest.mark.parametrize("slice_bytes", [6, 512 << 10])
+@pytest.mark.parametrize("gap_width", [0, 3, 5, 8])
+def test_a_consistent_sparse_block_of_an_unknown_gap_width_is_a_format_error(gap_width, slice_bytes):
+    """The gap stream holds ``k * gap_width`` bytes, as its header says, so only the width check can
+    refuse it (a kernel's ValueError must not escape either)."""
+    zc = zstandard.ZstdCompressor(level=3, write_content_size=True)
+    gz = zc.compress(bytes([1] + [0] * (gap_width - 1)) if gap_width else b"")  # one gap of 1
+    vz = zc.compress(to_planes(np.array([2], dtype="<u2")))
+    block = SPARSE.pack(1, gap_width, 0, 0, len(gz)) + gz + vz
+    old = raw(np.arange(8, dtype="<u2"))
+    with pytest.raises(FormatError, match=f"gap width={gap_width}"), slices_of(slice_bytes):
+        _decode("sparse", _sparse_payload(block), old, 16)
+
+
+def test_a_sparse_kernel_error_is_a_format_error(monkeypatch):
+    """Whatever the kernel's own checks refuse reaches the caller as a FormatError naming the block."""
+    payload, old, new, dtype = _valid("sparse")
+
+    def refuse(*args, **kwargs):
+        raise ValueError("apply_sparse: planes, position or end do not fit the output")
+
+    monkeypatch.setattr(sparse_codec, "apply_sparse", refuse)
+    with pytest.raises(FormatError, match="bad sparse block"):
+        _decode("sparse", payload, old, new.size, dtype)
+
+
 @pytest.mark.parametrize("cut", range(1, SPARSE.size))
 def test_truncated_sparse_block_header_is_a_format_error(cut):
     old = raw(np.arange(8, dtype="<u2"))

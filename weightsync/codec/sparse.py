@@ -80,7 +80,10 @@ class Sparse(Codec):
         done, pos = 0, -1
         for a in range(0, old.size, step):  # copy, patch and hash one slice while it is in cache
             b = min(a + step, old.size)
-            done, pos = apply_sparse(out, gaps, gw, vals, done, pos, b, None if in_place else old, a)
+            try:
+                done, pos = apply_sparse(out, gaps, gw, vals, done, pos, b, None if in_place else old, a)
+            except ValueError as exc:  # the kernel's own bounds checks: the block does not fit its tensor
+                raise FormatError(f"{what}: bad sparse block ({exc})") from None
             if hasher is not None:
                 hasher.update(out[a:b])
         if done < k:
