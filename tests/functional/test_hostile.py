@@ -33,6 +33,7 @@ from weightsync.errors import ChecksumError, FormatError, NotFoundError, UsageEr
 from weightsync.format.keys import chunk_key, version_key
 from weightsync.format.manifest import manifest_checksum
 from weightsync.local.checkpoint import scan_checkpoint
+from weightsync.store import MemoryStore
 from weightsync.sync.plan import plan_pull
 from weightsync.sync.pull import PullConfig
 from weightsync.sync.selection import Selection, materialize
@@ -181,6 +182,60 @@ def test_damaged_store_objects_are_detected_named_and_never_served(case, increme
     if incremental:
         assert files(out) == world.expected[3]
     shutil.rmtree(out, ignore_errors=True)
+
+
+def _remote(world) -> weightsync.Repo:
+    """The world's objects in a memory store: like S3, it has no local files, so a pull downloads
+    each chunk (whole, checked against its id, or by ranges, checked by payload) into the spool."""
+    store = MemoryStore()
+    for key, data in world.objects.items():
+        store.put(key, data)
+    return weightsync.open_repo(store)
+
+
+def _flip_byte(repo, chunk_id: str, offset: int) -> str:
+    """One bit of a chunk flipped, its length kept; returns the chunk's key."""
+    key = chunk_key(chunk_id)
+    data = bytearray(repo.store.get(key))
+    data[offset] ^= 1
+    repo.store.put(key, bytes(data))
+    return key
+
+
+@pytest.mark.parametrize("back_to", [None, 3], ids=["fresh", "incremental"])
+def test_a_corrupt_chunk_downloaded_whole_is_refused_by_its_id(back_to, world, tmp_path):
+    """A chunk of the right length whose bytes differ from its id (its XXH3-128) never enters the
+    spool: the pull fails with a ChecksumError naming the chunk, and the folder keeps what it held."""
+    repo = _remote(world)
+    out = tmp_path / "out"
+    if back_to is not None:
+        shutil.copytree(world.replicas[back_to], out)
+    plan = plan_pull(repo.chain(4, back_to=back_to), None if back_to is None else repo.manifest(back_to), set())
+    need = plan.chunks[0]
+    assert need.whole()
+    key = _flip_byte(repo, need.chunk.id, need.chunk.size // 2)
+    with pytest.raises(ChecksumError) as info:
+        weightsync.pull(repo, out, 4, config=NOFSYNC)
+    assert info.value.expected == need.chunk.id and key in str(info.value), info.value
+    assert "\n" not in str(info.value)
+    assert files(out) == ({} if back_to is None else world.expected[back_to])
+    assert not (out / ".weightsync" / "spool" / need.chunk.id).exists()
+
+
+def test_a_corrupt_range_of_a_chunk_is_refused_by_its_payload_checksum(world, tmp_path):
+    """A chunk fetched by byte ranges cannot be checked against its id: the payload read from the
+    ranges is checked against its own xxh3 before it is decoded, and the error names the chunk."""
+    repo = _remote(world)
+    out = tmp_path / "out"
+    shutil.copytree(world.replicas[2], out)
+    plan = plan_pull(repo.chain(4, back_to=2), repo.manifest(2), set())
+    need = next(n for n in plan.chunks if not n.whole())
+    offset, length = need.ranges[0]
+    key = _flip_byte(repo, need.chunk.id, offset + length // 2)
+    with pytest.raises(ChecksumError) as info:
+        weightsync.pull(repo, out, 4, config=NOFSYNC)
+    assert key in str(info.value) and "payload" in str(info.value), info.value
+    assert files(out) == world.expected[2]
 
 
 @pytest.mark.parametrize("how", ["a file path altered", "a file dropped"])
