@@ -42,6 +42,8 @@ PLAN_NEXT = [
     ("pinned to the standby's version", View(6, 4), 6, 4, Sync, 4),
     ("pinned and there", View(2, 6), 9, 2, Idle, "pinned"),
     ("pinned ahead of the head", View(2), 3, 5, Wait, "not published yet"),
+    ("pinned just ahead of the head", View(2), 3, 4, Wait, "not published yet"),
+    ("pinned just ahead, nothing served", View(None), 0, 1, Wait, "not published yet"),
     ("pinned forward", View(2, 6), 9, 7, Sync, 7),
     ("back to latest", View(2, 6), 9, LATEST, Sync, 9),
     ("failed, backing off", View(2, None, 9, 2, NOW + 5), 9, LATEST, Wait, "failed 2 time"),

@@ -1,0 +1,95 @@
+"""The subscriber's decisions at their edges, in process on a file store: a stop requested while a
+sync fills the standby slot leaves ``current`` where it was, and a pin one version above the head
+waits for it without counting a failure."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+import weightsync
+from weightsync.demo import make_trajectory
+from weightsync.service.config import Identity, StoreConfig, SubscriberConfig
+from weightsync.service.metrics import Metrics
+from weightsync.service.subscriber import Subscriber
+
+TINY = dict(hidden=32, layers=1, experts=2, vocab=128)
+
+
+@pytest.fixture
+def setup(tmp_path):
+    store = f"file://{tmp_path / 'store'}"
+    traj = make_trajectory(tmp_path / "traj", steps=3, **TINY)
+    weightsync.publish(traj[0], store, 0)
+    weightsync.publish(traj[1], store, 1, base_dir=traj[0])
+    return store, traj
+
+
+class StopDuringFill(Subscriber):
+    """A subscriber whose API asks it to stop once a fill of the standby slot has finished (the
+    pull's own checks have all passed), before the fill returns to the loop."""
+
+    stop_in_fill = False
+
+    def _fill(self, folder, version):
+        result = super()._fill(folder, version)
+        if self.stop_in_fill:
+            asked = threading.Event()
+            self.loop.call_soon_threadsafe(lambda: (self.request_stop(), asked.set()))  # as the API does
+            assert asked.wait(30)
+        return result
+
+
+def _subscriber(cls, store, tmp_path, **options) -> Subscriber:
+    cfg = SubscriberConfig(
+        StoreConfig(store), tmp_path / "t", Identity("s1"), poll_interval=0.01, fsync=False, **options
+    )
+    return cls(cfg, weightsync.open_repo(store), Metrics(CollectorRegistry(), "subscriber", subscriber="s1"))
+
+
+def test_a_stop_requested_during_a_sync_does_not_swap(setup, tmp_path):
+    store, traj = setup
+    sub = _subscriber(StopDuringFill, store, tmp_path, pin=0)
+
+    async def main():
+        sub.loop, sub._wake = asyncio.get_running_loop(), asyncio.Event()
+        await asyncio.to_thread(sub._startup)
+        await sub._iteration()  # version 0 into slot a, swapped in
+        assert sub.view.current == 0
+        served = sub.slots.current()
+        await sub.set_target("latest")
+        sub.stop_in_fill = True
+        await sub._iteration()  # fills the standby with version 1; the stop comes before the swap
+        assert sub.stop_token.is_set and sub.state == "stopping"
+        assert sub.slots.current() == served and sub.view.current == 0
+        assert sub.view.standby == 1 and sub.view.failures == 0
+        assert sub.last_sync["version"] == 0
+        assert weightsync.verify(store, sub.slots.path(sub.slots.current()), 0) == 0
+        assert weightsync.verify(store, sub.slots.path(sub.slots.standby()), 1) == 1
+
+    asyncio.run(main())
+
+
+def test_a_pin_one_above_the_head_waits_without_a_failure(setup, tmp_path):
+    """Pinned to 2 while the head is 1: the subscriber waits (no sync, no failure, no back-off),
+    and syncs 2 as soon as it is published."""
+    store, traj = setup
+    sub = _subscriber(Subscriber, store, tmp_path, pin=2)
+
+    async def main():
+        sub._wake = asyncio.Event()
+        await asyncio.to_thread(sub._startup)
+        for _ in range(3):
+            await sub._iteration()
+            assert sub.state == "waiting" and "not published yet" in sub.reason, sub.reason
+            assert (sub.view.current, sub.view.failed_version, sub.view.failures) == (None, None, 0)
+            assert sub.last_error is None and sub._errors == 0
+        weightsync.publish(traj[2], store, 2, base_dir=traj[1])
+        await sub._iteration()
+        assert sub.view.current == 2
+        assert weightsync.verify(store, sub.slots.path(sub.slots.current()), 2) == 2
+
+    asyncio.run(main())
