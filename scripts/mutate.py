@@ -242,7 +242,9 @@ def run(tree: Path, mutations: list[Mutation], timeout: float) -> list[tuple[Mut
     results = []
     with tempfile.TemporaryDirectory(prefix="ws-mutate-") as scratch:
         shutil.copytree(tree / "weightsync", Path(scratch) / "weightsync", ignore=shutil.ignore_patterns("__pycache__"))
-        env = {**os.environ, "PYTHONPATH": scratch, "PYTHONDONTWRITEBYTECODE": "1"}
+        # PYTHONSAFEPATH: no ``python -m`` (pytest, the CLI the tests start) puts its working
+        # directory, the unmutated tree, ahead of the copy
+        env = {**os.environ, "PYTHONPATH": scratch, "PYTHONSAFEPATH": "1", "PYTHONDONTWRITEBYTECODE": "1"}
         for m in mutations:
             path = Path(scratch) / m.file
             text = path.read_text()
