@@ -190,7 +190,7 @@ MUTATIONS = [
         "weightsync/sync/gc.py",
         "        if self.keep < 1:\n",
         "        if False:\n",
-        ("tests/functional/test_mirror_gc.py", "-k", "gc"),
+        ("tests/functional/test_bad_input.py", "-k", "gc_keeps"),
     ),
     # --- the subscriber's decisions
     Mutation(

@@ -388,3 +388,11 @@ def test_corrupt_manifest(world, tmp_path, run_cli, ws):
     manifest.write_bytes(manifest.read_bytes()[:-10])
     _fails(ws, run_cli, [store, out], "pull", "--store", store, "--version", 2, out)
     _fails(ws, run_cli, [store, out], "versions", "--store", store)
+
+
+@pytest.mark.parametrize("keep", ["0", "-1"])
+def test_gc_keeps_at_least_one_version(keep, world, run_cli, ws):
+    """``--keep 0`` would delete the head itself: refused before anything is listed or deleted."""
+    store, _, out = world
+    line = _fails(ws, run_cli, [store, out], "gc", "--store", f"file://{store}", "--keep", keep, "--grace-seconds", "0")
+    assert line == f"weightsync: error: gc must keep at least 1 version, got --keep {keep}"
