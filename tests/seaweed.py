@@ -3,16 +3,17 @@
 ``weed mini`` runs master, volume server, filer and S3 gateway in one process. Every listening
 port (HTTP and gRPC) is picked free on 127.0.0.1 and kept across restarts, so the endpoint stays
 valid. The ports come from below the kernel's ephemeral range, so that no outgoing connection is
-given one of them between a stop and the next start; ``weed`` takes no port 0, so if another
-server took one of them before the first start, the start is retried on fresh ports. Credentials
+given one of them between a stop and the next start; ``weed`` does not report ports it would pick
+itself (``0`` turns a listener off), so if another server took one of them before the first start,
+the start is retried on fresh ports. Credentials
 are static: an ``-s3.config`` identity file with one admin identity; SeaweedFS then enforces
 signatures (a wrong secret gets ``SignatureDoesNotMatch``).
 
-``stop`` kills the process. weed's graceful shutdown (SIGTERM or SIGINT, the same handler) stops
-the components one after another, and each waits for its open HTTP connections as Go's
+``stop`` kills the process. weed's graceful shutdown (SIGTERM; a second one does not hurry it)
+stops the components one after another, and each waits for its open HTTP connections as Go's
 ``Server.Shutdown`` does: a request in flight (the fault tests stop the server under a chunk
-upload) holds it until weed's read timeout, a connection that has sent nothing for 5 s, so a stop
-took 2-3 s when idle and 15 s or more after use. Every acknowledged write is already in the volume
+upload) holds it past 30 s, a connection that has sent nothing for 5 s; a stop took 2-3 s when
+idle and 15 s (the old SIGKILL timeout) after use. Every acknowledged write is already in the volume
 and filer files when the PUT returns, so a kill loses nothing a restart needs
 (``tests/integration/test_s3_store.py`` checks that objects survive a stop and start).
 
