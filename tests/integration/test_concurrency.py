@@ -79,6 +79,20 @@ def age_past_grace(repo: weightsync.Repo, backend: str, store_dir: Path) -> None
         time.sleep(0.2)
 
 
+def stop_all(daemons: list[Daemon]) -> dict[str, int]:
+    """Stop every daemon (each one killed if it ignores SIGTERM), then raise the first failure:
+    one that fails to stop must not leave the others running after the test."""
+    codes, errors = {}, []
+    for i, d in enumerate(daemons):
+        try:
+            codes[d.role + str(i)] = d.stop()
+        except AssertionError as exc:
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+    return codes
+
+
 def logged(log: str, what: str) -> list[int]:
     return [int(m) for m in re.findall(rf"{what} (\d+)", log)]
 
@@ -162,7 +176,7 @@ def test_two_publishers_gc_and_twenty_subscribers_on_one_store(backend, request,
             assert metric(m, "weightsync_checksum_failures_total") == 0, sub.log()
     finally:
         stop_gc.set()
-        codes = {d.role + str(i): d.stop() for i, d in enumerate(everyone)}
+        codes = stop_all(everyone)
     assert set(codes.values()) == {0}, codes
     age_past_grace(repo, backend, tmp_path / "store")  # the losers' and old versions' chunks age ...
     gc_runs.append(gc(repo, GcConfig(keep=4, grace_seconds=GRACE)))  # ... and one more gc collects them
