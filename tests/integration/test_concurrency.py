@@ -156,11 +156,11 @@ def test_two_publishers_gc_and_twenty_subscribers_on_one_store(backend, request,
                 gc_errors.append(exc)
 
     everyone = [*pubs.values(), *subs]
-    with ThreadPoolExecutor(8) as pool:
-        list(pool.map(Daemon.start, everyone))
     gc_thread = threading.Thread(target=collector, daemon=True)
-    gc_thread.start()
     try:
+        with ThreadPoolExecutor(8) as pool:  # inside the try: one that fails to start stops them all
+            list(pool.map(Daemon.start, everyone))
+        gc_thread.start()
         for i in range(STEPS):  # both trainers finish step i at once: the publishers race for it
             for steps in ckpts.values():
                 (steps[i] / "COMPLETE").write_text("")
