@@ -314,8 +314,14 @@ def test_a_stuck_mirror_counts_failed_passes_and_raises_its_alerts(published, tm
         assert v[f"{M}skipped_chunks_total"] >= len(refs(src, 4)) + len(refs(src, 5)) - 1
         assert v[f"{M}last_success_timestamp_seconds"] >= v[f"{M}start_time_seconds"] > 0
         errors = v["weightsync_loop_errors_total"]
-        time.sleep(0.5)  # passes go on every 0.1 s, and succeed
-        v = mirror.values()
+        ends = {v[f"{M}last_success_timestamp_seconds"]}  # each successful pass stamps its end
+
+        def five_more_passes(v: dict[str, float]) -> bool:
+            assert v["weightsync_loop_errors_total"] == errors  # passes go on every 0.1 s, and succeed
+            ends.add(v[f"{M}last_success_timestamp_seconds"])
+            return len(ends) > 5
+
+        v = mirror.wait_values(five_more_passes, "five more successful passes")
         assert v["weightsync_loop_errors_total"] == errors
         recovered = mirror.scrape()
         check_metrics(recovered[0])

@@ -5,6 +5,7 @@ interrupted refill leaves a folder that claims no version and is finished by the
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,8 @@ from conftest import assert_replica, flip_byte, snapshot, tensor_data_offset
 import weightsync
 from weightsync.demo import make_trajectory
 from weightsync.errors import UsageError, WeightsyncError
+from weightsync.format.keys import version_key
+from weightsync.format.manifest import manifest_checksum
 from weightsync.local.base import clone
 from weightsync.local.state import REFILL, read_state, state_dir
 
@@ -207,23 +210,40 @@ def test_a_base_changed_behind_our_back_is_found_after_the_decode_and_the_refill
     assert snapshot(base) == before_base
 
 
-def test_a_wrong_result_from_a_right_base_is_reported_as_it_is(store, tmp_path, monkeypatch):
+def test_a_wrong_result_from_a_right_base_is_reported_as_it_is(traj, tmp_path, monkeypatch):
     """When the result is wrong but the base checks out, the error is the result's (not blamed on the
-    base, which would send the pull round it)."""
+    base, which would send the pull round it). The wrong result is real: version 2's manifest is
+    re-sealed with another checksum for one delta-coded tensor, as a buggy or hostile writer would
+    leave it; the base (version 1) and every payload are intact."""
     import weightsync.sync.rebuild as pulling
     from weightsync.errors import ChecksumError
 
+    url = f"file://{tmp_path / 'store'}"
+    for ckpt in traj:
+        weightsync.publish(ckpt, url)
+    key = tmp_path / "store" / version_key(2)
+    doc = json.loads(key.read_bytes())
+    seg = next(
+        s for f in doc["files"] for s in f["segments"] if s["role"] == "tensor" and s["codec"] not in ("same", "full")
+    )
+    wrong_xxh3 = "0" * 32 if seg["xxh3"] != "0" * 32 else "1" * 32
+    seg["xxh3"] = wrong_xxh3
+    key.write_bytes(json.dumps({**doc, "checksum": manifest_checksum(doc)}).encode())
+
     base, out = tmp_path / "a", tmp_path / "b"
-    weightsync.pull(store, base, 1, config=PULL)
-    weightsync.pull(store, out, 0, config=PULL)
+    weightsync.pull(url, base, 1, config=PULL)
+    weightsync.pull(url, out, 0, config=PULL)
+    before_base = snapshot(base)
+    real, bases = pulling.rebuild, []
 
-    bases = []
+    def watched(dtype, nbytes, xxh3, base, steps, what, in_place=False):  # the real rebuild, watched
+        if xxh3 == wrong_xxh3:
+            bases.append(base)
+        return real(dtype, nbytes, xxh3, base, steps, what, in_place=in_place)
 
-    def wrong(dtype, nbytes, xxh3, base, steps, what, in_place=False):
-        bases.append(base)
-        raise ChecksumError(what, xxh3, "0" * 32)
-
-    monkeypatch.setattr(pulling, "rebuild", wrong)
-    with pytest.raises(ChecksumError):
-        weightsync.pull(store, out, 2, config=PULL, base_dir=base)
+    monkeypatch.setattr(pulling, "rebuild", watched)
+    with pytest.raises(ChecksumError) as info:
+        weightsync.pull(url, out, 2, config=PULL, base_dir=base)
+    assert info.value.expected == wrong_xxh3 and seg["name"] in info.value.what
     assert bases and all(b is not None for b in bases)  # never retried without the base
+    assert snapshot(base) == before_base

@@ -15,6 +15,8 @@
 from __future__ import annotations
 
 import ast
+import asyncio
+import hmac
 import inspect
 import os
 import re
@@ -26,6 +28,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
 from test_daemons import Daemon, http, wait_for
 
 import weightsync
@@ -154,9 +158,45 @@ def test_tokens_are_enforced_and_no_secret_leaks_into_logs_answers_or_the_store(
             assert not any(secret in t for t in texts), f"{secret[:4]}... appears in {where}"
 
 
-def test_the_token_is_compared_in_constant_time():
-    src = textwrap.dedent(inspect.getsource(weightsync.service.api._auth))
-    assert "hmac.compare_digest(" in src
+def test_the_token_is_compared_in_constant_time(monkeypatch):
+    """Timing cannot be measured steadily here, so the test watches the comparison: every ``/v1``
+    request's header goes through ``hmac.compare_digest`` with the expected value, and its answer
+    alone decides (a comparison that says "equal" for a wrong token lets it in, one that says
+    "different" for the right token keeps it out), which fails if the code compares with ``==``."""
+    api = weightsync.service.api
+    calls: list[tuple[bytes, bytes]] = []
+    verdict: list[bool | None] = [None]  # None: the real comparison
+    real = hmac.compare_digest
+
+    def spy(a, b):
+        calls.append((a, b))
+        return real(a, b) if verdict[0] is None else verdict[0]
+
+    monkeypatch.setattr(api.hmac, "compare_digest", spy)
+    middleware = api._auth("s3cret-token")
+
+    async def handler(request):
+        return web.Response(text="ok")
+
+    def status(path: str, header: str | None) -> int:
+        headers = {} if header is None else {"Authorization": header}
+        request = make_mocked_request("GET", path, headers=headers)
+        return asyncio.run(middleware(request, handler)).status
+
+    expected = b"Bearer s3cret-token"
+    for header, want in (("Bearer s3cret-token", 200), ("Bearer s3cret-tokeN", 401), (None, 401)):
+        calls.clear()
+        assert status("/v1/status", header) == want, header
+        assert calls == [((header or "").encode(), expected)], header
+    calls.clear()
+    assert status("/healthz", None) == 200 and calls == []  # probes need no token
+    verdict[0] = True
+    assert status("/v1/status", "Bearer wrong") == 200  # the comparison's answer is the decision
+    verdict[0] = False
+    assert status("/v1/status", "Bearer s3cret-token") == 401
+    assert len(calls) == 2
+
+    src = textwrap.dedent(inspect.getsource(api._auth))
     tree = ast.parse(src)
     names = {"token", "expected", "given"}
     for node in ast.walk(tree):

@@ -12,6 +12,7 @@ from test_daemons import daemons, verify_current, wait_for  # noqa: F401  (daemo
 
 import weightsync
 from weightsync.demo import make_trajectory
+from weightsync.sync.fleet import record_from_json, record_key
 
 
 @pytest.fixture
@@ -171,13 +172,26 @@ def test_an_idle_subscriber_copies_the_current_version_into_an_empty_standby(set
 def test_no_copy_without_refills_and_a_killed_copy_is_redone(setup, tmp_path, daemons):  # noqa: F811
     """With --standby-hold never no refill would follow, so the standby stays empty; files a
     killed copy left (no state) are replaced by a whole copy."""
-    import time
-
     store, traj = setup
     never = tmp_path / "never"
-    sub = daemons("subscriber", ["--store", store, "--target", never, "--no-fsync", "--standby-hold", "never"])
+    sub = daemons(
+        "subscriber",
+        ["--store", store, "--target", never, "--no-fsync", "--standby-hold", "never"]
+        + ["--id", "never", "--ledger-interval", 0.1],
+    )
     sub.wait_version(0)
-    time.sleep(1.0)  # about ten idle polls (the fixture's --poll-interval 0.1)
+    # each idle poll ends with a fleet heartbeat (--ledger-interval as short as a poll), after the
+    # point where a copy would have started: ten heartbeats after version 0, ten idle polls at least
+    record = Path(store.removeprefix("file://")) / record_key("never")
+    beats: set[float] = set()
+
+    def ten_idle_polls() -> bool:
+        rec = record_from_json(record.read_bytes(), "record")
+        if rec.current_version == 0 and rec.state == "serving":
+            beats.add(rec.updated)
+        return len(beats) >= 11  # the first may be the swap's own record
+
+    wait_for(ten_idle_polls, 30, "ten idle polls of the subscriber", interval=0.02)
     assert sub.status()["standby_version"] is None and "standby slot" not in sub.log()
     assert [p.name for p in (never / "slots" / "b").iterdir()] == [".weightsync"]  # the subscriber's lock alone
     assert [p.name for p in (never / "slots" / "b" / ".weightsync").iterdir()] == ["lock"]

@@ -14,6 +14,7 @@ Runs on a file store, and on SeaweedFS when it is there.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import threading
@@ -30,7 +31,7 @@ from test_daemons import Daemon, wait_for  # noqa: E402
 import weightsync  # noqa: E402
 from weightsync.demo import SyntheticTrainer
 from weightsync.errors import WeightsyncError
-from weightsync.sync.gc import GcConfig, gc
+from weightsync.sync.gc import GcConfig, gc, list_chunks_with_age
 
 TINY = dict(hidden=32, layers=1, experts=2, vocab=128)
 SUBSCRIBERS = 20
@@ -61,6 +62,35 @@ def checkpoints(watch: Path, seed: int) -> list[Path]:
             t.step()
         out.append(t.save(watch / f"step_{i:06d}"))
     return out
+
+
+def age_past_grace(repo: weightsync.Repo, backend: str, store_dir: Path) -> None:
+    """Every chunk older than GRACE: a file store's by setting its mtime, an S3 store's (whose ages
+    the server sets) by waiting until its listing says so, and no longer."""
+    if backend == "file":
+        old = time.time() - 10 * GRACE
+        for p in (store_dir / "chunks").rglob("*"):
+            if p.is_file():
+                os.utime(p, (old, old))
+        return
+    deadline = time.monotonic() + GRACE + 60
+    while any(age is None or age < GRACE + 1 for _, _, age in list_chunks_with_age(repo.store)):  # ages +-1 s
+        assert time.monotonic() < deadline, "chunks never aged past the grace period"
+        time.sleep(0.2)
+
+
+def stop_all(daemons: list[Daemon]) -> dict[str, int]:
+    """Stop every daemon (each one killed if it ignores SIGTERM), then raise the first failure:
+    one that fails to stop must not leave the others running after the test."""
+    codes, errors = {}, []
+    for i, d in enumerate(daemons):
+        try:
+            codes[d.role + str(i)] = d.stop()
+        except AssertionError as exc:
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+    return codes
 
 
 def logged(log: str, what: str) -> list[int]:
@@ -126,17 +156,17 @@ def test_two_publishers_gc_and_twenty_subscribers_on_one_store(backend, request,
                 gc_errors.append(exc)
 
     everyone = [*pubs.values(), *subs]
-    with ThreadPoolExecutor(8) as pool:
-        list(pool.map(Daemon.start, everyone))
     gc_thread = threading.Thread(target=collector, daemon=True)
-    gc_thread.start()
     try:
+        with ThreadPoolExecutor(8) as pool:  # inside the try: one that fails to start stops them all
+            list(pool.map(Daemon.start, everyone))
+        gc_thread.start()
         for i in range(STEPS):  # both trainers finish step i at once: the publishers race for it
             for steps in ckpts.values():
                 (steps[i] / "COMPLETE").write_text("")
             time.sleep(0.3)
         wait_for(lambda: repo.head_version() == STEPS - 1, 60, "the last version")
-        head, t_last = STEPS - 1, time.monotonic()
+        head = STEPS - 1
         for sub in subs:
             sub.wait_version(head, timeout=60)
         stop_gc.set()
@@ -146,9 +176,9 @@ def test_two_publishers_gc_and_twenty_subscribers_on_one_store(backend, request,
             assert metric(m, "weightsync_checksum_failures_total") == 0, sub.log()
     finally:
         stop_gc.set()
-        codes = {d.role + str(i): d.stop() for i, d in enumerate(everyone)}
+        codes = stop_all(everyone)
     assert set(codes.values()) == {0}, codes
-    time.sleep(max(0.0, GRACE + 1.5 - (time.monotonic() - t_last)))  # the losers' and old versions' chunks age
+    age_past_grace(repo, backend, tmp_path / "store")  # the losers' and old versions' chunks age ...
     gc_runs.append(gc(repo, GcConfig(keep=4, grace_seconds=GRACE)))  # ... and one more gc collects them
 
     published = {name: logged(p.log(), "published version") for name, p in pubs.items()}

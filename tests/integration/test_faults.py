@@ -228,13 +228,21 @@ def test_seaweedfs_stopped_and_restarted_mid_transfer(s3_url, seaweed, proxy, pr
         t0 = time.monotonic()
         assert trainer(watch, 1, 2, 0.0).wait(60) == 0  # steps 1 and 2
         wait_for(lambda: proxy.seen("PUT", r"/chunks/", since=t0) >= 1, 30, "a chunk upload in flight")
+
+        def retries() -> dict[str, float]:
+            return {d.role: metric(d.get("/metrics")[1], "weightsync_store_retries_total") for d in (pub, sub)}
+
+        before = retries()
         seaweed.stop()
-        time.sleep(2.0)
+        # down until both daemons have met the outage (not for a fixed time a slow machine may not fill)
+        wait_for(
+            lambda: all(r > before[role] for role, r in retries().items()),
+            60,
+            "both daemons retrying against the stopped server",
+        )
         seaweed.start()
         sub.wait_version(2, timeout=90)
         assert content(tmp_path / "sub" / "current") == content(watch / "checkpoint-2")
-        retries = {d.role: metric(d.get("/metrics")[1], "weightsync_store_retries_total") for d in (pub, sub)}
-        assert all(r > 0 for r in retries.values()), retries
     finally:
         if not seaweed.running:
             seaweed.start()

@@ -153,7 +153,10 @@ def test_gc_on_s3_while_a_publisher_runs(s3_url, tmp_path, env):
     assert runs > 3, (runs, during)
     published = {int(v): Path(d) for v, d in (line.split(" ", 1) for line in out.splitlines())}
     assert sorted(published) == list(range(len(checkpoints)))
-    time.sleep(grace + 1.0)
+    deadline = time.monotonic() + grace + 60  # every chunk past the grace (ages +-1 s), no longer
+    while any(age is None or age < grace + 1 for _, _, age in list_chunks_with_age(repo.store)):
+        assert time.monotonic() < deadline, "chunks never aged past the grace period"
+        time.sleep(0.2)
     res = gc(repo, GcConfig(keep=2, grace_seconds=grace))
     assert res.young_chunks == 0 and during + res.deleted_chunks > 0
     kept = repo.versions()

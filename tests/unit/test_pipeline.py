@@ -1,20 +1,75 @@
-"""ordered_map: order, the memory budget, runs of small items, and failures in the middle of a run."""
+"""ordered_map: order, the memory budget, runs of small items, and failures in the middle of a run.
+
+Overlap is made with barriers and events, never with sleeps: a test that needs runs to execute at
+once meets them at a barrier (a timeout fails it instead of hanging), and a test that needs the
+workers to have caught up waits for the pool to be idle.
+"""
 
 from __future__ import annotations
 
 import threading
-import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+import weightsync.sync.pipeline as pipeline
 from weightsync.sync.pipeline import ordered_map
+
+TIMEOUT = 30.0  # a barrier or event that long overdue is a failure, not a slow machine
+
+
+class WatchedPool(ThreadPoolExecutor):
+    """The executor ordered_map uses, counting submitted and finished tasks; ``shutdown`` first
+    sets ``on_shutdown`` (tasks that block on it then finish, so the pool can be joined)."""
+
+    instances: list[WatchedPool] = []
+    on_shutdown: threading.Event | None = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cond = threading.Condition()
+        self.submitted = self.finished = 0
+        WatchedPool.instances.append(self)
+
+    def submit(self, fn, /, *args, **kwargs):
+        def task():
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                with self.cond:
+                    self.finished += 1
+                    self.cond.notify_all()
+
+        with self.cond:
+            self.submitted += 1
+        return super().submit(task)
+
+    def wait_idle(self) -> None:
+        """Until every task submitted so far has run."""
+        with self.cond:
+            assert self.cond.wait_for(lambda: self.finished == self.submitted, TIMEOUT), "pool never idle"
+
+    def shutdown(self, *args, **kwargs):
+        if WatchedPool.on_shutdown is not None:
+            WatchedPool.on_shutdown.set()
+        super().shutdown(*args, **kwargs)
+
+
+@pytest.fixture
+def watched(monkeypatch):
+    """ordered_map's pools, watched (the list of WatchedPool instances, in creation order)."""
+    monkeypatch.setattr(pipeline, "ThreadPoolExecutor", WatchedPool)
+    monkeypatch.setattr(WatchedPool, "instances", [])
+    monkeypatch.setattr(WatchedPool, "on_shutdown", None)
+    return WatchedPool.instances
 
 
 class Tracker:
-    """``fn`` for ordered_map that records which thread ran each item and the started weight."""
+    """``fn`` for ordered_map that records which thread ran each item; ``wait`` maps an item to a
+    barrier or event it waits on before it returns."""
 
-    def __init__(self, fail_at: int | None = None, delay: float = 0.0):
-        self.fail_at, self.delay = fail_at, delay
+    def __init__(self, fail_at: int | None = None, wait: dict | None = None):
+        self.fail_at, self.wait = fail_at, wait or {}
         self.lock = threading.Lock()
         self.thread: dict[int, int] = {}
         self.ran: list[int] = []
@@ -23,8 +78,8 @@ class Tracker:
         with self.lock:
             self.thread[item] = threading.get_ident()
             self.ran.append(item)
-        if self.delay:
-            time.sleep(self.delay)
+        if (gate := self.wait.get(item)) is not None:
+            assert gate.wait(TIMEOUT) is not False, f"item {item}: gate never opened"
         if item == self.fail_at:
             raise ValueError(f"item {item}")
         return item * item
@@ -34,7 +89,7 @@ class Tracker:
 @pytest.mark.parametrize("batch", [0, 1, 5, 12, 1000])
 def test_results_come_in_input_order(threads, batch):
     items = list(range(40))
-    fn = Tracker(delay=0.001)
+    fn = Tracker()
     got = list(ordered_map(fn, items, lambda i: 1 + i % 3, budget=10, threads=threads, batch=batch))
     assert got == [(i, i * i) for i in items]
     assert sorted(fn.ran) == items
@@ -43,7 +98,8 @@ def test_results_come_in_input_order(threads, batch):
 def test_consecutive_small_items_run_together_on_one_thread():
     """Weights 1, 1, 1, 5, 1, 1 with runs of 3: [0, 1, 2], [3], [4, 5]; each run on one thread."""
     weights = [1, 1, 1, 5, 1, 1]
-    fn = Tracker(delay=0.03)
+    meet = threading.Barrier(3)  # the first item of each run: all three runs at once, or a timeout
+    fn = Tracker(wait={0: meet, 3: meet, 4: meet})
     got = list(ordered_map(fn, range(6), lambda i: weights[i], budget=100, threads=3, batch=3))
     assert [i for i, _ in got] == list(range(6))
     assert fn.thread[0] == fn.thread[1] == fn.thread[2]
@@ -51,9 +107,10 @@ def test_consecutive_small_items_run_together_on_one_thread():
     assert len({fn.thread[0], fn.thread[3], fn.thread[4]}) == 3  # three runs in parallel (budget allows)
 
 
-def test_the_budget_bounds_the_weight_started_but_not_yielded():
+def test_the_budget_bounds_the_weight_started_but_not_yielded(watched):
     """Whatever the threads, no more than ``budget`` of weight is started ahead of the consumer,
-    counted in whole runs; one run always starts, however heavy."""
+    counted in whole runs; one run always starts, however heavy. The consumer lets the workers
+    run everything submitted before it takes each item, so the peak is the worst case, exactly."""
     lock, started, peak = threading.Lock(), [0], [0]
     yielded = [0]
     weights = [4, 4, 4, 4, 9, 1, 1, 1, 1, 1]
@@ -65,9 +122,11 @@ def test_the_budget_bounds_the_weight_started_but_not_yielded():
         return i
 
     for i, _ in ordered_map(fn, range(10), lambda i: weights[i], budget=8, threads=4, batch=2):
-        time.sleep(0.005)
-        yielded[0] += weights[i]
-    assert peak[0] <= 9  # the one heavy item alone; otherwise at most the budget
+        watched[0].wait_idle()
+        with lock:
+            peak[0] = max(peak[0], started[0] - yielded[0])
+            yielded[0] += weights[i]
+    assert peak[0] == 9  # the one heavy item alone; otherwise at most the budget (two items of 4)
 
 
 @pytest.mark.parametrize("batch", [0, 100])
@@ -85,26 +144,32 @@ def test_a_failure_yields_the_items_before_it_then_raises(batch):
         assert fn.ran == list(range(8))
 
 
-def test_closing_early_cancels_the_work_not_yet_started():
+def test_closing_early_cancels_the_work_not_yet_started(watched):
     """Everything fits the budget, so every run is submitted at once; closing after the first result
-    cancels the runs no worker has taken (without the cancel, all 200 items would run)."""
-    fn = Tracker(delay=0.005)
+    cancels the runs no worker has taken (without the cancel, all 200 items would run). Every item
+    after the first run waits until the pool shuts down, after the cancel: the two workers hold
+    one run each meanwhile, so at most runs [0, 1], [2, 3] and [4, 5] ever start."""
+    release = threading.Event()
+    WatchedPool.on_shutdown = release
+    fn = Tracker(wait={i: release for i in range(2, 200)})
     gen = ordered_map(fn, range(200), lambda i: 1, budget=1000, threads=2, batch=2)
     assert next(gen) == (0, 0)
+    assert watched[0].submitted == 100
     gen.close()
-    assert len(fn.ran) < 20
+    assert release.is_set() and sorted(fn.ran) == list(range(len(fn.ran))) and 2 < len(fn.ran) <= 6
 
 
 def test_runs_never_starve_a_small_budget_of_threads():
     """Runs are capped at budget / threads: with room for two items of weight 3 in a budget of 8,
-    two run at once, as without runs."""
+    two run at once, as without runs (each item waits at a barrier of two: one at a time times out)."""
     lock, running, peak = threading.Lock(), [0], [0]
+    pair = threading.Barrier(2)
 
     def fn(i):
         with lock:
             running[0] += 1
             peak[0] = max(peak[0], running[0])
-        time.sleep(0.05)
+        pair.wait(TIMEOUT)
         with lock:
             running[0] -= 1
         return i
