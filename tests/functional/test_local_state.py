@@ -373,6 +373,33 @@ def test_a_subscriber_notices_its_served_slot_changed_and_swaps_a_fresh_copy_in(
         assert sub.stop() == 0
 
 
+@pytest.mark.parametrize("removed", ["current", "folder"])
+def test_a_subscriber_whose_current_link_or_folder_was_removed_serves_again(published, ws, tmp_path, removed):
+    """Without ``current`` nothing is served: the subscriber says so and syncs a fresh copy in,
+    instead of reporting the version it served as if it were still there."""
+    _, ckpts = published
+    url, target, sub = _serving(published, tmp_path, 3)
+    try:
+        if removed == "current":
+            (target / "current").unlink()
+        else:
+            shutil.rmtree(target)
+        wait_for(
+            lambda: (
+                "the current link is gone" in sub.log()
+                and (target / "current").exists()
+                and sub.status()["state"] == "serving"
+            ),
+            30,
+            f"a fresh copy swapped in\n{sub.log()}",
+        )
+        assert sub.status()["current_version"] == 3
+        assert weightsync.verify(url, target / "current", 3) == 3
+        ws.assert_replica(target / "current", ckpts[3])
+    finally:
+        assert sub.stop() == 0
+
+
 def _rewrite_keeping_mtime(path: Path) -> None:
     """Change one byte in place and set the mtime back: only the ctime tells."""
     st = path.stat()

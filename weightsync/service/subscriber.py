@@ -413,18 +413,21 @@ class Subscriber:
         version, the daemon is not ready, and the loop syncs a fresh copy into the standby and
         swaps to it (worker thread). Each poll compares one lstat per file with the snapshot taken
         at the swap; ``installed`` (at start-up) compares with the slot's recorded state instead."""
+        if self._served is None:
+            return
         cur = self.slots.current()
-        if cur is None or self._served is None:
-            return
-        folder = self.slots.path(cur)
-        now = snapshot(folder)
-        if installed:
-            why = installed_change(folder, _recorded(folder, self.cfg.partial), now)
+        if cur is None:  # the link itself was removed (or the whole folder): nothing is served
+            folder, why = self.slots.link, "the current link is gone"
         else:
-            why = snapshot_change(self._served, now)
-        if why is None:
-            self._served = now  # link counts (and their ctimes) move with others' hard links
-            return
+            folder = self.slots.path(cur)
+            now = snapshot(folder)
+            if installed:
+                why = installed_change(folder, _recorded(folder, self.cfg.partial), now)
+            else:
+                why = snapshot_change(self._served, now)
+            if why is None:
+                self._served = now  # link counts (and their ctimes) move with others' hard links
+                return
         event(
             log,
             "the served slot changed behind weightsync's back; it no longer claims a version, "
@@ -436,7 +439,8 @@ class Subscriber:
         )
         self.metrics.checksum_failures.inc()
         self.last_error = f"the served slot {folder} changed behind weightsync's back ({why})"
-        disown(folder)
+        if cur is not None:
+            disown(folder)
         self._served = None
         self.view = View(None, self.view.standby)
         self.metrics.current_version.set(-1)
