@@ -49,10 +49,16 @@ def _unsigned(a: np.ndarray) -> np.ndarray:
     return a.view(UINT_VIEW[a.dtype.itemsize])
 
 
-def default_work_dir() -> Path:
-    """``/dev/shm`` when it is there and writable (tmpfs: no disk I/O), else the temp folder."""
+def make_work_folder(work_dir: str | os.PathLike | None, prefix: str) -> Path:
+    """A new folder for an in-process publisher's files, under ``work_dir``, by default ``/dev/shm``
+    when it is there and writable (tmpfs: no disk I/O), else the temp folder."""
     shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    if work_dir is not None:
+        root = Path(work_dir)
+    else:
+        root = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    root.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=root))
 
 
 class _Staging:
@@ -204,9 +210,7 @@ class DeviceDiffPublisher:
     ):
         self.repo = open_repo(store)
         self.config = config or PublishConfig()
-        root = Path(work_dir) if work_dir is not None else default_work_dir()
-        root.mkdir(parents=True, exist_ok=True)
-        self.work = Path(tempfile.mkdtemp(prefix="weightsync-dd-", dir=root))
+        self.work = make_work_folder(work_dir, "weightsync-dd-")
         self.cache_dir = None if cache_dir is None else Path(cache_dir)
         self.direct = direct
         self.snapshot = DeviceSnapshot(slice_elems, staging_bytes)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -39,13 +38,11 @@ class StateDictPublisher:
         filename: str = "model.safetensors",
         device_diff: bool = False,
     ):
-        from weightsync.torch.device import default_work_dir  # imports torch: only once a publisher is made
+        from weightsync.torch.device import make_work_folder  # imports torch: only once a publisher is made
 
         self.repo = open_repo(store)
         self.config = config or PublishConfig()
-        root = Path(work_dir) if work_dir is not None else default_work_dir()
-        root.mkdir(parents=True, exist_ok=True)
-        self.work = Path(tempfile.mkdtemp(prefix="weightsync-sd-", dir=root))
+        self.work = make_work_folder(work_dir, "weightsync-sd-")
         self.cache_dir = None if cache_dir is None else Path(cache_dir)
         self.filename = filename
         self._prev: tuple[int, Path] | None = None
