@@ -82,6 +82,7 @@ class SyntheticTrainer:
         self.steps = 0
 
     def step(self) -> None:
+        """One Adam-like step of the fp32 master weights (and the router bias)."""
         for w in self.master.values():
             g = self.rng.standard_normal(w.shape).astype(np.float32)
             w -= np.float32(self.lr) * np.sign(g) * (0.5 + np.abs(np.tanh(g)))
@@ -89,6 +90,8 @@ class SyntheticTrainer:
         self.steps += 1
 
     def save(self, directory: Path, shards: int = 1) -> Path:
+        """Write the weights as a bf16 checkpoint in ``directory`` (``shards`` safetensors files); returns
+        the folder."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         names = list(self.master)
@@ -126,6 +129,8 @@ def make_trajectory(root: Path, steps: int = 4, shards: int = 1, **kwargs) -> li
 
 
 def run_demo(workdir: str | None, steps: int = 8, hidden: int = 256) -> int:
+    """``weightsync demo``: publish ``steps`` synthetic checkpoints to a file store, pull and verify
+    each into a replica, and print the table; returns the exit status (0)."""
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="weightsync-demo-"))
     root.mkdir(parents=True, exist_ok=True)
     store = f"file://{(root / 'store').absolute()}"

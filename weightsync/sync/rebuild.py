@@ -59,6 +59,7 @@ class Payloads:
         self._fds: dict[str, int] = {}
 
     def read(self, step: Step) -> bytes:
+        """The bytes of ``step``'s payload, checked against its checksum (:class:`ChecksumError`)."""
         buf = bytearray()
         for rng in step.ranges:
             fd = self._fds.get(rng.chunk.id)
@@ -79,6 +80,7 @@ class Payloads:
         return bytes(buf)
 
     def close(self) -> None:
+        """Close the chunk files opened so far."""
         for fd in list(self._fds.values()):
             os.close(fd)
         self._fds.clear()

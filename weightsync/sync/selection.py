@@ -60,6 +60,7 @@ class Selection:
     exclude: tuple[str, ...] = ()
 
     def matches(self, name: str) -> bool:
+        """Whether tensor ``name`` is selected: it matches an include pattern (if any) and no exclude one."""
         if self.include and not any(fnmatch.fnmatchcase(name, p) for p in self.include):
             return False
         return not any(fnmatch.fnmatchcase(name, p) for p in self.exclude)

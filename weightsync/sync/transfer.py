@@ -45,6 +45,8 @@ class Uploader:
         self._lock = threading.Lock()
 
     def submit(self, chunk: SealedChunk) -> None:
+        """Queue ``chunk`` for upload; blocks while ``concurrency`` uploads are in flight, and raises the
+        first failed upload's error."""
         self._raise_failed()
         self._slots.acquire()
         self._futures.append(self._pool.submit(self._put, chunk))
@@ -72,10 +74,12 @@ class Uploader:
         self._futures = [f for f in self._futures if not f.done()]
 
     def join(self) -> None:
+        """Wait for every queued upload; raise the first one's error if any failed."""
         wait(self._futures)
         self._raise_failed()
 
     def close(self) -> None:
+        """Stop the upload threads (queued uploads are cancelled)."""
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
