@@ -1,0 +1,144 @@
+"""Where a checkpoint's tensors live in an engine's memory: a :class:`Layout` is a list of
+:class:`Placement` s, each saying that a box of a store tensor equals (after the engine's cast) a
+strided view of one live tensor. Every layout an engine builds on load is of this kind: renamed
+modules (a placement of the whole tensor), fused projections (a box of the live tensor along one
+dim), stacked experts (one index of a new leading dim), transposes (permuted strides), tensor- and
+expert-parallel shards (a box of the store tensor), tied weights (two placements on one storage),
+dtypes cast on load (the live tensor's dtype differs from the store's).
+
+Layouts come from :mod:`weightsync.torch.transformers` (derived from a transformers model's own
+conversion mapping) or :mod:`weightsync.torch.engines` (vLLM / SGLang style rules); the identity
+layout (every store tensor is a live tensor of the same name and shape) is :func:`identity`.
+:class:`~weightsync.torch.sink.TorchSink` resolves a layout against a model and a version
+(:func:`resolve`): every store tensor must have a destination, every live element a source, unless
+excluded by name; anything the layout cannot explain is an error before anything is written."""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from weightsync.errors import UsageError
+
+Box = tuple[tuple[int, int], ...]  # per dim of the store tensor: [start, stop)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Elements ``box`` of store tensor ``source`` equal, cast to the live dtype, the view
+    ``live.flatten().as_strided(shape, stride, offset)`` of live tensor ``dest`` (contiguous),
+    where ``shape`` is the box's extent. ``box=None``: the whole store tensor."""
+
+    source: str
+    dest: str
+    offset: int = 0  # element offset into the live tensor's flat memory
+    stride: tuple[int, ...] | None = None  # live strides per dim of the box; None: contiguous in the box's shape
+    box: Box | None = None
+
+    def extent(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of the placed region, given the store tensor's shape."""
+        return shape if self.box is None else tuple(b - a for a, b in self.box)
+
+    def strides(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The live strides of the region (contiguous strides of its extent if not given)."""
+        if self.stride is not None:
+            return self.stride
+        ext, out, acc = self.extent(shape), [], 1
+        for n in reversed(ext):
+            out.append(acc)
+            acc *= n
+        return tuple(reversed(out))
+
+
+def box_slices(box: Box | None, shape: tuple[int, ...]) -> tuple[slice, ...]:
+    """``box`` as a tuple of slices over a tensor of ``shape``."""
+    return tuple(slice(0, n) for n in shape) if box is None else tuple(slice(a, b) for a, b in box)
+
+
+def live_view(flat: torch.Tensor, p: Placement, shape: tuple[int, ...]) -> torch.Tensor:
+    """The view of ``flat`` (a live tensor's flat view, or its standby's) that ``p`` places into."""
+    return flat.as_strided(p.extent(shape), p.strides(shape), flat.storage_offset() + p.offset)
+
+
+@dataclass
+class Layout:
+    """A model's placements, plus names it says to leave alone. ``placements`` may be a callable
+    taking the store's tensors ``{name: (shape, dtype name)}`` and returning placements (rules that
+    depend on which tensors a version has)."""
+
+    placements: list[Placement] | Callable[[Mapping[str, tuple[tuple[int, ...], str]]], Iterable[Placement]]
+    exclude: tuple[str, ...] = ()
+    name: str = "layout"
+
+    def for_store(self, tensors: Mapping[str, tuple[tuple[int, ...], str]]) -> list[Placement]:
+        """The placements for a version holding ``tensors``."""
+        return list(self.placements(tensors) if callable(self.placements) else self.placements)
+
+
+def identity(name_map: Callable[[str], str | None] | None = None, exclude: Iterable[str] = ()) -> Layout:
+    """Every store tensor is the live tensor of the same name (or ``name_map(name)``; None: no
+    destination), whole."""
+
+    def rules(tensors):
+        for n in tensors:
+            dest = name_map(n) if name_map else n
+            if dest is not None:
+                yield Placement(n, dest)
+
+    return Layout(rules, tuple(exclude), "identity")
+
+
+@dataclass
+class Resolved:
+    """A layout resolved against one version and one model: per store tensor, its placements; the
+    names left alone; and which store tensors the live memory does not fully determine (partially
+    placed, or cast to a narrower dtype), whose store bytes the sink must keep on the host."""
+
+    by_source: dict[str, list[Placement]] = field(default_factory=dict)
+    excluded: tuple[str, ...] = ()
+    mirrored: frozenset[str] = frozenset()
+
+
+def excluder(patterns: Iterable[str]) -> Callable[[str], bool]:
+    """A test for names matching any of the ``fnmatch`` patterns."""
+    pats = tuple(patterns)
+    rx = re.compile("|".join(fnmatch.translate(p) for p in pats)) if pats else None
+    return lambda n: rx is not None and rx.match(n) is not None
+
+
+def volume(shape: Iterable[int]) -> int:
+    return math.prod(shape)
+
+
+def lossless(store: torch.dtype, live: torch.dtype) -> bool:
+    """Casting ``store`` values to ``live`` and back gives every value back (bit for bit)."""
+    if store == live:
+        return True
+    wider = {
+        torch.bfloat16: (torch.float32, torch.float64),
+        torch.float16: (torch.float32, torch.float64),
+        torch.float32: (torch.float64,),
+    }
+    return live in wider.get(store, ())
+
+
+def check_placement(p: Placement, shape: tuple[int, ...], live: torch.Tensor) -> None:
+    """Raise :class:`UsageError` unless ``p`` fits the store tensor's ``shape`` and stays inside ``live``."""
+    if p.box is not None:
+        if len(p.box) != len(shape) or any(not 0 <= a < b <= n for (a, b), n in zip(p.box, shape)):
+            raise UsageError(f"{p.source}{list(shape)}: box {list(p.box)} of its placement in {p.dest} is out of range")
+    ext = p.extent(shape)
+    st = p.strides(shape)
+    if len(st) != len(ext) or any(s < 0 for s in st) or p.offset < 0:
+        raise UsageError(f"{p.source}: strides {list(st)} or offset {p.offset} do not fit its region {list(ext)}")
+    last = p.offset + sum((n - 1) * s for n, s in zip(ext, st))
+    if volume(ext) and last >= live.numel():
+        raise UsageError(
+            f"{p.source}{list(ext)} placed at offset {p.offset} with strides {list(st)} runs past the end of "
+            f"{p.dest}{list(live.shape)}"
+        )
