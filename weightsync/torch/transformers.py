@@ -26,7 +26,10 @@ from transformers.core_model_loading import revert_weight_conversion
 from weightsync.errors import UsageError
 from weightsync.torch.layout import Box, Layout, Placement, volume
 
-MAX_BOXES = 4096  # per checkpoint tensor: more means the conversion scatters elements, not a view
+# A checkpoint tensor's cover by more than MAX_BOXES boxes of fewer than MIN_MEAN_BOX elements on
+# average is refused: such a conversion scatters elements (a gather, not a view)
+MAX_BOXES = 4096
+MIN_MEAN_BOX = 16
 
 Shape = tuple[int, ...]
 
@@ -170,7 +173,8 @@ def _contiguous(shape: Shape) -> tuple[int, ...]:
 
 def _explain(name: str, t: torch.Tensor, ids: _Ids) -> list[Placement]:
     """Boxes of checkpoint tensor ``name`` (its probe values ``t``), each an affine view of one live
-    tensor, covering it; :class:`UsageError` if there is no such cover of at most ``MAX_BOXES``."""
+    tensor, covering it (found greedily: maximal runs along the dim that splits into fewest);
+    :class:`UsageError` if there is none, or only a scatter (see ``MAX_BOXES``)."""
     shape = tuple(t.shape)
     if t.numel() == 0:
         return []
@@ -180,6 +184,7 @@ def _explain(name: str, t: torch.Tensor, ids: _Ids) -> list[Placement]:
             "pads or casts them): it cannot be placed"
         )
     out: list[Placement] = []
+    placed = 0
 
     def region(r: torch.Tensor, origin: tuple[int, ...]) -> None:
         if r.numel() == 0:
@@ -191,10 +196,12 @@ def _explain(name: str, t: torch.Tensor, ids: _Ids) -> list[Placement]:
             whole = ext == shape
             box: Box | None = None if whole else tuple((a, a + n) for a, n in zip(origin, ext))
             out.append(Placement(name, ids.names[k], offset, None if stride == _contiguous(ext) else stride, box))
-            if len(out) > MAX_BOXES:
+            nonlocal placed
+            placed += r.numel()
+            if len(out) > MAX_BOXES and placed < MIN_MEAN_BOX * len(out):
                 raise UsageError(
                     f"checkpoint tensor {name}{list(shape)} scatters live elements (more than {MAX_BOXES} strided "
-                    "boxes): it cannot be placed"
+                    f"boxes of fewer than {MIN_MEAN_BOX} elements on average): it cannot be placed"
                 )
             return
         best = None
