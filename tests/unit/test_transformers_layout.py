@@ -290,3 +290,17 @@ def test_fused_interleaved_permuted_and_transposed_checkpoints_place_as_boxes(tm
     ]
     (down,) = by_source["mlp.down_proj.weight"]
     assert (down.box, down.stride) == (None, (1, inter))  # live [H, inter]
+
+
+def test_a_conversion_across_layers_is_probed_whole(tmp_path):
+    """The probe runs per layer; a checkpoint tensor made of several layers' tensors (here both
+    down_proj stacked) is not what one layer's revert gives, so the probe runs on the whole model."""
+    from transformers.core_model_loading import Split
+
+    model = build("llama")
+    downs = [f"layers.{i}.mlp.down_proj.weight" for i in range(COMMON["num_hidden_layers"])]
+    model._weight_conversions = [WeightConverter("stacked_down", downs, operations=[Split(dim=0)])]
+    store = save(model, tmp_path)
+    assert store["model.stacked_down"].shape == (2 * COMMON["hidden_size"], COMMON["intermediate_size"])
+    placements = check(model, layout(model), store)
+    assert [p.dest for p in placements if p.source == "model.stacked_down"] == [f"model.{n}" for n in downs]

@@ -3,17 +3,17 @@ model's own conversion mapping: the one ``save_pretrained`` reverts to write the
 (``transformers.core_model_loading.revert_weight_conversion``). No table per architecture: a
 family transformers adds later works as its mapping does::
 
-    lay = layout(model)        # a model from from_pretrained (or built from a config)
-    lay.for_store({"model.layers.0.mlp.experts.3.gate_proj.weight": ((768, 2048), "bfloat16"), ...})
-    # [Placement(source=..., dest="model.layers.0.mlp.experts.gate_up_proj", offset=4718592, ...)]
+    lay = layout(model)        # a Qwen3-MoE from from_pretrained (or built from a config)
+    lay.for_store({"model.layers.0.mlp.experts.3.gate_proj.weight": ((768, 2048), "bfloat16")})
+    # [Placement(source=..., dest="model.layers.0.mlp.experts.gate_up_proj", offset=9437184)]
 
-How: the revert runs first on meta tensors (names and shapes of the checkpoint, free); a checkpoint
-tensor that is a live tensor passed through is a rename. Every other one is probed: the live tensors
-its conversion reads get integer tensors holding each element's global id, the revert runs on those,
+How: the revert runs first on meta tensors (the checkpoint's names and shapes, for free); a
+checkpoint tensor that is a live tensor passed through is a rename. The live tensors the other ones
+come from are probed: each gets an integer tensor of its elements' ids, the revert runs on those,
 and each resulting id array is explained as boxes, each an affine (strided) view of one live tensor,
-checked element by element. The probe runs per decoder layer (names up to their first number), so
-it holds about four times the int64 size of one layer's converted tensors; if the per-layer outputs
-are not those of the whole revert, it runs once on the whole state dict."""
+checked element by element. The probe runs per decoder layer (live names up to their first number)
+and holds about 8 bytes per element of one layer's converted tensors (int32 ids and the revert's
+copies); if the layers' outputs are not the whole revert's, it runs once on the whole state dict."""
 
 from __future__ import annotations
 
@@ -178,7 +178,8 @@ def _explain(name: str, t: torch.Tensor, ids: _Ids) -> list[Placement]:
     shape = tuple(t.shape)
     if t.numel() == 0:
         return []
-    if t.dtype != ids.dtype or int(t.min()) < ids.first or int(t.max()) >= ids.end:
+    whole = _affine(t, ids) if t.dtype == ids.dtype else None
+    if whole is None and (t.dtype != ids.dtype or int(t.min()) < ids.first or int(t.max()) >= ids.end):
         raise UsageError(
             f"checkpoint tensor {name}{list(shape)} holds values that are no live element (the conversion computes, "
             "pads or casts them): it cannot be placed"
@@ -186,15 +187,14 @@ def _explain(name: str, t: torch.Tensor, ids: _Ids) -> list[Placement]:
     out: list[Placement] = []
     placed = 0
 
-    def region(r: torch.Tensor, origin: tuple[int, ...]) -> None:
+    def region(r: torch.Tensor, origin: tuple[int, ...], fit=None) -> None:
         if r.numel() == 0:
             return
-        fit = _affine(r, ids)
+        fit = fit or _affine(r, ids)
         if fit is not None:
             k, offset, stride = fit
             ext = tuple(r.shape)
-            whole = ext == shape
-            box: Box | None = None if whole else tuple((a, a + n) for a, n in zip(origin, ext))
+            box: Box | None = None if ext == shape else tuple((a, a + n) for a, n in zip(origin, ext))
             out.append(Placement(name, ids.names[k], offset, None if stride == _contiguous(ext) else stride, box))
             nonlocal placed
             placed += r.numel()
@@ -220,34 +220,33 @@ def _explain(name: str, t: torch.Tensor, ids: _Ids) -> list[Placement]:
         for a, b in runs:
             region(r.narrow(d, a, b - a), origin[:d] + (origin[d] + a,) + origin[d + 1 :])
 
-    region(t, (0,) * t.dim())
+    region(t, (0,) * t.dim(), whole)
     return out
 
 
 def _affine(r: torch.Tensor, ids: _Ids) -> tuple[int, int, tuple[int, ...]] | None:
-    """(live tensor index, element offset, strides) if ``r`` is an affine view of one live tensor."""
-    lo, hi = int(r.min()), int(r.max())
-    k = int(ids.owner(torch.tensor(lo)))
-    if hi >= int(ids.ends[k]):
+    """(live tensor index, element offset, strides) if ``r`` is an affine view of one live tensor
+    (strides >= 0: its first and last elements are its least and greatest)."""
+    shape, nd = tuple(r.shape), r.dim()
+    first, last = int(r[(0,) * nd]), int(r[tuple(n - 1 for n in shape)])
+    if first < ids.first or last >= ids.end:
         return None
-    first = int(r.flatten()[0])
-    shape = tuple(r.shape)
+    k = int(ids.owner(torch.tensor(first)))
+    if last >= int(ids.ends[k]):
+        return None
     contiguous = _contiguous(shape)
     stride = []
     for d, n in enumerate(shape):
-        if n == 1:
-            stride.append(contiguous[d])
-            continue
-        step = int(r[(0,) * d + (1,) + (0,) * (r.dim() - d - 1)]) - first
+        step = int(r[(0,) * d + (1,) + (0,) * (nd - d - 1)]) - first if n > 1 else contiguous[d]
         if step < 0:
             return None
         stride.append(step)
-    if int(r.flatten()[-1]) != first + sum((n - 1) * s for n, s in zip(shape, stride)):
+    if last != first + sum((n - 1) * s for n, s in zip(shape, stride)):
         return None
-    e = torch.full((1,) * r.dim(), first, dtype=r.dtype)
+    e = torch.full((1,) * nd, first, dtype=r.dtype)
     for d, (n, s) in enumerate(zip(shape, stride)):
         if n > 1:
-            e = e + (torch.arange(n, dtype=r.dtype) * s).view([-1 if j == d else 1 for j in range(r.dim())])
+            e = e + (torch.arange(n, dtype=r.dtype) * s).view([-1 if j == d else 1 for j in range(nd)])
     if not torch.equal(r, e.expand(shape)):
         return None
     return k, first - int(ids.starts[k]), tuple(stride)
