@@ -74,6 +74,12 @@ def save(model, path: Path) -> dict[str, torch.Tensor]:
     return read(path)
 
 
+def saved(family: str, path: Path) -> Path:
+    """``path``, holding a random model of ``family`` as save_pretrained writes it."""
+    save(build(family), path)
+    return path
+
+
 def read(path: Path) -> dict[str, torch.Tensor]:
     out = {}
     for f in sorted(path.glob("*.safetensors")):
@@ -130,7 +136,7 @@ def test_the_checkpoint_save_pretrained_writes_places_bit_for_bit(family, tmp_pa
 
 
 def test_experts_are_boxes_of_the_fused_tensors(tmp_path):
-    model = load(_saved("qwen3_moe", tmp_path))
+    model = load(saved("qwen3_moe", tmp_path))
     live = model.state_dict()
     lay = layout(model)
     n = "model.layers.1.mlp.experts"
@@ -141,13 +147,8 @@ def test_experts_are_boxes_of_the_fused_tensors(tmp_path):
     assert (up.dest, up.offset) == (f"{n}.gate_up_proj", 3 * two_i * H + two_i // 2 * H)
 
 
-def _saved(family: str, path: Path) -> Path:
-    save(build(family), path)
-    return path
-
-
 def test_mixtral_renames_block_sparse_moe(tmp_path):
-    model = load(_saved("mixtral", tmp_path))
+    model = load(saved("mixtral", tmp_path))
     (p,) = layout(model).for_store({"model.layers.0.block_sparse_moe.gate.weight": ((4, 32), "bfloat16")})
     assert (p.dest, p.box) == ("model.layers.0.mlp.gate.weight", None)
 
@@ -182,14 +183,14 @@ def test_deepseek_v3_fp32_router_from_a_bf16_store(tmp_path):
 
 
 def test_live_format_names_place_whole(tmp_path):
-    model = load(_saved("qwen3_moe", tmp_path))
+    model = load(saved("qwen3_moe", tmp_path))
     live = {k: v.clone() for k, v in model.state_dict().items()}
     placements = check(model, layout(model), live)
     assert all(p.source == p.dest and p.box is None and p.offset == 0 for p in placements)
 
 
 def test_after_adamw_steps_the_saved_checkpoint_still_places(tmp_path):
-    model = load(_saved("qwen3_moe", tmp_path / "0"))
+    model = load(saved("qwen3_moe", tmp_path / "0"))
     lay = layout(model)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

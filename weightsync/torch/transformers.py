@@ -49,8 +49,9 @@ def layout(model: torch.nn.Module, *, exclude: Iterable[str] = ()) -> Layout:
     name whose shape differs from the checkpoint's."""
     if isinstance(exclude, str):
         raise UsageError(f"exclude takes a list of patterns, not the string {exclude!r}")
+    kind = type(model).__name__
     if not hasattr(model, "config"):
-        raise UsageError(f"{type(model).__name__} is not a transformers model (it has no config)")
+        raise UsageError(f"{kind} is not a transformers model (it has no config)")
     live = model.state_dict()
     ignored = tuple(k for k in getattr(model, "_keys_to_ignore_on_save", None) or () if k in live)
     for k in ignored:
@@ -81,7 +82,7 @@ def layout(model: torch.nn.Module, *, exclude: Iterable[str] = ()) -> Layout:
             probed = _probe(model, shapes, [list(shapes)], {n: t.shape for n, t in saved.items()})
         if probed is None:
             raise UsageError(
-                f"{type(model).__name__}: transformers' revert of its conversion gives other names or shapes on "
+                f"{kind}: transformers' revert of its conversion gives other names or shapes on "
                 "integer tensors than on meta tensors; cannot derive its layout"
             )
         for name, shape in converted.items():
@@ -93,14 +94,13 @@ def layout(model: torch.nn.Module, *, exclude: Iterable[str] = ()) -> Layout:
             if known is not None:
                 if tuple(shape) != known[0]:
                     raise UsageError(
-                        f"store tensor {name}{list(shape)}: {type(model).__name__}'s checkpoint holds it as "
-                        f"{list(known[0])}"
+                        f"store tensor {name}{list(shape)}: {kind}'s checkpoint holds it as {list(known[0])}"
                     )
                 yield from known[1]
             elif shapes.get(name) == tuple(shape):
                 yield Placement(name, name)
 
-    return Layout(rules, tuple(exclude) + ignored, f"transformers {type(model).__name__}")
+    return Layout(rules, tuple(exclude) + ignored, f"transformers {kind}")
 
 
 def _revert(model, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
