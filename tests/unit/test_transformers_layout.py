@@ -14,45 +14,12 @@ transformers = pytest.importorskip("transformers")
 
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
+from tiny_models import COMMON, config  # noqa: E402
 from transformers.core_model_loading import ConversionOps, WeightConverter  # noqa: E402
 
 from weightsync.errors import UsageError  # noqa: E402
 from weightsync.torch.layout import Layout, box_slices, check_placement, live_view  # noqa: E402
 from weightsync.torch.transformers import MAX_BOXES, layout  # noqa: E402
-
-COMMON = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    max_position_embeddings=64,
-)
-MOE = dict(num_experts_per_tok=2)
-
-
-def config(family: str, **over):
-    """A tiny config of ``family`` (random weights come from the model, never from a hub)."""
-    if family == "llama":
-        return transformers.LlamaConfig(**{**COMMON, "tie_word_embeddings": True, **over})
-    if family == "qwen3":
-        return transformers.Qwen3Config(**{**COMMON, **over})
-    if family == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(**{**COMMON, **MOE, "moe_intermediate_size": 16, "num_experts": 4, **over})
-    if family == "mixtral":
-        return transformers.MixtralConfig(**{**COMMON, **MOE, "num_local_experts": 4, **over})
-    if family == "gpt_oss":
-        return transformers.GptOssConfig(**{**COMMON, **MOE, "num_local_experts": 4, **over})
-    if family == "deepseek_v3":  # Kimi-K2 is this class too
-        c = dict(COMMON, num_key_value_heads=4, moe_intermediate_size=16, n_routed_experts=4, n_group=2)
-        c.update(topk_group=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8)
-        c.update(qk_nope_head_dim=8, v_head_dim=8, **MOE)
-        c.pop("head_dim")
-        return transformers.DeepseekV3Config(**{**c, **over})
-    raise ValueError(family)
-
 
 FAMILIES = ["llama", "qwen3", "qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"]
 
