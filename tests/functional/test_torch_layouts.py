@@ -5,6 +5,8 @@ layout that leaves anything unexplained is refused before anything is written.""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ from weightsync.torch.sink import CoverageError, TorchSink
 from weightsync.torch.state_dict import StateDictPublisher
 
 MODES = pytest.mark.parametrize("mode", ["patch", "flip"])
+DEVICE = torch.device(os.environ.get("WEIGHTSYNC_TEST_DEVICE", "cpu"))  # benchmarks/gpu.sh: cuda
 E, O, I, D = 3, 8, 6, 4  # experts, rows, columns, head rows  # noqa: E741
 
 
@@ -54,6 +57,7 @@ def engine(sd: dict[str, torch.Tensor], rank: int = 0) -> dict[str, torch.Tensor
         "bias": sd["bias"].float(),
         "embed": sd["embed"].clone(),
     }
+    live = {k: t.to(DEVICE) for k, t in live.items()}
     live["lm_head"] = live["embed"]  # tied: one storage, two names
     return live
 
@@ -72,7 +76,7 @@ def layout(rank: int = 0) -> Layout:
 
 
 def bits(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    return t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
 
 
 def assert_engine_holds(model: dict[str, torch.Tensor], sd: dict[str, torch.Tensor], rank: int = 0) -> None:
