@@ -67,13 +67,16 @@ def live_view(flat: torch.Tensor, p: Placement, shape: tuple[int, ...]) -> torch
 
 @dataclass
 class Layout:
-    """A model's placements, plus names it says to leave alone. ``placements`` may be a callable
-    taking the store's tensors ``{name: (shape, dtype name)}`` and returning placements (rules that
-    depend on which tensors a version has)."""
+    """A model's placements, plus names it says to leave alone and live tensors it says are padded.
+    ``placements`` may be a callable taking the store's tensors ``{name: (shape, dtype name)}`` and
+    returning placements (rules that depend on which tensors a version has)."""
 
     placements: list[Placement] | Callable[[Mapping[str, tuple[tuple[int, ...], str]]], Iterable[Placement]]
     exclude: tuple[str, ...] = ()
     name: str = "layout"
+    # live tensors (fnmatch) whose elements no placement covers are the engine's own padding (vocab rows past
+    # the checkpoint's, which the engine zero-fills on load): accepted and reported there, refused elsewhere
+    padding: tuple[str, ...] = ()
 
     def for_store(self, tensors: Mapping[str, tuple[tuple[int, ...], str]]) -> list[Placement]:
         """The placements for a version holding ``tensors``."""
