@@ -161,6 +161,12 @@ def test_a_checkpoint_tensor_no_rule_covers_is_refused():
     sd = checkpoint("llama") | {"model.layers.0.mlp.extra_proj.weight": torch.zeros(2, 2)}
     with pytest.raises(UsageError, match=r"1 checkpoint tensor\(s\) match no rule \(model.layers.0.mlp.extra_proj"):
         rules_for("llama", "vllm").plan(_tensors(sd))
+    scales = {  # fp8 block scales are not laid out like their weights: no stacked or expert rule takes them
+        "model.layers.0.self_attn.q_proj.weight_scale_inv": torch.zeros(1, 1),
+        "model.layers.0.mlp.experts.1.up_proj.weight_scale_inv": torch.zeros(1, 1),
+    }
+    with pytest.raises(UsageError, match=r"2 checkpoint tensor\(s\) match no rule \(model.layers.0.mlp.experts.1"):
+        rules_for("qwen3_moe", "vllm").plan(_tensors(checkpoint("qwen3_moe") | scales))
 
 
 @pytest.mark.parametrize(

@@ -181,7 +181,9 @@ class EngineRules:
     ``stacked_params_mapping``: a checkpoint name containing ``shard_name`` loads into the name with
     it replaced by ``param_name``; string ids ``q``/``k``/``v`` fill a ``QKVParallelLinear``
     (``num_heads``, ``num_kv_heads`` needed), integer ids a ``MergedColumnParallelLinear`` in id
-    order. ``experts``: the routed experts (:class:`Experts`), matched first. Every other name loads
+    order. ``experts``: the routed experts (:class:`Experts`), matched first. Both take names ending
+    in ``.weight`` (stacked also ``.bias``): quantization scales are not laid out like their
+    weights and match no rule unless one is written for them. Every other name loads
     under itself, into a parameter matching (first match wins) ``vocab``, ``row``, ``column`` or
     ``replicated``; ``skip``: checkpoint names the engine never loads. A fused parameter matching
     ``replicated`` is not sharded (vLLM's ``disable_tp``). ``padding``: live tensors whose unplaced
@@ -238,8 +240,8 @@ class EngineRules:
         agree, or live elements no checkpoint element reaches outside the declared padding (a
         missing q/k/v, gate/up or expert names the tensor missing)."""
         out = EnginePlan()
-        fused: dict[str, dict] = {}  # dest -> {shard id: (source, shape)}
-        experts: dict[str, dict[int, tuple[str, Shape]]] = {}  # dest -> {global expert: (source, shape)}
+        fused: dict[str, dict] = {}  # dest -> {"entries": its stacked entries, "src": {shard id: (source, shape)}}
+        experts: dict[str, dict[int, dict]] = {}  # dest -> {slot 1|2|3 (w1, w2, w3): {global expert: (source, shape)}}
         expert_kind: dict[str, tuple[str, str]] = {}  # dest -> (w13|w2, the name with "{e}.{proj}" to fill)
         unruled: list[str] = []
         skip, styles = excluder(self.skip), [(s, excluder(getattr(self, s))) for s in ("vocab", "row", "column")]
@@ -251,7 +253,8 @@ class EngineRules:
             if skip(name):
                 out.excluded.append(name)
                 continue
-            m = xp.search(name) if xp else None
+            leaf = name.rpartition(".")[2]  # weights (and fused biases); a quantization scale needs a rule of its own
+            m = xp.search(name) if xp and leaf == "weight" else None
             if m is not None:
                 e, proj = int(m.group(1)), m.group(2)
                 if e >= self.experts.num_experts:
@@ -265,7 +268,7 @@ class EngineRules:
                 experts.setdefault(dest, {}).setdefault(slot, {})[e] = (name, shape)
                 expert_kind[dest] = ("w2" if w2 else "w13", name[: m.start()] + "experts.{e}.{p}." + name[m.end() :])
                 continue
-            entry = next((s for s in self.stacked if s[1] in name), None)
+            entry = next((s for s in self.stacked if s[1] in name), None) if leaf in ("weight", "bias") else None
             if entry is not None:
                 dest = name.replace(entry[1], entry[0])
                 group = fused.setdefault(dest, {"entries": [s for s in self.stacked if s[0] == entry[0]], "src": {}})
