@@ -9,7 +9,7 @@ another parameter (``stacked``, the entries of the engine's ``stacked_params_map
 into the routed experts (``experts``, what ``FusedMoE.make_expert_params_mapping`` lists), or load
 it under its own name into a column-, row- or vocab-parallel or replicated parameter (fnmatch
 patterns over the engine's parameter names). :class:`Ranks` says which slice one process holds.
-The rules are read from the engines' code (vLLM and SGLang ``main``, 2025; nothing copied):
+The rules are read from the engines' code (their main branches; nothing copied):
 
 - vLLM ``model_executor/models/{llama,qwen3_moe,deepseek_v2}.py`` ``load_weights``: the stacked
   entries, their shard ids (``q``/``k``/``v``; ``gate_proj`` 0, ``up_proj`` 1; ``q_a_proj`` 0,

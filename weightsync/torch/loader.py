@@ -84,12 +84,13 @@ class LoadReport:
     seconds: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
 class EngineLoad:
     """An engine's loading entry point as the adapter calls it: ``load(named_tensors)`` per batch
     (whole checkpoint tensors, checkpoint names), then ``finish()`` once per update."""
 
-    def __init__(self, load: Callable[[NamedTensors], object], finish: Callable[[], object] | None = None):
-        self.load, self.finish = load, finish
+    load: Callable[[NamedTensors], object]
+    finish: Callable[[], object] | None = None
 
 
 def vllm_load_weights(model: torch.nn.Module) -> EngineLoad:
