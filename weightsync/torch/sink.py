@@ -280,6 +280,8 @@ class TorchSink:
         self.exclude = (*self.layout.exclude, *exclude)
         self._excludes = excluder(self.exclude)
         self.excluded: tuple[str, ...] = ()  # names left alone in the latest version checked
+        self._pads = excluder(self.layout.padding)
+        self.padded: dict[str, int] = {}  # live tensor -> elements of engine padding no store tensor writes
         self._epoch = 0  # patch mode: applies that failed midway (and tore the model) so far
         self.dense_above, self.threads, self.fetch_concurrency = dense_above, threads, fetch_concurrency
         self.direct = direct
@@ -393,7 +395,7 @@ class TorchSink:
                 raise UsageError(f"{name}: its placements cover more elements than it has (overlapping boxes)")
             binding.mirrored |= placed < math.prod(seg.shape)
             out.append(binding)
-        unsourced = []
+        unsourced, padded = [], {}
         for slot in {s: None for s in self._slots.values()}:
             n = covered.get(slot, 0)
             if n >= slot.live.numel():
@@ -401,6 +403,8 @@ class TorchSink:
             left = [x for x in slot.names if not self._excludes(x)]
             if not left:
                 excluded.update(slot.names)
+            elif any(self._pads(x) for x in slot.names):
+                padded[slot.names[0]] = slot.live.numel() - n  # the engine's own padding: left alone
             elif n:
                 unsourced.append(f"{left[0]} ({slot.live.numel() - n} of {slot.live.numel()} elements)")
             else:
@@ -412,6 +416,13 @@ class TorchSink:
             raise UsageError(
                 f"no tensor of version {manifest.version} matches the model's tensor names"
                 f"{f' ({len(excluded)} excluded)' if excluded else ''}"
+            )
+        if padded != self.padded:
+            self.padded = padded
+            log.info(
+                "version %d: padding left alone in %s",
+                manifest.version,
+                _some([f"{k} ({v})" for k, v in padded.items()]),
             )
         if tuple(sorted(excluded)) != self.excluded:
             self.excluded = tuple(sorted(excluded))
