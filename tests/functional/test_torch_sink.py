@@ -152,10 +152,12 @@ def test_a_model_that_drifted_is_detected_and_repaired(published, mode):
 @MODES
 def test_updates_are_refused_when_they_cannot_apply(published, mode):
     store, versions = published
-    with pytest.raises(UsageError, match="cannot patch in place"):
+    with pytest.raises(UsageError, match="cannot patch in place"):  # a shape the identity layout cannot explain
+        TorchSink(store, copy_of({k: v.reshape(-1) for k, v in versions[0].items()}, mode), 0, mode=mode)
+    with pytest.raises(UsageError, match="cannot patch in place"):  # nor a cast between float and integers
         TorchSink(
             store,
-            copy_of({k: v.float() if v.dtype == torch.bfloat16 else v for k, v in versions[0].items()}, mode),
+            copy_of({k: v.view(torch.int16) if v.dtype == torch.bfloat16 else v for k, v in versions[0].items()}, mode),
             0,
             mode=mode,
         )
@@ -168,6 +170,26 @@ def test_updates_are_refused_when_they_cannot_apply(published, mode):
     with pytest.raises(UsageError, match="prepared from version 0"):
         sink.apply(stale)
     assert_holds(live, versions[1])
+
+
+@MODES
+def test_a_model_that_cast_on_load_follows_the_cast_of_each_version(published, mode):
+    """An engine that loads bf16 weights into fp32 holds the cast values: the sink keeps it there
+    (every live value the exact cast of the store's), and a live value that is not such a cast is
+    a mismatch, not a silent pass."""
+    store, versions = published
+    wide = lambda v: {k: t.float() if t.dtype == torch.bfloat16 else t for k, t in v.items()}  # noqa: E731
+    live = copy_of(wide(versions[0]), mode)
+    sink = TorchSink(store, live, 0, mode=mode)
+    for v in (1, 3, 2):
+        sink.update(v)
+        assert_holds(live, wide(versions[v]))
+        assert sink.verify() > 0
+    name = next(k for k, t in live.items() if t.dtype == torch.float32)
+    with torch.no_grad():
+        live[name].view(-1)[0] = live[name].view(-1)[0] + 1e-6  # not a bf16 value any more
+    with pytest.raises(BaseMismatchError, match=f"{name}: a value"):
+        sink.verify()
 
 
 # -- flip mode ----------------------------------------------------------------------------------------
@@ -234,7 +256,7 @@ def test_flip_keeps_only_int32_positions_between_updates(published):
     up = sink.update(2)
     assert up.flips and all(p.index is not None and p.index.dtype == torch.int32 for p in up.patches)
     assert sink.replay_bytes == 4 * up.changed_elements > 0
-    assert all(f.replay.values.data_ptr() == f.new.data_ptr() for f in up.flips)  # no copy of the values
+    assert all(r.values.data_ptr() == f.new.data_ptr() for f in up.flips for r in f.replay)  # no copy of the values
     staged = sink.prepare(3)
     assert sink.replay_bytes == 0
     sink.apply(staged)

@@ -69,11 +69,15 @@ def live_view(flat: torch.Tensor, p: Placement, shape: tuple[int, ...]) -> torch
 class Layout:
     """A model's placements, plus names it says to leave alone. ``placements`` may be a callable
     taking the store's tensors ``{name: (shape, dtype name)}`` and returning placements (rules that
-    depend on which tensors a version has)."""
+    depend on which tensors a version has). A live dtype wider than the store's (bf16 kept in fp32)
+    is always a cast on load; a narrower one only if ``narrowing`` says so (otherwise it is a
+    version the model cannot take)."""
 
     placements: list[Placement] | Callable[[Mapping[str, tuple[tuple[int, ...], str]]], Iterable[Placement]]
     exclude: tuple[str, ...] = ()
     name: str = "layout"
+    narrowing: bool = False  # the engine casts store values to a narrower live dtype on load (fp32 served in bf16)
+    same_shapes: bool = False  # every placement is a whole live tensor of the store tensor's shape
 
     def for_store(self, tensors: Mapping[str, tuple[tuple[int, ...], str]]) -> list[Placement]:
         """The placements for a version holding ``tensors``."""
@@ -90,7 +94,7 @@ def identity(name_map: Callable[[str], str | None] | None = None, exclude: Itera
             if dest is not None:
                 yield Placement(n, dest)
 
-    return Layout(rules, tuple(exclude), "identity")
+    return Layout(rules, tuple(exclude), "identity", same_shapes=True)
 
 
 @dataclass

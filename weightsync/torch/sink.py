@@ -10,9 +10,8 @@
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import logging
-import re
+import math
 import tempfile
 import threading
 import time
@@ -27,6 +26,7 @@ import xxhash
 from weightsync.errors import BaseMismatchError, UsageError, VersionError, WeightsyncError
 from weightsync.format.dtypes import UINT_VIEW, itemsize
 from weightsync.format.manifest import Manifest, Segment
+from weightsync.local.base import LocalVersion
 from weightsync.store.repo import open_repo
 from weightsync.sync.observer import Observer, Operation
 from weightsync.sync.plan import plan_segment
@@ -35,6 +35,7 @@ from weightsync.sync.rebuild import TensorJob, build_tensors, fetch_jobs
 from weightsync.torch.dtypes import NP_INT as _NP_INT
 from weightsync.torch.dtypes import TORCH_DTYPE
 from weightsync.torch.dtypes import TORCH_INT as _INT_VIEW
+from weightsync.torch.layout import Layout, Placement, box_slices, check_placement, excluder, identity, lossless
 
 MODES = ("patch", "flip")
 
@@ -57,30 +58,78 @@ class ApplyError(WeightsyncError):
 
 @dataclass
 class Patch:
-    """One staged write into a live tensor: its positions and new bit patterns (or the whole tensor)."""
+    """One staged write into a live tensor: positions and new bit patterns, a dense region, or the
+    whole tensor."""
 
     name: str
     target: torch.Tensor  # a flat integer view of the tensor it writes (same width, same memory)
-    index: torch.Tensor | None  # positions on the tensor's device, int64 (flip: int32 if < 2**31); None: dense
-    values: torch.Tensor  # new bit patterns (flat integer view) at ``index``, or of the whole tensor
-    gather: bool = False  # ``values`` is a whole tensor: write its elements at ``index`` (flip's replays)
+    index: torch.Tensor | None  # flat positions on the tensor's device (flip's replays: int32 if < 2**31)
+    values: torch.Tensor  # new bit patterns at ``index``; or of the region ``view`` (or the whole tensor)
+    gather: bool = False  # ``values`` is a whole tensor: read it at ``index`` / ``view`` (flip's replays)
+    view: tuple[tuple[int, ...], tuple[int, ...], int] | None = None  # dense: (shape, strides, offset) written
 
     def write(self) -> None:
-        """Scatter the values into the target (or copy them, for a dense patch)."""
-        v = self.values.index_select(0, self.index) if self.gather and self.index is not None else self.values
-        self.target.copy_(v) if self.index is None else self.target.scatter_(0, self.index, v)
+        """Scatter the values into the target (or copy the dense region, or the whole tensor)."""
+        if self.index is not None:
+            v = self.values.index_select(0, self.index) if self.gather else self.values
+            self.target.scatter_(0, self.index, v)
+        elif self.view is None:
+            self.target.copy_(self.values)
+        else:
+            shape, stride, off = self.view
+            dst = self.target.as_strided(shape, stride, self.target.storage_offset() + off)
+            src = (
+                self.values.as_strided(shape, stride, self.values.storage_offset() + off)
+                if self.gather
+                else self.values.view(shape)
+            )
+            dst.copy_(src)
+
+    @property
+    def elements(self) -> int:
+        """Elements written."""
+        if self.index is not None:
+            return self.index.numel()
+        return self.target.numel() if self.view is None else math.prod(self.view[0])
 
 
 @dataclass(eq=False)
 class _Slot:
-    """Flip mode: one distinct live tensor, every name and object that holds it, and its two buffers."""
+    """One distinct live tensor, every name and object that holds it, and (flip mode) its two buffers."""
 
     names: list[str]
     objects: list[torch.Tensor]  # the live objects (Parameters, buffers, the user's tensors)
     live: torch.Tensor  # a detached alias of the storage the objects hold now
-    standby: torch.Tensor | None = None  # same dtype/shape/device; equal to ``live`` once caught up
-    dirty: bool = False  # the standby may differ from live anywhere: copy live into it
-    replay: Patch | None = None  # the last flip's patch, to replay onto the (retired) standby
+    standby: torch.Tensor | None = None  # flip: same dtype/shape/device; equal to ``live`` once caught up
+    dirty: bool = False  # flip: the standby may differ from live anywhere: copy live into it
+    replay: list[Patch] | None = None  # flip: the last flip's patches, to replay onto the (retired) standby
+
+
+@dataclass(eq=False)
+class _Place:
+    """A placement resolved against the model: the slot it writes and the region's geometry."""
+
+    slot: _Slot
+    box: tuple[slice, ...]  # of the store tensor
+    shape: tuple[int, ...]  # the region's extent
+    stride: tuple[int, ...]  # live strides
+    offset: int  # element offset into the live tensor
+    whole: bool  # the whole store tensor is the whole live tensor, same dtype, same element order
+
+    @property
+    def view(self) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+        return self.shape, self.stride, self.offset
+
+
+@dataclass(eq=False)
+class _Binding:
+    """One store tensor of a version and where it lives in the model (``places`` empty: a region
+    another store tensor already writes, tied weights)."""
+
+    path: str
+    seg: Segment
+    places: list[_Place]
+    mirrored: bool  # the live memory does not determine its bytes (partly placed, or cast lossily)
 
 
 @dataclass(eq=False)
@@ -92,7 +141,7 @@ class Flip:
     new: torch.Tensor  # the standby buffer, holding the update's version (verified)
     old: torch.Tensor  # the buffer the objects hold now; the standby after the flip
     slot: _Slot = field(repr=False)
-    replay: Patch = field(repr=False)  # brings ``old`` to the new version once it is retired
+    replay: list[Patch] = field(repr=False, default_factory=list)  # bring ``old`` to the new version once retired
 
 
 def point_to(flips: list[Flip], new: bool = True) -> None:
@@ -107,20 +156,22 @@ def point_to(flips: list[Flip], new: bool = True) -> None:
 @dataclass(eq=False)
 class Update:
     """A prepared update from ``from_version`` to ``version``: everything but the swap. ``patches``:
-    per changed tensor, what ``apply`` writes (patch mode) or, in flip mode, what the next ``prepare``
-    replays onto the storages that the ``flips`` retire."""
+    per changed region of a live tensor, what ``apply`` writes (patch mode) or, in flip mode, what
+    the next ``prepare`` replays onto the storages that the ``flips`` retire."""
 
     version: int
     from_version: int
     patches: list[Patch] = field(default_factory=list)
     fetched_bytes: int = 0
-    changed_elements: int = 0
+    changed_elements: int = 0  # of the store's tensors
     tensors: int = 0  # tensors in the version that the model holds
     seconds: dict[str, float] = field(default_factory=dict)
     mode: str = "patch"
     flips: list[Flip] = field(default_factory=list)
     excluded: tuple[str, ...] = ()  # store and model names left alone (``exclude`` patterns)
     epoch: int = 0  # patch mode: the sink's count of torn applies when it was prepared
+    mirror: dict[str, np.ndarray] = field(default_factory=dict, repr=False)  # new bytes of mirrored tensors
+    manifest: Manifest | None = field(default=None, repr=False)
 
 
 def _host_bytes(t: torch.Tensor) -> np.ndarray:
@@ -145,13 +196,23 @@ class TorchSink:
 
     ``tensors``: an ``nn.Module`` (its parameters and persistent buffers) or a mapping of names to
     tensors (flip mode: to Parameters). ``version``: the version they hold now; with ``verify=True``
-    every tensor is checked against it on construction. ``name_map`` maps a store tensor name to the
-    model's name (or None to leave it alone). ``exclude``: ``fnmatch`` patterns over store and model
-    names to leave alone; any other tensor of the store without a destination in the model, or of the
-    model without a source in the store, is a :class:`CoverageError` (see the module doc). ``lock``:
-    the lock the serving loop takes around its use of the model (a new one by default, as
-    :attr:`lock`). ``mode``: ``"patch"`` or ``"flip"`` (clones every matched tensor on construction:
-    twice the weights' memory, plus :attr:`replay_bytes`).
+    every tensor is checked against it on construction. ``layout``
+    (:class:`~weightsync.torch.layout.Layout`) says where each store tensor lives in the model: by
+    default each is the model tensor of the same name (or ``name_map(name)``; None leaves it
+    alone); :func:`weightsync.torch.transformers.layout` derives it for a transformers model,
+    :mod:`weightsync.torch.engines` for vLLM and SGLang layouts. ``exclude``: ``fnmatch``
+    patterns over store and model names to leave alone; any other tensor of the store without a
+    destination in the model, or model memory without a source in the store, is a
+    :class:`CoverageError`. ``lock``: the lock the serving loop takes around its use of the model
+    (a new one by default, as :attr:`lock`). ``mode``: ``"patch"`` or ``"flip"`` (clones every
+    matched tensor on construction: twice the weights' memory, plus :attr:`replay_bytes`).
+
+    ``store=None``: no store; every version comes from a local folder that holds it (a subscriber's
+    slot: ``prepare(v, folder=..., manifest=...)``), and ``manifest`` is the one of ``version``.
+    Store tensors that the model holds only in part (a tensor-parallel shard) or casts lossily are
+    kept whole on the host (:attr:`mirror_bytes`) when following a store, to decode the next delta
+    and to verify; a store-less sink keeps none (it compares with the live values, and verifies
+    them against a folder: ``folder`` here, or ``verify(folder=...)``).
     """
 
     def __init__(
@@ -161,6 +222,7 @@ class TorchSink:
         version: int,
         *,
         lock: threading.Lock | None = None,
+        layout: Layout | None = None,
         name_map: Callable[[str], str | None] | None = None,
         exclude: Iterable[str] = (),
         dense_above: float = 0.05,
@@ -168,11 +230,22 @@ class TorchSink:
         threads: int = 4,
         fetch_concurrency: int = 32,
         mode: str = "patch",
+        manifest: Manifest | None = None,
+        folder: Path | str | None = None,
     ):
         if mode not in MODES:
             raise UsageError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+        if layout is not None and name_map is not None:
+            raise UsageError("give a layout or a name_map, not both (a layout names every destination)")
+        if isinstance(exclude, str):
+            raise UsageError(f"exclude takes a list of patterns, not the string {exclude!r}")
+        if store is None and manifest is None:
+            raise UsageError("without a store, give the manifest of the version the model holds")
+        if manifest is not None and manifest.version != version:
+            raise UsageError(f"the manifest given is version {manifest.version}, the model holds {version}")
         self.mode = mode
-        self.repo = open_repo(store)
+        self.repo = open_repo(store) if store is not None else None
+        self._manifests: dict[int, Manifest] = {} if manifest is None else {version: manifest}
         if isinstance(tensors, torch.nn.Module):
             live = tensors.state_dict(keep_vars=True) if mode == "flip" else tensors.state_dict()
         else:
@@ -186,30 +259,31 @@ class TorchSink:
         self.tensors: Mapping[str, torch.Tensor] = live
         self.version = version
         self.lock = lock or threading.Lock()
-        self.name_map = name_map or (lambda n: n)
-        if isinstance(exclude, str):
-            raise UsageError(f"exclude takes a list of patterns, not the string {exclude!r}")
-        self.exclude = tuple(exclude)
-        self._excluded_re = re.compile("|".join(fnmatch.translate(p) for p in self.exclude)) if self.exclude else None
+        self.name_map = name_map
+        self.layout = layout or identity(name_map)
+        self.exclude = (*self.layout.exclude, *exclude)
+        self._excludes = excluder(self.exclude)
         self.excluded: tuple[str, ...] = ()  # names left alone in the latest version checked
         self._epoch = 0  # patch mode: applies that failed midway (and tore the model) so far
         self.dense_above, self.threads, self.fetch_concurrency = dense_above, threads, fetch_concurrency
         self._apply_lock = threading.Lock()  # one update at a time (flip mode: also held by prepare)
-        self._slots: dict[str, _Slot] = {}  # flip mode: model name -> its slot
+        self._slots: dict[str, _Slot] = _group(live)  # model name -> its slot
         self._staged: Update | None = None  # flip mode: the update whose version the standby holds
         self._torn = False  # patch mode: the model holds neither version since a failed apply
-        if mode == "flip":
-            self._slots = _group(live)
+        self._mirror: dict[str, np.ndarray] = {}  # store bytes (at ``version``) of mirrored tensors
         try:
-            matched = self._matched(self.repo.manifest(version))
+            m = self._manifest(version)
         except VersionError:
             if verify:
                 raise
-            matched = []  # collected by gc: checked on the first prepare (flip: standbys cloned then)
+            m = None  # collected by gc: checked on the first prepare (flip: standbys cloned then)
+        bound = self._bind(m) if m is not None else []
+        if self.repo is not None and any(b.mirrored for b in bound):  # (from folders, diffs compare with live)
+            self._mirror = self._full_bytes(m, [b for b in bound if b.mirrored], folder)
         if verify:
-            self._verify(matched, version)
+            self._verify(bound, version, folder)
         if mode == "flip":
-            _sync({s.live.device for s in self._ensure_standbys(self._names(matched))})
+            _sync({s.live.device for s in self._ensure_standbys(bound)})
 
     @property
     def standby_bytes(self) -> int:
@@ -222,48 +296,98 @@ class TorchSink:
     def replay_bytes(self) -> int:
         """Flip mode's memory besides the standbys, from an ``apply`` to the next ``prepare``: the last
         update's changed positions (4 bytes each; 8 from 2**31 elements), replayed onto the standby."""
-        slots = {s: None for s in self._slots.values() if s.replay is not None and s.replay.index is not None}
-        return sum(s.replay.index.numel() * s.replay.index.element_size() for s in slots)
+        slots = {s: None for s in self._slots.values() if s.replay}
+        return sum(p.index.numel() * p.index.element_size() for s in slots for p in s.replay if p.index is not None)
+
+    @property
+    def mirror_bytes(self) -> int:
+        """Host memory holding the store bytes of tensors the model holds only in part (see the class doc)."""
+        return sum(a.nbytes for a in self._mirror.values())
 
     # -- mapping ----------------------------------------------------------------------------------
-    def _excludes(self, name: str) -> bool:
-        return self._excluded_re is not None and self._excluded_re.match(name) is not None
+    def _manifest(self, version: int) -> Manifest:
+        m = self._manifests.get(version)
+        if m is None:
+            if self.repo is None:
+                raise VersionError(f"version {version}: no store, and no manifest given for it")
+            m = self.repo.manifest(version)
+        return m
 
-    def _matched(self, manifest: Manifest) -> list[tuple[str, Segment, torch.Tensor]]:
-        """Each store tensor of ``manifest`` with its model tensor; raises unless both sides are
-        covered (:class:`CoverageError`) and dtypes and shapes agree."""
-        out, unplaced, excluded, placed = [], [], set(), set()
-        for f in manifest.files:
-            for s in f.segments:
-                name = self.name_map(s.name) if s.role == "tensor" else None
-                if name is None:
-                    continue
-                if self._excludes(s.name) or self._excludes(name):
-                    excluded.add(s.name)
-                    if name in self.tensors:
-                        excluded.add(name)  # its destination is left alone too
-                        placed.add(name)
-                    continue
-                t = self.tensors.get(name)
-                if t is None:
-                    unplaced.append(s.name)
-                    continue
-                if TORCH_DTYPE.get(s.dtype) != t.dtype or tuple(t.shape) != s.shape or not t.is_contiguous():
-                    raise UsageError(
-                        f"{s.name}: the store has {s.dtype}{list(s.shape)}, the model {t.dtype}{list(t.shape)}"
-                        f"{'' if t.is_contiguous() else ' (not contiguous)'}; cannot patch in place"
-                    )
-                out.append((f.path, s, t))
-                placed.add(name)
-        covered = {_view_key(t) for _, _, t in out}  # a tensor tied to one the store names is covered
-        unsourced = []
-        for name, t in self.tensors.items():
-            if name in placed or _view_key(t) in covered:
-                continue
-            if self._excludes(name):
+    def _remember(self, m: Manifest) -> None:
+        """Keep the manifest of the version the model holds (and the one staged), for a store-less sink."""
+        self._manifests = {v: x for v, x in self._manifests.items() if v == self.version}
+        self._manifests[m.version] = m
+
+    def _bind(self, manifest: Manifest) -> list[_Binding]:
+        """Each store tensor of ``manifest`` with its places in the model; raises unless both sides
+        are covered (:class:`CoverageError`) and every placement fits (:class:`UsageError`)."""
+        segs = {s.name: (f.path, s) for f in manifest.files for s in f.segments if s.role == "tensor"}
+        try:
+            placements = self.layout.for_store({n: (s.shape, s.dtype) for n, (_, s) in segs.items()})
+        except WeightsyncError:
+            raise
+        except Exception as exc:  # a user's rule that fails: one line, not a traceback from the layout
+            raise UsageError(f"layout {self.layout.name} failed for version {manifest.version}: {_one_line(exc)}")
+        by_source: dict[str, list[Placement]] = {}
+        for p in placements:
+            by_source.setdefault(p.source, []).append(p)
+        unknown = sorted(set(by_source) - set(segs))
+        if unknown:
+            raise UsageError(
+                f"layout {self.layout.name} places {len(unknown)} tensor(s) version {manifest.version} does not "
+                f"have ({_some(unknown)})"
+            )
+        out, unplaced, excluded = [], [], set()
+        covered: dict[_Slot, int] = {}  # elements of each slot some placement writes (or leaves alone on purpose)
+        regions: dict[tuple, _Binding] = {}  # (slot, view) -> the binding that writes it
+        for name, (path, seg) in segs.items():
+            if self.name_map is not None and self.name_map(name) is None:
+                continue  # the user's name_map leaves it alone
+            ps = by_source.get(name, [])
+            if self._excludes(name) or any(self._excludes(p.dest) for p in ps):
                 excluded.add(name)
+                for p in ps:  # its destinations are left alone too
+                    if p.dest in self._slots:
+                        excluded.add(p.dest)
+                        covered[self._slots[p.dest]] = self._slots[p.dest].live.numel()
+                continue
+            if not ps or any(p.dest not in self._slots for p in ps):
+                unplaced.append(name)  # a destination the model does not have: no place for (all of) it
+                continue
+            binding = _Binding(path, seg, [], False)
+            placed = 0
+            for p in ps:
+                pl = self._place(p, seg)
+                placed += math.prod(pl.shape)
+                key = (pl.slot, pl.view)
+                first = regions.get(key)
+                if first is not None:  # tied: one region, two store names
+                    if first.seg.xxh3 != seg.xxh3:
+                        raise UsageError(
+                            f"{first.seg.name} and {name} are one tensor in the model but differ in version "
+                            f"{manifest.version}"
+                        )
+                    continue
+                regions[key] = binding
+                covered[pl.slot] = covered.get(pl.slot, 0) + math.prod(pl.shape)
+                binding.places.append(pl)
+                binding.mirrored |= not lossless(TORCH_DTYPE[seg.dtype], pl.slot.live.dtype)
+            if placed > math.prod(seg.shape) and binding.places:
+                raise UsageError(f"{name}: its placements cover more elements than it has (overlapping boxes)")
+            binding.mirrored |= placed < math.prod(seg.shape)
+            out.append(binding)
+        unsourced = []
+        for slot in {s: None for s in self._slots.values()}:
+            n = covered.get(slot, 0)
+            if n >= slot.live.numel():
+                continue
+            left = [x for x in slot.names if not self._excludes(x)]
+            if not left:
+                excluded.update(slot.names)
+            elif n:
+                unsourced.append(f"{left[0]} ({slot.live.numel() - n} of {slot.live.numel()} elements)")
             else:
-                unsourced.append(name)
+                unsourced.append(left[0])
         if unplaced or unsourced:
             none = f"no tensor of version {manifest.version} matches the model's tensor names: " if not out else ""
             raise CoverageError(none + _coverage_message(manifest.version, unplaced, unsourced), unplaced, unsourced)
@@ -284,37 +408,131 @@ class TorchSink:
                 )
         return out
 
-    def _names(self, matched) -> list[str]:
-        return [self.name_map(s.name) for _, s, _ in matched]
+    def _place(self, p: Placement, seg: Segment) -> _Place:
+        slot = self._slots[p.dest]
+        t, store_dt = slot.live, TORCH_DTYPE.get(seg.dtype)
+        identity_like = p.box is None and p.stride is None and p.offset == 0
+        castable = store_dt is not None and store_dt.is_floating_point and t.dtype.is_floating_point
+        if store_dt != t.dtype and not (castable and (self.layout.narrowing or lossless(store_dt, t.dtype))):
+            raise UsageError(
+                f"{seg.name}: the store has {seg.dtype}{list(seg.shape)}, the model {t.dtype}{list(t.shape)}; "
+                "cannot patch in place"
+            )
+        if not t.is_contiguous() or (self.layout.same_shapes and tuple(t.shape) != seg.shape):
+            raise UsageError(
+                f"{seg.name}: the store has {seg.dtype}{list(seg.shape)}, the model {t.dtype}{list(t.shape)}"
+                f"{'' if t.is_contiguous() else ' (not contiguous)'}; cannot patch in place"
+            )
+        check_placement(p, seg.shape, t)
+        shape = p.extent(seg.shape)
+        whole = identity_like and store_dt == t.dtype and t.numel() == math.prod(seg.shape)
+        return _Place(slot, box_slices(p.box, seg.shape), shape, p.strides(seg.shape), p.offset, whole)
 
-    def verify(self, version: int | None = None) -> int:
-        """Raise :class:`BaseMismatchError` unless every matched tensor holds ``version``'s bytes
-        (:class:`CoverageError` unless the version's names and the model's cover each other)."""
-        m = self.repo.manifest(self.version if version is None else version)
-        return self._verify(self._matched(m), m.version)
+    def verify(self, version: int | None = None, *, folder: Path | str | None = None) -> int:
+        """Raise :class:`BaseMismatchError` unless every live tensor holds ``version``'s bytes through
+        the layout (default: the version the sink holds); returns the store tensors checked. Tensors the
+        model holds in part are checked against the host mirror (the sink's version), ``folder``'s
+        files (a folder holding ``version``) or the store. Takes no lock: run it between updates."""
+        m = self._manifest(self.version if version is None else version)
+        return self._verify(self._bind(m), m.version, folder)
 
-    @staticmethod
-    def _verify(matched, version: int) -> int:
-        for path, seg, t in matched:
-            if xxhash.xxh3_128_hexdigest(_host_bytes(t)) != seg.xxh3:
-                raise BaseMismatchError(f"{seg.name}: the model's bytes differ from version {version}")
-        return len(matched)
+    def _verify(self, bound: list[_Binding], version: int, folder: Path | str | None = None) -> int:
+        mirrored = [b for b in bound if b.mirrored and b.places]
+        full = self._mirror if version == self.version else {}
+        missing = [b for b in mirrored if b.seg.name not in full]
+        if missing:
+            full = {**full, **self._full_bytes(self._manifest(version), missing, folder)}
+        for b in bound:
+            if not b.places:
+                continue  # a tied name: checked through the region's first store tensor
+            if b.mirrored:
+                data = full[b.seg.name]
+                if xxhash.xxh3_128_hexdigest(data) != b.seg.xxh3:
+                    raise BaseMismatchError(f"{b.seg.name}: the host copy differs from version {version}")
+                src = _store_tensor(data, b.seg)
+                for pl in b.places:
+                    want = _int_view(src[pl.box].to(pl.slot.live.dtype).contiguous()).to(pl.slot.live.device)
+                    if not torch.equal(_region(pl, pl.slot.live).reshape(-1), want):
+                        raise BaseMismatchError(f"{b.seg.name}: the model's bytes differ from version {version}")
+            elif xxhash.xxh3_128_hexdigest(self._gather(b, "live")) != b.seg.xxh3:
+                raise BaseMismatchError(f"{b.seg.name}: the model's bytes differ from version {version}")
+        return len(bound)
+
+    def _gather(self, b: _Binding, which: str) -> np.ndarray:
+        """The store bytes of ``b`` read back from the live tensors (``which``: "live" or "standby")
+        through its places (unchecked; :class:`BaseMismatchError` if a value cast on load does not
+        come back exactly)."""
+        seg = b.seg
+        if len(b.places) == 1 and b.places[0].whole:
+            return _host_bytes(getattr(b.places[0].slot, which))
+        dt = TORCH_DTYPE[seg.dtype]
+        out = torch.empty(seg.shape, dtype=dt)
+        for pl in b.places:
+            t = getattr(pl.slot, which)
+            view = t.detach().reshape(-1).as_strided(pl.shape, pl.stride, t.storage_offset() + pl.offset)
+            vals = view.to(dt)
+            back = vals.to(t.dtype).contiguous()
+            if dt != t.dtype and not torch.equal(_int_view(back), _int_view(view.contiguous())):
+                raise BaseMismatchError(f"{seg.name}: a value in {pl.slot.names[0]} is not a {seg.dtype} value")
+            out[pl.box] = vals.cpu()
+        return out.view(-1).view(torch.uint8).numpy()
+
+    def _full_bytes(self, m: Manifest, bound: list[_Binding], folder: Path | str | None) -> dict[str, np.ndarray]:
+        """The store bytes of ``bound``'s tensors at ``m``'s version, verified: read from ``folder``
+        (which holds that version) or rebuilt from the store."""
+        if folder is not None:
+            lv = LocalVersion(Path(folder), m)
+            try:
+                return {b.seg.name: lv.read(b.path, b.seg).copy() for b in bound}
+            finally:
+                lv.close()
+        if self.repo is None:
+            raise UsageError(
+                f"{_some([b.seg.name for b in bound])}: the model holds these only in part; without a store, "
+                "give the folder that holds the version"
+            )
+        chain = self.repo.chain(m.version)
+        jobs = [TensorJob(b.path, plan_segment(chain, b.path, b.seg, None)) for b in bound]
+        with tempfile.TemporaryDirectory(prefix="weightsync-sink-") as spool:
+            paths, _ = fetch_jobs(self.repo, jobs, Path(spool), self.fetch_concurrency)
+            built = build_tensors(jobs, paths, None, url=self.repo.url, threads=self.threads)
+            return {job.recipe.segment.name: np.array(new, copy=True) for job, new in built}
 
     # -- prepare: everything before the pause ------------------------------------------------------
-    def prepare(self, version: int | str = "latest", *, observer: Observer | None = None) -> Update:
+    def prepare(
+        self,
+        version: int | str = "latest",
+        *,
+        observer: Observer | None = None,
+        folder: Path | str | None = None,
+        manifest: Manifest | None = None,
+    ) -> Update:
         """Fetch, decode and verify ``version``, staged on the tensors' devices: as patches (patch
         mode) or written into the standby buffers (flip mode). ``observer``
         (:class:`~weightsync.sync.observer.Observer`) sees the ``"stage"`` phase (the bytes of the
-        changed tensors) and the downloads, and may cancel the prepare from its ``check``."""
+        changed tensors) and the downloads, and may cancel the prepare from its ``check``.
+
+        ``folder``: a local folder that holds ``version`` (a subscriber's slot), read instead of the
+        store, with ``manifest`` (that version's; from the store if not given): only the tensors
+        that differ from the model's version are read, each checked against its checksum."""
         op = Operation(observer)
-        up = self._prepare_version(version, op)
+        up = self._prepare_version(version, op, folder, manifest)
         op.done(up.seconds)
         return up
 
-    def _prepare_version(self, version: int | str, op: Operation) -> Update:
+    def _prepare_version(self, version, op: Operation, folder, manifest: Manifest | None) -> Update:
         flip = self.mode == "flip"
         with self._apply_lock if flip else contextlib.nullcontext():  # flip: one standby, one writer
-            target_v = resolve_version(self.repo, version)
+            if manifest is not None:
+                if version != "latest" and version != manifest.version:
+                    raise UsageError(f"asked for version {version}, the manifest given is {manifest.version}")
+                target_v = manifest.version
+            elif self.repo is None:
+                raise UsageError("without a store, give the manifest of the version to prepare")
+            else:
+                target_v = resolve_version(self.repo, version)
+            if folder is not None and manifest is None:
+                manifest = self.repo.manifest(target_v)
             torn, epoch = self._torn, self._epoch
 
             def fresh() -> Update:
@@ -326,9 +544,14 @@ class TorchSink:
             if flip:
                 self._staged = None  # whatever the standby held is no longer what an update names
             try:
-                local = None if torn else self.repo.manifest(self.version)  # torn: no tensor is trusted
+                local = None if torn else self._manifest(self.version)  # torn: no tensor is trusted
             except VersionError:
                 local = None  # collected by gc: rebuild changed tensors from the keyframe
+            if folder is not None:
+                up = self._prepare_folder(up, manifest, local, Path(folder), op)
+                if flip:
+                    self._staged = up
+                return up
             chain = self.repo.chain(target_v, back_to=None if torn else self.version)
             try:
                 up = self._prepare(up, chain, local, op)
@@ -345,39 +568,44 @@ class TorchSink:
                 self._staged = up
             return up
 
-    def _prepare(self, up: Update, chain: list[Manifest], local: Manifest | None, op: Operation) -> Update:
-        matched = self._matched(chain[-1])
-        up.tensors, up.excluded = len(matched), self.excluded
-        # tied weights: one entry per distinct tensor (flip: per slot; patch: per memory view)
-        slot_of = (
-            (lambda seg, t: self._slots[self.name_map(seg.name)])
-            if self.mode == "flip"
-            else (lambda seg, t: _view_key(t))
-        )
-        matched = _distinct(matched, chain[-1].version, slot_of)
+    def _begin(self, up: Update, target: Manifest) -> list[_Binding]:
+        bound = self._bind(target)
+        up.tensors, up.excluded, up.manifest = len(bound), self.excluded, target
         if self.mode == "flip":
-            self._ensure_standbys(self._names(matched))
+            self._ensure_standbys(bound)
             self._catch_up()  # every standby equal to its live tensor again
-        live = {}
+        return bound
+
+    def _base(self, b: _Binding, seg: Segment, version: int) -> np.ndarray:
+        """The verified store bytes of ``seg`` (``b``'s tensor at the model's version)."""
+        which = "live" if self.mode == "patch" else "standby"
+        data = self._mirror.get(b.seg.name) if b.mirrored else self._gather(b, which)
+        if data is None or xxhash.xxh3_128_hexdigest(data) != seg.xxh3:
+            raise BaseMismatchError(f"{seg.name}: the model's bytes differ from version {version}")
+        return data
+
+    def _prepare(self, up: Update, chain: list[Manifest], local: Manifest | None, op: Operation) -> Update:
+        bound = self._begin(up, chain[-1])
+        by_key: dict[tuple[str, str], _Binding] = {}
         jobs = []
-        for path, seg, t in matched:
-            r = plan_segment(chain, path, seg, local)
-            if r.base is not None and not r.steps and r.base.xxh3 == seg.xxh3:
+        for b in bound:
+            if not b.places:
+                continue  # tied: the region is written through its first store tensor
+            r = plan_segment(chain, b.path, b.seg, local)
+            if r.base is not None and not r.steps and r.base.xxh3 == b.seg.xxh3:
                 continue  # unchanged
-            jobs.append(TensorJob(path, r))
-            live[(path, seg.name)] = t if self.mode == "patch" else self._slots[self.name_map(seg.name)]
+            jobs.append(TensorJob(b.path, r))
+            by_key[(b.path, b.seg.name)] = b
         host: dict[tuple[str, str], np.ndarray] = {}
         lock = threading.Lock()
 
         def base(path: str, seg: Segment) -> np.ndarray:
-            x = live[(path, seg.name)]
-            data = _host_bytes(x if self.mode == "patch" else x.standby)
-            if xxhash.xxh3_128_hexdigest(data) != seg.xxh3:
-                raise BaseMismatchError(f"{seg.name}: the model's bytes differ from version {self.version}")
+            data = self._base(by_key[(path, seg.name)], seg, self.version)
             with lock:
                 host[(path, seg.name)] = data
             return data
 
+        staged: dict[_Slot, Flip] = {}
         try:
             with tempfile.TemporaryDirectory(prefix="weightsync-sink-") as spool:
                 paths, up.fetched_bytes = fetch_jobs(self.repo, jobs, Path(spool), self.fetch_concurrency, op)
@@ -387,36 +615,134 @@ class TorchSink:
                     key = (job.path, job.recipe.segment.name)
                     with lock:
                         old = host.pop(key, None)
-                    if self.mode == "patch":
-                        up.patches.append(self._patch(job.recipe.segment, live[key], old, new, up))
-                    else:
-                        up.flips.append(self._stage(job.recipe.segment, live[key], old, new, up))
-                        up.patches.append(up.flips[-1].replay)
+                    self._stage(by_key[key], old, new, up, staged)
                     op.progress(job.recipe.segment.nbytes)
             _sync({f.new.device for f in up.flips})
         except BaseException:
-            for slot in (x for x in live.values() if isinstance(x, _Slot)):  # flip: each standby it touched
-                slot.dirty = True  # is suspect until copied from live again
+            self._spoil(staged, by_key.values())
             raise
         up.seconds["prepare"] = op.elapsed()
         return up
 
-    def _patch(self, seg: Segment, t: torch.Tensor, old: np.ndarray | None, new: np.ndarray, up: Update) -> Patch:
-        width = itemsize(seg.dtype)
+    def _prepare_folder(self, up: Update, target: Manifest, local: Manifest | None, folder: Path, op: Operation):
+        """:meth:`_prepare` reading the changed tensors from ``folder``, which holds ``target``'s version."""
+        bound = self._begin(up, target)
+        old_segs = {} if local is None else {s.name: s for f in local.files for s in f.segments if s.role == "tensor"}
+        todo = []
+        for b in bound:
+            old = old_segs.get(b.seg.name)
+            if b.places and not (old is not None and old.xxh3 == b.seg.xxh3 and old.nbytes == b.seg.nbytes):
+                todo.append((b, old))
+        op.phase("stage", sum(b.seg.nbytes for b, _ in todo))
+        lv = LocalVersion(folder, target)
+        staged: dict[_Slot, Flip] = {}
+        try:
+            for b, old_seg in todo:
+                op.check()
+                new = lv.read(b.path, b.seg)  # checked against its checksum
+                old = None
+                if old_seg is not None and old_seg.dtype == b.seg.dtype and old_seg.shape == b.seg.shape:
+                    with contextlib.suppress(BaseMismatchError):  # compare with the live values instead
+                        old = self._base(b, old_seg, self.version) if not b.mirrored or self._mirror else None
+                self._stage(b, old, new, up, staged)
+                op.progress(b.seg.nbytes)
+            _sync({f.new.device for f in up.flips})
+        except BaseException:
+            self._spoil(staged, [b for b, _ in todo])
+            raise
+        finally:
+            lv.close()
+        up.seconds["prepare"] = op.elapsed()
+        return up
+
+    def _spoil(self, staged: dict, bound) -> None:
+        """Flip mode, a prepare that failed: each standby it may have touched is suspect until
+        copied from live again."""
+        for b in bound:
+            for pl in b.places:
+                pl.slot.dirty = True if self.mode == "flip" else pl.slot.dirty
+
+    def _stage(self, b: _Binding, old: np.ndarray | None, new: np.ndarray, up: Update, staged: dict) -> None:
+        """Turn ``new`` (verified bytes of ``b``'s tensor) into patches of its places (patch mode) or
+        write them into the standbys (flip mode)."""
+        seg, width = b.seg, itemsize(b.seg.dtype)
         new_e = new.view(UINT_VIEW[width])
-        if old is None:
-            old = _host_bytes(t)
-        idx = np.flatnonzero(old.view(UINT_VIEW[width]) != new_e)
-        up.changed_elements += int(idx.size)
-        if idx.size > self.dense_above * new_e.size:
-            return Patch(seg.name, _int_view(t), None, torch.from_numpy(new.view(_NP_INT[width])).to(t.device))
-        values = torch.from_numpy(new_e[idx].view(_NP_INT[width]))
-        return Patch(seg.name, _int_view(t), torch.from_numpy(idx).to(t.device), values.to(t.device))
+        idx = None if old is None else np.flatnonzero(old.view(UINT_VIEW[width]) != new_e)
+        up.changed_elements += new_e.size if idx is None else int(idx.size)
+        if b.mirrored:
+            up.mirror[seg.name] = np.array(new, copy=True)
+        src = _store_tensor(new, seg)
+        for pl in b.places:
+            slot = pl.slot
+            target = _int_view(slot.live if self.mode == "patch" else slot.standby)
+            if self.mode == "flip":
+                slot.dirty = True  # until the flip (an update never applied leaves the standby ahead of live)
+            p = self._patch(seg, pl, target, src, new_e, idx)
+            if p is None:
+                continue
+            if self.mode == "patch":
+                up.patches.append(p)
+                continue
+            with torch.no_grad():
+                p.write()
+            f = staged.get(slot)
+            if f is None:
+                f = staged[slot] = Flip(tuple(slot.names), tuple(slot.objects), slot.standby, slot.live, slot)
+                up.flips.append(f)
+            live_t, sb = _int_view(slot.live), _int_view(slot.standby)
+            if p.index is not None:
+                i = p.index.int() if slot.live.numel() < 2**31 else p.index
+                replay = Patch(seg.name, live_t, i, sb, gather=True)  # kept: 4 B/position
+            else:
+                replay = Patch(seg.name, live_t, None, sb, gather=True, view=p.view)
+            f.replay.append(replay)
+            up.patches.append(replay)
+
+    def _patch(self, seg, pl: _Place, target, src: torch.Tensor, new_e: np.ndarray, idx) -> Patch | None:
+        """The write that brings ``pl``'s region of ``target`` to ``src`` (the store tensor's new
+        values); ``idx``: the store tensor's changed flat positions (None: compare with the target)."""
+        live_dt, dev = pl.slot.live.dtype, target.device
+        if pl.whole:
+            if idx is None:
+                idx = np.flatnonzero(_host_bytes(target).view(new_e.dtype) != new_e) if dev.type == "cpu" else None
+            if idx is None or idx.size > self.dense_above * new_e.size:
+                return Patch(seg.name, target, None, _int_view(src).to(dev))
+            if not idx.size:
+                return None
+            values = torch.from_numpy(new_e[idx].view(_NP_INT[new_e.itemsize]))
+            return Patch(seg.name, target, torch.from_numpy(idx).to(dev), values.to(dev))
+        size = math.prod(pl.shape)
+        region = src[pl.box]
+        if idx is not None:
+            coords = np.unravel_index(idx, seg.shape)
+            keep = np.ones(idx.size, dtype=bool)
+            for c, sl in zip(coords, pl.box):
+                keep &= (c >= sl.start) & (c < sl.stop)
+            local = [c[keep] - sl.start for c, sl in zip(coords, pl.box)]
+            n = int(keep.sum())
+            if n == 0:
+                return None
+            if n <= self.dense_above * size:
+                pos = sum(torch.from_numpy(c) * s for c, s in zip(local, pl.stride)) + pl.offset
+                vals = region[tuple(torch.from_numpy(c) for c in local)].to(live_dt)
+                return Patch(seg.name, target, pos.to(dev), _int_view(vals).to(dev))
+        else:  # no old bytes: compare with what the target holds
+            want = _int_view(region.to(live_dt).contiguous()).to(dev).view(pl.shape)
+            cur = target.as_strided(pl.shape, pl.stride, target.storage_offset() + pl.offset)
+            diff = (cur != want).nonzero()
+            if not diff.numel():
+                return None
+            if diff.shape[0] <= self.dense_above * size:
+                stride = torch.tensor(pl.stride, device=dev)
+                pos = (diff * stride).sum(1) + pl.offset
+                return Patch(seg.name, target, pos, want[tuple(diff.t())])
+        values = _int_view(region.to(live_dt).contiguous()).to(dev)
+        return Patch(seg.name, target, None, values, view=pl.view)
 
     # -- flip mode: the standby buffers ------------------------------------------------------------
-    def _ensure_standbys(self, names: list[str]) -> list[_Slot]:
-        """The slots of ``names``, each with its standby, once checked that repointing reaches them."""
-        slots = list({self._slots[n]: None for n in names})
+    def _ensure_standbys(self, bound: list[_Binding]) -> list[_Slot]:
+        """The slots ``bound`` writes, each with its standby, once checked that repointing reaches them."""
+        slots = list({pl.slot: None for b in bound for pl in b.places})
         for slot in slots:
             self._ensure_standby(slot)
         _refuse_overlaps(self._slots.values(), set(slots))
@@ -447,20 +773,11 @@ class TorchSink:
                     continue
                 if slot.dirty:
                     _int_view(slot.standby).copy_(_int_view(slot.live))
-                elif slot.replay is not None:
-                    slot.replay.write()
+                elif slot.replay:
+                    for p in slot.replay:
+                        p.write()
                 slot.dirty, slot.replay = False, None
         _sync({s.live.device for s in self._slots.values()})  # decoding threads read the standbys
-
-    def _stage(self, seg: Segment, slot: _Slot, old: np.ndarray | None, new: np.ndarray, up: Update) -> Flip:
-        """Write ``new`` (verified bytes of ``seg``) into ``slot``'s standby; the flip that swaps it in."""
-        slot.dirty = True  # until the flip (an update never applied leaves the standby ahead of live)
-        p = self._patch(seg, slot.standby, old, new, up)  # old: the standby's bytes now
-        with torch.no_grad():
-            p.write()
-        idx = p.index.int() if p.index is not None and slot.live.numel() < 2**31 else p.index
-        replay = Patch(seg.name, _int_view(slot.live), idx, _int_view(slot.standby), gather=True)  # kept: 4 B/position
-        return Flip(tuple(slot.names), tuple(slot.objects), slot.standby, slot.live, slot, replay)
 
     # -- apply: the pause --------------------------------------------------------------------------
     def apply(self, update: Update) -> float:
@@ -502,9 +819,16 @@ class TorchSink:
                         f"from the keyframe ({_one_line(exc)})"
                     ) from exc
                 pause = time.perf_counter() - t0
-            self.version, self._torn = update.version, False
+            self._applied(update)
+            self._torn = False
             update.seconds["pause"] = pause
             return pause
+
+    def _applied(self, update: Update) -> None:
+        self.version = update.version
+        if update.manifest is not None:
+            self._remember(update.manifest)
+        self._mirror.update(update.mirror)
 
     def _apply_flip(self, update: Update) -> float:
         if update is not self._staged:
@@ -531,7 +855,7 @@ class TorchSink:
         for f in update.flips:
             f.slot.live, f.slot.standby, f.slot.dirty, f.slot.replay = f.new, f.old, False, f.replay
         self._staged = None
-        self.version = update.version
+        self._applied(update)
         update.seconds["pause"] = pause
         return pause
 
@@ -540,6 +864,17 @@ class TorchSink:
         up = self.prepare(version, observer=observer)
         self.apply(up)
         return up
+
+
+def _store_tensor(data: np.ndarray, seg: Segment) -> torch.Tensor:
+    """A store tensor's bytes as a CPU tensor of its dtype and shape (a view)."""
+    return torch.from_numpy(data.view(_NP_INT[itemsize(seg.dtype)])).view(TORCH_DTYPE[seg.dtype]).view(seg.shape)
+
+
+def _region(pl: _Place, t: torch.Tensor) -> torch.Tensor:
+    """``pl``'s region of ``t`` as integers (the live view's bits)."""
+    flat = _int_view(t)
+    return flat.as_strided(pl.shape, pl.stride, flat.storage_offset() + pl.offset)
 
 
 def _some(names, n: int = 3) -> str:
@@ -574,22 +909,6 @@ def _one_line(exc: BaseException) -> str:
 def _view_key(t: torch.Tensor) -> tuple:
     """Equal for tensors that view the same memory the same way (tied weights)."""
     return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
-
-
-def _distinct(matched, version: int, key) -> list:
-    """One (path, segment, tensor) per distinct ``key(segment, tensor)``; every name of a tied tensor
-    must have the same bytes in ``version`` (they are verified through the first one's checksum)."""
-    first: dict = {}
-    out = []
-    for path, seg, t in matched:
-        k = key(seg, t)
-        seen = first.get(k)
-        if seen is None:
-            first[k] = seg
-            out.append((path, seg, t))
-        elif seen.xxh3 != seg.xxh3:
-            raise UsageError(f"{seen.name} and {seg.name} are one tensor in the model but differ in version {version}")
-    return out
 
 
 def _group(tensors: Mapping[str, torch.Tensor]) -> dict[str, _Slot]:
