@@ -163,7 +163,6 @@ def test_every_rank_prepares_before_any_applies(node):
     # the API: token, validation, conflicts, unknown instances, a clean leave
     assert http("POST", sub.url + "/v1/engines", {"replica": "x", "rank": 0, "world": 1})[0] == 401
     for body in (
-        {"replica": "x", "rank": 2, "world": 2},
         {"replica": "a b", "rank": 0, "world": 1},
         {"replica": "x", "rank": 0, "world": 0},
         {"replica": "x", "rank": 0, "world": 1, "version": -1},
@@ -173,6 +172,8 @@ def test_every_rank_prepares_before_any_applies(node):
         assert code == 400 and "error" in doc, (body, code, doc)
     code, doc, _ = http("POST", sub.url + "/v1/engines", {"replica": "r0", "rank": 0, "world": 4}, token=TOKEN)
     assert code == 409 and "world size 2" in doc["error"], doc
+    code, doc, _ = http("POST", sub.url + "/v1/engines", {"replica": "x", "rank": 2, "world": 2}, token=TOKEN)
+    assert code == 409 and "outside a world of 2" in doc["error"], doc
     for path, body in (
         ("poll", {"instance": "nobody"}),
         ("report", {"instance": "nobody", "txn": 1, "phase": "apply", "ok": True}),

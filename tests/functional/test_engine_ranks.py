@@ -139,12 +139,22 @@ def test_the_ranks_of_a_replica_switch_together_bit_exact(node):
         for s in states:
             assert s["digest"] == expected(traj[v], s["names"]) and len(s["names"]) == len(load_tensors(traj[v]))
         in_step(sub, "r0", v)
-    # every rank prepared before any applied, in both transactions
-    history = [(t, what, txn) for s in states for t, what, txn, _ in s["history"]]
+    # every rank prepared before any applied, in each transaction
+    history = [(t, what, txn) for e in ranks for t, what, txn, _ in e.state()["history"]]
     for txn in {txn for _, _, txn in history}:
         prepared = [t for t, what, x in history if x == txn and what == "prepared"]
         applied = [t for t, what, x in history if x == txn and what == "applied"]
         assert len(prepared) == len(applied) == 2 and max(prepared) <= min(applied), history
+
+    # a roll back through the API: the ranks follow current backwards too
+    sub.put_target(1)
+    for e in ranks:
+        s = e.wait(1)
+        assert s["digest"] == expected(traj[1], s["names"])
+    sub.put_target("latest")
+    for e in ranks:
+        e.wait(2)
+    in_step(sub, "r0", 2)
 
     metrics = sub.get("/metrics")[1]
     for k in (0, 1):

@@ -302,7 +302,7 @@ async def post_engine(request: web.Request) -> web.Response:
     if not ID_RE.match(replica):
         raise UsageError("replica must be 1-128 characters of A-Z a-z 0-9 . _ -")
     world = _int_field(doc, "world", 1, MAX_WORLD)
-    rank = _int_field(doc, "rank", 0, world - 1)
+    rank = _int_field(doc, "rank", 0, MAX_WORLD - 1)  # below world: checked by the coordinator (409)
     version = _int_field(doc, "version", 0, MAX_VERSION, null=True)
     pid = _int_field(doc, "pid", 0, 1 << 62, null=True)
     return web.json_response(request.app[SUBSCRIBER].engines.register(replica, rank, world, version, pid))

@@ -39,7 +39,8 @@ class UnknownEngineError(WeightsyncError):
 
 
 class EngineConflictError(WeightsyncError):
-    """A registration that contradicts the replica's live ranks (another world size)."""
+    """A registration that contradicts the replica's live ranks (another world size), or itself (a
+    rank outside its world)."""
 
 
 # --- planning (pure) -----------------------------------------------------------------------------
@@ -168,8 +169,10 @@ class EngineCoordinator:
         """Register rank ``rank`` of ``world`` of ``replica``, holding ``version``; a registration of
         the same rank before it is dropped. Returns the instance id the rank names in later calls,
         and the seconds of its long polls and of the silence after which it is dropped."""
-        if not 1 <= world <= MAX_WORLD or not 0 <= rank < world:
-            raise UsageError(f"rank must be in 0..world-1 and world in 1..{MAX_WORLD}, got rank {rank} of {world}")
+        if not 1 <= world <= MAX_WORLD or rank < 0:
+            raise UsageError(f"world must be in 1..{MAX_WORLD} and rank at least 0, got rank {rank} of {world}")
+        if rank >= world:  # each field is valid alone (the API's schema), together they contradict
+            raise EngineConflictError(f"rank {rank} is outside a world of {world} ranks (0..{world - 1})")
         rep = self._replicas.get(replica)
         if rep is not None and rep.world != world and any(k != rank for k in rep.ranks):
             raise EngineConflictError(

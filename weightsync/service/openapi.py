@@ -289,7 +289,7 @@ def _engine_paths(auth: bool, bad: dict, big: dict) -> dict:
             "Register an engine rank",
             "EngineRegistration",
             _json("EngineRegistered", "Registered; the instance id names the rank in its later calls"),
-            ("409", _json("Error", "The replica's live ranks have another world size")),
+            ("409", _json("Error", "The replica's live ranks have another world size, or the rank is not below it")),
         ),
         "/v1/engines/poll": post(
             "Poll for an engine instruction",
