@@ -1,43 +1,43 @@
-"""Swap pause of the in-process torch sink, in both its modes, against a full ``load_state_dict``
-of the same model.
+"""Swap pause of the in-process torch sink into a transformers v5 MoE (experts fused in memory, one
+tensor per expert on disk), both modes, beside ``load_state_dict`` and a ``from_pretrained`` reload.
 
-For each learning rate, the cached realistic trajectory (benchmarks/trajectory.py: a 37M-parameter
-MoE, 74 MB in bf16, really trained with AdamW) is published to a temporary file store. The baseline
-is ``model.load_state_dict(sd)`` with ``sd`` already in host memory (best of 15), and the same
-preceded by reading the safetensors file (best of 3), measured once per learning rate and shared by
-both modes. Then, for each mode, a fresh bf16 model is loaded with step 0 and
-:class:`weightsync.torch.TorchSink` brings it to steps 1..5 one by one: ``prepare`` (no lock), one
-forward pass (a serving loop keeps the weights hot), and ``apply`` (the pause, under the lock):
+The model is a Qwen3-MoE built from a config with random weights (``--layers``, ``--experts``, ...;
+~270 MB of bf16 by default), saved with ``save_pretrained`` and published to a temporary file store
+with one keyframe. Each later version moves a fraction ``--change`` of every tensor's elements by
+one unit in the last place, up or down (what an RL step does to bf16 weights: docs/SCALE.md), and
+is saved and published the same way. For each change level and mode, a model loaded with
+``from_pretrained`` at version 0 follows versions 1..5 through
+:class:`weightsync.torch.TorchSink` with the layout :func:`weightsync.torch.transformers.layout`
+derives from the model: ``prepare`` (no lock), one forward pass (a serving loop keeps the weights
+hot), ``apply`` (the pause, under the lock).
 
-- ``patch``: ``prepare`` fetches, decodes, verifies and stages the patches on the device; the pause
-  scatters the changed elements in place (tensors of which more than ``--dense-above`` changed are
-  copied whole) and synchronizes the device.
-- ``flip``: ``prepare`` also catches the standby buffers up with the live version (copying the live
-  values at the positions the previous update changed) and writes the new version into them; the
-  pause repoints each changed tensor at its standby storage (one ``.data`` assignment per changed
-  tensor, no copy, no device work). The standby costs a second copy of the model's memory ("standby"
-  column); between an apply and the next prepare the sink also keeps the changed positions ("replay"
-  column, the median over the updates of :attr:`weightsync.torch.TorchSink.replay_bytes`).
+- ``patch``: the pause scatters the changed elements into the live (fused) tensors in place,
+  copying regions of which more than ``--dense-above`` changed whole, and synchronizes the device.
+- ``flip``: ``prepare`` writes the new version into standby buffers; the pause repoints each changed
+  tensor at its standby (no copy, no device work). The standby doubles the weights' memory.
 
-Two pause figures per mode, treated alike. "1st pause" is the real ``apply``, the pause the serving
-loop actually saw: the median over the 5 updates ("1st max": the longest of the 5). "best pause" is
-the median over the updates of each update's best of that apply and 9 replays of the same swap,
-which factors out an unlucky scheduling on a shared machine but is warm (caches, allocator,
-branch predictors): a lower bound, not what the first apply costs. "pause/load" divides each of the
-two by the ``load_state_dict`` time. A patch-mode replay re-runs the same scatters and copies (the
-same memory traffic; the values are already set). A flip-mode replay flips the changed tensors back
-to their previous storage and then forward again, under the lock, timing each of the two flips on
-its own, exactly as ``apply`` times its flip (the same :func:`weightsync.torch.sink.point_to` call over
-the same tensors); the model ends on the new version. The model is checked bit for bit against the
-last checkpoint at the end, in each mode.
+Baselines, measured once per change level on the same model: ``load_state_dict`` of the new
+version's live state dict already in host memory (best of 9), and ``from_pretrained`` of the new
+version's folder (best of 2; the reload a subscriber's swap hook triggers in an engine that reloads
+from disk). "full decode" is the CPU time of pulling the keyframe version into an empty folder
+(every tensor decoded from its full payload, verified and written): the yardstick for ``prepare``.
 
-    python benchmarks/swap.py [--mode patch|flip|both] [--device cuda] [--lr 1e-6 --lr 1e-5] [--json out.json]
+Pause figures: "1st pause" is the real ``apply`` the serving loop saw (median over the 5 updates);
+"best pause" the best of that apply and 9 replays of the same swap (patch: the same writes; flip:
+flips back and forth timed one by one), median over the updates: a warm lower bound. Memory:
+"staged" is what an update holds between prepare and apply (patch: positions and values; flip: the
+standby buffers plus the replayed positions); "mirror" what the sink keeps on the host (0 unless
+the model holds a tensor in part). The model is checked bit for bit against the last version's
+``from_pretrained`` in each mode.
+
+    python benchmarks/swap.py [--mode patch|flip|both] [--change 0.025 --change 0.15] [--device cuda] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import sys
 import tempfile
@@ -47,21 +47,17 @@ from pathlib import Path
 import torch
 
 BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent))
 
-import common  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-from trajectory import ModelConfig, MoeForCausalLM  # noqa: E402
-
 import weightsync  # noqa: E402
-from weightsync.torch.sink import TorchSink, point_to
+from weightsync.sync.publish import PublishConfig  # noqa: E402
+from weightsync.torch.sink import TorchSink, point_to  # noqa: E402
+from weightsync.torch.transformers import layout as transformers_layout  # noqa: E402
 
 STEPS = 6
 
 
 def best_seconds(fn, repeat: int) -> float:
-    """Fastest wall time of ``repeat`` calls."""
     best = float("inf")
     for _ in range(repeat):
         t0 = time.perf_counter()
@@ -75,38 +71,61 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def build_model(step_dir: Path, device: torch.device) -> torch.nn.Module:
-    cfg = json.loads((step_dir / "config.json").read_text())
-    fields = {k: cfg[k] for k in ModelConfig.__dataclass_fields__}
-    model = MoeForCausalLM(ModelConfig(**fields)).to(torch.bfloat16).to(device)
-    model.load_state_dict(load_file(str(step_dir / "model.safetensors")))
-    return model.eval()
+def config(args):
+    import transformers
+
+    return transformers.Qwen3MoeConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
+        moe_intermediate_size=args.expert_size,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=args.hidden // 8,
+        num_experts=args.experts,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
 
 
-def bench_load_state_dict(model: torch.nn.Module, sd: dict, device: torch.device, repeat: int = 15) -> float:
-    def once() -> None:
-        with torch.no_grad():
-            model.load_state_dict(sd)
-        _sync(device)
+def make_versions(args, root: Path, change: float) -> list[Path]:
+    """Version folders 0..STEPS-1: random weights, then ``change`` of each tensor moved by one ulp."""
+    import transformers
 
-    return best_seconds(once, repeat)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config(args)).to(torch.bfloat16).eval()
+    g = torch.Generator().manual_seed(1)
+    dirs = []
+    for v in range(STEPS):
+        if v:
+            with torch.no_grad():
+                for p in model.parameters():
+                    bits = p.data.view(-1).view(torch.int16)
+                    moved = torch.rand(bits.shape, generator=g) < change
+                    step = torch.where(torch.rand(bits.shape, generator=g) < 0.5, 1, -1).to(torch.int16)
+                    bits.add_(torch.where(moved, step, torch.zeros_like(step)))
+        d = root / f"v{v}"
+        model.save_pretrained(d)
+        dirs.append(d)
+    return dirs
 
 
-def bench_disk_load(model: torch.nn.Module, path: Path, device: torch.device, repeat: int = 3) -> float:
-    def once() -> None:
-        with torch.no_grad():
-            model.load_state_dict(load_file(str(path)))
-        _sync(device)
+def load(path: Path, device: torch.device):
+    import transformers
 
-    return best_seconds(once, repeat)
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
+
+
+def serve(model, device: torch.device) -> None:
+    with torch.no_grad():
+        model(torch.zeros(1, 16, dtype=torch.long, device=device))
+    _sync(device)
 
 
 def replay_seconds(sink: TorchSink, up, device: torch.device, repeat: int = 9) -> float:
-    """Best time of re-running an applied update's swap, so that one unlucky scheduling on a shared
-    machine does not decide the figure. Patch mode: the same scatters and copies (same memory
-    traffic; values already set). Flip mode: ``repeat`` pairs of flips, back to the old storages and
-    forward to the new ones, each flip timed on its own under the lock; the model ends on the new
-    version."""
+    """Best time of re-running an applied update's swap (see the module doc)."""
     if up.mode == "flip":
         best = float("inf")
         for _ in range(repeat):
@@ -126,86 +145,109 @@ def replay_seconds(sink: TorchSink, up, device: torch.device, repeat: int = 9) -
     return best_seconds(once, repeat)
 
 
-def serve(model: torch.nn.Module, device: torch.device) -> None:
-    """One small forward pass, as the serving loop would run between two updates."""
-    with torch.no_grad():
-        model(torch.zeros(1, 16, dtype=torch.long, device=device))
-    _sync(device)
+def staged_bytes(sink: TorchSink, up) -> int:
+    if up.mode == "flip":
+        return sink.standby_bytes + sum(
+            p.index.numel() * p.index.element_size() for p in up.patches if p.index is not None
+        )
+    total = 0
+    for p in up.patches:
+        total += p.values.numel() * p.values.element_size()
+        total += 0 if p.index is None else p.index.numel() * p.index.element_size()
+    return total
 
 
-def same_bits(model: torch.nn.Module, sd: dict) -> bool:
-    live = model.state_dict()
-    return all(torch.equal(live[k].cpu().view(torch.int16), v.view(torch.int16)) for k, v in sd.items())
+def bits_equal(a, b) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return set(sa) == set(sb) and all(
+        torch.equal(sa[k].cpu().view(-1).view(torch.uint8), sb[k].cpu().view(-1).view(torch.uint8)) for k in sa
+    )
 
 
-def run_mode(mode: str, store: str, dirs: list[Path], last: dict, device: torch.device, dense_above: float) -> dict:
-    model = build_model(dirs[0], device)
-    n_elem = sum(p.numel() for p in model.state_dict().values())
+def run_mode(mode: str, store: str, dirs: list[Path], device: torch.device, dense_above: float) -> dict:
+    model = load(dirs[0], device)
+    n_elem = sum(t.numel() for t in model.state_dict().values())
     serve(model, device)
-    sink = TorchSink(store, model, 0, dense_above=dense_above, mode=mode)
+    t0 = time.perf_counter()
+    lay = transformers_layout(model)
+    t_layout = time.perf_counter() - t0
+    sink = TorchSink(store, model, 0, layout=lay, dense_above=dense_above, mode=mode)
     rows = []
     for v in range(1, STEPS):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         up = sink.prepare(v)
-        t_prep = time.perf_counter() - t0
-        serve(model, device)  # weights are hot in a serving process: one forward pass between updates
+        t_prep, c_prep = time.perf_counter() - t0, time.process_time() - c0
+        staged = staged_bytes(sink, up)
+        serve(model, device)
         pause = sink.apply(up)
         rows.append(
             {
                 "version": v,
                 "changed": up.changed_elements / n_elem,
-                "fetched_bytes": up.fetched_bytes,
                 "prepare_s": t_prep,
+                "prepare_cpu_s": c_prep,
                 "pause_s": pause,
                 "pause_best_s": min(pause, replay_seconds(sink, up, device)),
-                "replay_bytes": sink.replay_bytes,
-                "dense_tensors": sum(p.index is None for p in up.patches),
-                "patched_tensors": len(up.patches),
+                "staged_bytes": staged,
             }
         )
     serve(model, device)
+    exact = bits_equal(model, load(dirs[-1], device))
     firsts = [r["pause_s"] for r in rows]
     return {
         "mode": mode,
-        "standby_bytes": sink.standby_bytes,
-        "bit_exact": same_bits(model, last),
-        "replay_bytes_median": statistics.median(r["replay_bytes"] for r in rows),
+        "layout_s": t_layout,
+        "mirror_bytes": sink.mirror_bytes,
+        "bit_exact": exact,
         "changed_mean": statistics.mean(r["changed"] for r in rows),
         "prepare_median_s": statistics.median(r["prepare_s"] for r in rows),
+        "prepare_cpu_median_s": statistics.median(r["prepare_cpu_s"] for r in rows),
         "first_pause_median_s": statistics.median(firsts),
         "first_pause_max_s": max(firsts),
         "best_pause_median_s": statistics.median(r["pause_best_s"] for r in rows),
+        "staged_median_bytes": statistics.median(r["staged_bytes"] for r in rows),
         "steps": rows,
     }
 
 
-def run(lr: float, device: torch.device, dense_above: float, modes: list[str]) -> list[dict]:
-    dirs = common.build_cached(f"moe-lr{lr:g}", lr, STEPS)
+def run(args, change: float, device: torch.device, modes: list[str]) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="weightsync-swap-") as tmp:
-        store = str(Path(tmp) / "store")
+        root = Path(tmp)
+        dirs = make_versions(args, root, change)
+        store = str(root / "store")
+        cfg = PublishConfig(keyframe_interval=1000)
         for d in dirs:
-            weightsync.publish(d, store)
-        model = build_model(dirs[0], device)
-        n_elem = sum(p.numel() for p in model.state_dict().values())
-        n_bytes = sum(p.numel() * p.element_size() for p in model.state_dict().values())
-        last = load_file(str(dirs[-1] / "model.safetensors"))
-        t_load = bench_load_state_dict(model, last, device)
-        t_disk = bench_disk_load(model, dirs[-1] / "model.safetensors", device)
-        del model
+            weightsync.publish(d, store, config=cfg)
+        c0 = time.process_time()
+        weightsync.pull(store, root / "full", 0)
+        t_full = time.process_time() - c0
+        model = load(dirs[0], device)
+        n_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        last = {k: v.clone() for k, v in load(dirs[-1], device).state_dict().items()}
+
+        def load_sd() -> None:
+            with torch.no_grad():
+                model.load_state_dict(last)
+            _sync(device)
+
+        t_load = best_seconds(load_sd, 9)
+        t_reload = best_seconds(lambda: load(dirs[-1], device), 2)
+        model = last = None  # free them before the modes run
         out = []
         for mode in modes:
-            r = run_mode(mode, store, dirs, last, device, dense_above)
+            r = run_mode(mode, store, dirs, device, args.dense_above)
             out.append(
                 {
-                    "lr": lr,
+                    "change": change,
                     "device": str(device),
                     "model_bytes": n_bytes,
-                    "elements": n_elem,
                     "load_state_dict_s": t_load,
-                    "disk_load_s": t_disk,
+                    "from_pretrained_s": t_reload,
+                    "full_decode_cpu_s": t_full,
                     **r,
                     "first_pause_ratio": r["first_pause_median_s"] / t_load,
                     "best_pause_ratio": r["best_pause_median_s"] / t_load,
+                    "prepare_cpu_ratio": r["prepare_cpu_median_s"] / t_full,
                 }
             )
     return out
@@ -213,65 +255,73 @@ def run(lr: float, device: torch.device, dense_above: float, modes: list[str]) -
 
 def table(results: list[dict]) -> str:
     cols = [
-        ("lr", 6),
-        ("device", 6),
-        ("model", 6),
-        ("mode", 5),
-        ("changed", 7),
-        ("load_state_dict", 15),
-        ("file+load", 9),
-        ("prepare", 9),
-        ("1st pause", 9),
-        ("1st max", 9),
-        ("best pause", 10),
-        ("pause/load (1st)", 16),
-        ("pause/load (best)", 17),
-        ("standby", 7),
-        ("replay", 7),
-        ("exact", 5),
+        "change",
+        "device",
+        "model",
+        "mode",
+        "load_state_dict",
+        "from_pretrained",
+        "full decode (CPU)",
+        "prepare",
+        "prepare CPU",
+        "CPU/full",
+        "1st pause",
+        "1st max",
+        "best pause",
+        "pause/load (1st)",
+        "pause/load (best)",
+        "staged",
+        "mirror",
+        "exact",
     ]
     rows = [
         [
-            f"{r['lr']:g}",
+            f"{100 * r['change']:g}%",
             r["device"],
             f"{r['model_bytes'] / 1e6:.0f}MB",
             r["mode"],
-            f"{100 * r['changed_mean']:.2f}%",
-            f"{1e3 * r['load_state_dict_s']:.2f} ms",
-            f"{1e3 * r['disk_load_s']:.1f} ms",
-            f"{1e3 * r['prepare_median_s']:.1f} ms",
-            f"{1e3 * r['first_pause_median_s']:.3f} ms",
-            f"{1e3 * r['first_pause_max_s']:.3f} ms",
-            f"{1e3 * r['best_pause_median_s']:.3f} ms",
-            f"{100 * r['first_pause_ratio']:.2f}%",
-            f"{100 * r['best_pause_ratio']:.2f}%",
-            f"{r['standby_bytes'] / 1e6:.0f}MB",
-            f"{r['replay_bytes_median'] / 1e6:.1f}MB" if r["mode"] == "flip" else "-",
+            f"{1e3 * r['load_state_dict_s']:.1f} ms",
+            f"{r['from_pretrained_s']:.2f} s",
+            f"{r['full_decode_cpu_s']:.2f} s",
+            f"{1e3 * r['prepare_median_s']:.0f} ms",
+            f"{r['prepare_cpu_median_s']:.2f} s",
+            f"{r['prepare_cpu_ratio']:.2f}x",
+            f"{1e3 * r['first_pause_median_s']:.2f} ms",
+            f"{1e3 * r['first_pause_max_s']:.2f} ms",
+            f"{1e3 * r['best_pause_median_s']:.2f} ms",
+            f"{100 * r['first_pause_ratio']:.1f}%",
+            f"{100 * r['best_pause_ratio']:.1f}%",
+            f"{r['staged_median_bytes'] / 1e6:.0f}MB",
+            f"{r['mirror_bytes'] / 1e6:.0f}MB",
             "yes" if r["bit_exact"] else "NO",
         ]
         for r in results
     ]
-    widths = [max(w, len(name), *(len(row[i]) for row in rows)) for i, (name, w) in enumerate(cols)]
-    head = " ".join(name.rjust(w) for (name, _), w in zip(cols, widths))
-    return "\n".join([head, "-" * len(head)] + [" ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows])
+    head = "| " + " | ".join(cols) + " |"
+    sep = "|" + "|".join("---:" for _ in cols) + "|"
+    return "\n".join([head, sep] + ["| " + " | ".join(row) + " |" for row in rows])
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument(
-        "--mode", choices=("patch", "flip", "both"), default="both", help="sink mode(s) to measure (default both)"
-    )
+    ap.add_argument("--mode", choices=("patch", "flip", "both"), default="both", help="sink mode(s) (default both)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--lr", type=float, action="append", help="learning rates (default: 1e-6 and 1e-5)")
-    ap.add_argument("--dense-above", type=float, default=0.05, help="copy a whole tensor above this changed fraction")
+    ap.add_argument("--change", type=float, action="append", help="changed fraction per step (default 0.025, 0.15)")
+    ap.add_argument("--dense-above", type=float, default=0.05, help="copy a region whole above this changed fraction")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--expert-size", type=int, default=512, help="moe_intermediate_size")
+    ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     modes = ["patch", "flip"] if args.mode == "both" else [args.mode]
-    results = [r for lr in (args.lr or [1e-6, 1e-5]) for r in run(lr, device, args.dense_above, modes)]
+    results = [r for c in (args.change or [0.025, 0.15]) for r in run(args, c, device, modes)]
     print(table(results))
+    print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} GB")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0 if all(r["bit_exact"] for r in results) else 1

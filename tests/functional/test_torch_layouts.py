@@ -5,9 +5,12 @@ layout that leaves anything unexplained is refused before anything is written.""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
+from weightsync.codec.payload import CodecConfig
 from weightsync.errors import BaseMismatchError, UsageError
 from weightsync.store.repo import open_repo
 from weightsync.sync.publish import PublishConfig
@@ -17,6 +20,7 @@ from weightsync.torch.sink import CoverageError, TorchSink
 from weightsync.torch.state_dict import StateDictPublisher
 
 MODES = pytest.mark.parametrize("mode", ["patch", "flip"])
+DEVICE = torch.device(os.environ.get("WEIGHTSYNC_TEST_DEVICE", "cpu"))  # benchmarks/gpu.sh: cuda
 E, O, I, D = 3, 8, 6, 4  # experts, rows, columns, head rows  # noqa: E741
 
 
@@ -53,6 +57,7 @@ def engine(sd: dict[str, torch.Tensor], rank: int = 0) -> dict[str, torch.Tensor
         "bias": sd["bias"].float(),
         "embed": sd["embed"].clone(),
     }
+    live = {k: t.to(DEVICE) for k, t in live.items()}
     live["lm_head"] = live["embed"]  # tied: one storage, two names
     return live
 
@@ -71,7 +76,7 @@ def layout(rank: int = 0) -> Layout:
 
 
 def bits(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    return t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
 
 
 def assert_engine_holds(model: dict[str, torch.Tensor], sd: dict[str, torch.Tensor], rank: int = 0) -> None:
@@ -90,6 +95,15 @@ def params(live: dict[str, torch.Tensor], mode: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def publish_all(root, sds, codec: CodecConfig | None = None) -> str:
+    store = root / "store"
+    cfg = PublishConfig(keyframe_interval=3, codec=codec or CodecConfig())
+    with StateDictPublisher(store, config=cfg, work_dir=root / "work") as pub:
+        for v, sd in enumerate(sds):
+            pub.publish({k: x for k, x in sd.items() if k != "lm_head"} | {"lm_head": sd["lm_head"].clone()}, version=v)
+    return str(store)
+
+
 @pytest.fixture(scope="module")
 def versions(tmp_path_factory):
     """Five versions published to a file store, and a folder pulled at each."""
@@ -98,10 +112,7 @@ def versions(tmp_path_factory):
     sds = [checkpoint(g)]
     for frac in (0.03, 0.03, 0.5, 0.03):
         sds.append(step(sds[-1], g, frac))
-    store = root / "store"
-    with StateDictPublisher(store, config=PublishConfig(keyframe_interval=3), work_dir=root / "work") as pub:
-        for v, sd in enumerate(sds):
-            pub.publish({k: x for k, x in sd.items() if k != "lm_head"} | {"lm_head": sd["lm_head"].clone()}, version=v)
+    store = publish_all(root, sds)
     folders = []
     for v in range(len(sds)):
         pull(str(store), root / f"v{v}", v)
@@ -214,3 +225,58 @@ def test_coverage_error_names_the_live_memory_left_without_a_source(versions):
     live["qkv"] = torch.cat([live["qkv"], torch.zeros(2, I).bfloat16()])  # padding the layout does not mention
     with pytest.raises(CoverageError, match=r"qkv \(12 of 84 elements\)"):
         TorchSink(store, live, 0, layout=layout())
+
+
+@pytest.fixture(scope="module")
+def sparse_store(tmp_path_factory, versions):
+    """The same versions coded with ``sparse`` deltas (``--fast-codec``), whose payloads name the
+    changed positions."""
+    _, sds, _ = versions
+    return publish_all(tmp_path_factory.mktemp("sparse"), sds, CodecConfig(entropy_coder=False)), sds
+
+
+@MODES
+def test_sparse_deltas_patch_from_the_payload_alone_and_are_verified_after_the_apply(sparse_store, mode):
+    """One ``sparse`` delta from the model's version is patched from its positions and differences
+    (the old values read from the model at those positions only), never rebuilt whole on the host;
+    the result is checked against the checksums after the apply."""
+    store, sds = sparse_store
+    live = params(engine(sds[0]), mode)
+    sink = TorchSink(store, live, 0, layout=layout(), mode=mode)
+    calls = []
+    real = TorchSink._stage_changes
+
+    def spy(self, b, idx, diff):
+        calls.append(b.seg.name)
+        return real(self, b, idx, diff)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(TorchSink, "_stage_changes", spy)
+        up = sink.prepare(1)
+        assert not up.checked and "experts.1.w" in calls and "col" not in calls  # the shard is mirrored: whole
+        sink.apply(up)
+        sink.after_apply(up)
+        assert up.seconds["verify"] >= 0
+        assert_engine_holds(live, sds[1])
+        for v in (2, 4, 3):  # 1 -> 2 one delta; 2 -> 4 crosses a keyframe; 4 -> 3 goes back
+            sink.update(v)
+            assert_engine_holds(live, sds[v])
+
+
+@MODES
+def test_a_model_changed_behind_the_sinks_back_is_caught_after_a_payload_patch_and_repaired(sparse_store, mode):
+    store, sds = sparse_store
+    live = params(engine(sds[0]), mode)
+    sink = TorchSink(store, live, 0, layout=layout(), mode=mode)
+    with torch.no_grad():
+        live["moe.w"].view(-1)[5] += 1  # someone wrote into the live model: the delta lands on a wrong base
+    up = sink.prepare(1)
+    sink.apply(up)
+    if mode == "flip":  # the standby was patched, not the written storage: the flip discards the write
+        sink.after_apply(up)
+        assert_engine_holds(live, sds[1])
+        return
+    with pytest.raises(BaseMismatchError, match="torn until the next update"):
+        sink.after_apply(up)
+    sink.update(2)
+    assert_engine_holds(live, sds[2])

@@ -24,7 +24,7 @@ from weightsync.codec.payload import MAGIC, MAX_BLOCK_ELEMS, CodecConfig, decode
 from weightsync.codec.streams import from_planes, to_planes, unzigzag, zigzag
 from weightsync.demo import to_bf16_bits
 from weightsync.errors import ChecksumError, FormatError, UsageError, WeightsyncError
-from weightsync.format.dtypes import INT_VIEW, ITEMSIZE, UINT_VIEW
+from weightsync.format.dtypes import INT_VIEW, ITEMSIZE, UINT_VIEW, itemsize
 
 FAST = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -967,3 +967,31 @@ def test_sparse_streams_and_apply_sparse_refuse_what_their_kernels_would_misread
     src = np.arange(8, dtype=np.uint16)
     assert apply_sparse(out, gaps, 1, vals, 0, -1, 4, src, 0) == (1, 1)
     assert out.tolist() == [0, 2, 2, 3, 0, 0, 0, 0]  # copied up to the end, patched
+
+
+@pytest.mark.parametrize("dtype", ["BF16", "F32", "F64", "U8"])
+def test_payload_changes_are_the_sparse_delta_without_a_base(dtype):
+    """What an in-place patch needs from a ``sparse`` payload: every changed position and the
+    wrapping difference there, across blocks, without decoding the unchanged elements."""
+    from weightsync.codec.payload import payload_changes
+
+    width = itemsize(dtype)
+    rng = np.random.default_rng(width)
+    old = rng.integers(0, 256, 5000 * width, dtype=np.uint8)
+    new = old.copy()
+    new.view(UINT_VIEW[width])[rng.random(5000) < 0.03] -= 1  # wraps at zero
+    new.view(UINT_VIEW[width])[-1] += 7  # the last element of the last block
+    cfg = CodecConfig(entropy_coder=False, block_bytes=1024 * width)  # five blocks
+    enc = encode_tensor(dtype, new, old, cfg)
+    assert enc.codec == "sparse"
+    idx, diff = payload_changes(dtype, enc.codec, enc.payload, new.size)
+    o, n = old.view(UINT_VIEW[width]), new.view(UINT_VIEW[width])
+    assert np.array_equal(idx, np.flatnonzero(o != n))
+    assert np.array_equal(o[idx] + diff, n[idx])
+    assert payload_changes(dtype, "same", b"", new.size)[0].size == 0
+    if width < 8:
+        assert payload_changes(dtype, "ac", encode_tensor(dtype, new, old, CodecConfig()).payload, new.size) is None
+    bad = bytearray(enc.payload)
+    bad[-3] ^= 0xFF
+    with pytest.raises(FormatError):
+        payload_changes(dtype, enc.codec, bytes(bad[:-1]), new.size)

@@ -230,18 +230,39 @@ def decode_tensor(
     return out
 
 
-def _decode_payload(
-    codec: Codec, dtype: str, payload: memoryview, old: np.ndarray | None, out: np.ndarray, what: str, hasher=None
-) -> None:
+def payload_changes(
+    dtype: str, codec: str, payload: bytes | memoryview, nbytes: int, what: str = "tensor"
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The changes a delta payload makes, without its base: positions (int64, ascending) and the
+    wrapping differences there (unsigned of the element width), new = old + difference; or None
+    for a codec that cannot say without decoding the whole tensor (``ac``, ``dense``, ``full``).
+    Work proportional to the change: what an in-place patch of a live model needs."""
+    width = itemsize(dtype)
+    n = nbytes // width
+    if codec == "same":
+        if len(payload):
+            raise FormatError(f"{what}: codec 'same' carries no payload")
+        return np.empty(0, np.int64), np.empty(0, UINT_VIEW[width])
+    impl = _codec(codec, what)
+    if not hasattr(impl, "changes") or not impl.supports(dtype):
+        return None
+    idx, diff = [], []
+    for sl, block, i in _blocks(impl, memoryview(payload), width, n, what):
+        b_idx, b_diff = impl.changes(block, sl.stop - sl.start, width, f"{what} block {i}")
+        idx.append(b_idx + sl.start)
+        diff.append(b_diff)
+    return np.concatenate(idx), np.concatenate(diff)
+
+
+def _blocks(codec: Codec, payload: memoryview, width: int, n: int, what: str):
+    """``(elements, block, index)`` of each block of a payload, once its container is checked."""
     if len(payload) < _HEADER.size:
         raise FormatError(f"{what}: payload of {len(payload)} bytes is too short")
-    magic, cid, width, _, n, step, n_blocks = _HEADER.unpack_from(payload)
+    magic, cid, pw, _, pn, step, n_blocks = _HEADER.unpack_from(payload)
     if magic != MAGIC or cid != codec.id:
         raise FormatError(f"{what}: payload is not a {codec.name!r} payload")
-    if width != out.dtype.itemsize or n != out.size or not 0 < step <= MAX_BLOCK_ELEMS:
-        raise FormatError(
-            f"{what}: payload declares {n} x {width}-byte elements, expected {out.size} x {out.dtype.itemsize}"
-        )
+    if pw != width or pn != n or not 0 < step <= MAX_BLOCK_ELEMS:
+        raise FormatError(f"{what}: payload declares {pn} x {pw}-byte elements, expected {n} x {width}")
     if n_blocks != -(-n // step):
         raise FormatError(f"{what}: payload declares {n_blocks} blocks for {n} elements")
     pos = _HEADER.size + 8 * n_blocks
@@ -251,10 +272,15 @@ def _decode_payload(
     if sum(lengths) != len(payload) - pos:  # Python ints: no wrap-around
         raise FormatError(f"{what}: block lengths do not add up to the payload size")
     for i, length in enumerate(lengths):
-        sl = slice(i * step, (i + 1) * step)
-        block = payload[pos : pos + length]
-        codec.decode(dtype, block, None if old is None else old[sl], out[sl], f"{what} block {i}", hasher)
+        yield slice(i * step, min((i + 1) * step, n)), payload[pos : pos + length], i
         pos += length
+
+
+def _decode_payload(
+    codec: Codec, dtype: str, payload: memoryview, old: np.ndarray | None, out: np.ndarray, what: str, hasher=None
+) -> None:
+    for sl, block, i in _blocks(codec, payload, out.dtype.itemsize, out.size, what):
+        codec.decode(dtype, block, None if old is None else old[sl], out[sl], f"{what} block {i}", hasher)
 
 
 def rebuild(

@@ -14,7 +14,7 @@ from weightsync.codec import streams
 from weightsync.codec.abc import Codec
 from weightsync.codec.kernels import apply_sparse, gap_width, sparse_streams
 from weightsync.codec.registry import register
-from weightsync.codec.streams import compressor, copy, decompress, same_memory, to_planes, zigzag
+from weightsync.codec.streams import compressor, copy, decompress, from_planes, same_memory, to_planes, unzigzag, zigzag
 from weightsync.errors import FormatError
 from weightsync.format.dtypes import UINT_VIEW
 
@@ -88,3 +88,20 @@ class Sparse(Codec):
                 hasher.update(out[a:b])
         if done < k:
             raise FormatError(f"{what}: sparse positions run beyond the block of {old.size}")
+
+    def changes(self, block: memoryview, n: int, width: int, what: str) -> tuple[np.ndarray, np.ndarray]:
+        """The block's changes without its base: positions (int64, ascending, below ``n``) and the
+        wrapping differences there (unsigned, ``width`` bytes): new = old + difference."""
+        if len(block) == 0:
+            return np.empty(0, np.int64), np.empty(0, UINT_VIEW[width])
+        if len(block) < _SPARSE.size:
+            raise FormatError(f"{what}: truncated sparse block")
+        k, gw, _, _, glen = _SPARSE.unpack_from(block)
+        if gw not in (1, 2, 4) or not 0 < k <= n or _SPARSE.size + glen > len(block):
+            raise FormatError(f"{what}: bad sparse block header (k={k}, gap width={gw})")
+        gaps = from_planes(decompress(block[_SPARSE.size : _SPARSE.size + glen], k * gw, what), gw, k)
+        codes = from_planes(decompress(block[_SPARSE.size + glen :], k * width, what), width, k)
+        idx = np.cumsum(gaps.astype(np.int64) + 1) - 1
+        if idx[-1] >= n:
+            raise FormatError(f"{what}: sparse positions run beyond the block of {n}")
+        return idx, unzigzag(codes)

@@ -139,12 +139,42 @@ class PublisherConfig:
 
 
 @dataclass(frozen=True)
+class HookRequest:
+    """One HTTP request of a swap hook: its method, URL (a preset's: a path after the hook URL) and
+    JSON body template."""
+
+    method: str
+    url: str
+    body: str
+
+
+# Engines that reload from disk, as --hook-preset NAME: the requests, in order, after the engine's
+# base URL (--hook-url http://127.0.0.1:30000). docs/ENGINES.md says what each needs.
+HOOK_PRESETS: dict[str, tuple[HookRequest, ...]] = {
+    # SGLang http_server.py: POST /update_weights_from_disk (UpdateWeightFromDiskReqInput: model_path,
+    # load_format, abort_all_requests, weight_version, ...); 200, or 400 with "success": false
+    "sglang": (
+        HookRequest("POST", "/update_weights_from_disk", '{"model_path": "{path}", "weight_version": "{version}"}'),
+    ),
+    # vLLM with VLLM_SERVER_DEV_MODE=1 (entrypoints/serve/dev): /collective_rpc runs every worker's
+    # reload_weights(weights_path=...), which reads the folder and re-runs the post-load processing;
+    # /reset_prefix_cache then drops the KV blocks computed with the old weights
+    "vllm": (
+        HookRequest("POST", "/collective_rpc", '{"method": "reload_weights", "kwargs": {"weights_path": "{path}"}}'),
+        HookRequest("POST", "/reset_prefix_cache", "{}"),
+    ),
+}
+
+
+@dataclass(frozen=True)
 class HookConfig:
     """What to run after each swap: an HTTP request (``url``) or a command (``command``), not both.
 
     ``body`` is a JSON template in which ``{version}``, ``{path}`` (the verified version folder) and
-    ``{current}`` (the ``current`` symlink) are replaced; the command's arguments too. Each swap gets
-    up to ``attempts`` tries, ``backoff`` apart (doubling), each bounded by ``timeout`` seconds.
+    ``{current}`` (the ``current`` symlink) are replaced; the command's arguments too. ``preset``
+    (a key of :data:`HOOK_PRESETS`): an engine's own requests, after ``url``, the engine's base URL,
+    instead of one request with ``method`` and ``body``. Each swap gets up to ``attempts`` tries
+    (all the requests, in order), ``backoff`` apart (doubling), each bounded by ``timeout`` seconds.
     """
 
     url: str | None = None
@@ -156,10 +186,23 @@ class HookConfig:
     timeout: float = 30.0
     env: Mapping[str, str] = field(default_factory=dict)  # the command's environment (secrets removed)
     headers: tuple[tuple[str, str], ...] = field(default=(), repr=False)  # sent with the HTTP request; never printed
+    preset: str | None = None
 
     def __post_init__(self) -> None:
         if bool(self.url) == bool(self.command):
             raise UsageError("a swap hook is either --hook-url or --hook-command")
+        if self.preset is not None:
+            if self.preset not in HOOK_PRESETS:
+                raise UsageError(f"hook preset must be one of {', '.join(HOOK_PRESETS)}, not {self.preset!r}")
+            if not self.url:
+                raise UsageError(f"--hook-preset {self.preset} needs --hook-url, the engine's base URL")
+            if (self.method, self.body) != ("POST", DEFAULT_HOOK_BODY):
+                raise UsageError(
+                    f"--hook-preset {self.preset} sets the method and body: drop --hook-method/--hook-body"
+                )
+            first = HOOK_PRESETS[self.preset][0].url
+            if self.url.rstrip("/").endswith(first):
+                raise UsageError(f"--hook-url with --hook-preset is the engine's base URL, without {first}")
         if self.headers and not self.url:
             raise UsageError("hook headers go with an HTTP hook (--hook-url), not a command")
         for name, value in self.headers:
@@ -172,6 +215,15 @@ class HookConfig:
         if self.attempts < 1:
             raise UsageError("hook attempts must be at least 1")
         _positive("hook timeout", self.timeout)
+
+    def requests(self) -> tuple[HookRequest, ...]:
+        """The HTTP requests of one try, in order (none for a command hook)."""
+        if not self.url:
+            return ()
+        if self.preset is None:
+            return (HookRequest(self.method, self.url, self.body),)
+        base = self.url.rstrip("/")
+        return tuple(HookRequest(r.method, base + r.url, r.body) for r in HOOK_PRESETS[self.preset])
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from weightsync.codec.payload import CodecConfig
 from weightsync.errors import UsageError
 from weightsync.service.config import (
     DEFAULT_HOOK_BODY,
+    HOOK_PRESETS,
     TOKEN_ENV,
     ApiConfig,
     Backoff,
@@ -343,8 +344,15 @@ def add_subscriber_args(p: argparse.ArgumentParser, environ: Mapping[str, str] |
     )
     add("--include", action="append", default=[], sep=",", help="glob over tensor names to fetch (repeatable)")
     add("--exclude", action="append", default=[], sep=",", help="glob over tensor names to skip (repeatable)")
-    add("--hook-url", help="HTTP endpoint called after each swap")
-    add("--hook-method", default="POST", help="HTTP method of the hook (default POST)")
+    add("--hook-url", help="HTTP endpoint called after each swap (with --hook-preset: the engine's base URL)")
+    add(
+        "--hook-preset",
+        choices=tuple(HOOK_PRESETS),
+        help="the reload requests of an engine: sglang (POST /update_weights_from_disk) or vllm (POST "
+        "/collective_rpc reload_weights, then /reset_prefix_cache; needs VLLM_SERVER_DEV_MODE=1), "
+        "sent to --hook-url; see docs/ENGINES.md",
+    )
+    add("--hook-method", help="HTTP method of the hook (default POST)")
     add(
         "--hook-header",
         action="append",
@@ -354,7 +362,15 @@ def add_subscriber_args(p: argparse.ArgumentParser, environ: Mapping[str, str] |
         help="HTTP header sent with each hook request, e.g. 'Authorization: Bearer ...' (repeatable; "
         "values are never logged; prefer the variable to the flag, which ps shows)",
     )
-    add("--hook-body", default=DEFAULT_HOOK_BODY, help="JSON template; {version}, {path}, {current} are replaced")
+    add(
+        "--hook-body",
+        help=f"JSON template; {{version}}, {{path}}, {{current}} are replaced (default {DEFAULT_HOOK_BODY})",
+    )
+    add("--hook-token-file", help="file holding a bearer token sent as 'Authorization: Bearer ...' to the hook")
+    add(
+        "--hook-token",
+        help="bearer token sent to the hook (the flag is visible in ps: prefer the variable or a file)",
+    )
     add("--hook-command", help="command run after each swap (split like a shell; same placeholders)")
     add(
         "--hook-attempts",
@@ -418,15 +434,27 @@ def _token(args, environ: Mapping[str, str]) -> str | None:
     their variables (``WEIGHTSYNC_API_TOKEN_FILE``, ``WEIGHTSYNC_API_TOKEN``); None if none is.
     One given but empty is refused: a missing secret must not turn auth off."""
     given = [(dest, getattr(args, dest, None)) for dest in ("api_token_file", "api_token")]
-    given = sorted(((d, v) for d, v in given if v is not None), key=lambda g: g[0] in env_sources(args))  # flags first
-    if not given and TOKEN_ENV in environ:  # arguments parsed without environment defaults
+    if all(v is None for _, v in given) and TOKEN_ENV in environ:  # arguments parsed without environment defaults
         given = [("api_token", environ[TOKEN_ENV])]
         args = argparse.Namespace(_env_sources={"api_token": TOKEN_ENV})
+    return _secret(
+        args,
+        given,
+        "API token",
+        "refusing to start without authentication (give a token, or none of --api-token-file, --api-token, "
+        f"{TOKEN_ENV}_FILE and {TOKEN_ENV})",
+    )
+
+
+def _secret(args, given: list[tuple[str, str | None]], what: str, refusal: str) -> str | None:
+    """The first of ``given`` (``(dest, value)``: a ``*_file`` dest holds a path to read) that is
+    set, flags before their variables; None if none is; one set but empty is refused."""
+    given = sorted(((d, v) for d, v in given if v is not None), key=lambda g: g[0] in env_sources(args))  # flags first
     if not given:
         return None
     dest, value = given[0]
     source = _source(args, dest, "--" + dest.replace("_", "-"))
-    if dest == "api_token_file":
+    if dest.endswith("_file"):
         source = f"{source} {value}"
         try:
             token = Path(value).read_text().strip()
@@ -437,10 +465,7 @@ def _token(args, environ: Mapping[str, str]) -> str | None:
     else:
         token = value
     if not token.strip():
-        raise UsageError(
-            f"{source} gives an empty API token: refusing to start without authentication "
-            f"(give a token, or none of --api-token-file, --api-token, {TOKEN_ENV}_FILE and {TOKEN_ENV})"
-        )
+        raise UsageError(f"{source} gives an empty {what}: {refusal}")
     return token
 
 
@@ -539,27 +564,46 @@ def _header(text: str, source: str) -> tuple[str, str]:
 
 
 def _hook(args, environ: Mapping[str, str]) -> HookConfig | None:
+    token = _secret(
+        args,
+        [(d, getattr(args, d, None)) for d in ("hook_token_file", "hook_token")],
+        "hook token",
+        "give a token or neither of --hook-token-file and --hook-token",
+    )
     if not args.hook_url and not args.hook_command:
-        if getattr(args, "hook_header", None):
-            raise UsageError(f"{_source(args, 'hook_header', '--hook-header')} needs --hook-url")
+        for dest, flag in (("hook_header", "--hook-header"), ("hook_preset", "--hook-preset")):
+            if getattr(args, dest, None):
+                raise UsageError(f"{_source(args, dest, flag)} needs --hook-url")
+        if token is not None:
+            raise UsageError("--hook-token-file/--hook-token need --hook-url")
         return None
     import shlex
 
+    preset = getattr(args, "hook_preset", None)
+    if preset and (args.hook_body is not None or args.hook_method is not None):
+        given = [f for f, v in (("--hook-method", args.hook_method), ("--hook-body", args.hook_body)) if v is not None]
+        raise UsageError(f"--hook-preset {preset} sets the method and body: drop {' and '.join(given)}")
     command = tuple(shlex.split(args.hook_command)) if args.hook_command else ()
     # a command hook inherits the environment minus anything that looks like a secret
     env = {k: v for k, v in environ.items() if not _SECRETISH.search(k)}
+    headers = tuple(_header(h, _source(args, "hook_header", "--hook-header")) for h in getattr(args, "hook_header", []))
+    if token is not None:
+        if not args.hook_url:
+            raise UsageError("--hook-token-file/--hook-token go with an HTTP hook (--hook-url), not a command")
+        if any(name.lower() == "authorization" for name, _ in headers):
+            raise UsageError("give the hook's Authorization once: --hook-token(-file) or --hook-header, not both")
+        headers += (("Authorization", f"Bearer {token}"),)
     return HookConfig(
         url=args.hook_url,
         command=command,
-        method=args.hook_method.upper(),
-        body=args.hook_body,
+        method=(args.hook_method or "POST").upper(),
+        body=DEFAULT_HOOK_BODY if args.hook_body is None else args.hook_body,
         attempts=args.hook_attempts,
         backoff=Backoff(args.hook_backoff, max(args.hook_backoff, 30.0)),
         timeout=args.hook_timeout,
         env=env,
-        headers=tuple(
-            _header(h, _source(args, "hook_header", "--hook-header")) for h in getattr(args, "hook_header", [])
-        ),
+        headers=headers,
+        preset=preset,
     )
 
 

@@ -1,7 +1,8 @@
 """Swap hooks: tell the serving process that ``current`` now points at a new version.
 
 A hook is an HTTP request (a JSON body rendered from a template, with the configured headers, e.g.
-``Authorization``, whose values are never logged) or a command. Each swap fires the
+``Authorization``, whose values are never logged), an engine's preset requests in order (SGLang's
+and vLLM's reload from disk, :data:`~weightsync.service.config.HOOK_PRESETS`) or a command. Each swap fires the
 hook once, with up to ``attempts`` tries and doubling backoff; every failed try is logged and
 counted, and the outcome is kept for the status endpoint. A hook never affects what ``current``
 points at: the swap has already happened, atomically, before the hook runs.
@@ -81,21 +82,25 @@ class HookRunner:
         import aiohttp
         from multidict import CIMultiDict
 
-        body = render(self.cfg.body, version, path, current, json_strings=True)
-        json.loads(body)  # a template that does not render to JSON is a configuration error, reported per try
+        requests = self.cfg.requests()
+        bodies = [render(r.body, version, path, current, json_strings=True) for r in requests]
+        for body in bodies:
+            json.loads(body)  # a template that does not render to JSON is a configuration error, reported per try
         async with aiohttp.ClientSession() as session:
-            data = None if self.cfg.method == "GET" else body.encode()
-            headers = CIMultiDict({} if data is None else {"Content-Type": "application/json"})
-            for name, value in self.cfg.headers:  # the operator's (auth, ...): never logged; they may replace ours
-                headers.popall(name, None)
-            headers.extend(self.cfg.headers)
-            async with session.request(self.cfg.method, self.cfg.url, data=data, headers=headers) as resp:
-                if resp.status >= 300:
-                    text = (await resp.text())[:200]
-                    for _, value in self.cfg.headers:  # a server that echoes the request must not leak them
-                        if value:
-                            text = text.replace(value, "***")
-                    raise RuntimeError(f"HTTP {resp.status} from hook: {text}")
+            for r, body in zip(requests, bodies):  # in order; the first failure fails the try
+                data = None if r.method == "GET" else body.encode()
+                headers = CIMultiDict({} if data is None else {"Content-Type": "application/json"})
+                for name, value in self.cfg.headers:  # the operator's (auth, ...): never logged; they may replace ours
+                    headers.popall(name, None)
+                headers.extend(self.cfg.headers)
+                async with session.request(r.method, r.url, data=data, headers=headers) as resp:
+                    if resp.status >= 300:
+                        text = (await resp.text())[:200]
+                        for _, value in self.cfg.headers:  # a server that echoes the request must not leak them
+                            if value:
+                                text = text.replace(value, "***")
+                        step = f" {r.method} {r.url.rsplit('/', 1)[-1]}" if len(requests) > 1 else ""
+                        raise RuntimeError(f"HTTP {resp.status} from hook{step}: {text}")
 
     async def _command(self, version: int, path: str, current: str) -> None:
         argv = [render(a, version, path, current, json_strings=False) for a in self.cfg.command]

@@ -119,15 +119,19 @@ def build_segments(
     threads: int = 4,
     inflight_bytes: int = 256 << 20,
     op: Operation | None = None,
+    then: Callable[[TensorJob, np.ndarray], object] | None = None,
 ) -> Iterator[tuple[TensorJob, np.ndarray]]:
     """Yield each job with its rebuilt, verified bytes (:func:`rebuild_job`), in order, decoding on
     ``threads`` threads with at most about ``inflight_bytes`` of work in memory (3x each segment).
-    ``op``'s observer may cancel (:meth:`~weightsync.sync.observer.Observer.check`) before each segment."""
+    ``op``'s observer may cancel (:meth:`~weightsync.sync.observer.Observer.check`) before each segment.
+    ``then(job, bytes)``, if given, runs on the same thread after the decode, and its result is
+    yielded instead of the bytes (work per tensor that should not wait for the caller's loop)."""
 
     def build(job: TensorJob) -> np.ndarray:
         if op is not None:
             op.check()
-        return rebuild_job(job, payloads, base)
+        data = rebuild_job(job, payloads, base)
+        return data if then is None else then(job, data)
 
     yield from ordered_map(build, jobs, lambda j: 3 * j.recipe.segment.nbytes, inflight_bytes, threads, 3 * TASK_BYTES)
 
@@ -141,11 +145,14 @@ def build_tensors(
     threads: int = 4,
     inflight_bytes: int = 256 << 20,
     op: Operation | None = None,
+    then: Callable[[TensorJob, np.ndarray], object] | None = None,
 ) -> Iterator[tuple[TensorJob, np.ndarray]]:
     """:func:`build_segments` reading payloads from ``chunk_paths`` (chunk id -> local file, as
     :func:`fetch_jobs` returns), closing them when done or abandoned."""
     payloads = Payloads(url, chunk_paths)
     try:
-        yield from build_segments(jobs, payloads, base, threads=threads, inflight_bytes=inflight_bytes, op=op)
+        yield from build_segments(
+            jobs, payloads, base, threads=threads, inflight_bytes=inflight_bytes, op=op, then=then
+        )
     finally:
         payloads.close()

@@ -67,15 +67,18 @@ def live_view(flat: torch.Tensor, p: Placement, shape: tuple[int, ...]) -> torch
 
 @dataclass
 class Layout:
-    """A model's placements, plus names it says to leave alone. ``placements`` may be a callable
-    taking the store's tensors ``{name: (shape, dtype name)}`` and returning placements (rules that
-    depend on which tensors a version has). A live dtype wider than the store's (bf16 kept in fp32)
-    is always a cast on load; a narrower one only if ``narrowing`` says so (otherwise it is a
-    version the model cannot take)."""
+    """A model's placements, plus names it says to leave alone and live tensors it says are padded.
+    ``placements`` may be a callable taking the store's tensors ``{name: (shape, dtype name)}`` and
+    returning placements (rules that depend on which tensors a version has). A live dtype wider
+    than the store's (bf16 kept in fp32) is always a cast on load; a narrower one only if
+    ``narrowing`` says so (otherwise it is a version the model cannot take)."""
 
     placements: list[Placement] | Callable[[Mapping[str, tuple[tuple[int, ...], str]]], Iterable[Placement]]
     exclude: tuple[str, ...] = ()
     name: str = "layout"
+    # live tensors (fnmatch) whose elements no placement covers are the engine's own padding (vocab rows past
+    # the checkpoint's, which the engine zero-fills on load): accepted and reported there, refused elsewhere
+    padding: tuple[str, ...] = ()
     narrowing: bool = False  # the engine casts store values to a narrower live dtype on load (fp32 served in bf16)
     same_shapes: bool = False  # every placement is a whole live tensor of the store tensor's shape
 

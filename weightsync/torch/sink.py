@@ -23,15 +23,18 @@ import numpy as np
 import torch
 import xxhash
 
+from weightsync.codec.kernels import changed_positions
+from weightsync.codec.payload import payload_changes
 from weightsync.errors import BaseMismatchError, UsageError, VersionError, WeightsyncError
 from weightsync.format.dtypes import UINT_VIEW, itemsize
 from weightsync.format.manifest import Manifest, Segment
 from weightsync.local.base import LocalVersion
 from weightsync.store.repo import open_repo
 from weightsync.sync.observer import Observer, Operation
+from weightsync.sync.pipeline import TASK_BYTES, ordered_map
 from weightsync.sync.plan import plan_segment
 from weightsync.sync.pull import resolve_version
-from weightsync.sync.rebuild import TensorJob, build_tensors, fetch_jobs
+from weightsync.sync.rebuild import Payloads, TensorJob, build_tensors, fetch_jobs
 from weightsync.torch.dtypes import NP_INT as _NP_INT
 from weightsync.torch.dtypes import TORCH_DTYPE
 from weightsync.torch.dtypes import TORCH_INT as _INT_VIEW
@@ -115,6 +118,7 @@ class _Place:
     stride: tuple[int, ...]  # live strides
     offset: int  # element offset into the live tensor
     whole: bool  # the whole store tensor is the whole live tensor, same dtype, same element order
+    flat: bool  # the whole store tensor, its elements in order from ``offset`` on (one expert of a stack)
 
     @property
     def view(self) -> tuple[tuple[int, ...], tuple[int, ...], int]:
@@ -130,6 +134,16 @@ class _Binding:
     seg: Segment
     places: list[_Place]
     mirrored: bool  # the live memory does not determine its bytes (partly placed, or cast lossily)
+
+
+@dataclass(eq=False)
+class _Staged:
+    """One store tensor's share of an update, as the decoding thread left it."""
+
+    binding: _Binding
+    changed: int  # elements of the store tensor that changed
+    patches: list[tuple[_Place, Patch]] = field(default_factory=list)
+    mirror: np.ndarray | None = None  # the new bytes, when the sink mirrors the tensor
 
 
 @dataclass(eq=False)
@@ -172,6 +186,7 @@ class Update:
     epoch: int = 0  # patch mode: the sink's count of torn applies when it was prepared
     mirror: dict[str, np.ndarray] = field(default_factory=dict, repr=False)  # new bytes of mirrored tensors
     manifest: Manifest | None = field(default=None, repr=False)
+    checked: bool = True  # every staged tensor's bytes were checked against its checksum (else: verify after apply)
 
 
 def _host_bytes(t: torch.Tensor) -> np.ndarray:
@@ -232,6 +247,7 @@ class TorchSink:
         mode: str = "patch",
         manifest: Manifest | None = None,
         folder: Path | str | None = None,
+        direct: bool = True,
     ):
         if mode not in MODES:
             raise UsageError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
@@ -264,8 +280,11 @@ class TorchSink:
         self.exclude = (*self.layout.exclude, *exclude)
         self._excludes = excluder(self.exclude)
         self.excluded: tuple[str, ...] = ()  # names left alone in the latest version checked
+        self._pads = excluder(self.layout.padding)
+        self.padded: dict[str, int] = {}  # live tensor -> elements of engine padding no store tensor writes
         self._epoch = 0  # patch mode: applies that failed midway (and tore the model) so far
         self.dense_above, self.threads, self.fetch_concurrency = dense_above, threads, fetch_concurrency
+        self.direct = direct
         self._apply_lock = threading.Lock()  # one update at a time (flip mode: also held by prepare)
         self._slots: dict[str, _Slot] = _group(live)  # model name -> its slot
         self._staged: Update | None = None  # flip mode: the update whose version the standby holds
@@ -376,7 +395,7 @@ class TorchSink:
                 raise UsageError(f"{name}: its placements cover more elements than it has (overlapping boxes)")
             binding.mirrored |= placed < math.prod(seg.shape)
             out.append(binding)
-        unsourced = []
+        unsourced, padded = [], {}
         for slot in {s: None for s in self._slots.values()}:
             n = covered.get(slot, 0)
             if n >= slot.live.numel():
@@ -384,6 +403,8 @@ class TorchSink:
             left = [x for x in slot.names if not self._excludes(x)]
             if not left:
                 excluded.update(slot.names)
+            elif any(self._pads(x) for x in slot.names):
+                padded[slot.names[0]] = slot.live.numel() - n  # the engine's own padding: left alone
             elif n:
                 unsourced.append(f"{left[0]} ({slot.live.numel() - n} of {slot.live.numel()} elements)")
             else:
@@ -395,6 +416,13 @@ class TorchSink:
             raise UsageError(
                 f"no tensor of version {manifest.version} matches the model's tensor names"
                 f"{f' ({len(excluded)} excluded)' if excluded else ''}"
+            )
+        if padded != self.padded:
+            self.padded = padded
+            log.info(
+                "version %d: padding left alone in %s",
+                manifest.version,
+                _some([f"{k} ({v})" for k, v in padded.items()]),
             )
         if tuple(sorted(excluded)) != self.excluded:
             self.excluded = tuple(sorted(excluded))
@@ -426,7 +454,9 @@ class TorchSink:
         check_placement(p, seg.shape, t)
         shape = p.extent(seg.shape)
         whole = identity_like and store_dt == t.dtype and t.numel() == math.prod(seg.shape)
-        return _Place(slot, box_slices(p.box, seg.shape), shape, p.strides(seg.shape), p.offset, whole)
+        stride = p.strides(seg.shape)
+        flat = p.box is None and stride == Placement(p.source, p.dest).strides(seg.shape)
+        return _Place(slot, box_slices(p.box, seg.shape), shape, stride, p.offset, whole, flat)
 
     def verify(self, version: int | None = None, *, folder: Path | str | None = None) -> int:
         """Raise :class:`BaseMismatchError` unless every live tensor holds ``version``'s bytes through
@@ -587,14 +617,15 @@ class TorchSink:
     def _prepare(self, up: Update, chain: list[Manifest], local: Manifest | None, op: Operation) -> Update:
         bound = self._begin(up, chain[-1])
         by_key: dict[tuple[str, str], _Binding] = {}
-        jobs = []
+        jobs: list[TensorJob] = []  # rebuilt whole, verified, then diffed
+        direct: list[TensorJob] = []  # one sparse delta: patched from the payload alone
         for b in bound:
             if not b.places:
                 continue  # tied: the region is written through its first store tensor
             r = plan_segment(chain, b.path, b.seg, local)
             if r.base is not None and not r.steps and r.base.xxh3 == b.seg.xxh3:
                 continue  # unchanged
-            jobs.append(TensorJob(b.path, r))
+            (direct if self._direct(b, r) else jobs).append(TensorJob(b.path, r))
             by_key[(b.path, b.seg.name)] = b
         host: dict[tuple[str, str], np.ndarray] = {}
         lock = threading.Lock()
@@ -605,18 +636,41 @@ class TorchSink:
                 host[(path, seg.name)] = data
             return data
 
+        def stage(job: TensorJob, new: np.ndarray) -> _Staged:
+            key = (job.path, job.recipe.segment.name)
+            with lock:
+                old = host.pop(key, None)
+            return self._stage(by_key[key], old, new)
+
         staged: dict[_Slot, Flip] = {}
         try:
             with tempfile.TemporaryDirectory(prefix="weightsync-sink-") as spool:
-                paths, up.fetched_bytes = fetch_jobs(self.repo, jobs, Path(spool), self.fetch_concurrency, op)
+                every = jobs + direct
+                paths, up.fetched_bytes = fetch_jobs(self.repo, every, Path(spool), self.fetch_concurrency, op)
                 up.seconds["fetch"] = op.elapsed()
-                op.phase("stage", sum(j.recipe.segment.nbytes for j in jobs))
-                for job, new in build_tensors(jobs, paths, base, url=self.repo.url, threads=self.threads, op=op):
-                    key = (job.path, job.recipe.segment.name)
-                    with lock:
-                        old = host.pop(key, None)
-                    self._stage(by_key[key], old, new, up, staged)
+                op.phase("stage", sum(j.recipe.segment.nbytes for j in every))
+                built = build_tensors(jobs, paths, base, url=self.repo.url, threads=self.threads, op=op, then=stage)
+                for job, st in built:
+                    self._merge(st, up, staged)
                     op.progress(job.recipe.segment.nbytes)
+                if direct:
+                    up.checked = False
+                    payloads = Payloads(self.repo.url, paths)
+                    try:
+
+                        def changes(job: TensorJob) -> _Staged:
+                            op.check()
+                            seg, step = job.recipe.segment, job.recipe.steps[0]
+                            what = f"{job.path}: {seg.name}"
+                            found = payload_changes(seg.dtype, step.codec, payloads.read(step), seg.nbytes, what)
+                            return self._stage_changes(by_key[(job.path, seg.name)], *found)
+
+                        weight = lambda j: 3 * j.recipe.steps[0].size + 16 * j.recipe.segment.changed  # noqa: E731
+                        for job, st in ordered_map(changes, direct, weight, 256 << 20, self.threads, TASK_BYTES):
+                            self._merge(st, up, staged)
+                            op.progress(job.recipe.segment.nbytes)
+                    finally:
+                        payloads.close()
             _sync({f.new.device for f in up.flips})
         except BaseException:
             self._spoil(staged, by_key.values())
@@ -635,16 +689,22 @@ class TorchSink:
                 todo.append((b, old))
         op.phase("stage", sum(b.seg.nbytes for b, _ in todo))
         lv = LocalVersion(folder, target)
+
+        def stage(item: tuple[_Binding, Segment | None]) -> _Staged:
+            b, old_seg = item
+            op.check()
+            new = lv.read(b.path, b.seg)  # checked against its checksum
+            old = None
+            if old_seg is not None and old_seg.dtype == b.seg.dtype and old_seg.shape == b.seg.shape:
+                with contextlib.suppress(BaseMismatchError):  # compare with the live values instead
+                    old = self._base(b, old_seg, self.version) if not b.mirrored or self._mirror else None
+            return self._stage(b, old, new)
+
         staged: dict[_Slot, Flip] = {}
         try:
-            for b, old_seg in todo:
-                op.check()
-                new = lv.read(b.path, b.seg)  # checked against its checksum
-                old = None
-                if old_seg is not None and old_seg.dtype == b.seg.dtype and old_seg.shape == b.seg.shape:
-                    with contextlib.suppress(BaseMismatchError):  # compare with the live values instead
-                        old = self._base(b, old_seg, self.version) if not b.mirrored or self._mirror else None
-                self._stage(b, old, new, up, staged)
+            weight = lambda item: 3 * item[0].seg.nbytes  # noqa: E731
+            for (b, _), st in ordered_map(stage, todo, weight, 256 << 20, self.threads, 3 * TASK_BYTES):
+                self._merge(st, up, staged)
                 op.progress(b.seg.nbytes)
             _sync({f.new.device for f in up.flips})
         except BaseException:
@@ -662,15 +722,63 @@ class TorchSink:
             for pl in b.places:
                 pl.slot.dirty = True if self.mode == "flip" else pl.slot.dirty
 
-    def _stage(self, b: _Binding, old: np.ndarray | None, new: np.ndarray, up: Update, staged: dict) -> None:
-        """Turn ``new`` (verified bytes of ``b``'s tensor) into patches of its places (patch mode) or
-        write them into the standbys (flip mode)."""
+    def _direct(self, b: _Binding, r) -> bool:
+        """Whether ``b``'s recipe is one ``sparse`` delta from the model's version that patches can
+        be read from directly (positions and differences; the old values at those positions come
+        from the model): every place in the store's dtype, nothing mirrored."""
+        seg = b.seg
+        return (
+            self.direct
+            and r.base is not None
+            and len(r.steps) == 1
+            and r.steps[0].codec == "sparse"
+            and r.base.nbytes == seg.nbytes
+            and r.base.dtype == seg.dtype
+            and not b.mirrored
+            and all(pl.slot.live.dtype == TORCH_DTYPE[seg.dtype] for pl in b.places)
+        )
+
+    def _stage_changes(self, b: _Binding, idx: np.ndarray, diff: np.ndarray) -> _Staged:
+        """:meth:`_stage` from a delta's changes alone (positions ``idx`` of the store tensor and
+        wrapping differences ``diff``): each place's new values are its current values there plus
+        the differences, computed on the tensor's device. Work proportional to the change; the
+        result is not hashed (``Update.checked`` is False: verify after the apply)."""
+        st = _Staged(b, int(idx.size))
+        seg = b.seg
+        d_all = torch.from_numpy(diff.view(_NP_INT[diff.itemsize]))
+        for pl in b.places:
+            target = _int_view(pl.slot.live if self.mode == "patch" else pl.slot.standby)
+            if self.mode == "flip":
+                pl.slot.dirty = True
+            if pl.whole or pl.flat:
+                pos, d = torch.from_numpy(idx) + pl.offset, d_all
+            else:
+                coords = np.unravel_index(idx, seg.shape)
+                keep = np.ones(idx.size, dtype=bool)
+                for c, sl in zip(coords, pl.box):
+                    keep &= (c >= sl.start) & (c < sl.stop)
+                pos = sum(torch.from_numpy(c[keep] - sl.start) * s for c, sl, s in zip(coords, pl.box, pl.stride))
+                pos, d = torch.as_tensor(pos, dtype=torch.int64) + pl.offset, d_all[torch.from_numpy(keep)]
+            if not pos.numel():
+                continue
+            pos = pos.to(target.device)
+            p = Patch(seg.name, target, pos, target.index_select(0, pos) + d.to(target.device))  # wraps, as stored
+            if self.mode == "flip":
+                with torch.no_grad():
+                    p.write()
+            st.patches.append((pl, p))
+        return st
+
+    def _stage(self, b: _Binding, old: np.ndarray | None, new: np.ndarray) -> _Staged:
+        """Turn ``new`` (verified bytes of ``b``'s tensor) into patches of its places; flip mode also
+        writes them into the standbys. Runs on the decoding threads (each tensor's places are its own
+        regions); :meth:`_merge` records the result."""
         seg, width = b.seg, itemsize(b.seg.dtype)
         new_e = new.view(UINT_VIEW[width])
-        idx = None if old is None else np.flatnonzero(old.view(UINT_VIEW[width]) != new_e)
-        up.changed_elements += new_e.size if idx is None else int(idx.size)
+        idx = None if old is None else changed_positions(old.view(UINT_VIEW[width]), new_e)
+        st = _Staged(b, new_e.size if idx is None else int(idx.size))
         if b.mirrored:
-            up.mirror[seg.name] = np.array(new, copy=True)
+            st.mirror = np.array(new, copy=True)
         src = _store_tensor(new, seg)
         for pl in b.places:
             slot = pl.slot
@@ -680,11 +788,23 @@ class TorchSink:
             p = self._patch(seg, pl, target, src, new_e, idx)
             if p is None:
                 continue
+            if self.mode == "flip":
+                with torch.no_grad():
+                    p.write()
+            st.patches.append((pl, p))
+        return st
+
+    def _merge(self, st: _Staged, up: Update, staged: dict[_Slot, Flip]) -> None:
+        """Record a staged tensor in the update: its patches (patch mode), or its slots' flips and
+        the replays that bring the retired storages along (flip mode)."""
+        up.changed_elements += st.changed
+        if st.mirror is not None:
+            up.mirror[st.binding.seg.name] = st.mirror
+        for pl, p in st.patches:
             if self.mode == "patch":
                 up.patches.append(p)
                 continue
-            with torch.no_grad():
-                p.write()
+            slot = pl.slot
             f = staged.get(slot)
             if f is None:
                 f = staged[slot] = Flip(tuple(slot.names), tuple(slot.objects), slot.standby, slot.live, slot)
@@ -692,9 +812,9 @@ class TorchSink:
             live_t, sb = _int_view(slot.live), _int_view(slot.standby)
             if p.index is not None:
                 i = p.index.int() if slot.live.numel() < 2**31 else p.index
-                replay = Patch(seg.name, live_t, i, sb, gather=True)  # kept: 4 B/position
+                replay = Patch(p.name, live_t, i, sb, gather=True)  # kept: 4 B/position
             else:
-                replay = Patch(seg.name, live_t, None, sb, gather=True, view=p.view)
+                replay = Patch(p.name, live_t, None, sb, gather=True, view=p.view)
             f.replay.append(replay)
             up.patches.append(replay)
 
@@ -704,7 +824,7 @@ class TorchSink:
         live_dt, dev = pl.slot.live.dtype, target.device
         if pl.whole:
             if idx is None:
-                idx = np.flatnonzero(_host_bytes(target).view(new_e.dtype) != new_e) if dev.type == "cpu" else None
+                idx = changed_positions(_host_bytes(target).view(new_e.dtype), new_e) if dev.type == "cpu" else None
             if idx is None or idx.size > self.dense_above * new_e.size:
                 return Patch(seg.name, target, None, _int_view(src).to(dev))
             if not idx.size:
@@ -713,7 +833,14 @@ class TorchSink:
             return Patch(seg.name, target, torch.from_numpy(idx).to(dev), values.to(dev))
         size = math.prod(pl.shape)
         region = src[pl.box]
-        if idx is not None:
+        if idx is not None and pl.flat:  # the store tensor's element order, from ``offset`` on
+            if not idx.size:
+                return None
+            if idx.size <= self.dense_above * size:
+                at = torch.from_numpy(idx)
+                vals = src.reshape(-1)[at].to(live_dt)
+                return Patch(seg.name, target, (at + pl.offset).to(dev), _int_view(vals).to(dev))
+        elif idx is not None:
             coords = np.unravel_index(idx, seg.shape)
             keep = np.ones(idx.size, dtype=bool)
             for c, sl in zip(coords, pl.box):
@@ -820,12 +947,11 @@ class TorchSink:
                     ) from exc
                 pause = time.perf_counter() - t0
             self._applied(update)
-            self._torn = False
             update.seconds["pause"] = pause
             return pause
 
     def _applied(self, update: Update) -> None:
-        self.version = update.version
+        self.version, self._torn = update.version, False
         if update.manifest is not None:
             self._remember(update.manifest)
         self._mirror.update(update.mirror)
@@ -860,10 +986,30 @@ class TorchSink:
         return pause
 
     def update(self, version: int | str = "latest", *, observer: Observer | None = None) -> Update:
-        """:meth:`prepare` then :meth:`apply`; returns the update with its timings."""
+        """:meth:`prepare` then :meth:`apply`, then :meth:`after_apply`; returns the update with its timings."""
         up = self.prepare(version, observer=observer)
         self.apply(up)
+        self.after_apply(up)
         return up
+
+    def after_apply(self, update: Update) -> None:
+        """Check, off the lock, what ``apply`` wrote from unhashed patches (a ``sparse`` delta patched
+        from its payload alone: ``update.checked`` is False): every live tensor through the layout
+        against the version's checksums. On a mismatch the model is torn: the next update rebuilds
+        every tensor from the keyframe, and :class:`BaseMismatchError` says so."""
+        if update.checked or update.version != self.version:
+            return
+        t0 = time.perf_counter()
+        try:
+            self.verify()
+        except BaseMismatchError as exc:
+            with self._apply_lock:
+                self._torn, self._epoch = True, self._epoch + 1
+            raise BaseMismatchError(
+                f"after the apply of version {update.version}: {exc}; the model is torn until the next update, "
+                "which rebuilds it from the keyframe"
+            ) from exc
+        update.seconds["verify"] = time.perf_counter() - t0
 
 
 def _store_tensor(data: np.ndarray, seg: Segment) -> torch.Tensor:
