@@ -139,7 +139,9 @@ def test_the_ranks_of_a_replica_switch_together_bit_exact(node):
         for s in states:
             assert s["digest"] == expected(traj[v], s["names"]) and len(s["names"]) == len(load_tensors(traj[v]))
         in_step(sub, "r0", v)
-    # every rank prepared before any applied, in each transaction
+    # every rank prepared before any applied, in each transaction (a state file follows its apply)
+    for e in ranks:
+        wait_for(lambda e=e: sum(h[1] == "applied" for h in e.state()["history"]) == 2, 5, f"{e.name}'s applies")
     history = [(t, what, txn) for e in ranks for t, what, txn, _ in e.state()["history"]]
     for txn in {txn for _, _, txn in history}:
         prepared = [t for t, what, x in history if x == txn and what == "prepared"]
@@ -155,6 +157,7 @@ def test_the_ranks_of_a_replica_switch_together_bit_exact(node):
     for e in ranks:
         e.wait(2)
     in_step(sub, "r0", 2)
+    assert sub.log().count("engine transaction") == 2 * 4  # one per switch (preparing, applied), no more
 
     metrics = sub.get("/metrics")[1]
     for k in (0, 1):
@@ -232,5 +235,6 @@ def test_a_killed_rank_is_dropped_its_replica_waits_and_another_follows(node):
         s = e.wait(1)
         assert s["digest"] == expected(traj[1], s["names"])
     in_step(sub, "r0", 1)
-    s = restarted.state()  # a member of the transaction like any rank, with nothing to change
+    # a member of the transaction like any rank, with nothing to change (its state file follows)
+    s = wait_for(lambda: (s := restarted.state()) and len(s["history"]) == 2 and s, 5, "the restarted rank's history")
     assert s["loaded"] == 1 and [h[1:] for h in s["history"]] == [["prepared", 2, 1], ["applied", 2, 1]]

@@ -165,6 +165,19 @@ def test_a_silent_rank_is_dropped_mid_transaction_and_its_replica_waits():
     assert instruction(c, b)["op"] == "prepare" and c.status()["replicas"][0]["dropped"] == {}
 
 
+def test_a_version_sent_before_a_change_the_subscriber_heard_of_is_ignored():
+    c, _ = coordinator(Clock())
+    a = c.register("r0", 0, 1, 3, epoch=0)["instance"]
+    c.step((4, SLOT))
+    txn = instruction(c, a)["txn"]
+    c.report(a, txn, "prepare", True, 3, epoch=0)
+    c.report(a, txn, "apply", True, 4, epoch=1)
+    asyncio.run(c.poll(a, 2, 0.0, 3, epoch=0))  # left before the apply, arrived after its report
+    assert [r.version for r in c.records()] == [4]
+    asyncio.run(c.poll(a, 2, 0.0, None, epoch=2))  # a later change (a failed apply): taken
+    assert [r.version for r in c.records()] == [None]
+
+
 def test_registrations_conflict_and_replace():
     c, _ = coordinator(Clock())
     first = c.register("r0", 0, 2, 1)["instance"]

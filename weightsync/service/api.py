@@ -297,7 +297,9 @@ def _str_field(doc: dict, key: str, null: bool = False, limit: int = 1000) -> st
 
 
 async def post_engine(request: web.Request) -> web.Response:
-    doc = await _json_body(request, {"replica", "rank", "world", "version", "pid"}, {"replica", "rank", "world"})
+    doc = await _json_body(
+        request, {"replica", "rank", "world", "version", "pid", "epoch"}, {"replica", "rank", "world"}
+    )
     replica = _str_field(doc, "replica")
     if not ID_RE.match(replica):
         raise UsageError("replica must be 1-128 characters of A-Z a-z 0-9 . _ -")
@@ -305,23 +307,26 @@ async def post_engine(request: web.Request) -> web.Response:
     rank = _int_field(doc, "rank", 0, MAX_WORLD - 1)  # below world: checked by the coordinator (409)
     version = _int_field(doc, "version", 0, MAX_VERSION, null=True)
     pid = _int_field(doc, "pid", 0, 1 << 62, null=True)
-    return web.json_response(request.app[SUBSCRIBER].engines.register(replica, rank, world, version, pid))
+    epoch = _int_field(doc, "epoch", 0, 1 << 62, null=True)
+    return web.json_response(request.app[SUBSCRIBER].engines.register(replica, rank, world, version, pid, epoch))
 
 
 async def post_engine_poll(request: web.Request) -> web.Response:
-    doc = await _json_body(request, {"instance", "after", "wait", "version"}, {"instance"})
+    doc = await _json_body(request, {"instance", "after", "wait", "version", "epoch"}, {"instance"})
     instance = _str_field(doc, "instance")
     after = _int_field(doc, "after", 0, 1 << 62) if "after" in doc else 0
     wait = doc.get("wait", 0)
     if type(wait) not in (int, float) or not 0 <= wait <= MAX_WAIT:  # NaN fails both comparisons
         raise UsageError(f"wait must be a number of seconds in 0..{MAX_WAIT:g}")
     version = _int_field(doc, "version", 0, MAX_VERSION, null=True)
-    return web.json_response(await request.app[SUBSCRIBER].engines.poll(instance, after, float(wait), version))
+    epoch = _int_field(doc, "epoch", 0, 1 << 62, null=True)
+    engines = request.app[SUBSCRIBER].engines
+    return web.json_response(await engines.poll(instance, after, float(wait), version, epoch))
 
 
 async def post_engine_report(request: web.Request) -> web.Response:
     doc = await _json_body(
-        request, {"instance", "txn", "phase", "ok", "version", "error"}, {"instance", "txn", "phase", "ok"}
+        request, {"instance", "txn", "phase", "ok", "version", "error", "epoch"}, {"instance", "txn", "phase", "ok"}
     )
     instance = _str_field(doc, "instance")
     txn = _int_field(doc, "txn", 0, 1 << 62)
@@ -334,8 +339,9 @@ async def post_engine_report(request: web.Request) -> web.Response:
     if error is not None and not isinstance(error, str):
         raise UsageError("error must be null or a string")
     error = None if error is None else " ".join(error.split())[:500]  # one line, bounded: it goes to logs
+    epoch = _int_field(doc, "epoch", 0, 1 << 62, null=True)
     engines = request.app[SUBSCRIBER].engines
-    return web.json_response(engines.report(instance, txn, doc["phase"], doc["ok"], version, error))
+    return web.json_response(engines.report(instance, txn, doc["phase"], doc["ok"], version, error, epoch))
 
 
 async def post_engine_leave(request: web.Request) -> web.Response:

@@ -1,6 +1,6 @@
 """Engine ranks on a node: every process of an inference engine (one per GPU rank) takes each version
-from its node's subscriber, and the ranks of a replica switch together (docs/OPERATIONS.md, "Engine
-ranks"). The subscriber's side is :class:`EngineCoordinator`: ranks register, long-poll for
+from its node's subscriber, and the ranks of a replica switch together (docs/ENGINES.md, "The node
+path"). The subscriber's side is :class:`EngineCoordinator`: ranks register, long-poll for
 instructions and report back over the subscriber's HTTP API; per replica one transaction at a time
 brings every rank to the version ``current`` serves, in two phases: *prepare* on every rank (from the
 current slot's folder, which the subscriber does not write meanwhile), then *apply* on every rank,
@@ -96,6 +96,7 @@ class _Rank:
     pid: int | None
     seen: float  # the coordinator's clock at its last request
     registered: float  # unix seconds
+    epoch: int | None = None  # the rank's count of changes to what it holds, with ``version``
     seq: int = 0  # number of the last instruction given
     instruction: dict | None = None  # the last instruction, repeated until the rank polls past it
     wake: asyncio.Event = field(default_factory=asyncio.Event)
@@ -165,10 +166,22 @@ class EngineCoordinator:
         self._tasks: set[asyncio.Task] = set()
 
     # -- what the ranks call (through the API) ------------------------------------------------------
-    def register(self, replica: str, rank: int, world: int, version: int | None, pid: int | None = None) -> dict:
+    def register(
+        self,
+        replica: str,
+        rank: int,
+        world: int,
+        version: int | None,
+        pid: int | None = None,
+        epoch: int | None = None,
+    ) -> dict:
         """Register rank ``rank`` of ``world`` of ``replica``, holding ``version``; a registration of
         the same rank before it is dropped. Returns the instance id the rank names in later calls,
-        and the seconds of its long polls and of the silence after which it is dropped."""
+        and the seconds of its long polls and of the silence after which it is dropped.
+
+        ``epoch`` (here, in polls and in reports): a count the rank raises whenever what it holds
+        changes, sent with ``version``; a version sent with a lower epoch than one already seen is
+        stale (a poll that left before an apply and arrived after its report) and ignored."""
         if not 1 <= world <= MAX_WORLD or rank < 0:
             raise UsageError(f"world must be in 1..{MAX_WORLD} and rank at least 0, got rank {rank} of {world}")
         if rank >= world:  # each field is valid alone (the API's schema), together they contradict
@@ -183,7 +196,7 @@ class EngineCoordinator:
         rep = self._replicas.get(replica)  # gone with its last rank
         if rep is None or rep.world != world:
             rep = self._replicas[replica] = _Replica(replica, world)
-        r = _Rank(replica, rank, world, uuid.uuid4().hex, version, pid, self.clock(), time.time())
+        r = _Rank(replica, rank, world, uuid.uuid4().hex, version, pid, self.clock(), time.time(), epoch)
         rep.ranks[rank] = r
         self._ranks[r.instance] = r
         rep.dropped.pop(rank, None)
@@ -193,11 +206,11 @@ class EngineCoordinator:
         self._changed()
         return {"instance": r.instance, "poll_seconds": self.max_wait, "timeout_seconds": self.timeout}
 
-    async def poll(self, instance: str, after: int, wait: float, version: int | None) -> dict:
+    async def poll(self, instance: str, after: int, wait: float, version: int | None, epoch: int | None = None) -> dict:
         """The rank's next instruction: the last one given if it is numbered above ``after``, else the
         next one given within ``wait`` seconds, else ``{"op": "none"}``. ``version``: what it holds."""
         r = self._rank(instance)
-        self._seen(r, version)
+        self._seen(r, version, epoch)
         if r.seq <= after and not self._closed:
             r.wake.clear()
             with suppress(asyncio.TimeoutError):
@@ -209,12 +222,19 @@ class EngineCoordinator:
         return {"op": "none", "seq": r.seq}
 
     def report(
-        self, instance: str, txn: int, phase: str, ok: bool, version: int | None, error: str | None = None
+        self,
+        instance: str,
+        txn: int,
+        phase: str,
+        ok: bool,
+        version: int | None,
+        error: str | None = None,
+        epoch: int | None = None,
     ) -> dict:
         """A rank's outcome of ``phase`` of transaction ``txn`` (and the version it holds now).
         ``accepted`` is false for a report on a transaction that is over or that it is no member of."""
         r = self._rank(instance)
-        self._seen(r, version)
+        self._seen(r, version, epoch)
         rep = self._replicas[r.replica]
         t = rep.txn
         if t is None or t.id != txn or t.members.get(r.rank) != instance or t.phase != phase:
@@ -443,8 +463,14 @@ class EngineCoordinator:
             raise UnknownEngineError("no engine rank is registered under this instance id; register again")
         return r
 
-    def _seen(self, r: _Rank, version: int | None) -> None:
+    def _seen(self, r: _Rank, version: int | None, epoch: int | None) -> None:
         r.seen = self.clock()
+        if epoch is not None and r.epoch is not None:
+            if epoch < r.epoch:
+                return  # sent before a change the subscriber already heard of
+            r.epoch = epoch
+        elif epoch is not None:
+            r.epoch = epoch
         if version != r.version:
             r.version = version
             self.metrics.engine_version(r.replica, r.rank, version)
@@ -492,22 +518,37 @@ class EngineClient:
         self.url, self.timeout = url.rstrip("/"), timeout
         self._auth = None if token is None else f"Bearer {token}"
 
-    def register(self, replica: str, rank: int, world: int, version: int | None, pid: int | None = None) -> dict:
+    def register(
+        self,
+        replica: str,
+        rank: int,
+        world: int,
+        version: int | None,
+        pid: int | None = None,
+        epoch: int | None = None,
+    ) -> dict:
         """``POST /v1/engines``: the instance id and the poll and drop timings."""
-        body = {"replica": replica, "rank": rank, "world": world, "version": version, "pid": pid}
+        body = {"replica": replica, "rank": rank, "world": world, "version": version, "pid": pid, "epoch": epoch}
         return self._call("POST", "/v1/engines", body)
 
-    def poll(self, instance: str, after: int, wait: float, version: int | None) -> dict:
+    def poll(self, instance: str, after: int, wait: float, version: int | None, epoch: int | None = None) -> dict:
         """``POST /v1/engines/poll``: the next instruction (``op``: prepare, apply, abort or none)."""
-        body = {"instance": instance, "after": after, "wait": wait, "version": version}
+        body = {"instance": instance, "after": after, "wait": wait, "version": version, "epoch": epoch}
         return self._call("POST", "/v1/engines/poll", body, timeout=wait + self.timeout)
 
     def report(
-        self, instance: str, txn: int, phase: str, ok: bool, version: int | None, error: str | None = None
+        self,
+        instance: str,
+        txn: int,
+        phase: str,
+        ok: bool,
+        version: int | None,
+        error: str | None = None,
+        epoch: int | None = None,
     ) -> dict:
         """``POST /v1/engines/report``: the outcome of one phase of a transaction."""
         body = {"instance": instance, "txn": txn, "phase": phase, "ok": ok, "version": version, "error": error}
-        return self._call("POST", "/v1/engines/report", body)
+        return self._call("POST", "/v1/engines/report", {**body, "epoch": epoch})
 
     def leave(self, instance: str) -> None:
         """``POST /v1/engines/leave``: this rank stops."""

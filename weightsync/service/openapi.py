@@ -41,6 +41,7 @@ def _engine_schemas() -> dict:
                 "world": {"type": "integer", "minimum": 1, "maximum": MAX_WORLD},
                 "version": _nullable(_VERSION),
                 "pid": _nullable({"type": "integer", "minimum": 0, "maximum": 1 << 62}),
+                "epoch": _nullable({"type": "integer", "minimum": 0, "maximum": 1 << 62}),
             },
         },
         "EngineRegistered": {
@@ -61,6 +62,7 @@ def _engine_schemas() -> dict:
                 "after": {"type": "integer", "minimum": 0, "maximum": 1 << 62},
                 "wait": {"type": "number", "minimum": 0, "maximum": MAX_WAIT},
                 "version": _nullable(_VERSION),
+                "epoch": _nullable({"type": "integer", "minimum": 0, "maximum": 1 << 62}),
             },
         },
         "EngineInstruction": {
@@ -86,6 +88,7 @@ def _engine_schemas() -> dict:
                 "ok": {"type": "boolean"},
                 "version": _nullable(_VERSION),
                 "error": _nullable("string"),
+                "epoch": _nullable({"type": "integer", "minimum": 0, "maximum": 1 << 62}),
             },
         },
         "EngineLeave": {

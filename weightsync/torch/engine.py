@@ -1,7 +1,7 @@
 """An engine worker's side of the node path: each rank (one per GPU) takes its part of every version
 from its node's subscriber, never from the store, and applies it in place in step with the other
-ranks of its replica (the protocol: ``weightsync.service.engines``; docs/OPERATIONS.md, "Engine
-ranks")::
+ranks of its replica (the protocol: ``weightsync.service.engines``; docs/ENGINES.md, "The node
+path")::
 
     folder, version = current_folder("/models/run1")   # the slot ``current`` names, and its version
     model = load(folder)                               # from_pretrained, safetensors, the engine's loader
@@ -111,7 +111,7 @@ class EngineRank:
         self.sink: TorchSink | None = None
         self.history: deque[tuple[float, str, int, int]] = deque(maxlen=256)  # (unix time, event, txn, version)
         self.last_error: str | None = None
-        self._torn = False  # patch mode: an apply failed midway; the model holds no version
+        self._held = (0, version)  # (epoch, version): replaced as one, so a poll never sends a mix
         self._instance: str | None = None
         self._poll_seconds = 10.0
         self._stop = threading.Event()
@@ -173,9 +173,7 @@ class EngineRank:
     @property
     def version(self) -> int | None:
         """The version the model holds (None after an apply failed midway, until the next one)."""
-        if self.sink is None:
-            return self._start[0]
-        return None if self._torn else self.sink.version
+        return self._held[1]
 
     @property
     def lock(self) -> threading.Lock:
@@ -200,7 +198,8 @@ class EngineRank:
 
     # -- threads ------------------------------------------------------------------------------------
     def _register(self) -> None:
-        doc = self.client.register(self.replica, self.rank, self.world, self.version, os.getpid())
+        epoch, version = self._held
+        doc = self.client.register(self.replica, self.rank, self.world, version, os.getpid(), epoch)
         self._instance, self._poll_seconds = doc["instance"], float(doc["poll_seconds"])
         log.info(
             "registered with %s as rank %d of %d of replica %s", self.client.url, self.rank, self.world, self.replica
@@ -214,7 +213,8 @@ class EngineRank:
                 if instance is None:
                     self._register()
                     after, instance = 0, self._instance
-                msg = self.client.poll(instance, after, self._poll_seconds, self.version)
+                epoch, held = self._held
+                msg = self.client.poll(instance, after, self._poll_seconds, held, epoch)
             except UnknownEngineError:
                 if not self._stop.is_set():
                     log.warning(
@@ -323,13 +323,14 @@ class EngineRank:
         try:
             pause = self.sink.apply(up)
         except Exception as exc:  # reported; in patch mode the model is torn until the next update
-            self._torn = self._torn or (isinstance(exc, ApplyError) and self.sink.mode == "patch")
+            if isinstance(exc, ApplyError) and self.sink.mode == "patch":
+                self._held = (self._held[0] + 1, None)
             self.last_error = _one_line(exc)
             log.error("could not apply version %d: %s", up.version, self.last_error)
             self._event("apply failed", txn, up.version)
             self._report(instance, txn, "apply", False, self.last_error)
             return None
-        self._torn = False
+        self._held = (self._held[0] + 1, self.sink.version)
         self._event("applied", txn, up.version)
         log.info("applied version %d (pause %.2f ms)", up.version, 1000 * pause)
         self._report(instance, txn, "apply", True)
@@ -341,7 +342,8 @@ class EngineRank:
             if self._stop.is_set() or instance != self._instance:
                 return  # registered again since: the subscriber ended that transaction
             try:
-                self.client.report(instance, txn, phase, ok, self.version, error)
+                epoch, version = self._held
+                self.client.report(instance, txn, phase, ok, version, error, epoch)
                 return
             except UnknownEngineError:
                 return
