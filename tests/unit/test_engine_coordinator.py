@@ -193,6 +193,13 @@ def test_registrations_conflict_and_replace():
     assert c.records()[0].world == 3
 
 
+def test_a_subscriber_with_partial_slots_takes_no_ranks():
+    m = Metrics(CollectorRegistry(), "subscriber", subscriber="s", runtime=False)
+    c = EngineCoordinator(m, timeout=30.0, phase_timeout=60.0, backoff=Backoff(), refuse="partial slots")
+    with pytest.raises(EngineConflictError, match="partial slots"):
+        c.register("r0", 0, 1, 3)
+
+
 def test_the_fleet_record_lists_engine_ranks_and_is_validated():
     rec = FleetRecord(
         "n", "", "", 4, "latest", "serving", 1.0, (EngineRecord("r0", 0, 2, 4), EngineRecord("r0", 1, 2, None))

@@ -140,7 +140,8 @@ class EngineCoordinator:
     version whose transaction failed (:class:`weightsync.service.config.Backoff`). ``on_release()``
     is called when a transaction stops reading its folder, ``on_settled()`` (a coroutine) when what
     the ranks hold may have changed (for the fleet ledger). ``metrics``: the subscriber's
-    :class:`~weightsync.service.metrics.Metrics`.
+    :class:`~weightsync.service.metrics.Metrics`. ``refuse``: why every registration is refused
+    (partial slots, which hold the selected tensors at other offsets than the version's files).
     """
 
     def __init__(
@@ -153,8 +154,10 @@ class EngineCoordinator:
         on_release: Callable[[], None] = lambda: None,
         on_settled: Callable[[], Awaitable[None]] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        refuse: str | None = None,
     ):
         self.metrics, self.timeout, self.phase_timeout, self.backoff = metrics, timeout, phase_timeout, backoff
+        self.refuse = refuse  # why this subscriber takes no engine ranks (None: it does)
         self.on_release, self.on_settled, self.clock = on_release, on_settled, clock
         self.max_wait = min(MAX_WAIT, timeout / 3)
         self._replicas: dict[str, _Replica] = {}
@@ -184,6 +187,8 @@ class EngineCoordinator:
         stale (a poll that left before an apply and arrived after its report) and ignored."""
         if not 1 <= world <= MAX_WORLD or rank < 0:
             raise UsageError(f"world must be in 1..{MAX_WORLD} and rank at least 0, got rank {rank} of {world}")
+        if self.refuse is not None:
+            raise EngineConflictError(self.refuse)
         if rank >= world:  # each field is valid alone (the API's schema), together they contradict
             raise EngineConflictError(f"rank {rank} is outside a world of {world} ranks (0..{world - 1})")
         rep = self._replicas.get(replica)

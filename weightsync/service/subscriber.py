@@ -164,6 +164,9 @@ class Subscriber:
             backoff=cfg.backoff,
             on_release=self._wake_up,
             on_settled=lambda: self._write_ledger(force=True),
+            refuse="this subscriber keeps partial slots (--include/--exclude); engine ranks prepare from whole ones"
+            if cfg.partial
+            else None,
         )
 
     def claim(self) -> None:

@@ -47,9 +47,11 @@ def current_folder(target: Path | str) -> tuple[Path, int]:
         raise UsageError(f"{link} does not exist: the subscriber serves no version yet") from None
     version = slot_version(folder, False)
     if version is None:
-        version = slot_version(folder, True)  # a subscriber with --include/--exclude: a partial folder
-    if version is None:
-        raise UsageError(f"{folder} holds no complete version")
+        partial = slot_version(folder, True) is not None
+        raise UsageError(
+            f"{folder} holds "
+            + ("a partial version (--include/--exclude): engine ranks need whole slots" if partial else "no version")
+        )
     return folder, version
 
 
