@@ -21,6 +21,10 @@ version's live state dict already in host memory (best of 9), and ``from_pretrai
 version's folder (best of 2; the reload a subscriber's swap hook triggers in an engine that reloads
 from disk). "full decode" is the CPU time of pulling the keyframe version into an empty folder
 (every tensor decoded from its full payload, verified and written): the yardstick for ``prepare``.
+With ``--codec sparse`` (``--fast-codec``) a one-step delta is patched from its payload alone, and
+the sink checks the live tensors against the checksums after the apply, off the lock: "check
+after" (:meth:`~weightsync.torch.sink.TorchSink.after_apply`); ``ac`` deltas are rebuilt and
+checked whole in ``prepare`` (their positions are not in the payload without decoding every element).
 
 Pause figures: "1st pause" is the real ``apply`` the serving loop saw (median over the 5 updates);
 "best pause" the best of that apply and 9 replays of the same swap (patch: the same writes; flip:
@@ -50,6 +54,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))
 
 import weightsync  # noqa: E402
+from weightsync.codec.payload import CodecConfig  # noqa: E402
 from weightsync.sync.publish import PublishConfig  # noqa: E402
 from weightsync.torch.sink import TorchSink, point_to  # noqa: E402
 from weightsync.torch.transformers import layout as transformers_layout  # noqa: E402
@@ -180,12 +185,16 @@ def run_mode(mode: str, store: str, dirs: list[Path], device: torch.device, dens
         staged = staged_bytes(sink, up)
         serve(model, device)
         pause = sink.apply(up)
+        c0 = time.process_time()
+        sink.after_apply(up)  # the check of payload-patched tensors (sparse), off the lock
+        c_check = time.process_time() - c0
         rows.append(
             {
                 "version": v,
                 "changed": up.changed_elements / n_elem,
                 "prepare_s": t_prep,
                 "prepare_cpu_s": c_prep,
+                "check_cpu_s": c_check,
                 "pause_s": pause,
                 "pause_best_s": min(pause, replay_seconds(sink, up, device)),
                 "staged_bytes": staged,
@@ -202,6 +211,7 @@ def run_mode(mode: str, store: str, dirs: list[Path], device: torch.device, dens
         "changed_mean": statistics.mean(r["changed"] for r in rows),
         "prepare_median_s": statistics.median(r["prepare_s"] for r in rows),
         "prepare_cpu_median_s": statistics.median(r["prepare_cpu_s"] for r in rows),
+        "check_cpu_median_s": statistics.median(r["check_cpu_s"] for r in rows),
         "first_pause_median_s": statistics.median(firsts),
         "first_pause_max_s": max(firsts),
         "best_pause_median_s": statistics.median(r["pause_best_s"] for r in rows),
@@ -210,12 +220,12 @@ def run_mode(mode: str, store: str, dirs: list[Path], device: torch.device, dens
     }
 
 
-def run(args, change: float, device: torch.device, modes: list[str]) -> list[dict]:
+def run(args, change: float, codec: str, device: torch.device, modes: list[str]) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="weightsync-swap-") as tmp:
         root = Path(tmp)
         dirs = make_versions(args, root, change)
         store = str(root / "store")
-        cfg = PublishConfig(keyframe_interval=1000)
+        cfg = PublishConfig(keyframe_interval=1000, codec=CodecConfig(entropy_coder=codec == "ac"))
         for d in dirs:
             weightsync.publish(d, store, config=cfg)
         c0 = time.process_time()
@@ -239,6 +249,7 @@ def run(args, change: float, device: torch.device, modes: list[str]) -> list[dic
             out.append(
                 {
                     "change": change,
+                    "codec": codec,
                     "device": str(device),
                     "model_bytes": n_bytes,
                     "load_state_dict_s": t_load,
@@ -256,6 +267,7 @@ def run(args, change: float, device: torch.device, modes: list[str]) -> list[dic
 def table(results: list[dict]) -> str:
     cols = [
         "change",
+        "codec",
         "device",
         "model",
         "mode",
@@ -265,6 +277,7 @@ def table(results: list[dict]) -> str:
         "prepare",
         "prepare CPU",
         "CPU/full",
+        "check after (CPU)",
         "1st pause",
         "1st max",
         "best pause",
@@ -277,6 +290,7 @@ def table(results: list[dict]) -> str:
     rows = [
         [
             f"{100 * r['change']:g}%",
+            r["codec"],
             r["device"],
             f"{r['model_bytes'] / 1e6:.0f}MB",
             r["mode"],
@@ -286,6 +300,7 @@ def table(results: list[dict]) -> str:
             f"{1e3 * r['prepare_median_s']:.0f} ms",
             f"{r['prepare_cpu_median_s']:.2f} s",
             f"{r['prepare_cpu_ratio']:.2f}x",
+            f"{r['check_cpu_median_s']:.2f} s",
             f"{1e3 * r['first_pause_median_s']:.2f} ms",
             f"{1e3 * r['first_pause_max_s']:.2f} ms",
             f"{1e3 * r['best_pause_median_s']:.2f} ms",
@@ -307,6 +322,12 @@ def main() -> int:
     ap.add_argument("--mode", choices=("patch", "flip", "both"), default="both", help="sink mode(s) (default both)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--change", type=float, action="append", help="changed fraction per step (default 0.025, 0.15)")
+    ap.add_argument(
+        "--codec",
+        choices=("ac", "sparse", "both"),
+        default="both",
+        help="delta codec: ac (default) or sparse (--fast-codec)",
+    )
     ap.add_argument("--dense-above", type=float, default=0.05, help="copy a region whole above this changed fraction")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--experts", type=int, default=16)
@@ -319,7 +340,9 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     modes = ["patch", "flip"] if args.mode == "both" else [args.mode]
-    results = [r for c in (args.change or [0.025, 0.15]) for r in run(args, c, device, modes)]
+    codecs = ["ac", "sparse"] if args.codec == "both" else [args.codec]
+    changes = args.change or [0.025, 0.15]
+    results = [r for c in changes for codec in codecs for r in run(args, c, codec, device, modes)]
     print(table(results))
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} GB")
     if args.json:

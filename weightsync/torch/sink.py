@@ -675,6 +675,8 @@ class TorchSink:
         except BaseException:
             self._spoil(staged, by_key.values())
             raise
+        if self.mode == "patch":
+            up.patches = _coalesce(up.patches)
         up.seconds["prepare"] = op.elapsed()
         return up
 
@@ -712,6 +714,8 @@ class TorchSink:
             raise
         finally:
             lv.close()
+        if self.mode == "patch":
+            up.patches = _coalesce(up.patches)
         up.seconds["prepare"] = op.elapsed()
         return up
 
@@ -1010,6 +1014,26 @@ class TorchSink:
                 "which rebuilds it from the keyframe"
             ) from exc
         update.seconds["verify"] = time.perf_counter() - t0
+
+
+def _coalesce(patches: list[Patch]) -> list[Patch]:
+    """Patch mode: one scatter per live tensor instead of one per store tensor (the experts of a
+    stack, the shards of a fused projection), positions and values concatenated off the lock; the
+    pause then pays one call per tensor. Dense region copies stay as they are."""
+    by_target: dict[tuple, list[Patch]] = {}
+    out: list[Patch] = []
+    for p in patches:
+        if p.index is None or p.gather:
+            out.append(p)
+        else:
+            by_target.setdefault((p.target.data_ptr(), p.target.device, p.target.dtype), []).append(p)
+    for group in by_target.values():
+        if len(group) == 1:
+            out.append(group[0])
+        else:
+            idx = torch.cat([p.index for p in group])
+            out.append(Patch(group[0].name, group[0].target, idx, torch.cat([p.values for p in group])))
+    return out
 
 
 def _store_tensor(data: np.ndarray, seg: Segment) -> torch.Tensor:
