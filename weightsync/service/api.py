@@ -1,7 +1,8 @@
 """The daemons' HTTP API (aiohttp): health, readiness, metrics, status, versions; the subscriber's
-``PUT /v1/target``, the publisher's ``POST /v1/publish`` and ``GET /v1/fleet``. With a token every
-``/v1`` request needs ``Authorization: Bearer <token>`` (constant-time compare; never logged).
-Handlers never block: store and file work runs in threads."""
+``PUT /v1/target``, its engine ranks' ``/v1/engines`` calls and ``GET /v1/manifest/{version}``
+(``weightsync.service.engines``); the publisher's ``POST /v1/publish`` and ``GET /v1/fleet``. With a
+token every ``/v1`` request needs ``Authorization: Bearer <token>`` (constant-time compare; never
+logged). Handlers never block: store and file work runs in threads."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from aiohttp import web
 
 from weightsync.errors import CheckpointError, UsageError, VersionError, WeightsyncError
 from weightsync.format.keys import MAX_VERSION
+from weightsync.format.manifest import manifest_to_json
+from weightsync.service.config import ID_RE
+from weightsync.service.engines import MAX_WAIT, MAX_WORLD, PHASES, EngineConflictError, UnknownEngineError
 from weightsync.service.metrics import CONTENT_TYPE, Metrics
 from weightsync.service.openapi import openapi_document
 from weightsync.service.pin import LATEST
@@ -58,7 +62,15 @@ def create_app(deps: Deps) -> web.Application:
     ]
     if isinstance(d, Subscriber):
         app[SUBSCRIBER] = d
-        routes.append(web.put("/v1/target", put_target))
+        routes += [
+            web.put("/v1/target", put_target),
+            web.post("/v1/engines", post_engine),
+            web.post("/v1/engines/poll", post_engine_poll),
+            web.post("/v1/engines/report", post_engine_report),
+            web.post("/v1/engines/leave", post_engine_leave),
+            web.get("/v1/manifest/{version}", get_manifest),
+        ]
+        app.on_shutdown.append(_close_engines)  # held polls answer before the server waits for its requests
     else:
         app[PUBLISHER] = d
         routes += [web.post("/v1/publish", post_publish), web.get("/v1/fleet", fleet)]
@@ -92,8 +104,10 @@ async def _json_errors(request: web.Request, handler):
         return _error(exc.status, message, headers)
     except PathNotAllowed as exc:
         return _error(403, str(exc))
-    except PathNotFound as exc:
+    except (PathNotFound, UnknownEngineError) as exc:
         return _error(404, str(exc))
+    except EngineConflictError as exc:
+        return _error(409, str(exc))
     except UsageError as exc:
         return _error(400, str(exc))
     except VersionError as exc:
@@ -254,3 +268,96 @@ async def post_publish(request: web.Request) -> web.Response:
 async def fleet(request: web.Request) -> web.Response:
     repo = request.app[PUBLISHER].repo
     return web.json_response(await asyncio.to_thread(read_fleet, repo, time.time()))
+
+
+# --- engine ranks (weightsync.service.engines) -----------------------------------------------------
+async def _close_engines(app: web.Application) -> None:
+    app[SUBSCRIBER].engines.close()
+
+
+def _int_field(doc: dict, key: str, lo: int, hi: int, null: bool = False) -> int | None:
+    """``doc[key]`` as an integer in ``lo..hi`` (or None, where ``null``); else a UsageError (400)."""
+    v = doc.get(key)
+    if v is None and null:
+        return None
+    n = _integral(v)
+    if n is None or not lo <= n <= hi:
+        raise UsageError(f"{key} must be {'null or ' if null else ''}an integer in {lo}..{hi}")
+    return n
+
+
+def _str_field(doc: dict, key: str, null: bool = False, limit: int = 1000) -> str | None:
+    """``doc[key]`` as a non-empty string of at most ``limit`` characters (or None, where ``null``)."""
+    v = doc.get(key)
+    if v is None and null:
+        return None
+    if not isinstance(v, str) or not 0 < len(v) <= limit:
+        raise UsageError(f"{key} must be {'null or ' if null else ''}a string of 1..{limit} characters")
+    return v
+
+
+async def post_engine(request: web.Request) -> web.Response:
+    doc = await _json_body(
+        request, {"replica", "rank", "world", "version", "pid", "epoch"}, {"replica", "rank", "world"}
+    )
+    replica = _str_field(doc, "replica")
+    if not ID_RE.match(replica):
+        raise UsageError("replica must be 1-128 characters of A-Z a-z 0-9 . _ -")
+    world = _int_field(doc, "world", 1, MAX_WORLD)
+    rank = _int_field(doc, "rank", 0, MAX_WORLD - 1)  # below world: checked by the coordinator (409)
+    version = _int_field(doc, "version", 0, MAX_VERSION, null=True)
+    pid = _int_field(doc, "pid", 0, 1 << 62, null=True)
+    epoch = _int_field(doc, "epoch", 0, 1 << 62, null=True)
+    return web.json_response(request.app[SUBSCRIBER].engines.register(replica, rank, world, version, pid, epoch))
+
+
+async def post_engine_poll(request: web.Request) -> web.Response:
+    doc = await _json_body(request, {"instance", "after", "wait", "version", "epoch"}, {"instance"})
+    instance = _str_field(doc, "instance")
+    after = _int_field(doc, "after", 0, 1 << 62) if "after" in doc else 0
+    wait = doc.get("wait", 0)
+    if type(wait) not in (int, float) or not 0 <= wait <= MAX_WAIT:  # NaN fails both comparisons
+        raise UsageError(f"wait must be a number of seconds in 0..{MAX_WAIT:g}")
+    version = _int_field(doc, "version", 0, MAX_VERSION, null=True)
+    epoch = _int_field(doc, "epoch", 0, 1 << 62, null=True)
+    engines = request.app[SUBSCRIBER].engines
+    return web.json_response(await engines.poll(instance, after, float(wait), version, epoch))
+
+
+async def post_engine_report(request: web.Request) -> web.Response:
+    doc = await _json_body(
+        request, {"instance", "txn", "phase", "ok", "version", "error", "epoch"}, {"instance", "txn", "phase", "ok"}
+    )
+    instance = _str_field(doc, "instance")
+    txn = _int_field(doc, "txn", 0, 1 << 62)
+    if doc["phase"] not in PHASES:
+        raise UsageError(f"phase must be one of {', '.join(PHASES)}")
+    if not isinstance(doc["ok"], bool):
+        raise UsageError("ok must be true or false")
+    version = _int_field(doc, "version", 0, MAX_VERSION, null=True)
+    error = doc.get("error")
+    if error is not None and not isinstance(error, str):
+        raise UsageError("error must be null or a string")
+    error = None if error is None else " ".join(error.split())[:500]  # one line, bounded: it goes to logs
+    epoch = _int_field(doc, "epoch", 0, 1 << 62, null=True)
+    engines = request.app[SUBSCRIBER].engines
+    return web.json_response(engines.report(instance, txn, doc["phase"], doc["ok"], version, error, epoch))
+
+
+async def post_engine_leave(request: web.Request) -> web.Response:
+    doc = await _json_body(request, {"instance"}, {"instance"})
+    request.app[SUBSCRIBER].engines.leave(_str_field(doc, "instance"))
+    return web.json_response({"left": True})
+
+
+async def get_manifest(request: web.Request) -> web.Response:
+    raw = request.match_info["version"]
+    version = int(raw) if raw.isdigit() and len(raw) <= 19 else -1
+    if not 0 <= version <= MAX_VERSION:
+        raise UsageError(f"version must be an integer in 0..{MAX_VERSION}")
+    repo = request.app[SUBSCRIBER].repo
+    try:
+        manifest = await asyncio.to_thread(repo.manifest, version)
+    except VersionError as exc:
+        return _error(404, str(exc))
+    return web.Response(body=manifest_to_json(manifest), content_type="application/json")

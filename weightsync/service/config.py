@@ -14,7 +14,7 @@ from weightsync.store.retry import RetryPolicy
 from weightsync.sync.publish import PublishConfig
 
 TOKEN_ENV = "WEIGHTSYNC_API_TOKEN"
-_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 DEFAULT_HOOK_BODY = '{"version": {version}, "path": "{path}"}'
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # an HTTP token (RFC 9110)
 
@@ -48,7 +48,7 @@ class Identity:
     cluster: str = ""
 
     def __post_init__(self) -> None:
-        if not _ID_RE.match(self.id) or self.id in (".", ".."):
+        if not ID_RE.match(self.id) or self.id in (".", ".."):
             raise UsageError(f"id must be 1-128 characters of A-Z a-z 0-9 . _ -, got {self.id!r}")
 
 
@@ -245,6 +245,8 @@ class SubscriberConfig:
     fsync: bool = True
     verify_before_swap: bool = False  # re-read the whole standby folder before each swap
     standby_hold: float | None = 30.0  # without a hook, refill the standby in place this long after a swap; None: never
+    engine_timeout: float = 30.0  # drop an engine rank that sent nothing for this long
+    engine_phase_timeout: float = 600.0  # each phase of an engine transaction (prepare, apply) ends by then
     backoff: Backoff = field(default_factory=Backoff)
     api: ApiConfig = field(default_factory=ApiConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -253,6 +255,8 @@ class SubscriberConfig:
     def __post_init__(self) -> None:
         _positive("poll interval", self.poll_interval)
         _positive("ledger interval", self.ledger_interval)
+        _positive("engine timeout", self.engine_timeout)
+        _positive("engine phase timeout", self.engine_phase_timeout)
         if self.pin is not None and self.pin != "latest" and not (type(self.pin) is int and self.pin >= 0):
             raise UsageError(f"--version must be a non-negative version number or 'latest', not {self.pin!r}")
         if self.fetch_concurrency < 1 or self.decode_threads < 1:

@@ -392,6 +392,18 @@ def add_subscriber_args(p: argparse.ArgumentParser, environ: Mapping[str, str] |
         "them: with a swap hook, once the hook of the latest swap succeeded; without one, this many "
         "seconds after the swap; 'never': always write new files (default 30)",
     )
+    add(
+        "--engine-timeout",
+        type=float,
+        default=30.0,
+        help="seconds after which an engine rank that sent nothing (no poll) is dropped from its replica (default 30)",
+    )
+    add(
+        "--engine-phase-timeout",
+        type=float,
+        default=600.0,
+        help="seconds each phase of an engine transaction (every rank prepares, then applies) may take (default 600)",
+    )
     add("--no-fsync", action="store_true", help="skip fsync of written files (tests, tmpfs)")
 
 
@@ -612,6 +624,8 @@ def subscriber_config(args, environ: Mapping[str, str] = os.environ) -> Subscrib
         fsync=not args.no_fsync,
         verify_before_swap=args.verify_before_swap,
         standby_hold=args.standby_hold,
+        engine_timeout=args.engine_timeout,
+        engine_phase_timeout=args.engine_phase_timeout,
         api=_api(args, environ),
         log=LogConfig(args.log_json, args.log_level),
         grace=args.grace,

@@ -4,6 +4,7 @@ registry, ``weightsync_`` names with unit suffixes, the same constant labels on 
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from prometheus_client import (
@@ -26,6 +27,7 @@ _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 _PAUSE = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 ROLES = ("publisher", "subscriber", "mirror")
+ENGINE_OUTCOMES = ("applied", "aborted", "apply_failed")  # how an engine transaction ends
 
 
 def register_runtime_collectors(registry: CollectorRegistry) -> None:
@@ -173,6 +175,41 @@ class Metrics:
             )
             self.hook_failures = counter("weightsync_swap_hook_failures_total", "Failed swap hook attempts.")
             self.swaps = counter("weightsync_swaps_total", "Completed swaps.")
+            self._engine_version = Gauge(
+                "weightsync_engine_version",
+                "Version each registered engine rank says it holds (-1: unknown, e.g. after a failed apply).",
+                (*names, "replica", "rank"),
+                registry=registry,
+            )
+            self._engine_transactions = Counter(
+                "weightsync_engine_transactions_total",
+                "Engine transactions (prepare on every rank of a replica, then apply) by how they ended.",
+                (*names, "outcome"),
+                registry=registry,
+            )
+            for outcome in ENGINE_OUTCOMES:
+                self._engine_transactions.labels(**self.labels, outcome=outcome)
+            self.engine_transaction_seconds = histogram(
+                "weightsync_engine_transaction_seconds",
+                "Seconds from the prepare instructions to the last rank's applied report, per applied transaction.",
+            )
+            self.engine_dropped = counter(
+                "weightsync_engine_ranks_dropped_total", "Engine ranks dropped because they stopped polling."
+            )
+
+    def engine_version(self, replica: str, rank: int, version: int | None, remove: bool = False) -> None:
+        """Set the version engine rank ``rank`` of ``replica`` holds (None: unknown), or ``remove`` its
+        series (the rank was dropped)."""
+        labels = {**self.labels, "replica": replica, "rank": str(rank)}
+        if remove:
+            with contextlib.suppress(KeyError):
+                self._engine_version.remove(*labels.values())
+        else:
+            self._engine_version.labels(**labels).set(-1 if version is None else version)
+
+    def engine_transactions(self, outcome: str) -> None:
+        """Count an engine transaction that ended with ``outcome`` (one of ``ENGINE_OUTCOMES``)."""
+        self._engine_transactions.labels(**self.labels, outcome=outcome).inc()
 
     def publish_phase(self, phase: str, seconds: float) -> None:
         """Observe the seconds one phase of a publish took."""

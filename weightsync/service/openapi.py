@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from weightsync.format.keys import MAX_VERSION
+from weightsync.service.engines import MAX_WAIT, MAX_WORLD, PHASES
 from weightsync.service.pin import LATEST
 
 
@@ -14,6 +15,104 @@ def _nullable(t: str | dict) -> dict:
 
 _VERSION = {"type": "integer", "minimum": 0, "maximum": MAX_VERSION}
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
+_INSTANCE = {"type": "string", "minLength": 1, "maxLength": 1000}
+_ENGINE_RECORD = {
+    "type": "object",
+    "required": ["replica", "rank", "world", "version"],
+    "properties": {
+        "replica": {"type": "string"},
+        "rank": {"type": "integer", "minimum": 0},
+        "world": {"type": "integer", "minimum": 1},
+        "version": _nullable(_VERSION),
+    },
+}
+
+
+def _engine_schemas() -> dict:
+    """The engine ranks' requests and answers (weightsync.service.engines)."""
+    return {
+        "EngineRegistration": {
+            "type": "object",
+            "required": ["replica", "rank", "world"],
+            "additionalProperties": False,
+            "properties": {
+                "replica": {"type": "string", "pattern": "^[A-Za-z0-9._-]{1,128}$"},
+                "rank": {"type": "integer", "minimum": 0, "maximum": MAX_WORLD - 1},
+                "world": {"type": "integer", "minimum": 1, "maximum": MAX_WORLD},
+                "version": _nullable(_VERSION),
+                "pid": _nullable({"type": "integer", "minimum": 0, "maximum": 1 << 62}),
+                "epoch": _nullable({"type": "integer", "minimum": 0, "maximum": 1 << 62}),
+            },
+        },
+        "EngineRegistered": {
+            "type": "object",
+            "required": ["instance", "poll_seconds", "timeout_seconds"],
+            "properties": {
+                "instance": {"type": "string"},
+                "poll_seconds": {"type": "number"},
+                "timeout_seconds": {"type": "number"},
+            },
+        },
+        "EnginePoll": {
+            "type": "object",
+            "required": ["instance"],
+            "additionalProperties": False,
+            "properties": {
+                "instance": _INSTANCE,
+                "after": {"type": "integer", "minimum": 0, "maximum": 1 << 62},
+                "wait": {"type": "number", "minimum": 0, "maximum": MAX_WAIT},
+                "version": _nullable(_VERSION),
+                "epoch": _nullable({"type": "integer", "minimum": 0, "maximum": 1 << 62}),
+            },
+        },
+        "EngineInstruction": {
+            "type": "object",
+            "required": ["op", "seq"],
+            "properties": {
+                "op": {"enum": ["none", "prepare", "apply", "abort"]},
+                "seq": {"type": "integer", "minimum": 0},
+                "txn": {"type": "integer"},
+                "version": _VERSION,
+                "folder": {"type": "string"},
+                "reason": {"type": "string"},
+            },
+        },
+        "EngineReport": {
+            "type": "object",
+            "required": ["instance", "txn", "phase", "ok"],
+            "additionalProperties": False,
+            "properties": {
+                "instance": _INSTANCE,
+                "txn": {"type": "integer", "minimum": 0, "maximum": 1 << 62},
+                "phase": {"enum": list(PHASES)},
+                "ok": {"type": "boolean"},
+                "version": _nullable(_VERSION),
+                "error": _nullable("string"),
+                "epoch": _nullable({"type": "integer", "minimum": 0, "maximum": 1 << 62}),
+            },
+        },
+        "EngineLeave": {
+            "type": "object",
+            "required": ["instance"],
+            "additionalProperties": False,
+            "properties": {"instance": _INSTANCE},
+        },
+        "Replica": {
+            "type": "object",
+            "required": ["replica", "world", "version", "state", "reason", "ranks"],
+            "properties": {
+                "replica": {"type": "string"},
+                "world": {"type": "integer", "minimum": 1},
+                "version": _nullable(_VERSION),
+                "state": {"enum": ["in step", "switching", "waiting"]},
+                "reason": {"type": "string"},
+                "transaction": _nullable("object"),
+                "last_transaction": _nullable("object"),
+                "ranks": {"type": "array", "items": {"type": "object"}},
+                "dropped": {"type": "object", "additionalProperties": {"type": "string"}},
+            },
+        },
+    }
 
 
 def _schemas(role: str) -> dict:
@@ -74,8 +173,14 @@ def _schemas(role: str) -> dict:
                 "partial": _nullable("object"),
                 "last_sync": _nullable("object"),
                 "hook": _nullable("object"),
+                "engines": {
+                    "type": "object",
+                    "required": ["replicas"],
+                    "properties": {"replicas": {"type": "array", "items": {"$ref": "#/components/schemas/Replica"}}},
+                },
             },
         }
+        schemas.update(_engine_schemas())
         schemas["Target"] = {
             "type": "object",
             "required": ["version"],
@@ -129,6 +234,7 @@ def _schemas(role: str) -> dict:
                 "lag": _nullable("integer"),
                 "staleness_seconds": _nullable("number"),
                 "last_seen_seconds": {"type": "number"},
+                "engines": {"type": "array", "items": _ENGINE_RECORD},
             },
         }
         schemas["Fleet"] = {
@@ -161,6 +267,59 @@ def _op(summary: str, responses: dict, *, v1: bool, auth: bool, **extra) -> dict
         op["responses"]["401"] = _json("Error", "Missing or wrong bearer token")
         op["security"] = [{"bearer": []}] if auth else []
     return op
+
+
+def _engine_paths(auth: bool, bad: dict, big: dict) -> dict:
+    """The subscriber's routes for engine ranks (weightsync.service.engines)."""
+    unknown = _json("Error", "No engine rank is registered under this instance id: register again")
+
+    def post(summary: str, request: str, answer: dict, *more: tuple[str, dict]) -> dict:
+        schema = {"$ref": f"#/components/schemas/{request}"}
+        body = {"required": True, "content": {"application/json": {"schema": schema}}}
+        responses = {"200": answer, "400": bad, "413": big, **dict(more)}
+        return {"post": _op(summary, responses, v1=True, auth=auth, requestBody=body)}
+
+    ok = lambda key: {  # noqa: E731
+        "description": "Done",
+        "content": {
+            "application/json": {
+                "schema": {"type": "object", "required": [key], "properties": {key: {"type": "boolean"}}}
+            }
+        },
+    }
+    return {
+        "/v1/engines": post(
+            "Register an engine rank",
+            "EngineRegistration",
+            _json("EngineRegistered", "Registered; the instance id names the rank in its later calls"),
+            ("409", _json("Error", "The replica's live ranks have another world size, or the rank is not below it")),
+        ),
+        "/v1/engines/poll": post(
+            "Poll for an engine instruction",
+            "EnginePoll",
+            _json("EngineInstruction", "The next instruction (op none when none came within the wait)"),
+            ("404", unknown),
+        ),
+        "/v1/engines/report": post("Report a transaction phase", "EngineReport", ok("accepted"), ("404", unknown)),
+        "/v1/engines/leave": post("Leave as an engine rank", "EngineLeave", ok("left"), ("404", unknown)),
+        "/v1/manifest/{version}": {
+            "get": _op(
+                "A version's manifest",
+                {
+                    "200": {
+                        "description": "The manifest (docs/FORMAT.md, section 2)",
+                        "content": {"application/json": {"schema": {"type": "object"}}},
+                    },
+                    "400": bad,
+                    "404": _json("Error", "No such version"),
+                    "502": _json("Error", "Store error"),
+                },
+                v1=True,
+                auth=auth,
+                parameters=[{"name": "version", "in": "path", "required": True, "schema": _VERSION}],
+            )
+        },
+    }
 
 
 def openapi_document(role: str, auth: bool) -> dict:
@@ -231,6 +390,7 @@ def openapi_document(role: str, auth: bool) -> dict:
                 },
             )
         }
+        paths.update(_engine_paths(auth, bad, big))
     else:
         paths["/v1/publish"] = {
             "post": _op(

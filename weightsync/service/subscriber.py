@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from contextlib import suppress
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from weightsync.local.state import (
 )
 from weightsync.local.verify import verify_folder
 from weightsync.service.config import SubscriberConfig
+from weightsync.service.engines import EngineCoordinator
 from weightsync.service.hooks import HookRunner
 from weightsync.service.metrics import Metrics
 from weightsync.service.pin import (
@@ -154,6 +156,18 @@ class Subscriber:
         self._seed_poll = 0.0  # when the copy next asks the store for its head
         self._lock: FolderLock | None = None  # the target folder and both slots: one writer, us
         self._served: Snapshot | None = None  # the current slot as swapped in, to notice a hand in it
+        self._ledger_lock: asyncio.Lock | None = None
+        self.engines = EngineCoordinator(
+            metrics,
+            timeout=cfg.engine_timeout,
+            phase_timeout=cfg.engine_phase_timeout,
+            backoff=cfg.backoff,
+            on_release=self._wake_up,
+            on_settled=lambda: self._write_ledger(force=True),
+            refuse="this subscriber keeps partial slots (--include/--exclude); engine ranks prepare from whole ones"
+            if cfg.partial
+            else None,
+        )
 
     def claim(self) -> None:
         """Take the target folder and both slots for this process (FolderBusyError if another
@@ -168,8 +182,24 @@ class Subscriber:
         """Stop after the current step (a pull in progress is cancelled at its next check)."""
         self.stop_token.set()
         self.state = "stopping"
+        self.engines.close()
+        self._wake_up()
+
+    def _wake_up(self) -> None:
+        """Run the next iteration now (an API request, a slot the engine ranks no longer read)."""
         if self._wake is not None:
             self._wake.set()
+
+    def serving(self) -> tuple[int, Path] | None:
+        """The version ``current`` serves and its slot's folder (what engine ranks prepare from);
+        None while nothing is served, or while a swap is under way."""
+        if self.view.current is None or self._served is None:
+            return None
+        try:
+            cur = self.slots.current()
+        except UsageError:
+            return None
+        return None if cur is None else (self.view.current, self.slots.path(cur))
 
     def _initial_target(self) -> tuple[Target, str]:
         """The start-up target (:func:`startup_target`), logged with its source."""
@@ -249,6 +279,7 @@ class Subscriber:
             "last_sync": self.last_sync,
             "last_error": self.last_error,
             "hook": None if self.hooks is None or self.hooks.last is None else vars(self.hooks.last),
+            "engines": self.engines.status(),
         }
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -256,12 +287,19 @@ class Subscriber:
         """The daemon's loop: claim the folders, then read the head, plan, sync and swap, until stopped."""
         self._wake = asyncio.Event()
         warm_codec()
+        engines = None
         try:
             await asyncio.to_thread(self.claim)
             await asyncio.to_thread(self._startup)
+            engines = asyncio.create_task(self.engines.run(self.serving), name="engines")
             while not self.stop_token.is_set:
                 await sleep_or_wake(self._wake, await self._iteration(), self.stop_token)
         finally:
+            self.engines.close()
+            if engines is not None:
+                engines.cancel()
+                with suppress(asyncio.CancelledError):
+                    await engines
             if self._hook_task is not None and not self._hook_task.done():
                 self._hook_task.cancel()
             await self._write_ledger(force=True)
@@ -307,6 +345,11 @@ class Subscriber:
             self.latest = head
             self.metrics.latest_version.set(-1 if head is None else head)
             action = plan_next(self.view, head, self.target, self.clock())
+            if isinstance(action, Sync) and (held := self.engines.holding(self.slots.path(self.slots.standby()))):
+                action = Wait(
+                    f"engine ranks of replica {', '.join(held)} are preparing from the standby slot; "
+                    f"version {action.version} is synced into it once they are done"
+                )
             self.reason = action.reason
             interrupted = False
             if isinstance(action, Sync):
@@ -360,6 +403,7 @@ class Subscriber:
         swap = self.release.swapped()
         self.view = View(version, self.view.current)
         self._after_swap(result, folder, pause, swap)
+        self.engines.kick()
         await self._write_ledger(force=True)
         self.state = "serving"
 
@@ -489,7 +533,8 @@ class Subscriber:
             return False
         folder = self.slots.path(self.slots.standby())
         if (
-            self._seed_failed == current
+            self.engines.holding(folder)
+            or self._seed_failed == current
             or (folder / STATE_DIR / REFILL).exists()
             or slot_version(folder, False) is not None
         ):
@@ -613,11 +658,20 @@ class Subscriber:
         m.staleness.set(self.staleness)
 
     async def _write_ledger(self, force: bool = False) -> None:
+        if self._ledger_lock is None:
+            self._ledger_lock = asyncio.Lock()
+        async with self._ledger_lock:  # the loop and the engine coordinator both write: one at a time, latest last
+            await self._write_ledger_now(force)
+
+    async def _write_ledger_now(self, force: bool) -> None:
         now = self.clock()
         if not force and now - self._last_ledger < self.cfg.ledger_interval:
             return
         ident = self.cfg.identity
-        rec = FleetRecord(ident.id, ident.region, ident.cluster, self.view.current, self.target, self.state, now)
+        engines = tuple(self.engines.records())
+        rec = FleetRecord(
+            ident.id, ident.region, ident.cluster, self.view.current, self.target, self.state, now, engines
+        )
         try:
             # never write into a location that is not (yet) a weightsync store: the record would
             # make it "hold other objects" and a publisher would refuse to create the store there

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 
 from weightsync.errors import FormatError, NotFoundError, VersionError
@@ -15,12 +15,24 @@ from weightsync.store import Store, check_key
 from weightsync.store.repo import Repo
 
 FORMAT = "weightsync.fleet"
+MAX_ENGINES = 4096  # engine ranks one record may list
+
+
+@dataclass(frozen=True)
+class EngineRecord:
+    """One engine rank registered with a subscriber (``weightsync.service.engines``): its replica,
+    rank, world size and the version it says it holds (None: unknown)."""
+
+    replica: str
+    rank: int
+    world: int
+    version: int | None
 
 
 @dataclass(frozen=True)
 class FleetRecord:
     """One subscriber's record in the store: who it is, where, what it serves and targets, its state,
-    when it wrote this."""
+    when it wrote this, and the engine ranks that take their versions from it."""
 
     id: str
     region: str
@@ -29,6 +41,7 @@ class FleetRecord:
     target: int | str  # a pinned version or "latest"
     state: str
     updated: float  # unix seconds
+    engines: tuple[EngineRecord, ...] = ()
 
     def to_json(self) -> bytes:
         """The record's stored document."""
@@ -71,7 +84,23 @@ def record_from_json(data: bytes, what: str) -> FleetRecord:
         _version(doc.get("target"), what, ("latest",)),
         doc["state"],
         float(updated),
+        _engines(doc.get("engines", []), what),
     )
+
+
+def _engines(docs: object, what: str) -> tuple[EngineRecord, ...]:
+    """The ``engines`` list of a record (absent in records written before engine ranks existed)."""
+    if not isinstance(docs, list) or len(docs) > MAX_ENGINES:
+        raise FormatError(f"{what}: 'engines' must be a list of at most {MAX_ENGINES} engine ranks")
+    out = []
+    for d in docs:
+        if not isinstance(d, dict) or not isinstance(d.get("replica"), str):
+            raise FormatError(f"{what}: an engine rank must be an object with a string 'replica'")
+        rank, world = d.get("rank"), d.get("world")
+        if type(rank) is not int or type(world) is not int or not 0 <= rank < world:
+            raise FormatError(f"{what}: engine rank {str(rank)[:20]} of world {str(world)[:20]} is not a rank")
+        out.append(EngineRecord(d["replica"], rank, world, _version(d.get("version"), what)))
+    return tuple(out)
 
 
 def write_record(store: Store, record: FleetRecord) -> None:
@@ -133,6 +162,7 @@ class FleetRow:
     lag: int | None  # versions behind the head (head minus current); None if it serves nothing
     staleness_seconds: float | None  # since a newer version than the current one was published
     last_seen_seconds: float  # since the record was written
+    engines: list[dict] = field(default_factory=list)  # its engine ranks: replica, rank, world, version
 
 
 def fleet_view(
@@ -151,7 +181,10 @@ def fleet_view(
             if since is None
             else max(0.0, now - since)
         )
-        rows.append(FleetRow(r.id, r.region, r.cluster, cur, r.target, r.state, lag, stale, max(0.0, now - r.updated)))
+        engines = [asdict(e) for e in r.engines]
+        rows.append(
+            FleetRow(r.id, r.region, r.cluster, cur, r.target, r.state, lag, stale, max(0.0, now - r.updated), engines)
+        )
     return rows
 
 
@@ -188,5 +221,10 @@ def format_fleet(fleet: dict) -> str:
             f"{r['id']:<28} {r['region'] or '-':<12} {r['cluster'] or '-':<12} {fmt(r['current_version']):>8} "
             f"{r['target']!s:>8} {fmt(r['lag']):>5} {stale:>9} {r['last_seen_seconds']:>8.0f}s  {r['state']}"
         )
+        replicas: dict[str, list[str]] = {}
+        for e in r.get("engines", ()):
+            replicas.setdefault(e["replica"], []).append(fmt(e["version"]))
+        if replicas:
+            lines.append("    engines: " + "  ".join(f"{k} [{' '.join(v)}]" for k, v in replicas.items()))
     lines += [f"bad record: {e}" for e in fleet["errors"]]
     return "\n".join(lines)
