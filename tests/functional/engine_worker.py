@@ -1,7 +1,7 @@
 """An inference engine worker for tests/functional/test_engine_ranks.py (one process per rank).
 
 It loads a torch module from the subscriber's current slot (every safetensors file of the folder),
-runs an :class:`~weightsync.torch.engine.EngineRank` beside it, and serves: every 20 ms a "forward
+runs an :class:`~weightsync.torch.rank.EngineRank` beside it, and serves: every 20 ms a "forward
 pass" under the serving lock reads the model, and whenever what it holds changes it writes
 ``--out`` (JSON, replaced atomically): the version, a digest of every tensor's bytes by name, the
 names, the rank's history and last error. SIGTERM closes the rank and exits 0.
@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file
 
 from weightsync.errors import BaseMismatchError
-from weightsync.torch.engine import EngineRank, current_folder
+from weightsync.torch.rank import EngineRank, current_folder
 
 
 def load_tensors(folder: Path) -> dict[str, torch.Tensor]:

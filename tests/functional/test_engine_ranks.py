@@ -1,7 +1,7 @@
 """Engine ranks as real processes: one subscriber daemon per node, torch workers beside it.
 
 Each worker (engine_worker.py) loads a module from the subscriber's current slot and runs an
-:class:`~weightsync.torch.engine.EngineRank`; it writes the version it holds and a digest of its
+:class:`~weightsync.torch.rank.EngineRank`; it writes the version it holds and a digest of its
 tensors' bytes. The ranks of a replica switch together to each new version, bit-exact with the
 checkpoint published; a rank that cannot take a version (a tensor its model lacks) aborts the
 others, which stay on the version they hold; a killed rank is dropped, its replica waits for it

@@ -1,5 +1,8 @@
-"""Every torch integration: hot swap into a live model (sink.py), publishing from a state dict
-(state_dict.py), device-side diffs (device.py, hostpatch.py). The only part of weightsync that
+"""Every torch integration: hot swap into a live model (sink.py) through an engine's layout
+(layout.py; transformers.py derives it for a transformers model, engines.py for vLLM and SGLang),
+an engine rank fed by its node's subscriber (rank.py), whole changed tensors handed to an engine's
+own loader (loader.py), publishing from a state dict (state_dict.py), device-side diffs (device.py,
+hostpatch.py). The only part of weightsync that
 imports torch; this package's names import it on first use, so that the state-dict publisher
 (which needs torch only when it serializes) imports without it."""
 
@@ -10,10 +13,20 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from weightsync.torch.device import DeviceDiffPublisher
+    from weightsync.torch.layout import Layout, Placement
+    from weightsync.torch.rank import EngineRank
     from weightsync.torch.sink import ApplyError, CoverageError, TorchSink
 
-_LAZY = {"ApplyError": "sink", "CoverageError": "sink", "TorchSink": "sink", "DeviceDiffPublisher": "device"}
-__all__ = ["ApplyError", "CoverageError", "DeviceDiffPublisher", "TorchSink"]  # the keys of _LAZY
+_LAZY = {
+    "ApplyError": "sink",
+    "CoverageError": "sink",
+    "TorchSink": "sink",
+    "DeviceDiffPublisher": "device",
+    "Layout": "layout",
+    "Placement": "layout",
+    "EngineRank": "rank",
+}
+__all__ = ["ApplyError", "CoverageError", "DeviceDiffPublisher", "EngineRank", "Layout", "Placement", "TorchSink"]
 
 
 def __getattr__(name: str):
