@@ -179,6 +179,17 @@ def test_a_layout_that_leaves_something_unexplained_is_refused(versions, mode):
         (Layout([*full.placements, Placement("nope", "qkv")]), "does not have"),
         (Layout([*full.placements, Placement("col", "moe.w", offset=O * I * E)]), "runs past the end"),
         (Layout([*full.placements, Placement("col", "col_shard", box=((0, O), (0, I)))]), "runs past|more elements"),
+        (  # q and k swapped for an overlap of k over q: the counts still add up, the layout is wrong
+            Layout([p if p.source != "k" else Placement("k", "qkv", offset=D * I // 2) for p in full.placements]),
+            r"[qk]: its placement in qkv overlaps",
+        ),
+        (  # rows interleaved (the address ranges meet): checked element by element
+            Layout(
+                [p for p in full.placements if p.source not in ("q", "k")]
+                + [Placement("q", "qkv", stride=(2 * I, 1)), Placement("k", "qkv", offset=2 * I, stride=(2 * I, 1))]
+            ),
+            r"[qk]: its placement in qkv overlaps",
+        ),
     ]
     for lay, match in cases:
         live = params(engine(sds[0]), mode)
@@ -280,3 +291,27 @@ def test_a_model_changed_behind_the_sinks_back_is_caught_after_a_payload_patch_a
         sink.after_apply(up)
     sink.update(2)
     assert_engine_holds(live, sds[2])
+
+
+def test_interleaved_rows_are_a_valid_layout(versions):
+    """Rows of two store tensors interleaved in one live tensor (as rope-permuted or interleaved
+    checkpoints are): their address ranges meet, their elements do not."""
+    store, sds, _ = versions
+    full = layout()
+    lay = Layout(
+        [p for p in full.placements if p.source not in ("q", "k")]
+        + [Placement("q", "qkv", stride=(2 * I, 1)), Placement("k", "qkv", offset=I, stride=(2 * I, 1))]
+    )
+
+    def interleaved(sd):
+        live = engine(sd)
+        qk = torch.stack([sd["q"], sd["k"]], dim=1).reshape(2 * D, I)  # q0 k0 q1 k1 ...
+        live["qkv"] = torch.cat([qk, sd["v"]]).to(DEVICE)
+        return live
+
+    live = interleaved(sds[0])
+    sink = TorchSink(store, live, 0, layout=lay)
+    for v in (1, 4):
+        sink.update(v)
+        want = interleaved(sds[v])
+        assert all(bits(live[k]) == bits(t) for k, t in want.items())

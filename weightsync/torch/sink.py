@@ -281,6 +281,7 @@ class TorchSink:
         self._excludes = excluder(self.exclude)
         self.excluded: tuple[str, ...] = ()  # names left alone in the latest version checked
         self._pads = excluder(self.layout.padding)
+        self._checked_disjoint: set[tuple] = set()  # slots whose interleaved regions were checked element by element
         self.padded: dict[str, int] = {}  # live tensor -> elements of engine padding no store tensor writes
         self._epoch = 0  # patch mode: applies that failed midway (and tore the model) so far
         self.dense_above, self.threads, self.fetch_concurrency = dense_above, threads, fetch_concurrency
@@ -395,6 +396,11 @@ class TorchSink:
                 raise UsageError(f"{name}: its placements cover more elements than it has (overlapping boxes)")
             binding.mirrored |= placed < math.prod(seg.shape)
             out.append(binding)
+        by_slot: dict[_Slot, list[tuple[tuple, str]]] = {}
+        for (slot, view), b in regions.items():
+            by_slot.setdefault(slot, []).append((view, b.seg.name))
+        for slot, views in by_slot.items():
+            self._disjoint(slot, views)  # (a count of covered elements alone would miss an overlap beside a gap)
         unsourced, padded = [], {}
         for slot in {s: None for s in self._slots.values()}:
             n = covered.get(slot, 0)
@@ -435,6 +441,29 @@ class TorchSink:
                     _some(self.excluded),
                 )
         return out
+
+    def _disjoint(self, slot: _Slot, views: list[tuple[tuple, str]]) -> None:
+        """Refuse two placements writing one element of ``slot`` (from different store tensors that
+        are not tied). Regions whose address ranges do not meet are disjoint; only where ranges
+        interleave (interleaved or rope-permuted rows) are the elements marked one by one, once per
+        distinct set of regions."""
+        spans = sorted(
+            (off, off + sum((n - 1) * st for n, st in zip(shape, stride)), name)
+            for (shape, stride, off), name in views
+            if math.prod(shape)
+        )
+        if all(a[1] < b[0] for a, b in zip(spans, spans[1:])):
+            return
+        key = (id(slot), tuple(sorted(v for v, _ in views)))
+        if key in self._checked_disjoint:
+            return
+        seen = torch.zeros(slot.live.numel(), dtype=torch.uint8)
+        for (shape, stride, off), name in views:
+            region = seen.as_strided(shape, stride, off)
+            if region.any():
+                raise UsageError(f"{name}: its placement in {slot.names[0]} overlaps another store tensor's")
+            region.fill_(1)
+        self._checked_disjoint.add(key)
 
     def _place(self, p: Placement, seg: Segment) -> _Place:
         slot = self._slots[p.dest]
