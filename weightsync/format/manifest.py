@@ -14,7 +14,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cached_property, partial
 from typing import Any
 
 import xxhash
@@ -107,6 +107,14 @@ class FileEntry:
     xxh3: str
     segments: tuple[Segment, ...]
 
+    def segment(self, key: tuple[str, str]) -> Segment | None:
+        """The segment with ``key`` (:attr:`Segment.key`; the first one), or None."""
+        return self._by_key.get(key)
+
+    @cached_property
+    def _by_key(self) -> dict[tuple[str, str], Segment]:  # built once per entry: lookups per tensor stay O(1)
+        return {s.key: s for s in reversed(self.segments)}
+
 
 @dataclass(frozen=True)
 class ChunkRef:
@@ -135,7 +143,11 @@ class Manifest:
 
     def file(self, path: str) -> FileEntry | None:
         """The entry of the file at ``path``, or None."""
-        return next((f for f in self.files if f.path == path), None)
+        return self._by_path.get(path)
+
+    @cached_property
+    def _by_path(self) -> dict[str, FileEntry]:
+        return {f.path: f for f in reversed(self.files)}
 
     @property
     def raw_bytes(self) -> int:

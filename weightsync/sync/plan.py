@@ -140,7 +140,7 @@ def _step(m: Manifest, codec: str, p: Payload) -> Step:
 
 def _find(m: Manifest, path: str, key: tuple[str, str]) -> Segment | None:
     f = m.file(path)
-    return None if f is None else next((s for s in f.segments if s.key == key), None)
+    return None if f is None else f.segment(key)
 
 
 def plan_segment(chain: list[Manifest], path: str, target: Segment, local: Manifest | None) -> Recipe:

@@ -161,7 +161,7 @@ def _jobs(files: list[SourceFile], parent: Manifest | None) -> list[_Job]:
         for seg in f.segments:
             base = None
             if pf is not None:
-                base = next((s for s in pf.segments if s.key == seg.key), None)
+                base = pf.segment(seg.key)
                 if base is not None and (base.dtype, base.shape) != (seg.dtype, seg.shape):
                     base = None  # changed shape or dtype: encode in full
             jobs.append(_Job(f, seg, base))
