@@ -784,18 +784,28 @@ class TorchSink:
             if self.mode == "flip":
                 pl.slot.dirty = True
             if pl.whole or pl.flat:
-                pos, d = torch.from_numpy(idx) + pl.offset, d_all
+                local, d = torch.from_numpy(idx), d_all  # positions in the region, in its element order
+                pos = local + pl.offset
             else:
                 coords = np.unravel_index(idx, seg.shape)
                 keep = np.ones(idx.size, dtype=bool)
                 for c, sl in zip(coords, pl.box):
                     keep &= (c >= sl.start) & (c < sl.stop)
-                pos = sum(torch.from_numpy(c[keep] - sl.start) * s for c, sl, s in zip(coords, pl.box, pl.stride))
+                rel = [c[keep] - sl.start for c, sl in zip(coords, pl.box)]
+                local = torch.from_numpy(np.ravel_multi_index(rel, pl.shape).astype(np.int64))
+                pos = sum(torch.from_numpy(c) * s for c, s in zip(rel, pl.stride))
                 pos, d = torch.as_tensor(pos, dtype=torch.int64) + pl.offset, d_all[torch.from_numpy(keep)]
             if not pos.numel():
                 continue
-            pos = pos.to(target.device)
-            p = Patch(seg.name, target, pos, target.index_select(0, pos) + d.to(target.device))  # wraps, as stored
+            d = d.to(target.device)
+            if pos.numel() > self.dense_above * math.prod(pl.shape):  # many: the region whole, patched off the lock
+                region = _region(pl, target).clone(memory_format=torch.contiguous_format).view(-1)  # current values
+                local = local.to(target.device)
+                region.index_put_((local,), region.index_select(0, local) + d)
+                p = Patch(seg.name, target, None, region, view=pl.view)
+            else:
+                pos = pos.to(target.device)
+                p = Patch(seg.name, target, pos, target.index_select(0, pos) + d)  # wraps, as stored
             if self.mode == "flip":
                 with torch.no_grad():
                     p.write()
