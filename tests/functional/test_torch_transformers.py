@@ -1,8 +1,9 @@
 """The in-process sink, given just a transformers v5 model loaded with ``from_pretrained``, follows a
 store to every version bit for bit, in both modes: MoE families whose experts are fused in memory
-(Qwen3-MoE, DeepSeek-V3 / Kimi-K2, Mixtral, gpt-oss) and dense models (Qwen3; Llama with tied embeddings), trained with a real
-optimizer between versions, each version saved with ``save_pretrained`` and published as is. The
-reference for each version is what ``from_pretrained`` of its folder holds."""
+(Qwen3-MoE, DeepSeek-V3 / Kimi-K2, Mixtral, gpt-oss) and dense models (Qwen3; Llama with tied
+embeddings), trained with a real optimizer between versions, each version saved with
+``save_pretrained`` and published as is. The reference for each version is what ``from_pretrained``
+of its folder holds."""
 
 from __future__ import annotations
 
