@@ -342,7 +342,11 @@ def main() -> int:
     modes = ["patch", "flip"] if args.mode == "both" else [args.mode]
     codecs = ["ac", "sparse"] if args.codec == "both" else [args.codec]
     changes = args.change or [0.025, 0.15]
-    results = [r for c in changes for codec in codecs for r in run(args, c, codec, device, modes)]
+    results = []
+    for c in changes:
+        for codec in codecs:
+            results += run(args, c, codec, device, modes)
+            print("\n".join(table(results).splitlines()[-len(modes) :]), flush=True)  # (a partial run keeps its rows)
     print(table(results))
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} GB")
     if args.json:
