@@ -153,6 +153,8 @@ def test_an_engine_layout_follows_a_local_folder_without_a_store(versions, mode)
         assert sink.verify(folder=folders[v]) == len(sds[v])
     with pytest.raises(UsageError, match="give the manifest"):
         sink.prepare(3, folder=folders[3])
+    with pytest.raises(UsageError, match="give the folder"):
+        sink.prepare(3, manifest=repo.manifest(3))
 
 
 def test_a_folder_that_does_not_hold_the_version_is_refused_and_nothing_changes(versions, tmp_path):

@@ -592,6 +592,8 @@ class TorchSink:
                 target_v = resolve_version(self.repo, version)
             if folder is not None and manifest is None:
                 manifest = self.repo.manifest(target_v)
+            if folder is None and self.repo is None:
+                raise UsageError("without a store, give the folder that holds the version to prepare")
             torn, epoch = self._torn, self._epoch
 
             def fresh() -> Update:
