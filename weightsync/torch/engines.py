@@ -47,7 +47,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from weightsync.errors import UsageError
-from weightsync.torch.layout import Layout, Placement, excluder
+from weightsync.torch.layout import Layout, Placement, contiguous, excluder
 
 Shape = tuple[int, ...]
 StoreTensors = Mapping[str, tuple[Shape, str]]
@@ -157,14 +157,6 @@ class EnginePlan:
     shapes: dict[str, Shape] = field(default_factory=dict)
     padding: list[Padding] = field(default_factory=list)
     excluded: list[str] = field(default_factory=list)
-
-
-def _contiguous(shape: Shape) -> tuple[int, ...]:
-    out, acc = [], 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= n
-    return tuple(reversed(out))
 
 
 def _split(n: int, parts: int, what: str) -> int:
@@ -439,13 +431,11 @@ def _place(
     known = out.shapes.setdefault(dest, live)
     if known != live:
         raise UsageError(f"{dest}: {source} implies shape {list(live)}, another of its shards {list(known)}")
-    strides = _contiguous(live)
+    strides = contiguous(live)
     offset = sum(i * s for i, s in zip((*lead, *start), strides))
     extent = tuple(b - a for a, b in box)
     stride = strides[len(lead) :]
-    out.placements.append(
-        Placement(source, dest, offset, None if stride == _contiguous(extent) else stride, tuple(box))
-    )
+    out.placements.append(Placement(source, dest, offset, None if stride == contiguous(extent) else stride, tuple(box)))
 
 
 # --- presets: the rules of the model families both engines ship ---------------------------------

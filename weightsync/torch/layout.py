@@ -46,13 +46,16 @@ class Placement:
 
     def strides(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The live strides of the region (contiguous strides of its extent if not given)."""
-        if self.stride is not None:
-            return self.stride
-        ext, out, acc = self.extent(shape), [], 1
-        for n in reversed(ext):
-            out.append(acc)
-            acc *= n
-        return tuple(reversed(out))
+        return self.stride if self.stride is not None else contiguous(self.extent(shape))
+
+
+def contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous (row-major) tensor of ``shape``, in elements."""
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
 
 
 def box_slices(box: Box | None, shape: tuple[int, ...]) -> tuple[slice, ...]:

@@ -38,7 +38,16 @@ from weightsync.sync.rebuild import Payloads, TensorJob, build_tensors, fetch_jo
 from weightsync.torch.dtypes import NP_INT as _NP_INT
 from weightsync.torch.dtypes import TORCH_DTYPE
 from weightsync.torch.dtypes import TORCH_INT as _INT_VIEW
-from weightsync.torch.layout import Layout, Placement, box_slices, check_placement, excluder, identity, lossless
+from weightsync.torch.layout import (
+    Layout,
+    Placement,
+    box_slices,
+    check_placement,
+    contiguous,
+    excluder,
+    identity,
+    lossless,
+)
 
 MODES = ("patch", "flip")
 
@@ -484,7 +493,7 @@ class TorchSink:
         shape = p.extent(seg.shape)
         whole = identity_like and store_dt == t.dtype and t.numel() == math.prod(seg.shape)
         stride = p.strides(seg.shape)
-        flat = p.box is None and stride == Placement(p.source, p.dest).strides(seg.shape)
+        flat = p.box is None and stride == contiguous(seg.shape)
         return _Place(slot, box_slices(p.box, seg.shape), shape, stride, p.offset, whole, flat)
 
     def verify(self, version: int | None = None, *, folder: Path | str | None = None) -> int:

@@ -24,7 +24,7 @@ import torch
 from transformers.core_model_loading import revert_weight_conversion
 
 from weightsync.errors import UsageError
-from weightsync.torch.layout import Box, Layout, Placement, volume
+from weightsync.torch.layout import Box, Layout, Placement, contiguous, volume
 
 # A checkpoint tensor's cover by more than MAX_BOXES boxes of fewer than MIN_MEAN_BOX elements on
 # average is refused: such a conversion scatters elements (a gather, not a view)
@@ -163,14 +163,6 @@ def _probe(
     return out if out.keys() == expected.keys() else None
 
 
-def _contiguous(shape: Shape) -> tuple[int, ...]:
-    out, acc = [], 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= n
-    return tuple(reversed(out))
-
-
 def _explain(name: str, t: torch.Tensor, ids: _Ids) -> list[Placement]:
     """Boxes of checkpoint tensor ``name`` (its probe values ``t``), each an affine view of one live
     tensor, covering it (found greedily: maximal runs along the dim that splits into fewest);
@@ -195,7 +187,7 @@ def _explain(name: str, t: torch.Tensor, ids: _Ids) -> list[Placement]:
             k, offset, stride = fit
             ext = tuple(r.shape)
             box: Box | None = None if ext == shape else tuple((a, a + n) for a, n in zip(origin, ext))
-            out.append(Placement(name, ids.names[k], offset, None if stride == _contiguous(ext) else stride, box))
+            out.append(Placement(name, ids.names[k], offset, None if stride == contiguous(ext) else stride, box))
             nonlocal placed
             placed += r.numel()
             if len(out) > MAX_BOXES and placed < MIN_MEAN_BOX * len(out):
@@ -234,10 +226,10 @@ def _affine(r: torch.Tensor, ids: _Ids) -> tuple[int, int, tuple[int, ...]] | No
     k = int(ids.owner(torch.tensor(first)))
     if last >= int(ids.ends[k]):
         return None
-    contiguous = _contiguous(shape)
+    dense = contiguous(shape)
     stride = []
     for d, n in enumerate(shape):
-        step = int(r[(0,) * d + (1,) + (0,) * (nd - d - 1)]) - first if n > 1 else contiguous[d]
+        step = int(r[(0,) * d + (1,) + (0,) * (nd - d - 1)]) - first if n > 1 else dense[d]
         if step < 0:
             return None
         stride.append(step)
