@@ -1,11 +1,13 @@
-"""In-process hot swap: bring a live torch model's tensors to a version of a store (CPU or CUDA);
+"""In-process hot swap: bring a live torch model's tensors to a version of a store (CPU or CUDA),
+through the engine's layout (:mod:`weightsync.torch.layout`: fused, stacked, sharded, cast);
 ``prepare`` does the work without the serving lock, ``apply`` holds it for the swap alone
-(docs/DESIGN.md: patch and flip modes, coverage, failures)::
+(docs/DESIGN.md: layouts, patch and flip modes, coverage, failures)::
 
     lock = threading.Lock()                      # the serving loop holds it around each forward
-    sink = TorchSink(store_url, model, version=7, lock=lock)            # or mode="flip"
+    sink = TorchSink(store_url, model, version=7, lock=lock, layout=layout(model))   # or mode="flip"
     update = sink.prepare("latest")               # fetch, decode, verify, stage: no lock held
-    pause = sink.apply(update)                    # under the lock: only the swap"""
+    pause = sink.apply(update)                    # under the lock: only the swap
+    sink.after_apply(update)                      # off the lock: checks what a payload patch wrote"""
 
 from __future__ import annotations
 
