@@ -207,3 +207,62 @@ def test_a_bf16_nan_with_a_payload_kept_in_fp32_is_a_bf16_value(tmp_path):
     live = {"w": w.float()}
     assert live["w"].view(torch.int32)[3].item() == 0x7F810000  # the load kept the payload
     TorchSink(store, live, 0)
+
+
+def test_two_store_tensors_on_one_region_are_checked_on_the_boxes_they_place(tmp_path):
+    """Two store tensors placed on one live region count as tied, and are checked by comparing
+    their whole-tensor checksums. Here ``a`` and ``b`` are equal as tensors, but the region is said
+    to hold ``a``'s rows 0-1 and ``b``'s rows 2-3, which differ: no model can hold both, and the
+    sink accepts the layout, silently dropping ``b``'s placement."""
+    t = torch.arange(8.0).view(4, 2)
+    store = publish(tmp_path, [{"a": t, "b": t.clone()}])
+    live = {"r": t[:2].clone()}
+    lay = Layout([Placement("a", "r", box=((0, 2), (0, 2))), Placement("b", "r", box=((2, 4), (0, 2)))])
+    with pytest.raises(UsageError):
+        TorchSink(store, live, 0, layout=lay)
+
+
+# -- 7. one store tensor loaded into two live tensors ------------------------------------------------
+
+
+def test_one_store_tensor_loaded_into_two_live_copies_follows_the_store(tmp_path):
+    """An engine that keeps two copies of one checkpoint tensor (untied embedding and LM head loaded
+    from one tensor, a draft model sharing the target's embedding) is two whole placements of one
+    source. The sink refuses it with ``w: its placements cover more elements than it has
+    (overlapping boxes)``: no box overlaps anything; the check counts elements over all
+    destinations. Either follow the store or say what is unsupported."""
+    sds = three()
+    store = publish(tmp_path, sds)
+    live = {"a": sds[0]["w"].clone(), "b": sds[0]["w"].clone()}
+    sink = TorchSink(store, live, 0, layout=Layout([Placement("w", "a"), Placement("w", "b")]))
+    sink.update(2)
+    assert bits(live["a"]) == bits(sds[2]["w"]) and bits(live["b"]) == bits(sds[2]["w"])
+
+
+# -- 8. engine padding keeps a row a smaller version no longer has -------------------------------------
+
+
+def test_vocab_rows_that_become_padding_are_not_left_holding_the_old_version(tmp_path):
+    """vLLM rules (``engines.dense``): the embedding of 100 rows is padded to 128, rows 100-127
+    zero-filled by the engine. The next version has 99 rows (a reshape): the padding grows by a
+    row, and the sink, which never writes padding, leaves row 99 holding version 0's row. The
+    update reports version 1; a fresh load of version 1 has zeros there (``plan().padding`` knows
+    the exact blocks; the sink only knows that some elements of the tensor are padding). A reshape
+    of a padded tensor should either zero the new padding or be refused."""
+    from weightsync.torch.engines import dense
+
+    g = torch.Generator().manual_seed(0)
+    e0 = torch.randn(100, 8, generator=g)
+    e1 = e0[:99] + 1
+    name = "model.embed_tokens.weight"
+    store = publish(tmp_path, [{name: e0}, {name: e1}])
+    live = {name: torch.zeros(128, 8)}
+    live[name][:100] = e0
+    sink = TorchSink(store, live, 0, layout=dense("vllm", num_heads=1, num_kv_heads=1).layout())
+    try:
+        sink.update(1)
+    except UsageError:
+        return  # refusing is fine
+    fresh = torch.zeros(128, 8)
+    fresh[:99] = e1
+    assert bits(live[name]) == bits(fresh), "row 99 still holds version 0's row 99"
