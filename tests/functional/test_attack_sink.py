@@ -1,6 +1,7 @@
-"""Hostile review of the in-process torch sink: runs that end with bytes in the live model other
-than the version's while the sink reports that version, and layouts accepted that should be
-refused. Each test states what it expects of a correct sink; they fail against the current code."""
+"""Hostile review of the in-process torch sink: runs that ended with bytes in the live model other
+than the version's while the sink reported that version, and layouts accepted that should have
+been refused (each failed against the sink as first written). Each test states what it expects of
+a correct sink: follow the version bit for bit, or refuse with a UsageError / BaseMismatchError."""
 
 from __future__ import annotations
 

@@ -126,15 +126,20 @@ def volume(shape: Iterable[int]) -> int:
 
 
 def lossless(store: torch.dtype, live: torch.dtype) -> bool:
-    """Casting ``store`` values to ``live`` and back gives every value back (bit for bit)."""
-    if store == live:
-        return True
-    wider = {
-        torch.bfloat16: (torch.float32, torch.float64),
-        torch.float16: (torch.float32, torch.float64),
-        torch.float32: (torch.float64,),
-    }
-    return live in wider.get(store, ())
+    """The live values of a ``store`` tensor cast to ``live`` give the store's bits back exactly
+    (NaN payloads included): the same dtype, or bf16 kept in fp32 (the cast is a shift by 16 bits,
+    undone exactly by :func:`bf16_bits`). Other casts (fp16 -> fp32 quiets NaNs, fp32 -> bf16
+    rounds) are not read back: the sink keeps the store's bytes of such tensors on the host."""
+    return store == live or (store == torch.bfloat16 and live == torch.float32)
+
+
+def bf16_bits(t: torch.Tensor) -> torch.Tensor | None:
+    """The bf16 values an fp32 tensor was cast from (the upper 16 bits of each element), or None
+    if an element has low bits set (it is no bf16 value)."""
+    b = t.contiguous().view(torch.int32)
+    if bool((b & 0xFFFF).any()):
+        return None
+    return (b >> 16).to(torch.int16).view(torch.bfloat16)
 
 
 def check_placement(p: Placement, shape: tuple[int, ...], live: torch.Tensor) -> None:
@@ -152,3 +157,27 @@ def check_placement(p: Placement, shape: tuple[int, ...], live: torch.Tensor) ->
             f"{p.source}{list(ext)} placed at offset {p.offset} with strides {list(st)} runs past the end of "
             f"{p.dest}{list(live.shape)}"
         )
+    if self_overlapping(ext, st):
+        raise UsageError(
+            f"{p.source}{list(ext)} placed in {p.dest} with strides {list(st)} writes some live elements twice"
+        )
+
+
+def self_overlapping(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether the strided view ``(shape, stride)`` reaches one element twice. Dims sorted by
+    stride that each step past what the smaller ones reach cannot (every engine layout); only
+    other strides are checked element by element."""
+    dims = sorted((s, n) for n, s in zip(shape, stride) if n > 1)
+    reach = 1
+    for s, n in dims:
+        if s < reach:
+            break
+        reach += s * (n - 1)
+    else:
+        return False
+    if any(s == 0 for s, _ in dims) or volume(shape) > 1 << 26:
+        return True  # (a broadcast; or too large to enumerate: refused rather than guessed)
+    addr = torch.zeros((), dtype=torch.int64)
+    for n, s in zip(shape, stride):
+        addr = addr.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * s
+    return addr.unique().numel() != volume(shape)

@@ -43,6 +43,7 @@ from weightsync.torch.dtypes import TORCH_INT as _INT_VIEW
 from weightsync.torch.layout import (
     Layout,
     Placement,
+    bf16_bits,
     box_slices,
     check_placement,
     contiguous,
@@ -273,8 +274,9 @@ class TorchSink:
         self.mode = mode
         self.repo = open_repo(store) if store is not None else None
         self._manifests: dict[int, Manifest] = {} if manifest is None else {version: manifest}
-        if isinstance(tensors, torch.nn.Module):
-            live = tensors.state_dict(keep_vars=True) if mode == "flip" else tensors.state_dict()
+        self._module = tensors if isinstance(tensors, torch.nn.Module) else None
+        if self._module is not None:
+            live = tensors.state_dict(keep_vars=True)  # the objects themselves: a later repoint is seen
         else:
             live = dict(tensors)
             plain = [n for n, t in live.items() if mode == "flip" and not isinstance(t, torch.nn.Parameter)]
@@ -294,6 +296,7 @@ class TorchSink:
         self._pads = excluder(self.layout.padding)
         self._checked_disjoint: set[tuple] = set()  # slots whose interleaved regions were checked element by element
         self.padded: dict[str, int] = {}  # live tensor -> elements of engine padding no store tensor writes
+        self._held_padding: dict[str, int] | None = None  # the padding of the version the model was loaded at
         self._epoch = 0  # patch mode: applies that failed midway (and tore the model) so far
         self.dense_above, self.threads, self.fetch_concurrency = dense_above, threads, fetch_concurrency
         self.direct = direct
@@ -309,12 +312,34 @@ class TorchSink:
                 raise
             m = None  # collected by gc: checked on the first prepare (flip: standbys cloned then)
         bound = self._bind(m) if m is not None else []
+        self._held_padding = dict(self.padded) if m is not None else None  # (engine padding changes: refused)
         if self.repo is not None and any(b.mirrored for b in bound):  # (from folders, diffs compare with live)
             self._mirror = self._full_bytes(m, [b for b in bound if b.mirrored], folder)
         if verify:
             self._verify(bound, version, folder)
         if mode == "flip":
             _sync({s.live.device for s in self._ensure_standbys(bound)})
+
+    @property
+    def torn(self) -> bool:
+        """The model holds neither its version's bytes nor the next one's (an apply that failed
+        midway, or a check after the apply that failed): the next update rebuilds every tensor."""
+        return self._torn
+
+    def _refresh(self) -> bool:
+        """Follow the model's tensors if they are no longer the ones the sink holds (``model.to()``,
+        ``model.float()``, ``param.data = ...`` and replaced buffers give them new storages);
+        returns whether they changed. The next prepare then reads the bases from the new storages
+        (and rebuilds from the keyframe what no longer matches)."""
+        sd = self._module.state_dict(keep_vars=True) if self._module is not None else self.tensors
+        slots = {id(x): x for x in self._slots.values()}.values()
+        if sd.keys() == self.tensors.keys() and all(sd[n] is self.tensors[n] for n in sd):
+            if all(_holds_storage(slot) for slot in slots):
+                return False
+        log.info("the model's tensors changed storage since the sink last saw them: following them")
+        self.tensors, self._slots, self._staged = sd, _group(sd), None
+        self._checked_disjoint.clear()
+        return True
 
     @property
     def standby_bytes(self) -> int:
@@ -370,45 +395,55 @@ class TorchSink:
             )
         out, unplaced, excluded = [], [], set()
         covered: dict[_Slot, int] = {}  # elements of each slot some placement writes (or leaves alone on purpose)
-        regions: dict[tuple, _Binding] = {}  # (slot, view) -> the binding that writes it
+        regions: dict[tuple, tuple[_Binding, tuple]] = {}  # (slot, view) -> the binding that writes it, its box
         for name, (path, seg) in segs.items():
             if self.name_map is not None and self.name_map(name) is None:
                 continue  # the user's name_map leaves it alone
             ps = by_source.get(name, [])
             if self._excludes(name) or any(self._excludes(p.dest) for p in ps):
                 excluded.add(name)
-                for p in ps:  # its destinations are left alone too
+                for p in ps:  # its regions are left alone too (a region, not the whole live tensor)
                     if p.dest in self._slots:
-                        excluded.add(p.dest)
-                        covered[self._slots[p.dest]] = self._slots[p.dest].live.numel()
+                        slot = self._slots[p.dest]
+                        try:
+                            left = math.prod(self._place(p, seg).shape)
+                        except UsageError:  # (a placement it cannot take: why it is excluded)
+                            left = slot.live.numel()
+                        covered[slot] = covered.get(slot, 0) + left
                 continue
             if not ps or any(p.dest not in self._slots for p in ps):
                 unplaced.append(name)  # a destination the model does not have: no place for (all of) it
                 continue
             binding = _Binding(path, seg, [], False)
-            placed = 0
+            boxes: dict[tuple, int] = {}  # distinct boxes of the store tensor placed (one box may have two copies)
             for p in ps:
                 pl = self._place(p, seg)
-                placed += math.prod(pl.shape)
+                boxes[_box_key(pl.box)] = math.prod(pl.shape)
                 key = (pl.slot, pl.view)
                 first = regions.get(key)
-                if first is not None:  # tied: one region, two store names
-                    if first.seg.xxh3 != seg.xxh3:
+                if first is not None:  # tied: one region, two store names (or one twice)
+                    if first[1] != _box_key(pl.box):
                         raise UsageError(
-                            f"{first.seg.name} and {name} are one tensor in the model but differ in version "
+                            f"{first[0].seg.name} and {name}: other boxes of them are placed on one region of "
+                            f"{pl.slot.names[0]}"
+                        )
+                    if first[0].seg.xxh3 != seg.xxh3:
+                        raise UsageError(
+                            f"{first[0].seg.name} and {name} are one tensor in the model but differ in version "
                             f"{manifest.version}"
                         )
                     continue
-                regions[key] = binding
+                regions[key] = (binding, _box_key(pl.box))
                 covered[pl.slot] = covered.get(pl.slot, 0) + math.prod(pl.shape)
                 binding.places.append(pl)
                 binding.mirrored |= not lossless(TORCH_DTYPE[seg.dtype], pl.slot.live.dtype)
-            if placed > math.prod(seg.shape) and binding.places:
-                raise UsageError(f"{name}: its placements cover more elements than it has (overlapping boxes)")
+            placed = sum(boxes.values())
+            if placed > math.prod(seg.shape):
+                raise UsageError(f"{name}: its placements take overlapping boxes of it")
             binding.mirrored |= placed < math.prod(seg.shape)
             out.append(binding)
         by_slot: dict[_Slot, list[tuple[tuple, str]]] = {}
-        for (slot, view), b in regions.items():
+        for (slot, view), (b, _) in regions.items():
             by_slot.setdefault(slot, []).append((view, b.seg.name))
         for slot, views in by_slot.items():
             self._disjoint(slot, views)  # (a count of covered elements alone would miss an overlap beside a gap)
@@ -433,6 +468,15 @@ class TorchSink:
             raise UsageError(
                 f"no tensor of version {manifest.version} matches the model's tensor names"
                 f"{f' ({len(excluded)} excluded)' if excluded else ''}"
+            )
+        if self._held_padding is not None and padded != self._held_padding:
+            raise CoverageError(
+                f"version {manifest.version} leaves other elements as engine padding than the version the model "
+                f"holds ({_some([f'{k}: {v}' for k, v in padded.items()]) or 'none'}, was "
+                f"{_some([f'{k}: {v}' for k, v in self._held_padding.items()]) or 'none'}): the engine fills "
+                "padding on load; reload the model",
+                [],
+                sorted(set(padded) ^ set(self._held_padding)) or sorted(padded),
             )
         if padded != self.padded:
             self.padded = padded
@@ -504,6 +548,7 @@ class TorchSink:
         model holds in part are checked against the host mirror (the sink's version), ``folder``'s
         files (a folder holding ``version``) or the store. Takes no lock: run it between updates."""
         m = self._manifest(self.version if version is None else version)
+        self._refresh()
         return self._verify(self._bind(m), m.version, folder)
 
     def _verify(self, bound: list[_Binding], version: int, folder: Path | str | None = None) -> int:
@@ -519,11 +564,7 @@ class TorchSink:
                 data = full[b.seg.name]
                 if xxhash.xxh3_128_hexdigest(data) != b.seg.xxh3:
                     raise BaseMismatchError(f"{b.seg.name}: the host copy differs from version {version}")
-                src = _store_tensor(data, b.seg)
-                for pl in b.places:
-                    want = _int_view(src[pl.box].to(pl.slot.live.dtype).contiguous()).to(pl.slot.live.device)
-                    if not torch.equal(_region(pl, pl.slot.live).reshape(-1), want):
-                        raise BaseMismatchError(f"{b.seg.name}: the model's bytes differ from version {version}")
+                self._check_regions(b, data, "live", version)
             elif xxhash.xxh3_128_hexdigest(self._gather(b, "live")) != b.seg.xxh3:
                 raise BaseMismatchError(f"{b.seg.name}: the model's bytes differ from version {version}")
         return len(bound)
@@ -540,9 +581,8 @@ class TorchSink:
         for pl in b.places:
             t = getattr(pl.slot, which)
             view = t.detach().reshape(-1).as_strided(pl.shape, pl.stride, t.storage_offset() + pl.offset)
-            vals = view.to(dt)
-            back = vals.to(t.dtype).contiguous()
-            if dt != t.dtype and not torch.equal(_int_view(back), _int_view(view.contiguous())):
+            vals = view if dt == t.dtype else bf16_bits(view)  # (the only cast read back: lossless())
+            if vals is None:
                 raise BaseMismatchError(f"{seg.name}: a value in {pl.slot.names[0]} is not a {seg.dtype} value")
             out[pl.box] = vals.cpu()
         return out.view(-1).view(torch.uint8).numpy()
@@ -593,6 +633,7 @@ class TorchSink:
     def _prepare_version(self, version, op: Operation, folder, manifest: Manifest | None) -> Update:
         flip = self.mode == "flip"
         with self._apply_lock if flip else contextlib.nullcontext():  # flip: one standby, one writer
+            self._refresh()
             if manifest is not None:
                 if version != "latest" and version != manifest.version:
                     raise UsageError(f"asked for version {version}, the manifest given is {manifest.version}")
@@ -643,18 +684,35 @@ class TorchSink:
     def _begin(self, up: Update, target: Manifest) -> list[_Binding]:
         bound = self._bind(target)
         up.tensors, up.excluded, up.manifest = len(bound), self.excluded, target
+        if self.mode == "patch":
+            _refuse_overlaps(self._slots.values(), {pl.slot for b in bound for pl in b.places}, "patch")
         if self.mode == "flip":
             self._ensure_standbys(bound)
             self._catch_up()  # every standby equal to its live tensor again
         return bound
 
     def _base(self, b: _Binding, seg: Segment, version: int) -> np.ndarray:
-        """The verified store bytes of ``seg`` (``b``'s tensor at the model's version)."""
+        """The verified store bytes of ``seg`` (``b``'s tensor at the model's version): read back from
+        the model, or, for a mirrored tensor, the host copy once the model's regions of it are
+        checked against it (a value written behind the sink's back is a mismatch either way)."""
         which = "live" if self.mode == "patch" else "standby"
         data = self._mirror.get(b.seg.name) if b.mirrored else self._gather(b, which)
         if data is None or xxhash.xxh3_128_hexdigest(data) != seg.xxh3:
             raise BaseMismatchError(f"{seg.name}: the model's bytes differ from version {version}")
+        if b.mirrored:
+            self._check_regions(b, data, which, version)
         return data
+
+    @staticmethod
+    def _check_regions(b: _Binding, data: np.ndarray, which: str, version: int) -> None:
+        """Raise :class:`BaseMismatchError` unless each place of ``b`` holds the engine's cast of
+        ``data`` (the store bytes of ``b``'s tensor at ``version``)."""
+        src = _store_tensor(data, b.seg)
+        for pl in b.places:
+            t = getattr(pl.slot, which)
+            want = _int_view(src[pl.box].to(t.dtype).contiguous()).to(t.device)
+            if not torch.equal(_region(pl, t).reshape(-1), want):
+                raise BaseMismatchError(f"{b.seg.name}: the model's bytes differ from version {version}")
 
     def _prepare(self, up: Update, chain: list[Manifest], local: Manifest | None, op: Operation) -> Update:
         bound = self._begin(up, chain[-1])
@@ -665,6 +723,8 @@ class TorchSink:
             if not b.places:
                 continue  # tied: the region is written through its first store tensor
             r = plan_segment(chain, b.path, b.seg, local)
+            if r.base is not None and r.base.dtype != b.seg.dtype:  # the same bytes may be other values now
+                raise BaseMismatchError(f"{b.seg.name}: stored as {r.base.dtype}, now as {b.seg.dtype}")
             if r.base is not None and not r.steps and r.base.xxh3 == b.seg.xxh3:
                 continue  # unchanged
             (direct if self._direct(b, r) else jobs).append(TensorJob(b.path, r))
@@ -729,7 +789,8 @@ class TorchSink:
         todo = []
         for b in bound:
             old = old_segs.get(b.seg.name)
-            if b.places and not (old is not None and old.xxh3 == b.seg.xxh3 and old.nbytes == b.seg.nbytes):
+            same = old is not None and (old.xxh3, old.nbytes, old.dtype) == (b.seg.xxh3, b.seg.nbytes, b.seg.dtype)
+            if b.places and not same:
                 todo.append((b, old))
         op.phase("stage", sum(b.seg.nbytes for b, _ in todo))
         lv = LocalVersion(folder, target)
@@ -928,7 +989,7 @@ class TorchSink:
         slots = list({pl.slot: None for b in bound for pl in b.places})
         for slot in slots:
             self._ensure_standby(slot)
-        _refuse_overlaps(self._slots.values(), set(slots))
+        _refuse_overlaps(self._slots.values(), set(slots), "flip")
         return slots
 
     def _ensure_standby(self, slot: _Slot) -> None:
@@ -983,6 +1044,11 @@ class TorchSink:
                 return 0.0
             if self.mode == "flip":
                 return self._apply_flip(update)
+            if self._refresh():
+                raise UsageError(
+                    f"update to version {update.version}: the model's tensors changed storage since it was "
+                    "prepared (moved, cast or replaced); prepare again"
+                )
             devices = {p.target.device for p in update.patches}
             written = 0
             with torch.no_grad(), self.lock:
@@ -1133,6 +1199,19 @@ def _view_key(t: torch.Tensor) -> tuple:
     return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
 
 
+def _box_key(box: tuple[slice, ...]) -> tuple:
+    return tuple((sl.start, sl.stop) for sl in box)
+
+
+def _holds_storage(slot: _Slot) -> bool:
+    """Every object of ``slot`` still holds the storage (and dtype, shape, device) the sink knows."""
+    t = slot.live
+    return all(
+        o.data_ptr() == t.data_ptr() and o.dtype == t.dtype and o.shape == t.shape and o.device == t.device
+        for o in slot.objects
+    )
+
+
 def _group(tensors: Mapping[str, torch.Tensor]) -> dict[str, _Slot]:
     """Flip mode: group names by the memory they view (tied weights: one slot, all their objects)."""
     by_view: dict[tuple, _Slot] = {}
@@ -1146,9 +1225,10 @@ def _group(tensors: Mapping[str, torch.Tensor]) -> dict[str, _Slot]:
     return out
 
 
-def _refuse_overlaps(slots, managed: set) -> None:
-    """Flip mode: refuse a managed tensor sharing memory with another tensor given (which would keep
-    reading the retired storage). Sorted by start, each overlapping span meets one it overlaps."""
+def _refuse_overlaps(slots, managed: set, mode: str = "flip") -> None:
+    """Refuse a managed tensor sharing memory with another tensor given without being the same
+    tensor: flip mode would leave the other reading the retired storage; in patch mode their
+    versions would overwrite each other. Sorted by start, each overlapping span meets one it overlaps."""
     spans = []
     for slot in {s: None for s in slots}:
         t = slot.objects[0]
@@ -1164,7 +1244,11 @@ def _refuse_overlaps(slots, managed: set) -> None:
         if prev is not None and begin < prev[0] and (slot in managed or prev[1] in managed):
             raise UsageError(
                 f"{prev[1].names[0]} and {slot.names[0]} share memory without being the same tensor; "
-                "flip mode cannot repoint one alone (use mode='patch')"
+                + (
+                    "flip mode cannot repoint one alone (use mode='patch')"
+                    if mode == "flip"
+                    else "writing one would change the other (give the tensor once)"
+                )
             )
         if prev is None or end > prev[0]:
             reach[dev] = (end, slot)
