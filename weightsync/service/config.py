@@ -174,7 +174,8 @@ class HookConfig:
     ``{current}`` (the ``current`` symlink) are replaced; the command's arguments too. ``preset``
     (a key of :data:`HOOK_PRESETS`): an engine's own requests, after ``url``, the engine's base URL,
     instead of one request with ``method`` and ``body``. Each swap gets up to ``attempts`` tries
-    (all the requests, in order), ``backoff`` apart (doubling), each bounded by ``timeout`` seconds.
+    (all the requests, in order), ``backoff`` apart (doubling); a try past ``timeout`` seconds counts
+    as failed but is waited for (calls never overlap), and abandoned after ``attempts`` such periods.
     """
 
     url: str | None = None
@@ -183,7 +184,7 @@ class HookConfig:
     body: str = DEFAULT_HOOK_BODY
     attempts: int = 5
     backoff: Backoff = field(default_factory=lambda: Backoff(0.5, 10.0))
-    timeout: float = 30.0
+    timeout: float = 600.0  # a large model's reload from disk takes minutes
     env: Mapping[str, str] = field(default_factory=dict)  # the command's environment (secrets removed)
     headers: tuple[tuple[str, str], ...] = field(default=(), repr=False)  # sent with the HTTP request; never printed
     preset: str | None = None

@@ -376,10 +376,23 @@ def add_subscriber_args(p: argparse.ArgumentParser, environ: Mapping[str, str] |
         "--hook-attempts",
         type=int,
         default=5,
-        help="tries of the hook per swap, each failure logged and counted (default 5)",
+        help="tries of the hook per swap, each failure logged and counted (default 5); POST /v1/hook calls it "
+        "again",
     )
-    add("--hook-timeout", type=float, default=30.0, help="seconds each try of the hook may take (default 30)")
-    add("--hook-backoff", type=float, default=0.5, help="first wait between hook attempts, doubling (default 0.5)")
+    add(
+        "--hook-timeout",
+        type=float,
+        default=600.0,
+        help="seconds after which a try of the hook counts as failed (default 600, for a large model's reload); "
+        "a try still running is waited for, never overlapped by another call, and abandoned after "
+        "--hook-attempts such periods",
+    )
+    add(
+        "--hook-backoff",
+        type=float,
+        default=0.5,
+        help="first wait between hook attempts, doubling up to 30 s or this if longer (default 0.5)",
+    )
     add("--ledger-interval", type=float, default=30.0, help="seconds between fleet ledger heartbeats (default 30)")
     add("--concurrency", type=int, default=32, help="chunks in flight (default 32)")
     add("--verify-before-swap", action="store_true", help="re-read the whole standby copy before each swap")

@@ -174,6 +174,12 @@ class Metrics:
                 "weightsync_checksum_failures_total", "Data that failed checksum verification."
             )
             self.hook_failures = counter("weightsync_swap_hook_failures_total", "Failed swap hook attempts.")
+            self.hook_degraded = gauge(
+                "weightsync_swap_hook_degraded",
+                "1 while the swap hook of the version served has not succeeded after a failed or cut-off try "
+                "(the engine may serve older weights); 0 otherwise.",
+                0,
+            )
             self.swaps = counter("weightsync_swaps_total", "Completed swaps.")
             self._engine_version = Gauge(
                 "weightsync_engine_version",

@@ -7,6 +7,8 @@ from weightsync.format.keys import MAX_VERSION
 from weightsync.service.engines import MAX_WAIT, MAX_WORLD, PHASES
 from weightsync.service.pin import LATEST
 
+MAX_API_WAIT = 3600  # seconds a call with ?wait= may wait
+
 
 # --- the OpenAPI document ------------------------------------------------------------------------
 def _nullable(t: str | dict) -> dict:
@@ -372,22 +374,46 @@ def openapi_document(role: str, auth: bool) -> dict:
         },
     }
     if role == "subscriber":
+        wait = {
+            "name": "wait",
+            "in": "query",
+            "required": False,
+            "schema": {"type": "number", "minimum": 0, "maximum": MAX_API_WAIT},
+            "description": "seconds to wait for the outcome (without it the call answers at once)",
+        }
         paths["/v1/target"] = {
             "put": _op(
                 "Set the target version",
                 {
-                    "200": _json("Status", "Target set; the subscriber acts on it at once"),
+                    "200": _json("Status", "Target set (with wait: the target is served and its swap hook succeeded)"),
+                    "202": _json("Status", "With wait: target set, not served yet when the wait ran out"),
                     "400": bad,
                     "413": big,
                     "404": _json("Error", "No such version"),
-                    "502": _json("Error", "Store error"),
+                    "502": _json("Error", "Store error; with wait: the target's sync or swap hook failed"),
                 },
                 v1=True,
                 auth=auth,
+                parameters=[wait],
                 requestBody={
                     "required": True,
                     "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Target"}}},
                 },
+            )
+        }
+        paths["/v1/hook"] = {
+            "post": _op(
+                "Call the swap hook again",
+                {
+                    "200": _json("Status", "With wait: the hook call succeeded"),
+                    "202": _json("Status", "The call is queued or running (with wait: still, when the wait ran out)"),
+                    "400": bad,
+                    "409": _json("Error", "No swap hook is configured, or no version is served yet"),
+                    "502": _json("Error", "With wait: the hook call failed"),
+                },
+                v1=True,
+                auth=auth,
+                parameters=[wait],
             )
         }
         paths.update(_engine_paths(auth, bad, big))

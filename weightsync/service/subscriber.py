@@ -29,7 +29,7 @@ from weightsync.local.state import (
 from weightsync.local.verify import verify_folder
 from weightsync.service.config import SubscriberConfig
 from weightsync.service.engines import EngineCoordinator
-from weightsync.service.hooks import HookRunner
+from weightsync.service.hooks import HookRecord, HookRunner, read_hook_record, write_hook_record
 from weightsync.service.metrics import Metrics
 from weightsync.service.pin import (
     LATEST,
@@ -143,8 +143,10 @@ class Subscriber:
         self.last_error: str | None = None
         self.last_sync: dict | None = None
         self.stop_token = StopToken()
-        self.hooks = HookRunner(cfg.hook, metrics.hook_failures.inc) if cfg.hook else None
-        self._hook_task: asyncio.Task | None = None
+        self.hooks = HookRunner(cfg.hook, metrics.hook_failures.inc, self._hook_changed) if cfg.hook else None
+        self._hook_task: asyncio.Task | None = None  # the one hook call at a time (never two at the engine)
+        self._hook_want: tuple[int | None, int, Path] | None = None  # (swap, version, folder) to fire next
+        self._changed: asyncio.Event | None = None  # pulsed when the state moves (API waits on it)
         self._wake: asyncio.Event | None = None
         self.staleness = 0.0
         self._superseded: tuple[int | None, float] | None = None
@@ -254,6 +256,82 @@ class Subscriber:
         """Whether ``/readyz`` answers ready: a version is served."""
         return self.view.current is not None
 
+    @property
+    def degraded(self) -> bool:
+        """Whether the swap hook of the version served failed (or was cut off, or is still retrying): the
+        engine may serve older weights than ``current``. Lasts until a hook call succeeds, across restarts."""
+        rec = None if self.hooks is None else self.hooks.record
+        return rec is not None and rec.degraded
+
+    def _serving(self) -> str:
+        """The state of an idle subscriber that serves its target: ``serving``, or ``degraded``."""
+        return "degraded" if self.degraded else "serving"
+
+    def _notify(self) -> None:
+        """Wake the API calls waiting for a state (:meth:`wait_until`)."""
+        if self._changed is not None:
+            changed, self._changed = self._changed, asyncio.Event()
+            changed.set()
+
+    async def wait_until(self, done, seconds: float) -> bool:
+        """Wait up to ``seconds`` until ``done()`` is true (checked at every change of state); returns it."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        while not done():
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            if self._changed is None:
+                self._changed = asyncio.Event()
+            with suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
+        return True
+
+    def hook_settled(self, version: int | None) -> bool:
+        """No hook call is running or queued, and the last one was for ``version`` (or there is no hook)."""
+        if self.hooks is None:
+            return True
+        rec = self.hooks.record
+        busy = self._hook_want is not None or not (self._hook_task is None or self._hook_task.done())
+        return not busy and rec is not None and rec.version == version and rec.state in ("ok", "failed")
+
+    def hook_outcome(self, version: int) -> str | None:
+        """How the hook call for ``version`` ended once settled: ``ok`` (or no hook), else why it failed;
+        None while one is running or queued."""
+        if not self.hook_settled(version):
+            return None
+        rec = None if self.hooks is None else self.hooks.record
+        if rec is None or rec.state == "ok":
+            return "ok"
+        return f"version {version} is served, but its swap hook failed: {rec.error}"
+
+    def target_outcome(self, target: Target) -> str | None:
+        """For ``PUT /v1/target?wait=``: ``ok`` once ``target`` is served and its hook succeeded (or there
+        is none); why not, once its sync or hook failed (the sync is retried); None while under way."""
+        desired = self.latest if target == LATEST else int(target)
+        if desired is None:
+            return None
+        if self.view.failed_version == desired:
+            return (
+                f"the sync of version {desired} failed {self.view.failures} time(s) and is retried: {self.last_error}"
+            )
+        if self.view.current != desired:
+            return None
+        return self.hook_outcome(desired)
+
+    def rerun_hook(self) -> int:
+        """``POST /v1/hook``: call the swap hook again for the version served (after the call in
+        flight, if any); returns that version. UsageError without a hook, VersionError while nothing is served."""
+        if self.hooks is None:
+            raise UsageError("this subscriber has no swap hook (--hook-url, --hook-command, --hook-preset)")
+        served = self.serving()
+        if served is None:
+            raise VersionError("no version is served yet: there is nothing to tell the engine")
+        version, folder = served
+        event(log, "swap hook requested through the API", version=version)
+        self._request_hook(version, folder, self.release.swaps)
+        return version
+
     def status(self) -> dict:
         """The ``GET /v1/status`` document."""
         lag = None if self.latest is None or self.view.current is None else self.latest - self.view.current
@@ -278,7 +356,7 @@ class Subscriber:
             else None,
             "last_sync": self.last_sync,
             "last_error": self.last_error,
-            "hook": None if self.hooks is None or self.hooks.last is None else vars(self.hooks.last),
+            "hook": None if self.hooks is None or self.hooks.record is None else self.hooks.record.to_doc(),
             "engines": self.engines.status(),
         }
 
@@ -291,6 +369,7 @@ class Subscriber:
         try:
             await asyncio.to_thread(self.claim)
             await asyncio.to_thread(self._startup)
+            self._resume_hook()
             engines = asyncio.create_task(self.engines.run(self.serving), name="engines")
             while not self.stop_token.is_set:
                 await sleep_or_wake(self._wake, await self._iteration(), self.stop_token)
@@ -301,7 +380,7 @@ class Subscriber:
                 with suppress(asyncio.CancelledError):
                     await engines
             if self._hook_task is not None and not self._hook_task.done():
-                self._hook_task.cancel()
+                self._hook_task.cancel()  # its record stays "running": the next start calls it again
             await self._write_ledger(force=True)
             if self._lock is not None:
                 self._lock.release()
@@ -323,6 +402,9 @@ class Subscriber:
             self._served = snapshot(self.slots.path(cur))
             self._check_served(installed=True)  # changed while no subscriber watched
         self.metrics.current_version.set(-1 if current is None else current)
+        if self.hooks is not None:
+            self.hooks.record = read_hook_record(self.cfg.target_dir, self.repo.url)
+            self.metrics.hook_degraded.set(int(self.degraded))
         event(
             log,
             "started",
@@ -355,7 +437,7 @@ class Subscriber:
             if isinstance(action, Sync):
                 await self._sync(action.version)
             else:
-                self.state = "serving" if isinstance(action, Idle) and self.ready else "waiting"
+                self.state = self._serving() if isinstance(action, Idle) and self.ready else "waiting"
                 if isinstance(action, Idle):
                     interrupted = await self._seed_standby()
             await self._update_lag()
@@ -368,6 +450,8 @@ class Subscriber:
             return 0.0
         except Exception as exc:  # logged, counted, backed off; the loop goes on
             return iteration_failed(self, exc, log)
+        finally:
+            self._notify()
 
     def _next_delay(self) -> float:
         delay = self.cfg.poll_interval
@@ -402,10 +486,10 @@ class Subscriber:
         self._served = result.served
         swap = self.release.swapped()
         self.view = View(version, self.view.current)
+        self.state = self._serving()  # before the record is written: it says what is served now
         self._after_swap(result, folder, pause, swap)
         self.engines.kick()
         await self._write_ledger(force=True)
-        self.state = "serving"
 
     def _fill(self, folder: Path, version: int) -> SyncResult:
         """Bring a slot to ``version`` and verify it (runs in a worker thread)."""
@@ -632,14 +716,55 @@ class Subscriber:
             swap_ms=f"{1000 * pause:.2f}",
         )
         if self.hooks is not None:
-            if self._hook_task is not None and not self._hook_task.done():
-                self._hook_task.cancel()  # superseded: the server is told about the newer version
-            self._hook_task = asyncio.create_task(self._fire_hook(swap, r.version, folder))
+            self._request_hook(r.version, folder, swap)
 
-    async def _fire_hook(self, swap: int, version: int, folder: Path) -> None:
-        """The swap hook; its success releases the standby slot, for this swap only."""
-        if (await self.hooks.fire(version, str(folder), str(self.slots.link))).ok:
-            self.release.confirm(swap)
+    def _resume_hook(self) -> None:
+        """At start-up: call the hook again when its last call, recorded in the target folder, did not
+        succeed for the version served (it failed, or the process stopped during it or before it)."""
+        rec = None if self.hooks is None else self.hooks.record
+        served = self.serving()
+        if rec is None or served is None or (rec.version == served[0] and rec.state == "ok"):
+            return
+        event(
+            log,
+            f"calling the swap hook again: its last call did not succeed for version {served[0]}",
+            logging.WARNING,
+            version=served[0],
+            last_version=rec.version,
+            last_state=rec.state,
+        )
+        self._request_hook(served[0], served[1], None)
+
+    def _request_hook(self, version: int, folder: Path, swap: int | None) -> None:
+        """Fire the hook for ``version`` (the slot ``folder``) once the call in flight, if any, has ended:
+        calls never overlap, and a newer request replaces a queued one (the engine loads the newest)."""
+        self._hook_want = (swap, version, folder)
+        if self._hook_task is None or self._hook_task.done():
+            self._hook_task = asyncio.create_task(self._hook_calls(), name="swap-hook")
+
+    async def _hook_calls(self) -> None:
+        """Run the queued hook calls one after the other. A success releases the standby slot for the
+        swap it was fired for (:class:`~weightsync.service.slots.StandbyRelease`)."""
+        while self._hook_want is not None:
+            swap, version, folder = self._hook_want
+            self._hook_want = None
+            outcome = await self.hooks.fire(
+                version, str(folder), str(self.slots.link), superseded=lambda: self._hook_want is not None
+            )
+            if outcome.ok and swap is not None:
+                self.release.confirm(swap)
+        self._notify()
+
+    async def _hook_changed(self, rec: HookRecord) -> None:
+        """A hook call moved (:class:`HookRunner`): the gauge, the state, the record in the target folder."""
+        self.metrics.hook_degraded.set(int(rec.degraded))
+        if self.state in ("serving", "degraded"):
+            self.state = self._serving()
+        try:
+            await asyncio.to_thread(write_hook_record, self.cfg.target_dir, self.repo.url, rec, self.cfg.fsync)
+        except OSError as exc:
+            event(log, "could not record the swap hook's state", logging.WARNING, error=exc)
+        self._notify()
 
     async def _update_lag(self) -> None:
         cur, head, m = self.view.current, self.latest, self.metrics
