@@ -376,8 +376,7 @@ def add_subscriber_args(p: argparse.ArgumentParser, environ: Mapping[str, str] |
         "--hook-attempts",
         type=int,
         default=5,
-        help="tries of the hook per swap, each failure logged and counted (default 5); POST /v1/hook calls it "
-        "again",
+        help="tries of the hook per swap, each failure logged and counted (default 5); POST /v1/hook calls it again",
     )
     add(
         "--hook-timeout",
