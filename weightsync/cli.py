@@ -19,6 +19,7 @@ from weightsync.service.flags import (
     add_log_args,
     add_publisher_args,
     add_rank_args,
+    add_store_watch_args,
     add_subscriber_args,
     env_argument,
     parse_listen,
@@ -211,9 +212,11 @@ def _side_store(args, side: str):
     """The mirror's ``--from`` or ``--to`` store: its URL and S3 endpoint (``--{side}-endpoint-url``, else "
     "``--endpoint-url``)."""
     from weightsync.service.config import StoreConfig
+    from weightsync.service.flags import store_timeouts
 
     url = args.src if side == "from" else args.dst
-    return StoreConfig(url, getattr(args, f"{side}_endpoint_url", None) or getattr(args, "endpoint_url", None))
+    endpoint = getattr(args, f"{side}_endpoint_url", None) or getattr(args, "endpoint_url", None)
+    return StoreConfig(url, endpoint, **store_timeouts(args))
 
 
 class _MirrorHealth:
@@ -268,6 +271,8 @@ def cmd_mirror(args) -> int:
     from weightsync.service.flags import env_sources
     from weightsync.service.metrics import Metrics
     from weightsync.service.runtime import event, open_daemon_repo, setup_logging
+    from weightsync.service.stalls import StallWatch
+    from weightsync.store.inflight import InFlight
     from weightsync.sync.mirror import MirrorConfig, MirrorObserver, mirror
 
     setup_logging(LogConfig(args.log_json, args.log_level))
@@ -308,9 +313,11 @@ def cmd_mirror(args) -> int:
     server = (
         None if args.metrics_listen is None else _serve_mirror_http(args.metrics_listen, flag, metrics, health, log)
     )
+    inflight = InFlight()
+    stalls = StallWatch(inflight, args.stall_after, metrics, log).start()  # a hung store: logged, gauge
     try:
-        src = open_daemon_repo(_side_store(args, "from"), metrics.on_retry)  # retries as the daemons do, counted
-        dst = open_daemon_repo(_side_store(args, "to"), metrics.on_retry)
+        src = open_daemon_repo(_side_store(args, "from"), metrics.on_retry, inflight)  # retries as the daemons do
+        dst = open_daemon_repo(_side_store(args, "to"), metrics.on_retry, inflight)
         r = mirror(
             src,
             dst,
@@ -320,6 +327,7 @@ def cmd_mirror(args) -> int:
             observer=Report(),
         )
     finally:
+        stalls.stop()
         if server is not None:
             server.shutdown()
             server.server_close()
@@ -392,12 +400,16 @@ def cmd_subscriber(args) -> int:
 
 def _run_daemon(cfg) -> int:
     """Build a daemon from its config (publisher or subscriber) and serve it until SIGTERM."""
+    import logging
+
     from prometheus_client import CollectorRegistry
 
     from weightsync.service.api import Deps, create_app
     from weightsync.service.config import PublisherConfig
     from weightsync.service.metrics import Metrics
     from weightsync.service.runtime import open_daemon_repo, run, setup_logging
+    from weightsync.service.stalls import StallWatch
+    from weightsync.store.inflight import InFlight
 
     setup_logging(cfg.log)
     ident = cfg.identity
@@ -409,15 +421,18 @@ def _run_daemon(cfg) -> int:
         cluster=ident.cluster,
         subscriber="" if publisher else ident.id,
     )
-    repo = open_daemon_repo(cfg.store, metrics.on_retry)
+    inflight = InFlight()  # the store requests running now: a hung store is reported (weightsync.service.stalls)
+    repo = open_daemon_repo(cfg.store, metrics.on_retry, inflight)
+    role = "publisher" if publisher else "subscriber"
+    stalls = StallWatch(inflight, cfg.stall_after, metrics, logging.getLogger(f"weightsync.{role}"))
     if publisher:
         from weightsync.service.publisher import Publisher
 
-        daemon = Publisher(cfg, repo, metrics)
+        daemon = Publisher(cfg, repo, metrics, stalls=stalls)
     else:
         from weightsync.service.subscriber import Subscriber
 
-        daemon = Subscriber(cfg, repo, metrics)
+        daemon = Subscriber(cfg, repo, metrics, stalls=stalls)
         daemon.claim()  # another process writing the folder: a one-line error before anything is served
     return run(lambda: create_app(Deps(daemon, metrics, cfg.api.token, cfg.grace)), cfg.api)
 
@@ -548,6 +563,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     add("--region", default="", help="region label of the metrics (the destination's region)")
     add("--cluster", default="", help="cluster label of the metrics")
     add_log_args(p, env)
+    add_store_watch_args(p, env)
     p.set_defaults(func=cmd_mirror)
 
     p = sub.add_parser("gc", help="delete old versions and the chunks only they need")

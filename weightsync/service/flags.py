@@ -218,7 +218,43 @@ def _common_args(p: argparse.ArgumentParser, environ: Mapping[str, str] | None) 
     )
     add_log_args(p, environ)
     add("--retry-attempts", type=int, default=5, help="attempts per store operation (default 5)")
+    add_store_watch_args(p, environ)
     add("--grace", type=float, default=30.0, help="seconds to let work in flight finish on SIGTERM (default 30)")
+
+
+S3_CONNECT_TIMEOUT, S3_READ_TIMEOUT = 10.0, 60.0  # S3Options' defaults (not imported: botocore is slow to load)
+
+
+def add_store_watch_args(p: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
+    """The S3 client's timeouts and ``--stall-after``, for every long-running process (the daemons, the
+    mirror): how long a request to a hung store may wait, and when it is reported."""
+    add = lambda *flags, **kw: env_argument(p, environ, *flags, **kw)  # noqa: E731
+    add(
+        "--s3-connect-timeout",
+        type=float,
+        default=S3_CONNECT_TIMEOUT,
+        help=f"seconds to connect to an S3 endpoint before the attempt fails and is retried "
+        f"(default {S3_CONNECT_TIMEOUT:g})",
+    )
+    add(
+        "--s3-read-timeout",
+        type=float,
+        default=S3_READ_TIMEOUT,
+        help=f"seconds an S3 request may wait for the next bytes of its answer before the attempt fails and is "
+        f"retried (default {S3_READ_TIMEOUT:g})",
+    )
+    add(
+        "--stall-after",
+        type=float,
+        default=60.0,
+        help="seconds after which a store request still running (retries included) is logged, shown in "
+        "/v1/status as stalled and counted in weightsync_store_stalled_requests (default 60)",
+    )
+
+
+def store_timeouts(args) -> dict:
+    """``connect_timeout`` and ``read_timeout`` of a :class:`StoreConfig` from :func:`add_store_watch_args`."""
+    return {"connect_timeout": args.s3_connect_timeout, "read_timeout": args.s3_read_timeout}
 
 
 def add_encoding_args(p: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
@@ -516,7 +552,7 @@ def default_id(folder: Path) -> str:
 
 
 def _store(args) -> StoreConfig:
-    return StoreConfig(args.store, args.endpoint_url, RetryPolicy(attempts=args.retry_attempts))
+    return StoreConfig(args.store, args.endpoint_url, RetryPolicy(attempts=args.retry_attempts), **store_timeouts(args))
 
 
 def _state_home(environ: Mapping[str, str]) -> Path:
@@ -559,6 +595,7 @@ def publisher_config(args, environ: Mapping[str, str] = os.environ) -> Publisher
         commit=args.commit,
         commit_timeout=_commit_timeout(args),
         own_files=args.own_files,
+        stall_after=args.stall_after,
     )
 
 
@@ -641,4 +678,5 @@ def subscriber_config(args, environ: Mapping[str, str] = os.environ) -> Subscrib
         api=_api(args, environ),
         log=LogConfig(args.log_json, args.log_level),
         grace=args.grace,
+        stall_after=args.stall_after,
     )

@@ -100,6 +100,14 @@ class Metrics:
         self.loop_errors = counter(
             "weightsync_loop_errors_total", "Failed iterations of the daemon loop (logged, then backed off)."
         )
+        self.store_stalled = gauge(
+            "weightsync_store_stalled_requests",
+            "Store requests (retries included) running for longer than --stall-after seconds now.",
+            0,
+        )
+        self.store_stalls = counter(
+            "weightsync_store_stalls_total", "Store requests that ran for longer than --stall-after seconds."
+        )
         if role == "publisher":
             self.published_version = gauge(
                 "weightsync_published_version", "Newest version this publisher committed.", -1

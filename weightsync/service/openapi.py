@@ -157,6 +157,20 @@ def _schemas(role: str) -> dict:
         "state": {"type": "string"},
         "reason": {"type": "string"},
         "last_error": _nullable("string"),
+        "stalled": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["op", "key", "store", "seconds", "since"],
+                "properties": {
+                    "op": {"type": "string"},
+                    "key": {"type": "string"},
+                    "store": {"type": "string"},
+                    "seconds": {"type": "number", "minimum": 0},
+                    "since": {"type": "number"},
+                },
+            },
+        },
     }
     if role == "subscriber":
         schemas["Status"] = {

@@ -28,8 +28,10 @@ from weightsync.service.runtime import (
     event,
     iteration_failed,
     sleep_or_wake,
+    stall_view,
     warm_codec,
 )
+from weightsync.service.stalls import StallWatch
 from weightsync.store.repo import Repo
 from weightsync.sync.parts import commit_parts, publish_part
 from weightsync.sync.publish import PublishResult, publish
@@ -134,8 +136,11 @@ def plan_publish(
 class Publisher:
     """The publisher's state and loop; the HTTP API (``weightsync.service.api``) reads and steers it."""
 
-    def __init__(self, cfg: PublisherConfig, repo: Repo, metrics: Metrics, clock=time.time):
+    def __init__(
+        self, cfg: PublisherConfig, repo: Repo, metrics: Metrics, clock=time.time, stalls: StallWatch | None = None
+    ):
         self.cfg, self.repo, self.metrics, self.clock = cfg, repo, metrics, clock
+        self.stalls = stalls  # store requests that hang (weightsync.service.stalls)
         self.cache_dir = cfg.state_dir / "cache"
         self.state = "starting"
         self.reason = ""
@@ -165,6 +170,7 @@ class Publisher:
 
     def status(self) -> dict:
         """The ``GET /v1/status`` document."""
+        state, reason, stalled = stall_view(self.stalls, self.state, self.reason)
         return {
             "role": "publisher",
             "id": self.cfg.identity.id,
@@ -174,8 +180,9 @@ class Publisher:
             "watch_dir": str(self.cfg.watch_dir),
             "head_version": self.head,
             "pending": self.pending,
-            "state": self.state,
-            "reason": self.reason,
+            "state": state,
+            "reason": reason,
+            "stalled": stalled,
             "last_publish": self.last_publish,
             "last_error": self.last_error,
             "rank": self.cfg.rank,
@@ -189,14 +196,22 @@ class Publisher:
         self._wake = asyncio.Event()
         warm_codec()
         self.cfg.state_dir.mkdir(parents=True, exist_ok=True)
-        while not self.stop_token.is_set:
-            await sleep_or_wake(self._wake, await self._iteration(), self.stop_token)
+        if self.stalls is not None:
+            self.stalls.start()
+        try:
+            while not self.stop_token.is_set:
+                await sleep_or_wake(self._wake, await self._iteration(), self.stop_token)
+        finally:
+            if self.stalls is not None:
+                self.stalls.stop()
 
     async def _iteration(self) -> float:
         try:
             too_large: list[str] = []
             candidates = await asyncio.to_thread(scan, self.cfg.watch_dir, self.cfg.marker, too_large)
             self._report_too_large(too_large)
+            # what waits, before the store is asked (a store that hangs must not hide new checkpoints)
+            self.pending = [c.step for c in candidates if self.head is None or c.step > self.head]
             self.head = await asyncio.to_thread(self.repo.head_version)
             if self._part is not None and self.head is not None and self.head >= self._part:
                 if self.head > self._part:

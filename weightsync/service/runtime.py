@@ -15,6 +15,7 @@ import asyncio
 import http.server
 import json
 import logging
+import math
 import signal
 import socket
 import sys
@@ -30,8 +31,9 @@ from aiohttp import web
 from weightsync.errors import WeightsyncError
 from weightsync.service.config import ApiConfig, LogConfig, StoreConfig
 from weightsync.store import open_store
+from weightsync.store.inflight import InFlight
 from weightsync.store.repo import Repo, open_repo
-from weightsync.store.retry import RetryingStore
+from weightsync.store.retry import RetryingStore, retry_reason
 from weightsync.sync.observer import Observer
 
 log = logging.getLogger("weightsync.daemon")
@@ -107,11 +109,46 @@ def event(logger: logging.Logger, msg: str, level: int = logging.INFO, **fields)
 
 
 # --- store ---------------------------------------------------------------------------------------
-def open_daemon_repo(cfg: StoreConfig, on_retry: Callable[[str, str, Exception], None]) -> Repo:
+def open_daemon_repo(
+    cfg: StoreConfig, on_retry: Callable[[str, str, Exception], None], inflight: InFlight | None = None
+) -> Repo:
     """The repo of a daemon or of the mirror (once per side): the store wrapped in bounded retries
-    (``cfg.retry``; only retryable errors, which the S3 backend marks) that report each retry."""
+    (``cfg.retry``; only retryable errors, which the S3 backend marks) that report each retry to
+    ``on_retry`` (the metrics) and the log (:class:`RetryLog`), its requests recorded in ``inflight``."""
     store = open_store(cfg.url, **cfg.options())
-    return open_repo(RetryingStore(store, cfg.retry, on_retry=on_retry))
+    return open_repo(RetryingStore(store, cfg.retry, on_retry=RetryLog(on_retry), inflight=inflight))
+
+
+class RetryLog:
+    """The ``on_retry`` of a daemon's store: ``count(op, key, exc)`` each retry, and log it at WARNING
+    with the wait actually slept, at most one line per ``every`` seconds (the next line says how many
+    retries it stands for): a throttled store retries in bursts."""
+
+    def __init__(self, count: Callable[[str, str, Exception], None], every: float = 10.0, logger=None):
+        self.count, self.every, self.log = count, every, logger or logging.getLogger("weightsync.store")
+        self._last = -math.inf
+        self._unlogged = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, op: str, key: str, exc: Exception, delay: float) -> None:
+        self.count(op, key, exc)
+        with self._lock:
+            now = time.monotonic()
+            if now - self._last < self.every:
+                self._unlogged += 1
+                return
+            self._last, unlogged, self._unlogged = now, self._unlogged, 0
+        event(
+            self.log,
+            "store request failed; retrying",
+            logging.WARNING,
+            op=op,
+            key=key,
+            reason=retry_reason(exc),
+            retry_in=f"{delay:.2f}s",
+            error=" ".join(str(exc).split())[:300],
+            **({"retries_not_logged": unlogged} if unlogged else {}),
+        )
 
 
 def warm_codec() -> None:
@@ -238,6 +275,16 @@ def iteration_failed(daemon, exc: Exception, logger: logging.Logger) -> float:
     if not isinstance(exc, WeightsyncError):
         logger.error("unexpected error", exc_info=exc)
     return delay
+
+
+def stall_view(stalls, state: str, reason: str) -> tuple[str, str, list[dict]]:
+    """A daemon's status ``state``, ``reason`` and ``stalled`` requests: ``stalled`` and the oldest
+    stalled store request while one runs past ``--stall-after`` (``stalls``: a
+    :class:`~weightsync.service.stalls.StallWatch` or None), else the daemon's own."""
+    stalled = [] if stalls is None else stalls.stalled()
+    if stalled and state != "stopping":
+        return "stalled", stalls.describe() or reason, stalled
+    return state, reason, stalled
 
 
 # --- outcomes shared by the daemons' pure planning functions ---------------------------------------

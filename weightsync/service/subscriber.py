@@ -49,9 +49,11 @@ from weightsync.service.runtime import (
     event,
     iteration_failed,
     sleep_or_wake,
+    stall_view,
     warm_codec,
 )
 from weightsync.service.slots import Slots, StandbyRelease, slot_version
+from weightsync.service.stalls import StallWatch
 from weightsync.store.repo import Repo
 from weightsync.sync.fleet import FleetRecord, superseded_at, write_record
 from weightsync.sync.pull import PullConfig, pull
@@ -129,8 +131,11 @@ class SyncResult:
 class Subscriber:
     """The subscriber's state and loop; the HTTP API (``weightsync.service.api``) reads and steers it."""
 
-    def __init__(self, cfg: SubscriberConfig, repo: Repo, metrics: Metrics, clock=time.time):
+    def __init__(
+        self, cfg: SubscriberConfig, repo: Repo, metrics: Metrics, clock=time.time, stalls: StallWatch | None = None
+    ):
         self.cfg, self.repo, self.metrics, self.clock = cfg, repo, metrics, clock
+        self.stalls = stalls  # store requests that hang (weightsync.service.stalls)
         self.slots = Slots(cfg.target_dir)
         self.release = StandbyRelease(cfg.standby_hold, cfg.hook is not None)
         self.selection = Selection(cfg.include, cfg.exclude)
@@ -335,6 +340,7 @@ class Subscriber:
     def status(self) -> dict:
         """The ``GET /v1/status`` document."""
         lag = None if self.latest is None or self.view.current is None else self.latest - self.view.current
+        state, reason, stalled = stall_view(self.stalls, self.state, self.reason)
         return {
             "role": "subscriber",
             "id": self.cfg.identity.id,
@@ -347,8 +353,9 @@ class Subscriber:
             "latest_version": self.latest,
             "target": self.target,
             "target_from": self.target_from,  # command line, stored, default (the head) or api
-            "state": self.state,
-            "reason": self.reason,
+            "state": state,
+            "reason": reason,
+            "stalled": stalled,
             "lag": lag,
             "staleness_seconds": self.staleness,
             "partial": {"include": list(self.cfg.include), "exclude": list(self.cfg.exclude)}
@@ -366,6 +373,8 @@ class Subscriber:
         self._wake = asyncio.Event()
         warm_codec()
         engines = None
+        if self.stalls is not None:
+            self.stalls.start()
         try:
             await asyncio.to_thread(self.claim)
             await asyncio.to_thread(self._startup)
@@ -382,6 +391,8 @@ class Subscriber:
             if self._hook_task is not None and not self._hook_task.done():
                 self._hook_task.cancel()  # its record stays "running": the next start calls it again
             await self._write_ledger(force=True)
+            if self.stalls is not None:
+                self.stalls.stop()
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None
