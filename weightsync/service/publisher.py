@@ -19,7 +19,7 @@ from weightsync.format.manifest import part_from_json
 from weightsync.local.checkpoint import scan_checkpoint
 from weightsync.service.config import PublisherConfig
 from weightsync.service.metrics import Metrics
-from weightsync.service.progress import human_bytes
+from weightsync.service.progress import DaemonProgress, human_bytes
 from weightsync.service.runtime import (
     Idle,
     Stopped,
@@ -149,6 +149,7 @@ class Publisher:
         self.last_error: str | None = None
         self.last_publish: dict | None = None
         self.stop_token = StopToken()
+        self.progress: DaemonProgress | None = None  # the publish under way (phase, bytes), for the status
         self._lock: asyncio.Lock | None = None
         self._wake: asyncio.Event | None = None
         self._failed: tuple[int, int, float] | None = None  # step, failures, retry_at
@@ -183,6 +184,7 @@ class Publisher:
             "state": state,
             "reason": reason,
             "stalled": stalled,
+            "progress": None if self.progress is None else self.progress.doc(),
             "last_publish": self.last_publish,
             "last_error": self.last_error,
             "rank": self.cfg.rank,
@@ -328,8 +330,15 @@ class Publisher:
             return result
 
     def _publish_blocking(self, path: Path, version: int | None, base: Path | None) -> PublishResult:
+        # uploads are counted as each chunk lands (weightsync_upload_bytes_total), failed publishes too
+        self.progress = DaemonProgress(self.stop_token, self.metrics.upload_bytes.inc, version, self.clock)
+        try:
+            return self._publish_with(path, version, base, self.progress)
+        finally:
+            self.progress = None
+
+    def _publish_with(self, path: Path, version: int | None, base: Path | None, stop) -> PublishResult:
         cfg, cache = self.cfg.publish, self.cache_dir
-        stop = self.stop_token
         files = None
         if self.cfg.rank is not None and self.cfg.own_files:
             files = [f.path for f in scan_checkpoint(path, cfg.ignore)]
@@ -386,7 +395,7 @@ class Publisher:
         )
 
     def _record(self, path: Path, r: PublishResult) -> None:
-        self.metrics.observe_publish(r, committed=self.cfg.rank is None)
+        self.metrics.observe_publish(r, committed=self.cfg.rank is None, uploaded=False)  # counted as they went
         self.last_publish = {
             "path": str(path),
             "time": self.clock(),

@@ -40,7 +40,7 @@ from weightsync.service.pin import (
     target_path,
     write_target,
 )
-from weightsync.service.progress import human_bytes
+from weightsync.service.progress import DaemonProgress, human_bytes
 from weightsync.service.runtime import (
     Idle,
     Stopped,
@@ -140,6 +140,7 @@ class Subscriber:
         self.release = StandbyRelease(cfg.standby_hold, cfg.hook is not None)
         self.selection = Selection(cfg.include, cfg.exclude)
         self.target, self.target_from = self._initial_target()
+        metrics.target(self.target)
         self._target_lock: asyncio.Lock | None = None
         self.view = View(None)
         self.latest: int | None = None
@@ -148,6 +149,7 @@ class Subscriber:
         self.last_error: str | None = None
         self.last_sync: dict | None = None
         self.stop_token = StopToken()
+        self.progress: DaemonProgress | None = None  # the sync under way (phase, bytes), for the status
         self.hooks = HookRunner(cfg.hook, metrics.hook_failures.inc, self._hook_changed) if cfg.hook else None
         self._hook_task: asyncio.Task | None = None  # the one hook call at a time (never two at the engine)
         self._hook_want: tuple[int | None, int, Path] | None = None  # (swap, version, folder) to fire next
@@ -250,6 +252,7 @@ class Subscriber:
                     f"{exc.strerror or exc}; target unchanged"
                 ) from None
             self.target, self.target_from = target, "api"
+            self.metrics.target(target)
         event(log, "target set", target=target, stored=target_path(self.cfg.target_dir))
         if self.view.failed_version is not None:
             self.view = View(self.view.current, self.view.standby)  # a new target gets a fresh try
@@ -361,6 +364,7 @@ class Subscriber:
             "partial": {"include": list(self.cfg.include), "exclude": list(self.cfg.exclude)}
             if self.cfg.partial
             else None,
+            "progress": None if self.progress is None else self.progress.doc(),
             "last_sync": self.last_sync,
             "last_error": self.last_error,
             "hook": None if self.hooks is None or self.hooks.record is None else self.hooks.record.to_doc(),
@@ -474,8 +478,11 @@ class Subscriber:
         self.state = "syncing"
         standby = self.slots.standby()
         folder = self.slots.path(standby)
+        self.progress = DaemonProgress(self.stop_token, self.metrics.download_bytes.inc, version, self.clock)
         try:
             result = await asyncio.to_thread(self._fill, folder, version)
+            # what no transfer reported (a file store's chunks are read in place): counted as before
+            self.metrics.download_bytes.inc(max(0, result.fetched_bytes - self.progress.moved))
         except Stopped:
             raise
         except Exception as exc:
@@ -485,6 +492,8 @@ class Subscriber:
             retry_at = self.clock() + self.cfg.backoff.delay(failures)
             self.view = View(self.view.current, None, version, failures, retry_at)
             raise
+        finally:
+            self.progress = None
         if self.stop_token.is_set:
             self.view = View(self.view.current, version)
             raise Stopped("stopping before the swap; the standby slot keeps the new version")
@@ -526,10 +535,9 @@ class Subscriber:
         cfg = PullConfig(
             fetch_concurrency=self.cfg.fetch_concurrency, decode_threads=self.cfg.decode_threads, fsync=self.cfg.fsync
         )
+        observer = self.progress or self.stop_token
         if self.cfg.partial:
-            r = materialize(
-                self.repo, folder, version, self.selection, config=cfg, observer=self.stop_token, lock=self._lock
-            )
+            r = materialize(self.repo, folder, version, self.selection, config=cfg, observer=observer, lock=self._lock)
             raw = sum(f["size"] for f in read_partial_state(folder).files.values())
             fetch_s, build_s = r.seconds.get("fetch", 0.0), r.seconds.get("build", 0.0)
         else:
@@ -537,7 +545,7 @@ class Subscriber:
             base = self._refill_base(version)
             if base is None:
                 self._seed_from_current(folder, version)
-            r = pull(self.repo, folder, version, config=cfg, observer=self.stop_token, base_dir=base, lock=self._lock)
+            r = pull(self.repo, folder, version, config=cfg, observer=observer, base_dir=base, lock=self._lock)
             raw = self.repo.manifest(version).raw_bytes
             fetch_s, build_s = r.seconds.get("fetch", 0.0), r.seconds.get("build", 0.0)
             if self.cfg.verify_before_swap:
@@ -695,7 +703,6 @@ class Subscriber:
     def _after_swap(self, r: SyncResult, folder: Path, pause: float, swap: int) -> None:
         m = self.metrics
         m.current_version.set(r.version)
-        m.download_bytes.inc(r.fetched_bytes)
         m.download_seconds.observe(r.fetch_seconds)
         m.apply_seconds.observe(r.build_seconds)
         m.swap_pause.observe(pause)
