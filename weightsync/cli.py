@@ -28,6 +28,7 @@ from weightsync.service.flags import (
 )
 from weightsync.service.progress import Progress, human_bytes
 from weightsync.store.repo import open_repo, versions
+from weightsync.sync.fleet import EXPIRE_AFTER
 from weightsync.sync.publish import PublishConfig, publish
 from weightsync.sync.pull import PullConfig, pull, verify
 
@@ -440,12 +441,24 @@ def _run_daemon(cfg) -> int:
 def cmd_fleet(args) -> int:
     import time
 
-    from weightsync.sync.fleet import format_fleet, read_fleet
+    from weightsync.sync.fleet import format_fleet, read_fleet, read_fleets
 
-    repo = _repo(args)
-    repo.require()
-    fleet = read_fleet(repo, time.time())
-    print(json.dumps(fleet, indent=2) if args.json else format_fleet(fleet))
+    stores, endpoints = args.store, args.endpoint_url or []
+    if len(endpoints) not in (0, 1, len(stores)):
+        raise UsageError(
+            f"--endpoint-url: give one for every store ({len(stores)}, in the order of --store) or one for all, "
+            f"not {len(endpoints)}"
+        )
+    repos = []
+    for i, url in enumerate(stores):
+        endpoint = endpoints[i] if len(endpoints) == len(stores) else (endpoints or [None])[0]
+        repo = open_repo(url, **({"endpoint_url": endpoint} if endpoint else {}))
+        repo.require()
+        repos.append(repo)
+    options = {"expire_after": args.expire_after, "everyone": args.all}
+    now = time.time()
+    fleet = read_fleet(repos[0], now, **options) if len(repos) == 1 else read_fleets(repos, now, **options)
+    print(json.dumps(fleet, indent=2) if args.json else format_fleet(fleet, args.expire_after))
     return 0
 
 
@@ -588,8 +601,36 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     p.set_defaults(func=cmd_subscriber)
 
     p = sub.add_parser("fleet", help="every subscriber's version, lag and staleness (the fleet ledger)")
-    _add_store(p, env)
-    env_argument(p, env, "--json", action="store_true", help="the fleet as JSON instead of a table")
+    add = lambda *flags, **kw: env_argument(p, env, *flags, **kw)  # noqa: E731
+    add(
+        "--store",
+        action="append",
+        required=True,
+        sep=",",
+        help="file:///abs/path, a plain path, or s3://bucket/prefix; repeat it for every region's store",
+    )
+    add(
+        "--endpoint-url",
+        action="append",
+        sep=",",
+        help="S3 endpoint (default: boto3's, e.g. AWS_ENDPOINT_URL); one for all stores, or one per --store "
+        "in the same order (stores in regions with their own endpoints)",
+    )
+    add("--json", action="store_true", help="the fleet as JSON instead of a table")
+    add(
+        "--show-gone",
+        "--all",
+        dest="all",
+        action="store_true",
+        help="also show stopped subscribers and those whose records expired",
+    )
+    add(
+        "--expire-after",
+        type=float,
+        default=EXPIRE_AFTER,
+        help=f"seconds after which a subscriber that stopped rewriting its record (every --ledger-interval) is "
+        f"gone: not shown without --all (default {EXPIRE_AFTER:g})",
+    )
     p.set_defaults(func=cmd_fleet)
     return parser
 

@@ -53,7 +53,7 @@ def test_every_flag_of_a_deployed_command_has_its_variable(command):
         long = next(f for f in action.option_strings if f.startswith("--"))
         assert getattr(action, "env_var", None) == env_var(long), f"{command} {long}"
         assert f"env {env_var(long)}" in action.help, f"{command} {long}: the help does not name its variable"
-    help_text = p.format_help()
+    help_text = " ".join(p.format_help().split())  # as read, whatever the wrapping
     assert "(env WEIGHTSYNC_STORE" in help_text or "(env WEIGHTSYNC_FROM" in help_text
 
 

@@ -306,7 +306,11 @@ async def post_publish(request: web.Request) -> web.Response:
 
 async def fleet(request: web.Request) -> web.Response:
     repo = request.app[PUBLISHER].repo
-    return web.json_response(await asyncio.to_thread(read_fleet, repo, time.time()))
+    everyone = request.query.get("all", "false")
+    if everyone not in ("true", "false"):
+        raise UsageError("all must be true or false")
+    doc = await asyncio.to_thread(read_fleet, repo, time.time(), everyone=everyone == "true")
+    return web.json_response(doc)
 
 
 # --- engine ranks (weightsync.service.engines) -----------------------------------------------------

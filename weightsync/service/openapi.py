@@ -251,14 +251,18 @@ def _schemas(role: str) -> dict:
                 "staleness_seconds": _nullable("number"),
                 "last_seen_seconds": {"type": "number"},
                 "engines": {"type": "array", "items": _ENGINE_RECORD},
+                "gone": {"type": "boolean"},
+                "store": {"type": "string"},
             },
         }
         schemas["Fleet"] = {
             "type": "object",
             "required": ["head_version", "subscribers", "errors"],
             "properties": {
+                "store": {"type": "string"},
                 "head_version": _nullable(_VERSION),
                 "subscribers": {"type": "array", "items": row},
+                "hidden": {"type": "integer", "minimum": 0},
                 "errors": {"type": "array", "items": {"type": "string"}},
             },
         }
@@ -462,10 +466,20 @@ def openapi_document(role: str, auth: bool) -> dict:
                 "The fleet ledger",
                 {
                     "200": _json("Fleet", "Every subscriber's version, lag and staleness"),
+                    "400": bad,
                     "502": _json("Error", "Store error"),
                 },
                 v1=True,
                 auth=auth,
+                parameters=[
+                    {
+                        "name": "all",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "string", "enum": ["true", "false"], "default": "false"},
+                        "description": "true: also stopped subscribers and those whose records expired",
+                    }
+                ],
             )
         }
     doc = {

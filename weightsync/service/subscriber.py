@@ -55,7 +55,7 @@ from weightsync.service.runtime import (
 from weightsync.service.slots import Slots, StandbyRelease, slot_version
 from weightsync.service.stalls import StallWatch
 from weightsync.store.repo import Repo
-from weightsync.sync.fleet import FleetRecord, superseded_at, write_record
+from weightsync.sync.fleet import STOPPED, FleetRecord, superseded_at, write_record
 from weightsync.sync.pull import PullConfig, pull
 from weightsync.sync.selection import STATE as PARTIAL_STATE
 from weightsync.sync.selection import Selection, materialize, read_partial_state
@@ -376,7 +376,7 @@ class Subscriber:
         """The daemon's loop: claim the folders, then read the head, plan, sync and swap, until stopped."""
         self._wake = asyncio.Event()
         warm_codec()
-        engines = None
+        engines = heartbeat = None
         if self.stalls is not None:
             self.stalls.start()
         try:
@@ -384,16 +384,19 @@ class Subscriber:
             await asyncio.to_thread(self._startup)
             self._resume_hook()
             engines = asyncio.create_task(self.engines.run(self.serving), name="engines")
+            heartbeat = asyncio.create_task(self._heartbeat(), name="fleet-heartbeat")
             while not self.stop_token.is_set:
                 await sleep_or_wake(self._wake, await self._iteration(), self.stop_token)
         finally:
             self.engines.close()
-            if engines is not None:
-                engines.cancel()
-                with suppress(asyncio.CancelledError):
-                    await engines
+            for task in (engines, heartbeat):
+                if task is not None:
+                    task.cancel()
+                    with suppress(asyncio.CancelledError):
+                        await task
             if self._hook_task is not None and not self._hook_task.done():
                 self._hook_task.cancel()  # its record stays "running": the next start calls it again
+            self.state = STOPPED  # the last record: the fleet view leaves it out (a pod gone in a rollout)
             await self._write_ledger(force=True)
             if self.stalls is not None:
                 self.stalls.stop()
@@ -799,6 +802,13 @@ class Subscriber:
             if self._superseded is not None:
                 self.staleness = max(0.0, self.clock() - self._superseded[1])
         m.staleness.set(self.staleness)
+
+    async def _heartbeat(self) -> None:
+        """Rewrite the fleet record every ``--ledger-interval`` seconds, also while a sync runs for an
+        hour: a record that stops being rewritten is a gone subscriber's (the fleet view expires it)."""
+        while True:
+            await asyncio.sleep(self.cfg.ledger_interval)
+            await self._write_ledger()
 
     async def _write_ledger(self, force: bool = False) -> None:
         if self._ledger_lock is None:
