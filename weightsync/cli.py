@@ -233,6 +233,9 @@ class _MirrorHealth:
     def failed(self, exc: Exception) -> None:
         self.state, self.last_error = "error", f"{type(exc).__name__}: {exc}"
 
+    def waiting(self, reason: str) -> None:
+        self.state, self.last_error = "waiting", reason
+
     def readyz(self):
         from weightsync.service.runtime import json_answer
 
@@ -310,6 +313,11 @@ def cmd_mirror(args) -> int:
             metrics.mirror_pass(result)
             health.passed()
 
+        def on_waiting(self, reason: str) -> None:
+            if health.state != "waiting":  # once, not at every poll
+                event(log, f"waiting for the source: {reason}", source=args.src, interval=f"{args.interval:g}s")
+            health.waiting(reason)
+
     flag = env_sources(args).get("metrics_listen", "--metrics-listen")
     server = (
         None if args.metrics_listen is None else _serve_mirror_http(args.metrics_listen, flag, metrics, health, log)
@@ -319,14 +327,11 @@ def cmd_mirror(args) -> int:
     try:
         src = open_daemon_repo(_side_store(args, "from"), metrics.on_retry, inflight)  # retries as the daemons do
         dst = open_daemon_repo(_side_store(args, "to"), metrics.on_retry, inflight)
-        r = mirror(
-            src,
-            dst,
-            follow=args.follow,
-            config=cfg,
-            stop=stop,
-            observer=Report(),
-        )
+        r = mirror(src, dst, follow=args.follow, config=cfg, stop=stop, observer=Report())
+    except WeightsyncError as exc:
+        if args.follow:  # a long-running mirror's end goes into its log too, with time and level
+            event(log, "mirror stopped on an error", logging.ERROR, error=f"{type(exc).__name__}: {exc}")
+        raise
     finally:
         stalls.stop()
         if server is not None:

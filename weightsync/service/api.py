@@ -206,6 +206,7 @@ def list_versions(repo: Repo, limit: int) -> list[dict]:
                 "keyframe": m.keyframe,
                 "raw_bytes": m.raw_bytes,
                 "payload_bytes": m.payload_bytes,
+                "ratio": round(m.raw_bytes / m.payload_bytes, 3) if m.payload_bytes else None,  # size / stored
                 "changed_fraction": (m.stats.get("changed", 0) or 0) / max(1, elements),
                 "created": m.created,
             }

@@ -135,6 +135,7 @@ def _schemas(role: str) -> dict:
                 "keyframe": {"type": "boolean"},
                 "raw_bytes": {"type": "integer", "minimum": 0},
                 "payload_bytes": {"type": "integer", "minimum": 0},
+                "ratio": _nullable({"type": "number", "minimum": 0}),
                 "changed_fraction": {"type": "number", "minimum": 0},
                 "created": {"type": "string"},
             },

@@ -122,7 +122,17 @@ def plan_publish(
             continue
         if not c.ready:
             if now - c.mtime < stale_after:
-                return Wait(f"waiting for checkpoint {c.step} to complete")
+                behind = [x.step for x in candidates if x.step > c.step and x.ready]
+                return Wait(
+                    f"waiting for checkpoint {c.step} to complete"
+                    + (
+                        f"; ready checkpoint(s) {', '.join(map(str, behind[:5]))}{' ...' if len(behind) > 5 else ''} "
+                        f"wait behind it until it has its marker or is skipped "
+                        f"{stale_after - (now - c.mtime):.0f}s from now (--stale-after)"
+                        if behind
+                        else ""
+                    )
+                )
             skipped.append(c.step)
             continue
         if c.step == failed_step and now < retry_at:
@@ -156,6 +166,7 @@ class Publisher:
         self._errors = 0
         self._part: int | None = None  # rank mode: the version whose part this rank stored, not yet committed
         self._too_large: set[str] = set()  # checkpoint folders already reported as beyond the format's versions
+        self._blocked: str | None = None  # the unfinished checkpoint last reported as holding back others
 
     def request_stop(self) -> None:
         """Stop after the current step (a publish in progress is cancelled at its next check)."""
@@ -238,6 +249,7 @@ class Publisher:
             self._errors = 0
             if not isinstance(action, Publish):
                 self.state = "idle" if isinstance(action, Idle) else "waiting"
+                self._report_blocked(action)
                 return self.cfg.poll_interval
             for step in action.skipped:
                 event(
@@ -257,7 +269,17 @@ class Publisher:
         except Stopped:
             return 0.0
         except Exception as exc:  # logged, counted, backed off; the loop goes on
-            return iteration_failed(self, exc, log)
+            # a failed publish is retried when its step's back-off ends (plan_publish waits until then)
+            wait = None if self._failed is None else self._failed[2] - self.clock()
+            return iteration_failed(self, exc, log, wait if wait is not None and wait > 0 else None)
+
+    def _report_blocked(self, action: Idle | Wait) -> None:
+        """Log once (WARNING) an unfinished checkpoint that holds back ready ones after it."""
+        blocked = isinstance(action, Wait) and "wait behind it" in action.reason
+        key = action.reason.split(";")[0] if blocked else None
+        if blocked and key != self._blocked:
+            event(log, f"an unfinished checkpoint holds back later ones: {action.reason}", logging.WARNING)
+        self._blocked = key
 
     def _report_too_large(self, names: list[str]) -> None:
         """Log once each checkpoint folder skipped for good: its step is no version the format allows."""
@@ -405,7 +427,7 @@ class Publisher:
         }
         self.last_error = None
         s = r.seconds
-        kind = "keyframe" if r.keyframe else f"delta from {r.parent}"
+        kind = "keyframe" if r.keyframe else "delta"
         what = (
             f"part {self.cfg.rank} of {self.cfg.world} of version {r.version}"
             if self.cfg.rank is not None
@@ -416,6 +438,7 @@ class Publisher:
             f"published {what}",
             version=r.version,
             kind=kind,
+            parent=r.parent,
             size=human_bytes(r.raw_bytes),
             stored=human_bytes(r.payload_bytes),
             ratio=f"{r.ratio:.1f}x",

@@ -81,12 +81,21 @@ class _JsonFormatter(logging.Formatter):
         return json.dumps(doc, default=str)
 
 
+def logfmt_value(value: object) -> str:
+    """A field's value as logfmt writes it: as is, or double-quoted (JSON escapes) when it is empty or
+    holds a blank, ``=`` or ``"``, so that ``key=value`` parsers read every field whole."""
+    text = str(value)
+    if text and not any(c.isspace() or c in '="' for c in text):
+        return text
+    return json.dumps(text)
+
+
 class _TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
         fields = getattr(record, "fields", None)
         if fields:
-            line += " " + " ".join(f"{k}={v}" for k, v in fields.items())
+            line += " " + " ".join(f"{k}={logfmt_value(v)}" for k, v in fields.items())
         return line
 
 
@@ -262,15 +271,17 @@ async def sleep_or_wake(wake: asyncio.Event, delay: float, stop: StopToken) -> N
         await asyncio.wait_for(wake.wait(), delay)
 
 
-def iteration_failed(daemon, exc: Exception, logger: logging.Logger) -> float:
+def iteration_failed(daemon, exc: Exception, logger: logging.Logger, delay: float | None = None) -> float:
     """Record a failed loop iteration of ``daemon`` (a publisher or subscriber: ``_errors``,
     ``metrics.loop_errors``, ``last_error``, ``state``, ``cfg.poll_interval``, ``cfg.backoff``):
-    log it, count it, and return how long to back off before the next one."""
+    log it, count it, and return how long to back off before the next one (``delay`` when the daemon
+    knows better, e.g. when the failed step is retried; the log says the wait actually taken)."""
     daemon._errors += 1
     daemon.metrics.loop_errors.inc()
     daemon.last_error = f"{type(exc).__name__}: {exc}"
     daemon.state = "error"
-    delay = max(daemon.cfg.poll_interval, daemon.cfg.backoff.delay(daemon._errors))
+    if delay is None:
+        delay = max(daemon.cfg.poll_interval, daemon.cfg.backoff.delay(daemon._errors))
     event(logger, "iteration failed", logging.ERROR, error=daemon.last_error, retry_in=f"{delay:.1f}s")
     if not isinstance(exc, WeightsyncError):
         logger.error("unexpected error", exc_info=exc)
@@ -302,6 +313,18 @@ class Wait:
     reason: str
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) is reachable from this machine only."""
+    import ipaddress
+
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: whatever it resolves to may be reachable from outside
+
+
 async def serve(app: web.Application, api: ApiConfig) -> int:
     """Run ``app`` (HTTP only if ``api.port`` is set) until SIGTERM/SIGINT or its loop ends."""
     app[SHUTDOWN] = asyncio.Event()
@@ -317,6 +340,13 @@ async def serve(app: web.Application, api: ApiConfig) -> int:
             await site.start()
             for addr in runner.addresses:
                 event(log, "listening", url=f"http://{addr[0]}:{addr[1]}", auth="bearer" if api.token else "none")
+            if api.token is None and not is_loopback(api.host):
+                event(
+                    log,
+                    f"the API listens on {api.host} without a token: anyone who reaches this port can pin, roll "
+                    "back, publish and call the swap hook; set WEIGHTSYNC_API_TOKEN (or --api-token-file)",
+                    logging.WARNING,
+                )
         await app[SHUTDOWN].wait()
         event(log, "stopping")
     finally:

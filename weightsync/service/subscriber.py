@@ -508,9 +508,10 @@ class Subscriber:
         pause = time.perf_counter() - t0
         self._served = result.served
         swap = self.release.swapped()
-        self.view = View(version, self.view.current)
+        served_before = self.view.current
+        self.view = View(version, served_before)
         self.state = self._serving()  # before the record is written: it says what is served now
-        self._after_swap(result, folder, pause, swap)
+        self._after_swap(result, folder, pause, swap, served_before)
         self.engines.kick()
         await self._write_ledger(force=True)
 
@@ -703,7 +704,9 @@ class Subscriber:
             event(log, "clearing a slot filled in the other mode", folder=folder)
             clear_folder(folder)
 
-    def _after_swap(self, r: SyncResult, folder: Path, pause: float, swap: int) -> None:
+    def _after_swap(self, r: SyncResult, folder: Path, pause: float, swap: int, served_before: int | None) -> None:
+        """Metrics, ``last_sync``, the log line and the hook of a swap to ``r.version`` from
+        ``served_before`` (the version served until now; ``r.from_version`` is what the slot held)."""
         m = self.metrics
         m.current_version.set(r.version)
         m.download_seconds.observe(r.fetch_seconds)
@@ -712,7 +715,8 @@ class Subscriber:
         m.swaps.inc()
         self.last_sync = {
             "version": r.version,
-            "from_version": r.from_version,
+            "from_version": served_before,  # the version served before the swap
+            "base_version": r.from_version,  # what the standby slot held, the sync's base (None: empty)
             "fetched_bytes": r.fetched_bytes,
             "raw_bytes": r.raw_bytes,
             "fetch_seconds": round(r.fetch_seconds, 6),
@@ -726,7 +730,8 @@ class Subscriber:
             log,
             f"swapped to version {r.version}",
             version=r.version,
-            from_version=r.from_version,
+            from_version=served_before,
+            base_version=r.from_version,
             slot=folder.name,
             fetched=human_bytes(r.fetched_bytes),
             size=human_bytes(r.raw_bytes),
