@@ -10,6 +10,7 @@ import math
 import os
 import re
 import time
+from contextlib import suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -211,12 +212,28 @@ class Publisher:
         self.cfg.state_dir.mkdir(parents=True, exist_ok=True)
         if self.stalls is not None:
             self.stalls.start()
+        lister = asyncio.create_task(self._list_pending(), name="pending")
         try:
             while not self.stop_token.is_set:
                 await sleep_or_wake(self._wake, await self._iteration(), self.stop_token)
         finally:
+            lister.cancel()
+            with suppress(asyncio.CancelledError):
+                await lister
             if self.stalls is not None:
                 self.stalls.stop()
+
+    async def _list_pending(self) -> None:
+        """Keep ``pending`` current every poll interval, also while an iteration waits on a store that
+        hangs or on a long publish: the checkpoints written meanwhile show in the status."""
+        while True:
+            await asyncio.sleep(self.cfg.poll_interval)
+            try:
+                candidates = await asyncio.to_thread(scan, self.cfg.watch_dir, self.cfg.marker)
+            except OSError:
+                continue  # the loop reports an unreadable folder
+            head = self.head
+            self.pending = [c.step for c in candidates if head is None or c.step > head]
 
     async def _iteration(self) -> float:
         try:

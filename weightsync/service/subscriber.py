@@ -343,7 +343,11 @@ class Subscriber:
     def status(self) -> dict:
         """The ``GET /v1/status`` document."""
         lag = None if self.latest is None or self.view.current is None else self.latest - self.view.current
-        state, reason, stalled = stall_view(self.stalls, self.state, self.reason)
+        reason = self.reason
+        if self.state == "degraded" and (rec := self.hooks.record) is not None:
+            what = "is being retried" if rec.state == "retrying" else f"did not succeed ({rec.state})"
+            reason += f"; the swap hook of version {rec.version} {what}: {rec.error}; POST /v1/hook calls it again"
+        state, reason, stalled = stall_view(self.stalls, self.state, reason)
         return {
             "role": "subscriber",
             "id": self.cfg.identity.id,
