@@ -400,7 +400,8 @@ def add_subscriber_args(p: argparse.ArgumentParser, environ: Mapping[str, str] |
     )
     add(
         "--hook-body",
-        help=f"JSON template; {{version}}, {{path}}, {{current}} are replaced (default {DEFAULT_HOOK_BODY})",
+        help=f"JSON template in which {{version}} (the version swapped in), {{path}} (the folder of the slot "
+        f"holding it) and {{current}} (the current symlink) are replaced (default {DEFAULT_HOOK_BODY})",
     )
     add("--hook-token-file", help="file holding a bearer token sent as 'Authorization: Bearer ...' to the hook")
     add(
