@@ -267,14 +267,13 @@ def _serve_mirror_http(text: str, flag: str, metrics, health: _MirrorHealth, log
 def cmd_mirror(args) -> int:
     import logging
     import signal
-    import threading
 
     from prometheus_client import CollectorRegistry
 
     from weightsync.service.config import LogConfig
     from weightsync.service.flags import env_sources
     from weightsync.service.metrics import Metrics
-    from weightsync.service.runtime import event, open_daemon_repo, setup_logging
+    from weightsync.service.runtime import Stopped, StopToken, event, open_daemon_repo, setup_logging
     from weightsync.service.stalls import StallWatch
     from weightsync.store.inflight import InFlight
     from weightsync.sync.mirror import MirrorConfig, MirrorObserver, mirror
@@ -284,7 +283,8 @@ def cmd_mirror(args) -> int:
     cfg = MirrorConfig(concurrency=args.concurrency, interval=args.interval)
     metrics = Metrics(CollectorRegistry(), "mirror", region=args.region, cluster=args.cluster)
     health = _MirrorHealth()
-    stop = threading.Event()
+    token = StopToken()  # also ends the waits between store retries: a stop is not held up by a store that is down
+    stop = token.event
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
 
@@ -325,9 +325,12 @@ def cmd_mirror(args) -> int:
     inflight = InFlight()
     stalls = StallWatch(inflight, args.stall_after, metrics, log).start()  # a hung store: logged, gauge
     try:
-        src = open_daemon_repo(_side_store(args, "from"), metrics.on_retry, inflight)  # retries as the daemons do
-        dst = open_daemon_repo(_side_store(args, "to"), metrics.on_retry, inflight)
+        src = open_daemon_repo(_side_store(args, "from"), metrics.on_retry, inflight, token)  # as the daemons do
+        dst = open_daemon_repo(_side_store(args, "to"), metrics.on_retry, inflight, token)
         r = mirror(src, dst, follow=args.follow, config=cfg, stop=stop, observer=Report())
+    except Stopped:  # stopped while a store request was being retried
+        event(log, "mirror stopped")
+        return 0
     except WeightsyncError as exc:
         if args.follow:  # a long-running mirror's end goes into its log too, with time and level
             event(log, "mirror stopped on an error", logging.ERROR, error=f"{type(exc).__name__}: {exc}")
@@ -413,7 +416,7 @@ def _run_daemon(cfg) -> int:
     from weightsync.service.api import Deps, create_app
     from weightsync.service.config import PublisherConfig
     from weightsync.service.metrics import Metrics
-    from weightsync.service.runtime import open_daemon_repo, run, setup_logging
+    from weightsync.service.runtime import StopToken, open_daemon_repo, run, setup_logging
     from weightsync.service.stalls import StallWatch
     from weightsync.store.inflight import InFlight
 
@@ -428,17 +431,18 @@ def _run_daemon(cfg) -> int:
         subscriber="" if publisher else ident.id,
     )
     inflight = InFlight()  # the store requests running now: a hung store is reported (weightsync.service.stalls)
-    repo = open_daemon_repo(cfg.store, metrics.on_retry, inflight)
+    stop = StopToken()  # also ends the waits between store retries: SIGTERM is not held up by a store that is down
+    repo = open_daemon_repo(cfg.store, metrics.on_retry, inflight, stop)
     role = "publisher" if publisher else "subscriber"
     stalls = StallWatch(inflight, cfg.stall_after, metrics, logging.getLogger(f"weightsync.{role}"))
     if publisher:
         from weightsync.service.publisher import Publisher
 
-        daemon = Publisher(cfg, repo, metrics, stalls=stalls)
+        daemon = Publisher(cfg, repo, metrics, stalls=stalls, stop_token=stop)
     else:
         from weightsync.service.subscriber import Subscriber
 
-        daemon = Subscriber(cfg, repo, metrics, stalls=stalls)
+        daemon = Subscriber(cfg, repo, metrics, stalls=stalls, stop_token=stop)
         daemon.claim()  # another process writing the folder: a one-line error before anything is served
     return run(lambda: create_app(Deps(daemon, metrics, cfg.api.token, cfg.grace)), cfg.api)
 

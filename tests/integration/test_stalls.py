@@ -4,12 +4,13 @@ real processes with short S3 timeouts, log each retried request and report the h
 ``--stall-after`` (a WARNING, state ``stalled`` with the request in ``/v1/status``, the
 ``weightsync_store_stalled_requests`` gauge); the publisher still lists the checkpoint written
 meanwhile as pending. Once the store answers again, the stall is logged as ended and the checkpoint
-is published and synced."""
+is published and synced. Stopped while the store hangs, both exit at once."""
 
 from __future__ import annotations
 
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,16 @@ def test_a_hung_store_is_logged_shown_and_exported_and_pending_checkpoints_stay_
             assert "stalled store request ended: GET s3://" in d.log()
             assert re.search(r"^weightsync_store_stalls_total\{[^}]*\} [1-9]", d.get("/metrics")[1], re.M)
         assert pub.status()["head_version"] == 1 and pub.status()["pending"] == []
+
+        # SIGTERM while the store hangs: the waits between retries end at once, the attempt in flight
+        # within its read timeout; the daemons exit 0 well within their grace
+        proxy.add(Rule("delay", method="GET", key=r"/HEAD$", delay=3600))
+        for d in (pub, sub):
+            wait_for(lambda d=d: d.status()["state"] == "stalled", 30, f"a stall\n{d.log()}")
+        for d in (pub, sub):
+            t0 = time.monotonic()
+            assert d.stop(timeout=15) == 0, d.log()
+            assert time.monotonic() - t0 < 10, d.log()
     finally:
         for d in (pub, sub):
             if d is not None and d.proc.poll() is None:

@@ -148,7 +148,13 @@ class Publisher:
     """The publisher's state and loop; the HTTP API (``weightsync.service.api``) reads and steers it."""
 
     def __init__(
-        self, cfg: PublisherConfig, repo: Repo, metrics: Metrics, clock=time.time, stalls: StallWatch | None = None
+        self,
+        cfg: PublisherConfig,
+        repo: Repo,
+        metrics: Metrics,
+        clock=time.time,
+        stalls: StallWatch | None = None,
+        stop_token: StopToken | None = None,
     ):
         self.cfg, self.repo, self.metrics, self.clock = cfg, repo, metrics, clock
         self.stalls = stalls  # store requests that hang (weightsync.service.stalls)
@@ -159,7 +165,7 @@ class Publisher:
         self.pending: list[int] = []
         self.last_error: str | None = None
         self.last_publish: dict | None = None
-        self.stop_token = StopToken()
+        self.stop_token = stop_token or StopToken()  # given: the one the store's retries wait on too
         self.progress: DaemonProgress | None = None  # the publish under way (phase, bytes), for the status
         self._lock: asyncio.Lock | None = None
         self._wake: asyncio.Event | None = None

@@ -56,6 +56,11 @@ class StopToken(Observer):
         self._event.set()
 
     @property
+    def event(self) -> threading.Event:
+        """The token as a ``threading.Event`` (for code that waits on one, as the mirror does)."""
+        return self._event
+
+    @property
     def is_set(self) -> bool:
         """Whether a stop was asked for."""
         return self._event.is_set()
@@ -63,6 +68,12 @@ class StopToken(Observer):
     def check(self, *_args) -> None:
         """Raise :class:`Stopped` once a stop was asked for (the observer hook of a running operation)."""
         if self._event.is_set():
+            raise Stopped("stopping")
+
+    def sleep(self, seconds: float) -> None:
+        """Sleep ``seconds``, or raise :class:`Stopped` as soon as a stop is asked for (the wait of
+        the store's retries: a daemon whose store is down stops at once, not after every retry)."""
+        if self._event.wait(seconds):
             raise Stopped("stopping")
 
 
@@ -119,13 +130,18 @@ def event(logger: logging.Logger, msg: str, level: int = logging.INFO, **fields)
 
 # --- store ---------------------------------------------------------------------------------------
 def open_daemon_repo(
-    cfg: StoreConfig, on_retry: Callable[[str, str, Exception], None], inflight: InFlight | None = None
+    cfg: StoreConfig,
+    on_retry: Callable[[str, str, Exception], None],
+    inflight: InFlight | None = None,
+    stop: StopToken | None = None,
 ) -> Repo:
     """The repo of a daemon or of the mirror (once per side): the store wrapped in bounded retries
     (``cfg.retry``; only retryable errors, which the S3 backend marks) that report each retry to
-    ``on_retry`` (the metrics) and the log (:class:`RetryLog`), its requests recorded in ``inflight``."""
+    ``on_retry`` (the metrics) and the log (:class:`RetryLog`), its requests recorded in ``inflight``;
+    the wait between retries ends with :class:`Stopped` once ``stop`` is set."""
     store = open_store(cfg.url, **cfg.options())
-    return open_repo(RetryingStore(store, cfg.retry, on_retry=RetryLog(on_retry), inflight=inflight))
+    sleep = time.sleep if stop is None else stop.sleep
+    return open_repo(RetryingStore(store, cfg.retry, on_retry=RetryLog(on_retry), inflight=inflight, sleep=sleep))
 
 
 class RetryLog:

@@ -132,7 +132,13 @@ class Subscriber:
     """The subscriber's state and loop; the HTTP API (``weightsync.service.api``) reads and steers it."""
 
     def __init__(
-        self, cfg: SubscriberConfig, repo: Repo, metrics: Metrics, clock=time.time, stalls: StallWatch | None = None
+        self,
+        cfg: SubscriberConfig,
+        repo: Repo,
+        metrics: Metrics,
+        clock=time.time,
+        stalls: StallWatch | None = None,
+        stop_token: StopToken | None = None,
     ):
         self.cfg, self.repo, self.metrics, self.clock = cfg, repo, metrics, clock
         self.stalls = stalls  # store requests that hang (weightsync.service.stalls)
@@ -148,7 +154,7 @@ class Subscriber:
         self.reason = ""
         self.last_error: str | None = None
         self.last_sync: dict | None = None
-        self.stop_token = StopToken()
+        self.stop_token = stop_token or StopToken()  # given: the one the store's retries wait on too
         self.progress: DaemonProgress | None = None  # the sync under way (phase, bytes), for the status
         self.hooks = HookRunner(cfg.hook, metrics.hook_failures.inc, self._hook_changed) if cfg.hook else None
         self._hook_task: asyncio.Task | None = None  # the one hook call at a time (never two at the engine)
