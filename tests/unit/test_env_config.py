@@ -393,3 +393,11 @@ def test_the_operations_table_of_variables_is_the_parsers():
         "WEIGHTSYNC_HEALTHCHECK_URLS",
     ):
         assert f"`{var}`" in rendered, var
+
+
+@pytest.mark.parametrize("command", ENV_COMMANDS)
+def test_every_default_is_shown_in_help(command):
+    """An operator reads the defaults in --help (the hook's timeout, the store's timeouts...)."""
+    for action in subparser(command)._actions:
+        if action.option_strings and action.default not in (None, False, [], "", argparse.SUPPRESS):
+            assert "default" in action.help, f"{command} {action.option_strings[0]}: {action.help!r}"
