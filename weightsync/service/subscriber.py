@@ -302,12 +302,11 @@ class Subscriber:
         return True
 
     def hook_settled(self, version: int | None) -> bool:
-        """No hook call is running or queued, and the last one was for ``version`` (or there is no hook)."""
+        """No hook call is running or queued (none will come for ``version``), or there is no hook."""
         if self.hooks is None:
             return True
-        rec = self.hooks.record
         busy = self._hook_want is not None or not (self._hook_task is None or self._hook_task.done())
-        return not busy and rec is not None and rec.version == version and rec.state in ("ok", "failed")
+        return not busy
 
     def hook_outcome(self, version: int) -> str | None:
         """How the hook call for ``version`` ended once settled: ``ok`` (or no hook), else why it failed;
@@ -315,8 +314,8 @@ class Subscriber:
         if not self.hook_settled(version):
             return None
         rec = None if self.hooks is None else self.hooks.record
-        if rec is None or rec.state == "ok":
-            return "ok"
+        if rec is None or rec.version != version or rec.state == "ok":
+            return "ok"  # no call for it in this target folder's record: nothing failed
         return f"version {version} is served, but its swap hook failed: {rec.error}"
 
     def target_outcome(self, target: Target) -> str | None:
