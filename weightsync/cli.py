@@ -19,6 +19,7 @@ from weightsync.service.flags import (
     add_log_args,
     add_publisher_args,
     add_rank_args,
+    add_store_watch_args,
     add_subscriber_args,
     env_argument,
     parse_listen,
@@ -27,6 +28,7 @@ from weightsync.service.flags import (
 )
 from weightsync.service.progress import Progress, human_bytes
 from weightsync.store.repo import open_repo, versions
+from weightsync.sync.fleet import EXPIRE_AFTER
 from weightsync.sync.publish import PublishConfig, publish
 from weightsync.sync.pull import PullConfig, pull, verify
 
@@ -211,9 +213,11 @@ def _side_store(args, side: str):
     """The mirror's ``--from`` or ``--to`` store: its URL and S3 endpoint (``--{side}-endpoint-url``, else "
     "``--endpoint-url``)."""
     from weightsync.service.config import StoreConfig
+    from weightsync.service.flags import store_timeouts
 
     url = args.src if side == "from" else args.dst
-    return StoreConfig(url, getattr(args, f"{side}_endpoint_url", None) or getattr(args, "endpoint_url", None))
+    endpoint = getattr(args, f"{side}_endpoint_url", None) or getattr(args, "endpoint_url", None)
+    return StoreConfig(url, endpoint, **store_timeouts(args))
 
 
 class _MirrorHealth:
@@ -228,6 +232,9 @@ class _MirrorHealth:
 
     def failed(self, exc: Exception) -> None:
         self.state, self.last_error = "error", f"{type(exc).__name__}: {exc}"
+
+    def waiting(self, reason: str) -> None:
+        self.state, self.last_error = "waiting", reason
 
     def readyz(self):
         from weightsync.service.runtime import json_answer
@@ -260,14 +267,15 @@ def _serve_mirror_http(text: str, flag: str, metrics, health: _MirrorHealth, log
 def cmd_mirror(args) -> int:
     import logging
     import signal
-    import threading
 
     from prometheus_client import CollectorRegistry
 
     from weightsync.service.config import LogConfig
     from weightsync.service.flags import env_sources
     from weightsync.service.metrics import Metrics
-    from weightsync.service.runtime import event, open_daemon_repo, setup_logging
+    from weightsync.service.runtime import Stopped, StopToken, event, open_daemon_repo, setup_logging
+    from weightsync.service.stalls import StallWatch
+    from weightsync.store.inflight import InFlight
     from weightsync.sync.mirror import MirrorConfig, MirrorObserver, mirror
 
     setup_logging(LogConfig(args.log_json, args.log_level))
@@ -275,7 +283,8 @@ def cmd_mirror(args) -> int:
     cfg = MirrorConfig(concurrency=args.concurrency, interval=args.interval)
     metrics = Metrics(CollectorRegistry(), "mirror", region=args.region, cluster=args.cluster)
     health = _MirrorHealth()
-    stop = threading.Event()
+    token = StopToken()  # also ends the waits between store retries: a stop is not held up by a store that is down
+    stop = token.event
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
 
@@ -304,22 +313,30 @@ def cmd_mirror(args) -> int:
             metrics.mirror_pass(result)
             health.passed()
 
+        def on_waiting(self, reason: str) -> None:
+            if health.state != "waiting":  # once, not at every poll
+                event(log, f"waiting for the source: {reason}", source=args.src, interval=f"{args.interval:g}s")
+            health.waiting(reason)
+
     flag = env_sources(args).get("metrics_listen", "--metrics-listen")
     server = (
         None if args.metrics_listen is None else _serve_mirror_http(args.metrics_listen, flag, metrics, health, log)
     )
+    inflight = InFlight()
+    stalls = StallWatch(inflight, args.stall_after, metrics, log).start()  # a hung store: logged, gauge
     try:
-        src = open_daemon_repo(_side_store(args, "from"), metrics.on_retry)  # retries as the daemons do, counted
-        dst = open_daemon_repo(_side_store(args, "to"), metrics.on_retry)
-        r = mirror(
-            src,
-            dst,
-            follow=args.follow,
-            config=cfg,
-            stop=stop,
-            observer=Report(),
-        )
+        src = open_daemon_repo(_side_store(args, "from"), metrics.on_retry, inflight, token)  # as the daemons do
+        dst = open_daemon_repo(_side_store(args, "to"), metrics.on_retry, inflight, token)
+        r = mirror(src, dst, follow=args.follow, config=cfg, stop=stop, observer=Report())
+    except Stopped:  # stopped while a store request was being retried
+        event(log, "mirror stopped")
+        return 0
+    except WeightsyncError as exc:
+        if args.follow:  # a long-running mirror's end goes into its log too, with time and level
+            event(log, "mirror stopped on an error", logging.ERROR, error=f"{type(exc).__name__}: {exc}")
+        raise
     finally:
+        stalls.stop()
         if server is not None:
             server.shutdown()
             server.server_close()
@@ -392,12 +409,16 @@ def cmd_subscriber(args) -> int:
 
 def _run_daemon(cfg) -> int:
     """Build a daemon from its config (publisher or subscriber) and serve it until SIGTERM."""
+    import logging
+
     from prometheus_client import CollectorRegistry
 
     from weightsync.service.api import Deps, create_app
     from weightsync.service.config import PublisherConfig
     from weightsync.service.metrics import Metrics
-    from weightsync.service.runtime import open_daemon_repo, run, setup_logging
+    from weightsync.service.runtime import StopToken, open_daemon_repo, run, setup_logging
+    from weightsync.service.stalls import StallWatch
+    from weightsync.store.inflight import InFlight
 
     setup_logging(cfg.log)
     ident = cfg.identity
@@ -409,15 +430,19 @@ def _run_daemon(cfg) -> int:
         cluster=ident.cluster,
         subscriber="" if publisher else ident.id,
     )
-    repo = open_daemon_repo(cfg.store, metrics.on_retry)
+    inflight = InFlight()  # the store requests running now: a hung store is reported (weightsync.service.stalls)
+    stop = StopToken()  # also ends the waits between store retries: SIGTERM is not held up by a store that is down
+    repo = open_daemon_repo(cfg.store, metrics.on_retry, inflight, stop)
+    role = "publisher" if publisher else "subscriber"
+    stalls = StallWatch(inflight, cfg.stall_after, metrics, logging.getLogger(f"weightsync.{role}"))
     if publisher:
         from weightsync.service.publisher import Publisher
 
-        daemon = Publisher(cfg, repo, metrics)
+        daemon = Publisher(cfg, repo, metrics, stalls=stalls, stop_token=stop)
     else:
         from weightsync.service.subscriber import Subscriber
 
-        daemon = Subscriber(cfg, repo, metrics)
+        daemon = Subscriber(cfg, repo, metrics, stalls=stalls, stop_token=stop)
         daemon.claim()  # another process writing the folder: a one-line error before anything is served
     return run(lambda: create_app(Deps(daemon, metrics, cfg.api.token, cfg.grace)), cfg.api)
 
@@ -425,12 +450,24 @@ def _run_daemon(cfg) -> int:
 def cmd_fleet(args) -> int:
     import time
 
-    from weightsync.sync.fleet import format_fleet, read_fleet
+    from weightsync.sync.fleet import format_fleet, read_fleet, read_fleets
 
-    repo = _repo(args)
-    repo.require()
-    fleet = read_fleet(repo, time.time())
-    print(json.dumps(fleet, indent=2) if args.json else format_fleet(fleet))
+    stores, endpoints = args.store, args.endpoint_url or []
+    if len(endpoints) not in (0, 1, len(stores)):
+        raise UsageError(
+            f"--endpoint-url: give one for every store ({len(stores)}, in the order of --store) or one for all, "
+            f"not {len(endpoints)}"
+        )
+    repos = []
+    for i, url in enumerate(stores):
+        endpoint = endpoints[i] if len(endpoints) == len(stores) else (endpoints or [None])[0]
+        repo = open_repo(url, **({"endpoint_url": endpoint} if endpoint else {}))
+        repo.require()
+        repos.append(repo)
+    options = {"expire_after": args.expire_after, "everyone": args.all}
+    now = time.time()
+    fleet = read_fleet(repos[0], now, **options) if len(repos) == 1 else read_fleets(repos, now, **options)
+    print(json.dumps(fleet, indent=2) if args.json else format_fleet(fleet, args.expire_after))
     return 0
 
 
@@ -548,6 +585,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     add("--region", default="", help="region label of the metrics (the destination's region)")
     add("--cluster", default="", help="cluster label of the metrics")
     add_log_args(p, env)
+    add_store_watch_args(p, env)
     p.set_defaults(func=cmd_mirror)
 
     p = sub.add_parser("gc", help="delete old versions and the chunks only they need")
@@ -572,8 +610,36 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     p.set_defaults(func=cmd_subscriber)
 
     p = sub.add_parser("fleet", help="every subscriber's version, lag and staleness (the fleet ledger)")
-    _add_store(p, env)
-    env_argument(p, env, "--json", action="store_true", help="the fleet as JSON instead of a table")
+    add = lambda *flags, **kw: env_argument(p, env, *flags, **kw)  # noqa: E731
+    add(
+        "--store",
+        action="append",
+        required=True,
+        sep=",",
+        help="file:///abs/path, a plain path, or s3://bucket/prefix; repeat it for every region's store",
+    )
+    add(
+        "--endpoint-url",
+        action="append",
+        sep=",",
+        help="S3 endpoint (default: boto3's, e.g. AWS_ENDPOINT_URL); one for all stores, or one per --store "
+        "in the same order (stores in regions with their own endpoints)",
+    )
+    add("--json", action="store_true", help="the fleet as JSON instead of a table")
+    add(
+        "--show-gone",
+        "--all",
+        dest="all",
+        action="store_true",
+        help="also show stopped subscribers and those whose records expired",
+    )
+    add(
+        "--expire-after",
+        type=float,
+        default=EXPIRE_AFTER,
+        help=f"seconds after which a subscriber that stopped rewriting its record (every --ledger-interval) is "
+        f"gone: not shown without --all (default {EXPIRE_AFTER:g})",
+    )
     p.set_defaults(func=cmd_fleet)
     return parser
 

@@ -348,9 +348,15 @@ def panels() -> list[dict]:
                     f"sum by (region, subscriber) (increase(weightsync_swap_hook_failures_total{{{REGION}}}[{RATE}]))",
                     "{{region}} {{subscriber}}",
                 ),
+                (
+                    f"max by (region, subscriber) (weightsync_swap_hook_degraded{{{REGION}}})",
+                    "degraded {{region}} {{subscriber}}",
+                ),
             ],
             width=8,
             bars=True,
+            description="Failed hook tries, and 1 (degraded) while the hook of the version served has not "
+            "succeeded since one failed: the engine may serve older weights. POST /v1/hook calls it again.",
         ),
         timeseries(
             "Store retries",
@@ -374,13 +380,25 @@ def panels() -> list[dict]:
                 ),
                 (f"sum by (job, region) (increase(weightsync_loop_errors_total[{RATE}]))", "loop {{job}} {{region}}"),
             ],
+            width=8,
             bars=True,
+        ),
+        timeseries(
+            "Stalled store requests",
+            [
+                ("sum by (job, instance) (weightsync_store_stalled_requests)", "{{job}} {{instance}}"),
+            ],
+            width=8,
+            step=True,
+            description="Store requests running past --stall-after (retries included): a store that hangs. "
+            "The process logs each one (store request stalled) and /v1/status shows it.",
         ),
         timeseries(
             "Targets up",
             [
                 ('up{job=~"weightsync.*"}', "{{job}} {{instance}}"),
             ],
+            width=8,
             step=True,
         ),
         row("Processes"),

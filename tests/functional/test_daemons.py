@@ -142,7 +142,7 @@ class Daemon:
 
     def wait_version(self, version: int, timeout: float = 30.0) -> dict:
         return wait_for(
-            lambda: (s := self.status())["current_version"] == version and s["state"] == "serving" and s,
+            lambda: (s := self.status())["current_version"] == version and s["state"] in ("serving", "degraded") and s,
             timeout,
             f"{self.role} to serve version {version}\n{self.log()}",
         )

@@ -782,9 +782,24 @@ ALERT_CASES = [  # (name, input series, [(eval time, alert, expected label sets)
         ],
     ),
     (
+        "lag, pinned",  # a pinned subscriber lags on purpose: left out
+        [
+            _series("weightsync_version_lag", "5x30", **SUB),
+            _series("weightsync_pinned", "1x30", **SUB),
+            _series("weightsync_version_lag", "5x30", **{**SUB, "subscriber": "sub-2"}),
+            _series("weightsync_pinned", "0x30", **{**SUB, "subscriber": "sub-2"}),
+        ],
+        [("15m", "WeightsyncSubscriberLagging", [{**SUB, "subscriber": "sub-2", "severity": "warning"}])],
+    ),
+    (
         "stale",
         [_series("weightsync_staleness_seconds", "0+60x40", **SUB)],
         [("10m", "WeightsyncStaleWeights", []), ("25m", "WeightsyncStaleWeights", [{**SUB, "severity": "warning"}])],
+    ),
+    (
+        "stale, pinned",
+        [_series("weightsync_staleness_seconds", "0+60x40", **SUB), _series("weightsync_pinned", "1x40", **SUB)],
+        [("25m", "WeightsyncStaleWeights", [])],
     ),
     (
         "checksum",
@@ -796,9 +811,22 @@ ALERT_CASES = [  # (name, input series, [(eval time, alert, expected label sets)
         ],
     ),
     (
-        "hook",
-        [_series("weightsync_swap_hook_failures_total", "0x5 3x10", **SUB)],
-        [("7m", "WeightsyncSwapHookFailures", [{**SUB, "severity": "warning"}])],
+        "hook",  # degraded from 5m until a call succeeds at 40m: fires the whole time, however long ago it failed
+        [_series("weightsync_swap_hook_degraded", "0x5 1x35 0x10", **SUB)],
+        [
+            ("5m", "WeightsyncSwapHookFailures", []),
+            ("7m", "WeightsyncSwapHookFailures", [{**SUB, "severity": "warning"}]),
+            ("39m", "WeightsyncSwapHookFailures", [{**SUB, "severity": "warning"}]),
+            ("42m", "WeightsyncSwapHookFailures", []),
+        ],
+    ),
+    (
+        "store stalled",
+        [_series("weightsync_store_stalled_requests", "0x5 1 0x4 2x10", **PUB)],
+        [
+            ("7m", "WeightsyncStoreStalled", []),  # a stall seen once (under a minute): no alert
+            ("13m", "WeightsyncStoreStalled", [{**PUB, "severity": "warning"}]),
+        ],
     ),
     (
         "stalled",

@@ -53,7 +53,7 @@ def test_every_flag_of_a_deployed_command_has_its_variable(command):
         long = next(f for f in action.option_strings if f.startswith("--"))
         assert getattr(action, "env_var", None) == env_var(long), f"{command} {long}"
         assert f"env {env_var(long)}" in action.help, f"{command} {long}: the help does not name its variable"
-    help_text = p.format_help()
+    help_text = " ".join(p.format_help().split())  # as read, whatever the wrapping
     assert "(env WEIGHTSYNC_STORE" in help_text or "(env WEIGHTSYNC_FROM" in help_text
 
 
@@ -357,7 +357,7 @@ def test_bad_hook_headers_are_refused_without_showing_the_value(tmp_path, argv, 
 
 def test_hook_attempts_and_timeout_say_their_defaults():
     p = subparser("subscriber")
-    assert "(default 5)" in _option(p, "--hook-attempts").help and "(default 30)" in _option(p, "--hook-timeout").help
+    assert "(default 5)" in _option(p, "--hook-attempts").help and "(default 600" in _option(p, "--hook-timeout").help
 
 
 def test_plain_parsers_still_work_without_the_environment(tmp_path):
@@ -393,3 +393,11 @@ def test_the_operations_table_of_variables_is_the_parsers():
         "WEIGHTSYNC_HEALTHCHECK_URLS",
     ):
         assert f"`{var}`" in rendered, var
+
+
+@pytest.mark.parametrize("command", ENV_COMMANDS)
+def test_every_default_is_shown_in_help(command):
+    """An operator reads the defaults in --help (the hook's timeout, the store's timeouts...)."""
+    for action in subparser(command)._actions:
+        if action.option_strings and action.default not in (None, False, [], "", argparse.SUPPRESS):
+            assert "default" in action.help, f"{command} {action.option_strings[0]}: {action.help!r}"

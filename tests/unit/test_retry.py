@@ -173,7 +173,7 @@ def test_list_meta_failure_mid_listing_resumes_after_the_last_key(faulty, rec):
 def test_list_meta_gives_up_without_progress(faulty, rec):
     store = retrying(faulty, rec, attempts=3)
     faulty.fail("list_meta", BEFORE, BEFORE, BEFORE)
-    with pytest.raises(StoreError, match="LIST : gave up after 3 attempts") as info:
+    with pytest.raises(StoreError, match="^memory://retry-test: LIST gave up after 3 attempts") as info:
         list(store.list_meta())
     assert not is_retryable(info.value) and len(rec.retries) == 2
 
@@ -204,7 +204,7 @@ def test_final_error_names_key_attempts_and_cause(faulty, rec):
     assert type(err) is StoreError
     assert err.key == "k" and err.attempts == 3 and not is_retryable(err)
     assert err.__cause__ is faulty.raised[-1]
-    assert str(err) == "memory://retry-test: GET k: gave up after 3 attempts; last: get k: injected before #3"
+    assert str(err) == "memory://retry-test/k: GET gave up after 3 attempts; last: get k: injected before #3"
     assert "\n" not in str(err)
     assert faulty.calls["get"] == 3 and len(rec.sleeps) == 2 and len(rec.retries) == 2
 
@@ -279,3 +279,28 @@ def test_full_jitter_draws_below_the_exponential_cap():
         draws = [policy.delay(n, rng) for _ in range(50)]
         assert all(0.0 <= d <= cap for d in draws)
         assert max(draws) > cap / 2  # spread over the interval, not stuck at zero
+
+
+def test_on_retry_hears_the_delay_actually_slept_and_inflight_sees_the_request(faulty, rec):
+    from weightsync.store.inflight import InFlight
+
+    heard, seen = [], []
+    inflight = InFlight()
+
+    def sleep(seconds: float) -> None:
+        rec.sleep(seconds)
+        seen.append([(r.op, r.key, r.store) for r in inflight.older_than(-1)])
+
+    store = RetryingStore(
+        faulty,
+        RetryPolicy(attempts=4, base_delay=0.1, max_delay=1.0),
+        on_retry=lambda op, key, exc, delay: heard.append((op, key, delay)),
+        sleep=sleep,
+        rng=random.Random(1),
+        inflight=inflight,
+    )
+    faulty.fail("get", BEFORE, BEFORE)
+    assert store.get("k") == b"value"
+    assert [d for _, _, d in heard] == rec.sleeps and len(heard) == 2 and heard[0][:2] == ("GET", "k")
+    assert seen == [[("GET", "k", "memory://retry-test")]] * 2  # one request, its retries included
+    assert len(inflight) == 0 and inflight.older_than(-1) == []

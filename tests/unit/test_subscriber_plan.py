@@ -132,6 +132,18 @@ def test_fleet_view_lag_and_staleness():
     assert (rows["c"].lag, rows["c"].staleness_seconds) == (None, 500.0)
     assert (rows["d"].lag, rows["d"].staleness_seconds) == (-2, 0.0)
     assert all(r.lag is None and r.staleness_seconds is None for r in fleet_view(recs, None, superseded.get, NOW))
+    assert not any(r.gone for r in rows.values())
+
+
+def test_fleet_view_marks_stopped_and_expired_records_gone():
+    recs = [
+        FleetRecord("live", "us", "", 10, LATEST, "syncing", NOW - 599),  # an hour-long sync still heartbeats
+        FleetRecord("rolled-out", "us", "", 8, LATEST, "stopped", NOW - 5),
+        FleetRecord("killed", "us", "", 9, LATEST, "serving", NOW - 601),
+    ]
+    gone = {r.id: r.gone for r in fleet_view(recs, 10, {}.get, NOW)}
+    assert gone == {"live": False, "rolled-out": True, "killed": True}
+    assert {r.id: r.gone for r in fleet_view(recs, 10, {}.get, NOW, expire_after=3600)}["killed"] is False
 
 
 @pytest.mark.parametrize(

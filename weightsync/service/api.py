@@ -21,7 +21,7 @@ from weightsync.format.manifest import manifest_to_json
 from weightsync.service.config import ID_RE
 from weightsync.service.engines import MAX_WAIT, MAX_WORLD, PHASES, EngineConflictError, UnknownEngineError
 from weightsync.service.metrics import CONTENT_TYPE, Metrics
-from weightsync.service.openapi import openapi_document
+from weightsync.service.openapi import MAX_API_WAIT, openapi_document
 from weightsync.service.pin import LATEST
 from weightsync.service.publisher import PathNotAllowed, PathNotFound, Publisher
 from weightsync.service.runtime import background
@@ -64,6 +64,7 @@ def create_app(deps: Deps) -> web.Application:
         app[SUBSCRIBER] = d
         routes += [
             web.put("/v1/target", put_target),
+            web.post("/v1/hook", post_hook),
             web.post("/v1/engines", post_engine),
             web.post("/v1/engines/poll", post_engine_poll),
             web.post("/v1/engines/report", post_engine_report),
@@ -205,6 +206,7 @@ def list_versions(repo: Repo, limit: int) -> list[dict]:
                 "keyframe": m.keyframe,
                 "raw_bytes": m.raw_bytes,
                 "payload_bytes": m.payload_bytes,
+                "ratio": round(m.raw_bytes / m.payload_bytes, 3) if m.payload_bytes else None,  # size / stored
                 "changed_fraction": (m.stats.get("changed", 0) or 0) / max(1, elements),
                 "created": m.created,
             }
@@ -244,15 +246,53 @@ def _version_value(v: object, allow_latest: bool) -> int | str:
     return v
 
 
+def _wait(request: web.Request) -> float | None:
+    """The ``wait`` query parameter: seconds in 0..MAX_API_WAIT, or None when absent."""
+    raw = request.query.get("wait")
+    if raw is None:
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds <= MAX_API_WAIT:  # NaN fails both
+        raise UsageError(f"wait must be a number of seconds in 0..{MAX_API_WAIT}")
+    return seconds
+
+
 async def put_target(request: web.Request) -> web.Response:
     doc = await _json_body(request, {"version"}, {"version"})
     target = _version_value(doc["version"], allow_latest=True)
+    wait = _wait(request)
     sub = request.app[SUBSCRIBER]
     try:
         await sub.set_target(target)
     except VersionError as exc:
         return _error(404, str(exc))
-    return web.json_response(sub.status())
+    if wait is None:
+        return web.json_response(sub.status())
+    await sub.wait_until(lambda: sub.target_outcome(target) is not None, wait)
+    return _outcome(sub, sub.target_outcome(target))
+
+
+def _outcome(sub: Subscriber, outcome: str | None) -> web.Response:
+    """200 and the status once done, 202 and the status while still under way, 502 if it failed."""
+    if outcome is None:
+        return web.json_response(sub.status(), status=202)
+    return web.json_response(sub.status()) if outcome == "ok" else _error(502, outcome)
+
+
+async def post_hook(request: web.Request) -> web.Response:
+    wait = _wait(request)
+    sub = request.app[SUBSCRIBER]
+    try:
+        version = sub.rerun_hook()
+    except (UsageError, VersionError) as exc:
+        return _error(409, str(exc))
+    if wait is None:
+        return web.json_response(sub.status(), status=202)
+    await sub.wait_until(lambda: sub.hook_settled(version), wait)
+    return _outcome(sub, sub.hook_outcome(version))
 
 
 async def post_publish(request: web.Request) -> web.Response:
@@ -267,7 +307,11 @@ async def post_publish(request: web.Request) -> web.Response:
 
 async def fleet(request: web.Request) -> web.Response:
     repo = request.app[PUBLISHER].repo
-    return web.json_response(await asyncio.to_thread(read_fleet, repo, time.time()))
+    everyone = request.query.get("all", "false")
+    if everyone not in ("true", "false"):
+        raise UsageError("all must be true or false")
+    doc = await asyncio.to_thread(read_fleet, repo, time.time(), everyone=everyone == "true")
+    return web.json_response(doc)
 
 
 # --- engine ranks (weightsync.service.engines) -----------------------------------------------------

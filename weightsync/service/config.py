@@ -54,19 +54,30 @@ class Identity:
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """Where the daemon's store is and how it is reached: URL, S3 endpoint, retry policy."""
+    """Where the daemon's store is and how it is reached: URL, S3 endpoint, retry policy, and the S3
+    client's timeouts (seconds to connect, and to wait for each answer; None: the S3 backend's 10 and 60)."""
 
     url: str
     endpoint_url: str | None = None
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    connect_timeout: float | None = None
+    read_timeout: float | None = None
 
     def __post_init__(self) -> None:
         if not self.url:
             raise UsageError("--store is empty")
+        for name, value in (("--s3-connect-timeout", self.connect_timeout), ("--s3-read-timeout", self.read_timeout)):
+            if value is not None and not value > 0:
+                raise UsageError(f"{name} must be a number of seconds > 0, not {value:g}")
 
     def options(self) -> dict:
-        """Keyword options for :func:`weightsync.store.open_store`."""
-        return {"endpoint_url": self.endpoint_url} if self.endpoint_url else {}
+        """Keyword options for :func:`weightsync.store.open_store` (the timeouts for s3:// only)."""
+        out = {"endpoint_url": self.endpoint_url} if self.endpoint_url else {}
+        if self.url.startswith("s3://"):
+            out |= {
+                k: v for k, v in (("connect_timeout", self.connect_timeout), ("read_timeout", self.read_timeout)) if v
+            }
+        return out
 
 
 @dataclass(frozen=True)
@@ -116,6 +127,7 @@ class PublisherConfig:
     api: ApiConfig = field(default_factory=ApiConfig)
     log: LogConfig = field(default_factory=LogConfig)
     grace: float = 30.0  # seconds to let a publish in flight finish on SIGTERM
+    stall_after: float = 60.0  # a store request running longer than this is reported (weightsync.service.stalls)
     rank: int | None = None  # rank mode: publish this rank's part of each version (weightsync.sync.parts)
     world: int = 1  # ... of this many ranks
     commit: bool = False  # ... and merge and commit the version once every part is stored
@@ -125,6 +137,7 @@ class PublisherConfig:
     def __post_init__(self) -> None:
         _positive("poll interval", self.poll_interval)
         _positive("stale-after", self.stale_after)
+        _positive("--stall-after", self.stall_after)
         if not self.marker or "/" in self.marker or self.marker in (".", ".."):
             raise UsageError(f"marker must be a plain file name, got {self.marker!r}")
         from weightsync.sync.parts import check_world
@@ -174,7 +187,8 @@ class HookConfig:
     ``{current}`` (the ``current`` symlink) are replaced; the command's arguments too. ``preset``
     (a key of :data:`HOOK_PRESETS`): an engine's own requests, after ``url``, the engine's base URL,
     instead of one request with ``method`` and ``body``. Each swap gets up to ``attempts`` tries
-    (all the requests, in order), ``backoff`` apart (doubling), each bounded by ``timeout`` seconds.
+    (all the requests, in order), ``backoff`` apart (doubling); a try past ``timeout`` seconds counts
+    as failed but is waited for (calls never overlap), and abandoned after ``attempts`` such periods.
     """
 
     url: str | None = None
@@ -183,7 +197,7 @@ class HookConfig:
     body: str = DEFAULT_HOOK_BODY
     attempts: int = 5
     backoff: Backoff = field(default_factory=lambda: Backoff(0.5, 10.0))
-    timeout: float = 30.0
+    timeout: float = 600.0  # a large model's reload from disk takes minutes
     env: Mapping[str, str] = field(default_factory=dict)  # the command's environment (secrets removed)
     headers: tuple[tuple[str, str], ...] = field(default=(), repr=False)  # sent with the HTTP request; never printed
     preset: str | None = None
@@ -251,10 +265,12 @@ class SubscriberConfig:
     api: ApiConfig = field(default_factory=ApiConfig)
     log: LogConfig = field(default_factory=LogConfig)
     grace: float = 30.0
+    stall_after: float = 60.0  # a store request running longer than this is reported (weightsync.service.stalls)
 
     def __post_init__(self) -> None:
         _positive("poll interval", self.poll_interval)
         _positive("ledger interval", self.ledger_interval)
+        _positive("--stall-after", self.stall_after)
         _positive("engine timeout", self.engine_timeout)
         _positive("engine phase timeout", self.engine_phase_timeout)
         if self.pin is not None and self.pin != "latest" and not (type(self.pin) is int and self.pin >= 0):

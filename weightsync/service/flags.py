@@ -218,7 +218,43 @@ def _common_args(p: argparse.ArgumentParser, environ: Mapping[str, str] | None) 
     )
     add_log_args(p, environ)
     add("--retry-attempts", type=int, default=5, help="attempts per store operation (default 5)")
+    add_store_watch_args(p, environ)
     add("--grace", type=float, default=30.0, help="seconds to let work in flight finish on SIGTERM (default 30)")
+
+
+S3_CONNECT_TIMEOUT, S3_READ_TIMEOUT = 10.0, 60.0  # S3Options' defaults (not imported: botocore is slow to load)
+
+
+def add_store_watch_args(p: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
+    """The S3 client's timeouts and ``--stall-after``, for every long-running process (the daemons, the
+    mirror): how long a request to a hung store may wait, and when it is reported."""
+    add = lambda *flags, **kw: env_argument(p, environ, *flags, **kw)  # noqa: E731
+    add(
+        "--s3-connect-timeout",
+        type=float,
+        default=S3_CONNECT_TIMEOUT,
+        help=f"seconds to connect to an S3 endpoint before the attempt fails and is retried "
+        f"(default {S3_CONNECT_TIMEOUT:g})",
+    )
+    add(
+        "--s3-read-timeout",
+        type=float,
+        default=S3_READ_TIMEOUT,
+        help=f"seconds an S3 request may wait for the next bytes of its answer before the attempt fails and is "
+        f"retried (default {S3_READ_TIMEOUT:g})",
+    )
+    add(
+        "--stall-after",
+        type=float,
+        default=60.0,
+        help="seconds after which a store request still running (retries included) is logged, shown in "
+        "/v1/status as stalled and counted in weightsync_store_stalled_requests (default 60)",
+    )
+
+
+def store_timeouts(args) -> dict:
+    """``connect_timeout`` and ``read_timeout`` of a :class:`StoreConfig` from :func:`add_store_watch_args`."""
+    return {"connect_timeout": args.s3_connect_timeout, "read_timeout": args.s3_read_timeout}
 
 
 def add_encoding_args(p: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
@@ -364,7 +400,8 @@ def add_subscriber_args(p: argparse.ArgumentParser, environ: Mapping[str, str] |
     )
     add(
         "--hook-body",
-        help=f"JSON template; {{version}}, {{path}}, {{current}} are replaced (default {DEFAULT_HOOK_BODY})",
+        help=f"JSON template in which {{version}} (the version swapped in), {{path}} (the folder of the slot "
+        f"holding it) and {{current}} (the current symlink) are replaced (default {DEFAULT_HOOK_BODY})",
     )
     add("--hook-token-file", help="file holding a bearer token sent as 'Authorization: Bearer ...' to the hook")
     add(
@@ -376,10 +413,22 @@ def add_subscriber_args(p: argparse.ArgumentParser, environ: Mapping[str, str] |
         "--hook-attempts",
         type=int,
         default=5,
-        help="tries of the hook per swap, each failure logged and counted (default 5)",
+        help="tries of the hook per swap, each failure logged and counted (default 5); POST /v1/hook calls it again",
     )
-    add("--hook-timeout", type=float, default=30.0, help="seconds each try of the hook may take (default 30)")
-    add("--hook-backoff", type=float, default=0.5, help="first wait between hook attempts, doubling (default 0.5)")
+    add(
+        "--hook-timeout",
+        type=float,
+        default=600.0,
+        help="seconds after which a try of the hook counts as failed (default 600, for a large model's reload); "
+        "a try still running is waited for, never overlapped by another call, and abandoned after "
+        "--hook-attempts such periods",
+    )
+    add(
+        "--hook-backoff",
+        type=float,
+        default=0.5,
+        help="first wait between hook attempts, doubling up to 30 s or this if longer (default 0.5)",
+    )
     add("--ledger-interval", type=float, default=30.0, help="seconds between fleet ledger heartbeats (default 30)")
     add("--concurrency", type=int, default=32, help="chunks in flight (default 32)")
     add("--verify-before-swap", action="store_true", help="re-read the whole standby copy before each swap")
@@ -504,7 +553,7 @@ def default_id(folder: Path) -> str:
 
 
 def _store(args) -> StoreConfig:
-    return StoreConfig(args.store, args.endpoint_url, RetryPolicy(attempts=args.retry_attempts))
+    return StoreConfig(args.store, args.endpoint_url, RetryPolicy(attempts=args.retry_attempts), **store_timeouts(args))
 
 
 def _state_home(environ: Mapping[str, str]) -> Path:
@@ -547,6 +596,7 @@ def publisher_config(args, environ: Mapping[str, str] = os.environ) -> Publisher
         commit=args.commit,
         commit_timeout=_commit_timeout(args),
         own_files=args.own_files,
+        stall_after=args.stall_after,
     )
 
 
@@ -629,4 +679,5 @@ def subscriber_config(args, environ: Mapping[str, str] = os.environ) -> Subscrib
         api=_api(args, environ),
         log=LogConfig(args.log_json, args.log_level),
         grace=args.grace,
+        stall_after=args.stall_after,
     )

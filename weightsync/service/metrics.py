@@ -100,6 +100,14 @@ class Metrics:
         self.loop_errors = counter(
             "weightsync_loop_errors_total", "Failed iterations of the daemon loop (logged, then backed off)."
         )
+        self.store_stalled = gauge(
+            "weightsync_store_stalled_requests",
+            "Store requests (retries included) running for longer than --stall-after seconds now.",
+            0,
+        )
+        self.store_stalls = counter(
+            "weightsync_store_stalls_total", "Store requests that ran for longer than --stall-after seconds."
+        )
         if role == "publisher":
             self.published_version = gauge(
                 "weightsync_published_version", "Newest version this publisher committed.", -1
@@ -156,6 +164,12 @@ class Metrics:
         else:
             self.current_version = gauge("weightsync_current_version", "Version the current symlink points at.", -1)
             self.latest_version = gauge("weightsync_latest_version", "Head version of the store at the last check.", -1)
+            self.target_version = gauge(
+                "weightsync_target_version", "Version the subscriber is pinned to; -1 while it follows the head.", -1
+            )
+            self.pinned = gauge(
+                "weightsync_pinned", "1 while the subscriber is pinned to a version, 0 while it follows the head.", 0
+            )
             self.version_lag = gauge("weightsync_version_lag", "Latest minus current version.", 0)
             self.staleness = gauge(
                 "weightsync_staleness_seconds", "Seconds since a newer version than the current one appeared.", 0
@@ -174,6 +188,12 @@ class Metrics:
                 "weightsync_checksum_failures_total", "Data that failed checksum verification."
             )
             self.hook_failures = counter("weightsync_swap_hook_failures_total", "Failed swap hook attempts.")
+            self.hook_degraded = gauge(
+                "weightsync_swap_hook_degraded",
+                "1 while the swap hook of the version served has not succeeded after a failed or cut-off try "
+                "(the engine may serve older weights); 0 otherwise.",
+                0,
+            )
             self.swaps = counter("weightsync_swaps_total", "Completed swaps.")
             self._engine_version = Gauge(
                 "weightsync_engine_version",
@@ -197,6 +217,12 @@ class Metrics:
                 "weightsync_engine_ranks_dropped_total", "Engine ranks dropped because they stopped polling."
             )
 
+    def target(self, target: int | str) -> None:
+        """The subscriber's target: a pinned version, or ``"latest"`` (the head)."""
+        pinned = type(target) is int
+        self.target_version.set(target if pinned else -1)
+        self.pinned.set(int(pinned))
+
     def engine_version(self, replica: str, rank: int, version: int | None, remove: bool = False) -> None:
         """Set the version engine rank ``rank`` of ``replica`` holds (None: unknown), or ``remove`` its
         series (the rank was dropped)."""
@@ -215,15 +241,17 @@ class Metrics:
         """Observe the seconds one phase of a publish took."""
         self._publish_seconds.labels(**self.labels, phase=phase).observe(seconds)
 
-    def observe_publish(self, result, committed: bool = True) -> None:
+    def observe_publish(self, result, committed: bool = True, uploaded: bool = True) -> None:
         """Record a :class:`~weightsync.sync.publish.PublishResult` (a rank's part: not ``committed``,
-        so the published version waits for the commit)."""
+        so the published version waits for the commit; not ``uploaded``: its bytes were counted as they
+        went, by :class:`~weightsync.service.progress.DaemonProgress`)."""
         for phase in PHASES:
             if phase in result.seconds:
                 self.publish_phase(phase, result.seconds[phase])
         if committed:
             self.published_version.set(result.version)
-        self.upload_bytes.inc(result.uploaded_bytes)
+        if uploaded:
+            self.upload_bytes.inc(result.uploaded_bytes)
         self.checkpoint_bytes.set(result.raw_bytes)
         self.delta_bytes.set(result.payload_bytes)
         self.changed_ratio.set(result.changed_fraction)

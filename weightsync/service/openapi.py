@@ -7,6 +7,8 @@ from weightsync.format.keys import MAX_VERSION
 from weightsync.service.engines import MAX_WAIT, MAX_WORLD, PHASES
 from weightsync.service.pin import LATEST
 
+MAX_API_WAIT = 3600  # seconds a call with ?wait= may wait
+
 
 # --- the OpenAPI document ------------------------------------------------------------------------
 def _nullable(t: str | dict) -> dict:
@@ -133,6 +135,7 @@ def _schemas(role: str) -> dict:
                 "keyframe": {"type": "boolean"},
                 "raw_bytes": {"type": "integer", "minimum": 0},
                 "payload_bytes": {"type": "integer", "minimum": 0},
+                "ratio": _nullable({"type": "number", "minimum": 0}),
                 "changed_fraction": {"type": "number", "minimum": 0},
                 "created": {"type": "string"},
             },
@@ -155,6 +158,20 @@ def _schemas(role: str) -> dict:
         "state": {"type": "string"},
         "reason": {"type": "string"},
         "last_error": _nullable("string"),
+        "stalled": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["op", "key", "store", "seconds", "since"],
+                "properties": {
+                    "op": {"type": "string"},
+                    "key": {"type": "string"},
+                    "store": {"type": "string"},
+                    "seconds": {"type": "number", "minimum": 0},
+                    "since": {"type": "number"},
+                },
+            },
+        },
     }
     if role == "subscriber":
         schemas["Status"] = {
@@ -235,14 +252,18 @@ def _schemas(role: str) -> dict:
                 "staleness_seconds": _nullable("number"),
                 "last_seen_seconds": {"type": "number"},
                 "engines": {"type": "array", "items": _ENGINE_RECORD},
+                "gone": {"type": "boolean"},
+                "store": {"type": "string"},
             },
         }
         schemas["Fleet"] = {
             "type": "object",
             "required": ["head_version", "subscribers", "errors"],
             "properties": {
+                "store": {"type": "string"},
                 "head_version": _nullable(_VERSION),
                 "subscribers": {"type": "array", "items": row},
+                "hidden": {"type": "integer", "minimum": 0},
                 "errors": {"type": "array", "items": {"type": "string"}},
             },
         }
@@ -372,22 +393,46 @@ def openapi_document(role: str, auth: bool) -> dict:
         },
     }
     if role == "subscriber":
+        wait = {
+            "name": "wait",
+            "in": "query",
+            "required": False,
+            "schema": {"type": "number", "minimum": 0, "maximum": MAX_API_WAIT},
+            "description": "seconds to wait for the outcome (without it the call answers at once)",
+        }
         paths["/v1/target"] = {
             "put": _op(
                 "Set the target version",
                 {
-                    "200": _json("Status", "Target set; the subscriber acts on it at once"),
+                    "200": _json("Status", "Target set (with wait: the target is served and its swap hook succeeded)"),
+                    "202": _json("Status", "With wait: target set, not served yet when the wait ran out"),
                     "400": bad,
                     "413": big,
                     "404": _json("Error", "No such version"),
-                    "502": _json("Error", "Store error"),
+                    "502": _json("Error", "Store error; with wait: the target's sync or swap hook failed"),
                 },
                 v1=True,
                 auth=auth,
+                parameters=[wait],
                 requestBody={
                     "required": True,
                     "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Target"}}},
                 },
+            )
+        }
+        paths["/v1/hook"] = {
+            "post": _op(
+                "Call the swap hook again",
+                {
+                    "200": _json("Status", "With wait: the hook call succeeded"),
+                    "202": _json("Status", "The call is queued or running (with wait: still, when the wait ran out)"),
+                    "400": bad,
+                    "409": _json("Error", "No swap hook is configured, or no version is served yet"),
+                    "502": _json("Error", "With wait: the hook call failed"),
+                },
+                v1=True,
+                auth=auth,
+                parameters=[wait],
             )
         }
         paths.update(_engine_paths(auth, bad, big))
@@ -422,10 +467,20 @@ def openapi_document(role: str, auth: bool) -> dict:
                 "The fleet ledger",
                 {
                     "200": _json("Fleet", "Every subscriber's version, lag and staleness"),
+                    "400": bad,
                     "502": _json("Error", "Store error"),
                 },
                 v1=True,
                 auth=auth,
+                parameters=[
+                    {
+                        "name": "all",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "string", "enum": ["true", "false"], "default": "false"},
+                        "description": "true: also stopped subscribers and those whose records expired",
+                    }
+                ],
             )
         }
     doc = {

@@ -1,5 +1,6 @@
-"""Progress bars of long command-line work (publish, publish-part, pull), drawn by tqdm: an
-:class:`~weightsync.sync.observer.Observer`.
+"""Progress of long work: the command line's bars (publish, publish-part, pull), drawn by tqdm, and
+the daemons' :class:`DaemonProgress` (status and byte counters as chunks move); both are
+:class:`~weightsync.sync.observer.Observer` s.
 
 A bar shows the bytes done of the total, the rate and the time left (ETA). It is drawn on stderr
 when stderr is a terminal, and as a widget in a Jupyter notebook (``tqdm.auto``); never into a log,
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 
 from weightsync.sync.observer import Observer
 
@@ -110,3 +112,47 @@ class Progress(Observer):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class DaemonProgress(Observer):
+    """The observer of a daemon's sync or publish: cancellation through ``stop`` (the daemon's stop
+    token), every byte moved handed to ``on_bytes`` as its chunk lands (the bytes counters move during
+    an hour-long first download, not at its end), and where the operation stands for ``/v1/status``
+    (:meth:`doc`: phase, bytes done of the phase's total, bytes moved, start time). Thread-safe."""
+
+    def __init__(self, stop: Observer, on_bytes, version: int | None, clock=time.time):
+        self.stop, self.on_bytes, self.version = stop, on_bytes, version
+        self.started = clock()
+        self.phase, self.done, self.total, self.moved = "plan", 0, None, 0  # until the first phase starts
+        self._lock = threading.Lock()
+
+    def on_phase(self, name: str, total_bytes: int) -> None:
+        with self._lock:
+            self.phase, self.done, self.total = name, 0, total_bytes
+
+    def on_progress(self, nbytes: int) -> None:
+        with self._lock:
+            self.done += nbytes
+
+    def on_transfer(self, nbytes: int) -> None:
+        with self._lock:
+            self.moved += nbytes
+            if self.phase == "fetch":  # the fetch phase's progress is its downloads
+                self.done += nbytes
+        self.on_bytes(nbytes)
+
+    def check(self) -> None:
+        self.stop.check()
+
+    def doc(self) -> dict:
+        """``progress`` in ``/v1/status``: version, phase, bytes_done, bytes_total (None: not known
+        yet), transferred_bytes (downloaded or uploaded so far) and started (unix seconds)."""
+        with self._lock:
+            return {
+                "version": self.version,
+                "phase": self.phase,
+                "bytes_done": self.done,
+                "bytes_total": self.total,
+                "transferred_bytes": self.moved,
+                "started": self.started,
+            }

@@ -10,6 +10,7 @@ import math
 import os
 import re
 import time
+from contextlib import suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from weightsync.format.manifest import part_from_json
 from weightsync.local.checkpoint import scan_checkpoint
 from weightsync.service.config import PublisherConfig
 from weightsync.service.metrics import Metrics
-from weightsync.service.progress import human_bytes
+from weightsync.service.progress import DaemonProgress, human_bytes
 from weightsync.service.runtime import (
     Idle,
     Stopped,
@@ -28,8 +29,10 @@ from weightsync.service.runtime import (
     event,
     iteration_failed,
     sleep_or_wake,
+    stall_view,
     warm_codec,
 )
+from weightsync.service.stalls import StallWatch
 from weightsync.store.repo import Repo
 from weightsync.sync.parts import commit_parts, publish_part
 from weightsync.sync.publish import PublishResult, publish
@@ -120,7 +123,17 @@ def plan_publish(
             continue
         if not c.ready:
             if now - c.mtime < stale_after:
-                return Wait(f"waiting for checkpoint {c.step} to complete")
+                behind = [x.step for x in candidates if x.step > c.step and x.ready]
+                return Wait(
+                    f"waiting for checkpoint {c.step} to complete"
+                    + (
+                        f"; ready checkpoint(s) {', '.join(map(str, behind[:5]))}{' ...' if len(behind) > 5 else ''} "
+                        f"wait behind it until it has its marker or is skipped "
+                        f"{stale_after - (now - c.mtime):.0f}s from now (--stale-after)"
+                        if behind
+                        else ""
+                    )
+                )
             skipped.append(c.step)
             continue
         if c.step == failed_step and now < retry_at:
@@ -134,8 +147,17 @@ def plan_publish(
 class Publisher:
     """The publisher's state and loop; the HTTP API (``weightsync.service.api``) reads and steers it."""
 
-    def __init__(self, cfg: PublisherConfig, repo: Repo, metrics: Metrics, clock=time.time):
+    def __init__(
+        self,
+        cfg: PublisherConfig,
+        repo: Repo,
+        metrics: Metrics,
+        clock=time.time,
+        stalls: StallWatch | None = None,
+        stop_token: StopToken | None = None,
+    ):
         self.cfg, self.repo, self.metrics, self.clock = cfg, repo, metrics, clock
+        self.stalls = stalls  # store requests that hang (weightsync.service.stalls)
         self.cache_dir = cfg.state_dir / "cache"
         self.state = "starting"
         self.reason = ""
@@ -143,13 +165,15 @@ class Publisher:
         self.pending: list[int] = []
         self.last_error: str | None = None
         self.last_publish: dict | None = None
-        self.stop_token = StopToken()
+        self.stop_token = stop_token or StopToken()  # given: the one the store's retries wait on too
+        self.progress: DaemonProgress | None = None  # the publish under way (phase, bytes), for the status
         self._lock: asyncio.Lock | None = None
         self._wake: asyncio.Event | None = None
         self._failed: tuple[int, int, float] | None = None  # step, failures, retry_at
         self._errors = 0
         self._part: int | None = None  # rank mode: the version whose part this rank stored, not yet committed
         self._too_large: set[str] = set()  # checkpoint folders already reported as beyond the format's versions
+        self._blocked: str | None = None  # the unfinished checkpoint last reported as holding back others
 
     def request_stop(self) -> None:
         """Stop after the current step (a publish in progress is cancelled at its next check)."""
@@ -165,6 +189,7 @@ class Publisher:
 
     def status(self) -> dict:
         """The ``GET /v1/status`` document."""
+        state, reason, stalled = stall_view(self.stalls, self.state, self.reason)
         return {
             "role": "publisher",
             "id": self.cfg.identity.id,
@@ -174,8 +199,10 @@ class Publisher:
             "watch_dir": str(self.cfg.watch_dir),
             "head_version": self.head,
             "pending": self.pending,
-            "state": self.state,
-            "reason": self.reason,
+            "state": state,
+            "reason": reason,
+            "stalled": stalled,
+            "progress": None if self.progress is None else self.progress.doc(),
             "last_publish": self.last_publish,
             "last_error": self.last_error,
             "rank": self.cfg.rank,
@@ -189,14 +216,38 @@ class Publisher:
         self._wake = asyncio.Event()
         warm_codec()
         self.cfg.state_dir.mkdir(parents=True, exist_ok=True)
-        while not self.stop_token.is_set:
-            await sleep_or_wake(self._wake, await self._iteration(), self.stop_token)
+        if self.stalls is not None:
+            self.stalls.start()
+        lister = asyncio.create_task(self._list_pending(), name="pending")
+        try:
+            while not self.stop_token.is_set:
+                await sleep_or_wake(self._wake, await self._iteration(), self.stop_token)
+        finally:
+            lister.cancel()
+            with suppress(asyncio.CancelledError):
+                await lister
+            if self.stalls is not None:
+                self.stalls.stop()
+
+    async def _list_pending(self) -> None:
+        """Keep ``pending`` current every poll interval, also while an iteration waits on a store that
+        hangs or on a long publish: the checkpoints written meanwhile show in the status."""
+        while True:
+            await asyncio.sleep(self.cfg.poll_interval)
+            try:
+                candidates = await asyncio.to_thread(scan, self.cfg.watch_dir, self.cfg.marker)
+            except OSError:
+                continue  # the loop reports an unreadable folder
+            head = self.head
+            self.pending = [c.step for c in candidates if head is None or c.step > head]
 
     async def _iteration(self) -> float:
         try:
             too_large: list[str] = []
             candidates = await asyncio.to_thread(scan, self.cfg.watch_dir, self.cfg.marker, too_large)
             self._report_too_large(too_large)
+            # what waits, before the store is asked (a store that hangs must not hide new checkpoints)
+            self.pending = [c.step for c in candidates if self.head is None or c.step > self.head]
             self.head = await asyncio.to_thread(self.repo.head_version)
             if self._part is not None and self.head is not None and self.head >= self._part:
                 if self.head > self._part:
@@ -221,6 +272,7 @@ class Publisher:
             self._errors = 0
             if not isinstance(action, Publish):
                 self.state = "idle" if isinstance(action, Idle) else "waiting"
+                self._report_blocked(action)
                 return self.cfg.poll_interval
             for step in action.skipped:
                 event(
@@ -240,7 +292,17 @@ class Publisher:
         except Stopped:
             return 0.0
         except Exception as exc:  # logged, counted, backed off; the loop goes on
-            return iteration_failed(self, exc, log)
+            # a failed publish is retried when its step's back-off ends (plan_publish waits until then)
+            wait = None if self._failed is None else self._failed[2] - self.clock()
+            return iteration_failed(self, exc, log, wait if wait is not None and wait > 0 else None)
+
+    def _report_blocked(self, action: Idle | Wait) -> None:
+        """Log once (WARNING) an unfinished checkpoint that holds back ready ones after it."""
+        blocked = isinstance(action, Wait) and "wait behind it" in action.reason
+        key = action.reason.split(";")[0] if blocked else None
+        if blocked and key != self._blocked:
+            event(log, f"an unfinished checkpoint holds back later ones: {action.reason}", logging.WARNING)
+        self._blocked = key
 
     def _report_too_large(self, names: list[str]) -> None:
         """Log once each checkpoint folder skipped for good: its step is no version the format allows."""
@@ -313,8 +375,15 @@ class Publisher:
             return result
 
     def _publish_blocking(self, path: Path, version: int | None, base: Path | None) -> PublishResult:
+        # uploads are counted as each chunk lands (weightsync_upload_bytes_total), failed publishes too
+        self.progress = DaemonProgress(self.stop_token, self.metrics.upload_bytes.inc, version, self.clock)
+        try:
+            return self._publish_with(path, version, base, self.progress)
+        finally:
+            self.progress = None
+
+    def _publish_with(self, path: Path, version: int | None, base: Path | None, stop) -> PublishResult:
         cfg, cache = self.cfg.publish, self.cache_dir
-        stop = self.stop_token
         files = None
         if self.cfg.rank is not None and self.cfg.own_files:
             files = [f.path for f in scan_checkpoint(path, cfg.ignore)]
@@ -371,7 +440,7 @@ class Publisher:
         )
 
     def _record(self, path: Path, r: PublishResult) -> None:
-        self.metrics.observe_publish(r, committed=self.cfg.rank is None)
+        self.metrics.observe_publish(r, committed=self.cfg.rank is None, uploaded=False)  # counted as they went
         self.last_publish = {
             "path": str(path),
             "time": self.clock(),
@@ -381,7 +450,7 @@ class Publisher:
         }
         self.last_error = None
         s = r.seconds
-        kind = "keyframe" if r.keyframe else f"delta from {r.parent}"
+        kind = "keyframe" if r.keyframe else "delta"
         what = (
             f"part {self.cfg.rank} of {self.cfg.world} of version {r.version}"
             if self.cfg.rank is not None
@@ -392,6 +461,7 @@ class Publisher:
             f"published {what}",
             version=r.version,
             kind=kind,
+            parent=r.parent,
             size=human_bytes(r.raw_bytes),
             stored=human_bytes(r.payload_bytes),
             ratio=f"{r.ratio:.1f}x",

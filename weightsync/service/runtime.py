@@ -15,6 +15,7 @@ import asyncio
 import http.server
 import json
 import logging
+import math
 import signal
 import socket
 import sys
@@ -30,8 +31,9 @@ from aiohttp import web
 from weightsync.errors import WeightsyncError
 from weightsync.service.config import ApiConfig, LogConfig, StoreConfig
 from weightsync.store import open_store
+from weightsync.store.inflight import InFlight
 from weightsync.store.repo import Repo, open_repo
-from weightsync.store.retry import RetryingStore
+from weightsync.store.retry import RetryingStore, retry_reason
 from weightsync.sync.observer import Observer
 
 log = logging.getLogger("weightsync.daemon")
@@ -54,6 +56,11 @@ class StopToken(Observer):
         self._event.set()
 
     @property
+    def event(self) -> threading.Event:
+        """The token as a ``threading.Event`` (for code that waits on one, as the mirror does)."""
+        return self._event
+
+    @property
     def is_set(self) -> bool:
         """Whether a stop was asked for."""
         return self._event.is_set()
@@ -61,6 +68,12 @@ class StopToken(Observer):
     def check(self, *_args) -> None:
         """Raise :class:`Stopped` once a stop was asked for (the observer hook of a running operation)."""
         if self._event.is_set():
+            raise Stopped("stopping")
+
+    def sleep(self, seconds: float) -> None:
+        """Sleep ``seconds``, or raise :class:`Stopped` as soon as a stop is asked for (the wait of
+        the store's retries: a daemon whose store is down stops at once, not after every retry)."""
+        if self._event.wait(seconds):
             raise Stopped("stopping")
 
 
@@ -79,12 +92,21 @@ class _JsonFormatter(logging.Formatter):
         return json.dumps(doc, default=str)
 
 
+def logfmt_value(value: object) -> str:
+    """A field's value as logfmt writes it: as is, or double-quoted (JSON escapes) when it is empty or
+    holds a blank, ``=`` or ``"``, so that ``key=value`` parsers read every field whole."""
+    text = str(value)
+    if text and not any(c.isspace() or c in '="' for c in text):
+        return text
+    return json.dumps(text)
+
+
 class _TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
         fields = getattr(record, "fields", None)
         if fields:
-            line += " " + " ".join(f"{k}={v}" for k, v in fields.items())
+            line += " " + " ".join(f"{k}={logfmt_value(v)}" for k, v in fields.items())
         return line
 
 
@@ -107,11 +129,51 @@ def event(logger: logging.Logger, msg: str, level: int = logging.INFO, **fields)
 
 
 # --- store ---------------------------------------------------------------------------------------
-def open_daemon_repo(cfg: StoreConfig, on_retry: Callable[[str, str, Exception], None]) -> Repo:
+def open_daemon_repo(
+    cfg: StoreConfig,
+    on_retry: Callable[[str, str, Exception], None],
+    inflight: InFlight | None = None,
+    stop: StopToken | None = None,
+) -> Repo:
     """The repo of a daemon or of the mirror (once per side): the store wrapped in bounded retries
-    (``cfg.retry``; only retryable errors, which the S3 backend marks) that report each retry."""
+    (``cfg.retry``; only retryable errors, which the S3 backend marks) that report each retry to
+    ``on_retry`` (the metrics) and the log (:class:`RetryLog`), its requests recorded in ``inflight``;
+    the wait between retries ends with :class:`Stopped` once ``stop`` is set."""
     store = open_store(cfg.url, **cfg.options())
-    return open_repo(RetryingStore(store, cfg.retry, on_retry=on_retry))
+    sleep = time.sleep if stop is None else stop.sleep
+    return open_repo(RetryingStore(store, cfg.retry, on_retry=RetryLog(on_retry), inflight=inflight, sleep=sleep))
+
+
+class RetryLog:
+    """The ``on_retry`` of a daemon's store: ``count(op, key, exc)`` each retry, and log it at WARNING
+    with the wait actually slept, at most one line per ``every`` seconds (the next line says how many
+    retries it stands for): a throttled store retries in bursts."""
+
+    def __init__(self, count: Callable[[str, str, Exception], None], every: float = 10.0, logger=None):
+        self.count, self.every, self.log = count, every, logger or logging.getLogger("weightsync.store")
+        self._last = -math.inf
+        self._unlogged = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, op: str, key: str, exc: Exception, delay: float) -> None:
+        self.count(op, key, exc)
+        with self._lock:
+            now = time.monotonic()
+            if now - self._last < self.every:
+                self._unlogged += 1
+                return
+            self._last, unlogged, self._unlogged = now, self._unlogged, 0
+        event(
+            self.log,
+            "store request failed; retrying",
+            logging.WARNING,
+            op=op,
+            key=key,
+            reason=retry_reason(exc),
+            retry_in=f"{delay:.2f}s",
+            error=" ".join(str(exc).split())[:300],
+            **({"retries_not_logged": unlogged} if unlogged else {}),
+        )
 
 
 def warm_codec() -> None:
@@ -225,19 +287,31 @@ async def sleep_or_wake(wake: asyncio.Event, delay: float, stop: StopToken) -> N
         await asyncio.wait_for(wake.wait(), delay)
 
 
-def iteration_failed(daemon, exc: Exception, logger: logging.Logger) -> float:
+def iteration_failed(daemon, exc: Exception, logger: logging.Logger, delay: float | None = None) -> float:
     """Record a failed loop iteration of ``daemon`` (a publisher or subscriber: ``_errors``,
     ``metrics.loop_errors``, ``last_error``, ``state``, ``cfg.poll_interval``, ``cfg.backoff``):
-    log it, count it, and return how long to back off before the next one."""
+    log it, count it, and return how long to back off before the next one (``delay`` when the daemon
+    knows better, e.g. when the failed step is retried; the log says the wait actually taken)."""
     daemon._errors += 1
     daemon.metrics.loop_errors.inc()
     daemon.last_error = f"{type(exc).__name__}: {exc}"
     daemon.state = "error"
-    delay = max(daemon.cfg.poll_interval, daemon.cfg.backoff.delay(daemon._errors))
+    if delay is None:
+        delay = max(daemon.cfg.poll_interval, daemon.cfg.backoff.delay(daemon._errors))
     event(logger, "iteration failed", logging.ERROR, error=daemon.last_error, retry_in=f"{delay:.1f}s")
     if not isinstance(exc, WeightsyncError):
         logger.error("unexpected error", exc_info=exc)
     return delay
+
+
+def stall_view(stalls, state: str, reason: str) -> tuple[str, str, list[dict]]:
+    """A daemon's status ``state``, ``reason`` and ``stalled`` requests: ``stalled`` and the oldest
+    stalled store request while one runs past ``--stall-after`` (``stalls``: a
+    :class:`~weightsync.service.stalls.StallWatch` or None), else the daemon's own."""
+    stalled = [] if stalls is None else stalls.stalled()
+    if stalled and state != "stopping":
+        return "stalled", stalls.describe() or reason, stalled
+    return state, reason, stalled
 
 
 # --- outcomes shared by the daemons' pure planning functions ---------------------------------------
@@ -255,6 +329,18 @@ class Wait:
     reason: str
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) is reachable from this machine only."""
+    import ipaddress
+
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: whatever it resolves to may be reachable from outside
+
+
 async def serve(app: web.Application, api: ApiConfig) -> int:
     """Run ``app`` (HTTP only if ``api.port`` is set) until SIGTERM/SIGINT or its loop ends."""
     app[SHUTDOWN] = asyncio.Event()
@@ -270,6 +356,13 @@ async def serve(app: web.Application, api: ApiConfig) -> int:
             await site.start()
             for addr in runner.addresses:
                 event(log, "listening", url=f"http://{addr[0]}:{addr[1]}", auth="bearer" if api.token else "none")
+            if api.token is None and not is_loopback(api.host):
+                event(
+                    log,
+                    f"the API listens on {api.host} without a token: anyone who reaches this port can pin, roll "
+                    "back, publish and call the swap hook; set WEIGHTSYNC_API_TOKEN (or --api-token-file)",
+                    logging.WARNING,
+                )
         await app[SHUTDOWN].wait()
         event(log, "stopping")
     finally:

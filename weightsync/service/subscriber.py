@@ -29,7 +29,7 @@ from weightsync.local.state import (
 from weightsync.local.verify import verify_folder
 from weightsync.service.config import SubscriberConfig
 from weightsync.service.engines import EngineCoordinator
-from weightsync.service.hooks import HookRunner
+from weightsync.service.hooks import HookRecord, HookRunner, read_hook_record, write_hook_record
 from weightsync.service.metrics import Metrics
 from weightsync.service.pin import (
     LATEST,
@@ -40,7 +40,7 @@ from weightsync.service.pin import (
     target_path,
     write_target,
 )
-from weightsync.service.progress import human_bytes
+from weightsync.service.progress import DaemonProgress, human_bytes
 from weightsync.service.runtime import (
     Idle,
     Stopped,
@@ -49,11 +49,13 @@ from weightsync.service.runtime import (
     event,
     iteration_failed,
     sleep_or_wake,
+    stall_view,
     warm_codec,
 )
 from weightsync.service.slots import Slots, StandbyRelease, slot_version
+from weightsync.service.stalls import StallWatch
 from weightsync.store.repo import Repo
-from weightsync.sync.fleet import FleetRecord, superseded_at, write_record
+from weightsync.sync.fleet import STOPPED, FleetRecord, superseded_at, write_record
 from weightsync.sync.pull import PullConfig, pull
 from weightsync.sync.selection import STATE as PARTIAL_STATE
 from weightsync.sync.selection import Selection, materialize, read_partial_state
@@ -129,12 +131,22 @@ class SyncResult:
 class Subscriber:
     """The subscriber's state and loop; the HTTP API (``weightsync.service.api``) reads and steers it."""
 
-    def __init__(self, cfg: SubscriberConfig, repo: Repo, metrics: Metrics, clock=time.time):
+    def __init__(
+        self,
+        cfg: SubscriberConfig,
+        repo: Repo,
+        metrics: Metrics,
+        clock=time.time,
+        stalls: StallWatch | None = None,
+        stop_token: StopToken | None = None,
+    ):
         self.cfg, self.repo, self.metrics, self.clock = cfg, repo, metrics, clock
+        self.stalls = stalls  # store requests that hang (weightsync.service.stalls)
         self.slots = Slots(cfg.target_dir)
         self.release = StandbyRelease(cfg.standby_hold, cfg.hook is not None)
         self.selection = Selection(cfg.include, cfg.exclude)
         self.target, self.target_from = self._initial_target()
+        metrics.target(self.target)
         self._target_lock: asyncio.Lock | None = None
         self.view = View(None)
         self.latest: int | None = None
@@ -142,9 +154,12 @@ class Subscriber:
         self.reason = ""
         self.last_error: str | None = None
         self.last_sync: dict | None = None
-        self.stop_token = StopToken()
-        self.hooks = HookRunner(cfg.hook, metrics.hook_failures.inc) if cfg.hook else None
-        self._hook_task: asyncio.Task | None = None
+        self.stop_token = stop_token or StopToken()  # given: the one the store's retries wait on too
+        self.progress: DaemonProgress | None = None  # the sync under way (phase, bytes), for the status
+        self.hooks = HookRunner(cfg.hook, metrics.hook_failures.inc, self._hook_changed) if cfg.hook else None
+        self._hook_task: asyncio.Task | None = None  # the one hook call at a time (never two at the engine)
+        self._hook_want: tuple[int | None, int, Path] | None = None  # (swap, version, folder) to fire next
+        self._changed: asyncio.Event | None = None  # pulsed when the state moves (API waits on it)
         self._wake: asyncio.Event | None = None
         self.staleness = 0.0
         self._superseded: tuple[int | None, float] | None = None
@@ -243,6 +258,7 @@ class Subscriber:
                     f"{exc.strerror or exc}; target unchanged"
                 ) from None
             self.target, self.target_from = target, "api"
+            self.metrics.target(target)
         event(log, "target set", target=target, stored=target_path(self.cfg.target_dir))
         if self.view.failed_version is not None:
             self.view = View(self.view.current, self.view.standby)  # a new target gets a fresh try
@@ -254,9 +270,89 @@ class Subscriber:
         """Whether ``/readyz`` answers ready: a version is served."""
         return self.view.current is not None
 
+    @property
+    def degraded(self) -> bool:
+        """Whether the swap hook of the version served failed (or was cut off, or is still retrying): the
+        engine may serve older weights than ``current``. Lasts until a hook call succeeds, across restarts."""
+        rec = None if self.hooks is None else self.hooks.record
+        return rec is not None and rec.degraded
+
+    def _serving(self) -> str:
+        """The state of an idle subscriber that serves its target: ``serving``, or ``degraded``."""
+        return "degraded" if self.degraded else "serving"
+
+    def _notify(self) -> None:
+        """Wake the API calls waiting for a state (:meth:`wait_until`)."""
+        if self._changed is not None:
+            changed, self._changed = self._changed, asyncio.Event()
+            changed.set()
+
+    async def wait_until(self, done, seconds: float) -> bool:
+        """Wait up to ``seconds`` until ``done()`` is true (checked at every change of state); returns it."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        while not done():
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            if self._changed is None:
+                self._changed = asyncio.Event()
+            with suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
+        return True
+
+    def hook_settled(self, version: int | None) -> bool:
+        """No hook call is running or queued (none will come for ``version``), or there is no hook."""
+        if self.hooks is None:
+            return True
+        busy = self._hook_want is not None or not (self._hook_task is None or self._hook_task.done())
+        return not busy
+
+    def hook_outcome(self, version: int) -> str | None:
+        """How the hook call for ``version`` ended once settled: ``ok`` (or no hook), else why it failed;
+        None while one is running or queued."""
+        if not self.hook_settled(version):
+            return None
+        rec = None if self.hooks is None else self.hooks.record
+        if rec is None or rec.version != version or rec.state == "ok":
+            return "ok"  # no call for it in this target folder's record: nothing failed
+        return f"version {version} is served, but its swap hook failed: {rec.error}"
+
+    def target_outcome(self, target: Target) -> str | None:
+        """For ``PUT /v1/target?wait=``: ``ok`` once ``target`` is served and its hook succeeded (or there
+        is none); why not, once its sync or hook failed (the sync is retried); None while under way."""
+        desired = self.latest if target == LATEST else int(target)
+        if desired is None:
+            return None
+        if self.view.failed_version == desired:
+            return (
+                f"the sync of version {desired} failed {self.view.failures} time(s) and is retried: {self.last_error}"
+            )
+        if self.view.current != desired:
+            return None
+        return self.hook_outcome(desired)
+
+    def rerun_hook(self) -> int:
+        """``POST /v1/hook``: call the swap hook again for the version served (after the call in
+        flight, if any); returns that version. UsageError without a hook, VersionError while nothing is served."""
+        if self.hooks is None:
+            raise UsageError("this subscriber has no swap hook (--hook-url, --hook-command, --hook-preset)")
+        served = self.serving()
+        if served is None:
+            raise VersionError("no version is served yet: there is nothing to tell the engine")
+        version, folder = served
+        event(log, "swap hook requested through the API", version=version)
+        self._request_hook(version, folder, self.release.swaps)
+        return version
+
     def status(self) -> dict:
         """The ``GET /v1/status`` document."""
         lag = None if self.latest is None or self.view.current is None else self.latest - self.view.current
+        reason = self.reason
+        if self.state == "degraded" and (rec := self.hooks.record) is not None:
+            what = "is being retried" if rec.state == "retrying" else f"did not succeed ({rec.state})"
+            reason += f"; the swap hook of version {rec.version} {what}: {rec.error}; POST /v1/hook calls it again"
+        state, reason, stalled = stall_view(self.stalls, self.state, reason)
         return {
             "role": "subscriber",
             "id": self.cfg.identity.id,
@@ -269,16 +365,18 @@ class Subscriber:
             "latest_version": self.latest,
             "target": self.target,
             "target_from": self.target_from,  # command line, stored, default (the head) or api
-            "state": self.state,
-            "reason": self.reason,
+            "state": state,
+            "reason": reason,
+            "stalled": stalled,
             "lag": lag,
             "staleness_seconds": self.staleness,
             "partial": {"include": list(self.cfg.include), "exclude": list(self.cfg.exclude)}
             if self.cfg.partial
             else None,
+            "progress": None if self.progress is None else self.progress.doc(),
             "last_sync": self.last_sync,
             "last_error": self.last_error,
-            "hook": None if self.hooks is None or self.hooks.last is None else vars(self.hooks.last),
+            "hook": None if self.hooks is None or self.hooks.record is None else self.hooks.record.to_doc(),
             "engines": self.engines.status(),
         }
 
@@ -287,22 +385,30 @@ class Subscriber:
         """The daemon's loop: claim the folders, then read the head, plan, sync and swap, until stopped."""
         self._wake = asyncio.Event()
         warm_codec()
-        engines = None
+        engines = heartbeat = None
+        if self.stalls is not None:
+            self.stalls.start()
         try:
             await asyncio.to_thread(self.claim)
             await asyncio.to_thread(self._startup)
+            self._resume_hook()
             engines = asyncio.create_task(self.engines.run(self.serving), name="engines")
+            heartbeat = asyncio.create_task(self._heartbeat(), name="fleet-heartbeat")
             while not self.stop_token.is_set:
                 await sleep_or_wake(self._wake, await self._iteration(), self.stop_token)
         finally:
             self.engines.close()
-            if engines is not None:
-                engines.cancel()
-                with suppress(asyncio.CancelledError):
-                    await engines
+            for task in (engines, heartbeat):
+                if task is not None:
+                    task.cancel()
+                    with suppress(asyncio.CancelledError):
+                        await task
             if self._hook_task is not None and not self._hook_task.done():
-                self._hook_task.cancel()
+                self._hook_task.cancel()  # its record stays "running": the next start calls it again
+            self.state = STOPPED  # the last record: the fleet view leaves it out (a pod gone in a rollout)
             await self._write_ledger(force=True)
+            if self.stalls is not None:
+                self.stalls.stop()
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None
@@ -323,6 +429,9 @@ class Subscriber:
             self._served = snapshot(self.slots.path(cur))
             self._check_served(installed=True)  # changed while no subscriber watched
         self.metrics.current_version.set(-1 if current is None else current)
+        if self.hooks is not None:
+            self.hooks.record = read_hook_record(self.cfg.target_dir, self.repo.url)
+            self.metrics.hook_degraded.set(int(self.degraded))
         event(
             log,
             "started",
@@ -355,7 +464,7 @@ class Subscriber:
             if isinstance(action, Sync):
                 await self._sync(action.version)
             else:
-                self.state = "serving" if isinstance(action, Idle) and self.ready else "waiting"
+                self.state = self._serving() if isinstance(action, Idle) and self.ready else "waiting"
                 if isinstance(action, Idle):
                     interrupted = await self._seed_standby()
             await self._update_lag()
@@ -368,6 +477,8 @@ class Subscriber:
             return 0.0
         except Exception as exc:  # logged, counted, backed off; the loop goes on
             return iteration_failed(self, exc, log)
+        finally:
+            self._notify()
 
     def _next_delay(self) -> float:
         delay = self.cfg.poll_interval
@@ -379,8 +490,11 @@ class Subscriber:
         self.state = "syncing"
         standby = self.slots.standby()
         folder = self.slots.path(standby)
+        self.progress = DaemonProgress(self.stop_token, self.metrics.download_bytes.inc, version, self.clock)
         try:
             result = await asyncio.to_thread(self._fill, folder, version)
+            # what no transfer reported (a file store's chunks are read in place): counted as before
+            self.metrics.download_bytes.inc(max(0, result.fetched_bytes - self.progress.moved))
         except Stopped:
             raise
         except Exception as exc:
@@ -390,6 +504,8 @@ class Subscriber:
             retry_at = self.clock() + self.cfg.backoff.delay(failures)
             self.view = View(self.view.current, None, version, failures, retry_at)
             raise
+        finally:
+            self.progress = None
         if self.stop_token.is_set:
             self.view = View(self.view.current, version)
             raise Stopped("stopping before the swap; the standby slot keeps the new version")
@@ -401,11 +517,12 @@ class Subscriber:
         pause = time.perf_counter() - t0
         self._served = result.served
         swap = self.release.swapped()
-        self.view = View(version, self.view.current)
-        self._after_swap(result, folder, pause, swap)
+        served_before = self.view.current
+        self.view = View(version, served_before)
+        self.state = self._serving()  # before the record is written: it says what is served now
+        self._after_swap(result, folder, pause, swap, served_before)
         self.engines.kick()
         await self._write_ledger(force=True)
-        self.state = "serving"
 
     def _fill(self, folder: Path, version: int) -> SyncResult:
         """Bring a slot to ``version`` and verify it (runs in a worker thread)."""
@@ -431,10 +548,9 @@ class Subscriber:
         cfg = PullConfig(
             fetch_concurrency=self.cfg.fetch_concurrency, decode_threads=self.cfg.decode_threads, fsync=self.cfg.fsync
         )
+        observer = self.progress or self.stop_token
         if self.cfg.partial:
-            r = materialize(
-                self.repo, folder, version, self.selection, config=cfg, observer=self.stop_token, lock=self._lock
-            )
+            r = materialize(self.repo, folder, version, self.selection, config=cfg, observer=observer, lock=self._lock)
             raw = sum(f["size"] for f in read_partial_state(folder).files.values())
             fetch_s, build_s = r.seconds.get("fetch", 0.0), r.seconds.get("build", 0.0)
         else:
@@ -442,7 +558,7 @@ class Subscriber:
             base = self._refill_base(version)
             if base is None:
                 self._seed_from_current(folder, version)
-            r = pull(self.repo, folder, version, config=cfg, observer=self.stop_token, base_dir=base, lock=self._lock)
+            r = pull(self.repo, folder, version, config=cfg, observer=observer, base_dir=base, lock=self._lock)
             raw = self.repo.manifest(version).raw_bytes
             fetch_s, build_s = r.seconds.get("fetch", 0.0), r.seconds.get("build", 0.0)
             if self.cfg.verify_before_swap:
@@ -597,17 +713,19 @@ class Subscriber:
             event(log, "clearing a slot filled in the other mode", folder=folder)
             clear_folder(folder)
 
-    def _after_swap(self, r: SyncResult, folder: Path, pause: float, swap: int) -> None:
+    def _after_swap(self, r: SyncResult, folder: Path, pause: float, swap: int, served_before: int | None) -> None:
+        """Metrics, ``last_sync``, the log line and the hook of a swap to ``r.version`` from
+        ``served_before`` (the version served until now; ``r.from_version`` is what the slot held)."""
         m = self.metrics
         m.current_version.set(r.version)
-        m.download_bytes.inc(r.fetched_bytes)
         m.download_seconds.observe(r.fetch_seconds)
         m.apply_seconds.observe(r.build_seconds)
         m.swap_pause.observe(pause)
         m.swaps.inc()
         self.last_sync = {
             "version": r.version,
-            "from_version": r.from_version,
+            "from_version": served_before,  # the version served before the swap
+            "base_version": r.from_version,  # what the standby slot held, the sync's base (None: empty)
             "fetched_bytes": r.fetched_bytes,
             "raw_bytes": r.raw_bytes,
             "fetch_seconds": round(r.fetch_seconds, 6),
@@ -621,7 +739,8 @@ class Subscriber:
             log,
             f"swapped to version {r.version}",
             version=r.version,
-            from_version=r.from_version,
+            from_version=served_before,
+            base_version=r.from_version,
             slot=folder.name,
             fetched=human_bytes(r.fetched_bytes),
             size=human_bytes(r.raw_bytes),
@@ -632,14 +751,55 @@ class Subscriber:
             swap_ms=f"{1000 * pause:.2f}",
         )
         if self.hooks is not None:
-            if self._hook_task is not None and not self._hook_task.done():
-                self._hook_task.cancel()  # superseded: the server is told about the newer version
-            self._hook_task = asyncio.create_task(self._fire_hook(swap, r.version, folder))
+            self._request_hook(r.version, folder, swap)
 
-    async def _fire_hook(self, swap: int, version: int, folder: Path) -> None:
-        """The swap hook; its success releases the standby slot, for this swap only."""
-        if (await self.hooks.fire(version, str(folder), str(self.slots.link))).ok:
-            self.release.confirm(swap)
+    def _resume_hook(self) -> None:
+        """At start-up: call the hook again when its last call, recorded in the target folder, did not
+        succeed for the version served (it failed, or the process stopped during it or before it)."""
+        rec = None if self.hooks is None else self.hooks.record
+        served = self.serving()
+        if rec is None or served is None or (rec.version == served[0] and rec.state == "ok"):
+            return
+        event(
+            log,
+            f"calling the swap hook again: its last call did not succeed for version {served[0]}",
+            logging.WARNING,
+            version=served[0],
+            last_version=rec.version,
+            last_state=rec.state,
+        )
+        self._request_hook(served[0], served[1], None)
+
+    def _request_hook(self, version: int, folder: Path, swap: int | None) -> None:
+        """Fire the hook for ``version`` (the slot ``folder``) once the call in flight, if any, has ended:
+        calls never overlap, and a newer request replaces a queued one (the engine loads the newest)."""
+        self._hook_want = (swap, version, folder)
+        if self._hook_task is None or self._hook_task.done():
+            self._hook_task = asyncio.create_task(self._hook_calls(), name="swap-hook")
+
+    async def _hook_calls(self) -> None:
+        """Run the queued hook calls one after the other. A success releases the standby slot for the
+        swap it was fired for (:class:`~weightsync.service.slots.StandbyRelease`)."""
+        while self._hook_want is not None:
+            swap, version, folder = self._hook_want
+            self._hook_want = None
+            outcome = await self.hooks.fire(
+                version, str(folder), str(self.slots.link), superseded=lambda: self._hook_want is not None
+            )
+            if outcome.ok and swap is not None:
+                self.release.confirm(swap)
+        self._notify()
+
+    async def _hook_changed(self, rec: HookRecord) -> None:
+        """A hook call moved (:class:`HookRunner`): the gauge, the state, the record in the target folder."""
+        self.metrics.hook_degraded.set(int(rec.degraded))
+        if self.state in ("serving", "degraded"):
+            self.state = self._serving()
+        try:
+            await asyncio.to_thread(write_hook_record, self.cfg.target_dir, self.repo.url, rec, self.cfg.fsync)
+        except OSError as exc:
+            event(log, "could not record the swap hook's state", logging.WARNING, error=exc)
+        self._notify()
 
     async def _update_lag(self) -> None:
         cur, head, m = self.view.current, self.latest, self.metrics
@@ -656,6 +816,13 @@ class Subscriber:
             if self._superseded is not None:
                 self.staleness = max(0.0, self.clock() - self._superseded[1])
         m.staleness.set(self.staleness)
+
+    async def _heartbeat(self) -> None:
+        """Rewrite the fleet record every ``--ledger-interval`` seconds, also while a sync runs for an
+        hour: a record that stops being rewritten is a gone subscriber's (the fleet view expires it)."""
+        while True:
+            await asyncio.sleep(self.cfg.ledger_interval)
+            await self._write_ledger()
 
     async def _write_ledger(self, force: bool = False) -> None:
         if self._ledger_lock is None:

@@ -13,9 +13,10 @@ from typing import Literal, TypeVar
 
 from weightsync.errors import AlreadyExistsError, PreconditionFailedError, StoreError, UsageError
 from weightsync.store.base import ObjectMeta, PutMode, Store
+from weightsync.store.inflight import InFlight
 
 T = TypeVar("T")
-OnRetry = Callable[[str, str, StoreError], None]
+OnRetry = Callable[..., None]  # (op, key, exc, delay) or (op, key, exc)
 
 # What a retry is counted by (the ``op`` and ``reason`` labels of ``weightsync_store_retries_total``):
 # two small fixed sets, never a key or an error message.
@@ -73,8 +74,9 @@ class RetryPolicy:
 class RetryingStore(Store):
     """``inner`` with retries of retryable errors; the final error names key and attempts.
 
-    ``on_retry(op, key, exc)`` is called before each wait (for metrics and logs). ``sleep`` and
-    ``rng`` are injectable for tests.
+    ``on_retry(op, key, exc, delay)`` is called before each wait of ``delay`` seconds (for metrics and
+    logs; a callable of three arguments gets no delay). ``inflight`` (:class:`InFlight`) records each
+    request, its retries included, while it runs. ``sleep`` and ``rng`` are injectable for tests.
     """
 
     def __init__(
@@ -85,6 +87,7 @@ class RetryingStore(Store):
         on_retry: OnRetry | None = None,
         sleep: Callable[[float], None] = time.sleep,
         rng: random.Random | None = None,
+        inflight: InFlight | None = None,
     ):
         self.inner = inner
         self.policy = policy or RetryPolicy()
@@ -92,9 +95,19 @@ class RetryingStore(Store):
         self._on_retry = on_retry
         self._sleep = sleep
         self._rng = rng or random.Random()
+        self._inflight = inflight
+        self._retry_takes_delay = on_retry is not None and _takes_delay(on_retry)
 
     def call(self, op: str, key: str, fn: Callable[[], T]) -> T:
         """``fn()`` with this store's retries; ``op`` and ``key`` name it in errors and ``on_retry``."""
+        rid = None if self._inflight is None else self._inflight.begin(op, key, self.url)
+        try:
+            return self._call(op, key, fn)
+        finally:
+            if rid is not None:
+                self._inflight.end(rid)
+
+    def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
         attempt = 1
         while True:
             try:
@@ -108,14 +121,22 @@ class RetryingStore(Store):
                     raise
                 if attempt >= self.policy.attempts:
                     raise self._gave_up(op, key, attempt, exc) from exc
-                if self._on_retry is not None:
-                    self._on_retry(op, key, exc)
-                self._sleep(self.policy.delay(attempt, self._rng))
+                delay = self.policy.delay(attempt, self._rng)
+                self._retried(op, key, exc, delay)
+                self._sleep(delay)
                 attempt += 1
 
+    def _retried(self, op: str, key: str, exc: StoreError, delay: float) -> None:
+        if self._on_retry is not None:
+            if self._retry_takes_delay:
+                self._on_retry(op, key, exc, delay)
+            else:
+                self._on_retry(op, key, exc)
+
     def _gave_up(self, op: str, key: str, attempts: int, exc: StoreError) -> StoreError:
-        last = str(exc).removeprefix(f"{self.url}: ")
-        err = StoreError(f"{self.url}: {op} {key}: gave up after {attempts} attempts; last: {last}", key=key)
+        where = f"{self.url}/{key}" if key else self.url  # "s3://b/run/HEAD: GET ...", never "GET HEAD"
+        last = str(exc).removeprefix(f"{where}: ").removeprefix(f"{self.url}: ")
+        err = StoreError(f"{where}: {op} gave up after {attempts} attempts; last: {last}", key=key)
         err.attempts = attempts
         err.retryable = False  # retrying again at an outer level would multiply the attempts
         return err
@@ -157,9 +178,9 @@ class RetryingStore(Store):
                     raise
                 if attempt >= self.policy.attempts:
                     raise self._gave_up("LIST", prefix, attempt, exc) from exc
-                if self._on_retry is not None:
-                    self._on_retry("LIST", prefix, exc)
-                self._sleep(self.policy.delay(attempt, self._rng))
+                delay = self.policy.delay(attempt, self._rng)
+                self._retried("LIST", prefix, exc, delay)
+                self._sleep(delay)
                 attempt += 1
 
     def head_meta(self, key: str) -> ObjectMeta | None:
@@ -187,3 +208,16 @@ class RetryingStore(Store):
 
     def __repr__(self) -> str:
         return f"RetryingStore({self.inner!r}, {self.policy})"
+
+
+def _takes_delay(fn: Callable) -> bool:
+    """Whether an ``on_retry`` callback takes the delay as a fourth argument (older ones take three)."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return True
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) >= 4

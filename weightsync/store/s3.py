@@ -134,7 +134,10 @@ class S3Store(Store):
     # -- error mapping -----------------------------------------------------------------------
 
     def _error(self, op: str, key: str, what: str, *, cls=StoreError, retryable=False, reason="other") -> StoreError:
-        err = cls(f"{self.url}: {op} {key}: {what}", key=key)
+        where = (
+            f"{self.url}/{key}" if key and key != "''" else self.url
+        )  # "s3://b/run/HEAD: GET: ...", never "GET HEAD"
+        err = cls(f"{where}: {op}: {what}", key=key)
         err.retryable = retryable
         err.retry_reason = reason  # the retry counter's label, when retryable
         return err

@@ -1,5 +1,7 @@
 """The fleet ledger: each subscriber's record in the store (``fleet/<id>.json``), and the fleet view
-built from them (:func:`fleet_view`, pure: lag, staleness, age of each record)."""
+built from them (:func:`fleet_view`, pure: lag, staleness, age of each record; records of stopped
+subscribers and records not rewritten for ``expire_after`` seconds are left out), over one store or
+several (:func:`read_fleets`: every region at once)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from weightsync.store.repo import Repo
 
 FORMAT = "weightsync.fleet"
 MAX_ENGINES = 4096  # engine ranks one record may list
+EXPIRE_AFTER = 600.0  # seconds: a record not rewritten for this long (20 heartbeats of 30 s) is a gone subscriber's
+STOPPED = "stopped"  # the state of a subscriber's last record when it stopped cleanly
 
 
 @dataclass(frozen=True)
@@ -163,12 +167,25 @@ class FleetRow:
     staleness_seconds: float | None  # since a newer version than the current one was published
     last_seen_seconds: float  # since the record was written
     engines: list[dict] = field(default_factory=list)  # its engine ranks: replica, rank, world, version
+    gone: bool = False  # stopped, or not seen for expire_after seconds: shown only when asked for
+
+
+def is_gone(record: FleetRecord, now: float, expire_after: float = EXPIRE_AFTER) -> bool:
+    """Whether a record is a gone subscriber's: it stopped cleanly, or has not rewritten its record (a
+    heartbeat every ``--ledger-interval``) for ``expire_after`` seconds (a pod replaced by a rollout,
+    killed or lost with its node)."""
+    return record.state == STOPPED or now - record.updated > expire_after
 
 
 def fleet_view(
-    records: list[FleetRecord], head: int | None, superseded: Callable[[int | None], float | None], now: float
+    records: list[FleetRecord],
+    head: int | None,
+    superseded: Callable[[int | None], float | None],
+    now: float,
+    expire_after: float = EXPIRE_AFTER,
 ) -> list[FleetRow]:
-    """Rows of the fleet table (pure but for ``superseded(version) -> unix seconds or None``)."""
+    """Rows of the fleet table (pure but for ``superseded(version) -> unix seconds or None``); gone
+    subscribers' rows (:func:`is_gone`) are marked ``gone``."""
     rows = []
     for r in records:
         cur = r.current_version
@@ -182,14 +199,15 @@ def fleet_view(
             else max(0.0, now - since)
         )
         engines = [asdict(e) for e in r.engines]
-        rows.append(
-            FleetRow(r.id, r.region, r.cluster, cur, r.target, r.state, lag, stale, max(0.0, now - r.updated), engines)
-        )
+        seen = max(0.0, now - r.updated)
+        gone = is_gone(r, now, expire_after)
+        rows.append(FleetRow(r.id, r.region, r.cluster, cur, r.target, r.state, lag, stale, seen, engines, gone))
     return rows
 
 
-def read_fleet(repo: Repo, now: float) -> dict:
-    """The fleet as JSON-ready data: the head version, one row per subscriber, and bad records."""
+def read_fleet(repo: Repo, now: float, *, expire_after: float = EXPIRE_AFTER, everyone: bool = False) -> dict:
+    """The fleet of one store as JSON-ready data: the store and its head version, one row per
+    subscriber (gone ones only with ``everyone``; ``hidden`` counts the others), and bad records."""
     head = repo.head_version()
     records, errors = read_records(repo.store)
     versions = repo.versions() if records and head is not None else []
@@ -200,31 +218,63 @@ def read_fleet(repo: Repo, now: float) -> dict:
             cache[v] = superseded_at(repo, v, versions)
         return cache[v]
 
-    rows = fleet_view(records, head, superseded, now)
-    return {"head_version": head, "subscribers": [asdict(r) for r in rows], "errors": errors}
+    rows = fleet_view(records, head, superseded, now, expire_after)
+    shown = [r for r in rows if everyone or not r.gone]
+    return {
+        "store": repo.url,
+        "head_version": head,
+        "subscribers": [{**asdict(r), "store": repo.url} for r in shown],
+        "hidden": len(rows) - len(shown),
+        "errors": errors,
+    }
 
 
-def format_fleet(fleet: dict) -> str:
-    """The fleet as a text table (``weightsync fleet``)."""
+def read_fleets(repos: list[Repo], now: float, **options) -> dict:
+    """The fleet over several stores (one per region; :func:`read_fleet` each, ``options`` as its):
+    every store's head, the newest of them as ``head_version``, every subscriber row (each with its
+    ``store``; its lag is against its own store's head), hidden rows and bad records of all."""
+    fleets = [read_fleet(r, now, **options) for r in repos]
+    heads = [f["head_version"] for f in fleets if f["head_version"] is not None]
+    return {
+        "head_version": max(heads, default=None),
+        "stores": [{k: f[k] for k in ("store", "head_version", "hidden", "errors")} for f in fleets],
+        "subscribers": [row for f in fleets for row in f["subscribers"]],
+        "hidden": sum(f["hidden"] for f in fleets),
+        "errors": [e for f in fleets for e in f["errors"]],
+    }
+
+
+def format_fleet(fleet: dict, expire_after: float = EXPIRE_AFTER) -> str:
+    """The fleet as a text table (``weightsync fleet``): of one store (:func:`read_fleet`) or several
+    (:func:`read_fleets`: a line per store, then every subscriber)."""
 
     def fmt(v, spec="") -> str:
         return "-" if v is None else format(v, spec)
 
-    lines = [
-        f"head version: {fmt(fleet['head_version'])}",
+    stores = fleet.get("stores")
+    lines = (
+        [f"head version: {fmt(fleet['head_version'])}"]
+        if not stores
+        else [f"store {s['store']}: head version {fmt(s['head_version'])}" for s in stores]
+    )
+    lines.append(
         f"{'subscriber':<28} {'region':<12} {'cluster':<12} {'version':>8} {'target':>8} {'lag':>5} "
-        f"{'stale':>9} {'seen':>9}  state",
-    ]
+        f"{'stale':>9} {'seen':>9}  state"
+    )
     for r in fleet["subscribers"]:
         stale = fmt(r["staleness_seconds"], ".0f") + ("s" if r["staleness_seconds"] is not None else "")
         lines.append(
             f"{r['id']:<28} {r['region'] or '-':<12} {r['cluster'] or '-':<12} {fmt(r['current_version']):>8} "
             f"{r['target']!s:>8} {fmt(r['lag']):>5} {stale:>9} {r['last_seen_seconds']:>8.0f}s  {r['state']}"
+            + (f"  {r['store']}" if stores else "")
+            + ("  (gone)" if r.get("gone") else "")
         )
         replicas: dict[str, list[str]] = {}
         for e in r.get("engines", ()):
             replicas.setdefault(e["replica"], []).append(fmt(e["version"]))
         if replicas:
             lines.append("    engines: " + "  ".join(f"{k} [{' '.join(v)}]" for k, v in replicas.items()))
+    if fleet.get("hidden"):
+        lines.append(f"({fleet['hidden']} stopped or not seen for over {expire_after:g}s not shown: --all shows them)")
     lines += [f"bad record: {e}" for e in fleet["errors"]]
     return "\n".join(lines)

@@ -81,6 +81,10 @@ class MirrorObserver:
     def on_error(self, exc: StoreError) -> None:
         """A pass failed with a store error and will be retried at the next poll (``follow`` only)."""
 
+    def on_waiting(self, reason: str) -> None:
+        """Nothing to mirror yet (the source is not a weightsync store: it is empty); the mirror looks
+        again at every poll (``follow`` only)."""
+
 
 class _Stopped(Exception):
     pass
@@ -251,9 +255,10 @@ def mirror(
     """Copy ``src``'s versions into ``dst`` (see the module docstring).
 
     With ``follow``, keep polling the source head every ``config.interval`` seconds until ``stop``
-    is set; a pass that fails with a store error (network, throttling) is reported to
-    ``observer.on_error`` and retried at the next poll, while integrity errors (checksums, a destination
-    that is not a mirror) end the mirror. Setting ``stop`` ends a pass between chunks; the version
+    is set (an empty or unreachable source is waited for: ``observer.on_waiting``, ``on_error``); a
+    pass that fails with a store error (network, throttling) is reported to ``observer.on_error`` and
+    retried at the next poll, while integrity errors (checksums, a destination that is not a mirror)
+    end the mirror. Setting ``stop`` ends a pass between chunks; the version
     being copied is then left uncommitted (its chunks are reused by the next run).
 
     ``observer`` (a :class:`MirrorObserver`) hears of heads, chunks, versions, passes and errors.
@@ -263,6 +268,18 @@ def mirror(
     observer = observer or MirrorObserver()
     m = _Mirror(src, dst, config, stop, observer)
     try:
+        while follow:  # an empty source (no publisher yet) or an unreachable one is waited for, not fatal
+            try:
+                if src.check():
+                    break
+                observer.on_waiting(f"{src.url} is not a weightsync store yet (it is empty)")
+            except NotAStoreError:
+                raise
+            except StoreError as exc:
+                m.result.errors += 1
+                observer.on_error(exc)
+            if stop.wait(config.interval):
+                return m.result
         m.prepare()
         while True:
             try:

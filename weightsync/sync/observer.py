@@ -30,8 +30,10 @@ class Observer:
 
     def on_phase(self, name: str, total_bytes: int) -> None:
         """A phase with a byte total starts: ``"encode"`` (publish: the bytes of the segments to read,
-        diff and encode), ``"write"`` (pull, partial pull: the bytes of the files to rebuild) or
-        ``"stage"`` (torch sink prepare: the bytes of the changed tensors)."""
+        diff and encode), ``"fetch"`` (pull, partial pull, torch sink prepare: the chunk bytes to
+        download; they are reported by :meth:`on_transfer`, not :meth:`on_progress`), ``"write"``
+        (pull, partial pull: the bytes of the files to rebuild) or ``"stage"`` (torch sink prepare:
+        the bytes of the changed tensors)."""
 
     def on_progress(self, nbytes: int) -> None:
         """``nbytes`` more of the current phase are done (a segment encoded, a file written, a tensor

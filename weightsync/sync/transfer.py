@@ -97,9 +97,13 @@ def fetch_chunks(
     verified chunk, so a restarted pull does not download it again); a chunk of which little is
     needed is fetched as ranged reads into a sparse file at the same offsets. Every payload read
     from either is checked against its own checksum before it is decoded. ``spool`` is a real
-    directory of the caller's (checked by :func:`weightsync.local.spool_dir`). Each download is
-    reported to ``op`` (:meth:`~weightsync.sync.observer.Operation.transferred`).
+    directory of the caller's (checked by :func:`weightsync.local.spool_dir`). The ``"fetch"`` phase
+    starts with the bytes to download, and each download is reported to ``op`` as it lands
+    (:meth:`~weightsync.sync.observer.Operation.transferred`).
     """
+    needs = list(needs)
+    if op is not None:
+        op.phase("fetch", sum(n.fetch_bytes for n in needs))
 
     def one(need: ChunkNeed) -> tuple[str, Path]:
         ref = need.chunk

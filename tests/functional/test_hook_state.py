@@ -1,0 +1,239 @@
+"""The swap hook as a state, against a real aiohttp server standing in for the engine: a slow reload
+is waited for and never overlapped (its late answer counts), a hung one is abandoned after
+``attempts`` periods; a failed hook makes the subscriber ``degraded`` (status, gauge, record in the
+target folder) until a call succeeds, survives a restart, which calls the hook again, and an API
+call (``POST /v1/hook``) runs it again; ``?wait=`` makes it and ``PUT /v1/target`` say how it ended.
+In process, and once with the daemon as a real process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+import time
+
+import pytest
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+from test_daemons import daemons, http, wait_for  # noqa: F401  (daemons is a fixture)
+
+import weightsync
+from weightsync.demo import make_trajectory
+from weightsync.service.config import Backoff, HookConfig, Identity, StoreConfig, SubscriberConfig
+from weightsync.service.hooks import HookRunner, hook_path
+from weightsync.service.metrics import Metrics
+from weightsync.service.subscriber import Subscriber
+
+TINY = dict(hidden=32, layers=1, experts=2, vocab=128)
+
+
+class Engine:
+    """An engine's reload endpoint in a thread: answers ``status`` after ``delay`` seconds; counts
+    calls and the most it ever ran at once."""
+
+    def __init__(self, status: int = 200, delay: float = 0.0):
+        self.status, self.delay = status, delay
+        self.calls: list[dict] = []
+        self.running = self.most = 0
+        self._loop = asyncio.new_event_loop()
+        started = threading.Event()
+
+        async def reload(request: web.Request) -> web.Response:
+            self.running += 1
+            self.most = max(self.most, self.running)
+            try:
+                self.calls.append(await request.json())
+                await asyncio.sleep(self.delay)
+                return web.json_response({"ok": self.status < 300}, status=self.status)
+            finally:
+                self.running -= 1
+
+        async def main() -> None:
+            app = web.Application()
+            app.router.add_post("/reload", reload)
+            self._runner = web.AppRunner(app, shutdown_timeout=0.5)  # a hung reload does not hold the test
+            await self._runner.setup()
+            site = web.TCPSite(self._runner, "127.0.0.1", 0)
+            await site.start()
+            self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/reload"
+            started.set()
+
+        threading.Thread(
+            target=lambda: (self._loop.run_until_complete(main()), self._loop.run_forever()), daemon=True
+        ).start()
+        assert started.wait(10)
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+
+
+@pytest.fixture
+def engine():
+    made: list[Engine] = []
+
+    def make(**kw) -> Engine:
+        made.append(Engine(**kw))
+        return made[-1]
+
+    yield make
+    for e in made:
+        e.close()
+
+
+def _fire(cfg: HookConfig):
+    failures, records = [], []
+
+    async def on_record(rec):
+        records.append(rec)
+
+    async def main():
+        return await HookRunner(cfg, lambda: failures.append(1), on_record).fire(3, "/w/slots/a", "/w/current")
+
+    t0 = time.monotonic()
+    outcome = asyncio.run(main())
+    return outcome, len(failures), records, time.monotonic() - t0
+
+
+def test_a_slow_reload_is_waited_for_never_overlapped_and_its_late_answer_counts(engine):
+    e = engine(delay=0.5)
+    cfg = HookConfig(url=e.url, timeout=0.15, attempts=5, backoff=Backoff(0.01, 0.05))
+    outcome, failures, records, _ = _fire(cfg)
+    assert outcome.ok and len(e.calls) == 1 and e.most == 1  # one request, answered late: it counts
+    assert failures >= 1 and outcome.attempts == failures + 1
+    states = [r.state for r in records]
+    assert states[0] == "running" and "retrying" in states and states[-1] == "ok", states
+    assert records[1].degraded and "--hook-timeout" in records[1].error and not records[-1].degraded
+
+
+def test_a_hung_reload_is_abandoned_after_attempts_periods_without_a_second_call(engine):
+    e = engine(delay=30)
+    cfg = HookConfig(url=e.url, timeout=0.1, attempts=3, backoff=Backoff(0.01, 0.05))
+    outcome, failures, records, seconds = _fire(cfg)
+    assert not outcome.ok and failures == 3 and len(e.calls) == 1 and seconds < 5
+    assert records[-1].state == "failed" and records[-1].degraded and "--hook-timeout" in outcome.error
+
+
+def _subscriber(store: str, target, url: str, **hook) -> Subscriber:
+    hook_cfg = HookConfig(url=url, backoff=Backoff(0.01, 0.05), **{"attempts": 1, "timeout": 5.0, **hook})
+    cfg = SubscriberConfig(StoreConfig(store), target, Identity("s1"), poll_interval=0.01, fsync=False, hook=hook_cfg)
+    return Subscriber(cfg, weightsync.open_repo(store), Metrics(CollectorRegistry(), "subscriber", subscriber="s1"))
+
+
+def _gauge(sub: Subscriber) -> float:
+    return sub.metrics.registry.get_sample_value("weightsync_swap_hook_degraded", sub.metrics.labels)
+
+
+async def _settle(sub: Subscriber) -> None:
+    await sub._iteration()
+    assert await sub.wait_until(lambda: sub.hook_settled(sub.view.current), 10)
+    await sub._iteration()  # the loop's next pass shows the state
+
+
+def test_a_failed_hook_degrades_the_subscriber_until_a_call_succeeds_across_a_restart(engine, tmp_path):
+    store = f"file://{tmp_path / 'store'}"
+    traj = make_trajectory(tmp_path / "traj", steps=1, **TINY)
+    weightsync.publish(traj[0], store, 0)
+    weightsync.publish(traj[1], store, 1, base_dir=traj[0])
+    target = tmp_path / "t"
+    failing = engine(status=503)
+
+    async def first():
+        sub = _subscriber(store, target, failing.url)
+        await asyncio.to_thread(sub._startup)
+        await _settle(sub)
+        assert sub.view.current == 1 and sub.state == "degraded" and sub.degraded and _gauge(sub) == 1
+        hook = sub.status()["hook"]
+        assert (hook["version"], hook["state"], hook["ok"], hook["degraded"]) == (1, "failed", False, True)
+        assert "HTTP 503" in hook["error"] and sub.hook_outcome(1).startswith("version 1 is served, but its swap hook")
+        assert sub.target_outcome("latest") == sub.hook_outcome(1)
+        await sub._iteration()
+        assert sub.state == "degraded", "the state persists while idle: no retry of the loop clears it"
+
+    asyncio.run(first())
+    assert json.loads(hook_path(target).read_text())["state"] == "failed"
+    assert len(failing.calls) == 1
+
+    ok = engine()
+
+    async def restarted():
+        sub = _subscriber(store, target, ok.url)
+        await asyncio.to_thread(sub._startup)
+        assert sub.degraded and _gauge(sub) == 1 and sub.status()["hook"]["state"] == "failed"  # known at start
+        sub._resume_hook()  # as run() does after start-up: the engine is told again
+        assert await sub.wait_until(lambda: sub.hook_settled(1), 10)
+        await sub._iteration()
+        assert sub.state == "serving" and not sub.degraded and _gauge(sub) == 0
+        assert ok.calls == [{"version": 1, "path": str(target / "slots" / "a")}]
+        assert sub.target_outcome("latest") == "ok"
+        # POST /v1/hook calls it again; two requests before the call begins make one call
+        assert sub.rerun_hook() == 1 and sub.rerun_hook() == 1
+        assert await sub.wait_until(lambda: sub.hook_settled(1), 10)
+        assert len(ok.calls) == 2 and ok.most == 1
+        assert sub.hook_outcome(1) == "ok"
+
+    asyncio.run(restarted())
+    assert json.loads(hook_path(target).read_text())["state"] == "ok"
+
+    async def again():  # the last call succeeded for the version served: a restart calls nothing
+        sub = _subscriber(store, target, ok.url)
+        await asyncio.to_thread(sub._startup)
+        sub._resume_hook()
+        assert sub._hook_task is None and not sub.degraded
+
+    asyncio.run(again())
+    assert len(ok.calls) == 2
+
+
+def test_a_newer_swap_waits_for_the_call_in_flight_then_fires_once_for_the_newest(engine, tmp_path):
+    store = f"file://{tmp_path / 'store'}"
+    traj = make_trajectory(tmp_path / "traj", steps=2, **TINY)
+    weightsync.publish(traj[0], store, 0)
+    slow = engine(delay=0.6)
+
+    async def main():
+        sub = _subscriber(store, tmp_path / "t", slow.url)
+        await asyncio.to_thread(sub._startup)
+        await sub._iteration()  # version 0 swapped in, its hook call running
+        for v in (1, 2):
+            weightsync.publish(traj[v], store, v, base_dir=traj[v - 1])
+            await sub._iteration()
+        assert sub.view.current == 2
+        assert await sub.wait_until(lambda: sub.hook_settled(2), 10)
+        assert [c["version"] for c in slow.calls] == [0, 2] and slow.most == 1
+        assert sub.status()["hook"]["state"] == "ok" and sub.state in ("serving", "degraded")
+
+    asyncio.run(main())
+
+
+def test_the_daemon_stays_degraded_across_a_restart_and_the_api_waits_for_the_hook(engine, tmp_path, daemons):  # noqa: F811
+    store = f"file://{tmp_path / 'store'}"
+    traj = make_trajectory(tmp_path / "traj", steps=1, **TINY)
+    weightsync.publish(traj[0], store, 0)
+    weightsync.publish(traj[1], store, 1, base_dir=traj[0])
+    e = engine(status=503)
+    args = ["--store", store, "--target", tmp_path / "t", "--no-fsync", "--hook-url", e.url, "--hook-attempts", 1]
+    sub = daemons("subscriber", [*args, "--version", 0])
+    wait_for(lambda: sub.status()["state"] == "degraded", 20, f"the failed hook to degrade it\n{sub.log()}")
+    assert re.search(r"^weightsync_swap_hook_degraded\{[^}]*\} 1\.0$", sub.get("/metrics")[1], re.M)
+    code, doc, _ = http("PUT", sub.url + "/v1/target?wait=20", {"version": "latest"})
+    assert code == 502 and "version 1 is served, but its swap hook failed: RuntimeError: HTTP 503" in doc["error"], doc
+    code, doc, _ = http("POST", sub.url + "/v1/hook?wait=20")
+    assert code == 502 and "HTTP 503" in doc["error"] and len(e.calls) == 3, doc  # 0, 1, and this one
+    assert http("PUT", sub.url + "/v1/target?wait=0", {"version": 99})[0] == 404
+
+    e.status = 200
+    assert sub.stop() == 0
+    sub.args = [a for a in sub.args if a not in ("--version", "0")]  # the stored target (latest) from here
+    sub.start()  # the record says failed: the engine is told again at start-up
+    wait_for(lambda: sub.status()["state"] == "serving", 20, f"the hook to succeed after the restart\n{sub.log()}")
+    assert len(e.calls) == 4 and e.calls[-1]["version"] == 1 and "calling the swap hook again" in sub.log()
+    assert sub.status()["hook"]["state"] == "ok"
+    code, doc, _ = http("POST", sub.url + "/v1/hook?wait=20")
+    assert code == 200 and doc["state"] == "serving" and doc["hook"]["state"] == "ok" and len(e.calls) == 5
+    code, doc, _ = http("POST", sub.url + "/v1/hook")
+    assert code == 202
+    code, doc, _ = http("PUT", sub.url + "/v1/target?wait=20", {"version": 0})
+    assert code == 200 and doc["current_version"] == 0 and doc["hook"] == {**doc["hook"], "version": 0, "state": "ok"}
+    assert http("POST", sub.url + "/v1/hook?wait=soon")[0] == 400

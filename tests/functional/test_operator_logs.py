@@ -1,0 +1,126 @@
+"""What an operator reads in the logs and sees at start-up: text log fields that ``key=value`` parsers
+read whole; the publisher naming an unfinished checkpoint that holds back ready ones (once) and logging
+the wait it really takes before retrying a failed publish; a mirror following an empty source waits
+instead of exiting; an API on all interfaces without a token is warned about."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import subprocess
+import sys
+import time
+
+from prometheus_client import CollectorRegistry
+from test_daemons import daemons, wait_for  # noqa: F401  (daemons is a fixture)
+
+import weightsync
+from weightsync.demo import SyntheticTrainer
+from weightsync.service.config import Backoff, Identity, PublisherConfig, StoreConfig
+from weightsync.service.metrics import Metrics
+from weightsync.service.publisher import Publisher
+from weightsync.service.runtime import _TextFormatter
+
+TINY = dict(hidden=32, layers=1, experts=2, vocab=128)
+
+
+def test_text_log_fields_with_blanks_are_quoted():
+    record = logging.LogRecord("weightsync.x", logging.INFO, __file__, 1, "published version 3", None, None)
+    record.fields = {"kind": "delta", "parent": 2, "size": "1.5 MiB", "error": 'a "b" = c', "empty": ""}
+    line = _TextFormatter("%(message)s").format(record)
+    assert line == 'published version 3 kind=delta parent=2 size="1.5 MiB" error="a \\"b\\" = c" empty=""'
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_publisher_reports_a_blocking_checkpoint_once_and_the_real_retry_wait(tmp_path, caplog):
+    store, watch = f"file://{tmp_path / 'store'}", tmp_path / "watch"
+    t = SyntheticTrainer(**TINY, seed=0)
+    t.save(watch / "step_0")  # no marker: unfinished
+    for step in (1, 2):
+        t.step()
+        (t.save(watch / f"step_{step}") / "COMPLETE").write_text("")
+    clock = Clock()
+    cfg = PublisherConfig(StoreConfig(store), watch, tmp_path / "st", Identity("p"), backoff=Backoff(1.0, 60.0))
+    pub = Publisher(cfg, weightsync.open_repo(store), Metrics(CollectorRegistry(), "publisher"), clock=clock)
+
+    async def run(n: int) -> list[float]:
+        pub._wake = asyncio.Event()
+        return [await pub._iteration() for _ in range(n)]
+
+    with caplog.at_level(logging.INFO, "weightsync.publisher"):
+        asyncio.run(run(3))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "checkpoint 0 to complete; ready checkpoint(s) 1, 2 wait behind it" in warnings[0]
+    assert pub.status()["state"] == "waiting" and "--stale-after" in pub.status()["reason"]
+
+    (watch / "step_0" / "COMPLETE").write_text("")
+    (watch / "step_0" / "model.safetensors").write_bytes(b"\xff" * 16)  # a broken checkpoint: the publish fails
+    caplog.clear()
+    waits = []
+    with caplog.at_level(logging.INFO, "weightsync.daemon"):
+        for _ in range(3):
+            wait = asyncio.run(run(1))[0]
+            waits.append(wait)
+            clock.now += wait  # the loop sleeps that long, then plans: the failed step is due exactly then
+    assert waits == [1.0, 2.0, 4.0], waits  # the step's own back-off, doubling
+    logged = [r.fields["retry_in"] for r in caplog.records if r.getMessage() == "iteration failed"]
+    assert logged == ["1.0s", "2.0s", "4.0s"]
+
+
+def test_a_following_mirror_waits_for_an_empty_source(tmp_path):
+    src, dst, log = tmp_path / "src", tmp_path / "dst", tmp_path / "mirror.log"
+    src.mkdir()
+    cmd = [sys.executable, "-m", "weightsync.cli", "mirror", "--from", str(src), "--to", str(dst), "--follow"]
+    with open(log, "w") as err:
+        proc = subprocess.Popen([*cmd, "--interval", "0.1"], stderr=err, stdout=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: "waiting for the source" in log.read_text(), 30, "the mirror to wait")
+        time.sleep(0.5)  # several polls
+        assert proc.poll() is None, log.read_text()
+        t = SyntheticTrainer(**TINY, seed=0)
+        weightsync.publish(t.save(tmp_path / "c0"), str(src), 0)
+        wait_for(lambda: (dst / "HEAD").exists(), 30, "the mirror to copy version 0")
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    text = log.read_text()
+    assert proc.returncode == 0, text
+    assert (
+        len(re.findall(r"INFO weightsync\.mirror: waiting for the source: .* is not a weightsync store yet", text)) == 1
+    )
+    assert "mirrored version 0" in text and out.strip() == "0"
+
+
+def test_an_api_on_all_interfaces_without_a_token_is_warned_about(tmp_path, daemons):  # noqa: F811
+    store = tmp_path / "store"
+    weightsync.publish(SyntheticTrainer(**TINY, seed=0).save(tmp_path / "c0"), str(store), 0)
+    sub = daemons("subscriber", ["--store", store, "--target", tmp_path / "t", "--no-fsync"])
+    assert "without a token" not in sub.log()
+    sub.stop()
+    log = tmp_path / "open.log"
+    argv = [
+        sys.executable,
+        "-m",
+        "weightsync.cli",
+        "subscriber",
+        "--store",
+        str(store),
+        "--target",
+        str(tmp_path / "t"),
+    ]
+    with open(log, "w") as out:
+        proc = subprocess.Popen([*argv, "--listen", "0.0.0.0:0"], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: "without a token" in log.read_text(), 20, "the warning")
+        assert "WARNING weightsync.daemon: the API listens on 0.0.0.0 without a token" in log.read_text()
+    finally:
+        proc.terminate()
+        proc.wait(30)
