@@ -878,6 +878,18 @@ ALERT_CASES = [  # (name, input series, [(eval time, alert, expected label sets)
         [("30m", "WeightsyncMirrorBehind", []), ("59m", "WeightsyncMirrorBehind", [])],
     ),
     (
+        "an engine rank left behind",
+        [
+            _series("weightsync_current_version", "3x5 4x30", **SUB),
+            _series("weightsync_engine_version", "3x5 4x30", **SUB, replica="r0", rank="0"),
+            _series("weightsync_engine_version", "3x35", **SUB, replica="r0", rank="1"),
+        ],
+        [
+            ("14m", "WeightsyncEngineRanksBehind", []),
+            ("17m", "WeightsyncEngineRanksBehind", [{**SUB, "replica": "r0", "rank": "1", "severity": "warning"}]),
+        ],
+    ),
+    (
         "mirror 12 minutes late",
         [
             _series("weightsync_mirror_source_version", "0+1x60", **MIR),
