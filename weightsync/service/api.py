@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 
 from aiohttp import web
 
-from weightsync.errors import CheckpointError, UsageError, VersionError, WeightsyncError
+from weightsync.errors import CheckpointError, SignatureError, UsageError, VersionError, WeightsyncError
 from weightsync.format.keys import MAX_VERSION
 from weightsync.service.metrics import CONTENT_TYPE, Metrics
 from weightsync.service.openapi import openapi_document
@@ -179,10 +179,14 @@ def _limit(request: web.Request) -> int:
 
 
 def list_versions(repo: Repo, limit: int) -> list[dict]:
-    """The newest ``limit`` committed versions, oldest first (reads their manifests)."""
+    """The newest ``limit`` committed versions, oldest first (reads their manifests); with trusted
+    keys, only those one of them signed (a refused version is in the subscriber's status)."""
     out = []
     for v in repo.versions()[-limit:]:
-        m = repo.manifest(v)
+        try:
+            m = repo.manifest(v)
+        except SignatureError:
+            continue
         elements = m.stats.get("elements", 0) or 0
         out.append(
             {

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from weightsync.errors import UsageError
 from weightsync.store.retry import RetryPolicy
+from weightsync.store.signing import Keyring
 from weightsync.sync.publish import PublishConfig
 
 TOKEN_ENV = "WEIGHTSYNC_API_TOKEN"
@@ -54,11 +55,13 @@ class Identity:
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """Where the daemon's store is and how it is reached: URL, S3 endpoint, retry policy."""
+    """Where the daemon's store is and how it is reached: URL, S3 endpoint, retry policy, and the
+    keys whose signatures it trusts (None: signatures are not checked)."""
 
     url: str
     endpoint_url: str | None = None
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    trusted_keys: Keyring | None = None
 
     def __post_init__(self) -> None:
         if not self.url:

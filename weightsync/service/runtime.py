@@ -109,9 +109,10 @@ def event(logger: logging.Logger, msg: str, level: int = logging.INFO, **fields)
 # --- store ---------------------------------------------------------------------------------------
 def open_daemon_repo(cfg: StoreConfig, on_retry: Callable[[str, str, Exception], None]) -> Repo:
     """The repo of a daemon or of the mirror (once per side): the store wrapped in bounded retries
-    (``cfg.retry``; only retryable errors, which the S3 backend marks) that report each retry."""
+    (``cfg.retry``; only retryable errors, which the S3 backend marks) that report each retry,
+    checking signatures with ``cfg.trusted_keys``."""
     store = open_store(cfg.url, **cfg.options())
-    return open_repo(RetryingStore(store, cfg.retry, on_retry=on_retry))
+    return open_repo(RetryingStore(store, cfg.retry, on_retry=on_retry), trusted_keys=cfg.trusted_keys)
 
 
 def warm_codec() -> None:

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from weightsync.errors import ChecksumError, UsageError, VersionError, WeightsyncError
+from weightsync.errors import ChecksumError, SignatureError, UsageError, VersionError, WeightsyncError
 from weightsync.local.base import clone
 from weightsync.local.install import clear_folder, empty_folder
 from weightsync.local.lock import FolderLock
@@ -154,6 +154,7 @@ class Subscriber:
         self._seed_poll = 0.0  # when the copy next asks the store for its head
         self._lock: FolderLock | None = None  # the target folder and both slots: one writer, us
         self._served: Snapshot | None = None  # the current slot as swapped in, to notice a hand in it
+        self.refused: dict | None = None  # the version refused for its signature (--trusted-key), and why
 
     def claim(self) -> None:
         """Take the target folder and both slots for this process (FolderBusyError if another
@@ -249,6 +250,8 @@ class Subscriber:
             "last_sync": self.last_sync,
             "last_error": self.last_error,
             "hook": None if self.hooks is None or self.hooks.last is None else vars(self.hooks.last),
+            "trusted_keys": None if self.repo.trusted_keys is None else list(self.repo.trusted_keys.ids),
+            "refused": self.refused,
         }
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -305,6 +308,8 @@ class Subscriber:
                 await asyncio.to_thread(self._check_served)
             head = await asyncio.to_thread(self.repo.head_version)
             self.latest = head
+            if self.refused is not None and (head is None or head < self.refused["version"]):
+                self._refuse(None)  # the refused version is gone from the store
             self.metrics.latest_version.set(-1 if head is None else head)
             action = plan_next(self.view, head, self.target, self.clock())
             self.reason = action.reason
@@ -343,6 +348,8 @@ class Subscriber:
         except Exception as exc:
             if isinstance(exc, ChecksumError):
                 self.metrics.checksum_failures.inc()
+            if isinstance(exc, SignatureError):
+                self._refuse(exc)
             failures = self.view.failures + 1 if self.view.failed_version == version else 1
             retry_at = self.clock() + self.cfg.backoff.delay(failures)
             self.view = View(self.view.current, None, version, failures, retry_at)
@@ -360,8 +367,22 @@ class Subscriber:
         swap = self.release.swapped()
         self.view = View(version, self.view.current)
         self._after_swap(result, folder, pause, swap)
+        if self.refused is not None and version >= self.refused["version"]:
+            self._refuse(None)
         await self._write_ledger(force=True)
         self.state = "serving"
+
+    def _refuse(self, exc: SignatureError | None) -> None:
+        """Report a version refused for its signature in ``/v1/status`` and the metrics, logged once
+        per version; None: the refusal is over (a version at or past it was swapped in, or it is gone)."""
+        if exc is None:
+            self.refused = None
+            self.metrics.refused(None)
+            return
+        if self.refused is None or self.refused["version"] != exc.version:
+            event(log, "refused a version: not signed by a trusted key", logging.ERROR, version=exc.version, error=exc)
+        self.refused = {"version": exc.version, "reason": exc.reason, "time": self.clock()}
+        self.metrics.refused(exc.version)
 
     def _fill(self, folder: Path, version: int) -> SyncResult:
         """Bring a slot to ``version`` and verify it (runs in a worker thread)."""
@@ -382,6 +403,7 @@ class Subscriber:
             self._served = now  # a link made and dropped again moves the ctime, not the link count
 
     def _fill_slot(self, folder: Path, version: int) -> SyncResult:
+        self.repo.manifest(version)  # with --trusted-key, a version refused for its signature touches no slot
         self._clear_other_mode(folder)
         base = None
         cfg = PullConfig(

@@ -43,6 +43,7 @@ from weightsync.local.install import clear_folder
 from weightsync.local.lock import FolderLock, claim
 from weightsync.local.state import read_state
 from weightsync.store.repo import Repo, StoreLike, open_repo
+from weightsync.store.signing import SigningKey
 from weightsync.sync.observer import Observer, Operation, observer_of
 from weightsync.sync.pipeline import TASK_BYTES, ordered_map
 from weightsync.sync.pull import PullConfig, pull
@@ -54,7 +55,8 @@ REFRESH_AFTER = 900.0  # seconds: see PublishConfig.refresh_after
 @dataclass(frozen=True)
 class PublishConfig:
     """How a version is cut and coded (codec settings, chunk size, keyframe interval, files to
-    ignore) and the bounds of publishing it (upload streams, encode threads, bytes in flight)."""
+    ignore), the bounds of publishing it (upload streams, encode threads, bytes in flight), and the
+    key that signs what is committed (None: versions are not signed)."""
 
     codec: CodecConfig = field(default_factory=CodecConfig)
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
@@ -67,6 +69,8 @@ class PublishConfig:
     # that gc's grace (default 3600 s) need only cover the commit, not the whole publish
     refresh_after: float = REFRESH_AFTER
     sources: list[SourceFile] = field(default_factory=list)  # the checkpoint's files as read (to check before a commit)
+    # signs each version committed with this config (docs/FORMAT.md section 7); None: unsigned
+    signing_key: SigningKey | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.keyframe_interval < 1:
@@ -324,7 +328,7 @@ def publish(
         op = Operation(observer)
         enc = encode_folder(repo, files, scan, new, config, DeltaBase(base_dir, cache_dir, lock=lock), op)
         check_still_as_scanned(enc.sources, scan)  # the version is one state of the folder
-        result, manifest = commit_encoded(repo, new, enc, op)
+        result, manifest = commit_encoded(repo, new, enc, op, config.signing_key)
         if cache_dir is not None and still_as_scanned(files):  # else the cache is brought up by a pull when needed
             adopt(Path(cache_dir), manifest, src, repo.url, lock=lock)
     op.done(result.seconds)
@@ -467,9 +471,11 @@ def encode_and_upload(
     )
 
 
-def commit_encoded(repo: Repo, new: NewVersion, enc: Encoded, op: Operation) -> tuple[PublishResult, Manifest]:
-    """The manifest of ``enc`` as version ``new.version``, committed (manifest, then the head
-    from ``new.etag``); ``seconds["total"]`` runs from the start of ``op``."""
+def commit_encoded(
+    repo: Repo, new: NewVersion, enc: Encoded, op: Operation, signing_key: SigningKey | None = None
+) -> tuple[PublishResult, Manifest]:
+    """The manifest of ``enc`` as version ``new.version``, committed (manifest, its signatures with
+    ``signing_key``, then the head from ``new.etag``); ``seconds["total"]`` runs from the start of ``op``."""
     manifest = Manifest(
         version=new.version,
         parent=None if new.parent is None else new.parent.version,
@@ -484,7 +490,7 @@ def commit_encoded(repo: Repo, new: NewVersion, enc: Encoded, op: Operation) -> 
     seconds = dict(enc.seconds)
     t_c = time.perf_counter()
     enc.refresh(repo)
-    repo.commit(manifest, new.etag)
+    repo.commit(manifest, new.etag, signing_key)
     seconds["commit"] = time.perf_counter() - t_c
     seconds["total"] = op.elapsed()
     result = PublishResult(
@@ -507,8 +513,9 @@ def encode_and_commit(
 ) -> tuple[PublishResult, Manifest]:
     """Encode every segment with ``encoder``, pack and upload the chunks, then commit the manifest:
     :func:`encode_and_upload` then :func:`commit_encoded`, for publishing from known changes
-    (:mod:`weightsync.torch.hostpatch`), which decides its new version itself."""
+    (:mod:`weightsync.torch.hostpatch`), which decides its new version itself; signed with
+    ``cfg.signing_key``."""
     enc = encode_and_upload(repo, files, new, encoder, cfg, op)
-    result = commit_encoded(repo, new, enc, op)
+    result = commit_encoded(repo, new, enc, op, cfg.signing_key)
     op.done(result[0].seconds)
     return result
