@@ -511,6 +511,11 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     )
     p.add_argument("--version", type=version_arg, default=None, help="version number (default: head + 1)")
     _add_publish_options(p)
+    add_signing_args(
+        p,
+        help="the key commit-parts signs with: a part builds only on a head it signed (else every rank "
+        "makes a keyframe); parts themselves are not signed",
+    )
     _add_progress(p)
     p.set_defaults(func=cmd_publish_part)
 

@@ -128,26 +128,40 @@ def test_what_an_attacker_commits_is_refused_and_nothing_is_installed(signed, tm
     assert rc == 0, err
 
 
-def test_rotation_trusts_old_and_new_then_only_the_new_after_its_keyframe(signed, tmp_path, ok_cli, run_cli, ws):
+def test_rotation_trusts_old_and_new_and_the_new_key_starts_with_a_keyframe(signed, tmp_path, ok_cli, run_cli, ws):
+    out = tmp_path / "out"
+    ok_cli("pull", "--store", signed.store, "--trusted-key", signed.pub, "--version", 1, out, "--no-progress")
     new = signed.keys / "new"
     ok_cli("keygen", new)
-    ok_cli("publish", signed.traj[3], "--store", signed.store, "--signing-key", new, "--no-cache")  # delta from 2
-    out, both = tmp_path / "out", ["--trusted-key", signed.pub, "--trusted-key", f"{new}.pub"]
-    assert ok_cli("pull", "--store", signed.store, *both, out, "--no-progress").strip() == "3"
-    rc, _, err = run_cli(
-        "pull", "--store", signed.store, "--trusted-key", f"{new}.pub", tmp_path / "o2", "--no-progress"
-    )
-    assert rc == 1 and "unknown key" in ws.error_line(err)  # version 3 builds on 2, signed by the old key
-    assert not (tmp_path / "o2").exists() or ws.content(tmp_path / "o2") == {}
-    ok_cli(  # the new key's first keyframe: from here the old key may be dropped
-        "publish", signed.traj[4], "--store", signed.store, "--signing-key", new, "--keyframe-interval", 1, "--no-cache"
-    )
-    for folder in (out, tmp_path / "o3"):  # a folder at 3 (whose deltas the old key signed) and an empty one
-        assert ok_cli("pull", "--store", signed.store, "--trusted-key", f"{new}.pub", folder, "--no-progress") == "4\n"
+    rc, stdout, err = run_cli("publish", signed.traj[3], "--store", signed.store, "--signing-key", new, "--no-cache")
+    assert rc == 0 and stdout == "3\n" and "published version 3 (keyframe)" in err
+    assert "keyframe without a parent" in err and "signed by unknown key" in err  # the head is the old key's
+    assert weightsync.versions(f"file://{signed.store}")[-1].parent is None
+    both = ["--trusted-key", signed.pub, "--trusted-key", f"{new}.pub"]
+    assert ok_cli("pull", "--store", signed.store, *both, out, "--no-progress") == "3\n"
+    only_new = ["--trusted-key", f"{new}.pub"]
+    ok_cli("publish", signed.traj[4], "--store", signed.store, "--signing-key", new, "--no-cache")
+    assert weightsync.versions(f"file://{signed.store}")[-1].parent == 3  # a delta again
+    for folder in (out, tmp_path / "empty"):  # from then on the new key alone will do
+        assert ok_cli("pull", "--store", signed.store, *only_new, folder, "--no-progress") == "4\n"
         ws.assert_replica(folder, signed.traj[4])
+    rc, _, err = run_cli("pull", "--store", signed.store, *only_new, "--version", 2, tmp_path / "o2", "--no-progress")
+    assert rc == 1 and "unknown key" in ws.error_line(err)  # pinning an old version needs the old key
     (signed.keys / "both.pub").write_text(signed.pub.read_text() + f"# rotation\n{Path(f'{new}.pub').read_text()}")
     assert len(read_public_keys(signed.keys / "both.pub")) == 2  # one file may hold both keys
     ok_cli("verify", "--store", signed.store, "--trusted-key", signed.keys / "both.pub", out)
+
+
+def test_a_signing_publisher_builds_nothing_on_a_head_it_did_not_sign(signed, tmp_path, ok_cli, ws):
+    out = tmp_path / "out"
+    ok_cli("pull", "--store", signed.store, "--trusted-key", signed.pub, out, "--no-progress")
+    _unsigned(signed)  # the attacker's version 3 is the head
+    r = _publish(signed.traj[4], signed.store, signed.key)  # the default keyframe interval: 2 would be a delta
+    assert (r.version, r.parent, r.keyframe) == (4, None, True)
+    assert ok_cli("pull", "--store", signed.store, "--trusted-key", signed.pub, out, "--no-progress") == "4\n"
+    ws.assert_replica(out, signed.traj[4])
+    r = _publish(signed.traj[5], signed.store, signed.key)
+    assert (r.parent, r.keyframe) == (4, False)
 
 
 @pytest.mark.parametrize(
@@ -292,7 +306,7 @@ def test_the_subscriber_stays_on_its_version_and_reports_the_refusal(signed, tmp
         assert metrics.registry.get_sample_value("weightsync_refused_version", labels) == 3
         assert metrics.registry.get_sample_value("weightsync_signature_refusals_total", labels) == 2
         assert metrics.registry.get_sample_value("weightsync_current_version", labels) == 2
-        _publish(signed.traj[4], signed.store, signed.key, 4, keyframe_interval=1)  # the publisher moves on
+        _publish(signed.traj[4], signed.store, signed.key)  # the publisher moves on: a keyframe, not on 3
         sub.view = replace(sub.view, retry_at=0.0)
         await sub._iteration()
         assert sub.view.current == 4 and sub.status()["refused"] is None

@@ -9,6 +9,7 @@ of their own."""
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import subprocess
@@ -101,7 +102,7 @@ def test_a_rewritten_manifest_with_recomputed_checksums_is_refused(signed):
     assert Repo(store).manifest(2).stats == {"changed": 666}  # a reader without keys takes it
     assert "not the one signed" in refusal(reader(store, key), 2)
     doc = json.loads(store.get(signature_key(2)))
-    doc["manifest_sha256"] = __import__("hashlib").sha256(store.get(version_key(2))).hexdigest()
+    doc["manifest_sha256"] = hashlib.sha256(store.get(version_key(2))).hexdigest()
     store.put(signature_key(2), json.dumps(doc).encode())  # the digest updated too: the signature fails
     assert "does not verify" in refusal(reader(store, key), 2)
 
@@ -115,7 +116,7 @@ def test_a_signature_moved_to_another_version_is_refused(signed):
     assert "those of version 2" in refusal(repo, 3)
     doc = json.loads(store.get(signature_key(2)))
     doc["version"] = 3
-    doc["manifest_sha256"] = __import__("hashlib").sha256(store.get(version_key(3))).hexdigest()
+    doc["manifest_sha256"] = hashlib.sha256(store.get(version_key(3))).hexdigest()
     store.put(signature_key(3), json.dumps(doc).encode())
     assert "does not verify" in refusal(repo, 3)
     store.put(version_key(3), store.get(version_key(2)))  # version 2's signed manifest replayed as 3
@@ -252,9 +253,11 @@ def test_document_round_trip_and_key_ids():
     data = signatures_to_json(doc)
     assert signatures_from_json(data) == doc
     assert json.loads(data)["format"] == "weightsync.signatures"
-    assert key_id(bytes(32)) == __import__("hashlib").sha256(bytes(32)).hexdigest()[:16]
+    assert key_id(bytes(32)) == hashlib.sha256(bytes(32)).hexdigest()[:16]
     with pytest.raises(FormatError):
-        signed_message(-1, b"")
+        signed_message(-1, bytes(32))
+    with pytest.raises(FormatError):
+        signed_message(0, b"a manifest, not its digest")
 
 
 def test_fixed_vector_pins_the_signed_message_and_the_signature():
@@ -262,16 +265,16 @@ def test_fixed_vector_pins_the_signed_message_and_the_signature():
     A change of the message layout (domain, version encoding, digest) fails here."""
     manifest = (GOLDEN / "versions" / "00000000000000000000.json").read_bytes()
     key = SigningKey.of(Ed25519PrivateKey.from_private_bytes(TEST_SEED))
-    message = signed_message(0, manifest)
+    message = signed_message(0, hashlib.sha256(manifest).digest())
     assert message[:23] == b"weightsync-manifest-v1\x00" and message[23:31] == bytes(8) and len(message) == 63
-    assert message[31:] == __import__("hashlib").sha256(manifest).digest()
+    assert message[31:] == hashlib.sha256(manifest).digest()
     assert key.key_id == "56475aa75463474c"
     doc = json.loads(key.sign(0, manifest))
     assert doc["signatures"][0]["signature"] == (
         "lWLjNXj2i1YnU87P+fyuCjao1gBsmNl1BlN83sur0KMPTxJ9cWpP7p5F0XTz7iaajyhKDzOzLQAwm7RVNMbODA=="
     )
     Keyring((key.public(),)).verify("golden v0", 0, manifest, key.sign(0, manifest))
-    assert signed_message(1, manifest)[23:31] == (1).to_bytes(8, "little")
+    assert signed_message(1, bytes(32))[23:31] == (1).to_bytes(8, "little")
 
 
 # --- key files ----------------------------------------------------------------------------------------

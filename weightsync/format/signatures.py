@@ -51,18 +51,21 @@ def key_id(raw_public_key: bytes) -> str:
     return hashlib.sha256(raw_public_key).hexdigest()[:16]
 
 
-def manifest_sha256(manifest: bytes) -> str:
-    """The SHA-256 of a manifest's stored bytes, 64 hex digits."""
-    return hashlib.sha256(manifest).hexdigest()
+def manifest_sha256(manifest: bytes) -> bytes:
+    """The SHA-256 of a manifest's stored bytes (32 bytes; the document holds its hex)."""
+    return hashlib.sha256(manifest).digest()
 
 
-def signed_message(version: int, manifest: bytes) -> bytes:
-    """What a key signs for ``version`` whose stored manifest is ``manifest``: :data:`DOMAIN`, the
-    version as 8 bytes little-endian, the SHA-256 of the manifest bytes (63 bytes). A signature of
-    one version is no signature of another, nor of anything but a weightsync manifest."""
+def signed_message(version: int, digest: bytes) -> bytes:
+    """What a key signs for ``version`` whose stored manifest has the SHA-256 ``digest``
+    (:func:`manifest_sha256`): :data:`DOMAIN`, the version as 8 bytes little-endian, the digest
+    (63 bytes). A signature of one version is no signature of another, nor of anything but a
+    weightsync manifest."""
     if not 0 <= version <= MAX_VERSION:
         raise FormatError(f"version {version} is outside the format's range 0..{MAX_VERSION}")
-    return DOMAIN + version.to_bytes(8, "little") + hashlib.sha256(manifest).digest()
+    if len(digest) != 32:
+        raise FormatError(f"a manifest digest is 32 bytes, not {len(digest)}")
+    return DOMAIN + version.to_bytes(8, "little") + digest
 
 
 def signatures_to_json(doc: Signatures) -> bytes:

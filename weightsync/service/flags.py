@@ -277,16 +277,18 @@ def add_rank_args(p: argparse.ArgumentParser, environ: Mapping[str, str] | None 
     )
 
 
-def add_signing_args(p: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
-    """``--signing-key``: for the commands that commit versions (``publish``, ``commit-parts``, the publisher)."""
-    env_argument(
-        p,
-        environ,
-        "--signing-key",
-        metavar="FILE",
-        help="sign every version committed with this Ed25519 private key (weightsync keygen; readers that "
-        "trust its public key refuse versions it did not sign)",
-    )
+SIGNING_HELP = (
+    "sign every version committed with this Ed25519 private key (weightsync keygen; readers that trust its "
+    "public key refuse versions it did not sign; a head it did not sign gets a keyframe, not a delta)"
+)
+
+
+def add_signing_args(
+    p: argparse.ArgumentParser, environ: Mapping[str, str] | None = None, help: str = SIGNING_HELP
+) -> None:
+    """``--signing-key``: for the commands that commit versions (``publish``, ``commit-parts``, the
+    publisher) and the ranks of a signed multi-rank publish (``publish-part``)."""
+    env_argument(p, environ, "--signing-key", metavar="FILE", help=help)
 
 
 def add_trust_args(p: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:

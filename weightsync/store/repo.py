@@ -171,6 +171,16 @@ class Repo:
             return None
         return self.trusted_keys.verify(f"version {version} of {self.url}", version, manifest, document)
 
+    def refusal(self, version: int, keys: Keyring) -> str | None:
+        """Why ``keys`` would refuse ``version`` (the :class:`SignatureError`'s line), or None if one
+        of them signed it; whatever this repo itself trusts."""
+        data, document = Repo(self.store, trusted_keys=None).read_version(version)
+        try:
+            keys.verify(f"version {version} of {self.url}", version, data, document)
+        except SignatureError as exc:
+            return str(exc)
+        return None
+
     def chain(self, version: int, back_to: int | None = None, limit: int = 1000) -> list[Manifest]:
         """Manifests from the keyframe that ``version`` builds on up to ``version``, in order.
 

@@ -91,8 +91,9 @@ class SigningKey:
     def sign(self, version: int, manifest: bytes) -> bytes:
         """The signatures document (docs/FORMAT.md section 7) of ``version`` whose stored manifest
         is ``manifest``, signed with this key alone."""
-        sig = Signature(self.key_id, self.private.sign(signed_message(version, manifest)))
-        return signatures_to_json(Signatures(version, manifest_sha256(manifest), (sig,)))
+        digest = manifest_sha256(manifest)
+        sig = Signature(self.key_id, self.private.sign(signed_message(version, digest)))
+        return signatures_to_json(Signatures(version, digest.hex(), (sig,)))
 
     def pem(self) -> bytes:
         """The private key as PEM PKCS#8, unencrypted (protect the file instead)."""
@@ -151,13 +152,14 @@ class Keyring:
             raise SignatureError(where, version, f"malformed signatures ({exc})") from None
         if doc.version != version:
             raise SignatureError(where, version, f"its signatures are those of version {doc.version}")
-        if doc.manifest_sha256 != manifest_sha256(manifest):
+        digest = manifest_sha256(manifest)
+        if doc.manifest_sha256 != digest.hex():
             raise SignatureError(where, version, "the manifest is not the one signed (its SHA-256 differs)")
         known = [s for s in doc.signatures if s.key_id in self.ids]
         if not known:
             unknown = ", ".join(dict.fromkeys(s.key_id for s in doc.signatures))
             raise SignatureError(where, version, f"signed by unknown key {unknown} only ({trusted})")
-        message = signed_message(version, manifest)
+        message = signed_message(version, digest)
         for sig in known:
             for key in self.keys:
                 if key.key_id == sig.key_id and key.verifies(sig.signature, message):

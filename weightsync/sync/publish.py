@@ -9,6 +9,7 @@ uploader's bound (``upload_concurrency * chunk_bytes`` = 32 x 16 MiB = 512 MiB b
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import tempfile
 import threading
@@ -43,13 +44,14 @@ from weightsync.local.install import clear_folder
 from weightsync.local.lock import FolderLock, claim
 from weightsync.local.state import read_state
 from weightsync.store.repo import Repo, StoreLike, open_repo
-from weightsync.store.signing import SigningKey
+from weightsync.store.signing import Keyring, SigningKey
 from weightsync.sync.observer import Observer, Operation, observer_of
 from weightsync.sync.pipeline import TASK_BYTES, ordered_map
 from weightsync.sync.pull import PullConfig, pull
 from weightsync.sync.transfer import Uploader
 
 REFRESH_AFTER = 900.0  # seconds: see PublishConfig.refresh_after
+log = logging.getLogger("weightsync.publish")
 
 
 @dataclass(frozen=True)
@@ -283,14 +285,26 @@ def next_version(repo: Repo, head: int | None, version: int | None) -> int:
 def plan_version(repo: Repo, version: int | None, config: PublishConfig) -> NewVersion:
     """Create the store if it is empty; read the head once; the next version (:func:`next_version`:
     default head + 1, 0 on an empty store) and whether it is a keyframe (the first version, or the
-    chain would reach ``keyframe_interval``)."""
+    chain would reach ``keyframe_interval``).
+
+    A signing publisher (``config.signing_key``) builds only on a head its key (or a key ``repo``
+    trusts) signed: after an unsigned or foreign head (signing just switched on, a rotated key, a
+    version someone else wrote) the new version is a keyframe without a parent, which readers that
+    trust the key can use at once (a delta on that head would be refused with it)."""
     if version is not None and not 0 <= version <= MAX_VERSION:
         next_version(repo, None, version)  # refused before the store is created
     if not repo.check():
         repo.init()
     head, etag = repo.head()
     version = next_version(repo, head, version)
-    parent = None if head is None else repo.manifest(head)
+    parent = None
+    if head is not None:
+        key, also = config.signing_key, () if repo.trusted_keys is None else repo.trusted_keys.keys
+        trusted = None if key is None else Keyring((key.public(), *also))
+        if trusted is not None and (why := repo.refusal(head, trusted)) is not None:
+            log.warning("version %d is published as a keyframe without a parent: %s", version, why)
+        else:
+            parent = repo.manifest(head)
     keyframe = parent is None or parent.chain_length + 1 >= config.keyframe_interval
     return NewVersion(version, parent, keyframe, etag)
 
