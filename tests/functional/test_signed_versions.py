@@ -363,3 +363,29 @@ def test_signing_and_trusting_daemons_configured_by_their_variables(signed, tmp_
         timeout=60,
     )
     assert proc.returncode == 2 and "WEIGHTSYNC_TRUSTED_KEY is set but names no key file" in ws.error_line(proc.stderr)
+
+
+def test_the_torch_sink_refuses_what_no_trusted_key_signed(signed):
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file
+
+    from weightsync.torch.sink import TorchSink
+
+    def tensors(ckpt: Path) -> dict:
+        return {k: v for f in sorted(ckpt.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+    def bits(sd: dict) -> dict:
+        return {k: v.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for k, v in sd.items()}
+
+    url, trusted = f"file://{signed.store}", [signed.pub]
+    live = {k: v.clone() for k, v in tensors(signed.traj[1]).items()}
+    sink = TorchSink(url, live, 1, trusted_keys=trusted)
+    sink.update(2)
+    assert bits(live) == bits(tensors(signed.traj[2]))
+    _unsigned(signed)
+    with pytest.raises(SignatureError, match="version 3 .* refused, it is not signed"):
+        sink.update(3)
+    assert sink.version == 2 and bits(live) == bits(tensors(signed.traj[2]))  # nothing changed
+    with pytest.raises(SignatureError):
+        TorchSink(url, {k: v.clone() for k, v in tensors(signed.traj[3]).items()}, 3, trusted_keys=trusted)
+    assert TorchSink(url, {k: v.clone() for k, v in tensors(signed.traj[3]).items()}, 3).version == 3  # no keys
