@@ -135,8 +135,8 @@ def test_rotation_trusts_old_and_new_and_the_new_key_starts_with_a_keyframe(sign
     ok_cli("keygen", new)
     rc, stdout, err = run_cli("publish", signed.traj[3], "--store", signed.store, "--signing-key", new, "--no-cache")
     assert rc == 0 and stdout == "3\n" and "published version 3 (keyframe)" in err
-    assert "keyframe without a parent" in err and "signed by unknown key" in err  # the head is the old key's
-    assert weightsync.versions(f"file://{signed.store}")[-1].parent is None
+    assert "keyframe with no deltas from the head" in err and "signed by unknown key" in err  # the old key's head
+    assert _deltas(signed.store, 3) == 0
     both = ["--trusted-key", signed.pub, "--trusted-key", f"{new}.pub"]
     assert ok_cli("pull", "--store", signed.store, *both, out, "--no-progress") == "3\n"
     only_new = ["--trusted-key", f"{new}.pub"]
@@ -157,7 +157,7 @@ def test_a_signing_publisher_builds_nothing_on_a_head_it_did_not_sign(signed, tm
     ok_cli("pull", "--store", signed.store, "--trusted-key", signed.pub, out, "--no-progress")
     _unsigned(signed)  # the attacker's version 3 is the head
     r = _publish(signed.traj[4], signed.store, signed.key)  # the default keyframe interval: 2 would be a delta
-    assert (r.version, r.parent, r.keyframe) == (4, None, True)
+    assert (r.version, r.parent, r.keyframe) == (4, 3, True) and _deltas(signed.store, 4) == 0
     assert ok_cli("pull", "--store", signed.store, "--trusted-key", signed.pub, out, "--no-progress") == "4\n"
     ws.assert_replica(out, signed.traj[4])
     r = _publish(signed.traj[5], signed.store, signed.key)
@@ -194,6 +194,26 @@ def test_bad_signing_keys_publish_nothing(signed, tmp_path, run_cli, ws, key, me
     rc, _, err = run_cli("publish", signed.traj[3], "--store", signed.store, "--signing-key", key, "--no-cache")
     assert rc == 2 and message in ws.error_line(err)
     assert ws.snapshot(signed.store) == before
+
+
+def _deltas(store: Path, version: int) -> int:
+    """Segments of ``version`` that carry a delta from its parent (a keyframe's, for followers)."""
+    m = manifest_from_json((store / version_key(version)).read_bytes())
+    return sum(s.delta is not None for f in m.files for s in f.segments)
+
+
+def test_ranks_with_the_key_make_a_keyframe_after_a_head_it_did_not_sign(signed, tmp_path, ok_cli):
+    _unsigned(signed)  # the attacker's version 3 is the head; the forged manifest even lists another file
+    m = manifest_from_json((signed.store / version_key(3)).read_bytes())
+    extra = replace(m.files[0], path="planted.json")
+    (signed.store / version_key(3)).write_bytes(manifest_to_json(replace(m, files=(*m.files, extra))))
+    key, world = ["--signing-key", signed.key], ["--world", 2, "--no-cache"]
+    for rank in (0, 1):
+        ok_cli("publish-part", signed.traj[4], "--store", signed.store, "--rank", rank, *world, *key)
+    ok_cli("commit-parts", "--store", signed.store, "--version", 4, "--world", 2, *key)
+    assert _deltas(signed.store, 4) == 0
+    out = tmp_path / "out"
+    assert ok_cli("pull", "--store", signed.store, "--trusted-key", signed.pub, out, "--no-progress") == "4\n"
 
 
 def test_commit_parts_signs_the_merged_version(signed, tmp_path, ok_cli):

@@ -248,12 +248,20 @@ def _base_for(repo: Repo, parent: Manifest, base_dir: Path | None, cache_dir: Pa
 @dataclass(frozen=True)
 class NewVersion:
     """The version about to be published and what it builds on, decided from the head alone (so
-    every rank of a multi-rank publish decides alike): ``etag`` is the head's tag when read."""
+    every rank of a multi-rank publish decides alike): ``etag`` is the head's tag when read.
+    ``untrusted_parent``: the parent (the head) is not signed by the publisher's key; the version
+    is then a keyframe that names it (lineage) but holds no deltas from it and never reads it."""
 
     version: int
     parent: Manifest | None
     keyframe: bool
     etag: str | None
+    untrusted_parent: bool = False
+
+    @property
+    def base(self) -> Manifest | None:
+        """The version whose bytes the new one is encoded against (its deltas), if any."""
+        return None if self.untrusted_parent else self.parent
 
     @property
     def chain_length(self) -> int:
@@ -289,24 +297,24 @@ def plan_version(repo: Repo, version: int | None, config: PublishConfig) -> NewV
 
     A signing publisher (``config.signing_key``) builds only on a head its key (or a key ``repo``
     trusts) signed: after an unsigned or foreign head (signing just switched on, a rotated key, a
-    version someone else wrote) the new version is a keyframe without a parent, which readers that
-    trust the key can use at once (a delta on that head would be refused with it)."""
+    version someone else wrote) the new version is a keyframe with no deltas from it
+    (``untrusted_parent``), which readers that trust the key can use at once (a delta on that head
+    would be refused with it)."""
     if version is not None and not 0 <= version <= MAX_VERSION:
         next_version(repo, None, version)  # refused before the store is created
     if not repo.check():
         repo.init()
     head, etag = repo.head()
     version = next_version(repo, head, version)
-    parent = None
+    parent, untrusted = None, False
     if head is not None:
         key, also = config.signing_key, () if repo.trusted_keys is None else repo.trusted_keys.keys
-        trusted = None if key is None else Keyring((key.public(), *also))
-        if trusted is not None and (why := repo.refusal(head, trusted)) is not None:
-            log.warning("version %d is published as a keyframe without a parent: %s", version, why)
-        else:
-            parent = repo.manifest(head)
-    keyframe = parent is None or parent.chain_length + 1 >= config.keyframe_interval
-    return NewVersion(version, parent, keyframe, etag)
+        if key is not None and (why := repo.refusal(head, Keyring((key.public(), *also)))) is not None:
+            untrusted = True
+            log.warning("version %d is published as a keyframe with no deltas from the head: %s", version, why)
+        parent = (repo.trusting(None) if untrusted else repo).manifest(head)
+    keyframe = untrusted or parent is None or parent.chain_length + 1 >= config.keyframe_interval
+    return NewVersion(version, parent, keyframe, etag, untrusted)
 
 
 def publish(
@@ -400,9 +408,9 @@ def _encode_folder(
 ) -> Encoded:
     """:func:`encode_folder` with ``where`` resolved: ``cache_dir`` a folder and ``repo`` set."""
     base = None
-    if new.parent is not None:  # deltas, and a keyframe's deltas for followers, need the parent's bytes
+    if new.base is not None:  # deltas, and a keyframe's deltas for followers, need the parent's bytes
         cfg_pull = PullConfig(decode_threads=cfg.encode_threads)
-        base = _base_for(where.repo, new.parent, where.base_dir, where.cache_dir, cfg_pull, where.lock)
+        base = _base_for(where.repo, new.base, where.base_dir, where.cache_dir, cfg_pull, where.lock)
     fds: dict[str, int] = {}
     try:
         for f in files:  # each opened once, checked to be the file scanned; every read goes through it
@@ -466,7 +474,7 @@ def encode_and_upload(
     uploader = Uploader(repo, cfg.upload_concurrency, op)
     out = _Assembler(cfg, uploader)
     try:
-        _encode_all(_jobs(files, new.parent), encoder, out, cfg, op)
+        _encode_all(_jobs(files, new.base), encoder, out, cfg, op)
         t_up = time.perf_counter()
         uploader.join()
         seconds = dict(encoder.seconds, upload=time.perf_counter() - t_up)
