@@ -35,6 +35,7 @@ from weightsync.service.subscriber import Subscriber
 from weightsync.store.signing import Keyring, read_public_keys, read_signing_key
 from weightsync.sync.mirror import MirrorConfig, MirrorObserver, mirror
 from weightsync.sync.publish import PublishConfig
+from weightsync.sync.selection import Selection, materialize, verify_partial
 
 OLD = time.time() - 10 * 24 * 3600
 
@@ -409,3 +410,24 @@ def test_the_torch_sink_refuses_what_no_trusted_key_signed(signed):
     with pytest.raises(SignatureError):
         TorchSink(url, {k: v.clone() for k, v in tensors(signed.traj[3]).items()}, 3, trusted_keys=trusted)
     assert TorchSink(url, {k: v.clone() for k, v in tensors(signed.traj[3]).items()}, 3).version == 3  # no keys
+
+
+def test_checks_switched_on_over_a_folder_of_unsigned_versions(trajectory, tmp_path, ok_cli, ws):
+    """A store published unsigned, then signed: the signing publisher's first version is a keyframe,
+    and folders (whole and partial) holding an unsigned version move to it with trusted keys (their
+    old manifest is refused, so nothing of it is trusted but whole unchanged files)."""
+    store, out, partial, key = tmp_path / "store", tmp_path / "out", tmp_path / "partial", tmp_path / "k"
+    for ckpt in trajectory[:2]:
+        _publish(ckpt, store)
+    ok_cli("pull", "--store", store, out, "--no-progress")
+    experts = Selection(("*experts*",))
+    materialize(weightsync.open_repo(f"file://{store}"), partial, 1, experts)
+    weightsync.write_key_pair(key)
+    r = _publish(trajectory[2], store, key)
+    assert r.keyframe and r.parent == 1 and _deltas(store, 2) == 0
+    assert ok_cli("pull", "--store", store, "--trusted-key", f"{key}.pub", out, "--no-progress") == "2\n"
+    ws.assert_replica(out, trajectory[2])
+    assert not _publish(trajectory[3], store, key).keyframe
+    trusting = weightsync.open_repo(f"file://{store}", trusted_keys=[f"{key}.pub"])
+    assert materialize(trusting, partial, 3, experts).version == 3
+    verify_partial(trusting, partial)
