@@ -191,8 +191,8 @@ VERIFY_EXIT_STATUS = f"""exit status:
   {VERIFY_DIFFERS}  DIR does not hold it: a file differs, is missing, or is not part of the version
   2  bad command line (an unknown option, a --version that is not a number or 'latest')
   {VERIFY_UNCHECKED}  could not check: the store URL cannot be opened, the store is unreachable or not a store,
-     the version does not exist, DIR is missing or unreadable, or an install into DIR was
-     interrupted (pull again to finish it)"""
+     the version does not exist or (with --trusted-key) no trusted key signed it, DIR is missing
+     or unreadable, or an install into DIR was interrupted (pull again to finish it)"""
 
 
 def cmd_verify(args) -> int:

@@ -47,6 +47,7 @@ from weightsync.format.manifest import (
     manifest_to_json,
     marker_to_json,
 )
+from weightsync.format.signatures import MAX_DOCUMENT_BYTES
 from weightsync.store import Store, open_store
 from weightsync.store.retry import RetryingStore, RetryPolicy
 from weightsync.store.signing import Keyring, SigningKey, TrustedKey
@@ -156,8 +157,8 @@ class Repo:
             raise VersionError(f"version {version} does not exist in {self.url}") from None
         document = None
         if signatures or self.trusted_keys is not None:
-            try:
-                document = self.store.get(signature_key(version))
+            try:  # at most one byte more than a document may have: a huge object is refused, not read
+                document = self.store.get_range(signature_key(version), 0, MAX_DOCUMENT_BYTES + 1)
             except NotFoundError:
                 pass
         if self.trusted_keys is not None:
