@@ -369,3 +369,56 @@ def test_unreadable_key_files(tmp_path):
         read_signing_key(tmp_path / "missing")
     with pytest.raises(UsageError, match="cannot read public key file"):
         read_public_keys(tmp_path)
+
+
+# --- the flags and variables that configure keys ---------------------------------------------------------
+def _parse(argv: list, env: dict[str, str]):
+    from weightsync import cli
+
+    return cli.build_parser(env).parse_args([str(a) for a in argv])
+
+
+def test_daemons_take_their_keys_from_their_variables(tmp_path):
+    from weightsync.service.flags import publisher_config, subscriber_config
+
+    key = write_key_pair(tmp_path / "k")
+    other = write_key_pair(tmp_path / "o")
+    env = {"WEIGHTSYNC_SIGNING_KEY": str(tmp_path / "k"), "WEIGHTSYNC_STORE": str(tmp_path / "s")}
+    cfg = publisher_config(_parse(["publisher", "--watch", tmp_path], env), env)
+    assert cfg.publish.signing_key.key_id == key.key_id and "SigningKey" not in repr(cfg)
+    env = {"WEIGHTSYNC_TRUSTED_KEY": f"{tmp_path / 'k.pub'}:{tmp_path / 'o.pub'}", "WEIGHTSYNC_STORE": "s"}
+    cfg = subscriber_config(_parse(["subscriber", "--target", tmp_path / "t"], env), env)
+    assert cfg.store.trusted_keys.ids == (key.key_id, other.key_id)
+    args = _parse(["subscriber", "--target", tmp_path / "t", "--trusted-key", tmp_path / "o.pub"], env)
+    assert subscriber_config(args, env).store.trusted_keys.ids == (other.key_id,)  # the flag wins
+    assert subscriber_config(_parse(["subscriber", "--store", "s", "--target", "t"], {}), {}).store.trusted_keys is None
+
+
+@pytest.mark.parametrize(
+    "command, var, value, message",
+    [
+        ("subscriber", "WEIGHTSYNC_TRUSTED_KEY", "", "WEIGHTSYNC_TRUSTED_KEY is set but names no key file"),
+        ("subscriber", "WEIGHTSYNC_TRUSTED_KEY", " : ", "WEIGHTSYNC_TRUSTED_KEY is set but names no key file"),
+        ("subscriber", "WEIGHTSYNC_TRUSTED_KEY", "/nonexistent.pub", "WEIGHTSYNC_TRUSTED_KEY: cannot read"),
+        ("publisher", "WEIGHTSYNC_SIGNING_KEY", "", "WEIGHTSYNC_SIGNING_KEY is empty: refusing to publish unsigned"),
+        ("publisher", "WEIGHTSYNC_SIGNING_KEY", "/nonexistent", "WEIGHTSYNC_SIGNING_KEY: cannot read signing key"),
+    ],
+)
+def test_a_key_variable_given_but_unusable_stops_the_daemon(tmp_path, command, var, value, message):
+    """A missing Secret must not turn signing or checking off."""
+    from weightsync.service.flags import publisher_config, subscriber_config
+
+    env = {var: value, "WEIGHTSYNC_STORE": "s"}
+    argv = [command, "--watch", tmp_path] if command == "publisher" else [command, "--target", tmp_path]
+    build = publisher_config if command == "publisher" else subscriber_config
+    with pytest.raises(UsageError, match=message):
+        build(_parse(argv, env), env)
+
+
+def test_the_mirror_checks_its_source_only(tmp_path):
+    from weightsync import cli
+
+    key = write_key_pair(tmp_path / "k")
+    args = _parse(["mirror", "--from", "a", "--to", "b", "--trusted-key", tmp_path / "k.pub"], {})
+    assert cli._side_store(args, "from").trusted_keys.ids == (key.key_id,)
+    assert cli._side_store(args, "to").trusted_keys is None
