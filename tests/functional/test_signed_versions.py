@@ -431,3 +431,28 @@ def test_checks_switched_on_over_a_folder_of_unsigned_versions(trajectory, tmp_p
     trusting = weightsync.open_repo(f"file://{store}", trusted_keys=[f"{key}.pub"])
     assert materialize(trusting, partial, 3, experts).version == 3
     verify_partial(trusting, partial)
+
+
+def test_a_subscriber_given_keys_reports_the_unsigned_version_it_already_serves(trajectory, tmp_path):
+    store, key = tmp_path / "store", tmp_path / "k"
+    url = f"file://{store}"
+    _publish(trajectory[0], store)
+    weightsync.write_key_pair(key)
+
+    def subscriber(keys) -> Subscriber:
+        cfg = SubscriberConfig(StoreConfig(url, trusted_keys=keys), tmp_path / "t", Identity("s1"), fsync=False)
+        metrics = Metrics(CollectorRegistry(), "subscriber", subscriber="s1", runtime=False)
+        return Subscriber(cfg, weightsync.open_repo(url, trusted_keys=keys), metrics)
+
+    async def main():
+        for sub in (subscriber(None), subscriber(Keyring.of([f"{key}.pub"]))):  # a restart, given keys
+            sub._wake = asyncio.Event()
+            await asyncio.to_thread(sub._startup)
+            await sub._iteration()
+            assert sub.view.current == 0
+        assert sub.status()["refused"]["version"] == 0  # installed without keys: still served, reported
+        _publish(trajectory[1], store, key)  # the first signed version: a keyframe
+        await sub._iteration()
+        assert sub.view.current == 1 and sub.status()["refused"] is None
+
+    asyncio.run(main())

@@ -288,6 +288,13 @@ class Subscriber:
             self._served = snapshot(self.slots.path(cur))
             self._check_served(installed=True)  # changed while no subscriber watched
         self.metrics.current_version.set(-1 if current is None else current)
+        if current is not None and self.repo.trusted_keys is not None:
+            try:  # installed before the keys were given: still served (nothing better), but reported
+                self.repo.manifest(current)
+            except SignatureError as exc:
+                self._refuse(exc)
+            except WeightsyncError:
+                pass  # collected, or the store unreachable: the loop reports what matters
         event(
             log,
             "started",
