@@ -134,8 +134,12 @@ class Repo:
             if version in self._manifests:
                 self._manifests.move_to_end(version)
                 return self._manifests[version]
-        key = version_key(version)
         data, _ = self.read_version(version, signatures=False)
+        return self._remember(version, data)
+
+    def _remember(self, version: int, data: bytes) -> Manifest:
+        """``data`` parsed as ``version``'s manifest (it must claim that version), cached."""
+        key = version_key(version)
         m = manifest_from_json(data, f"{self.url}/{key}")
         if m.version != version:
             raise FormatError(f"{self.url}/{key}: manifest claims version {m.version}")
@@ -174,12 +178,15 @@ class Repo:
 
     def refusal(self, version: int, keys: Keyring) -> str | None:
         """Why ``keys`` would refuse ``version`` (the :class:`SignatureError`'s line), or None if one
-        of them signed it; whatever this repo itself trusts."""
-        data, document = Repo(self.store, trusted_keys=None).read_version(version)
+        of them signed it; whatever this repo itself trusts. A repo that trusts no keys keeps the
+        manifest it read (a publisher reads its parent next)."""
+        data, document = self.trusting(None).read_version(version)
         try:
             keys.verify(f"version {version} of {self.url}", version, data, document)
         except SignatureError as exc:
             return str(exc)
+        if self.trusted_keys is None:
+            self._remember(version, data)
         return None
 
     def chain(self, version: int, back_to: int | None = None, limit: int = 1000) -> list[Manifest]:
