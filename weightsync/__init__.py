@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING
 
 from weightsync._version import __version__ as __version__
 from weightsync.codec import CodecConfig
-from weightsync.errors import ChecksumError, StoreError, UsageError, VersionError, WeightsyncError
+from weightsync.errors import ChecksumError, SignatureError, StoreError, UsageError, VersionError, WeightsyncError
 from weightsync.store import Store, open_store
 from weightsync.store.repo import Repo, StoreLike, VersionInfo, open_repo, versions
 from weightsync.store.retry import RetryingStore, RetryPolicy
+from weightsync.store.signing import Keyring, SigningKey, TrustedKey, read_public_keys, read_signing_key, write_key_pair
 from weightsync.sync.observer import Observer
 from weightsync.sync.publish import PublishConfig, PublishResult, publish
 from weightsync.sync.pull import PullConfig, PullResult, pull, verify
@@ -55,6 +56,7 @@ __all__ = [
     "ChecksumError",
     "CodecConfig",
     "CommitResult",
+    "Keyring",
     "Observer",
     "PartResult",
     "PublishConfig",
@@ -64,10 +66,13 @@ __all__ = [
     "Repo",
     "RetryPolicy",
     "RetryingStore",
+    "SignatureError",
+    "SigningKey",
     "StateDictPublisher",
     "Store",
     "StoreError",
     "StoreLike",
+    "TrustedKey",
     "UsageError",
     "VersionError",
     "VersionInfo",
@@ -79,8 +84,11 @@ __all__ = [
     "publish_part",
     "publish_state_dict",
     "pull",
+    "read_public_keys",
+    "read_signing_key",
     "verify",
     "versions",
+    "write_key_pair",
 ]
 
 

@@ -19,11 +19,15 @@ from weightsync.service.flags import (
     add_log_args,
     add_publisher_args,
     add_rank_args,
+    add_signing_args,
     add_store_watch_args,
     add_subscriber_args,
+    add_trust_args,
     env_argument,
     parse_listen,
     publish_config,
+    signing_key,
+    trusted_keys,
     version_arg,
 )
 from weightsync.service.progress import Progress, human_bytes
@@ -43,7 +47,8 @@ def _store_options(args) -> dict:
 
 
 def _repo(args):
-    return open_repo(args.store, **_store_options(args))
+    """The command's store; with ``--trusted-key``, one that uses only versions a trusted key signed."""
+    return open_repo(args.store, trusted_keys=trusted_keys(args), **_store_options(args))
 
 
 def _progress(args, label: str) -> Progress:
@@ -120,7 +125,12 @@ def cmd_commit_parts(args) -> int:
     if args.timeout < 0:
         raise UsageError(f"--timeout must be >= 0 seconds, not {args.timeout:g}")
     r = commit_parts(
-        _repo(args), args.version, args.world, timeout=args.timeout, allow_removed=args.allow_removed_files
+        _repo(args),
+        args.version,
+        args.world,
+        timeout=args.timeout,
+        allow_removed=args.allow_removed_files,
+        signing_key=signing_key(args),
     )
     kind = "keyframe" if r.keyframe else f"delta from {r.parent}"
     done = "was already committed" if r.already else "committed"
@@ -183,8 +193,8 @@ VERIFY_EXIT_STATUS = f"""exit status:
   {VERIFY_DIFFERS}  DIR does not hold it: a file differs, is missing, or is not part of the version
   2  bad command line (an unknown option, a --version that is not a number or 'latest')
   {VERIFY_UNCHECKED}  could not check: the store URL cannot be opened, the store is unreachable or not a store,
-     the version does not exist, DIR is missing or unreadable, or an install into DIR was
-     interrupted (pull again to finish it)"""
+     the version does not exist or (with --trusted-key) no trusted key signed it, DIR is missing
+     or unreadable, or an install into DIR was interrupted (pull again to finish it)"""
 
 
 def cmd_verify(args) -> int:
@@ -203,6 +213,19 @@ def cmd_verify(args) -> int:
     return 0
 
 
+def cmd_keygen(args) -> int:
+    from weightsync.store.signing import write_key_pair
+
+    key = write_key_pair(args.out)
+    print(
+        f"wrote the private key {args.out} (mode 0600: for the publisher only) and the public key {args.out}.pub "
+        f"(for every reader: --trusted-key); key id {key.key_id}",
+        file=sys.stderr,
+    )
+    print(key.key_id)
+    return 0
+
+
 def cmd_demo(args) -> int:
     from weightsync.demo import run_demo
 
@@ -217,7 +240,8 @@ def _side_store(args, side: str):
 
     url = args.src if side == "from" else args.dst
     endpoint = getattr(args, f"{side}_endpoint_url", None) or getattr(args, "endpoint_url", None)
-    return StoreConfig(url, endpoint, **store_timeouts(args))
+    keys = trusted_keys(args) if side == "from" else None
+    return StoreConfig(url, endpoint, trusted_keys=keys, **store_timeouts(args))
 
 
 class _MirrorHealth:
@@ -388,6 +412,7 @@ def cmd_gc(args) -> int:
                 "referenced_during_gc": r.referenced_during_gc,
                 "deleted_parts": r.deleted_parts,
                 "pending_parts": r.pending_parts,
+                "deleted_signatures": r.deleted_signatures,
                 "dry_run": r.dry_run,
             }
         )
@@ -506,6 +531,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     _add_store(p)
     p.add_argument("--version", type=version_arg, default=None, help="version number (default: head + 1)")
     _add_publish_options(p)
+    add_signing_args(p)
     _add_progress(p)
     p.set_defaults(func=cmd_publish)
 
@@ -522,6 +548,11 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     )
     p.add_argument("--version", type=version_arg, default=None, help="version number (default: head + 1)")
     _add_publish_options(p)
+    add_signing_args(
+        p,
+        help="the key commit-parts signs with: a part builds only on a head it signed (else every rank "
+        "makes a keyframe); parts themselves are not signed",
+    )
     _add_progress(p)
     p.set_defaults(func=cmd_publish_part)
 
@@ -535,6 +566,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         action="store_true",
         help="commit even if no part has some file of the head version (default: refuse, nothing committed)",
     )
+    add_signing_args(p)
     p.set_defaults(func=cmd_commit_parts)
 
     p = sub.add_parser("pull", help="create or incrementally update a folder to hold a version")
@@ -542,6 +574,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     p.add_argument("--version", type=version_arg, default="latest")
     p.add_argument("--concurrency", type=int, default=32, help="chunks in flight (default 32)")
     p.add_argument("out_dir")
+    add_trust_args(p)
     _add_progress(p)
     p.set_defaults(func=cmd_pull)
 
@@ -560,7 +593,18 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     _add_store(p)
     p.add_argument("--version", type=version_arg, default="latest")
     p.add_argument("dir", metavar="DIR", help="the folder to check")
+    add_trust_args(p)
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser(
+        "keygen",
+        help="write an Ed25519 key pair for signed versions: OUT (private, 0600) and OUT.pub",
+        description="Write a new Ed25519 key pair: OUT, the private key (PEM PKCS#8, mode 0600), for "
+        "publish/commit-parts/publisher --signing-key; OUT.pub, the public key (one OpenSSH line), for "
+        "pull/verify/subscriber/mirror --trusted-key. Refuses to overwrite either. Prints the key id.",
+    )
+    p.add_argument("out", metavar="OUT", help="the private key file to create (the public key goes to OUT.pub)")
+    p.set_defaults(func=cmd_keygen)
 
     p = sub.add_parser("demo", help="generate, publish, pull and verify a small trajectory on a file store")
     p.add_argument("--workdir", help="where to put the trajectory, store and replica (default: a temp dir)")
@@ -584,6 +628,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     )
     add("--region", default="", help="region label of the metrics (the destination's region)")
     add("--cluster", default="", help="cluster label of the metrics")
+    add_trust_args(p, env)
     add_log_args(p, env)
     add_store_watch_args(p, env)
     p.set_defaults(func=cmd_mirror)

@@ -69,3 +69,14 @@ class VersionError(WeightsyncError):
 
 class BaseMismatchError(WeightsyncError):
     """Local bytes used as a delta base differ from the version they claim to be."""
+
+
+class SignatureError(WeightsyncError):
+    """A version a reader that trusts signing keys refuses (docs/FORMAT.md section 7): unsigned,
+    signed by no trusted key, a signature that does not verify or is malformed, or one made for
+    other bytes or another version. ``version`` names it, ``reason`` says why (one line)."""
+
+    def __init__(self, where: str, version: int, reason: str):
+        super().__init__(f"{where}: refused, {reason}")
+        self.version = version
+        self.reason = reason

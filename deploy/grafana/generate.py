@@ -336,10 +336,15 @@ def panels() -> list[dict]:
                     f"sum by (region, subscriber) (increase(weightsync_checksum_failures_total{{{REGION}}}[{RATE}]))",
                     "{{region}} {{subscriber}}",
                 ),
+                (
+                    f"sum by (job, region, subscriber) (increase(weightsync_signature_refusals_total[{RATE}]))",
+                    "refused: {{job}} {{region}} {{subscriber}}",
+                ),
             ],
             width=8,
             bars=True,
-            description="Data rejected by checksum verification (should stay zero).",
+            description="Data rejected by checksum verification, and attempts to use a version no trusted key "
+            "signed (refused:, with --trusted-key); both should stay zero.",
         ),
         timeseries(
             "Swap hook failures",

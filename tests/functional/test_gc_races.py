@@ -57,10 +57,10 @@ def publish_until_commit(r: weightsync.Repo, checkpoint: Path, monkeypatch):
     at_commit, go, out = threading.Event(), threading.Event(), {}
     commit = weightsync.Repo.commit
 
-    def paused_commit(self, manifest, etag):
+    def paused_commit(self, manifest, etag, *signing):
         at_commit.set()
         assert go.wait(60)
-        return commit(self, manifest, etag)
+        return commit(self, manifest, etag, *signing)
 
     monkeypatch.setattr(weightsync.Repo, "commit", paused_commit)
 

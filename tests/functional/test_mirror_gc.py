@@ -349,9 +349,9 @@ def test_gc_between_a_skipped_upload_and_its_commit(trajectory, tmp_path, monkey
     age_all(store)
     commit = weightsync.Repo.commit
 
-    def gc_then_commit(self, manifest, etag):  # gc runs after the uploads, before the commit:
+    def gc_then_commit(self, manifest, etag, *signing):  # gc runs after the uploads, before the commit:
         gc(repo(store), GcConfig(keep=1, grace_seconds=60))  # version 0 and its old chunks go
-        return commit(self, manifest, etag)
+        return commit(self, manifest, etag, *signing)
 
     monkeypatch.setattr(weightsync.Repo, "commit", gc_then_commit)
     weightsync.publish(trajectory[0], repo(store), config=cfg)  # same bytes as version 0: same chunks

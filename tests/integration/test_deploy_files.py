@@ -829,6 +829,19 @@ ALERT_CASES = [  # (name, input series, [(eval time, alert, expected label sets)
         ],
     ),
     (
+        "untrusted version",  # a subscriber refuses version 7 for 10 minutes, then takes a signed one
+        [
+            _series("weightsync_refused_version", "-1x5 7x10 -1x5", **SUB),
+            _series("weightsync_refused_version", "-1x20", **{**SUB, "subscriber": "sub-2"}),
+            _series("weightsync_refused_version", "-1x3 9x10 -1x6", **MIR),
+        ],
+        [
+            ("2m", "WeightsyncUntrustedVersion", []),
+            ("8m", "WeightsyncUntrustedVersion", [{**SUB, "severity": "critical"}, {**MIR, "severity": "critical"}]),
+            ("18m", "WeightsyncUntrustedVersion", []),
+        ],
+    ),
+    (
         "stalled",
         [_series("weightsync_published_version", "0+1x60 60x60", **PUB)],
         [

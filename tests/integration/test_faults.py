@@ -272,11 +272,11 @@ def test_a_corrupt_chunk_is_never_served_and_the_subscriber_recovers_once_it_is_
         saved = {}
         commit = weightsync.Repo.commit
 
-        def corrupt_then_commit(self, manifest, etag):
+        def corrupt_then_commit(self, manifest, etag, *signing):
             key = chunk_key(manifest.chunks[0].id)
             saved[key] = self.store.get(key)
             self.store.put(key, b"garbage" * 100, mode="overwrite")
-            return commit(self, manifest, etag)
+            return commit(self, manifest, etag, *signing)
 
         monkeypatch.setattr(weightsync.Repo, "commit", corrupt_then_commit)
         weightsync.publish(traj[1], repo)

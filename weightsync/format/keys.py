@@ -1,5 +1,5 @@
-"""Store keys and limits (docs/FORMAT.md): where the marker, head, manifests, parts, chunks and
-fleet records live, the bounds readers enforce, and the check every stored file path passes."""
+"""Store keys and limits (docs/FORMAT.md): where the marker, head, manifests, signatures, parts,
+chunks and fleet records live, the bounds readers enforce, and the check every stored file path passes."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ VERSIONS_PREFIX = "versions/"
 CHUNKS_PREFIX = "chunks/"
 FLEET_PREFIX = "fleet/"
 PARTS_PREFIX = "parts/"
+SIGNATURES_PREFIX = "signatures/"
 MAX_WORLD = 99999  # ranks of one multi-rank publish (part keys hold five digits)
 MAX_VERSION = 10**18
 MAX_SIZE = 1 << 50  # 1 PiB: larger declared sizes are rejected as hostile
@@ -35,6 +36,17 @@ def version_key(version: int) -> str:
 def parse_version_key(key: str) -> int | None:
     """The version a manifest key names, or None for any other key."""
     m = re.fullmatch(r"versions/([0-9]{20})\.json", key)
+    return int(m.group(1)) if m else None
+
+
+def signature_key(version: int) -> str:
+    """The key of ``version``'s signatures (docs/FORMAT.md section 7)."""
+    return f"{SIGNATURES_PREFIX}{version:020d}.json"
+
+
+def parse_signature_key(key: str) -> int | None:
+    """The version a signatures key names, or None for any other key."""
+    m = re.fullmatch(r"signatures/([0-9]{20})\.json", key)
     return int(m.group(1)) if m else None
 
 

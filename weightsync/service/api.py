@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 from aiohttp import web
 
-from weightsync.errors import CheckpointError, UsageError, VersionError, WeightsyncError
+from weightsync.errors import CheckpointError, SignatureError, UsageError, VersionError, WeightsyncError
 from weightsync.format.keys import MAX_VERSION
 from weightsync.format.manifest import manifest_to_json
 from weightsync.service.config import ID_RE
@@ -194,10 +194,14 @@ def _limit(request: web.Request) -> int:
 
 
 def list_versions(repo: Repo, limit: int) -> list[dict]:
-    """The newest ``limit`` committed versions, oldest first (reads their manifests)."""
+    """The newest ``limit`` committed versions, oldest first (reads their manifests); with trusted
+    keys, only those one of them signed (a refused version is in the subscriber's status)."""
     out = []
     for v in repo.versions()[-limit:]:
-        m = repo.manifest(v)
+        try:
+            m = repo.manifest(v)
+        except SignatureError:
+            continue
         elements = m.stats.get("elements", 0) or 0
         out.append(
             {

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from weightsync.errors import UsageError
 from weightsync.store.retry import RetryPolicy
+from weightsync.store.signing import Keyring
 from weightsync.sync.publish import PublishConfig
 
 TOKEN_ENV = "WEIGHTSYNC_API_TOKEN"
@@ -54,14 +55,16 @@ class Identity:
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """Where the daemon's store is and how it is reached: URL, S3 endpoint, retry policy, and the S3
-    client's timeouts (seconds to connect, and to wait for each answer; None: the S3 backend's 10 and 60)."""
+    """Where the daemon's store is and how it is reached: URL, S3 endpoint, retry policy, the S3
+    client's timeouts (seconds to connect, and to wait for each answer; None: the S3 backend's 10 and
+    60), and the keys whose signatures it trusts (None: signatures are not checked)."""
 
     url: str
     endpoint_url: str | None = None
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     connect_timeout: float | None = None
     read_timeout: float | None = None
+    trusted_keys: Keyring | None = None
 
     def __post_init__(self) -> None:
         if not self.url:

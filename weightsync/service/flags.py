@@ -30,6 +30,7 @@ from weightsync.service.config import (
     SubscriberConfig,
 )
 from weightsync.store.retry import RetryPolicy
+from weightsync.store.signing import Keyring, SigningKey, read_public_keys, read_signing_key
 from weightsync.sync.publish import PublishConfig
 
 # --- environment defaults (12-factor) --------------------------------------------------------------
@@ -312,14 +313,84 @@ def add_rank_args(p: argparse.ArgumentParser, environ: Mapping[str, str] | None 
     )
 
 
+SIGNING_HELP = (
+    "sign every version committed with this Ed25519 private key (weightsync keygen; readers that trust its "
+    "public key refuse versions it did not sign; a head it did not sign gets a keyframe, not a delta)"
+)
+
+
+def add_signing_args(
+    p: argparse.ArgumentParser, environ: Mapping[str, str] | None = None, help: str = SIGNING_HELP
+) -> None:
+    """``--signing-key``: for the commands that commit versions (``publish``, ``commit-parts``, the
+    publisher) and the ranks of a signed multi-rank publish (``publish-part``)."""
+    env_argument(p, environ, "--signing-key", metavar="FILE", help=help)
+
+
+def add_trust_args(p: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
+    """``--trusted-key``: for the commands that read versions (``pull``, ``verify``, the subscriber, the mirror)."""
+    env_argument(
+        p,
+        environ,
+        "--trusted-key",
+        action="append",
+        default=[],
+        sep=os.pathsep,
+        metavar="FILE",
+        help="use only versions signed by a key of this public key file (repeatable: the old and the new key "
+        "while rotating; default: signatures are not checked)",
+    )
+
+
+def signing_key(args) -> SigningKey | None:
+    """The key of ``--signing-key`` (or its variable), read once at start; None if not given. One
+    given but empty (a missing secret) is refused, never taken as "do not sign"."""
+    path = getattr(args, "signing_key", None)
+    if path is None:
+        return None
+    source = _source(args, "signing_key", "--signing-key")
+    if not path.strip():
+        raise UsageError(f"{source} is empty: refusing to publish unsigned versions (give a key file, or no {source})")
+    try:
+        return read_signing_key(path)
+    except UsageError as exc:
+        raise UsageError(f"{source}: {exc}") from None
+
+
+def trusted_keys(args) -> Keyring | None:
+    """The keys of every ``--trusted-key`` file (or of its variable); None if none is given (no
+    checks). A variable that is set but names no file (a missing secret) is refused: it must not
+    turn the checks off."""
+    paths = getattr(args, "trusted_key", None) or []
+    source = _source(args, "trusted_key", "--trusted-key")
+    if not paths:
+        if "trusted_key" in env_sources(args):
+            raise UsageError(
+                f"{source} is set but names no key file: refusing to run without signature checks (unset it to "
+                "run without)"
+            )
+        return None
+    keys = []
+    for path in paths:
+        if not path.strip():
+            raise UsageError(f"{source} names an empty path")
+        try:
+            keys += read_public_keys(path)
+        except UsageError as exc:
+            raise UsageError(f"{source}: {exc}") from None
+    return Keyring.of(keys)
+
+
 def publish_config(args, ignore: tuple[str, ...] = ()) -> PublishConfig:
-    """The :class:`PublishConfig` of :func:`add_encoding_args`' flags (``ignore`` first, then ``--ignore``)."""
+    """The :class:`PublishConfig` of :func:`add_encoding_args`' flags (``ignore`` first, then
+    ``--ignore``) and of ``--signing-key`` where the command has it."""
     return PublishConfig(
         codec=CodecConfig(level=args.level, entropy_coder=not args.fast_codec),
         chunk_bytes=args.chunk_mib << 20,
         keyframe_interval=args.keyframe_interval,
         upload_concurrency=args.concurrency,
         ignore=(*ignore, *args.ignore),
+        signing_key=signing_key(args),
     )
 
 
@@ -345,6 +416,7 @@ def add_publisher_args(p: argparse.ArgumentParser, environ: Mapping[str, str] | 
         help="extra folder POST /v1/publish may read (repeatable)",
     )
     add_encoding_args(p, environ)
+    add_signing_args(p, environ)
     add_rank_args(p, environ, required=False)
     add(
         "--commit",
@@ -454,6 +526,7 @@ def add_subscriber_args(p: argparse.ArgumentParser, environ: Mapping[str, str] |
         help="seconds each phase of an engine transaction (every rank prepares, then applies) may take (default 600)",
     )
     add("--no-fsync", action="store_true", help="skip fsync of written files (tests, tmpfs)")
+    add_trust_args(p, environ)
 
 
 # --- building configs ------------------------------------------------------------------------------
@@ -553,7 +626,13 @@ def default_id(folder: Path) -> str:
 
 
 def _store(args) -> StoreConfig:
-    return StoreConfig(args.store, args.endpoint_url, RetryPolicy(attempts=args.retry_attempts), **store_timeouts(args))
+    return StoreConfig(
+        args.store,
+        args.endpoint_url,
+        RetryPolicy(attempts=args.retry_attempts),
+        trusted_keys=trusted_keys(args),
+        **store_timeouts(args),
+    )
 
 
 def _state_home(environ: Mapping[str, str]) -> Path:

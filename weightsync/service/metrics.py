@@ -20,6 +20,7 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from weightsync.errors import SignatureError
 from weightsync.store.retry import RETRY_OPS, RETRY_REASONS, retry_op, retry_reason
 
 PHASES = ("read", "diff", "encode", "upload", "commit")
@@ -108,6 +109,16 @@ class Metrics:
         self.store_stalls = counter(
             "weightsync_store_stalls_total", "Store requests that ran for longer than --stall-after seconds."
         )
+        if role != "publisher":  # the readers: what --trusted-key made them refuse
+            self.refused_version = gauge(
+                "weightsync_refused_version",
+                "Version refused for its signature (unsigned, unknown key, bad signature) and not yet "
+                "superseded by a good one; -1: none.",
+                -1,
+            )
+            self.refusals = counter(
+                "weightsync_signature_refusals_total", "Attempts to use a version refused for its signature."
+            )
         if role == "publisher":
             self.published_version = gauge(
                 "weightsync_published_version", "Newest version this publisher committed.", -1
@@ -284,10 +295,22 @@ class Metrics:
         if result.head is not None:
             self._set_destination(result.head)
         self.last_success.set(self._clock())
+        self.refused(None)
 
     def mirror_error(self, exc: Exception) -> None:
-        """Count a failed mirror pass."""
+        """Count a failed mirror pass (and a version refused for its signature)."""
         self.loop_errors.inc()
+        if isinstance(exc, SignatureError):
+            self.refused(exc.version)
+
+    def refused(self, version: int | None) -> None:
+        """A version was refused for its signature (None: the refusal is over: a good version was
+        used since, or the refused one is gone)."""
+        if version is None:
+            self.refused_version.set(-1)
+        else:
+            self.refused_version.set(version)
+            self.refusals.inc()
 
     def _set_destination(self, version: int) -> None:
         self._destination = version

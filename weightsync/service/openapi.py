@@ -195,6 +195,15 @@ def _schemas(role: str) -> dict:
                     "required": ["replicas"],
                     "properties": {"replicas": {"type": "array", "items": {"$ref": "#/components/schemas/Replica"}}},
                 },
+                "trusted_keys": _nullable({"type": "array", "items": {"type": "string"}}),
+                "refused": _nullable(
+                    {
+                        "type": "object",
+                        "description": "the newest version refused for its signature (--trusted-key), and why",
+                        "required": ["version", "reason", "time"],
+                        "properties": {"version": _VERSION, "reason": {"type": "string"}, "time": {"type": "number"}},
+                    }
+                ),
             },
         }
         schemas.update(_engine_schemas())
@@ -217,6 +226,10 @@ def _schemas(role: str) -> dict:
                 "rank": _nullable("integer"),
                 "world": {"type": "integer"},
                 "part_stored": _nullable(_VERSION),
+                "signing_key": {
+                    "anyOf": [{"type": "string"}, {"type": "null"}],
+                    "description": "the id of the key that signs the versions committed (--signing-key)",
+                },
             },
         }
         schemas["PublishRequest"] = {

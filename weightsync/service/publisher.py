@@ -208,6 +208,7 @@ class Publisher:
             "rank": self.cfg.rank,
             "world": self.cfg.world,
             "part_stored": self._part,
+            "signing_key": None if self.cfg.publish.signing_key is None else self.cfg.publish.signing_key.key_id,
         }
 
     async def run(self) -> None:
@@ -425,7 +426,14 @@ class Publisher:
             self.stop_token.check()
             time.sleep(seconds)
 
-        r = commit_parts(self.repo, version, self.cfg.world, timeout=self.cfg.commit_timeout, sleep=sleep)
+        r = commit_parts(
+            self.repo,
+            version,
+            self.cfg.world,
+            timeout=self.cfg.commit_timeout,
+            sleep=sleep,
+            signing_key=self.cfg.publish.signing_key,
+        )
         self._part = None
         self.head = max(self.head or -1, r.version)
         self.metrics.published_version.set(r.version)

@@ -138,10 +138,12 @@ def open_daemon_repo(
     """The repo of a daemon or of the mirror (once per side): the store wrapped in bounded retries
     (``cfg.retry``; only retryable errors, which the S3 backend marks) that report each retry to
     ``on_retry`` (the metrics) and the log (:class:`RetryLog`), its requests recorded in ``inflight``;
-    the wait between retries ends with :class:`Stopped` once ``stop`` is set."""
+    the wait between retries ends with :class:`Stopped` once ``stop`` is set; signatures are checked
+    with ``cfg.trusted_keys``."""
     store = open_store(cfg.url, **cfg.options())
     sleep = time.sleep if stop is None else stop.sleep
-    return open_repo(RetryingStore(store, cfg.retry, on_retry=RetryLog(on_retry), inflight=inflight, sleep=sleep))
+    retrying = RetryingStore(store, cfg.retry, on_retry=RetryLog(on_retry), inflight=inflight, sleep=sleep)
+    return open_repo(retrying, trusted_keys=cfg.trusted_keys)
 
 
 class RetryLog:

@@ -11,7 +11,7 @@ from contextlib import suppress
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from weightsync.errors import ChecksumError, UsageError, VersionError, WeightsyncError
+from weightsync.errors import ChecksumError, SignatureError, UsageError, VersionError, WeightsyncError
 from weightsync.local.base import clone
 from weightsync.local.install import clear_folder, empty_folder
 from weightsync.local.lock import FolderLock
@@ -183,6 +183,7 @@ class Subscriber:
             if cfg.partial
             else None,
         )
+        self.refused: dict | None = None  # the version refused for its signature (--trusted-key), and why
 
     def claim(self) -> None:
         """Take the target folder and both slots for this process (FolderBusyError if another
@@ -378,6 +379,8 @@ class Subscriber:
             "last_error": self.last_error,
             "hook": None if self.hooks is None or self.hooks.record is None else self.hooks.record.to_doc(),
             "engines": self.engines.status(),
+            "trusted_keys": None if self.repo.trusted_keys is None else list(self.repo.trusted_keys.ids),
+            "refused": self.refused,
         }
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -432,6 +435,13 @@ class Subscriber:
         if self.hooks is not None:
             self.hooks.record = read_hook_record(self.cfg.target_dir, self.repo.url)
             self.metrics.hook_degraded.set(int(self.degraded))
+        if current is not None and self.repo.trusted_keys is not None:
+            try:  # installed before the keys were given: still served (nothing better), but reported
+                self.repo.manifest(current)
+            except SignatureError as exc:
+                self._refuse(exc)
+            except WeightsyncError:
+                pass  # collected, or the store unreachable: the loop reports what matters
         event(
             log,
             "started",
@@ -452,6 +462,8 @@ class Subscriber:
                 await asyncio.to_thread(self._check_served)
             head = await asyncio.to_thread(self.repo.head_version)
             self.latest = head
+            if self.refused is not None and (head is None or head < self.refused["version"]):
+                self._refuse(None)  # the refused version is gone from the store
             self.metrics.latest_version.set(-1 if head is None else head)
             action = plan_next(self.view, head, self.target, self.clock())
             if isinstance(action, Sync) and (held := self.engines.holding(self.slots.path(self.slots.standby()))):
@@ -500,6 +512,8 @@ class Subscriber:
         except Exception as exc:
             if isinstance(exc, ChecksumError):
                 self.metrics.checksum_failures.inc()
+            if isinstance(exc, SignatureError):
+                self._refuse(exc)
             failures = self.view.failures + 1 if self.view.failed_version == version else 1
             retry_at = self.clock() + self.cfg.backoff.delay(failures)
             self.view = View(self.view.current, None, version, failures, retry_at)
@@ -522,7 +536,21 @@ class Subscriber:
         self.state = self._serving()  # before the record is written: it says what is served now
         self._after_swap(result, folder, pause, swap, served_before)
         self.engines.kick()
+        if self.refused is not None and version >= self.refused["version"]:
+            self._refuse(None)
         await self._write_ledger(force=True)
+
+    def _refuse(self, exc: SignatureError | None) -> None:
+        """Report a version refused for its signature in ``/v1/status`` and the metrics, logged once
+        per version; None: the refusal is over (a version at or past it was swapped in, or it is gone)."""
+        if exc is None:
+            self.refused = None
+            self.metrics.refused(None)
+            return
+        if self.refused is None or self.refused["version"] != exc.version:
+            event(log, "refused a version: not signed by a trusted key", logging.ERROR, version=exc.version, error=exc)
+        self.refused = {"version": exc.version, "reason": exc.reason, "time": self.clock()}
+        self.metrics.refused(exc.version)
 
     def _fill(self, folder: Path, version: int) -> SyncResult:
         """Bring a slot to ``version`` and verify it (runs in a worker thread)."""
@@ -543,6 +571,7 @@ class Subscriber:
             self._served = now  # a link made and dropped again moves the ctime, not the link count
 
     def _fill_slot(self, folder: Path, version: int) -> SyncResult:
+        self.repo.manifest(version)  # with --trusted-key, a version refused for its signature touches no slot
         self._clear_other_mode(folder)
         base = None
         cfg = PullConfig(

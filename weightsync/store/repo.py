@@ -1,8 +1,10 @@
 """A weightsync store: the marker, the head pointer, manifests and chunks over a :class:`Store`.
 
 The commit order makes a version atomic: chunks first (content-addressed, create-only), then the
-manifest (create-only, so two publishers cannot both own a version), then a conditional update of
-the head pointer. Readers only trust manifests at or below the head.
+manifest (create-only, so two publishers cannot both own a version), then its signatures (when the
+publisher signs), then a conditional update of the head pointer. Readers only trust manifests at or
+below the head; a repo given trusted keys also only manifests one of them signed (docs/FORMAT.md
+section 7), checked in :meth:`Repo.manifest`, which every reader goes through.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import xxhash
@@ -22,6 +24,7 @@ from weightsync.errors import (
     NotAStoreError,
     NotFoundError,
     PreconditionFailedError,
+    SignatureError,
     VersionError,
 )
 from weightsync.format.keys import (
@@ -32,6 +35,7 @@ from weightsync.format.keys import (
     VERSIONS_PREFIX,
     chunk_key,
     parse_version_key,
+    signature_key,
     version_key,
 )
 from weightsync.format.manifest import (
@@ -43,18 +47,29 @@ from weightsync.format.manifest import (
     manifest_to_json,
     marker_to_json,
 )
+from weightsync.format.signatures import MAX_DOCUMENT_BYTES
 from weightsync.store import Store, open_store
 from weightsync.store.retry import RetryingStore, RetryPolicy
+from weightsync.store.signing import Keyring, SigningKey, TrustedKey
 
 
 class Repo:
-    """Weightsync operations on one store. Thread-safe; caches parsed manifests (they are immutable)."""
+    """Weightsync operations on one store. Thread-safe; caches parsed manifests (they are immutable).
 
-    def __init__(self, store: Store, manifest_cache: int = 64):
+    ``trusted_keys`` (a :class:`~weightsync.store.signing.Keyring`): every manifest read must be
+    signed by one of them (:meth:`manifest` raises :class:`SignatureError` otherwise); None: no
+    signature is checked (the stores of users who configure no keys)."""
+
+    def __init__(self, store: Store, manifest_cache: int = 64, *, trusted_keys: Keyring | None = None):
         self.store = store
+        self.trusted_keys = trusted_keys
         self._manifests: OrderedDict[int, Manifest] = OrderedDict()
         self._cache_size = manifest_cache
         self._lock = threading.Lock()
+
+    def trusting(self, trusted_keys: Keyring | None) -> Repo:
+        """A repo over the same store that checks signatures with ``trusted_keys`` (its own manifest cache)."""
+        return Repo(self.store, self._cache_size, trusted_keys=trusted_keys)
 
     @property
     def url(self) -> str:
@@ -113,16 +128,18 @@ class Repo:
         return sorted(v for v in found if v is not None and v <= head)
 
     def manifest(self, version: int) -> Manifest:
-        """The validated manifest of ``version`` (cached); :class:`VersionError` if the store has none."""
+        """The validated manifest of ``version`` (cached); :class:`VersionError` if the store has none,
+        :class:`SignatureError` if the repo trusts keys and none of them signed it."""
         with self._lock:
             if version in self._manifests:
                 self._manifests.move_to_end(version)
                 return self._manifests[version]
+        data, _ = self.read_version(version, signatures=False)
+        return self._remember(version, data)
+
+    def _remember(self, version: int, data: bytes) -> Manifest:
+        """``data`` parsed as ``version``'s manifest (it must claim that version), cached."""
         key = version_key(version)
-        try:
-            data = self.store.get(key)
-        except NotFoundError:
-            raise VersionError(f"version {version} does not exist in {self.url}") from None
         m = manifest_from_json(data, f"{self.url}/{key}")
         if m.version != version:
             raise FormatError(f"{self.url}/{key}: manifest claims version {m.version}")
@@ -131,6 +148,46 @@ class Repo:
             while len(self._manifests) > self._cache_size:
                 self._manifests.popitem(last=False)
         return m
+
+    def read_version(self, version: int, signatures: bool = True) -> tuple[bytes, bytes | None]:
+        """``version``'s stored manifest and signatures document (None: unsigned), as bytes. With
+        trusted keys both are read and checked (:meth:`Keyring.verify`) before they are returned;
+        without, the signatures are read only if ``signatures`` (a mirror copies them along).
+        :class:`VersionError` if the store has no such manifest."""
+        key = version_key(version)
+        try:
+            data = self.store.get(key)
+        except NotFoundError:
+            raise VersionError(f"version {version} does not exist in {self.url}") from None
+        document = None
+        if signatures or self.trusted_keys is not None:
+            try:  # at most one byte more than a document may have: a huge object is refused, not read
+                document = self.store.get_range(signature_key(version), 0, MAX_DOCUMENT_BYTES + 1)
+            except NotFoundError:
+                pass
+        if self.trusted_keys is not None:
+            self.verify_signature(version, data, document)
+        return data, document
+
+    def verify_signature(self, version: int, manifest: bytes, document: bytes | None) -> TrustedKey | None:
+        """The trusted key that signed ``version`` (None when this repo trusts no keys); raises
+        :class:`SignatureError` unless one of the trusted keys signed these manifest bytes."""
+        if self.trusted_keys is None:
+            return None
+        return self.trusted_keys.verify(f"version {version} of {self.url}", version, manifest, document)
+
+    def refusal(self, version: int, keys: Keyring) -> str | None:
+        """Why ``keys`` would refuse ``version`` (the :class:`SignatureError`'s line), or None if one
+        of them signed it; whatever this repo itself trusts. A repo that trusts no keys keeps the
+        manifest it read (a publisher reads its parent next)."""
+        data, document = self.trusting(None).read_version(version)
+        try:
+            keys.verify(f"version {version} of {self.url}", version, data, document)
+        except SignatureError as exc:
+            return str(exc)
+        if self.trusted_keys is None:
+            self._remember(version, data)
+        return None
 
     def chain(self, version: int, back_to: int | None = None, limit: int = 1000) -> list[Manifest]:
         """Manifests from the keyframe that ``version`` builds on up to ``version``, in order.
@@ -148,8 +205,8 @@ class Repo:
                     if self.store.head(version_key(out[-1].parent)) is None:
                         break  # collected by gc (the manifest cache cannot tell): no path from there
                     out.append(self.manifest(out[-1].parent))
-            except VersionError:
-                pass
+            except (VersionError, SignatureError):
+                pass  # no usable path from there (a refused manifest never joins a chain): the keyframe serves
             if out[-1].version != back_to:
                 del out[to_keyframe:]
         return out[::-1]
@@ -193,8 +250,9 @@ class Repo:
         verify_chunk(f"{self.url}/{key}", chunk_id, size, data)
         return data
 
-    def commit(self, manifest: Manifest, expected_head: str | None) -> None:
-        """Write the manifest (create-only), then move the head to it if it is newer.
+    def commit(self, manifest: Manifest, expected_head: str | None, signing_key: SigningKey | None = None) -> None:
+        """Write the manifest (create-only), then, with ``signing_key``, its signatures
+        (docs/FORMAT.md section 7: of the bytes stored), then move the head to it if it is newer.
 
         A manifest already stored under the version is accepted when it describes the same files
         from the same parent: our own write whose answer was lost and retried, or a re-publish of
@@ -212,13 +270,16 @@ class Repo:
         head = self.head_version()
         if head is not None and head > v:
             raise VersionError(f"version {v} is below the head {head} of {self.url}; not committed")
-        created = True
+        created, data = True, manifest_to_json(manifest)
         try:
-            self.store.put(version_key(v), manifest_to_json(manifest), mode="create")
+            self.store.put(version_key(v), data, mode="create")
         except AlreadyExistsError:
-            if not self._same_version(manifest):
+            data = self._same_version(manifest)
+            if data is None:
                 raise VersionError(f"version {v} already exists in {self.url}") from None
             created = False
+        if signing_key is not None:  # after the manifest: only the owner of version v signs it
+            self.store.put(signature_key(v), signing_key.sign(v, data), mode="overwrite")
         etag = expected_head
         for _ in range(100):
             try:
@@ -231,19 +292,24 @@ class Repo:
                 if current is not None and current > v:
                     if created:
                         self.store.delete(version_key(v))  # readers trust every manifest at or below the head
+                        if signing_key is not None:
+                            self.store.delete(signature_key(v))
                     raise VersionError(f"version {v} not committed: the head moved to {current} concurrently") from None
         raise VersionError(f"could not move head to {v}: too much contention")
 
-    def _same_version(self, manifest: Manifest) -> bool:
+    def _same_version(self, manifest: Manifest) -> bytes | None:
+        """The stored manifest of ``manifest.version`` if it is above the head and describes the same
+        files from the same parent (our own earlier write, or an identical re-publish); else None."""
         head = self.head_version()
         if head is not None and head >= manifest.version:
-            return False  # a committed version is never replaced
+            return None  # a committed version is never replaced
         try:
-            stored = manifest_from_json(self.store.get(version_key(manifest.version)))
+            data = self.store.get(version_key(manifest.version))
+            stored = manifest_from_json(data)
         except (FormatError, NotFoundError):
-            return False
+            return None
         files = lambda m: [(f.path, f.size, f.xxh3) for f in m.files]  # noqa: E731
-        return stored.parent == manifest.parent and files(stored) == files(manifest)
+        return data if stored.parent == manifest.parent and files(stored) == files(manifest) else None
 
     def set_head(self, version: int) -> None:
         """Point the head at ``version`` unconditionally (mirror and repair use)."""
@@ -264,20 +330,29 @@ def verify_chunk(what: str, chunk_id: str, size: int, data: bytes | memoryview) 
 StoreLike = str | os.PathLike | Store | Repo
 
 
-def open_repo(store: StoreLike, *, retry: RetryPolicy | None = RetryPolicy(), **options) -> Repo:
+def open_repo(
+    store: StoreLike,
+    *,
+    retry: RetryPolicy | None = RetryPolicy(),
+    trusted_keys: Keyring | Iterable[TrustedKey | SigningKey | str | os.PathLike] | None = None,
+    **options,
+) -> Repo:
     """A :class:`Repo` for a URL (``file://``, plain path, ``s3://``, ``memory://``), Store or Repo.
 
     A remote (``s3://``) store opened from a URL retries throttling, 5xx, timeouts and resets with
-    ``retry`` (None: no retries).
+    ``retry`` (None: no retries). ``trusted_keys`` (public key files, :class:`TrustedKey` or a
+    :class:`Keyring`): the repo uses only versions one of them signed; a Repo given with other
+    trusted keys is reopened over the same store with these. An empty list is refused.
     """
+    keys = Keyring.of(trusted_keys)
     if isinstance(store, Repo):
-        return store
+        return store if keys is None or keys == store.trusted_keys else store.trusting(keys)
     if isinstance(store, Store):
-        return Repo(store)
+        return Repo(store, trusted_keys=keys)
     opened = open_store(store, **options)
     if retry is not None and str(store).startswith("s3://"):
         opened = RetryingStore(opened, retry)
-    return Repo(opened)
+    return Repo(opened, trusted_keys=keys)
 
 
 @dataclass(frozen=True)

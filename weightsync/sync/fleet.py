@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 
-from weightsync.errors import FormatError, NotFoundError, VersionError
+from weightsync.errors import FormatError, NotFoundError, SignatureError, VersionError
 from weightsync.format.keys import FLEET_PREFIX, MAX_VERSION
 from weightsync.store import Store, check_key
 from weightsync.store.repo import Repo
@@ -148,7 +148,7 @@ def superseded_at(repo: Repo, version: int | None, versions: Iterable[int] | Non
         return None
     try:
         return created_seconds(repo.manifest(min(newer)).created)
-    except VersionError:
+    except (VersionError, SignatureError):  # collected, or refused (its creation time is not to be trusted)
         return None
 
 

@@ -1,4 +1,4 @@
-"""Retention: delete old versions, then the chunks no remaining version needs. A pure plan
+"""Retention: delete old versions (and their signatures), then the chunks no remaining version needs. A pure plan
 (:func:`plan_gc`, :func:`plan_parts`) then :func:`gc`, which re-checks each candidate's age and
 new manifests before deleting, so that a publish in progress never loses a chunk (docs/DESIGN.md
 gives the rules and the grace period they need)."""
@@ -16,8 +16,10 @@ from weightsync.errors import FormatError, NotFoundError, UsageError, VersionErr
 from weightsync.format.keys import (
     CHUNKS_PREFIX,
     PARTS_PREFIX,
+    SIGNATURES_PREFIX,
     VERSIONS_PREFIX,
     parse_part_key,
+    parse_signature_key,
     parse_version_key,
     version_key,
 )
@@ -86,6 +88,7 @@ class GcResult:
     partial_writes: int = 0  # removed leftovers of killed writers: temp files, multipart uploads
     deleted_parts: int = 0  # part objects of merged, stale or abandoned multi-rank publishes
     pending_parts: int = 0  # part objects of versions above the head, kept (a publish in progress)
+    deleted_signatures: int = 0  # signatures of deleted versions, and older ones whose manifest is gone
 
 
 @dataclass(frozen=True)
@@ -173,6 +176,9 @@ def gc(repo: Repo, config: GcConfig) -> GcResult:
             repo.store.delete(version_key(v))
         for key in parts.delete:
             repo.store.delete(key)  # a file store removes the folders this empties
+    result.deleted_signatures = _sweep_signatures(
+        repo, set(plan.delete_versions + plan.abandoned_versions), config.grace_seconds, config.dry_run
+    )
     # Listed after the manifests are gone: a chunk stored from here on is younger than the grace.
     doomed = []
     for key, size, age in list_chunks_with_age(repo.store):
@@ -192,6 +198,27 @@ def gc(repo: Repo, config: GcConfig) -> GcResult:
         result.partial_writes = len(repo.store.sweep_incomplete(config.grace_seconds))
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _sweep_signatures(repo: Repo, deleted: set[int], grace: float, dry_run: bool) -> int:
+    """Delete the signatures of ``deleted`` versions, and those older than ``grace`` whose manifest is
+    gone (a writer signs right after it creates the manifest; the grace spares one still committing)."""
+    doomed = []
+    manifests: set[int] | None = None
+    for key, _, age in list_with_age(repo.store, SIGNATURES_PREFIX):
+        v = parse_signature_key(key)
+        if v is None or (v not in deleted and _young(age, grace)):
+            continue
+        if v not in deleted:
+            if manifests is None:  # listed after the manifests were deleted
+                manifests = {parse_version_key(k) for k in repo.store.list(VERSIONS_PREFIX)}
+            if v in manifests:
+                continue
+        doomed.append(key)
+    if not dry_run:
+        for key in doomed:
+            repo.store.delete(key)
+    return len(doomed)
 
 
 def _delete_chunks(repo: Repo, plan: GcPlan, doomed: list[tuple[str, int]], config: GcConfig, result: GcResult) -> None:

@@ -1,6 +1,7 @@
 """Regional mirrors: copy versions from one store into another in the store's commit order (chunks
-verified, then the manifest, then the head), so that one cross-region transfer serves a region
-(docs/DESIGN.md: what a destination must be, memory)."""
+verified, then the manifest, then its signatures, then the head), so that one cross-region transfer
+serves a region (docs/DESIGN.md: what a destination must be, memory). A source repo with trusted
+keys makes the mirror copy only versions one of them signed (docs/FORMAT.md section 7)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ from weightsync.errors import (
     NotAStoreError,
     NotFoundError,
     PreconditionFailedError,
+    SignatureError,
     StoreError,
     UsageError,
     VersionError,
 )
-from weightsync.format.keys import HEAD_KEY, version_key
+from weightsync.format.keys import HEAD_KEY, signature_key, version_key
 from weightsync.format.manifest import ChunkRef, head_to_json, manifest_from_json
 from weightsync.store.repo import Repo
 
@@ -78,8 +80,9 @@ class MirrorObserver:
     def on_pass(self, result: MirrorResult) -> None:
         """A pass succeeded; ``result`` holds the running totals (``result.head``: the destination head)."""
 
-    def on_error(self, exc: StoreError) -> None:
-        """A pass failed with a store error and will be retried at the next poll (``follow`` only)."""
+    def on_error(self, exc: StoreError | SignatureError) -> None:
+        """A pass failed with a store error, or stopped at a version the trusted keys did not sign,
+        and will be retried at the next poll (``follow`` only)."""
 
     def on_waiting(self, reason: str) -> None:
         """Nothing to mirror yet (the source is not a weightsync store: it is empty); the mirror looks
@@ -156,9 +159,9 @@ class _Mirror:
     # --- one version ------------------------------------------------------------------------------
     def _copy_version(self, version: int) -> None:
         key = version_key(version)
-        try:
-            data = self.src.store.get(key)
-        except NotFoundError:
+        try:  # with trusted keys, checked before anything of the version is copied
+            data, signatures = self.src.read_version(version)
+        except VersionError:
             return  # collected at the source since it was listed
         m = manifest_from_json(data, f"{self.src.url}/{key}")
         if m.version != version:
@@ -175,6 +178,8 @@ class _Mirror:
         except AlreadyExistsError:  # an interrupted earlier pass, or another mirror
             self._same_manifest(version, data)
             written = False
+        if signatures is not None:  # before the head: a reader that trusts keys finds them with the version
+            self.dst.store.put(signature_key(version), signatures, mode="overwrite")
         self._move_head(version)
         if written:  # counted once the head is there: a head move that fails leaves it to the next pass
             self.result.copied_versions.append(version)
@@ -256,10 +261,11 @@ def mirror(
 
     With ``follow``, keep polling the source head every ``config.interval`` seconds until ``stop``
     is set (an empty or unreachable source is waited for: ``observer.on_waiting``, ``on_error``); a
-    pass that fails with a store error (network, throttling) is reported to ``observer.on_error`` and
-    retried at the next poll, while integrity errors (checksums, a destination that is not a mirror)
-    end the mirror. Setting ``stop`` ends a pass between chunks; the version
-    being copied is then left uncommitted (its chunks are reused by the next run).
+    pass that fails with a store error (network, throttling), or stops at a version ``src``'s
+    trusted keys did not sign (the versions before it are copied, nothing of it), is reported to
+    ``observer.on_error`` and retried at the next poll, while integrity errors (checksums, a
+    destination that is not a mirror) end the mirror. Setting ``stop`` ends a pass between chunks;
+    the version being copied is then left uncommitted (its chunks are reused by the next run).
 
     ``observer`` (a :class:`MirrorObserver`) hears of heads, chunks, versions, passes and errors.
     """
@@ -288,7 +294,7 @@ def mirror(
                 break
             except (MirrorError, NotAStoreError):
                 raise
-            except StoreError as exc:
+            except (StoreError, SignatureError) as exc:
                 if not follow:
                     raise
                 m.result.errors += 1

@@ -30,6 +30,7 @@ from weightsync.format.manifest import (
 from weightsync.local.base import adopt
 from weightsync.local.checkpoint import SourceFile, check_still_as_scanned, scan_checkpoint, still_as_scanned
 from weightsync.store.repo import Repo
+from weightsync.store.signing import Keyring, SigningKey
 from weightsync.sync.observer import Observer, Operation
 from weightsync.sync.publish import DeltaBase, PublishConfig, PublishResult, cache_claim, encode_folder, plan_version
 
@@ -332,6 +333,7 @@ def commit_parts(
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
     allow_removed: bool = False,
+    signing_key: SigningKey | None = None,
 ) -> CommitResult:
     """Wait (at most ``timeout`` seconds, polling up to every ``poll``) until all ``world`` parts of
     ``version`` are stored, merge them (:func:`merge_parts`) and commit the version (an empty
@@ -339,7 +341,10 @@ def commit_parts(
     part is there and they agree. A part that is damaged, names another world size, or was built
     on a parent that is no longer the head fails at once, and so does a set that leaves out a file
     of the head unless ``allow_removed``. Two committers may race: one commits, the other finds the
-    same version committed and succeeds too."""
+    same version committed and succeeds too. ``signing_key`` signs the version committed
+    (docs/FORMAT.md section 7; ranks' parts are never signed: readers never read them); a head it
+    did not sign does not bind the parts to its files (the ranks made a keyframe, see
+    :func:`weightsync.sync.publish.plan_version`)."""
     check_world(None, world)
     if not 0 <= version <= MAX_VERSION:
         raise UsageError(f"version must be an integer in 0..{MAX_VERSION} (docs/FORMAT.md), not {version}")
@@ -372,9 +377,11 @@ def commit_parts(
             )
         sleep(max(0.0, min(delay, deadline - clock())))
         delay = min(2 * delay, poll)
+    if signing_key is not None and parent is not None and not allow_removed:  # whose file list binds the ranks?
+        allow_removed = repo.refusal(parent.version, Keyring((signing_key.public(),))) is not None
     manifest = merge_parts(list(parts.values()), parent, allow_removed)
     try:
-        repo.commit(manifest, etag)
+        repo.commit(manifest, etag, signing_key)
     except VersionError:
         now = repo.head_version()
         if now is None or now < version:

@@ -9,6 +9,7 @@ uploader's bound (``upload_concurrency * chunk_bytes`` = 32 x 16 MiB = 512 MiB b
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import tempfile
 import threading
@@ -43,18 +44,21 @@ from weightsync.local.install import clear_folder
 from weightsync.local.lock import FolderLock, claim
 from weightsync.local.state import read_state
 from weightsync.store.repo import Repo, StoreLike, open_repo
+from weightsync.store.signing import Keyring, SigningKey
 from weightsync.sync.observer import Observer, Operation, observer_of
 from weightsync.sync.pipeline import TASK_BYTES, ordered_map
 from weightsync.sync.pull import PullConfig, pull
 from weightsync.sync.transfer import Uploader
 
 REFRESH_AFTER = 900.0  # seconds: see PublishConfig.refresh_after
+log = logging.getLogger("weightsync.publish")
 
 
 @dataclass(frozen=True)
 class PublishConfig:
     """How a version is cut and coded (codec settings, chunk size, keyframe interval, files to
-    ignore) and the bounds of publishing it (upload streams, encode threads, bytes in flight)."""
+    ignore), the bounds of publishing it (upload streams, encode threads, bytes in flight), and the
+    key that signs what is committed (None: versions are not signed)."""
 
     codec: CodecConfig = field(default_factory=CodecConfig)
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
@@ -67,6 +71,8 @@ class PublishConfig:
     # that gc's grace (default 3600 s) need only cover the commit, not the whole publish
     refresh_after: float = REFRESH_AFTER
     sources: list[SourceFile] = field(default_factory=list)  # the checkpoint's files as read (to check before a commit)
+    # signs each version committed with this config (docs/FORMAT.md section 7); None: unsigned
+    signing_key: SigningKey | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.keyframe_interval < 1:
@@ -242,12 +248,20 @@ def _base_for(repo: Repo, parent: Manifest, base_dir: Path | None, cache_dir: Pa
 @dataclass(frozen=True)
 class NewVersion:
     """The version about to be published and what it builds on, decided from the head alone (so
-    every rank of a multi-rank publish decides alike): ``etag`` is the head's tag when read."""
+    every rank of a multi-rank publish decides alike): ``etag`` is the head's tag when read.
+    ``untrusted_parent``: the parent (the head) is not signed by the publisher's key; the version
+    is then a keyframe that names it (lineage) but holds no deltas from it and never reads it."""
 
     version: int
     parent: Manifest | None
     keyframe: bool
     etag: str | None
+    untrusted_parent: bool = False
+
+    @property
+    def base(self) -> Manifest | None:
+        """The version whose bytes the new one is encoded against (its deltas), if any."""
+        return None if self.untrusted_parent else self.parent
 
     @property
     def chain_length(self) -> int:
@@ -279,16 +293,28 @@ def next_version(repo: Repo, head: int | None, version: int | None) -> int:
 def plan_version(repo: Repo, version: int | None, config: PublishConfig) -> NewVersion:
     """Create the store if it is empty; read the head once; the next version (:func:`next_version`:
     default head + 1, 0 on an empty store) and whether it is a keyframe (the first version, or the
-    chain would reach ``keyframe_interval``)."""
+    chain would reach ``keyframe_interval``).
+
+    A signing publisher (``config.signing_key``) builds only on a head its key (or a key ``repo``
+    trusts) signed: after an unsigned or foreign head (signing just switched on, a rotated key, a
+    version someone else wrote) the new version is a keyframe with no deltas from it
+    (``untrusted_parent``), which readers that trust the key can use at once (a delta on that head
+    would be refused with it)."""
     if version is not None and not 0 <= version <= MAX_VERSION:
         next_version(repo, None, version)  # refused before the store is created
     if not repo.check():
         repo.init()
     head, etag = repo.head()
     version = next_version(repo, head, version)
-    parent = None if head is None else repo.manifest(head)
-    keyframe = parent is None or parent.chain_length + 1 >= config.keyframe_interval
-    return NewVersion(version, parent, keyframe, etag)
+    parent, untrusted = None, False
+    if head is not None:
+        key, also = config.signing_key, () if repo.trusted_keys is None else repo.trusted_keys.keys
+        if key is not None and (why := repo.refusal(head, Keyring((key.public(), *also)))) is not None:
+            untrusted = True
+            log.warning("version %d is published as a keyframe with no deltas from the head: %s", version, why)
+        parent = (repo.trusting(None) if untrusted else repo).manifest(head)
+    keyframe = untrusted or parent is None or parent.chain_length + 1 >= config.keyframe_interval
+    return NewVersion(version, parent, keyframe, etag, untrusted)
 
 
 def publish(
@@ -324,7 +350,7 @@ def publish(
         op = Operation(observer)
         enc = encode_folder(repo, files, scan, new, config, DeltaBase(base_dir, cache_dir, lock=lock), op)
         check_still_as_scanned(enc.sources, scan)  # the version is one state of the folder
-        result, manifest = commit_encoded(repo, new, enc, op)
+        result, manifest = commit_encoded(repo, new, enc, op, config.signing_key)
         if cache_dir is not None and still_as_scanned(files):  # else the cache is brought up by a pull when needed
             adopt(Path(cache_dir), manifest, src, repo.url, lock=lock)
     op.done(result.seconds)
@@ -382,9 +408,9 @@ def _encode_folder(
 ) -> Encoded:
     """:func:`encode_folder` with ``where`` resolved: ``cache_dir`` a folder and ``repo`` set."""
     base = None
-    if new.parent is not None:  # deltas, and a keyframe's deltas for followers, need the parent's bytes
+    if new.base is not None:  # deltas, and a keyframe's deltas for followers, need the parent's bytes
         cfg_pull = PullConfig(decode_threads=cfg.encode_threads)
-        base = _base_for(where.repo, new.parent, where.base_dir, where.cache_dir, cfg_pull, where.lock)
+        base = _base_for(where.repo, new.base, where.base_dir, where.cache_dir, cfg_pull, where.lock)
     fds: dict[str, int] = {}
     try:
         for f in files:  # each opened once, checked to be the file scanned; every read goes through it
@@ -448,7 +474,7 @@ def encode_and_upload(
     uploader = Uploader(repo, cfg.upload_concurrency, op)
     out = _Assembler(cfg, uploader)
     try:
-        _encode_all(_jobs(files, new.parent), encoder, out, cfg, op)
+        _encode_all(_jobs(files, new.base), encoder, out, cfg, op)
         t_up = time.perf_counter()
         uploader.join()
         seconds = dict(encoder.seconds, upload=time.perf_counter() - t_up)
@@ -467,9 +493,11 @@ def encode_and_upload(
     )
 
 
-def commit_encoded(repo: Repo, new: NewVersion, enc: Encoded, op: Operation) -> tuple[PublishResult, Manifest]:
-    """The manifest of ``enc`` as version ``new.version``, committed (manifest, then the head
-    from ``new.etag``); ``seconds["total"]`` runs from the start of ``op``."""
+def commit_encoded(
+    repo: Repo, new: NewVersion, enc: Encoded, op: Operation, signing_key: SigningKey | None = None
+) -> tuple[PublishResult, Manifest]:
+    """The manifest of ``enc`` as version ``new.version``, committed (manifest, its signatures with
+    ``signing_key``, then the head from ``new.etag``); ``seconds["total"]`` runs from the start of ``op``."""
     manifest = Manifest(
         version=new.version,
         parent=None if new.parent is None else new.parent.version,
@@ -484,7 +512,7 @@ def commit_encoded(repo: Repo, new: NewVersion, enc: Encoded, op: Operation) -> 
     seconds = dict(enc.seconds)
     t_c = time.perf_counter()
     enc.refresh(repo)
-    repo.commit(manifest, new.etag)
+    repo.commit(manifest, new.etag, signing_key)
     seconds["commit"] = time.perf_counter() - t_c
     seconds["total"] = op.elapsed()
     result = PublishResult(
@@ -507,8 +535,9 @@ def encode_and_commit(
 ) -> tuple[PublishResult, Manifest]:
     """Encode every segment with ``encoder``, pack and upload the chunks, then commit the manifest:
     :func:`encode_and_upload` then :func:`commit_encoded`, for publishing from known changes
-    (:mod:`weightsync.torch.hostpatch`), which decides its new version itself."""
+    (:mod:`weightsync.torch.hostpatch`), which decides its new version itself; signed with
+    ``cfg.signing_key``."""
     enc = encode_and_upload(repo, files, new, encoder, cfg, op)
-    result = commit_encoded(repo, new, enc, op)
+    result = commit_encoded(repo, new, enc, op, cfg.signing_key)
     op.done(result[0].seconds)
     return result

@@ -19,7 +19,14 @@ from pathlib import Path
 import xxhash
 
 from weightsync.codec.streams import SLICE_BYTES
-from weightsync.errors import BaseMismatchError, ChecksumError, NotFoundError, UsageError, VersionError
+from weightsync.errors import (
+    BaseMismatchError,
+    ChecksumError,
+    NotFoundError,
+    SignatureError,
+    UsageError,
+    VersionError,
+)
 from weightsync.format.keys import version_key
 from weightsync.format.manifest import Manifest
 from weightsync.local.base import LocalVersion
@@ -139,8 +146,8 @@ def _local_manifest(repo: Repo, version: int | None) -> Manifest | None:
         return None
     try:
         return repo.manifest(version)
-    except VersionError:
-        return None  # collected by gc: only whole unchanged files can be reused
+    except (VersionError, SignatureError):
+        return None  # collected by gc, or refused: only whole unchanged files can be reused
 
 
 def pull(

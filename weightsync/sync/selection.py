@@ -20,6 +20,7 @@ from weightsync.errors import (
     CheckpointError,
     ChecksumError,
     FormatError,
+    SignatureError,
     UsageError,
     VersionError,
     WeightsyncError,
@@ -239,8 +240,8 @@ def _materialize(
     if state is not None:
         try:
             local = repo.manifest(state.version)  # also off the chain: identical tensors are copied
-        except VersionError:
-            state = None  # collected by gc
+        except (VersionError, SignatureError):
+            state = None  # collected by gc, or refused (its signature)
     target = chain[-1]
     files = _wanted(target, selection)
     if not any(f.kind == "safetensors" for f, _ in files) and (selection.include or selection.exclude):

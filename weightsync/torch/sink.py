@@ -239,7 +239,9 @@ class TorchSink:
     Store tensors that the model holds only in part (a tensor-parallel shard) or casts lossily are
     kept whole on the host (:attr:`mirror_bytes`) when following a store, to decode the next delta
     and to verify; a store-less sink keeps none (it compares with the live values, and verifies
-    them against a folder: ``folder`` here, or ``verify(folder=...)``).
+    them against a folder: ``folder`` here, or ``verify(folder=...)``). ``trusted_keys`` (public key
+    files): every version read from the store must be signed by one of them (docs/FORMAT.md
+    section 7), or ``prepare`` raises :class:`~weightsync.errors.SignatureError` and nothing changes.
     """
 
     def __init__(
@@ -260,6 +262,7 @@ class TorchSink:
         manifest: Manifest | None = None,
         folder: Path | str | None = None,
         direct: bool = True,
+        trusted_keys=None,
     ):
         if mode not in MODES:
             raise UsageError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
@@ -272,7 +275,7 @@ class TorchSink:
         if manifest is not None and manifest.version != version:
             raise UsageError(f"the manifest given is version {manifest.version}, the model holds {version}")
         self.mode = mode
-        self.repo = open_repo(store) if store is not None else None
+        self.repo = open_repo(store, trusted_keys=trusted_keys) if store is not None else None
         self._manifests: dict[int, Manifest] = {} if manifest is None else {version: manifest}
         self._module = tensors if isinstance(tensors, torch.nn.Module) else None
         if self._module is not None:
