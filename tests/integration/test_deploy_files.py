@@ -1078,6 +1078,8 @@ def exported_metric_names() -> set[str]:
         m = metrics.Metrics(registry, role, region="r", cluster="c", subscriber="s" if role == "subscriber" else "")
         if role == "publisher":
             m.publish_phase("read", 0.1)  # the phase-labelled histogram has no series before its first observation
+        if role == "subscriber":
+            m.engine_version("r0", 0, 3)  # no series before an engine rank registers
         names |= {sample.name for family in registry.collect() for sample in family.samples}
     return names
 
@@ -1327,6 +1329,7 @@ def test_compose_stack_runs_without_docker(deploy_seaweed, tmp_path):
         )
         scraped = "".join(stack.request(n, "/metrics")[1] for n in ("publisher", "mirror", *subscribers))
         names = set(re.findall(r"^(weightsync_[a-z_]+)", scraped, re.M))
+        names |= set(re.findall(r"^# TYPE (weightsync_[a-z_]+)", scraped, re.M))  # (engine ranks: none registered)
         used = set(re.findall(r"\bweightsync_[a-z_]+\b", " ".join(dashboard_exprs(json.loads(DASHBOARD.read_text())))))
         used |= set(re.findall(r"\bweightsync_[a-z_]+\b", " ".join(r["expr"] for r in alert_rules())))
         assert used <= names, f"not scraped: {sorted(used - names)}"
