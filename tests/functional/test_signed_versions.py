@@ -28,7 +28,8 @@ from test_daemons import Daemon, wait_for
 import weightsync
 from weightsync.errors import SignatureError
 from weightsync.format.keys import HEAD_KEY, signature_key, version_key
-from weightsync.format.manifest import manifest_from_json, manifest_to_json
+from weightsync.format.manifest import Payload, manifest_from_json, manifest_to_json
+from weightsync.local.state import read_state
 from weightsync.service.config import Identity, StoreConfig, SubscriberConfig
 from weightsync.service.metrics import Metrics
 from weightsync.service.subscriber import Subscriber
@@ -217,13 +218,64 @@ def test_ranks_with_the_key_make_a_keyframe_after_a_head_it_did_not_sign(signed,
     assert ok_cli("pull", "--store", signed.store, "--trusted-key", signed.pub, out, "--no-progress") == "4\n"
 
 
-def test_commit_parts_signs_the_merged_version(signed, tmp_path, ok_cli):
-    for rank in (0, 1):  # parts are never signed; the committer signs the version
+def test_commit_parts_signs_the_merged_version(signed, tmp_path, ok_cli, run_cli):
+    """Parts are never signed; the committer signs the version, once every payload of the parts
+    carries a SHA-256 digest (XXH3 names bind no content against a forger): ranks publish with
+    --signing-key, which makes them add the digests."""
+    for rank in (0, 1):
         ok_cli("publish-part", signed.traj[3], "--store", signed.store, "--rank", rank, "--world", 2, "--no-cache")
+    rc, _, err = run_cli(
+        "commit-parts", "--store", signed.store, "--version", 3, "--world", 2, "--signing-key", signed.key
+    )
+    assert rc == 2 and "payloads without SHA-256 digests cannot be signed" in err and len(err.splitlines()) == 1
     assert not (signed.store / signature_key(3)).exists()
-    ok_cli("commit-parts", "--store", signed.store, "--version", 3, "--world", 2, "--signing-key", signed.key)
+    for rank in (0, 1):  # (parts are immutable: the signed ranks publish as version 4)
+        ok_cli(
+            "publish-part",
+            signed.traj[3],
+            "--store",
+            signed.store,
+            "--version",
+            4,
+            "--rank",
+            rank,
+            "--world",
+            2,
+            "--no-cache",
+            "--signing-key",
+            signed.key,
+        )
+    assert not (signed.store / signature_key(4)).exists()
+    ok_cli("commit-parts", "--store", signed.store, "--version", 4, "--world", 2, "--signing-key", signed.key)
     repo = weightsync.open_repo(f"file://{signed.store}", trusted_keys=[signed.pub])
-    assert repo.manifest(3).version == 3
+    assert repo.manifest(4).version == 4
+
+
+def test_a_signed_manifest_names_payloads_by_sha256_and_a_forged_chunk_is_refused(signed, tmp_path, run_cli):
+    """The signature covers the manifest, which names each payload by XXH3 (no cryptographic hash)
+    and by SHA-256: bytes crafted to match every XXH3 the manifest names still fail their payload's
+    SHA-256. Simulated the other way round (a forger's collision is out of reach of a test): the
+    signer's manifest names a SHA-256 the stored payload does not have, every XXH3 still matching;
+    the pull is refused with a checksum error, nothing installed."""
+    import shutil
+
+    repo = weightsync.open_repo(f"file://{signed.store}", trusted_keys=[signed.pub])
+    m = repo.manifest(2)
+    assert all(len(p.sha256) == 64 for p in Payload.all_in(m)) and list(Payload.all_in(m))
+    forged = tmp_path / "forged"
+    shutil.copytree(signed.store, forged)
+    seg = next(s for f in m.files for s in f.segments if s.payload is not None and s.role == "tensor")
+    bad = replace(seg.payload, sha256="0" * 64)
+    files = tuple(
+        replace(f, segments=tuple(replace(s, payload=bad) if s is seg else s for s in f.segments)) for f in m.files
+    )
+    data = manifest_to_json(replace(m, files=files))
+    (forged / version_key(2)).write_bytes(data)
+    (forged / signature_key(2)).write_bytes(read_signing_key(signed.key).sign(2, data))
+    out = tmp_path / "out"
+    rc, _, err = run_cli("pull", "--store", forged, "--trusted-key", signed.pub, out, "--version", 2, "--no-progress")
+    assert rc != 0 and "sha256" in err and len(err.splitlines()) == 1
+    assert read_state(out) is None  # no version installed
 
 
 # --- the mirror -----------------------------------------------------------------------------------------

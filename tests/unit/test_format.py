@@ -678,6 +678,8 @@ def _asdict_json(obj, fmt: str) -> bytes:
             for p in (s["payload"], (s["delta"] or {}).get("payload")):
                 if p is not None:
                     p["parts"] = [[x["chunk"], x["offset"], x["length"]] for x in p["parts"]]
+                    if not p["sha256"]:
+                        del p["sha256"]  # (written only when set: signed versions)
     doc["checksum"] = manifest_checksum(doc)
     return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
 
@@ -709,7 +711,12 @@ def test_the_writer_covers_every_field():
     seg_ = next(s for f in m.files for s in f.segments if s.delta is not None and s.payload is not None)
     assert set(fmt._segment_doc(seg_)) == {f.name for f in fields(Segment)}
     assert set(fmt._file_doc(m.files[0])) == {f.name for f in fields(FileEntry)}
-    assert set(fmt._payload_doc(seg_.payload)) == {f.name for f in fields(Payload)}
+    assert set(fmt._payload_doc(seg_.payload)) == {f.name for f in fields(Payload)} - {"sha256"}  # unset: left out
+    signed = replace(seg_.payload, sha256="0" * 64)
+    assert set(fmt._payload_doc(signed)) == {f.name for f in fields(Payload)}
+    assert fmt._payload(fmt._payload_doc(signed), m.chunks, "p") == signed  # and read back
+    with pytest.raises(FormatError, match="sha256"):
+        fmt._payload({**fmt._payload_doc(signed), "sha256": "XYZ"}, m.chunks, "p")
     assert set(fmt._segment_doc(seg_)["delta"]) == {f.name for f in fields(Delta)}
     assert set(fmt._shallow(m)) == {f.name for f in fields(Manifest)}
 

@@ -58,6 +58,17 @@ class Payload:
     size: int
     xxh3: str
     parts: tuple[Piece, ...]
+    sha256: str = ""  # signed versions: a cryptographic digest too (XXH3 is not one); "" when absent
+
+    @staticmethod
+    def all_in(m: Manifest) -> Iterator[Payload]:
+        """Every payload ``m`` names (segments' and their keyframe deltas')."""
+        for f in m.files:
+            for s in f.segments:
+                if s.payload is not None:
+                    yield s.payload
+                if s.delta is not None and s.delta.payload is not None:
+                    yield s.delta.payload
 
 
 @dataclass(frozen=True)
@@ -242,7 +253,12 @@ def _payload_doc(p: Payload | None) -> dict | None:
     return (
         None
         if p is None
-        else {"size": p.size, "xxh3": p.xxh3, "parts": [[x.chunk, x.offset, x.length] for x in p.parts]}
+        else {
+            "size": p.size,
+            "xxh3": p.xxh3,
+            "parts": [[x.chunk, x.offset, x.length] for x in p.parts],
+            **({"sha256": p.sha256} if p.sha256 else {}),
+        }
     )
 
 
@@ -363,7 +379,10 @@ def _payload(doc: Any, chunks: tuple[ChunkRef, ...], what: str) -> Payload:
         raise FormatError(f"{what}: parts add up to {total} bytes, not {size}")
     if type(xxh3) is not str or not _HEX.fullmatch(xxh3):
         _hex(doc, "xxh3", what)
-    return Payload(size, xxh3, tuple(parts))
+    sha256 = doc.get("sha256", "")
+    if sha256 and (type(sha256) is not str or not re.fullmatch(r"[0-9a-f]{64}", sha256)):
+        raise FormatError(f"{what}: sha256 must be 64 lowercase hex digits")
+    return Payload(size, xxh3, tuple(parts), sha256)
 
 
 def _segment(doc: Any, chunks: tuple[ChunkRef, ...], what: str) -> Segment:

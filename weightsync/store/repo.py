@@ -25,6 +25,7 @@ from weightsync.errors import (
     NotFoundError,
     PreconditionFailedError,
     SignatureError,
+    UsageError,
     VersionError,
 )
 from weightsync.format.keys import (
@@ -40,6 +41,7 @@ from weightsync.format.keys import (
 )
 from weightsync.format.manifest import (
     Manifest,
+    Payload,
     check_marker,
     head_from_json,
     head_to_json,
@@ -143,6 +145,10 @@ class Repo:
         m = manifest_from_json(data, f"{self.url}/{key}")
         if m.version != version:
             raise FormatError(f"{self.url}/{key}: manifest claims version {m.version}")
+        if self.trusted_keys is not None and any(not p.sha256 for p in Payload.all_in(m)):
+            raise SignatureError(  # the signature covers XXH3 names only: a forger could match those
+                f"version {version} of {self.url}", version, "signed, but its payloads carry no SHA-256 digests"
+            )
         with self._lock:
             self._manifests[version] = m
             while len(self._manifests) > self._cache_size:
@@ -270,6 +276,11 @@ class Repo:
         head = self.head_version()
         if head is not None and head > v:
             raise VersionError(f"version {v} is below the head {head} of {self.url}; not committed")
+        if signing_key is not None and any(not p.sha256 for p in Payload.all_in(manifest)):
+            raise UsageError(
+                f"version {v}: payloads without SHA-256 digests cannot be signed (XXH3 binds no content against "
+                "a forger); rank parts need publish-part --signing-key"
+            )
         created, data = True, manifest_to_json(manifest)
         try:
             self.store.put(version_key(v), data, mode="create")

@@ -36,6 +36,7 @@ class Step:
     size: int
     xxh3: str
     ranges: tuple[ChunkRange, ...]
+    sha256: str = ""  # signed versions: checked too (XXH3 is no cryptographic digest)
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,7 @@ class Plan:
 
 def _step(m: Manifest, codec: str, p: Payload) -> Step:
     ranges = tuple(ChunkRange(m.chunks[part.chunk], part.offset, part.length) for part in p.parts)
-    return Step(m.version, codec, p.size, p.xxh3, ranges)
+    return Step(m.version, codec, p.size, p.xxh3, ranges, p.sha256)
 
 
 def _find(m: Manifest, path: str, key: tuple[str, str]) -> Segment | None:

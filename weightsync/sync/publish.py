@@ -9,6 +9,7 @@ uploader's bound (``upload_concurrency * chunk_bytes`` = 32 x 16 MiB = 512 MiB b
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import tempfile
@@ -185,12 +186,14 @@ class _Assembler:
         self.changed = self.elements = 0
         self._segs: list[Segment] = []
         self._hasher = xxhash.xxh3_128()
+        self._digests = cfg.signing_key is not None  # a signed version names its payloads by SHA-256 too
 
     def _pack(self, enc: EncodedTensor, packer: ChunkPacker) -> Payload | None:
         if enc.codec == "same":
             return None
         parts, _ = packer.add(enc.payload, self.uploader.submit)
-        return Payload(len(enc.payload), xxhash.xxh3_128_hexdigest(enc.payload), parts)
+        sha = hashlib.sha256(enc.payload).hexdigest() if self._digests else ""
+        return Payload(len(enc.payload), xxhash.xxh3_128_hexdigest(enc.payload), parts, sha)
 
     def add(self, job: _Job, new: np.ndarray, digest: str, enc: EncodedTensor, delta: EncodedTensor | None) -> None:
         self._hasher.update(new)

@@ -10,6 +10,7 @@ against its segment's xxh3 before anyone sees it.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -76,7 +77,10 @@ class Payloads:
                     os.close(opened)
             buf += os.pread(fd, rng.length, rng.offset)
         keys = ", ".join(sorted({chunk_key(r.chunk.id) for r in step.ranges}))
-        check_checksum(f"payload of version {step.version} in {self.url}/{keys}", step.xxh3, buf)
+        what = f"payload of version {step.version} in {self.url}/{keys}"
+        check_checksum(what, step.xxh3, buf)
+        if step.sha256 and hashlib.sha256(buf).hexdigest() != step.sha256:
+            raise ChecksumError(what, f"sha256 {step.sha256}", f"sha256 {hashlib.sha256(buf).hexdigest()}")
         return bytes(buf)
 
     def close(self) -> None:
