@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 import xxhash
+from engine_worker import module_from  # (the engine worker script builds its models the same way)
 from safetensors.torch import load_file
 
 import weightsync
@@ -51,20 +52,6 @@ def copy_of(sd: dict[str, torch.Tensor], mode: str = "patch") -> dict[str, torch
     if mode == "flip":
         return {k: torch.nn.Parameter(v.clone(), requires_grad=False) for k, v in sd.items()}
     return {k: v.clone() for k, v in sd.items()}
-
-
-def module_from(sd: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """A module tree whose state_dict() names are ``sd``'s names (dots become submodules)."""
-    root = torch.nn.Module()
-    for name, t in sd.items():
-        *path, leaf = name.split(".")
-        m = root
-        for p in path:
-            if not hasattr(m, p):
-                m.add_module(p, torch.nn.Module())
-            m = getattr(m, p)
-        m.register_parameter(leaf, torch.nn.Parameter(t.clone(), requires_grad=False))
-    return root
 
 
 @MODES
