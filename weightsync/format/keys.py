@@ -18,6 +18,7 @@ CHUNKS_PREFIX = "chunks/"
 FLEET_PREFIX = "fleet/"
 PARTS_PREFIX = "parts/"
 SIGNATURES_PREFIX = "signatures/"
+LAZY_PREFIX = "lazy/"
 MAX_WORLD = 99999  # ranks of one multi-rank publish (part keys hold five digits)
 MAX_VERSION = 10**18
 MAX_SIZE = 1 << 50  # 1 PiB: larger declared sizes are rejected as hostile
@@ -47,6 +48,17 @@ def signature_key(version: int) -> str:
 def parse_signature_key(key: str) -> int | None:
     """The version a signatures key names, or None for any other key."""
     m = re.fullmatch(r"signatures/([0-9]{20})\.json", key)
+    return int(m.group(1)) if m else None
+
+
+def lazy_key(version: int) -> str:
+    """The key of the note saying which chunks of ``version`` a mirror has not copied yet (section 1)."""
+    return f"{LAZY_PREFIX}{version:020d}.json"
+
+
+def parse_lazy_key(key: str) -> int | None:
+    """The version a lazy-chunks note names, or None for any other key."""
+    m = re.fullmatch(r"lazy/([0-9]{20})\.json", key)
     return int(m.group(1)) if m else None
 
 

@@ -11,7 +11,7 @@ import gc
 import json
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property, partial
@@ -570,6 +570,24 @@ def head_from_json(data: bytes) -> int:
     if doc.get("format") != "weightsync.head":
         raise FormatError(f"{HEAD_KEY}: not a weightsync head pointer")
     return _int(doc, "version", HEAD_KEY, 0, MAX_VERSION)
+
+
+def lazy_to_json(version: int, chunks: Iterable[str]) -> bytes:
+    """The note of ``version``'s chunks a mirror left out of this store for now (docs/FORMAT.md section 1)."""
+    ids = sorted(set(chunks))
+    return json.dumps({"format": "weightsync.lazy", "version": version, "chunks": ids}).encode()
+
+
+def lazy_from_json(data: bytes, what: str) -> tuple[int, frozenset[str]]:
+    """``(version, chunk ids)`` of a lazy-chunks note, validated."""
+    doc = _load_json(data, what)
+    if doc.get("format") != "weightsync.lazy":
+        raise FormatError(f"{what}: not a weightsync lazy-chunks note")
+    version = _int(doc, "version", what, 0, MAX_VERSION)
+    ids = doc.get("chunks")
+    if not isinstance(ids, list) or not all(isinstance(i, str) and _HEX.fullmatch(i) for i in ids):
+        raise FormatError(f"{what}: chunks must be a list of 32-hex-digit chunk ids")
+    return version, frozenset(ids)
 
 
 def marker_to_json() -> bytes:

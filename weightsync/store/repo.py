@@ -35,6 +35,7 @@ from weightsync.format.keys import (
     MAX_VERSION,
     VERSIONS_PREFIX,
     chunk_key,
+    lazy_key,
     parse_version_key,
     signature_key,
     version_key,
@@ -45,6 +46,8 @@ from weightsync.format.manifest import (
     check_marker,
     head_from_json,
     head_to_json,
+    lazy_from_json,
+    lazy_to_json,
     manifest_from_json,
     manifest_to_json,
     marker_to_json,
@@ -216,6 +219,33 @@ class Repo:
             if out[-1].version != back_to:
                 del out[to_keyframe:]
         return out[::-1]
+
+    # --- chunks a mirror has not copied yet (docs/FORMAT.md section 1) -----------------------------
+    def lazy_chunks(self, version: int) -> frozenset[str]:
+        """The chunks of ``version`` that are not in this store yet by a mirror's choice (a
+        keyframe's full payloads, copied after its head moved, or never): read them elsewhere or
+        rebuild. Empty when the store holds the whole version (no note)."""
+        key = lazy_key(version)
+        try:
+            data = self.store.get(key)
+        except NotFoundError:
+            return frozenset()
+        noted, ids = lazy_from_json(data, f"{self.url}/{key}")
+        if noted != version:
+            raise FormatError(f"{self.url}/{key}: the note names version {noted}")
+        return ids
+
+    def note_lazy_chunks(self, version: int, chunk_ids: Iterable[str]) -> None:
+        """Record that ``chunk_ids`` of ``version`` are not here yet; written before the manifest
+        of ``version``, so no reader can see the version without the note."""
+        self.store.put(lazy_key(version), lazy_to_json(version, chunk_ids), mode="overwrite")
+
+    def clear_lazy_chunks(self, version: int) -> None:
+        """Drop ``version``'s note once all its chunks are here."""
+        try:
+            self.store.delete(lazy_key(version))
+        except NotFoundError:
+            pass
 
     # --- writes ----------------------------------------------------------------------------------
     def put_chunk(self, chunk_id: str, data: bytes) -> bool:
