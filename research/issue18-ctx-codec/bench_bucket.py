@@ -1,5 +1,6 @@
-"""Codec ``bucket`` against ``sparse`` and ``ac``: size / zeroth-order bound and thread-CPU-time
-throughput as a fraction of memcpy measured in the same process (whole passes over every tensor).
+"""The prototype codec ``bucket`` (bucket.py) against ``sparse`` and ``ac``: size / zeroth-order bound and thread-CPU-time
+throughput as a fraction of memcpy measured in the same process (whole passes over every tensor); round trip and backward decode checked on
+every tensor; the bytes of a one-version rollback with keyframes (today) and with bucket deltas.
 
     python research/issue18-ctx-codec/bench_bucket.py [pairs]
 """
@@ -10,13 +11,15 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT)]
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT), str(Path(__file__).resolve().parent)]
 import common  # noqa: E402
 import numpy as np  # noqa: E402
 import xxhash  # noqa: E402
 
+import bucket  # noqa: E402
+
 from weightsync.codec import registry  # noqa: E402
-from weightsync.codec.payload import CodecConfig, _encode_payload, decode_tensor  # noqa: E402
+from weightsync.codec.payload import CodecConfig, _encode_payload, decode_tensor, encode_tensor  # noqa: E402
 
 
 def h_bits(counts):
@@ -49,14 +52,30 @@ def main(npairs=5):
             outs = {n: np.empty_like(new[n][1]) for n in names}
             row = [f"lr {lr:g} {a.name[-2:]}->{b.name[-2:]}"]
             mem = raw / best(lambda: [np.copyto(outs[n], new[n][1]) for n in names], 5)
-            for codec in ("bucket", "sparse", "ac"):
+            ov = {n: old[n][1].view(np.uint16) for n in names}
+            nv = {n: new[n][1].view(np.uint16) for n in names}
+            ow = {n: outs[n].view(np.uint16) for n in names}
+            # bucket: one block per tensor (every tensor here is under the 32 MiB block), plus the
+            # 36 bytes of a one-block payload container
+            enc = {n: bucket.encode_block("BF16", ov[n], nv[n])[0] for n in names}
+            for n in names:
+                bucket.decode_block("BF16", memoryview(enc[n]), ov[n], ow[n], n)
+                assert np.array_equal(ow[n], nv[n]), n
+                assert np.array_equal(bucket.decode_backward("BF16", enc[n], nv[n]), ov[n]), n
+            size = sum(len(e) + 36 for e in enc.values())
+            te = best(lambda: [bucket.encode_block("BF16", ov[n], nv[n]) for n in names])
+            td = best(
+                lambda: [
+                    bucket.decode_block("BF16", memoryview(enc[n]), ov[n], ow[n], n, xxhash.xxh3_128())
+                    for n in names
+                ]
+            )
+            row.append(f"bucket {size / bound:.3f}x bound enc {raw / te / mem:.3f} dec {raw / td / mem:.3f}")
+            full = sum(len(encode_tensor("BF16", new[n][1], None, cfg).payload) for n in names if enc[n])
+            row.append(f"rollback keyframes {full / 1e6:.2f} MB -> deltas {size / 1e6:.2f} MB")
+            for codec in ("sparse", "ac"):
                 impl = registry.get(codec)
-                ov = {n: old[n][1].view(np.uint16) for n in names}
-                nv = {n: new[n][1].view(np.uint16) for n in names}
                 enc = {n: bytes(_encode_payload(impl, "BF16", ov[n], nv[n], cfg)[0]) for n in names}
-                for n in names:
-                    decode_tensor("BF16", codec, enc[n], old[n][1], new[n][1].size, out=outs[n])
-                    assert np.array_equal(outs[n], new[n][1]), (codec, n)
                 size = sum(len(e) for e in enc.values())
                 te = best(lambda: [_encode_payload(impl, "BF16", ov[n], nv[n], cfg) for n in names])
                 td = best(

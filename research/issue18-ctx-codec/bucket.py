@@ -1,5 +1,5 @@
-"""Codec ``bucket`` (id 5): a delta coded by runs within buckets of the old value's exponent
-(docs/FORMAT.md, "Payloads").
+"""Prototype codec ``bucket`` (issue 18, second attempt; not registered): a delta coded by runs within buckets of the old value's exponent
+(layout: README.md here).
 
 The elements of a block are split into up to 8 buckets by thresholds on the old value's exponent
 field. Within a bucket, the changed elements' ranks are coded as Rice-coded gaps, and their zigzag
@@ -25,9 +25,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from weightsync.codec.abc import Codec
 from weightsync.codec.jit import njit
-from weightsync.codec.registry import register
 from weightsync.codec.streams import SLICE_BYTES, copy, same_memory
 from weightsync.errors import FormatError
 from weightsync.format.dtypes import ITEMSIZE, UINT_VIEW
@@ -309,13 +307,12 @@ def _rans_decode(data, freq, zz, count):
 
 # --- encoding -------------------------------------------------------------------------------------
 @njit(nogil=True)
-def _thresholds(old, new, shift, fmask, kmax):
-    """Exponent thresholds (ascending) splitting the block into at most ``kmax`` buckets that minimise
-    the entropy of the change mask, from sampled words (all elements of a small block)."""
+def _histogram(old, new, shift, fmask):
+    """Elements and changed elements per exponent value, from every 16th word of 64 elements (every
+    element of a block under 64K words), and the sampling step."""
     n = old.size
-    nexp = fmask + 1
-    per = np.zeros(nexp, np.float64)
-    chp = np.zeros(nexp, np.float64)
+    per = np.zeros(fmask + 1, np.float64)
+    chp = np.zeros(fmask + 1, np.float64)
     n_words = n // 64
     step = SAMPLE_WORDS if n_words >= 64 * SAMPLE_WORDS else 1
     if step == 1:
@@ -329,8 +326,13 @@ def _thresholds(old, new, shift, fmask, kmax):
                 e = (np.int64(old[i]) >> shift) & fmask
                 per[e] += 1
                 chp[e] += old[i] != new[i]
-    est = chp.sum() * step
-    k = min(kmax, max(1, np.int64(est) // CHANGES_PER_BUCKET))
+    return per, chp, step
+
+
+@njit(nogil=True)
+def _thresholds(per, chp, k):
+    """Exponent thresholds (ascending) splitting the exponents into at most ``k`` contiguous groups
+    that minimise the entropy of the change mask given the group (dynamic programming)."""
     ex = np.flatnonzero(per)
     m = ex.size
     g = min(k, m)
@@ -341,20 +343,24 @@ def _thresholds(old, new, shift, fmask, kmax):
     for i in range(m):
         cp[i + 1] = cp[i] + per[ex[i]]
         cc[i + 1] = cc[i] + chp[ex[i]]
+    cost = np.zeros((m + 1, m + 1))
+    for a in range(m):
+        for b in range(a + 1, m + 1):
+            nn = cp[b] - cp[a]
+            kk = cc[b] - cc[a]
+            c = nn * np.log2(nn)
+            if kk > 0:
+                c -= kk * np.log2(kk)
+            if nn - kk > 0:
+                c -= (nn - kk) * np.log2(nn - kk)
+            cost[a, b] = c
     dp = np.full((g + 1, m + 1), 1e300)
     arg = np.zeros((g + 1, m + 1), np.int64)
     dp[0, 0] = 0.0
     for q in range(1, g + 1):
         for b in range(q, m + 1):
             for a in range(q - 1, b):
-                nn = cp[b] - cp[a]
-                kk = cc[b] - cc[a]
-                c = nn * np.log2(nn)
-                if kk > 0:
-                    c -= kk * np.log2(kk)
-                if nn - kk > 0:
-                    c -= (nn - kk) * np.log2(nn - kk)
-                v = dp[q - 1, a] + c
+                v = dp[q - 1, a] + cost[a, b]
                 if v < dp[q, b] - 1e-9:
                     dp[q, b] = v
                     arg[q, b] = a
@@ -368,6 +374,17 @@ def _thresholds(old, new, shift, fmask, kmax):
     for t in range(g - 1):
         thr[t] = ex[cuts[t + 1]]
     return thr
+
+
+@njit(nogil=True)
+def _lut(thr, fmask):
+    lut = np.zeros(fmask + 1, np.int64)
+    for e in range(fmask + 1):
+        b = 0
+        for t in range(thr.size):
+            b += e >= thr[t]
+        lut[e] = b
+    return lut
 
 
 @njit(nogil=True)
@@ -399,29 +416,69 @@ def _masks_word(old, base, count, absmask, lim, nthr, masks):
 
 
 @njit(nogil=True)
-def _encode(old, new, shift, bits, kmax, width_bits):
-    """The block's bytes (without the leading changed count and header fields the caller adds) and
-    the number of changed elements; see docs/FORMAT.md for the layout."""
+def _counting_sort(key, vals, k, nkeys):
+    """``vals[:k]`` grouped by ``key`` (stable) and each group's start (nkeys + 1 of them)."""
+    cb = np.zeros(nkeys + 1, np.int64)
+    for j in range(k):
+        cb[key[j] + 1] += 1
+    for b in range(nkeys):
+        cb[b + 1] += cb[b]
+    fill = cb[:nkeys].copy()
+    out = np.empty(k, vals.dtype)
+    for j in range(k):
+        b = key[j]
+        out[fill[b]] = vals[j]
+        fill[b] += 1
+    return out, cb
+
+
+@njit(nogil=True)
+def _rice_parameter(gaps):
+    """The Rice parameter near log2 of the mean gap that codes ``gaps`` in the fewest bits."""
+    ng = gaps.size
+    if ng == 0:
+        return 0
+    mean = gaps.sum() / ng
+    k0 = 0
+    while (1 << (k0 + 1)) <= mean * 0.69:
+        k0 += 1
+    best = -1
+    kr = 0
+    for kc in range(max(0, k0 - 1), min(k0 + 2, 31)):
+        cost = 0
+        for gi in range(ng):
+            qq = gaps[gi] >> kc
+            cost += qq + 1 + kc if qq < RICE_ESCAPE else RICE_ESCAPE + 32
+        if best < 0 or cost < best:
+            best = cost
+            kr = kc
+    return kr
+
+
+@njit(nogil=True)
+def _encode(old, new, shift, bits, kp, kv, width_bits):
+    """The block coding ``new`` against ``old`` (docs/FORMAT.md) and the number of changed elements."""
     n = old.size
     fmask = (1 << bits) - 1
+    thr_p = np.zeros(0, np.int64)
+    thr_v = np.zeros(0, np.int64)
     if fmask > 0:
-        thr = _thresholds(old, new, shift, fmask, kmax)
-    else:
-        thr = np.zeros(0, np.int64)
-    nthr = thr.size
-    K = nthr + 1
+        per, chp, step = _histogram(old, new, shift, fmask)
+        est = np.int64(chp.sum()) * step  # changes, estimated: a context is worth its header with ~256
+        thr_p = _thresholds(per, chp, min(kp, max(1, est // CHANGES_PER_BUCKET)))
+        thr_v = _thresholds(per, chp, min(kv, max(1, est // CHANGES_PER_BUCKET)))
+    nthr = thr_p.size
+    KP = nthr + 1
+    KV = thr_v.size + 1
     lim = np.zeros(max(nthr, 1), old.dtype)
     for t in range(nthr):
-        lim[t] = thr[t] << shift
+        lim[t] = thr_p[t] << shift
     absmask = old.dtype.type((np.uint64(1) << np.uint64(width_bits - 1)) - ONE)
-    lut = np.zeros(fmask + 1, np.int64)
-    for e in range(fmask + 1):
-        b = 0
-        for t in range(nthr):
-            b += e >= thr[t]
-        lut[e] = b
-    # 1. scan: bucket, rank and zigzag code of every changed element, in position order
+    lut_p = _lut(thr_p, fmask)
+    lut_v = _lut(thr_v, fmask)
+    # 1. scan: bucket, rank, value context and zigzag code of every changed element, in position order
     bucket = np.empty(n + 1, np.uint8)
+    vctx = np.empty(n + 1, np.uint8)
     rank = np.empty(n + 1, np.int64)
     zz = np.empty(n + 1, np.uint64)
     exc = np.empty(n + 1, np.int64)
@@ -430,8 +487,7 @@ def _encode(old, new, shift, bits, kmax, width_bits):
     sh = np.uint64(64 - width_bits)
     k = 0
     ne = 0
-    n_words = (n + 63) // 64
-    for w in range(n_words):
+    for w in range((n + 63) // 64):
         base = w * 64
         count = min(64, n - base)
         if count == 64:
@@ -445,41 +501,41 @@ def _encode(old, new, shift, bits, kmax, width_bits):
             j = _tz(c)
             i = base + np.int64(j)
             o = old[i]
-            b = lut[(np.int64(o) >> shift) & fmask]
+            eo = (np.int64(o) >> shift) & fmask
+            en = (np.int64(new[i]) >> shift) & fmask
+            b = lut_p[eo]
             bucket[k] = b
+            vctx[k] = lut_v[eo]
             rank[k] = cnt[b] + np.int64(_pop(masks[b] & ((ONE << j) - ONE)))
             s = np.int64(np.uint64(new[i] - o) << sh) >> np.int64(sh)
             zz[k] = np.uint64((s << 1) ^ (s >> 63))
-            if lut[(np.int64(new[i]) >> shift) & fmask] != b:
+            if lut_p[en] != b or lut_v[en] != lut_v[eo]:
                 exc[ne] = i
                 ne += 1
             k += 1
             c &= c - ONE
-        for b in range(K):
+        for b in range(KP):
             cnt[b] += np.int64(_pop(masks[b]))
     if k == 0:
         return np.zeros(0, np.uint8), 0
-    # 2. counting sort by bucket (stable: ranks stay ascending)
-    cb = np.zeros(K + 1, np.int64)
-    for j in range(k):
-        cb[bucket[j] + 1] += 1
-    for b in range(K):
-        cb[b + 1] += cb[b]
-    fill = cb[:K].copy()
-    r2 = np.empty(k, np.int64)
-    z2 = np.empty(k, np.uint64)
-    for j in range(k):
-        b = bucket[j]
-        p = fill[b]
-        r2[p] = rank[j]
-        z2[p] = zz[j]
-        fill[b] = p + 1
-    # 3. per bucket: Rice-coded rank gaps + escapes (bit section), rANS of value symbols
-    head = np.zeros(64 + 64 * K + 8 * ne, np.uint8)  # varints of at most 5 bytes
-    body = np.zeros(64 + 64 * K + 20 * k, np.uint8)  # a gap or escape <= 9 bytes, a symbol <= 2
-    hp = 0
+    r2, cb = _counting_sort(bucket, rank[:k], k, KP)
+    z2, cv = _counting_sort(vctx, zz[:k], k, KV)
+    head = np.zeros(64 + 64 * (KP + KV) + 8 * ne, np.uint8)  # varints of at most 5 bytes
+    body = np.zeros(64 + 64 * (KP + KV) + 20 * k, np.uint8)  # a gap or escape <= 9 bytes, a symbol <= 2
+    head[0] = k & 0xFF
+    head[1] = (k >> 8) & 0xFF
+    head[2] = (k >> 16) & 0xFF
+    head[3] = (k >> 24) & 0xFF
+    head[4] = KP
+    head[5] = shift
+    head[6] = bits
+    head[7] = KV
+    hp = 8
     for t in range(nthr):
-        head[hp] = thr[t]
+        head[hp] = thr_p[t]
+        hp += 1
+    for t in range(KV - 1):
+        head[hp] = thr_v[t]
         hp += 1
     hp = _put_varint(head, hp, ne)
     prevp = -1
@@ -487,13 +543,13 @@ def _encode(old, new, shift, bits, kmax, width_bits):
         hp = _put_varint(head, hp, exc[j] - prevp - 1)
         prevp = exc[j]
     for j in range(ne):
-        head[hp] = lut[(np.int64(old[exc[j]]) >> shift) & fmask]
+        eo = (np.int64(old[exc[j]]) >> shift) & fmask
+        head[hp] = lut_p[eo] << 4 | lut_v[eo]
         hp += 1
+    # 2. per position bucket: the rank gaps (of the unchanged ranks when most changed), Rice-coded
     bp = 0
     st = np.zeros(3, np.int64)
-    counts = np.zeros(NSYM, np.int64)
-    freq = np.zeros(NSYM, np.int64)
-    for b in range(K):
+    for b in range(KP):
         a, e = cb[b], cb[b + 1]
         nb = cnt[b]
         cbk = e - a
@@ -504,10 +560,10 @@ def _encode(old, new, shift, bits, kmax, width_bits):
         inv = 2 * cbk > nb
         ng = nb - cbk if inv else cbk
         gaps = np.empty(ng, np.int64)
+        prevr = -1
         if inv:
             q = a
             gi = 0
-            prevr = -1
             for r in range(nb):
                 if q < e and r2[q] == r:
                     q += 1
@@ -516,66 +572,54 @@ def _encode(old, new, shift, bits, kmax, width_bits):
                     prevr = r
                     gi += 1
         else:
-            prevr = -1
             for q in range(a, e):
                 gaps[q - a] = r2[q] - prevr - 1
                 prevr = r2[q]
-        kr = 0
-        if ng:
-            mean = gaps.sum() / ng
-            k0 = 0
-            while (1 << (k0 + 1)) <= mean * 0.69:
-                k0 += 1
-            best = -1
-            for kc in range(max(0, k0 - 1), min(k0 + 2, 31)):
-                cost = 0
-                for gi in range(ng):
-                    qq = gaps[gi] >> kc
-                    cost += qq + 1 + kc if qq < RICE_ESCAPE else RICE_ESCAPE + 32
-                if best < 0 or cost < best:
-                    best = cost
-                    kr = kc
+        kr = _rice_parameter(gaps)
+        st[:] = 0
+        sub = body[bp:]
+        for gi in range(ng):
+            _put_rice(sub, st, gaps[gi], kr)
+        _flush(sub, st)
+        bp += st[2]
+        head[hp] = kr * 2 + inv
+        hp = _put_varint(head, hp + 1, st[2])
+    # 3. per value context: rANS of the value symbols, escapes as Exp-Golomb codes
+    counts = np.zeros(NSYM, np.int64)
+    freq = np.zeros(NSYM, np.int64)
+    for v in range(KV):
+        a, e = cv[v], cv[v + 1]
+        hp = _put_varint(head, hp, e - a)
+        if e == a:
+            continue
         counts[:] = 0
+        syms = np.empty(e - a, np.int64)
         for q in range(a, e):
-            counts[min(z2[q] - 1, NSYM - 1)] += 1
+            syms[q - a] = min(z2[q] - 1, NSYM - 1)
+            counts[syms[q - a]] += 1
         _normalise(counts, freq)
         nsym = 0
         for s in range(NSYM):
             if freq[s]:
                 nsym = s + 1
-        head[hp] = kr * 2 + inv
-        head[hp + 1] = nsym
-        hp += 2
+        head[hp] = nsym
+        hp += 1
         for s in range(nsym):
             hp = _put_varint(head, hp, freq[s])
         st[:] = 0
         sub = body[bp:]
-        for gi in range(ng):
-            _put_rice(sub, st, gaps[gi], kr)
         for q in range(a, e):
             if z2[q] >= NSYM:
                 _put_eg(sub, st, np.int64(z2[q] - NSYM))
         _flush(sub, st)
-        nbits_bytes = st[2]
-        bp += nbits_bytes
-        syms = np.empty(cbk, np.int64)
-        for q in range(a, e):
-            syms[q - a] = min(z2[q] - 1, NSYM - 1)
+        bp += st[2]
+        hp = _put_varint(head, hp, st[2])
         rl = _rans_encode(syms, freq, body[bp:])
         bp += rl
-        hp = _put_varint(head, hp, nbits_bytes)
         hp = _put_varint(head, hp, rl)
-    out = np.empty(hp + bp + 8, np.uint8)
-    out[0] = k & 0xFF
-    out[1] = (k >> 8) & 0xFF
-    out[2] = (k >> 16) & 0xFF
-    out[3] = (k >> 24) & 0xFF
-    out[4] = K
-    out[5] = shift
-    out[6] = bits
-    out[7] = 0
-    out[8 : 8 + hp] = head[:hp]
-    out[8 + hp :] = body[:bp]
+    out = np.empty(hp + bp, np.uint8)
+    out[:hp] = head[:hp]
+    out[hp:] = body[:bp]
     return out, k
 
 
@@ -596,112 +640,149 @@ def _get_varint(data, pos):
 
 
 @njit(nogil=True)
+def _padded_words(data, pos, length):
+    sec = np.zeros((length + 7) // 8 + 4, np.uint64)  # reads run up to 2 words past the end
+    sec.view(np.uint8)[:length] = data[pos : pos + length]
+    return sec
+
+
+@njit(nogil=True)
+def _clean_end(sec, bp, length):
+    """Whether a bit section of ``length`` bytes ends at bit ``bp`` (the last byte's rest zero)."""
+    limit = 8 * length
+    if (bp + 7) // 8 != length:
+        return False
+    return bp == limit or (_peek(sec, bp) & ((ONE << np.uint64(limit - bp)) - ONE)) == ZERO
+
+
+@njit(nogil=True)
 def _parse(data, n, width_bits):
-    """Parse a block and decode its bucket streams. Returns (status, K, thresholds, per-bucket
-    element counts, bitmaps over each bucket's ranks (uint64 words), each bucket's first bit,
-    differences as zigzag codes in bucket then rank order, each bucket's first code, exception
-    positions, their old buckets); status 0 is success, else the number of the check that failed."""
+    """Parse a block and decode its streams. Returns (status, thresholds of the position buckets,
+    of the value contexts, each bucket's element count, bitmaps over each bucket's ranks (uint64
+    words), each bucket's first bit, zigzag codes grouped by value context, each context's first
+    code, exception positions, their old bucket << 4 | context); status 0 is success, else the
+    number of the check that failed."""
     z64 = np.zeros(0, np.int64)
     zu = np.zeros(0, np.uint64)
     zb = np.zeros(0, np.uint8)
     if data.size < 8:
-        return 1, 0, z64, z64, zu, z64, zu, z64, z64, zb
+        return 1, z64, z64, z64, zu, z64, zu, z64, z64, zb
     c = np.int64(data[0]) | np.int64(data[1]) << 8 | np.int64(data[2]) << 16 | np.int64(data[3]) << 24
-    K = np.int64(data[4])
+    KP = np.int64(data[4])
     bits = np.int64(data[6])
-    if not (1 <= K <= MAX_BUCKETS) or data[7] != 0 or not (0 < c <= n) or bits > 8 or (bits == 0 and K != 1):
-        return 2, 0, z64, z64, zu, z64, zu, z64, z64, zb
+    KV = np.int64(data[7])
+    if not (1 <= KP <= MAX_BUCKETS and 1 <= KV <= MAX_BUCKETS and 0 < c <= n and bits <= 8):
+        return 2, z64, z64, z64, zu, z64, zu, z64, z64, zb
+    if bits == 0 and (KP != 1 or KV != 1):
+        return 2, z64, z64, z64, zu, z64, zu, z64, z64, zb
     pos = 8
-    if data.size < pos + K - 1:
-        return 3, 0, z64, z64, zu, z64, zu, z64, z64, zb
-    thr = np.zeros(K - 1, np.int64)
-    for t in range(K - 1):
-        thr[t] = data[pos + t]
-        if thr[t] < 1 or thr[t] >= (1 << bits) or (t > 0 and thr[t] <= thr[t - 1]):
-            return 4, 0, z64, z64, zu, z64, zu, z64, z64, zb
-    pos += K - 1
+    if data.size < pos + KP + KV - 2:
+        return 3, z64, z64, z64, zu, z64, zu, z64, z64, zb
+    thr_p = np.zeros(KP - 1, np.int64)
+    thr_v = np.zeros(KV - 1, np.int64)
+    for t in range(KP + KV - 2):
+        x = np.int64(data[pos + t])
+        first = t == 0 or t == KP - 1
+        if t < KP - 1:
+            thr_p[t] = x
+        else:
+            thr_v[t - KP + 1] = x
+        if x < 1 or x >= (1 << bits) or (not first and x <= data[pos + t - 1]):
+            return 4, z64, z64, z64, zu, z64, zu, z64, z64, zb
+    pos += KP + KV - 2
     ne, pos = _get_varint(data, pos)
     if ne < 0 or ne > c:
-        return 5, 0, z64, z64, zu, z64, zu, z64, z64, zb
+        return 5, z64, z64, z64, zu, z64, zu, z64, z64, zb
     exc = np.empty(ne, np.int64)
     exb = np.empty(ne, np.uint8)
     p = -1
     for j in range(ne):
         g, pos = _get_varint(data, pos)
         if g < 0 or p + g + 1 >= n:
-            return 6, 0, z64, z64, zu, z64, zu, z64, z64, zb
+            return 6, z64, z64, z64, zu, z64, zu, z64, z64, zb
         p += g + 1
         exc[j] = p
     if data.size < pos + ne:
-        return 6, 0, z64, z64, zu, z64, zu, z64, z64, zb
+        return 6, z64, z64, z64, zu, z64, zu, z64, z64, zb
     for j in range(ne):
         exb[j] = data[pos + j]
-        if exb[j] >= K:
-            return 6, 0, z64, z64, zu, z64, zu, z64, z64, zb
+        if (exb[j] >> 4) >= KP or (exb[j] & 15) >= KV:
+            return 6, z64, z64, z64, zu, z64, zu, z64, z64, zb
     pos += ne
-    nb = np.zeros(K, np.int64)
-    cb = np.zeros(K, np.int64)
-    kr = np.zeros(K, np.int64)
-    inv = np.zeros(K, np.int64)
-    freq = np.zeros((K, NSYM), np.int64)
-    blen = np.zeros(K, np.int64)
-    rlen = np.zeros(K, np.int64)
+    nb = np.zeros(KP, np.int64)
+    cb = np.zeros(KP, np.int64)
+    kr = np.zeros(KP, np.int64)
+    inv = np.zeros(KP, np.int64)
+    blen = np.zeros(KP, np.int64)
     tot_n = 0
     tot_c = 0
-    for b in range(K):
+    for b in range(KP):
         nb[b], pos = _get_varint(data, pos)
         cb[b], pos = _get_varint(data, pos)
         if nb[b] < 0 or cb[b] < 0 or cb[b] > nb[b]:
-            return 7, 0, z64, z64, zu, z64, zu, z64, z64, zb
+            return 7, z64, z64, z64, zu, z64, zu, z64, z64, zb
         tot_n += nb[b]
         tot_c += cb[b]
         if cb[b] == 0:
             continue
-        if pos + 2 > data.size:
-            return 7, 0, z64, z64, zu, z64, zu, z64, z64, zb
+        if pos >= data.size:
+            return 7, z64, z64, z64, zu, z64, zu, z64, z64, zb
         kr[b] = data[pos] >> 1
         inv[b] = data[pos] & 1
-        nsym = np.int64(data[pos + 1])
-        pos += 2
-        if kr[b] > 30 or nsym < 1 or nsym > NSYM or (inv[b] == 1 and 2 * cb[b] <= nb[b]):
-            return 8, 0, z64, z64, zu, z64, zu, z64, z64, zb
+        blen[b], pos = _get_varint(data, pos + 1)
+        if kr[b] > 30 or (inv[b] == 1) != (2 * cb[b] > nb[b]) or blen[b] < 0:
+            return 8, z64, z64, z64, zu, z64, zu, z64, z64, zb
+    if tot_n != n or tot_c != c:
+        return 9, z64, z64, z64, zu, z64, zu, z64, z64, zb
+    cv = np.zeros(KV, np.int64)
+    freq = np.zeros((KV, NSYM), np.int64)
+    elen = np.zeros(KV, np.int64)
+    rlen = np.zeros(KV, np.int64)
+    tot_c = 0
+    for v in range(KV):
+        cv[v], pos = _get_varint(data, pos)
+        if cv[v] < 0:
+            return 10, z64, z64, z64, zu, z64, zu, z64, z64, zb
+        tot_c += cv[v]
+        if cv[v] == 0:
+            continue
+        if pos >= data.size:
+            return 10, z64, z64, z64, zu, z64, zu, z64, z64, zb
+        nsym = np.int64(data[pos])
+        pos += 1
+        if nsym < 1 or nsym > NSYM:
+            return 10, z64, z64, z64, zu, z64, zu, z64, z64, zb
         s = 0
         for q in range(nsym):
-            freq[b, q], pos = _get_varint(data, pos)
-            if freq[b, q] < 0:
-                return 8, 0, z64, z64, zu, z64, zu, z64, z64, zb
-            s += freq[b, q]
-        if s != PROB_ONE:
-            return 8, 0, z64, z64, zu, z64, zu, z64, z64, zb
-        blen[b], pos = _get_varint(data, pos)
-        rlen[b], pos = _get_varint(data, pos)
-        if blen[b] < 0 or rlen[b] < 0:
-            return 9, 0, z64, z64, zu, z64, zu, z64, z64, zb
-    if tot_n != n or tot_c != c or pos + blen.sum() + rlen.sum() != data.size:
-        return 10, 0, z64, z64, zu, z64, zu, z64, z64, zb
-    # bitmaps: bucket b owns words [wstart[b] >> 6, ...) with one spare word
-    wstart = np.zeros(K + 1, np.int64)
-    for b in range(K):
+            freq[v, q], pos = _get_varint(data, pos)
+            if freq[v, q] < 0:
+                return 10, z64, z64, z64, zu, z64, zu, z64, z64, zb
+            s += freq[v, q]
+        elen[v], pos = _get_varint(data, pos)
+        rlen[v], pos = _get_varint(data, pos)
+        if s != PROB_ONE or elen[v] < 0 or rlen[v] < 0:
+            return 10, z64, z64, z64, zu, z64, zu, z64, z64, zb
+    if tot_c != c or pos + blen.sum() + elen.sum() + rlen.sum() != data.size:
+        return 11, z64, z64, z64, zu, z64, zu, z64, z64, zb
+    # positions: bucket b's bitmap over its ranks owns words [wstart[b] >> 6, ...), one spare word
+    wstart = np.zeros(KP + 1, np.int64)
+    for b in range(KP):
         wstart[b + 1] = wstart[b] + 64 * ((nb[b] >> 6) + 2)
-    words = np.zeros(wstart[K] >> 6, np.uint64)
-    zz = np.empty(c, np.uint64)
-    zstart = np.zeros(K + 1, np.int64)
-    for b in range(K):
-        zstart[b + 1] = zstart[b] + cb[b]
-    zmax = np.uint64(-1) if width_bits == 64 else (ONE << np.uint64(width_bits)) - ONE
-    for b in range(K):
+    words = np.zeros(wstart[KP] >> 6, np.uint64)
+    for b in range(KP):
         if cb[b] == 0:
             continue
         bl = blen[b]
-        sec = np.zeros((bl + 7) // 8 + 4, np.uint64)  # reads run up to 2 words past the end
-        sec.view(np.uint8)[:bl] = data[pos : pos + bl]
+        sec = _padded_words(data, pos, bl)
         pos += bl
         limit = 8 * bl
         w0 = wstart[b] >> 6
         ng = nb[b] - cb[b] if inv[b] else cb[b]
         if inv[b]:
-            for r in range(nb[b]):
-                words[w0 + (r >> 6)] |= ONE << np.uint64(r & 63)
+            for q in range(nb[b] >> 6):
+                words[w0 + q] = ALL
+            if nb[b] & 63:
+                words[w0 + (nb[b] >> 6)] = (ONE << np.uint64(nb[b] & 63)) - ONE
         r = -1
         bp = 0
         k = np.uint64(kr[b])
@@ -719,28 +800,42 @@ def _parse(data, n, width_bits):
                 bp += kr[b]
             r += g + 1
             if r >= nb[b] or bp > limit:
-                return 11, 0, z64, z64, zu, z64, zu, z64, z64, zb
+                return 12, z64, z64, z64, zu, z64, zu, z64, z64, zb
             words[w0 + (r >> 6)] ^= ONE << np.uint64(r & 63)
-        got = _rans_decode(data[pos : pos + rlen[b]], freq[b], zz[zstart[b] :], cb[b])
-        if got != rlen[b]:
-            return 12, 0, z64, z64, zu, z64, zu, z64, z64, zb
-        pos += rlen[b]
-        for j in range(zstart[b], zstart[b + 1]):
+        if not _clean_end(sec, bp, bl):
+            return 12, z64, z64, z64, zu, z64, zu, z64, z64, zb
+    # values: per context, the rANS symbols, then the escapes' Exp-Golomb codes
+    zz = np.empty(c, np.uint64)
+    zstart = np.zeros(KV + 1, np.int64)
+    for v in range(KV):
+        zstart[v + 1] = zstart[v] + cv[v]
+    zmax = (ONE << np.uint64(width_bits)) - ONE
+    for v in range(KV):
+        if cv[v] == 0:
+            continue
+        sec = _padded_words(data, pos, elen[v])
+        pos += elen[v]
+        got = _rans_decode(data[pos : pos + rlen[v]], freq[v], zz[zstart[v] :], cv[v])
+        if got != rlen[v]:
+            return 13, z64, z64, z64, zu, z64, zu, z64, z64, zb
+        pos += rlen[v]
+        bp = 0
+        for j in range(zstart[v], zstart[v + 1]):
             if zz[j] == NSYM:
-                v, bp = _get_eg(sec, bp, limit)
-                if v < 0 or np.uint64(v) > zmax - np.uint64(NSYM):
-                    return 13, 0, z64, z64, zu, z64, zu, z64, z64, zb
-                zz[j] = np.uint64(v) + np.uint64(NSYM)
-        if (bp + 7) // 8 != bl or (bp < limit and (_peek(sec, bp) & ((ONE << np.uint64(limit - bp)) - ONE)) != ZERO):
-            return 14, 0, z64, z64, zu, z64, zu, z64, z64, zb
-    return 0, K, thr, nb, words, wstart, zz, zstart, exc, exb
+                x, bp = _get_eg(sec, bp, 8 * elen[v])
+                if x < 0 or np.uint64(x) > zmax - np.uint64(NSYM):
+                    return 14, z64, z64, z64, zu, z64, zu, z64, z64, zb
+                zz[j] = np.uint64(x) + np.uint64(NSYM)
+        if not _clean_end(sec, bp, elen[v]):
+            return 14, z64, z64, z64, zu, z64, zu, z64, z64, zb
+    return 0, thr_p, thr_v, nb, words, wstart, zz, zstart, exc, exb
 
 
 @njit(nogil=True)
-def _apply(out, src, a, e, shift, fmask, lut, lim, nthr, words, boff, bend, zz, zptr, zend, sh, bmi2):
+def _apply(out, src, a, e, shift, fmask, lut_v, lim, nthr, words, boff, bend, zz, zptr, zend, bmi2):
     """Copy elements ``a:e`` of ``src`` into ``out`` (unless ``src`` is None: decoding in place), then
     patch the changed ones; ``a`` is a multiple of 64. ``boff``/``zptr``: each bucket's next bit and
-    next code, advanced. Returns 0, or 1 if a bucket's bits or codes run out."""
+    each value context's next code, advanced. Returns 0, or 1 if bits or codes run out."""
     if src is not None:
         for i in range(np.uint64(a), np.uint64(e)):
             out[i] = src[i]
@@ -771,18 +866,22 @@ def _apply(out, src, a, e, shift, fmask, lut, lim, nthr, words, boff, bend, zz, 
         while ch != ZERO:
             i = base + np.int64(_tz(ch))
             o = out[i]
-            b = lut[(np.int64(o) >> shift) & fmask]
-            zi = zptr[b]
-            if zi >= zend[b]:
+            c = lut_v[(np.int64(o) >> shift) & fmask]
+            zi = zptr[c]
+            if zi >= zend[c]:
                 return 1
             code = zz[zi]
             out[i] = o + ((code >> ONE) ^ (ZERO - (code & ONE)))
-            zptr[b] = zi + 1
+            zptr[c] = zi + 1
             ch &= ch - ONE
     return 0
 
 
 # --- the codec ------------------------------------------------------------------------------------
+POSITION_BUCKETS = 3  # each costs a vector compare and a bit deposit per 64 elements when decoding
+VALUE_CONTEXTS = 8  # cost nothing per unchanged element: a table lookup per changed one
+
+
 def supports(dtype: str) -> bool:
     """Element widths up to 4 bytes (as ``ac``)."""
     return ITEMSIZE[dtype] <= 4
@@ -791,12 +890,12 @@ def supports(dtype: str) -> bool:
 def encode_block(dtype: str, old: np.ndarray, new: np.ndarray) -> tuple[bytes, int]:
     """One ``bucket`` block (empty when nothing changed) and how many elements changed."""
     shift, bits = EXPONENT_FIELD.get(dtype, (0, 0))
-    data, k = _encode(old, new, shift, bits, MAX_BUCKETS, 8 * old.dtype.itemsize)
+    data, k = _encode(old, new, shift, bits, POSITION_BUCKETS, VALUE_CONTEXTS, 8 * old.dtype.itemsize)
     return data.tobytes(), k
 
 
 class Parsed:
-    """A block's streams decoded (:func:`parse`): what the pass over the elements needs."""
+    """A block's streams decoded by :func:`_parse`: what the pass over the elements needs."""
 
     def __init__(self, dtype: str, block: memoryview, n: int, width: int, what: str) -> None:
         if len(block) < 8:
@@ -805,32 +904,32 @@ class Parsed:
         if (block[5], block[6]) != (shift, bits):
             raise FormatError(f"{what}: bucket block's exponent field ({block[5]}, {block[6]}) is not {dtype}'s")
         data = np.frombuffer(block, dtype=np.uint8)
-        status, K, thr, nb, words, wstart, zz, zstart, exc, exb = _parse(data, n, 8 * width)
+        status, thr_p, thr_v, nb, words, wstart, zz, zstart, exc, exb = _parse(data, n, 8 * width)
         if status:
             raise FormatError(f"{what}: bad bucket block (check {status} failed)")
-        self.shift, self.bits, self.K, self.thr, self.nb = shift, bits, K, thr, nb
+        self.shift, self.fmask, self.thr_p, self.nb = shift, (1 << bits) - 1, thr_p, nb
         self.words, self.wstart, self.zz, self.zstart, self.exc, self.exb = words, wstart, zz, zstart, exc, exb
-        self.lut = np.searchsorted(thr, np.arange(1 << bits), side="right").astype(np.int64)
+        self.lut_p = np.searchsorted(thr_p, np.arange(1 << bits), side="right").astype(np.int64)
+        self.lut_v = np.searchsorted(thr_v, np.arange(1 << bits), side="right").astype(np.int64)
 
 
 def decode_block(dtype, block, old, out, what, hasher=None, bmi2=HAS_BMI2) -> None:
     """Write the elements the block codes against ``old`` into ``out`` (may be ``old``), hashing
-    each slice of ``out`` while it is in cache."""
+    each slice of ``out`` while it is in cache. ``bmi2``: use the instruction (else a portable loop)."""
     if len(block) == 0:
         copy(old, out, hasher)
         return
     p = Parsed(dtype, block, old.size, old.dtype.itemsize, what)
     src = None if same_memory(out, old) else old
-    lim = np.array([t << p.shift for t in p.thr] or [0], dtype=old.dtype)
+    lim = np.array([t << p.shift for t in p.thr_p] or [0], dtype=old.dtype)
     boff = p.wstart[:-1].copy()
     bend = p.wstart[:-1] + p.nb
     zptr = p.zstart[:-1].copy()
     zend = p.zstart[1:].copy()
     step = max(64, (SLICE_BYTES // old.dtype.itemsize) // 64 * 64)
-    fmask = (1 << p.bits) - 1
     for a in range(0, old.size, step):
         e = min(a + step, old.size)
-        if _apply(out, src, a, e, p.shift, fmask, p.lut, lim, p.K - 1, p.words, boff, bend, p.zz, zptr, zend, 0, bmi2):
+        if _apply(out, src, a, e, p.shift, p.fmask, p.lut_v, lim, p.thr_p.size, p.words, boff, bend, p.zz, zptr, zend, bmi2):
             raise FormatError(f"{what}: bucket block's positions do not fit its base")
         if hasher is not None:
             hasher.update(out[a:e])
@@ -838,29 +937,28 @@ def decode_block(dtype, block, old, out, what, hasher=None, bmi2=HAS_BMI2) -> No
         raise FormatError(f"{what}: bucket block's bucket sizes do not match its base")
 
 
-def _bucket_of(p: Parsed, values: np.ndarray) -> np.ndarray:
-    return p.lut[(values.astype(np.int64) >> p.shift) & ((1 << p.bits) - 1)]
-
-
-def _changes(p: Parsed, buckets: np.ndarray, what: str) -> tuple[np.ndarray, np.ndarray]:
-    """Positions (ascending) and zigzag codes of the changes, given every element's bucket: per
-    bucket, the rank of each member is a prefix sum of membership and its changed flag a gather from
-    the bucket's bitmap (the steps a GPU kernel takes, one thread block per block)."""
-    idx, codes = [], []
-    for b in range(p.K):
-        members = np.flatnonzero(buckets == b)
-        if members.size != p.nb[b]:
+def _changes(p: Parsed, buckets: np.ndarray, contexts: np.ndarray, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """Positions (ascending) and zigzag codes of the changes, given every element's position bucket
+    and value context: the rank of an element in its bucket is a prefix sum of membership, its
+    changed flag a gather from the bucket's bitmap, the index of its code a prefix sum of changed
+    flags within its context (the steps a GPU kernel takes, one thread block per block)."""
+    changed = np.zeros(buckets.size, bool)
+    for b in range(p.nb.size):
+        member = buckets == b
+        if np.count_nonzero(member) != p.nb[b]:
             raise FormatError(f"{what}: bucket block's bucket sizes do not match its base")
-        ranks = np.arange(members.size)
-        w0 = p.wstart[b]
-        bit = ((w0 + ranks) & 63).astype(np.uint64)
-        flags = (p.words[(w0 + ranks) >> 6] >> bit) & np.uint64(1)
-        changed = members[flags.astype(bool)]
-        idx.append(changed)
-        codes.append(p.zz[p.zstart[b] : p.zstart[b + 1]])
-    idx_all, codes_all = np.concatenate(idx), np.concatenate(codes)
-    order = np.argsort(idx_all, kind="stable")
-    return idx_all[order], codes_all[order]
+        rank = np.cumsum(member) - 1
+        bit = p.wstart[b] + rank[member]
+        changed[member] = (p.words[bit >> 6] >> (bit & 63).astype(np.uint64)) & np.uint64(1) != 0
+    idx = np.flatnonzero(changed)
+    codes = np.empty(idx.size, np.uint64)
+    ctx = contexts[idx]
+    for v in range(p.zstart.size - 1):
+        sel = ctx == v
+        if np.count_nonzero(sel) != p.zstart[v + 1] - p.zstart[v]:
+            raise FormatError(f"{what}: bucket block's value contexts do not match its base")
+        codes[sel] = p.zz[p.zstart[v] + np.cumsum(sel)[sel] - 1]
+    return idx, codes
 
 
 def _unzigzag(codes: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -868,48 +966,38 @@ def _unzigzag(codes: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return (c >> dtype.type(1)) ^ (np.zeros_like(c) - (c & dtype.type(1)))
 
 
+def _exponents(p: Parsed, values: np.ndarray) -> np.ndarray:
+    return (values.astype(np.int64) >> p.shift) & p.fmask
+
+
 def decode_reference(dtype: str, block: bytes, old: np.ndarray, what: str = "block") -> np.ndarray:
-    """The new elements from ``old`` and a block, in numpy, by the GPU-shaped steps (every element's
-    bucket, prefix sums and gathers): the reference a CUDA decoder is tested against."""
+    """The new elements from ``old`` and a block, in numpy, by the GPU-shaped steps of
+    :func:`_changes`: the reference a CUDA decoder is tested against."""
     if len(block) == 0:
         return old.copy()
     p = Parsed(dtype, memoryview(block), old.size, old.dtype.itemsize, what)
-    idx, codes = _changes(p, _bucket_of(p, old), what)
+    e = _exponents(p, old)
+    idx, codes = _changes(p, p.lut_p[e], p.lut_v[e], what)
     out = old.copy()
     out[idx] = old[idx] + _unzigzag(codes, old.dtype)
     return out
 
 
 def decode_backward(dtype: str, block: bytes, new: np.ndarray, what: str = "block") -> np.ndarray:
-    """The old elements from the new ones and the block that coded new against old: buckets are
-    taken from the new values, except at the listed positions whose change moved them (a rollback
-    without a keyframe)."""
+    """The old elements from the new ones and the block that coded new against old (a rollback
+    without a keyframe): buckets and contexts come from the new values, except at the listed
+    positions whose change moved them."""
     if len(block) == 0:
         return new.copy()
     p = Parsed(dtype, memoryview(block), new.size, new.dtype.itemsize, what)
-    buckets = _bucket_of(p, new)
-    buckets[p.exc] = p.exb
-    idx, codes = _changes(p, buckets, what)
+    e = _exponents(p, new)
+    buckets, contexts = p.lut_p[e], p.lut_v[e]
+    buckets[p.exc] = p.exb >> 4
+    contexts[p.exc] = p.exb & 15
+    idx, codes = _changes(p, buckets, contexts, what)
     old = new.copy()
     old[idx] = new[idx] - _unzigzag(codes, new.dtype)
-    if np.any(_bucket_of(p, old[p.exc]) != p.exb):
-        raise FormatError(f"{what}: bucket block's exceptions do not match the rebuilt base")
+    e_old = _exponents(p, old)
+    if np.any((p.lut_p[e_old] != buckets) | (p.lut_v[e_old] != contexts)):
+        raise FormatError(f"{what}: bucket block does not code a change to these elements")
     return old
-
-
-@register
-class Bucket(Codec):
-    """``bucket``: changes coded per bucket of the old value's exponent, Rice-coded rank gaps and
-    rANS-coded differences (elements of up to 4 bytes)."""
-
-    id = 5
-    name = "bucket"
-
-    def supports(self, dtype):
-        return supports(dtype)
-
-    def encode(self, dtype, old, new, config):
-        return encode_block(dtype, old, new)
-
-    def decode(self, dtype, block, old, out, what, hasher=None):
-        decode_block(dtype, block, old, out, what, hasher)
