@@ -71,7 +71,7 @@ def main(npairs=5):
                 ]
             )
             row.append(f"bucket {size / bound:.3f}x bound enc {raw / te / mem:.3f} dec {raw / td / mem:.3f}")
-            full = sum(len(encode_tensor("BF16", new[n][1], None, cfg).payload) for n in names if enc[n])
+            full = sum(len(encode_tensor("BF16", old[n][1], None, cfg).payload) for n in names if enc[n])
             row.append(f"rollback keyframes {full / 1e6:.2f} MB -> deltas {size / 1e6:.2f} MB")
             for codec in ("sparse", "ac"):
                 impl = registry.get(codec)

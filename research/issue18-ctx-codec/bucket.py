@@ -831,6 +831,62 @@ def _parse(data, n, width_bits):
     return 0, thr_p, thr_v, nb, words, wstart, zz, zstart, exc, exb
 
 
+@njit(nogil=True, inline="always")
+def _take(words, off, p):
+    """``p`` (0..64) bits of a bitmap from bit ``off``."""
+    q = off >> 6
+    s = np.uint64(off & 63)
+    v = (words[q] >> s) | ((words[q + 1] << ONE) << (np.uint64(63) - s))
+    return v & (ALL >> np.uint64((64 - p) & 63)) & (ZERO - np.uint64(p != 0))
+
+
+@njit(nogil=True)
+def _apply3(out, src, a, e, shift, fmask, lut_v, l0, l1, nthr, words, boff, bend, zz, zptr, zend, bmi2):
+    """:func:`_apply` for at most 3 position buckets and whole words (``e - a`` a multiple of 64),
+    with the pass state in locals."""
+    if src is not None:
+        for i in range(np.uint64(a), np.uint64(e)):
+            out[i] = src[i]
+    absmask = out.dtype.type((ONE << np.uint64(8 * out.itemsize - 1)) - ONE)
+    o0, o1, o2 = boff[0], boff[1] if nthr >= 1 else 0, boff[2] if nthr >= 2 else 0
+    for base in range(a, e, 64):
+        if nthr == 0:
+            m0, m1, m2 = ALL, ZERO, ZERO
+        else:
+            lo = _below_mask64(out, base, absmask, l0)
+            hi = _below_mask64(out, base, absmask, l1) if nthr == 2 else ALL
+            m0, m1, m2 = lo, hi & ~lo, ~hi
+        p0, p1, p2 = np.int64(_pop(m0)), np.int64(_pop(m1)), np.int64(_pop(m2))
+        if bmi2:
+            ch = _pdep_bmi2(_take(words, o0, p0), m0) | _pdep_bmi2(_take(words, o1, p1), m1)
+            ch |= _pdep_bmi2(_take(words, o2, p2), m2)
+        else:
+            ch = _pdep_soft(_take(words, o0, p0), m0) | _pdep_soft(_take(words, o1, p1), m1)
+            ch |= _pdep_soft(_take(words, o2, p2), m2)
+        o0 += p0
+        o1 += p1
+        o2 += p2
+        if o0 > bend[0] or (nthr >= 1 and o1 > bend[1]) or (nthr >= 2 and o2 > bend[2]):
+            return 1
+        while ch != ZERO:
+            i = base + np.int64(_tz(ch))
+            o = out[i]
+            c = lut_v[(np.int64(o) >> shift) & fmask]
+            zi = zptr[c]
+            if zi >= zend[c]:
+                return 1
+            code = zz[zi]
+            out[i] = o + ((code >> ONE) ^ (ZERO - (code & ONE)))
+            zptr[c] = zi + 1
+            ch &= ch - ONE
+    boff[0] = o0
+    if nthr >= 1:
+        boff[1] = o1
+    if nthr >= 2:
+        boff[2] = o2
+    return 0
+
+
 @njit(nogil=True)
 def _apply(out, src, a, e, shift, fmask, lut_v, lim, nthr, words, boff, bend, zz, zptr, zend, bmi2):
     """Copy elements ``a:e`` of ``src`` into ``out`` (unless ``src`` is None: decoding in place), then
@@ -929,7 +985,12 @@ def decode_block(dtype, block, old, out, what, hasher=None, bmi2=HAS_BMI2) -> No
     step = max(64, (SLICE_BYTES // old.dtype.itemsize) // 64 * 64)
     for a in range(0, old.size, step):
         e = min(a + step, old.size)
-        if _apply(out, src, a, e, p.shift, p.fmask, p.lut_v, lim, p.thr_p.size, p.words, boff, bend, p.zz, zptr, zend, bmi2):
+        nthr = p.thr_p.size
+        if nthr <= 2 and (e - a) % 64 == 0:
+            bad = _apply3(out, src, a, e, p.shift, p.fmask, p.lut_v, lim[0], lim[-1], nthr, p.words, boff, bend, p.zz, zptr, zend, bmi2)
+        else:
+            bad = _apply(out, src, a, e, p.shift, p.fmask, p.lut_v, lim, nthr, p.words, boff, bend, p.zz, zptr, zend, bmi2)
+        if bad:
             raise FormatError(f"{what}: bucket block's positions do not fit its base")
         if hasher is not None:
             hasher.update(out[a:e])
