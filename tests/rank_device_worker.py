@@ -4,10 +4,11 @@ its shard step by step with :class:`weightsync.torch.device.RankDeviceDiffPublis
 JSON line per step::
 
     python tests/rank_device_worker.py STORE --rank R --world W --steps 0-4 [--commit]
-        [--timeout S] [--crash-at STEP] [--work DIR]
+        [--timeout S] [--crash-at STEP] [--short-at STEP] [--work DIR]
 
 ``--crash-at STEP``: the process dies (``os._exit``) at that step after its device diff, before
-its part is written."""
+its part is written. ``--short-at STEP``: wait only 3 s for that step's commit (a round that a
+crashed rank leaves uncommitted)."""
 
 from __future__ import annotations
 
@@ -40,9 +41,7 @@ def shard(rank: int, step: int, events: bool = True) -> tuple[dict[str, torch.Te
     int64 counter, ~3% of their elements moved each step. With ``events``: step 2 adds a tensor,
     step 3 reshapes the f32 vector, retypes a tensor and removes one, step 4 sets metadata."""
     g = torch.Generator().manual_seed(1000 + rank)
-    sd = {
-        f"layers.{rank}.w{i}": (torch.randn(64 + 8 * rank, 48, generator=g) * 0.02).bfloat16() for i in range(3)
-    } | {
+    sd = {f"layers.{rank}.w{i}": (torch.randn(64 + 8 * rank, 48, generator=g) * 0.02).bfloat16() for i in range(3)} | {
         f"layers.{rank}.norm": torch.ones(48, dtype=torch.float32),
         f"layers.{rank}.count": torch.arange(16, dtype=torch.int64),
         f"layers.{rank}.flag": torch.zeros(8, dtype=torch.uint8),
@@ -75,6 +74,7 @@ def main() -> int:
     ap.add_argument("--commit", action="store_true")
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--crash-at", type=int)
+    ap.add_argument("--short-at", type=int)
     ap.add_argument("--work", type=Path)
     args = ap.parse_args()
     from weightsync.errors import VersionError
@@ -104,6 +104,7 @@ def main() -> int:
     with pub:
         for step in range(first, last + 1):
             now["step"] = step
+            pub.commit_timeout = 3.0 if step == args.short_at else args.timeout
             sd, meta = shard(args.rank, step)
             line = {"step": step}
             try:
