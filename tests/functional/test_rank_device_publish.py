@@ -286,6 +286,45 @@ def test_restarted_rank_and_rank_number_given_twice(tmp_path):
             p.close()
 
 
+def test_rank_restarted_after_its_part_finds_it_stored_and_the_version_commits(tmp_path):
+    """Rank 1 writes its part of version 2 and dies before the commit; restarted, it publishes the
+    same tensors as version 2: the identical part is found (nothing written), the commit goes
+    through, and the restarted rank's base is version 2."""
+    store, world = tmp_path / "store", 2
+    pubs = ranks(store, world, tmp_path, timeout=30.0)
+    try:
+        for step in (0, 1):
+            assert all(x.committed for x in round_(pubs, step))
+        sd1, meta1 = shard(1, 2)
+        first = pubs[1].publish(sd1, 2, meta1, wait=False)
+        assert not first.existed and first.committed is None
+        pubs[1].close()  # dies with its part stored, uncommitted
+        pubs[1] = ranks(store, world, tmp_path)[1]
+        res = round_(pubs, 2)
+        assert res[1].existed and res[1].route == "full" and [x.committed for x in res] == [True, True]
+        assert [p.base_version for p in pubs] == [2, 2]
+        check_version(store, 2, {0: 2, 1: 2}, tmp_path, world)
+        # again, with the version committed from the stored part while the restarted rank encodes
+        assert round_(pubs[1:], 3, wait=False)[0].committed is None
+        pubs[1].close()
+        pubs[1] = ranks(store, world, tmp_path)[1]
+        r0 = pubs[0].publish(*shard(0, 3)[:1], 3, shard(0, 3)[1], wait=False)
+        sd1, meta1 = shard(1, 3)
+
+        class CommitMeanwhile(Observer):
+            def check(self) -> None:
+                if weightsync.open_repo(store).head_version() == 2:
+                    commit_parts(weightsync.open_repo(store), 3, world, timeout=5)
+
+        r1 = pubs[1].publish(sd1, 3, meta1, observer=CommitMeanwhile())
+        assert (r0.committed, r1.committed, r1.existed) == (None, True, True)
+        assert pubs[0].settle() is True and [p.base_version for p in pubs] == [3, 3]
+        check_version(store, 3, {0: 3, 1: 3}, tmp_path, world)
+    finally:
+        for p in pubs:
+            p.close()
+
+
 def _try(fn, *args):
     try:
         return fn(*args)

@@ -157,15 +157,12 @@ def store_part(
     :func:`weightsync.sync.publish.encode_and_upload`, e.g. from a device diff's changes): re-read
     the head and refuse (:class:`VersionError`, nothing written) if it moved from ``new.parent``,
     touch the chunks stored long ago, then create the part (create-only; an identical stored part
-    is success). ``seconds["total"]`` runs from the start of ``op``."""
+    is success, and so is a head that moved to ``new.version`` merged from that identical part:
+    a rank run again after its part, committed meanwhile). ``seconds["total"]`` runs from the
+    start of ``op``."""
     check_world(rank, world)
     parent = None if new.parent is None else new.parent.version
     head = repo.head_version()
-    if head != parent:
-        raise VersionError(
-            f"the head of {repo.url} moved from {parent} to {head} while rank {rank} encoded version "
-            f"{new.version}; its part was not written (publish again on the new head)"
-        )
     part = PartManifest(
         new.version,
         parent,
@@ -180,8 +177,16 @@ def store_part(
         enc.stats,
     )
     t_w = time.perf_counter()
-    enc.refresh(repo)
-    existed = _write_part(repo, part)
+    if head != parent:
+        if head != new.version or not _merged_already(repo, part):
+            raise VersionError(
+                f"the head of {repo.url} moved from {parent} to {head} while rank {rank} encoded version "
+                f"{new.version}; its part was not written (publish again on the new head)"
+            )
+        existed = True
+    else:
+        enc.refresh(repo)
+        existed = _write_part(repo, part)
     seconds = dict(enc.seconds, part=time.perf_counter() - t_w, total=op.elapsed())
     payload = sum(s.payload.size for f in part.files for s in f.segments if s.payload)
     result = PartResult(
@@ -201,6 +206,18 @@ def store_part(
         existed=existed,
     )
     return result, part
+
+
+def _merged_already(repo: Repo, part: PartManifest) -> bool:
+    """``part`` is stored as it is and the committed version holds its files with its checksums."""
+    key = part_key(part.version, part.rank, part.world)
+    try:
+        stored = part_from_json(repo.store.get(key), f"{repo.url}/{key}")
+        committed = repo.manifest(part.version)
+    except (NotFoundError, FormatError, VersionError):
+        return False
+    have = {f.path: (f.size, f.xxh3) for f in committed.files}
+    return same_part(stored, part) and all(have.get(f.path) == (f.size, f.xxh3) for f in part.files)
 
 
 def _write_part(repo: Repo, part: PartManifest) -> bool:
