@@ -392,3 +392,36 @@ def test_ranks_as_processes_with_a_crash_and_a_restart(tmp_path):
     assert [v.version for v in weightsync.versions(store)] == [0, 1, 3, 4]
     for v in (0, 1, 3, 4):
         check_version(store, v, dict.fromkeys(range(world), v), tmp_path, world)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_ranks_move_only_changes_and_roll_back_on_the_device(tmp_path):
+    """CUDA shards: only the changes cross to the host, a failed round is undone on the device
+    snapshot, and every committed version is bit-exact."""
+    store, world = tmp_path / "store", 2
+    pubs = ranks(store, world, tmp_path, timeout=1.0)
+
+    def gpu(r, step):
+        sd, meta = shard(r, step)
+        return {k: v.cuda() for k, v in sd.items()}, meta
+
+    try:
+        for step in (0, 1):
+            for r in (1, 0):
+                sd, meta = gpu(r, step)
+                pubs[r].publish(sd, step, meta, wait=r == 0)
+            assert pubs[1].settle() is True
+        with pytest.raises(RuntimeError, match="rank crashed"):
+            pubs[1].publish(*gpu(1, 2)[:1], 2, gpu(1, 2)[1], observer=Crash())
+        with pytest.raises(VersionError):
+            pubs[0].publish(*gpu(0, 2)[:1], 2, gpu(0, 2)[1])
+        for r in (1, 0):
+            sd, meta = gpu(r, 4)
+            x = pubs[r].publish(sd, 4, meta, wait=r == 0)
+            assert x.route == "direct" and x.d2h_bytes == expected_d2h(shard(r, 1)[0], shard(r, 4)[0])
+        assert pubs[1].settle() is True
+        for v in (0, 1, 4):
+            check_version(store, v, dict.fromkeys(range(world), v), tmp_path, world)
+    finally:
+        for p in pubs:
+            p.close()
