@@ -250,6 +250,41 @@ def test_another_version_committed_instead_means_a_full_copy_from_the_store(tmp_
             p.close()
 
 
+def test_ranks_on_different_parents_are_refused_and_a_tampered_mirror_is_not_trusted(tmp_path):
+    """Rank 0's part of version 3 is built on version 1; a foreign version 2 is committed; rank 1's
+    part of version 3 is built on it. The committer refuses the mix, neither rank moves its base,
+    and the next round is exact. Then a byte of a rank's host mirror flips: it no longer matches
+    the head, so that rank copies every tensor again."""
+    store, world = tmp_path / "store", 2
+    pubs = ranks(store, world, tmp_path, timeout=5.0, allow_removed=True)
+    try:
+        for step in (0, 1):
+            assert all(x.committed for x in round_(pubs, step))
+        pubs[0].committer = False
+        r0 = pubs[0].publish(*shard(0, 3)[:1], 3, shard(0, 3)[1], wait=False)
+        publish_state_dict(shard(7, 1)[0], store, 2, work_dir=tmp_path / "w")
+        r1 = pubs[1].publish(*shard(1, 3)[:1], 3, shard(1, 3)[1], wait=False)
+        assert (r0.parent, r1.parent, r1.route) == (1, 2, "full")
+        with pytest.raises(VersionError, match="stale parent|disagree on parent"):
+            commit_parts(weightsync.open_repo(store), 3, world, timeout=5)
+        assert [p.settle() for p in pubs] == [False, False]
+        assert [p.base_version for p in pubs] == [1, None]
+        pubs[0].committer = True
+        res = round_(pubs, 4)
+        assert [(x.parent, x.route, x.d2h_bytes == x.tensor_bytes) for x in res] == [(2, "full", True)] * 2
+        check_version(store, 4, {0: 4, 1: 4}, tmp_path, world)
+        mirror = pubs[1].mirror.current.folder / pubs[1].filename
+        data = bytearray(mirror.read_bytes())
+        data[-1] ^= 1
+        mirror.write_bytes(bytes(data))
+        res = round_(pubs, 5)
+        assert [x.route for x in res] == ["direct", "full"] and res[1].d2h_bytes == res[1].tensor_bytes
+        check_version(store, 5, {0: 5, 1: 5}, tmp_path, world)
+    finally:
+        for p in pubs:
+            p.close()
+
+
 def test_restarted_rank_and_rank_number_given_twice(tmp_path):
     """A rank process restarted (empty snapshot and mirror) publishes a delta part from a full
     host copy. Two publishers given the same rank: the second's part is refused, the version is
