@@ -17,6 +17,14 @@ cross, and CUDA timings are not measured by this script on a CPU-only machine.
 
     python benchmarks/devicediff.py                    # ~100M elements, 3% changed, 3 steps
     python benchmarks/devicediff.py --elements 2e7 --steps 2 --json out.json
+
+``--ranks W``: the multi-rank paths instead, the model's tensors dealt round-robin to W shards, per
+rank and step: ``rank+device`` (RankDeviceDiffPublisher: changes only to the host, its part from
+them; the commit is timed apart) against ``rank+folder`` (the shard written as a checkpoint file,
+which moves every byte to the host, then ``publish_part`` of it with the previous step's file as
+its base). Ranks run one after another, so each rank's wall time is its own.
+
+    python benchmarks/devicediff.py --ranks 4 --elements 4e7 --steps 3
 """
 
 from __future__ import annotations
@@ -36,9 +44,11 @@ ensure_repo_importable()
 import torch  # noqa: E402
 
 from weightsync.codec import CodecConfig
+from weightsync.store.repo import open_repo
+from weightsync.sync.parts import commit_parts, publish_part
 from weightsync.sync.publish import PublishConfig
-from weightsync.torch.device import DeviceDiffPublisher
-from weightsync.torch.state_dict import StateDictPublisher
+from weightsync.torch.device import DeviceDiffPublisher, RankDeviceDiffPublisher, rank_filename
+from weightsync.torch.state_dict import StateDictPublisher, save_state_dict
 
 
 def make_model(elements: int, hidden: int = 1024, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -120,11 +130,106 @@ def run(
     return rows
 
 
+def run_ranks(
+    path: str, codec: CodecConfig, sd0: dict[str, torch.Tensor], world: int, steps: int, changed: float, root: Path
+) -> list[dict]:
+    """Every rank's part of every step by ``path`` (``rank+device`` or ``rank+folder``), one rank at
+    a time, each version committed by ``commit_parts`` after the last part (timed apart)."""
+    names = list(sd0)
+    shards = [{n: sd0[n].clone() for n in names[r::world]} for r in range(world)]
+    cfg = PublishConfig(codec=codec, keyframe_interval=1000)
+    store = root / f"store-{path}-{codec.entropy_coder}"
+    repo = open_repo(store)
+    pubs = [
+        RankDeviceDiffPublisher(store, rank=r, world=world, config=cfg, work_dir=root / "work", poll=0.01)
+        for r in range(world)
+    ]
+    rows, prev = [], [None] * world
+    try:
+        for i in range(steps + 1):
+            for r in range(world):
+                if i:
+                    step(shards[r], changed, seed=1000 * i + r)
+                tensor_bytes = sum(t.nbytes for t in shards[r].values())
+                row = {"path": path, "codec": "ac" if codec.entropy_coder else "sparse", "version": i, "rank": r}
+                if path == "rank+device":
+                    t0 = time.perf_counter()
+                    res = pubs[r].publish(shards[r], version=i, wait=False)  # settles the previous version first
+                    wall, d2h, save_s = time.perf_counter() - t0, res.d2h_bytes, 0.0
+                else:
+                    folder = root / f"ckpt-{codec.entropy_coder}-{r}-{i}"
+                    folder.mkdir()
+                    t0 = time.perf_counter()
+                    name = rank_filename(r, world)
+                    save_state_dict(shards[r], folder / name)  # every byte to the host
+                    save_s = time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    res = publish_part(folder, repo, r, world, [name], i, cfg, base_dir=prev[r])
+                    wall, d2h = time.perf_counter() - t0, tensor_bytes
+                    if prev[r] is not None:
+                        shutil.rmtree(prev[r])
+                    prev[r] = folder
+                row |= {"d2h_bytes": d2h, "tensor_bytes": tensor_bytes, "part_s": wall, "save_s": save_s}
+                row |= {"payload_bytes": res.payload_bytes, "route": getattr(res, "route", "folder")}
+                row["seconds"] = dict(res.seconds)
+                rows.append(row)
+            t0 = time.perf_counter()
+            commit_parts(repo, i, world, timeout=60)
+            for row in rows[-world:]:
+                row["commit_s"] = time.perf_counter() - t0
+    finally:
+        for p in pubs:
+            p.close()
+    shutil.rmtree(store, ignore_errors=True)
+    return rows
+
+
+def main_ranks(args, sd0: dict[str, torch.Tensor]) -> None:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-dd-") as tmp:
+        for codec in (CodecConfig(), CodecConfig(entropy_coder=False)):
+            for path in ("rank+device", "rank+folder"):
+                rows += run_ranks(path, codec, sd0, args.ranks, args.steps, args.changed, Path(tmp))
+    print(
+        f"{'codec':7} {'path':12} {'d2h MiB/rank':>13} {'of shard':>9} {'wall s':>7} {'device s':>9} "
+        f"{'host s':>7} {'(+ save s)':>10} {'payload KiB':>12} {'commit s':>9}"
+    )
+    for codec in ("ac", "sparse"):
+        for path in ("rank+device", "rank+folder"):
+            sel = [r for r in rows if r["codec"] == codec and r["path"] == path and r["version"] > 0]
+            mean = lambda f: sum(f(r) for r in sel) / len(sel)  # noqa: E731
+            dev = mean(lambda r: r["seconds"].get("device_diff", 0.0))
+            print(
+                f"{codec:7} {path:12} {mean(lambda r: r['d2h_bytes']) / 2**20:13.2f} "
+                f"{mean(lambda r: r['d2h_bytes']) / mean(lambda r: r['tensor_bytes']):9.3f} "
+                f"{mean(lambda r: r['part_s']):7.3f} {dev:9.3f} {mean(lambda r: r['part_s']) - dev:7.3f} "
+                f"{mean(lambda r: r['save_s']):10.3f} {mean(lambda r: r['payload_bytes']) / 1024:12.0f} "
+                f"{mean(lambda r: r['commit_s']):9.3f}"
+            )
+    print("(means per rank over the steps after the first; device s: the diff on the tensors' device, here the CPU)")
+    print("part seconds by phase, mean over ranks and steps after the first:")
+    phases = ("device_diff", "mirror", "verify_base", "read", "diff", "encode", "upload", "part", "total")
+    for codec in ("ac", "sparse"):
+        for path in ("rank+device", "rank+folder"):
+            sel = [r["seconds"] for r in rows if r["codec"] == codec and r["path"] == path and r["version"] > 0]
+            print(
+                f"  {codec:7} {path:12} "
+                + " ".join(f"{k} {sum(x.get(k, 0.0) for x in sel) / len(sel):.3f}" for k in phases)
+            )
+    first = [r for r in rows if r["version"] == 0]
+    for path in ("rank+device", "rank+folder"):
+        sel = [r for r in first if r["path"] == path]
+        print(f"first part (keyframe), {path}: part s/rank {sum(r['part_s'] for r in sel) / len(sel):.3f}")
+    if args.json:
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "rows": rows}, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--elements", type=float, default=1e8)
     ap.add_argument("--changed", type=float, default=0.03)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--ranks", type=int, default=0, help="the multi-rank paths with this many ranks")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     sd0 = make_model(int(args.elements))
@@ -135,6 +240,8 @@ def main() -> None:
         f"device: CPU (CUDA unmeasured)",
         file=sys.stderr,
     )
+    if args.ranks:
+        return main_ranks(args, sd0)
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-dd-") as tmp:
         for codec in (CodecConfig(), CodecConfig(entropy_coder=False)):

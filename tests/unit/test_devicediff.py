@@ -232,6 +232,36 @@ def test_new_reshaped_retyped_and_removed_tensors():
     assert len(snap) == 0 and all(c.index is None for c in snap.diff(sd2).changes.values())
 
 
+@FAST
+@given(
+    dtype=st.sampled_from(TORCH_DTYPES),
+    n=st.integers(0, 120),
+    density=st.floats(0, 1),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_restore_undoes_a_diff_from_the_old_values_at_its_positions(dtype, n, density, seed):
+    """A rank's part not committed: putting back the old bit patterns at the positions the diff
+    moved returns the snapshot to the committed version (the next diff is from it), for sparse and
+    dense changes of every dtype; a tensor restored under another dtype or shape is dropped."""
+    rng = np.random.default_rng(seed)
+    a = random_tensor(dtype, (n,), seed)
+    sd = {"a": a, "b": random_tensor(torch.float32, (3,), 1)}
+    snap = DeviceSnapshot(slice_elems=16)
+    snap.diff(sd)
+    committed = {k: v.clone() for k, v in sd.items()}
+    old = bits(a).copy()
+    pos = np.flatnonzero(rng.random(n) < density)
+    ints(a)[torch.from_numpy(pos)] = ints(random_tensor(dtype, (n,), seed + 7))[torch.from_numpy(pos)]
+    diff = snap.diff(sd)  # the snapshot now holds the uncommitted state
+    moved = np.flatnonzero(old != bits(a))
+    snap.restore("a", diff.changes["a"].dtype, (n,), moved, old[moved])
+    check_diff(snap.diff(sd), committed, sd)  # from the committed version again
+    snap.restore("b", "F16", (3,), np.array([0]), np.array([0], np.uint16))
+    snap.drop("a")
+    assert len(snap) == 0
+    assert all(c.index is None for c in snap.diff(sd).changes.values())
+
+
 def test_non_contiguous_and_zero_dim_tensors_diff_in_row_major_order():
     base = random_tensor(torch.bfloat16, (5, 7), 0)
     sd = {"t": base.t(), "scalar": torch.tensor(3, dtype=torch.int64), "empty": torch.empty(0, 4)}

@@ -32,7 +32,16 @@ from weightsync.local.checkpoint import SourceFile, check_still_as_scanned, scan
 from weightsync.store.repo import Repo
 from weightsync.store.signing import Keyring, SigningKey
 from weightsync.sync.observer import Observer, Operation
-from weightsync.sync.publish import DeltaBase, PublishConfig, PublishResult, cache_claim, encode_folder, plan_version
+from weightsync.sync.publish import (
+    DeltaBase,
+    Encoded,
+    NewVersion,
+    PublishConfig,
+    PublishResult,
+    cache_claim,
+    encode_folder,
+    plan_version,
+)
 
 
 def check_world(rank: int | None, world: int) -> None:
@@ -132,37 +141,55 @@ def publish_part(
         op = Operation(observer)
         enc = encode_folder(repo, mine, scan, new, config, DeltaBase(base_dir, cache_dir, view, lock), op)
         check_still_as_scanned(enc.sources, scan)  # the part is one state of the rank's files
-        head = repo.head_version()
-        if head != parent:
+        result, part = store_part(repo, new, enc, rank, world, op)
+        if cache_dir is not None and still_as_scanned(mine):  # the rank's next delta base, should it be committed
+            as_version = Manifest(part.version, parent, part.keyframe, part.chain_length, part.files, part.chunks)
+            adopt(Path(cache_dir), as_version, src, repo.url, lock=lock)
+    op.done(result.seconds)
+    return result
+
+
+def store_part(
+    repo: Repo, new: NewVersion, enc: Encoded, rank: int, world: int, op: Operation
+) -> tuple[PartResult, PartManifest]:
+    """Write rank ``rank`` of ``world``'s part of ``new.version`` from its encoded and uploaded
+    files ``enc`` (:func:`weightsync.sync.publish.encode_folder`, or any encoder through
+    :func:`weightsync.sync.publish.encode_and_upload`, e.g. from a device diff's changes): re-read
+    the head and refuse (:class:`VersionError`, nothing written) if it moved from ``new.parent``,
+    touch the chunks stored long ago, then create the part (create-only; an identical stored part
+    is success, and so is a head that moved to ``new.version`` merged from that identical part:
+    a rank run again after its part, committed meanwhile). ``seconds["total"]`` runs from the
+    start of ``op``."""
+    check_world(rank, world)
+    parent = None if new.parent is None else new.parent.version
+    head = repo.head_version()
+    part = PartManifest(
+        new.version,
+        parent,
+        world,
+        rank,
+        new.keyframe,
+        new.chain_length,
+        enc.files,
+        enc.chunks,
+        datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        enc.codec_config,
+        enc.stats,
+    )
+    t_w = time.perf_counter()
+    if head != parent:
+        if head != new.version or not _merged_already(repo, part):
             raise VersionError(
                 f"the head of {repo.url} moved from {parent} to {head} while rank {rank} encoded version "
                 f"{new.version}; its part was not written (publish again on the new head)"
             )
-        part = PartManifest(
-            new.version,
-            parent,
-            world,
-            rank,
-            new.keyframe,
-            new.chain_length,
-            enc.files,
-            enc.chunks,
-            datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            enc.codec_config,
-            enc.stats,
-        )
-        t_w = time.perf_counter()
+        existed = True
+    else:
         enc.refresh(repo)
         existed = _write_part(repo, part)
-        seconds = dict(enc.seconds, part=time.perf_counter() - t_w, total=op.elapsed())
-        if cache_dir is not None and still_as_scanned(
-            mine
-        ):  # the rank's next delta base, should this version be committed
-            as_version = Manifest(part.version, parent, part.keyframe, part.chain_length, part.files, part.chunks)
-            adopt(Path(cache_dir), as_version, src, repo.url, lock=lock)
+    seconds = dict(enc.seconds, part=time.perf_counter() - t_w, total=op.elapsed())
     payload = sum(s.payload.size for f in part.files for s in f.segments if s.payload)
-    op.done(seconds)
-    return PartResult(
+    result = PartResult(
         part.version,
         parent,
         part.keyframe,
@@ -178,6 +205,19 @@ def publish_part(
         files=[f.path for f in part.files],
         existed=existed,
     )
+    return result, part
+
+
+def _merged_already(repo: Repo, part: PartManifest) -> bool:
+    """``part`` is stored as it is and the committed version holds its files with its checksums."""
+    key = part_key(part.version, part.rank, part.world)
+    try:
+        stored = part_from_json(repo.store.get(key), f"{repo.url}/{key}")
+        committed = repo.manifest(part.version)
+    except (NotFoundError, FormatError, VersionError):
+        return False
+    have = {f.path: (f.size, f.xxh3) for f in committed.files}
+    return same_part(stored, part) and all(have.get(f.path) == (f.size, f.xxh3) for f in part.files)
 
 
 def _write_part(repo: Repo, part: PartManifest) -> bool:
@@ -475,4 +515,5 @@ __all__ = [
     "merge_parts",
     "publish_part",
     "same_part",
+    "store_part",
 ]

@@ -2,7 +2,7 @@
 (layout.py; transformers.py derives it for a transformers model, engines.py for vLLM and SGLang),
 an engine rank fed by its node's subscriber (rank.py), whole changed tensors handed to an engine's
 own loader (loader.py), publishing from a state dict (state_dict.py), device-side diffs (device.py,
-hostpatch.py). The only part of weightsync that
+hostpatch.py; also one rank's part of a multi-rank version). The only part of weightsync that
 imports torch; this package's names import it on first use, so that the state-dict publisher
 (which needs torch only when it serializes) imports without it."""
 
@@ -12,7 +12,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from weightsync.torch.device import DeviceDiffPublisher
+    from weightsync.torch.device import DeviceDiffPublisher, RankDeviceDiffPublisher
     from weightsync.torch.layout import Layout, Placement
     from weightsync.torch.rank import EngineRank
     from weightsync.torch.sink import ApplyError, CoverageError, TorchSink
@@ -22,11 +22,21 @@ _LAZY = {
     "CoverageError": "sink",
     "TorchSink": "sink",
     "DeviceDiffPublisher": "device",
+    "RankDeviceDiffPublisher": "device",
     "Layout": "layout",
     "Placement": "layout",
     "EngineRank": "rank",
 }
-__all__ = ["ApplyError", "CoverageError", "DeviceDiffPublisher", "EngineRank", "Layout", "Placement", "TorchSink"]
+__all__ = [
+    "ApplyError",
+    "CoverageError",
+    "DeviceDiffPublisher",
+    "EngineRank",
+    "Layout",
+    "Placement",
+    "RankDeviceDiffPublisher",
+    "TorchSink",
+]
 
 
 def __getattr__(name: str):

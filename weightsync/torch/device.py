@@ -9,9 +9,11 @@ version's file and publishes it (docs/DESIGN.md: the path, the costs)::
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,11 +21,23 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from weightsync.errors import BaseMismatchError, UsageError
-from weightsync.format.dtypes import UINT_VIEW
+from weightsync.errors import BaseMismatchError, FormatError, NotFoundError, UsageError, VersionError
+from weightsync.format.dtypes import UINT_VIEW, itemsize
+from weightsync.format.keys import check_path
+from weightsync.local.checkpoint import scan_checkpoint
 from weightsync.store.repo import open_repo
-from weightsync.sync.observer import Observer
-from weightsync.sync.publish import PublishConfig, PublishResult, publish
+from weightsync.sync.observer import Observer, Operation
+from weightsync.sync.parts import CommitResult, PartResult, RankView, check_world, commit_parts, store_part
+from weightsync.sync.publish import (
+    DeltaBase,
+    PublishConfig,
+    PublishResult,
+    encode_and_upload,
+    encode_folder,
+    plan_version,
+    publish,
+)
+from weightsync.torch.dtypes import NP_INT as _NP_INT
 from weightsync.torch.dtypes import ST_DTYPE
 from weightsync.torch.dtypes import TORCH_INT as _TORCH_INT
 from weightsync.torch.hostpatch import (
@@ -32,8 +46,11 @@ from weightsync.torch.hostpatch import (
     HostMirror,
     MirrorFile,
     TensorChange,
+    _ChangeEncoder,
     publish_changes,
 )
+
+log = logging.getLogger("weightsync.publish")
 
 
 # --- device side ---------------------------------------------------------------------------------
@@ -105,6 +122,24 @@ class DeviceSnapshot:
     def reset(self) -> None:
         """Forget the snapshot (frees its device memory): the next diff copies every tensor."""
         self._prev.clear()
+
+    def drop(self, name: str) -> None:
+        """Forget one tensor: the next diff copies it whole."""
+        self._prev.pop(name, None)
+
+    def restore(self, name: str, dtype: str, shape: tuple[int, ...], index: np.ndarray, values: np.ndarray) -> None:
+        """Put back the bit patterns ``values`` (element width) at the flat positions ``index`` of
+        ``name``, undoing the last diff there (only these bytes cross to the device); a tensor the
+        snapshot holds with another dtype or shape is dropped instead."""
+        prev = self._prev.get(name)
+        if prev is None or prev[:2] != (dtype, tuple(shape)):
+            self._prev.pop(name, None)
+            return
+        t = prev[2]
+        if index.size:
+            idx = torch.from_numpy(np.ascontiguousarray(index, dtype=np.int64)).to(t.device)
+            vals = torch.from_numpy(np.ascontiguousarray(values).view(_NP_INT[values.dtype.itemsize])).to(t.device)
+            t.index_copy_(0, idx, vals)
 
     def __len__(self) -> int:
         return len(self._prev)
@@ -305,3 +340,290 @@ class DeviceDiffPublisher:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# --- one rank of a multi-rank publish ------------------------------------------------------------
+def rank_filename(rank: int, world: int) -> str:
+    """The default file of rank ``rank`` of ``world``: ``rank-<rank+1>-of-<world>.safetensors``,
+    both as 5 digits (the shard naming of a checkpoint saved by ``world`` ranks)."""
+    check_world(rank, world)
+    return f"rank-{rank + 1:05d}-of-{world:05d}.safetensors"
+
+
+@dataclass
+class RankPublishResult(PartResult):
+    """A :class:`PartResult` plus what crossed from the devices to the host, the shard's bytes, the
+    route (as :class:`DevicePublishResult`'s), whether the version was seen committed (None: not
+    waited for) and, on the rank that committed it, the :class:`CommitResult`."""
+
+    d2h_bytes: int = 0
+    tensor_bytes: int = 0
+    route: str = ""
+    committed: bool | None = None
+    commit: CommitResult | None = None
+
+
+@dataclass
+class _Pending:
+    """A part written and not yet seen committed: what moving the base back needs."""
+
+    version: int
+    mf: MirrorFile
+    changes: dict[str, TensorChange]  # every tensor of the part's state dict (their names, dtypes, shapes)
+    deltas: Deltas  # positions where the part differs from the base, and the differences
+    xxh3: str  # the part's file checksum: the committed version must hold exactly this file
+    deadline: float  # wait for the commit until then (time.monotonic)
+    committer: threading.Thread | None = None
+    commit: CommitResult | None = None
+    error: BaseException | None = None
+
+
+class RankDeviceDiffPublisher(DeviceDiffPublisher):
+    """Rank ``rank`` of ``world`` publishing its shard of a trainer's state dict as its part of each
+    version (docs/FORMAT.md section 6), diffing on the tensors' devices as
+    :class:`DeviceDiffPublisher` does::
+
+        with RankDeviceDiffPublisher(store, rank=r, world=W, commit=r == 0) as pub:
+            for step in range(steps):
+                train_step()
+                pub.publish(shard_state_dict(), version=step)   # waits for the commit by default
+
+    The shard is encoded as one file, ``filename`` (default :func:`rank_filename`). The version,
+    parent and keyframe flag come from the head, as :func:`weightsync.sync.parts.publish_part`
+    decides them, so all ranks agree without messages; give ``version`` (e.g. the step) so that a
+    round that failed leaves a number unused rather than a half-written one to collide with. The
+    version becomes visible once ``commit_parts`` merges all ``world`` parts: run by this rank
+    with ``commit=True`` (after its part, in a thread when ``wait=False``), or by any process
+    (``weightsync commit-parts``).
+
+    The base (device snapshot and host mirror) moves to version N only once N is seen at (or
+    below) the head holding this rank's file. If N is not committed (a rank failed, the committer
+    timed out or refused, another version N was committed instead) the changes of N are undone on
+    the host mirror and on the device snapshot, from the positions and old values the host
+    already holds: only those bytes go back to the device, no second device copy. When it cannot
+    tell (a damaged mirror, a head it does not hold), the next publish copies every tensor."""
+
+    def __init__(
+        self,
+        store,
+        *,
+        rank: int,
+        world: int,
+        commit: bool = False,
+        commit_timeout: float = 600.0,
+        poll: float = 0.25,
+        allow_removed: bool = False,
+        config: PublishConfig | None = None,
+        work_dir: str | os.PathLike | None = None,
+        filename: str | None = None,
+        direct: bool = True,
+        slice_elems: int = 1 << 28,
+        staging_bytes: int = 64 << 20,
+    ):
+        check_world(rank, world)
+        if not commit_timeout >= 0 or not poll > 0:
+            raise UsageError("commit_timeout must be >= 0 and poll > 0 seconds")
+        filename = rank_filename(rank, world) if filename is None else filename
+        try:
+            check_path(filename)
+        except FormatError as exc:
+            raise UsageError(f"filename: {exc}") from None
+        if "/" in filename or not filename.endswith(".safetensors"):
+            raise UsageError(f"filename must be a plain name ending in .safetensors, not {filename!r}")
+        super().__init__(
+            store,
+            config=config,
+            work_dir=work_dir,
+            filename=filename,
+            direct=direct,
+            slice_elems=slice_elems,
+            staging_bytes=staging_bytes,
+        )
+        self.rank, self.world, self.committer = rank, world, commit
+        self.commit_timeout, self.poll, self.allow_removed = commit_timeout, poll, allow_removed
+        self._pending: _Pending | None = None
+
+    @property
+    def filename(self) -> str:
+        """The file this rank's tensors are published as."""
+        return self.mirror.filename
+
+    @property
+    def base_version(self) -> int | None:
+        """The committed version the snapshot and the mirror hold (None: the next publish copies all)."""
+        return self.mirror.version
+
+    def publish(
+        self,
+        state_dict,
+        version: int | None = None,
+        metadata: dict[str, str] | None = None,
+        *,
+        wait: bool = True,
+        observer: Observer | None = None,
+    ) -> RankPublishResult:
+        """Publish this rank's ``state_dict`` as its part of ``version`` (default: head + 1).
+
+        First settles the previous part (waits for its commit until ``commit_timeout`` after it was
+        written, then moves the base to it or back). ``wait``: wait for this version's commit too
+        (committing it first with ``commit=True``); raises :class:`VersionError` if it is not
+        committed in ``commit_timeout`` seconds (the base then stays at the committed head).
+        ``wait=False`` returns once the part is written (a committer runs in a thread); see
+        :meth:`settle`. ``observer``: as :func:`weightsync.sync.parts.publish_part`'s."""
+        self.settle()
+        new = plan_version(self.repo, version, self.config)
+        head = None if new.parent is None else new.parent.version
+        based = self.mirror.current is not None and self.mirror.version == head
+        t0 = time.perf_counter()
+        if based:
+            try:
+                self.mirror.verify(RankView(self.repo, [self.filename]).manifest(head))
+            except BaseMismatchError:
+                based = False
+        verify_s = time.perf_counter() - t0
+        if not based:
+            self.snapshot.reset()
+            self.mirror.reset()
+        in_place = based and self.direct
+        try:
+            diff = self.snapshot.diff(state_dict)
+            t0 = time.perf_counter()
+            mf, deltas = self.mirror.write(diff, metadata, in_place)
+        except BaseException:
+            self.snapshot.reset()  # half updated, or ahead of a mirror that undid its patch
+            raise
+        patch_s = time.perf_counter() - t0
+        try:
+            r, route, xxh3 = self._part(new, mf, deltas, based, observer)
+        except BaseException:
+            self._rollback(mf, diff.changes, deltas)
+            raise
+        pending = _Pending(new.version, mf, diff.changes, deltas, xxh3, time.monotonic() + self.commit_timeout)
+        self._pending = pending
+        r.seconds.update(diff.seconds, mirror=patch_s, **({"verify_base": verify_s} if based else {}))
+        res = RankPublishResult(**asdict(r), d2h_bytes=diff.d2h_bytes, tensor_bytes=diff.tensor_bytes, route=route)
+        if self.committer:
+            if wait:
+                self._commit(pending)
+            else:
+                pending.committer = threading.Thread(
+                    target=self._commit, args=(pending,), name=f"ws-commit-{new.version}", daemon=True
+                )
+                pending.committer.start()
+        if wait:
+            res.committed = self.settle()
+            res.commit = pending.commit
+            if not res.committed:
+                if pending.error is not None:
+                    raise pending.error
+                raise VersionError(
+                    f"version {new.version} was not committed within {self.commit_timeout:g}s of rank "
+                    f"{self.rank}'s part (a rank missing, or no committer running); rank {self.rank}'s "
+                    f"base stays at version {self.base_version}"
+                )
+        return res
+
+    def _part(
+        self, new, mf: MirrorFile, deltas: Deltas, based: bool, observer: Observer | None
+    ) -> tuple[PartResult, str, str]:
+        """Encode the mirror's file against the head (from the changes when the mirror held the
+        head, else by the folder pipeline), upload it and write the part. Returns the part's
+        figures, the route and the file's checksum."""
+        op = Operation(observer)
+        files = scan_checkpoint(mf.folder)
+        enc, route = None, "full"
+        base = self.mirror.current.folder if based else None
+        if base is not None and self.direct:
+            changes = {(self.filename, n): d for n, d in deltas.items()}
+            encoder = _ChangeEncoder(self.config, files, None if base == mf.folder else base, changes, new.keyframe)
+            try:
+                enc, route = encode_and_upload(self.repo, files, new, encoder, self.config, op), "direct"
+            except BaseMismatchError:
+                op.restart()
+        view = RankView(self.repo, [self.filename])
+        rescan = lambda: scan_checkpoint(mf.folder)  # noqa: E731
+        if enc is None and base is not None and base != mf.folder:
+            try:
+                where = DeltaBase(base_dir=base, repo=view)
+                enc, route = encode_folder(self.repo, files, rescan, new, self.config, where, op), "folder"
+            except BaseMismatchError:
+                op.restart()
+        if enc is None:  # the head's bytes of this file, if any, are pulled for the deltas
+            enc = encode_folder(self.repo, files, rescan, new, self.config, DeltaBase(repo=view), op)
+        op.check()
+        r, part = store_part(self.repo, new, enc, self.rank, self.world, op)
+        op.done(r.seconds)
+        return r, route, next(f.xxh3 for f in part.files if f.path == self.filename)
+
+    def _commit(self, pending: _Pending) -> None:
+        try:
+            pending.commit = commit_parts(
+                self.repo,
+                pending.version,
+                self.world,
+                timeout=max(0.0, pending.deadline - time.monotonic()),
+                poll=self.poll,
+                allow_removed=self.allow_removed,
+                signing_key=self.config.signing_key,
+            )
+        except Exception as exc:  # reported by publish (wait=True) or logged by settle
+            pending.error = exc
+
+    def settle(self) -> bool | None:
+        """Wait for the pending part's version (until ``commit_timeout`` after the part was written,
+        or this rank's committer failed), then move the base: to that version if it is committed
+        with this rank's file, else back to the committed head. True/False: committed or not;
+        None: nothing was pending."""
+        p = self._pending
+        if p is None:
+            return None
+        if p.committer is not None:
+            p.committer.join()  # commit_parts gives up at the deadline
+        while not (committed := self._committed(p)) and p.error is None and time.monotonic() < p.deadline:
+            time.sleep(min(self.poll, max(0.0, p.deadline - time.monotonic())))
+        self._pending = None
+        if committed:
+            self.mirror.advance(p.mf, p.version)
+        else:
+            if p.error is not None:
+                log.warning("rank %d: committing version %d failed: %s", self.rank, p.version, p.error)
+            self._rollback(p.mf, p.changes, p.deltas)
+        return committed
+
+    def _committed(self, p: _Pending) -> bool:
+        """Version ``p.version`` is at or below the head and holds this rank's file as its part had it."""
+        head = self.repo.head_version()
+        if head is None or head < p.version:
+            return False
+        try:
+            f = self.repo.manifest(p.version).file(self.filename)
+        except (NotFoundError, VersionError, FormatError):
+            return False
+        return f is not None and f.xxh3 == p.xxh3
+
+    def _rollback(self, mf: MirrorFile, changes: dict[str, TensorChange], deltas: Deltas) -> None:
+        """Undo a part not committed on the host mirror (``mf``), then on the device snapshot at
+        the positions it changed, with the old bit patterns read back from the mirror."""
+        self.mirror.discard(mf)
+        cur = self.mirror.current
+        if cur is None:  # nothing to restore from: the next publish copies every tensor
+            self.snapshot.reset()
+            return
+        mm = np.memmap(cur.folder / self.filename, dtype=np.uint8, mode="r") if cur.segments else None
+        for name, ch in changes.items():
+            seg, d = cur.segments.get(name), deltas.get(name)
+            if seg is None or d is None or (seg.dtype, seg.shape) != (ch.dtype, ch.shape):
+                self.snapshot.drop(name)
+                continue
+            old = np.asarray(mm[seg.begin : seg.end]).view(UINT_VIEW[itemsize(ch.dtype)])[d[0]]
+            self.snapshot.restore(name, ch.dtype, ch.shape, d[0], old)
+        del mm
+
+    def close(self) -> None:
+        """Settle the pending part (waiting for its committer thread), then free the snapshot and mirror."""
+        try:
+            if self._pending is not None and self._pending.committer is not None:
+                self.settle()
+        finally:
+            self._pending = None
+            super().close()
