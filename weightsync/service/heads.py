@@ -27,6 +27,7 @@ log = logging.getLogger("weightsync.subscriber")
 
 LEADER_WAIT = 30.0  # seconds a follower's long poll is held; with no news it then reads the head itself
 LEADER_GRACE = 5.0  # seconds past the wait after which a leader that has not answered counts as down
+LEADER_GAP = 1.0  # a follower takes the leader's answers at most this often (or every poll interval if shorter)
 
 
 @dataclass(frozen=True)
@@ -113,13 +114,13 @@ class LeaderError(Exception):
 class LeaderFeed:
     """A follower's wait between polls (``--head-from URL``): a long poll of the leader subscriber's
     ``GET /v1/head`` instead of a sleep. Any answer ends the wait (a new head, or none within
-    :data:`LEADER_WAIT`: the follower then reads the head itself either way); answers come at most
-    once per ``interval`` (a leader that answers at once, or lies about news, cannot make the follower
-    read the store faster than it would poll). A leader that fails (unreachable, a bad answer, another
-    store) is logged once per outage and the follower polls the store every ``interval`` meanwhile,
-    asking the leader again before each poll. ``token``: the bearer token sent (the follower's own
-    API token). ``count(outcome)`` counts news from the leader (``leader``); ``up(ok)`` reports whether
-    the leader answers."""
+    :data:`LEADER_WAIT`: the follower then reads the head itself either way); answers are taken at
+    most once per :data:`LEADER_GAP` or ``interval``, whichever is shorter (a leader that answers at
+    once, or lies about news, makes the follower read the head at most that often). A leader that
+    fails (unreachable, a bad answer, another store) is logged once per outage and the follower polls
+    the store every ``interval`` meanwhile, asking the leader again before each poll. ``token``: the
+    bearer token sent (the follower's own API token). ``count(outcome)`` counts news from the leader
+    (``leader``); ``up(ok)`` reports whether the leader answers."""
 
     def __init__(
         self,
@@ -153,8 +154,8 @@ class LeaderFeed:
             self._session = None
 
     async def wait(self, wake: asyncio.Event) -> None:
-        """Until the leader answers (then at least ``interval`` after its previous answer), or
-        ``interval`` when it fails, or until ``wake`` is set (an API request, a stop)."""
+        """Until the leader answers (taken at most once per :data:`LEADER_GAP`), or ``interval`` when it
+        fails, or until ``wake`` is set (an API request, a stop)."""
         start = time.monotonic()
         request = asyncio.ensure_future(self._ask(self.long_wait if self.ok else 0.0))
         woken = asyncio.ensure_future(wake.wait())
@@ -162,7 +163,7 @@ class LeaderFeed:
             await asyncio.wait({request, woken}, return_when=asyncio.FIRST_COMPLETED)
             if not request.done():
                 return  # woken: the loop runs now; the held poll is dropped
-            until = self._answered + self.interval
+            until = self._answered + min(self.interval, LEADER_GAP)
             try:
                 self._news(request.result())
             except LeaderError as exc:
