@@ -10,7 +10,6 @@ is a real HTTP server that answers what a hostile or broken leader would.
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import threading
 from pathlib import Path
@@ -211,6 +210,18 @@ def test_a_leader_that_cannot_be_used_sends_the_follower_to_the_store(world, tmp
         bad.close()
 
 
+def test_a_subscriber_never_follows_itself(world, tmp_path):
+    store, _, start = world
+    port = free_port()
+    d = start(subscriber(tmp_path, store, "self", "--head-from", f"http://127.0.0.1:{port}", poll="0.2", port=port))
+    d.wait_version(2)
+    status = wait_for(lambda: (s := d.status()["head_from"])["ok"] is False and s, 30, "the refusal")
+    assert "is this subscriber itself (self)" in status["error"], status
+    set_head(store, 3)
+    d.wait_version(3)  # polls the store instead
+    assert d.stop() == 0
+
+
 @pytest.mark.parametrize("url", ["ftp://host:1", "http://", "http://host:99999", "http://h:1/path", "http://u@h:1"])
 def test_a_bad_head_from_url_is_one_line_and_exit_2(run_cli, tmp_path, url, ws):
     rc, out, err = run_cli("subscriber", "--store", tmp_path / "s", "--target", tmp_path / "t", "--head-from", url)
@@ -223,5 +234,5 @@ def test_the_head_answer_is_json(world, tmp_path):
     d.wait_version(2)
     code, body, headers = http("GET", d.url + "/v1/head?wait=0")
     assert code == 200 and headers["Content-Type"].startswith("application/json")
-    assert set(body) == {"store", "version", "seq", "read_at"} and json.dumps(body)
+    assert set(body) == {"store", "id", "version", "seq", "read_at"} and body["id"] == "only"
     assert d.stop() == 0

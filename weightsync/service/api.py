@@ -411,7 +411,7 @@ async def get_head(request: web.Request) -> web.Response:
             raise UsageError("after must be an integer in 0..10**18 (the seq of an earlier answer)")
     sub = request.app[SUBSCRIBER]
     await sub.heads.wait(after, _wait(request) or 0.0)
-    return web.json_response(sub.heads.doc(sub.repo.url))
+    return web.json_response(sub.heads.doc(sub.repo.url, sub.cfg.identity.id))
 
 
 async def get_manifest(request: web.Request) -> web.Response:

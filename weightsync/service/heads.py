@@ -27,6 +27,7 @@ log = logging.getLogger("weightsync.subscriber")
 
 LEADER_WAIT = 30.0  # seconds a follower's long poll is held; with no news it then reads the head itself
 LEADER_GRACE = 5.0  # seconds past the wait after which a leader that has not answered counts as down
+MAX_ANSWER = 64 << 10  # bytes of a leader's answer read at most (a head answer is ~150)
 LEADER_GAP = 1.0  # a follower takes the leader's answers at most this often (or every poll interval if shorter)
 
 
@@ -101,10 +102,10 @@ class HeadReader:
             await asyncio.wait_for(self._changed.wait(), seconds)
         return self.state
 
-    def doc(self, store: str) -> dict:
-        """The ``GET /v1/head`` answer."""
+    def doc(self, store: str, subscriber: str) -> dict:
+        """The ``GET /v1/head`` answer of subscriber ``subscriber`` (its id)."""
         s = self.state
-        return {"store": store, "version": s.version, "seq": s.seq, "read_at": s.read_at}
+        return {"store": store, "id": subscriber, "version": s.version, "seq": s.seq, "read_at": s.read_at}
 
 
 class LeaderError(Exception):
@@ -117,10 +118,11 @@ class LeaderFeed:
     :data:`LEADER_WAIT`: the follower then reads the head itself either way); answers are taken at
     most once per :data:`LEADER_GAP` or ``interval``, whichever is shorter (a leader that answers at
     once, or lies about news, makes the follower read the head at most that often). A leader that
-    fails (unreachable, a bad answer, another store) is logged once per outage and the follower polls
-    the store every ``interval`` meanwhile, asking the leader again before each poll. ``token``: the
-    bearer token sent (the follower's own API token). ``count(outcome)`` counts news from the leader
-    (``leader``); ``up(ok)`` reports whether the leader answers."""
+    fails (unreachable, a bad answer, another store, this subscriber itself: ``own_id``) is logged
+    once per outage and the follower polls the store every ``interval`` meanwhile, asking the leader
+    again before each poll. ``token``: the bearer token sent (the follower's own API token).
+    ``count(outcome)`` counts news from the leader (``leader``); ``up(ok)`` reports whether the
+    leader answers."""
 
     def __init__(
         self,
@@ -128,13 +130,14 @@ class LeaderFeed:
         store: str,
         interval: float,
         *,
+        own_id: str | None = None,
         token: str | None = None,
         count: Callable[[str], None] = lambda outcome: None,
         up: Callable[[bool], None] = lambda ok: None,
         wait: float = LEADER_WAIT,
         grace: float = LEADER_GRACE,
     ):
-        self.url, self.store, self.interval = url.rstrip("/"), store, interval
+        self.url, self.store, self.interval, self.own_id = url.rstrip("/"), store, interval, own_id
         self._headers = {} if token is None else {"Authorization": f"Bearer {token}"}
         self._count, self._up = count, up
         self.long_wait, self.grace = wait, grace
@@ -188,8 +191,12 @@ class LeaderFeed:
         query = {"wait": f"{seconds:g}"} | ({} if self.seq is None else {"after": str(self.seq)})
         timeout = aiohttp.ClientTimeout(total=seconds + (self.grace if self.ok else min(self.grace, self.interval)))
         try:
-            async with self._session.get(f"{self.url}/v1/head", params=query, timeout=timeout) as resp:
-                body = await resp.read()
+            async with self._session.get(
+                f"{self.url}/v1/head", params=query, timeout=timeout, allow_redirects=False
+            ) as resp:  # never redirected: the token goes to the leader only
+                body = await resp.content.read(MAX_ANSWER + 1)
+                if len(body) > MAX_ANSWER:
+                    raise LeaderError(f"GET {self.url}/v1/head: an answer of more than {MAX_ANSWER} bytes")
                 if resp.status != 200:
                     raise LeaderError(f"GET {self.url}/v1/head: HTTP {resp.status}: {body[:200]!r}")
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
@@ -205,6 +212,8 @@ class LeaderFeed:
         seq = doc.get("seq") if isinstance(doc, dict) else None
         if type(seq) is not int or seq < 0:
             raise LeaderError(f"GET {self.url}/v1/head: not a head answer (no integer seq)")
+        if self.own_id is not None and doc.get("id") == self.own_id:
+            raise LeaderError(f"the leader {self.url} is this subscriber itself ({self.own_id})")
         if doc.get("store") != self.store:
             raise LeaderError(
                 f"the leader {self.url} follows {doc.get('store')!r}, not this subscriber's store {self.store}"

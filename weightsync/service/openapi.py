@@ -222,9 +222,10 @@ def _schemas(role: str) -> dict:
         }
         schemas["Head"] = {
             "type": "object",
-            "required": ["store", "version", "seq", "read_at"],
+            "required": ["store", "id", "version", "seq", "read_at"],
             "properties": {
                 "store": {"type": "string", "description": "the store whose head this is"},
+                "id": {"type": "string", "description": "the id of the subscriber that read it"},
                 "version": _nullable(_VERSION),
                 "seq": {
                     "type": "integer",

@@ -193,6 +193,7 @@ class Subscriber:
                 cfg.head_from,
                 repo.url,
                 cfg.poll_interval,
+                own_id=cfg.identity.id,
                 token=cfg.api.token,
                 count=metrics.head_read,
                 up=lambda ok: metrics.head_leader_up.set(int(ok)),
