@@ -70,7 +70,8 @@ class HeadReader:
             except Exception:
                 self._count("error")
                 raise
-            self._count("unchanged" if got is None else "changed")
+            still_missing = got == (None, None) and self._etag is None and self.state.read_at is not None
+            self._count("unchanged" if got is None or still_missing else "changed")
             version = self.state.version
             if got is not None:
                 version, self._etag = got
@@ -144,7 +145,7 @@ class LeaderFeed:
         self.ok = True  # optimistic at start: the first call finds out
         self.seq: int | None = None  # the leader's seq last seen
         self.last_error: str | None = None
-        self._answered = float("-inf")  # monotonic time of the last answer
+        self._answered = float("-inf")  # monotonic time the last answer taken ended a wait
         self._session = None
 
     def status(self) -> dict:
@@ -166,16 +167,18 @@ class LeaderFeed:
             await asyncio.wait({request, woken}, return_when=asyncio.FIRST_COMPLETED)
             if not request.done():
                 return  # woken: the loop runs now; the held poll is dropped
-            until = self._answered + min(self.interval, LEADER_GAP)
+            until, taken = self._answered + min(self.interval, LEADER_GAP), True
             try:
                 self._news(request.result())
             except LeaderError as exc:
                 self._failed(str(exc))
-                until = start + self.interval  # poll the store as without a leader
+                until, taken = start + self.interval, False  # poll the store as without a leader
             left = until - time.monotonic()
             if left > 0:
                 with suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(asyncio.shield(woken), left)
+            if taken:
+                self._answered = time.monotonic()  # when this answer ends the wait
         finally:
             for task in (request, woken):
                 task.cancel()
@@ -218,7 +221,6 @@ class LeaderFeed:
             raise LeaderError(
                 f"the leader {self.url} follows {doc.get('store')!r}, not this subscriber's store {self.store}"
             )
-        self._answered = time.monotonic()
         if not self.ok:
             event(log, "the head leader answers again; waiting on it instead of polling the store", leader=self.url)
         self.ok, self.last_error = True, None
