@@ -236,3 +236,27 @@ def test_the_head_answer_is_json(world, tmp_path):
     assert code == 200 and headers["Content-Type"].startswith("application/json")
     assert set(body) == {"store", "id", "version", "seq", "read_at"} and body["id"] == "only"
     assert d.stop() == 0
+
+
+def test_followers_send_their_api_token_to_the_leader(world, tmp_path):
+    store, _, start = world
+    good, bad = "t0ken-of-the-replica", "another-t0ken"
+    leader = subscriber(tmp_path, store, "leader")
+    leader.env["WEIGHTSYNC_API_TOKEN"], leader.token = good, good
+    start(leader)
+    follower = subscriber(tmp_path, store, "follower", "--head-from", leader.url, poll="0.2")
+    follower.env["WEIGHTSYNC_API_TOKEN"], follower.token = good, good
+    stranger = subscriber(tmp_path, store, "stranger", "--head-from", leader.url, poll="0.2")
+    stranger.env["WEIGHTSYNC_API_TOKEN"], stranger.token = bad, bad
+    for d in (start(follower), start(stranger)):
+        d.wait_version(2)
+    assert http("GET", leader.url + "/v1/head")[0] == 401
+    wait_for(lambda: follower.status()["head_from"]["seq"] is not None, 30, "the follower to hear from its leader")
+    assert follower.status()["head_from"]["ok"] is True
+    status = wait_for(lambda: (s := stranger.status()["head_from"])["ok"] is False and s, 30, "a 401")
+    assert "HTTP 401" in status["error"], status
+    set_head(store, 3)
+    for d in (leader, follower, stranger):
+        d.wait_version(3)
+        assert d.stop() == 0
+        assert good not in d.log() and bad not in d.log()
