@@ -6,6 +6,7 @@
     proxy.add(Rule("reset", probability=0.05))                       # 5 % of all requests: RST
     ...
     proxy.injected          # Counter of faults injected, by kind
+    proxy.answers           # (method, path, status, body bytes) of each answer forwarded unchanged
     proxy.stop()
 
 Faults (``Rule.fault``):
@@ -105,6 +106,7 @@ class FaultProxy:
         self.injected: Counter[str] = Counter()  # faults injected, by kind
         self.requests: Counter[str] = Counter()  # requests seen, by method
         self.log: list[tuple[float, str, str, str | None]] = []  # (time, method, path, fault), bounded
+        self.answers: list[tuple[str, str, int, int]] = []  # (method, path, status, body bytes) forwarded, bounded
         self.log_limit = 100_000
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
@@ -250,6 +252,9 @@ class FaultProxy:
                     await writer.drain()
                     writer.close()
                     return
+                with self._lock:
+                    if len(self.answers) < self.log_limit:
+                        self.answers.append((req.method, req.path, int(status.split(" ", 2)[1]), len(body)))
                 writer.write(_response_head(status, headers, None if req.method == "HEAD" else len(body)) + body)
                 await writer.drain()
                 if req.close:

@@ -85,7 +85,8 @@ def test_openapi_documents_are_valid(role, auth):
         ("GET", "/v1/versions"),
     }
     engines = {("POST", f"/v1/engines{p}") for p in ("", "/poll", "/report", "/leave")}
-    subscriber = {("PUT", "/v1/target"), ("POST", "/v1/hook"), ("GET", "/v1/manifest/{version}"), *engines}
+    subscriber = {("PUT", "/v1/target"), ("POST", "/v1/hook"), ("GET", "/v1/manifest/{version}"), ("GET", "/v1/head")}
+    subscriber |= engines
     extra = subscriber if role == "subscriber" else {("POST", "/v1/publish"), ("GET", "/v1/fleet")}
     assert ops == common | extra
     for p, item in doc["paths"].items():
@@ -135,7 +136,7 @@ def _fuzz(daemon: Daemon, max_examples: int) -> list[str]:
 def test_schemathesis_subscriber(world):
     _, sub, _ = world
     labels = _fuzz(sub, 40)
-    assert "PUT /v1/target" in labels and "POST /v1/hook" in labels and len(labels) == 12
+    assert "PUT /v1/target" in labels and "POST /v1/hook" in labels and len(labels) == 13
     assert sub.get("/readyz")[0] == 200
 
 

@@ -105,6 +105,8 @@ def test_invalid_keys_rejected(store, key):
         lambda: store.head_meta(key),
         lambda: store.delete(key),
         lambda: store.put_if_match(key, b"x", None),
+        lambda: store.get_if_changed(key, None),
+        lambda: store.get_if_changed(key, "tag"),
     ):
         with pytest.raises(StoreError) as info:
             call()
@@ -153,6 +155,40 @@ def test_put_if_match(store):
     with pytest.raises(PreconditionFailedError):
         store.put_if_match("head", b"gone", tag2)  # a tag cannot resurrect a deleted object
     assert store.head("head") is None
+
+
+def test_get_if_changed(store):
+    store.put("head", b"v1")
+    data, tag1 = store.get_with_etag("head")
+    assert store.get_if_changed("head", None) == (b"v1", tag1)  # no tag: always read
+    assert store.get_if_changed("head", tag1) is None  # unchanged
+    assert store.get_if_changed("head", "not-a-tag-it-ever-had") == (b"v1", tag1)
+    store.put_if_match("head", b"v2", tag1)
+    got = store.get_if_changed("head", tag1)
+    assert got is not None and got[0] == b"v2"
+    tag2 = got[1]
+    assert tag2 != tag1 and store.get_with_etag("head") == (b"v2", tag2)  # the same tags as get_with_etag
+    assert store.get_if_changed("head", tag2) is None
+    store.put_if_match("head", b"v3", tag2)  # the tag it answered guards conditional writes
+    store.put("head", b"v3")  # the same bytes again: unchanged, or read again, never other bytes
+    got = store.get_if_changed("head", store.get_with_etag("head")[1])
+    assert got is None or got[0] == b"v3"
+    store.delete("head")
+    for tag in (tag2, None):
+        with pytest.raises(NotFoundError) as info:
+            store.get_if_changed("head", tag)  # gone: never "unchanged"
+        assert info.value.key == "head"
+
+
+def test_get_if_changed_sees_every_write(store):
+    """A poller holding a tag notices each of many writes of small, same-size objects in a row."""
+    tag = None
+    for i in range(20):
+        store.put("head", b'{"version": %02d}' % i)
+        got = store.get_if_changed("head", tag)
+        assert got is not None and got[0] == b'{"version": %02d}' % i
+        tag = got[1]
+        assert store.get_if_changed("head", tag) is None
 
 
 # SeaweedFS queues contending conditional writes on one key behind a lock it retries in ~1 s

@@ -70,6 +70,7 @@ def create_app(deps: Deps) -> web.Application:
             web.post("/v1/engines/report", post_engine_report),
             web.post("/v1/engines/leave", post_engine_leave),
             web.get("/v1/manifest/{version}", get_manifest),
+            web.get("/v1/head", get_head),
         ]
         app.on_shutdown.append(_close_engines)  # held polls answer before the server waits for its requests
     else:
@@ -321,6 +322,7 @@ async def fleet(request: web.Request) -> web.Response:
 # --- engine ranks (weightsync.service.engines) -----------------------------------------------------
 async def _close_engines(app: web.Application) -> None:
     app[SUBSCRIBER].engines.close()
+    app[SUBSCRIBER].heads.close()  # held head polls too
 
 
 def _int_field(doc: dict, key: str, lo: int, hi: int, null: bool = False) -> int | None:
@@ -396,6 +398,20 @@ async def post_engine_leave(request: web.Request) -> web.Response:
     doc = await _json_body(request, {"instance"}, {"instance"})
     request.app[SUBSCRIBER].engines.leave(_str_field(doc, "instance"))
     return web.json_response({"left": True})
+
+
+async def get_head(request: web.Request) -> web.Response:
+    """The head this subscriber last read; with ``after`` (the ``seq`` of an earlier answer) and ``wait``,
+    held until the head moves or the wait runs out (a follower's long poll, ``--head-from``)."""
+    raw = request.query.get("after")
+    after = None
+    if raw is not None:
+        after = int(raw) if raw.isdigit() and len(raw) <= 18 else None
+        if after is None:
+            raise UsageError("after must be an integer in 0..10**18 (the seq of an earlier answer)")
+    sub = request.app[SUBSCRIBER]
+    await sub.heads.wait(after, _wait(request) or 0.0)
+    return web.json_response(sub.heads.doc(sub.repo.url, sub.cfg.identity.id))
 
 
 async def get_manifest(request: web.Request) -> web.Response:

@@ -25,6 +25,27 @@ def _positive(name: str, value: float) -> None:
         raise UsageError(f"{name} must be positive, got {value}")
 
 
+def _check_http_url(name: str, url: str) -> None:
+    """``http(s)://host[:port]``, without path, query or credentials."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises ValueError for a bad port)
+    except ValueError:
+        parts = None
+    if (
+        parts is None
+        or parts.scheme not in ("http", "https")
+        or not parts.hostname
+        or parts.username is not None
+        or parts.path not in ("", "/")
+        or parts.query
+        or parts.fragment
+    ):
+        raise UsageError(f"{name} must be a subscriber's API URL like http://host:8471, not {url!r}")
+
+
 @dataclass(frozen=True)
 class ApiConfig:
     """Where the HTTP API listens (``port=None``: no HTTP server) and the bearer token, if any."""
@@ -269,10 +290,13 @@ class SubscriberConfig:
     log: LogConfig = field(default_factory=LogConfig)
     grace: float = 30.0
     stall_after: float = 60.0  # a store request running longer than this is reported (weightsync.service.stalls)
+    head_from: str | None = None  # a leader subscriber's API: wait on its GET /v1/head between polls
 
     def __post_init__(self) -> None:
         _positive("poll interval", self.poll_interval)
         _positive("ledger interval", self.ledger_interval)
+        if self.head_from is not None:
+            _check_http_url("--head-from", self.head_from)
         _positive("--stall-after", self.stall_after)
         _positive("engine timeout", self.engine_timeout)
         _positive("engine phase timeout", self.engine_phase_timeout)

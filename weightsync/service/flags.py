@@ -501,6 +501,13 @@ def add_subscriber_args(p: argparse.ArgumentParser, environ: Mapping[str, str] |
         default=0.5,
         help="first wait between hook attempts, doubling up to 30 s or this if longer (default 0.5)",
     )
+    add(
+        "--head-from",
+        metavar="URL",
+        help="a leader subscriber's API (http://host:8471) to wait on between polls instead of polling the "
+        "store: one head poller per replica; the leader only says when to look (this subscriber then reads "
+        "the head itself), and while it does not answer the store is polled (sent: this API's token)",
+    )
     add("--ledger-interval", type=float, default=30.0, help="seconds between fleet ledger heartbeats (default 30)")
     add("--concurrency", type=int, default=32, help="chunks in flight (default 32)")
     add("--verify-before-swap", action="store_true", help="re-read the whole standby copy before each swap")
@@ -759,4 +766,5 @@ def subscriber_config(args, environ: Mapping[str, str] = os.environ) -> Subscrib
         log=LogConfig(args.log_json, args.log_level),
         grace=args.grace,
         stall_after=args.stall_after,
+        head_from=args.head_from or None,
     )

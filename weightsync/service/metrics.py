@@ -29,6 +29,7 @@ _PAUSE = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 ROLES = ("publisher", "subscriber", "mirror")
 ENGINE_OUTCOMES = ("applied", "aborted", "apply_failed")  # how an engine transaction ends
+HEAD_OUTCOMES = ("changed", "unchanged", "error", "leader")  # a subscriber's head reads (weightsync.service.heads)
 
 
 def register_runtime_collectors(registry: CollectorRegistry) -> None:
@@ -224,6 +225,22 @@ class Metrics:
                 "weightsync_engine_transaction_seconds",
                 "Seconds from the prepare instructions to the last rank's applied report, per applied transaction.",
             )
+            self._head_reads = Counter(
+                "weightsync_head_reads_total",
+                "Reads of the store's head by outcome: changed (read whole), unchanged (a conditional read, "
+                "answered without a body), error; leader: news of a head from the --head-from leader (the "
+                "subscriber then reads the head itself).",
+                (*names, "outcome"),
+                registry=registry,
+            )
+            for outcome in HEAD_OUTCOMES:
+                self._head_reads.labels(**self.labels, outcome=outcome)
+            self.head_leader_up = gauge(
+                "weightsync_head_leader_up",
+                "1 while the --head-from leader answers (the subscriber waits on it between polls); 0 while "
+                "it polls the store itself (always, without --head-from).",
+                0,
+            )
             self.engine_dropped = counter(
                 "weightsync_engine_ranks_dropped_total", "Engine ranks dropped because they stopped polling."
             )
@@ -243,6 +260,10 @@ class Metrics:
                 self._engine_version.remove(*labels.values())
         else:
             self._engine_version.labels(**labels).set(-1 if version is None else version)
+
+    def head_read(self, outcome: str) -> None:
+        """Count a head read that ended with ``outcome`` (one of ``HEAD_OUTCOMES``)."""
+        self._head_reads.labels(**self.labels, outcome=outcome).inc()
 
     def engine_transactions(self, outcome: str) -> None:
         """Count an engine transaction that ended with ``outcome`` (one of ``ENGINE_OUTCOMES``)."""

@@ -204,6 +204,35 @@ def _schemas(role: str) -> dict:
                         "properties": {"version": _VERSION, "reason": {"type": "string"}, "time": {"type": "number"}},
                     }
                 ),
+                "head_from": _nullable(
+                    {
+                        "type": "object",
+                        "description": "the leader waited on between polls (--head-from); ok: false while it does "
+                        "not answer and the store is polled instead",
+                        "required": ["url", "ok", "seq", "error"],
+                        "properties": {
+                            "url": {"type": "string"},
+                            "ok": {"type": "boolean"},
+                            "seq": _nullable("integer"),
+                            "error": _nullable("string"),
+                        },
+                    }
+                ),
+            },
+        }
+        schemas["Head"] = {
+            "type": "object",
+            "required": ["store", "id", "version", "seq", "read_at"],
+            "properties": {
+                "store": {"type": "string", "description": "the store whose head this is"},
+                "id": {"type": "string", "description": "the id of the subscriber that read it"},
+                "version": _nullable(_VERSION),
+                "seq": {
+                    "type": "integer",
+                    "minimum": 0,
+                    "description": "opaque; changes whenever the version read changes (and at a restart)",
+                },
+                "read_at": _nullable({"type": "number", "description": "unix time of the last successful read"}),
             },
         }
         schemas.update(_engine_schemas())
@@ -446,6 +475,27 @@ def openapi_document(role: str, auth: bool) -> dict:
                 v1=True,
                 auth=auth,
                 parameters=[wait],
+            )
+        }
+        paths["/v1/head"] = {
+            "get": _op(
+                "The store head last read",
+                {"200": _json("Head", "The head this subscriber read last, and when"), "400": bad},
+                v1=True,
+                auth=auth,
+                description="For followers (--head-from): with after (the seq of an earlier answer) and wait, "
+                "the answer is held until the head read moves or the wait runs out. A follower trusts it only "
+                "for when to read the head itself.",
+                parameters=[
+                    {
+                        "name": "after",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "integer", "minimum": 0, "maximum": 10**18},
+                        "description": "the seq of the caller's last answer: answered at once when it differs",
+                    },
+                    {**wait, "description": "seconds to hold the answer while the seq is still after"},
+                ],
             )
         }
         paths.update(_engine_paths(auth, bad, big))

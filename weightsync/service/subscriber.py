@@ -29,6 +29,7 @@ from weightsync.local.state import (
 from weightsync.local.verify import verify_folder
 from weightsync.service.config import SubscriberConfig
 from weightsync.service.engines import EngineCoordinator
+from weightsync.service.heads import HeadReader, LeaderFeed
 from weightsync.service.hooks import HookRecord, HookRunner, read_hook_record, write_hook_record
 from weightsync.service.metrics import Metrics
 from weightsync.service.pin import (
@@ -184,6 +185,21 @@ class Subscriber:
             else None,
         )
         self.refused: dict | None = None  # the version refused for its signature (--trusted-key), and why
+        self.heads = HeadReader(repo, metrics.head_read, clock)  # conditional head reads; GET /v1/head's feed
+        self.leader = (  # --head-from: wait on the leader's GET /v1/head between polls
+            None
+            if cfg.head_from is None
+            else LeaderFeed(
+                cfg.head_from,
+                repo.url,
+                cfg.poll_interval,
+                own_id=cfg.identity.id,
+                token=cfg.api.token,
+                count=metrics.head_read,
+                up=lambda ok: metrics.head_leader_up.set(int(ok)),
+            )
+        )
+        self._idle = False  # the last iteration asks for the ordinary wait (a leader's news may end it)
 
     def claim(self) -> None:
         """Take the target folder and both slots for this process (FolderBusyError if another
@@ -244,7 +260,7 @@ class Subscriber:
         """Pin a version (it must exist) or follow ``"latest"``; the loop acts on it at once. The
         target is stored first (it survives restarts); if that fails nothing changes."""
         if target != LATEST:
-            head = await asyncio.to_thread(self.repo.head_version)
+            head = await asyncio.to_thread(self.heads.read)
             if head is None or int(target) > head:
                 raise VersionError(f"version {target} does not exist in {self.repo.url} (head {head})")
             await asyncio.to_thread(self.repo.manifest, int(target))
@@ -381,14 +397,16 @@ class Subscriber:
             "engines": self.engines.status(),
             "trusted_keys": None if self.repo.trusted_keys is None else list(self.repo.trusted_keys.ids),
             "refused": self.refused,
+            "head_from": None if self.leader is None else self.leader.status(),
         }
 
     # -- the loop ---------------------------------------------------------------------------------
     async def run(self) -> None:
         """The daemon's loop: claim the folders, then read the head, plan, sync and swap, until stopped."""
         self._wake = asyncio.Event()
+        self.heads.attach(asyncio.get_running_loop())
         warm_codec()
-        engines = heartbeat = None
+        engines = heartbeat = refresh = None
         if self.stalls is not None:
             self.stalls.start()
         try:
@@ -397,11 +415,16 @@ class Subscriber:
             self._resume_hook()
             engines = asyncio.create_task(self.engines.run(self.serving), name="engines")
             heartbeat = asyncio.create_task(self._heartbeat(), name="fleet-heartbeat")
+            if self.leader is None and self.cfg.api.port is not None:  # followers may wait on this one
+                refresh = asyncio.create_task(self._refresh_head(), name="head-refresh")
             while not self.stop_token.is_set:
-                await sleep_or_wake(self._wake, await self._iteration(), self.stop_token)
+                await self._pause(await self._iteration())
         finally:
             self.engines.close()
-            for task in (engines, heartbeat):
+            self.heads.close()
+            if self.leader is not None:
+                await self.leader.close()
+            for task in (engines, heartbeat, refresh):
                 if task is not None:
                     task.cancel()
                     with suppress(asyncio.CancelledError):
@@ -453,14 +476,35 @@ class Subscriber:
             partial=self.cfg.partial,
         )
 
+    async def _pause(self, delay: float) -> None:
+        """The wait between iterations: ``delay`` seconds, or with ``--head-from`` after the ordinary
+        iteration until the leader has news (:class:`LeaderFeed`); an API request or a stop ends it."""
+        if self.leader is None or not self._idle:  # a retry, a back-off, an interrupted copy: as timed
+            await sleep_or_wake(self._wake, delay, self.stop_token)
+            return
+        self._wake.clear()
+        if not self.stop_token.is_set:
+            await self.leader.wait(self._wake)
+
+    async def _refresh_head(self) -> None:
+        """Read the head every poll interval while the loop syncs (a long sync reads none), so that
+        followers waiting on this subscriber's ``GET /v1/head`` hear of a newer head meanwhile."""
+        while True:
+            await asyncio.sleep(self.cfg.poll_interval)
+            stale = time.monotonic() - self.heads.read_mono >= self.cfg.poll_interval
+            if stale and self.state in ("syncing", "swapping"):
+                with suppress(WeightsyncError):  # the loop reports store errors
+                    await asyncio.to_thread(self.heads.read)
+
     async def _iteration(self) -> float:
         """One poll: plan, act, update gauges. Returns the seconds to wait before the next one."""
+        self._idle = False
         try:
             if self._lock is not None:
                 await asyncio.to_thread(self._lock.check)  # a slot removed by hand: its lock is taken again
             if self._served is not None:
                 await asyncio.to_thread(self._check_served)
-            head = await asyncio.to_thread(self.repo.head_version)
+            head = await asyncio.to_thread(self.heads.read)  # one conditional request: a 304 while unchanged
             self.latest = head
             if self.refused is not None and (head is None or head < self.refused["version"]):
                 self._refuse(None)  # the refused version is gone from the store
@@ -484,7 +528,9 @@ class Subscriber:
             self._errors = 0
             if isinstance(action, Idle):
                 self.last_error = None
-            return 0.0 if interrupted else self._next_delay()  # an interrupted copy: at once to what interrupted it
+            delay = 0.0 if interrupted else self._next_delay()  # an interrupted copy: at once to what interrupted it
+            self._idle = delay >= self.cfg.poll_interval
+            return delay
         except Stopped:
             return 0.0
         except Exception as exc:  # logged, counted, backed off; the loop goes on
@@ -729,7 +775,7 @@ class Subscriber:
         if time.monotonic() >= self._seed_poll:
             self._seed_poll = time.monotonic() + self.cfg.poll_interval
             try:
-                head = self.repo.head_version()
+                head = self.heads.read()
             except WeightsyncError:
                 return  # the loop reports store errors; the copy goes on
             if head != self.latest:

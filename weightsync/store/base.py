@@ -8,6 +8,9 @@ the protocol offers them in the manner of obstore's ``list``/``head``: :meth:`St
 :meth:`Store.head_meta` give :class:`ObjectMeta` (``last_modified`` by the store's own clock),
 :meth:`Store.now` reads that clock, and :meth:`Store.sweep_incomplete` removes old incomplete
 writes.
+
+Head polling is one conditional read: :meth:`Store.get_if_changed` answers ``None`` while the
+object still has the tag the caller holds (S3: ``If-None-Match``, a ``304`` without a body).
 """
 
 from __future__ import annotations
@@ -74,6 +77,17 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def get_with_etag(self, key: str) -> tuple[bytes, str]:
         """The object and an opaque tag that changes whenever the object changes."""
+
+    def get_if_changed(self, key: str, etag: str | None) -> tuple[bytes, str] | None:
+        """The object and its tag (as :meth:`get_with_etag`) unless its tag is still ``etag``: then
+        ``None``, without the body where the backend can tell (S3: one ``GET`` with ``If-None-Match``,
+        answered ``304``). ``etag=None`` always reads. :class:`NotFoundError` if the object is gone,
+        whatever ``etag`` was. This default reads the object and compares tags: the check of the
+        memory and file stores, whose tag is the content's XXH3 (a local read of a small object; a
+        check by ``stat`` alone could miss a rewrite of the same size within the file system's
+        timestamp granularity)."""
+        data, tag = self.get_with_etag(key)
+        return None if etag is not None and tag == etag else (data, tag)
 
     @abc.abstractmethod
     def put_if_match(self, key: str, data: bytes, etag: str | None) -> None:

@@ -153,6 +153,9 @@ class RetryingStore(Store):
     def get_with_etag(self, key: str) -> tuple[bytes, str]:
         return self.call("GET", key, lambda: self.inner.get_with_etag(key))
 
+    def get_if_changed(self, key: str, etag: str | None) -> tuple[bytes, str] | None:
+        return self.call("GET", key, lambda: self.inner.get_if_changed(key, etag))
+
     def put_if_match(self, key: str, data: bytes, etag: str | None) -> None:
         return self.call("PUT", key, lambda: self.inner.put_if_match(key, data, etag))
 

@@ -191,6 +191,25 @@ class S3Store(Store):
             resp = self._client.get_object(**obj)
             return resp["Body"].read(), resp["ETag"]
 
+    def get_if_changed(self, key: str, etag: str | None) -> tuple[bytes, str] | None:
+        """One ``GET`` with ``If-None-Match: etag``: ``None`` when the server answers ``304 Not
+        Modified`` (no body; botocore raises it as a ClientError). A server that ignores the header
+        answers ``200`` with the same ETag, which is taken as unchanged too."""
+        if etag is None:
+            return self.get_with_etag(key)
+        obj = self._obj(key)
+        with self._errors("GET", key):
+            try:
+                resp = self._client.get_object(**obj, IfNoneMatch=etag)
+            except ClientError as exc:
+                if _code_status(exc)[1] == 304:
+                    return None
+                raise
+            if resp["ETag"] == etag:
+                resp["Body"].close()
+                return None
+            return resp["Body"].read(), resp["ETag"]
+
     def get_range(self, key: str, start: int, length: int) -> bytes:
         obj = self._obj(key)
         if start < 0 or length < 0:
