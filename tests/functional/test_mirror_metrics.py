@@ -419,9 +419,9 @@ def test_version_seconds_are_observed_once_the_head_moved(published, tmp_path):
         def on_chunk(self, copied, nbytes):
             metrics.mirror_chunk(copied, nbytes)
 
-        def on_version(self, version, chunks, nbytes):
+        def on_version(self, version, chunks, nbytes, seconds):
             seen.append((version, dst.head_version()))
-            metrics.mirror_version(version, chunks, nbytes)
+            metrics.mirror_version(version, chunks, nbytes, seconds)
 
         def on_pass(self, result):
             metrics.mirror_pass(result)
