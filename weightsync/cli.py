@@ -424,6 +424,8 @@ def cmd_gc(args) -> int:
                 "deleted_parts": r.deleted_parts,
                 "pending_parts": r.pending_parts,
                 "deleted_signatures": r.deleted_signatures,
+                "lazy_chunks": r.lazy_chunks,
+                "deleted_notes": r.deleted_notes,
                 "dry_run": r.dry_run,
             }
         )

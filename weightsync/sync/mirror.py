@@ -422,10 +422,8 @@ class _Mirror:
         if self.src.url == self.dst.url:
             raise UsageError(f"mirror source and destination are the same store: {self.src.url}")
         self.src.require()
-        if not self.cfg.commit:
-            self.dst.require()  # only a committer creates the destination
-        elif not self.dst.check():
-            self.dst.init()
+        if not self.dst.check():
+            self.dst.init()  # the marker (create-only): any shard may be first
 
     def source_head(self) -> int | None:
         """The source head: the one read a poll makes of the source when nothing changed."""
@@ -642,6 +640,7 @@ class _Mirror:
         self.committed.add(v)
         self._move_head(v)  # the version leaves `pending` (and its lazy chunks are queued) with the head
         self.checked_head = self.dst_head  # our own manifest: the lineage holds
+        self._report()
         if written:  # counted once the head is there: a head move that fails leaves it to the next poll
             self.result.copied_versions.append(v)
             if ver.lazy:
@@ -649,7 +648,6 @@ class _Mirror:
             self.observer.on_version(v, ver.chunks, ver.nbytes, time.monotonic() - ver.seen)
         else:
             self.result.skipped_versions.append(v)
-        self._report()
 
     def _move_head(self, version: int) -> None:
         """Move the destination head forward to ``version``; never backward."""
@@ -781,7 +779,8 @@ def _loop(m: _Mirror, follow: bool) -> None:
             m.poll(follow)
             m.advance()
             m._report()
-            seen = m.copier.events
+            observer.on_pass(m.result)  # both stores answered, the lineage holds; commits follow as chunks land
+            seen, committed = m.copier.events, len(m.result.copied_versions)
             while not stop.is_set() and (follow or not m.finished()):
                 left = due - time.monotonic()
                 if left <= 0:
@@ -789,6 +788,9 @@ def _loop(m: _Mirror, follow: bool) -> None:
                 seen = m.copier.wait(seen, left)
                 m.advance()
                 m._report()
+                if len(m.result.copied_versions) != committed:
+                    committed = len(m.result.copied_versions)
+                    observer.on_pass(m.result)
         except _Stopped:
             return
         except (MirrorError, NotAStoreError, ChecksumError, FormatError):
@@ -801,7 +803,6 @@ def _loop(m: _Mirror, follow: bool) -> None:
         except WeightsyncError:
             raise
         else:
-            observer.on_pass(m.result)
             if not follow and m.finished():
                 return
         if follow:
