@@ -252,7 +252,10 @@ def test_metrics_follow_versions_published_while_the_mirror_runs(tmp_path, ok_cl
         ok_cli("publish", ckpt, "--store", f"file://{src}", "--no-cache")
 
     with Mirror(src, dst, tmp_path / "mirror.log", cli_env) as mirror:
-        v = mirror.wait_values(lambda v: v[f"{M}destination_version"] == 1, "version 1 in the region")
+        v = mirror.wait_values(
+            lambda v: v[f"{M}destination_version"] == 1 and v[f"{M}last_success_timestamp_seconds"] > 0,
+            "version 1 in the region, and a poll that ends without an error",
+        )
         assert v[f"{M}source_version"] == 1
         assert v[f"{M}copied_versions_total"] == 2 and v[f"{M}version_seconds_count"] == 2
         on_disk = chunk_files(dst)
@@ -313,7 +316,10 @@ def test_a_stuck_mirror_counts_failed_passes_and_raises_its_alerts(published, tm
         check_metrics(stuck[0])
 
         aside.rename(lost_path)
-        v = mirror.wait_values(lambda v: v[f"{M}destination_version"] == 5, "version 5 in the region")
+        v = mirror.wait_values(
+            lambda v: v[f"{M}destination_version"] == 5 and v[f"{M}last_success_timestamp_seconds"] > 0,
+            "version 5 in the region, and a poll that ends without an error",
+        )
         assert v[f"{M}source_version"] == 5 and v[f"{M}copied_versions_total"] == 2
         assert (v[f"{M}copied_chunks_total"], v[f"{M}copied_bytes_total"]) == (1, lost.size)
         assert v[f"{M}skipped_chunks_total"] >= len(refs(src, 4)) + len(refs(src, 5)) - 1

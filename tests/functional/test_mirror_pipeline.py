@@ -291,27 +291,34 @@ def test_shards_copy_their_chunks_and_the_committer_waits_for_a_dead_shard(small
     all_ids = {c.id for v in range(4) for c in repo(src_dir).manifest(v).chunks}
     lazy = lazy_candidates(repo(src_dir).manifest(2))  # keyframe 2's full payloads: after its head
     assert {shard_of(i, 3) for i in all_ids} == {0, 1, 2}
+    dead = shard_of(repo(src_dir).manifest(0).chunks[0].id, 3)  # it holds a chunk of the first version
+    copier, committing = (dead + 1) % 3, (dead + 2) % 3
     cfg = lambda i, commit=False: MirrorConfig(interval=0.05, shard=i, shards=3, commit=commit)  # noqa: E731
-    run = [follow(repo(src_dir), repo(dst_dir), cfg(i)) for i in (1,)]  # shard 1 copies alone: no commit
+    run = [follow(repo(src_dir), repo(dst_dir), cfg(copier))]  # a shard alone copies, never commits
     try:
         wait_for(
-            lambda: all((dst_dir / chunk_key(i)).exists() for i in all_ids - lazy if shard_of(i, 3) == 1),
-            "shard 1's chunks",
+            lambda: all((dst_dir / chunk_key(i)).exists() for i in all_ids - lazy if shard_of(i, 3) == copier),
+            "the shard's chunks",
             thread_out=run[0][2],
         )
         assert not list(repo(dst_dir).store.list(VERSIONS_PREFIX)) and repo(dst_dir).head_version() is None
         assert not any((dst_dir / chunk_key(i)).exists() for i in lazy)
         committer = Heads()
-        run.append(follow(repo(src_dir), repo(dst_dir), cfg(0, commit=True), committer))  # shard 2 is dead
+        run.append(follow(repo(src_dir), repo(dst_dir), cfg(committing, commit=True), committer))
         wait_for(lambda: len(committer.polls) >= 5, "five polls of the committer", thread_out=run[1][2])
-        # version 0 is a keyframe without a parent: whole, so it waits for shard 2 like every later one
+        wait_for(
+            lambda: all((dst_dir / chunk_key(i)).exists() for i in all_ids - lazy if shard_of(i, 3) == committing),
+            "the committer's chunks",
+            thread_out=run[1][2],
+        )
+        # version 0 lacks the dead shard's chunk: nothing is committed, whatever else is there
         assert repo(dst_dir).head_version() is None and not list(repo(dst_dir).store.list(VERSIONS_PREFIX))
-        assert not any((dst_dir / chunk_key(i)).exists() for i in all_ids if shard_of(i, 3) == 2)
-        run.append(follow(repo(src_dir), repo(dst_dir), cfg(2)))  # the shard comes back
+        assert not any((dst_dir / chunk_key(i)).exists() for i in all_ids if shard_of(i, 3) == dead)
+        run.append(follow(repo(src_dir), repo(dst_dir), cfg(dead)))  # the shard comes back
         wait_for(lambda: repo(dst_dir).head_version() == 3, "version 3", thread_out=run[1][2])
         wait_for(lambda: not list(repo(dst_dir).store.list(LAZY_PREFIX)), "the lazy chunks", thread_out=run[1][2])
     finally:
-        for t, stop, _ in run:
+        for _, stop, _ in run:
             stop.set()
         for t, _, _ in run:
             t.join(60)
@@ -320,7 +327,8 @@ def test_shards_copy_their_chunks_and_the_committer_waits_for_a_dead_shard(small
     assert_region_whole(dst_dir)
     res = [out["result"] for _, _, out in run]
     assert res[0].copied_versions == res[2].copied_versions == []  # only the committer commits
-    assert res[1].copied_versions == [0, 1, 2, 3]
+    assert res[1].copied_versions == [0, 1, 2, 3] and res[1].lazy_versions == [2]
+    assert chunk_bytes(dst_dir) == chunk_bytes(src_dir)
     weightsync.pull(repo(dst_dir), tmp_path / "sub", 3)
     ws.assert_replica(tmp_path / "sub", small[3])
 
@@ -456,3 +464,74 @@ def test_a_destination_gc_running_alongside_never_tears_a_version(small, tmp_pat
     for v in range(len(small)):  # a subscriber that follows the region from its first version
         weightsync.pull(repo(dst_dir), sub, v)
         ws.assert_replica(sub, small[v])
+
+
+# --- retention with lazy notes --------------------------------------------------------------------------
+def age_all(store_dir: Path) -> None:
+    old = time.time() - 10 * 86400
+    for p in store_dir.rglob("*"):
+        if p.is_file():
+            os.utime(p, (old, old))
+
+
+def test_gc_keeps_the_path_back_to_a_whole_keyframe_and_deletes_notes_with_their_versions(small, tmp_path, ws):
+    src, dst_dir = repo(tmp_path / "src"), tmp_path / "region"
+    dst = repo(dst_dir)
+    publish_all(small, src, upto=5)  # keyframes 0, 2 and 4
+    assert mirror(src, dst, config=MirrorConfig(keyframe_payloads="never")).lazy_versions == [2, 4]
+    noted = dst.lazy_chunks(2) | dst.lazy_chunks(4)
+    (dst_dir / lazy_key(99)).write_bytes((dst_dir / lazy_key(2)).read_bytes())  # a dead mirror's: no manifest
+    age_all(dst_dir)
+    (dst_dir / lazy_key(98)).write_bytes((dst_dir / lazy_key(2)).read_bytes())  # a young one: a mirror committing
+    res = gc(dst, GcConfig(keep=1, grace_seconds=60))
+    # 5 builds on keyframe 4, held lazily: back through 3 to keyframe 2, lazy too, through 1 to 0, whole
+    assert res.kept_versions == [0, 1, 2, 3, 4, 5] and res.deleted_versions == [] and res.deleted_chunks == 0
+    assert res.lazy_chunks == len(noted) > 0 and res.deleted_notes == 1
+    assert not (dst_dir / lazy_key(99)).exists() and (dst_dir / lazy_key(98)).exists()
+    assert dst.lazy_chunks(2) and dst.lazy_chunks(4)
+    assert_region_whole(dst_dir)
+
+    sizes = {r.id: r.size for r in src.manifest(4).chunks}
+    for c in lazy_candidates(src.manifest(4)):  # keyframe 4's full payloads arrive (as a lazy mirror does)
+        dst.store_chunk(c, sizes[c], src.get_chunk(c, sizes[c]))
+    dst.clear_lazy_chunks(4)
+    age_all(dst_dir)
+    res = gc(dst, GcConfig(keep=1, grace_seconds=60))
+    assert res.kept_versions == [4, 5] and res.deleted_versions == [0, 1, 2, 3]
+    assert res.lazy_chunks == 0 and res.deleted_notes == 1  # version 2's, after its manifest
+    assert sorted(dst.store.list(LAZY_PREFIX)) == [lazy_key(98)]
+    assert_region_whole(dst_dir)
+    weightsync.pull(dst, tmp_path / "fresh", 5)  # from the whole keyframe 4
+    ws.assert_replica(tmp_path / "fresh", small[5])
+
+
+# --- the command line -------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "flags, word",
+    [
+        (["--shard", "2/2"], "--shard"),
+        (["--shard", "one"], "--shard"),
+        (["--shard", "0/0"], "--shard"),
+        (["--keyframe-payloads", "sometimes"], "--keyframe-payloads"),
+        (["--concurrency", "0"], "concurrency"),
+        (["--interval", "0"], "interval"),
+    ],
+)
+def test_bad_mirror_flags_are_one_line_and_touch_no_store(flags, word, published, tmp_path, run_cli):
+    src, _ = published
+    rc, out, err = run_cli("mirror", "--from", f"file://{src}", "--to", f"file://{tmp_path / 'region'}", *flags)
+    assert rc == 2 and out == "" and word in err.strip().splitlines()[-1], err
+    assert not (tmp_path / "region").exists()
+
+
+def test_cli_shards_with_one_committer(published, tmp_path, ok_cli, ws):
+    src, traj = published
+    dst = f"file://{tmp_path / 'region'}"
+    # the copier shard first: it creates the store's marker, copies its chunks, commits nothing
+    out = ok_cli("mirror", "--from", f"file://{src}", "--to", dst, "--shard", "1/2", "--keyframe-payloads", "eager")
+    assert out.strip() == "" and repo(tmp_path / "region").head_version() is None
+    out = ok_cli("mirror", "--from", f"file://{src}", "--to", dst, "--shard", "0/2", "--commit")
+    assert out.strip() == "5" and assert_region_whole(tmp_path / "region") == 5
+    for v in (2, 5):
+        weightsync.pull(repo(tmp_path / "region"), tmp_path / f"sub{v}", v)
+        ws.assert_replica(tmp_path / f"sub{v}", traj[v])

@@ -190,7 +190,7 @@ class Metrics:
             )
             self.lazy_chunks = gauge(
                 "weightsync_mirror_lazy_chunks",
-                "Chunks of committed keyframes not yet at the destination (full payloads copied lazily or never).",
+                "Chunks of committed keyframes (full payloads) still to copy to the destination.",
                 0,
             )
         else:

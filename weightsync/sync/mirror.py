@@ -244,7 +244,8 @@ class _Copier:
                 or (e.status in (MISSING, FAILED) and e.round < self._round)
             )
             if e is None or stale:
-                e = _Entry(ref, check, version if e is None else e.owner)
+                old, e = e, _Entry(ref, check, version if e is None else e.owner)
+                e.error = None if old is None else old.error  # kept until a try succeeds
                 self._entries[ref.id] = e
                 self._push(e, prio)
             elif e.status == QUEUED and (prio < e.prio or (e.check and not check)):
@@ -260,8 +261,14 @@ class _Copier:
         self._cv.notify()
 
     def error(self, chunk_id: str) -> Exception | None:
+        """Why the chunk failed, if its last try did and none runs now."""
         e = self._entries.get(chunk_id)
         return e.error if e is not None and e.status == FAILED else None
+
+    def failed_last(self, chunk_id: str) -> bool:
+        """The chunk's last try failed (it may be queued or running again)."""
+        e = self._entries.get(chunk_id)
+        return e is not None and e.error is not None
 
     def forget(self, chunk_id: str) -> None:
         """Drop what is known of a chunk (a queued copy still runs)."""
@@ -272,10 +279,20 @@ class _Copier:
                 e.status = DONE  # a heap item left behind is skipped
 
     def new_round(self) -> None:
-        """A poll: missing and failed chunks are tried again when next wanted."""
+        """A poll: missing and failed chunks are tried again when next wanted; every 64 polls, what
+        is known of chunks that would be checked again anyway is dropped (memory stays bounded)."""
         with self._cv:
             self._round += 1
             self._store_now = None
+            if self._round % 64 == 0:
+                now = time.monotonic()
+                for cid in [
+                    cid
+                    for cid, e in self._entries.items()
+                    if (e.status == DONE and now - e.when > self.cfg.refresh_seconds)
+                    or (e.status in (MISSING, FAILED) and e.round < self._round)
+                ]:
+                    del self._entries[cid]  # a heap item of it (none: it is not queued) would be skipped
 
     def wait(self, seen: int, timeout: float) -> int:
         """Wait until a chunk is done after event ``seen`` (or ``timeout``); the current event count."""
@@ -399,6 +416,7 @@ class _Mirror:
         self.first_seen: dict[int, float] = {}  # source head -> Unix time first seen
         self.refusal: SignatureError | None = None
         self.polls = 0
+        self.follow = False
 
     def _own(self, chunk_id: str) -> bool:
         return self.cfg.shards == 1 or shard_of(chunk_id, self.cfg.shards) == self.cfg.shard
@@ -431,6 +449,7 @@ class _Mirror:
 
     # --- a poll ---
     def poll(self, follow: bool) -> None:
+        self.follow = follow
         self.result.passes += 1
         self.polls += 1
         self.copier.new_round()
@@ -462,6 +481,7 @@ class _Mirror:
                 self._opened(v, {i: ver.refs[i] for i in ver.lazy})
         for h in [h for h in self.first_seen if h <= head]:
             del self.first_seen[h]
+        self.committed = {v for v in self.committed if v >= head}  # older ones: a HEAD tells
 
     def _check_lineage(self, src_head: int | None, dst_head: int | None) -> None:
         if dst_head is None or dst_head == self.checked_head:
@@ -573,11 +593,9 @@ class _Mirror:
             self._opened(v, {i: refs[i] for i in ids if i in refs})
 
     def _opened(self, version: int, refs: dict[str, ChunkRef]) -> None:
-        """``version`` is committed at the destination without ``refs``."""
+        """``version`` is committed at the destination without ``refs``: copy them later (``lazy``)."""
         if self.cfg.keyframe_payloads == "never" or not refs:
-            if self.cfg.commit and refs:
-                self.lazy_open[version] = refs  # counted as pending, never copied
-            return
+            return  # the note stays; readers rebuild or read the source
         self.lazy_open[version] = refs
         for r in refs.values():
             if self._own(r.id):
@@ -679,7 +697,7 @@ class _Mirror:
                 status = self.copier.want(r, v, lazy=True, check=not own)
                 if status == FAILED:
                     exc = self.copier.error(r.id)
-                    if isinstance(exc, ChecksumError):
+                    if isinstance(exc, ChecksumError) or (not self.follow and not isinstance(exc, NotFoundError)):
                         raise exc
                     if isinstance(exc, NotFoundError):  # the source collected it: readers rebuild it
                         log.info("mirror: version %d: lazy chunk %s is gone from the source", v, r.id)
@@ -708,20 +726,36 @@ class _Mirror:
     def _report(self) -> None:
         self.observer.on_status(self.status())
 
+    def failing(self) -> bool:
+        """A chunk a version waits on failed at its last try."""
+        return any(
+            self.copier.failed_last(cid)
+            for ver in self.pending.values()
+            for cid in ver.refs
+            if cid not in ver.lazy
+        )
+
     def finished(self) -> bool:
         """One-shot: every version up to the target committed (by us or a committer), and the lazy
         chunks copied (``lazy``), or, for a shard that does not commit, its own chunks copied."""
         if self.refusal is not None:
             return False
-        if self.cfg.keyframe_payloads != "never" and self.lazy_open:
+        if self.cfg.commit and self.pending:
             return False
-        if self.cfg.commit:
-            return not self.pending
-        return all(
+        if not self.cfg.commit and not all(
             self.copier.want(r, ver.version) == DONE
             for ver in self.pending.values()
             for r in ver.refs.values()
             if r.id not in ver.lazy and self._own(r.id)
+        ):
+            return False
+        if self.cfg.shards == 1:
+            return not self.lazy_open  # the notes cleared too
+        return all(  # another shard's lazy chunks are that shard's business (a following committer clears notes)
+            self.copier.want(r, v, lazy=True) == DONE
+            for v, refs in self.lazy_open.items()
+            for r in refs.values()
+            if self._own(r.id)
         )
 
 
@@ -779,8 +813,7 @@ def _loop(m: _Mirror, follow: bool) -> None:
             m.poll(follow)
             m.advance()
             m._report()
-            observer.on_pass(m.result)  # both stores answered, the lineage holds; commits follow as chunks land
-            seen, committed = m.copier.events, len(m.result.copied_versions)
+            seen = m.copier.events
             while not stop.is_set() and (follow or not m.finished()):
                 left = due - time.monotonic()
                 if left <= 0:
@@ -788,9 +821,6 @@ def _loop(m: _Mirror, follow: bool) -> None:
                 seen = m.copier.wait(seen, left)
                 m.advance()
                 m._report()
-                if len(m.result.copied_versions) != committed:
-                    committed = len(m.result.copied_versions)
-                    observer.on_pass(m.result)
         except _Stopped:
             return
         except (MirrorError, NotAStoreError, ChecksumError, FormatError):
@@ -803,6 +833,8 @@ def _loop(m: _Mirror, follow: bool) -> None:
         except WeightsyncError:
             raise
         else:
+            if not m.failing():  # a chunk a version waits on that failed, and was not retried yet: no success
+                observer.on_pass(m.result)
             if not follow and m.finished():
                 return
         if follow:
