@@ -386,6 +386,7 @@ class _Version:
     refs: dict[str, ChunkRef]  # every chunk the manifest names, by id
     lazy: frozenset[str]  # left out before the head moves
     seen: float  # monotonic time it was first seen
+    waiting: set[str] | None = None  # needed chunks not yet seen done (None: not looked at yet)
     chunks: int = 0  # copied first for this version
     nbytes: int = 0
 
@@ -548,11 +549,12 @@ class _Mirror:
         return parent in self.pending or parent in self.committed or self._dst_has(parent)
 
     def _dst_has(self, version: int) -> bool:
-        return (
-            self.dst_head is not None
-            and version <= self.dst_head
-            and self.dst.store.head(version_key(version)) is not None
-        )
+        if self.dst_head is None or version > self.dst_head:
+            return False
+        if self.dst.store.head(version_key(version)) is None:
+            return False
+        self.committed.add(version)  # remembered: no HEAD again
+        return True
 
     def _discover_parts(self, src_head: int | None) -> None:
         """Queue the chunks of parts of versions above the source head (a multi-rank publish in
@@ -617,29 +619,38 @@ class _Mirror:
         if self.refusal is not None and not self.pending:
             raise self.refusal
 
+    def _needed(self, ver: _Version) -> list[str]:
+        """The chunks of ``ver`` this process waits on: all but the lazy ones for a committer (another
+        shard's are checked), its own shard's for a copier."""
+        return [c for c in ver.refs if c not in ver.lazy and (self.cfg.commit or self._own(c))]
+
     def _ready(self, ver: _Version) -> bool:
         """Every chunk of ``ver`` but its lazy ones is at the destination (own shard: copied or
         touched by us; others': checked, committers only). Raises on a failed chunk, unless the
-        source collected the version meanwhile (then it is dropped)."""
-        if ver.lazy and self.cfg.commit and not self._parent_coming(ver.manifest.parent):
-            ver.lazy = frozenset()  # its parent did not make it here (collected at the source): copied whole
-        ready = True
-        for r in ver.refs.values():
-            if r.id in ver.lazy:
-                continue
-            own = self._own(r.id)
-            if not own and not self.cfg.commit:
-                continue
-            status = self.copier.want(r, ver.version, check=not own)
-            if status == FAILED:
-                exc = self.copier.error(r.id)
-                if isinstance(exc, NotFoundError) and self.src.store.head(version_key(ver.version)) is None:
-                    del self.pending[ver.version]  # collected at the source while we copied it
-                    log.info("mirror: version %d was collected at the source while it was copied", ver.version)
-                    return False
-                raise exc
-            ready = ready and status == DONE
-        return ready
+        source collected the version meanwhile (then it is dropped). Only the chunks not yet seen
+        done are looked at, then all once more (none may have gone stale meanwhile)."""
+        if ver.lazy and not self._parent_coming(ver.manifest.parent):
+            ver.lazy, ver.waiting = frozenset(), None  # its parent did not make it here: copied whole
+        if ver.waiting is None:
+            ver.waiting = set(self._needed(ver))
+        for final in (False, True):
+            for cid in list(ver.waiting if not final else self._needed(ver)):
+                own = self._own(cid)
+                status = self.copier.want(ver.refs[cid], ver.version, check=not own)
+                if status == FAILED:
+                    exc = self.copier.error(cid)
+                    if isinstance(exc, NotFoundError) and self.src.store.head(version_key(ver.version)) is None:
+                        del self.pending[ver.version]  # collected at the source while we copied it
+                        log.info("mirror: version %d was collected at the source while it was copied", ver.version)
+                        return False
+                    raise exc
+                if status == DONE:
+                    ver.waiting.discard(cid)
+                else:
+                    ver.waiting.add(cid)
+            if ver.waiting:
+                return False
+        return True
 
     def _commit(self, ver: _Version) -> None:
         v, key = ver.version, version_key(ver.version)
@@ -683,19 +694,21 @@ class _Mirror:
         raise VersionError(f"could not move the head of {self.dst.url} to {version}: too much contention")
 
     def _advance_lazy(self) -> None:
-        """Lazy chunks: a committer clears a version's note once all are there."""
+        """Lazy chunks still to copy (or, for a committer, to check), by version; a committer clears
+        a version's note once all are there."""
         if self.cfg.keyframe_payloads == "never":
             return
         for v in sorted(self.lazy_open):
             refs = self.lazy_open[v]
-            done = True
             for r in list(refs.values()):
                 own = self._own(r.id)
                 if not own and not self.cfg.commit:
-                    del refs[r.id]
+                    del refs[r.id]  # another shard's
                     continue
                 status = self.copier.want(r, v, lazy=True, check=not own)
-                if status == FAILED:
+                if status == DONE:
+                    del refs[r.id]  # referenced by a committed manifest: gc keeps it
+                elif status == FAILED:
                     exc = self.copier.error(r.id)
                     if isinstance(exc, ChecksumError) or (not self.follow and not isinstance(exc, NotFoundError)):
                         raise exc
@@ -704,10 +717,9 @@ class _Mirror:
                         self.copier.forget(r.id)
                         del self.lazy_open[v]
                         break
-                done = done and status == DONE
             else:
-                if done:
-                    if self.cfg.commit and refs:
+                if not refs:
+                    if self.cfg.commit:
                         self.dst.clear_lazy_chunks(v)
                         self.result.completed_versions.append(v)
                     del self.lazy_open[v]
@@ -728,12 +740,7 @@ class _Mirror:
 
     def failing(self) -> bool:
         """A chunk a version waits on failed at its last try."""
-        return any(
-            self.copier.failed_last(cid)
-            for ver in self.pending.values()
-            for cid in ver.refs
-            if cid not in ver.lazy
-        )
+        return any(self.copier.failed_last(c) for ver in self.pending.values() for c in (ver.waiting or ()))
 
     def finished(self) -> bool:
         """One-shot: every version up to the target committed (by us or a committer), and the lazy
@@ -742,13 +749,13 @@ class _Mirror:
             return False
         if self.cfg.commit and self.pending:
             return False
-        if not self.cfg.commit and not all(
-            self.copier.want(r, ver.version) == DONE
-            for ver in self.pending.values()
-            for r in ver.refs.values()
-            if r.id not in ver.lazy and self._own(r.id)
-        ):
-            return False
+        if not self.cfg.commit:
+            for ver in self.pending.values():
+                if ver.waiting is None:
+                    ver.waiting = set(self._needed(ver))
+                ver.waiting -= {c for c in ver.waiting if self.copier.want(ver.refs[c], ver.version) == DONE}
+                if ver.waiting:
+                    return False
         if self.cfg.shards == 1:
             return not self.lazy_open  # the notes cleared too
         return all(  # another shard's lazy chunks are that shard's business (a following committer clears notes)
