@@ -535,3 +535,17 @@ def test_cli_shards_with_one_committer(published, tmp_path, ok_cli, ws):
     for v in (2, 5):
         weightsync.pull(repo(tmp_path / "region"), tmp_path / f"sub{v}", v)
         ws.assert_replica(tmp_path / f"sub{v}", traj[v])
+
+
+def test_gc_keeps_the_path_behind_a_damaged_note(small, tmp_path, ws):
+    src, dst_dir = repo(tmp_path / "src"), tmp_path / "region"
+    publish_all(small, src, upto=3)
+    mirror(src, repo(dst_dir), config=MirrorConfig(keyframe_payloads="never"))
+    (dst_dir / lazy_key(2)).write_bytes(b"{not json")  # planted, or torn by a full disk
+    age_all(dst_dir)
+    res = gc(repo(dst_dir), GcConfig(keep=1, grace_seconds=60))
+    assert res.kept_versions == [0, 1, 2, 3] and res.deleted_chunks == 0  # it may lack chunks: kept
+    sub = tmp_path / "sub"
+    for v in range(4):
+        weightsync.pull(repo(dst_dir), sub, v)
+        ws.assert_replica(sub, small[v])

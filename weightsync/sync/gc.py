@@ -166,10 +166,14 @@ def _rebuild_path(repo: Repo, version: int, noted: set[int], lazy: set[str]) -> 
     out = [m.version for m in chain]
     keyframe = chain[0]
     while keyframe.version in noted:
-        ids = repo.lazy_chunks(keyframe.version)
+        try:
+            ids = repo.lazy_chunks(keyframe.version)
+        except FormatError as exc:  # a damaged note: the keyframe may lack chunks, so keep the path
+            log.warning("gc %s: %s; keeping the versions before it", repo.url, exc)
+            ids = frozenset(["?"])
         if not ids:
             break  # an empty note: the version is whole
-        lazy.update(ids)
+        lazy.update(i for i in ids if i != "?")
         if keyframe.parent is None:
             break
         try:
