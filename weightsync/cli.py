@@ -300,11 +300,19 @@ def cmd_mirror(args) -> int:
     from weightsync.service.runtime import Stopped, StopToken, event, open_daemon_repo, setup_logging
     from weightsync.service.stalls import StallWatch
     from weightsync.store.inflight import InFlight
-    from weightsync.sync.mirror import MirrorConfig, MirrorObserver, mirror
+    from weightsync.sync.mirror import MirrorConfig, MirrorObserver, mirror, parse_shard
 
     setup_logging(LogConfig(args.log_json, args.log_level))
     log = logging.getLogger("weightsync.mirror")
-    cfg = MirrorConfig(concurrency=args.concurrency, interval=args.interval)
+    shard, shards = parse_shard(args.shard)
+    cfg = MirrorConfig(
+        concurrency=args.concurrency,
+        interval=args.interval,
+        keyframe_payloads=args.keyframe_payloads,
+        shard=shard,
+        shards=shards,
+        commit=args.commit or shards == 1,
+    )
     metrics = Metrics(CollectorRegistry(), "mirror", region=args.region, cluster=args.cluster)
     health = _MirrorHealth()
     token = StopToken()  # also ends the waits between store retries: a stop is not held up by a store that is down
@@ -319,9 +327,12 @@ def cmd_mirror(args) -> int:
         def on_chunk(self, copied: bool, nbytes: int) -> None:
             metrics.mirror_chunk(copied, nbytes)
 
-        def on_version(self, version: int, chunks: int, nbytes: int) -> None:
-            metrics.mirror_version(version, chunks, nbytes)
+        def on_version(self, version: int, chunks: int, nbytes: int, seconds: float = 0.0) -> None:
+            metrics.mirror_version(version, chunks, nbytes, seconds)
             event(log, f"mirrored version {version}: {chunks} chunks, {human_bytes(nbytes)} copied", version=version)
+
+        def on_status(self, status) -> None:
+            metrics.mirror_status(status)
 
         def on_error(self, exc: Exception) -> None:
             metrics.mirror_error(exc)
@@ -413,6 +424,8 @@ def cmd_gc(args) -> int:
                 "deleted_parts": r.deleted_parts,
                 "pending_parts": r.pending_parts,
                 "deleted_signatures": r.deleted_signatures,
+                "lazy_chunks": r.lazy_chunks,
+                "deleted_notes": r.deleted_notes,
                 "dry_run": r.dry_run,
             }
         )
@@ -616,8 +629,27 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     add("--from", dest="src", required=True, help="source store URL")
     add("--to", dest="dst", required=True, help="destination (regional) store URL")
     add("--follow", action="store_true", help="keep polling the source until SIGTERM/SIGINT")
-    add("--interval", type=float, default=5.0, help="seconds between polls with --follow, > 0 (default 5)")
-    add("--concurrency", type=int, default=32, help="chunks copied at once (default 32)")
+    add("--interval", type=float, default=1.0, help="seconds between polls of the source head, > 0 (default 1)")
+    add("--concurrency", type=int, default=64, help="chunks copied at once (default 64; memory: x chunk size)")
+    add(
+        "--keyframe-payloads",
+        choices=("eager", "lazy", "never"),
+        default="lazy",
+        help="a keyframe's full payloads, which followers of its parent never read: copied before its head "
+        "moves (eager), after it (lazy, the default) or never",
+    )
+    add(
+        "--shard",
+        metavar="I/N",
+        default="0/1",
+        help="copy only the chunks of shard I of N (by chunk id; default 0/1: all); run N processes, one with --commit",
+    )
+    add(
+        "--commit",
+        action="store_true",
+        help="with --shard: this process also commits versions (notes, manifests, head) once every chunk of "
+        "theirs is in the destination, whichever shard copied it (implied without --shard)",
+    )
     add("--endpoint-url", help="S3 endpoint of both stores (default: boto3's)")
     add("--from-endpoint-url", help="S3 endpoint of the source (overrides --endpoint-url)")
     add("--to-endpoint-url", help="S3 endpoint of the destination (overrides --endpoint-url)")

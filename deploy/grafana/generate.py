@@ -328,6 +328,50 @@ def panels() -> list[dict]:
             description="Seconds since a mirror pass last succeeded (since the mirror started if none has); "
             "alert at 600.",
         ),
+        timeseries(
+            "Mirror lag",
+            [
+                (f"max by (region) (weightsync_mirror_lag_seconds{{{REGION}}})", "seconds {{region}}"),
+                (f"max by (region) (weightsync_mirror_lag_versions{{{REGION}}})", "versions {{region}}"),
+            ],
+            width=6,
+            description="Per region link: seconds since the oldest source version the region lacks was first seen, "
+            "and source versions above the regional head; WeightsyncMirrorBehind at 300 s or 5 versions for 5 minutes.",
+        ),
+        timeseries(
+            "Mirror chunks in flight",
+            [
+                (f"weightsync_mirror_chunks_in_flight{{{REGION}}}", "{{region}} {{instance}}"),
+            ],
+            width=6,
+            description="Chunk copies (and a committer's checks of other shards' chunks) running now, per mirror "
+            "process (shard); flat at --concurrency: the link is the limit.",
+        ),
+        timeseries(
+            "Mirror chunks copied",
+            [
+                (
+                    f"sum by (region) (rate(weightsync_mirror_copied_chunks_total{{{REGION}}}[{RATE}]))",
+                    "copied {{region}}",
+                ),
+                (
+                    f"sum by (region) (rate(weightsync_mirror_skipped_chunks_total{{{REGION}}}[{RATE}]))",
+                    "already there {{region}}",
+                ),
+            ],
+            unit="ops",
+            width=6,
+            description="Chunks per second copied into each region, and found there already.",
+        ),
+        timeseries(
+            "Lazy keyframe chunks pending",
+            [
+                (f"max by (region) (weightsync_mirror_lazy_chunks{{{REGION}}})", "{{region}}"),
+            ],
+            width=6,
+            description="Chunks of committed keyframes (full payloads) still to copy into the region after the head "
+            "moved (--keyframe-payloads lazy; the committer's count).",
+        ),
         row("Errors and retries"),
         timeseries(
             "Checksum failures",

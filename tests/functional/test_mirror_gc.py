@@ -36,7 +36,7 @@ class Record(MirrorObserver):
     def on_chunk(self, copied: bool, nbytes: int) -> None:
         self.chunks.append((copied, nbytes))
 
-    def on_version(self, version: int, chunks: int, nbytes: int) -> None:
+    def on_version(self, version: int, chunks: int, nbytes: int, seconds: float = 0.0) -> None:
         self.versions.append((version, chunks, nbytes))
 
 
@@ -179,9 +179,18 @@ def test_mirror_rejects_corrupt_chunk_and_bad_manifest(published, tmp_path, ws):
     ws.flip_byte(store / chunk_key(m3.chunks[0].id), 100)
     dst = tmp_path / "regional"
     with pytest.raises(ChecksumError):
-        mirror(repo(store), repo(dst))
+        mirror(repo(store), repo(dst), config=MirrorConfig(keyframe_payloads="eager"))
     r = repo(dst)
     assert r.head_version() == 2 and not (dst / version_key(3)).exists()
+    assert not (dst / chunk_key(m3.chunks[0].id)).exists()
+
+    # lazily: keyframe 3's full payloads are not on the path, so the head moves past it; the corrupt
+    # chunk is found when they are copied afterwards, refused, and stays noted as missing
+    lazy = tmp_path / "regional-lazy"
+    with pytest.raises(ChecksumError):
+        mirror(repo(store), repo(lazy))
+    assert repo(lazy).head_version() == 5 and m3.chunks[0].id in repo(lazy).lazy_chunks(3)
+    assert not (lazy / chunk_key(m3.chunks[0].id)).exists()
 
     (store / version_key(3)).write_bytes(b'{"format": "weightsync.manifest"}')
     with pytest.raises(FormatError):

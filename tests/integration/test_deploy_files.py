@@ -885,9 +885,9 @@ ALERT_CASES = [  # (name, input series, [(eval time, alert, expected label sets)
     (
         "mirror keeps up",
         [
-            _series("weightsync_mirror_source_version", "0+1x60", **MIR),
-            _series("weightsync_mirror_destination_version", "-1x3 0+1x57", **MIR),
-        ],  # 3 minutes late
+            _series("weightsync_mirror_lag_seconds", "0+60x3 180x57", **MIR),
+            _series("weightsync_mirror_lag_versions", "0+1x3 3x57", **MIR),
+        ],  # 3 minutes (versions) late
         [("30m", "WeightsyncMirrorBehind", []), ("59m", "WeightsyncMirrorBehind", [])],
     ),
     (
@@ -905,8 +905,8 @@ ALERT_CASES = [  # (name, input series, [(eval time, alert, expected label sets)
     (
         "mirror 12 minutes late",
         [
-            _series("weightsync_mirror_source_version", "0+1x60", **MIR),
-            _series("weightsync_mirror_destination_version", "-1x12 0+1x48", **MIR),
+            _series("weightsync_mirror_lag_seconds", "0+60x12 720x48", **MIR),
+            _series("weightsync_mirror_lag_versions", "0+1x12 12x48", **MIR),
         ],
         [
             ("9m", "WeightsyncMirrorBehind", []),
@@ -915,14 +915,30 @@ ALERT_CASES = [  # (name, input series, [(eval time, alert, expected label sets)
         ],
     ),
     (
+        "mirror absorbs a burst of versions",
+        [
+            _series("weightsync_mirror_lag_seconds", "30x3 0x27", **MIR),
+            _series("weightsync_mirror_lag_versions", "8x3 0x27", **MIR),
+        ],
+        [("4m", "WeightsyncMirrorBehind", []), ("20m", "WeightsyncMirrorBehind", [])],
+    ),
+    (
+        "mirror many versions behind, each quickly",
+        [
+            _series("weightsync_mirror_lag_seconds", "40x30", **MIR),
+            _series("weightsync_mirror_lag_versions", "9x30", **MIR),
+        ],
+        [("4m", "WeightsyncMirrorBehind", []), ("6m", "WeightsyncMirrorBehind", [{**MIR, "severity": "warning"}])],
+    ),
+    (
         "mirror stuck",
         [
-            _series("weightsync_mirror_source_version", "0+1x40", **MIR),
-            _series("weightsync_mirror_destination_version", "0+1x10 10x30", **MIR),
+            _series("weightsync_mirror_lag_seconds", "0x10 60+60x30", **MIR),
+            _series("weightsync_mirror_lag_versions", "0x10 1+1x30", **MIR),
         ],
         [
             ("10m", "WeightsyncMirrorBehind", []),
-            ("19m", "WeightsyncMirrorBehind", []),
+            ("19m", "WeightsyncMirrorBehind", []),  # behind by more than 300 s (5 versions) from 16m
             ("21m", "WeightsyncMirrorBehind", [{**MIR, "severity": "warning"}]),
         ],
     ),

@@ -200,7 +200,7 @@ def test_a_bad_value_is_a_one_line_error_naming_the_variable(tmp_path, capsys, v
 def test_a_bad_value_stops_only_the_commands_that_use_it(tmp_path):
     env = {"WEIGHTSYNC_POLL_INTERVAL": "soon", "WEIGHTSYNC_KEEP": "many"}
     assert parse(["publish", "ckpt", "--store", "s"], env).checkpoint_dir == "ckpt"
-    assert parse(["mirror", "--from", "a", "--to", "b"], env).interval == 5.0
+    assert parse(["mirror", "--from", "a", "--to", "b"], env).interval == 1.0
     with pytest.raises(SystemExit):
         parse(["gc", "--store", "s"], env)
 

@@ -173,6 +173,27 @@ class Metrics:
                 0,
             )
             self.start_time = gauge("weightsync_mirror_start_time_seconds", "Unix time the mirror started.", clock())
+            self.lag_versions = gauge(
+                "weightsync_mirror_lag_versions",
+                "Source versions above the destination head (0: caught up), at the last poll or commit.",
+                0,
+            )
+            self._behind_since: float | None = None
+            self.lag_seconds = gauge(
+                "weightsync_mirror_lag_seconds",
+                "Seconds since the oldest source head not yet at the destination was first seen (0: caught up).",
+            )
+            self.lag_seconds.set_function(
+                lambda: 0.0 if self._behind_since is None else max(0.0, self._clock() - self._behind_since)
+            )
+            self.chunks_in_flight = gauge(
+                "weightsync_mirror_chunks_in_flight", "Chunk copies and checks running now.", 0
+            )
+            self.lazy_chunks = gauge(
+                "weightsync_mirror_lazy_chunks",
+                "Chunks of committed keyframes (full payloads) still to copy to the destination.",
+                0,
+            )
         else:
             self.current_version = gauge("weightsync_current_version", "Version the current symlink points at.", -1)
             self.latest_version = gauge("weightsync_latest_version", "Head version of the store at the last check.", -1)
@@ -303,13 +324,21 @@ class Metrics:
         else:
             self.skipped_chunks.inc()
 
-    def mirror_version(self, version: int, chunks: int = 0, nbytes: int = 0) -> None:
-        """The destination head reached ``version`` (its chunks and bytes were counted by :meth:`mirror_chunk`)."""
+    def mirror_version(self, version: int, chunks: int = 0, nbytes: int = 0, seconds: float | None = None) -> None:
+        """The destination head reached ``version`` (its chunks and bytes were counted by :meth:`mirror_chunk`);
+        ``seconds`` from when the mirror first saw it (None: since the last heads or version)."""
         now = time.monotonic()
-        self.version_seconds.observe(now - self._mark)
+        self.version_seconds.observe(now - self._mark if seconds is None else seconds)
         self._mark = now
         self.copied_versions.inc()
         self._set_destination(max(version, self._destination))  # the head is there (or past it), never back
+
+    def mirror_status(self, status) -> None:
+        """The link's lag, copies in flight and lazy chunks (a :class:`~weightsync.sync.mirror.MirrorStatus`)."""
+        self.lag_versions.set(status.lag_versions)
+        self._behind_since = status.behind_since
+        self.chunks_in_flight.set(status.in_flight)
+        self.lazy_chunks.set(status.lazy_pending)
 
     def mirror_pass(self, result) -> None:
         """After a successful pass (``result``: the running :class:`~weightsync.sync.mirror.MirrorResult`)."""

@@ -15,9 +15,11 @@ from dataclasses import dataclass
 from weightsync.errors import FormatError, NotFoundError, UsageError, VersionError
 from weightsync.format.keys import (
     CHUNKS_PREFIX,
+    LAZY_PREFIX,
     PARTS_PREFIX,
     SIGNATURES_PREFIX,
     VERSIONS_PREFIX,
+    parse_lazy_key,
     parse_part_key,
     parse_signature_key,
     parse_version_key,
@@ -66,6 +68,7 @@ class GcPlan:
     delete_versions: tuple[int, ...]  # ascending: deleted oldest first
     abandoned_versions: tuple[int, ...]  # manifests above the head older than the grace period
     needed_chunks: frozenset[str]
+    lazy_chunks: frozenset[str] = frozenset()  # named by kept versions' lazy notes: not here by design
 
 
 @dataclass
@@ -89,6 +92,8 @@ class GcResult:
     deleted_parts: int = 0  # part objects of merged, stale or abandoned multi-rank publishes
     pending_parts: int = 0  # part objects of versions above the head, kept (a publish in progress)
     deleted_signatures: int = 0  # signatures of deleted versions, and older ones whose manifest is gone
+    lazy_chunks: int = 0  # chunks kept versions name that a mirror left out on purpose (lazy notes): not missing
+    deleted_notes: int = 0  # lazy notes of deleted versions, and older ones whose manifest is gone
 
 
 @dataclass(frozen=True)
@@ -136,12 +141,48 @@ def plan_gc(repo: Repo, keep: int, abandoned: frozenset[int] = frozenset()) -> G
     committed = [v for v in listed if v <= head]
     if head not in committed:
         raise VersionError(f"{repo.url}: head {head} has no manifest; refusing to collect anything")
+    noted = _noted(repo)
     kept: set[int] = set()
+    lazy: set[str] = set()
     for v in committed[-keep:]:
-        kept.update(m.version for m in repo.chain(v))
+        kept.update(_rebuild_path(repo, v, noted, lazy))
     delete = [v for v in committed if v not in kept]
     needed = _chunks_of(repo, sorted(kept) + pending)
-    return GcPlan(head, tuple(sorted(kept)), tuple(pending), tuple(delete), dead, frozenset(needed))
+    return GcPlan(head, tuple(sorted(kept)), tuple(pending), tuple(delete), dead, frozenset(needed), frozenset(lazy))
+
+
+def _noted(repo: Repo) -> set[int]:
+    """Versions with a lazy-chunks note (docs/FORMAT.md section 1): a mirror left chunks of theirs out."""
+    return {v for v in (parse_lazy_key(k) for k in repo.store.list(LAZY_PREFIX)) if v is not None}
+
+
+def _rebuild_path(repo: Repo, version: int, noted: set[int], lazy: set[str]) -> list[int]:
+    """The versions a reader needs for ``version``: its chain back to its keyframe and, while that
+    keyframe lacks chunks (a lazy note), on back through its parents to the newest keyframe whose
+    chunks are all here (readers rebuild a lazily held keyframe from it, its deltas and the lazy
+    keyframe's own delta payloads). ``lazy`` collects the noted chunk ids met on the way. A path
+    that ends at a collected manifest keeps what there is."""
+    chain = repo.chain(version)
+    out = [m.version for m in chain]
+    keyframe = chain[0]
+    while keyframe.version in noted:
+        try:
+            ids = repo.lazy_chunks(keyframe.version)
+        except FormatError as exc:  # a damaged note: the keyframe may lack chunks, so keep the path
+            log.warning("gc %s: %s; keeping the versions before it", repo.url, exc)
+            ids = frozenset(["?"])
+        if not ids:
+            break  # an empty note: the version is whole
+        lazy.update(i for i in ids if i != "?")
+        if keyframe.parent is None:
+            break
+        try:
+            chain = repo.chain(keyframe.parent)
+        except VersionError:
+            break  # collected already: nothing older to rebuild from
+        out.extend(m.version for m in chain)
+        keyframe = chain[0]
+    return out
 
 
 def _chunks_of(repo: Repo, versions: list[int]) -> set[str]:
@@ -171,12 +212,16 @@ def gc(repo: Repo, config: GcConfig) -> GcResult:
         deleted_parts=len(parts.delete),
         pending_parts=len(parts.pending),
     )
+    result.lazy_chunks = len(plan.lazy_chunks)
     if not config.dry_run:
         for v in plan.delete_versions + plan.abandoned_versions:  # oldest first, chunks after
-            repo.store.delete(version_key(v))
+            repo.store.delete(version_key(v))  # their notes go after them (_sweep_notes)
         for key in parts.delete:
             repo.store.delete(key)  # a file store removes the folders this empties
     result.deleted_signatures = _sweep_signatures(
+        repo, set(plan.delete_versions + plan.abandoned_versions), config.grace_seconds, config.dry_run
+    )
+    result.deleted_notes = _sweep_notes(
         repo, set(plan.delete_versions + plan.abandoned_versions), config.grace_seconds, config.dry_run
     )
     # Listed after the manifests are gone: a chunk stored from here on is younger than the grace.
@@ -207,6 +252,27 @@ def _sweep_signatures(repo: Repo, deleted: set[int], grace: float, dry_run: bool
     manifests: set[int] | None = None
     for key, _, age in list_with_age(repo.store, SIGNATURES_PREFIX):
         v = parse_signature_key(key)
+        if v is None or (v not in deleted and _young(age, grace)):
+            continue
+        if v not in deleted:
+            if manifests is None:  # listed after the manifests were deleted
+                manifests = {parse_version_key(k) for k in repo.store.list(VERSIONS_PREFIX)}
+            if v in manifests:
+                continue
+        doomed.append(key)
+    if not dry_run:
+        for key in doomed:
+            repo.store.delete(key)
+    return len(doomed)
+
+
+def _sweep_notes(repo: Repo, deleted: set[int], grace: float, dry_run: bool) -> int:
+    """Delete the lazy notes of ``deleted`` versions (after their manifests: no reader sees a version
+    without its note), and those older than ``grace`` whose manifest is gone (a mirror writes a
+    note right before the manifest; the grace spares one still committing)."""
+    doomed, manifests = [], None
+    for key, _, age in list_with_age(repo.store, LAZY_PREFIX):
+        v = parse_lazy_key(key)
         if v is None or (v not in deleted and _young(age, grace)):
             continue
         if v not in deleted:

@@ -1,17 +1,26 @@
 """Regional mirrors: copy versions from one store into another in the store's commit order (chunks
-verified, then the manifest, then its signatures, then the head), so that one cross-region transfer
-serves a region (docs/DESIGN.md: what a destination must be, memory). A source repo with trusted
-keys makes the mirror copy only versions one of them signed (docs/FORMAT.md section 7)."""
+verified, then a lazy-chunks note, then the manifest, then its signatures, then the head), so that
+one cross-region transfer serves a region (docs/DESIGN.md: pipelining, sharding, lazy keyframes,
+memory). A source repo with trusted keys makes the mirror commit only versions one of them signed
+(docs/FORMAT.md section 7).
+
+Chunks are copied as soon as they are named (parts of versions above the source head, manifests
+above the destination head), many at once, by a pool of workers (:class:`_Copier`); one thread
+polls the heads and commits versions strictly in order once their chunks are there."""
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import logging
 import threading
 import time
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from weightsync.errors import (
     AlreadyExistsError,
+    ChecksumError,
+    FormatError,
     NotAStoreError,
     NotFoundError,
     PreconditionFailedError,
@@ -19,10 +28,26 @@ from weightsync.errors import (
     StoreError,
     UsageError,
     VersionError,
+    WeightsyncError,
 )
-from weightsync.format.keys import HEAD_KEY, signature_key, version_key
-from weightsync.format.manifest import ChunkRef, head_to_json, manifest_from_json
+from weightsync.format.keys import (
+    HEAD_KEY,
+    LAZY_PREFIX,
+    PARTS_PREFIX,
+    VERSIONS_PREFIX,
+    chunk_key,
+    parse_lazy_key,
+    parse_part_key,
+    parse_version_key,
+    signature_key,
+    version_key,
+)
+from weightsync.format.manifest import ChunkRef, Manifest, head_to_json, manifest_from_json, part_from_json
 from weightsync.store.repo import Repo
+
+log = logging.getLogger("weightsync.mirror")
+
+KEYFRAME_PAYLOADS = ("eager", "lazy", "never")
 
 
 class MirrorError(NotAStoreError):
@@ -31,34 +56,107 @@ class MirrorError(NotAStoreError):
 
 @dataclass(frozen=True)
 class MirrorConfig:
-    """``concurrency``: chunks copied at once (memory: ``concurrency`` x chunk size).
-    ``interval``: seconds between polls of the source head when following."""
+    """How a mirror process copies (docs/DESIGN.md, ``weightsync.sync.mirror``).
 
-    concurrency: int = 32
-    interval: float = 5.0
+    ``concurrency``: chunk copies (and, for a committer, existence checks) in flight; memory is
+    ``concurrency`` x chunk size (64 x 16 MiB = 1 GiB). ``interval``: seconds between polls of the
+    source head. ``keyframe_payloads``: ``eager`` (a keyframe's full payloads before its head
+    moves), ``lazy`` (after, at a lower priority than the next versions' chunks) or ``never``.
+    ``shard``/``shards``: copy only the chunks whose id falls in shard ``shard`` of ``shards``
+    (:func:`shard_of`). ``commit``: write notes, manifests, signatures and the head (a process
+    without it only copies chunks). ``parts``: also copy the chunks named by parts of multi-rank
+    publishes above the source head. ``refresh_seconds``: a chunk this process stored or checked
+    longer ago than this is checked (and touched) again before a version that needs it commits,
+    so a regional gc (whose grace period must exceed it) cannot have collected it meanwhile."""
+
+    concurrency: int = 64
+    interval: float = 1.0
+    keyframe_payloads: str = "lazy"
+    shard: int = 0
+    shards: int = 1
+    commit: bool = True
+    parts: bool = True
+    refresh_seconds: float = 300.0
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
             raise UsageError(f"mirror concurrency must be at least 1, got {self.concurrency}")
         if not self.interval > 0:
             raise UsageError(f"mirror interval must be positive, got {self.interval}")
+        if self.keyframe_payloads not in KEYFRAME_PAYLOADS:
+            raise UsageError(
+                f"keyframe payloads must be one of {', '.join(KEYFRAME_PAYLOADS)}, got {self.keyframe_payloads!r}"
+            )
+        if not 1 <= self.shards <= 4096 or not 0 <= self.shard < self.shards:
+            raise UsageError(f"mirror shard must be I/N with 0 <= I < N <= 4096, got {self.shard}/{self.shards}")
+        if not self.refresh_seconds > 0:
+            raise UsageError(f"mirror refresh must be positive, got {self.refresh_seconds}")
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"I/N"`` -> ``(I, N)`` (``--shard``); :class:`UsageError` otherwise."""
+    try:
+        i, n = (int(x) for x in text.strip().split("/"))
+    except ValueError:
+        raise UsageError(f"--shard wants I/N (e.g. 0/4), got {text!r}") from None
+    if not 1 <= n <= 4096 or not 0 <= i < n:
+        raise UsageError(f"--shard {text}: wants 0 <= I < N <= 4096")
+    return i, n
+
+
+def shard_of(chunk_id: str, shards: int) -> int:
+    """The shard of a chunk: its id's first 32 bits modulo ``shards`` (ids are XXH3 hashes: uniform)."""
+    return int(chunk_id[:8], 16) % shards
+
+
+def lazy_candidates(m: Manifest) -> frozenset[str]:
+    """The chunks of keyframe ``m`` that only its full payloads use, on segments that also carry a
+    delta from the parent: a follower of the parent never reads them. Empty for a non-keyframe and
+    for a keyframe without a parent. Pure."""
+    if not m.keyframe or m.parent is None:
+        return frozenset()
+    full: set[str] = set()
+    other: set[str] = set()  # delta payloads, and full payloads a follower still needs (no delta)
+    for f in m.files:
+        for s in f.segments:
+            if s.payload is not None:
+                (full if s.delta is not None else other).update(m.chunks[p.chunk].id for p in s.payload.parts)
+            if s.delta is not None and s.delta.payload is not None:
+                other.update(m.chunks[p.chunk].id for p in s.delta.payload.parts)
+    return frozenset(full - other)
 
 
 @dataclass
 class MirrorResult:
-    """What a mirror run did, over all its passes: versions copied or already there, chunks copied or
-    touched, bytes, the heads seen, failed passes, seconds."""
+    """What a mirror run did: versions copied or already there, chunks copied or touched, bytes,
+    lazily held keyframes, the heads seen, failed polls, seconds."""
 
     copied_versions: list[int] = field(default_factory=list)  # manifest written here, head moved to it
     skipped_versions: list[int] = field(default_factory=list)  # manifest already there, identical
-    copied_chunks: int = 0  # chunk totals: counted as each chunk is done, in failed passes too
+    lazy_versions: list[int] = field(default_factory=list)  # committed with a lazy-chunks note (by us)
+    completed_versions: list[int] = field(default_factory=list)  # notes cleared: the lazy chunks arrived
+    copied_chunks: int = 0  # chunk totals: counted as each chunk is done, in failed polls too
     copied_bytes: int = 0
     skipped_chunks: int = 0  # already at the destination (touched, not copied)
     head: int | None = None  # the destination head when the mirror returned
-    source_head: int | None = None  # the source head read by the last pass
-    passes: int = 0
-    errors: int = 0  # failed passes while following (each retried at the next poll)
+    source_head: int | None = None  # the source head read by the last poll
+    passes: int = 0  # polls
+    errors: int = 0  # failed polls while following (each retried at the next poll)
     seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class MirrorStatus:
+    """The link's state after a poll or a commit: heads (None: none yet), source versions above the
+    destination head, since when (Unix time; None: caught up) a source head above the destination's
+    has been seen, chunk copies and checks in flight, lazy chunks not yet at the destination."""
+
+    source_head: int | None
+    destination_head: int | None
+    lag_versions: int
+    behind_since: float | None
+    in_flight: int
+    lazy_pending: int
 
 
 class MirrorObserver:
@@ -66,22 +164,26 @@ class MirrorObserver:
     subclass overrides it. Each is called in the mirror's thread, except :meth:`on_chunk`."""
 
     def on_heads(self, source: int | None, destination: int | None) -> None:
-        """A pass read both heads (None: no head yet), before it copies anything."""
+        """A poll read both heads (None: no head yet)."""
 
     def on_chunk(self, copied: bool, nbytes: int) -> None:
-        """A chunk of a version is done: copied, or found already there (``copied`` False). Called
-        from the copying threads, one call at a time, also in a pass that fails later (the
-        result's chunk totals move with it)."""
+        """A chunk is done: copied, or found already there (``copied`` False). Called from the
+        copying threads, one call at a time, also in a poll that fails later (the result's chunk
+        totals move with it)."""
 
-    def on_version(self, version: int, chunks: int, nbytes: int) -> None:
+    def on_version(self, version: int, chunks: int, nbytes: int, seconds: float = 0.0) -> None:
         """This mirror wrote ``version``'s manifest and the destination head is at (or past) it; the
-        chunks and bytes it copied for that version in this pass."""
+        chunks and bytes it copied first for that version, and the seconds from when it first saw
+        the version to its head."""
+
+    def on_status(self, status: MirrorStatus) -> None:
+        """The link's lag, copies in flight and lazy chunks pending, after each poll and commit."""
 
     def on_pass(self, result: MirrorResult) -> None:
-        """A pass succeeded; ``result`` holds the running totals (``result.head``: the destination head)."""
+        """A poll succeeded; ``result`` holds the running totals (``result.head``: the destination head)."""
 
     def on_error(self, exc: StoreError | SignatureError) -> None:
-        """A pass failed with a store error, or stopped at a version the trusted keys did not sign,
+        """A poll failed with a store error, or stopped at a version the trusted keys did not sign,
         and will be retried at the next poll (``follow`` only)."""
 
     def on_waiting(self, reason: str) -> None:
@@ -91,6 +193,202 @@ class MirrorObserver:
 
 class _Stopped(Exception):
     pass
+
+
+# --- the copier: a pool of workers over a priority queue of chunks ------------------------------------
+QUEUED, RUNNING, DONE, MISSING, FAILED = "queued", "running", "done", "missing", "failed"
+
+
+class _Entry:
+    """One chunk this process copies (own shard) or checks (another shard's; a committer only)."""
+
+    __slots__ = ("ref", "check", "status", "when", "round", "error", "prio", "owner", "copied")
+
+    def __init__(self, ref: ChunkRef, check: bool, owner: int):
+        self.ref, self.check, self.owner = ref, check, owner
+        self.status, self.when, self.round, self.error, self.prio, self.copied = QUEUED, 0.0, 0, None, None, None
+
+
+class _Copier:
+    """``concurrency`` worker threads taking chunks by priority: ``(0, version)`` for chunks a version
+    waits on, ``(1, version)`` for lazy ones (at most half the workers). A copy is
+    :meth:`Repo.store_chunk` (the source read, size and XXH3 verified, only if the destination lacks
+    it; a present one touched); a check is a HEAD at the destination (touched if older than
+    ``refresh_seconds``). Results stay valid for ``refresh_seconds``; missing and failed ones are
+    tried again after :meth:`new_round`."""
+
+    def __init__(self, src: Repo, dst: Repo, cfg: MirrorConfig, counted):
+        self.src, self.dst, self.cfg, self._counted = src, dst, cfg, counted
+        self._cv = threading.Condition()
+        self._heaps: tuple[list, list] = ([], [])  # needed, lazy
+        self._entries: dict[str, _Entry] = {}
+        self._seq = itertools.count()
+        self._round = 0
+        self._events = 0
+        self._running = [0, 0]
+        self._lazy_cap = max(1, cfg.concurrency // 2)
+        self._closed = False
+        self._store_now: float | None = None
+        self._threads: list[threading.Thread] = []
+
+    # --- the mirror thread's side ---
+    def want(self, ref: ChunkRef, version: int, *, lazy: bool = False, check: bool = False) -> str:
+        """The state of ``ref`` at the destination, queueing a copy (or a check) unless one is done,
+        fresh, queued or running, or was found missing or failed in this round."""
+        prio = (1 if lazy else 0, version)
+        with self._cv:
+            e = self._entries.get(ref.id)
+            now = time.monotonic()
+            stale = e is not None and (
+                (e.status == DONE and now - e.when > self.cfg.refresh_seconds)
+                or (e.status in (MISSING, FAILED) and e.round < self._round)
+            )
+            if e is None or stale:
+                old, e = e, _Entry(ref, check, version if e is None else e.owner)
+                e.error = None if old is None else old.error  # kept until a try succeeds
+                self._entries[ref.id] = e
+                self._push(e, prio)
+            elif e.status == QUEUED and (prio < e.prio or (e.check and not check)):
+                e.check = e.check and check  # a copy supersedes a check
+                self._push(e, prio)  # the older heap item is skipped when popped
+            return e.status
+
+    def _push(self, e: _Entry, prio: tuple[int, int]) -> None:
+        e.status, e.prio = QUEUED, prio
+        heapq.heappush(self._heaps[prio[0]], (prio, next(self._seq), e))
+        if not self._threads:
+            self._start()
+        self._cv.notify()
+
+    def error(self, chunk_id: str) -> Exception | None:
+        """Why the chunk failed, if its last try did and none runs now."""
+        e = self._entries.get(chunk_id)
+        return e.error if e is not None and e.status == FAILED else None
+
+    def failed_last(self, chunk_id: str) -> bool:
+        """The chunk's last try failed (it may be queued or running again)."""
+        e = self._entries.get(chunk_id)
+        return e is not None and e.error is not None
+
+    def forget(self, chunk_id: str) -> None:
+        """Drop what is known of a chunk (a queued copy still runs)."""
+        with self._cv:
+            e = self._entries.get(chunk_id)
+            if e is not None and e.status != RUNNING:
+                self._entries.pop(chunk_id, None)
+                e.status = DONE  # a heap item left behind is skipped
+
+    def new_round(self) -> None:
+        """A poll: missing and failed chunks are tried again when next wanted; every 64 polls, what
+        is known of chunks that would be checked again anyway is dropped (memory stays bounded)."""
+        with self._cv:
+            self._round += 1
+            self._store_now = None
+            if self._round % 64 == 0:
+                now = time.monotonic()
+                for cid in [
+                    cid
+                    for cid, e in self._entries.items()
+                    if (e.status == DONE and now - e.when > self.cfg.refresh_seconds)
+                    or (e.status in (MISSING, FAILED) and e.round < self._round)
+                ]:
+                    del self._entries[cid]  # a heap item of it (none: it is not queued) would be skipped
+
+    def wait(self, seen: int, timeout: float) -> int:
+        """Wait until a chunk is done after event ``seen`` (or ``timeout``); the current event count."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._events != seen or self._closed, timeout)
+            return self._events
+
+    @property
+    def events(self) -> int:
+        return self._events
+
+    @property
+    def in_flight(self) -> int:
+        return self._running[0] + self._running[1]
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        for t in self._threads:
+            t.join()
+
+    # --- the workers ---
+    def _start(self) -> None:
+        for i in range(self.cfg.concurrency):
+            t = threading.Thread(target=self._work, name=f"ws-mirror-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _pick(self) -> tuple[int, _Entry] | None:
+        for kind in (0, 1):
+            heap = self._heaps[kind]
+            while heap and (heap[0][2].status != QUEUED or heap[0][2].prio != heap[0][0]):
+                heapq.heappop(heap)  # superseded by a higher priority, or forgotten
+            if heap and (kind == 0 or self._running[1] < self._lazy_cap):
+                return kind, heapq.heappop(heap)[2]
+        return None
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and (picked := self._pick()) is None:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                kind, e = picked
+                e.status = RUNNING
+                self._running[kind] += 1
+            status, copied, error = DONE, None, None
+            try:
+                if e.check:
+                    status = DONE if self._check(e.ref) else MISSING
+                else:
+                    ref = e.ref
+                    copied = self.dst.store_chunk(ref.id, ref.size, lambda r=ref: self.src.get_chunk(r.id, r.size))
+            except Exception as exc:  # noqa: BLE001 - kept for the mirror thread, which decides
+                status, error = FAILED, exc
+            if copied is not None:
+                self._counted(e, copied)
+            with self._cv:
+                self._running[kind] -= 1
+                if e.status == RUNNING:  # not forgotten meanwhile
+                    e.status, e.when, e.round, e.error, e.copied = status, time.monotonic(), self._round, error, copied
+                self._events += 1
+                self._cv.notify_all()
+
+    def _check(self, ref: ChunkRef) -> bool:
+        """Another shard's chunk is at the destination with its size (touched if old)."""
+        store = self.dst.store
+        meta = store.head_meta(chunk_key(ref.id))
+        if meta is None or meta.size != ref.size:
+            return False
+        if meta.last_modified is not None:
+            if self._store_now is None:
+                self._store_now = store.now()  # once a round: the store's clock
+            if self._store_now - meta.last_modified > self.cfg.refresh_seconds:
+                try:
+                    store.touch(chunk_key(ref.id))
+                except NotFoundError:
+                    return False  # collected by gc since the HEAD
+        return True
+
+
+# --- one version on its way ----------------------------------------------------------------------------
+@dataclass
+class _Version:
+    version: int
+    data: bytes
+    signatures: bytes | None
+    manifest: Manifest
+    refs: dict[str, ChunkRef]  # every chunk the manifest names, by id
+    lazy: frozenset[str]  # left out before the head moves
+    seen: float  # monotonic time it was first seen
+    waiting: set[str] | None = None  # needed chunks not yet seen done (None: not looked at yet)
+    chunks: int = 0  # copied first for this version
+    nbytes: int = 0
 
 
 class _Mirror:
@@ -104,36 +402,90 @@ class _Mirror:
     ):
         self.src, self.dst, self.cfg, self.stop, self.observer = src, dst, cfg, stop, observer
         self.result = MirrorResult()
-        self.present: set[str] = set()  # chunk ids known to be at the destination, right size
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the totals and on_chunk
+        self.copier = _Copier(src, dst, cfg, self._counted)
+        self.pending: dict[int, _Version] = {}  # manifests above the destination head, by version
+        self.listed_to = -1  # highest source version looked at
+        self.listed: list[int] = []  # source versions above the destination head, from the last listing
+        self.parts: dict[str, int] = {}  # part keys read (their chunks queued) -> version
+        self.lazy_open: dict[int, dict[str, ChunkRef]] = {}  # committed with a note: chunks not yet confirmed
+        self.committed: set[int] = set()  # by this process
+        self.src_head: int | None = None
+        self.dst_head: int | None = None
+        self.target: int | None = None  # one-shot: the source head of the first poll
+        self.checked_head: int | None = None  # destination head whose lineage was checked
+        self.first_seen: dict[int, float] = {}  # source head -> Unix time first seen
+        self.refusal: SignatureError | None = None
+        self.polls = 0
+        self.follow = False
 
-    # --- one pass ---------------------------------------------------------------------------------
+    def _own(self, chunk_id: str) -> bool:
+        return self.cfg.shards == 1 or shard_of(chunk_id, self.cfg.shards) == self.cfg.shard
+
+    def _counted(self, e: _Entry, copied: bool) -> None:
+        """Count one chunk as it is done (the totals, its version's, ``on_chunk``); from a worker."""
+        with self._lock:
+            if copied:
+                self.result.copied_chunks += 1
+                self.result.copied_bytes += e.ref.size
+                v = self.pending.get(e.owner)
+                if v is not None:
+                    v.chunks += 1
+                    v.nbytes += e.ref.size
+            else:
+                self.result.skipped_chunks += 1
+            self.observer.on_chunk(copied, e.ref.size)
+
+    # --- setup and the source head ---
     def prepare(self) -> None:
         if self.src.url == self.dst.url:
             raise UsageError(f"mirror source and destination are the same store: {self.src.url}")
         self.src.require()
         if not self.dst.check():
-            self.dst.init()
+            self.dst.init()  # the marker (create-only): any shard may be first
 
-    def run_pass(self) -> None:
+    def source_head(self) -> int | None:
+        """The source head: the one read a poll makes of the source when nothing changed."""
+        return self.src.head_version()
+
+    # --- a poll ---
+    def poll(self, follow: bool) -> None:
+        self.follow = follow
         self.result.passes += 1
-        self.present.clear()  # a regional gc may have collected chunks since the last pass
-        src_head = self.src.head_version()
+        self.polls += 1
+        self.copier.new_round()
+        src_head = self.source_head()
         dst_head = self.dst.head_version()
-        self.result.head, self.result.source_head = dst_head, src_head
         self._check_lineage(src_head, dst_head)
+        if not follow:  # one-shot: up to the source head of the first poll
+            self.target = src_head if self.target is None else self.target
+            src_head = self.target
+        self.src_head, self.result.source_head = src_head, src_head
+        self._set_dst_head(dst_head)
         self.observer.on_heads(src_head, dst_head)
-        if src_head is None or (dst_head is not None and dst_head >= src_head):
+        if src_head is not None and (dst_head is None or src_head > dst_head):
+            self.first_seen.setdefault(src_head, time.time())
+        if self.polls == 1:
+            self._load_notes()
+        self.refusal = None
+        self._discover(src_head)
+        if self.cfg.parts and follow:
+            self._discover_parts(src_head)
+
+    def _set_dst_head(self, head: int | None) -> None:
+        self.dst_head = self.result.head = head
+        if head is None:
             return
-        for v in self.src.versions():
-            if dst_head is not None and v <= dst_head:
-                continue
-            if self.stop.is_set():
-                raise _Stopped
-            self._copy_version(v)
+        for v in [v for v in self.pending if v <= head]:  # committed by another committer
+            ver = self.pending.pop(v)
+            if ver.lazy:
+                self._opened(v, {i: ver.refs[i] for i in ver.lazy})
+        for h in [h for h in self.first_seen if h <= head]:
+            del self.first_seen[h]
+        self.committed = {v for v in self.committed if v >= head}  # older ones: a HEAD tells
 
     def _check_lineage(self, src_head: int | None, dst_head: int | None) -> None:
-        if dst_head is None:
+        if dst_head is None or dst_head == self.checked_head:
             return
         if src_head is None or dst_head > src_head:
             raise MirrorError(
@@ -143,8 +495,10 @@ class _Mirror:
         try:
             ours = self.src.store.get(version_key(dst_head))
         except NotFoundError:
-            return  # collected at the source: nothing left to compare with
-        self._same_manifest(dst_head, ours)
+            ours = None  # collected at the source: nothing left to compare with
+        if ours is not None:
+            self._same_manifest(dst_head, ours)
+        self.checked_head = dst_head
 
     def _same_manifest(self, version: int, data: bytes) -> None:
         try:
@@ -156,97 +510,260 @@ class _Mirror:
         if theirs != data:
             raise MirrorError(f"{self.dst.url} is not a mirror of {self.src.url}: version {version} differs")
 
-    # --- one version ------------------------------------------------------------------------------
-    def _copy_version(self, version: int) -> None:
-        key = version_key(version)
-        try:  # with trusted keys, checked before anything of the version is copied
-            data, signatures = self.src.read_version(version)
-        except VersionError:
-            return  # collected at the source since it was listed
-        m = manifest_from_json(data, f"{self.src.url}/{key}")
-        if m.version != version:
-            raise VersionError(f"{self.src.url}/{key}: manifest claims version {m.version}")
-        try:  # chunks are checked even under an existing manifest: a regional gc may be at work
-            chunks, nbytes = self._copy_chunks(m.chunks)
-        except NotFoundError:
-            if self.src.store.head(key) is None:
-                return  # collected at the source while we copied it
-            raise
-        try:
-            self.dst.store.put(key, data, mode="create")
-            written = True
-        except AlreadyExistsError:  # an interrupted earlier pass, or another mirror
-            self._same_manifest(version, data)
-            written = False
-        if signatures is not None:  # before the head: a reader that trusts keys finds them with the version
-            self.dst.store.put(signature_key(version), signatures, mode="overwrite")
-        self._move_head(version)
-        if written:  # counted once the head is there: a head move that fails leaves it to the next pass
-            self.result.copied_versions.append(version)
-            self.observer.on_version(version, chunks, nbytes)
-        else:
-            self.result.skipped_versions.append(version)
+    def _discover(self, src_head: int | None) -> None:
+        """Read (and verify) the source manifests above what is known, queue their chunks."""
+        if src_head is None:
+            return
+        floor = max(self.listed_to, -1 if self.dst_head is None else self.dst_head)
+        if src_head > floor:
+            found = (parse_version_key(k) for k in self.src.store.list(VERSIONS_PREFIX))
+            self.listed = sorted(v for v in found if v is not None and v <= src_head)
+            for v in self.listed:
+                if v <= floor or v in self.pending:
+                    continue
+                if self.stop.is_set():
+                    raise _Stopped
+                try:  # with trusted keys, checked before anything of the version is queued
+                    data, signatures = self.src.read_version(v)
+                except VersionError:
+                    continue  # collected at the source since it was listed
+                except SignatureError as exc:
+                    self.refusal = exc  # the versions before it go on; nothing of it or after it
+                    break
+                m = manifest_from_json(data, f"{self.src.url}/{version_key(v)}")
+                if m.version != v:
+                    raise VersionError(f"{self.src.url}/{version_key(v)}: manifest claims version {m.version}")
+                refs = {r.id: r for r in m.chunks}
+                lazy = frozenset()
+                if self.cfg.keyframe_payloads != "eager" and m.parent is not None and self._parent_coming(m.parent):
+                    lazy = lazy_candidates(m)
+                self.pending[v] = _Version(v, data, signatures, m, refs, lazy, time.monotonic())
+                self.listed_to = v
+                for r in refs.values():
+                    if r.id not in lazy and self._own(r.id):
+                        self.copier.want(r, v)
+        self.listed = [v for v in self.listed if self.dst_head is None or v > self.dst_head]
 
-    def _counted(self, ref: ChunkRef, copied: bool, moved: list[int]) -> None:
-        """Count one chunk as it is done (the totals, ``moved`` of its version, ``on_chunk``); under the lock."""
-        if copied:
-            moved[0] += 1
-            moved[1] += ref.size
-            self.result.copied_chunks += 1
-            self.result.copied_bytes += ref.size
-        else:
-            self.result.skipped_chunks += 1
-        self.observer.on_chunk(copied, ref.size)
+    def _parent_coming(self, parent: int) -> bool:
+        """The parent is at the destination, or will be committed before its child."""
+        return parent in self.pending or parent in self.committed or self._dst_has(parent)
 
-    def _copy_chunks(self, refs: tuple[ChunkRef, ...]) -> tuple[int, int]:
-        """Copy the chunks the destination lacks; returns (chunks, bytes) copied.
+    def _dst_has(self, version: int) -> bool:
+        if self.dst_head is None or version > self.dst_head:
+            return False
+        if self.dst.store.head(version_key(version)) is None:
+            return False
+        self.committed.add(version)  # remembered: no HEAD again
+        return True
 
-        Each chunk is counted as soon as it is copied or found (even if the version fails later),
-        so the totals and ``on_chunk`` follow a long copy chunk by chunk."""
-        moved = [0, 0]
-        todo: dict[str, ChunkRef] = {}
-        with self._lock:
-            for r in refs:
-                if r.id in self.present or r.id in todo:  # an earlier version's, or a repeat in this one
-                    self._counted(r, False, moved)
+    def _discover_parts(self, src_head: int | None) -> None:
+        """Queue the chunks of parts of versions above the source head (a multi-rank publish in
+        progress). Parts are not signed: a hostile one costs bytes, never a commit."""
+        live = set()
+        for key in self.src.store.list(PARTS_PREFIX):
+            parsed = parse_part_key(key)
+            if parsed is None or (src_head is not None and parsed[0] <= src_head):
+                continue
+            live.add(key)
+            if key in self.parts:
+                continue
+            self.parts[key] = parsed[0]
+            try:
+                part = part_from_json(self.src.store.get(key), f"{self.src.url}/{key}")
+            except (NotFoundError, FormatError) as exc:  # gone, or damaged: its committer refuses it
+                log.debug("mirror: skipping part %s: %s", key, exc)
+                continue
+            for r in part.chunks:
+                if self._own(r.id):
+                    self.copier.want(r, parsed[0])
+        for key in [k for k in self.parts if k not in live]:
+            del self.parts[key]
+
+    def _load_notes(self) -> None:
+        """Lazy notes at the destination (an earlier run's): their chunks are still to copy."""
+        for key in self.dst.store.list(LAZY_PREFIX):
+            v = parse_lazy_key(key)
+            if v is None or self.dst_head is None or v > self.dst_head:
+                continue  # a note above the head: its version is decided again when committed
+            try:
+                ids = self.dst.lazy_chunks(v)
+                m = manifest_from_json(self.dst.store.get(version_key(v)), f"{self.dst.url}/{version_key(v)}")
+            except (NotFoundError, FormatError) as exc:
+                log.debug("mirror: skipping the note of version %d: %s", v, exc)
+                continue
+            refs = {r.id: r for r in m.chunks}
+            self._opened(v, {i: refs[i] for i in ids if i in refs})
+
+    def _opened(self, version: int, refs: dict[str, ChunkRef]) -> None:
+        """``version`` is committed at the destination without ``refs``: copy them later (``lazy``)."""
+        if self.cfg.keyframe_payloads == "never" or not refs:
+            return  # the note stays; readers rebuild or read the source
+        self.lazy_open[version] = refs
+        for r in refs.values():
+            if self._own(r.id):
+                self.copier.want(r, version, lazy=True)
+
+    # --- commits, in order ---
+    def advance(self) -> None:
+        """Commit every version whose chunks are there (a committer), in order; track lazy chunks."""
+        while self.pending:
+            v = min(self.pending)
+            ver = self.pending[v]
+            if not self._ready(ver):
+                break
+            if self.cfg.commit:
+                self._commit(ver)
+            else:
+                break  # a shard waits for the committer's head (read at the next poll)
+        self._advance_lazy()
+        if self.refusal is not None and not self.pending:
+            raise self.refusal
+
+    def _needed(self, ver: _Version) -> list[str]:
+        """The chunks of ``ver`` this process waits on: all but the lazy ones for a committer (another
+        shard's are checked), its own shard's for a copier."""
+        return [c for c in ver.refs if c not in ver.lazy and (self.cfg.commit or self._own(c))]
+
+    def _ready(self, ver: _Version) -> bool:
+        """Every chunk of ``ver`` but its lazy ones is at the destination (own shard: copied or
+        touched by us; others': checked, committers only). Raises on a failed chunk, unless the
+        source collected the version meanwhile (then it is dropped). Only the chunks not yet seen
+        done are looked at, then all once more (none may have gone stale meanwhile)."""
+        if ver.lazy and not self._parent_coming(ver.manifest.parent):
+            ver.lazy, ver.waiting = frozenset(), None  # its parent did not make it here: copied whole
+        if ver.waiting is None:
+            ver.waiting = set(self._needed(ver))
+        for final in (False, True):
+            for cid in list(ver.waiting if not final else self._needed(ver)):
+                own = self._own(cid)
+                status = self.copier.want(ver.refs[cid], ver.version, check=not own)
+                if status == FAILED:
+                    exc = self.copier.error(cid)
+                    if isinstance(exc, NotFoundError) and self.src.store.head(version_key(ver.version)) is None:
+                        del self.pending[ver.version]  # collected at the source while we copied it
+                        log.info("mirror: version %d was collected at the source while it was copied", ver.version)
+                        return False
+                    raise exc
+                if status == DONE:
+                    ver.waiting.discard(cid)
                 else:
-                    todo[r.id] = r
+                    ver.waiting.add(cid)
+            if ver.waiting:
+                return False
+        return True
 
-        def one(ref: ChunkRef) -> None:
-            if self.stop.is_set():
-                raise _Stopped
-            # present chunks are touched (a regional gc spares them until their manifest lands);
-            # the source is read, size and XXH3-128 verified, only for chunks the region lacks
-            copied = self.dst.store_chunk(ref.id, ref.size, lambda: self.src.get_chunk(ref.id, ref.size))
-            with self._lock:
-                self.present.add(ref.id)
-                self._counted(ref, copied, moved)
-
-        pool = ThreadPoolExecutor(min(self.cfg.concurrency, max(1, len(todo))), thread_name_prefix="ws-mirror")
+    def _commit(self, ver: _Version) -> None:
+        v, key = ver.version, version_key(ver.version)
+        if ver.lazy:  # before the manifest: no reader sees the version without its note
+            self.dst.note_lazy_chunks(v, ver.lazy)
+        else:
+            self.dst.clear_lazy_chunks(v)  # a note an earlier run left: every chunk is there now
         try:
-            futures = [pool.submit(one, ref) for ref in todo.values()]
-            wait(futures, return_when=FIRST_EXCEPTION)
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-        for f in futures:
-            if not f.cancelled() and f.exception() is not None:
-                raise f.exception()
-        return moved[0], moved[1]
+            self.dst.store.put(key, ver.data, mode="create")
+            written = True
+        except AlreadyExistsError:  # an interrupted earlier run, or another committer
+            self._same_manifest(v, ver.data)
+            written = False
+        if ver.signatures is not None:  # before the head: a reader that trusts keys finds them with the version
+            self.dst.store.put(signature_key(v), ver.signatures, mode="overwrite")
+        self.committed.add(v)
+        self._move_head(v)  # the version leaves `pending` (and its lazy chunks are queued) with the head
+        self.checked_head = self.dst_head  # our own manifest: the lineage holds
+        self._report()
+        if written:  # counted once the head is there: a head move that fails leaves it to the next poll
+            self.result.copied_versions.append(v)
+            if ver.lazy:
+                self.result.lazy_versions.append(v)
+            self.observer.on_version(v, ver.chunks, ver.nbytes, time.monotonic() - ver.seen)
+        else:
+            self.result.skipped_versions.append(v)
 
     def _move_head(self, version: int) -> None:
         """Move the destination head forward to ``version``; never backward."""
         for _ in range(100):
             current, etag = self.dst.head()
             if current is not None and current >= version:
-                self.result.head = current
+                self._set_dst_head(current)
                 return
             try:
                 self.dst.store.put_if_match(HEAD_KEY, head_to_json(version), etag)
-                self.result.head = version
+                self._set_dst_head(version)
                 return
             except PreconditionFailedError:
                 continue
         raise VersionError(f"could not move the head of {self.dst.url} to {version}: too much contention")
+
+    def _advance_lazy(self) -> None:
+        """Lazy chunks still to copy (or, for a committer, to check), by version; a committer clears
+        a version's note once all are there."""
+        if self.cfg.keyframe_payloads == "never":
+            return
+        for v in sorted(self.lazy_open):
+            refs = self.lazy_open[v]
+            for r in list(refs.values()):
+                own = self._own(r.id)
+                if not own and not self.cfg.commit:
+                    del refs[r.id]  # another shard's
+                    continue
+                status = self.copier.want(r, v, lazy=True, check=not own)
+                if status == DONE:
+                    del refs[r.id]  # referenced by a committed manifest: gc keeps it
+                elif status == FAILED:
+                    exc = self.copier.error(r.id)
+                    if isinstance(exc, ChecksumError) or (not self.follow and not isinstance(exc, NotFoundError)):
+                        raise exc
+                    if isinstance(exc, NotFoundError):  # the source collected it: readers rebuild it
+                        log.info("mirror: version %d: lazy chunk %s is gone from the source", v, r.id)
+                        self.copier.forget(r.id)
+                        del self.lazy_open[v]
+                        break
+            else:
+                if not refs:
+                    if self.cfg.commit:
+                        self.dst.clear_lazy_chunks(v)
+                        self.result.completed_versions.append(v)
+                    del self.lazy_open[v]
+
+    # --- the loop's bookkeeping ---
+    def status(self) -> MirrorStatus:
+        behind = [t for h, t in self.first_seen.items() if self.dst_head is None or h > self.dst_head]
+        lag = len([v for v in self.listed if self.dst_head is None or v > self.dst_head])
+        if self.src_head is not None and lag == 0 and (self.dst_head is None or self.src_head > self.dst_head):
+            lag = 1  # the listing has not caught up with the head yet
+        lazy = sum(len(refs) for refs in self.lazy_open.values())
+        return MirrorStatus(
+            self.src_head, self.dst_head, lag, min(behind) if behind else None, self.copier.in_flight, lazy
+        )
+
+    def _report(self) -> None:
+        self.observer.on_status(self.status())
+
+    def failing(self) -> bool:
+        """A chunk a version waits on failed at its last try."""
+        return any(self.copier.failed_last(c) for ver in self.pending.values() for c in (ver.waiting or ()))
+
+    def finished(self) -> bool:
+        """One-shot: every version up to the target committed (by us or a committer), and the lazy
+        chunks copied (``lazy``), or, for a shard that does not commit, its own chunks copied."""
+        if self.refusal is not None:
+            return False
+        if self.cfg.commit and self.pending:
+            return False
+        if not self.cfg.commit:
+            for ver in self.pending.values():
+                if ver.waiting is None:
+                    ver.waiting = set(self._needed(ver))
+                ver.waiting -= {c for c in ver.waiting if self.copier.want(ver.refs[c], ver.version) == DONE}
+                if ver.waiting:
+                    return False
+        if self.cfg.shards == 1:
+            return not self.lazy_open  # the notes cleared too
+        return all(  # another shard's lazy chunks are that shard's business (a following committer clears notes)
+            self.copier.want(r, v, lazy=True) == DONE
+            for v, refs in self.lazy_open.items()
+            for r in refs.values()
+            if self._own(r.id)
+        )
 
 
 def mirror(
@@ -257,17 +774,17 @@ def mirror(
     stop: threading.Event | None = None,
     observer: MirrorObserver | None = None,
 ) -> MirrorResult:
-    """Copy ``src``'s versions into ``dst`` (see the module docstring).
+    """Copy ``src``'s versions into ``dst`` (see the module docstring and docs/DESIGN.md).
 
-    With ``follow``, keep polling the source head every ``config.interval`` seconds until ``stop``
-    is set (an empty or unreachable source is waited for: ``observer.on_waiting``, ``on_error``); a
-    pass that fails with a store error (network, throttling), or stops at a version ``src``'s
-    trusted keys did not sign (the versions before it are copied, nothing of it), is reported to
+    Without ``follow``, copies every version up to the source head read first (and, with
+    ``keyframe_payloads="lazy"``, the lazily held full payloads) and returns. With ``follow``,
+    polls the source head every ``config.interval`` seconds until ``stop`` is set (an empty or
+    unreachable source is waited for: ``observer.on_waiting``, ``on_error``); a poll that fails
+    with a store error (network, throttling), or stops at a version ``src``'s trusted keys did not
+    sign (the versions before it are committed, nothing of it), is reported to
     ``observer.on_error`` and retried at the next poll, while integrity errors (checksums, a
-    destination that is not a mirror) end the mirror. Setting ``stop`` ends a pass between chunks;
-    the version being copied is then left uncommitted (its chunks are reused by the next run).
-
-    ``observer`` (a :class:`MirrorObserver`) hears of heads, chunks, versions, passes and errors.
+    destination that is not a mirror) end the mirror. Setting ``stop`` ends it between chunks; the
+    versions being copied are left uncommitted (their chunks are reused by the next run).
     """
     stop = stop or threading.Event()
     t0 = time.perf_counter()
@@ -287,22 +804,45 @@ def mirror(
             if stop.wait(config.interval):
                 return m.result
         m.prepare()
-        while True:
-            try:
-                m.run_pass()
-            except _Stopped:
-                break
-            except (MirrorError, NotAStoreError):
-                raise
-            except (StoreError, SignatureError) as exc:
-                if not follow:
-                    raise
-                m.result.errors += 1
-                observer.on_error(exc)
-            else:
-                observer.on_pass(m.result)
-            if not follow or stop.wait(config.interval):
-                break
+        _loop(m, follow)
     finally:
+        m.copier.close()
         m.result.seconds = time.perf_counter() - t0
     return m.result
+
+
+def _loop(m: _Mirror, follow: bool) -> None:
+    """Poll, then commit as chunks land until the next poll is due; one-shot: until finished."""
+    cfg, stop, observer = m.cfg, m.stop, m.observer
+    while not stop.is_set():
+        due = time.monotonic() + cfg.interval
+        try:
+            m.poll(follow)
+            m.advance()
+            m._report()
+            seen = m.copier.events
+            while not stop.is_set() and (follow or not m.finished()):
+                left = due - time.monotonic()
+                if left <= 0:
+                    break
+                seen = m.copier.wait(seen, left)
+                m.advance()
+                m._report()
+        except _Stopped:
+            return
+        except (MirrorError, NotAStoreError, ChecksumError, FormatError):
+            raise
+        except (StoreError, SignatureError) as exc:
+            if not follow:
+                raise
+            m.result.errors += 1
+            observer.on_error(exc)
+        except WeightsyncError:
+            raise
+        else:
+            if not m.failing():  # a chunk a version waits on that failed, and was not retried yet: no success
+                observer.on_pass(m.result)
+            if not follow and m.finished():
+                return
+        if follow:
+            stop.wait(max(0.0, due - time.monotonic()))
