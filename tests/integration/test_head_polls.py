@@ -119,3 +119,34 @@ def test_a_serving_subscriber_polls_its_head_with_304s(s3_url, proxy, tmp_path):
     finally:
         if sub.proc and sub.proc.poll() is None:
             sub.proc.kill()
+
+
+def test_an_idle_following_mirror_reads_both_heads_with_304s(s3_url, proxy, tmp_path):
+    """A mirror following every 0.05 s on S3 (both stores through the proxy): once it has copied the
+    head, each poll reads the source and the destination heads with conditional GETs answered 304
+    without a body, until the source head moves."""
+    import threading
+
+    from weightsync.sync.mirror import MirrorConfig, mirror
+
+    traj = make_trajectory(tmp_path / "traj", steps=1, hidden=32, layers=1, experts=2, vocab=128)
+    src, dst = weightsync.open_repo(s3_url), weightsync.open_repo(s3_url + "-region")
+    weightsync.publish(traj[0], src)
+    stop = threading.Event()
+    done: list = []
+    t = threading.Thread(target=lambda: done.append(mirror(src, dst, True, MirrorConfig(interval=0.05), stop)))
+    t.start()
+    try:
+        wait_for(lambda: dst.head_version() == 0, 60, "the region at version 0")
+        mark = len(proxy.answers)
+        wait_for(lambda: len(head_answers(proxy, mark)) >= 20, 60, "twenty polls of the heads")
+        polls = head_answers(proxy, mark)
+        # the mirror's own head move is read back once (200, its tag changed); every poll after is a 304
+        first = polls.index(("GET", 304, 0))
+        assert first <= 2 and set(polls[first:]) == {("GET", 304, 0)}, polls
+        weightsync.publish(traj[1], src)
+        wait_for(lambda: dst.head_version() == 1, 60, "the region at version 1")
+    finally:
+        stop.set()
+        t.join(60)
+    assert done and done[0].copied_versions == [0, 1]

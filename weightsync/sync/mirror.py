@@ -412,6 +412,10 @@ class _Mirror:
         self.committed: set[int] = set()  # by this process
         self.src_head: int | None = None
         self.dst_head: int | None = None
+        self._src_head: int | None = None  # the heads as last read, and their tags (conditional reads)
+        self._src_etag: str | None = None
+        self._dst_head_read: int | None = None
+        self._dst_etag: str | None = None
         self.target: int | None = None  # one-shot: the source head of the first poll
         self.checked_head: int | None = None  # destination head whose lineage was checked
         self.first_seen: dict[int, float] = {}  # source head -> Unix time first seen
@@ -445,8 +449,19 @@ class _Mirror:
             self.dst.init()  # the marker (create-only): any shard may be first
 
     def source_head(self) -> int | None:
-        """The source head: the one read a poll makes of the source when nothing changed."""
-        return self.src.head_version()
+        """The source head: the one read a poll makes of the source when nothing changed, a
+        conditional GET (one small request without a body, a ``304`` on S3, while it is unchanged)."""
+        got = self.src.head_if_changed(self._src_etag)
+        if got is not None:
+            self._src_head, self._src_etag = got
+        return self._src_head
+
+    def destination_head(self) -> int | None:
+        """The destination head, read conditionally as :meth:`source_head`."""
+        got = self.dst.head_if_changed(self._dst_etag)
+        if got is not None:
+            self._dst_head_read, self._dst_etag = got
+        return self._dst_head_read
 
     # --- a poll ---
     def poll(self, follow: bool) -> None:
@@ -455,7 +470,7 @@ class _Mirror:
         self.polls += 1
         self.copier.new_round()
         src_head = self.source_head()
-        dst_head = self.dst.head_version()
+        dst_head = self.destination_head()
         self._check_lineage(src_head, dst_head)
         if not follow:  # one-shot: up to the source head of the first poll
             self.target = src_head if self.target is None else self.target
