@@ -5,7 +5,7 @@ are noted in ``lazy/<N>.json`` and removed. Works on any store (file, S3)."""
 from __future__ import annotations
 
 from weightsync.errors import NotFoundError
-from weightsync.format.keys import chunk_key
+from weightsync.format.keys import chunk_key, version_key
 from weightsync.store.repo import Repo
 
 
@@ -26,6 +26,23 @@ def full_only_chunks(repo: Repo, version: int) -> frozenset[str]:
         if v != version:
             other |= {c.id for c in repo.manifest(v).chunks}
     return frozenset(full - other)
+
+
+def copy_version(src: Repo, dst: Repo, version: int, lazy: bool) -> frozenset[str]:
+    """Copy ``version`` from ``src`` into ``dst`` as a lazy mirror does: with ``lazy``, note the
+    chunks only its full payloads use and leave them out; then the other chunks, the manifest and
+    the head. Returns the chunks left out."""
+    dst.init()
+    left = full_only_chunks(src, version) if lazy else frozenset()
+    if left:
+        dst.note_lazy_chunks(version, left)
+    for ref in src.manifest(version).chunks:
+        if ref.id not in left:
+            dst.store_chunk(ref.id, ref.size, lambda ref=ref: src.get_chunk(ref.id, ref.size))
+    data, _ = src.read_version(version, signatures=False)
+    dst.store.put(version_key(version), data, mode="create")
+    dst.set_head(version)
+    return left
 
 
 def make_lazy(repo: Repo, versions) -> dict[int, frozenset[str]]:
