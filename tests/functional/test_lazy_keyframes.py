@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 from weightsync.demo import make_trajectory
 from weightsync.errors import ChecksumError, LazyChunksError
-from weightsync.format.keys import LAZY_PREFIX, VERSIONS_PREFIX, chunk_key, version_key
+from weightsync.format.keys import LAZY_PREFIX, VERSIONS_PREFIX, chunk_key, lazy_key, version_key
 from weightsync.local.verify import verify_folder
 from weightsync.store.file import FileStore
 from weightsync.store.repo import Repo, open_repo
@@ -388,3 +388,30 @@ def test_the_subscriber_starts_afresh_from_the_region_and_follows_a_lazy_keyfram
     finally:
         for d in daemons:
             d.stop()
+
+
+# --- bad input ------------------------------------------------------------------------------------------
+def test_bad_lazy_flags_are_refused_in_one_line(lazy, run_cli, ws):
+    out = lazy.tmp / "out"
+    for cmd in (["pull", "--store", lazy.region, out], ["subscriber", "--store", lazy.region, "--target", out]):
+        rc, _, err = run_cli(*cmd, "--lazy-chunks", "fallback")
+        assert rc == 2 and "--lazy-chunks fallback needs --fallback-store" in ws.error_line(err), err
+        rc, _, err = run_cli(*cmd, "--fallback-store", " ")
+        assert rc == 2 and "--fallback-store is empty" in ws.error_line(err), err
+        rc, _, err = run_cli(*cmd, "--lazy-chunks", "sometimes")
+        assert rc == 2 and "invalid choice: 'sometimes'" in err, err
+    assert not out.exists()
+
+
+def test_a_damaged_note_is_an_error_not_a_guess(lazy, run_cli, ws):
+    """A note that cannot be read says nothing about which chunks are here: no reader guesses."""
+    open_repo(lazy.region).store.put(lazy_key(LAST), b'{"format": "weightsync.lazy"', mode="overwrite")
+    rc, _, err = run_cli("pull", "--store", lazy.region, lazy.tmp / "out", "--fallback-store", lazy.src)
+    assert rc == 1 and lazy_key(LAST) in ws.error_line(err), err
+    assert ws.content(lazy.tmp / "out") == {}
+    open_repo(lazy.region).note_lazy_chunks(LAST - 2, open_repo(lazy.region).lazy_chunks(LAST - 2))  # rewritten: fine
+    open_repo(lazy.region).store.put(
+        lazy_key(LAST), open_repo(lazy.region).store.get(lazy_key(LAST - 2)), mode="overwrite"
+    )
+    rc, _, err = run_cli("pull", "--store", lazy.region, lazy.tmp / "out", "--fallback-store", lazy.src)
+    assert rc == 1 and f"names version {LAST - 2}" in ws.error_line(err), err

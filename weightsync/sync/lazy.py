@@ -99,14 +99,17 @@ def plan_reads(
     def settle(chain: list[Manifest], use_avoided: bool) -> tuple[T, dict[str, int]]:
         """Plan until the notes of every version the plan reads are known and respected; returns
         the plan and the noted chunks it reads (id -> size)."""
+        plan, recipes = make(chain, noted(), use_avoided)
         while True:
-            plan, recipes = make(chain, noted(), use_avoided)
             steps = [s for r in recipes for s in r.steps]
             unread = sorted({s.version for s in steps} - notes.keys())
-            if not unread:
-                avoid = noted()
-                return plan, {g.chunk.id: g.chunk.size for s in steps for g in s.ranges if g.chunk.id in avoid}
-            notes.update(_read_notes(repo, unread))
+            if unread:
+                notes.update(_read_notes(repo, unread))
+            avoid = noted()
+            used = {g.chunk.id: g.chunk.size for s in steps for g in s.ranges if g.chunk.id in avoid}
+            if not unread or not used:  # no new note, or none that this plan reads: planning again gives it back
+                return plan, used
+            plan, recipes = make(chain, avoid, use_avoided)
 
     chain = repo.chain(version, back_to=back_to)
     use_fallback = lazy.fallback is not None and lazy.mode != "rebuild"
@@ -117,9 +120,11 @@ def plan_reads(
         pass
     rebuilt_from = None
     if lazy.mode != "fallback":
+        keyframe = next(m.version for m in reversed(chain) if m.keyframe)  # the one the target builds on
         try:
             chain = repo.chain(version, back_to=back_to, whole=True)
-            rebuilt_from = chain[0].version
+            rebuilt_from = next(m.version for m in chain if m.keyframe)
+            rebuilt_from = rebuilt_from if rebuilt_from < keyframe else None
             return settle(chain, False)[0], Reads(rebuilt_from=rebuilt_from)
         except (LazyChunksError, VersionError, SignatureError):
             pass  # no whole keyframe before it (or one on the way collected or refused), or still short
@@ -135,7 +140,7 @@ def plan_reads(
         options = "use --lazy-chunks auto or fallback with --fallback-store URL (e.g. the source region)"
     raise LazyChunksError(
         f"version {version} needs {len(missing)} chunk(s) that {repo.url} has not copied yet (a mirror "
-        f"copies keyframe full payloads lazily) and no keyframe before it is held whole to rebuild from; "
+        f"copies keyframe full payloads lazily) and cannot rebuild from a keyframe it holds whole; "
         f"{options}, or pull again once they arrive",
         version,
         frozenset(missing),
