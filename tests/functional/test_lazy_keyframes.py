@@ -132,6 +132,29 @@ def test_each_note_is_read_after_its_manifest(lazy):
             assert VERSIONS_PREFIX + k[len(LAZY_PREFIX) :] in reads[:i], k
 
 
+def test_a_note_removed_while_a_pull_plans_is_harmless(lazy):
+    """The mirror copies the chunks and removes its note right after the reader read it: the
+    reader, looking for a whole keyframe, finds this one whole now and reads the chunks here."""
+    src = open_repo(lazy.src)
+
+    class MirrorFinishes(FileStore):
+        def get(self, key: str) -> bytes:
+            data = super().get(key)
+            if key == lazy_key(LAST):
+                region = Repo(FileStore(self.root))
+                for c in region.lazy_chunks(LAST):
+                    size = next(r.size for r in src.manifest(LAST).chunks if r.id == c)
+                    region.put_chunk(c, src.get_chunk(c, size))
+                region.clear_lazy_chunks(LAST)
+            return data
+
+    region = Repo(MirrorFinishes(lazy.tmp / "region"))
+    r = pull(region, lazy.tmp / "a", LAST)
+    assert (r.rebuilt_from, r.fallback_bytes) == (None, 0)
+    assert_holds(lazy.tmp / "a", lazy.traj[LAST])
+    assert not region.lazy_chunks(LAST)
+
+
 # --- fresh pulls --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["auto", "rebuild"])
 def test_a_fresh_pull_of_the_last_version_rebuilds_from_the_whole_keyframe(lazy, ok_cli, mode):
