@@ -16,6 +16,7 @@ from weightsync.errors import ChecksumError, UsageError, WeightsyncError
 from weightsync.service.flags import (
     EnvParser,
     add_encoding_args,
+    add_lazy_args,
     add_log_args,
     add_publisher_args,
     add_rank_args,
@@ -24,6 +25,7 @@ from weightsync.service.flags import (
     add_subscriber_args,
     add_trust_args,
     env_argument,
+    fallback_store,
     parse_listen,
     publish_config,
     signing_key,
@@ -33,6 +35,7 @@ from weightsync.service.flags import (
 from weightsync.service.progress import Progress, human_bytes
 from weightsync.store.repo import open_repo, versions
 from weightsync.sync.fleet import EXPIRE_AFTER
+from weightsync.sync.lazy import LazyReads
 from weightsync.sync.publish import PublishConfig, publish
 from weightsync.sync.pull import PullConfig, pull, verify
 
@@ -149,18 +152,23 @@ def _cache_name(url: str) -> str:
     return xxhash.xxh3_64_hexdigest(str(url).encode())
 
 
+def _lazy(args) -> LazyReads:
+    """``--lazy-chunks`` and ``--fallback-store`` (opened, but read only if a pull needs it)."""
+    cfg = fallback_store(args)
+    fallback = None if cfg is None else open_repo(cfg.url, **cfg.options())
+    return LazyReads(args.lazy_chunks, fallback)
+
+
 def cmd_pull(args) -> int:
+    config = PullConfig(fetch_concurrency=args.concurrency, lazy=_lazy(args))
     with _progress(args, f"pull {args.out_dir}") as progress:
-        r = pull(
-            _repo(args),
-            args.out_dir,
-            args.version,
-            config=PullConfig(fetch_concurrency=args.concurrency),
-            observer=progress,
-        )
+        r = pull(_repo(args), args.out_dir, args.version, config=config, observer=progress)
     src = "empty folder" if r.from_version is None else f"version {r.from_version}"
+    how = "" if r.rebuilt_from is None else f" (rebuilt from keyframe {r.rebuilt_from})"
+    if r.fallback_bytes:
+        how += f" ({human_bytes(r.fallback_bytes)} of it from {config.lazy.fallback.url})"
     print(
-        f"pulled version {r.version} from {src}: {human_bytes(r.fetched_bytes)} fetched, {r.written_files} "
+        f"pulled version {r.version} from {src}: {human_bytes(r.fetched_bytes)} fetched{how}, {r.written_files} "
         "files written, "
         f"{r.kept_files} kept, {r.seconds['total']:.2f}s",
         file=sys.stderr,
@@ -588,6 +596,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     p.add_argument("--concurrency", type=int, default=32, help="chunks in flight (default 32)")
     p.add_argument("out_dir")
     add_trust_args(p)
+    add_lazy_args(p)
     _add_progress(p)
     p.set_defaults(func=cmd_pull)
 

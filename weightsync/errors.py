@@ -80,3 +80,15 @@ class SignatureError(WeightsyncError):
         super().__init__(f"{where}: refused, {reason}")
         self.version = version
         self.reason = reason
+
+
+class LazyChunksError(WeightsyncError):
+    """A read needs chunks that its store notes as not copied yet (``lazy/<N>.json``, docs/FORMAT.md
+    section 1: a regional mirror copies a keyframe's full payloads after moving the head, or never)
+    and no configured way gets their bytes (a whole older keyframe to rebuild from, or a fallback
+    store). ``version`` names the version read, ``chunks`` the noted chunks it would need."""
+
+    def __init__(self, message: str, version: int, chunks: frozenset[str] = frozenset()):
+        super().__init__(message)
+        self.version = version
+        self.chunks = chunks

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import xxhash
 
-from weightsync.errors import FormatError
+from weightsync.errors import FormatError, LazyChunksError
 from weightsync.format.manifest import (
     ChunkRef,
     Delta,
@@ -550,3 +550,65 @@ def test_chain_without_any_full_encoding_is_rejected():
     bad = Manifest(0, None, True, 0, bad.files, bad.chunks)
     with pytest.raises(FormatError, match="no full encoding"):
         plan_pull([bad], None)
+
+
+# --- chunks the store notes as not copied yet (docs/FORMAT.md section 1, lazy chunks) ---------------
+def full_chunk(m: Manifest, name: str) -> str:
+    """The chunk of ``name``'s full payload in ``m``."""
+    seg = next(s for f in m.files for s in f.segments if s.name == name)
+    return m.chunks[seg.payload.parts[0].chunk].id
+
+
+@pytest.mark.parametrize("delta_size", [29, 31, 500])
+def test_a_follower_reads_the_keyframe_delta_when_its_full_encoding_is_noted(delta_size):
+    """Even where the full encoding is cheaper (31, 500), a noted one is never read."""
+    v0 = manifest(0, None, {A: [("w", 100, "full", 10, "w0")]})
+    v1 = manifest(1, 0, {A: [("w", 100, "full", 30, "w1", ("dense", delta_size))]}, keyframe=True)
+    plan = plan_pull([v0, v1], v0, avoid=frozenset({full_chunk(v1, "w")}))
+    assert describe(plan) == {(A, "w"): ("local", ((1, "dense", delta_size),))}
+
+
+def test_a_fresh_plan_walks_past_a_noted_full_encoding_to_an_older_keyframe():
+    v0 = manifest(0, None, {A: [("w", 100, "full", 10, "w0"), ("s", 40, "full", 20, "s0")]})
+    v1 = manifest(1, 0, {A: [("w", 100, "sparse", 3, "w1"), ("s", 40, "same", 0, "s0")]}, chain_length=1)
+    v2 = manifest(
+        2, 1, {A: [("w", 100, "full", 30, "w2", ("dense", 9)), ("s", 40, "full", 20, "s0", ("same", 0))]}, keyframe=True
+    )
+    v3 = manifest(3, 2, {A: [("w", 100, "sparse", 4, "w3"), ("s", 40, "same", 0, "s0")]}, chain_length=1)
+    noted = frozenset({full_chunk(v2, "w"), full_chunk(v2, "s")})
+    assert describe(plan_pull([v0, v1, v2, v3], None, avoid=noted)) == {
+        (A, "w"): ("fresh", ((0, "full", 10), (1, "sparse", 3), (2, "dense", 9), (3, "sparse", 4))),
+        (A, "s"): ("fresh", ((0, "full", 20),)),
+    }
+    # not noted: the keyframe's own full encoding, as before
+    assert describe(plan_pull([v0, v1, v2, v3], None))[(A, "w")] == ("fresh", ((2, "full", 30), (3, "sparse", 4)))
+    # a chain that starts at the noted keyframe: nothing else serves
+    with pytest.raises(LazyChunksError) as err:
+        plan_pull([v2, v3], None, avoid=noted)
+    assert err.value.version == 3 and err.value.chunks and err.value.chunks <= noted
+    # unless the noted chunks may be read elsewhere
+    assert describe(plan_pull([v2, v3], None, avoid=noted, use_avoided=True))[(A, "w")] == (
+        "fresh",
+        ((2, "full", 30), (3, "sparse", 4)),
+    )
+
+
+def test_a_tensor_new_at_a_noted_keyframe_has_no_recipe_without_its_chunk():
+    v0 = manifest(0, None, {A: [("w", 100, "full", 10, "w0")]})
+    v1 = manifest(1, 0, {A: [("w", 100, "full", 30, "w1", ("dense", 9)), ("n", 8, "full", 7, "n1")]}, keyframe=True)
+    noted = frozenset({full_chunk(v1, "w"), full_chunk(v1, "n")})
+    with pytest.raises(LazyChunksError) as err:
+        plan_pull([v0, v1], v0, avoid=noted)
+    assert err.value.chunks == {full_chunk(v1, "n")}
+    plan = plan_pull([v0, v1], v0, avoid=noted, use_avoided=True)
+    assert describe(plan) == {(A, "w"): ("local", ((1, "dense", 9),)), (A, "n"): ("fresh", ((1, "full", 7),))}
+
+
+def test_a_noted_delta_is_avoided_too():
+    """The rule is about chunks, not codecs: a plan reading no noted chunk wins whatever it reads."""
+    v0 = manifest(0, None, {A: [("w", 100, "full", 10, "w0")]})
+    v1 = manifest(1, 0, {A: [("w", 100, "full", 30, "w1", ("dense", 9))]}, keyframe=True)
+    delta_chunk = v1.chunks[v1.files[0].segments[0].delta.payload.parts[0].chunk].id
+    assert describe(plan_pull([v0, v1], v0, avoid=frozenset({delta_chunk}))) == {
+        (A, "w"): ("fresh", ((1, "full", 30),))
+    }

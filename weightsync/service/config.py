@@ -12,6 +12,7 @@ from pathlib import Path
 from weightsync.errors import UsageError
 from weightsync.store.retry import RetryPolicy
 from weightsync.store.signing import Keyring
+from weightsync.sync.lazy import MODES as LAZY_MODES
 from weightsync.sync.publish import PublishConfig
 
 TOKEN_ENV = "WEIGHTSYNC_API_TOKEN"
@@ -291,8 +292,14 @@ class SubscriberConfig:
     grace: float = 30.0
     stall_after: float = 60.0  # a store request running longer than this is reported (weightsync.service.stalls)
     head_from: str | None = None  # a leader subscriber's API: wait on its GET /v1/head between polls
+    lazy_chunks: str = "auto"  # chunks the store has not copied yet: rebuild, fallback or auto (weightsync.sync.lazy)
+    fallback: StoreConfig | None = None  # the store they are read from (--fallback-store)
 
     def __post_init__(self) -> None:
+        if self.lazy_chunks not in LAZY_MODES:
+            raise UsageError(f"--lazy-chunks must be one of {', '.join(LAZY_MODES)}, not {self.lazy_chunks!r}")
+        if self.lazy_chunks == "fallback" and self.fallback is None:
+            raise UsageError("--lazy-chunks fallback needs --fallback-store (a store holding the same versions)")
         _positive("poll interval", self.poll_interval)
         _positive("ledger interval", self.ledger_interval)
         if self.head_from is not None:

@@ -31,6 +31,7 @@ from weightsync.service.config import (
 )
 from weightsync.store.retry import RetryPolicy
 from weightsync.store.signing import Keyring, SigningKey, read_public_keys, read_signing_key
+from weightsync.sync.lazy import MODES as LAZY_MODES
 from weightsync.sync.publish import PublishConfig
 
 # --- environment defaults (12-factor) --------------------------------------------------------------
@@ -342,6 +343,42 @@ def add_trust_args(p: argparse.ArgumentParser, environ: Mapping[str, str] | None
     )
 
 
+def add_lazy_args(p: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
+    """``--lazy-chunks`` and ``--fallback-store``: for the commands that read chunks (``pull``, the
+    subscriber) from a regional store whose mirror copies keyframe full payloads lazily."""
+    add = lambda *flags, **kw: env_argument(p, environ, *flags, **kw)  # noqa: E731
+    add(
+        "--lazy-chunks",
+        choices=LAZY_MODES,
+        default="auto",
+        help="how to read chunks this store notes as not copied yet (a mirror copying keyframe full payloads "
+        "lazily): rebuild (from an older keyframe the store holds whole, plus deltas), fallback (from "
+        "--fallback-store), or auto: rebuild what can be, the fallback store for the rest (default auto)",
+    )
+    add(
+        "--fallback-store",
+        metavar="URL",
+        help="a store holding the same versions (e.g. the source region), read only for chunks this store "
+        "has not copied yet, each checked against its id (default: none)",
+    )
+    add("--fallback-endpoint-url", help="S3 endpoint of --fallback-store (default: --endpoint-url's)")
+
+
+def fallback_store(args) -> StoreConfig | None:
+    """The :class:`StoreConfig` of ``--fallback-store`` (None if not given): ``--endpoint-url`` unless
+    ``--fallback-endpoint-url``, the retries and timeouts of the main store, no trusted keys (only
+    chunks are read from it, each checked against the main store's manifest)."""
+    url = getattr(args, "fallback_store", None)
+    if url is None:
+        return None
+    if not url.strip():
+        raise UsageError(f"{_source(args, 'fallback_store', '--fallback-store')} is empty")
+    endpoint = getattr(args, "fallback_endpoint_url", None) or getattr(args, "endpoint_url", None)
+    attempts = getattr(args, "retry_attempts", None)
+    retry = RetryPolicy() if attempts is None else RetryPolicy(attempts=attempts)
+    return StoreConfig(url, endpoint, retry, **(store_timeouts(args) if hasattr(args, "s3_read_timeout") else {}))
+
+
 def signing_key(args) -> SigningKey | None:
     """The key of ``--signing-key`` (or its variable), read once at start; None if not given. One
     given but empty (a missing secret) is refused, never taken as "do not sign"."""
@@ -534,6 +571,7 @@ def add_subscriber_args(p: argparse.ArgumentParser, environ: Mapping[str, str] |
     )
     add("--no-fsync", action="store_true", help="skip fsync of written files (tests, tmpfs)")
     add_trust_args(p, environ)
+    add_lazy_args(p, environ)
 
 
 # --- building configs ------------------------------------------------------------------------------
@@ -767,4 +805,6 @@ def subscriber_config(args, environ: Mapping[str, str] = os.environ) -> Subscrib
         grace=args.grace,
         stall_after=args.stall_after,
         head_from=args.head_from or None,
+        lazy_chunks=args.lazy_chunks,
+        fallback=fallback_store(args),
     )

@@ -49,6 +49,7 @@ from weightsync.service.runtime import (
     Wait,
     event,
     iteration_failed,
+    open_daemon_repo,
     sleep_or_wake,
     stall_view,
     warm_codec,
@@ -57,6 +58,7 @@ from weightsync.service.slots import Slots, StandbyRelease, slot_version
 from weightsync.service.stalls import StallWatch
 from weightsync.store.repo import Repo
 from weightsync.sync.fleet import STOPPED, FleetRecord, superseded_at, write_record
+from weightsync.sync.lazy import LazyReads
 from weightsync.sync.pull import PullConfig, pull
 from weightsync.sync.selection import STATE as PARTIAL_STATE
 from weightsync.sync.selection import Selection, materialize, read_partial_state
@@ -156,6 +158,14 @@ class Subscriber:
         self.last_error: str | None = None
         self.last_sync: dict | None = None
         self.stop_token = stop_token or StopToken()  # given: the one the store's retries wait on too
+        # chunks the (regional) store has not copied yet: rebuilt, or read from --fallback-store
+        inflight = stalls.inflight if stalls else None
+        fallback = (
+            None
+            if cfg.fallback is None
+            else open_daemon_repo(cfg.fallback, metrics.on_retry, inflight, self.stop_token)
+        )
+        self.lazy = LazyReads(cfg.lazy_chunks, fallback)
         self.progress: DaemonProgress | None = None  # the sync under way (phase, bytes), for the status
         self.hooks = HookRunner(cfg.hook, metrics.hook_failures.inc, self._hook_changed) if cfg.hook else None
         self._hook_task: asyncio.Task | None = None  # the one hook call at a time (never two at the engine)
@@ -621,7 +631,10 @@ class Subscriber:
         self._clear_other_mode(folder)
         base = None
         cfg = PullConfig(
-            fetch_concurrency=self.cfg.fetch_concurrency, decode_threads=self.cfg.decode_threads, fsync=self.cfg.fsync
+            fetch_concurrency=self.cfg.fetch_concurrency,
+            decode_threads=self.cfg.decode_threads,
+            fsync=self.cfg.fsync,
+            lazy=self.lazy,
         )
         observer = self.progress or self.stop_token
         if self.cfg.partial:

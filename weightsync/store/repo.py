@@ -21,6 +21,7 @@ from weightsync.errors import (
     AlreadyExistsError,
     ChecksumError,
     FormatError,
+    LazyChunksError,
     NotAStoreError,
     NotFoundError,
     PreconditionFailedError,
@@ -208,15 +209,33 @@ class Repo:
             self._remember(version, data)
         return None
 
-    def chain(self, version: int, back_to: int | None = None, limit: int = 1000) -> list[Manifest]:
+    def chain(self, version: int, back_to: int | None = None, limit: int = 1000, whole: bool = False) -> list[Manifest]:
         """Manifests from the keyframe that ``version`` builds on up to ``version``, in order.
 
         With ``back_to`` (a local version older than that keyframe and an ancestor of ``version``),
         the chain starts at ``back_to`` instead, so keyframes' own deltas can be followed.
+
+        ``whole``: start at the newest keyframe this store holds whole instead, walking past
+        keyframes whose chunks it notes as not all copied (:meth:`lazy_chunks`, each note read
+        after its manifest), so that their full payloads can be rebuilt from that keyframe and
+        the deltas (a keyframe's own deltas among them). :class:`LazyChunksError` if there is none
+        within ``limit`` versions; :class:`VersionError` if one on the way was collected.
         """
         out = [self.manifest(version)]
         while not out[-1].keyframe:
             out.append(self.manifest(out[-1].parent))
+        past = 0  # versions walked past lazy keyframes
+        while whole and self.lazy_chunks(out[-1].version):
+            if out[-1].parent is None or past >= limit:
+                raise LazyChunksError(f"version {version}: no keyframe of {self.url} before it is held whole", version)
+            while True:  # to the keyframe before, each manifest still stored (the cache cannot tell)
+                parent = out[-1].parent
+                if self.store.head(version_key(parent)) is None:
+                    raise VersionError(f"version {parent} does not exist in {self.url} (collected)")
+                out.append(self.manifest(parent))
+                past += 1
+                if out[-1].keyframe:
+                    break
         to_keyframe = len(out)
         if back_to is not None and back_to < out[-1].version:
             try:

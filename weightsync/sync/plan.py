@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from weightsync.errors import FormatError
+from weightsync.errors import FormatError, LazyChunksError
 from weightsync.format.manifest import ChunkRef, FileEntry, Manifest, Payload, Segment
 
 
@@ -144,28 +144,50 @@ def _find(m: Manifest, path: str, key: tuple[str, str]) -> Segment | None:
     return None if f is None else f.segment(key)
 
 
-def plan_segment(chain: list[Manifest], path: str, target: Segment, local: Manifest | None) -> Recipe:
+def _avoids(r: Recipe, avoid: frozenset[str]) -> bool:
+    """Whether ``r`` reads none of the chunks in ``avoid``."""
+    return not avoid or all(rng.chunk.id not in avoid for s in r.steps for rng in s.ranges)
+
+
+def plan_segment(
+    chain: list[Manifest],
+    path: str,
+    target: Segment,
+    local: Manifest | None,
+    avoid: frozenset[str] = frozenset(),
+    use_avoided: bool = False,
+) -> Recipe:
     """The cheapest recipe for ``target`` (a segment of ``chain[-1]``) given the local version.
 
     Walks the chain backwards collecting deltas. The first full encoding met gives the ``full``
     candidate; a keyframe's segment may also carry a delta from its parent, which lets the walk go
     on to an older local version.
+
+    ``avoid``: chunks this store notes as not copied yet (docs/FORMAT.md section 1, lazy chunks).
+    A recipe reading none of them wins over any that reads one; a full encoding that reads one is
+    walked past through the keyframe's delta, to an older full encoding of the chain (a rebuild) or
+    to the local version. When every recipe reads one: the cheapest of them with ``use_avoided``
+    (its avoided chunks read elsewhere), else :class:`LazyChunksError`.
     """
     if local is not None:
         same = _find(local, path, target.key)
         if same is not None and same.xxh3 == target.xxh3 and same.nbytes == target.nbytes:
             return Recipe(target, same, ())
     deltas: list[Step] = []
-    via_local = via_full = None
+    candidates: list[Recipe] = []
+    full_found = False  # a full encoding that avoids ``avoid``
     cur = target
     for i in range(len(chain) - 1, -1, -1):
         m = chain[i]
         if local is not None and m.version == local.version:
-            via_local = Recipe(target, cur, tuple(reversed(deltas)))  # the folder holds ``cur``
+            candidates.append(Recipe(target, cur, tuple(reversed(deltas))))  # the folder holds ``cur``
             break
         if cur.codec == "full":
-            via_full = via_full or Recipe(target, None, (_step(m, "full", cur.payload), *reversed(deltas)))
-            if cur.delta is None or local is None:
+            if not full_found:
+                full = Recipe(target, None, (_step(m, "full", cur.payload), *reversed(deltas)))
+                candidates.append(full)
+                full_found = _avoids(full, avoid)
+            if cur.delta is None or (local is None and full_found):
                 break
             if cur.delta.codec != "same":
                 deltas.append(_step(m, cur.delta.codec, cur.delta.payload))
@@ -173,23 +195,37 @@ def plan_segment(chain: list[Manifest], path: str, target: Segment, local: Manif
             deltas.append(_step(m, cur.codec, cur.payload))
         prev = _find(chain[i - 1], path, cur.key) if i else None
         if prev is None or prev.nbytes != cur.nbytes:
-            if i and via_full is None:
+            if i and not candidates:
                 raise FormatError(f"version {m.version}: {path}: {cur.name or cur.role} is a delta without a base")
             break
         cur = prev
-    candidates = [r for r in (via_local, via_full) if r is not None]
     if not candidates:
         raise FormatError(f"{path}: {target.name or target.role} has no full encoding on its chain")
-    return min(candidates, key=lambda r: r.fetch_bytes)  # ties: local bytes first
+    usable = [r for r in candidates if _avoids(r, avoid)] or (candidates if use_avoided else [])
+    if not usable:
+        best = min(candidates, key=lambda r: r.fetch_bytes)
+        noted = frozenset(rng.chunk.id for s in best.steps for rng in s.ranges) & avoid
+        raise LazyChunksError(
+            f"{path}: {target.name or target.role}: every recipe reads chunks noted as not copied yet",
+            chain[-1].version,
+            noted,
+        )
+    return min(usable, key=lambda r: (r.fetch_bytes, r.base is None))  # ties: local bytes first
 
 
-def plan_pull(chain: list[Manifest], local: Manifest | None, keep: set[str] = frozenset()) -> Plan:
+def plan_pull(
+    chain: list[Manifest],
+    local: Manifest | None,
+    keep: set[str] = frozenset(),
+    avoid: frozenset[str] = frozenset(),
+    use_avoided: bool = False,
+) -> Plan:
     """Plan rebuilding ``chain[-1]`` from the keyframe ``chain[0]`` and the local version.
 
     ``chain`` runs from a keyframe (or from the local version, when that is an ancestor of the
     target) to the target, each manifest the parent of the next. ``local`` is
     the version the folder holds (None for an empty folder); ``keep`` lists paths whose local file
-    already equals the target's.
+    already equals the target's. ``avoid`` and ``use_avoided``: as :func:`plan_segment`'s.
     """
     if not chain or not (chain[0].keyframe or (local is not None and chain[0].version == local.version)):
         raise FormatError("a pull chain must start at a keyframe or at the local version")
@@ -202,6 +238,12 @@ def plan_pull(chain: list[Manifest], local: Manifest | None, keep: set[str] = fr
         if entry.path in keep:
             files.append(FilePlan(entry, True, ()))
             continue
-        files.append(FilePlan(entry, False, tuple(plan_segment(chain, entry.path, s, local) for s in entry.segments)))
+        files.append(
+            FilePlan(
+                entry,
+                False,
+                tuple(plan_segment(chain, entry.path, s, local, avoid, use_avoided) for s in entry.segments),
+            )
+        )
     needs = chunk_needs(r for f in files for r in f.recipes)
     return Plan(target, None if local is None else local.version, tuple(files), needs)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import xxhash
@@ -43,6 +43,7 @@ from weightsync.local.lock import FolderLock, claim
 from weightsync.local.state import read_state, unchanged_files
 from weightsync.local.verify import verify_folder
 from weightsync.store.repo import Repo, StoreLike, open_repo
+from weightsync.sync.lazy import LazyReads, Reads, plan_reads
 from weightsync.sync.observer import Observer, Operation, observer_of
 from weightsync.sync.plan import FilePlan, Plan, plan_pull
 from weightsync.sync.rebuild import Payloads, TensorJob, build_segments
@@ -52,12 +53,14 @@ from weightsync.sync.transfer import clear_spool, fetch_chunks
 @dataclass(frozen=True)
 class PullConfig:
     """The bounds of a pull: chunk fetches in flight, decode threads, bytes in flight; whether the
-    installed files are fsynced."""
+    installed files are fsynced; how chunks the store has not copied yet are read
+    (:class:`~weightsync.sync.lazy.LazyReads`: rebuilt, or from a fallback store)."""
 
     fetch_concurrency: int = 32
     decode_threads: int = max(1, min(8, os.cpu_count() or 1))
     inflight_bytes: int = 256 << 20
     fsync: bool = True
+    lazy: LazyReads = field(default_factory=LazyReads)
 
     def __post_init__(self) -> None:
         if self.fetch_concurrency < 1 or self.decode_threads < 1 or self.inflight_bytes < 1:
@@ -67,7 +70,9 @@ class PullConfig:
 @dataclass
 class PullResult:
     """What a pull did: the version now held, the one the folder held before (None: none), bytes
-    fetched, files written and kept, seconds per phase."""
+    fetched (``fallback_bytes`` of them from the fallback store), files written and kept, seconds
+    per phase; ``rebuilt_from``: the keyframe a rebuild started at, past keyframes the store does
+    not hold whole (None: none)."""
 
     version: int
     from_version: int | None
@@ -75,6 +80,8 @@ class PullResult:
     written_files: int
     kept_files: int
     seconds: dict[str, float]
+    fallback_bytes: int = 0
+    rebuilt_from: int | None = None
 
 
 def resolve_version(repo: Repo, version: int | str | None) -> int:
@@ -197,43 +204,53 @@ def _pull(repo: Repo, out: Path, version, config: PullConfig, observer: Observer
     state = prepare_folder(out, owned=base_dir is not None)
     base_state = state if base_dir is None else read_state(base)
     op = Operation(observer)
-    chain = repo.chain(target_version, back_to=None if base_state is None else base_state.version)
-    target = chain[-1]
+    target = repo.manifest(target_version)
     keep = unchanged_files(out, state, target)
     if state is not None and state.version == target_version and len(keep) == len(target.files):
         result = PullResult(target_version, state.version, 0, 0, len(keep), {"total": op.elapsed()})
         op.done(result.seconds)
         return result
     local = _local_manifest(repo, None if base_state is None else base_state.version)
+    read: set[int] = set()  # versions whose payloads the plans read
 
-    def run(plan: Plan) -> PullResult:
-        return _pull_plan(repo, out, base, plan, base_state, config, op)
+    def run(back_to: int | None, local: Manifest | None, keep: set[str]) -> PullResult:
+        def make(chain: list[Manifest], avoid: frozenset[str], use_avoided: bool):
+            plan = plan_pull(chain, local, keep, avoid, use_avoided)
+            return plan, [r for f in plan.files for r in f.recipes]
 
+        plan, reads = plan_reads(repo, target_version, make, back_to=back_to, lazy=config.lazy)
+        read.update(s.version for f in plan.files for r in f.recipes for s in r.steps)
+        return _pull_plan(repo, out, base, plan, reads, base_state, config, op)
+
+    back_to = None if base_state is None else base_state.version
     try:
         try:
-            return run(plan_pull(chain, local, keep))
+            return run(back_to, local, keep)
         except ChecksumError:
             if not _spool_used(out):
                 raise
             # a spooled chunk went bad after it was checked (the disk, or a hand in .weightsync):
             # drop every spooled copy and fetch again, once; a second failure is the store's
             clear_spool(spool_dir(out))
-            return run(plan_pull(chain, local, keep))
+            return run(back_to, local, keep)
     except BaseMismatchError:
         # the base folder was modified behind our back: rebuild from the keyframe without local bytes
-        return run(plan_pull(repo.chain(target_version), None, set()))
+        return run(None, None, set())
     except NotFoundError:
-        if all(repo.store.head(version_key(m.version)) is not None for m in chain):
+        if all(repo.store.head(version_key(v)) is not None for v in read):
             raise  # the store lost an object of a live version: report it, do not route around it
         # versions between the local one and the target's keyframe were collected while we
         # planned: the target's own chain (which gc keeps) still serves
-        return run(plan_pull(repo.chain(target_version), local, keep))
+        return run(None, local, keep)
 
 
-def _pull_plan(repo, out: Path, base: Path, plan: Plan, base_state, cfg: PullConfig, op: Operation) -> PullResult:
+def _pull_plan(
+    repo, out: Path, base: Path, plan: Plan, reads: Reads, base_state, cfg: PullConfig, op: Operation
+) -> PullResult:
     seconds = {}
     in_place = base != out
-    payloads = Payloads(repo.url, fetch_chunks(repo, plan.chunks, spool_dir(out), cfg.fetch_concurrency, op))
+    chunks = fetch_chunks(repo, plan.chunks, spool_dir(out), cfg.fetch_concurrency, op, reads)
+    payloads = Payloads(repo.url, chunks, reads)
     seconds["fetch"] = op.elapsed()
     local = None if plan.local_version is None else LocalVersion(base, repo.manifest(plan.local_version))
     if in_place:
@@ -259,6 +276,8 @@ def _pull_plan(repo, out: Path, base: Path, plan: Plan, base_state, cfg: PullCon
         len(written),
         kept,
         seconds,
+        sum(c.fetch_bytes for c in plan.chunks if c.chunk.id in reads.from_fallback),
+        reads.rebuilt_from,
     )
     op.done(seconds)
     return result

@@ -26,6 +26,7 @@ from weightsync.format.manifest import Segment
 from weightsync.local.base import LocalVersion, check_checksum
 from weightsync.local.state import open_regular
 from weightsync.store.repo import Repo
+from weightsync.sync.lazy import NO_LAZY, Reads
 from weightsync.sync.observer import Operation
 from weightsync.sync.pipeline import TASK_BYTES, ordered_map
 from weightsync.sync.plan import ChunkNeed, Recipe, Step, chunk_needs
@@ -43,20 +44,26 @@ class TensorJob:
 
 
 def fetch_jobs(
-    repo: Repo, jobs: Sequence[TensorJob], spool: Path, concurrency: int = 32, op: Operation | None = None
+    repo: Repo,
+    jobs: Sequence[TensorJob],
+    spool: Path,
+    concurrency: int = 32,
+    op: Operation | None = None,
+    reads: Reads = NO_LAZY,
 ) -> tuple[dict[str, Path], int]:
-    """Make the chunk bytes ``jobs`` read available locally (:func:`fetch_chunks`); returns chunk
-    id -> file and the bytes to fetch."""
+    """Make the chunk bytes ``jobs`` read available locally (:func:`fetch_chunks`, ``reads`` saying
+    which come from a fallback store); returns chunk id -> file and the bytes to fetch."""
     needs: tuple[ChunkNeed, ...] = chunk_needs(j.recipe for j in jobs)
-    return fetch_chunks(repo, needs, spool, concurrency, op), sum(n.fetch_bytes for n in needs)
+    return fetch_chunks(repo, needs, spool, concurrency, op, reads), sum(n.fetch_bytes for n in needs)
 
 
 class Payloads:
     """Step payloads read from local chunk files (a spool, or a file store's own files), each
-    checked against its step's checksum. Thread-safe; :meth:`close` closes the files."""
+    checked against its step's checksum. Thread-safe; :meth:`close` closes the files. ``reads``:
+    which chunks came from a fallback store (named in messages instead of ``url``)."""
 
-    def __init__(self, url: str, chunks: dict[str, Path]):
-        self.url, self.chunks = url, chunks
+    def __init__(self, url: str, chunks: dict[str, Path], reads: Reads = NO_LAZY):
+        self.url, self.chunks, self.reads = url, chunks, reads
         self._fds: dict[str, int] = {}
 
     def read(self, step: Step) -> bytes:
@@ -77,7 +84,10 @@ class Payloads:
                     os.close(opened)
             buf += os.pread(fd, rng.length, rng.offset)
         keys = ", ".join(sorted({chunk_key(r.chunk.id) for r in step.ranges}))
-        what = f"payload of version {step.version} in {self.url}/{keys}"
+        url = self.url
+        if self.reads.fallback is not None and any(r.chunk.id in self.reads.from_fallback for r in step.ranges):
+            url = self.reads.fallback.url
+        what = f"payload of version {step.version} in {url}/{keys}"
         check_checksum(what, step.xxh3, buf)
         if step.sha256 and hashlib.sha256(buf).hexdigest() != step.sha256:
             raise ChecksumError(what, f"sha256 {step.sha256}", f"sha256 {hashlib.sha256(buf).hexdigest()}")
@@ -150,10 +160,11 @@ def build_tensors(
     inflight_bytes: int = 256 << 20,
     op: Operation | None = None,
     then: Callable[[TensorJob, np.ndarray], object] | None = None,
+    reads: Reads = NO_LAZY,
 ) -> Iterator[tuple[TensorJob, np.ndarray]]:
     """:func:`build_segments` reading payloads from ``chunk_paths`` (chunk id -> local file, as
-    :func:`fetch_jobs` returns), closing them when done or abandoned."""
-    payloads = Payloads(url, chunk_paths)
+    :func:`fetch_jobs` returns, with its ``reads``), closing them when done or abandoned."""
+    payloads = Payloads(url, chunk_paths, reads)
     try:
         yield from build_segments(
             jobs, payloads, base, threads=threads, inflight_bytes=inflight_bytes, op=op, then=then

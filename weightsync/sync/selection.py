@@ -44,6 +44,7 @@ from weightsync.local.state import (
     write_json_atomic,
 )
 from weightsync.store.repo import Repo
+from weightsync.sync.lazy import Reads, plan_reads
 from weightsync.sync.observer import Observer, Operation
 from weightsync.sync.plan import plan_segment
 from weightsync.sync.pull import PullConfig
@@ -235,14 +236,13 @@ def _materialize(
         result = PartialResult(version, version, 0, 0, 0, {"total": 0.0})
         op.done(result.seconds)
         return result
-    chain = repo.chain(version, back_to=None if state is None else state.version)
     local = None
     if state is not None:
         try:
             local = repo.manifest(state.version)  # also off the chain: identical tensors are copied
         except (VersionError, SignatureError):
             state = None  # collected by gc, or refused (its signature)
-    target = chain[-1]
+    target = repo.manifest(version)
     files = _wanted(target, selection)
     if not any(f.kind == "safetensors" for f, _ in files) and (selection.include or selection.exclude):
         raise UsageError(
@@ -250,14 +250,24 @@ def _materialize(
             f"exclude={list(selection.exclude)}"
         )
     wanted = [(f.path, s) for f, segs in files for s in segs]
-    # headers are rebuilt from the chain (the local folder holds our header, not the source's)
-    jobs = [TensorJob(p, plan_segment(chain, p, s, None if s.role == "header" else local)) for p, s in wanted]
+
+    def planned(local: Manifest | None) -> tuple[list[TensorJob], Reads]:
+        def make(chain: list[Manifest], avoid: frozenset[str], use_avoided: bool):
+            # headers are rebuilt from the chain (the local folder holds our header, not the source's)
+            jobs = [
+                TensorJob(p, plan_segment(chain, p, s, None if s.role == "header" else local, avoid, use_avoided))
+                for p, s in wanted
+            ]
+            return jobs, [j.recipe for j in jobs]
+
+        back_to = None if local is None else local.version
+        return plan_reads(repo, version, make, back_to=back_to, lazy=cfg.lazy)
+
     base = _PartialBase(out, state)
     try:
-        result = _write(repo, base, target, selection, jobs, cfg, op)
+        result = _write(repo, base, target, selection, *planned(local), cfg, op)
     except BaseMismatchError:  # the folder changed behind our back: rebuild without local bytes
-        jobs = [TensorJob(p, plan_segment(repo.chain(version), p, s, None)) for p, s in wanted]
-        result = _write(repo, base, target, selection, jobs, cfg, op)
+        result = _write(repo, base, target, selection, *planned(None), cfg, op)
     op.done(result.seconds)
     return result
 
@@ -268,6 +278,7 @@ def _write(
     target: Manifest,
     sel: Selection,
     jobs: list[TensorJob],
+    reads: Reads,
     cfg: PullConfig,
     op: Operation,
 ) -> PartialResult:
@@ -279,11 +290,18 @@ def _write(
     spool = spool_dir(out)  # checked (never a link) before anything is written
     staging = private_dir(out, "staging")
     empty_folder(staging)
-    paths, fetched = fetch_jobs(repo, jobs, spool, cfg.fetch_concurrency, op)
+    paths, fetched = fetch_jobs(repo, jobs, spool, cfg.fetch_concurrency, op, reads)
     seconds = {"fetch": op.elapsed()}
     op.phase("write", sum(j.recipe.segment.nbytes for j in jobs))
     built = build_tensors(
-        jobs, paths, base, url=repo.url, threads=cfg.decode_threads, inflight_bytes=cfg.inflight_bytes, op=op
+        jobs,
+        paths,
+        base,
+        url=repo.url,
+        threads=cfg.decode_threads,
+        inflight_bytes=cfg.inflight_bytes,
+        op=op,
+        reads=reads,
     )
     record: dict[str, dict] = {}
     try:

@@ -23,6 +23,7 @@ from weightsync.errors import ChecksumError, NotFoundError, UsageError
 from weightsync.format.chunking import SealedChunk
 from weightsync.format.keys import chunk_key
 from weightsync.store.repo import Repo
+from weightsync.sync.lazy import NO_LAZY, Reads
 from weightsync.sync.observer import Operation
 from weightsync.sync.plan import ChunkNeed
 
@@ -89,6 +90,7 @@ def fetch_chunks(
     spool: Path,
     concurrency: int,
     op: Operation | None = None,
+    reads: Reads = NO_LAZY,
 ) -> dict[str, Path]:
     """Make the needed bytes of every chunk available in a local file; returns id -> path.
 
@@ -100,6 +102,10 @@ def fetch_chunks(
     directory of the caller's (checked by :func:`weightsync.local.spool_dir`). The ``"fetch"`` phase
     starts with the bytes to download, and each download is reported to ``op`` as it lands
     (:meth:`~weightsync.sync.observer.Operation.transferred`).
+
+    ``reads`` (:func:`weightsync.sync.lazy.plan_reads`): the chunks read from a fallback store
+    instead, because ``repo`` notes them as not copied yet. Those are always downloaded into the
+    spool, never read in place: whole ones checked against their id, ranges by their payloads.
     """
     needs = list(needs)
     if op is not None:
@@ -108,7 +114,8 @@ def fetch_chunks(
     def one(need: ChunkNeed) -> tuple[str, Path]:
         ref = need.chunk
         key = chunk_key(ref.id)
-        local = repo.store.local_path(key)
+        src = reads.source(repo, ref.id)
+        local = repo.store.local_path(key) if src is repo else None
         if local is not None:
             if not local.exists():
                 raise NotFoundError(f"{repo.url}: missing chunk {key}", key=key)
@@ -119,7 +126,7 @@ def fetch_chunks(
         fd, tmp = tempfile.mkstemp(dir=spool, prefix=".tmp-")
         try:
             with os.fdopen(fd, "wb") as f:
-                moved = _download(repo, need, key, f)
+                moved = _download(src, need, key, f)
         except BaseException:
             os.unlink(tmp)
             raise

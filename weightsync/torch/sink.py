@@ -32,6 +32,7 @@ from weightsync.format.dtypes import UINT_VIEW, itemsize
 from weightsync.format.manifest import Manifest, Segment
 from weightsync.local.base import LocalVersion
 from weightsync.store.repo import open_repo
+from weightsync.sync.lazy import LazyReads, plan_reads
 from weightsync.sync.observer import Observer, Operation
 from weightsync.sync.pipeline import TASK_BYTES, ordered_map
 from weightsync.sync.plan import plan_segment
@@ -242,6 +243,9 @@ class TorchSink:
     them against a folder: ``folder`` here, or ``verify(folder=...)``). ``trusted_keys`` (public key
     files): every version read from the store must be signed by one of them (docs/FORMAT.md
     section 7), or ``prepare`` raises :class:`~weightsync.errors.SignatureError` and nothing changes.
+    ``lazy`` (:class:`~weightsync.sync.lazy.LazyReads`): how tensors whose bytes the store has not
+    copied yet (a regional mirror's lazy keyframes) are read: rebuilt from an older keyframe, or
+    from a fallback store (default: rebuilt).
     """
 
     def __init__(
@@ -263,6 +267,7 @@ class TorchSink:
         folder: Path | str | None = None,
         direct: bool = True,
         trusted_keys=None,
+        lazy: LazyReads | None = None,
     ):
         if mode not in MODES:
             raise UsageError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
@@ -303,6 +308,7 @@ class TorchSink:
         self._epoch = 0  # patch mode: applies that failed midway (and tore the model) so far
         self.dense_above, self.threads, self.fetch_concurrency = dense_above, threads, fetch_concurrency
         self.direct = direct
+        self.lazy = lazy or LazyReads()
         self._apply_lock = threading.Lock()  # one update at a time (flip mode: also held by prepare)
         self._slots: dict[str, _Slot] = _group(live)  # model name -> its slot
         self._staged: Update | None = None  # flip mode: the update whose version the standby holds
@@ -604,11 +610,15 @@ class TorchSink:
                 f"{_some([b.seg.name for b in bound])}: the model holds these only in part; without a store, "
                 "give the folder that holds the version"
             )
-        chain = self.repo.chain(m.version)
-        jobs = [TensorJob(b.path, plan_segment(chain, b.path, b.seg, None)) for b in bound]
+
+        def make(chain: list[Manifest], avoid: frozenset[str], use_avoided: bool):
+            jobs = [TensorJob(b.path, plan_segment(chain, b.path, b.seg, None, avoid, use_avoided)) for b in bound]
+            return jobs, [j.recipe for j in jobs]
+
+        jobs, reads = plan_reads(self.repo, m.version, make, lazy=self.lazy)
         with tempfile.TemporaryDirectory(prefix="weightsync-sink-") as spool:
-            paths, _ = fetch_jobs(self.repo, jobs, Path(spool), self.fetch_concurrency)
-            built = build_tensors(jobs, paths, None, url=self.repo.url, threads=self.threads)
+            paths, _ = fetch_jobs(self.repo, jobs, Path(spool), self.fetch_concurrency, reads=reads)
+            built = build_tensors(jobs, paths, None, url=self.repo.url, threads=self.threads, reads=reads)
             return {job.recipe.segment.name: np.array(new, copy=True) for job, new in built}
 
     # -- prepare: everything before the pause ------------------------------------------------------
@@ -668,18 +678,18 @@ class TorchSink:
                 if flip:
                     self._staged = up
                 return up
-            chain = self.repo.chain(target_v, back_to=None if torn else self.version)
+            back_to = None if torn else self.version
             try:
-                up = self._prepare(up, chain, local, op)
+                up = self._prepare(up, target_v, back_to, local, op)
             except BaseMismatchError:
                 if local is None:
                     raise
                 up = None
                 if flip:  # a standby that differs from its live tensor is copied from it: try once more
                     with contextlib.suppress(BaseMismatchError):  # (unless the live tensor itself differs)
-                        up = self._prepare(fresh(), chain, local, op)
+                        up = self._prepare(fresh(), target_v, back_to, local, op)
                 if up is None:
-                    up = self._prepare(fresh(), self.repo.chain(target_v), None, op)
+                    up = self._prepare(fresh(), target_v, None, None, op)
             if flip:
                 self._staged = up
             return up
@@ -717,21 +727,26 @@ class TorchSink:
             if not torch.equal(_region(pl, t).reshape(-1), want):
                 raise BaseMismatchError(f"{b.seg.name}: the model's bytes differ from version {version}")
 
-    def _prepare(self, up: Update, chain: list[Manifest], local: Manifest | None, op: Operation) -> Update:
-        bound = self._begin(up, chain[-1])
-        by_key: dict[tuple[str, str], _Binding] = {}
-        jobs: list[TensorJob] = []  # rebuilt whole, verified, then diffed
-        direct: list[TensorJob] = []  # one sparse delta: patched from the payload alone
-        for b in bound:
-            if not b.places:
-                continue  # tied: the region is written through its first store tensor
-            r = plan_segment(chain, b.path, b.seg, local)
-            if r.base is not None and r.base.dtype != b.seg.dtype:  # the same bytes may be other values now
-                raise BaseMismatchError(f"{b.seg.name}: stored as {r.base.dtype}, now as {b.seg.dtype}")
-            if r.base is not None and not r.steps and r.base.xxh3 == b.seg.xxh3:
-                continue  # unchanged
-            (direct if self._direct(b, r) else jobs).append(TensorJob(b.path, r))
-            by_key[(b.path, b.seg.name)] = b
+    def _prepare(self, up: Update, target_v: int, back_to: int | None, local: Manifest | None, op: Operation) -> Update:
+        bound = self._begin(up, self._manifest(target_v))
+
+        def make(chain: list[Manifest], avoid: frozenset[str], use_avoided: bool):
+            by_key: dict[tuple[str, str], _Binding] = {}
+            jobs: list[TensorJob] = []  # rebuilt whole, verified, then diffed
+            direct: list[TensorJob] = []  # one sparse delta: patched from the payload alone
+            for b in bound:
+                if not b.places:
+                    continue  # tied: the region is written through its first store tensor
+                r = plan_segment(chain, b.path, b.seg, local, avoid, use_avoided)
+                if r.base is not None and r.base.dtype != b.seg.dtype:  # the same bytes may be other values now
+                    raise BaseMismatchError(f"{b.seg.name}: stored as {r.base.dtype}, now as {b.seg.dtype}")
+                if r.base is not None and not r.steps and r.base.xxh3 == b.seg.xxh3:
+                    continue  # unchanged
+                (direct if self._direct(b, r) else jobs).append(TensorJob(b.path, r))
+                by_key[(b.path, b.seg.name)] = b
+            return (by_key, jobs, direct), [j.recipe for j in jobs + direct]
+
+        (by_key, jobs, direct), reads = plan_reads(self.repo, target_v, make, back_to=back_to, lazy=self.lazy)
         host: dict[tuple[str, str], np.ndarray] = {}
         lock = threading.Lock()
 
@@ -751,16 +766,18 @@ class TorchSink:
         try:
             with tempfile.TemporaryDirectory(prefix="weightsync-sink-") as spool:
                 every = jobs + direct
-                paths, up.fetched_bytes = fetch_jobs(self.repo, every, Path(spool), self.fetch_concurrency, op)
+                paths, up.fetched_bytes = fetch_jobs(self.repo, every, Path(spool), self.fetch_concurrency, op, reads)
                 up.seconds["fetch"] = op.elapsed()
                 op.phase("stage", sum(j.recipe.segment.nbytes for j in every))
-                built = build_tensors(jobs, paths, base, url=self.repo.url, threads=self.threads, op=op, then=stage)
+                built = build_tensors(
+                    jobs, paths, base, url=self.repo.url, threads=self.threads, op=op, then=stage, reads=reads
+                )
                 for job, st in built:
                     self._merge(st, up, staged)
                     op.progress(job.recipe.segment.nbytes)
                 if direct:
                     up.checked = False
-                    payloads = Payloads(self.repo.url, paths)
+                    payloads = Payloads(self.repo.url, paths, reads)
                     try:
 
                         def changes(job: TensorJob) -> _Staged:
