@@ -37,6 +37,7 @@ mirror that lacks a flag still runs; one that refuses a flag given stops the run
 from __future__ import annotations
 
 import argparse
+import filecmp
 import json
 import os
 import shlex
@@ -144,17 +145,38 @@ def checkpoints(args: argparse.Namespace) -> list[Path]:
 
 
 def files_of(ckpt: Path) -> list[str]:
-    return sorted(p.name for p in ckpt.iterdir() if p.is_file() and p.name != MARKER)
+    """The checkpoint's files (relative paths), without the marker."""
+    return sorted(
+        str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file() and p.relative_to(ckpt).parts != (MARKER,)
+    )
 
 
 def stage(src: Path, dst: Path) -> None:
     """The trainer's write without the trainer: ``src``'s files linked into ``dst`` (no marker)."""
     dst.mkdir(parents=True)
     for name in files_of(src):
+        (dst / name).parent.mkdir(parents=True, exist_ok=True)
         try:
             os.link(src / name, dst / name)
         except OSError:
             shutil.copyfile(src / name, dst / name)
+
+
+def differs(ckpt: Path, folder: Path) -> str | None:
+    """How ``folder`` (a subscriber's ``current``) differs from checkpoint ``ckpt``, byte for byte;
+    None if it holds exactly its files."""
+    want = files_of(ckpt)
+    have = sorted(
+        str(p.relative_to(folder))
+        for p in folder.rglob("*")
+        if p.is_file() and p.relative_to(folder).parts[0] != ".weightsync"
+    )
+    if have != want:
+        return f"files {have} instead of {want}"
+    for name in want:
+        if not filecmp.cmp(ckpt / name, folder / name, shallow=False):
+            return f"{name} differs"
+    return None
 
 
 # --- processes -----------------------------------------------------------------------------------
@@ -183,6 +205,7 @@ class Daemon:
 
     def __init__(self, name: str, group: str, args: list[str], env: dict, logdir: Path, checkout: Path, port: int):
         self.name, self.group, self.port = name, group, port
+        self.target: Path | None = None  # a subscriber's folder
         self.logfile = logdir / f"{name}.log"
         env = {**env, "PYTHONPATH": str(checkout)}
         with open(self.logfile, "wb") as out:
@@ -458,6 +481,7 @@ class Configuration:
                         *shlex.split(a.subscriber_args),
                     ],
                 )
+                sub.target = self.work / f"sub-{name}-{i}"
                 reg.subs.append((sub, proxy))
             self.regions.append(reg)
         log(f"{self.label}: {len(self.daemons)} daemons and {len(self.proxies)} proxies started")
@@ -535,6 +559,10 @@ class Configuration:
         time.sleep(self.args.settle)
         t1 = time.time()
         cpu1 = self._cpu()
+        for sub in self.subscribers():  # outside the timed window: every subscriber serves the trainer's bytes
+            wrong = differs(ckpt, sub.target / "current")
+            if wrong is not None:
+                raise HarnessError(f"{sub.name} serves wrong bytes at version {v}: {wrong}")
         m = self._manifest(v)
         return self._row(v, t0, t1, m, syncs, {k: round(cpu1[k] - cpu0.get(k, 0.0), 2) for k in cpu1})
 
@@ -560,6 +588,7 @@ class Configuration:
             "regions": {},
             "cpu_s": cpu,
             "window_s": round(t1 - t0, 3),
+            "verified": True,  # every subscriber's current folder equals the checkpoint byte for byte
         }
         train_requests: Counter[str] = Counter(self.train.snapshot(t0, t1)["requests"])
         regional_requests: Counter[str] = Counter()
