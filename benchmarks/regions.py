@@ -30,7 +30,7 @@ first the mirror of that checkout (``baseline``), same inputs; each on fresh sto
 mirror that lacks a flag still runs; one that refuses a flag given stops the run with its message).
 
     python benchmarks/regions.py [--quick] [--regions 4] [--ranks 8] [--subscribers 2] [--versions 6]
-        [--keyframe-interval 3] [--link-mbit 80] [--rtt-ms 150] [--mirror-args "--interval 1"]
+        [--keyframe-interval 3] [--link-mbit 80] [--rtt-ms 150] [--jitter 5] [--mirror-args "--interval 1"]
         [--baseline-checkout PATH [--baseline-mirror-args ...]] [--json out.json] [--workdir DIR]
 """
 
@@ -40,6 +40,7 @@ import argparse
 import filecmp
 import json
 import os
+import random
 import shlex
 import shutil
 import signal
@@ -370,6 +371,7 @@ class Configuration:
         }
         self.regions: list[Region] = []
         self.publishers: list[Daemon] = []
+        self.rng = random.Random(0)  # the same waits in every configuration
 
     def _proxy(self, name: str, shaped: bool) -> LinkProxy:
         a = self.args
@@ -552,6 +554,7 @@ class Configuration:
     def version(self, v: int, ckpt: Path) -> dict:
         dst = self.watch / f"step_{v:06d}"
         stage(ckpt, dst)
+        time.sleep(self.rng.uniform(0, self.args.jitter))
         cpu0 = self._cpu()
         t0 = time.time()
         (dst / MARKER).touch()  # the trainer's COMPLETE
@@ -762,6 +765,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--baseline-mirror-args", default="", help="extra flags of the baseline's mirrors")
     ap.add_argument("--fsync", action="store_true", help="subscribers fsync what they write (default: --no-fsync)")
     ap.add_argument("--settle", type=float, default=0.5, help="seconds between one version done and the next")
+    ap.add_argument(
+        "--jitter",
+        type=float,
+        help="up to this many more seconds (seeded, uniform) before each COMPLETE, so that polls of a fixed "
+        "interval meet versions at random phases (default 5; quick 0)",
+    )
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds one version may take (default 300)")
     ap.add_argument("--start-timeout", type=float, default=180.0, help="seconds for the daemons to start")
     ap.add_argument("--workdir", type=Path, help="server data, folders, logs (default: a temp dir, removed after)")
@@ -774,12 +783,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ("subscribers", 2, 1),
         ("versions", 6, 3),
         ("keyframe_interval", 3, 2),
+        ("jitter", 5.0, 0.0),
     ):
         if getattr(args, name) is None:
             setattr(args, name, small if quick else full)
     args.files = args.files or args.ranks
     if min(args.regions, args.ranks, args.subscribers, args.files) < 1 or args.versions < 2:
         ap.error("regions, ranks, subscribers and files must be at least 1, versions at least 2")
+    if args.jitter < 0 or args.settle < 0:
+        ap.error("--jitter and --settle must not be negative")
     if args.keyframe_interval < 1 or args.chunk_mib < 1 or args.link_mbit <= 0 or args.rtt_ms < 0:
         ap.error("--keyframe-interval and --chunk-mib must be at least 1, --link-mbit positive, --rtt-ms >= 0")
     if args.ranks > args.files:
@@ -833,7 +845,8 @@ def report(res: dict) -> str:
         f"### Regions: {a['regions']} regions x {a['subscribers']} subscribers, {a['ranks']} rank publishers, "
         f"{res['checkpoint_bytes'] / MB:.1f} MB checkpoints in {res['files']} files, {a['versions']} versions, "
         f"keyframe every {a['keyframe_interval']}, {a['chunk_mib']} MiB chunks, links {a['link_mbit']:g} Mbit/s and "
-        f"{a['rtt_ms']:g} ms RTT, polls: publishers {a['publisher_poll']:g} s, subscribers {a['subscriber_poll']:g} s; "
+        f"{a['rtt_ms']:g} ms RTT, polls: publishers {a['publisher_poll']:g} s, subscribers {a['subscriber_poll']:g} s, "
+        f"0-{a['jitter']:g} s before each COMPLETE; "
         f"{res['cpus']} CPUs"
     )
     parts = [head, ""]
