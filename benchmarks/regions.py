@@ -19,13 +19,17 @@ The next version comes once every subscriber serves this one, every region's laz
 
 Stages, in seconds after t0, each the latest over the ranks, regions or subscribers (from the
 proxies' request records and the subscribers' ``last_sync.time``):
-``parts`` last part PUT, ``commit`` training HEAD PUT, ``notice`` the mirror's first read of the
-version's manifest over the link, ``regional`` regional HEAD PUT, ``sub`` a subscriber's first
+``parts`` last part PUT, ``commit`` training HEAD PUT, ``notice`` the mirror's first read over the
+link of the version's manifest, parts (listing included) or chunks (a pipelined mirror may start
+before the commit), ``regional`` regional HEAD PUT, ``sub`` a subscriber's first
 read of the manifest, ``swapped`` every subscriber swapped, ``lazy`` the note of lazily copied
 chunks removed (a mirror that copies everything first writes none).
 
-Configurations: the mirror of this checkout (``current``), and with ``--baseline-checkout PATH``
-first the mirror of that checkout (``baseline``), same inputs; each on fresh stores and daemons.
+Configurations: the mirror of this checkout, or of ``--mirror-checkout PATH`` (``current``;
+``--mirror-shards N`` runs N processes per region with ``--shard I/N``, ``--commit`` on the first),
+and with ``--baseline-checkout PATH`` first the mirror of that checkout (``baseline``, one per
+region), same inputs; each on fresh stores and daemons. Publishers and subscribers always run from
+this checkout.
 ``--mirror-args`` / ``--baseline-mirror-args`` pass flags to the mirrors (none by default, so a
 mirror that lacks a flag still runs; one that refuses a flag given stops the run with its message).
 
@@ -320,7 +324,7 @@ class Region:
     bucket: str
     link: LinkProxy  # the cross-region link: the mirror reads the training bucket through it
     dst: LinkProxy  # the mirror's writes (and reads) of its regional bucket
-    mirror: Daemon | None = None
+    mirrors: list[Daemon] = field(default_factory=list)
     subs: list[tuple[Daemon, LinkProxy]] = field(default_factory=list)
 
 
@@ -353,8 +357,9 @@ def _latest(xs: list[float | None]) -> float | None:
 class Configuration:
     """One configuration's stores, proxies and daemons, and its versions' measurements."""
 
-    def __init__(self, args, label: str, checkout: Path, mirror_args: list[str], server, work: Path):
+    def __init__(self, args, label: str, checkout: Path, mirror_args: list[str], shards: int, server, work: Path):
         self.args, self.label, self.checkout, self.mirror_args = args, label, checkout, mirror_args
+        self.shards = shards
         self.server, self.work = server, work
         self.prefix = f"{label}-{int(time.time())}"
         self.logs = work / "logs"
@@ -436,26 +441,32 @@ class Configuration:
             reg = Region(
                 name, f"ws-{name}", self._proxy(f"link-{name}", shaped=True), self._proxy(f"dst-{name}", False)
             )
-            reg.mirror = self._daemon(
-                f"mirror-{name}",
-                "mirror",
-                [
-                    "mirror",
-                    "--follow",
-                    "--from",
-                    train_url,
-                    "--to",
-                    f"s3://{reg.bucket}/{self.prefix}",
-                    "--from-endpoint-url",
-                    reg.link.endpoint,
-                    "--to-endpoint-url",
-                    reg.dst.endpoint,
-                    "--region",
-                    name,
-                    *self.mirror_args,
-                ],
-                self.checkout,
-            )
+            shards = self.shards
+            for j in range(shards):
+                extra = ["--shard", f"{j}/{shards}", *(["--commit"] if j == 0 else [])] if shards > 1 else []
+                reg.mirrors.append(
+                    self._daemon(
+                        f"mirror-{name}" + (f"-{j}" if shards > 1 else ""),
+                        "mirror",
+                        [
+                            "mirror",
+                            "--follow",
+                            "--from",
+                            train_url,
+                            "--to",
+                            f"s3://{reg.bucket}/{self.prefix}",
+                            "--from-endpoint-url",
+                            reg.link.endpoint,
+                            "--to-endpoint-url",
+                            reg.dst.endpoint,
+                            "--region",
+                            name,
+                            *extra,
+                            *self.mirror_args,
+                        ],
+                        self.checkout,
+                    )
+                )
             for i in range(a.subscribers):
                 proxy = self._proxy(f"sub-{name}-{i}", shaped=False)
                 sub = self._daemon(
@@ -577,6 +588,9 @@ class Configuration:
         def window(p: LinkProxy) -> list[Record]:
             return [r for r in p.records(since=t0) if r.end < t1]
 
+        def names(r: Record) -> bool:  # a read of the version's manifest or of its parts (a listing too)
+            return r.method == "GET" and (man in r.path or parts in r.path)
+
         tr = window(self.train)
         row: dict = {
             "version": v,
@@ -614,7 +628,7 @@ class Configuration:
                     "requests": snap["requests"],
                 }
             row["regions"][reg.name] = {
-                "notice": _rel(_first(lk, lambda r: r.method == "GET" and man in r.path), t0),
+                "notice": _rel(_first(lk, lambda r: names(r) or r.kind.startswith("GET chunks")), t0),
                 "manifest": _rel(_first(ds, lambda r: r.method == "PUT" and man in r.path, "end"), t0),
                 "regional": _rel(
                     _first(ds, lambda r: r.kind == "PUT HEAD-key" and _version_of(r.body) == v, "end"), t0
@@ -645,8 +659,10 @@ class Configuration:
         return row
 
 
-def run_configuration(args, label: str, checkout: Path, mirror_args: list[str], server, ckpts, work: Path) -> dict:
-    conf = Configuration(args, label, checkout, mirror_args, server, work)
+def run_configuration(
+    args, label: str, checkout: Path, mirror_args: list[str], shards: int, server, ckpts, work: Path
+) -> dict:
+    conf = Configuration(args, label, checkout, mirror_args, shards, server, work)
     t_start = time.perf_counter()
     rows = []
     try:
@@ -667,6 +683,7 @@ def run_configuration(args, label: str, checkout: Path, mirror_args: list[str], 
         "label": label,
         "checkout": str(checkout),
         "mirror_args": mirror_args,
+        "mirror_shards": shards,
         "rows": rows,
         "seconds": round(time.perf_counter() - t_start, 1),
     }
@@ -683,7 +700,8 @@ def _req(reqs: dict, *prefixes: str) -> int:
 
 def table(conf: dict) -> str:
     out = [
-        f"Configuration **{conf['label']}** (mirror from {conf['checkout']}, mirror args "
+        f"Configuration **{conf['label']}** ({conf.get('mirror_shards', 1)} mirror process(es) per region from "
+        f"{conf['checkout']}, mirror args "
         f"`{' '.join(conf['mirror_args']) or '(defaults)'}`); seconds after COMPLETE, latest over ranks, "
         "regions, subscribers:",
         "",
@@ -727,6 +745,75 @@ def summary(conf: dict) -> str:
     )
 
 
+def _mean(xs: list[float | None]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def stage_means(rows: list[dict]) -> dict[str, float | None]:
+    """Mean durations of each stage over ``rows``: each region's and subscriber's own intervals
+    (a mirror's copy is its notice to its regional commit, a subscriber's wait is its region's
+    commit to its own notice), then averaged."""
+
+    def per_row(r: dict) -> dict[str, float | None]:
+        regs = list(r["regions"].values())
+        waits, applies = [], []
+        for reg in regs:
+            for sub in reg["subscribers"].values():
+                if None not in (sub["notice"], reg["regional"], sub["swapped"]):
+                    waits.append(sub["notice"] - reg["regional"])
+                    applies.append(sub["swapped"] - sub["notice"])
+        both = lambda a, b: [x[b] - x[a] if None not in (x[a], x[b]) else None for x in regs]  # noqa: E731
+        return {
+            "publish": r["parts"],
+            "commit": None if None in (r["parts"], r["commit"]) else r["commit"] - r["parts"],
+            "mirror_wait": _mean([None if x["notice"] is None else x["notice"] - r["commit"] for x in regs]),
+            "copy": _mean(both("notice", "regional")),
+            "subscriber_wait": _mean(waits),
+            "fetch_apply": _mean(applies),
+            "swapped": r["swapped"],
+            "lazy": r["lazy"],
+            "mb_per_link": sum(r["link_bytes"]) / len(r["link_bytes"]) / MB,
+            "link_requests": sum(sum(x["link_requests"].values()) for x in regs) / len(regs),
+        }
+
+    per = [per_row(r) for r in rows]
+    return {k: _mean([p[k] for p in per]) for k in (per[0] if per else {})}
+
+
+STAGES = (
+    ("publish", "publish (parts)"),
+    ("commit", "merge commit"),
+    ("mirror_wait", "commit -> mirror notice"),
+    ("copy", "mirror copy -> regional commit"),
+    ("subscriber_wait", "regional commit -> subscriber notice"),
+    ("fetch_apply", "subscriber fetch + apply + swap"),
+    ("swapped", "**COMPLETE -> all swapped**"),
+    ("lazy", "COMPLETE -> lazy copy done"),
+    ("mb_per_link", "MB per link"),
+    ("link_requests", "requests per link"),
+)
+
+
+def comparison(res: dict) -> str:
+    """Mean stage durations (seconds) of deltas and of keyframes after the first, per configuration."""
+    cols, data = [], []
+    for conf in res["configurations"]:
+        later = [r for r in conf["rows"] if r["parent"] is not None]
+        for kind, rows in (
+            ("deltas", [r for r in later if not r["keyframe"]]),
+            ("keyframes", [r for r in later if r["keyframe"]]),
+        ):
+            if rows:
+                cols.append(f"{conf['label']}: {kind} ({len(rows)})")
+                data.append(stage_means(rows))
+    out = ["| stage (mean) | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+    for key, name in STAGES:
+        fmt = "{:.0f}" if key == "link_requests" else "{:.2f}"
+        out.append(f"| {name} | " + " | ".join("-" if d.get(key) is None else fmt.format(d[key]) for d in data) + " |")
+    return "\n".join(out)
+
+
 def requests_table(conf: dict) -> str:
     """Requests by kind per version: the training bucket (publishers and mirrors) and the regional
     buckets (mirrors and subscribers), all regions together."""
@@ -761,6 +848,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--subscriber-poll", type=float, default=1.0, help="subscribers' --poll-interval (default 1)")
     ap.add_argument("--subscriber-args", default="", help="extra subscriber flags, shell-quoted")
     ap.add_argument("--mirror-args", default="", help="extra flags of this checkout's mirrors, shell-quoted")
+    ap.add_argument(
+        "--mirror-checkout",
+        type=Path,
+        help="run the current configuration's mirrors from this checkout (default: this one)",
+    )
+    ap.add_argument(
+        "--mirror-shards",
+        type=int,
+        default=1,
+        help="mirror processes per region in the current configuration: --shard I/N each, --commit on shard 0 "
+        "(default 1: one mirror, no --shard)",
+    )
     ap.add_argument("--baseline-checkout", type=Path, help="also run the mirrors of this checkout first, same inputs")
     ap.add_argument("--baseline-mirror-args", default="", help="extra flags of the baseline's mirrors")
     ap.add_argument("--fsync", action="store_true", help="subscribers fsync what they write (default: --no-fsync)")
@@ -790,6 +889,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.files = args.files or args.ranks
     if min(args.regions, args.ranks, args.subscribers, args.files) < 1 or args.versions < 2:
         ap.error("regions, ranks, subscribers and files must be at least 1, versions at least 2")
+    if args.mirror_shards < 1:
+        ap.error("--mirror-shards must be at least 1")
     if args.jitter < 0 or args.settle < 0:
         ap.error("--jitter and --settle must not be negative")
     if args.keyframe_interval < 1 or args.chunk_mib < 1 or args.link_mbit <= 0 or args.rtt_ms < 0:
@@ -810,8 +911,9 @@ def run(args: argparse.Namespace) -> dict:
 
     configs = []
     if args.baseline_checkout is not None:
-        configs.append(("baseline", checkout_of(args.baseline_checkout), shlex.split(args.baseline_mirror_args)))
-    configs.append(("current", REPO, shlex.split(args.mirror_args)))
+        configs.append(("baseline", checkout_of(args.baseline_checkout), shlex.split(args.baseline_mirror_args), 1))
+    mirror_checkout = REPO if args.mirror_checkout is None else checkout_of(args.mirror_checkout)
+    configs.append(("current", mirror_checkout, shlex.split(args.mirror_args), args.mirror_shards))
     ckpts = checkpoints(args)
     compile_kernels(REPO)
     raw = sum((ckpts[0] / f).stat().st_size for f in files_of(ckpts[0]))
@@ -823,9 +925,9 @@ def run(args: argparse.Namespace) -> dict:
         server.start()
         for b in (TRAIN_BUCKET, *(f"ws-r{k}" for k in range(1, args.regions + 1))):
             server.make_bucket(b)
-        for label, checkout, margs in configs:
-            log(f"{label}: mirrors from {checkout}, args {margs or '(defaults)'}")
-            results.append(run_configuration(args, label, checkout, margs, server, ckpts, work / label))
+        for label, checkout, margs, shards in configs:
+            log(f"{label}: mirrors from {checkout}, args {margs or '(defaults)'}, {shards} per region")
+            results.append(run_configuration(args, label, checkout, margs, shards, server, ckpts, work / label))
     finally:
         server.stop()
         if args.workdir is None:
@@ -852,6 +954,7 @@ def report(res: dict) -> str:
     parts = [head, ""]
     for conf in res["configurations"]:
         parts += [table(conf), "", requests_table(conf), ""]
+    parts += [comparison(res), ""]
     parts += [summary(conf) for conf in res["configurations"]]
     return "\n".join(parts)
 

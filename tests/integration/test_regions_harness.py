@@ -47,7 +47,8 @@ def test_quick_run_reaches_every_subscriber_in_order(tmp_path):
     for r in rows:
         assert r["verified"]
         assert set(r["regions"]) == {"r1", "r2"}
-        assert 0 <= r["parts"] <= r["commit"] <= r["notice"] <= r["regional"] <= r["sub"] <= r["swapped"], r
+        assert 0 <= r["parts"] <= r["commit"] <= r["regional"] <= r["sub"] <= r["swapped"], r
+        assert 0 <= r["notice"] <= r["regional"], r  # a pipelined mirror may notice before the commit
         for reg in r["regions"].values():
             assert reg["link_requests"].get("GET chunks", 0) >= 1
             assert reg["link_bytes_down"] > 0
