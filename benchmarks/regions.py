@@ -627,12 +627,13 @@ class Configuration:
                     "fetched_bytes": snap["bytes_down"],
                     "requests": snap["requests"],
                 }
+            head_at = _first(ds, lambda r: r.kind == "PUT HEAD-key" and _version_of(r.body) == v, "end")
+            before = sum(r.down + r.up for r in lk if head_at is not None and r.end <= head_at)
             row["regions"][reg.name] = {
                 "notice": _rel(_first(lk, lambda r: names(r) or r.kind.startswith("GET chunks")), t0),
                 "manifest": _rel(_first(ds, lambda r: r.method == "PUT" and man in r.path, "end"), t0),
-                "regional": _rel(
-                    _first(ds, lambda r: r.kind == "PUT HEAD-key" and _version_of(r.body) == v, "end"), t0
-                ),
+                "regional": _rel(head_at, t0),
+                "link_bytes_before_commit": before,  # what crossed before the regional head moved
                 "lazy": _rel(_first(ds, lambda r: r.method == "DELETE" and lazy in r.path, "end"), t0)
                 if lazy_put
                 else None,
@@ -763,6 +764,7 @@ def stage_means(rows: list[dict]) -> dict[str, float | None]:
                 if None not in (sub["notice"], reg["regional"], sub["swapped"]):
                     waits.append(sub["notice"] - reg["regional"])
                     applies.append(sub["swapped"] - sub["notice"])
+        before = _mean([x.get("link_bytes_before_commit") for x in regs])
         both = lambda a, b: [x[b] - x[a] if None not in (x[a], x[b]) else None for x in regs]  # noqa: E731
         return {
             "publish": r["parts"],
@@ -774,6 +776,7 @@ def stage_means(rows: list[dict]) -> dict[str, float | None]:
             "swapped": r["swapped"],
             "lazy": r["lazy"],
             "mb_per_link": sum(r["link_bytes"]) / len(r["link_bytes"]) / MB,
+            "mb_before_commit": None if before is None else before / MB,
             "link_requests": sum(sum(x["link_requests"].values()) for x in regs) / len(regs),
         }
 
@@ -791,6 +794,7 @@ STAGES = (
     ("swapped", "**COMPLETE -> all swapped**"),
     ("lazy", "COMPLETE -> lazy copy done"),
     ("mb_per_link", "MB per link"),
+    ("mb_before_commit", "MB per link before the regional commit"),
     ("link_requests", "requests per link"),
 )
 
