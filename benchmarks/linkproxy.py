@@ -184,15 +184,20 @@ class LinkProxy(FaultProxy):
             self._records.append(rec)
 
     # -- shaping ----------------------------------------------------------------------------------
-    async def _paced_write(self, writer: asyncio.StreamWriter, data: bytes, pacer: Pacer) -> None:
-        """Write ``data`` to ``writer`` slice by slice, each once it has crossed the link."""
+    async def _paced_write(self, writer: asyncio.StreamWriter, data: bytes, pacer: Pacer, done=None) -> None:
+        """Write ``data`` to ``writer`` slice by slice, each once it has crossed the link; ``done()``
+        runs just before the last slice is handed to the socket (so a client that has read the
+        whole answer always finds the request counted)."""
         view = memoryview(data)
-        for i in range(0, max(len(view), 1), SLICE):
+        starts = range(0, max(len(view), 1), SLICE)
+        for i in starts:
             piece = view[i : i + SLICE]
             if pacer.rate is not None:
                 delay = pacer.reserve(len(piece)) - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
+            if done is not None and i == starts[-1]:
+                done()
             writer.write(piece)
             await writer.drain()
 
@@ -227,11 +232,9 @@ class LinkProxy(FaultProxy):
                         await asyncio.sleep(delay)
                 if fault in ("503", "500"):
                     await self._latency(0.5)
+                    kind = classify(req.method, req.path, ranged, int(fault))
+                    self._record(Record(start, time.time(), req.method, kind, req.path, int(fault), sent, 0))
                     await _send_error(writer, fault, req)
-                    self._record(
-                        Record(start, time.time(), req.method, classify(req.method, req.path, ranged, int(fault)),
-                               req.path, int(fault), sent, 0)
-                    )  # fmt: skip
                     if req.close:
                         break
                     continue
@@ -244,12 +247,14 @@ class LinkProxy(FaultProxy):
                 code = int(status.split(" ", 2)[1])
                 out = _response_head(status, headers, None if req.method == "HEAD" else len(body)) + body
                 await self._latency(0.5)  # the answer crosses
-                await self._paced_write(writer, out, self._down)
                 kind = classify(req.method, req.path, ranged, code)
                 small = req.body if req.method == "PUT" and kind.startswith("PUT HEAD-key") else None
                 if small is not None and len(small) > _SMALL_BODY:
                     small = None
-                self._record(Record(start, time.time(), req.method, kind, req.path, code, sent, len(out), small))
+                record = lambda: self._record(  # noqa: E731
+                    Record(start, time.time(), req.method, kind, req.path, code, sent, len(out), small)
+                )
+                await self._paced_write(writer, out, self._down, record)
                 if req.close:
                     break
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError, ValueError):
