@@ -206,23 +206,46 @@ def cpu_seconds(pid: int) -> float:
 
 class Daemon:
     """A ``weightsync`` daemon of a given checkout (cwd and PYTHONPATH), in its own process group,
-    killed with the harness, logging to a file."""
+    killed with the harness, logging to a file; its HTTP port is given by the flag ``listen``."""
 
-    def __init__(self, name: str, group: str, args: list[str], env: dict, logdir: Path, checkout: Path, port: int):
-        self.name, self.group, self.port = name, group, port
+    def __init__(
+        self, name: str, group: str, args: list[str], listen: str, env: dict, logdir: Path, checkout: Path, port: int
+    ):
+        self.name, self.group = name, group
         self.target: Path | None = None  # a subscriber's folder
         self.logfile = logdir / f"{name}.log"
-        env = {**env, "PYTHONPATH": str(checkout)}
-        with open(self.logfile, "wb") as out:
+        self._args, self._listen, self._checkout = args, listen, checkout
+        self._env = {**env, "PYTHONPATH": str(checkout)}
+        self.spawn(port)
+
+    def spawn(self, port: int) -> None:
+        """Start the process, listening on ``port`` (again: after it lost a race for its port)."""
+        self.port = port
+        with open(self.logfile, "ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", _LAUNCHER, str(os.getpid()), sys.executable, "-m", "weightsync.cli", *args],
-                env=env,
-                cwd=checkout,
+                [
+                    sys.executable,
+                    "-c",
+                    _LAUNCHER,
+                    str(os.getpid()),
+                    sys.executable,
+                    "-m",
+                    "weightsync.cli",
+                    *self._args,
+                    self._listen,
+                    f"127.0.0.1:{port}",
+                ],
+                env=self._env,
+                cwd=self._checkout,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
+
+    def lost_port(self) -> bool:
+        """It exited because another process took its port between the pick and its bind."""
+        return not self.alive() and "address already in use" in self.tail(3)
 
     def get(self, path: str, timeout: float = 10.0) -> dict:
         req = urllib.request.Request(
@@ -301,9 +324,14 @@ WARM = ("codec kernels ready", "codec warm-up failed")  # what publishers and su
 def wait_healthy(daemons: list[Daemon], timeout: float) -> None:
     """Every daemon answers /healthz, and publishers and subscribers have their kernels loaded (the
     first version must not measure a compile)."""
+    from seaweed import _free_ports  # below the ephemeral range: no outgoing connection takes them
+
     deadline = time.monotonic() + timeout
     for d in daemons:
         while True:
+            if d.lost_port():
+                log(f"{d.name} lost its port {d.port} to another process; starting it again on another")
+                d.spawn(_free_ports(1)[0])
             d.check()
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{d.port}/healthz", timeout=2):
@@ -377,6 +405,7 @@ class Configuration:
         self.regions: list[Region] = []
         self.publishers: list[Daemon] = []
         self.rng = random.Random(0)  # the same waits in every configuration
+        self.ports: set[int] = set()  # the daemons' HTTP ports
 
     def _proxy(self, name: str, shaped: bool) -> LinkProxy:
         a = self.args
@@ -386,11 +415,12 @@ class Configuration:
         return p
 
     def _daemon(self, name: str, group: str, args: list[str], checkout: Path | None = None) -> Daemon:
-        from seaweed import free_port
+        from seaweed import _free_ports  # below the ephemeral range: no outgoing connection takes them
 
-        port = free_port()
+        port = next((p for p in _free_ports(4) if p not in self.ports), None) or _free_ports(1)[0]
+        self.ports.add(port)
         flag = "--metrics-listen" if group == "mirror" else "--listen"
-        d = Daemon(name, group, [*args, flag, f"127.0.0.1:{port}"], self.env, self.logs, checkout or REPO, port)
+        d = Daemon(name, group, args, flag, self.env, self.logs, checkout or REPO, port)
         self.daemons.append(d)
         return d
 
