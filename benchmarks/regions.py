@@ -948,6 +948,8 @@ def run(args: argparse.Namespace) -> dict:
         configs.append(("baseline", checkout_of(args.baseline_checkout), shlex.split(args.baseline_mirror_args), 1))
     mirror_checkout = REPO if args.mirror_checkout is None else checkout_of(args.mirror_checkout)
     configs.append(("current", mirror_checkout, shlex.split(args.mirror_args), args.mirror_shards))
+    if args.workdir is not None and any((args.workdir / label).exists() for label, *_ in configs):
+        raise HarnessError(f"{args.workdir} already holds a run: give a new --workdir")
     ckpts = checkpoints(args)
     compile_kernels(REPO)
     raw = sum((ckpts[0] / f).stat().st_size for f in files_of(ckpts[0]))

@@ -78,6 +78,9 @@ def test_bad_arguments_are_refused_before_anything_starts(tmp_path, capsys):
     rc = regions.main(["--quick", "--baseline-checkout", str(tmp_path), "--workdir", str(tmp_path / "w")])
     assert rc == 1
     assert "not a weightsync checkout" in capsys.readouterr().err
+    (tmp_path / "used" / "current").mkdir(parents=True)
+    assert regions.main(["--quick", "--workdir", str(tmp_path / "used")]) == 1
+    assert "already holds a run" in capsys.readouterr().err
 
 
 def test_differs_finds_a_wrong_byte_a_missing_and_an_extra_file(tmp_path):
