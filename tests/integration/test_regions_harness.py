@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -20,6 +21,14 @@ sys.modules[_spec.name] = regions  # dataclasses look their module up by name
 _spec.loader.exec_module(regions)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+@pytest.fixture
+def work(tmp_path):
+    """The harness's folder, removed after the test (SeaweedFS preallocates gigabytes of volumes)."""
+    path = tmp_path / "work"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _daemon_pids(work: Path) -> list[int]:
@@ -36,8 +45,7 @@ def _daemon_pids(work: Path) -> list[int]:
     return pids
 
 
-def test_quick_run_reaches_every_subscriber_in_order(tmp_path):
-    work = tmp_path / "work"
+def test_quick_run_reaches_every_subscriber_in_order(work):
     args = regions.parse_args(["--quick", "--workdir", str(work), "--link-mbit", "40", "--rtt-ms", "60"])
     res = regions.run(args)
     (conf,) = res["configurations"]
@@ -61,8 +69,7 @@ def test_quick_run_reaches_every_subscriber_in_order(tmp_path):
     assert _daemon_pids(work) == []
 
 
-def test_a_mirror_flag_refused_stops_the_run_cleanly(tmp_path, capsys):
-    work = tmp_path / "work"
+def test_a_mirror_flag_refused_stops_the_run_cleanly(work, capsys):
     rc = regions.main(["--quick", "--versions", "2", "--workdir", str(work), "--mirror-args", "--no-such-flag 1"])
     err = capsys.readouterr().err
     assert rc == 1
