@@ -15,7 +15,9 @@ MoE trained at lr 1e-6 (``benchmarks/trajectory.py``, 2-3.5% of bf16 elements ch
 split into one safetensors file per rank; ``--quick`` uses a tiny ``SyntheticTrainer`` checkpoint.
 The trainer's write is hard links of the cached files, then the ``COMPLETE`` marker: that is t0.
 The next version comes once every subscriber serves this one, every region's lazy-chunks note
-(docs/FORMAT.md) is gone and the subscribers' standby slots hold a version.
+(docs/FORMAT.md) is gone and the subscribers' standby slots hold a version. Then, outside the
+timed window, every subscriber's ``current`` folder is compared with the checkpoint byte for byte;
+a difference ends the run with exit 1.
 
 Stages, in seconds after t0, each the latest over the ranks, regions or subscribers (from the
 proxies' request records and the subscribers' ``last_sync.time``):
