@@ -14,8 +14,10 @@ the others are in-region paths, counted and not shaped. Every version is a check
 MoE trained at lr 1e-6 (``benchmarks/trajectory.py``, 2-3.5% of bf16 elements changed per step),
 split into one safetensors file per rank; ``--quick`` uses a tiny ``SyntheticTrainer`` checkpoint.
 The trainer's write is hard links of the cached files, then the ``COMPLETE`` marker: that is t0.
-The next version comes once every subscriber serves this one, every region's lazy-chunks note
-(docs/FORMAT.md) is gone and the subscribers' standby slots hold a version. Then, outside the
+The next version comes once every subscriber serves this one, the subscribers' standby slots hold
+a version, and every region's lazy-chunks note (docs/FORMAT.md) is gone or its link has carried no
+chunk for a few seconds (a mirror that never copies a keyframe's full payloads: the row lists the
+regions in ``lazy_notes_left``). Then, outside the
 timed window, every subscriber's ``current`` folder is compared with the checkpoint byte for byte;
 a difference ends the run with exit 1.
 
@@ -562,11 +564,20 @@ class Configuration:
                 return False
             raise
 
-    def _wait(self, v: int, t0: float) -> dict[str, dict]:
-        """Every subscriber's ``last_sync`` of version ``v``, once every region is whole and settled."""
+    def _quiet_seconds(self) -> float:
+        """How long a link must carry no chunk for a mirror to count as idle: a few seconds more
+        than one chunk takes to cross it, both ways of a round trip included."""
+        a = self.args
+        return 3.0 + 2 * (a.chunk_mib * (1 << 20)) / (a.link_mbit * 1e6 / 8) + 2 * a.rtt_ms / 1e3
+
+    def _wait(self, v: int, t0: float) -> tuple[dict[str, dict], list[str]]:
+        """Every subscriber's ``last_sync`` of version ``v``, once every region is whole and settled,
+        and the regions whose lazy-chunks note stays while their link carries no chunk (a mirror
+        that leaves a keyframe's full payloads behind: ``--keyframe-payloads never``)."""
         deadline = time.monotonic() + self.args.timeout
         subs = self.subscribers()
         lazy = f"lazy/{v:020d}.json"
+        quiet = self._quiet_seconds()
         while True:
             self._alive()
             statuses = {s.name: s.get("/v1/status") for s in subs}
@@ -574,9 +585,16 @@ class Configuration:
             if done:
                 done = all(st["standby_version"] is not None for st in statuses.values())  # the idle copy of v0
             if done:
-                done = not any(self._has(reg.bucket, lazy) for reg in self.regions)
-            if done:
-                return {n: st["last_sync"] for n, st in statuses.items()}
+                now = time.time()
+                noted = [reg for reg in self.regions if self._has(reg.bucket, lazy)]
+                idle = [
+                    reg.name
+                    for reg in noted
+                    if now - max([t0, *(r.end for r in reg.link.records(t0) if r.kind.startswith("GET chunks"))])
+                    > quiet
+                ]
+                if len(idle) == len(noted):
+                    return {n: st["last_sync"] for n, st in statuses.items()}, idle
             if time.monotonic() > deadline:
                 states = {n: (st["current_version"], st["state"], st["reason"]) for n, st in statuses.items()}
                 raise HarnessError(f"version {v} not everywhere after {self.args.timeout:.0f} s: {states}")
@@ -601,7 +619,7 @@ class Configuration:
         cpu0 = self._cpu()
         t0 = time.time()
         (dst / MARKER).touch()  # the trainer's COMPLETE
-        syncs = self._wait(v, t0)
+        syncs, notes_left = self._wait(v, t0)
         time.sleep(self.args.settle)
         t1 = time.time()
         cpu1 = self._cpu()
@@ -610,7 +628,9 @@ class Configuration:
             if wrong is not None:
                 raise HarnessError(f"{sub.name} serves wrong bytes at version {v}: {wrong}")
         m = self._manifest(v)
-        return self._row(v, t0, t1, m, syncs, {k: round(cpu1[k] - cpu0.get(k, 0.0), 2) for k in cpu1})
+        row = self._row(v, t0, t1, m, syncs, {k: round(cpu1[k] - cpu0.get(k, 0.0), 2) for k in cpu1})
+        row["lazy_notes_left"] = notes_left  # regions holding the version without some of its chunks
+        return row
 
     def _row(self, v: int, t0: float, t1: float, m: dict, syncs: dict, cpu: dict) -> dict:
         man = f"versions/{v:020d}.json"
@@ -731,6 +751,12 @@ def _req(reqs: dict, *prefixes: str) -> int:
     return sum(n for k, n in reqs.items() if k.startswith(prefixes))
 
 
+def lazy_cell(r: dict) -> str:
+    """When the lazy copy of a version ended, or in how many regions its note stayed."""
+    left = r.get("lazy_notes_left") or []
+    return f"note stays in {len(left)}" if left else _s(r["lazy"])
+
+
 def table(conf: dict) -> str:
     out = [
         f"Configuration **{conf['label']}** ({conf.get('mirror_shards', 1)} mirror process(es) per region from "
@@ -752,7 +778,7 @@ def table(conf: dict) -> str:
             kind = "first keyframe"
         out.append(
             f"| {r['version']} | {kind} | {100 * r['changed_fraction']:.2f}% | {_s(r['parts'])} | {_s(r['commit'])} | "
-            f"{_s(r['notice'])} | {_s(r['regional'])} | {_s(r['sub'])} | **{_s(r['swapped'])}** | {_s(r['lazy'])} | "
+            f"{_s(r['notice'])} | {_s(r['regional'])} | {_s(r['sub'])} | **{_s(r['swapped'])}** | {lazy_cell(r)} | "
             f"{sum(r['link_bytes']) / len(r['link_bytes']) / MB:.2f} | "
             f"{per('GET chunks')} / {per('GET versions', 'GET parts', 'GET lazy', 'GET signatures', 'GET marker')} / "
             f"{per('GET HEAD-key', 'HEAD HEAD-key')} / {per('LIST')} | "
