@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -107,3 +108,28 @@ def test_differs_finds_a_wrong_byte_a_missing_and_an_extra_file(tmp_path):
     (folder / "a.safetensors").write_bytes(b"\x00" * 1000)
     (folder / "extra").write_text("x")
     assert "instead of" in regions.differs(ckpt, folder)
+
+
+def _mirror_knows(flag: str) -> bool:
+    out = subprocess.run(
+        [sys.executable, "-m", "weightsync.cli", "mirror", "--help"],
+        cwd=regions.REPO,
+        env={**os.environ, "PYTHONPATH": str(regions.REPO)},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return flag in out.stdout
+
+
+def test_a_mirror_that_never_copies_keyframe_payloads_ends_each_wait(work):
+    if not _mirror_knows("--keyframe-payloads"):
+        pytest.skip("this checkout's mirror has no --keyframe-payloads")
+    args = regions.parse_args(["--quick", "--workdir", str(work), "--mirror-args", "--keyframe-payloads never"])
+    (conf,) = regions.run(args)["configurations"]
+    delta, key = conf["rows"][1:]
+    assert key["keyframe"] and key["verified"] and delta["verified"]
+    assert key["lazy_notes_left"] == ["r1", "r2"] and delta["lazy_notes_left"] == []
+    assert key["lazy"] is None
+    assert max(key["link_bytes"]) < key["chunk_bytes"]  # the full payloads stayed at the source
+    assert "note stays in 2" in regions.table(conf)
