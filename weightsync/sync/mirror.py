@@ -42,7 +42,14 @@ from weightsync.format.keys import (
     signature_key,
     version_key,
 )
-from weightsync.format.manifest import ChunkRef, Manifest, head_to_json, manifest_from_json, part_from_json
+from weightsync.format.manifest import (
+    ChunkRef,
+    Manifest,
+    PartManifest,
+    head_to_json,
+    manifest_from_json,
+    part_from_json,
+)
 from weightsync.store.repo import Repo
 
 log = logging.getLogger("weightsync.mirror")
@@ -109,10 +116,10 @@ def shard_of(chunk_id: str, shards: int) -> int:
     return int(chunk_id[:8], 16) % shards
 
 
-def lazy_candidates(m: Manifest) -> frozenset[str]:
-    """The chunks of keyframe ``m`` that only its full payloads use, on segments that also carry a
-    delta from the parent: a follower of the parent never reads them. Empty for a non-keyframe and
-    for a keyframe without a parent. Pure."""
+def lazy_candidates(m: Manifest | PartManifest) -> frozenset[str]:
+    """The chunks of keyframe ``m`` (a manifest, or a rank's part of one) that only its full
+    payloads use, on segments that also carry a delta from the parent: a follower of the parent
+    never reads them. Empty for a non-keyframe and for a keyframe without a parent. Pure."""
     if not m.keyframe or m.parent is None:
         return frozenset()
     full: set[str] = set()
@@ -588,9 +595,13 @@ class _Mirror:
             except (NotFoundError, FormatError) as exc:  # gone, or damaged: its committer refuses it
                 log.debug("mirror: skipping part %s: %s", key, exc)
                 continue
+            lazy = frozenset()  # a keyframe's full payloads: as its manifest will decide, at low priority
+            if self.cfg.keyframe_payloads != "eager" and part.parent is not None and self._parent_coming(part.parent):
+                lazy = lazy_candidates(part)
             for r in part.chunks:
-                if self._own(r.id):
-                    self.copier.want(r, parsed[0])
+                if not self._own(r.id) or (r.id in lazy and self.cfg.keyframe_payloads == "never"):
+                    continue
+                self.copier.want(r, parsed[0], lazy=r.id in lazy)
         for key in [k for k in self.parts if k not in live]:
             del self.parts[key]
 
