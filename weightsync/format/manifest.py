@@ -572,6 +572,23 @@ def head_from_json(data: bytes) -> int:
     return _int(doc, "version", HEAD_KEY, 0, MAX_VERSION)
 
 
+def lazy_candidates(m: Manifest | PartManifest) -> frozenset[str]:
+    """The chunks of keyframe ``m`` (a manifest, or a rank's part of one) that only its full
+    payloads use, on segments that also carry a delta from the parent: a follower of the parent
+    never reads them. Empty for a non-keyframe and for a keyframe without a parent. Pure."""
+    if not m.keyframe or m.parent is None:
+        return frozenset()
+    full: set[str] = set()
+    other: set[str] = set()  # delta payloads, and full payloads a follower still needs (no delta)
+    for f in m.files:
+        for s in f.segments:
+            if s.payload is not None:
+                (full if s.delta is not None else other).update(m.chunks[p.chunk].id for p in s.payload.parts)
+            if s.delta is not None and s.delta.payload is not None:
+                other.update(m.chunks[p.chunk].id for p in s.delta.payload.parts)
+    return frozenset(full - other)
+
+
 def lazy_to_json(version: int, chunks: Iterable[str]) -> bytes:
     """The note of ``version``'s chunks a mirror left out of this store for now (docs/FORMAT.md section 1)."""
     ids = sorted(set(chunks))

@@ -9,6 +9,7 @@ section 7), checked in :meth:`Repo.manifest`, which every reader goes through.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections import OrderedDict
@@ -47,6 +48,7 @@ from weightsync.format.manifest import (
     check_marker,
     head_from_json,
     head_to_json,
+    lazy_candidates,
     lazy_from_json,
     lazy_to_json,
     manifest_from_json,
@@ -57,6 +59,8 @@ from weightsync.format.signatures import MAX_DOCUMENT_BYTES
 from weightsync.store import Store, open_store
 from weightsync.store.retry import RetryingStore, RetryPolicy
 from weightsync.store.signing import Keyring, SigningKey, TrustedKey
+
+log = logging.getLogger("weightsync.store")
 
 
 class Repo:
@@ -253,15 +257,23 @@ class Repo:
     def lazy_chunks(self, version: int) -> frozenset[str]:
         """The chunks of ``version`` that are not in this store yet by a mirror's choice (a
         keyframe's full payloads, copied after its head moved, or never): read them elsewhere or
-        rebuild. Empty when the store holds the whole version (no note)."""
+        rebuild. Empty when the store holds the whole version (no note).
+
+        A note that cannot be read (torn, planted, naming another version) is taken to list every
+        chunk a mirror may leave out of ``version`` (:func:`lazy_candidates`): readers then avoid
+        them as far as they can, and a mirror copies them and clears the note."""
         key = lazy_key(version)
         try:
             data = self.store.get(key)
         except NotFoundError:
             return frozenset()
-        noted, ids = lazy_from_json(data, f"{self.url}/{key}")
-        if noted != version:
-            raise FormatError(f"{self.url}/{key}: the note names version {noted}")
+        try:
+            noted, ids = lazy_from_json(data, f"{self.url}/{key}")
+            if noted != version:
+                raise FormatError(f"{self.url}/{key}: the note names version {noted}")
+        except FormatError as exc:
+            log.warning("%s; taking it to list every chunk only the full payloads of version %d use", exc, version)
+            return lazy_candidates(self.manifest(version))
         return ids
 
     def note_lazy_chunks(self, version: int, chunk_ids: Iterable[str]) -> None:

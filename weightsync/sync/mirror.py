@@ -45,8 +45,8 @@ from weightsync.format.keys import (
 from weightsync.format.manifest import (
     ChunkRef,
     Manifest,
-    PartManifest,
     head_to_json,
+    lazy_candidates,
     manifest_from_json,
     part_from_json,
 )
@@ -114,23 +114,6 @@ def parse_shard(text: str) -> tuple[int, int]:
 def shard_of(chunk_id: str, shards: int) -> int:
     """The shard of a chunk: its id's first 32 bits modulo ``shards`` (ids are XXH3 hashes: uniform)."""
     return int(chunk_id[:8], 16) % shards
-
-
-def lazy_candidates(m: Manifest | PartManifest) -> frozenset[str]:
-    """The chunks of keyframe ``m`` (a manifest, or a rank's part of one) that only its full
-    payloads use, on segments that also carry a delta from the parent: a follower of the parent
-    never reads them. Empty for a non-keyframe and for a keyframe without a parent. Pure."""
-    if not m.keyframe or m.parent is None:
-        return frozenset()
-    full: set[str] = set()
-    other: set[str] = set()  # delta payloads, and full payloads a follower still needs (no delta)
-    for f in m.files:
-        for s in f.segments:
-            if s.payload is not None:
-                (full if s.delta is not None else other).update(m.chunks[p.chunk].id for p in s.payload.parts)
-            if s.delta is not None and s.delta.payload is not None:
-                other.update(m.chunks[p.chunk].id for p in s.delta.payload.parts)
-    return frozenset(full - other)
 
 
 @dataclass
