@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -215,15 +215,12 @@ def gc(repo: Repo, config: GcConfig) -> GcResult:
     result.lazy_chunks = len(plan.lazy_chunks)
     if not config.dry_run:
         for v in plan.delete_versions + plan.abandoned_versions:  # oldest first, chunks after
-            repo.store.delete(version_key(v))  # their notes go after them (_sweep_notes)
+            repo.store.delete(version_key(v))  # their signatures and notes go after them
         for key in parts.delete:
             repo.store.delete(key)  # a file store removes the folders this empties
-    result.deleted_signatures = _sweep_signatures(
-        repo, set(plan.delete_versions + plan.abandoned_versions), config.grace_seconds, config.dry_run
-    )
-    result.deleted_notes = _sweep_notes(
-        repo, set(plan.delete_versions + plan.abandoned_versions), config.grace_seconds, config.dry_run
-    )
+    gone, grace = set(plan.delete_versions + plan.abandoned_versions), config.grace_seconds
+    result.deleted_signatures = _sweep_beside(repo, SIGNATURES_PREFIX, parse_signature_key, gone, grace, config.dry_run)
+    result.deleted_notes = _sweep_beside(repo, LAZY_PREFIX, parse_lazy_key, gone, grace, config.dry_run)
     # Listed after the manifests are gone: a chunk stored from here on is younger than the grace.
     doomed = []
     for key, size, age in list_chunks_with_age(repo.store):
@@ -245,34 +242,17 @@ def gc(repo: Repo, config: GcConfig) -> GcResult:
     return result
 
 
-def _sweep_signatures(repo: Repo, deleted: set[int], grace: float, dry_run: bool) -> int:
-    """Delete the signatures of ``deleted`` versions, and those older than ``grace`` whose manifest is
-    gone (a writer signs right after it creates the manifest; the grace spares one still committing)."""
+def _sweep_beside(
+    repo: Repo, prefix: str, parse: Callable[[str], int | None], deleted: set[int], grace: float, dry_run: bool
+) -> int:
+    """Delete the documents under ``prefix`` that belong to a version (signatures, lazy notes):
+    those of ``deleted`` versions (after their manifests: no reader sees a version without them),
+    and those older than ``grace`` whose manifest is gone (their writer puts them right beside the
+    manifest, a signature after it and a note before it; the grace spares one still committing)."""
     doomed = []
     manifests: set[int] | None = None
-    for key, _, age in list_with_age(repo.store, SIGNATURES_PREFIX):
-        v = parse_signature_key(key)
-        if v is None or (v not in deleted and _young(age, grace)):
-            continue
-        if v not in deleted:
-            if manifests is None:  # listed after the manifests were deleted
-                manifests = {parse_version_key(k) for k in repo.store.list(VERSIONS_PREFIX)}
-            if v in manifests:
-                continue
-        doomed.append(key)
-    if not dry_run:
-        for key in doomed:
-            repo.store.delete(key)
-    return len(doomed)
-
-
-def _sweep_notes(repo: Repo, deleted: set[int], grace: float, dry_run: bool) -> int:
-    """Delete the lazy notes of ``deleted`` versions (after their manifests: no reader sees a version
-    without its note), and those older than ``grace`` whose manifest is gone (a mirror writes a
-    note right before the manifest; the grace spares one still committing)."""
-    doomed, manifests = [], None
-    for key, _, age in list_with_age(repo.store, LAZY_PREFIX):
-        v = parse_lazy_key(key)
+    for key, _, age in list_with_age(repo.store, prefix):
+        v = parse(key)
         if v is None or (v not in deleted and _young(age, grace)):
             continue
         if v not in deleted:
