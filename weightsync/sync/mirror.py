@@ -201,7 +201,8 @@ class _Entry:
 
 class _Copier:
     """``concurrency`` worker threads taking chunks by priority: ``(0, version)`` for chunks a version
-    waits on, ``(1, version)`` for lazy ones (at most half the workers). A copy is
+    waits on, ``(1, version)`` for lazy ones (at most a quarter of the workers, and only while no
+    needed chunk is queued or copied: on a link, bytes in flight share its bandwidth). A copy is
     :meth:`Repo.store_chunk` (the source read, size and XXH3 verified, only if the destination lacks
     it; a present one touched); a check is a HEAD at the destination (touched if older than
     ``refresh_seconds``). Results stay valid for ``refresh_seconds``; missing and failed ones are
@@ -216,7 +217,7 @@ class _Copier:
         self._round = 0
         self._events = 0
         self._running = [0, 0]
-        self._lazy_cap = max(1, cfg.concurrency // 2)
+        self._lazy_cap = max(1, cfg.concurrency // 4)
         self._closed = False
         self._store_now: float | None = None
         self._threads: list[threading.Thread] = []
@@ -317,7 +318,8 @@ class _Copier:
             heap = self._heaps[kind]
             while heap and (heap[0][2].status != QUEUED or heap[0][2].prio != heap[0][0]):
                 heapq.heappop(heap)  # superseded by a higher priority, or forgotten
-            if heap and (kind == 0 or self._running[1] < self._lazy_cap):
+            # lazy copies only while no needed one runs: they would share the link's bandwidth
+            if heap and (kind == 0 or (self._running[0] == 0 and self._running[1] < self._lazy_cap)):
                 return kind, heapq.heappop(heap)[2]
         return None
 
