@@ -284,13 +284,14 @@ def test_chunks_of_parts_are_copied_before_the_commit(trajectory, tmp_path, ws):
     ws.assert_replica(tmp_path / "sub", trajectory[1])
 
 
-def test_a_keyframes_parts_send_only_what_followers_need_before_the_commit(small, tmp_path, ws):
+@pytest.mark.parametrize("policy", ["never", "lazy"])
+def test_a_keyframes_parts_send_only_what_followers_need_before_the_commit(small, tmp_path, ws, policy):
     """A multi-rank keyframe on a parent the region holds: of the chunks its parts name, the mirror
-    copies early only those a follower reads (the keyframe's deltas); with ``never`` the full payloads
-    never cross, before the commit or after it, and the region's head still follows."""
+    copies before the commit only those a follower reads (the keyframe's deltas), and the region's
+    head follows; the full payloads cross after the regional commit (``lazy``) or never."""
     src_dir, dst_dir = tmp_path / "src", tmp_path / "region"
     publish_all(small, repo(src_dir), upto=1)
-    t, stop, out = follow(repo(src_dir), repo(dst_dir), MirrorConfig(interval=0.05, keyframe_payloads="never"))
+    t, stop, out = follow(repo(src_dir), repo(dst_dir), MirrorConfig(interval=0.05, keyframe_payloads=policy))
     try:
         wait_for(lambda: repo(dst_dir).head_version() == 1, "version 1", thread_out=out)
         for rank in range(2):
@@ -302,15 +303,23 @@ def test_a_keyframes_parts_send_only_what_followers_need_before_the_commit(small
         needed = {c.id for p in parts for c in p.chunks} - lazy
         assert lazy and needed
         wait_for(lambda: all((dst_dir / chunk_key(i)).exists() for i in needed), "the deltas' chunks", thread_out=out)
+        time.sleep(0.5)  # ten more polls: nothing of the full payloads crosses before the commit
+        assert not any((dst_dir / chunk_key(i)).exists() for i in lazy)
         commit_parts(repo(src_dir), 2, 2)
         wait_for(lambda: repo(dst_dir).head_version() == 2, "version 2", thread_out=out)
-        time.sleep(0.5)  # ten more polls
+        if policy == "lazy":
+            wait_for(lambda: not repo(dst_dir).lazy_chunks(2), "the lazy chunks", thread_out=out)
+        else:
+            time.sleep(0.5)
     finally:
         stop.set()
         t.join(60)
     assert "error" not in out, out.get("error")
-    assert not any((dst_dir / chunk_key(i)).exists() for i in lazy)
-    assert repo(dst_dir).lazy_chunks(2) == lazy
+    if policy == "lazy":
+        assert all((dst_dir / chunk_key(i)).exists() for i in lazy)
+    else:
+        assert not any((dst_dir / chunk_key(i)).exists() for i in lazy)
+        assert repo(dst_dir).lazy_chunks(2) == lazy
     weightsync.pull(repo(dst_dir), tmp_path / "sub", 1)
     weightsync.pull(repo(dst_dir), tmp_path / "sub", 2)  # a follower crosses the keyframe on its deltas
     ws.assert_replica(tmp_path / "sub", small[2])

@@ -580,13 +580,12 @@ class _Mirror:
             except (NotFoundError, FormatError) as exc:  # gone, or damaged: its committer refuses it
                 log.debug("mirror: skipping part %s: %s", key, exc)
                 continue
-            lazy = frozenset()  # a keyframe's full payloads: as its manifest will decide, at low priority
+            lazy = frozenset()  # a keyframe's full payloads: left for after its commit, as its manifest will say
             if self.cfg.keyframe_payloads != "eager" and part.parent is not None and self._parent_coming(part.parent):
                 lazy = lazy_candidates(part)
             for r in part.chunks:
-                if not self._own(r.id) or (r.id in lazy and self.cfg.keyframe_payloads == "never"):
-                    continue
-                self.copier.want(r, parsed[0], lazy=r.id in lazy)
+                if self._own(r.id) and r.id not in lazy:
+                    self.copier.want(r, parsed[0])
         for key in [k for k in self.parts if k not in live]:
             del self.parts[key]
 
