@@ -7,6 +7,7 @@ bytes ever committed or pulled with success. Tests marked ``xfail(strict=True)``
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 import time
@@ -216,3 +217,59 @@ def test_a_region_mirrored_from_a_lazy_region_serves_the_right_bytes(tmp_path, s
         out = tmp_path / f"out{v}"
         weightsync.pull(f"file://{b_dir}", out, v)
         assert files_of(out) == files_of(small[v])
+
+
+# --- a destination gc with a grace period shorter than the mirror's refresh ---------------------------------
+class BlockingStore(weightsync.store.FileStore):
+    """A source whose reads of ``blocked`` keys wait for ``release``: a slow chunk holding up its version."""
+
+    def __init__(self, root, blocked: set[str]):
+        super().__init__(root)
+        self.blocked, self.release, self.reached = blocked, threading.Event(), threading.Event()
+
+    def get(self, key: str) -> bytes:
+        if key in self.blocked:
+            self.reached.set()
+            self.release.wait(60)
+        return super().get(key)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="mirror.py _Copier.want/_ready take a chunk copied less than refresh_seconds (300) ago as "
+    "present and commit over it; gc (sync/gc.py plan_gc) deletes unreferenced chunks of versions whose "
+    "manifest is not at the destination yet once older than --grace-seconds, and nothing checks that "
+    "the grace exceeds the mirror's refresh: gc --grace-seconds 0..299 on a mirrored region tears "
+    "versions the pipeline copied ahead, and the mirror exits 0",
+)
+def test_a_destination_gc_with_a_short_grace_never_tears_a_version_copied_ahead(tmp_path, small):
+    from weightsync.sync.gc import GcConfig, gc
+
+    src_dir, dst_dir = tmp_path / "src", tmp_path / "region"
+    publish_all(small, repo(src_dir), upto=3)
+    plain = repo(src_dir)
+    later = {c.id for v in (0, 2, 3) for c in plain.manifest(v).chunks}
+    slow = {chunk_key(c.id) for c in plain.manifest(1).chunks if c.id not in later}
+    assert slow
+    store = BlockingStore(src_dir, slow)
+    src, dst = weightsync.Repo(store), repo(dst_dir)
+    out = {}
+    t = threading.Thread(
+        target=lambda: out.update(r=mirror(src, dst, config=MirrorConfig(keyframe_payloads="eager"))), daemon=True
+    )
+    t.start()
+    try:
+        assert store.reached.wait(60)
+        ahead = {c.id for v in (2, 3) for c in plain.manifest(v).chunks} - {c.id for c in plain.manifest(0).chunks}
+        wait_for(
+            lambda: dst.head_version() == 0 and all((dst_dir / chunk_key(c)).exists() for c in ahead), "2, 3 ahead"
+        )
+        old = time.time() - 60  # a minute later (ages come from the files' times)
+        for c in ahead:
+            os.utime(dst_dir / chunk_key(c), (old, old))
+        gc(dst, GcConfig(keep=1, grace_seconds=30))  # the operator's grace: 30 s, under the mirror's 300 s refresh
+    finally:
+        store.release.set()
+        t.join(60)
+    assert out.get("r") is not None and out["r"].head == 3
+    assert region_is_whole(dst_dir) == []
