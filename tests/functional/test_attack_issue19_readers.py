@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 from lazy_region import copy_version
 
-import weightsync
 from weightsync.demo import make_trajectory
 from weightsync.errors import WeightsyncError
 from weightsync.format.keys import chunk_key
