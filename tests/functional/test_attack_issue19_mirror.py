@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -273,3 +276,52 @@ def test_a_destination_gc_with_a_short_grace_never_tears_a_version_copied_ahead(
         t.join(60)
     assert out.get("r") is not None and out["r"].head == 3
     assert region_is_whole(dst_dir) == []
+
+
+# --- killed at any moment, restarted with other flags -------------------------------------------------------
+FLAG_SETS = [
+    ["--keyframe-payloads", "lazy"],
+    ["--keyframe-payloads", "never"],
+    ["--keyframe-payloads", "eager", "--shard", "0/2", "--commit"],
+    ["--keyframe-payloads", "lazy", "--shard", "1/3"],
+    ["--keyframe-payloads", "never", "--shard", "0/3", "--commit"],
+    ["--keyframe-payloads", "eager"],
+]
+
+
+def test_a_mirror_killed_and_restarted_with_other_flags_each_time_never_tears_the_region(tmp_path, cli_env):
+    src_dir, dst_dir = tmp_path / "src", tmp_path / "region"
+    src = repo(src_dir)
+    traj = make_trajectory(tmp_path / "traj7", steps=7, **SMALL)
+    publish_all(traj, src, upto=1)
+    base = [
+        sys.executable,
+        "-m",
+        "weightsync.cli",
+        "mirror",
+        "--from",
+        f"file://{src_dir}",
+        "--to",
+        f"file://{dst_dir}",
+    ]
+    for i, (flags, delay) in enumerate(zip(FLAG_SETS * 2, (0.3, 0.6, 0.9, 1.2, 0.5, 1.5, 0.4, 0.8, 1.1, 0.7))):
+        if i + 2 < len(traj):
+            publish_all(traj, src, upto=i + 2, start=i + 2)  # a new version while the region lags
+        proc = subprocess.Popen(
+            [*base, "--follow", "--interval", "0.1", "--concurrency", "2", *flags],
+            env=cli_env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert region_is_whole(dst_dir) == [], flags
+    r = subprocess.run([*base, "--keyframe-payloads", "lazy"], env=cli_env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert repo(dst_dir).head_version() == 7 and region_is_whole(dst_dir) == []
+    assert list(repo(dst_dir).store.list(LAZY_PREFIX)) == []  # one lazy run clears every note a killed run left
+    out = tmp_path / "sub"
+    for v in range(8):
+        weightsync.pull(f"file://{dst_dir}", out, v)
+        assert files_of(out) == files_of(traj[v]), v
