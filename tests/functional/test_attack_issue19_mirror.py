@@ -34,9 +34,11 @@ def repo(path: Path) -> weightsync.Repo:
     return weightsync.open_repo(f"file://{path}")
 
 
-def publish_all(traj: list[Path], src: weightsync.Repo, upto: int | None = None, start: int = 0) -> None:
+def publish_all(
+    traj: list[Path], src: weightsync.Repo, upto: int | None = None, start: int = 0, config=EVERY_2
+) -> None:
     for i in range(start, len(traj) if upto is None else upto + 1):
-        weightsync.publish(traj[i], src, config=EVERY_2, base_dir=traj[i - 1] if i else None)
+        weightsync.publish(traj[i], src, config=config, base_dir=traj[i - 1] if i else None)
 
 
 def files_of(folder: Path) -> dict[str, bytes]:
@@ -325,3 +327,54 @@ def test_a_mirror_killed_and_restarted_with_other_flags_each_time_never_tears_th
     for v in range(8):
         weightsync.pull(f"file://{dst_dir}", out, v)
         assert files_of(out) == files_of(traj[v]), v
+
+
+# --- readers of a region torn by a rewritten source ----------------------------------------------------------
+def torn_region(tmp_path: Path, small: list[Path], config=EVERY_2) -> tuple[Path, list[Path]]:
+    """A region that followed its source from 0..3 of one run into 4..5 of another (the defect above);
+    returns it and the other run's checkpoints."""
+    src_dir, dst_dir = tmp_path / "src", tmp_path / "region"
+    src, dst = repo(src_dir), repo(dst_dir)
+    publish_all(small, src, upto=3, config=config)
+    t, stop, out = follow(src, dst, MirrorConfig(interval=0.05))
+    try:
+        wait_for(lambda: dst.head_version() == 3, "the region at 3")
+        other = make_trajectory(tmp_path / "other", steps=5, **(SMALL | {"seed": 1}))
+        shutil.rmtree(src_dir)
+        publish_all(other, repo(src_dir), config=config)
+        wait_for(lambda: dst.head_version() == 5 or "error" in out, "the mirror's answer")
+    finally:
+        stop.set()
+        t.join(30)
+    return dst_dir, other
+
+
+def bytes_of(t) -> bytes:
+    return t.detach().contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("coder", [True, False], ids=["ac", "sparse"])
+@pytest.mark.parametrize("mode", ["patch", "flip"])
+def test_a_torch_sink_following_a_torn_region_never_reports_success_with_wrong_bytes(tmp_path, small, mode, coder):
+    import torch
+    from safetensors.torch import load_file
+
+    from weightsync.codec import CodecConfig
+    from weightsync.torch.sink import TorchSink
+
+    config = PublishConfig(codec=CodecConfig(entropy_coder=coder), keyframe_interval=2)
+    dst_dir, other = torn_region(tmp_path, small, config)
+    if repo(dst_dir).head_version() == 3:
+        return  # the mirror refused: nothing torn to read
+    live = {n: t.clone() for n, t in load_file(str(small[3] / "model.safetensors")).items()}
+    if mode == "flip":
+        live = {n: torch.nn.Parameter(t, requires_grad=False) for n, t in live.items()}
+    sink = TorchSink(f"file://{dst_dir}", live, 3, mode=mode)
+    for v in (4, 5):
+        try:
+            sink.update(v)
+        except WeightsyncError:
+            continue
+        want = load_file(str(other[v] / "model.safetensors"))
+        got = {n: t.detach() for n, t in live.items()}
+        assert all(bytes_of(got[n]) == bytes_of(t) for n, t in want.items()), v
