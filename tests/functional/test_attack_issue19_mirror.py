@@ -93,13 +93,6 @@ def wait_for(pred, what: str, timeout: float = 60.0):
 
 
 # --- a source rewritten as another lineage --------------------------------------------------------------
-@pytest.mark.xfail(
-    strict=True,
-    reason="mirror.py _check_lineage compares the destination head's manifest with the source's only when "
-    "the destination head changed since the last check (dst_head == checked_head returns early), and "
-    "_discover only reads source versions above listed_to: a source rewritten as another lineage with "
-    "higher numbers is followed, its deltas committed on top of the old lineage's versions",
-)
 def test_a_following_mirror_refuses_a_source_rewritten_as_another_lineage(tmp_path, small):
     src_dir, dst_dir = tmp_path / "src", tmp_path / "region"
     src, dst = repo(src_dir), repo(dst_dir)
@@ -134,12 +127,6 @@ def test_a_one_shot_mirror_refuses_a_source_rewritten_as_another_lineage(tmp_pat
 
 
 # --- a destination planted with damaged state ------------------------------------------------------------
-@pytest.mark.xfail(
-    strict=True,
-    reason="Repo.store_chunk (store/repo.py:296-300) takes an object of the right size under a chunk's key "
-    "as the chunk (touched, never read); the mirror (mirror.py _Copier._work) commits versions over "
-    "it and reports success: the region's manifests name bytes it does not hold",
-)
 def test_a_planted_chunk_of_the_right_size_and_wrong_bytes_is_not_committed_over(tmp_path, small):
     src_dir, dst_dir = tmp_path / "src", tmp_path / "region"
     src, dst = repo(src_dir), repo(dst_dir)
@@ -239,14 +226,6 @@ class BlockingStore(weightsync.store.FileStore):
         return super().get(key)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="mirror.py _Copier.want/_ready take a chunk copied less than refresh_seconds (300) ago as "
-    "present and commit over it; gc (sync/gc.py plan_gc) deletes unreferenced chunks of versions whose "
-    "manifest is not at the destination yet once older than --grace-seconds, and nothing checks that "
-    "the grace exceeds the mirror's refresh: gc --grace-seconds 0..299 on a mirrored region tears "
-    "versions the pipeline copied ahead, and the mirror exits 0",
-)
 def test_a_destination_gc_with_a_short_grace_never_tears_a_version_copied_ahead(tmp_path, small):
     from weightsync.sync.gc import GcConfig, gc
 

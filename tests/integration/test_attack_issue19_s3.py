@@ -87,12 +87,6 @@ def restarted_run(s3_url, tmp_path):
     return src, region, old, new, follower, out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="mirror.py _check_lineage skips the check while the destination head is the one it last "
-    "checked, and _discover reads only source versions above listed_to: a source prefix rewritten by a "
-    "restarted run is followed, its versions 4 and 5 committed on top of the old run's 0..3",
-)
 def test_a_mirror_following_a_source_rewritten_by_a_restarted_run_refuses_it(restarted_run):
     src, region, old, new, follower, out = restarted_run
     assert isinstance(out.get("error"), MirrorError), out

@@ -294,7 +294,9 @@ class Repo:
         (see :meth:`store_chunk`)."""
         return self.store_chunk(chunk_id, len(data), data)
 
-    def store_chunk(self, chunk_id: str, size: int, data: bytes | Callable[[], bytes]) -> bool:
+    def store_chunk(
+        self, chunk_id: str, size: int, data: bytes | Callable[[], bytes], *, verify_existing: bool = False
+    ) -> bool:
         """Make the chunk ``chunk_id`` of ``size`` bytes present; True if bytes moved. ``data`` is
         the chunk, or a function that returns it (called only when it must be uploaded: a mirror
         reads the source only for chunks the destination lacks).
@@ -302,10 +304,18 @@ class Repo:
         A chunk that is already there is touched, so that a concurrent ``gc`` (which spares young
         objects) cannot delete it between this check and the commit of the manifest that uses it;
         one that gc collected between the check and the touch is uploaded again. An object of the
-        wrong size under a chunk's key is damaged and is replaced.
+        wrong size under a chunk's key is damaged and is replaced; with ``verify_existing`` (a
+        mirror), so is one of the right size whose bytes do not hash to ``chunk_id`` (it is read).
         """
         key = chunk_key(chunk_id)
         have = self.store.head(key)
+        if have == size and verify_existing:
+            try:
+                verify_chunk(f"{self.url}/{key}", chunk_id, size, self.store.get(key))
+            except ChecksumError:
+                have = -1  # planted or damaged: replaced below
+            except NotFoundError:
+                have = None
         if have == size:
             try:
                 self.store.touch(key)

@@ -15,6 +15,7 @@ import itertools
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from weightsync.errors import (
@@ -339,7 +340,9 @@ class _Copier:
                     status = DONE if self._check(e.ref) else MISSING
                 else:
                     ref = e.ref
-                    copied = self.dst.store_chunk(ref.id, ref.size, lambda r=ref: self.src.get_chunk(r.id, r.size))
+                    copied = self.dst.store_chunk(
+                        ref.id, ref.size, lambda r=ref: self.src.get_chunk(r.id, r.size), verify_existing=True
+                    )
             except Exception as exc:  # noqa: BLE001 - kept for the mirror thread, which decides
                 status, error = FAILED, exc
             if copied is not None:
@@ -350,6 +353,15 @@ class _Copier:
                     e.status, e.when, e.round, e.error, e.copied = status, time.monotonic(), self._round, error, copied
                 self._events += 1
                 self._cv.notify_all()
+
+    def absent(self, refs: list[ChunkRef]) -> list[str]:
+        """The chunks of ``refs`` not at the destination with their size now (HEADs, in parallel)."""
+        if not refs:
+            return []
+        store = self.dst.store
+        with ThreadPoolExecutor(min(self.cfg.concurrency, len(refs)), thread_name_prefix="ws-mirror-look") as pool:
+            sizes = list(pool.map(lambda r: store.head(chunk_key(r.id)), refs))
+        return [r.id for r, size in zip(refs, sizes) if size != r.size]
 
     def _check(self, ref: ChunkRef) -> bool:
         """Another shard's chunk is at the destination with its size (touched if old)."""
@@ -381,6 +393,7 @@ class _Version:
     waiting: set[str] | None = None  # needed chunks not yet seen done (None: not looked at yet)
     chunks: int = 0  # copied first for this version
     nbytes: int = 0
+    absent: frozenset[str] = frozenset()  # noted at the source itself (a lazy region): noted here too, never copied
 
 
 class _Mirror:
@@ -406,6 +419,8 @@ class _Mirror:
         self.dst_head: int | None = None
         self._src_head: int | None = None  # the heads as last read, and their tags (conditional reads)
         self._src_etag: str | None = None
+        self._src_moved = True  # the source head's tag changed at the last read
+        self._lineage_etag: str | None = None  # the source's tag of the checked head's manifest
         self._dst_head_read: int | None = None
         self._dst_etag: str | None = None
         self.target: int | None = None  # one-shot: the source head of the first poll
@@ -444,6 +459,7 @@ class _Mirror:
         """The source head: the one read a poll makes of the source when nothing changed, a
         conditional GET (one small request without a body, a ``304`` on S3, while it is unchanged)."""
         got = self.src.head_if_changed(self._src_etag)
+        self._src_moved = got is not None
         if got is not None:
             self._src_head, self._src_etag = got
         return self._src_head
@@ -492,19 +508,25 @@ class _Mirror:
         self.committed = {v for v in self.committed if v >= head}  # older ones: a HEAD tells
 
     def _check_lineage(self, src_head: int | None, dst_head: int | None) -> None:
-        if dst_head is None or dst_head == self.checked_head:
+        """The destination's head manifest is the source's (one conditional read once it was checked,
+        again whenever the source head moves: a source rewritten by another run is refused)."""
+        if dst_head is None:
             return
         if src_head is None or dst_head > src_head:
             raise MirrorError(
                 f"{self.dst.url} is not a mirror of {self.src.url}: its head {dst_head} is ahead of the source "
                 f"head {src_head}"
             )
+        known = dst_head == self.checked_head
+        if known and not self._src_moved:
+            return
         try:
-            ours = self.src.store.get(version_key(dst_head))
+            got = self.src.store.get_if_changed(version_key(dst_head), self._lineage_etag if known else None)
         except NotFoundError:
-            ours = None  # collected at the source: nothing left to compare with
-        if ours is not None:
-            self._same_manifest(dst_head, ours)
+            got = None  # collected at the source: nothing left to compare with
+        if got is not None:
+            self._same_manifest(dst_head, got[0])
+            self._lineage_etag = got[1]
         self.checked_head = dst_head
 
     def _same_manifest(self, version: int, data: bytes) -> None:
@@ -544,10 +566,11 @@ class _Mirror:
                 lazy = frozenset()
                 if self.cfg.keyframe_payloads != "eager" and m.parent is not None and self._parent_coming(m.parent):
                     lazy = lazy_candidates(m)
-                self.pending[v] = _Version(v, data, signatures, m, refs, lazy, time.monotonic())
+                absent = self.src.lazy_chunks(v) & refs.keys()  # a lazy region as the source: it lacks these
+                self.pending[v] = _Version(v, data, signatures, m, refs, lazy | absent, time.monotonic(), absent=absent)
                 self.listed_to = v
                 for r in refs.values():
-                    if r.id not in lazy and self._own(r.id):
+                    if r.id not in lazy | absent and self._own(r.id):
                         self.copier.want(r, v)
         self.listed = [v for v in self.listed if self.dst_head is None or v > self.dst_head]
 
@@ -639,8 +662,8 @@ class _Mirror:
         touched by us; others': checked, committers only). Raises on a failed chunk, unless the
         source collected the version meanwhile (then it is dropped). Only the chunks not yet seen
         done are looked at, then all once more (none may have gone stale meanwhile)."""
-        if ver.lazy and not self._parent_coming(ver.manifest.parent):
-            ver.lazy, ver.waiting = frozenset(), None  # its parent did not make it here: copied whole
+        if ver.lazy - ver.absent and not self._parent_coming(ver.manifest.parent):
+            ver.lazy, ver.waiting = ver.absent, None  # its parent did not make it here: copied whole
         if ver.waiting is None:
             ver.waiting = set(self._needed(ver))
         for final in (False, True):
@@ -660,7 +683,20 @@ class _Mirror:
                     ver.waiting.add(cid)
             if ver.waiting:
                 return False
-        return True
+        # a last look right before the commit: a regional gc with a short grace may have collected
+        # chunks copied ahead while they were unreferenced here (one HEAD each, in parallel)
+        gone = self.copier.absent([ver.refs[c] for c in self._needed(ver)])
+        for cid in gone:
+            log.warning(
+                "mirror: version %d: chunk %s vanished from %s before the commit; copying it again",
+                ver.version,
+                cid,
+                self.dst.url,
+            )
+            self.copier.forget(cid)
+            self.copier.want(ver.refs[cid], ver.version, check=not self._own(cid))
+        ver.waiting = set(gone)
+        return not gone
 
     def _commit(self, ver: _Version) -> None:
         v, key = ver.version, version_key(ver.version)
@@ -678,7 +714,8 @@ class _Mirror:
             self.dst.store.put(signature_key(v), ver.signatures, mode="overwrite")
         self.committed.add(v)
         self._move_head(v)  # the version leaves `pending` (and its lazy chunks are queued) with the head
-        self.checked_head = self.dst_head  # our own manifest: the lineage holds
+        if self.checked_head != self.dst_head:  # our own manifest: the lineage holds (its source tag unknown)
+            self.checked_head, self._lineage_etag = self.dst_head, None
         self._report()
         if written:  # counted once the head is there: a head move that fails leaves it to the next poll
             self.result.copied_versions.append(v)
