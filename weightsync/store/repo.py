@@ -14,6 +14,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import xxhash
@@ -179,19 +180,25 @@ class Repo:
         without, the signatures are read only if ``signatures`` (a mirror copies them along).
         :class:`VersionError` if the store has no such manifest."""
         key = version_key(version)
+        pending = None
+        if signatures or self.trusted_keys is not None:  # read beside the manifest: one round trip, not two
+            pool = ThreadPoolExecutor(1, thread_name_prefix="ws-signatures")
+            pending = pool.submit(self._signatures, version)
+            pool.shutdown(wait=False)
         try:
             data = self.store.get(key)
         except NotFoundError:
             raise VersionError(f"version {version} does not exist in {self.url}") from None
-        document = None
-        if signatures or self.trusted_keys is not None:
-            try:  # at most one byte more than a document may have: a huge object is refused, not read
-                document = self.store.get_range(signature_key(version), 0, MAX_DOCUMENT_BYTES + 1)
-            except NotFoundError:
-                pass
+        document = None if pending is None else pending.result()
         if self.trusted_keys is not None:
             self.verify_signature(version, data, document)
         return data, document
+
+    def _signatures(self, version: int) -> bytes | None:
+        try:  # at most one byte more than a document may have: a huge object is refused, not read
+            return self.store.get_range(signature_key(version), 0, MAX_DOCUMENT_BYTES + 1)
+        except NotFoundError:
+            return None
 
     def verify_signature(self, version: int, manifest: bytes, document: bytes | None) -> TrustedKey | None:
         """The trusted key that signed ``version`` (None when this repo trusts no keys); raises

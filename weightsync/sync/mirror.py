@@ -545,21 +545,32 @@ class _Mirror:
             return
         floor = max(self.listed_to, -1 if self.dst_head is None else self.dst_head)
         if src_head > floor:
-            found = (parse_version_key(k) for k in self.src.store.list(VERSIONS_PREFIX))
-            self.listed = sorted(v for v in found if v is not None and v <= src_head)
+            read: dict[int, tuple[bytes, bytes | None, Manifest]] = {}
+            try:  # the head's manifest first: when its parent is known, no listing is needed
+                data, signatures = self.src.read_version(src_head)
+                what = f"{self.src.url}/{version_key(src_head)}"
+                read[src_head] = data, signatures, manifest_from_json(data, what)
+            except (VersionError, SignatureError):
+                pass  # the loop below meets it again, in order
+            parent = read[src_head][2].parent if src_head in read else src_head
+            if parent is None or parent <= floor:  # the head is the only version above what is known
+                self.listed = sorted({v for v in self.listed if v <= src_head} | {src_head})
+            else:
+                found = (parse_version_key(k) for k in self.src.store.list(VERSIONS_PREFIX))
+                self.listed = sorted(v for v in found if v is not None and v <= src_head)
             for v in self.listed:
                 if v <= floor or v in self.pending:
                     continue
                 if self.stop.is_set():
                     raise _Stopped
                 try:  # with trusted keys, checked before anything of the version is queued
-                    data, signatures = self.src.read_version(v)
+                    data, signatures, m = read.pop(v) if v in read else (*self.src.read_version(v), None)
                 except VersionError:
                     continue  # collected at the source since it was listed
                 except SignatureError as exc:
                     self.refusal = exc  # the versions before it go on; nothing of it or after it
                     break
-                m = manifest_from_json(data, f"{self.src.url}/{version_key(v)}")
+                m = m or manifest_from_json(data, f"{self.src.url}/{version_key(v)}")
                 if m.version != v:
                     raise VersionError(f"{self.src.url}/{version_key(v)}: manifest claims version {m.version}")
                 refs = {r.id: r for r in m.chunks}
