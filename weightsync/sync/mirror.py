@@ -492,8 +492,12 @@ class _Mirror:
             self._load_notes()
         self.refusal = None
         self._discover(src_head)
-        if self.cfg.parts and follow:
-            self._discover_parts(src_head)
+
+    def poll_parts(self) -> None:
+        """Queue the chunks of parts above the source head (after the poll's commits: the listing is
+        a round trip that a version ready to commit need not wait for)."""
+        if self.cfg.parts and self.follow:
+            self._discover_parts(self.src_head)
 
     def _set_dst_head(self, head: int | None) -> None:
         self.dst_head = self.result.head = head
@@ -577,7 +581,8 @@ class _Mirror:
                 lazy = frozenset()
                 if self.cfg.keyframe_payloads != "eager" and m.parent is not None and self._parent_coming(m.parent):
                     lazy = lazy_candidates(m)
-                absent = self.src.lazy_chunks(v) & refs.keys()  # a lazy region as the source: it lacks these
+                # a lazy region as the source lacks some chunks of its keyframes (notes exist for keyframes only)
+                absent = self.src.lazy_chunks(v) & refs.keys() if m.keyframe else frozenset()
                 self.pending[v] = _Version(v, data, signatures, m, refs, lazy | absent, time.monotonic(), absent=absent)
                 self.listed_to = v
                 for r in refs.values():
@@ -877,6 +882,7 @@ def _loop(m: _Mirror, follow: bool) -> None:
         try:
             m.poll(follow)
             m.advance()
+            m.poll_parts()
             m._report()
             seen = m.copier.events
             while not stop.is_set() and (follow or not m.finished()):
