@@ -1,7 +1,7 @@
 """Experiment: the decode pass specialised for 3 position buckets (state in locals, codes in position
 order: one pointer), against memcpy on lm_head. python pass3.py LR (1e-06 or 1e-05)."""
 import sys, time
-sys.path[:0]=['/work/wt/codec','/work/wt/codec/benchmarks','/work/wt/codec/research/issue18-ctx-codec']
+sys.path[:0]=['/work/main','/work/main/benchmarks','/work/main/research/issue18-ctx-codec']
 import numpy as np, numba, common
 import bucket as B
 from bucket import _below_mask64, _pop, _pdep_bmi2, _tz, ONE, ZERO, ALL

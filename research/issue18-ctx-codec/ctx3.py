@@ -1,0 +1,1189 @@
+"""Prototype codec ``ctx3`` (issue 18, third attempt; not registered): ``bucket.py``'s scheme with the
+decode pass rebuilt around a masked expand-load, and streams decoded without bit-by-bit work.
+
+What changed from ``bucket.py`` and why (its README measured 40 ns per change against ~8 ns of budget):
+
+- the value context is the position bucket (no separate value thresholds): a bucket's changes are
+  then a run of its own differences in position order, and the pass patches 64 elements at once:
+  ``out[w] = old[w] + expandload(diffs_b, changed_b)`` summed over the buckets (one
+  ``llvm.masked.expandload`` per bucket, ``vpexpandw`` on AVX-512 VBMI2; a GPU does the same with a
+  prefix sum of the changed flags and a gather);
+- rANS with a 32-bit state renormalised by 16-bit words (one branch-free step per symbol) and one
+  table entry per slot (symbol, frequency, bias);
+- Rice codes read with one 64-bit peek per gap;
+- each bucket's bitmap is sized for the whole block, so a base that does not match the block can
+  make the pass read garbage bits but never out of bounds (its totals are checked at the end).
+
+Block layout (little-endian): ``u32 c``, ``u8 K`` (1..4), ``u8 shift``, ``u8 bits``, ``u8 0``;
+``K-1`` exponent thresholds (u8, ascending; an element's bucket is the number of thresholds <= its
+old exponent); LEB128 ``e`` and ``e`` gaps of the changed positions whose bucket the change moved,
+then ``e`` bytes of their old bucket (for the backward decode); per bucket LEB128 ``n_b``, ``c_b``,
+and when ``c_b > 0``: a byte ``k << 1 | inv``, LEB128 Rice section length, ``nsym``, ``nsym``
+LEB128 frequencies (sum 4096), LEB128 escape section and rANS section lengths; then per bucket its
+Rice, escape and rANS sections. Rice and escape codes as in ``bucket.py``. rANS: u32 final state,
+then u16 words in the order the decoder reads them; state in [2^16, 2^32): after each symbol, a
+state below 2^16 reads one word.
+"""
+
+from __future__ import annotations
+
+import bucket as B
+import numpy as np
+from bucket import ALL, EXPONENT_FIELD, NSYM, ONE, PROB_BITS, PROB_ONE, ZERO, _below_mask64, _pdep_bmi2, _pop, _tz
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from weightsync.codec.jit import njit
+from weightsync.codec.streams import SLICE_BYTES, copy
+from weightsync.errors import FormatError
+from weightsync.format.dtypes import ITEMSIZE
+
+MAX_K = 8
+SLICE = max(64, (SLICE_BYTES // 2) // 64 * 64)  # elements per slice of the pass (hashed while in cache)
+CHECK = 4096  # elements between the pass's checks that no bucket ran past its bitmap (+ spare bits)
+RANS_L = np.uint32(1 << 16)
+LANES = 4  # interleaved rANS states, and Rice streams, per bucket
+GROUPS = 2  # value streams: buckets below the split, and the rest
+U32 = np.uint32
+
+
+# --- the pass's vector step ------------------------------------------------------------------------
+def _patch_intrinsic(groups: int):
+    """``out[base + j] = src[base + j] + d`` for j < 64, where d is, for each of ``groups`` (pointer,
+    mask) pairs whose mask has bit j set, the next of ``diffs[p:]`` (masks disjoint), else 0."""
+
+    def typer(typingctx, out, src, base, diffs, *pm):
+        def codegen(context, builder, sig, args):
+            aty = sig.args[0]
+            o = context.make_array(aty)(context, builder, value=args[0])
+            s = context.make_array(sig.args[1])(context, builder, value=args[1])
+            d = context.make_array(sig.args[3])(context, builder, value=args[3])
+            i32, i64 = ir.IntType(32), ir.IntType(64)
+            vt = ir.VectorType(context.get_data_type(aty.dtype), 32)  # two halves of 32 lanes
+            mt = ir.VectorType(ir.IntType(1), 32)
+            align = aty.dtype.bitwidth // 8
+            name = f"llvm.masked.expandload.v32i{aty.dtype.bitwidth}"
+            pop = builder.module.declare_intrinsic("llvm.ctpop", [i32], ir.FunctionType(i32, [i32]))
+            for h in range(2):
+                at = builder.add(args[2], ir.Constant(i64, 32 * h))
+                x = builder.load(builder.bitcast(builder.gep(s.data, [at]), vt.as_pointer()), align=align)
+                for q in range(groups):
+                    m = builder.lshr(args[5 + 2 * q], ir.Constant(i64, 32 * h))
+                    m32 = builder.trunc(m, i32)
+                    ptr = args[4 + 2 * q]
+                    if h:
+                        low = builder.trunc(args[5 + 2 * q], i32)
+                        ptr = builder.add(ptr, builder.zext(builder.call(pop, [low]), i64))
+                    ptr = builder.gep(d.data, [ptr])
+                    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [ptr.type, mt, vt]), name)
+                    e = builder.call(fn, [ptr, builder.bitcast(m32, mt), ir.Constant(vt, None)])
+                    x = builder.add(x, e)
+                builder.store(x, builder.bitcast(builder.gep(o.data, [at]), vt.as_pointer()), align=align)
+            return context.get_dummy_value()
+
+        return types.none(out, src, base, diffs, *pm), codegen
+
+    if groups == 1:
+        return intrinsic(
+            lambda typingctx, out, src, base, diffs, p0, m0: typer(typingctx, out, src, base, diffs, p0, m0)
+        )
+    return intrinsic(
+        lambda typingctx, out, src, base, diffs, p0, m0, p1, m1: typer(typingctx, out, src, base, diffs, p0, m0, p1, m1)
+    )
+
+
+_patch1 = _patch_intrinsic(1)
+_patch2 = _patch_intrinsic(2)
+
+
+@intrinsic
+def _pext_bmi2(typingctx, x, m):
+    """BMI2's parallel bit extract: the bits of ``x`` at the set bits of ``m``, packed low."""
+    return types.uint64(types.uint64, types.uint64), B._int_intrinsic("llvm.x86.bmi.pext.64", 2)
+
+
+@njit(nogil=True, inline="always")
+def _pext_soft(x, m):
+    """``pext`` without BMI2: one step per set bit of ``m``."""
+    out = ZERO
+    k = ZERO
+    while m != ZERO:
+        low = m & (ZERO - m)
+        out |= np.uint64((x & low) != ZERO) << k
+        k += ONE
+        m &= m - ONE
+    return out
+
+
+@intrinsic
+def _compress_zz(typingctx, old, new, base, dst, pos, mask):
+    """Store the zigzag codes of ``new - old`` (wrapping) at the set bits of ``mask`` (64 elements
+    from ``base``), in order, into ``dst`` from ``pos``: a masked compress-store per 32 lanes
+    (``vpcompressw`` on AVX-512 VBMI2)."""
+
+    def codegen(context, builder, sig, args):
+        aty = sig.args[0]
+        o = context.make_array(aty)(context, builder, value=args[0])
+        nw = context.make_array(sig.args[1])(context, builder, value=args[1])
+        d = context.make_array(sig.args[3])(context, builder, value=args[3])
+        width = aty.dtype.bitwidth
+        i32, i64, et = ir.IntType(32), ir.IntType(64), ir.IntType(width)
+        vt = ir.VectorType(et, 32)
+        mt = ir.VectorType(ir.IntType(1), 32)
+        pop = builder.module.declare_intrinsic("llvm.ctpop", [i32], ir.FunctionType(i32, [i32]))
+        name = f"llvm.masked.compressstore.v32i{width}"
+        for h in range(2):
+            at = builder.add(args[2], ir.Constant(i64, 32 * h))
+            a = builder.load(builder.bitcast(builder.gep(o.data, [at]), vt.as_pointer()), align=width // 8)
+            b = builder.load(builder.bitcast(builder.gep(nw.data, [at]), vt.as_pointer()), align=width // 8)
+            diff = builder.sub(b, a)
+            one = ir.Constant(vt, [1] * 32)
+            sign = ir.Constant(vt, [width - 1] * 32)
+            z = builder.xor(builder.shl(diff, one), builder.ashr(diff, sign))
+            m32 = builder.trunc(builder.lshr(args[5], ir.Constant(i64, 32 * h)), i32)
+            ptr = args[4]
+            if h:
+                ptr = builder.add(ptr, builder.zext(builder.call(pop, [builder.trunc(args[5], i32)]), i64))
+            ptr = builder.gep(d.data, [ptr])
+            fn = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [vt, ptr.type, mt]), name
+            )
+            builder.call(fn, [z, ptr, builder.bitcast(m32, mt)])
+        return context.get_dummy_value()
+
+    return types.none(old, new, base, dst, pos, mask), codegen
+
+
+def _pass_source(K: int, two: bool) -> str:
+    """The pass over elements ``a:e`` for K buckets, and two value groups (split by the exponent
+    threshold in ``vlim``) or one, state in locals: per 64 elements, K-1 vector compares give each
+    bucket's members, ``pdep`` puts the bucket's next bits there, one more compare splits the
+    changes into the groups, and one expand-load per group adds the differences. Every CHECK
+    elements it checks that no bucket ran past its bitmap (each has CHECK bits of spare: a base
+    that does not match the block reads zeros, never out of bounds); the last, partial word goes
+    element by element; at the block's end the buckets and groups must be used up exactly.
+    Returns 0, or 1 for a block that does not fit its base. Indices are unsigned (numba adds no
+    wraparound for them)."""
+    r = range(K)
+    L = ["def _pass(out, src, a, e, lim, vlim, absmask, words, off, ends, dptr, dend, diffs):"]
+    L += [f"    l{t} = lim[{t}]" for t in range(K - 1)]
+    L += [f"    o{b} = np.uint64(off[{b}])" for b in r] + [f"    E{b} = np.uint64(ends[{b}])" for b in r]
+    L += ["    d0 = dptr[0]", "    d1 = dptr[1]", "    n = src.size", "    whole = min(e, n - n % 64)"]
+    L += ["    for s in range(a, whole, CHECK):"]
+    L += ["        if " + " or ".join(f"o{b} > E{b}" for b in r) + ":", "            return 1"]
+    L += ["        for base in range(s, min(s + CHECK, whole), 64):"]
+    L += [f"            m{t} = _below_mask64(src, base, absmask, l{t})" for t in range(K - 1)]
+    if K == 1:
+        L += ["            b0 = ALL"]
+    else:
+        L += ["            b0 = m0"] + [f"            b{b} = m{b} & ~m{b - 1}" for b in range(1, K - 1)]
+        L += [f"            b{K - 1} = ~m{K - 2}"]
+    L += [f"            p{b} = _pop(b{b})" for b in r]
+    for b in r:  # the bucket's next p bits from bit o (written out: no array passed to a helper)
+        L += [f"            q = o{b} >> SIX", f"            sh = o{b} & M63"]
+        L += ["            v = (words[q] >> sh) | ((words[q + ONE] << ONE) << (M63 - sh))"]
+        L += [f"            v &= (ALL >> ((W64 - p{b}) & M63)) & (ZERO - np.uint64(p{b} != ZERO))"]
+        L += [f"            c{b} = _pdep(v, b{b})", f"            o{b} += p{b}"]
+    L += ["            g0 = " + " | ".join(f"c{b}" for b in r)]
+    if two:
+        L += ["            g1 = g0 & ~_below_mask64(src, base, absmask, vlim)", "            g0 &= ~g1"]
+        L += ["            _patch2(out, src, base, diffs, d0, g0, d1, g1)", "            d1 += np.int64(_pop(g1))"]
+    else:
+        L += ["            _patch1(out, src, base, diffs, d0, g0)"]
+    L += ["            d0 += np.int64(_pop(g0))"]
+    L += [f"    off[{b}] = np.int64(o{b})" for b in r] + ["    dptr[0] = d0", "    dptr[1] = d1"]
+    L += ["    if " + " or ".join(f"o{b} > E{b}" for b in r) + ":", "        return 1"]
+    L += ["    if e > whole:", "        _tail(out, src, max(a, whole), e, lim, vlim, absmask, words, off, dptr, diffs)"]
+    L += [
+        "    if e == n:",
+        "        for b in range(off.size):",
+        "            if off[b] != ends[b]:",
+        "                return 1",
+    ]
+    L += ["        if dptr[0] != dend[0] or dptr[1] != dend[1]:", "            return 1"]
+    L += ["    return 0"]
+    return "\n".join(L) + "\n"
+
+
+_PASSES: dict = {}
+
+
+def pass_for(K: int, two: bool, bmi2: bool = B.HAS_BMI2):
+    """The compiled pass for K buckets and two value groups or one (compiled on first use)."""
+    key = (K, two, bmi2)
+    if key not in _PASSES:
+        ns = dict(
+            np=np, ALL=ALL, ONE=ONE, ZERO=ZERO, SIX=np.uint64(6), M63=np.uint64(63), W64=np.uint64(64), CHECK=CHECK
+        )
+        ns.update(_below_mask64=_below_mask64, _pop=_pop, _patch1=_patch1, _patch2=_patch2, _tail=_tail)
+        ns["_pdep"] = _pdep_bmi2 if bmi2 else B._pdep_soft
+        exec(_pass_source(K, two), ns)
+        import numba
+
+        _PASSES[key] = numba.njit(nogil=True)(ns["_pass"])
+    return _PASSES[key]
+
+
+@njit(nogil=True)
+def _tail(out, src, a, e, lim, vlim, absmask, words, off, dptr, diffs):
+    """The pass element by element (the last, partial word)."""
+    for i in range(a, e):
+        x = src[i]
+        v = x & absmask
+        b = 0
+        for t in range(off.size - 1):
+            b += v >= lim[t]
+        r = off[b]
+        off[b] = r + 1
+        if (words[r >> 6] >> np.uint64(r & 63)) & ONE:
+            g = 0 if v < vlim else 1
+            out[i] = x + diffs[dptr[g]]
+            dptr[g] += 1
+        else:
+            out[i] = x
+
+
+# --- bit writing ------------------------------------------------------------------------------------
+# --- encoding -------------------------------------------------------------------------------------
+@njit(nogil=True)
+def _rice_k(gaps):
+    """Rice parameter for the gaps: the best of three around log2 of their mean."""
+    ng = gaps.size
+    if ng == 0:
+        return 0
+    total = np.uint64(0)
+    for j in range(ng):
+        total += gaps[j]
+    mean = total / ng
+    k0 = 0
+    while (1 << (k0 + 1)) <= mean * 0.69:
+        k0 += 1
+    lo = max(0, k0 - 1)
+    best = 0
+    bestcost = np.uint64(0)
+    for t in range(3):
+        kk = np.uint64(lo + t)
+        cost = np.uint64(0)
+        for j in range(ng):  # vectorised: sum of quotients
+            cost += min(gaps[j] >> kk, np.uint64(32))
+        cost += np.uint64(ng) * (kk + ONE)
+        if t == 0 or cost < bestcost:
+            best = lo + t
+            bestcost = cost
+    return best
+
+
+@njit(nogil=True)
+def _gaps_of(words, n_b, c, inv):
+    """The gaps a bucket's Rice section codes, from its bitmap over ``n_b`` ranks with ``c`` set:
+    between its set bits, or its clear ones (``inv``)."""
+    count = n_b - c if inv else c
+    gaps = np.empty(count, np.uint64)
+    prev = -1
+    j = 0
+    for q in range((n_b + 63) // 64):
+        x = ~words[q] if inv else words[q]
+        if q == n_b >> 6:
+            x &= (ONE << np.uint64(n_b & 63)) - ONE
+        while x != ZERO:
+            r = 64 * q + np.int64(_tz(x))
+            gaps[j] = r - prev - 1
+            prev = r
+            j += 1
+            x &= x - ONE
+    return gaps
+
+
+@njit(nogil=True)
+def _rice_stream(gaps, first, k, buf):
+    """Rice codes of ``gaps[first::LANES]`` into ``buf`` (uint32 words); returns the length in bytes.
+    A code is q = g >> k ones, a zero and the k low bits (at most 62 bits); q >= 32 is 32 ones and
+    g in 32 bits."""
+    bp = 0
+    acc = ZERO  # bits not yet written (fewer than 32 after each code), LSB first
+    nacc = ZERO
+    kk = np.uint64(k)
+    low = (ONE << kk) - ONE
+    w32 = np.uint64(32)
+    m32 = np.uint64(0xFFFFFFFF)
+    for j in range(first, gaps.size, LANES):
+        g = gaps[j]
+        qq = g >> kk
+        if qq < w32:
+            code = ((ONE << qq) - ONE) | ((g & low) << (qq + ONE))
+            n = qq + ONE + kk
+        else:
+            code = m32 | ((g & m32) << w32)
+            n = np.uint64(64)
+        lo = code << nacc  # the code's bits above 64 - nacc spill into hi
+        hi = (code >> (np.uint64(64) - nacc)) if nacc != ZERO else ZERO
+        acc |= lo
+        nacc += n
+        while nacc >= w32:
+            buf[bp] = U32(acc & m32)
+            bp += 1
+            acc = (acc >> w32) | (hi << w32)
+            hi >>= w32
+            nacc -= w32
+    if nacc != ZERO:
+        buf[bp] = U32(acc & m32)
+    return 4 * bp + (np.int64(nacc) + 7) // 8
+
+
+@njit(nogil=True)
+def _rice_section(gaps, k, out):
+    """A bucket's Rice section into ``out`` (uint8): LEB128 lengths of its first LANES - 1 streams,
+    then the LANES streams (gap j in stream j % LANES); returns its length."""
+    buf = np.zeros(2 * (gaps.size // LANES) + 8, np.uint32)  # a code is at most 64 bits
+    lens = np.zeros(LANES, np.int64)
+    body = np.empty(8 * gaps.size + 64, np.uint8)
+    bp = 0
+    for q in range(LANES):
+        buf[:] = 0
+        lens[q] = _rice_stream(gaps, q, k, buf)
+        body[bp : bp + lens[q]] = buf.view(np.uint8)[: lens[q]]
+        bp += lens[q]
+    hp = 0
+    for q in range(LANES - 1):
+        hp = B._put_varint(out, hp, lens[q])
+    out[hp : hp + bp] = body[:bp]
+    return hp + bp
+
+
+@njit(nogil=True)
+def _rans_table(freq):
+    """Per slot: symbol | frequency << 4 | (slot - start) << 17."""
+    tab = np.empty(PROB_ONE, np.uint32)
+    start = 0
+    for s in range(NSYM):
+        f = np.int64(freq[s])
+        head = U32(s) | (U32(f) << U32(4))
+        seg = tab[start : start + f]
+        for j in range(f):  # vectorised
+            seg[j] = head | (U32(j) << U32(17))
+        start += f
+    return tab
+
+
+@njit(nogil=True)
+def _rans_encode16(syms, c, freq, out):
+    """The rANS section of ``syms[:c]`` into ``out`` (uint8); returns its length. LANES states:
+    symbol j is coded by state j % LANES; the final states first, then one word stream. (Lanes are
+    written out: helpers that take arrays cost a reference count per call in numba.)"""
+    fs = np.zeros(NSYM, np.uint32)
+    st = np.zeros(NSYM, np.uint32)
+    acc = U32(0)
+    for i in range(NSYM):
+        fs[i] = U32(freq[i])
+        st[i] = acc
+        acc += fs[i]
+    tmp = np.empty(c + 4, np.uint16)  # at most one word per symbol, written backwards
+    t = tmp.size
+    x0 = RANS_L
+    x1 = RANS_L
+    x2 = RANS_L
+    x3 = RANS_L
+    full = c - c % LANES
+    for j in range(c - 1, full - 1, -1):  # the last, partial group (lanes 0..c % LANES - 1)
+        s = syms[j]
+        f = fs[s]
+        q = j - full
+        x = x2 if q == 2 else x1 if q == 1 else x0
+        if np.uint64(x) >= np.uint64(f) << np.uint64(32 - PROB_BITS):
+            t -= 1
+            tmp[t] = np.uint16(x & U32(0xFFFF))
+            x >>= U32(16)
+        d = x // f
+        x = (d << U32(PROB_BITS)) + (x - d * f) + st[s]
+        if q == 2:
+            x2 = x
+        elif q == 1:
+            x1 = x
+        else:
+            x0 = x
+    for j in range(full - LANES, -1, -LANES):
+        s = syms[j + 3]
+        f = fs[s]
+        if np.uint64(x3) >= np.uint64(f) << np.uint64(32 - PROB_BITS):
+            t -= 1
+            tmp[t] = np.uint16(x3 & U32(0xFFFF))
+            x3 >>= U32(16)
+        d = x3 // f
+        x3 = (d << U32(PROB_BITS)) + (x3 - d * f) + st[s]
+        s = syms[j + 2]
+        f = fs[s]
+        if np.uint64(x2) >= np.uint64(f) << np.uint64(32 - PROB_BITS):
+            t -= 1
+            tmp[t] = np.uint16(x2 & U32(0xFFFF))
+            x2 >>= U32(16)
+        d = x2 // f
+        x2 = (d << U32(PROB_BITS)) + (x2 - d * f) + st[s]
+        s = syms[j + 1]
+        f = fs[s]
+        if np.uint64(x1) >= np.uint64(f) << np.uint64(32 - PROB_BITS):
+            t -= 1
+            tmp[t] = np.uint16(x1 & U32(0xFFFF))
+            x1 >>= U32(16)
+        d = x1 // f
+        x1 = (d << U32(PROB_BITS)) + (x1 - d * f) + st[s]
+        s = syms[j + 0]
+        f = fs[s]
+        if np.uint64(x0) >= np.uint64(f) << np.uint64(32 - PROB_BITS):
+            t -= 1
+            tmp[t] = np.uint16(x0 & U32(0xFFFF))
+            x0 >>= U32(16)
+        d = x0 // f
+        x0 = (d << U32(PROB_BITS)) + (x0 - d * f) + st[s]
+    xs = (x0, x1, x2, x3)
+    for q in range(LANES):
+        for b in range(4):
+            out[4 * q + b] = np.uint8((xs[q] >> U32(8 * b)) & U32(0xFF))
+    m = tmp.size - t
+    out[4 * LANES : 4 * LANES + 2 * m] = tmp[t:].view(np.uint8)
+    return 4 * LANES + 2 * m
+
+
+@njit(nogil=True)
+def _histogram(old, new, shift, fmask, width_bits):
+    """From every 64th word of 64 elements (every 16th under 8192 words, every element under 1024
+    words): elements and changed elements per exponent value, the value symbols of the changes per
+    exponent value, and the sampling step. Four tables break the chains of increments to one bin."""
+    n = old.size
+    h = np.zeros((4, 2 * (fmask + 1)), np.int64)
+    sym = np.zeros((fmask + 1, NSYM), np.int64)
+    sh = np.uint64(64 - width_bits)
+    n_words = n // 64
+    step = 64 if n_words >= 8192 else 16 if n_words >= 1024 else 1
+    end = n if step == 1 else n_words * 64
+    for w in range(0, (end + 63) // 64, step):
+        for i in range(w * 64, min(w * 64 + 64, end)):
+            e = (np.int64(old[i]) >> shift) & fmask
+            changed = old[i] != new[i]
+            h[i & 3, 2 * e + changed] += 1
+            if changed:
+                s = np.int64(np.uint64(new[i] - old[i]) << sh) >> np.int64(sh)
+                z = np.uint64((s << 1) ^ (s >> 63))
+                sym[e, min(z - ONE, np.uint64(NSYM - 1))] += 1
+    per = np.zeros(fmask + 1, np.float64)
+    chp = np.zeros(fmask + 1, np.float64)
+    for e in range(fmask + 1):
+        for r in range(4):
+            per[e] += h[r, 2 * e] + h[r, 2 * e + 1]
+            chp[e] += h[r, 2 * e + 1]
+    return per, chp, sym, step
+
+
+@njit(nogil=True)
+def _bits_of(counts):
+    """Bits of an ideal static code for symbols with these counts, plus its table (~20 bytes)."""
+    t = counts.sum()
+    if t == 0:
+        return 0.0
+    h = 160.0
+    for c in counts:
+        if c > 0:
+            h -= c * np.log2(c / t)
+    return h
+
+
+@njit(nogil=True)
+def _split(counts):
+    """The value groups' split: an exponent threshold t (changes of old exponent below t code their
+    values in group 0, the rest in group 1; 0: one group), the one whose two static codes are the
+    smallest. ``counts``: value symbols per old exponent."""
+    best = 0
+    total = counts.sum(axis=0)
+    cost = _bits_of(total)
+    below = np.zeros(NSYM, np.int64)
+    for t in range(1, min(counts.shape[0], 256)):
+        below += counts[t - 1]
+        if counts[t - 1].sum() == 0:
+            continue
+        c = _bits_of(below) + _bits_of(total - below)
+        if c < cost - 1e-9:
+            best = t
+            cost = c
+    return best
+
+
+@njit(nogil=True)
+def _encode(old, new, shift, bits, kmax, width_bits, bmi2):
+    n = old.size
+    fmask = (1 << bits) - 1
+    thr = np.zeros(0, np.int64)
+    vthr = 0
+    if fmask > 0:
+        per, chp, vsym, step = _histogram(old, new, shift, fmask, width_bits)
+        est = np.int64(chp.sum()) * step
+        thr = B._thresholds(per, chp, min(kmax, max(1, est // B.CHANGES_PER_BUCKET)))
+        if est >= 2 * B.CHANGES_PER_BUCKET:
+            vthr = _split(vsym)
+    K = thr.size + 1
+    gvt = np.zeros(fmask + 1, np.int64)  # value group by exponent
+    for e in range(vthr, fmask + 1):
+        gvt[e] = 1
+    vlim = old.dtype.type(vthr << shift)
+    lim = np.empty(MAX_K, old.dtype)
+    lim[:] = np.uint64(1) << np.uint64(width_bits - 1)  # above every |x|: an empty bucket
+    for t in range(K - 1):
+        lim[t] = thr[t] << shift
+    absmask = lim[MAX_K - 1] - 1
+    lut = B._lut(thr, fmask)
+    pext = bmi2
+    nwords = (n + 63) // 64
+    bmap = np.empty((K, nwords + 2), np.uint64)  # each bucket's changed flags over its ranks
+    acc = np.zeros(MAX_K, np.uint64)
+    nacc = np.zeros(MAX_K, np.int64)
+    wpos = np.zeros(MAX_K, np.int64)
+    vals = np.empty((GROUPS, n + 64), old.dtype)  # zigzag codes of each group's changes, in order
+    nv = np.zeros(GROUPS, np.int64)
+    exc = np.empty(n + 1, np.int64)
+    ne = 0
+    bm = np.zeros(MAX_K, np.uint64)
+    sh = np.uint64(64 - width_bits)
+    for w in range(nwords):
+        base = w * 64
+        if base + 64 <= n:
+            c = B._ne_mask64(old, new, base)
+            prev = ZERO
+            moved = ZERO
+            for t in range(K - 1):
+                m = _below_mask64(old, base, absmask, lim[t])
+                bm[t] = m & ~prev
+                prev = m
+                moved |= m ^ _below_mask64(new, base, absmask, lim[t])
+            bm[K - 1] = ~prev
+            if c != ZERO:
+                vo = _below_mask64(old, base, absmask, vlim)
+                moved |= vo ^ _below_mask64(new, base, absmask, vlim)
+                g1 = c & ~vo
+                g0 = c & vo
+                _compress_zz(old, new, base, vals[0], nv[0], g0)
+                _compress_zz(old, new, base, vals[1], nv[1], g1)
+                nv[0] += np.int64(_pop(g0))
+                nv[1] += np.int64(_pop(g1))
+                x = c & moved
+                while x != ZERO:  # rare: a change that moves its element to another bucket or group
+                    exc[ne] = base + np.int64(_tz(x))
+                    ne += 1
+                    x &= x - ONE
+        else:  # the last, partial word, element by element
+            c = ZERO
+            prev = ZERO
+            for j in range(n - base):
+                i = base + j
+                jj = np.uint64(j)
+                ch = old[i] != new[i]
+                c |= np.uint64(ch) << jj
+                eo = (np.int64(old[i]) >> shift) & fmask
+                en = (np.int64(new[i]) >> shift) & fmask
+                bm[lut[eo]] |= ONE << jj
+                if ch:
+                    g = gvt[eo]
+                    s_ = np.int64(np.uint64(new[i] - old[i]) << sh) >> np.int64(sh)
+                    vals[g, nv[g]] = (s_ << 1) ^ (s_ >> 63)
+                    nv[g] += 1
+                    if lut[en] != lut[eo] or gvt[en] != g:
+                        exc[ne] = i
+                        ne += 1
+        for b in range(K):  # append the bucket's flags (one per member, in order) to its bitmap
+            m = bm[b]
+            p = np.int64(_pop(m))
+            flags = _pext_bmi2(c, m) if pext else _pext_soft(c, m)
+            na = nacc[b]
+            word = acc[b] | (flags << np.uint64(na))
+            if na + p >= 64:
+                bmap[b, wpos[b]] = word
+                wpos[b] += 1
+                acc[b] = (flags >> ONE) >> np.uint64(63 - na)
+                nacc[b] = na + p - 64
+            else:
+                acc[b] = word
+                nacc[b] = na + p
+            bm[b] = ZERO
+    k = nv[0] + nv[1]
+    if k == 0:
+        return np.zeros(0, np.uint8), 0
+    cnt = np.zeros(K, np.int64)
+    cb = np.zeros(K, np.int64)
+    for b in range(K):
+        bmap[b, wpos[b]] = acc[b]
+        bmap[b, wpos[b] + 1] = ZERO
+        cnt[b] = 64 * wpos[b] + nacc[b]
+        for q in range(wpos[b] + 1):
+            cb[b] += np.int64(_pop(bmap[b, q]))
+    # values: symbols min(zigzag - 1, 15), escapes (zigzag >= 16) in order, per group
+    counts = np.zeros((GROUPS, NSYM), np.int64)
+    syms = np.empty((GROUPS, max(nv[0], nv[1]) + 1), np.uint8)
+    esc = np.empty(k + 1, np.uint64)
+    escg = np.zeros(GROUPS + 1, np.int64)
+    nesc = 0
+    for g in range(GROUPS):
+        for j in range(nv[g]):  # vectorised
+            syms[g, j] = min(np.uint64(vals[g, j]) - ONE, np.uint64(NSYM - 1))
+        for j in range(nv[g]):
+            counts[g, syms[g, j]] += 1
+        if counts[g, NSYM - 1]:
+            for j in range(nv[g]):
+                z = np.uint64(vals[g, j])
+                if z >= np.uint64(NSYM):
+                    esc[nesc] = z
+                    nesc += 1
+        escg[g + 1] = nesc
+    head = np.zeros(64 + 16 * K + 64 * GROUPS + 6 * ne, np.uint8)
+    head[0] = k & 0xFF
+    head[1] = (k >> 8) & 0xFF
+    head[2] = (k >> 16) & 0xFF
+    head[3] = (k >> 24) & 0xFF
+    head[4] = K
+    head[5] = shift
+    head[6] = bits
+    head[7] = vthr
+    hp = 8
+    for t in range(K - 1):
+        head[hp] = thr[t]
+        hp += 1
+    hp = B._put_varint(head, hp, ne)
+    prevp = -1
+    for j in range(ne):
+        hp = B._put_varint(head, hp, exc[j] - prevp - 1)
+        prevp = exc[j]
+    for j in range(ne):
+        eo = (np.int64(old[exc[j]]) >> shift) & fmask
+        head[hp] = lut[eo] << 4 | gvt[eo]
+        hp += 1
+    body = np.empty(64 * K + 64 * GROUPS + 12 * k + 16 * nesc + 64 * LANES * K, np.uint8)
+    bp = 0
+    for b in range(K):  # positions: per bucket, Rice codes of rank gaps
+        c = cb[b]
+        hp = B._put_varint(head, hp, cnt[b])
+        hp = B._put_varint(head, hp, c)
+        if c == 0:
+            continue
+        inv = 2 * c > cnt[b]
+        gaps = _gaps_of(bmap[b], cnt[b], c, inv)
+        kr = _rice_k(gaps)
+        rl = _rice_section(gaps, kr, body[bp:])
+        bp += rl
+        head[hp] = kr * 2 + inv
+        hp = B._put_varint(head, hp + 1, rl)
+    freq = np.zeros(NSYM, np.int64)
+    st = np.zeros(3, np.int64)
+    for g in range(GROUPS):  # values: per group, rANS of the symbols in position order, then escapes
+        m = nv[g]
+        hp = B._put_varint(head, hp, m)
+        if m == 0:
+            continue
+        st[:] = 0
+        sub = body[bp:]
+        for e in range(escg[g], escg[g + 1]):
+            B._put_eg(sub, st, np.int64(esc[e] - np.uint64(NSYM)))
+        B._flush(sub, st)
+        B._normalise(counts[g], freq)
+        nsym = 0
+        for s in range(NSYM):
+            if freq[s]:
+                nsym = s + 1
+        head[hp] = nsym
+        hp += 1
+        for s in range(nsym):
+            hp = B._put_varint(head, hp, freq[s])
+        bp += st[2]
+        hp = B._put_varint(head, hp, st[2])
+        rl = _rans_encode16(syms[g], m, freq, body[bp:])
+        bp += rl
+        hp = B._put_varint(head, hp, rl)
+    out = np.empty(hp + bp, np.uint8)
+    out[:hp] = head[:hp]
+    out[hp:] = body[:bp]
+    return out, k
+
+
+# --- decoding -------------------------------------------------------------------------------------
+@njit(nogil=True)
+def _rans_decode16(data, pos, length, freq, diffs, d0, count, esec, elen, zmax):
+    """``count`` differences of a bucket from its rANS section (``data[pos:pos+length]``) and escape
+    section into ``diffs[d0:]``; returns 0 or a failed check's number."""
+    if length < 4 * LANES or (length - 4 * LANES) % 2:
+        return 13
+    tab = _rans_table(freq)
+    xs = np.zeros(LANES, np.uint32)
+    for q in range(LANES):
+        p = pos + 4 * q
+        xs[q] = U32(data[p]) | U32(data[p + 1]) << U32(8) | U32(data[p + 2]) << U32(16) | U32(data[p + 3]) << U32(24)
+        if xs[q] < RANS_L:
+            return 13
+    x0, x1, x2, x3 = xs[0], xs[1], xs[2], xs[3]
+    nw = (length - 4 * LANES) // 2
+    w16 = np.zeros(nw + 1, np.uint16)  # one spare word: the branch-free step reads one ahead
+    w16.view(np.uint8)[: 2 * nw] = data[pos + 4 * LANES : pos + length]
+    dz = np.zeros(NSYM, diffs.dtype)
+    for s in range(NSYM - 1):
+        z = np.uint64(s + 1)
+        dz[s] = (z >> ONE) ^ (ZERO - (z & ONE))
+    wp = ZERO
+    nwu = np.uint64(nw)
+    nesc = 0
+    full = count - count % LANES
+    mask = U32(PROB_ONE - 1)
+    for j in range(0, full, LANES):
+        dj = np.uint64(d0 + j)
+        en = tab[x0 & mask]
+        x0 = ((en >> U32(4)) & U32(0x1FFF)) * (x0 >> U32(PROB_BITS)) + (en >> U32(17))
+        t = U32(x0 < RANS_L)
+        x0 = (x0 << (t << U32(4))) | (U32(w16[min(wp, nwu)]) & (U32(0) - t))
+        wp += np.uint64(t)
+        s = en & U32(15)
+        diffs[dj + np.uint64(0)] = dz[s]
+        nesc += s == U32(NSYM - 1)
+        en = tab[x1 & mask]
+        x1 = ((en >> U32(4)) & U32(0x1FFF)) * (x1 >> U32(PROB_BITS)) + (en >> U32(17))
+        t = U32(x1 < RANS_L)
+        x1 = (x1 << (t << U32(4))) | (U32(w16[min(wp, nwu)]) & (U32(0) - t))
+        wp += np.uint64(t)
+        s = en & U32(15)
+        diffs[dj + np.uint64(1)] = dz[s]
+        nesc += s == U32(NSYM - 1)
+        en = tab[x2 & mask]
+        x2 = ((en >> U32(4)) & U32(0x1FFF)) * (x2 >> U32(PROB_BITS)) + (en >> U32(17))
+        t = U32(x2 < RANS_L)
+        x2 = (x2 << (t << U32(4))) | (U32(w16[min(wp, nwu)]) & (U32(0) - t))
+        wp += np.uint64(t)
+        s = en & U32(15)
+        diffs[dj + np.uint64(2)] = dz[s]
+        nesc += s == U32(NSYM - 1)
+        en = tab[x3 & mask]
+        x3 = ((en >> U32(4)) & U32(0x1FFF)) * (x3 >> U32(PROB_BITS)) + (en >> U32(17))
+        t = U32(x3 < RANS_L)
+        x3 = (x3 << (t << U32(4))) | (U32(w16[min(wp, nwu)]) & (U32(0) - t))
+        wp += np.uint64(t)
+        s = en & U32(15)
+        diffs[dj + np.uint64(3)] = dz[s]
+        nesc += s == U32(NSYM - 1)
+    for j in range(full, count):
+        q = j - full
+        x = x2 if q == 2 else x1 if q == 1 else x0
+        en = tab[x & mask]
+        x = ((en >> U32(4)) & U32(0x1FFF)) * (x >> U32(PROB_BITS)) + (en >> U32(17))
+        t = U32(x < RANS_L)
+        x = (x << (t << U32(4))) | (U32(w16[min(wp, nwu)]) & (U32(0) - t))
+        wp += np.uint64(t)
+        if q == 2:
+            x2 = x
+        elif q == 1:
+            x1 = x
+        else:
+            x0 = x
+        s = en & U32(15)
+        diffs[d0 + j] = dz[s]
+        nesc += s == U32(NSYM - 1)
+    if x0 != RANS_L or x1 != RANS_L or x2 != RANS_L or x3 != RANS_L or wp != nwu:
+        return 13
+    bp = 0
+    if nesc:  # rare: an escape left a zero difference (no change has one); its Exp-Golomb code, in order
+        for j in range(d0, d0 + count):
+            if diffs[j] == 0:
+                v, bp = B._get_eg(esec, bp, 8 * elen)
+                if v < 0 or np.uint64(v) > zmax - np.uint64(NSYM):
+                    return 14
+                z = np.uint64(v) + np.uint64(NSYM)
+                diffs[j] = (z >> ONE) ^ (ZERO - (z & ONE))
+    if not B._clean_end(esec, bp, elen):
+        return 14
+    return 0
+
+
+@njit(nogil=True)
+def _rice_decode(data, pos, bl, count, k, n_b, inv, words, w0):
+    """A bucket's Rice section into its bitmap (``words`` from word ``w0``); returns 0 or 12."""
+    end = pos + bl
+    lens = np.zeros(LANES, np.int64)
+    for q in range(LANES - 1):
+        lens[q], pos = B._get_varint(data, pos)
+        if lens[q] < 0:
+            return 12
+    lens[LANES - 1] = end - pos - lens[: LANES - 1].sum()
+    if lens[LANES - 1] < 0:
+        return 12
+    s0 = B._padded_words(data, pos, lens[0])
+    s1 = B._padded_words(data, pos + lens[0], lens[1])
+    s2 = B._padded_words(data, pos + lens[0] + lens[1], lens[2])
+    s3 = B._padded_words(data, pos + lens[0] + lens[1] + lens[2], lens[3])
+    if inv:
+        for q in range(n_b >> 6):
+            words[w0 + q] = ALL
+        if n_b & 63:
+            words[w0 + (n_b >> 6)] = (ONE << np.uint64(n_b & 63)) - ONE
+    r = np.int64(-1)
+    b0 = np.int64(0)
+    b1 = np.int64(0)
+    b2 = np.int64(0)
+    b3 = np.int64(0)
+    kk = np.uint64(k)
+    kmask = (ONE << kk) - ONE
+    full = count - count % LANES
+    lim0, lim1, lim2, lim3 = 8 * lens[0], 8 * lens[1], 8 * lens[2], 8 * lens[3]
+    w32 = np.uint64(32)
+    m32 = np.uint64(0xFFFFFFFF)
+    for _ in range(0, full, LANES):
+        q = np.uint64(b0) >> np.uint64(6)
+        sh = np.uint64(b0 & 63)
+        w = (s0[q] >> sh) | ((s0[q + ONE] << ONE) << (np.uint64(63) - sh))
+        u = _tz(~w)
+        if u < w32:
+            g0 = np.int64((u << kk) | ((w >> (u + ONE)) & kmask))
+            b0 += np.int64(u + ONE + kk)
+        else:
+            q = (b0 + 32) >> 6
+            sh = np.uint64((b0 + 32) & 63)
+            g0 = np.int64(((s0[q] >> sh) | ((s0[q + 1] << ONE) << (np.uint64(63) - sh))) & m32)
+            b0 += 64
+        q = np.uint64(b1) >> np.uint64(6)
+        sh = np.uint64(b1 & 63)
+        w = (s1[q] >> sh) | ((s1[q + ONE] << ONE) << (np.uint64(63) - sh))
+        u = _tz(~w)
+        if u < w32:
+            g1 = np.int64((u << kk) | ((w >> (u + ONE)) & kmask))
+            b1 += np.int64(u + ONE + kk)
+        else:
+            q = (b1 + 32) >> 6
+            sh = np.uint64((b1 + 32) & 63)
+            g1 = np.int64(((s1[q] >> sh) | ((s1[q + 1] << ONE) << (np.uint64(63) - sh))) & m32)
+            b1 += 64
+        q = np.uint64(b2) >> np.uint64(6)
+        sh = np.uint64(b2 & 63)
+        w = (s2[q] >> sh) | ((s2[q + ONE] << ONE) << (np.uint64(63) - sh))
+        u = _tz(~w)
+        if u < w32:
+            g2 = np.int64((u << kk) | ((w >> (u + ONE)) & kmask))
+            b2 += np.int64(u + ONE + kk)
+        else:
+            q = (b2 + 32) >> 6
+            sh = np.uint64((b2 + 32) & 63)
+            g2 = np.int64(((s2[q] >> sh) | ((s2[q + 1] << ONE) << (np.uint64(63) - sh))) & m32)
+            b2 += 64
+        q = np.uint64(b3) >> np.uint64(6)
+        sh = np.uint64(b3 & 63)
+        w = (s3[q] >> sh) | ((s3[q + ONE] << ONE) << (np.uint64(63) - sh))
+        u = _tz(~w)
+        if u < w32:
+            g3 = np.int64((u << kk) | ((w >> (u + ONE)) & kmask))
+            b3 += np.int64(u + ONE + kk)
+        else:
+            q = (b3 + 32) >> 6
+            sh = np.uint64((b3 + 32) & 63)
+            g3 = np.int64(((s3[q] >> sh) | ((s3[q + 1] << ONE) << (np.uint64(63) - sh))) & m32)
+            b3 += 64
+        r0 = r + g0 + 1
+        r1 = r0 + g1 + 1
+        r2 = r1 + g2 + 1
+        r = r2 + g3 + 1
+        if r >= n_b or b0 > lim0 or b1 > lim1 or b2 > lim2 or b3 > lim3:
+            return 12
+        words[np.uint64(w0 + (r0 >> 6))] ^= ONE << np.uint64(r0 & 63)
+        words[np.uint64(w0 + (r1 >> 6))] ^= ONE << np.uint64(r1 & 63)
+        words[np.uint64(w0 + (r2 >> 6))] ^= ONE << np.uint64(r2 & 63)
+        words[np.uint64(w0 + (r >> 6))] ^= ONE << np.uint64(r & 63)
+    for j in range(full, count):
+        lane = j - full
+        if lane == 0:
+            q = b0 >> 6
+            sh = np.uint64(b0 & 63)
+            w = (s0[q] >> sh) | ((s0[q + 1] << ONE) << (np.uint64(63) - sh))
+            u = _tz(~w)
+            if u < w32:
+                g = np.int64((u << kk) | ((w >> (u + ONE)) & kmask))
+                b0 += np.int64(u + ONE + kk)
+            else:
+                q = (b0 + 32) >> 6
+                sh = np.uint64((b0 + 32) & 63)
+                g = np.int64(((s0[q] >> sh) | ((s0[q + 1] << ONE) << (np.uint64(63) - sh))) & m32)
+                b0 += 64
+        elif lane == 1:
+            q = b1 >> 6
+            sh = np.uint64(b1 & 63)
+            w = (s1[q] >> sh) | ((s1[q + 1] << ONE) << (np.uint64(63) - sh))
+            u = _tz(~w)
+            if u < w32:
+                g = np.int64((u << kk) | ((w >> (u + ONE)) & kmask))
+                b1 += np.int64(u + ONE + kk)
+            else:
+                q = (b1 + 32) >> 6
+                sh = np.uint64((b1 + 32) & 63)
+                g = np.int64(((s1[q] >> sh) | ((s1[q + 1] << ONE) << (np.uint64(63) - sh))) & m32)
+                b1 += 64
+        else:
+            q = b2 >> 6
+            sh = np.uint64(b2 & 63)
+            w = (s2[q] >> sh) | ((s2[q + 1] << ONE) << (np.uint64(63) - sh))
+            u = _tz(~w)
+            if u < w32:
+                g = np.int64((u << kk) | ((w >> (u + ONE)) & kmask))
+                b2 += np.int64(u + ONE + kk)
+            else:
+                q = (b2 + 32) >> 6
+                sh = np.uint64((b2 + 32) & 63)
+                g = np.int64(((s2[q] >> sh) | ((s2[q + 1] << ONE) << (np.uint64(63) - sh))) & m32)
+                b2 += 64
+        r += g + 1
+        if r >= n_b:
+            return 12
+        words[w0 + (r >> 6)] ^= ONE << np.uint64(r & 63)
+    if b0 > 8 * lens[0] or b1 > 8 * lens[1] or b2 > 8 * lens[2] or b3 > 8 * lens[3]:
+        return 12
+    if not (B._clean_end(s0, b0, lens[0]) and B._clean_end(s1, b1, lens[1])):
+        return 12
+    if not (B._clean_end(s2, b2, lens[2]) and B._clean_end(s3, b3, lens[3])):
+        return 12
+    return 0
+
+
+@njit(nogil=True)
+def _parse(data, n, width_bits, tmpl):
+    """(status, K, split, thresholds, n_b, bitmaps, differences, each group's first difference,
+    exception positions, their old buckets); status 0 is success, else the failed check's number."""
+    z64 = np.zeros(0, np.int64)
+    zu = np.zeros(0, np.uint64)
+    zb = np.zeros(0, np.uint8)
+    zd = tmpl[:0].copy()
+    fail = (z64, z64, zu, z64, zd, z64, z64, zb)
+    if data.size < 8:
+        return 1, 0, 0, *fail
+    c = np.int64(data[0]) | np.int64(data[1]) << 8 | np.int64(data[2]) << 16 | np.int64(data[3]) << 24
+    K = np.int64(data[4])
+    bits = np.int64(data[6])
+    vthr = np.int64(data[7])
+    if not (1 <= K <= MAX_K and 0 < c <= n and bits <= 8 and vthr < (1 << bits)) or (bits == 0 and K != 1):
+        return 2, 0, 0, *fail
+    pos = 8
+    if data.size < pos + K - 1:
+        return 3, 0, 0, *fail
+    thr = np.zeros(K - 1, np.int64)
+    for t in range(K - 1):
+        thr[t] = data[pos + t]
+        if thr[t] < 1 or thr[t] >= (1 << bits) or (t > 0 and thr[t] <= thr[t - 1]):
+            return 4, 0, 0, *fail
+    pos += K - 1
+    ne, pos = B._get_varint(data, pos)
+    if ne < 0 or ne > c:
+        return 5, 0, 0, *fail
+    exc = np.empty(ne, np.int64)
+    exb = np.empty(ne, np.uint8)
+    p = -1
+    for j in range(ne):
+        g, pos = B._get_varint(data, pos)
+        if g < 0 or p + g + 1 >= n:
+            return 6, 0, 0, *fail
+        p += g + 1
+        exc[j] = p
+    if data.size < pos + ne:
+        return 6, 0, 0, *fail
+    for j in range(ne):
+        exb[j] = data[pos + j]
+        if (exb[j] >> 4) >= K or (exb[j] & 15) >= GROUPS:
+            return 6, 0, 0, *fail
+    pos += ne
+    nb = np.zeros(K, np.int64)
+    cb = np.zeros(K, np.int64)
+    kr = np.zeros(K, np.int64)
+    inv = np.zeros(K, np.int64)
+    blen = np.zeros(K, np.int64)
+    tot_n = 0
+    for b in range(K):
+        nb[b], pos = B._get_varint(data, pos)
+        cb[b], pos = B._get_varint(data, pos)
+        if nb[b] < 0 or cb[b] < 0 or cb[b] > nb[b]:
+            return 7, 0, 0, *fail
+        tot_n += nb[b]
+        if cb[b] == 0:
+            continue
+        if pos >= data.size:
+            return 7, 0, 0, *fail
+        kr[b] = data[pos] >> 1
+        inv[b] = data[pos] & 1
+        blen[b], pos = B._get_varint(data, pos + 1)
+        if kr[b] > 30 or (inv[b] == 1) != (2 * cb[b] > nb[b]) or blen[b] < 0:
+            return 8, 0, 0, *fail
+    if tot_n != n or cb.sum() != c:
+        return 9, 0, 0, *fail
+    mg = np.zeros(GROUPS, np.int64)
+    freq = np.zeros((GROUPS, NSYM), np.int64)
+    elen = np.zeros(GROUPS, np.int64)
+    rlen = np.zeros(GROUPS, np.int64)
+    for g in range(GROUPS):
+        mg[g], pos = B._get_varint(data, pos)
+        if mg[g] < 0 or mg[g] > c or (g == 1 and mg[0] + mg[1] != c) or (g == 0 and vthr == 0 and mg[0] != 0):
+            return 10, 0, 0, *fail
+        if mg[g] == 0:
+            continue
+        if pos >= data.size:
+            return 10, 0, 0, *fail
+        nsym = np.int64(data[pos])
+        pos += 1
+        if nsym < 1 or nsym > NSYM:
+            return 10, 0, 0, *fail
+        s = 0
+        for q in range(nsym):
+            freq[g, q], pos = B._get_varint(data, pos)
+            if freq[g, q] < 0:
+                return 10, 0, 0, *fail
+            s += freq[g, q]
+        elen[g], pos = B._get_varint(data, pos)
+        rlen[g], pos = B._get_varint(data, pos)
+        if s != PROB_ONE or elen[g] < 0 or rlen[g] < 0:
+            return 10, 0, 0, *fail
+    if pos + blen.sum() + elen.sum() + rlen.sum() != data.size:
+        return 11, 0, 0, *fail
+    # each bucket's bitmap starts at a word; the pass on a wrong base can run it up to CHECK
+    # elements past its end before its next check sees it: that much spare
+    wbase = np.zeros(K + 1, np.int64)
+    spare = min(n, CHECK) + 128
+    for b in range(K):
+        wbase[b + 1] = wbase[b] + (nb[b] + spare + 63) // 64
+    words = np.zeros(wbase[K] + 2, np.uint64)
+    for b in range(K):
+        if cb[b] == 0:
+            continue
+        ng = nb[b] - cb[b] if inv[b] else cb[b]
+        bad = _rice_decode(data, pos, blen[b], ng, kr[b], nb[b], inv[b], words, wbase[b])
+        if bad:
+            return bad, 0, 0, *fail
+        pos += blen[b]
+    diffs = np.empty(c + 64, tmpl.dtype)
+    dstart = np.zeros(GROUPS + 1, np.int64)
+    zmax = (ONE << np.uint64(width_bits)) - ONE
+    for g in range(GROUPS):
+        dstart[g + 1] = dstart[g] + mg[g]
+        if mg[g] == 0:
+            continue
+        esec = B._padded_words(data, pos, elen[g])
+        pos += elen[g]
+        bad = _rans_decode16(data, pos, rlen[g], freq[g], diffs, dstart[g], mg[g], esec, elen[g], zmax)
+        if bad:
+            return bad, 0, 0, *fail
+        pos += rlen[g]
+    return 0, K, vthr, thr, nb, words, wbase, diffs, dstart, exc, exb
+
+
+# --- the codec ------------------------------------------------------------------------------------
+BUCKETS = 4
+
+
+def supports(dtype: str) -> bool:
+    return ITEMSIZE[dtype] in (1, 2, 4)
+
+
+def encode_block(
+    dtype: str, old: np.ndarray, new: np.ndarray, k: int = BUCKETS, bmi2: bool = B.HAS_BMI2
+) -> tuple[bytes, int]:
+    shift, bits = EXPONENT_FIELD.get(dtype, (0, 0))
+    data, changed = _encode(old, new, shift, bits, k, 8 * old.dtype.itemsize, bmi2)
+    return data.tobytes(), changed
+
+
+HASH_WHOLE = 1 << 20  # blocks of up to this many elements are decoded in one call, then hashed (from cache)
+
+
+class Parsed:
+    def __init__(self, dtype: str, block: memoryview, n: int, dt: np.dtype, what: str) -> None:
+        if len(block) < 8:
+            raise FormatError(f"{what}: truncated ctx3 block")
+        shift, bits = EXPONENT_FIELD.get(dtype, (0, 0))
+        if block[5] != shift or block[6] != bits:
+            raise FormatError(f"{what}: ctx3 block's exponent field ({block[5]}, {block[6]}) is not {dtype}'s")
+        got = _parse(np.frombuffer(block, dtype=np.uint8), n, 8 * dt.itemsize, np.zeros(1, dt))
+        status, K, vthr, thr, nb, words, wbase, diffs, dstart, exc, exb = got
+        if status:
+            raise FormatError(f"{what}: bad ctx3 block (check {status} failed)")
+        self.K, self.vthr, self.shift, self.fmask, self.thr, self.nb = K, vthr, shift, (1 << bits) - 1, thr, nb
+        self.words, self.wbase, self.diffs, self.dstart, self.exc, self.exb = words, wbase, diffs, dstart, exc, exb
+        self.dt = dt
+
+    @property
+    def lut(self) -> np.ndarray:
+        return np.searchsorted(self.thr, np.arange(self.fmask + 1), side="right").astype(np.int64)
+
+
+def decode_block(dtype, block, old, out, what, hasher=None, bmi2=B.HAS_BMI2) -> None:
+    if len(block) == 0:
+        copy(old, out, hasher)
+        return
+    p = Parsed(dtype, block, old.size, old.dtype, what)
+    top = 1 << (8 * old.dtype.itemsize - 1)
+    lim = np.full(MAX_K, top, old.dtype)
+    lim[: p.K - 1] = p.thr << p.shift
+    c = p.dstart[2]
+    two = 0 < p.dstart[1] < c
+    if two:
+        vlim, dptr, dend = old.dtype.type(p.vthr << p.shift), p.dstart[:-1].copy(), p.dstart[1:]
+    else:  # one group (the other empty): every change's difference from the start
+        vlim, dptr, dend = old.dtype.type(top), np.array([0, c]), np.array([c, c])
+    off = p.wbase[:-1] * 64
+    ends = off + p.nb
+    run = pass_for(p.K, two, bmi2)
+    step = min(SLICE, max(64, (SLICE_BYTES // old.dtype.itemsize) // 64 * 64))
+    absmask = old.dtype.type(top - 1)
+    n = old.size
+    chunk = n if hasher is None or n <= HASH_WHOLE else step
+    for a in range(0, n, chunk):
+        e = min(a + chunk, n)
+        if run(out, old, a, e, lim, vlim, absmask, p.words, off, ends, dptr, dend, p.diffs):
+            raise FormatError(f"{what}: ctx3 block's bucket sizes do not match its base")
+        if hasher is not None:
+            hasher.update(out[a:e])
+
+
+def _changes(p: Parsed, buckets: np.ndarray, groups: np.ndarray, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """Positions and differences, by prefix sums and gathers (the GPU's steps): an element's rank in
+    its bucket is a prefix sum of membership, its changed flag a gather from the bucket's bitmap,
+    the index of its difference a prefix sum of the changed flags within its value group."""
+    changed = np.zeros(buckets.size, bool)
+    for b in range(p.K):
+        member = buckets == b
+        if np.count_nonzero(member) != p.nb[b]:
+            raise FormatError(f"{what}: ctx3 block's bucket sizes do not match its base")
+        bit = p.wbase[b] * 64 + np.cumsum(member)[member] - 1
+        changed[member] = (p.words[bit >> 6] >> (bit & 63).astype(np.uint64)) & np.uint64(1) != 0
+    idx = np.flatnonzero(changed)
+    group = groups[idx]
+    didx = np.empty(idx.size, np.int64)
+    for g in range(2):
+        sel = group == g
+        if np.count_nonzero(sel) != p.dstart[g + 1] - p.dstart[g]:
+            raise FormatError(f"{what}: ctx3 block's value groups do not match its base")
+        didx[sel] = p.dstart[g] + np.cumsum(sel)[sel] - 1
+    return idx, p.diffs[didx]
+
+
+def _exponents(p: Parsed, values: np.ndarray) -> np.ndarray:
+    return (values.astype(np.int64) >> p.shift) & p.fmask
+
+
+def decode_reference(dtype: str, block: bytes, old: np.ndarray, what: str = "block") -> np.ndarray:
+    if len(block) == 0:
+        return old.copy()
+    p = Parsed(dtype, memoryview(block), old.size, old.dtype, what)
+    e = _exponents(p, old)
+    idx, d = _changes(p, p.lut[e], (e >= p.vthr).astype(np.int64), what)
+    out = old.copy()
+    out[idx] = old[idx] + d
+    return out
+
+
+def decode_backward(dtype: str, block: bytes, new: np.ndarray, what: str = "block") -> np.ndarray:
+    if len(block) == 0:
+        return new.copy()
+    p = Parsed(dtype, memoryview(block), new.size, new.dtype, what)
+    e = _exponents(p, new)
+    buckets, groups = p.lut[e], (e >= p.vthr).astype(np.int64)
+    buckets[p.exc] = p.exb >> 4
+    groups[p.exc] = p.exb & 15
+    idx, d = _changes(p, buckets, groups, what)
+    old = new.copy()
+    old[idx] = new[idx] - d
+    e = _exponents(p, old)
+    if np.any((p.lut[e] != buckets) | ((e >= p.vthr) != groups)):
+        raise FormatError(f"{what}: ctx3 block does not code a change to these elements")
+    return old
