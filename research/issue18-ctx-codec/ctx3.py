@@ -247,6 +247,75 @@ def _tail(out, src, a, e, lim, vlim, absmask, words, off, dptr, diffs):
 
 # --- bit writing ------------------------------------------------------------------------------------
 # --- encoding -------------------------------------------------------------------------------------
+def _scan_source(K: int, bmi2: bool) -> str:
+    """The encoder's pass over whole words for K buckets, state in locals: per 64 elements, the
+    changed mask (a vector compare of old and new), K-1 compares give the buckets, ``pext`` takes
+    each bucket's changed flags in rank order into its bitmap; the zigzag codes of the changes are
+    compress-stored into their value group's stream; the changes that move their element to
+    another bucket or group are listed (for the backward decode)."""
+    r = range(K)
+    L = ["def _scan(old, new, nfull, lim, vlim, absmask, bmap, stride, acc, nacc, wpos, v0, v1, nv, exc, nes):"]
+    L += [f"    l{t} = lim[{t}]" for t in range(K - 1)]
+    L += [f"    a{b} = acc[{b}]" for b in r] + [f"    n{b} = np.uint64(nacc[{b}])" for b in r]
+    L += [f"    w{b} = np.uint64({b} * stride + wpos[{b}])" for b in r]
+    L += ["    c0 = nv[0]", "    c1 = nv[1]", "    ne = nes[0]", "    for w in range(nfull):", "        base = w * 64"]
+    L += ["        c = _ne_mask64(old, new, base)"]
+    L += [f"        m{t} = _below_mask64(old, base, absmask, l{t})" for t in range(K - 1)]
+    if K == 1:
+        L += ["        b0 = ALL"]
+    else:
+        L += (
+            ["        b0 = m0"]
+            + [f"        b{b} = m{b} & ~m{b - 1}" for b in range(1, K - 1)]
+            + [f"        b{K - 1} = ~m{K - 2}"]
+        )
+    L += [f"        f{b} = ZERO" for b in r]
+    L += ["        if c != ZERO:", "            vo = _below_mask64(old, base, absmask, vlim)"]
+    L += ["            moved = vo ^ _below_mask64(new, base, absmask, vlim)"]
+    L += [f"            moved |= m{t} ^ _below_mask64(new, base, absmask, l{t})" for t in range(K - 1)]
+    L += ["            g1 = c & ~vo", "            g0 = c & vo"]
+    L += [
+        "            _compress_zz(old, new, base, v0, c0, g0)",
+        "            _compress_zz(old, new, base, v1, c1, g1)",
+    ]
+    L += ["            c0 += np.int64(_pop(g0))", "            c1 += np.int64(_pop(g1))", "            x = c & moved"]
+    L += [
+        "            while x != ZERO:",
+        "                exc[ne] = base + np.int64(_tz(x))",
+        "                ne += 1",
+    ]
+    L += ["                x &= x - ONE"]
+    L += [f"            f{b} = _pext(c, b{b})" for b in r]
+    for b in r:  # append the bucket's flags to its bitmap; the word is stored every time (branch-free)
+        L += [f"        p = _pop(b{b})", f"        word = a{b} | (f{b} << n{b})", f"        bmap[w{b}] = word"]
+        L += [f"        t = n{b} + p", "        adv = np.uint64(t >= W64)", f"        w{b} += adv"]
+        L += [
+            f"        a{b} = word if adv == ZERO else (f{b} >> ONE) >> (M63 - n{b})",
+            f"        n{b} = t - (adv << SIX)",
+        ]
+    L += [f"    acc[{b}] = a{b}" for b in r] + [f"    nacc[{b}] = np.int64(n{b})" for b in r]
+    L += [f"    wpos[{b}] = np.int64(w{b}) - {b} * stride" for b in r]
+    L += ["    nv[0] = c0", "    nv[1] = c1", "    nes[0] = ne"]
+    return "\n".join(L) + "\n"
+
+
+_SCANS: dict = {}
+
+
+def scan_for(K: int, bmi2: bool = B.HAS_BMI2):
+    """The compiled encoder pass for K buckets (compiled on first use)."""
+    key = (K, bmi2)
+    if key not in _SCANS:
+        ns = dict(np=np, ALL=ALL, ONE=ONE, ZERO=ZERO, SIX=np.uint64(6), M63=np.uint64(63), W64=np.uint64(64))
+        ns.update(_below_mask64=_below_mask64, _ne_mask64=B._ne_mask64, _pop=_pop, _tz=_tz, _compress_zz=_compress_zz)
+        ns["_pext"] = _pext_bmi2 if bmi2 else _pext_soft
+        exec(_scan_source(K, bmi2), ns)
+        import numba
+
+        _SCANS[key] = numba.njit(nogil=True)(ns["_scan"])
+    return _SCANS[key]
+
+
 @njit(nogil=True)
 def _rice_k(gaps):
     """Rice parameter for the gaps: the best of three around log2 of their mean."""
@@ -447,32 +516,38 @@ def _rans_encode16(syms, c, freq, out):
 
 @njit(nogil=True)
 def _histogram(old, new, shift, fmask, width_bits):
-    """From every 64th word of 64 elements (every 16th under 8192 words, every element under 1024
-    words): elements and changed elements per exponent value, the value symbols of the changes per
-    exponent value, and the sampling step. Four tables break the chains of increments to one bin."""
+    """Per exponent value: elements (from every 64th word of 64 elements), changed elements and their
+    value symbols (from every 16th word), scaled to the block; every element of a block under 1024
+    words. Returns (elements, changed, symbols, 1)."""
     n = old.size
-    h = np.zeros((4, 2 * (fmask + 1)), np.int64)
+    per = np.zeros(fmask + 1, np.float64)
+    chp = np.zeros(fmask + 1, np.float64)
     sym = np.zeros((fmask + 1, NSYM), np.int64)
     sh = np.uint64(64 - width_bits)
     n_words = n // 64
-    step = 64 if n_words >= 8192 else 16 if n_words >= 1024 else 1
-    end = n if step == 1 else n_words * 64
-    for w in range(0, (end + 63) // 64, step):
-        for i in range(w * 64, min(w * 64 + 64, end)):
-            e = (np.int64(old[i]) >> shift) & fmask
-            changed = old[i] != new[i]
-            h[i & 3, 2 * e + changed] += 1
-            if changed:
-                s = np.int64(np.uint64(new[i] - old[i]) << sh) >> np.int64(sh)
-                z = np.uint64((s << 1) ^ (s >> 63))
-                sym[e, min(z - ONE, np.uint64(NSYM - 1))] += 1
-    per = np.zeros(fmask + 1, np.float64)
-    chp = np.zeros(fmask + 1, np.float64)
-    for e in range(fmask + 1):
+    if n_words < 1024:
+        s1, s2, end = 1, 1, n
+    else:
+        s1, s2, end = 64, 16, n_words * 64
+    hist = np.zeros(4 * (fmask + 1), np.int64)
+    for w in range(0, (end + 63) // 64, s2):
+        a = w * 64
+        e = min(a + 64, end)
+        if w % s1 == 0:
+            for i in range(a, e):
+                hist[(i & 3) * (fmask + 1) + ((np.int64(old[i]) >> shift) & fmask)] += 1
+        for i in range(a, e):  # the changes (a few per word)
+            if old[i] != new[i]:
+                x = (np.int64(old[i]) >> shift) & fmask
+                chp[x] += s2
+                d = np.int64(np.uint64(new[i] - old[i]) << sh) >> np.int64(sh)
+                z = np.uint64((d << 1) ^ (d >> 63))
+                sym[x, min(z - ONE, np.uint64(NSYM - 1))] += 1
+    for x in range(fmask + 1):
         for r in range(4):
-            per[e] += h[r, 2 * e] + h[r, 2 * e + 1]
-            chp[e] += h[r, 2 * e + 1]
-    return per, chp, sym, step
+            per[x] += s1 * hist[r * (fmask + 1) + x]
+        per[x] = max(per[x], chp[x])  # the two samples differ: a bin never has more changes than elements
+    return per, chp, sym, 1
 
 
 @njit(nogil=True)
@@ -509,8 +584,8 @@ def _split(counts):
 
 
 @njit(nogil=True)
-def _encode(old, new, shift, bits, kmax, width_bits, bmi2):
-    n = old.size
+def _plan(old, new, shift, bits, kmax, width_bits):
+    """The block's bucket thresholds and the value groups' split, from a sample."""
     fmask = (1 << bits) - 1
     thr = np.zeros(0, np.int64)
     vthr = 0
@@ -520,82 +595,50 @@ def _encode(old, new, shift, bits, kmax, width_bits, bmi2):
         thr = B._thresholds(per, chp, min(kmax, max(1, est // B.CHANGES_PER_BUCKET)))
         if est >= 2 * B.CHANGES_PER_BUCKET:
             vthr = _split(vsym)
+    return thr, vthr
+
+
+@njit(nogil=True)
+def _encode(old, new, shift, bits, width_bits, bmi2, thr, vthr, bmap, stride, acc, nacc, wpos, vals, nv, exc, nes):
+    """The block from the state of the pass over its whole words (:func:`_scan_source`): the last,
+    partial word, then the header and sections."""
+    n = old.size
+    fmask = (1 << bits) - 1
     K = thr.size + 1
     gvt = np.zeros(fmask + 1, np.int64)  # value group by exponent
     for e in range(vthr, fmask + 1):
         gvt[e] = 1
-    vlim = old.dtype.type(vthr << shift)
-    lim = np.empty(MAX_K, old.dtype)
-    lim[:] = np.uint64(1) << np.uint64(width_bits - 1)  # above every |x|: an empty bucket
-    for t in range(K - 1):
-        lim[t] = thr[t] << shift
-    absmask = lim[MAX_K - 1] - 1
     lut = B._lut(thr, fmask)
-    pext = bmi2
-    nwords = (n + 63) // 64
-    bmap = np.empty((K, nwords + 2), np.uint64)  # each bucket's changed flags over its ranks
-    acc = np.zeros(MAX_K, np.uint64)
-    nacc = np.zeros(MAX_K, np.int64)
-    wpos = np.zeros(MAX_K, np.int64)
-    vals = np.empty((GROUPS, n + 64), old.dtype)  # zigzag codes of each group's changes, in order
-    nv = np.zeros(GROUPS, np.int64)
-    exc = np.empty(n + 1, np.int64)
-    ne = 0
+    ne = nes[0]
     bm = np.zeros(MAX_K, np.uint64)
     sh = np.uint64(64 - width_bits)
-    for w in range(nwords):
+    for w in range(n // 64, (n + 63) // 64):  # the last, partial word, element by element
         base = w * 64
-        if base + 64 <= n:
-            c = B._ne_mask64(old, new, base)
-            prev = ZERO
-            moved = ZERO
-            for t in range(K - 1):
-                m = _below_mask64(old, base, absmask, lim[t])
-                bm[t] = m & ~prev
-                prev = m
-                moved |= m ^ _below_mask64(new, base, absmask, lim[t])
-            bm[K - 1] = ~prev
-            if c != ZERO:
-                vo = _below_mask64(old, base, absmask, vlim)
-                moved |= vo ^ _below_mask64(new, base, absmask, vlim)
-                g1 = c & ~vo
-                g0 = c & vo
-                _compress_zz(old, new, base, vals[0], nv[0], g0)
-                _compress_zz(old, new, base, vals[1], nv[1], g1)
-                nv[0] += np.int64(_pop(g0))
-                nv[1] += np.int64(_pop(g1))
-                x = c & moved
-                while x != ZERO:  # rare: a change that moves its element to another bucket or group
-                    exc[ne] = base + np.int64(_tz(x))
+        c = ZERO
+        for j in range(n - base):
+            i = base + j
+            jj = np.uint64(j)
+            ch = old[i] != new[i]
+            c |= np.uint64(ch) << jj
+            eo = (np.int64(old[i]) >> shift) & fmask
+            en = (np.int64(new[i]) >> shift) & fmask
+            bm[lut[eo]] |= ONE << jj
+            if ch:
+                g = gvt[eo]
+                s_ = np.int64(np.uint64(new[i] - old[i]) << sh) >> np.int64(sh)
+                vals[g, nv[g]] = (s_ << 1) ^ (s_ >> 63)
+                nv[g] += 1
+                if lut[en] != lut[eo] or gvt[en] != g:
+                    exc[ne] = i
                     ne += 1
-                    x &= x - ONE
-        else:  # the last, partial word, element by element
-            c = ZERO
-            prev = ZERO
-            for j in range(n - base):
-                i = base + j
-                jj = np.uint64(j)
-                ch = old[i] != new[i]
-                c |= np.uint64(ch) << jj
-                eo = (np.int64(old[i]) >> shift) & fmask
-                en = (np.int64(new[i]) >> shift) & fmask
-                bm[lut[eo]] |= ONE << jj
-                if ch:
-                    g = gvt[eo]
-                    s_ = np.int64(np.uint64(new[i] - old[i]) << sh) >> np.int64(sh)
-                    vals[g, nv[g]] = (s_ << 1) ^ (s_ >> 63)
-                    nv[g] += 1
-                    if lut[en] != lut[eo] or gvt[en] != g:
-                        exc[ne] = i
-                        ne += 1
         for b in range(K):  # append the bucket's flags (one per member, in order) to its bitmap
             m = bm[b]
             p = np.int64(_pop(m))
-            flags = _pext_bmi2(c, m) if pext else _pext_soft(c, m)
+            flags = _pext_bmi2(c, m) if bmi2 else _pext_soft(c, m)
             na = nacc[b]
             word = acc[b] | (flags << np.uint64(na))
             if na + p >= 64:
-                bmap[b, wpos[b]] = word
+                bmap[b * stride + wpos[b]] = word
                 wpos[b] += 1
                 acc[b] = (flags >> ONE) >> np.uint64(63 - na)
                 nacc[b] = na + p - 64
@@ -609,11 +652,11 @@ def _encode(old, new, shift, bits, kmax, width_bits, bmi2):
     cnt = np.zeros(K, np.int64)
     cb = np.zeros(K, np.int64)
     for b in range(K):
-        bmap[b, wpos[b]] = acc[b]
-        bmap[b, wpos[b] + 1] = ZERO
+        bmap[b * stride + wpos[b]] = acc[b]
+        bmap[b * stride + wpos[b] + 1] = ZERO
         cnt[b] = 64 * wpos[b] + nacc[b]
         for q in range(wpos[b] + 1):
-            cb[b] += np.int64(_pop(bmap[b, q]))
+            cb[b] += np.int64(_pop(bmap[b * stride + q]))
     # values: symbols min(zigzag - 1, 15), escapes (zigzag >= 16) in order, per group
     counts = np.zeros((GROUPS, NSYM), np.int64)
     syms = np.empty((GROUPS, max(nv[0], nv[1]) + 1), np.uint8)
@@ -663,7 +706,7 @@ def _encode(old, new, shift, bits, kmax, width_bits, bmi2):
         if c == 0:
             continue
         inv = 2 * c > cnt[b]
-        gaps = _gaps_of(bmap[b], cnt[b], c, inv)
+        gaps = _gaps_of(bmap[b * stride : (b + 1) * stride], cnt[b], c, inv)
         kr = _rice_k(gaps)
         rl = _rice_section(gaps, kr, body[bp:])
         bp += rl
@@ -1079,7 +1122,41 @@ def encode_block(
     dtype: str, old: np.ndarray, new: np.ndarray, k: int = BUCKETS, bmi2: bool = B.HAS_BMI2
 ) -> tuple[bytes, int]:
     shift, bits = EXPONENT_FIELD.get(dtype, (0, 0))
-    data, changed = _encode(old, new, shift, bits, k, 8 * old.dtype.itemsize, bmi2)
+    width = 8 * old.dtype.itemsize
+    thr, vthr = _plan(old, new, shift, bits, k, width)
+    K = thr.size + 1
+    n = old.size
+    top = 1 << (width - 1)
+    lim = np.full(MAX_K, top, old.dtype)
+    lim[: K - 1] = thr << shift
+    stride = n // 64 + 4
+    bmap = np.empty(K * stride, np.uint64)  # each bucket's changed flags over its ranks
+    acc, nacc, wpos = np.zeros(K, np.uint64), np.zeros(K, np.int64), np.zeros(K, np.int64)
+    vals = np.empty((GROUPS, n + 64), old.dtype)  # zigzag codes of each group's changes, in order
+    nv, exc, nes = np.zeros(GROUPS, np.int64), np.empty(n + 1, np.int64), np.zeros(1, np.int64)
+    scan = scan_for(K, bmi2)
+    vlim = old.dtype.type(vthr << shift)
+    scan(
+        old,
+        new,
+        n // 64,
+        lim,
+        vlim,
+        old.dtype.type(top - 1),
+        bmap,
+        stride,
+        acc,
+        nacc,
+        wpos,
+        vals[0],
+        vals[1],
+        nv,
+        exc,
+        nes,
+    )
+    data, changed = _encode(
+        old, new, shift, bits, width, bmi2, thr, vthr, bmap, stride, acc, nacc, wpos, vals, nv, exc, nes
+    )
     return data.tobytes(), changed
 
 
