@@ -45,7 +45,8 @@ SLICE = max(64, (SLICE_BYTES // 2) // 64 * 64)  # elements per slice of the pass
 CHECK = 4096  # elements between the pass's checks that no bucket ran past its bitmap (+ spare bits)
 RANS_L = np.uint32(1 << 16)
 LANES = 4  # interleaved rANS states, and Rice streams, per bucket
-GROUPS = 2  # value streams: buckets below the split, and the rest
+MAX_G = 4  # value groups (contiguous ranges of the old exponent), each its own rANS stream
+GROUP_DENSITY = 0.05  # blocks whose changed fraction is below this use at most 2 (a faster pass)
 U32 = np.uint32
 
 
@@ -89,13 +90,26 @@ def _patch_intrinsic(groups: int):
         return intrinsic(
             lambda typingctx, out, src, base, diffs, p0, m0: typer(typingctx, out, src, base, diffs, p0, m0)
         )
+    if groups == 2:
+        return intrinsic(
+            lambda typingctx, out, src, base, diffs, p0, m0, p1, m1: typer(
+                typingctx, out, src, base, diffs, p0, m0, p1, m1
+            )
+        )
+    if groups == 3:
+        return intrinsic(
+            lambda typingctx, out, src, base, diffs, p0, m0, p1, m1, p2, m2: typer(
+                typingctx, out, src, base, diffs, p0, m0, p1, m1, p2, m2
+            )
+        )
     return intrinsic(
-        lambda typingctx, out, src, base, diffs, p0, m0, p1, m1: typer(typingctx, out, src, base, diffs, p0, m0, p1, m1)
+        lambda typingctx, out, src, base, diffs, p0, m0, p1, m1, p2, m2, p3, m3: typer(
+            typingctx, out, src, base, diffs, p0, m0, p1, m1, p2, m2, p3, m3
+        )
     )
 
 
-_patch1 = _patch_intrinsic(1)
-_patch2 = _patch_intrinsic(2)
+_PATCH = {g: _patch_intrinsic(g) for g in range(1, MAX_G + 1)}
 
 
 @intrinsic
@@ -156,44 +170,48 @@ def _compress_zz(typingctx, old, new, base, dst, pos, mask):
     return types.none(old, new, base, dst, pos, mask), codegen
 
 
-def _pass_source(K: int, two: bool) -> str:
-    """The pass over elements ``a:e`` for K buckets, and two value groups (split by the exponent
-    threshold in ``vlim``) or one, state in locals: per 64 elements, K-1 vector compares give each
-    bucket's members, ``pdep`` puts the bucket's next bits there, one more compare splits the
-    changes into the groups, and one expand-load per group adds the differences. Every CHECK
-    elements it checks that no bucket ran past its bitmap (each has CHECK bits of spare: a base
-    that does not match the block reads zeros, never out of bounds); the last, partial word goes
-    element by element; at the block's end the buckets and groups must be used up exactly.
-    Returns 0, or 1 for a block that does not fit its base. Indices are unsigned (numba adds no
-    wraparound for them)."""
-    r = range(K)
+def _regions(name: str, count: int, indent: str) -> list[str]:
+    """Lines naming ``name0..`` the members of ``count`` regions split by the masks ``name_m0..``
+    (each the elements below a threshold)."""
+    if count == 1:
+        return [f"{indent}{name}0 = ALL"]
+    L = [f"{indent}{name}0 = {name}_m0"]
+    L += [f"{indent}{name}{b} = {name}_m{b} & ~{name}_m{b - 1}" for b in range(1, count - 1)]
+    return L + [f"{indent}{name}{count - 1} = ~{name}_m{count - 2}"]
+
+
+def _pass_source(K: int, G: int) -> str:
+    """The pass over elements ``a:e`` for K buckets and G value groups, state in locals: per 64
+    elements, K-1 vector compares give each bucket's members, ``pdep`` puts the bucket's next bits
+    there, G-1 more compares split the changes into the groups, and one expand-load per group
+    adds the differences. Every CHECK elements it checks that no bucket ran past its bitmap (each
+    has CHECK bits of spare: a base that does not match the block reads zeros, never out of
+    bounds); the last, partial word goes element by element; at the block's end the buckets and
+    groups must be used up exactly. Returns 0, or 1 for a block that does not fit its base.
+    Indices are unsigned (numba adds no wraparound for them)."""
+    r, rg = range(K), range(G)
     L = ["def _pass(out, src, a, e, lim, vlim, absmask, words, off, ends, dptr, dend, diffs):"]
-    L += [f"    l{t} = lim[{t}]" for t in range(K - 1)]
+    L += [f"    l{t} = lim[{t}]" for t in range(K - 1)] + [f"    v{t} = vlim[{t}]" for t in range(G - 1)]
     L += [f"    o{b} = np.uint64(off[{b}])" for b in r] + [f"    E{b} = np.uint64(ends[{b}])" for b in r]
-    L += ["    d0 = dptr[0]", "    d1 = dptr[1]", "    n = src.size", "    whole = min(e, n - n % 64)"]
+    L += [f"    d{g} = dptr[{g}]" for g in rg] + ["    n = src.size", "    whole = min(e, n - n % 64)"]
     L += ["    for s in range(a, whole, CHECK):"]
     L += ["        if " + " or ".join(f"o{b} > E{b}" for b in r) + ":", "            return 1"]
     L += ["        for base in range(s, min(s + CHECK, whole), 64):"]
-    L += [f"            m{t} = _below_mask64(src, base, absmask, l{t})" for t in range(K - 1)]
-    if K == 1:
-        L += ["            b0 = ALL"]
-    else:
-        L += ["            b0 = m0"] + [f"            b{b} = m{b} & ~m{b - 1}" for b in range(1, K - 1)]
-        L += [f"            b{K - 1} = ~m{K - 2}"]
+    L += [f"            b_m{t} = _below_mask64(src, base, absmask, l{t})" for t in range(K - 1)]
+    L += _regions("b", K, "            ")
     L += [f"            p{b} = _pop(b{b})" for b in r]
     for b in r:  # the bucket's next p bits from bit o (written out: no array passed to a helper)
         L += [f"            q = o{b} >> SIX", f"            sh = o{b} & M63"]
         L += ["            v = (words[q] >> sh) | ((words[q + ONE] << ONE) << (M63 - sh))"]
         L += [f"            v &= (ALL >> ((W64 - p{b}) & M63)) & (ZERO - np.uint64(p{b} != ZERO))"]
         L += [f"            c{b} = _pdep(v, b{b})", f"            o{b} += p{b}"]
-    L += ["            g0 = " + " | ".join(f"c{b}" for b in r)]
-    if two:
-        L += ["            g1 = g0 & ~_below_mask64(src, base, absmask, vlim)", "            g0 &= ~g1"]
-        L += ["            _patch2(out, src, base, diffs, d0, g0, d1, g1)", "            d1 += np.int64(_pop(g1))"]
-    else:
-        L += ["            _patch1(out, src, base, diffs, d0, g0)"]
-    L += ["            d0 += np.int64(_pop(g0))"]
-    L += [f"    off[{b}] = np.int64(o{b})" for b in r] + ["    dptr[0] = d0", "    dptr[1] = d1"]
+    L += ["            ch = " + " | ".join(f"c{b}" for b in r)]
+    L += [f"            g_m{t} = _below_mask64(src, base, absmask, v{t})" for t in range(G - 1)]
+    L += _regions("g", G, "            ")
+    L += [f"            g{g} &= ch" for g in rg]
+    L += ["            _patch(out, src, base, diffs, " + ", ".join(f"d{g}, g{g}" for g in rg) + ")"]
+    L += [f"            d{g} += np.int64(_pop(g{g}))" for g in rg]
+    L += [f"    off[{b}] = np.int64(o{b})" for b in r] + [f"    dptr[{g}] = d{g}" for g in rg]
     L += ["    if " + " or ".join(f"o{b} > E{b}" for b in r) + ":", "        return 1"]
     L += ["    if e > whole:", "        _tail(out, src, max(a, whole), e, lim, vlim, absmask, words, off, dptr, diffs)"]
     L += [
@@ -202,7 +220,7 @@ def _pass_source(K: int, two: bool) -> str:
         "            if off[b] != ends[b]:",
         "                return 1",
     ]
-    L += ["        if dptr[0] != dend[0] or dptr[1] != dend[1]:", "            return 1"]
+    L += ["        for g in range(dptr.size):", "            if dptr[g] != dend[g]:", "                return 1"]
     L += ["    return 0"]
     return "\n".join(L) + "\n"
 
@@ -210,16 +228,16 @@ def _pass_source(K: int, two: bool) -> str:
 _PASSES: dict = {}
 
 
-def pass_for(K: int, two: bool, bmi2: bool = B.HAS_BMI2):
-    """The compiled pass for K buckets and two value groups or one (compiled on first use)."""
-    key = (K, two, bmi2)
+def pass_for(K: int, G: int, bmi2: bool = B.HAS_BMI2):
+    """The compiled pass for K buckets and G value groups (compiled on first use)."""
+    key = (K, G, bmi2)
     if key not in _PASSES:
         ns = dict(
             np=np, ALL=ALL, ONE=ONE, ZERO=ZERO, SIX=np.uint64(6), M63=np.uint64(63), W64=np.uint64(64), CHECK=CHECK
         )
-        ns.update(_below_mask64=_below_mask64, _pop=_pop, _patch1=_patch1, _patch2=_patch2, _tail=_tail)
+        ns.update(_below_mask64=_below_mask64, _pop=_pop, _patch=_PATCH[G], _tail=_tail)
         ns["_pdep"] = _pdep_bmi2 if bmi2 else B._pdep_soft
-        exec(_pass_source(K, two), ns)
+        exec(_pass_source(K, G), ns)
         import numba
 
         _PASSES[key] = numba.njit(nogil=True)(ns["_pass"])
@@ -238,7 +256,9 @@ def _tail(out, src, a, e, lim, vlim, absmask, words, off, dptr, diffs):
         r = off[b]
         off[b] = r + 1
         if (words[r >> 6] >> np.uint64(r & 63)) & ONE:
-            g = 0 if v < vlim else 1
+            g = 0
+            for t in range(dptr.size - 1):
+                g += v >= vlim[t]
             out[i] = x + diffs[dptr[g]]
             dptr[g] += 1
         else:
@@ -247,44 +267,41 @@ def _tail(out, src, a, e, lim, vlim, absmask, words, off, dptr, diffs):
 
 # --- bit writing ------------------------------------------------------------------------------------
 # --- encoding -------------------------------------------------------------------------------------
-def _scan_source(K: int, bmi2: bool) -> str:
-    """The encoder's pass over whole words for K buckets, state in locals: per 64 elements, the
-    changed mask (a vector compare of old and new), K-1 compares give the buckets, ``pext`` takes
-    each bucket's changed flags in rank order into its bitmap; the zigzag codes of the changes are
-    compress-stored into their value group's stream; the changes that move their element to
-    another bucket or group are listed (for the backward decode)."""
-    r = range(K)
-    L = ["def _scan(old, new, nfull, lim, vlim, absmask, bmap, stride, acc, nacc, wpos, v0, v1, nv, exc, nes):"]
-    L += [f"    l{t} = lim[{t}]" for t in range(K - 1)]
+def _scan_source(K: int, G: int) -> str:
+    """The encoder's pass over whole words for K buckets and G value groups, state in locals: per
+    64 elements, the changed mask (a vector compare of old and new), K-1 compares give the buckets,
+    ``pext`` takes each bucket's changed flags in rank order into its bitmap; G-1 compares give
+    the value groups, and the zigzag codes of the changes are compress-stored into their group's
+    stream; the changes that move their element to another bucket or group are listed (for the
+    backward decode)."""
+    r, rg = range(K), range(G)
+    L = ["def _scan(old, new, nfull, lim, vlim, absmask, bmap, stride, acc, nacc, wpos, v0, v1, v2, v3, nv, exc, nes):"]
+    L += [f"    l{t} = lim[{t}]" for t in range(K - 1)] + [f"    u{t} = vlim[{t}]" for t in range(G - 1)]
     L += [f"    a{b} = acc[{b}]" for b in r] + [f"    n{b} = np.uint64(nacc[{b}])" for b in r]
     L += [f"    w{b} = np.uint64({b} * stride + wpos[{b}])" for b in r]
-    L += ["    c0 = nv[0]", "    c1 = nv[1]", "    ne = nes[0]", "    for w in range(nfull):", "        base = w * 64"]
-    L += ["        c = _ne_mask64(old, new, base)"]
-    L += [f"        m{t} = _below_mask64(old, base, absmask, l{t})" for t in range(K - 1)]
-    if K == 1:
-        L += ["        b0 = ALL"]
-    else:
-        L += (
-            ["        b0 = m0"]
-            + [f"        b{b} = m{b} & ~m{b - 1}" for b in range(1, K - 1)]
-            + [f"        b{K - 1} = ~m{K - 2}"]
-        )
-    L += [f"        f{b} = ZERO" for b in r]
-    L += ["        if c != ZERO:", "            vo = _below_mask64(old, base, absmask, vlim)"]
-    L += ["            moved = vo ^ _below_mask64(new, base, absmask, vlim)"]
-    L += [f"            moved |= m{t} ^ _below_mask64(new, base, absmask, l{t})" for t in range(K - 1)]
-    L += ["            g1 = c & ~vo", "            g0 = c & vo"]
-    L += [
-        "            _compress_zz(old, new, base, v0, c0, g0)",
-        "            _compress_zz(old, new, base, v1, c1, g1)",
+    L += [f"    k{g} = nv[{g}]" for g in rg] + [
+        "    ne = nes[0]",
+        "    for w in range(nfull):",
+        "        base = w * 64",
     ]
-    L += ["            c0 += np.int64(_pop(g0))", "            c1 += np.int64(_pop(g1))", "            x = c & moved"]
+    L += ["        c = _ne_mask64(old, new, base)"]
+    L += [f"        b_m{t} = _below_mask64(old, base, absmask, l{t})" for t in range(K - 1)]
+    L += _regions("b", K, "        ")
+    L += [f"        f{b} = ZERO" for b in r]
+    L += ["        if c != ZERO:", "            moved = ZERO"]
+    L += [f"            g_m{t} = _below_mask64(old, base, absmask, u{t})" for t in range(G - 1)]
+    L += [f"            moved |= g_m{t} ^ _below_mask64(new, base, absmask, u{t})" for t in range(G - 1)]
+    L += [f"            moved |= b_m{t} ^ _below_mask64(new, base, absmask, l{t})" for t in range(K - 1)]
+    L += _regions("g", G, "            ")
+    for g in rg:
+        L += [f"            g{g} &= c", f"            _compress_zz(old, new, base, v{g}, k{g}, g{g})"]
+        L += [f"            k{g} += np.int64(_pop(g{g}))"]
     L += [
+        "            x = c & moved",
         "            while x != ZERO:",
         "                exc[ne] = base + np.int64(_tz(x))",
-        "                ne += 1",
     ]
-    L += ["                x &= x - ONE"]
+    L += ["                ne += 1", "                x &= x - ONE"]
     L += [f"            f{b} = _pext(c, b{b})" for b in r]
     for b in r:  # append the bucket's flags to its bitmap; the word is stored every time (branch-free)
         L += [f"        p = _pop(b{b})", f"        word = a{b} | (f{b} << n{b})", f"        bmap[w{b}] = word"]
@@ -295,21 +312,21 @@ def _scan_source(K: int, bmi2: bool) -> str:
         ]
     L += [f"    acc[{b}] = a{b}" for b in r] + [f"    nacc[{b}] = np.int64(n{b})" for b in r]
     L += [f"    wpos[{b}] = np.int64(w{b}) - {b} * stride" for b in r]
-    L += ["    nv[0] = c0", "    nv[1] = c1", "    nes[0] = ne"]
+    L += [f"    nv[{g}] = k{g}" for g in rg] + ["    nes[0] = ne"]
     return "\n".join(L) + "\n"
 
 
 _SCANS: dict = {}
 
 
-def scan_for(K: int, bmi2: bool = B.HAS_BMI2):
-    """The compiled encoder pass for K buckets (compiled on first use)."""
-    key = (K, bmi2)
+def scan_for(K: int, G: int, bmi2: bool = B.HAS_BMI2):
+    """The compiled encoder pass for K buckets and G value groups (compiled on first use)."""
+    key = (K, G, bmi2)
     if key not in _SCANS:
         ns = dict(np=np, ALL=ALL, ONE=ONE, ZERO=ZERO, SIX=np.uint64(6), M63=np.uint64(63), W64=np.uint64(64))
         ns.update(_below_mask64=_below_mask64, _ne_mask64=B._ne_mask64, _pop=_pop, _tz=_tz, _compress_zz=_compress_zz)
         ns["_pext"] = _pext_bmi2 if bmi2 else _pext_soft
-        exec(_scan_source(K, bmi2), ns)
+        exec(_scan_source(K, G), ns)
         import numba
 
         _SCANS[key] = numba.njit(nogil=True)(ns["_scan"])
@@ -564,23 +581,43 @@ def _bits_of(counts):
 
 
 @njit(nogil=True)
-def _split(counts):
-    """The value groups' split: an exponent threshold t (changes of old exponent below t code their
-    values in group 0, the rest in group 1; 0: one group), the one whose two static codes are the
-    smallest. ``counts``: value symbols per old exponent."""
-    best = 0
-    total = counts.sum(axis=0)
-    cost = _bits_of(total)
-    below = np.zeros(NSYM, np.int64)
-    for t in range(1, min(counts.shape[0], 256)):
-        below += counts[t - 1]
-        if counts[t - 1].sum() == 0:
-            continue
-        c = _bits_of(below) + _bits_of(total - below)
-        if c < cost - 1e-9:
-            best = t
-            cost = c
-    return best
+def _split(counts, G):
+    """The value groups: at most G contiguous ranges of the old exponent whose static codes (with
+    their tables) are the smallest (dynamic programming over the exponents that have changes);
+    returns the thresholds (ascending; a change is in the group of the number of thresholds <= its
+    old exponent). ``counts``: value symbols per old exponent."""
+    ex = np.flatnonzero(counts.sum(axis=1))
+    m = ex.size
+    if m <= 1 or G <= 1:
+        return np.zeros(0, np.int64)
+    cum = np.zeros((m + 1, NSYM), np.int64)
+    for i in range(m):
+        cum[i + 1] = cum[i] + counts[ex[i]]
+    cost = np.full((m + 1, m + 1), 1e300)
+    for a in range(m):
+        for b in range(a + 1, m + 1):
+            cost[a, b] = _bits_of(cum[b] - cum[a])
+    g = min(G, m)
+    dp = np.full((g + 1, m + 1), 1e300)
+    arg = np.zeros((g + 1, m + 1), np.int64)
+    dp[0, 0] = 0.0
+    for q in range(1, g + 1):
+        for b in range(q, m + 1):
+            for a in range(q - 1, b):
+                v = dp[q - 1, a] + cost[a, b]
+                if v < dp[q, b] - 1e-9:
+                    dp[q, b] = v
+                    arg[q, b] = a
+    best = 1
+    for q in range(2, g + 1):
+        if dp[q, m] < dp[best, m] - 1e-9:
+            best = q
+    thr = np.zeros(best - 1, np.int64)
+    b = m
+    for q in range(best, 1, -1):
+        b = arg[q, b]
+        thr[q - 2] = ex[b]
+    return thr
 
 
 @njit(nogil=True)
@@ -588,13 +625,13 @@ def _plan(old, new, shift, bits, kmax, width_bits):
     """The block's bucket thresholds and the value groups' split, from a sample."""
     fmask = (1 << bits) - 1
     thr = np.zeros(0, np.int64)
-    vthr = 0
+    vthr = np.zeros(0, np.int64)
     if fmask > 0:
         per, chp, vsym, step = _histogram(old, new, shift, fmask, width_bits)
         est = np.int64(chp.sum()) * step
         thr = B._thresholds(per, chp, min(kmax, max(1, est // B.CHANGES_PER_BUCKET)))
-        if est >= 2 * B.CHANGES_PER_BUCKET:
-            vthr = _split(vsym)
+        gmax = MAX_G if est >= GROUP_DENSITY * old.size else 2
+        vthr = _split(vsym, min(gmax, max(1, est // B.CHANGES_PER_BUCKET)))
     return thr, vthr
 
 
@@ -605,9 +642,8 @@ def _encode(old, new, shift, bits, width_bits, bmi2, thr, vthr, bmap, stride, ac
     n = old.size
     fmask = (1 << bits) - 1
     K = thr.size + 1
-    gvt = np.zeros(fmask + 1, np.int64)  # value group by exponent
-    for e in range(vthr, fmask + 1):
-        gvt[e] = 1
+    G = vthr.size + 1
+    gvt = B._lut(vthr, fmask)  # value group by exponent
     lut = B._lut(thr, fmask)
     ne = nes[0]
     bm = np.zeros(MAX_K, np.uint64)
@@ -646,7 +682,7 @@ def _encode(old, new, shift, bits, width_bits, bmi2, thr, vthr, bmap, stride, ac
                 acc[b] = word
                 nacc[b] = na + p
             bm[b] = ZERO
-    k = nv[0] + nv[1]
+    k = nv.sum()
     if k == 0:
         return np.zeros(0, np.uint8), 0
     cnt = np.zeros(K, np.int64)
@@ -658,12 +694,12 @@ def _encode(old, new, shift, bits, width_bits, bmi2, thr, vthr, bmap, stride, ac
         for q in range(wpos[b] + 1):
             cb[b] += np.int64(_pop(bmap[b * stride + q]))
     # values: symbols min(zigzag - 1, 15), escapes (zigzag >= 16) in order, per group
-    counts = np.zeros((GROUPS, NSYM), np.int64)
-    syms = np.empty((GROUPS, max(nv[0], nv[1]) + 1), np.uint8)
+    counts = np.zeros((G, NSYM), np.int64)
+    syms = np.empty((G, nv.max() + 1), np.uint8)
     esc = np.empty(k + 1, np.uint64)
-    escg = np.zeros(GROUPS + 1, np.int64)
+    escg = np.zeros(G + 1, np.int64)
     nesc = 0
-    for g in range(GROUPS):
+    for g in range(G):
         for j in range(nv[g]):  # vectorised
             syms[g, j] = min(np.uint64(vals[g, j]) - ONE, np.uint64(NSYM - 1))
         for j in range(nv[g]):
@@ -675,7 +711,7 @@ def _encode(old, new, shift, bits, width_bits, bmi2, thr, vthr, bmap, stride, ac
                     esc[nesc] = z
                     nesc += 1
         escg[g + 1] = nesc
-    head = np.zeros(64 + 16 * K + 64 * GROUPS + 6 * ne, np.uint8)
+    head = np.zeros(64 + 16 * K + 64 * G + 6 * ne, np.uint8)
     head[0] = k & 0xFF
     head[1] = (k >> 8) & 0xFF
     head[2] = (k >> 16) & 0xFF
@@ -683,10 +719,13 @@ def _encode(old, new, shift, bits, width_bits, bmi2, thr, vthr, bmap, stride, ac
     head[4] = K
     head[5] = shift
     head[6] = bits
-    head[7] = vthr
+    head[7] = G
     hp = 8
     for t in range(K - 1):
         head[hp] = thr[t]
+        hp += 1
+    for t in range(G - 1):
+        head[hp] = vthr[t]
         hp += 1
     hp = B._put_varint(head, hp, ne)
     prevp = -1
@@ -697,7 +736,7 @@ def _encode(old, new, shift, bits, width_bits, bmi2, thr, vthr, bmap, stride, ac
         eo = (np.int64(old[exc[j]]) >> shift) & fmask
         head[hp] = lut[eo] << 4 | gvt[eo]
         hp += 1
-    body = np.empty(64 * K + 64 * GROUPS + 12 * k + 16 * nesc + 64 * LANES * K, np.uint8)
+    body = np.empty(64 * K + 64 * G + 12 * k + 16 * nesc + 64 * LANES * K, np.uint8)
     bp = 0
     for b in range(K):  # positions: per bucket, Rice codes of rank gaps
         c = cb[b]
@@ -714,7 +753,7 @@ def _encode(old, new, shift, bits, width_bits, bmi2, thr, vthr, bmap, stride, ac
         hp = B._put_varint(head, hp + 1, rl)
     freq = np.zeros(NSYM, np.int64)
     st = np.zeros(3, np.int64)
-    for g in range(GROUPS):  # values: per group, rANS of the symbols in position order, then escapes
+    for g in range(G):  # values: per group, rANS of the symbols in position order, then escapes
         m = nv[g]
         hp = B._put_varint(head, hp, m)
         if m == 0:
@@ -991,42 +1030,48 @@ def _parse(data, n, width_bits, tmpl):
     zu = np.zeros(0, np.uint64)
     zb = np.zeros(0, np.uint8)
     zd = tmpl[:0].copy()
-    fail = (z64, z64, zu, z64, zd, z64, z64, zb)
+    fail = (z64, z64, z64, zu, z64, zd, z64, z64, zb)
     if data.size < 8:
-        return 1, 0, 0, *fail
+        return 1, 0, *fail
     c = np.int64(data[0]) | np.int64(data[1]) << 8 | np.int64(data[2]) << 16 | np.int64(data[3]) << 24
     K = np.int64(data[4])
     bits = np.int64(data[6])
-    vthr = np.int64(data[7])
-    if not (1 <= K <= MAX_K and 0 < c <= n and bits <= 8 and vthr < (1 << bits)) or (bits == 0 and K != 1):
-        return 2, 0, 0, *fail
+    G = np.int64(data[7])
+    if not (1 <= K <= MAX_K and 1 <= G <= MAX_G and 0 < c <= n and bits <= 8) or (bits == 0 and K + G != 2):
+        return 2, 0, *fail
     pos = 8
-    if data.size < pos + K - 1:
-        return 3, 0, 0, *fail
+    if data.size < pos + K + G - 2:
+        return 3, 0, *fail
     thr = np.zeros(K - 1, np.int64)
-    for t in range(K - 1):
-        thr[t] = data[pos + t]
-        if thr[t] < 1 or thr[t] >= (1 << bits) or (t > 0 and thr[t] <= thr[t - 1]):
-            return 4, 0, 0, *fail
-    pos += K - 1
+    vthr = np.zeros(G - 1, np.int64)
+    for t in range(K + G - 2):
+        x = np.int64(data[pos + t])
+        first = t == 0 or t == K - 1
+        if t < K - 1:
+            thr[t] = x
+        else:
+            vthr[t - K + 1] = x
+        if x < 1 or x >= (1 << bits) or (not first and x <= data[pos + t - 1]):
+            return 4, 0, *fail
+    pos += K + G - 2
     ne, pos = B._get_varint(data, pos)
     if ne < 0 or ne > c:
-        return 5, 0, 0, *fail
+        return 5, 0, *fail
     exc = np.empty(ne, np.int64)
     exb = np.empty(ne, np.uint8)
     p = -1
     for j in range(ne):
         g, pos = B._get_varint(data, pos)
         if g < 0 or p + g + 1 >= n:
-            return 6, 0, 0, *fail
+            return 6, 0, *fail
         p += g + 1
         exc[j] = p
     if data.size < pos + ne:
-        return 6, 0, 0, *fail
+        return 6, 0, *fail
     for j in range(ne):
         exb[j] = data[pos + j]
-        if (exb[j] >> 4) >= K or (exb[j] & 15) >= GROUPS:
-            return 6, 0, 0, *fail
+        if (exb[j] >> 4) >= K or (exb[j] & 15) >= G:
+            return 6, 0, *fail
     pos += ne
     nb = np.zeros(K, np.int64)
     cb = np.zeros(K, np.int64)
@@ -1038,47 +1083,47 @@ def _parse(data, n, width_bits, tmpl):
         nb[b], pos = B._get_varint(data, pos)
         cb[b], pos = B._get_varint(data, pos)
         if nb[b] < 0 or cb[b] < 0 or cb[b] > nb[b]:
-            return 7, 0, 0, *fail
+            return 7, 0, *fail
         tot_n += nb[b]
         if cb[b] == 0:
             continue
         if pos >= data.size:
-            return 7, 0, 0, *fail
+            return 7, 0, *fail
         kr[b] = data[pos] >> 1
         inv[b] = data[pos] & 1
         blen[b], pos = B._get_varint(data, pos + 1)
         if kr[b] > 30 or (inv[b] == 1) != (2 * cb[b] > nb[b]) or blen[b] < 0:
-            return 8, 0, 0, *fail
+            return 8, 0, *fail
     if tot_n != n or cb.sum() != c:
-        return 9, 0, 0, *fail
-    mg = np.zeros(GROUPS, np.int64)
-    freq = np.zeros((GROUPS, NSYM), np.int64)
-    elen = np.zeros(GROUPS, np.int64)
-    rlen = np.zeros(GROUPS, np.int64)
-    for g in range(GROUPS):
+        return 9, 0, *fail
+    mg = np.zeros(G, np.int64)
+    freq = np.zeros((G, NSYM), np.int64)
+    elen = np.zeros(G, np.int64)
+    rlen = np.zeros(G, np.int64)
+    for g in range(G):
         mg[g], pos = B._get_varint(data, pos)
-        if mg[g] < 0 or mg[g] > c or (g == 1 and mg[0] + mg[1] != c) or (g == 0 and vthr == 0 and mg[0] != 0):
-            return 10, 0, 0, *fail
+        if mg[g] < 0 or mg[g] > c or (g == G - 1 and mg.sum() != c):
+            return 10, 0, *fail
         if mg[g] == 0:
             continue
         if pos >= data.size:
-            return 10, 0, 0, *fail
+            return 10, 0, *fail
         nsym = np.int64(data[pos])
         pos += 1
         if nsym < 1 or nsym > NSYM:
-            return 10, 0, 0, *fail
+            return 10, 0, *fail
         s = 0
         for q in range(nsym):
             freq[g, q], pos = B._get_varint(data, pos)
             if freq[g, q] < 0:
-                return 10, 0, 0, *fail
+                return 10, 0, *fail
             s += freq[g, q]
         elen[g], pos = B._get_varint(data, pos)
         rlen[g], pos = B._get_varint(data, pos)
         if s != PROB_ONE or elen[g] < 0 or rlen[g] < 0:
-            return 10, 0, 0, *fail
+            return 10, 0, *fail
     if pos + blen.sum() + elen.sum() + rlen.sum() != data.size:
-        return 11, 0, 0, *fail
+        return 11, 0, *fail
     # each bucket's bitmap starts at a word; the pass on a wrong base can run it up to CHECK
     # elements past its end before its next check sees it: that much spare
     wbase = np.zeros(K + 1, np.int64)
@@ -1092,12 +1137,12 @@ def _parse(data, n, width_bits, tmpl):
         ng = nb[b] - cb[b] if inv[b] else cb[b]
         bad = _rice_decode(data, pos, blen[b], ng, kr[b], nb[b], inv[b], words, wbase[b])
         if bad:
-            return bad, 0, 0, *fail
+            return bad, 0, *fail
         pos += blen[b]
     diffs = np.empty(c + 64, tmpl.dtype)
-    dstart = np.zeros(GROUPS + 1, np.int64)
+    dstart = np.zeros(G + 1, np.int64)
     zmax = (ONE << np.uint64(width_bits)) - ONE
-    for g in range(GROUPS):
+    for g in range(G):
         dstart[g + 1] = dstart[g] + mg[g]
         if mg[g] == 0:
             continue
@@ -1105,9 +1150,9 @@ def _parse(data, n, width_bits, tmpl):
         pos += elen[g]
         bad = _rans_decode16(data, pos, rlen[g], freq[g], diffs, dstart[g], mg[g], esec, elen[g], zmax)
         if bad:
-            return bad, 0, 0, *fail
+            return bad, 0, *fail
         pos += rlen[g]
-    return 0, K, vthr, thr, nb, words, wbase, diffs, dstart, exc, exb
+    return 0, K, thr, vthr, nb, words, wbase, diffs, dstart, exc, exb
 
 
 # --- the codec ------------------------------------------------------------------------------------
@@ -1132,10 +1177,12 @@ def encode_block(
     stride = n // 64 + 4
     bmap = np.empty(K * stride, np.uint64)  # each bucket's changed flags over its ranks
     acc, nacc, wpos = np.zeros(K, np.uint64), np.zeros(K, np.int64), np.zeros(K, np.int64)
-    vals = np.empty((GROUPS, n + 64), old.dtype)  # zigzag codes of each group's changes, in order
-    nv, exc, nes = np.zeros(GROUPS, np.int64), np.empty(n + 1, np.int64), np.zeros(1, np.int64)
-    scan = scan_for(K, bmi2)
-    vlim = old.dtype.type(vthr << shift)
+    G = vthr.size + 1
+    vals = np.empty((MAX_G, n + 64), old.dtype)  # zigzag codes of each group's changes, in order
+    nv, exc, nes = np.zeros(G, np.int64), np.empty(n + 1, np.int64), np.zeros(1, np.int64)
+    scan = scan_for(K, G, bmi2)
+    vlim = np.full(MAX_G, top, old.dtype)
+    vlim[: G - 1] = vthr << shift
     scan(
         old,
         new,
@@ -1150,6 +1197,8 @@ def encode_block(
         wpos,
         vals[0],
         vals[1],
+        vals[2],
+        vals[3],
         nv,
         exc,
         nes,
@@ -1171,16 +1220,28 @@ class Parsed:
         if block[5] != shift or block[6] != bits:
             raise FormatError(f"{what}: ctx3 block's exponent field ({block[5]}, {block[6]}) is not {dtype}'s")
         got = _parse(np.frombuffer(block, dtype=np.uint8), n, 8 * dt.itemsize, np.zeros(1, dt))
-        status, K, vthr, thr, nb, words, wbase, diffs, dstart, exc, exb = got
+        status, K, thr, vthr, nb, words, wbase, diffs, dstart, exc, exb = got
         if status:
             raise FormatError(f"{what}: bad ctx3 block (check {status} failed)")
-        self.K, self.vthr, self.shift, self.fmask, self.thr, self.nb = K, vthr, shift, (1 << bits) - 1, thr, nb
+        self.K, self.G, self.shift, self.fmask, self.thr, self.vthr, self.nb = (
+            K,
+            vthr.size + 1,
+            shift,
+            (1 << bits) - 1,
+            thr,
+            vthr,
+            nb,
+        )
         self.words, self.wbase, self.diffs, self.dstart, self.exc, self.exb = words, wbase, diffs, dstart, exc, exb
         self.dt = dt
 
     @property
     def lut(self) -> np.ndarray:
         return np.searchsorted(self.thr, np.arange(self.fmask + 1), side="right").astype(np.int64)
+
+    @property
+    def glut(self) -> np.ndarray:
+        return np.searchsorted(self.vthr, np.arange(self.fmask + 1), side="right").astype(np.int64)
 
 
 def decode_block(dtype, block, old, out, what, hasher=None, bmi2=B.HAS_BMI2) -> None:
@@ -1191,15 +1252,12 @@ def decode_block(dtype, block, old, out, what, hasher=None, bmi2=B.HAS_BMI2) -> 
     top = 1 << (8 * old.dtype.itemsize - 1)
     lim = np.full(MAX_K, top, old.dtype)
     lim[: p.K - 1] = p.thr << p.shift
-    c = p.dstart[2]
-    two = 0 < p.dstart[1] < c
-    if two:
-        vlim, dptr, dend = old.dtype.type(p.vthr << p.shift), p.dstart[:-1].copy(), p.dstart[1:]
-    else:  # one group (the other empty): every change's difference from the start
-        vlim, dptr, dend = old.dtype.type(top), np.array([0, c]), np.array([c, c])
+    vlim = np.full(MAX_G, top, old.dtype)
+    vlim[: p.G - 1] = p.vthr << p.shift
+    dptr, dend = p.dstart[:-1].copy(), p.dstart[1:]
     off = p.wbase[:-1] * 64
     ends = off + p.nb
-    run = pass_for(p.K, two, bmi2)
+    run = pass_for(p.K, p.G, bmi2)
     step = min(SLICE, max(64, (SLICE_BYTES // old.dtype.itemsize) // 64 * 64))
     absmask = old.dtype.type(top - 1)
     n = old.size
@@ -1226,7 +1284,7 @@ def _changes(p: Parsed, buckets: np.ndarray, groups: np.ndarray, what: str) -> t
     idx = np.flatnonzero(changed)
     group = groups[idx]
     didx = np.empty(idx.size, np.int64)
-    for g in range(2):
+    for g in range(p.G):
         sel = group == g
         if np.count_nonzero(sel) != p.dstart[g + 1] - p.dstart[g]:
             raise FormatError(f"{what}: ctx3 block's value groups do not match its base")
@@ -1243,7 +1301,7 @@ def decode_reference(dtype: str, block: bytes, old: np.ndarray, what: str = "blo
         return old.copy()
     p = Parsed(dtype, memoryview(block), old.size, old.dtype, what)
     e = _exponents(p, old)
-    idx, d = _changes(p, p.lut[e], (e >= p.vthr).astype(np.int64), what)
+    idx, d = _changes(p, p.lut[e], p.glut[e], what)
     out = old.copy()
     out[idx] = old[idx] + d
     return out
@@ -1254,13 +1312,13 @@ def decode_backward(dtype: str, block: bytes, new: np.ndarray, what: str = "bloc
         return new.copy()
     p = Parsed(dtype, memoryview(block), new.size, new.dtype, what)
     e = _exponents(p, new)
-    buckets, groups = p.lut[e], (e >= p.vthr).astype(np.int64)
+    buckets, groups = p.lut[e], p.glut[e]
     buckets[p.exc] = p.exb >> 4
     groups[p.exc] = p.exb & 15
     idx, d = _changes(p, buckets, groups, what)
     old = new.copy()
     old[idx] = new[idx] - d
     e = _exponents(p, old)
-    if np.any((p.lut[e] != buckets) | ((e >= p.vthr) != groups)):
+    if np.any((p.lut[e] != buckets) | (p.glut[e] != groups)):
         raise FormatError(f"{what}: ctx3 block does not code a change to these elements")
     return old
