@@ -1,28 +1,43 @@
-"""Prototype codec ``ctx3`` (issue 18, third attempt; not registered): ``bucket.py``'s scheme with the
-decode pass rebuilt around a masked expand-load, and streams decoded without bit-by-bit work.
+"""Prototype codec ``ctx3`` (issue 18, third attempt; not registered): ``bucket.py``'s scheme with
+both passes over the elements rebuilt around vector instructions, and the streams decoded without
+bit-by-bit work (README.md here: what each change bought).
 
-What changed from ``bucket.py`` and why (its README measured 40 ns per change against ~8 ns of budget):
+Decoding a block is two steps. First the streams: per position bucket, its Rice codes into a bitmap
+over the bucket's ranks (4 interleaved streams); per value group, its rANS symbols into an array of
+differences in position order (4 interleaved states). Then one pass over the elements, 64 at a time:
+K-1 vector compares of the old values with the bucket thresholds give each bucket's members,
+``pdep`` puts the bucket's next bits there (the changed elements), G-1 more compares split the
+changes into the value groups, and one masked expand-load per group adds the group's next
+differences (``llvm.masked.expandload``, ``vpexpandw`` on AVX-512 VBMI2): the unchanged majority
+costs the compares and the copy, and no step works element by element. A GPU does the same with
+prefix sums (ranks, indices of differences) and gathers: :func:`decode_reference` is that, in numpy.
+Encoding mirrors it: per 64 elements a vector compare of old and new, ``pext`` of each bucket's
+changed flags into its bitmap, a compress-store of each group's zigzag codes.
 
-- the value context is the position bucket (no separate value thresholds): a bucket's changes are
-  then a run of its own differences in position order, and the pass patches 64 elements at once:
-  ``out[w] = old[w] + expandload(diffs_b, changed_b)`` summed over the buckets (one
-  ``llvm.masked.expandload`` per bucket, ``vpexpandw`` on AVX-512 VBMI2; a GPU does the same with a
-  prefix sum of the changed flags and a gather);
-- rANS with a 32-bit state renormalised by 16-bit words (one branch-free step per symbol) and one
-  table entry per slot (symbol, frequency, bias);
-- Rice codes read with one 64-bit peek per gap;
-- each bucket's bitmap is sized for the whole block, so a base that does not match the block can
-  make the pass read garbage bits but never out of bounds (its totals are checked at the end).
+The value groups are ranges of the old exponent of their own (chosen by dynamic programming on the
+sampled value statistics, at most 4, at most 2 below 5% changed): the size of a change's value
+depends on its exponent much more finely than the position buckets resolve.
 
-Block layout (little-endian): ``u32 c``, ``u8 K`` (1..4), ``u8 shift``, ``u8 bits``, ``u8 0``;
-``K-1`` exponent thresholds (u8, ascending; an element's bucket is the number of thresholds <= its
-old exponent); LEB128 ``e`` and ``e`` gaps of the changed positions whose bucket the change moved,
-then ``e`` bytes of their old bucket (for the backward decode); per bucket LEB128 ``n_b``, ``c_b``,
-and when ``c_b > 0``: a byte ``k << 1 | inv``, LEB128 Rice section length, ``nsym``, ``nsym``
-LEB128 frequencies (sum 4096), LEB128 escape section and rANS section lengths; then per bucket its
-Rice, escape and rANS sections. Rice and escape codes as in ``bucket.py``. rANS: u32 final state,
-then u16 words in the order the decoder reads them; state in [2^16, 2^32): after each symbol, a
-state below 2^16 reads one word.
+Block layout (little-endian): ``u32 c`` (changed elements), ``u8 K`` (buckets, 1..8), ``u8 shift``,
+``u8 bits`` (the exponent field, as ``ac``), ``u8 G`` (value groups, 1..4); ``K-1`` bucket
+thresholds then ``G-1`` group thresholds (u8 exponent values, each list ascending; an element's
+bucket or group is the number of its thresholds <= its old exponent); LEB128 ``e`` and ``e`` gaps
+(p0, then p_j - p_{j-1} - 1) of the changed positions whose bucket or group the change moved, then
+``e`` bytes ``old bucket << 4 | old group`` (for the backward decode); per bucket LEB128 ``n_b``,
+``c_b``, and when ``c_b > 0`` a byte ``k << 1 | inv`` (inv exactly when more than half changed) and
+the LEB128 length of its Rice section; per group LEB128 ``m_g``, and when ``m_g > 0`` a byte
+``nsym``, ``nsym`` LEB128 frequencies (sum 4096) and the LEB128 lengths of its escape and rANS
+sections; then every bucket's Rice section, then every group's escape and rANS sections.
+
+A Rice section: LEB128 lengths of its first 3 streams, then the 4 streams; gap j (between the
+changed ranks, or the unchanged ones when inv) is in stream j % 4, each a sequence of Rice(k) codes
+LSB first: q = g >> k one bits, a zero, the k low bits; q >= 32 is 32 ones and g in 32 bits; the
+last byte's unused bits are zero. Values: symbol min(zigzag - 1, 15) per change of the group, in
+position order; symbol 15 is followed, in the escape section and in order, by the Exp-Golomb-0 code
+of zigzag - 16 (as ``bucket.py``). A rANS section: 4 u32 final states, then u16 words in the order
+the decoder reads them; symbol j is decoded by state j % 4 (32-bit, in [2^16, 2^32), 12-bit
+frequencies): slot = x & 4095, x = f * (x >> 12) + slot - start, then a state below 2^16 reads one
+word; every state ends at 2^16 and every word is read.
 """
 
 from __future__ import annotations
@@ -553,13 +568,20 @@ def _histogram(old, new, shift, fmask, width_bits):
         if w % s1 == 0:
             for i in range(a, e):
                 hist[(i & 3) * (fmask + 1) + ((np.int64(old[i]) >> shift) & fmask)] += 1
-        for i in range(a, e):  # the changes (a few per word)
-            if old[i] != new[i]:
-                x = (np.int64(old[i]) >> shift) & fmask
-                chp[x] += s2
-                d = np.int64(np.uint64(new[i] - old[i]) << sh) >> np.int64(sh)
-                z = np.uint64((d << 1) ^ (d >> 63))
-                sym[x, min(z - ONE, np.uint64(NSYM - 1))] += 1
+        if e - a == 64:
+            c = B._ne_mask64(old, new, a)
+        else:
+            c = ZERO
+            for i in range(a, e):
+                c |= np.uint64(old[i] != new[i]) << np.uint64(i - a)
+        while c != ZERO:  # the changes (a few per word)
+            i = a + np.int64(_tz(c))
+            c &= c - ONE
+            x = (np.int64(old[i]) >> shift) & fmask
+            chp[x] += s2
+            d = np.int64(np.uint64(new[i] - old[i]) << sh) >> np.int64(sh)
+            z = np.uint64((d << 1) ^ (d >> 63))
+            sym[x, min(z - ONE, np.uint64(NSYM - 1))] += 1
     for x in range(fmask + 1):
         for r in range(4):
             per[x] += s1 * hist[r * (fmask + 1) + x]
