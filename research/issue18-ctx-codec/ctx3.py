@@ -397,13 +397,27 @@ def _gaps_of(words, n_b, c, inv):
     return gaps
 
 
+@intrinsic
+def _store64(typingctx, buf, pos, value):
+    """Store ``value`` as 8 little-endian bytes at byte ``pos`` of a uint8 array (unaligned)."""
+
+    def codegen(context, builder, sig, args):
+        arr = context.make_array(sig.args[0])(context, builder, value=args[0])
+        ptr = builder.bitcast(builder.gep(arr.data, [args[1]]), ir.IntType(64).as_pointer())
+        builder.store(args[2], ptr, align=1)
+        return context.get_dummy_value()
+
+    return types.none(buf, pos, value), codegen
+
+
 @njit(nogil=True)
 def _rice_stream(gaps, first, k, buf):
-    """Rice codes of ``gaps[first::LANES]`` into ``buf`` (uint32 words); returns the length in bytes.
-    A code is q = g >> k ones, a zero and the k low bits (at most 62 bits); q >= 32 is 32 ones and
-    g in 32 bits."""
-    bp = 0
-    acc = ZERO  # bits not yet written (fewer than 32 after each code), LSB first
+    """Rice codes of ``gaps[first::LANES]`` into ``buf`` (uint8, 8 bytes of slack); returns the length
+    in bytes. A code is q = g >> k ones, a zero and the k low bits (at most 62 bits); q >= 32 is 32
+    ones and g in 32 bits. Fewer than 8 bits wait in ``acc``; each code is or-ed in and the 8 bytes
+    stored at once (unaligned), without a branch but for codes over 56 bits."""
+    p = 0
+    acc = ZERO
     nacc = ZERO
     kk = np.uint64(k)
     low = (ONE << kk) - ONE
@@ -418,33 +432,37 @@ def _rice_stream(gaps, first, k, buf):
         else:
             code = m32 | ((g & m32) << w32)
             n = np.uint64(64)
-        lo = code << nacc  # the code's bits above 64 - nacc spill into hi
-        hi = (code >> (np.uint64(64) - nacc)) if nacc != ZERO else ZERO
-        acc |= lo
+        if n > np.uint64(56):  # rare: the low 32 bits first
+            acc |= (code & m32) << nacc
+            nacc += w32
+            _store64(buf, p, acc)
+            nb = nacc >> np.uint64(3)
+            p += np.int64(nb)
+            acc >>= nb << np.uint64(3)
+            nacc &= np.uint64(7)
+            code >>= w32
+            n -= w32
+        acc |= code << nacc
         nacc += n
-        while nacc >= w32:
-            buf[bp] = U32(acc & m32)
-            bp += 1
-            acc = (acc >> w32) | (hi << w32)
-            hi >>= w32
-            nacc -= w32
-    if nacc != ZERO:
-        buf[bp] = U32(acc & m32)
-    return 4 * bp + (np.int64(nacc) + 7) // 8
+        _store64(buf, p, acc)
+        nb = nacc >> np.uint64(3)
+        p += np.int64(nb)
+        acc = (acc >> (nb << np.uint64(2))) >> (nb << np.uint64(2))  # nb may be 8: two shifts
+        nacc &= np.uint64(7)
+    return p + np.int64(nacc != ZERO)
 
 
 @njit(nogil=True)
 def _rice_section(gaps, k, out):
     """A bucket's Rice section into ``out`` (uint8): LEB128 lengths of its first LANES - 1 streams,
     then the LANES streams (gap j in stream j % LANES); returns its length."""
-    buf = np.zeros(2 * (gaps.size // LANES) + 8, np.uint32)  # a code is at most 64 bits
+    buf = np.empty(8 * (gaps.size // LANES + 1) + 16, np.uint8)  # a code is at most 64 bits
     lens = np.zeros(LANES, np.int64)
     body = np.empty(8 * gaps.size + 64, np.uint8)
     bp = 0
     for q in range(LANES):
-        buf[:] = 0
         lens[q] = _rice_stream(gaps, q, k, buf)
-        body[bp : bp + lens[q]] = buf.view(np.uint8)[: lens[q]]
+        body[bp : bp + lens[q]] = buf[: lens[q]]
         bp += lens[q]
     hp = 0
     for q in range(LANES - 1):
@@ -473,31 +491,45 @@ def _rans_encode16(syms, c, freq, out):
     """The rANS section of ``syms[:c]`` into ``out`` (uint8); returns its length. LANES states:
     symbol j is coded by state j % LANES; the final states first, then one word stream. (Lanes are
     written out: helpers that take arrays cost a reference count per call in numba.)"""
-    fs = np.zeros(NSYM, np.uint32)
-    st = np.zeros(NSYM, np.uint32)
-    acc = U32(0)
+    # per symbol: the state bound, and x // f as a multiply and shifts (ryg's rans_byte.h reciprocal)
+    xmax = np.zeros(NSYM, np.uint64)
+    rcp = np.zeros(NSYM, np.uint64)
+    rsh = np.zeros(NSYM, np.uint64)
+    bias = np.zeros(NSYM, np.uint64)
+    cmpl = np.zeros(NSYM, np.uint64)
+    start = 0
     for i in range(NSYM):
-        fs[i] = U32(freq[i])
-        st[i] = acc
-        acc += fs[i]
+        f = np.int64(freq[i])
+        xmax[i] = np.uint64(f) << np.uint64(32 - PROB_BITS)
+        cmpl[i] = np.uint64(PROB_ONE - f)
+        if f < 2:
+            rcp[i] = np.uint64(0xFFFFFFFF)
+            bias[i] = np.uint64(start + PROB_ONE - 1)
+        elif f > 0:
+            sh = 0
+            while f > (1 << sh):
+                sh += 1
+            rcp[i] = np.uint64(((1 << (sh + 31)) + f - 1) // f)
+            rsh[i] = np.uint64(sh - 1)
+            bias[i] = np.uint64(start)
+        start += f
     tmp = np.empty(c + 4, np.uint16)  # at most one word per symbol, written backwards
     t = tmp.size
-    x0 = RANS_L
-    x1 = RANS_L
-    x2 = RANS_L
-    x3 = RANS_L
+    x0 = np.uint64(RANS_L)  # states below 2^32, in 64-bit registers for the multiply
+    x1 = x0
+    x2 = x0
+    x3 = x0
     full = c - c % LANES
     for j in range(c - 1, full - 1, -1):  # the last, partial group (lanes 0..c % LANES - 1)
         s = syms[j]
-        f = fs[s]
         q = j - full
         x = x2 if q == 2 else x1 if q == 1 else x0
-        if np.uint64(x) >= np.uint64(f) << np.uint64(32 - PROB_BITS):
+        if x >= xmax[s]:
             t -= 1
-            tmp[t] = np.uint16(x & U32(0xFFFF))
-            x >>= U32(16)
-        d = x // f
-        x = (d << U32(PROB_BITS)) + (x - d * f) + st[s]
+            tmp[t] = np.uint16(x & np.uint64(0xFFFF))
+            x >>= np.uint64(16)
+        d = ((x * rcp[s]) >> np.uint64(32)) >> rsh[s]
+        x = x + bias[s] + d * cmpl[s]
         if q == 2:
             x2 = x
         elif q == 1:
@@ -506,41 +538,37 @@ def _rans_encode16(syms, c, freq, out):
             x0 = x
     for j in range(full - LANES, -1, -LANES):
         s = syms[j + 3]
-        f = fs[s]
-        if np.uint64(x3) >= np.uint64(f) << np.uint64(32 - PROB_BITS):
+        if x3 >= xmax[s]:
             t -= 1
-            tmp[t] = np.uint16(x3 & U32(0xFFFF))
-            x3 >>= U32(16)
-        d = x3 // f
-        x3 = (d << U32(PROB_BITS)) + (x3 - d * f) + st[s]
+            tmp[t] = np.uint16(x3 & np.uint64(0xFFFF))
+            x3 >>= np.uint64(16)
+        d = (((x3 * rcp[s]) >> np.uint64(32)) >> rsh[s])
+        x3 = x3 + bias[s] + d * cmpl[s]
         s = syms[j + 2]
-        f = fs[s]
-        if np.uint64(x2) >= np.uint64(f) << np.uint64(32 - PROB_BITS):
+        if x2 >= xmax[s]:
             t -= 1
-            tmp[t] = np.uint16(x2 & U32(0xFFFF))
-            x2 >>= U32(16)
-        d = x2 // f
-        x2 = (d << U32(PROB_BITS)) + (x2 - d * f) + st[s]
+            tmp[t] = np.uint16(x2 & np.uint64(0xFFFF))
+            x2 >>= np.uint64(16)
+        d = (((x2 * rcp[s]) >> np.uint64(32)) >> rsh[s])
+        x2 = x2 + bias[s] + d * cmpl[s]
         s = syms[j + 1]
-        f = fs[s]
-        if np.uint64(x1) >= np.uint64(f) << np.uint64(32 - PROB_BITS):
+        if x1 >= xmax[s]:
             t -= 1
-            tmp[t] = np.uint16(x1 & U32(0xFFFF))
-            x1 >>= U32(16)
-        d = x1 // f
-        x1 = (d << U32(PROB_BITS)) + (x1 - d * f) + st[s]
+            tmp[t] = np.uint16(x1 & np.uint64(0xFFFF))
+            x1 >>= np.uint64(16)
+        d = (((x1 * rcp[s]) >> np.uint64(32)) >> rsh[s])
+        x1 = x1 + bias[s] + d * cmpl[s]
         s = syms[j + 0]
-        f = fs[s]
-        if np.uint64(x0) >= np.uint64(f) << np.uint64(32 - PROB_BITS):
+        if x0 >= xmax[s]:
             t -= 1
-            tmp[t] = np.uint16(x0 & U32(0xFFFF))
-            x0 >>= U32(16)
-        d = x0 // f
-        x0 = (d << U32(PROB_BITS)) + (x0 - d * f) + st[s]
+            tmp[t] = np.uint16(x0 & np.uint64(0xFFFF))
+            x0 >>= np.uint64(16)
+        d = (((x0 * rcp[s]) >> np.uint64(32)) >> rsh[s])
+        x0 = x0 + bias[s] + d * cmpl[s]
     xs = (x0, x1, x2, x3)
     for q in range(LANES):
         for b in range(4):
-            out[4 * q + b] = np.uint8((xs[q] >> U32(8 * b)) & U32(0xFF))
+            out[4 * q + b] = np.uint8((xs[q] >> np.uint64(8 * b)) & np.uint64(0xFF))
     m = tmp.size - t
     out[4 * LANES : 4 * LANES + 2 * m] = tmp[t:].view(np.uint8)
     return 4 * LANES + 2 * m
