@@ -59,7 +59,7 @@ MAX_K = 8
 SLICE = max(64, (SLICE_BYTES // 2) // 64 * 64)  # elements per slice of the pass (hashed while in cache)
 CHECK = 4096  # elements between the pass's checks that no bucket ran past its bitmap (+ spare bits)
 RANS_L = np.uint32(1 << 16)
-LANES = 4  # interleaved rANS states, and Rice streams, per bucket
+LANES = 4  # interleaved rANS states per value group, and Rice streams per bucket
 MAX_G = 4  # value groups (contiguous ranges of the old exponent), each its own rANS stream
 GROUP_DENSITY = 0.05  # blocks whose changed fraction is below this use at most 2 (a faster pass)
 U32 = np.uint32
@@ -542,28 +542,28 @@ def _rans_encode16(syms, c, freq, out):
             t -= 1
             tmp[t] = np.uint16(x3 & np.uint64(0xFFFF))
             x3 >>= np.uint64(16)
-        d = (((x3 * rcp[s]) >> np.uint64(32)) >> rsh[s])
+        d = ((x3 * rcp[s]) >> np.uint64(32)) >> rsh[s]
         x3 = x3 + bias[s] + d * cmpl[s]
         s = syms[j + 2]
         if x2 >= xmax[s]:
             t -= 1
             tmp[t] = np.uint16(x2 & np.uint64(0xFFFF))
             x2 >>= np.uint64(16)
-        d = (((x2 * rcp[s]) >> np.uint64(32)) >> rsh[s])
+        d = ((x2 * rcp[s]) >> np.uint64(32)) >> rsh[s]
         x2 = x2 + bias[s] + d * cmpl[s]
         s = syms[j + 1]
         if x1 >= xmax[s]:
             t -= 1
             tmp[t] = np.uint16(x1 & np.uint64(0xFFFF))
             x1 >>= np.uint64(16)
-        d = (((x1 * rcp[s]) >> np.uint64(32)) >> rsh[s])
+        d = ((x1 * rcp[s]) >> np.uint64(32)) >> rsh[s]
         x1 = x1 + bias[s] + d * cmpl[s]
         s = syms[j + 0]
         if x0 >= xmax[s]:
             t -= 1
             tmp[t] = np.uint16(x0 & np.uint64(0xFFFF))
             x0 >>= np.uint64(16)
-        d = (((x0 * rcp[s]) >> np.uint64(32)) >> rsh[s])
+        d = ((x0 * rcp[s]) >> np.uint64(32)) >> rsh[s]
         x0 = x0 + bias[s] + d * cmpl[s]
     xs = (x0, x1, x2, x3)
     for q in range(LANES):
@@ -836,7 +836,7 @@ def _encode(old, new, shift, bits, width_bits, bmi2, thr, vthr, bmap, stride, ac
 # --- decoding -------------------------------------------------------------------------------------
 @njit(nogil=True)
 def _rans_decode16(data, pos, length, freq, diffs, d0, count, esec, elen, zmax):
-    """``count`` differences of a bucket from its rANS section (``data[pos:pos+length]``) and escape
+    """``count`` differences of a value group from its rANS section (``data[pos:pos+length]``) and escape
     section into ``diffs[d0:]``; returns 0 or a failed check's number."""
     if length < 4 * LANES or (length - 4 * LANES) % 2:
         return 13
