@@ -147,6 +147,30 @@ def _pext_soft(x, m):
 
 
 @intrinsic
+def _field_ne_mask64(typingctx, a, b, base, field):
+    """Bit j set where ``(a[base + j] ^ b[base + j]) & field`` is not zero, for j < 64."""
+
+    def codegen(context, builder, sig, args):
+        vals = []
+        for aryty, ary in zip(sig.args[:2], args[:2]):
+            arr = context.make_array(aryty)(context, builder, value=ary)
+            ptr = builder.gep(arr.data, [args[2]])
+            vt = ir.VectorType(context.get_data_type(aryty.dtype), 64)
+            vals.append(builder.load(builder.bitcast(ptr, vt.as_pointer()), align=aryty.dtype.bitwidth // 8))
+        vt = vals[0].type
+        f = builder.trunc(args[3], vt.element) if args[3].type.width > vt.element.width else args[3]
+        splat = builder.shuffle_vector(
+            builder.insert_element(ir.Constant(vt, ir.Undefined), f, ir.Constant(ir.IntType(32), 0)),
+            ir.Constant(vt, ir.Undefined),
+            ir.Constant(ir.VectorType(ir.IntType(32), 64), [0] * 64),
+        )
+        x = builder.and_(builder.xor(vals[0], vals[1]), splat)
+        return builder.bitcast(builder.icmp_unsigned("!=", x, ir.Constant(vt, None)), ir.IntType(64))
+
+    return types.uint64(a, b, base, field), codegen
+
+
+@intrinsic
 def _compress_zz(typingctx, old, new, base, dst, pos, mask):
     """Store the zigzag codes of ``new - old`` (wrapping) at the set bits of ``mask`` (64 elements
     from ``base``), in order, into ``dst`` from ``pos``: a masked compress-store per 32 lanes
@@ -290,7 +314,8 @@ def _scan_source(K: int, G: int) -> str:
     stream; the changes that move their element to another bucket or group are listed (for the
     backward decode)."""
     r, rg = range(K), range(G)
-    L = ["def _scan(old, new, nfull, lim, vlim, absmask, bmap, stride, acc, nacc, wpos, v0, v1, v2, v3, nv, exc, nes):"]
+    L = ["def _scan(old, new, nfull, lim, vlim, absmask, field, shift, fm, blut, glut, bmap, stride, acc, nacc, wpos,"]
+    L[0] += " v0, v1, v2, v3, nv, exc, nes):"
     L += [f"    l{t} = lim[{t}]" for t in range(K - 1)] + [f"    u{t} = vlim[{t}]" for t in range(G - 1)]
     L += [f"    a{b} = acc[{b}]" for b in r] + [f"    n{b} = np.uint64(nacc[{b}])" for b in r]
     L += [f"    w{b} = np.uint64({b} * stride + wpos[{b}])" for b in r]
@@ -303,20 +328,21 @@ def _scan_source(K: int, G: int) -> str:
     L += [f"        b_m{t} = _below_mask64(old, base, absmask, l{t})" for t in range(K - 1)]
     L += _regions("b", K, "        ")
     L += [f"        f{b} = ZERO" for b in r]
-    L += ["        if c != ZERO:", "            moved = ZERO"]
+    L += ["        if c != ZERO:"]
     L += [f"            g_m{t} = _below_mask64(old, base, absmask, u{t})" for t in range(G - 1)]
-    L += [f"            moved |= g_m{t} ^ _below_mask64(new, base, absmask, u{t})" for t in range(G - 1)]
-    L += [f"            moved |= b_m{t} ^ _below_mask64(new, base, absmask, l{t})" for t in range(K - 1)]
     L += _regions("g", G, "            ")
     for g in rg:
         L += [f"            g{g} &= c", f"            _compress_zz(old, new, base, v{g}, k{g}, g{g})"]
         L += [f"            k{g} += np.int64(_pop(g{g}))"]
+    # a change can move its element to another bucket or group only if its exponent changed (rare)
+    L += ["            x = _field_ne_mask64(old, new, base, field)", "            while x != ZERO:"]
+    L += ["                i = base + np.int64(_tz(x))", "                x &= x - ONE"]
     L += [
-        "            x = c & moved",
-        "            while x != ZERO:",
-        "                exc[ne] = base + np.int64(_tz(x))",
+        "                eo = (np.int64(old[i]) >> shift) & fm",
+        "                en = (np.int64(new[i]) >> shift) & fm",
     ]
-    L += ["                ne += 1", "                x &= x - ONE"]
+    L += ["                if blut[eo] != blut[en] or glut[eo] != glut[en]:"]
+    L += ["                    exc[ne] = i", "                    ne += 1"]
     L += [f"            f{b} = _pext(c, b{b})" for b in r]
     for b in r:  # append the bucket's flags to its bitmap; the word is stored every time (branch-free)
         L += [f"        p = _pop(b{b})", f"        word = a{b} | (f{b} << n{b})", f"        bmap[w{b}] = word"]
@@ -340,6 +366,7 @@ def scan_for(K: int, G: int, bmi2: bool = B.HAS_BMI2):
     if key not in _SCANS:
         ns = dict(np=np, ALL=ALL, ONE=ONE, ZERO=ZERO, SIX=np.uint64(6), M63=np.uint64(63), W64=np.uint64(64))
         ns.update(_below_mask64=_below_mask64, _ne_mask64=B._ne_mask64, _pop=_pop, _tz=_tz, _compress_zz=_compress_zz)
+        ns.update(_field_ne_mask64=_field_ne_mask64)
         ns["_pext"] = _pext_bmi2 if bmi2 else _pext_soft
         exec(_scan_source(K, G), ns)
         import numba
@@ -1233,6 +1260,9 @@ def encode_block(
     scan = scan_for(K, G, bmi2)
     vlim = np.full(MAX_G, top, old.dtype)
     vlim[: G - 1] = vthr << shift
+    fmask = (1 << bits) - 1
+    blut = np.searchsorted(thr, np.arange(fmask + 1), side="right").astype(np.int64)
+    glut = np.searchsorted(vthr, np.arange(fmask + 1), side="right").astype(np.int64)
     scan(
         old,
         new,
@@ -1240,6 +1270,11 @@ def encode_block(
         lim,
         vlim,
         old.dtype.type(top - 1),
+        old.dtype.type(fmask << shift),
+        shift,
+        fmask,
+        blut,
+        glut,
         bmap,
         stride,
         acc,
