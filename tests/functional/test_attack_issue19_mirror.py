@@ -332,7 +332,7 @@ def bytes_of(t) -> bytes:
     return t.detach().contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes()
 
 
-@pytest.mark.parametrize("coder", [True, False], ids=["ac", "sparse"])
+@pytest.mark.parametrize("coder", [True, False], ids=["ans", "sparse"])
 @pytest.mark.parametrize("mode", ["patch", "flip"])
 def test_a_torch_sink_following_a_torn_region_never_reports_success_with_wrong_bytes(tmp_path, small, mode, coder):
     import torch

@@ -17,7 +17,7 @@ from weightsync.torch.sink import TorchSink
 from weightsync.torch.state_dict import StateDictPublisher
 
 MODES = pytest.mark.parametrize("mode", ["patch", "flip"])
-CODECS = pytest.mark.parametrize("sparse", [False, True], ids=["ac", "sparse"])
+CODECS = pytest.mark.parametrize("sparse", [False, True], ids=["ans", "sparse"])
 
 
 def publish(root, sds, sparse: bool = False) -> str:

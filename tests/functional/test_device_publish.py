@@ -92,7 +92,7 @@ def same_manifests(a, b, version: int) -> None:
     assert (ma.files, ma.chunks, ma.keyframe, ma.parent) == (mb.files, mb.chunks, mb.keyframe, mb.parent)
 
 
-@pytest.mark.parametrize("entropy_coder", [True, False], ids=["ac", "sparse"])
+@pytest.mark.parametrize("entropy_coder", [True, False], ids=["ans", "sparse"])
 def test_device_path_is_bit_exact_and_matches_the_host_path(tmp_path, monkeypatch, entropy_coder):
     cfg = PublishConfig(codec=CodecConfig(entropy_coder=entropy_coder), keyframe_interval=3)
     built = []  # sparse payloads built from the device's changes, without a host diff

@@ -108,7 +108,7 @@ class Crash(Observer):
         raise RuntimeError("rank crashed")
 
 
-@pytest.mark.parametrize("entropy_coder", [True, False], ids=["ac", "sparse"])
+@pytest.mark.parametrize("entropy_coder", [True, False], ids=["ans", "sparse"])
 def test_ranks_as_threads_publish_bit_exact_parts_equal_to_the_folder_path(tmp_path, entropy_coder):
     """Three ranks, six steps (keyframes at 0 and 3; a tensor added, reshaped, retyped and removed,
     metadata): every version bit-exact, only changes cross to the host, and each part equals the

@@ -70,7 +70,7 @@ def trained(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(family)
     dirs = train(family, root, bf16_router=family == "deepseek_v3")
     stores = {}
-    for name, codec in (("ac", CodecConfig()), ("sparse", CodecConfig(entropy_coder=False))):
+    for name, codec in (("ans", CodecConfig()), ("sparse", CodecConfig(entropy_coder=False))):
         stores[name] = str(root / f"store-{name}")
         for d in dirs:
             weightsync.publish(d, stores[name], config=PublishConfig(keyframe_interval=2, codec=codec))
@@ -78,7 +78,7 @@ def trained(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("mode", ["patch", "flip"])
-@pytest.mark.parametrize("codec", ["ac", "sparse"])
+@pytest.mark.parametrize("codec", ["ans", "sparse"])
 def test_a_transformers_model_follows_the_store_bit_exact(trained, mode, codec):
     family, dirs, stores = trained
     model = load(dirs[0]).to(DEVICE)

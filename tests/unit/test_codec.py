@@ -31,7 +31,7 @@ FAST = settings(max_examples=80, deadline=None, suppress_health_check=[HealthChe
 # Payload container layout (docs/FORMAT.md "Payloads"), restated here so the tests pin the format:
 HEADER = struct.Struct("<4sBBHQQI")  # magic, codec id, elem width, reserved, n elems, block elems, n blocks
 SPARSE = struct.Struct("<IBBHI")  # changed count, gap width, reserved, reserved, compressed gaps length
-CODEC_ID = {"full": 1, "sparse": 2, "dense": 3, "ac": 4}
+CODEC_ID = {"full": 1, "sparse": 2, "dense": 3, "ac": 4, "ans": 5}
 
 # Bit patterns that float arithmetic would lose or normalise: NaN payloads (quiet and signalling,
 # both signs), -0.0, infinities, subnormals, extremes of every integer type.
@@ -191,7 +191,7 @@ def test_delta_round_trip_is_byte_identical(case):
     if changed == 0:
         assert enc.codec == "same" and enc.payload == b""
     else:
-        assert enc.codec in ("sparse", "dense", "ac")
+        assert enc.codec in ("sparse", "dense", "ac", "ans")
     out = decode_tensor(dtype, enc.codec, enc.payload, raw(old), new.nbytes)
     assert np.array_equal(out, raw(new))
 
@@ -332,7 +332,7 @@ def test_dense_is_never_chosen_below_threshold_and_never_larger(case):
     if enc.codec == "dense":
         assert enc.changed > cfg.dense_above * new.size
         delta_only = encode_tensor(dtype, raw(new), raw(old), dataclasses.replace(cfg, dense_above=1.0))
-        assert delta_only.codec in ("sparse", "ac") and len(enc.payload) < len(delta_only.payload)
+        assert delta_only.codec in ("sparse", "ac", "ans") and len(enc.payload) < len(delta_only.payload)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -362,7 +362,7 @@ def test_nan_payload_and_signed_zero_changes_are_changes(dtype):
     old = np.array([nan, 0, 5], dtype=view)
     new = np.array([nan | 1, sign, 5], dtype=view)
     enc = encode_tensor(dtype, raw(new), raw(old))
-    assert enc.codec in ("sparse", "dense", "ac") and enc.changed == 2
+    assert enc.codec in ("sparse", "dense", "ac", "ans") and enc.changed == 2
     assert np.array_equal(decode_tensor(dtype, enc.codec, enc.payload, raw(old), new.nbytes), raw(new))
 
 
@@ -407,7 +407,7 @@ def test_multi_block_payload_has_one_length_per_block():
     assert (cid, width, n, step, n_blocks) == (CODEC_ID[enc.codec], 4, 100, 10, 10)
     lengths = np.frombuffer(enc.payload[HEADER.size : HEADER.size + 8 * n_blocks], dtype="<u8")
     assert int(lengths.sum()) == len(enc.payload) - HEADER.size - 8 * n_blocks
-    if enc.codec in ("sparse", "ac"):  # unchanged blocks cost nothing
+    if enc.codec in ("sparse", "ac", "ans"):  # unchanged blocks cost nothing
         assert int(np.count_nonzero(lengths)) == 3
 
 
@@ -990,7 +990,9 @@ def test_payload_changes_are_the_sparse_delta_without_a_base(dtype):
     assert np.array_equal(o[idx] + diff, n[idx])
     assert payload_changes(dtype, "same", b"", new.size)[0].size == 0
     if width < 8:
-        assert payload_changes(dtype, "ac", encode_tensor(dtype, new, old, CodecConfig()).payload, new.size) is None
+        for coder in ("ac", "ans"):  # their positions depend on the base
+            payload = encode_tensor(dtype, new, old, CodecConfig(coder=coder)).payload
+            assert payload_changes(dtype, coder, payload, new.size) is None
     bad = bytearray(enc.payload)
     bad[-3] ^= 0xFF
     with pytest.raises(FormatError):

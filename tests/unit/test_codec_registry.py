@@ -13,7 +13,7 @@ from weightsync.errors import FormatError
 
 
 def test_the_ids_are_the_formats():
-    ids = {"full": 1, "sparse": 2, "dense": 3, "ac": 4}
+    ids = {"full": 1, "sparse": 2, "dense": 3, "ac": 4, "ans": 5}
     for name, cid in ids.items():
         codec = registry.get(name)
         assert isinstance(codec, Codec) and (codec.name, codec.id) == (name, cid)
@@ -21,7 +21,7 @@ def test_the_ids_are_the_formats():
     with pytest.raises(KeyError):
         registry.get("same")  # no payload, no codec
     with pytest.raises(KeyError):
-        registry.get_by_id(5)
+        registry.get_by_id(6)
 
 
 def test_the_manifest_reader_accepts_every_built_in_codec():
@@ -33,7 +33,8 @@ def test_the_manifest_reader_accepts_every_built_in_codec():
 
 
 def test_supports():
-    assert registry.get("ac").supports("BF16") and not registry.get("ac").supports("F64")
+    for name in ("ac", "ans"):
+        assert registry.get(name).supports("BF16") and not registry.get(name).supports("F64")
     assert all(registry.get(n).supports("F64") for n in ("full", "sparse", "dense"))
 
 
@@ -79,6 +80,6 @@ def test_a_codec_is_added_by_one_class():
         assert np.array_equal(decode_tensor("BF16", "raw-test", payload, old, new.size), new)
         with pytest.raises(FormatError, match="is not a 'ac' payload"):
             decode_tensor("BF16", "ac", payload, old, new.size)
-            assert encode_tensor("BF16", new, old).codec in ("ac", "dense")  # encoding with it is the payload's choice
+            assert encode_tensor("BF16", new, old).codec in ("ans", "dense")  # encoding with it is the payload's choice
     finally:
         del registry._BY_ID[200], registry._BY_NAME["raw-test"]

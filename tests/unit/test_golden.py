@@ -188,13 +188,17 @@ def test_fixture_is_untouched_by_the_tests():
     assert {p.name for p in root.iterdir()} == {"HEAD", "weightsync.json", "versions", "chunks"}
 
 
-def test_committed_ac_payload_still_decodes():
-    """The arithmetic coder's byte layout and model adaptation must not drift: a payload made when
-    the ``ac`` codec was added (2 blocks of a bf16 tensor) must decode to the recorded bytes."""
+@pytest.mark.parametrize("codec", ["ac", "ans"])
+def test_committed_entropy_coded_payload_still_decodes(codec):
+    """The entropy coders' byte layouts must not drift: a payload made when the codec was added (2
+    blocks of a bf16 tensor) must decode to the recorded bytes; ``ans``'s backward too."""
     import zstandard
 
-    d = GOLDEN / "ac"
+    d = GOLDEN / codec
     spec = json.loads((d / "expected.json").read_text())
-    old = np.frombuffer(zstandard.ZstdDecompressor().decompress((d / "old.bin.zst").read_bytes()), dtype=np.uint8)
-    out = decode_tensor(spec["dtype"], spec["codec"], (d / "payload.bin").read_bytes(), old, spec["nbytes"])
+    base = GOLDEN / spec.get("base", f"{codec}/old.bin.zst")
+    old = np.frombuffer(zstandard.ZstdDecompressor().decompress(base.read_bytes()), dtype=np.uint8)
+    payload = (d / "payload.bin").read_bytes()
+    out = decode_tensor(spec["dtype"], spec["codec"], payload, old, spec["nbytes"])
     assert hashlib.sha256(out.tobytes()).hexdigest() == spec["sha256_new"]
+    assert np.count_nonzero(out.view("<u2") != old.view("<u2")) == spec["changed"]

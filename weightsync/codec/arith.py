@@ -13,16 +13,7 @@ from weightsync.codec.jit import njit
 from weightsync.codec.registry import register
 from weightsync.codec.streams import unzigzag
 from weightsync.errors import FormatError
-from weightsync.format.dtypes import ITEMSIZE
-
-# dtype -> (shift, bits) of the exponent field within the unsigned view (sign bit excluded);
-# other dtypes use a single context.
-EXPONENT_FIELD: dict[str, tuple[int, int]] = {
-    "BF16": (7, 8),
-    "F16": (10, 5),
-    "F32": (23, 8),
-}
-
+from weightsync.format.dtypes import EXPONENT_FIELD, ITEMSIZE
 
 _HEAD = struct.Struct("<IBBH")  # changed count, shift, bits, reserved
 

@@ -3,23 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
-from numba import types
-from numba.extending import intrinsic
 
 from weightsync.codec.jit import njit
-
-
-@intrinsic
-def _trailing_zeros(typingctx, x):
-    """Index of the lowest set bit of a uint64 (64 for zero): LLVM's cttz, one instruction."""
-
-    def codegen(context, builder, signature, args):
-        fnty = ir.FunctionType(ir.IntType(64), [ir.IntType(64), ir.IntType(1)])
-        fn = builder.module.declare_intrinsic("llvm.cttz", [ir.IntType(64)], fnty)
-        return builder.call(fn, [args[0], ir.Constant(ir.IntType(1), 0)])
-
-    return types.uint64(types.uint64), codegen
+from weightsync.codec.simd import trailing_zeros as _trailing_zeros
 
 
 @njit()

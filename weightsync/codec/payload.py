@@ -1,5 +1,5 @@
 """Tensors as payloads (docs/FORMAT.md, "Payloads"): the container of independent blocks, the
-choice of a codec per tensor (``same``, ``full``, ``ac``, ``sparse``, ``dense``), and rebuilding a
+choice of a codec per tensor (``same``, ``full``, ``ans``, ``ac``, ``sparse``, ``dense``), and rebuilding a
 tensor from a chain of payloads (docs/DESIGN.md)."""
 
 from __future__ import annotations
@@ -26,6 +26,10 @@ _HEADER = struct.Struct("<4sBBHQQI")  # magic, codec id, elem width, reserved, n
 MAX_BLOCK_ELEMS = 1 << 31
 
 
+CODERS = ("ans", "ac")
+"""The entropy coders a :class:`CodecConfig` may name."""
+
+
 @dataclass(frozen=True)
 class CodecConfig:
     """How tensors are encoded. Decoding needs none of it: payloads are self-describing.
@@ -34,7 +38,10 @@ class CodecConfig:
     ``min_match`` 7 and ``hash_log`` 10, see :func:`weightsync.codec.streams.compressor`);
     block_bytes: raw bytes per block (bounds encoder memory to a few blocks per thread);
     dense_above: changed fraction above which the dense coding is also tried;
-    entropy_coder: use ``ac`` where it applies (smallest); False: ``sparse`` (6-8x faster to encode, 10x to decode).
+    entropy_coder: use the entropy coder ``coder`` where it applies (elements of up to 4 bytes);
+    False: ``sparse`` (about 1.5x faster to encode than ``ans``, no faster to decode, 1.4x larger);
+    coder: ``ans`` (the default: 0.73-0.80x the entropy bound, decoding at ``sparse``'s speed) or
+    ``ac`` (0.69-0.75x, 5-6x slower to decode and 3-4x slower to encode; docs/DESIGN.md, "Codecs").
     """
 
     level: int = 1
@@ -42,6 +49,7 @@ class CodecConfig:
     block_bytes: int = 32 << 20
     dense_above: float = 0.25
     entropy_coder: bool = True
+    coder: str = "ans"
 
     def __post_init__(self) -> None:
         if not (1 <= self.level <= 22 and 1 <= self.full_level <= 22):
@@ -50,6 +58,8 @@ class CodecConfig:
             raise UsageError(f"block_bytes must be in 8..{MAX_BLOCK_ELEMS}")
         if not 0.0 <= self.dense_above <= 1.0:
             raise UsageError("dense_above must be a fraction in [0, 1]")
+        if self.coder not in CODERS:
+            raise UsageError(f"unknown entropy coder {self.coder!r} (one of {', '.join(CODERS)})")
 
     def block_elems(self, width: int) -> int:
         """Elements per block for elements of ``width`` bytes (blocks are coded independently)."""
@@ -108,9 +118,9 @@ def encode_tensor(
 ) -> EncodedTensor:
     """Encode ``new`` (raw bytes, 1-D uint8) against ``old`` (same length) or in full if ``old`` is None.
 
-    Elements of up to 4 bytes use ``ac`` (unless ``entropy_coder`` is off), wider ones ``sparse``;
-    above ``dense_above`` changed, ``dense`` is tried too and the smaller wins. An unchanged tensor
-    is ``same``.
+    Elements of up to 4 bytes use the entropy coder (``config.coder``, unless ``entropy_coder`` is
+    off), wider ones ``sparse`` (:func:`delta_codec`); above ``dense_above`` changed, ``dense`` is
+    tried too and the smaller wins. An unchanged tensor is ``same``.
     """
     new_e = _as_elements(new, dtype, "new tensor")
     if old is None:
@@ -119,8 +129,7 @@ def encode_tensor(
     old_e = _as_elements(old, dtype, "old tensor")
     if old_e.size != new_e.size:
         raise UsageError("old and new tensors differ in size; encode in full")
-    ac = registry.get("ac")
-    codec = ac if config.entropy_coder and ac.supports(dtype) else registry.get("sparse")
+    codec = registry.get(delta_codec(dtype, config))
     payload, changed = _encode_payload(codec, dtype, old_e, new_e, config)
     if changed == 0:
         return EncodedTensor("same", b"", 0)
@@ -130,6 +139,13 @@ def encode_tensor(
         if len(dense) < len(best.payload):
             best = EncodedTensor("dense", dense, changed)
     return best
+
+
+def delta_codec(dtype: str, config: CodecConfig) -> str:
+    """The codec :func:`encode_tensor` codes a changed tensor of ``dtype`` with (before trying ``dense``)."""
+    if config.entropy_coder and registry.get(config.coder).supports(dtype):
+        return config.coder
+    return "sparse"
 
 
 def encode_sparse_from_changes(
@@ -235,7 +251,7 @@ def payload_changes(
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """The changes a delta payload makes, without its base: positions (int64, ascending) and the
     wrapping differences there (unsigned of the element width), new = old + difference; or None
-    for a codec that cannot say without decoding the whole tensor (``ac``, ``dense``, ``full``).
+    for a codec that cannot say without decoding the whole tensor (``ans``, ``ac``, ``dense``, ``full``).
     Work proportional to the change: what an in-place patch of a live model needs."""
     width = itemsize(dtype)
     n = nbytes // width
@@ -316,16 +332,21 @@ def warm_up() -> None:
     """Compile the numba kernels, or load them from numba's cache (:mod:`weightsync.codec.jit`), for
     every element width and every signature publishes and pulls use, by coding a tiny tensor pair
     with each codec: deltas and keyframes, decoded from a read-only payload (as fetched) and a
-    writable one, into a fresh buffer and in place. Daemons run this at start in the background, so
-    that their first delta does not pay it (about 7 s of compiling with a cold cache, 0.5 s to load
+    writable one, into a fresh buffer and in place; and every pass of ``ans`` its encoder uses
+    (:func:`weightsync.codec.ans.warm_up`). Daemons run this at start in the background, so that
+    their first delta does not pay it (about a minute of compiling with a cold cache, 1-2 s to load
     a warm one); an image build runs it (``python -m weightsync.codec.jit``) to fill the image's cache."""
+    from weightsync.codec import ans  # numba: imported on first use
+
+    ans.warm_up()
     rng = np.random.default_rng(0)
     for width in sorted(set(UINT_VIEW)):
         dtype = next(d for d in ("U8", "BF16", "F32", "F64") if itemsize(d) == width)
         old = rng.integers(0, 256, 1024 * width, dtype=np.uint8)
         new = old.copy()
         new[:: 37 * width] += 1  # 2.7% of the elements change: the delta codecs, not dense
-        for cfg, base in ((CodecConfig(), old), (CodecConfig(entropy_coder=False), old), (CodecConfig(), None)):
+        deltas = (CodecConfig(), CodecConfig(coder="ac"), CodecConfig(entropy_coder=False))
+        for cfg, base in (*((c, old) for c in deltas), (CodecConfig(), None)):
             enc = encode_tensor(dtype, new, base, cfg)  # base None: a keyframe ("full")
             for payload in (bytes(enc.payload), bytearray(enc.payload)):  # read-only and writable arrays
                 into = old.copy()  # decoded into a fresh buffer, and in place (as pulls do): two kernels

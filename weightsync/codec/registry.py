@@ -1,6 +1,6 @@
 """The codecs by id (as payload headers store them) and by name (as manifests store them).
 
-The ids are the format's (docs/FORMAT.md, "Payloads"): 1 = full, 2 = sparse, 3 = dense, 4 = ac.
+The ids are the format's (docs/FORMAT.md, "Payloads"): 1 = full, 2 = sparse, 3 = dense, 4 = ac, 5 = ans.
 ``same`` is no codec here: it has no payload (:mod:`weightsync.codec.payload`).
 
 The built-in codec modules (:data:`BUILTIN`) are imported on the first lookup, not with the
@@ -14,7 +14,13 @@ import threading
 
 from weightsync.codec.abc import Codec
 
-BUILTIN = ("weightsync.codec.full", "weightsync.codec.sparse", "weightsync.codec.dense", "weightsync.codec.arith")
+BUILTIN = (
+    "weightsync.codec.full",
+    "weightsync.codec.sparse",
+    "weightsync.codec.dense",
+    "weightsync.codec.arith",
+    "weightsync.codec.ans",
+)
 """The modules whose import registers the built-in codecs."""
 
 _BY_ID: dict[int, Codec] = {}

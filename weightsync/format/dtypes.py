@@ -28,6 +28,15 @@ ITEMSIZE: dict[str, int] = {
 }
 
 
+EXPONENT_FIELD: dict[str, tuple[int, int]] = {
+    "BF16": (7, 8),
+    "F16": (10, 5),
+    "F32": (23, 8),
+}
+"""dtype -> (shift, bits) of the exponent field within the unsigned view (the sign bit excluded): the
+context of the ``ac`` and ``ans`` codecs; other dtypes have one context."""
+
+
 UINT_VIEW: dict[int, np.dtype] = {
     1: np.dtype("<u1"),
     2: np.dtype("<u2"),

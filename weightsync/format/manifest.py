@@ -34,7 +34,7 @@ from weightsync.format.keys import (
 )
 
 ROLES = ("header", "tensor", "blob")
-SEGMENT_CODECS = ("same", "full", "sparse", "dense", "ac")  # docs/FORMAT.md; a new codec adds its name here
+SEGMENT_CODECS = ("same", "full", "sparse", "dense", "ac", "ans")  # docs/FORMAT.md; a new codec adds its name here
 DELTA_CODECS = tuple(c for c in SEGMENT_CODECS if c != "full")  # a keyframe's delta is never in full
 _HEX = re.compile(r"[0-9a-f]{32}")
 

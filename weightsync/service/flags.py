@@ -14,7 +14,7 @@ from pathlib import Path
 
 import xxhash
 
-from weightsync.codec.payload import CodecConfig
+from weightsync.codec.payload import CODERS, CodecConfig
 from weightsync.errors import UsageError
 from weightsync.service.config import (
     DEFAULT_HOOK_BODY,
@@ -273,10 +273,17 @@ def add_encoding_args(p: argparse.ArgumentParser, environ: Mapping[str, str] | N
         f"(default {CodecConfig.level})",
     )
     add(
+        "--entropy-coder",
+        choices=CODERS,
+        default=CodecConfig.coder,
+        help="the entropy coder of deltas: 'ans' (default; decodes about as fast as 'sparse') or 'ac' "
+        "(payloads ~0.93x the size, 5-6x slower to decode and 3-4x slower to encode; docs/DESIGN.md)",
+    )
+    add(
         "--fast-codec",
         action="store_true",
-        help="code deltas with 'sparse' (6-8x faster to encode, 10x to decode, ~1.5x larger) instead of the "
-        "arithmetic coder",
+        help="code deltas with 'sparse' instead of the entropy coder: about 1.5x faster to encode than 'ans', "
+        "no faster to decode, ~1.4x larger",
     )
     add("--concurrency", type=int, default=32, help="chunks in flight (default 32)")
     add(
@@ -422,7 +429,7 @@ def publish_config(args, ignore: tuple[str, ...] = ()) -> PublishConfig:
     """The :class:`PublishConfig` of :func:`add_encoding_args`' flags (``ignore`` first, then
     ``--ignore``) and of ``--signing-key`` where the command has it."""
     return PublishConfig(
-        codec=CodecConfig(level=args.level, entropy_coder=not args.fast_codec),
+        codec=CodecConfig(level=args.level, entropy_coder=not args.fast_codec, coder=args.entropy_coder),
         chunk_bytes=args.chunk_mib << 20,
         keyframe_interval=args.keyframe_interval,
         upload_concurrency=args.concurrency,

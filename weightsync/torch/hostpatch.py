@@ -23,8 +23,7 @@ import numpy as np
 import torch
 import xxhash
 
-from weightsync.codec import arith
-from weightsync.codec.payload import EncodedTensor, encode_sparse_from_changes, encode_tensor
+from weightsync.codec.payload import EncodedTensor, delta_codec, encode_sparse_from_changes, encode_tensor
 from weightsync.errors import BaseMismatchError, UsageError
 from weightsync.format.dtypes import UINT_VIEW, itemsize
 from weightsync.format.manifest import Manifest
@@ -271,7 +270,7 @@ class _ChangeEncoder:
         change = self.changes.get((job.file.path, s.name)) if s.role == "tensor" else None
         if change is not None:
             idx, diffs = change
-            n, sparse = s.nbytes // itemsize(s.dtype), not (codec.entropy_coder and arith.supports(s.dtype))
+            n, sparse = s.nbytes // itemsize(s.dtype), delta_codec(s.dtype, codec) == "sparse"
             if idx.size == 0:
                 return EncodedTensor("same", b"", 0)
             if sparse and idx.size <= codec.dense_above * n:  # where encode_tensor would choose sparse

@@ -1,0 +1,249 @@
+"""Codec ``ans`` (:mod:`weightsync.codec.ans`): round trips through every pass (bucket and group
+counts, portable ``pdep``/``pext``, in place, hashed in slices), the numpy reference decoder, the
+backward decoder, and hostile input: bases the block was not made from, truncated and corrupted
+blocks, which must raise FormatError or decode to other bytes (which the segment's checksum
+rejects), never read or write outside their arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from weightsync.codec import CodecConfig, ans, decode_tensor, encode_tensor, registry
+from weightsync.codec.payload import delta_codec
+from weightsync.errors import FormatError, UsageError
+
+VIEW = {"BF16": np.uint16, "F16": np.uint16, "F32": np.uint32, "U8": np.uint8, "I16": np.uint16, "F8_E4M3": np.uint8}
+SPECIAL = np.array([np.nan, np.inf, -0.0, 1e-40, -np.inf, 0.0, 3e38, -1e-45], np.float32)
+
+
+def base_of(dtype: str, n: int, rng: np.random.Generator) -> np.ndarray:
+    """Weights near 0.02 for the float dtypes (with NaN, infinities, -0.0 and subnormals), random
+    bits for the others."""
+    t = VIEW[dtype]
+    if dtype in ("BF16", "F32", "F16"):
+        f = rng.normal(0, 0.02, n).astype(np.float32)
+        f[: min(n, 8)] = SPECIAL[: min(n, 8)]
+        if dtype == "F16":
+            with np.errstate(over="ignore"):  # 3e38 becomes inf
+                return f.astype(np.float16).view(np.uint16)
+        return f.view(np.uint32) if dtype == "F32" else (f.view(np.uint32) >> 16).astype(np.uint16)
+    return rng.integers(0, np.iinfo(t).max, n, dtype=t, endpoint=True)
+
+
+def changed(old: np.ndarray, frac: float, rng: np.random.Generator) -> np.ndarray:
+    """``old`` with about ``frac`` of its elements moved, mostly by one unit, sometimes far."""
+    new = old.copy()
+    idx = rng.random(old.size) < frac
+    delta = rng.choice([1, -1, 1, -1, 2, -3, 17, 1000, -40000], idx.sum()).astype(np.int64)
+    new[idx] = (old[idx].astype(np.int64) + delta).astype(old.dtype)
+    return new
+
+
+def check_round_trip(dtype: str, old: np.ndarray, new: np.ndarray, data: bytes) -> None:
+    """Every decoder of ``ans`` turns ``data`` back into ``new`` (and the backward one into ``old``)."""
+    for bmi2 in {ans.HAS_BMI2, False}:
+        out = np.empty_like(old)
+        ans.decode_block(dtype, memoryview(data), old, out, "test", bmi2=bmi2)
+        assert np.array_equal(out, new), (dtype, old.size, bmi2)
+    inplace = old.copy()
+    ans.decode_block(dtype, memoryview(data), inplace, inplace, "test")
+    assert np.array_equal(inplace, new)
+    assert np.array_equal(ans.decode_reference(dtype, data, old), new)
+    assert np.array_equal(ans.decode_backward(dtype, data, new), old)
+
+
+@pytest.mark.parametrize("dtype", sorted(VIEW))
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 1000, 70_000])
+@pytest.mark.parametrize("frac", [0.001, 0.03, 0.2, 0.6, 1.0])
+def test_round_trips_through_every_decoder(dtype, n, frac):
+    rng = np.random.default_rng(n + int(frac * 1000))
+    old = base_of(dtype, n, rng)
+    new = changed(old, frac, rng)
+    data, k = ans.encode_block(dtype, old, new)
+    assert k == np.count_nonzero(old != new)
+    assert data == ans.encode_block(dtype, old, new, bmi2=False)[0]  # the portable scan writes the same bytes
+    assert (len(data) == 0) == (k == 0)
+    check_round_trip(dtype, old, new, data)
+
+
+@pytest.mark.parametrize("dtype", ["BF16", "F32"])
+@pytest.mark.parametrize("buckets", [1, 2, 3, 4])
+@pytest.mark.parametrize("groups", [1, 2, 3, 4])
+def test_every_pass_round_trips(dtype, buckets, groups):
+    """Blocks with every bucket and group count the format allows (the encoder itself uses only
+    some of them), thresholds repeated (empty buckets) included."""
+    rng = np.random.default_rng(buckets * 10 + groups)
+    old = base_of(dtype, 20_000, rng)
+    new = changed(old, 0.05, rng)
+    thresholds = [118, 120, 120]  # exponents of weights near 0.02 lie around 120
+    data, _ = ans.encode_block(dtype, old, new, split=(thresholds[: buckets - 1], [119, 121, 121][: groups - 1]))
+    assert (data[4], data[7]) == (buckets, groups)
+    check_round_trip(dtype, old, new, data)
+
+
+def test_clustered_changes_and_gaps_beyond_the_rice_escape():
+    rng = np.random.default_rng(1)
+    old = base_of("BF16", 300_000, rng)
+    new = old.copy()
+    new[:30_000] += np.uint16(1)  # a run of changes, then a gap of 270k elements
+    new[-3:] -= np.uint16(1)
+    data, k = ans.encode_block("BF16", old, new)
+    assert k == 30_003
+    check_round_trip("BF16", old, new, data)
+
+
+@pytest.mark.parametrize("n", [70_000, 3 << 20])
+def test_the_hash_sees_exactly_the_result(n):
+    """Large blocks are decoded and hashed slice by slice, small ones whole: the same bytes either way."""
+    rng = np.random.default_rng(2)
+    old = base_of("BF16", n, rng)
+    new = changed(old, 0.03, rng)
+    data, _ = ans.encode_block("BF16", old, new)
+    hasher = xxhash.xxh3_128()
+    out = np.empty_like(old)
+    ans.decode_block("BF16", memoryview(data), old, out, "test", hasher)
+    assert hasher.hexdigest() == xxhash.xxh3_128(new.tobytes()).hexdigest()
+
+
+def test_the_default_delta_codec_is_ans_where_it_applies():
+    assert delta_codec("BF16", CodecConfig()) == "ans"
+    assert delta_codec("U8", CodecConfig()) == "ans"
+    assert delta_codec("F64", CodecConfig()) == "sparse"  # 8-byte elements
+    assert delta_codec("BF16", CodecConfig(entropy_coder=False)) == "sparse"
+    assert delta_codec("BF16", CodecConfig(coder="ac")) == "ac"
+    assert registry.get("ans").id == 5 and registry.get_by_id(5).name == "ans"
+    with pytest.raises(UsageError):
+        CodecConfig(coder="huffman")
+
+
+@pytest.mark.parametrize("dtype", ["BF16", "F32", "U8"])
+def test_payloads_round_trip_forward_and_backward(dtype):
+    """Through the payload container: several blocks, each coded and decoded on its own."""
+    rng = np.random.default_rng(3)
+    old = base_of(dtype, 50_000, rng)
+    new = changed(old, 0.02, rng)
+    cfg = CodecConfig(block_bytes=16_384)
+    enc = encode_tensor(dtype, new.view(np.uint8), old.view(np.uint8), cfg)
+    assert enc.codec == "ans" and enc.changed == np.count_nonzero(old != new)
+    out = decode_tensor(dtype, "ans", enc.payload, old.view(np.uint8), old.nbytes)
+    assert np.array_equal(out, new.view(np.uint8))
+    codec = registry.get("ans")
+    assert codec.invertible
+    back = np.empty_like(new)
+    codec.decode_backward(dtype, memoryview(ans.encode_block(dtype, old, new)[0]), new, back, "test")
+    assert np.array_equal(back, old)
+    inplace = new.copy()
+    codec.decode_backward(dtype, memoryview(ans.encode_block(dtype, old, new)[0]), inplace, inplace, "test")
+    assert np.array_equal(inplace, old)
+
+
+# --- hostile input -----------------------------------------------------------------------------------
+def _blocks() -> list[tuple[str, np.ndarray, np.ndarray, bytes]]:
+    rng = np.random.default_rng(4)
+    out = []
+    for dtype in ("BF16", "F32", "U8"):
+        for n, frac in ((1000, 0.03), (20_000, 0.01), (20_000, 0.3), (5000, 0.9)):
+            old = base_of(dtype, n, rng)
+            new = changed(old, frac, rng)
+            out.append((dtype, old, new, ans.encode_block(dtype, old, new)[0]))
+    return out
+
+
+BLOCKS = _blocks()
+
+
+def _decode_or_refuse(dtype, data, base, backward=False) -> np.ndarray | None:
+    """The decoded block, or None where it was refused with a FormatError (anything else fails)."""
+    try:
+        if backward:
+            return ans.decode_backward(dtype, data, base, "hostile")
+        out = np.empty_like(base)
+        ans.decode_block(dtype, memoryview(data), base, out, "hostile")
+        return out
+    except FormatError:
+        return None
+
+
+@pytest.mark.parametrize("case", range(len(BLOCKS)))
+def test_a_block_against_another_base_is_refused_or_decodes_to_other_bytes(case):
+    dtype, old, new, data = BLOCKS[case]
+    rng = np.random.default_rng(case)
+    for base in (new, np.roll(old, 1), rng.permutation(old), np.zeros_like(old), np.full_like(old, 0xFF)):
+        out = _decode_or_refuse(dtype, data, base)
+        assert out is None or not np.array_equal(out, new) or np.array_equal(base, old)
+        back = _decode_or_refuse(dtype, data, base, backward=True)  # refused, or some array: never a crash
+        assert back is None or back.shape == base.shape
+
+
+def test_a_block_of_another_dtype_or_size_is_refused():
+    dtype, old, new, data = BLOCKS[1]
+    with pytest.raises(FormatError, match="exponent field"):
+        ans.decode_block("F16", memoryview(data), old, np.empty_like(old), "hostile")
+    for n in (old.size - 1, old.size + 1):
+        base = np.resize(old, n)
+        with pytest.raises(FormatError):
+            ans.decode_block(dtype, memoryview(data), base, np.empty_like(base), "hostile")
+
+
+@pytest.mark.parametrize("case", range(len(BLOCKS)))
+def test_every_truncation_is_refused(case):
+    dtype, old, new, data = BLOCKS[case]
+    step = max(1, len(data) // 300)
+    for cut in range(0, len(data), step):
+        assert _decode_or_refuse(dtype, data[:cut], old) is None or cut == 0
+        assert _decode_or_refuse(dtype, data[:cut], new, backward=True) is None or cut == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_corrupted_blocks_raise_only_format_errors(data):
+    dtype, old, new, block = data.draw(st.sampled_from(BLOCKS))
+    bad = bytearray(block)
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(bad) - 1))
+        bad[i] ^= 1 << data.draw(st.integers(0, 7))
+    cut = data.draw(st.integers(0, len(bad)))
+    for b in (bytes(bad), bytes(bad[:cut])):
+        for out in (_decode_or_refuse(dtype, b, old), _decode_or_refuse(dtype, b, new, backward=True)):
+            assert out is None or out.shape == old.shape  # a block that still decodes: the checksum's to catch
+
+
+def test_escapes_beyond_the_element_width_are_refused():
+    """A difference that does not fit the element (an Exp-Golomb code too long) is refused."""
+    rng = np.random.default_rng(5)
+    old = base_of("U8", 4000, rng)
+    new = old.copy()
+    new[::50] += np.uint8(100)  # zigzag codes >= 16: escaped
+    data = bytearray(ans.encode_block("U8", old, new)[0])
+    out = np.empty_like(old)
+    ans.decode_block("U8", memoryview(bytes(data)), old, out, "test")
+    assert np.array_equal(out, new)
+    refused = 0
+    for i in range(8, len(data)):  # every single-byte change of the sections decodes or is refused
+        for v in (0x00, 0xFF):
+            bad = bytearray(data)
+            bad[i] = v
+            refused += _decode_or_refuse("U8", bytes(bad), old) is None
+    assert refused > 0
+
+
+@pytest.mark.parametrize("lr", [1e-6, 1e-5])
+def test_smaller_than_the_zeroth_order_bound_and_than_sparse(lr):
+    """On a realistic step (elements near 0.02 moved by ~lr: the small ones change most often)."""
+    rng = np.random.default_rng(6)
+    master = rng.standard_normal(1 << 20) * 0.02
+    step = lr * np.sign(rng.standard_normal(master.size))
+    old = (master.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    new = ((master + step).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    _, counts = np.unique(new - old, return_counts=True)
+    p = counts / counts.sum()
+    bound = float(-(p * np.log2(p)).sum() * old.size / 8)
+    enc = encode_tensor("BF16", new.view(np.uint8), old.view(np.uint8), CodecConfig(dense_above=1.0))
+    plain = encode_tensor("BF16", new.view(np.uint8), old.view(np.uint8), CodecConfig(entropy_coder=False))
+    assert enc.codec == "ans" and 0 < enc.changed == plain.changed
+    assert len(enc.payload) < 0.9 * bound
+    assert len(enc.payload) < 0.8 * len(plain.payload)

@@ -1,0 +1,1004 @@
+"""Codec ``ans`` (id 5): a delta coded by runs within contexts of the old value's exponent, with both
+passes over the elements built from vector instructions (docs/FORMAT.md has the block layout,
+docs/DESIGN.md the design and its measurements).
+
+The elements of a block are split into up to 4 position buckets by thresholds on the old value's
+exponent field (chosen per block from a sample: the split that minimises the entropy of the change
+mask). Within a bucket, the ranks of the changed elements are Rice-coded gaps. The changes' zigzag
+differences are rANS-coded per value group, up to 4 other ranges of the old exponent chosen by the
+same kind of dynamic program on the sampled values.
+
+Decoding a block is two steps. First the streams (:mod:`weightsync.codec.entropy`): each bucket's
+Rice codes into a bitmap over its ranks, each group's symbols into an array of differences in
+position order. Then one pass over the elements, 64 at a time: vector compares of the old values
+with the thresholds give each bucket's members, ``pdep`` puts the bucket's next bits there (the
+changed elements), more compares split the changes into the value groups, and one masked
+expand-load per group adds the group's next differences: the unchanged majority costs the
+compares and the copy. The pass is generated per bucket and group count, with its state in
+registers. A GPU does the same with prefix sums (ranks, indices of differences) and gathers:
+:func:`decode_reference` is that, in numpy. Encoding mirrors it: per 64 elements a vector compare
+of old and new, ``pext`` of each bucket's changed flags into its bitmap, a compress-store of each
+group's zigzag codes.
+
+Deltas run backward too (:func:`decode_backward`): a change that moves its element to another
+bucket or group is listed with its old bucket and group, so the old block can be rebuilt from the
+new one (rollbacks fetch deltas, not keyframes).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from weightsync.codec.abc import Codec
+from weightsync.codec.entropy import (
+    LANES,
+    NSYM,
+    PROB_ONE,
+    clean_end,
+    flush,
+    get_eg,
+    get_varint,
+    normalise,
+    padded_words,
+    put_eg,
+    put_varint,
+    rans_decode,
+    rans_encode,
+    rice_decode,
+    rice_parameter,
+    rice_section,
+)
+from weightsync.codec.jit import njit
+from weightsync.codec.registry import register
+from weightsync.codec.simd import (
+    ALL,
+    EXPAND_ADD,
+    HAS_BMI2,
+    ONE,
+    ZERO,
+    below_mask64,
+    compress_zigzag,
+    field_ne_mask64,
+    ne_mask64,
+    pdep_bmi2,
+    pdep_soft,
+    pext_bmi2,
+    pext_soft,
+    popcount,
+    trailing_zeros,
+)
+from weightsync.codec.streams import SLICE_BYTES, copy
+from weightsync.errors import FormatError
+from weightsync.format.dtypes import EXPONENT_FIELD, ITEMSIZE, UINT_VIEW
+
+MAX_K = 4
+"""Position buckets per block (the format's limit; each costs the decoder a compare and a ``pdep`` per 64 elements)."""
+
+MAX_G = 4
+"""Value groups per block (each costs the decoder a compare and an expand-load per 64 elements)."""
+
+BUCKETS = 4
+"""Position buckets the encoder uses at most."""
+
+GROUP_DENSITY = 0.05
+"""Blocks whose changed fraction is below this use at most 2 value groups (a faster pass)."""
+
+CHANGES_PER_BUCKET = 256
+"""A bucket or a group is worth its header and model when it holds about this many changes."""
+
+CHECK = 4096
+"""Elements between the pass's checks that no bucket ran past its bitmap (each has this many spare bits)."""
+
+SLICE = max(64, (SLICE_BYTES // 2) // 64 * 64)
+"""Elements per slice of the pass when a large block is hashed as it is decoded (a slice stays in cache)."""
+
+HASH_WHOLE = 1 << 20
+"""Blocks of up to this many elements are decoded in one call, then hashed (from cache)."""
+
+_HEAD = 8  # u32 changed count, u8 buckets, u8 shift, u8 bits, u8 groups
+
+
+# --- the block's plan: bucket thresholds and value groups, from a sample -----------------------------
+
+
+@njit(nogil=True)
+def _histogram(old, new, shift, fmask, width_bits):
+    """Per exponent value: elements (from every 64th word of 64 elements), changed elements and their
+    value symbols (from every 16th word), scaled to the block; every element of a block under 1024
+    words. Returns (elements, changed, symbols, 1)."""
+    n = old.size
+    per = np.zeros(fmask + 1, np.float64)
+    chp = np.zeros(fmask + 1, np.float64)
+    sym = np.zeros((fmask + 1, NSYM), np.int64)
+    sh = np.uint64(64 - width_bits)
+    n_words = n // 64
+    if n_words < 1024:
+        s1, s2, end = 1, 1, n
+    else:
+        s1, s2, end = 64, 16, n_words * 64
+    hist = np.zeros(4 * (fmask + 1), np.int64)
+    for w in range(0, (end + 63) // 64, s2):
+        a = w * 64
+        e = min(a + 64, end)
+        if w % s1 == 0:
+            for i in range(a, e):
+                hist[(i & 3) * (fmask + 1) + ((np.int64(old[i]) >> shift) & fmask)] += 1
+        if e - a == 64:
+            c = ne_mask64(old, new, a)
+        else:
+            c = ZERO
+            for i in range(a, e):
+                c |= np.uint64(old[i] != new[i]) << np.uint64(i - a)
+        while c != ZERO:  # the changes (a few per word)
+            i = a + np.int64(trailing_zeros(c))
+            c &= c - ONE
+            x = (np.int64(old[i]) >> shift) & fmask
+            chp[x] += s2
+            d = np.int64(np.uint64(new[i] - old[i]) << sh) >> np.int64(sh)
+            z = np.uint64((d << 1) ^ (d >> 63))
+            sym[x, min(z - ONE, np.uint64(NSYM - 1))] += 1
+    for x in range(fmask + 1):
+        for r in range(4):
+            per[x] += s1 * hist[r * (fmask + 1) + x]
+        per[x] = max(per[x], chp[x])  # the two samples differ: a bin never has more changes than elements
+    return per, chp, sym, 1
+
+
+@njit(nogil=True)
+def _thresholds(per, chp, k):
+    """Exponent thresholds (ascending) splitting the exponents into at most ``k`` contiguous groups
+    that minimise the entropy of the change mask given the group (dynamic programming)."""
+    ex = np.flatnonzero(per)
+    m = ex.size
+    g = min(k, m)
+    if g <= 1:
+        return np.zeros(0, np.int64)
+    cp = np.zeros(m + 1)
+    cc = np.zeros(m + 1)
+    for i in range(m):
+        cp[i + 1] = cp[i] + per[ex[i]]
+        cc[i + 1] = cc[i] + chp[ex[i]]
+    cost = np.zeros((m + 1, m + 1))
+    for a in range(m):
+        for b in range(a + 1, m + 1):
+            nn = cp[b] - cp[a]
+            kk = cc[b] - cc[a]
+            c = nn * np.log2(nn)
+            if kk > 0:
+                c -= kk * np.log2(kk)
+            if nn - kk > 0:
+                c -= (nn - kk) * np.log2(nn - kk)
+            cost[a, b] = c
+    dp = np.full((g + 1, m + 1), 1e300)
+    arg = np.zeros((g + 1, m + 1), np.int64)
+    dp[0, 0] = 0.0
+    for q in range(1, g + 1):
+        for b in range(q, m + 1):
+            for a in range(q - 1, b):
+                v = dp[q - 1, a] + cost[a, b]
+                if v < dp[q, b] - 1e-9:
+                    dp[q, b] = v
+                    arg[q, b] = a
+    cuts = np.zeros(g + 1, np.int64)
+    cuts[g] = m
+    b = m
+    for q in range(g, 0, -1):
+        b = arg[q, b]
+        cuts[q - 1] = b
+    thr = np.zeros(g - 1, np.int64)
+    for t in range(g - 1):
+        thr[t] = ex[cuts[t + 1]]
+    return thr
+
+
+@njit(nogil=True)
+def _bits_of(counts):
+    """Bits of an ideal static code for symbols with these counts, plus its table (~20 bytes)."""
+    t = counts.sum()
+    if t == 0:
+        return 0.0
+    h = 160.0
+    for c in counts:
+        if c > 0:
+            h -= c * np.log2(c / t)
+    return h
+
+
+@njit(nogil=True)
+def _split(counts, G):
+    """The value groups: at most G contiguous ranges of the old exponent whose static codes (with
+    their tables) are the smallest (dynamic programming over the exponents that have changes);
+    returns the thresholds (ascending; a change is in the group of the number of thresholds <= its
+    old exponent). ``counts``: value symbols per old exponent."""
+    ex = np.flatnonzero(counts.sum(axis=1))
+    m = ex.size
+    if m <= 1 or G <= 1:
+        return np.zeros(0, np.int64)
+    cum = np.zeros((m + 1, NSYM), np.int64)
+    for i in range(m):
+        cum[i + 1] = cum[i] + counts[ex[i]]
+    cost = np.full((m + 1, m + 1), 1e300)
+    for a in range(m):
+        for b in range(a + 1, m + 1):
+            cost[a, b] = _bits_of(cum[b] - cum[a])
+    g = min(G, m)
+    dp = np.full((g + 1, m + 1), 1e300)
+    arg = np.zeros((g + 1, m + 1), np.int64)
+    dp[0, 0] = 0.0
+    for q in range(1, g + 1):
+        for b in range(q, m + 1):
+            for a in range(q - 1, b):
+                v = dp[q - 1, a] + cost[a, b]
+                if v < dp[q, b] - 1e-9:
+                    dp[q, b] = v
+                    arg[q, b] = a
+    best = 1
+    for q in range(2, g + 1):
+        if dp[q, m] < dp[best, m] - 1e-9:
+            best = q
+    thr = np.zeros(best - 1, np.int64)
+    b = m
+    for q in range(best, 1, -1):
+        b = arg[q, b]
+        thr[q - 2] = ex[b]
+    return thr
+
+
+@njit(nogil=True)
+def _lut(thr, fmask):
+    lut = np.zeros(fmask + 1, np.int64)
+    for e in range(fmask + 1):
+        b = 0
+        for t in range(thr.size):
+            b += e >= thr[t]
+        lut[e] = b
+    return lut
+
+
+@njit(nogil=True)
+def _plan(old, new, shift, bits, kmax, width_bits):
+    """The block's bucket thresholds and the value groups' split, from a sample."""
+    fmask = (1 << bits) - 1
+    thr = np.zeros(0, np.int64)
+    vthr = np.zeros(0, np.int64)
+    if fmask > 0:
+        per, chp, vsym, step = _histogram(old, new, shift, fmask, width_bits)
+        est = np.int64(chp.sum()) * step
+        thr = _thresholds(per, chp, min(kmax, max(1, est // CHANGES_PER_BUCKET)))
+        gmax = MAX_G if est >= GROUP_DENSITY * old.size else 2
+        vthr = _split(vsym, min(gmax, max(1, est // CHANGES_PER_BUCKET)))
+    return _padded(thr, MAX_K - 1), _padded(vthr, MAX_G - 1 if vthr.size > 1 else vthr.size)
+
+
+@njit(nogil=True)
+def _padded(thr, size):
+    """``thr`` with its last threshold repeated up to ``size`` (empty buckets or groups): the encoder
+    uses only 1 or 4 buckets and 1, 2 or 4 groups, so that few passes need compiling."""
+    if thr.size == 0 or thr.size >= size:
+        return thr
+    out = np.full(size, thr[-1], np.int64)
+    out[: thr.size] = thr
+    return out
+
+
+# --- the passes over the elements, generated per bucket and group count ------------------------------
+
+
+def _regions(name: str, count: int, indent: str) -> list[str]:
+    """Lines naming ``name0..`` the members of ``count`` regions split by the masks ``name_m0..``
+    (each the elements below a threshold)."""
+    if count == 1:
+        return [f"{indent}{name}0 = ALL"]
+    L = [f"{indent}{name}0 = {name}_m0"]
+    L += [f"{indent}{name}{b} = {name}_m{b} & ~{name}_m{b - 1}" for b in range(1, count - 1)]
+    return L + [f"{indent}{name}{count - 1} = ~{name}_m{count - 2}"]
+
+
+def _pass_source(K: int, G: int, name: str) -> str:
+    """The pass over elements ``a:e`` for K buckets and G value groups, state in locals: per 64
+    elements, K-1 vector compares give each bucket's members, ``pdep`` puts the bucket's next bits
+    there, G-1 more compares split the changes into the groups, and one expand-load per group
+    adds the differences. Every CHECK elements it checks that no bucket ran past its bitmap (each
+    has CHECK bits of spare: a base that does not match the block reads zeros, never out of
+    bounds); the last, partial word goes element by element; at the block's end the buckets and
+    groups must be used up exactly. Returns 0, or 1 for a block that does not fit its base.
+    Indices are unsigned (numba adds no wraparound for them)."""
+    r, rg = range(K), range(G)
+    L = [f"def {name}(out, src, a, e, lim, vlim, absmask, words, off, ends, dptr, dend, diffs):"]
+    L += [f"    l{t} = lim[{t}]" for t in range(K - 1)] + [f"    v{t} = vlim[{t}]" for t in range(G - 1)]
+    L += [f"    o{b} = np.uint64(off[{b}])" for b in r] + [f"    E{b} = np.uint64(ends[{b}])" for b in r]
+    L += [f"    d{g} = dptr[{g}]" for g in rg] + ["    n = src.size", "    whole = min(e, n - n % 64)"]
+    L += ["    for s in range(a, whole, CHECK):"]
+    L += ["        if " + " or ".join(f"o{b} > E{b}" for b in r) + ":", "            return 1"]
+    L += ["        for base in range(s, min(s + CHECK, whole), 64):"]
+    L += [f"            b_m{t} = below_mask64(src, base, absmask, l{t})" for t in range(K - 1)]
+    L += _regions("b", K, "            ")
+    L += [f"            p{b} = popcount(b{b})" for b in r]
+    for b in r:  # the bucket's next p bits from bit o (written out: no array passed to a helper)
+        L += [f"            q = o{b} >> SIX", f"            sh = o{b} & M63"]
+        L += ["            v = (words[q] >> sh) | ((words[q + ONE] << ONE) << (M63 - sh))"]
+        L += [f"            v &= (ALL >> ((W64 - p{b}) & M63)) & (ZERO - np.uint64(p{b} != ZERO))"]
+        L += [f"            c{b} = _pdep(v, b{b})", f"            o{b} += p{b}"]
+    L += ["            ch = " + " | ".join(f"c{b}" for b in r)]
+    L += [f"            g_m{t} = below_mask64(src, base, absmask, v{t})" for t in range(G - 1)]
+    L += _regions("g", G, "            ")
+    L += [f"            g{g} &= ch" for g in rg]
+    L += ["            _expand_add(out, src, base, diffs, " + ", ".join(f"d{g}, g{g}" for g in rg) + ")"]
+    L += [f"            d{g} += np.int64(popcount(g{g}))" for g in rg]
+    L += [f"    off[{b}] = np.int64(o{b})" for b in r] + [f"    dptr[{g}] = d{g}" for g in rg]
+    L += ["    if " + " or ".join(f"o{b} > E{b}" for b in r) + ":", "        return 1"]
+    L += ["    if e > whole:", "        _tail(out, src, max(a, whole), e, lim, vlim, absmask, words, off, dptr, diffs)"]
+    L += [
+        "    if e == n:",
+        "        for b in range(off.size):",
+        "            if off[b] != ends[b]:",
+        "                return 1",
+    ]
+    L += ["        for g in range(dptr.size):", "            if dptr[g] != dend[g]:", "                return 1"]
+    L += ["    return 0"]
+    return "\n".join(L) + "\n"
+
+
+@njit(nogil=True)
+def _tail(out, src, a, e, lim, vlim, absmask, words, off, dptr, diffs):
+    """The pass element by element (the last, partial word)."""
+    for i in range(a, e):
+        x = src[i]
+        v = x & absmask
+        b = 0
+        for t in range(off.size - 1):
+            b += v >= lim[t]
+        r = off[b]
+        off[b] = r + 1
+        if (words[r >> 6] >> np.uint64(r & 63)) & ONE:
+            g = 0
+            for t in range(dptr.size - 1):
+                g += v >= vlim[t]
+            out[i] = x + diffs[dptr[g]]
+            dptr[g] += 1
+        else:
+            out[i] = x
+
+
+def _scan_source(K: int, G: int, name: str) -> str:
+    """The encoder's pass over whole words for K buckets and G value groups, state in locals: per
+    64 elements, the changed mask (a vector compare of old and new), K-1 compares give the buckets,
+    ``pext`` takes each bucket's changed flags in rank order into its bitmap; G-1 compares give
+    the value groups, and the zigzag codes of the changes are compress-stored into their group's
+    stream; the changes that move their element to another bucket or group are listed (for the
+    backward decode)."""
+    r, rg = range(K), range(G)
+    L = [
+        f"def {name}(old, new, nfull, lim, vlim, absmask, field, shift, fm, blut, glut, bmap, stride, acc, nacc, wpos,"
+    ]
+    L[0] += " v0, v1, v2, v3, nv, exc, nes):"
+    L += [f"    l{t} = lim[{t}]" for t in range(K - 1)] + [f"    u{t} = vlim[{t}]" for t in range(G - 1)]
+    L += [f"    a{b} = acc[{b}]" for b in r] + [f"    n{b} = np.uint64(nacc[{b}])" for b in r]
+    L += [f"    w{b} = np.uint64({b} * stride + wpos[{b}])" for b in r]
+    L += [f"    k{g} = nv[{g}]" for g in rg] + [
+        "    ne = nes[0]",
+        "    for w in range(nfull):",
+        "        base = w * 64",
+    ]
+    L += ["        c = ne_mask64(old, new, base)"]
+    L += [f"        b_m{t} = below_mask64(old, base, absmask, l{t})" for t in range(K - 1)]
+    L += _regions("b", K, "        ")
+    L += [f"        f{b} = ZERO" for b in r]
+    L += ["        if c != ZERO:"]
+    L += [f"            g_m{t} = below_mask64(old, base, absmask, u{t})" for t in range(G - 1)]
+    L += _regions("g", G, "            ")
+    for g in rg:
+        L += [f"            g{g} &= c", f"            compress_zigzag(old, new, base, v{g}, k{g}, g{g})"]
+        L += [f"            k{g} += np.int64(popcount(g{g}))"]
+    # a change can move its element to another bucket or group only if its exponent changed (rare)
+    L += ["            x = field_ne_mask64(old, new, base, field)", "            while x != ZERO:"]
+    L += ["                i = base + np.int64(trailing_zeros(x))", "                x &= x - ONE"]
+    L += [
+        "                eo = (np.int64(old[i]) >> shift) & fm",
+        "                en = (np.int64(new[i]) >> shift) & fm",
+    ]
+    L += ["                if blut[eo] != blut[en] or glut[eo] != glut[en]:"]
+    L += ["                    exc[ne] = i", "                    ne += 1"]
+    L += [f"            f{b} = _pext(c, b{b})" for b in r]
+    for b in r:  # append the bucket's flags to its bitmap; the word is stored every time (branch-free)
+        L += [f"        p = popcount(b{b})", f"        word = a{b} | (f{b} << n{b})", f"        bmap[w{b}] = word"]
+        L += [f"        t = n{b} + p", "        adv = np.uint64(t >= W64)", f"        w{b} += adv"]
+        L += [
+            f"        a{b} = word if adv == ZERO else (f{b} >> ONE) >> (M63 - n{b})",
+            f"        n{b} = t - (adv << SIX)",
+        ]
+    L += [f"    acc[{b}] = a{b}" for b in r] + [f"    nacc[{b}] = np.int64(n{b})" for b in r]
+    L += [f"    wpos[{b}] = np.int64(w{b}) - {b} * stride" for b in r]
+    L += [f"    nv[{g}] = k{g}" for g in rg] + ["    nes[0] = ne"]
+    return "\n".join(L) + "\n"
+
+
+_KERNELS: dict[tuple[str, int, int, bool], object] = {}
+
+
+_KERNELS_LOCK = threading.Lock()
+
+
+def _kernel(kind: str, K: int, G: int, bmi2: bool = HAS_BMI2):
+    """The pass ``kind`` (``"pass"``: decoding, ``"scan"``: encoding) for K buckets and G value groups,
+    with BMI2's ``pdep``/``pext`` or the portable ones. Generated and compiled on first use, then
+    kept. The source is compiled as if it were in this file, under a name of its own: numba's
+    cache (:mod:`weightsync.codec.jit`) then keys it by its bytecode and this file's stamp like any
+    kernel here, and a warm cache loads it instead of compiling (about 1 s each)."""
+    key = (kind, K, G, bmi2)
+    fn = _KERNELS.get(key)
+    if fn is None:
+        if not (1 <= K <= MAX_K and 1 <= G <= MAX_G):
+            raise ValueError(f"no {kind} for {K} buckets and {G} value groups")
+        with _KERNELS_LOCK:
+            fn = _KERNELS.get(key)
+            if fn is None:
+                name = f"_{kind}_k{K}_g{G}_{'bmi2' if bmi2 else 'soft'}"
+                source = (_pass_source if kind == "pass" else _scan_source)(K, G, name)
+                ns = dict(_GENERATED_GLOBALS, __name__=__name__, _expand_add=EXPAND_ADD[G])
+                ns.update(_pdep=pdep_bmi2 if bmi2 else pdep_soft, _pext=pext_bmi2 if bmi2 else pext_soft)
+                exec(compile(source, __file__, "exec"), ns)  # noqa: S102 - our own generated source
+                fn = _KERNELS[key] = njit(nogil=True)(ns[name])
+    return fn
+
+
+_GENERATED_GLOBALS = dict(
+    np=np,
+    ALL=ALL,
+    ONE=ONE,
+    ZERO=ZERO,
+    SIX=np.uint64(6),
+    M63=np.uint64(63),
+    W64=np.uint64(64),
+    CHECK=CHECK,
+    below_mask64=below_mask64,
+    ne_mask64=ne_mask64,
+    field_ne_mask64=field_ne_mask64,
+    compress_zigzag=compress_zigzag,
+    popcount=popcount,
+    trailing_zeros=trailing_zeros,
+    _tail=_tail,
+)
+
+
+# --- encoding -------------------------------------------------------------------------------------
+
+
+@njit(nogil=True)
+def _gaps_of(words, n_b, c, inv):
+    """The gaps a bucket's Rice section codes, from its bitmap over ``n_b`` ranks with ``c`` set:
+    between its set bits, or its clear ones (``inv``)."""
+    count = n_b - c if inv else c
+    gaps = np.empty(count, np.uint64)
+    prev = -1
+    j = 0
+    for q in range((n_b + 63) // 64):
+        x = ~words[q] if inv else words[q]
+        if q == n_b >> 6:
+            x &= (ONE << np.uint64(n_b & 63)) - ONE
+        while x != ZERO:
+            r = 64 * q + np.int64(trailing_zeros(x))
+            gaps[j] = r - prev - 1
+            prev = r
+            j += 1
+            x &= x - ONE
+    return gaps
+
+
+@njit(nogil=True)
+def _encode(old, new, shift, bits, width_bits, thr, vthr, bmap, stride, acc, nacc, wpos, vals, nv, exc, nes):
+    """The block from the state of the pass over its whole words (:func:`_scan_source`): the last,
+    partial word, then the header and sections."""
+    n = old.size
+    fmask = (1 << bits) - 1
+    K = thr.size + 1
+    G = vthr.size + 1
+    gvt = _lut(vthr, fmask)  # value group by exponent
+    lut = _lut(thr, fmask)
+    ne = nes[0]
+    bm = np.zeros(MAX_K, np.uint64)
+    sh = np.uint64(64 - width_bits)
+    for w in range(n // 64, (n + 63) // 64):  # the last, partial word, element by element
+        base = w * 64
+        c = ZERO
+        for j in range(n - base):
+            i = base + j
+            jj = np.uint64(j)
+            ch = old[i] != new[i]
+            c |= np.uint64(ch) << jj
+            eo = (np.int64(old[i]) >> shift) & fmask
+            en = (np.int64(new[i]) >> shift) & fmask
+            bm[lut[eo]] |= ONE << jj
+            if ch:
+                g = gvt[eo]
+                s_ = np.int64(np.uint64(new[i] - old[i]) << sh) >> np.int64(sh)
+                vals[g, nv[g]] = (s_ << 1) ^ (s_ >> 63)
+                nv[g] += 1
+                if lut[en] != lut[eo] or gvt[en] != g:
+                    exc[ne] = i
+                    ne += 1
+        for b in range(K):  # append the bucket's flags (one per member, in order) to its bitmap
+            m = bm[b]
+            p = np.int64(popcount(m))
+            flags = pext_soft(c, m)  # once per block: no BMI2 needed
+            na = nacc[b]
+            word = acc[b] | (flags << np.uint64(na))
+            if na + p >= 64:
+                bmap[b * stride + wpos[b]] = word
+                wpos[b] += 1
+                acc[b] = (flags >> ONE) >> np.uint64(63 - na)
+                nacc[b] = na + p - 64
+            else:
+                acc[b] = word
+                nacc[b] = na + p
+            bm[b] = ZERO
+    k = nv.sum()
+    if k == 0:
+        return np.zeros(0, np.uint8), 0
+    cnt = np.zeros(K, np.int64)
+    cb = np.zeros(K, np.int64)
+    for b in range(K):
+        bmap[b * stride + wpos[b]] = acc[b]
+        bmap[b * stride + wpos[b] + 1] = ZERO
+        cnt[b] = 64 * wpos[b] + nacc[b]
+        for q in range(wpos[b] + 1):
+            cb[b] += np.int64(popcount(bmap[b * stride + q]))
+    # values: symbols min(zigzag - 1, 15), escapes (zigzag >= 16) in order, per group
+    counts = np.zeros((G, NSYM), np.int64)
+    syms = np.empty((G, nv.max() + 1), np.uint8)
+    esc = np.empty(k + 1, np.uint64)
+    escg = np.zeros(G + 1, np.int64)
+    nesc = 0
+    for g in range(G):
+        for j in range(nv[g]):  # vectorised
+            syms[g, j] = min(np.uint64(vals[g, j]) - ONE, np.uint64(NSYM - 1))
+        for j in range(nv[g]):
+            counts[g, syms[g, j]] += 1
+        if counts[g, NSYM - 1]:
+            for j in range(nv[g]):
+                z = np.uint64(vals[g, j])
+                if z >= np.uint64(NSYM):
+                    esc[nesc] = z
+                    nesc += 1
+        escg[g + 1] = nesc
+    head = np.zeros(64 + 16 * K + 64 * G + 6 * ne, np.uint8)
+    head[0] = k & 0xFF
+    head[1] = (k >> 8) & 0xFF
+    head[2] = (k >> 16) & 0xFF
+    head[3] = (k >> 24) & 0xFF
+    head[4] = K
+    head[5] = shift
+    head[6] = bits
+    head[7] = G
+    hp = 8
+    for t in range(K - 1):
+        head[hp] = thr[t]
+        hp += 1
+    for t in range(G - 1):
+        head[hp] = vthr[t]
+        hp += 1
+    hp = put_varint(head, hp, ne)
+    prevp = -1
+    for j in range(ne):
+        hp = put_varint(head, hp, exc[j] - prevp - 1)
+        prevp = exc[j]
+    for j in range(ne):
+        eo = (np.int64(old[exc[j]]) >> shift) & fmask
+        head[hp] = lut[eo] << 4 | gvt[eo]
+        hp += 1
+    body = np.empty(64 * K + 64 * G + 12 * k + 16 * nesc + 64 * LANES * K, np.uint8)
+    bp = 0
+    for b in range(K):  # positions: per bucket, Rice codes of rank gaps
+        c = cb[b]
+        hp = put_varint(head, hp, cnt[b])
+        hp = put_varint(head, hp, c)
+        if c == 0:
+            continue
+        inv = 2 * c > cnt[b]
+        gaps = _gaps_of(bmap[b * stride : (b + 1) * stride], cnt[b], c, inv)
+        kr = rice_parameter(gaps)
+        rl = rice_section(gaps, kr, body[bp:])
+        bp += rl
+        head[hp] = kr * 2 + inv
+        hp = put_varint(head, hp + 1, rl)
+    freq = np.zeros(NSYM, np.int64)
+    st = np.zeros(3, np.int64)
+    for g in range(G):  # values: per group, rANS of the symbols in position order, then escapes
+        m = nv[g]
+        hp = put_varint(head, hp, m)
+        if m == 0:
+            continue
+        st[:] = 0
+        sub = body[bp:]
+        for e in range(escg[g], escg[g + 1]):
+            put_eg(sub, st, np.int64(esc[e] - np.uint64(NSYM)))
+        flush(sub, st)
+        normalise(counts[g], freq)
+        nsym = 0
+        for s in range(NSYM):
+            if freq[s]:
+                nsym = s + 1
+        head[hp] = nsym
+        hp += 1
+        for s in range(nsym):
+            hp = put_varint(head, hp, freq[s])
+        bp += st[2]
+        hp = put_varint(head, hp, st[2])
+        rl = rans_encode(syms[g], m, freq, body[bp:])
+        bp += rl
+        hp = put_varint(head, hp, rl)
+    out = np.empty(hp + bp, np.uint8)
+    out[:hp] = head[:hp]
+    out[hp:] = body[:bp]
+    return out, k
+
+
+def encode_block(
+    dtype: str, old: np.ndarray, new: np.ndarray, k: int = BUCKETS, bmi2: bool = HAS_BMI2, split=None
+) -> tuple[bytes, int]:
+    """The block coding ``new`` against ``old`` (unsigned views of ``dtype``'s width), and how many
+    elements changed; at most ``k`` buckets. ``split``: (bucket thresholds, group thresholds) to use
+    instead of the planned ones (tests and the warm-up reach every pass with it)."""
+    shift, bits = EXPONENT_FIELD.get(dtype, (0, 0))
+    width = 8 * old.dtype.itemsize
+    thr, vthr = _plan(old, new, shift, bits, k, width) if split is None else (np.asarray(t, np.int64) for t in split)
+    K = thr.size + 1
+    n = old.size
+    top = 1 << (width - 1)
+    lim = np.full(MAX_K, top, old.dtype)
+    lim[: K - 1] = thr << shift
+    stride = n // 64 + 4
+    bmap = np.empty(K * stride, np.uint64)  # each bucket's changed flags over its ranks
+    acc, nacc, wpos = np.zeros(K, np.uint64), np.zeros(K, np.int64), np.zeros(K, np.int64)
+    G = vthr.size + 1
+    vals = np.empty((MAX_G, n + 64), old.dtype)  # zigzag codes of each group's changes, in order
+    nv, exc, nes = np.zeros(G, np.int64), np.empty(n + 1, np.int64), np.zeros(1, np.int64)
+    scan = _kernel("scan", K, G, bmi2)
+    vlim = np.full(MAX_G, top, old.dtype)
+    vlim[: G - 1] = vthr << shift
+    fmask = (1 << bits) - 1
+    blut = np.searchsorted(thr, np.arange(fmask + 1), side="right").astype(np.int64)
+    glut = np.searchsorted(vthr, np.arange(fmask + 1), side="right").astype(np.int64)
+    scan(
+        old,
+        new,
+        n // 64,
+        lim,
+        vlim,
+        old.dtype.type(top - 1),
+        old.dtype.type(fmask << shift),
+        shift,
+        fmask,
+        blut,
+        glut,
+        bmap,
+        stride,
+        acc,
+        nacc,
+        wpos,
+        vals[0],
+        vals[1],
+        vals[2],
+        vals[3],
+        nv,
+        exc,
+        nes,
+    )
+    data, changed = _encode(old, new, shift, bits, width, thr, vthr, bmap, stride, acc, nacc, wpos, vals, nv, exc, nes)
+    return data.tobytes(), changed
+
+
+# --- decoding -------------------------------------------------------------------------------------
+
+
+@njit(nogil=True)
+def _parse(data, n, width_bits, tmpl):
+    """(status, K, split, thresholds, n_b, bitmaps, differences, each group's first difference,
+    exception positions, their old buckets); status 0 is success, else the failed check's number."""
+    z64 = np.zeros(0, np.int64)
+    zu = np.zeros(0, np.uint64)
+    zb = np.zeros(0, np.uint8)
+    zd = tmpl[:0].copy()
+    fail = (z64, z64, z64, zu, z64, zd, z64, z64, zb)
+    if data.size < 8:
+        return 1, 0, *fail
+    c = np.int64(data[0]) | np.int64(data[1]) << 8 | np.int64(data[2]) << 16 | np.int64(data[3]) << 24
+    K = np.int64(data[4])
+    bits = np.int64(data[6])
+    G = np.int64(data[7])
+    if not (1 <= K <= MAX_K and 1 <= G <= MAX_G and 0 < c <= n and bits <= 8) or (bits == 0 and K + G != 2):
+        return 2, 0, *fail
+    pos = 8
+    if data.size < pos + K + G - 2:
+        return 3, 0, *fail
+    thr = np.zeros(K - 1, np.int64)
+    vthr = np.zeros(G - 1, np.int64)
+    for t in range(K + G - 2):
+        x = np.int64(data[pos + t])
+        first = t == 0 or t == K - 1
+        if t < K - 1:
+            thr[t] = x
+        else:
+            vthr[t - K + 1] = x
+        if x < 1 or x >= (1 << bits) or (not first and x < data[pos + t - 1]):
+            return 4, 0, *fail
+    pos += K + G - 2
+    ne, pos = get_varint(data, pos)
+    if ne < 0 or ne > c:
+        return 5, 0, *fail
+    exc = np.empty(ne, np.int64)
+    exb = np.empty(ne, np.uint8)
+    p = -1
+    for j in range(ne):
+        g, pos = get_varint(data, pos)
+        if g < 0 or p + g + 1 >= n:
+            return 6, 0, *fail
+        p += g + 1
+        exc[j] = p
+    if data.size < pos + ne:
+        return 6, 0, *fail
+    for j in range(ne):
+        exb[j] = data[pos + j]
+        if (exb[j] >> 4) >= K or (exb[j] & 15) >= G:
+            return 6, 0, *fail
+    pos += ne
+    nb = np.zeros(K, np.int64)
+    cb = np.zeros(K, np.int64)
+    kr = np.zeros(K, np.int64)
+    inv = np.zeros(K, np.int64)
+    blen = np.zeros(K, np.int64)
+    tot_n = 0
+    for b in range(K):
+        nb[b], pos = get_varint(data, pos)
+        cb[b], pos = get_varint(data, pos)
+        if nb[b] < 0 or cb[b] < 0 or cb[b] > nb[b]:
+            return 7, 0, *fail
+        tot_n += nb[b]
+        if cb[b] == 0:
+            continue
+        if pos >= data.size:
+            return 7, 0, *fail
+        kr[b] = data[pos] >> 1
+        inv[b] = data[pos] & 1
+        blen[b], pos = get_varint(data, pos + 1)
+        if kr[b] > 30 or (inv[b] == 1) != (2 * cb[b] > nb[b]) or blen[b] < 0:
+            return 8, 0, *fail
+    if tot_n != n or cb.sum() != c:
+        return 9, 0, *fail
+    mg = np.zeros(G, np.int64)
+    freq = np.zeros((G, NSYM), np.int64)
+    elen = np.zeros(G, np.int64)
+    rlen = np.zeros(G, np.int64)
+    for g in range(G):
+        mg[g], pos = get_varint(data, pos)
+        if mg[g] < 0 or mg[g] > c or (g == G - 1 and mg.sum() != c):
+            return 10, 0, *fail
+        if mg[g] == 0:
+            continue
+        if pos >= data.size:
+            return 10, 0, *fail
+        nsym = np.int64(data[pos])
+        pos += 1
+        if nsym < 1 or nsym > NSYM:
+            return 10, 0, *fail
+        s = 0
+        for q in range(nsym):
+            freq[g, q], pos = get_varint(data, pos)
+            if freq[g, q] < 0:
+                return 10, 0, *fail
+            s += freq[g, q]
+        elen[g], pos = get_varint(data, pos)
+        rlen[g], pos = get_varint(data, pos)
+        if s != PROB_ONE or elen[g] < 0 or rlen[g] < 0:
+            return 10, 0, *fail
+    if pos + blen.sum() + elen.sum() + rlen.sum() != data.size:
+        return 11, 0, *fail
+    # each bucket's bitmap starts at a word; the pass on a wrong base can run it up to CHECK
+    # elements past its end before its next check sees it: that much spare
+    wbase = np.zeros(K + 1, np.int64)
+    spare = min(n, CHECK) + 128
+    for b in range(K):
+        wbase[b + 1] = wbase[b] + (nb[b] + spare + 63) // 64
+    words = np.zeros(wbase[K] + 2, np.uint64)
+    for b in range(K):
+        if cb[b] == 0:
+            continue
+        ng = nb[b] - cb[b] if inv[b] else cb[b]
+        bad = rice_decode(data, pos, blen[b], ng, kr[b], nb[b], inv[b], words, wbase[b])
+        if bad:
+            return bad, 0, *fail
+        pos += blen[b]
+    diffs = np.empty(c + 64, tmpl.dtype)  # the pass's expand-loads may start up to 64 past the last
+    dstart = np.zeros(G + 1, np.int64)
+    zmax = (ONE << np.uint64(width_bits)) - ONE
+    values = np.zeros(NSYM, tmpl.dtype)  # symbol -> difference; the escape's 0 is filled in below
+    for sym in range(NSYM - 1):
+        z = np.uint64(sym + 1)
+        values[sym] = (z >> ONE) ^ (ZERO - (z & ONE))
+    for g in range(G):
+        dstart[g + 1] = dstart[g] + mg[g]
+        if mg[g] == 0:
+            continue
+        esec = padded_words(data, pos, elen[g])
+        pos += elen[g]
+        if rans_decode(data, pos, rlen[g], freq[g], values, diffs, dstart[g], mg[g]):
+            return 13, 0, *fail
+        pos += rlen[g]
+        bp = 0
+        if freq[g, NSYM - 1]:  # escapes left zero differences (no change has one): their codes, in order
+            for j in range(dstart[g], dstart[g + 1]):
+                if diffs[j] == 0:
+                    v, bp = get_eg(esec, bp, 8 * elen[g])
+                    if v < 0 or np.uint64(v) > zmax - np.uint64(NSYM):
+                        return 14, 0, *fail
+                    z = np.uint64(v) + np.uint64(NSYM)
+                    diffs[j] = (z >> ONE) ^ (ZERO - (z & ONE))
+        if not clean_end(esec, bp, elen[g]):
+            return 14, 0, *fail
+    return 0, K, thr, vthr, nb, words, wbase, diffs, dstart, exc, exb
+
+
+class Parsed:
+    """A block's header and streams, decoded (:func:`_parse`): what the pass, the reference decoder
+    and the backward decoder share. Raises :class:`FormatError` naming ``what`` for a block that
+    does not parse, or whose exponent field is not ``dtype``'s."""
+
+    def __init__(self, dtype: str, block: memoryview, n: int, dt: np.dtype, what: str) -> None:
+        if len(block) < _HEAD:
+            raise FormatError(f"{what}: truncated ans block")
+        shift, bits = EXPONENT_FIELD.get(dtype, (0, 0))
+        if block[5] != shift or block[6] != bits:
+            raise FormatError(f"{what}: ans block's exponent field ({block[5]}, {block[6]}) is not {dtype}'s")
+        got = _parse(np.frombuffer(block, dtype=np.uint8), n, 8 * dt.itemsize, np.zeros(1, dt))
+        status, self.K, self.thr, self.vthr, self.nb, self.words, self.wbase, self.diffs, self.dstart, exc, exb = got
+        if status:
+            raise FormatError(f"{what}: bad ans block (check {status} failed)")
+        self.G = self.vthr.size + 1
+        self.shift, self.fmask = shift, (1 << bits) - 1
+        self.exc, self.exb = exc, exb  # positions whose bucket or group the change moved; old bucket << 4 | group
+        self.what = what
+
+    def luts(self) -> tuple[np.ndarray, np.ndarray]:
+        """Bucket and value group by exponent value."""
+        e = np.arange(self.fmask + 1)
+        return np.searchsorted(self.thr, e, side="right"), np.searchsorted(self.vthr, e, side="right")
+
+    def contexts(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each element's bucket and value group from its exponent."""
+        blut, glut = self.luts()
+        e = (values.astype(np.int64) >> self.shift) & self.fmask
+        return blut[e], glut[e]
+
+    def changes(self, buckets: np.ndarray, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Positions and differences given each element's bucket and group, by prefix sums and
+        gathers (a GPU's steps): an element's rank in its bucket is a prefix sum of membership, its
+        changed flag a gather from the bucket's bitmap, the index of its difference a prefix sum of
+        the changed flags within its value group."""
+        changed = np.zeros(buckets.size, bool)
+        for b in range(self.K):
+            member = buckets == b
+            if np.count_nonzero(member) != self.nb[b]:
+                raise FormatError(f"{self.what}: ans block's bucket sizes do not match its base")
+            bit = self.wbase[b] * 64 + np.cumsum(member)[member] - 1
+            changed[member] = (self.words[bit >> 6] >> (bit & 63).astype(np.uint64)) & ONE != 0
+        idx = np.flatnonzero(changed)
+        group = groups[idx]
+        didx = np.empty(idx.size, np.int64)
+        for g in range(self.G):
+            sel = group == g
+            if np.count_nonzero(sel) != self.dstart[g + 1] - self.dstart[g]:
+                raise FormatError(f"{self.what}: ans block's value groups do not match its base")
+            didx[sel] = self.dstart[g] + np.cumsum(sel)[sel] - 1
+        return idx, self.diffs[didx]
+
+
+def decode_block(
+    dtype: str, block: memoryview, old: np.ndarray, out: np.ndarray, what: str, hasher=None, bmi2: bool = HAS_BMI2
+) -> None:
+    """Decode ``block`` against ``old`` into ``out`` (may be ``old``), feeding ``hasher`` the result:
+    a block of up to :data:`HASH_WHOLE` elements in one pass then hashed, a larger one slice by slice
+    while each is in cache."""
+    if len(block) == 0:
+        copy(old, out, hasher)
+        return
+    p = Parsed(dtype, block, old.size, old.dtype, what)
+    top = 1 << (8 * old.dtype.itemsize - 1)
+    lim = np.full(MAX_K, top, old.dtype)
+    lim[: p.K - 1] = p.thr << p.shift
+    vlim = np.full(MAX_G, top, old.dtype)
+    vlim[: p.G - 1] = p.vthr << p.shift
+    dptr, dend = p.dstart[:-1].copy(), p.dstart[1:]
+    off = p.wbase[:-1] * 64
+    ends = off + p.nb
+    run = _kernel("pass", p.K, p.G, bmi2)
+    absmask = old.dtype.type(top - 1)
+    n = old.size
+    chunk = n if hasher is None or n <= HASH_WHOLE else SLICE
+    for a in range(0, n, chunk):
+        e = min(a + chunk, n)
+        if run(out, old, a, e, lim, vlim, absmask, p.words, off, ends, dptr, dend, p.diffs):
+            raise FormatError(f"{what}: ans block's bucket sizes do not match its base")
+        if hasher is not None:
+            hasher.update(out[a:e])
+
+
+def decode_reference(dtype: str, block: bytes | memoryview, old: np.ndarray, what: str = "block") -> np.ndarray:
+    """The block decoded against ``old`` by prefix sums and gathers only (numpy): the reference a GPU
+    kernel is tested against, and the fast pass too."""
+    if len(block) == 0:
+        return old.copy()
+    p = Parsed(dtype, memoryview(block), old.size, old.dtype, what)
+    idx, d = p.changes(*p.contexts(old))
+    out = old.copy()
+    out[idx] = old[idx] + d
+    return out
+
+
+def decode_backward(dtype: str, block: bytes | memoryview, new: np.ndarray, what: str = "block") -> np.ndarray:
+    """The base ``block`` was coded against, from its result ``new``: each element's bucket and group
+    from its new exponent but for the listed exceptions, then the changes subtracted. Refuses a
+    ``new`` whose rebuilt base would not have had those buckets and groups."""
+    if len(block) == 0:
+        return new.copy()
+    p = Parsed(dtype, memoryview(block), new.size, new.dtype, what)
+    buckets, groups = p.contexts(new)
+    buckets[p.exc] = p.exb >> 4
+    groups[p.exc] = p.exb & 15
+    idx, d = p.changes(buckets, groups)
+    old = new.copy()
+    old[idx] = new[idx] - d
+    ob, og = p.contexts(old[idx])
+    if np.any((ob != buckets[idx]) | (og != groups[idx])):
+        raise FormatError(f"{what}: ans block does not code a change to these elements")
+    return old
+
+
+# --- the codec ------------------------------------------------------------------------------------
+@register
+class Ans(Codec):
+    """``ans``: positions as Rice-coded rank gaps per bucket of the old exponent, values rANS-coded
+    per group of the old exponent; decoded by one vector pass; invertible."""
+
+    id = 5
+    name = "ans"
+    invertible = True
+
+    def supports(self, dtype: str) -> bool:
+        return ITEMSIZE.get(dtype) in (1, 2, 4)
+
+    def encode(self, dtype, old, new, config):
+        return encode_block(dtype, old, new)
+
+    def decode(self, dtype, block, old, out, what, hasher=None):
+        decode_block(dtype, block, old, out, what, hasher)
+
+    def decode_backward(self, dtype, block, new, out, what, hasher=None):
+        """The base from the result (numpy's prefix sums and gathers: rollbacks are rare)."""
+        old = decode_backward(dtype, block, new, what)
+        out[:] = old
+        if hasher is not None:
+            hasher.update(out)
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) the pass and the scan of every bucket and group count the
+    encoder uses (:func:`_padded`), for 1-, 2- and 4-byte elements: 13 of each, about 30 s with a
+    cold cache (:func:`weightsync.codec.payload.warm_up`). Blocks from another encoder may need
+    another pass: it compiles on first use."""
+    rng = np.random.default_rng(0)
+    for dtype in ("U8", "BF16", "F32"):
+        view = UINT_VIEW[ITEMSIZE[dtype]]
+        shift, bits = EXPONENT_FIELD.get(dtype, (0, 0))
+        old = rng.integers(0, 1 << (8 * view.itemsize - 1), 4096, dtype=np.uint64).astype(view)
+        new = old.copy()
+        new[::7] += view.type(1)
+        for K in (1, MAX_K) if bits else (1,):
+            for G in (1, 2, MAX_G) if bits else (1,):
+                split = (np.arange(1, K) * ((1 << bits) // K), np.arange(1, G) * ((1 << bits) // G))
+                block, _ = encode_block(dtype, old, new, split=split)
+                out = np.empty_like(old)
+                decode_block(dtype, memoryview(block), old, out, "warm-up")
+                if not np.array_equal(out, new):
+                    raise AssertionError(f"ans warm-up: {dtype} with {K} buckets and {G} groups did not round-trip")

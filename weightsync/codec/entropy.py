@@ -1,0 +1,573 @@
+"""The entropy coders of codec ``ans`` (docs/FORMAT.md, "ans"), as numba kernels: LEB128 varints,
+Exp-Golomb and Rice codes in LSB-first bit streams, and a static rANS coder over 16 symbols with
+12-bit frequencies.
+
+Rice sections and rANS sections are interleaved 4 ways (:data:`LANES`): code j goes to stream or
+state j % 4, so that a decoder's consecutive codes do not wait on each other (about 2.5x faster
+than one stream, docs/DESIGN.md). The lanes are written out by hand: numba helpers that take
+arrays cost about 20 ns a call in these loops (reference counting), more than a code.
+
+Every decoder checks what it reads and returns a status (0: success) rather than raising, and never
+reads or writes outside its arrays.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from weightsync.codec.jit import njit
+from weightsync.codec.simd import ALL, ONE, ZERO, store64, trailing_zeros
+
+LANES = 4
+"""Interleaved Rice streams per section, and rANS states per section."""
+
+NSYM = 16
+"""rANS symbols."""
+
+PROB_BITS = 12
+PROB_ONE = 1 << PROB_BITS
+RANS_L = np.uint32(1 << 16)  # states live in [2^16, 2^32) and renormalise 16 bits at a time
+RICE_ESCAPE = 32  # a quotient of 32 or more: 32 one bits, then the value in 32 bits
+U32 = np.uint32
+
+
+# --- bit streams ---------------------------------------------------------------------------------
+@njit(nogil=True)
+def put_varint(out, pos, v):
+    while v >= 0x80:
+        out[pos] = (v & 0x7F) | 0x80
+        v >>= 7
+        pos += 1
+    out[pos] = v
+    return pos + 1
+
+
+@njit(nogil=True, inline="always")
+def get_varint(data, pos):
+    """(value, next position), or (-1, pos) for a varint that is longer than 5 bytes or runs past the end."""
+    v = np.int64(0)
+    for j in range(5):
+        if pos >= data.size:
+            return -1, pos
+        b = np.int64(data[pos])
+        pos += 1
+        v |= (b & 0x7F) << (7 * j)
+        if b < 0x80:
+            return v, pos
+    return -1, pos
+
+
+@njit(nogil=True, inline="always")
+def _put(buf, st, value, nbits):
+    """Append the low ``nbits`` (<= 32) of ``value`` to a bit stream, LSB first; ``st`` = [accumulator,
+    bits held, bytes written]."""
+    st[0] |= (value & ((1 << nbits) - 1)) << st[1]
+    st[1] += nbits
+    while st[1] >= 8:
+        buf[st[2]] = st[0] & 0xFF
+        st[2] += 1
+        st[0] >>= 8
+        st[1] -= 8
+
+
+@njit(nogil=True)
+def flush(buf, st):
+    if st[1] > 0:
+        buf[st[2]] = st[0] & 0xFF
+        st[2] += 1
+    st[0] = 0
+    st[1] = 0
+
+
+@njit(nogil=True, inline="always")
+def peek(words, pos):
+    """64 bits of a stream (as uint64 words, padded with a zero word) from bit ``pos``."""
+    q = pos >> 6
+    s = np.uint64(pos & 63)
+    return (words[q] >> s) | ((words[q + 1] << ONE) << (np.uint64(63) - s))
+
+
+@njit(nogil=True)
+def padded_words(data, pos, length):
+    sec = np.zeros((length + 7) // 8 + 4, np.uint64)  # reads run up to 2 words past the end
+    sec.view(np.uint8)[:length] = data[pos : pos + length]
+    return sec
+
+
+@njit(nogil=True)
+def clean_end(sec, bp, length):
+    """Whether a bit section of ``length`` bytes ends at bit ``bp`` (the last byte's rest zero)."""
+    limit = 8 * length
+    if (bp + 7) // 8 != length:
+        return False
+    return bp == limit or (peek(sec, bp) & ((ONE << np.uint64(limit - bp)) - ONE)) == ZERO
+
+
+@njit(nogil=True)
+def put_eg(buf, st, v):
+    """Exp-Golomb (order 0) of v >= 0, LSB first: n ones, a zero, then the n bits of v + 1 below its top bit."""
+    x = v + 1
+    n = 0
+    while (x >> (n + 1)) != 0:
+        n += 1
+    _put(buf, st, (1 << n) - 1, n + 1)
+    if n > 16:
+        _put(buf, st, x & 0xFFFF, 16)
+        _put(buf, st, (x >> 16) & ((1 << (n - 16)) - 1), n - 16)
+    elif n:
+        _put(buf, st, x & ((1 << n) - 1), n)
+
+
+@njit(nogil=True, inline="always")
+def get_eg(words, pos, limit):
+    """Returns (value, new position), or (-1, pos) for a code that does not fit or runs past ``limit``."""
+    w = peek(words, pos)
+    n = np.int64(trailing_zeros(~w))
+    if n > 32:
+        return -1, pos
+    pos += n + 1
+    x = np.int64(1) << n
+    if n > 0:
+        lo = np.int64(peek(words, pos) & ((ONE << np.uint64(n)) - ONE))
+        x |= lo
+        pos += n
+    if pos > limit:
+        return -1, pos
+    return x - 1, pos
+
+
+# --- Rice codes (positions) ------------------------------------------------------------------------
+@njit(nogil=True)
+def rice_parameter(gaps):
+    """Rice parameter for the gaps: the best of three around log2 of their mean."""
+    ng = gaps.size
+    if ng == 0:
+        return 0
+    total = np.uint64(0)
+    for j in range(ng):
+        total += gaps[j]
+    mean = total / ng
+    k0 = 0
+    while (1 << (k0 + 1)) <= mean * 0.69:
+        k0 += 1
+    lo = max(0, k0 - 1)
+    best = 0
+    bestcost = np.uint64(0)
+    for t in range(3):
+        kk = np.uint64(lo + t)
+        cost = np.uint64(0)
+        for j in range(ng):  # vectorised: sum of quotients
+            cost += min(gaps[j] >> kk, np.uint64(32))
+        cost += np.uint64(ng) * (kk + ONE)
+        if t == 0 or cost < bestcost:
+            best = lo + t
+            bestcost = cost
+    return best
+
+
+@njit(nogil=True)
+def _rice_stream(gaps, first, k, buf):
+    """Rice codes of ``gaps[first::LANES]`` into ``buf`` (uint8, 8 bytes of slack); returns the length
+    in bytes. A code is q = g >> k ones, a zero and the k low bits (at most 62 bits); q >= 32 is 32
+    ones and g in 32 bits. Fewer than 8 bits wait in ``acc``; each code is or-ed in and the 8 bytes
+    stored at once (unaligned), without a branch but for codes over 56 bits."""
+    p = 0
+    acc = ZERO
+    nacc = ZERO
+    kk = np.uint64(k)
+    low = (ONE << kk) - ONE
+    w32 = np.uint64(32)
+    m32 = np.uint64(0xFFFFFFFF)
+    for j in range(first, gaps.size, LANES):
+        g = gaps[j]
+        qq = g >> kk
+        if qq < w32:
+            code = ((ONE << qq) - ONE) | ((g & low) << (qq + ONE))
+            n = qq + ONE + kk
+        else:
+            code = m32 | ((g & m32) << w32)
+            n = np.uint64(64)
+        if n > np.uint64(56):  # rare: the low 32 bits first
+            acc |= (code & m32) << nacc
+            nacc += w32
+            store64(buf, p, acc)
+            nb = nacc >> np.uint64(3)
+            p += np.int64(nb)
+            acc >>= nb << np.uint64(3)
+            nacc &= np.uint64(7)
+            code >>= w32
+            n -= w32
+        acc |= code << nacc
+        nacc += n
+        store64(buf, p, acc)
+        nb = nacc >> np.uint64(3)
+        p += np.int64(nb)
+        acc = (acc >> (nb << np.uint64(2))) >> (nb << np.uint64(2))  # nb may be 8: two shifts
+        nacc &= np.uint64(7)
+    return p + np.int64(nacc != ZERO)
+
+
+@njit(nogil=True)
+def rice_section(gaps, k, out):
+    """A bucket's Rice section into ``out`` (uint8): LEB128 lengths of its first LANES - 1 streams,
+    then the LANES streams (gap j in stream j % LANES); returns its length."""
+    buf = np.empty(8 * (gaps.size // LANES + 1) + 16, np.uint8)  # a code is at most 64 bits
+    lens = np.zeros(LANES, np.int64)
+    body = np.empty(8 * gaps.size + 64, np.uint8)
+    bp = 0
+    for q in range(LANES):
+        lens[q] = _rice_stream(gaps, q, k, buf)
+        body[bp : bp + lens[q]] = buf[: lens[q]]
+        bp += lens[q]
+    hp = 0
+    for q in range(LANES - 1):
+        hp = put_varint(out, hp, lens[q])
+    out[hp : hp + bp] = body[:bp]
+    return hp + bp
+
+
+@njit(nogil=True)
+def rice_decode(data, pos, bl, count, k, n_b, inv, words, w0):
+    """A bucket's Rice section into its bitmap (``words`` from word ``w0``); returns 0 or 12."""
+    end = pos + bl
+    lens = np.zeros(LANES, np.int64)
+    for q in range(LANES - 1):
+        lens[q], pos = get_varint(data, pos)
+        if lens[q] < 0:
+            return 12
+    lens[LANES - 1] = end - pos - lens[: LANES - 1].sum()
+    if lens[LANES - 1] < 0:
+        return 12
+    s0 = padded_words(data, pos, lens[0])
+    s1 = padded_words(data, pos + lens[0], lens[1])
+    s2 = padded_words(data, pos + lens[0] + lens[1], lens[2])
+    s3 = padded_words(data, pos + lens[0] + lens[1] + lens[2], lens[3])
+    if inv:
+        for q in range(n_b >> 6):
+            words[w0 + q] = ALL
+        if n_b & 63:
+            words[w0 + (n_b >> 6)] = (ONE << np.uint64(n_b & 63)) - ONE
+    r = np.int64(-1)
+    b0 = np.int64(0)
+    b1 = np.int64(0)
+    b2 = np.int64(0)
+    b3 = np.int64(0)
+    kk = np.uint64(k)
+    kmask = (ONE << kk) - ONE
+    full = count - count % LANES
+    lim0, lim1, lim2, lim3 = 8 * lens[0], 8 * lens[1], 8 * lens[2], 8 * lens[3]
+    w32 = np.uint64(32)
+    m32 = np.uint64(0xFFFFFFFF)
+    for _ in range(0, full, LANES):
+        q = np.uint64(b0) >> np.uint64(6)
+        sh = np.uint64(b0 & 63)
+        w = (s0[q] >> sh) | ((s0[q + ONE] << ONE) << (np.uint64(63) - sh))
+        u = trailing_zeros(~w)
+        if u < w32:
+            g0 = np.int64((u << kk) | ((w >> (u + ONE)) & kmask))
+            b0 += np.int64(u + ONE + kk)
+        else:
+            q = (b0 + 32) >> 6
+            sh = np.uint64((b0 + 32) & 63)
+            g0 = np.int64(((s0[q] >> sh) | ((s0[q + 1] << ONE) << (np.uint64(63) - sh))) & m32)
+            b0 += 64
+        q = np.uint64(b1) >> np.uint64(6)
+        sh = np.uint64(b1 & 63)
+        w = (s1[q] >> sh) | ((s1[q + ONE] << ONE) << (np.uint64(63) - sh))
+        u = trailing_zeros(~w)
+        if u < w32:
+            g1 = np.int64((u << kk) | ((w >> (u + ONE)) & kmask))
+            b1 += np.int64(u + ONE + kk)
+        else:
+            q = (b1 + 32) >> 6
+            sh = np.uint64((b1 + 32) & 63)
+            g1 = np.int64(((s1[q] >> sh) | ((s1[q + 1] << ONE) << (np.uint64(63) - sh))) & m32)
+            b1 += 64
+        q = np.uint64(b2) >> np.uint64(6)
+        sh = np.uint64(b2 & 63)
+        w = (s2[q] >> sh) | ((s2[q + ONE] << ONE) << (np.uint64(63) - sh))
+        u = trailing_zeros(~w)
+        if u < w32:
+            g2 = np.int64((u << kk) | ((w >> (u + ONE)) & kmask))
+            b2 += np.int64(u + ONE + kk)
+        else:
+            q = (b2 + 32) >> 6
+            sh = np.uint64((b2 + 32) & 63)
+            g2 = np.int64(((s2[q] >> sh) | ((s2[q + 1] << ONE) << (np.uint64(63) - sh))) & m32)
+            b2 += 64
+        q = np.uint64(b3) >> np.uint64(6)
+        sh = np.uint64(b3 & 63)
+        w = (s3[q] >> sh) | ((s3[q + ONE] << ONE) << (np.uint64(63) - sh))
+        u = trailing_zeros(~w)
+        if u < w32:
+            g3 = np.int64((u << kk) | ((w >> (u + ONE)) & kmask))
+            b3 += np.int64(u + ONE + kk)
+        else:
+            q = (b3 + 32) >> 6
+            sh = np.uint64((b3 + 32) & 63)
+            g3 = np.int64(((s3[q] >> sh) | ((s3[q + 1] << ONE) << (np.uint64(63) - sh))) & m32)
+            b3 += 64
+        r0 = r + g0 + 1
+        r1 = r0 + g1 + 1
+        r2 = r1 + g2 + 1
+        r = r2 + g3 + 1
+        if r >= n_b or b0 > lim0 or b1 > lim1 or b2 > lim2 or b3 > lim3:
+            return 12
+        words[np.uint64(w0 + (r0 >> 6))] ^= ONE << np.uint64(r0 & 63)
+        words[np.uint64(w0 + (r1 >> 6))] ^= ONE << np.uint64(r1 & 63)
+        words[np.uint64(w0 + (r2 >> 6))] ^= ONE << np.uint64(r2 & 63)
+        words[np.uint64(w0 + (r >> 6))] ^= ONE << np.uint64(r & 63)
+    for j in range(full, count):
+        lane = j - full
+        if lane == 0:
+            q = b0 >> 6
+            sh = np.uint64(b0 & 63)
+            w = (s0[q] >> sh) | ((s0[q + 1] << ONE) << (np.uint64(63) - sh))
+            u = trailing_zeros(~w)
+            if u < w32:
+                g = np.int64((u << kk) | ((w >> (u + ONE)) & kmask))
+                b0 += np.int64(u + ONE + kk)
+            else:
+                q = (b0 + 32) >> 6
+                sh = np.uint64((b0 + 32) & 63)
+                g = np.int64(((s0[q] >> sh) | ((s0[q + 1] << ONE) << (np.uint64(63) - sh))) & m32)
+                b0 += 64
+        elif lane == 1:
+            q = b1 >> 6
+            sh = np.uint64(b1 & 63)
+            w = (s1[q] >> sh) | ((s1[q + 1] << ONE) << (np.uint64(63) - sh))
+            u = trailing_zeros(~w)
+            if u < w32:
+                g = np.int64((u << kk) | ((w >> (u + ONE)) & kmask))
+                b1 += np.int64(u + ONE + kk)
+            else:
+                q = (b1 + 32) >> 6
+                sh = np.uint64((b1 + 32) & 63)
+                g = np.int64(((s1[q] >> sh) | ((s1[q + 1] << ONE) << (np.uint64(63) - sh))) & m32)
+                b1 += 64
+        else:
+            q = b2 >> 6
+            sh = np.uint64(b2 & 63)
+            w = (s2[q] >> sh) | ((s2[q + 1] << ONE) << (np.uint64(63) - sh))
+            u = trailing_zeros(~w)
+            if u < w32:
+                g = np.int64((u << kk) | ((w >> (u + ONE)) & kmask))
+                b2 += np.int64(u + ONE + kk)
+            else:
+                q = (b2 + 32) >> 6
+                sh = np.uint64((b2 + 32) & 63)
+                g = np.int64(((s2[q] >> sh) | ((s2[q + 1] << ONE) << (np.uint64(63) - sh))) & m32)
+                b2 += 64
+        r += g + 1
+        if r >= n_b:
+            return 12
+        words[w0 + (r >> 6)] ^= ONE << np.uint64(r & 63)
+    if b0 > 8 * lens[0] or b1 > 8 * lens[1] or b2 > 8 * lens[2] or b3 > 8 * lens[3]:
+        return 12
+    if not (clean_end(s0, b0, lens[0]) and clean_end(s1, b1, lens[1])):
+        return 12
+    if not (clean_end(s2, b2, lens[2]) and clean_end(s3, b3, lens[3])):
+        return 12
+    return 0
+
+
+# --- rANS (values) ------------------------------------------------------------------------------------
+@njit(nogil=True)
+def normalise(counts, freq):
+    """Frequencies summing to PROB_ONE, at least 1 for every symbol that occurs (deterministic)."""
+    total = counts.sum()
+    s = 0
+    for i in range(NSYM):
+        f = 0
+        if counts[i] > 0:
+            f = max(1, (counts[i] * PROB_ONE + total // 2) // total)
+        freq[i] = f
+        s += f
+    while s != PROB_ONE:
+        best = 0
+        for i in range(NSYM):
+            if freq[i] > freq[best]:
+                best = i
+        if s > PROB_ONE:
+            # take from the largest that can give (largest keeps > 1 while s > ONE: 16 symbols, 4096 slots)
+            freq[best] -= 1
+            s -= 1
+        else:
+            freq[best] += 1
+            s += 1
+
+
+@njit(nogil=True)
+def _rans_table(freq):
+    """Per slot: symbol | frequency << 4 | (slot - start) << 17."""
+    tab = np.empty(PROB_ONE, np.uint32)
+    start = 0
+    for s in range(NSYM):
+        f = np.int64(freq[s])
+        head = U32(s) | (U32(f) << U32(4))
+        seg = tab[start : start + f]
+        for j in range(f):  # vectorised
+            seg[j] = head | (U32(j) << U32(17))
+        start += f
+    return tab
+
+
+@njit(nogil=True)
+def rans_encode(syms, c, freq, out):
+    """The rANS section of ``syms[:c]`` into ``out`` (uint8); returns its length. LANES states:
+    symbol j is coded by state j % LANES; the final states first, then one word stream. (Lanes are
+    written out: helpers that take arrays cost a reference count per call in numba.)"""
+    # per symbol: the state bound, and x // f as a multiply and shifts (ryg's rans_byte.h reciprocal)
+    xmax = np.zeros(NSYM, np.uint64)
+    rcp = np.zeros(NSYM, np.uint64)
+    rsh = np.zeros(NSYM, np.uint64)
+    bias = np.zeros(NSYM, np.uint64)
+    cmpl = np.zeros(NSYM, np.uint64)
+    start = 0
+    for i in range(NSYM):
+        f = np.int64(freq[i])
+        xmax[i] = np.uint64(f) << np.uint64(32 - PROB_BITS)
+        cmpl[i] = np.uint64(PROB_ONE - f)
+        if f < 2:
+            rcp[i] = np.uint64(0xFFFFFFFF)
+            bias[i] = np.uint64(start + PROB_ONE - 1)
+        elif f > 0:
+            sh = 0
+            while f > (1 << sh):
+                sh += 1
+            rcp[i] = np.uint64(((1 << (sh + 31)) + f - 1) // f)
+            rsh[i] = np.uint64(sh - 1)
+            bias[i] = np.uint64(start)
+        start += f
+    tmp = np.empty(c + 4, np.uint16)  # at most one word per symbol, written backwards
+    t = tmp.size
+    x0 = np.uint64(RANS_L)  # states below 2^32, in 64-bit registers for the multiply
+    x1 = x0
+    x2 = x0
+    x3 = x0
+    full = c - c % LANES
+    for j in range(c - 1, full - 1, -1):  # the last, partial group (lanes 0..c % LANES - 1)
+        s = syms[j]
+        q = j - full
+        x = x2 if q == 2 else x1 if q == 1 else x0
+        if x >= xmax[s]:
+            t -= 1
+            tmp[t] = np.uint16(x & np.uint64(0xFFFF))
+            x >>= np.uint64(16)
+        d = ((x * rcp[s]) >> np.uint64(32)) >> rsh[s]
+        x = x + bias[s] + d * cmpl[s]
+        if q == 2:
+            x2 = x
+        elif q == 1:
+            x1 = x
+        else:
+            x0 = x
+    for j in range(full - LANES, -1, -LANES):
+        s = syms[j + 3]
+        if x3 >= xmax[s]:
+            t -= 1
+            tmp[t] = np.uint16(x3 & np.uint64(0xFFFF))
+            x3 >>= np.uint64(16)
+        d = ((x3 * rcp[s]) >> np.uint64(32)) >> rsh[s]
+        x3 = x3 + bias[s] + d * cmpl[s]
+        s = syms[j + 2]
+        if x2 >= xmax[s]:
+            t -= 1
+            tmp[t] = np.uint16(x2 & np.uint64(0xFFFF))
+            x2 >>= np.uint64(16)
+        d = ((x2 * rcp[s]) >> np.uint64(32)) >> rsh[s]
+        x2 = x2 + bias[s] + d * cmpl[s]
+        s = syms[j + 1]
+        if x1 >= xmax[s]:
+            t -= 1
+            tmp[t] = np.uint16(x1 & np.uint64(0xFFFF))
+            x1 >>= np.uint64(16)
+        d = ((x1 * rcp[s]) >> np.uint64(32)) >> rsh[s]
+        x1 = x1 + bias[s] + d * cmpl[s]
+        s = syms[j + 0]
+        if x0 >= xmax[s]:
+            t -= 1
+            tmp[t] = np.uint16(x0 & np.uint64(0xFFFF))
+            x0 >>= np.uint64(16)
+        d = ((x0 * rcp[s]) >> np.uint64(32)) >> rsh[s]
+        x0 = x0 + bias[s] + d * cmpl[s]
+    xs = (x0, x1, x2, x3)
+    for q in range(LANES):
+        for b in range(4):
+            out[4 * q + b] = np.uint8((xs[q] >> np.uint64(8 * b)) & np.uint64(0xFF))
+    m = tmp.size - t
+    out[4 * LANES : 4 * LANES + 2 * m] = tmp[t:].view(np.uint8)
+    return 4 * LANES + 2 * m
+
+
+@njit(nogil=True)
+def rans_decode(data, pos, length, freq, values, out, o0, count):
+    """Decode ``count`` symbols of the rANS section ``data[pos:pos+length]`` (frequencies ``freq``) and
+    write ``values[symbol]`` for each into ``out[o0:]``; returns 0, or 13 for a section that does not
+    decode to exactly ``count`` symbols (every state back at 2^16, every word read)."""
+    if length < 4 * LANES or (length - 4 * LANES) % 2:
+        return 13
+    tab = _rans_table(freq)
+    xs = np.zeros(LANES, np.uint32)
+    for q in range(LANES):
+        p = pos + 4 * q
+        xs[q] = U32(data[p]) | U32(data[p + 1]) << U32(8) | U32(data[p + 2]) << U32(16) | U32(data[p + 3]) << U32(24)
+        if xs[q] < RANS_L:
+            return 13
+    x0, x1, x2, x3 = xs[0], xs[1], xs[2], xs[3]
+    nw = (length - 4 * LANES) // 2
+    w16 = np.zeros(nw + 1, np.uint16)  # one spare word: the branch-free step reads one ahead
+    w16.view(np.uint8)[: 2 * nw] = data[pos + 4 * LANES : pos + length]
+    wp = ZERO
+    nwu = np.uint64(nw)
+    full = count - count % LANES
+    mask = U32(PROB_ONE - 1)
+    for j in range(0, full, LANES):
+        dj = np.uint64(o0 + j)
+        en = tab[x0 & mask]
+        x0 = ((en >> U32(4)) & U32(0x1FFF)) * (x0 >> U32(PROB_BITS)) + (en >> U32(17))
+        t = U32(x0 < RANS_L)
+        x0 = (x0 << (t << U32(4))) | (U32(w16[min(wp, nwu)]) & (U32(0) - t))
+        wp += np.uint64(t)
+        s = en & U32(15)
+        out[dj + np.uint64(0)] = values[s]
+        en = tab[x1 & mask]
+        x1 = ((en >> U32(4)) & U32(0x1FFF)) * (x1 >> U32(PROB_BITS)) + (en >> U32(17))
+        t = U32(x1 < RANS_L)
+        x1 = (x1 << (t << U32(4))) | (U32(w16[min(wp, nwu)]) & (U32(0) - t))
+        wp += np.uint64(t)
+        s = en & U32(15)
+        out[dj + np.uint64(1)] = values[s]
+        en = tab[x2 & mask]
+        x2 = ((en >> U32(4)) & U32(0x1FFF)) * (x2 >> U32(PROB_BITS)) + (en >> U32(17))
+        t = U32(x2 < RANS_L)
+        x2 = (x2 << (t << U32(4))) | (U32(w16[min(wp, nwu)]) & (U32(0) - t))
+        wp += np.uint64(t)
+        s = en & U32(15)
+        out[dj + np.uint64(2)] = values[s]
+        en = tab[x3 & mask]
+        x3 = ((en >> U32(4)) & U32(0x1FFF)) * (x3 >> U32(PROB_BITS)) + (en >> U32(17))
+        t = U32(x3 < RANS_L)
+        x3 = (x3 << (t << U32(4))) | (U32(w16[min(wp, nwu)]) & (U32(0) - t))
+        wp += np.uint64(t)
+        s = en & U32(15)
+        out[dj + np.uint64(3)] = values[s]
+    for j in range(full, count):
+        q = j - full
+        x = x2 if q == 2 else x1 if q == 1 else x0
+        en = tab[x & mask]
+        x = ((en >> U32(4)) & U32(0x1FFF)) * (x >> U32(PROB_BITS)) + (en >> U32(17))
+        t = U32(x < RANS_L)
+        x = (x << (t << U32(4))) | (U32(w16[min(wp, nwu)]) & (U32(0) - t))
+        wp += np.uint64(t)
+        if q == 2:
+            x2 = x
+        elif q == 1:
+            x1 = x
+        else:
+            x0 = x
+        s = en & U32(15)
+        out[o0 + j] = values[s]
+    if x0 != RANS_L or x1 != RANS_L or x2 != RANS_L or x3 != RANS_L or wp != nwu:
+        return 13
+    return 0

@@ -1,0 +1,270 @@
+"""Bit and vector instructions for the numba kernels, as LLVM intrinsics (docs/DESIGN.md, "ans").
+
+Each works on 64 elements or a 64-bit mask at a time: LLVM lowers the vector ones to SSE/AVX
+compares and, with AVX-512 VBMI2, to ``vpexpand``/``vpcompress``; elsewhere to scalar code that is
+still correct. ``pdep``/``pext`` are BMI2 instructions: :data:`HAS_BMI2` says whether this CPU has
+them, and the portable versions (one step per set bit) produce the same bits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import binding as llvm_binding
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from weightsync.codec.jit import njit
+
+ONE = np.uint64(1)
+ZERO = np.uint64(0)
+ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def _int_intrinsic(name: str, nargs: int):
+    """The code generator of a call to the 64-bit integer intrinsic ``name``."""
+
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        if name == "llvm.cttz":
+            fnty = ir.FunctionType(i64, [i64, ir.IntType(1)])
+            fn = builder.module.declare_intrinsic(name, [i64], fnty)
+            return builder.call(fn, [args[0], ir.Constant(ir.IntType(1), 0)])
+        fnty = ir.FunctionType(i64, [i64] * nargs)
+        if name == "llvm.ctpop":
+            fn = builder.module.declare_intrinsic(name, [i64], fnty)
+        else:
+            fn = cgutils.get_or_insert_function(builder.module, fnty, name)
+        return builder.call(fn, list(args))
+
+    return codegen
+
+
+@intrinsic
+def trailing_zeros(typingctx, x):
+    """Index of the lowest set bit of a uint64 (64 for zero): LLVM's cttz, one instruction."""
+    return types.uint64(types.uint64), _int_intrinsic("llvm.cttz", 1)
+
+
+@intrinsic
+def popcount(typingctx, x):
+    """Set bits of a uint64."""
+    return types.uint64(types.uint64), _int_intrinsic("llvm.ctpop", 1)
+
+
+@intrinsic
+def pdep_bmi2(typingctx, x, m):
+    """BMI2's parallel bit deposit: the low bits of ``x`` into the set bits of ``m``, in order."""
+    return types.uint64(types.uint64, types.uint64), _int_intrinsic("llvm.x86.bmi.pdep.64", 2)
+
+
+@intrinsic
+def pext_bmi2(typingctx, x, m):
+    """BMI2's parallel bit extract: the bits of ``x`` at the set bits of ``m``, packed low."""
+    return types.uint64(types.uint64, types.uint64), _int_intrinsic("llvm.x86.bmi.pext.64", 2)
+
+
+@njit(nogil=True, inline="always")
+def pdep_soft(x, m):
+    """``pdep`` without BMI2: one step per set bit of ``m``."""
+    out = ZERO
+    while m != ZERO:
+        low = m & (ZERO - m)
+        out |= low & (ZERO - (x & ONE))
+        x >>= ONE
+        m &= m - ONE
+    return out
+
+
+@njit(nogil=True, inline="always")
+def pext_soft(x, m):
+    """``pext`` without BMI2: one step per set bit of ``m``."""
+    out = ZERO
+    k = ZERO
+    while m != ZERO:
+        low = m & (ZERO - m)
+        out |= np.uint64((x & low) != ZERO) << k
+        k += ONE
+        m &= m - ONE
+    return out
+
+
+def _has_bmi2() -> bool:
+    try:
+        return bool(llvm_binding.get_host_cpu_features().get("bmi2", False))
+    except Exception:  # noqa: BLE001 - an LLVM that cannot say (or not x86): the portable path
+        return False
+
+
+HAS_BMI2 = _has_bmi2()
+"""Whether this CPU has ``pdep``/``pext`` (x86 BMI2); kernels compiled without it use the portable ones."""
+
+
+def _vector_load(context, builder, aryty, ary, base, lanes: int):
+    """``lanes`` elements of an array from index ``base``, as one LLVM vector."""
+    arr = context.make_array(aryty)(context, builder, value=ary)
+    vt = ir.VectorType(context.get_data_type(aryty.dtype), lanes)
+    ptr = builder.bitcast(builder.gep(arr.data, [base]), vt.as_pointer())
+    return builder.load(ptr, align=aryty.dtype.bitwidth // 8)
+
+
+def _splat(builder, x, vt):
+    """The scalar ``x`` (truncated to the element type) in every lane of ``vt``."""
+    x = builder.trunc(x, vt.element) if x.type.width > vt.element.width else x
+    s = builder.insert_element(ir.Constant(vt, ir.Undefined), x, ir.Constant(ir.IntType(32), 0))
+    zeros = ir.Constant(ir.VectorType(ir.IntType(32), vt.count), [0] * vt.count)
+    return builder.shuffle_vector(s, ir.Constant(vt, ir.Undefined), zeros)
+
+
+@intrinsic
+def below_mask64(typingctx, ary, base, absmask, lim):
+    """Bit j set where ``(ary[base + j] & absmask) < lim`` (unsigned) for j < 64: one vector compare."""
+
+    def codegen(context, builder, sig, args):
+        v = _vector_load(context, builder, sig.args[0], args[0], args[1], 64)
+        c = builder.icmp_unsigned(
+            "<", builder.and_(v, _splat(builder, args[2], v.type)), _splat(builder, args[3], v.type)
+        )
+        return builder.bitcast(c, ir.IntType(64))
+
+    return types.uint64(ary, base, absmask, lim), codegen
+
+
+@intrinsic
+def ne_mask64(typingctx, a, b, base):
+    """Bit j set where ``a[base + j] != b[base + j]`` for j < 64."""
+
+    def codegen(context, builder, sig, args):
+        x = _vector_load(context, builder, sig.args[0], args[0], args[2], 64)
+        y = _vector_load(context, builder, sig.args[1], args[1], args[2], 64)
+        return builder.bitcast(builder.icmp_unsigned("!=", x, y), ir.IntType(64))
+
+    return types.uint64(a, b, base), codegen
+
+
+@intrinsic
+def field_ne_mask64(typingctx, a, b, base, field):
+    """Bit j set where ``(a[base + j] ^ b[base + j]) & field`` is not zero, for j < 64."""
+
+    def codegen(context, builder, sig, args):
+        x = _vector_load(context, builder, sig.args[0], args[0], args[2], 64)
+        y = _vector_load(context, builder, sig.args[1], args[1], args[2], 64)
+        d = builder.and_(builder.xor(x, y), _splat(builder, args[3], x.type))
+        return builder.bitcast(builder.icmp_unsigned("!=", d, ir.Constant(x.type, None)), ir.IntType(64))
+
+    return types.uint64(a, b, base, field), codegen
+
+
+# The masked expand-load and compress-store below work on two halves of 32 lanes: LLVM 22 fails
+# ("Cannot emit physreg copy instruction") on some kernels with <64 x i1> masks.
+def _half_mask(builder, mask, h: int):
+    """The 32 bits of a uint64 mask for half ``h``, as a <32 x i1> vector."""
+    i32 = ir.IntType(32)
+    m32 = builder.trunc(builder.lshr(mask, ir.Constant(ir.IntType(64), 32 * h)), i32)
+    return builder.bitcast(m32, ir.VectorType(ir.IntType(1), 32))
+
+
+def _half_offset(builder, pos, mask, h: int):
+    """``pos`` advanced past the low half's set bits of ``mask`` for half 1."""
+    if not h:
+        return pos
+    i32 = ir.IntType(32)
+    pop = builder.module.declare_intrinsic("llvm.ctpop", [i32], ir.FunctionType(i32, [i32]))
+    return builder.add(pos, builder.zext(builder.call(pop, [builder.trunc(mask, i32)]), ir.IntType(64)))
+
+
+def _expand_add(groups: int):
+    """The intrinsic ``f(out, src, base, diffs, p0, m0, ..)``: ``out[base + j] = src[base + j] + d``
+    for j < 64, where d is, for the one of ``groups`` (pointer, mask) pairs whose mask has bit j set
+    (masks disjoint), the next of ``diffs[p:]``, else 0: one masked expand-load per pair."""
+
+    def typer(typingctx, out, src, base, diffs, *pm):
+        def codegen(context, builder, sig, args):
+            aty = sig.args[0]
+            o = context.make_array(aty)(context, builder, value=args[0])
+            d = context.make_array(sig.args[3])(context, builder, value=args[3])
+            vt = ir.VectorType(context.get_data_type(aty.dtype), 32)
+            mt = ir.VectorType(ir.IntType(1), 32)
+            name = f"llvm.masked.expandload.v32i{aty.dtype.bitwidth}"
+            for h in range(2):
+                at = builder.add(args[2], ir.Constant(ir.IntType(64), 32 * h))
+                x = _vector_load(context, builder, sig.args[1], args[1], at, 32)
+                for q in range(groups):
+                    ptr = builder.gep(d.data, [_half_offset(builder, args[4 + 2 * q], args[5 + 2 * q], h)])
+                    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [ptr.type, mt, vt]), name)
+                    x = builder.add(
+                        x, builder.call(fn, [ptr, _half_mask(builder, args[5 + 2 * q], h), ir.Constant(vt, None)])
+                    )
+                builder.store(
+                    x, builder.bitcast(builder.gep(o.data, [at]), vt.as_pointer()), align=aty.dtype.bitwidth // 8
+                )
+            return context.get_dummy_value()
+
+        return types.none(out, src, base, diffs, *pm), codegen
+
+    # numba's @intrinsic takes no *args: one signature per group count
+    if groups == 1:
+        return intrinsic(lambda tc, out, src, base, diffs, p0, m0: typer(tc, out, src, base, diffs, p0, m0))
+    if groups == 2:
+        return intrinsic(
+            lambda tc, out, src, base, diffs, p0, m0, p1, m1: typer(tc, out, src, base, diffs, p0, m0, p1, m1)
+        )
+    if groups == 3:
+        return intrinsic(
+            lambda tc, out, src, base, diffs, p0, m0, p1, m1, p2, m2: typer(
+                tc, out, src, base, diffs, p0, m0, p1, m1, p2, m2
+            )
+        )
+    return intrinsic(
+        lambda tc, out, src, base, diffs, p0, m0, p1, m1, p2, m2, p3, m3: typer(
+            tc, out, src, base, diffs, p0, m0, p1, m1, p2, m2, p3, m3
+        )
+    )
+
+
+EXPAND_ADD = {g: _expand_add(g) for g in range(1, 5)}
+""":func:`_expand_add` for 1 to 4 (pointer, mask) pairs."""
+
+
+@intrinsic
+def compress_zigzag(typingctx, old, new, base, dst, pos, mask):
+    """Store the zigzag codes of ``new - old`` (wrapping) at the set bits of ``mask`` (64 elements
+    from ``base``), in order, into ``dst`` from ``pos``: a masked compress-store per 32 lanes."""
+
+    def codegen(context, builder, sig, args):
+        aty = sig.args[0]
+        d = context.make_array(sig.args[3])(context, builder, value=args[3])
+        width = aty.dtype.bitwidth
+        vt = ir.VectorType(ir.IntType(width), 32)
+        name = f"llvm.masked.compressstore.v32i{width}"
+        for h in range(2):
+            at = builder.add(args[2], ir.Constant(ir.IntType(64), 32 * h))
+            a = _vector_load(context, builder, sig.args[0], args[0], at, 32)
+            b = _vector_load(context, builder, sig.args[1], args[1], at, 32)
+            diff = builder.sub(b, a)
+            z = builder.xor(
+                builder.shl(diff, ir.Constant(vt, [1] * 32)), builder.ashr(diff, ir.Constant(vt, [width - 1] * 32))
+            )
+            ptr = builder.gep(d.data, [_half_offset(builder, args[4], args[5], h)])
+            mt = ir.VectorType(ir.IntType(1), 32)
+            fn = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [vt, ptr.type, mt]), name
+            )
+            builder.call(fn, [z, ptr, _half_mask(builder, args[5], h)])
+        return context.get_dummy_value()
+
+    return types.none(old, new, base, dst, pos, mask), codegen
+
+
+@intrinsic
+def store64(typingctx, buf, pos, value):
+    """Store ``value`` as 8 little-endian bytes at byte ``pos`` of a uint8 array (unaligned)."""
+
+    def codegen(context, builder, sig, args):
+        arr = context.make_array(sig.args[0])(context, builder, value=args[0])
+        ptr = builder.bitcast(builder.gep(arr.data, [args[1]]), ir.IntType(64).as_pointer())
+        builder.store(args[2], ptr, align=1)
+        return context.get_dummy_value()
+
+    return types.none(buf, pos, value), codegen
