@@ -10,14 +10,15 @@ step pair (old, new) it measures, in bytes of the new checkpoint:
 - the same conditioned on the old value's exponent field ((old >> 7) & 0xFF): sum over exponent
   groups of n_g * H(d | group), per tensor (headline) and pooled;
 - zstd (level 3) and ZipNN of the full new checkpoint; XOR of the whole data + zstd (level 3);
-- ours: weightsync.codec.encode_tensor per tensor, each payload decoded and checked byte for byte.
+- ours: weightsync.codec.encode_tensor per tensor with the default codec (``ans``), with ``ac`` and
+  with ``sparse``, each payload decoded and checked byte for byte.
 
 Ratios are raw / size over all pairs together. Throughput of ours (GB/s of raw tensor bytes;
 encode = diff + code, decode = decode + apply + xxh3-128 verify, hashed as it is written) is measured
 in whole passes over every tensor of a pair, on one core (a loop) and on all cores (a thread pool,
-largest first), beside np.copyto
-on one and on all cores and uint16 XOR of large arrays, in the same run; every timing is the best
-of a few repeats. The trajectories' model is small (most tensors 0.6 MB), so throughput is also
+largest first), beside np.copyto of the same tensors: the passes are interleaved round by round and
+each keeps its fastest round, since this machine's speed drifts within a minute. np.copyto of large
+arrays and uint16 XOR are measured too. The trajectories' model is small (most tensors 0.6 MB), so throughput is also
 measured on one step pair of benchmarks/e2e.py's 2.03 GiB checkpoints (most tensors 4 MiB), as a
 bigger model's tensors are met (skip it with --no-large). Peak RSS is reported after imports,
 after the `ours` pass (before bounds and baselines run) and at the end.
@@ -53,7 +54,7 @@ TRAJECTORIES = {"lr 1e-6": 1e-6, "lr 1e-5": 1e-5}
 STEPS = 6  # published checkpoints per trajectory: 5 consecutive pairs
 QUICK_PAIRS = 2
 LARGE = "e2e 2.03 GiB"  # throughput also on one pair of benchmarks/e2e.py's checkpoints (4 MiB tensors)
-TIMING_REPEAT = 3  # whole passes of encode and of decode, keep the fastest (noisy shared cores)
+TIMING_REPEAT = 5  # interleaved rounds of whole passes; each keeps its fastest (noisy shared cores)
 CORES = os.cpu_count() or 1
 
 
@@ -117,45 +118,68 @@ class PairResult:
     ulp1: int = 0
     sizes: dict[str, float] = field(default_factory=dict)
     codecs: dict[str, int] = field(default_factory=dict)
-    encode_s: float = 0.0
+    encode_s: float = 0.0  # the default codec (`ans`)
     decode_s: float = 0.0
     encode_all_s: float = 0.0
     decode_all_s: float = 0.0
+    ac_encode_s: float = 0.0  # the same with `--entropy-coder ac`
+    ac_decode_s: float = 0.0
+    ac_encode_all_s: float = 0.0
+    ac_decode_all_s: float = 0.0
     sparse_encode_s: float = 0.0  # the same with the entropy coder off (`sparse`, the daemons' --fast-codec)
     sparse_decode_s: float = 0.0
     sparse_encode_all_s: float = 0.0
     sparse_decode_all_s: float = 0.0
+    memcpy_s: float = 0.0  # np.copyto of every new tensor into the decoders' output buffers
+    memcpy_all_s: float = 0.0
 
 
-def measure_ours(old: common.Checkpoint, new: common.Checkpoint, res: PairResult, sparse: bool = False) -> None:
-    """Encode every tensor against its old version, decode and verify (xxh3-128 of the result, as a
-    pull does), check bit-exactness; single-threaded per tensor, then all tensors on all cores.
-    ``sparse``: with the entropy coder off (the codec of the daemons' ``--fast-codec``)."""
-    cfg, used, total = CodecConfig(entropy_coder=not sparse), Counter(), 0
-    pre = "sparse_" if sparse else ""
-    encoded, outs = {}, {}
-    for name, (dtype, buf) in new.items():
-        enc = encode_tensor(dtype, buf, old[name][1], cfg)
-        outs[name] = np.empty_like(buf)  # the decoder's output buffer, reused by every pass (as memcpy's is)
-        out, _ = decode_verify(dtype, enc, old[name][1], buf.size, outs[name])
-        if not np.array_equal(out, buf):
-            raise CodecMismatch(f"{res.pair} {name}: decode({enc.codec}) differs from the input")
-        used[enc.codec] += 1
-        total += len(enc.payload)
-        encoded[name] = enc
-    res.sizes["ours_sparse" if sparse else "ours"] = total
-    if not sparse:
-        res.codecs = dict(used)
+VARIANTS = {"": CodecConfig(), "ac_": CodecConfig(coder="ac"), "sparse_": CodecConfig(entropy_coder=False)}
+"""The codec configurations measured, by the prefix of their fields: the default (``ans``), ``ac``
+(``--entropy-coder ac``) and ``sparse`` (``--fast-codec``)."""
+
+SIZE_KEYS = {"": "ours", "ac_": "ours_ac", "sparse_": "ours_sparse"}
+
+
+def measure_ours(old: common.Checkpoint, new: common.Checkpoint, res: PairResult) -> None:
+    """Encode every tensor against its old version with each of :data:`VARIANTS`, decode and verify
+    (xxh3-128 of the result, as a pull does), check bit-exactness; then time whole passes of each
+    variant's encode and decode and of memcpy of the same bytes, interleaved round by round (this
+    machine's speed drifts within a minute: only figures taken side by side compare), single-threaded
+    per tensor, then all tensors on all cores."""
+    outs = {name: np.empty_like(buf) for name, (_, buf) in new.items()}  # reused by every pass (as memcpy's)
+    encoded = {}
+    for pre, cfg in VARIANTS.items():
+        used, total = Counter(), 0
+        for name, (dtype, buf) in new.items():
+            enc = encode_tensor(dtype, buf, old[name][1], cfg)
+            out, _ = decode_verify(dtype, enc, old[name][1], buf.size, outs[name])
+            if not np.array_equal(out, buf):
+                raise CodecMismatch(f"{res.pair} {name}: decode({enc.codec}) differs from the input")
+            used[enc.codec] += 1
+            total += len(enc.payload)
+            encoded[pre, name] = enc
+        res.sizes[SIZE_KEYS[pre]] = total
+        if not pre:
+            res.codecs = dict(used)
     # Whole passes over every tensor, so each is met with cold caches as in a publish or a pull (a
     # per-tensor best-of would find a small tensor's inputs still in cache). All cores: tensors are
     # independent (the kernels, zstd and xxhash release the GIL); largest first, on the daemons' pool.
     names = sorted(new, key=lambda n: -new[n][1].size)
-    encode = lambda n: encode_tensor(new[n][0], new[n][1], old[n][1], cfg)  # noqa: E731
-    decode = lambda n: decode_verify(new[n][0], encoded[n], old[n][1], new[n][1].size, outs[n])  # noqa: E731
+    passes = {"memcpy": lambda n: np.copyto(outs[n], new[n][1])}
+    for pre, cfg in VARIANTS.items():
+        passes[pre + "encode"] = lambda n, cfg=cfg: encode_tensor(new[n][0], new[n][1], old[n][1], cfg)
+        passes[pre + "decode"] = lambda n, pre=pre: decode_verify(
+            new[n][0], encoded[pre, n], old[n][1], new[n][1].size, outs[n]
+        )
     size = lambda n: new[n][1].size  # noqa: E731
     for suffix, threads in (("_s", 1), ("_all_s", CORES)):
-        setattr(res, pre + "encode" + suffix, common.parallel_seconds(encode, names, threads, TIMING_REPEAT, size))
-        setattr(res, pre + "decode" + suffix, common.parallel_seconds(decode, names, threads, TIMING_REPEAT, size))
+        best = dict.fromkeys(passes, float("inf"))
+        for _ in range(TIMING_REPEAT):
+            for key, fn in passes.items():
+                best[key] = min(best[key], common.parallel_seconds(fn, names, threads, 1, size))
+        for key, seconds in best.items():
+            setattr(res, key + suffix, seconds)
 
 
 def decode_verify(dtype: str, enc, base: np.ndarray, nbytes: int, out: np.ndarray) -> tuple[np.ndarray, bytes]:
@@ -212,7 +236,6 @@ def measure_pair(a, b, pair: str) -> PairResult:
     old, new = common.load_checkpoint(a), common.load_checkpoint(b)
     res = PairResult(pair, common.raw_bytes(new))
     measure_ours(old, new, res)
-    measure_ours(old, new, res, sparse=True)
     return res
 
 
@@ -260,7 +283,8 @@ ROWS = [
     ("zstd", "zstd-3, full checkpoint"),
     ("zipnn", "ZipNN, full checkpoint"),
     ("xor_zstd", "XOR + zstd-3"),
-    ("ours", "ours (weightsync.codec)"),
+    ("ours", "ours (weightsync.codec: `ans`, the default)"),
+    ("ours_ac", "ours, `--entropy-coder ac`"),
     ("ours_sparse", "ours, entropy coder off (`sparse`, --fast-codec)"),
 ]
 
@@ -289,15 +313,16 @@ def size_table(report: dict) -> str:
     lines = [_row(["method", *head]), _row(["---"] * (1 + len(head)))]
     for key, title in ROWS:
         lines.append(_row([title, *(c for p in trajs for c in _size_cells(p, key))]))
-    for key, title in (("bound", "ours / bound"), ("bound_exp", "ours / bound given exponent")):
-        lines.append(_row([title, *(c for p in trajs for c in ("", f"{_sum(p, 'ours') / _sum(p, key):.3f}"))]))
+    for ours, name in (("ours", "ans"), ("ours_ac", "ac"), ("ours_sparse", "sparse")):
+        for key, title in (("bound", f"{name} / bound"), ("bound_exp", f"{name} / bound given exponent")):
+            lines.append(_row([title, *(c for p in trajs for c in ("", f"{_sum(p, ours) / _sum(p, key):.3f}"))]))
     return "\n".join(lines)
 
 
 def pair_table(report: dict) -> str:
     lines = [
-        "| trajectory | pair | changed | of which +-1 ulp | codecs | ours ratio | ours / bound |",
-        "|---|---|---|---|---|---|---|",
+        "| trajectory | pair | changed | of which +-1 ulp | codecs | ours ratio | ans / bound | ac / bound |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for label, pairs in report["trajectories"].items():
         for p in pairs:
@@ -306,7 +331,8 @@ def pair_table(report: dict) -> str:
             lines.append(
                 f"| {label} | {p['pair']} | {p['changed'] / n:.2%} | {p['ulp1'] / max(p['changed'], 1):.1%} "
                 f"| {codecs} | {p['raw'] / p['sizes']['ours']:.1f}x "
-                f"| {p['sizes']['ours'] / p['sizes']['bound']:.3f} |"
+                f"| {p['sizes']['ours'] / p['sizes']['bound']:.3f} "
+                f"| {p['sizes']['ours_ac'] / p['sizes']['bound']:.3f} |"
             )
     return "\n".join(lines)
 
@@ -322,12 +348,16 @@ def speed_table(report: dict) -> str:
         "|---" * (1 + 2 * len(trajs)) + "|",
     ]
     speeds = {}
-    for key, title in (
-        ("encode", "ours encode (diff + code)"),
-        ("decode", "ours decode (decode + apply + xxh3 verify)"),
+    rows = (
+        ("encode", "`ans` encode (diff + code; the default)"),
+        ("decode", "`ans` decode (decode + apply + xxh3 verify)"),
+        ("ac_encode", "`ac` encode"),
+        ("ac_decode", "`ac` decode (+ xxh3 verify)"),
         ("sparse_encode", "`sparse` encode"),
         ("sparse_decode", "`sparse` decode (+ xxh3 verify)"),
-    ):
+        ("memcpy", "memcpy of the same tensors (np.copyto, timed beside them)"),
+    )
+    for key, title in rows:
         cells = []
         for label, pairs in trajs.items():
             raw = sum(p["raw"] for p in pairs)
@@ -346,11 +376,13 @@ def speed_table(report: dict) -> str:
             + " |"
         )
     lines.append("| uint16 XOR (128 MiB) | " + " | ".join(f"{report['xor_gbps']:.2f} | -" for _ in trajs) + " |")
-    for key in ("encode", "decode", "sparse_encode", "sparse_decode"):
+    for key, title in rows[:-1]:
         lines.append(
-            f"| {'ours ' + key if '_' not in key else '`sparse` ' + key.split('_')[1]} / memcpy | "
+            f"| {title.split(' (')[0]} / memcpy of the same tensors | "
             + " | ".join(
-                f"{speeds[(key, label, suffix)] / mem[suffix]:.3f}" for label in trajs for suffix in ("_s", "_all_s")
+                f"{speeds[(key, label, suffix)] / speeds[('memcpy', label, suffix)]:.3f}"
+                for label in trajs
+                for suffix in ("_s", "_all_s")
             )
             + " |"
         )

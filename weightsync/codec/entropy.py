@@ -139,7 +139,8 @@ def get_eg(words, pos, limit):
 # --- Rice codes (positions) ------------------------------------------------------------------------
 @njit(nogil=True)
 def rice_parameter(gaps):
-    """Rice parameter for the gaps: the best of three around log2 of their mean."""
+    """Rice parameter for the gaps: the best of three around log2 of their mean (one pass: the
+    sum of the gaps is their last rank, the three costs are summed together)."""
     ng = gaps.size
     if ng == 0:
         return 0
@@ -151,17 +152,23 @@ def rice_parameter(gaps):
     while (1 << (k0 + 1)) <= mean * 0.69:
         k0 += 1
     lo = max(0, k0 - 1)
-    best = 0
-    bestcost = np.uint64(0)
-    for t in range(3):
-        kk = np.uint64(lo + t)
-        cost = np.uint64(0)
-        for j in range(ng):  # vectorised: sum of quotients
-            cost += min(gaps[j] >> kk, np.uint64(32))
-        cost += np.uint64(ng) * (kk + ONE)
-        if t == 0 or cost < bestcost:
-            best = lo + t
-            bestcost = cost
+    k1, k2, k3 = np.uint64(lo), np.uint64(lo + 1), np.uint64(lo + 2)
+    cap = np.uint64(RICE_ESCAPE)
+    c1 = c2 = c3 = np.uint64(0)
+    for j in range(ng):  # vectorised: sums of quotients
+        g = gaps[j]
+        c1 += min(g >> k1, cap)
+        c2 += min(g >> k2, cap)
+        c3 += min(g >> k3, cap)
+    n = np.uint64(ng)
+    c1 += n * (k1 + ONE)
+    c2 += n * (k2 + ONE)
+    c3 += n * (k3 + ONE)
+    best, cost = lo, c1
+    if c2 < cost:
+        best, cost = lo + 1, c2
+    if c3 < cost:
+        best = lo + 2
     return best
 
 
