@@ -252,7 +252,7 @@ def _materialize(
     wanted = [(f.path, s) for f, segs in files for s in segs]
 
     def planned(local: Manifest | None) -> tuple[list[TensorJob], Reads]:
-        ahead = [] if local is None else repo.descent(version, local.version)  # a rollback: deltas undone
+        ahead = [] if local is None or not cfg.backward else repo.descent(version, local.version)  # a rollback
 
         def make(chain: list[Manifest], avoid: frozenset[str], use_avoided: bool):
             # headers are rebuilt from the chain (the local folder holds our header, not the source's)
