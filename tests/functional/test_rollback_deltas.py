@@ -16,7 +16,7 @@ import pytest
 from weightsync.codec.payload import CodecConfig
 from weightsync.demo import make_trajectory, write_safetensors
 from weightsync.errors import ChecksumError
-from weightsync.format.keys import chunk_key, version_key
+from weightsync.format.keys import chunk_key, signature_key, version_key
 from weightsync.format.manifest import Manifest, manifest_to_json
 from weightsync.format.safetensors import parse_safetensors_header
 from weightsync.local.state import read_state
@@ -358,3 +358,33 @@ def test_torch_sink_rolls_back_by_deltas(tmp_path, mode):
             ), k
         assert 0 < up.fetched_bytes < keyframe / 4
     assert sink.verify() == 2
+
+
+def test_signed_versions_roll_back_by_deltas_with_every_sha256_checked(stores, tmp_path):
+    """With trusted keys each manifest on the way back is checked for its signature and each
+    undone payload carries its SHA-256 to be checked; a version on the way that is no longer
+    signed leaves no way back through it (the keyframe serves)."""
+    from weightsync.store.signing import SigningKey
+
+    _, traj = stores
+    key = SigningKey.generate()
+    store = tmp_path / "store"
+    cfg = PublishConfig(codec=CodecConfig(entropy_coder=False), keyframe_interval=3, signing_key=key)
+    for v, ckpt in enumerate(traj):
+        publish(ckpt, store, v, config=cfg, base_dir=traj[v - 1] if v else None)
+    repo = open_repo(store, trusted_keys=[key])
+    out = tmp_path / "out"
+    pull(repo, out, 5)
+    ahead = repo.descent(3, 5)
+    assert [m.version for m in ahead] == [4, 5]
+    plan = plan_pull(repo.chain(3), repo.manifest(5), ahead=ahead)
+    back = [s for f in plan.files for r in f.recipes for s in r.steps if s.backward]
+    assert back and all(len(s.sha256) == 64 for s in back)
+    r = pull(repo, out, 3)
+    assert files_of(out) == files_of(traj[3]) and r.fetched_bytes < full_bytes(repo.manifest(3)) / 4
+    pull(repo, out, 5)
+    (store / signature_key(4)).unlink()  # version 4 no longer signed: no way back through it
+    fresh = open_repo(store, trusted_keys=[key])
+    assert fresh.descent(3, 5) == []
+    r = pull(fresh, out, 3)  # from keyframe 3 instead
+    assert files_of(out) == files_of(traj[3]) and r.fetched_bytes > full_bytes(repo.manifest(3)) / 4
