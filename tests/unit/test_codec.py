@@ -20,7 +20,15 @@ from hypothesis import strategies as st
 
 from weightsync.codec import sparse as sparse_codec
 from weightsync.codec import streams as codec_streams
-from weightsync.codec.payload import MAGIC, MAX_BLOCK_ELEMS, CodecConfig, decode_tensor, encode_tensor, rebuild
+from weightsync.codec.payload import (
+    MAGIC,
+    MAX_BLOCK_ELEMS,
+    CodecConfig,
+    decode_tensor,
+    decode_tensor_backward,
+    encode_tensor,
+    rebuild,
+)
 from weightsync.codec.streams import from_planes, to_planes, unzigzag, zigzag
 from weightsync.demo import to_bf16_bits
 from weightsync.errors import ChecksumError, FormatError, UsageError, WeightsyncError
@@ -852,6 +860,13 @@ def test_fuzzed_payloads_decode_or_raise_format_or_usage_errors(case):
         assert isinstance(exc, (FormatError, UsageError)), type(exc)
     else:
         assert out.dtype == np.uint8 and out.size == nbytes
+    if old is not None:  # the same damage decoded backward (a rollback's step), ``old`` as the result
+        try:
+            out = decode_tensor_backward("U16", codec, payload, old, nbytes)
+        except WeightsyncError as exc:
+            assert isinstance(exc, (FormatError, UsageError)), type(exc)
+        else:
+            assert out.dtype == np.uint8 and out.size == nbytes
 
 
 @settings(max_examples=150, deadline=None)

@@ -46,6 +46,12 @@ class Codec(ABC):
     needs_base: ClassVar[bool] = True
     """Whether blocks are coded against the same block of the base (False for ``full`` only)."""
 
+    invertible: ClassVar[bool] = False
+    """Whether a block can also be decoded backward (:meth:`decode_backward`): the base it was
+    coded against recovered from the block and its result alone. True for codecs that store the
+    differences themselves (``sparse``, ``dense``); False where decoding needs the old values
+    (``ac``'s contexts) or there is no base (``full``)."""
+
     def supports(self, dtype: str) -> bool:
         """Whether the codec takes elements of safetensors ``dtype`` (every dtype unless overridden)."""
         return dtype in ITEMSIZE
@@ -64,6 +70,17 @@ class Codec(ABC):
         ``old``). ``out`` may be ``old`` itself (decoding in place); any other overlap is refused
         before this is called. ``hasher`` (anything with ``update``), if given, is fed ``out``'s
         bytes once, in order, after or while they are written."""
+
+    def decode_backward(
+        self, dtype: str, block: memoryview, new: np.ndarray, out: np.ndarray, what: str, hasher=None
+    ) -> None:
+        """Write into ``out`` the base that ``block`` was coded against, given the block's result
+        ``new`` (unsigned views of one length): ``decode_backward(encode(old, new), new)`` writes
+        exactly ``old``. Only for :attr:`invertible` codecs (others raise NotImplementedError).
+        ``out`` may be ``new`` itself (in place); ``hasher`` as :meth:`decode`'s. The same rules on
+        hostile input as :meth:`decode`: :class:`~weightsync.errors.FormatError` naming ``what``
+        for a block that does not fit ``out``, never a read or write outside the arrays."""
+        raise NotImplementedError(f"codec {self.name!r} cannot decode backward")
 
     def __repr__(self) -> str:
         return f"<codec {self.name!r} (id {self.id})>"

@@ -17,6 +17,7 @@ class Dense(Codec):
 
     id = 3
     name = "dense"
+    invertible = True
 
     def encode(self, dtype, old, new, config):
         diff = new - old
@@ -26,5 +27,13 @@ class Dense(Codec):
         width = out.dtype.itemsize
         raw = decompress(block, out.size * width, what)
         np.add(old, unzigzag(from_planes(raw, width, out.size)), out=out)
+        if hasher is not None:
+            hasher.update(out)
+
+    def decode_backward(self, dtype, block, new, out, what, hasher=None):
+        """``u_old = u_new - unzigzag(...)``: every element's difference is stored."""
+        width = out.dtype.itemsize
+        raw = decompress(block, out.size * width, what)
+        np.subtract(new, unzigzag(from_planes(raw, width, out.size)), out=out)
         if hasher is not None:
             hasher.update(out)

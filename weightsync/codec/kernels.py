@@ -151,7 +151,7 @@ def merge_planes(planes: np.ndarray, out: np.ndarray) -> np.ndarray:
 
 
 @njit(nogil=True)
-def _apply_sparse(out, src, start, gaps, gw, vals, k, pos, end):
+def _apply_sparse(out, src, start, gaps, gw, vals, k, pos, end, backward):
     if src is not None:
         for i in range(np.uint64(start), np.uint64(end)):  # unsigned: no negative-index wrap, so a memcpy
             out[i] = src[i]
@@ -179,6 +179,8 @@ def _apply_sparse(out, src, start, gaps, gw, vals, k, pos, end):
             for j in range(width):
                 code |= np.uint64(vals[j * n + k]) << np.uint64(8 * j)
         delta = (code >> np.uint64(1)) ^ (np.uint64(0) - (code & np.uint64(1)))  # zigzag back
+        if backward:  # a predictable branch: the old value from the new one
+            delta = np.uint64(0) - delta
         out[nxt] = out[nxt] + delta  # the store truncates: wraps at the element width
         pos = nxt
         k += 1
@@ -195,6 +197,7 @@ def apply_sparse(
     end: int,
     src: np.ndarray | None = None,
     start: int = 0,
+    backward: bool = False,
 ) -> tuple[int, int]:
     """Apply changes ``k, k+1, ...`` of a ``sparse`` block to ``out`` (unsigned elements, holding
     the old values) while their positions stay below ``end``; returns the next change and the last
@@ -202,7 +205,8 @@ def apply_sparse(
     widths of ``gap_width`` bytes, zigzag codes of the element width); no arrays of positions or
     differences are built. ``src``: the old values are there, not in ``out``; elements
     ``start:end`` are copied from it first, in the same call (the next change must then lie at or
-    after ``start``: every change before it was applied by an earlier call)."""
+    after ``start``: every change before it was applied by an earlier call). ``backward``: subtract
+    each difference instead (``out`` holds the new values; the old ones are written)."""
     n = gaps.size // gap_width if gap_width in (1, 2, 4) else -1
     if (
         n < 0
@@ -222,4 +226,4 @@ def apply_sparse(
         and pos + 1 + sum(int(gaps[j * n + k]) << 8 * j for j in range(gap_width)) < start
     ):
         raise ValueError("apply_sparse: the source does not fit the output, or the next change lies before the copy")
-    return _apply_sparse(out, src, start, gaps, gap_width, vals, k, pos, end)
+    return _apply_sparse(out, src, start, gaps, gap_width, vals, k, pos, end, bool(backward))

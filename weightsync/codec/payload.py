@@ -299,29 +299,84 @@ def _decode_payload(
         codec.decode(dtype, block, None if old is None else old[sl], out[sl], f"{what} block {i}", hasher)
 
 
+def decode_tensor_backward(
+    dtype: str,
+    codec: str,
+    payload: bytes | memoryview,
+    new: np.ndarray,
+    nbytes: int,
+    out: np.ndarray | None = None,
+    what: str = "tensor",
+    hasher=None,
+) -> np.ndarray:
+    """The base a delta payload was encoded against, from the tensor it decodes to: the inverse of
+    :func:`decode_tensor` for codecs that are :attr:`~weightsync.codec.abc.Codec.invertible`
+    (``same``, ``sparse``, ``dense``; not ``ac`` or ``full``). ``new`` holds the raw bytes the
+    payload decodes to (1-D uint8 of ``nbytes``); the result goes into ``out`` if given, which may
+    be ``new`` itself (in place; on an error ``new`` may be half overwritten). ``hasher`` as
+    :func:`decode_tensor`'s. Raises :class:`FormatError` for a codec that cannot run backward and
+    for a payload that does not match the declared codec, dtype or size."""
+    width = itemsize(dtype)
+    if nbytes % width:
+        raise FormatError(f"{what}: {nbytes} bytes is not a whole number of {dtype} elements")
+    impl = None if codec == "same" else _codec(codec, what)
+    if impl is not None and not (impl.invertible and impl.needs_base):
+        raise FormatError(f"{what}: codec {codec!r} cannot be decoded backward")
+    if impl is not None and not impl.supports(dtype):
+        raise FormatError(f"{what}: codec {codec!r} does not take {dtype} elements")
+    new_e = _as_elements(new, dtype, f"{what} result")
+    if new_e.size * width != nbytes:
+        raise FormatError(f"{what}: codec {codec!r} decoded backward needs the {nbytes} bytes it decodes to")
+    if out is None:
+        out = np.empty(nbytes, dtype=np.uint8)
+    if out.size != nbytes:
+        raise UsageError(f"{what}: output buffer has {out.size} bytes, need {nbytes}")
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise UsageError(f"{what}: output buffer must be contiguous and writable")
+    if np.may_share_memory(out, new) and not same_memory(out, new):
+        raise UsageError(f"{what}: output buffer overlaps the result without being it")
+    out_e = out.view(UINT_VIEW[width])
+    if impl is None:
+        if len(payload):
+            raise FormatError(f"{what}: codec 'same' carries no payload")
+        copy(new_e, out_e, hasher)
+        return out
+    for sl, block, i in _blocks(impl, memoryview(payload), width, out_e.size, what):
+        impl.decode_backward(dtype, block, new_e[sl], out_e[sl], f"{what} block {i}", hasher)
+    return out
+
+
 def rebuild(
     dtype: str,
     nbytes: int,
     xxh3: str,
     base: np.ndarray | None,
-    steps: Sequence[tuple[str, Callable[[], bytes | memoryview]]],
+    steps: Sequence[tuple[str, Callable[[], bytes | memoryview]] | tuple[str, Callable[[], bytes | memoryview], bool]],
     what: str = "tensor",
     in_place: bool = False,
 ) -> np.ndarray:
     """Apply ``steps`` in turn to ``base`` (each a codec and a function giving its payload, called
-    only when that step is decoded) and check the result's XXH3-128 against ``xxh3`` (hex): the
-    hash is fed while the last decode writes. ``in_place``: ``base`` is the caller's to overwrite
-    (a buffer read for this call), so each step decodes into it. Raises :class:`ChecksumError` for
-    a wrong result, :class:`FormatError` for a bad payload or a recipe with neither base nor steps."""
+    only when that step is decoded, and optionally True for a step that runs backward: the delta
+    of a newer version undone, :func:`decode_tensor_backward`) and check the result's XXH3-128
+    against ``xxh3`` (hex): the hash is fed while the last decode writes. ``in_place``: ``base`` is
+    the caller's to overwrite (a buffer read for this call), so each step decodes into it. Raises
+    :class:`ChecksumError` for a wrong result, :class:`FormatError` for a bad payload or a recipe
+    with neither base nor steps."""
     if not steps:
         if base is None:
             raise FormatError(f"{what}: recipe without a base or a payload")
         actual = xxhash.xxh3_128_hexdigest(base)
     else:
         hasher, cur = xxhash.xxh3_128(), base
-        for i, (codec, payload) in enumerate(steps, 1):
+        for i, (codec, payload, *backward) in enumerate(steps, 1):
             out = cur if in_place and cur is not None and cur.size == nbytes else None
-            cur = decode_tensor(dtype, codec, payload(), cur, nbytes, out, what, hasher if i == len(steps) else None)
+            feed = hasher if i == len(steps) else None
+            if backward and backward[0]:
+                if cur is None:
+                    raise FormatError(f"{what}: a backward step without the bytes it undoes")
+                cur = decode_tensor_backward(dtype, codec, payload(), cur, nbytes, out, what, feed)
+            else:
+                cur = decode_tensor(dtype, codec, payload(), cur, nbytes, out, what, feed)
         base, actual = cur, hasher.hexdigest()
     if actual != xxh3:
         raise ChecksumError(what, xxh3, actual)

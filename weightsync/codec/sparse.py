@@ -55,6 +55,7 @@ class Sparse(Codec):
 
     id = 2
     name = "sparse"
+    invertible = True
 
     def encode(self, dtype, old, new, config):
         return encode_block(old, new, config.level)
@@ -62,6 +63,15 @@ class Sparse(Codec):
     def decode(self, dtype, block, old, out, what, hasher=None):
         """Copies the base and patches it one slice at a time, hashing each slice while it is in
         cache; decoding in place copies nothing."""
+        self._patch(block, old, out, what, hasher, False)
+
+    def decode_backward(self, dtype, block, new, out, what, hasher=None):
+        """As :meth:`decode`, subtracting each difference from ``new`` (old = new - difference at
+        the positions the block names; every other element is the same in both)."""
+        self._patch(block, new, out, what, hasher, True)
+
+    def _patch(self, block, old, out, what, hasher, backward: bool) -> None:
+        """``out`` = ``old`` with the block's differences added (``backward``: subtracted)."""
         if len(block) == 0:
             copy(old, out, hasher)
             return
@@ -81,7 +91,7 @@ class Sparse(Codec):
         for a in range(0, old.size, step):  # copy, patch and hash one slice while it is in cache
             b = min(a + step, old.size)
             try:
-                done, pos = apply_sparse(out, gaps, gw, vals, done, pos, b, None if in_place else old, a)
+                done, pos = apply_sparse(out, gaps, gw, vals, done, pos, b, None if in_place else old, a, backward)
             except ValueError as exc:  # the kernel's own bounds checks: the block does not fit its tensor
                 raise FormatError(f"{what}: bad sparse block ({exc})") from None
             if hasher is not None:

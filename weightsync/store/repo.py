@@ -260,6 +260,27 @@ class Repo:
                 del out[to_keyframe:]
         return out[::-1]
 
+    def descent(self, ancestor: int, version: int, limit: int = 32) -> list[Manifest]:
+        """The manifests from ``ancestor``'s child to ``version``, each the parent of the next, when
+        ``version`` descends from ``ancestor`` within ``limit`` versions: what a rollback from
+        ``version`` to ``ancestor`` undoes. Empty otherwise (another lineage, too far, a version on
+        the way collected or refused for its signature): a rollback then plans from the keyframe."""
+        out: list[Manifest] = []
+        try:
+            m = self.manifest(version)
+            while m.version > ancestor and len(out) < limit:
+                out.append(m)
+                if m.parent is None or m.parent < ancestor:
+                    return []
+                if m.parent == ancestor:
+                    return out[::-1]
+                if self.store.head(version_key(m.parent)) is None:
+                    return []  # collected by gc (the manifest cache cannot tell)
+                m = self.manifest(m.parent)
+        except (VersionError, SignatureError):
+            pass
+        return []
+
     # --- chunks a mirror has not copied yet (docs/FORMAT.md section 1) -----------------------------
     def lazy_chunks(self, version: int) -> frozenset[str]:
         """The chunks of ``version`` that are not in this store yet by a mirror's choice (a

@@ -4,16 +4,20 @@ A segment is rebuilt from one of:
 - ``copy``: the local folder already holds identical bytes (same path and name, same checksum);
 - ``local``: the local version's bytes plus the deltas after it, when the local version lies on
   the target's chain;
-- ``full``: the last full encoding on the chain plus the deltas after it.
+- ``full``: the last full encoding on the chain plus the deltas after it;
+- ``back``: the local version's bytes with the deltas between the target and it undone, newest
+  first, when the local version descends from the target (a rollback) and every one of those
+  deltas is of an invertible codec (``sparse``, ``dense``; not ``ac``).
 The cheapest in fetched bytes wins; ties go to local bytes. Files whose local copy already equals
 the target are kept as they are.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from weightsync.codec import registry
 from weightsync.errors import FormatError, LazyChunksError
 from weightsync.format.manifest import ChunkRef, FileEntry, Manifest, Payload, Segment
 
@@ -29,7 +33,8 @@ class ChunkRange:
 
 @dataclass(frozen=True)
 class Step:
-    """One payload to decode: a full encoding, or a delta to apply to the bytes so far."""
+    """One payload to decode: a full encoding, or a delta to apply to the bytes so far; ``backward``:
+    a delta of ``version`` to undo (the bytes so far are ``version``'s, the result its parent's)."""
 
     version: int
     codec: str
@@ -37,13 +42,15 @@ class Step:
     xxh3: str
     ranges: tuple[ChunkRange, ...]
     sha256: str = ""  # signed versions: checked too (XXH3 is no cryptographic digest)
+    backward: bool = False
 
 
 @dataclass(frozen=True)
 class Recipe:
     """How to rebuild one segment of the version pulled: from ``base`` (the local version's segment
     at the same path, or None), apply ``steps`` in order (a full encoding first when there is no
-    usable base). No steps: the base already holds the segment's bytes."""
+    usable base; deltas of newer versions undone, newest first, when the local version is newer).
+    No steps: the base already holds the segment's bytes."""
 
     segment: Segment
     base: Segment | None  # a segment of the local version's file at the same path
@@ -134,9 +141,9 @@ class Plan:
         return sum(r.fetch_bytes for f in self.files for r in f.recipes)
 
 
-def _step(m: Manifest, codec: str, p: Payload) -> Step:
+def _step(m: Manifest, codec: str, p: Payload, backward: bool = False) -> Step:
     ranges = tuple(ChunkRange(m.chunks[part.chunk], part.offset, part.length) for part in p.parts)
-    return Step(m.version, codec, p.size, p.xxh3, ranges, p.sha256)
+    return Step(m.version, codec, p.size, p.xxh3, ranges, p.sha256, backward)
 
 
 def _find(m: Manifest, path: str, key: tuple[str, str]) -> Segment | None:
@@ -149,6 +156,51 @@ def _avoids(r: Recipe, avoid: frozenset[str]) -> bool:
     return not avoid or all(rng.chunk.id not in avoid for s in r.steps for rng in s.ranges)
 
 
+def _invertible(codec: str) -> bool:
+    """Whether deltas of ``codec`` can be undone (:attr:`weightsync.codec.abc.Codec.invertible`)."""
+    try:
+        impl = registry.get(codec)
+    except KeyError:
+        return False
+    return impl.invertible and impl.needs_base
+
+
+def check_ahead(target: Manifest, ahead: Sequence[Manifest], local: Manifest | None) -> None:
+    """Raise :class:`FormatError` unless ``ahead`` runs from a child of ``target`` to ``local``, each
+    manifest the parent of the next (or is empty)."""
+    if not ahead:
+        return
+    if local is None or ahead[-1].version != local.version:
+        raise FormatError("the versions after the target must end at the local version")
+    for a, b in zip((target, *ahead), ahead):
+        if b.parent != a.version:
+            raise FormatError(f"version {b.version} does not follow version {a.version}")
+
+
+def _undo(target_m: Manifest, ahead: Sequence[Manifest], path: str, target: Segment) -> Recipe | None:
+    """The ``back`` candidate: ``ahead[-1]``'s segment (the local version's) with the delta that
+    each version of ``ahead`` carries against its parent undone, newest first (a keyframe's own
+    ``delta``; ``same`` costs nothing). None unless every version holds the segment at one size and
+    dtype and every such delta is of an invertible codec."""
+    steps: list[Step] = []
+    for i in range(len(ahead) - 1, -1, -1):
+        m = ahead[i]
+        seg = _find(m, path, target.key)
+        prev = _find(ahead[i - 1], path, target.key) if i else target
+        if seg is None or prev is None or (seg.nbytes, seg.dtype) != (prev.nbytes, prev.dtype):
+            return None
+        enc = seg.delta if seg.codec == "full" else seg
+        if enc is None:
+            return None  # re-encoded in full without a delta: no way back
+        if enc.codec != "same":
+            if enc.payload is None or not _invertible(enc.codec):
+                return None
+            steps.append(_step(m, enc.codec, enc.payload, backward=True))
+    if not steps:
+        return None  # nothing to undo yet the bytes differ: the manifests disagree, plan from the chain
+    return Recipe(target, _find(ahead[-1], path, target.key), tuple(steps))
+
+
 def plan_segment(
     chain: list[Manifest],
     path: str,
@@ -156,12 +208,17 @@ def plan_segment(
     local: Manifest | None,
     avoid: frozenset[str] = frozenset(),
     use_avoided: bool = False,
+    ahead: Sequence[Manifest] = (),
 ) -> Recipe:
     """The cheapest recipe for ``target`` (a segment of ``chain[-1]``) given the local version.
 
     Walks the chain backwards collecting deltas. The first full encoding met gives the ``full``
     candidate; a keyframe's segment may also carry a delta from its parent, which lets the walk go
     on to an older local version.
+
+    ``ahead``: when the local version descends from the target (a rollback), the manifests from
+    the target's child to the local version, each the parent of the next (:func:`check_ahead`);
+    they give the ``back`` candidate (:func:`_undo`) where every delta on the way is invertible.
 
     ``avoid``: chunks this store notes as not copied yet (docs/FORMAT.md section 1, lazy chunks).
     A recipe reading none of them wins over any that reads one; a full encoding that reads one is
@@ -201,6 +258,11 @@ def plan_segment(
         cur = prev
     if not candidates:
         raise FormatError(f"{path}: {target.name or target.role} has no full encoding on its chain")
+    if ahead and local is not None:
+        check_ahead(chain[-1], ahead, local)
+        back = _undo(chain[-1], ahead, path, target)
+        if back is not None:
+            candidates.append(back)
     usable = [r for r in candidates if _avoids(r, avoid)] or (candidates if use_avoided else [])
     if not usable:
         best = min(candidates, key=lambda r: r.fetch_bytes)
@@ -219,19 +281,22 @@ def plan_pull(
     keep: set[str] = frozenset(),
     avoid: frozenset[str] = frozenset(),
     use_avoided: bool = False,
+    ahead: Sequence[Manifest] = (),
 ) -> Plan:
     """Plan rebuilding ``chain[-1]`` from the keyframe ``chain[0]`` and the local version.
 
     ``chain`` runs from a keyframe (or from the local version, when that is an ancestor of the
     target) to the target, each manifest the parent of the next. ``local`` is
     the version the folder holds (None for an empty folder); ``keep`` lists paths whose local file
-    already equals the target's. ``avoid`` and ``use_avoided``: as :func:`plan_segment`'s.
+    already equals the target's. ``avoid``, ``use_avoided`` and ``ahead`` (the versions from the
+    target to a newer local version, for a rollback by undoing deltas): as :func:`plan_segment`'s.
     """
     if not chain or not (chain[0].keyframe or (local is not None and chain[0].version == local.version)):
         raise FormatError("a pull chain must start at a keyframe or at the local version")
     for a, b in zip(chain, chain[1:]):
         if b.parent != a.version:
             raise FormatError(f"version {b.version} does not follow version {a.version}")
+    check_ahead(chain[-1], ahead, local)
     target = chain[-1]
     files: list[FilePlan] = []
     for entry in target.files:
@@ -242,7 +307,7 @@ def plan_pull(
             FilePlan(
                 entry,
                 False,
-                tuple(plan_segment(chain, entry.path, s, local, avoid, use_avoided) for s in entry.segments),
+                tuple(plan_segment(chain, entry.path, s, local, avoid, use_avoided, ahead) for s in entry.segments),
             )
         )
     needs = chunk_needs(r for f in files for r in f.recipes)

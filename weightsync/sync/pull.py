@@ -54,13 +54,16 @@ from weightsync.sync.transfer import clear_spool, fetch_chunks
 class PullConfig:
     """The bounds of a pull: chunk fetches in flight, decode threads, bytes in flight; whether the
     installed files are fsynced; how chunks the store has not copied yet are read
-    (:class:`~weightsync.sync.lazy.LazyReads`: rebuilt, or from a fallback store)."""
+    (:class:`~weightsync.sync.lazy.LazyReads`: rebuilt, or from a fallback store); whether a
+    rollback may undo the deltas of the versions it leaves (``backward``, where their codecs are
+    invertible; False plans only from keyframes and the bytes kept, as benchmarks compare)."""
 
     fetch_concurrency: int = 32
     decode_threads: int = max(1, min(8, os.cpu_count() or 1))
     inflight_bytes: int = 256 << 20
     fsync: bool = True
     lazy: LazyReads = field(default_factory=LazyReads)
+    backward: bool = True
 
     def __post_init__(self) -> None:
         if self.fetch_concurrency < 1 or self.decode_threads < 1 or self.inflight_bytes < 1:
@@ -213,9 +216,14 @@ def _pull(repo: Repo, out: Path, version, config: PullConfig, observer: Observer
     local = _local_manifest(repo, None if base_state is None else base_state.version)
     read: set[int] = set()  # versions whose payloads the plans read
 
-    def run(back_to: int | None, local: Manifest | None, keep: set[str]) -> PullResult:
+    def run(back_to: int | None, local: Manifest | None, keep: set[str], backward: bool = True) -> PullResult:
+        # a rollback: the versions from the target to the local one, whose deltas may be undone
+        ahead = []
+        if backward and config.backward and local is not None and local.version > target_version:
+            ahead = repo.descent(target_version, local.version)
+
         def make(chain: list[Manifest], avoid: frozenset[str], use_avoided: bool):
-            plan = plan_pull(chain, local, keep, avoid, use_avoided)
+            plan = plan_pull(chain, local, keep, avoid, use_avoided, ahead)
             return plan, [r for f in plan.files for r in f.recipes]
 
         plan, reads = plan_reads(repo, target_version, make, back_to=back_to, lazy=config.lazy)
@@ -239,9 +247,9 @@ def _pull(repo: Repo, out: Path, version, config: PullConfig, observer: Observer
     except NotFoundError:
         if all(repo.store.head(version_key(v)) is not None for v in read):
             raise  # the store lost an object of a live version: report it, do not route around it
-        # versions between the local one and the target's keyframe were collected while we
-        # planned: the target's own chain (which gc keeps) still serves
-        return run(None, local, keep)
+        # versions between the local one and the target's keyframe (or the target and a newer
+        # local one) were collected while we planned: the target's own chain (which gc keeps) serves
+        return run(None, local, keep, backward=False)
 
 
 def _pull_plan(

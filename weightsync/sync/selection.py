@@ -252,12 +252,14 @@ def _materialize(
     wanted = [(f.path, s) for f, segs in files for s in segs]
 
     def planned(local: Manifest | None) -> tuple[list[TensorJob], Reads]:
+        ahead = [] if local is None or not cfg.backward else repo.descent(version, local.version)  # a rollback
+
         def make(chain: list[Manifest], avoid: frozenset[str], use_avoided: bool):
             # headers are rebuilt from the chain (the local folder holds our header, not the source's)
-            jobs = [
-                TensorJob(p, plan_segment(chain, p, s, None if s.role == "header" else local, avoid, use_avoided))
-                for p, s in wanted
-            ]
+            jobs = []
+            for p, s in wanted:
+                own = None if s.role == "header" else local
+                jobs.append(TensorJob(p, plan_segment(chain, p, s, own, avoid, use_avoided, ahead)))
             return jobs, [j.recipe for j in jobs]
 
         back_to = None if local is None else local.version

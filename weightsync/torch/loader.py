@@ -204,7 +204,8 @@ class EngineLoader:
     def _load(self, todo, target: int, base: LocalVersion | None, report: LoadReport, op: Operation) -> None:
         local = None if base is None else base.manifest  # off the target's chain, only its keyframe serves
         chain = self.repo.chain(target, back_to=None if local is None else local.version)
-        jobs = [TensorJob(path, plan_segment(chain, path, seg, local)) for path, seg in todo]
+        ahead = [] if local is None else self.repo.descent(target, local.version)  # a rollback: deltas undone
+        jobs = [TensorJob(path, plan_segment(chain, path, seg, local, ahead=ahead)) for path, seg in todo]
         with tempfile.TemporaryDirectory(prefix="weightsync-loader-") as spool:
             paths, report.fetched_bytes = fetch_jobs(self.repo, jobs, Path(spool), self.fetch_concurrency, op)
             report.seconds["fetch"] = op.elapsed()

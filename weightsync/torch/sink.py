@@ -729,6 +729,8 @@ class TorchSink:
 
     def _prepare(self, up: Update, target_v: int, back_to: int | None, local: Manifest | None, op: Operation) -> Update:
         bound = self._begin(up, self._manifest(target_v))
+        # a rollback: the deltas of the versions left may be undone (rebuilt whole, verified)
+        ahead = [] if local is None else self.repo.descent(target_v, local.version)
 
         def make(chain: list[Manifest], avoid: frozenset[str], use_avoided: bool):
             by_key: dict[tuple[str, str], _Binding] = {}
@@ -737,7 +739,7 @@ class TorchSink:
             for b in bound:
                 if not b.places:
                     continue  # tied: the region is written through its first store tensor
-                r = plan_segment(chain, b.path, b.seg, local, avoid, use_avoided)
+                r = plan_segment(chain, b.path, b.seg, local, avoid, use_avoided, ahead)
                 if r.base is not None and r.base.dtype != b.seg.dtype:  # the same bytes may be other values now
                     raise BaseMismatchError(f"{b.seg.name}: stored as {r.base.dtype}, now as {b.seg.dtype}")
                 if r.base is not None and not r.steps and r.base.xxh3 == b.seg.xxh3:
@@ -859,6 +861,7 @@ class TorchSink:
             and r.base is not None
             and len(r.steps) == 1
             and r.steps[0].codec == "sparse"
+            and not r.steps[0].backward
             and r.base.nbytes == seg.nbytes
             and r.base.dtype == seg.dtype
             and not b.mirrored
