@@ -31,7 +31,7 @@ from weightsync.sync.publish import PublishConfig, publish  # noqa: E402
 from weightsync.sync.pull import PullConfig, pull  # noqa: E402
 
 MB = 1e6
-CODECS = {"sparse": CodecConfig(entropy_coder=False), "ac": CodecConfig()}
+CODECS = {"ans": CodecConfig(), "sparse": CodecConfig(entropy_coder=False), "ac": CodecConfig(coder="ac")}
 
 
 def delta_bytes(repo, version: int) -> int:

@@ -1,6 +1,6 @@
 """Rollbacks that undo deltas: a folder holding a newer version pulls an older one by running the
-invertible deltas between them backward (``sparse``, ``dense``), fetching no keyframe payload;
-with ``ac`` deltas it plans from the keyframe as before. Real publishes into a ``file://`` store,
+invertible deltas between them backward (``ans``, ``sparse``, ``dense``), fetching no keyframe
+payload; with ``ac`` deltas it plans from the keyframe as before. Real publishes into a ``file://`` store,
 real pulls; every installed byte compared with the source checkpoint, and every failure leaves
 the folder holding its old version whole."""
 
@@ -39,11 +39,12 @@ def publish_all(store: Path, checkpoints: list[Path], codec: CodecConfig, interv
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory) -> tuple[Path, list[Path]]:
     """Versions 0..5 of a tiny MoE in two shards (keyframes at 0 and 3, each carrying its delta),
-    published twice: ``sparse`` deltas (``--fast-codec``) and the default ``ac``."""
+    published three times: ``sparse`` deltas (``--fast-codec``), the default ``ans`` and ``ac``."""
     root = tmp_path_factory.mktemp("rollback")
     traj = make_trajectory(root / "traj", steps=5, shards=2, **TINY)
     publish_all(root / "sparse", traj, CodecConfig(entropy_coder=False))
-    publish_all(root / "ac", traj, CodecConfig())
+    publish_all(root / "ans", traj, CodecConfig())
+    publish_all(root / "ac", traj, CodecConfig(coder="ac"))
     return root, traj
 
 
@@ -85,12 +86,14 @@ def full_bytes(m: Manifest) -> int:
     return sum(s.payload.size for f in m.files for s in f.segments if s.codec == "full")
 
 
+@pytest.mark.parametrize("codec", ["sparse", "ans"])
 @pytest.mark.parametrize("local,target", [(5, 4), (5, 3), (2, 1), (2, 0), (4, 2), (5, 2)])
-def test_rollback_fetches_only_the_deltas_it_undoes(sparse, tmp_path, local, target):
+def test_rollback_fetches_only_the_deltas_it_undoes(stores, tmp_path, codec, local, target):
     """By one and by two versions, onto a keyframe (5 -> 3, 2 -> 0) and across one (4 -> 2, 5 -> 2
     undo keyframe 3's own delta): only delta chunks are fetched, far fewer bytes than from the
     keyframe, and the folder holds the checkpoint byte for byte."""
-    store, traj = sparse
+    root, traj = stores
+    store = root / codec
     repo = open_repo(store)
     undone = [repo.manifest(v) for v in range(target + 1, local + 1)]
     before = pull(store, at(store, local, tmp_path / "before"), target, config=FORWARD)
@@ -112,12 +115,14 @@ def test_rollback_fetches_only_the_deltas_it_undoes(sparse, tmp_path, local, tar
     assert after.fetched_bytes < before.fetched_bytes / 4
 
 
-def test_the_plan_undoes_each_delta_newest_first(sparse):
-    store, _ = sparse
-    repo = open_repo(store)
+@pytest.mark.parametrize("codec", ["sparse", "ans"])
+def test_the_plan_undoes_each_delta_newest_first(stores, codec):
+    root, _ = stores
+    repo = open_repo(root / codec)
     plan = plan_pull(repo.chain(2), repo.manifest(5), ahead=repo.descent(2, 5))
     steps = [s for f in plan.files for r in f.recipes for s in r.steps]
-    assert steps and all(s.backward and s.codec in ("sparse", "dense") for s in steps)
+    assert steps and all(s.backward and s.codec in (codec, "dense") for s in steps)
+    assert any(s.codec == codec for s in steps)
     for f in plan.files:
         for r in f.recipes:
             assert [s.version for s in r.steps] == sorted((s.version for s in r.steps), reverse=True)

@@ -54,6 +54,15 @@ def check_round_trip(dtype: str, old: np.ndarray, new: np.ndarray, data: bytes) 
     assert np.array_equal(inplace, new)
     assert np.array_equal(ans.decode_reference(dtype, data, old), new)
     assert np.array_equal(ans.decode_backward(dtype, data, new), old)
+    for bmi2 in {ans.HAS_BMI2, False}:
+        back = np.empty_like(new)
+        hasher = xxhash.xxh3_128()
+        ans.decode_block_backward(dtype, memoryview(data), new, back, "test", hasher, bmi2=bmi2)
+        assert np.array_equal(back, old), (dtype, old.size, bmi2)
+        assert hasher.hexdigest() == xxhash.xxh3_128(old.tobytes()).hexdigest()
+    inplace = new.copy()
+    ans.decode_block_backward(dtype, memoryview(data), inplace, inplace, "test")
+    assert np.array_equal(inplace, old)
 
 
 @pytest.mark.parametrize("dtype", sorted(VIEW))
@@ -159,10 +168,12 @@ BLOCKS = _blocks()
 def _decode_or_refuse(dtype, data, base, backward=False) -> np.ndarray | None:
     """The decoded block, or None where it was refused with a FormatError (anything else fails)."""
     try:
-        if backward:
-            return ans.decode_backward(dtype, data, base, "hostile")
         out = np.empty_like(base)
-        ans.decode_block(dtype, memoryview(data), base, out, "hostile")
+        if backward:
+            ans.decode_block_backward(dtype, memoryview(data), base, out, "hostile")
+            ans.decode_backward(dtype, data, base, "hostile")  # the reference refuses alike or gives an array
+        else:
+            ans.decode_block(dtype, memoryview(data), base, out, "hostile")
         return out
     except FormatError:
         return None

@@ -17,7 +17,8 @@ import pytest
 import xxhash
 
 import weightsync
-from weightsync.codec import decode_tensor
+from weightsync.codec import decode_tensor, registry
+from weightsync.codec.payload import decode_tensor_backward
 from weightsync.format.keys import HEAD_KEY, MARKER_KEY, chunk_key, parse_version_key, version_key
 from weightsync.format.manifest import check_marker, head_from_json, manifest_from_json
 
@@ -202,3 +203,5 @@ def test_committed_entropy_coded_payload_still_decodes(codec):
     out = decode_tensor(spec["dtype"], spec["codec"], payload, old, spec["nbytes"])
     assert hashlib.sha256(out.tobytes()).hexdigest() == spec["sha256_new"]
     assert np.count_nonzero(out.view("<u2") != old.view("<u2")) == spec["changed"]
+    if registry.get(codec).invertible:  # ans: backward too
+        assert np.array_equal(decode_tensor_backward(spec["dtype"], codec, payload, out, spec["nbytes"]), old)

@@ -49,8 +49,9 @@ class Codec(ABC):
     invertible: ClassVar[bool] = False
     """Whether a block can also be decoded backward (:meth:`decode_backward`): the base it was
     coded against recovered from the block and its result alone. True for codecs that store the
-    differences themselves (``sparse``, ``dense``); False where decoding needs the old values
-    (``ac``'s contexts) or there is no base (``full``)."""
+    differences themselves (``sparse``, ``dense``) or list what the new values' contexts cannot
+    give (``ans``); False where decoding needs the old values (``ac``'s contexts) or there is no
+    base (``full``)."""
 
     def supports(self, dtype: str) -> bool:
         """Whether the codec takes elements of safetensors ``dtype`` (every dtype unless overridden)."""

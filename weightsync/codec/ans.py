@@ -919,24 +919,68 @@ def decode_block(
         copy(old, out, hasher)
         return
     p = Parsed(dtype, block, old.size, old.dtype, what)
-    top = 1 << (8 * old.dtype.itemsize - 1)
-    lim = np.full(MAX_K, top, old.dtype)
+    _run_pass(p, old, out, p.diffs, hasher, bmi2)
+
+
+def _run_pass(p: Parsed, src: np.ndarray, out: np.ndarray, diffs: np.ndarray, hasher, bmi2: bool) -> None:
+    """``out`` = ``src`` plus ``diffs`` at the changes the block's bitmaps place by ``src``'s contexts."""
+    top = 1 << (8 * src.dtype.itemsize - 1)
+    lim = np.full(MAX_K, top, src.dtype)
     lim[: p.K - 1] = p.thr << p.shift
-    vlim = np.full(MAX_G, top, old.dtype)
+    vlim = np.full(MAX_G, top, src.dtype)
     vlim[: p.G - 1] = p.vthr << p.shift
     dptr, dend = p.dstart[:-1].copy(), p.dstart[1:]
     off = p.wbase[:-1] * 64
     ends = off + p.nb
     run = _kernel("pass", p.K, p.G, bmi2)
-    absmask = old.dtype.type(top - 1)
-    n = old.size
+    absmask = src.dtype.type(top - 1)
+    n = src.size
     chunk = n if hasher is None or n <= HASH_WHOLE else SLICE
     for a in range(0, n, chunk):
         e = min(a + chunk, n)
-        if run(out, old, a, e, lim, vlim, absmask, p.words, off, ends, dptr, dend, p.diffs):
-            raise FormatError(f"{what}: ans block's bucket sizes do not match its base")
+        if run(out, src, a, e, lim, vlim, absmask, p.words, off, ends, dptr, dend, diffs):
+            raise FormatError(f"{p.what}: ans block's bucket sizes do not match its base")
         if hasher is not None:
             hasher.update(out[a:e])
+
+
+def decode_block_backward(
+    dtype: str, block: memoryview, new: np.ndarray, out: np.ndarray, what: str, hasher=None, bmi2: bool = HAS_BMI2
+) -> None:
+    """Write into ``out`` (may be ``new``) the base ``block`` was coded against, from its result
+    ``new``, by the forward pass: its contexts are ``new``'s but at the listed exceptions, whose
+    exponent field is set to one in their old bucket and group; the differences are negated; the
+    exceptions, whose values the pass took from that modified copy, are corrected after. Refuses a
+    ``new`` whose rebuilt base would not have the contexts the pass used."""
+    if len(block) == 0:
+        copy(new, out, hasher)
+        return
+    p = Parsed(dtype, block, new.size, new.dtype, what)
+    ctx = new.copy()
+    exc = p.exc
+    field = new.dtype.type(p.fmask << p.shift)
+    blut, glut = p.luts()
+    if exc.size:
+        rep = np.full((MAX_K, MAX_G), -1, np.int64)  # the smallest exponent of each (bucket, group)
+        for x in range(p.fmask, -1, -1):
+            rep[blut[x], glut[x]] = x
+        x = rep[p.exb >> 4, p.exb & 15]
+        if np.any(x < 0):
+            raise FormatError(f"{what}: ans block lists an exception in a bucket and group no exponent has")
+        ctx[exc] = (ctx[exc] & ~field) | (x << p.shift).astype(new.dtype)
+    new_exc = new[exc]  # a copy (fancy indexing): ``out`` may be ``new``
+    diffs = np.zeros_like(p.diffs)
+    np.subtract(diffs, p.diffs, out=diffs)  # negated, wrapping
+    _run_pass(p, ctx, out, diffs, None, bmi2)
+    if exc.size:  # the pass wrote ctx - d there
+        out[exc] = new_exc - ctx[exc] + out[exc]
+    moved = np.flatnonzero((out ^ ctx) & field)  # each must keep the context the pass used
+    e_out = (out[moved].astype(np.int64) >> p.shift) & p.fmask
+    e_ctx = (ctx[moved].astype(np.int64) >> p.shift) & p.fmask
+    if np.any((blut[e_out] != blut[e_ctx]) | (glut[e_out] != glut[e_ctx])):
+        raise FormatError(f"{what}: ans block does not code a change to these elements")
+    if hasher is not None:
+        hasher.update(out)
 
 
 def decode_reference(dtype: str, block: bytes | memoryview, old: np.ndarray, what: str = "block") -> np.ndarray:
@@ -952,9 +996,10 @@ def decode_reference(dtype: str, block: bytes | memoryview, old: np.ndarray, wha
 
 
 def decode_backward(dtype: str, block: bytes | memoryview, new: np.ndarray, what: str = "block") -> np.ndarray:
-    """The base ``block`` was coded against, from its result ``new``: each element's bucket and group
-    from its new exponent but for the listed exceptions, then the changes subtracted. Refuses a
-    ``new`` whose rebuilt base would not have had those buckets and groups."""
+    """The base ``block`` was coded against, from its result ``new``, by prefix sums and gathers
+    (numpy; the reference of :func:`decode_block_backward`): each element's bucket and group from
+    its new exponent but for the listed exceptions, then the changes subtracted. Refuses a ``new``
+    whose rebuilt base would not have had those buckets and groups."""
     if len(block) == 0:
         return new.copy()
     p = Parsed(dtype, memoryview(block), new.size, new.dtype, what)
@@ -990,11 +1035,7 @@ class Ans(Codec):
         decode_block(dtype, block, old, out, what, hasher)
 
     def decode_backward(self, dtype, block, new, out, what, hasher=None):
-        """The base from the result (numpy's prefix sums and gathers: rollbacks are rare)."""
-        old = decode_backward(dtype, block, new, what)
-        out[:] = old
-        if hasher is not None:
-            hasher.update(out)
+        decode_block_backward(dtype, block, new, out, what, hasher)
 
 
 def warm_up() -> None:
