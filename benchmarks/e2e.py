@@ -20,8 +20,9 @@ the daemons' concurrency (TransferConfig.max_concurrency), no checksums, no fsyn
 
 All of it (SeaweedFS, three daemons, boto3) shares this machine's CPUs.
 
-    python benchmarks/e2e.py [--quick] [--versions 4] [--concurrency 16] [--poll 0.2] [--no-fsync] [--fast-codec]
-                             [--standby-hold S|never] [--workdir DIR] [--json out.json]
+    python benchmarks/e2e.py [--quick] [--versions 4] [--concurrency 16] [--poll 0.2] [--no-fsync]
+                             [--fast-codec | --entropy-coder ac] [--standby-hold S|never] [--workdir DIR]
+                             [--json out.json]
 """
 
 from __future__ import annotations
@@ -361,7 +362,7 @@ def run(args: argparse.Namespace, ckpts: list[Path], work: Path) -> dict:
                 f"127.0.0.1:{(pp := free_port())}",
                 "--region",
                 "r0",
-                *(["--fast-codec"] if args.fast_codec else []),
+                *(["--fast-codec"] if args.fast_codec else ["--entropy-coder", args.entropy_coder]),
             ],
             env,
             logs,
@@ -518,7 +519,10 @@ def main() -> int:
     ap.add_argument("--poll", type=float, default=0.2, help="daemons' --poll-interval in seconds (default 0.2)")
     ap.add_argument("--no-fsync", action="store_true", help="subscribers skip fsync of written files")
     ap.add_argument(
-        "--fast-codec", action="store_true", help="the publisher codes deltas with `sparse` instead of `ac`"
+        "--fast-codec", action="store_true", help="the publisher codes deltas with `sparse`, not its entropy coder"
+    )
+    ap.add_argument(
+        "--entropy-coder", choices=("ans", "ac"), default="ans", help="the publisher's entropy coder (default ans)"
     )
     ap.add_argument(
         "--standby-hold",
@@ -560,7 +564,7 @@ def main() -> int:
         "folders, "
         f"and the next checkpoint came once both standby slots held a version (after v0 the subscribers copy it into "
         f"their empty standby while idle: {res['rows'][0].get('settle_s', 0.0):.1f} s). "
-        f"Codec: {'sparse (--fast-codec)' if args.fast_codec else 'ac'}. "
+        f"Codec: {'sparse (--fast-codec)' if args.fast_codec else args.entropy_coder}. "
         f"Subscribers {'without' if args.no_fsync else 'with'} fsync, swap hook `true`, --standby-hold "
         f"{args.standby_hold}. SeaweedFS, the publisher, both subscribers and "
         f"the boto3 baseline share {os.cpu_count()} CPUs; 1-minute load average {load0:.2f} at the start, "
