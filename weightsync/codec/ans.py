@@ -1014,8 +1014,8 @@ def decode_backward(dtype: str, block: bytes | memoryview, new: np.ndarray, what
     idx, d = p.changes(buckets, groups)
     old = new.copy()
     old[idx] = new[idx] - d
-    ob, og = p.contexts(old[idx])
-    if np.any((ob != buckets[idx]) | (og != groups[idx])):
+    ob, og = p.contexts(old)  # every element: an exception that did not change keeps its bucket and group too
+    if np.any((ob != buckets) | (og != groups)):
         raise FormatError(f"{what}: ans block does not code a change to these elements")
     return old
 
