@@ -89,7 +89,8 @@ CHANGES_PER_BUCKET = 256
 """A bucket or a group is worth its header and model when it holds about this many changes."""
 
 CHECK = 4096
-"""Elements between the pass's checks that no bucket ran past its bitmap (each has this many spare bits)."""
+"""Elements between the pass's checks that no bucket ran past its bitmap and no value group past its
+differences (each has this much spare)."""
 
 SLICE = max(64, (SLICE_BYTES // 2) // 64 * 64)
 """Elements per slice of the pass when a large block is hashed as it is decoded (a slice stays in cache)."""
@@ -315,18 +316,20 @@ def _pass_source(K: int, G: int, name: str) -> str:
     """The pass over elements ``a:e`` for K buckets and G value groups, state in locals: per 64
     elements, K-1 vector compares give each bucket's members, ``pdep`` puts the bucket's next bits
     there, G-1 more compares split the changes into the groups, and one expand-load per group
-    adds the differences. Every CHECK elements it checks that no bucket ran past its bitmap (each
-    has CHECK bits of spare: a base that does not match the block reads zeros, never out of
-    bounds); the last, partial word goes element by element; at the block's end the buckets and
-    groups must be used up exactly. Returns 0, or 1 for a block that does not fit its base.
-    Indices are unsigned (numba adds no wraparound for them)."""
+    adds the differences. Every CHECK elements it checks that no bucket ran past its bitmap and no
+    group past its differences (each has CHECK of spare: a base that does not match the block reads
+    zeros or other differences, never out of bounds); the last, partial word goes element by
+    element; at the block's end the buckets and groups must be used up exactly. Returns 0, or 1 for
+    a block that does not fit its base. Indices are unsigned (numba adds no wraparound for them)."""
     r, rg = range(K), range(G)
     L = [f"def {name}(out, src, a, e, lim, vlim, absmask, words, off, ends, dptr, dend, diffs):"]
     L += [f"    l{t} = lim[{t}]" for t in range(K - 1)] + [f"    v{t} = vlim[{t}]" for t in range(G - 1)]
     L += [f"    o{b} = np.uint64(off[{b}])" for b in r] + [f"    E{b} = np.uint64(ends[{b}])" for b in r]
-    L += [f"    d{g} = dptr[{g}]" for g in rg] + ["    n = src.size", "    whole = min(e, n - n % 64)"]
+    L += [f"    d{g} = dptr[{g}]" for g in rg] + [f"    D{g} = dend[{g}]" for g in rg]
+    L += ["    n = src.size", "    whole = min(e, n - n % 64)"]
+    past = " or ".join([f"o{b} > E{b}" for b in r] + [f"d{g} > D{g}" for g in rg])
     L += ["    for s in range(a, whole, CHECK):"]
-    L += ["        if " + " or ".join(f"o{b} > E{b}" for b in r) + ":", "            return 1"]
+    L += [f"        if {past}:", "            return 1"]
     L += ["        for base in range(s, min(s + CHECK, whole), 64):"]
     L += [f"            b_m{t} = below_mask64(src, base, absmask, l{t})" for t in range(K - 1)]
     L += _regions("b", K, "            ")
@@ -343,7 +346,7 @@ def _pass_source(K: int, G: int, name: str) -> str:
     L += ["            _expand_add(out, src, base, diffs, " + ", ".join(f"d{g}, g{g}" for g in rg) + ")"]
     L += [f"            d{g} += np.int64(popcount(g{g}))" for g in rg]
     L += [f"    off[{b}] = np.int64(o{b})" for b in r] + [f"    dptr[{g}] = d{g}" for g in rg]
-    L += ["    if " + " or ".join(f"o{b} > E{b}" for b in r) + ":", "        return 1"]
+    L += [f"    if {past}:", "        return 1"]
     L += ["    if e > whole:", "        _tail(out, src, max(a, whole), e, lim, vlim, absmask, words, off, dptr, diffs)"]
     L += [
         "    if e == n:",
@@ -825,7 +828,9 @@ def _parse(data, n, width_bits, tmpl):
         if bad:
             return bad, 0, *fail
         pos += blen[b]
-    diffs = np.empty(c + 64, tmpl.dtype)  # the pass's expand-loads may start up to 64 past the last
+    # the pass on a wrong base can run a group's differences up to CHECK past their end before its
+    # next check sees it, and its expand-loads read up to 64 more: that much spare
+    diffs = np.empty(c + min(n, CHECK) + 64, tmpl.dtype)
     dstart = np.zeros(G + 1, np.int64)
     zmax = (ONE << np.uint64(width_bits)) - ONE
     values = np.zeros(NSYM, tmpl.dtype)  # symbol -> difference; the escape's 0 is filled in below
@@ -1009,8 +1014,8 @@ def decode_backward(dtype: str, block: bytes | memoryview, new: np.ndarray, what
     idx, d = p.changes(buckets, groups)
     old = new.copy()
     old[idx] = new[idx] - d
-    ob, og = p.contexts(old[idx])
-    if np.any((ob != buckets[idx]) | (og != groups[idx])):
+    ob, og = p.contexts(old)  # every element: an exception that did not change keeps its bucket and group too
+    if np.any((ob != buckets) | (og != groups)):
         raise FormatError(f"{what}: ans block does not code a change to these elements")
     return old
 
