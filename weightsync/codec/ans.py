@@ -155,6 +155,37 @@ def _histogram(old, new, shift, fmask, width_bits):
 
 
 @njit(nogil=True)
+def _partitions(cost, g):
+    """Dynamic program over splits of items ``0..m-1`` into contiguous ranges, ``cost[a, b]`` that of
+    range ``[a, b)``: ``dp[q, b]``, the least cost of ``[0, b)`` in ``q`` ranges, and ``arg[q, b]``,
+    where its last range starts (ties: the first found)."""
+    m = cost.shape[0] - 1
+    dp = np.full((g + 1, m + 1), 1e300)
+    arg = np.zeros((g + 1, m + 1), np.int64)
+    dp[0, 0] = 0.0
+    for q in range(1, g + 1):
+        for b in range(q, m + 1):
+            for a in range(q - 1, b):
+                v = dp[q - 1, a] + cost[a, b]
+                if v < dp[q, b] - 1e-9:
+                    dp[q, b] = v
+                    arg[q, b] = a
+    return dp, arg
+
+
+@njit(nogil=True)
+def _cuts(arg, q, ex):
+    """The thresholds of the best split of all ``m`` items into ``q`` ranges (:func:`_partitions`'s
+    ``arg``): the exponent ``ex[a]`` where each range after the first starts, ascending."""
+    thr = np.zeros(q - 1, np.int64)
+    b = arg.shape[1] - 1
+    for r in range(q, 1, -1):
+        b = arg[r, b]
+        thr[r - 2] = ex[b]
+    return thr
+
+
+@njit(nogil=True)
 def _thresholds(per, chp, k):
     """Exponent thresholds (ascending) splitting the exponents into at most ``k`` contiguous groups
     that minimise the entropy of the change mask given the group (dynamic programming)."""
@@ -179,26 +210,8 @@ def _thresholds(per, chp, k):
             if nn - kk > 0:
                 c -= (nn - kk) * np.log2(nn - kk)
             cost[a, b] = c
-    dp = np.full((g + 1, m + 1), 1e300)
-    arg = np.zeros((g + 1, m + 1), np.int64)
-    dp[0, 0] = 0.0
-    for q in range(1, g + 1):
-        for b in range(q, m + 1):
-            for a in range(q - 1, b):
-                v = dp[q - 1, a] + cost[a, b]
-                if v < dp[q, b] - 1e-9:
-                    dp[q, b] = v
-                    arg[q, b] = a
-    cuts = np.zeros(g + 1, np.int64)
-    cuts[g] = m
-    b = m
-    for q in range(g, 0, -1):
-        b = arg[q, b]
-        cuts[q - 1] = b
-    thr = np.zeros(g - 1, np.int64)
-    for t in range(g - 1):
-        thr[t] = ex[cuts[t + 1]]
-    return thr
+    _, arg = _partitions(cost, g)
+    return _cuts(arg, g, ex)
 
 
 _NLOGN = np.array([0.0] + [i * np.log2(i) for i in range(1, 4096)])  # n log2 n of small counts
@@ -240,26 +253,12 @@ def _split(counts, G):
         for b in range(a + 1, m + 1):
             cost[a, b] = _bits_of(cum, a, b)
     g = min(G, m)
-    dp = np.full((g + 1, m + 1), 1e300)
-    arg = np.zeros((g + 1, m + 1), np.int64)
-    dp[0, 0] = 0.0
-    for q in range(1, g + 1):
-        for b in range(q, m + 1):
-            for a in range(q - 1, b):
-                v = dp[q - 1, a] + cost[a, b]
-                if v < dp[q, b] - 1e-9:
-                    dp[q, b] = v
-                    arg[q, b] = a
+    dp, arg = _partitions(cost, g)
     best = 1
     for q in range(2, g + 1):
         if dp[q, m] < dp[best, m] - 1e-9:
             best = q
-    thr = np.zeros(best - 1, np.int64)
-    b = m
-    for q in range(best, 1, -1):
-        b = arg[q, b]
-        thr[q - 2] = ex[b]
-    return thr
+    return _cuts(arg, best, ex)
 
 
 @njit(nogil=True)
