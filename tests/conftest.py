@@ -25,6 +25,17 @@ _prefix_numbers = itertools.count()
 
 
 @pytest.fixture(scope="session")
+def compiled_kernels():
+    """The codec's numba kernels compiled (or loaded) once, into numba's cache, before a test starts
+    daemons or CLI processes: each of those loads them from there, where with a cold cache (a fresh
+    clone) every process would compile them at its start, about a minute of CPU each, racing the
+    tests' timeouts on 2 cores."""
+    from weightsync.codec.payload import warm_up
+
+    warm_up()
+
+
+@pytest.fixture(scope="session")
 def seaweed(tmp_path_factory):
     """A running SeaweedServer with bucket ``TEST_BUCKET``; stopped at the end of the session."""
     if weed_binary() is None:

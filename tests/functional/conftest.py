@@ -24,6 +24,11 @@ TINY = {"hidden": 32, "layers": 1, "experts": 2, "vocab": 128}
 STATE_DIR = ".weightsync"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _kernels(compiled_kernels):
+    """Every functional test may start processes: the kernels are in numba's cache first (tests/conftest.py)."""
+
+
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -393,7 +393,6 @@ def warm_up() -> None:
     a warm one); an image build runs it (``python -m weightsync.codec.jit``) to fill the image's cache."""
     from weightsync.codec import ans  # numba: imported on first use
 
-    ans.warm_up()
     rng = np.random.default_rng(0)
     for width in sorted(set(UINT_VIEW)):
         dtype = next(d for d in ("U8", "BF16", "F32", "F64") if itemsize(d) == width)
@@ -411,3 +410,4 @@ def warm_up() -> None:
                 ):
                     if not np.array_equal(out, new):
                         raise AssertionError(f"codec warm-up: {enc.codec} did not round-trip")  # never expected
+    ans.warm_up()  # last: every other kernel is ready in seconds, ans's generated passes take most of a minute
