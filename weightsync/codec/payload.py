@@ -1,6 +1,6 @@
 """Tensors as payloads (docs/FORMAT.md, "Payloads"): the container of independent blocks, the
-choice of a codec per tensor (``same``, ``full``, ``ans``, ``ac``, ``sparse``, ``dense``), and rebuilding a
-tensor from a chain of payloads (docs/DESIGN.md)."""
+choice of a codec per tensor (``same``, ``full``, ``ans``, ``ac``, ``sparse``, ``dense``), and
+rebuilding a tensor from a chain of payloads (docs/DESIGN.md)."""
 
 from __future__ import annotations
 
@@ -39,9 +39,10 @@ class CodecConfig:
     block_bytes: raw bytes per block (bounds encoder memory to a few blocks per thread);
     dense_above: changed fraction above which the dense coding is also tried;
     entropy_coder: use the entropy coder ``coder`` where it applies (elements of up to 4 bytes);
-    False: ``sparse`` (about 1.5x faster to encode than ``ans``, no faster to decode, 1.4x larger);
-    coder: ``ans`` (the default: 0.73-0.80x the entropy bound, decoding at ``sparse``'s speed) or
-    ``ac`` (0.69-0.75x, 5-6x slower to decode and 3-4x slower to encode; docs/DESIGN.md, "Codecs").
+    False: ``sparse`` (about 1.7x faster to encode than ``ans``, no faster to decode, 1.44x larger);
+    coder: ``ans`` (the default: 0.73-0.80x the entropy bound, decoding at 0.83-0.94x ``sparse``'s
+    speed) or ``ac`` (0.69-0.75x, 5.5-8x slower to decode and 3.4-4.4x slower to encode);
+    benchmarks/README.md, "Delta size and codec speed"; docs/DESIGN.md, ``weightsync.codec.ans``.
     """
 
     level: int = 1
@@ -311,7 +312,7 @@ def decode_tensor_backward(
 ) -> np.ndarray:
     """The base a delta payload was encoded against, from the tensor it decodes to: the inverse of
     :func:`decode_tensor` for codecs that are :attr:`~weightsync.codec.abc.Codec.invertible`
-    (``same``, ``sparse``, ``dense``; not ``ac`` or ``full``). ``new`` holds the raw bytes the
+    (``same``, ``sparse``, ``dense``, ``ans``; not ``ac`` or ``full``). ``new`` holds the raw bytes the
     payload decodes to (1-D uint8 of ``nbytes``); the result goes into ``out`` if given, which may
     be ``new`` itself (in place; on an error ``new`` may be half overwritten). ``hasher`` as
     :func:`decode_tensor`'s. Raises :class:`FormatError` for a codec that cannot run backward and
