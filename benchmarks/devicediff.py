@@ -11,7 +11,7 @@ the diff on the tensors' device), payload bytes. Paths:
   patched, then publish re-diffs against the previous folder on the host.
 - ``device+direct``: DeviceDiffPublisher: changes only to the host, payloads from the changes.
 
-Each with the default codec (``ac``) and with ``entropy_coder=False`` (``sparse``). Here the
+Each with the default codec (``ans``) and with ``entropy_coder=False`` (``sparse``). Here the
 "device" is the CPU, so no bytes really cross a bus: the device -> host column counts what would
 cross, and CUDA timings are not measured by this script on a CPU-only machine.
 
@@ -113,7 +113,7 @@ def run(
             rows.append(
                 {
                     "path": path,
-                    "codec": "ac" if codec.entropy_coder else "sparse",
+                    "codec": codec.coder if codec.entropy_coder else "sparse",
                     "version": r.version,
                     "d2h_bytes": getattr(r, "d2h_bytes", tensor_bytes),
                     "tensor_bytes": tensor_bytes,
@@ -151,7 +151,7 @@ def run_ranks(
                 if i:
                     step(shards[r], changed, seed=1000 * i + r)
                 tensor_bytes = sum(t.nbytes for t in shards[r].values())
-                row = {"path": path, "codec": "ac" if codec.entropy_coder else "sparse", "version": i, "rank": r}
+                row = {"path": path, "codec": codec.coder if codec.entropy_coder else "sparse", "version": i, "rank": r}
                 if path == "rank+device":
                     t0 = time.perf_counter()
                     res = pubs[r].publish(shards[r], version=i, wait=False)  # settles the previous version first
@@ -194,7 +194,7 @@ def main_ranks(args, sd0: dict[str, torch.Tensor]) -> None:
         f"{'codec':7} {'path':12} {'d2h MiB/rank':>13} {'of shard':>9} {'wall s':>7} {'device s':>9} "
         f"{'host s':>7} {'(+ save s)':>10} {'payload KiB':>12} {'commit s':>9}"
     )
-    for codec in ("ac", "sparse"):
+    for codec in ("ans", "sparse"):
         for path in ("rank+device", "rank+folder"):
             sel = [r for r in rows if r["codec"] == codec and r["path"] == path and r["version"] > 0]
             mean = lambda f: sum(f(r) for r in sel) / len(sel)  # noqa: E731
@@ -209,7 +209,7 @@ def main_ranks(args, sd0: dict[str, torch.Tensor]) -> None:
     print("(means per rank over the steps after the first; device s: the diff on the tensors' device, here the CPU)")
     print("part seconds by phase, mean over ranks and steps after the first:")
     phases = ("device_diff", "mirror", "verify_base", "read", "diff", "encode", "upload", "part", "total")
-    for codec in ("ac", "sparse"):
+    for codec in ("ans", "sparse"):
         for path in ("rank+device", "rank+folder"):
             sel = [r["seconds"] for r in rows if r["codec"] == codec and r["path"] == path and r["version"] > 0]
             print(
@@ -250,7 +250,7 @@ def main() -> None:
     print(
         f"{'codec':7} {'path':14} {'d2h MiB/step':>13} {'of full':>8} {'device s':>9} {'host s':>7} {'payload KiB':>12}"
     )
-    for codec in ("ac", "sparse"):
+    for codec in ("ans", "sparse"):
         for path in ("host", "device+folder", "device+direct"):
             sel = [r for r in rows if r["codec"] == codec and r["path"] == path and r["version"] > 0]
             d2h = sum(r["d2h_bytes"] for r in sel) / len(sel)
@@ -263,7 +263,7 @@ def main() -> None:
         "host seconds by phase, best step (mirror: patch the host copy; verify_base: checksum of the previous"
         " version; read: checksums of the new bytes; encode: payloads, all threads):"
     )
-    for codec in ("ac", "sparse"):
+    for codec in ("ans", "sparse"):
         for path in ("device+folder", "device+direct"):
             sel = [r for r in rows if r["codec"] == codec and r["path"] == path and r["version"] > 0]
             best = min(sel, key=lambda r: r["host_s"])["seconds"]

@@ -1,9 +1,10 @@
 """Bytes a rollback fetches: a folder holding a version pulls an older one, planned as before
 (from the target's keyframe, reusing unchanged tensors: ``PullConfig(backward=False)``) and by
-undoing the deltas between them where their codec is invertible (``sparse``, ``dense``; the
-default ``ac`` is not). The lr 1e-6 trajectory published with ``sparse`` deltas (``--fast-codec``)
-and with the default, a keyframe every ``--intervals`` versions. File stores: bytes are what the
-pull reads, seconds the CPU time of the pull (all threads; the machine is shared).
+undoing the deltas between them where their codec is invertible (``ans``, the default,
+``sparse`` and ``dense``; ``ac`` is not). The lr 1e-6 trajectory published with ``ans``, with
+``sparse`` (``--fast-codec``) and with ``ac`` deltas, a keyframe every ``--intervals`` versions.
+File stores: bytes are what the pull reads, seconds the CPU time of the pull (all threads; the
+machine is shared).
 
     python benchmarks/rollback.py [--steps 6] [--intervals 20 3] [--pairs 5:4 5:3 4:2] [--workdir DIR]
 """

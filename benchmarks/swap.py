@@ -23,8 +23,8 @@ from disk). "full decode" is the CPU time of pulling the keyframe version into a
 (every tensor decoded from its full payload, verified and written): the yardstick for ``prepare``.
 With ``--codec sparse`` (``--fast-codec``) a one-step delta is patched from its payload alone, and
 the sink checks the live tensors against the checksums after the apply, off the lock: "check
-after" (:meth:`~weightsync.torch.sink.TorchSink.after_apply`); ``ac`` deltas are rebuilt and
-checked whole in ``prepare`` (their positions are not in the payload without decoding every element).
+after" (:meth:`~weightsync.torch.sink.TorchSink.after_apply`); ``ans`` and ``ac`` deltas are rebuilt
+and checked whole in ``prepare`` (their positions are not in the payload without decoding every element).
 
 Pause figures: "1st pause" is the real ``apply`` the serving loop saw (median over the 5 updates);
 "best pause" the best of that apply and 9 replays of the same swap (patch: the same writes; flip:
@@ -60,6 +60,10 @@ from weightsync.torch.sink import TorchSink, point_to  # noqa: E402
 from weightsync.torch.transformers import layout as transformers_layout  # noqa: E402
 
 STEPS = 6
+
+
+CODECS = {"ans": CodecConfig(), "ac": CodecConfig(coder="ac"), "sparse": CodecConfig(entropy_coder=False)}
+"""The delta codecs a run can publish with, by name."""
 
 
 def best_seconds(fn, repeat: int) -> float:
@@ -225,7 +229,7 @@ def run(args, change: float, codec: str, device: torch.device, modes: list[str])
         root = Path(tmp)
         dirs = make_versions(args, root, change)
         store = str(root / "store")
-        cfg = PublishConfig(keyframe_interval=1000, codec=CodecConfig(entropy_coder=codec == "ac"))
+        cfg = PublishConfig(keyframe_interval=1000, codec=CODECS[codec])
         for d in dirs:
             weightsync.publish(d, store, config=cfg)
         c0 = time.process_time()
@@ -324,9 +328,9 @@ def main() -> int:
     ap.add_argument("--change", type=float, action="append", help="changed fraction per step (default 0.025, 0.15)")
     ap.add_argument(
         "--codec",
-        choices=("ac", "sparse", "both"),
+        choices=(*CODECS, "both"),
         default="both",
-        help="delta codec: ac (default) or sparse (--fast-codec)",
+        help="delta codec: ans (the default), ac (--entropy-coder ac) or sparse (--fast-codec); both: ans and sparse",
     )
     ap.add_argument("--dense-above", type=float, default=0.05, help="copy a region whole above this changed fraction")
     ap.add_argument("--layers", type=int, default=8)
@@ -340,7 +344,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     modes = ["patch", "flip"] if args.mode == "both" else [args.mode]
-    codecs = ["ac", "sparse"] if args.codec == "both" else [args.codec]
+    codecs = ["ans", "sparse"] if args.codec == "both" else [args.codec]
     changes = args.change or [0.025, 0.15]
     results = []
     for c in changes:

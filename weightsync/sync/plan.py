@@ -7,7 +7,7 @@ A segment is rebuilt from one of:
 - ``full``: the last full encoding on the chain plus the deltas after it;
 - ``back``: the local version's bytes with the deltas between the target and it undone, newest
   first, when the local version descends from the target (a rollback) and every one of those
-  deltas is of an invertible codec (``sparse``, ``dense``; not ``ac``).
+  deltas is of an invertible codec (``ans``, ``sparse``, ``dense``; not ``ac``).
 The cheapest in fetched bytes wins; ties go to local bytes. Files whose local copy already equals
 the target are kept as they are.
 """
