@@ -343,7 +343,9 @@ def test_rank_restarted_after_its_part_finds_it_stored_and_the_version_commits(t
         assert round_(pubs[1:], 3, wait=False)[0].committed is None
         pubs[1].close()
         pubs[1] = ranks(store, world, tmp_path)[1]
+        pubs[0].committer = False  # its thread would commit both stored parts before rank 1 plans
         r0 = pubs[0].publish(*shard(0, 3)[:1], 3, shard(0, 3)[1], wait=False)
+        pubs[0].committer = True
         sd1, meta1 = shard(1, 3)
 
         class CommitMeanwhile(Observer):
