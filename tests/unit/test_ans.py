@@ -6,13 +6,15 @@ rejects), never read or write outside their arrays."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightsync.codec import CodecConfig, ans, decode_tensor, encode_tensor, registry
+from weightsync.codec import CodecConfig, ans, decode_tensor, encode_tensor, entropy, registry
 from weightsync.codec.payload import delta_codec
 from weightsync.errors import FormatError, UsageError
 
@@ -116,6 +118,49 @@ def test_the_hash_sees_exactly_the_result(n):
     out = np.empty_like(old)
     ans.decode_block("BF16", memoryview(data), old, out, "test", hasher)
     assert hasher.hexdigest() == xxhash.xxh3_128(new.tobytes()).hexdigest()
+
+
+@pytest.mark.parametrize("density", [0.0, 0.01, 0.07, 0.3, 0.5, 0.93, 1.0])
+@pytest.mark.parametrize("n_b", [1, 5, 63, 64, 65, 128, 5003])
+def test_a_bucket_bitmap_becomes_gaps_and_a_rice_section_that_decodes_to_it(density, n_b):
+    """The encoder's bitmap -> gaps -> Rice section, back through the decoder's Rice reader: words
+    with 0-64 set bits, the inverted coding of dense buckets, every lane remainder, and stale bits
+    past the bucket's last rank (scratch from an earlier block) ignored."""
+    rng = np.random.default_rng(int(density * 100) + n_b)
+    bits = rng.random(n_b) < density
+    bits[: min(n_b, 64)] = density >= 0.5  # a whole word set (or clear)
+    words = np.full(n_b // 64 + 2, ~np.uint64(0))  # stale ones past n_b
+    words[: -(-n_b // 64)] = np.packbits(np.pad(bits, (0, -n_b % 64)), bitorder="little").view(np.uint64)
+    words[n_b // 64] |= ~np.uint64(0) << np.uint64(n_b % 64) if n_b % 64 else np.uint64(0)
+    c = int(bits.sum())
+    inv = 2 * c > n_b
+    gaps = ans._gaps_of(words, n_b, c, inv)
+    ranks = np.flatnonzero(~bits if inv else bits)
+    assert np.array_equal(gaps, np.diff(ranks, prepend=-1) - 1)
+    k = entropy.rice_parameter(gaps)
+    section = np.zeros(8 * gaps.size + 64, np.uint8)
+    length = entropy.rice_section(gaps, k, section)
+    got = np.zeros(n_b // 64 + 2, np.uint64)
+    assert entropy.rice_decode(section, 0, length, gaps.size, k, n_b, inv, got, 0) == 0
+    want = np.packbits(np.pad(bits, (0, -n_b % 64)), bitorder="little").view(np.uint64)
+    assert np.array_equal(got[: want.size], want)
+
+
+def test_blocks_encoded_after_larger_ones_and_in_threads_are_byte_identical():
+    """The encoder's per-thread scratch: a block coded after a larger, denser one, and blocks coded
+    by 4 threads at once, give the bytes they give alone."""
+    rng = np.random.default_rng(4)
+    pairs = []
+    for n, frac in [(70_000, 0.03), (300_000, 0.6), (1000, 0.2), (70_000, 0.001), (200_000, 1.0)]:
+        old = base_of("BF16", n, rng)
+        pairs.append((old, changed(old, frac, rng)))
+    alone = [ans.encode_block("BF16", o, w) for o, w in pairs]
+    again = [ans.encode_block("BF16", o, w) for o, w in reversed(pairs)][::-1]
+    assert again == alone
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(lambda ow: ans.encode_block("BF16", *ow), pairs * 4)) == alone * 4
+    for (old, new), (data, _) in zip(pairs, alone):
+        check_round_trip("BF16", old, new, data)
 
 
 def test_the_default_delta_codec_is_ans_where_it_applies():

@@ -172,65 +172,80 @@ def rice_parameter(gaps):
     return best
 
 
-@njit(nogil=True)
-def _rice_stream(gaps, first, k, buf):
-    """Rice codes of ``gaps[first::LANES]`` into ``buf`` (uint8, 8 bytes of slack); returns the length
-    in bytes. A code is q = g >> k ones, a zero and the k low bits (at most 62 bits); q >= 32 is 32
-    ones and g in 32 bits. Fewer than 8 bits wait in ``acc``; each code is or-ed in and the 8 bytes
-    stored at once (unaligned), without a branch but for codes over 56 bits."""
-    p = 0
-    acc = ZERO
-    nacc = ZERO
-    kk = np.uint64(k)
-    low = (ONE << kk) - ONE
+@njit(nogil=True, inline="always")
+def _rice_put(buf, p, acc, nacc, g, kk, low):
+    """Append the Rice code of ``g`` (parameter ``kk``, ``low`` = 2^kk - 1) to a stream at byte ``p``
+    of ``buf`` (8 bytes of slack) whose last ``nacc`` < 8 bits wait in ``acc``; returns the new
+    (p, acc, nacc). A code is q = g >> k ones, a zero and the k low bits (at most 62 bits); q >= 32
+    is 32 ones and g in 32 bits. Each code is or-ed in and the 8 bytes stored at once (unaligned),
+    without a branch but for codes over 56 bits."""
     w32 = np.uint64(32)
     m32 = np.uint64(0xFFFFFFFF)
-    for j in range(first, gaps.size, LANES):
-        g = gaps[j]
-        qq = g >> kk
-        if qq < w32:
-            code = ((ONE << qq) - ONE) | ((g & low) << (qq + ONE))
-            n = qq + ONE + kk
-        else:
-            code = m32 | ((g & m32) << w32)
-            n = np.uint64(64)
-        if n > np.uint64(56):  # rare: the low 32 bits first
-            acc |= (code & m32) << nacc
-            nacc += w32
-            store64(buf, p, acc)
-            nb = nacc >> np.uint64(3)
-            p += np.int64(nb)
-            acc >>= nb << np.uint64(3)
-            nacc &= np.uint64(7)
-            code >>= w32
-            n -= w32
-        acc |= code << nacc
-        nacc += n
+    qq = g >> kk
+    if qq < w32:
+        code = ((ONE << qq) - ONE) | ((g & low) << (qq + ONE))
+        n = qq + ONE + kk
+    else:
+        code = m32 | ((g & m32) << w32)
+        n = np.uint64(64)
+    if n > np.uint64(56):  # rare: the low 32 bits first
+        acc |= (code & m32) << nacc
+        nacc += w32
         store64(buf, p, acc)
         nb = nacc >> np.uint64(3)
         p += np.int64(nb)
-        acc = (acc >> (nb << np.uint64(2))) >> (nb << np.uint64(2))  # nb may be 8: two shifts
+        acc >>= nb << np.uint64(3)
         nacc &= np.uint64(7)
-    return p + np.int64(nacc != ZERO)
+        code >>= w32
+        n -= w32
+    acc |= code << nacc
+    nacc += n
+    store64(buf, p, acc)
+    nb = nacc >> np.uint64(3)
+    p += np.int64(nb)
+    acc = (acc >> (nb << np.uint64(2))) >> (nb << np.uint64(2))  # nb may be 8: two shifts
+    nacc &= np.uint64(7)
+    return p, acc, nacc
 
 
 @njit(nogil=True)
 def rice_section(gaps, k, out):
     """A bucket's Rice section into ``out`` (uint8): LEB128 lengths of its first LANES - 1 streams,
-    then the LANES streams (gap j in stream j % LANES); returns its length."""
-    buf = np.empty(8 * (gaps.size // LANES + 1) + 16, np.uint8)  # a code is at most 64 bits
-    lens = np.zeros(LANES, np.int64)
-    body = np.empty(8 * gaps.size + 64, np.uint8)
-    bp = 0
-    for q in range(LANES):
-        lens[q] = _rice_stream(gaps, q, k, buf)
-        body[bp : bp + lens[q]] = buf[: lens[q]]
-        bp += lens[q]
+    then the LANES streams (gap j in stream j % LANES); returns its length. The lanes are coded in
+    one loop, each into its own part of a buffer: their bit appends do not wait on each other."""
+    ng = gaps.size
+    cap = 8 * (ng // LANES + 1) + 16  # a code is at most 64 bits
+    buf = np.empty(LANES * cap, np.uint8)
+    kk = np.uint64(k)
+    low = (ONE << kk) - ONE
+    p0, p1, p2, p3 = 0, cap, 2 * cap, 3 * cap
+    a0 = a1 = a2 = a3 = ZERO
+    n0 = n1 = n2 = n3 = ZERO
+    full = ng - ng % LANES
+    for j in range(0, full, LANES):
+        p0, a0, n0 = _rice_put(buf, p0, a0, n0, gaps[j], kk, low)
+        p1, a1, n1 = _rice_put(buf, p1, a1, n1, gaps[j + 1], kk, low)
+        p2, a2, n2 = _rice_put(buf, p2, a2, n2, gaps[j + 2], kk, low)
+        p3, a3, n3 = _rice_put(buf, p3, a3, n3, gaps[j + 3], kk, low)
+    if ng > full:
+        p0, a0, n0 = _rice_put(buf, p0, a0, n0, gaps[full], kk, low)
+    if ng > full + 1:
+        p1, a1, n1 = _rice_put(buf, p1, a1, n1, gaps[full + 1], kk, low)
+    if ng > full + 2:
+        p2, a2, n2 = _rice_put(buf, p2, a2, n2, gaps[full + 2], kk, low)
+    lens = (
+        p0 + np.int64(n0 != ZERO),
+        p1 - cap + np.int64(n1 != ZERO),
+        p2 - 2 * cap + np.int64(n2 != ZERO),
+        p3 - 3 * cap + np.int64(n3 != ZERO),
+    )
     hp = 0
     for q in range(LANES - 1):
         hp = put_varint(out, hp, lens[q])
-    out[hp : hp + bp] = body[:bp]
-    return hp + bp
+    for q in range(LANES):
+        out[hp : hp + lens[q]] = buf[q * cap : q * cap + lens[q]]
+        hp += lens[q]
+    return hp
 
 
 @njit(nogil=True)
