@@ -674,6 +674,33 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, bmap, stride, acc, nac
     return out, k
 
 
+@njit(nogil=True)
+def _state(thr, vthr, shift, fmask, tmpl):
+    """The scan's constants and state, in one call (a dozen numpy calls cost about 15 us a block):
+    bucket and group limits on the old value with its sign bit cleared (unused ones above every
+    value), bucket and group by exponent value, each bucket's bit accumulator, its bit count and
+    words written, each group's change count and the exception count."""
+    top = 1 << (8 * tmpl.itemsize - 1)
+    lim = np.full(MAX_K, top, tmpl.dtype)
+    vlim = np.full(MAX_G, top, tmpl.dtype)
+    for t in range(thr.size):
+        lim[t] = thr[t] << shift
+    for t in range(vthr.size):
+        vlim[t] = vthr[t] << shift
+    K, G = thr.size + 1, vthr.size + 1
+    return (
+        lim,
+        vlim,
+        _lut(thr, fmask),
+        _lut(vthr, fmask),
+        np.zeros(K, np.uint64),
+        np.zeros(K, np.int64),
+        np.zeros(K, np.int64),
+        np.zeros(G, np.int64),
+        np.zeros(1, np.int64),
+    )
+
+
 class _Scratch(threading.local):
     """Each thread's buffers for the encoder's pass, kept from block to block. A fresh array this
     large is mapped anew, and each of its pages costs a fault when first written: on the machine
@@ -688,16 +715,17 @@ class _Scratch(threading.local):
         self, words: int, per_group: int, dtype: np.dtype, count: int
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Uninitialised: ``words`` uint64, (MAX_G, ``per_group``) of ``dtype``, ``count`` int64."""
-        parts = [8 * words, MAX_G * per_group * np.dtype(dtype).itemsize, 8 * count]
-        ends = np.cumsum([-(-b // 64) * 64 for b in parts])  # each part 64-byte aligned
-        need = int(ends[-1]) + 64
-        if self.raw.size < need:  # grown to a power of two: a run of ever larger blocks maps few times
-            self.raw = np.empty(1 << (need - 1).bit_length(), np.uint8)
-        base = (-self.raw.ctypes.data) % 64
-        cut = [base, base + ends[0], base + ends[1], base + ends[2]]
-        bmap = self.raw[cut[0] : cut[0] + parts[0]].view(np.uint64)
-        vals = self.raw[cut[1] : cut[1] + parts[1]].view(dtype).reshape(MAX_G, per_group)
-        exc = self.raw[cut[2] : cut[2] + parts[2]].view(np.int64)
+        sizes = (8 * words, MAX_G * per_group * dtype.itemsize, 8 * count)
+        starts, end = [], 0
+        for size in sizes:  # each part 64-byte aligned
+            starts.append(end)
+            end += -(-size // 64) * 64
+        if self.raw.size < end + 64:  # grown to a power of two: a run of ever larger blocks maps few times
+            self.raw = np.empty(1 << (end + 63).bit_length(), np.uint8)
+        raw = self.raw[(-self.raw.ctypes.data) % 64 :]
+        bmap = raw[starts[0] : starts[0] + sizes[0]].view(np.uint64)
+        vals = raw[starts[1] : starts[1] + sizes[1]].view(dtype).reshape(MAX_G, per_group)
+        exc = raw[starts[2] : starts[2] + sizes[2]].view(np.int64)
         return bmap, vals, exc
 
 
@@ -713,24 +741,15 @@ def encode_block(
     shift, bits = EXPONENT_FIELD.get(dtype, (0, 0))
     width = 8 * old.dtype.itemsize
     thr, vthr = _plan(old, new, shift, bits, k, width) if split is None else (np.asarray(t, np.int64) for t in split)
-    K = thr.size + 1
-    n = old.size
+    K, G, n = thr.size + 1, vthr.size + 1, old.size
     top = 1 << (width - 1)
-    lim = np.full(MAX_K, top, old.dtype)
-    lim[: K - 1] = thr << shift
+    fmask = (1 << bits) - 1
     stride = n // 64 + 4
     # each bucket's changed flags over its ranks; zigzag codes of each group's changes, in order;
     # the changes that move their element to another bucket or group
     bmap, vals, exc = _SCRATCH.take(K * stride, n + 64, old.dtype, n + 1)
-    acc, nacc, wpos = np.zeros(K, np.uint64), np.zeros(K, np.int64), np.zeros(K, np.int64)
-    G = vthr.size + 1
-    nv, nes = np.zeros(G, np.int64), np.zeros(1, np.int64)
+    lim, vlim, blut, glut, acc, nacc, wpos, nv, nes = _state(thr, vthr, shift, fmask, old[:0])
     scan = _kernel("scan", K, G, bmi2)
-    vlim = np.full(MAX_G, top, old.dtype)
-    vlim[: G - 1] = vthr << shift
-    fmask = (1 << bits) - 1
-    blut = np.searchsorted(thr, np.arange(fmask + 1), side="right").astype(np.int64)
-    glut = np.searchsorted(vthr, np.arange(fmask + 1), side="right").astype(np.int64)
     scan(
         old,
         new,
