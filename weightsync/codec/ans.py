@@ -390,7 +390,8 @@ def _scan_source(K: int, G: int, name: str) -> str:
     backward decode)."""
     r, rg = range(K), range(G)
     L = [
-        f"def {name}(old, new, nfull, lim, vlim, absmask, field, shift, fm, blut, glut, bmap, stride, acc, nacc, wpos,"
+        f"def {name}_words(old, new, nfull, lim, vlim, absmask, field, shift, fm, blut, glut, bmap, stride, acc, nacc,"
+        " wpos,"
     ]
     L[0] += " v0, v1, v2, v3, nv, exc, nes):"
     L += [f"    l{t} = lim[{t}]" for t in range(K - 1)] + [f"    u{t} = vlim[{t}]" for t in range(G - 1)]
@@ -431,6 +432,18 @@ def _scan_source(K: int, G: int, name: str) -> str:
     L += [f"    acc[{b}] = a{b}" for b in r] + [f"    nacc[{b}] = np.int64(n{b})" for b in r]
     L += [f"    wpos[{b}] = np.int64(w{b}) - {b} * stride" for b in r]
     L += [f"    nv[{g}] = k{g}" for g in rg] + ["    nes[0] = ne"]
+    # the block from its plan: state, the scan, the sections (one call from Python: the arrays
+    # between them are never boxed)
+    L += ["", "", f"def {name}(old, new, thr, vthr, shift, bits, width, bmap, vals, exc, absmask, field):"]
+    L += ["    fmask = (1 << bits) - 1", "    n = old.size", "    stride = n // 64 + 4"]
+    L += ["    lim, vlim, blut, glut, acc, nacc, wpos, nv, nes = _state(thr, vthr, shift, fmask, old[:0])"]
+    L += [
+        f"    {name}_words(old, new, n // 64, lim, vlim, absmask, field, shift, fmask, blut, glut, bmap, stride,"
+        " acc, nacc, wpos, vals[0], vals[1], vals[2], vals[3], nv, exc, nes)"
+    ]
+    L += [
+        "    return _encode(old, new, shift, bits, width, thr, vthr, bmap, stride, acc, nacc, wpos, vals, nv, exc, nes)"
+    ]
     return "\n".join(L) + "\n"
 
 
@@ -441,7 +454,8 @@ _KERNELS_LOCK = threading.Lock()
 
 
 def _kernel(kind: str, K: int, G: int, bmi2: bool = HAS_BMI2):
-    """The pass ``kind`` (``"pass"``: decoding, ``"scan"``: encoding) for K buckets and G value groups,
+    """The pass ``kind`` (``"pass"``: decoding; ``"scan"``: encoding a block, scan and sections) for K
+    buckets and G value groups,
     with BMI2's ``pdep``/``pext`` or the portable ones. Generated and compiled on first use, then
     kept. The source is compiled as if it were in this file, under a name of its own: numba's
     cache (:mod:`weightsync.codec.jit`) then keys it by its bytecode and this file's stamp like any
@@ -458,7 +472,10 @@ def _kernel(kind: str, K: int, G: int, bmi2: bool = HAS_BMI2):
                 source = (_pass_source if kind == "pass" else _scan_source)(K, G, name)
                 ns = dict(_GENERATED_GLOBALS, __name__=__name__, _expand_add=EXPAND_ADD[G])
                 ns.update(_pdep=pdep_bmi2 if bmi2 else pdep_soft, _pext=pext_bmi2 if bmi2 else pext_soft)
+                ns.update(_state=_state, _encode=_encode)
                 exec(compile(source, __file__, "exec"), ns)  # noqa: S102 - our own generated source
+                if kind == "scan":  # the wrapper calls it by this name, resolved when it compiles
+                    ns[f"{name}_words"] = njit(nogil=True)(ns[f"{name}_words"])
                 fn = _KERNELS[key] = njit(nogil=True)(ns[name])
     return fn
 
@@ -748,34 +765,9 @@ def encode_block(
     # each bucket's changed flags over its ranks; zigzag codes of each group's changes, in order;
     # the changes that move their element to another bucket or group
     bmap, vals, exc = _SCRATCH.take(K * stride, n + 64, old.dtype, n + 1)
-    lim, vlim, blut, glut, acc, nacc, wpos, nv, nes = _state(thr, vthr, shift, fmask, old[:0])
-    scan = _kernel("scan", K, G, bmi2)
-    scan(
-        old,
-        new,
-        n // 64,
-        lim,
-        vlim,
-        old.dtype.type(top - 1),
-        old.dtype.type(fmask << shift),
-        shift,
-        fmask,
-        blut,
-        glut,
-        bmap,
-        stride,
-        acc,
-        nacc,
-        wpos,
-        vals[0],
-        vals[1],
-        vals[2],
-        vals[3],
-        nv,
-        exc,
-        nes,
-    )
-    data, changed = _encode(old, new, shift, bits, width, thr, vthr, bmap, stride, acc, nacc, wpos, vals, nv, exc, nes)
+    encode = _kernel("scan", K, G, bmi2)
+    absmask, field = old.dtype.type(top - 1), old.dtype.type(fmask << shift)
+    data, changed = encode(old, new, thr, vthr, shift, bits, width, bmap, vals, exc, absmask, field)
     return data.tobytes(), changed
 
 
