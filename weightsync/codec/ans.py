@@ -102,6 +102,8 @@ _HEAD = 8  # u32 changed count, u8 buckets, u8 shift, u8 bits, u8 groups
 
 TWO, THREE, FOUR, W64 = np.uint64(2), np.uint64(3), np.uint64(4), np.uint64(64)
 
+_MISFIT, _BAD_SHAPE = -1, -2  # a whole-block decode's statuses besides _parse's checks (1, 2, ...)
+
 
 # --- the block's plan: bucket thresholds and value groups, from a sample -----------------------------
 
@@ -361,6 +363,14 @@ def _pass_source(K: int, G: int, name: str) -> str:
     ]
     L += ["        for g in range(dptr.size):", "            if dptr[g] != dend[g]:", "                return 1"]
     L += ["    return 0"]
+    # a whole block, parsed and decoded in one call from Python (the parsed arrays never boxed)
+    L += ["", "", f"def {name}_block(out, src, data, width_bits, shift, absmask):"]
+    L += ["    got = _parse(data, src.size, width_bits, src)", "    if got[0]:", "        return got[0]"]
+    L += ["    thr, vthr, nb, words, wbase, diffs, dstart = got[2], got[3], got[4], got[5], got[6], got[7], got[8]"]
+    L += [f"    if got[1] != {K} or vthr.size != {G - 1}:", "        return BAD_SHAPE"]
+    L += ["    lim, vlim, off, ends, dptr, dend = _pass_state(thr, vthr, shift, nb, wbase, dstart, src[:0])"]
+    L += [f"    if {name}(out, src, 0, src.size, lim, vlim, absmask, words, off, ends, dptr, dend, diffs):"]
+    L += ["        return MISFIT", "    return 0"]
     return "\n".join(L) + "\n"
 
 
@@ -391,7 +401,8 @@ def _scan_source(K: int, G: int, name: str) -> str:
     ``pext`` takes each bucket's changed flags in rank order into its bitmap; G-1 compares give
     the value groups, and the zigzag codes of the changes are compress-stored into their group's
     stream; the changes that move their element to another bucket or group are listed (for the
-    backward decode)."""
+    backward decode). Named ``{name}_words``; ``{name}`` is the whole block's encoding around it
+    (the scan's state, the scan, then :func:`_encode`'s sections), so that Python makes one call."""
     r, rg = range(K), range(G)
     L = [
         f"def {name}_words(old, new, nfull, lim, vlim, absmask, field, shift, fm, blut, glut, bmap, stride, acc, nacc,"
@@ -458,11 +469,11 @@ _KERNELS_LOCK = threading.Lock()
 
 
 def _kernel(kind: str, K: int, G: int, bmi2: bool = HAS_BMI2):
-    """The pass ``kind`` (``"pass"``: decoding; ``"scan"``: encoding a block, scan and sections) for K
-    buckets and G value groups,
-    with BMI2's ``pdep``/``pext`` or the portable ones. Generated and compiled on first use, then
-    kept. The source is compiled as if it were in this file, under a name of its own: numba's
-    cache (:mod:`weightsync.codec.jit`) then keys it by its bytecode and this file's stamp like any
+    """The pass ``kind`` (``"pass"``: decoding elements; ``"block"``: parsing and decoding a whole
+    block; ``"scan"``: encoding a block, scan and sections) for K buckets and G value groups, with
+    BMI2's ``pdep``/``pext`` or the portable ones. Generated and compiled on first use, then kept.
+    The source is compiled as if it were in this file, under a name of its own: numba's cache
+    (:mod:`weightsync.codec.jit`) then keys it by its bytecode and this file's stamp like any
     kernel here, and a warm cache loads it instead of compiling (about 1 s each)."""
     key = (kind, K, G, bmi2)
     fn = _KERNELS.get(key)
@@ -472,20 +483,28 @@ def _kernel(kind: str, K: int, G: int, bmi2: bool = HAS_BMI2):
         with _KERNELS_LOCK:
             fn = _KERNELS.get(key)
             if fn is None:
-                name = f"_{kind}_k{K}_g{G}_{'bmi2' if bmi2 else 'soft'}"
-                source = (_pass_source if kind == "pass" else _scan_source)(K, G, name)
+                scan = kind == "scan"
+                name = f"_{'scan' if scan else 'pass'}_k{K}_g{G}_{'bmi2' if bmi2 else 'soft'}"
+                source = (_scan_source if scan else _pass_source)(K, G, name)
                 ns = dict(_GENERATED_GLOBALS, __name__=__name__, _expand_add=EXPAND_ADD[G])
                 ns.update(_pdep=pdep_bmi2 if bmi2 else pdep_soft, _pext=pext_bmi2 if bmi2 else pext_soft)
-                ns.update(_state=_state, _encode=_encode)
+                ns.update(_state=_state, _encode=_encode, _parse=_parse, _pass_state=_pass_state)
                 exec(compile(source, __file__, "exec"), ns)  # noqa: S102 - our own generated source
-                if kind == "scan":  # the wrapper calls it by this name, resolved when it compiles
+                # the wrappers call these by name, resolved when they compile
+                if scan:
                     ns[f"{name}_words"] = njit(nogil=True)(ns[f"{name}_words"])
-                fn = _KERNELS[key] = njit(nogil=True)(ns[name])
+                    _KERNELS[key] = njit(nogil=True)(ns[name])
+                else:
+                    ns[name] = _KERNELS["pass", K, G, bmi2] = njit(nogil=True)(ns[name])
+                    _KERNELS["block", K, G, bmi2] = njit(nogil=True)(ns[f"{name}_block"])
+                fn = _KERNELS[key]
     return fn
 
 
 _GENERATED_GLOBALS = dict(
     np=np,
+    BAD_SHAPE=_BAD_SHAPE,
+    MISFIT=_MISFIT,
     ALL=ALL,
     ONE=ONE,
     ZERO=ZERO,
@@ -725,9 +744,10 @@ def _state(thr, vthr, shift, fmask, tmpl):
 class _Scratch(threading.local):
     """Each thread's buffers for the encoder's pass, kept from block to block. A fresh array this
     large is mapped anew, and each of its pages costs a fault when first written: on the machine
-    the benchmarks ran on (2.5 us a fault), the bitmaps of 4 MiB tensors cost the pass a third of
-    its time. A thread keeps what its largest block needed: 16.5 bytes of address space per
-    element, of which the bitmaps' eighth to half a byte and what the changes wrote are resident."""
+    the benchmarks ran on (2.5 us a fault) the scan of the 2.03 GiB pair's 4 MiB tensors took 1.6-1.7x
+    as long with fresh arrays. A thread keeps what its largest block needed: 16.5 bytes of address
+    space per element, of which the bitmaps' eighth to half a byte and what the changes wrote are
+    resident."""
 
     def __init__(self) -> None:
         self.raw = np.empty(0, np.uint8)
@@ -927,17 +947,39 @@ def _parse(data, n, width_bits, tmpl):
     return 0, K, thr, vthr, nb, words, wbase, diffs, dstart, exc, exb
 
 
+def _exponent_field(dtype: str, block: memoryview, what: str) -> tuple[int, int]:
+    """``dtype``'s exponent field (shift, bits), which the block's header must name."""
+    if len(block) < _HEAD:
+        raise FormatError(f"{what}: truncated ans block")
+    shift, bits = EXPONENT_FIELD.get(dtype, (0, 0))
+    if block[5] != shift or block[6] != bits:
+        raise FormatError(f"{what}: ans block's exponent field ({block[5]}, {block[6]}) is not {dtype}'s")
+    return shift, bits
+
+
+@njit(nogil=True)
+def _pass_state(thr, vthr, shift, nb, wbase, dstart, tmpl):
+    """The pass's limits and state from a parsed block: bucket and group limits on the value with its
+    sign bit cleared (unused ones above every value), each bucket's first bit and end in the
+    bitmaps, each group's first and end difference."""
+    top = 1 << (8 * tmpl.itemsize - 1)
+    lim = np.full(MAX_K, top, tmpl.dtype)
+    vlim = np.full(MAX_G, top, tmpl.dtype)
+    for t in range(thr.size):
+        lim[t] = thr[t] << shift
+    for t in range(vthr.size):
+        vlim[t] = vthr[t] << shift
+    off = wbase[:-1] * 64
+    return lim, vlim, off, off + nb, dstart[:-1].copy(), dstart[1:]
+
+
 class Parsed:
     """A block's header and streams, decoded (:func:`_parse`): what the pass, the reference decoder
     and the backward decoder share. Raises :class:`FormatError` naming ``what`` for a block that
     does not parse, or whose exponent field is not ``dtype``'s."""
 
     def __init__(self, dtype: str, block: memoryview, n: int, dt: np.dtype, what: str) -> None:
-        if len(block) < _HEAD:
-            raise FormatError(f"{what}: truncated ans block")
-        shift, bits = EXPONENT_FIELD.get(dtype, (0, 0))
-        if block[5] != shift or block[6] != bits:
-            raise FormatError(f"{what}: ans block's exponent field ({block[5]}, {block[6]}) is not {dtype}'s")
+        shift, bits = _exponent_field(dtype, block, what)
         got = _parse(np.frombuffer(block, dtype=np.uint8), n, 8 * dt.itemsize, np.zeros(1, dt))
         status, self.K, self.thr, self.vthr, self.nb, self.words, self.wbase, self.diffs, self.dstart, exc, exb = got
         if status:
@@ -990,22 +1032,30 @@ def decode_block(
     if len(block) == 0:
         copy(old, out, hasher)
         return
-    p = Parsed(dtype, block, old.size, old.dtype, what)
-    _run_pass(p, old, out, p.diffs, hasher, bmi2)
+    if hasher is not None and old.size > HASH_WHOLE:
+        p = Parsed(dtype, block, old.size, old.dtype, what)
+        _run_pass(p, old, out, p.diffs, hasher, bmi2)
+        return
+    shift, _ = _exponent_field(dtype, block, what)
+    K, G = block[4], block[7]
+    status = 2  # _parse's check of the counts
+    if 1 <= K <= MAX_K and 1 <= G <= MAX_G:
+        run = _kernel("block", K, G, bmi2)
+        width = 8 * old.dtype.itemsize
+        status = run(out, old, np.frombuffer(block, np.uint8), width, shift, old.dtype.type((1 << (width - 1)) - 1))
+    if status == _MISFIT:
+        raise FormatError(f"{what}: ans block's bucket sizes do not match its base")
+    if status:
+        raise FormatError(f"{what}: bad ans block (check {status} failed)")
+    if hasher is not None:
+        hasher.update(out)
 
 
 def _run_pass(p: Parsed, src: np.ndarray, out: np.ndarray, diffs: np.ndarray, hasher, bmi2: bool) -> None:
     """``out`` = ``src`` plus ``diffs`` at the changes the block's bitmaps place by ``src``'s contexts."""
-    top = 1 << (8 * src.dtype.itemsize - 1)
-    lim = np.full(MAX_K, top, src.dtype)
-    lim[: p.K - 1] = p.thr << p.shift
-    vlim = np.full(MAX_G, top, src.dtype)
-    vlim[: p.G - 1] = p.vthr << p.shift
-    dptr, dend = p.dstart[:-1].copy(), p.dstart[1:]
-    off = p.wbase[:-1] * 64
-    ends = off + p.nb
+    lim, vlim, off, ends, dptr, dend = _pass_state(p.thr, p.vthr, p.shift, p.nb, p.wbase, p.dstart, src[:0])
     run = _kernel("pass", p.K, p.G, bmi2)
-    absmask = src.dtype.type(top - 1)
+    absmask = src.dtype.type((1 << (8 * src.dtype.itemsize - 1)) - 1)
     n = src.size
     chunk = n if hasher is None or n <= HASH_WHOLE else SLICE
     for a in range(0, n, chunk):
@@ -1111,10 +1161,11 @@ class Ans(Codec):
 
 
 def warm_up() -> None:
-    """Compile (or load from numba's cache) the pass and the scan of every bucket and group count the
-    encoder uses (:func:`_padded`), for 1-, 2- and 4-byte elements: 13 of each, about 30 s with a
-    cold cache (:func:`weightsync.codec.payload.warm_up`). Blocks from another encoder may need
-    another pass: it compiles on first use."""
+    """Compile (or load from numba's cache) the pass, the whole-block decode and the scan of every
+    bucket and group count the encoder uses (:func:`_padded`), for 1-, 2- and 4-byte elements: 13
+    of each (the pass through a backward decode, which calls it from Python as large blocks do),
+    about 30 s with a cold cache (:func:`weightsync.codec.payload.warm_up`). Blocks from another
+    encoder may need another pass: it compiles on first use."""
     rng = np.random.default_rng(0)
     for dtype in ("BF16", "F32", "U8"):  # the commonest first: a delta meanwhile waits for fewer
         view = UINT_VIEW[ITEMSIZE[dtype]]
@@ -1126,7 +1177,8 @@ def warm_up() -> None:
             for G in (1, 2, MAX_G) if bits else (1,):
                 split = (np.arange(1, K) * ((1 << bits) // K), np.arange(1, G) * ((1 << bits) // G))
                 block, _ = encode_block(dtype, old, new, split=split)
-                out = np.empty_like(old)
-                decode_block(dtype, memoryview(block), old, out, "warm-up")
-                if not np.array_equal(out, new):
+                out, back = np.empty_like(old), np.empty_like(old)
+                decode_block(dtype, memoryview(block), old, out, "warm-up")  # the whole-block call
+                decode_block_backward(dtype, memoryview(block), new, back, "warm-up")  # the pass alone
+                if not (np.array_equal(out, new) and np.array_equal(back, old)):
                     raise AssertionError(f"ans warm-up: {dtype} with {K} buckets and {G} groups did not round-trip")
