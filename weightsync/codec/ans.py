@@ -750,7 +750,7 @@ class _Scratch(threading.local):
     resident."""
 
     def __init__(self) -> None:
-        self.raw = np.empty(0, np.uint8)
+        self.raw = np.empty(0, np.uint8)  # 64-byte aligned
 
     def take(
         self, words: int, per_group: int, dtype: np.dtype, count: int
@@ -761,9 +761,10 @@ class _Scratch(threading.local):
         for size in sizes:  # each part 64-byte aligned
             starts.append(end)
             end += -(-size // 64) * 64
-        if self.raw.size < end + 64:  # grown to a power of two: a run of ever larger blocks maps few times
-            self.raw = np.empty(1 << (end + 63).bit_length(), np.uint8)
-        raw = self.raw[(-self.raw.ctypes.data) % 64 :]
+        if self.raw.size < end:  # grown to a power of two: a run of ever larger blocks maps few times
+            raw = np.empty(1 << (end + 63).bit_length(), np.uint8)
+            self.raw = raw[(-raw.ctypes.data) % 64 :]  # ctypes costs microseconds: once
+        raw = self.raw
         bmap = raw[starts[0] : starts[0] + sizes[0]].view(np.uint64)
         vals = raw[starts[1] : starts[1] + sizes[1]].view(dtype).reshape(MAX_G, per_group)
         exc = raw[starts[2] : starts[2] + sizes[2]].view(np.int64)
