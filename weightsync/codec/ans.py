@@ -715,11 +715,9 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, bmap, stride, acc, nac
 
 
 @njit(nogil=True)
-def _state(thr, vthr, shift, fmask, tmpl):
-    """The scan's constants and state, in one call (a dozen numpy calls cost about 15 us a block):
-    bucket and group limits on the old value with its sign bit cleared (unused ones above every
-    value), bucket and group by exponent value, each bucket's bit accumulator, its bit count and
-    words written, each group's change count and the exception count."""
+def _limits(thr, vthr, shift, tmpl):
+    """Bucket and group limits on an element with its sign bit cleared (``tmpl``'s dtype): each
+    threshold's exponent shifted into place, unused ones above every value."""
     top = 1 << (8 * tmpl.itemsize - 1)
     lim = np.full(MAX_K, top, tmpl.dtype)
     vlim = np.full(MAX_G, top, tmpl.dtype)
@@ -727,6 +725,16 @@ def _state(thr, vthr, shift, fmask, tmpl):
         lim[t] = thr[t] << shift
     for t in range(vthr.size):
         vlim[t] = vthr[t] << shift
+    return lim, vlim
+
+
+@njit(nogil=True)
+def _state(thr, vthr, shift, fmask, tmpl):
+    """The scan's constants and state, in one call (a dozen numpy calls cost about 15 us a block):
+    bucket and group limits (:func:`_limits`), bucket and group by exponent value, each bucket's bit
+    accumulator, its bit count and words written, each group's change count and the exception
+    count."""
+    lim, vlim = _limits(thr, vthr, shift, tmpl)
     K, G = thr.size + 1, vthr.size + 1
     return (
         lim,
@@ -960,16 +968,9 @@ def _exponent_field(dtype: str, block: memoryview, what: str) -> tuple[int, int]
 
 @njit(nogil=True)
 def _pass_state(thr, vthr, shift, nb, wbase, dstart, tmpl):
-    """The pass's limits and state from a parsed block: bucket and group limits on the value with its
-    sign bit cleared (unused ones above every value), each bucket's first bit and end in the
-    bitmaps, each group's first and end difference."""
-    top = 1 << (8 * tmpl.itemsize - 1)
-    lim = np.full(MAX_K, top, tmpl.dtype)
-    vlim = np.full(MAX_G, top, tmpl.dtype)
-    for t in range(thr.size):
-        lim[t] = thr[t] << shift
-    for t in range(vthr.size):
-        vlim[t] = vthr[t] << shift
+    """The pass's limits and state from a parsed block: bucket and group limits (:func:`_limits`),
+    each bucket's first bit and end in the bitmaps, each group's first and end difference."""
+    lim, vlim = _limits(thr, vthr, shift, tmpl)
     off = wbase[:-1] * 64
     return lim, vlim, off, off + nb, dstart[:-1].copy(), dstart[1:]
 
