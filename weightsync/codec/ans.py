@@ -788,6 +788,7 @@ def encode_block(
     """The block coding ``new`` against ``old`` (unsigned views of ``dtype``'s width), and how many
     elements changed; at most ``k`` buckets. ``split``: (bucket thresholds, group thresholds) to use
     instead of the planned ones (tests and the warm-up reach every pass with it)."""
+    old, new = np.ascontiguousarray(old), np.ascontiguousarray(new)  # the kernels load 64 elements at a time
     shift, bits = EXPONENT_FIELD.get(dtype, (0, 0))
     width = 8 * old.dtype.itemsize
     thr, vthr = _plan(old, new, shift, bits, k, width) if split is None else (np.asarray(t, np.int64) for t in split)
@@ -1031,6 +1032,9 @@ def decode_block(
     """Decode ``block`` against ``old`` into ``out`` (may be ``old``), feeding ``hasher`` the result:
     a block of up to :data:`HASH_WHOLE` elements in one pass then hashed, a larger one slice by slice
     while each is in cache."""
+    if not (old.flags.c_contiguous and out.flags.c_contiguous):
+        _through_contiguous(decode_block, dtype, block, old, out, what, hasher, bmi2)
+        return
     if len(block) == 0:
         copy(old, out, hasher)
         return
@@ -1051,6 +1055,18 @@ def decode_block(
         raise FormatError(f"{what}: bad ans block (check {status} failed)")
     if hasher is not None:
         hasher.update(out)
+
+
+def _through_contiguous(
+    decode, dtype: str, block: memoryview, src: np.ndarray, out: np.ndarray, what: str, hasher, bmi2
+):
+    """``decode`` of strided ``src`` or ``out`` (a view with a step) through contiguous arrays: the
+    kernels load and store 64 elements at a time from an array's first element on, which for a
+    strided view are other elements (or, reversed, memory past its buffer). ``out`` may be ``src``;
+    it is written only once the block has decoded."""
+    tmp = np.empty(src.shape, src.dtype)
+    decode(dtype, block, np.ascontiguousarray(src), tmp, what, hasher, bmi2)
+    out[...] = tmp
 
 
 def _run_pass(p: Parsed, src: np.ndarray, out: np.ndarray, diffs: np.ndarray, hasher, bmi2: bool) -> None:
@@ -1076,6 +1092,9 @@ def decode_block_backward(
     exponent field is set to one in their old bucket and group; the differences are negated; the
     exceptions, whose values the pass took from that modified copy, are corrected after. Refuses a
     ``new`` whose rebuilt base would not have the contexts the pass used."""
+    if not (new.flags.c_contiguous and out.flags.c_contiguous):
+        _through_contiguous(decode_block_backward, dtype, block, new, out, what, hasher, bmi2)
+        return
     if len(block) == 0:
         copy(new, out, hasher)
         return
