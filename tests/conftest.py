@@ -28,7 +28,7 @@ _prefix_numbers = itertools.count()
 def compiled_kernels():
     """The codec's numba kernels compiled (or loaded) once, into numba's cache, before a test starts
     daemons or CLI processes: each of those loads them from there, where with a cold cache (a fresh
-    clone) every process would compile them at its start, about a minute of CPU each, racing the
+    clone) every process would compile them at its start, minutes of CPU each, racing the
     tests' timeouts on 2 cores."""
     from weightsync.codec.payload import warm_up
 

@@ -1184,9 +1184,10 @@ class Ans(Codec):
 def warm_up() -> None:
     """Compile (or load from numba's cache) the pass, the whole-block decode and the scan of every
     bucket and group count the encoder uses (:func:`_padded`), for 1-, 2- and 4-byte elements: 13
-    of each (the pass through a backward decode, which calls it from Python as large blocks do),
-    about 30 s with a cold cache (:func:`weightsync.codec.payload.warm_up`). Blocks from another
-    encoder may need another pass: it compiles on first use."""
+    of each (the pass through a backward decode, which calls it from Python as large blocks do):
+    most of the codecs' 3.7 CPU-minutes with a cold cache (:func:`weightsync.codec.payload.warm_up`),
+    as each wrapper links the parser or the sections into its pass. Blocks from another encoder
+    may need another pass: it compiles on first use."""
     rng = np.random.default_rng(0)
     for dtype in ("BF16", "F32", "U8"):  # the commonest first: a delta meanwhile waits for fewer
         view = UINT_VIEW[ITEMSIZE[dtype]]

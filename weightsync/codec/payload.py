@@ -390,7 +390,7 @@ def warm_up() -> None:
     with each codec: deltas and keyframes, decoded from a read-only payload (as fetched) and a
     writable one, into a fresh buffer and in place; and every pass of ``ans`` its encoder uses
     (:func:`weightsync.codec.ans.warm_up`). Daemons run this at start in the background, so that
-    their first delta does not pay it (about a minute of compiling with a cold cache, 1-2 s to load
+    their first delta does not pay it (2-4 CPU-minutes of compiling with a cold cache, 1-2 s to load
     a warm one); an image build runs it (``python -m weightsync.codec.jit``) to fill the image's cache."""
     from weightsync.codec import ans  # numba: imported on first use
 
