@@ -102,8 +102,6 @@ _HEAD = 8  # u32 changed count, u8 buckets, u8 shift, u8 bits, u8 groups
 
 TWO, THREE, FOUR, W64 = np.uint64(2), np.uint64(3), np.uint64(4), np.uint64(64)
 
-_MISFIT, _BAD_SHAPE = -1, -2  # a whole-block decode's statuses besides _parse's checks (1, 2, ...)
-
 
 # --- the block's plan: bucket thresholds and value groups, from a sample -----------------------------
 
@@ -363,14 +361,6 @@ def _pass_source(K: int, G: int, name: str) -> str:
     ]
     L += ["        for g in range(dptr.size):", "            if dptr[g] != dend[g]:", "                return 1"]
     L += ["    return 0"]
-    # a whole block, parsed and decoded in one call from Python (the parsed arrays never boxed)
-    L += ["", "", f"def {name}_block(out, src, data, width_bits, shift, absmask):"]
-    L += ["    got = _parse(data, src.size, width_bits, src)", "    if got[0]:", "        return got[0]"]
-    L += ["    thr, vthr, nb, words, wbase, diffs, dstart = got[2], got[3], got[4], got[5], got[6], got[7], got[8]"]
-    L += [f"    if got[1] != {K} or vthr.size != {G - 1}:", "        return BAD_SHAPE"]
-    L += ["    lim, vlim, off, ends, dptr, dend = _pass_state(thr, vthr, shift, nb, wbase, dstart, src[:0])"]
-    L += [f"    if {name}(out, src, 0, src.size, lim, vlim, absmask, words, off, ends, dptr, dend, diffs):"]
-    L += ["        return MISFIT", "    return 0"]
     return "\n".join(L) + "\n"
 
 
@@ -401,12 +391,10 @@ def _scan_source(K: int, G: int, name: str) -> str:
     ``pext`` takes each bucket's changed flags in rank order into its bitmap; G-1 compares give
     the value groups, and the zigzag codes of the changes are compress-stored into their group's
     stream; the changes that move their element to another bucket or group are listed (for the
-    backward decode). Named ``{name}_words``; ``{name}`` is the whole block's encoding around it
-    (the scan's state, the scan, then :func:`_encode`'s sections), so that Python makes one call."""
+    backward decode)."""
     r, rg = range(K), range(G)
     L = [
-        f"def {name}_words(old, new, nfull, lim, vlim, absmask, field, shift, fm, blut, glut, bmap, stride, acc, nacc,"
-        " wpos,"
+        f"def {name}(old, new, nfull, lim, vlim, absmask, field, shift, fm, blut, glut, bmap, stride, acc, nacc, wpos,"
     ]
     L[0] += " v0, v1, v2, v3, nv, exc, nes):"
     L += [f"    l{t} = lim[{t}]" for t in range(K - 1)] + [f"    u{t} = vlim[{t}]" for t in range(G - 1)]
@@ -447,18 +435,6 @@ def _scan_source(K: int, G: int, name: str) -> str:
     L += [f"    acc[{b}] = a{b}" for b in r] + [f"    nacc[{b}] = np.int64(n{b})" for b in r]
     L += [f"    wpos[{b}] = np.int64(w{b}) - {b} * stride" for b in r]
     L += [f"    nv[{g}] = k{g}" for g in rg] + ["    nes[0] = ne"]
-    # the block from its plan: state, the scan, the sections (one call from Python: the arrays
-    # between them are never boxed)
-    L += ["", "", f"def {name}(old, new, thr, vthr, shift, bits, width, bmap, vals, exc, absmask, field):"]
-    L += ["    fmask = (1 << bits) - 1", "    n = old.size", "    stride = n // 64 + 4"]
-    L += ["    lim, vlim, blut, glut, acc, nacc, wpos, nv, nes = _state(thr, vthr, shift, fmask, old[:0])"]
-    L += [
-        f"    {name}_words(old, new, n // 64, lim, vlim, absmask, field, shift, fmask, blut, glut, bmap, stride,"
-        " acc, nacc, wpos, vals[0], vals[1], vals[2], vals[3], nv, exc, nes)"
-    ]
-    L += [
-        "    return _encode(old, new, shift, bits, width, thr, vthr, bmap, stride, acc, nacc, wpos, vals, nv, exc, nes)"
-    ]
     return "\n".join(L) + "\n"
 
 
@@ -469,8 +445,7 @@ _KERNELS_LOCK = threading.Lock()
 
 
 def _kernel(kind: str, K: int, G: int, bmi2: bool = HAS_BMI2):
-    """The pass ``kind`` (``"pass"``: decoding elements; ``"block"``: parsing and decoding a whole
-    block; ``"scan"``: encoding a block, scan and sections) for K buckets and G value groups, with
+    """The pass ``kind`` (``"pass"``: decoding, ``"scan"``: encoding) for K buckets and G value groups, with
     BMI2's ``pdep``/``pext`` or the portable ones. Generated and compiled on first use, then kept.
     The source is compiled as if it were in this file, under a name of its own: numba's cache
     (:mod:`weightsync.codec.jit`) then keys it by its bytecode and this file's stamp like any
@@ -483,28 +458,18 @@ def _kernel(kind: str, K: int, G: int, bmi2: bool = HAS_BMI2):
         with _KERNELS_LOCK:
             fn = _KERNELS.get(key)
             if fn is None:
-                scan = kind == "scan"
-                name = f"_{'scan' if scan else 'pass'}_k{K}_g{G}_{'bmi2' if bmi2 else 'soft'}"
-                source = (_scan_source if scan else _pass_source)(K, G, name)
+                name = f"_{kind}_k{K}_g{G}_{'bmi2' if bmi2 else 'soft'}"
+                source = (_pass_source if kind == "pass" else _scan_source)(K, G, name)
                 ns = dict(_GENERATED_GLOBALS, __name__=__name__, _expand_add=EXPAND_ADD[G])
                 ns.update(_pdep=pdep_bmi2 if bmi2 else pdep_soft, _pext=pext_bmi2 if bmi2 else pext_soft)
-                ns.update(_state=_state, _encode=_encode, _parse=_parse, _pass_state=_pass_state)
                 exec(compile(source, __file__, "exec"), ns)  # noqa: S102 - our own generated source
-                # the wrappers call these by name, resolved when they compile
-                if scan:
-                    ns[f"{name}_words"] = njit(nogil=True)(ns[f"{name}_words"])
-                    _KERNELS[key] = njit(nogil=True)(ns[name])
-                else:
-                    ns[name] = _KERNELS["pass", K, G, bmi2] = njit(nogil=True)(ns[name])
-                    _KERNELS["block", K, G, bmi2] = njit(nogil=True)(ns[f"{name}_block"])
+                _KERNELS[key] = njit(nogil=True)(ns[name])
                 fn = _KERNELS[key]
     return fn
 
 
 _GENERATED_GLOBALS = dict(
     np=np,
-    BAD_SHAPE=_BAD_SHAPE,
-    MISFIT=_MISFIT,
     ALL=ALL,
     ONE=ONE,
     ZERO=ZERO,
@@ -799,9 +764,12 @@ def encode_block(
     # each bucket's changed flags over its ranks; zigzag codes of each group's changes, in order;
     # the changes that move their element to another bucket or group
     bmap, vals, exc = _SCRATCH.take(K * stride, n + 64, old.dtype, n + 1)
-    encode = _kernel("scan", K, G, bmi2)
+    lim, vlim, blut, glut, acc, nacc, wpos, nv, nes = _state(thr, vthr, shift, fmask, old[:0])
+    scan = _kernel("scan", K, G, bmi2)
     absmask, field = old.dtype.type(top - 1), old.dtype.type(fmask << shift)
-    data, changed = encode(old, new, thr, vthr, shift, bits, width, bmap, vals, exc, absmask, field)
+    args = (lim, vlim, absmask, field, shift, fmask, blut, glut, bmap, stride, acc, nacc, wpos)
+    scan(old, new, n // 64, *args, vals[0], vals[1], vals[2], vals[3], nv, exc, nes)
+    data, changed = _encode(old, new, shift, bits, width, thr, vthr, bmap, stride, acc, nacc, wpos, vals, nv, exc, nes)
     return data.tobytes(), changed
 
 
@@ -1038,23 +1006,8 @@ def decode_block(
     if len(block) == 0:
         copy(old, out, hasher)
         return
-    if hasher is not None and old.size > HASH_WHOLE:
-        p = Parsed(dtype, block, old.size, old.dtype, what)
-        _run_pass(p, old, out, p.diffs, hasher, bmi2)
-        return
-    shift, _ = _exponent_field(dtype, block, what)
-    K, G = block[4], block[7]
-    status = 2  # _parse's check of the counts
-    if 1 <= K <= MAX_K and 1 <= G <= MAX_G:
-        run = _kernel("block", K, G, bmi2)
-        width = 8 * old.dtype.itemsize
-        status = run(out, old, np.frombuffer(block, np.uint8), width, shift, old.dtype.type((1 << (width - 1)) - 1))
-    if status == _MISFIT:
-        raise FormatError(f"{what}: ans block's bucket sizes do not match its base")
-    if status:
-        raise FormatError(f"{what}: bad ans block (check {status} failed)")
-    if hasher is not None:
-        hasher.update(out)
+    p = Parsed(dtype, block, old.size, old.dtype, what)
+    _run_pass(p, old, out, p.diffs, hasher, bmi2)
 
 
 def _through_contiguous(
@@ -1182,12 +1135,10 @@ class Ans(Codec):
 
 
 def warm_up() -> None:
-    """Compile (or load from numba's cache) the pass, the whole-block decode and the scan of every
-    bucket and group count the encoder uses (:func:`_padded`), for 1-, 2- and 4-byte elements: 13
-    of each (the pass through a backward decode, which calls it from Python as large blocks do):
-    most of the codecs' 3.7 CPU-minutes with a cold cache (:func:`weightsync.codec.payload.warm_up`),
-    as each wrapper links the parser or the sections into its pass. Blocks from another encoder
-    may need another pass: it compiles on first use."""
+    """Compile (or load from numba's cache) the pass and the scan of every bucket and group count the
+    encoder uses (:func:`_padded`), for 1-, 2- and 4-byte elements: 13 of each, most of the codecs'
+    2-3 CPU-minutes with a cold cache (:func:`weightsync.codec.payload.warm_up`). Blocks from another
+    encoder may need another pass: it compiles on first use."""
     rng = np.random.default_rng(0)
     for dtype in ("BF16", "F32", "U8"):  # the commonest first: a delta meanwhile waits for fewer
         view = UINT_VIEW[ITEMSIZE[dtype]]
@@ -1200,7 +1151,7 @@ def warm_up() -> None:
                 split = (np.arange(1, K) * ((1 << bits) // K), np.arange(1, G) * ((1 << bits) // G))
                 block, _ = encode_block(dtype, old, new, split=split)
                 out, back = np.empty_like(old), np.empty_like(old)
-                decode_block(dtype, memoryview(block), old, out, "warm-up")  # the whole-block call
-                decode_block_backward(dtype, memoryview(block), new, back, "warm-up")  # the pass alone
+                decode_block(dtype, memoryview(block), old, out, "warm-up")
+                decode_block_backward(dtype, memoryview(block), new, back, "warm-up")
                 if not (np.array_equal(out, new) and np.array_equal(back, old)):
                     raise AssertionError(f"ans warm-up: {dtype} with {K} buckets and {G} groups did not round-trip")

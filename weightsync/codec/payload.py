@@ -39,9 +39,9 @@ class CodecConfig:
     block_bytes: raw bytes per block (bounds encoder memory to a few blocks per thread);
     dense_above: changed fraction above which the dense coding is also tried;
     entropy_coder: use the entropy coder ``coder`` where it applies (elements of up to 4 bytes);
-    False: ``sparse`` (about 1.4x faster to encode than ``ans``, no faster to decode, 1.44x larger);
-    coder: ``ans`` (the default: 0.73-0.80x the entropy bound, decoding at 0.92-0.97x ``sparse``'s
-    speed) or ``ac`` (0.69-0.75x, 6.3-6.7x slower to decode and 3.7-4.7x slower to encode);
+    False: ``sparse`` (about 1.5x faster to encode than ``ans``, no faster to decode, 1.44x larger);
+    coder: ``ans`` (the default: 0.73-0.80x the entropy bound, decoding at 0.83-0.94x ``sparse``'s
+    speed) or ``ac`` (0.69-0.75x, 5.5-8x slower to decode and about 4x slower to encode);
     benchmarks/README.md, "Delta size and codec speed"; docs/DESIGN.md, ``weightsync.codec.ans``.
     """
 
@@ -390,7 +390,7 @@ def warm_up() -> None:
     with each codec: deltas and keyframes, decoded from a read-only payload (as fetched) and a
     writable one, into a fresh buffer and in place; and every pass of ``ans`` its encoder uses
     (:func:`weightsync.codec.ans.warm_up`). Daemons run this at start in the background, so that
-    their first delta does not pay it (2-4 CPU-minutes of compiling with a cold cache, 1-2 s to load
+    their first delta does not pay it (2-3 CPU-minutes of compiling with a cold cache, 1-2 s to load
     a warm one); an image build runs it (``python -m weightsync.codec.jit``) to fill the image's cache."""
     from weightsync.codec import ans  # numba: imported on first use
 

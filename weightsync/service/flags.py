@@ -276,13 +276,13 @@ def add_encoding_args(p: argparse.ArgumentParser, environ: Mapping[str, str] | N
         "--entropy-coder",
         choices=CODERS,
         default=CodecConfig.coder,
-        help="the entropy coder of deltas: 'ans' (default; decodes at 0.92-0.97x the speed of 'sparse') or 'ac' "
-        "(payloads ~0.93x the size, 6.3-6.7x slower to decode, 3.7-4.7x slower to encode; docs/DESIGN.md)",
+        help="the entropy coder of deltas: 'ans' (default; decodes at 0.83-0.94x the speed of 'sparse') or 'ac' "
+        "(payloads ~0.93x the size, 5.5-8x slower to decode, about 4x slower to encode; docs/DESIGN.md)",
     )
     add(
         "--fast-codec",
         action="store_true",
-        help="code deltas with 'sparse' instead of the entropy coder: about 1.4x faster to encode than 'ans', "
+        help="code deltas with 'sparse' instead of the entropy coder: about 1.5x faster to encode than 'ans', "
         "no faster to decode, ~1.44x larger",
     )
     add("--concurrency", type=int, default=32, help="chunks in flight (default 32)")
