@@ -21,7 +21,7 @@ from test_daemons import daemons, http, wait_for  # noqa: F401  (daemons is a fi
 import weightsync
 from weightsync.demo import make_trajectory
 from weightsync.service.config import Backoff, HookConfig, Identity, StoreConfig, SubscriberConfig
-from weightsync.service.hooks import HookRunner, hook_path
+from weightsync.service.hooks import HookRecord, HookRunner, hook_path
 from weightsync.service.metrics import Metrics
 from weightsync.service.subscriber import Subscriber
 
@@ -105,6 +105,22 @@ def test_a_slow_reload_is_waited_for_never_overlapped_and_its_late_answer_counts
     states = [r.state for r in records]
     assert states[0] == "running" and "retrying" in states and states[-1] == "ok", states
     assert records[1].degraded and "--hook-timeout" in records[1].error and not records[-1].degraded
+
+
+def test_a_call_after_one_that_failed_stays_degraded_until_it_succeeds(engine):
+    e = engine(delay=0.3)
+    records = []
+
+    async def on_record(rec):
+        records.append(rec)
+
+    async def main():
+        runner = HookRunner(HookConfig(url=e.url, attempts=1, timeout=5.0), lambda: None, on_record)
+        runner.record = HookRecord(3, "failed", 1, "RuntimeError: HTTP 503", 0.1, 0.0)  # read at start-up
+        return await runner.fire(3, "/w/slots/a", "/w/current")
+
+    assert asyncio.run(main()).ok
+    assert [(r.state, r.degraded) for r in records] == [("retrying", True), ("ok", False)], records
 
 
 def test_a_hung_reload_is_abandoned_after_attempts_periods_without_a_second_call(engine):
@@ -223,11 +239,15 @@ def test_the_daemon_stays_degraded_across_a_restart_and_the_api_waits_for_the_ho
     assert code == 502 and "HTTP 503" in doc["error"] and len(e.calls) == 3, doc  # 0, 1, and this one
     assert http("PUT", sub.url + "/v1/target?wait=0", {"version": 99})[0] == 404
 
-    e.status = 200
+    e.status, e.delay = 200, 2.0
     assert sub.stop() == 0
     sub.args = [a for a in sub.args if a not in ("--version", "0")]  # the stored target (latest) from here
-    sub.start()  # the record says failed: the engine is told again at start-up
+    sub.start()  # the record says failed: the engine is told again at start-up, degraded until it answers
+    wait_for(lambda: len(e.calls) == 4, 20, f"the hook to be called after the restart\n{sub.log()}")
+    doc = sub.status()
+    assert doc["state"] == "degraded" and doc["hook"]["state"] == "retrying", doc
     wait_for(lambda: sub.status()["state"] == "serving", 20, f"the hook to succeed after the restart\n{sub.log()}")
+    e.delay = 0.0
     assert len(e.calls) == 4 and e.calls[-1]["version"] == 1 and "calling the swap hook again" in sub.log()
     assert sub.status()["hook"]["state"] == "ok"
     code, doc, _ = http("POST", sub.url + "/v1/hook?wait=20")

@@ -31,7 +31,8 @@ from weightsync.service.runtime import event
 log = logging.getLogger("weightsync.hooks")
 
 # What a hook call is doing, or how it ended: running (no try failed yet), retrying (a try failed or
-# ran past the timeout; still trying), ok, failed (gave up), interrupted (found running at start-up).
+# ran past the timeout, or the call before this one did not succeed; still trying), ok, failed (gave
+# up), interrupted (found running at start-up).
 HOOK_STATES = ("running", "retrying", "ok", "failed", "interrupted")
 DEGRADED = frozenset({"retrying", "failed", "interrupted"})  # the engine may not serve the current version
 _FORMAT = "weightsync.subscriber-hook"
@@ -154,7 +155,9 @@ class HookRunner:
         async def record(state: str) -> None:
             await self._set(HookRecord(version, state, attempt, error, round(time.monotonic() - t0, 3), self.clock()))
 
-        await record("running")
+        # A call after one that did not succeed starts degraded: the engine is known to be behind until
+        # this call succeeds (the state never flips to serving and back while it runs).
+        await record("retrying" if self.record is not None and self.record.degraded else "running")
         try:
             while attempt < self.cfg.attempts:
                 attempt += 1
