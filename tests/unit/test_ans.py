@@ -163,6 +163,61 @@ def test_blocks_encoded_after_larger_ones_and_in_threads_are_byte_identical():
         check_round_trip("BF16", old, new, data)
 
 
+def _outcome(dtype: str, data: bytes, base: np.ndarray):
+    """The fast decoder's result of ``data`` against ``base``, or None where it refuses it."""
+    out = np.empty_like(base)
+    try:
+        ans.decode_block(dtype, memoryview(data), base, out, "test", xxhash.xxh3_128())
+    except FormatError:
+        return None
+    return out
+
+
+def test_blocks_decoded_through_kept_dirty_or_passing_arrays_and_in_threads_give_the_same_bytes(monkeypatch):
+    """The decoder's per-thread arrays (``_DecodeScratch``): a block decoded after larger ones of
+    other dtypes, after those arrays were filled with random bytes, through arrays made for the block
+    alone (larger than ``RETAIN``), and in 4 threads at once, gives what the reference gives; a
+    corrupted block is refused, or decodes to the same bytes, whichever arrays it went through."""
+    rng = np.random.default_rng(5)
+    cases = []
+    for dtype, n, frac in [("BF16", 300_000, 0.6), ("F32", 70_000, 0.2), ("U8", 5000, 1.0), ("BF16", 1000, 0.03)]:
+        old = base_of(dtype, n, rng)
+        new = changed(old, frac, rng)
+        cases.append((dtype, old, new, ans.encode_block(dtype, old, new)[0]))
+
+    def decode_all(order):
+        return [_outcome(cases[i][0], cases[i][3], cases[i][1]) for i in order]
+
+    want = [ans.decode_reference(dtype, data, old) for dtype, old, _, data in cases]
+    for i, (dtype, old, new, data) in enumerate(cases):
+        assert np.array_equal(want[i], new)
+    order = list(range(len(cases)))
+    for got in (decode_all(order), decode_all(order[::-1])[::-1]):
+        assert all(np.array_equal(g, w) for g, w in zip(got, want))
+    for a in ans._DSCRATCH.kept.values():
+        a.view(np.uint8)[:] = rng.integers(0, 256, a.nbytes, dtype=np.uint8)
+    assert all(np.array_equal(g, w) for g, w in zip(decode_all(order), want))
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda i: _outcome(cases[i][0], cases[i][3], cases[i][1]), order * 4))
+    assert all(np.array_equal(g, w) for g, w in zip(got, want * 4))
+
+    corrupt = []
+    for _ in range(300):
+        dtype, old, _, data = cases[rng.integers(len(cases))]
+        bad = bytearray(data)
+        for i in rng.integers(0, len(bad), rng.integers(1, 4)):
+            bad[i] ^= 1 << rng.integers(8)
+        corrupt.append((dtype, bytes(bad), old))
+    kept = [_outcome(*c) for c in corrupt]  # through this thread's (dirty) arrays
+    monkeypatch.setattr(ans._DecodeScratch, "RETAIN", 0)
+    monkeypatch.setattr(ans, "_DSCRATCH", ans._DecodeScratch())
+    passing = [_outcome(*c) for c in corrupt]  # through arrays made for each block
+    assert all((k is None and f is None) or np.array_equal(k, f) for k, f in zip(kept, passing))
+    assert not ans._DSCRATCH.kept  # none kept: every array was made for its block
+    assert sum(k is None for k in kept) > 100  # most corruptions are refused
+    assert all(np.array_equal(g, w) for g, w in zip(decode_all(order), want))
+
+
 def test_the_default_delta_codec_is_ans_where_it_applies():
     assert delta_codec("BF16", CodecConfig()) == "ans"
     assert delta_codec("U8", CodecConfig()) == "ans"

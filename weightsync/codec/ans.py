@@ -327,10 +327,10 @@ def _pass_source(K: int, G: int, name: str) -> str:
     element; at the block's end the buckets and groups must be used up exactly. Returns 0, or 1 for
     a block that does not fit its base. Indices are unsigned (numba adds no wraparound for them)."""
     r, rg = range(K), range(G)
-    L = [f"def {name}(out, src, a, e, lim, vlim, absmask, words, off, ends, dptr, dend, diffs):"]
-    L += [f"    l{t} = lim[{t}]" for t in range(K - 1)] + [f"    v{t} = vlim[{t}]" for t in range(G - 1)]
-    L += [f"    o{b} = np.uint64(off[{b}])" for b in r] + [f"    E{b} = np.uint64(ends[{b}])" for b in r]
-    L += [f"    d{g} = dptr[{g}]" for g in rg] + [f"    D{g} = dend[{g}]" for g in rg]
+    L = [f"def {name}(out, src, a, e, lims, st, absmask, words, diffs):"]
+    L += [f"    l{t} = lims[{t}]" for t in range(K - 1)] + [f"    v{t} = lims[{MAX_K + t}]" for t in range(G - 1)]
+    L += [f"    o{b} = np.uint64(st[{S_OFF + b}])" for b in r] + [f"    E{b} = np.uint64(st[{S_END + b}])" for b in r]
+    L += [f"    d{g} = st[{S_DPTR + g}]" for g in rg] + [f"    D{g} = st[{S_DEND + g}]" for g in rg]
     L += ["    n = src.size", "    whole = min(e, n - n % 64)"]
     past = " or ".join([f"o{b} > E{b}" for b in r] + [f"d{g} > D{g}" for g in rg])
     L += ["    for s in range(a, whole, CHECK):"]
@@ -350,16 +350,17 @@ def _pass_source(K: int, G: int, name: str) -> str:
     L += [f"            g{g} &= ch" for g in rg]
     L += ["            _expand_add(out, src, base, diffs, " + ", ".join(f"d{g}, g{g}" for g in rg) + ")"]
     L += [f"            d{g} += np.int64(popcount(g{g}))" for g in rg]
-    L += [f"    off[{b}] = np.int64(o{b})" for b in r] + [f"    dptr[{g}] = d{g}" for g in rg]
+    L += [f"    st[{S_OFF + b}] = np.int64(o{b})" for b in r] + [f"    st[{S_DPTR + g}] = d{g}" for g in rg]
     L += [f"    if {past}:", "        return 1"]
-    L += ["    if e > whole:", "        _tail(out, src, max(a, whole), e, lim, vlim, absmask, words, off, dptr, diffs)"]
     L += [
-        "    if e == n:",
-        "        for b in range(off.size):",
-        "            if off[b] != ends[b]:",
-        "                return 1",
+        "    if e > whole:",
+        f"        off, dptr = st[{S_OFF}:{S_OFF + K}], st[{S_DPTR}:{S_DPTR + G}]",
+        f"        lim, vlim = lims[:{MAX_K}], lims[{MAX_K}:{MAX_K + MAX_G}]",
+        "        _tail(out, src, max(a, whole), e, lim, vlim, absmask, words, off, dptr, diffs)",
     ]
-    L += ["        for g in range(dptr.size):", "            if dptr[g] != dend[g]:", "                return 1"]
+    L += ["    if e == n:"]
+    L += [f"        if st[{S_OFF + b}] != st[{S_END + b}]:\n            return 1" for b in r]
+    L += [f"        if st[{S_DPTR + g}] != st[{S_DEND + g}]:\n            return 1" for g in rg]
     L += ["    return 0"]
     return "\n".join(L) + "\n"
 
@@ -776,28 +777,45 @@ def encode_block(
 # --- decoding -------------------------------------------------------------------------------------
 
 
+# The layout of a parsed block's tables (int64): the bucket and group counts, the changes, the
+# exceptions, what the caller's arrays must hold (after a -1), then the tables at fixed places.
+H_K, H_G, H_C, H_NE, H_NEED_EXC, H_NEED_WORDS, H_NEED_DIFFS = range(7)
+H_THR = 8  # bucket thresholds (K - 1)
+H_VTHR = H_THR + MAX_K - 1  # group thresholds (G - 1)
+H_NB = H_VTHR + MAX_G - 1  # each bucket's size (K)
+H_WBASE = H_NB + MAX_K  # each bucket's first word in the bitmaps, and their end (K + 1)
+H_DSTART = H_WBASE + MAX_K + 1  # each group's first difference, and their end (G + 1)
+H_LEN = H_DSTART + MAX_G + 1
+
+# The pass's state (int64): each bucket's next bit and end in the bitmaps, each group's next and end
+# difference, at fixed places whatever the bucket and group counts.
+S_OFF, S_END, S_DPTR, S_DEND = 0, MAX_K, 2 * MAX_K, 2 * MAX_K + MAX_G
+S_LEN = 2 * MAX_K + 2 * MAX_G
+U64, I64, U8 = np.dtype(np.uint64), np.dtype(np.int64), np.dtype(np.uint8)
+
+
 @njit(nogil=True)
-def _parse(data, n, width_bits, tmpl):
-    """(status, K, split, thresholds, n_b, bitmaps, differences, each group's first difference,
-    exception positions, their old buckets); status 0 is success, else the failed check's number."""
-    z64 = np.zeros(0, np.int64)
-    zu = np.zeros(0, np.uint64)
-    zb = np.zeros(0, np.uint8)
-    zd = tmpl[:0].copy()
-    fail = (z64, z64, z64, zu, z64, zd, z64, z64, zb)
+def _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb):
+    """Parse a block of ``n`` elements into the caller's arrays: its tables into ``hdr`` (the ``H_``
+    layout), the bitmaps into ``words``, the differences into ``diffs``, the exceptions' positions
+    and old bucket and group into ``exc`` and ``exb``. Returns 0, the failed check's number, or -1
+    when one of the arrays is too small for this block: ``hdr[H_NEED_EXC]``, ``hdr[H_NEED_WORDS]``
+    and ``hdr[H_NEED_DIFFS]`` then say how large each must be (the caller grows it and parses again)."""
+    hdr[H_NEED_EXC] = hdr[H_NEED_WORDS] = hdr[H_NEED_DIFFS] = 0
     if data.size < 8:
-        return 1, 0, *fail
+        return 1
     c = np.int64(data[0]) | np.int64(data[1]) << 8 | np.int64(data[2]) << 16 | np.int64(data[3]) << 24
     K = np.int64(data[4])
     bits = np.int64(data[6])
     G = np.int64(data[7])
     if not (1 <= K <= MAX_K and 1 <= G <= MAX_G and 0 < c <= n and bits <= 8) or (bits == 0 and K + G != 2):
-        return 2, 0, *fail
+        return 2
     pos = 8
     if data.size < pos + K + G - 2:
-        return 3, 0, *fail
-    thr = np.zeros(K - 1, np.int64)
-    vthr = np.zeros(G - 1, np.int64)
+        return 3
+    hdr[H_K], hdr[H_G], hdr[H_C] = K, G, c
+    thr = hdr[H_THR : H_THR + K - 1]
+    vthr = hdr[H_VTHR : H_VTHR + G - 1]
     for t in range(K + G - 2):
         x = np.int64(data[pos + t])
         first = t == 0 or t == K - 1
@@ -806,28 +824,30 @@ def _parse(data, n, width_bits, tmpl):
         else:
             vthr[t - K + 1] = x
         if x < 1 or x >= (1 << bits) or (not first and x < data[pos + t - 1]):
-            return 4, 0, *fail
+            return 4
     pos += K + G - 2
     ne, pos = get_varint(data, pos)
     if ne < 0 or ne > c:
-        return 5, 0, *fail
-    exc = np.empty(ne, np.int64)
-    exb = np.empty(ne, np.uint8)
+        return 5
+    hdr[H_NE] = ne
+    if exc.size < ne or exb.size < ne:
+        hdr[H_NEED_EXC] = ne
+        return -1
     p = -1
     for j in range(ne):
         g, pos = get_varint(data, pos)
         if g < 0 or p + g + 1 >= n:
-            return 6, 0, *fail
+            return 6
         p += g + 1
         exc[j] = p
     if data.size < pos + ne:
-        return 6, 0, *fail
+        return 6
     for j in range(ne):
         exb[j] = data[pos + j]
         if (exb[j] >> 4) >= K or (exb[j] & 15) >= G:
-            return 6, 0, *fail
+            return 6
     pos += ne
-    nb = np.zeros(K, np.int64)
+    nb = hdr[H_NB : H_NB + K]
     cb = np.zeros(K, np.int64)
     kr = np.zeros(K, np.int64)
     inv = np.zeros(K, np.int64)
@@ -837,68 +857,73 @@ def _parse(data, n, width_bits, tmpl):
         nb[b], pos = get_varint(data, pos)
         cb[b], pos = get_varint(data, pos)
         if nb[b] < 0 or cb[b] < 0 or cb[b] > nb[b]:
-            return 7, 0, *fail
+            return 7
         tot_n += nb[b]
         if cb[b] == 0:
             continue
         if pos >= data.size:
-            return 7, 0, *fail
+            return 7
         kr[b] = data[pos] >> 1
         inv[b] = data[pos] & 1
         blen[b], pos = get_varint(data, pos + 1)
         if kr[b] > 30 or (inv[b] == 1) != (2 * cb[b] > nb[b]) or blen[b] < 0:
-            return 8, 0, *fail
+            return 8
     if tot_n != n or cb.sum() != c:
-        return 9, 0, *fail
-    mg = np.zeros(G, np.int64)
+        return 9
+    mg = np.zeros(G, np.int64)  # differences per group
     freq = np.zeros((G, NSYM), np.int64)
     elen = np.zeros(G, np.int64)
     rlen = np.zeros(G, np.int64)
     for g in range(G):
         mg[g], pos = get_varint(data, pos)
         if mg[g] < 0 or mg[g] > c or (g == G - 1 and mg.sum() != c):
-            return 10, 0, *fail
+            return 10
         if mg[g] == 0:
             continue
         if pos >= data.size:
-            return 10, 0, *fail
+            return 10
         nsym = np.int64(data[pos])
         pos += 1
         if nsym < 1 or nsym > NSYM:
-            return 10, 0, *fail
+            return 10
         s = 0
         for q in range(nsym):
             freq[g, q], pos = get_varint(data, pos)
             if freq[g, q] < 0:
-                return 10, 0, *fail
+                return 10
             s += freq[g, q]
         elen[g], pos = get_varint(data, pos)
         rlen[g], pos = get_varint(data, pos)
         if s != PROB_ONE or elen[g] < 0 or rlen[g] < 0:
-            return 10, 0, *fail
+            return 10
     if pos + blen.sum() + elen.sum() + rlen.sum() != data.size:
-        return 11, 0, *fail
+        return 11
     # each bucket's bitmap starts at a word; the pass on a wrong base can run it up to CHECK
     # elements past its end before its next check sees it: that much spare
-    wbase = np.zeros(K + 1, np.int64)
+    wbase = hdr[H_WBASE : H_WBASE + K + 1]
+    wbase[0] = 0
     spare = min(n, CHECK) + 128
     for b in range(K):
         wbase[b + 1] = wbase[b] + (nb[b] + spare + 63) // 64
-    words = np.zeros(wbase[K] + 2, np.uint64)
+    # the pass on a wrong base can run a group's differences up to CHECK past their end before its
+    # next check sees it, and its expand-loads read up to 64 more: that much spare
+    nd = c + min(n, CHECK) + 64
+    if words.size < wbase[K] + 2 or diffs.size < nd:
+        hdr[H_NEED_WORDS], hdr[H_NEED_DIFFS] = wbase[K] + 2, nd
+        return -1
+    words[: wbase[K] + 2] = 0
     for b in range(K):
         if cb[b] == 0:
             continue
         ng = nb[b] - cb[b] if inv[b] else cb[b]
         bad = rice_decode(data, pos, blen[b], ng, kr[b], nb[b], inv[b], words, wbase[b])
         if bad:
-            return bad, 0, *fail
+            return bad
         pos += blen[b]
-    # the pass on a wrong base can run a group's differences up to CHECK past their end before its
-    # next check sees it, and its expand-loads read up to 64 more: that much spare
-    diffs = np.empty(c + min(n, CHECK) + 64, tmpl.dtype)
-    dstart = np.zeros(G + 1, np.int64)
+    dstart = hdr[H_DSTART : H_DSTART + G + 1]
+    dstart[0] = 0
     zmax = (ONE << np.uint64(width_bits)) - ONE
-    values = np.zeros(NSYM, tmpl.dtype)  # symbol -> difference; the escape's 0 is filled in below
+    values = np.zeros(NSYM, diffs.dtype)  # symbol -> difference; the escape's 0 is filled in below
     for sym in range(NSYM - 1):
         z = np.uint64(sym + 1)
         values[sym] = (z >> ONE) ^ (ZERO - (z & ONE))
@@ -909,7 +934,7 @@ def _parse(data, n, width_bits, tmpl):
         esec = padded_words(data, pos, elen[g])
         pos += elen[g]
         if rans_decode(data, pos, rlen[g], freq[g], values, diffs, dstart[g], mg[g]):
-            return 13, 0, *fail
+            return 13
         pos += rlen[g]
         bp = 0
         if freq[g, NSYM - 1]:  # escapes left zero differences (no change has one): their codes, in order
@@ -917,12 +942,47 @@ def _parse(data, n, width_bits, tmpl):
                 if diffs[j] == 0:
                     v, bp = get_eg(esec, bp, 8 * elen[g])
                     if v < 0 or np.uint64(v) > zmax - np.uint64(NSYM):
-                        return 14, 0, *fail
+                        return 14
                     z = np.uint64(v) + np.uint64(NSYM)
                     diffs[j] = (z >> ONE) ^ (ZERO - (z & ONE))
         if not clean_end(esec, bp, elen[g]):
-            return 14, 0, *fail
-    return 0, K, thr, vthr, nb, words, wbase, diffs, dstart, exc, exb
+            return 14
+    return 0
+
+
+@njit(nogil=True)
+def _parse(data, n, width_bits, tmpl):
+    """(status, K, bucket thresholds, group thresholds, bucket sizes, bitmaps, each bucket's first
+    word, differences, each group's first difference, exception positions, their old bucket << 4 |
+    group), in arrays of their own; status 0 is success, else the failed check's number."""
+    hdr = np.zeros(H_LEN, np.int64)
+    words = np.zeros(0, np.uint64)
+    diffs = tmpl[:0].copy()
+    exc = np.zeros(0, np.int64)
+    exb = np.zeros(0, np.uint8)
+    status = _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb)
+    while status == -1:  # sized from the tables, parsed again
+        words = np.empty(max(words.size, hdr[H_NEED_WORDS]), np.uint64)
+        diffs = np.empty(max(diffs.size, hdr[H_NEED_DIFFS]), tmpl.dtype)
+        exc = np.empty(max(exc.size, hdr[H_NEED_EXC]), np.int64)
+        exb = np.empty(exc.size, np.uint8)
+        status = _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb)
+    K, G, ne = hdr[H_K], hdr[H_G], hdr[H_NE]
+    if status:
+        K = G = ne = 1
+    return (
+        status,
+        K,
+        hdr[H_THR : H_THR + K - 1].copy(),
+        hdr[H_VTHR : H_VTHR + G - 1].copy(),
+        hdr[H_NB : H_NB + K].copy(),
+        words,
+        hdr[H_WBASE : H_WBASE + K + 1].copy(),
+        diffs,
+        hdr[H_DSTART : H_DSTART + G + 1].copy(),
+        exc[:ne] if status == 0 else exc[:0],
+        exb[:ne] if status == 0 else exb[:0],
+    )
 
 
 def _exponent_field(dtype: str, block: memoryview, what: str) -> tuple[int, int]:
@@ -936,12 +996,60 @@ def _exponent_field(dtype: str, block: memoryview, what: str) -> tuple[int, int]
 
 
 @njit(nogil=True)
-def _pass_state(thr, vthr, shift, nb, wbase, dstart, tmpl):
-    """The pass's limits and state from a parsed block: bucket and group limits (:func:`_limits`),
-    each bucket's first bit and end in the bitmaps, each group's first and end difference."""
-    lim, vlim = _limits(thr, vthr, shift, tmpl)
-    off = wbase[:-1] * 64
-    return lim, vlim, off, off + nb, dstart[:-1].copy(), dstart[1:]
+def _pass_state(thr, vthr, shift, nb, wbase, dstart, lims, st):
+    """The pass's limits and state from a parsed block's tables, into the caller's arrays: ``lims``
+    (the elements' dtype), the bucket limits then the group limits from ``MAX_K`` on
+    (:func:`_limits`); ``st`` (the ``S_`` layout), each bucket's next bit and end in the bitmaps,
+    each group's next difference and end."""
+    lim, vlim = _limits(thr, vthr, shift, lims)
+    lims[:MAX_K] = lim
+    lims[MAX_K : MAX_K + MAX_G] = vlim
+    K, G = nb.size, dstart.size - 1
+    for b in range(K):
+        st[S_OFF + b] = wbase[b] * 64
+        st[S_END + b] = wbase[b] * 64 + nb[b]
+    for g in range(G):
+        st[S_DPTR + g] = dstart[g]
+        st[S_DEND + g] = dstart[g + 1]
+
+
+@njit(nogil=True)
+def _prepare(data, n, width_bits, shift, hdr, words, diffs, exc, exb, lims, st):
+    """Parse a block into the caller's arrays (:func:`_parse_into`) and set up its pass
+    (:func:`_pass_state`), in one call: (status, K, G)."""
+    status = _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb)
+    K, G = hdr[H_K], hdr[H_G]
+    if status == 0:
+        thr, vthr = hdr[H_THR : H_THR + K - 1], hdr[H_VTHR : H_VTHR + G - 1]
+        nb, wbase, dstart = hdr[H_NB : H_NB + K], hdr[H_WBASE : H_WBASE + K + 1], hdr[H_DSTART : H_DSTART + G + 1]
+        _pass_state(thr, vthr, shift, nb, wbase, dstart, lims, st)
+    return status, K, G
+
+
+class _DecodeScratch(threading.local):
+    """Each thread's arrays for parsing a block (:func:`_prepare`), kept from block to block: a
+    parse into fresh arrays, returned to Python one by one, cost about 20 us a block, most of a
+    small block's decode. Arrays larger than ``RETAIN`` bytes are made for the block and let go."""
+
+    RETAIN = 4 << 20
+
+    def __init__(self) -> None:
+        self.hdr = np.zeros(H_LEN, np.int64)
+        self.st = np.zeros(S_LEN, np.int64)
+        self.kept: dict[tuple[str, np.dtype], np.ndarray] = {}
+
+    def array(self, name: str, dtype: np.dtype, need: int) -> np.ndarray:
+        """An array of at least ``need`` elements: this thread's, grown if it must be."""
+        a = self.kept.get((name, dtype))
+        if a is not None and a.size >= need:
+            return a
+        a = np.empty(max(need, 2 * (0 if a is None else a.size), 64), dtype)
+        if a.nbytes <= self.RETAIN:
+            self.kept[(name, dtype)] = a
+        return a
+
+
+_DSCRATCH = _DecodeScratch()
 
 
 class Parsed:
@@ -1006,8 +1114,24 @@ def decode_block(
     if len(block) == 0:
         copy(old, out, hasher)
         return
-    p = Parsed(dtype, block, old.size, old.dtype, what)
-    _run_pass(p, old, out, p.diffs, hasher, bmi2)
+    shift, _ = _exponent_field(dtype, block, what)
+    sc, dt, n = _DSCRATCH, old.dtype, old.size
+    data, hdr, st = np.frombuffer(block, np.uint8), sc.hdr, sc.st
+    lims, words, diffs = sc.array("lims", dt, MAX_K + MAX_G), sc.array("words", U64, 0), sc.array("diffs", dt, 0)
+    exc, exb = sc.array("exc", I64, 0), sc.array("exb", U8, 0)
+    while True:  # this thread's arrays; one too small is grown to what the block's tables say
+        status, K, G = _prepare(data, n, 8 * dt.itemsize, shift, hdr, words, diffs, exc, exb, lims, st)
+        if status != -1:
+            break
+        if exc.size < hdr[H_NEED_EXC]:
+            exc, exb = sc.array("exc", I64, hdr[H_NEED_EXC]), sc.array("exb", U8, hdr[H_NEED_EXC])
+        if words.size < hdr[H_NEED_WORDS]:
+            words = sc.array("words", U64, hdr[H_NEED_WORDS])
+        if diffs.size < hdr[H_NEED_DIFFS]:
+            diffs = sc.array("diffs", dt, hdr[H_NEED_DIFFS])
+    if status:
+        raise FormatError(f"{what}: bad ans block (check {status} failed)")
+    _pass_over(_kernel("pass", K, G, bmi2), old, out, lims, st, words, diffs, hasher, what)
 
 
 def _through_contiguous(
@@ -1024,15 +1148,21 @@ def _through_contiguous(
 
 def _run_pass(p: Parsed, src: np.ndarray, out: np.ndarray, diffs: np.ndarray, hasher, bmi2: bool) -> None:
     """``out`` = ``src`` plus ``diffs`` at the changes the block's bitmaps place by ``src``'s contexts."""
-    lim, vlim, off, ends, dptr, dend = _pass_state(p.thr, p.vthr, p.shift, p.nb, p.wbase, p.dstart, src[:0])
-    run = _kernel("pass", p.K, p.G, bmi2)
+    lims, st = np.empty(MAX_K + MAX_G, src.dtype), np.empty(S_LEN, np.int64)
+    _pass_state(p.thr, p.vthr, p.shift, p.nb, p.wbase, p.dstart, lims, st)
+    _pass_over(_kernel("pass", p.K, p.G, bmi2), src, out, lims, st, p.words, diffs, hasher, p.what)
+
+
+def _pass_over(run, src, out, lims, st, words, diffs, hasher, what: str) -> None:
+    """Run the pass ``run`` over every element: in one call, then hash the result (from cache), or
+    slice by slice, each hashed while it is in cache, for a block larger than ``HASH_WHOLE``."""
     absmask = src.dtype.type((1 << (8 * src.dtype.itemsize - 1)) - 1)
     n = src.size
     chunk = n if hasher is None or n <= HASH_WHOLE else SLICE
     for a in range(0, n, chunk):
         e = min(a + chunk, n)
-        if run(out, src, a, e, lim, vlim, absmask, p.words, off, ends, dptr, dend, diffs):
-            raise FormatError(f"{p.what}: ans block's bucket sizes do not match its base")
+        if run(out, src, a, e, lims, st, absmask, words, diffs):
+            raise FormatError(f"{what}: ans block's bucket sizes do not match its base")
         if hasher is not None:
             hasher.update(out[a:e])
 
