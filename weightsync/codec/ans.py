@@ -777,9 +777,9 @@ def encode_block(
 # --- decoding -------------------------------------------------------------------------------------
 
 
-# The layout of a parsed block's tables (int64): the bucket and group counts, the changes, the
-# exceptions, what the caller's arrays must hold (after a -1), then the tables at fixed places.
-H_K, H_G, H_C, H_NE, H_NEED_EXC, H_NEED_WORDS, H_NEED_DIFFS = range(7)
+# The layout of a parsed block's tables (int64): the bucket and group counts, the exceptions, what
+# the caller's arrays must hold (after a -1), then the tables at fixed places.
+H_K, H_G, H_NE, H_NEED_EXC, H_NEED_WORDS, H_NEED_DIFFS = range(6)
 H_THR = 8  # bucket thresholds (K - 1)
 H_VTHR = H_THR + MAX_K - 1  # group thresholds (G - 1)
 H_NB = H_VTHR + MAX_G - 1  # each bucket's size (K)
@@ -813,7 +813,7 @@ def _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb):
     pos = 8
     if data.size < pos + K + G - 2:
         return 3
-    hdr[H_K], hdr[H_G], hdr[H_C] = K, G, c
+    hdr[H_K], hdr[H_G] = K, G
     thr = hdr[H_THR : H_THR + K - 1]
     vthr = hdr[H_VTHR : H_VTHR + G - 1]
     for t in range(K + G - 2):

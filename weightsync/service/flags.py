@@ -276,8 +276,8 @@ def add_encoding_args(p: argparse.ArgumentParser, environ: Mapping[str, str] | N
         "--entropy-coder",
         choices=CODERS,
         default=CodecConfig.coder,
-        help="the entropy coder of deltas: 'ans' (default; decodes at 0.83-0.94x the speed of 'sparse') or 'ac' "
-        "(payloads ~0.93x the size, 5.5-8x slower to decode, about 4x slower to encode; docs/DESIGN.md)",
+        help="the entropy coder of deltas: 'ans' (default; decodes at 0.89-0.95x the speed of 'sparse') or 'ac' "
+        "(payloads ~0.93x the size, 6-7.4x slower to decode, 4-5x slower to encode; docs/DESIGN.md)",
     )
     add(
         "--fast-codec",
