@@ -121,6 +121,7 @@ def test_a_call_after_one_that_failed_stays_degraded_until_it_succeeds(engine):
 
     assert asyncio.run(main()).ok
     assert [(r.state, r.degraded) for r in records] == [("retrying", True), ("ok", False)], records
+    assert records[0].error == "RuntimeError: HTTP 503" and records[0].attempts == 0 and records[-1].error is None
 
 
 def test_a_hung_reload_is_abandoned_after_attempts_periods_without_a_second_call(engine):
@@ -246,6 +247,7 @@ def test_the_daemon_stays_degraded_across_a_restart_and_the_api_waits_for_the_ho
     wait_for(lambda: len(e.calls) == 4, 20, f"the hook to be called after the restart\n{sub.log()}")
     doc = sub.status()
     assert doc["state"] == "degraded" and doc["hook"]["state"] == "retrying", doc
+    assert "swap hook of version 1 is being retried: RuntimeError: HTTP 503" in doc["reason"], doc
     wait_for(lambda: sub.status()["state"] == "serving", 20, f"the hook to succeed after the restart\n{sub.log()}")
     e.delay = 0.0
     assert len(e.calls) == 4 and e.calls[-1]["version"] == 1 and "calling the swap hook again" in sub.log()

@@ -218,6 +218,20 @@ def test_blocks_decoded_through_kept_dirty_or_passing_arrays_and_in_threads_give
     assert all(np.array_equal(g, w) for g, w in zip(decode_all(order), want))
 
 
+def test_an_output_of_another_size_or_dtype_is_refused_before_anything_is_written():
+    rng = np.random.default_rng(6)
+    old = base_of("BF16", 100_000, rng)
+    new = changed(old, 0.03, rng)
+    data = memoryview(ans.encode_block("BF16", old, new)[0])
+    buf = np.zeros(old.size, old.dtype)
+    for out in (buf[: old.size // 2], np.zeros(old.size + 1, old.dtype), np.zeros(old.size, np.int16)):
+        with pytest.raises(ValueError, match="not uint16"):
+            ans.decode_block("BF16", data, old, out, "test")
+        with pytest.raises(ValueError, match="not uint16"):
+            ans.decode_block_backward("BF16", data, new, out, "test")
+    assert not buf.any()
+
+
 def test_the_default_delta_codec_is_ans_where_it_applies():
     assert delta_codec("BF16", CodecConfig()) == "ans"
     assert delta_codec("U8", CodecConfig()) == "ans"

@@ -1108,6 +1108,8 @@ def decode_block(
     """Decode ``block`` against ``old`` into ``out`` (may be ``old``), feeding ``hasher`` the result:
     a block of up to :data:`HASH_WHOLE` elements in one pass then hashed, a larger one slice by slice
     while each is in cache."""
+    if out.shape != old.shape or out.dtype != old.dtype:
+        raise ValueError(f"{what}: out is {out.dtype}{out.shape}, not {old.dtype}{old.shape} like the base")
     if not (old.flags.c_contiguous and out.flags.c_contiguous):
         _through_contiguous(decode_block, dtype, block, old, out, what, hasher, bmi2)
         return
@@ -1175,6 +1177,8 @@ def decode_block_backward(
     exponent field is set to one in their old bucket and group; the differences are negated; the
     exceptions, whose values the pass took from that modified copy, are corrected after. Refuses a
     ``new`` whose rebuilt base would not have the contexts the pass used."""
+    if out.shape != new.shape or out.dtype != new.dtype:
+        raise ValueError(f"{what}: out is {out.dtype}{out.shape}, not {new.dtype}{new.shape} like the result")
     if not (new.flags.c_contiguous and out.flags.c_contiguous):
         _through_contiguous(decode_block_backward, dtype, block, new, out, what, hasher, bmi2)
         return

@@ -70,7 +70,8 @@ class HookRecord:
 
     @property
     def ok(self) -> bool | None:
-        """True once it succeeded, False once a try failed, None while the first try runs."""
+        """True once it succeeded, False once a try failed (this call's, or the last call's for a call
+        made while degraded), None while the first try runs."""
         return True if self.state == "ok" else None if self.state == "running" else False
 
     @property
@@ -155,9 +156,13 @@ class HookRunner:
         async def record(state: str) -> None:
             await self._set(HookRecord(version, state, attempt, error, round(time.monotonic() - t0, 3), self.clock()))
 
-        # A call after one that did not succeed starts degraded: the engine is known to be behind until
-        # this call succeeds (the state never flips to serving and back while it runs).
-        await record("retrying" if self.record is not None and self.record.degraded else "running")
+        # A call after one that did not succeed starts degraded, with that call's error: the engine is
+        # known to be behind until this call succeeds (the state never flips to serving and back).
+        if self.record is not None and self.record.degraded:
+            error = self.record.error or f"the call for version {self.record.version} was {self.record.state}"
+            await record("retrying")
+        else:
+            await record("running")
         try:
             while attempt < self.cfg.attempts:
                 attempt += 1
