@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from test_ans import base_of, changed
 
-from weightsync.codec import CodecConfig, ans, decode_tensor, encode_tensor
+from weightsync.codec import CodecConfig, ans, decode_tensor, encode_tensor, simd
 from weightsync.codec.payload import decode_tensor_backward
 
 
@@ -32,21 +32,21 @@ def test_strided_blocks_code_and_decode_as_their_contiguous_copies(dtype, how):
     data, k = ans.encode_block(dtype, old, new)
     assert k > 0
     assert ans.encode_block(dtype, strided(old, how), strided(new, how)) == (data, k)
-    for bmi2 in {ans.HAS_BMI2, False}:
+    for native in simd.KINDS:
         out = np.empty_like(old)
-        ans.decode_block(dtype, memoryview(data), strided(old, how), out, "test", bmi2=bmi2)
+        ans.decode_block(dtype, memoryview(data), strided(old, how), out, "test", native=native)
         assert np.array_equal(out, new)
         out = strided(np.zeros_like(old), how)
-        ans.decode_block(dtype, memoryview(data), old, out, "test", bmi2=bmi2)
+        ans.decode_block(dtype, memoryview(data), old, out, "test", native=native)
         assert np.array_equal(out, new)
         inplace = strided(old, how)
-        ans.decode_block(dtype, memoryview(data), inplace, inplace, "test", bmi2=bmi2)
+        ans.decode_block(dtype, memoryview(data), inplace, inplace, "test", native=native)
         assert np.array_equal(inplace, new)
         back = np.empty_like(new)
-        ans.decode_block_backward(dtype, memoryview(data), strided(new, how), back, "test", bmi2=bmi2)
+        ans.decode_block_backward(dtype, memoryview(data), strided(new, how), back, "test", native=native)
         assert np.array_equal(back, old)
         back = strided(np.zeros_like(new), how)
-        ans.decode_block_backward(dtype, memoryview(data), new, back, "test", bmi2=bmi2)
+        ans.decode_block_backward(dtype, memoryview(data), new, back, "test", native=native)
         assert np.array_equal(back, old)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from weightsync.codec import ans
+from weightsync.codec import ans, simd
 from weightsync.errors import FormatError
 
 
@@ -21,11 +21,11 @@ def test_a_base_that_puts_every_change_in_a_small_group_is_refused_without_readi
     block, c = ans.encode_block("BF16", old, new, split=([], [100]))
     assert c == n
     base = np.full(n, 120 << 7, np.uint16)
-    for bmi2 in {ans.HAS_BMI2, False}:
+    for native in simd.KINDS:
         with pytest.raises(FormatError):
-            ans.decode_block("BF16", memoryview(block), base, np.empty_like(base), "hostile", bmi2=bmi2)
+            ans.decode_block("BF16", memoryview(block), base, np.empty_like(base), "hostile", native=native)
         with pytest.raises(FormatError):
-            ans.decode_block_backward("BF16", memoryview(block), base, np.empty_like(base), "hostile", bmi2=bmi2)
+            ans.decode_block_backward("BF16", memoryview(block), base, np.empty_like(base), "hostile", native=native)
 
 
 def _varint(v: int) -> bytes:

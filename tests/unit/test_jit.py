@@ -6,7 +6,9 @@ Read-only installs and a cache filled ahead of time are tested with real process
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
 import subprocess
 import sys
 
@@ -79,3 +81,26 @@ def test_jit_main_reports_and_checks_the_cache(tmp_path):
 def test_njit_refuses_a_cache_option(option):
     with pytest.raises(TypeError):
         jit.njit(**{option: True})
+
+
+def test_a_kernels_cache_stamp_covers_every_module_of_the_package(tmp_path, monkeypatch):
+    """A kernel inlines helpers from its sibling modules (``simd``'s ``pdep``): a cached kernel must
+    not be loaded once one of them changed. numba's own stamp covers the kernel's file only."""
+    for name, text in (("a.py", "x = 1\n"), ("b.py", "y = 2\n"), ("notes.txt", "n\n")):
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr(jit, "_PACKAGE", str(tmp_path))
+    first = jit._package_stamp()
+    (tmp_path / "notes.txt").write_text("other\n")
+    assert jit._package_stamp() == first  # not a module
+    (tmp_path / "b.py").write_text("y = 3\n")  # same size: the content decides
+    st = (tmp_path / "b.py").stat()
+    os.utime(tmp_path / "b.py", ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    second = jit._package_stamp()
+    assert second != first
+    (tmp_path / "c.py").write_text("")
+    assert jit._package_stamp() not in (first, second)
+    monkeypatch.undo()
+    importlib.import_module("weightsync.codec.ans")  # its kernels, with their caches
+    cache = next(d._cache for d in jit._DISPATCHERS if isinstance(d._cache, jit.LayeredCache) and d._cache._layers)
+    own, package = cache._layers[0]._impl.locator.get_source_stamp()
+    assert package == jit._package_stamp() and own

@@ -18,7 +18,8 @@ compares and the copy. The pass is generated per bucket and group count, with it
 registers. A GPU does the same with prefix sums (ranks, indices of differences) and gathers:
 :func:`decode_reference` is that, in numpy. Encoding mirrors it: per 64 elements a vector compare
 of old and new, ``pext`` of each bucket's changed flags into its bitmap, a compress-store of each
-group's zigzag codes.
+group's zigzag codes. Both passes come in a native kind and a portable one, which takes one step per
+set bit of the changes' masks where ``pdep`` or the vector expand is slow (:mod:`weightsync.codec.simd`).
 
 Deltas run backward too (:func:`decode_backward`): a change that moves its element to another
 bucket or group is listed with its old bucket and group, so the old block can be rebuilt from the
@@ -55,11 +56,13 @@ from weightsync.codec.registry import register
 from weightsync.codec.simd import (
     ALL,
     EXPAND_ADD,
-    HAS_BMI2,
+    EXPAND_ADD_SOFT,
+    NATIVE,
     ONE,
     ZERO,
     below_mask64,
     compress_zigzag,
+    compress_zigzag_soft,
     field_ne_mask64,
     ne_mask64,
     pdep_bmi2,
@@ -414,7 +417,7 @@ def _scan_source(K: int, G: int, name: str) -> str:
     L += [f"            g_m{t} = below_mask64(old, base, absmask, u{t})" for t in range(G - 1)]
     L += _regions("g", G, "            ")
     for g in rg:
-        L += [f"            g{g} &= c", f"            compress_zigzag(old, new, base, v{g}, k{g}, g{g})"]
+        L += [f"            g{g} &= c", f"            _compress(old, new, base, v{g}, k{g}, g{g})"]
         L += [f"            k{g} += np.int64(popcount(g{g}))"]
     # a change can move its element to another bucket or group only if its exponent changed (rare)
     L += ["            x = field_ne_mask64(old, new, base, field)", "            while x != ZERO:"]
@@ -445,13 +448,15 @@ _KERNELS: dict[tuple[str, int, int, bool], object] = {}
 _KERNELS_LOCK = threading.Lock()
 
 
-def _kernel(kind: str, K: int, G: int, bmi2: bool = HAS_BMI2):
-    """The pass ``kind`` (``"pass"``: decoding, ``"scan"``: encoding) for K buckets and G value groups, with
-    BMI2's ``pdep``/``pext`` or the portable ones. Generated and compiled on first use, then kept.
+def _kernel(kind: str, K: int, G: int, native: bool = NATIVE):
+    """The pass ``kind`` (``"pass"``: decoding, ``"scan"``: encoding) for K buckets and G value groups,
+    of the native kind (BMI2's ``pdep``/``pext``, vector expand-loads and compress-stores) or the
+    portable one (one step per set bit: :data:`weightsync.codec.simd.NATIVE`). Generated and
+    compiled on first use, then kept.
     The source is compiled as if it were in this file, under a name of its own: numba's cache
     (:mod:`weightsync.codec.jit`) then keys it by its bytecode and this file's stamp like any
     kernel here, and a warm cache loads it instead of compiling (about 1 s each)."""
-    key = (kind, K, G, bmi2)
+    key = (kind, K, G, native)
     fn = _KERNELS.get(key)
     if fn is None:
         if not (1 <= K <= MAX_K and 1 <= G <= MAX_G):
@@ -459,10 +464,14 @@ def _kernel(kind: str, K: int, G: int, bmi2: bool = HAS_BMI2):
         with _KERNELS_LOCK:
             fn = _KERNELS.get(key)
             if fn is None:
-                name = f"_{kind}_k{K}_g{G}_{'bmi2' if bmi2 else 'soft'}"
+                name = f"_{kind}_k{K}_g{G}_{'native' if native else 'portable'}"
                 source = (_pass_source if kind == "pass" else _scan_source)(K, G, name)
-                ns = dict(_GENERATED_GLOBALS, __name__=__name__, _expand_add=EXPAND_ADD[G])
-                ns.update(_pdep=pdep_bmi2 if bmi2 else pdep_soft, _pext=pext_bmi2 if bmi2 else pext_soft)
+                ns = dict(_GENERATED_GLOBALS, __name__=__name__)
+                if native:
+                    ns.update(_pdep=pdep_bmi2, _pext=pext_bmi2, _expand_add=EXPAND_ADD[G], _compress=compress_zigzag)
+                else:
+                    ns.update(_pdep=pdep_soft, _pext=pext_soft, _expand_add=EXPAND_ADD_SOFT[G])
+                    ns.update(_compress=compress_zigzag_soft)
                 exec(compile(source, __file__, "exec"), ns)  # noqa: S102 - our own generated source
                 _KERNELS[key] = njit(nogil=True)(ns[name])
                 fn = _KERNELS[key]
@@ -481,7 +490,6 @@ _GENERATED_GLOBALS = dict(
     below_mask64=below_mask64,
     ne_mask64=ne_mask64,
     field_ne_mask64=field_ne_mask64,
-    compress_zigzag=compress_zigzag,
     popcount=popcount,
     trailing_zeros=trailing_zeros,
     _tail=_tail,
@@ -567,7 +575,7 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, bmap, stride, acc, nac
         for b in range(K):  # append the bucket's flags (one per member, in order) to its bitmap
             m = bm[b]
             p = np.int64(popcount(m))
-            flags = pext_soft(c, m)  # once per block: no BMI2 needed
+            flags = pext_soft(c, m)  # once per block: the portable one
             na = nacc[b]
             word = acc[b] | (flags << np.uint64(na))
             if na + p >= 64:
@@ -749,7 +757,7 @@ _SCRATCH = _Scratch()
 
 
 def encode_block(
-    dtype: str, old: np.ndarray, new: np.ndarray, k: int = BUCKETS, bmi2: bool = HAS_BMI2, split=None
+    dtype: str, old: np.ndarray, new: np.ndarray, k: int = BUCKETS, native: bool = NATIVE, split=None
 ) -> tuple[bytes, int]:
     """The block coding ``new`` against ``old`` (unsigned views of ``dtype``'s width), and how many
     elements changed; at most ``k`` buckets. ``split``: (bucket thresholds, group thresholds) to use
@@ -766,7 +774,7 @@ def encode_block(
     # the changes that move their element to another bucket or group
     bmap, vals, exc = _SCRATCH.take(K * stride, n + 64, old.dtype, n + 1)
     lim, vlim, blut, glut, acc, nacc, wpos, nv, nes = _state(thr, vthr, shift, fmask, old[:0])
-    scan = _kernel("scan", K, G, bmi2)
+    scan = _kernel("scan", K, G, native)
     absmask, field = old.dtype.type(top - 1), old.dtype.type(fmask << shift)
     args = (lim, vlim, absmask, field, shift, fmask, blut, glut, bmap, stride, acc, nacc, wpos)
     scan(old, new, n // 64, *args, vals[0], vals[1], vals[2], vals[3], nv, exc, nes)
@@ -1103,7 +1111,7 @@ class Parsed:
 
 
 def decode_block(
-    dtype: str, block: memoryview, old: np.ndarray, out: np.ndarray, what: str, hasher=None, bmi2: bool = HAS_BMI2
+    dtype: str, block: memoryview, old: np.ndarray, out: np.ndarray, what: str, hasher=None, native: bool = NATIVE
 ) -> None:
     """Decode ``block`` against ``old`` into ``out`` (may be ``old``), feeding ``hasher`` the result:
     a block of up to :data:`HASH_WHOLE` elements in one pass then hashed, a larger one slice by slice
@@ -1111,7 +1119,7 @@ def decode_block(
     if out.shape != old.shape or out.dtype != old.dtype:
         raise ValueError(f"{what}: out is {out.dtype}{out.shape}, not {old.dtype}{old.shape} like the base")
     if not (old.flags.c_contiguous and out.flags.c_contiguous):
-        _through_contiguous(decode_block, dtype, block, old, out, what, hasher, bmi2)
+        _through_contiguous(decode_block, dtype, block, old, out, what, hasher, native)
         return
     if len(block) == 0:
         copy(old, out, hasher)
@@ -1133,26 +1141,26 @@ def decode_block(
             diffs = sc.array("diffs", dt, hdr[H_NEED_DIFFS])
     if status:
         raise FormatError(f"{what}: bad ans block (check {status} failed)")
-    _pass_over(_kernel("pass", K, G, bmi2), old, out, lims, st, words, diffs, hasher, what)
+    _pass_over(_kernel("pass", K, G, native), old, out, lims, st, words, diffs, hasher, what)
 
 
 def _through_contiguous(
-    decode, dtype: str, block: memoryview, src: np.ndarray, out: np.ndarray, what: str, hasher, bmi2
+    decode, dtype: str, block: memoryview, src: np.ndarray, out: np.ndarray, what: str, hasher, native
 ):
     """``decode`` of strided ``src`` or ``out`` (a view with a step) through contiguous arrays: the
     kernels load and store 64 elements at a time from an array's first element on, which for a
     strided view are other elements (or, reversed, memory past its buffer). ``out`` may be ``src``;
     it is written only once the block has decoded."""
     tmp = np.empty(src.shape, src.dtype)
-    decode(dtype, block, np.ascontiguousarray(src), tmp, what, hasher, bmi2)
+    decode(dtype, block, np.ascontiguousarray(src), tmp, what, hasher, native)
     out[...] = tmp
 
 
-def _run_pass(p: Parsed, src: np.ndarray, out: np.ndarray, diffs: np.ndarray, hasher, bmi2: bool) -> None:
+def _run_pass(p: Parsed, src: np.ndarray, out: np.ndarray, diffs: np.ndarray, hasher, native: bool) -> None:
     """``out`` = ``src`` plus ``diffs`` at the changes the block's bitmaps place by ``src``'s contexts."""
     lims, st = np.empty(MAX_K + MAX_G, src.dtype), np.empty(S_LEN, np.int64)
     _pass_state(p.thr, p.vthr, p.shift, p.nb, p.wbase, p.dstart, lims, st)
-    _pass_over(_kernel("pass", p.K, p.G, bmi2), src, out, lims, st, p.words, diffs, hasher, p.what)
+    _pass_over(_kernel("pass", p.K, p.G, native), src, out, lims, st, p.words, diffs, hasher, p.what)
 
 
 def _pass_over(run, src, out, lims, st, words, diffs, hasher, what: str) -> None:
@@ -1170,7 +1178,7 @@ def _pass_over(run, src, out, lims, st, words, diffs, hasher, what: str) -> None
 
 
 def decode_block_backward(
-    dtype: str, block: memoryview, new: np.ndarray, out: np.ndarray, what: str, hasher=None, bmi2: bool = HAS_BMI2
+    dtype: str, block: memoryview, new: np.ndarray, out: np.ndarray, what: str, hasher=None, native: bool = NATIVE
 ) -> None:
     """Write into ``out`` (may be ``new``) the base ``block`` was coded against, from its result
     ``new``, by the forward pass: its contexts are ``new``'s but at the listed exceptions, whose
@@ -1180,7 +1188,7 @@ def decode_block_backward(
     if out.shape != new.shape or out.dtype != new.dtype:
         raise ValueError(f"{what}: out is {out.dtype}{out.shape}, not {new.dtype}{new.shape} like the result")
     if not (new.flags.c_contiguous and out.flags.c_contiguous):
-        _through_contiguous(decode_block_backward, dtype, block, new, out, what, hasher, bmi2)
+        _through_contiguous(decode_block_backward, dtype, block, new, out, what, hasher, native)
         return
     if len(block) == 0:
         copy(new, out, hasher)
@@ -1201,7 +1209,7 @@ def decode_block_backward(
     new_exc = new[exc]  # a copy (fancy indexing): ``out`` may be ``new``
     diffs = np.zeros_like(p.diffs)
     np.subtract(diffs, p.diffs, out=diffs)  # negated, wrapping
-    _run_pass(p, ctx, out, diffs, None, bmi2)
+    _run_pass(p, ctx, out, diffs, None, native)
     if exc.size:  # the pass wrote ctx - d there
         out[exc] = new_exc - ctx[exc] + out[exc]
     moved = np.flatnonzero((out ^ ctx) & field)  # each must keep the context the pass used

@@ -5,6 +5,8 @@ every kernel; ``--require-cached`` exits 1 if anything had to be compiled."""
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import os
 import threading
@@ -33,6 +35,41 @@ def _log_once(key: str, level: int, msg: str, *args) -> None:
     log.log(level, msg, *args)
 
 
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+@functools.cache
+def _package_digest(stamps: tuple) -> bytes:
+    """SHA-256 of the sources of this package's modules (``stamps``: their names, times and sizes)."""
+    h = hashlib.sha256()
+    for name, _, _ in stamps:
+        with open(os.path.join(_PACKAGE, name), "rb") as f:
+            h.update(name.encode() + b"\0" + f.read())
+    return h.digest()
+
+
+def _package_stamp() -> tuple:
+    """What a kernel's compiled code depends on beside its own file: the sources of every module of
+    this package (a kernel inlines its siblings' helpers: ``simd``'s ``pdep``, ``entropy``'s
+    varints) and numba's bounds checking."""
+    stamps = []
+    for entry in sorted(os.scandir(_PACKAGE), key=lambda e: e.name):
+        if entry.name.endswith(".py") and entry.is_file():
+            st = entry.stat()
+            stamps.append((entry.name, st.st_mtime_ns, st.st_size))
+    return _package_digest(tuple(stamps)), bool(config.BOUNDSCHECK)
+
+
+def _stamped(locator_class: type) -> type:
+    """``locator_class`` whose stamp, which numba compares before loading a cached kernel, also covers
+    :func:`_package_stamp` (numba's covers the kernel's own file only)."""
+
+    def get_source_stamp(self):
+        return locator_class.get_source_stamp(self), _package_stamp()
+
+    return type(f"Stamped{locator_class.__name__}", (locator_class,), {"get_source_stamp": get_source_stamp})
+
+
 def _read_only(locator_class: type) -> type:
     """``locator_class`` accepting an existing, readable directory that it cannot write."""
 
@@ -53,6 +90,8 @@ def _numba_classes(*names: str) -> tuple[type, ...] | None:
 
 # numba's own order; the IPython and zip locators do not apply to an installed package.
 _LOCATORS = _numba_classes("UserProvidedCacheLocator", "InTreeCacheLocator", "UserWideCacheLocator")
+if _LOCATORS is not None:
+    _LOCATORS = tuple(_stamped(c) for c in _LOCATORS)
 
 
 _READ_ONLY_LOCATORS = tuple(_read_only(c) for c in _LOCATORS) if _LOCATORS else None

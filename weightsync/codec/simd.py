@@ -2,8 +2,11 @@
 
 Each works on 64 elements or a 64-bit mask at a time: LLVM lowers the vector ones to SSE/AVX
 compares and, with AVX-512 VBMI2, to ``vpexpand``/``vpcompress``; elsewhere to scalar code that is
-still correct. ``pdep``/``pext`` are BMI2 instructions: :data:`HAS_BMI2` says whether this CPU has
-them, and the portable versions (one step per set bit) produce the same bits.
+still correct but tests each of the 64 lanes. ``pdep``/``pext`` are BMI2 instructions, microcoded on
+AMD CPUs before Zen 3. So the kernels come in two kinds that produce the same bits: the native one
+(the instructions and intrinsics) where both are fast (:data:`NATIVE`), and the portable one, whose
+``pdep``, ``pext``, expand-add and compress-store take one step per set bit of a delta's sparse
+masks.
 """
 
 from __future__ import annotations
@@ -65,40 +68,73 @@ def pext_bmi2(typingctx, x, m):
     return types.uint64(types.uint64, types.uint64), _int_intrinsic("llvm.x86.bmi.pext.64", 2)
 
 
+# the position of each byte value's r-th set bit (255 past its last), for pdep_soft's select
+_SELECT8 = np.full(256 * 8, 255, np.uint8)
+for _byte in range(256):
+    _bits = [b for b in range(8) if _byte >> b & 1]
+    _SELECT8[_byte * 8 : _byte * 8 + len(_bits)] = _bits
+L8 = np.uint64(0x0101010101010101)
+H8 = np.uint64(0x8080808080808080)
+
+
 @njit(nogil=True, inline="always")
 def pdep_soft(x, m):
-    """``pdep`` without BMI2: one step per set bit of ``m``."""
+    """``pdep`` without BMI2: one step per set bit of ``x`` that lands in ``m`` (a select among
+    ``m``'s set bits by byte counts), so a sparse ``x`` costs little whatever ``m`` holds."""
+    pc = popcount(m)
+    x &= (ALL >> ((np.uint64(64) - pc) & np.uint64(63))) & (ZERO - np.uint64(pc != ZERO))
+    if x == ZERO:
+        return ZERO
+    s = m - ((m >> ONE) & np.uint64(0x5555555555555555))  # bits per byte, then per byte and below
+    s = (s & np.uint64(0x3333333333333333)) + ((s >> np.uint64(2)) & np.uint64(0x3333333333333333))
+    s = (s + (s >> np.uint64(4))) & np.uint64(0x0F0F0F0F0F0F0F0F)
+    pre = s * L8
     out = ZERO
-    while m != ZERO:
-        low = m & (ZERO - m)
-        out |= low & (ZERO - (x & ONE))
-        x >>= ONE
-        m &= m - ONE
+    while x != ZERO:
+        i = trailing_zeros(x)  # the i-th set bit of m is in the byte where the counts pass i
+        x &= x - ONE
+        k = popcount((((i * L8) | H8) - pre) & H8) << np.uint64(3)
+        r = i - (((pre << np.uint64(8)) >> k) & np.uint64(0xFF))
+        out |= ONE << (k + np.uint64(_SELECT8[((m >> k) & np.uint64(0xFF)) * np.uint64(8) + r]))
     return out
 
 
 @njit(nogil=True, inline="always")
 def pext_soft(x, m):
-    """``pext`` without BMI2: one step per set bit of ``m``."""
+    """``pext`` without BMI2: one step per set bit of ``x & m`` (its rank among ``m``'s set bits)."""
+    y = x & m
     out = ZERO
-    k = ZERO
-    while m != ZERO:
-        low = m & (ZERO - m)
-        out |= np.uint64((x & low) != ZERO) << k
-        k += ONE
-        m &= m - ONE
+    while y != ZERO:
+        low = y & (ZERO - y)
+        out |= ONE << popcount(m & (low - ONE))
+        y ^= low
     return out
 
 
-def _has_bmi2() -> bool:
+def _host() -> tuple[str, dict]:
     try:
-        return bool(llvm_binding.get_host_cpu_features().get("bmi2", False))
+        return llvm_binding.get_host_cpu_name(), dict(llvm_binding.get_host_cpu_features())
     except Exception:  # noqa: BLE001 - an LLVM that cannot say (or not x86): the portable path
-        return False
+        return "", {}
 
 
-HAS_BMI2 = _has_bmi2()
-"""Whether this CPU has ``pdep``/``pext`` (x86 BMI2); kernels compiled without it use the portable ones."""
+_HOST_CPU, _HOST_FEATURES = _host()
+
+HAS_BMI2 = bool(_HOST_FEATURES.get("bmi2", False))
+"""Whether this CPU has ``pdep``/``pext`` (x86 BMI2): whether the native kernels can run here at all."""
+
+SLOW_PDEP_CPUS = ("znver1", "znver2", "bdver4")
+"""LLVM's names of CPUs with BMI2 whose ``pdep``/``pext`` are microcoded: about 2-4 cycles per set bit
+of the mask (AMD before Zen 3), several times the portable steps on a delta's sparse bits."""
+
+KINDS = (True, False) if HAS_BMI2 else (False,)
+"""The kinds of kernel this CPU can run (native: True; portable: False), for tests that try each."""
+
+NATIVE = HAS_BMI2 and _HOST_CPU not in SLOW_PDEP_CPUS and bool(_HOST_FEATURES.get("avx512vbmi2", False))
+"""Whether the kernels use ``pdep``/``pext`` and vector expand-loads and compress-stores (the native
+kind) by default: a CPU with fast BMI2 and AVX-512 VBMI2. Elsewhere LLVM turns each expand-load or
+compress-store into 64 tested lanes, and the portable kind, one step per set bit of the changes'
+masks, is several times faster on a delta (docs/DESIGN.md). Both write the same bytes."""
 
 
 def _vector_load(context, builder, aryty, ary, base, lanes: int):
@@ -255,6 +291,76 @@ def compress_zigzag(typingctx, old, new, base, dst, pos, mask):
         return context.get_dummy_value()
 
     return types.none(old, new, base, dst, pos, mask), codegen
+
+
+@intrinsic
+def copy64(typingctx, out, src, base):
+    """``out[base:base + 64] = src[base:base + 64]``: one vector load and store."""
+
+    def codegen(context, builder, sig, args):
+        x = _vector_load(context, builder, sig.args[1], args[1], args[2], 64)
+        o = context.make_array(sig.args[0])(context, builder, value=args[0])
+        ptr = builder.bitcast(builder.gep(o.data, [args[2]]), x.type.as_pointer())
+        builder.store(x, ptr, align=sig.args[0].dtype.bitwidth // 8)
+        return context.get_dummy_value()
+
+    return types.none(out, src, base), codegen
+
+
+@njit(nogil=True, inline="always")
+def _add_at(out, base, diffs, p, m):
+    """``out[base + j] += diffs[p:]`` in order at the set bits j of ``m``, one step per bit."""
+    while m != ZERO:
+        j = base + np.int64(trailing_zeros(m))
+        m &= m - ONE
+        out[j] = out[j] + diffs[p]
+        p += 1
+
+
+@njit(nogil=True, inline="always")
+def _expand_add_soft1(out, src, base, diffs, p0, m0):
+    copy64(out, src, base)
+    _add_at(out, base, diffs, p0, m0)
+
+
+@njit(nogil=True, inline="always")
+def _expand_add_soft2(out, src, base, diffs, p0, m0, p1, m1):
+    copy64(out, src, base)
+    _add_at(out, base, diffs, p0, m0)
+    _add_at(out, base, diffs, p1, m1)
+
+
+@njit(nogil=True, inline="always")
+def _expand_add_soft3(out, src, base, diffs, p0, m0, p1, m1, p2, m2):
+    copy64(out, src, base)
+    _add_at(out, base, diffs, p0, m0)
+    _add_at(out, base, diffs, p1, m1)
+    _add_at(out, base, diffs, p2, m2)
+
+
+@njit(nogil=True, inline="always")
+def _expand_add_soft4(out, src, base, diffs, p0, m0, p1, m1, p2, m2, p3, m3):
+    copy64(out, src, base)
+    _add_at(out, base, diffs, p0, m0)
+    _add_at(out, base, diffs, p1, m1)
+    _add_at(out, base, diffs, p2, m2)
+    _add_at(out, base, diffs, p3, m3)
+
+
+EXPAND_ADD_SOFT = {1: _expand_add_soft1, 2: _expand_add_soft2, 3: _expand_add_soft3, 4: _expand_add_soft4}
+""":data:`EXPAND_ADD` one step per set bit of the masks, after a vector copy (the portable kind)."""
+
+
+@njit(nogil=True, inline="always")
+def compress_zigzag_soft(old, new, base, dst, pos, mask):
+    """:func:`compress_zigzag` one step per set bit of ``mask`` (the portable kind)."""
+    sh = np.int64(64 - 8 * old.itemsize)
+    while mask != ZERO:
+        j = base + np.int64(trailing_zeros(mask))
+        mask &= mask - ONE
+        s = np.int64(np.uint64(new[j] - old[j]) << np.uint64(sh)) >> sh
+        dst[pos] = (s << 1) ^ (s >> 63)
+        pos += 1
 
 
 @intrinsic

@@ -1,0 +1,135 @@
+"""The bit and vector helpers of the ``ans`` kernels (:mod:`weightsync.codec.simd`): the portable
+``pdep``/``pext``, expand-add and compress-store give the bits of the definitions (and of BMI2's
+instructions and LLVM's vector intrinsics where this CPU has them), for masks of every density."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numba import njit
+
+from weightsync.codec import simd
+
+BITS = np.uint64(1) << np.arange(64, dtype=np.uint64)
+
+
+def masks(rng: np.random.Generator, n: int, density: float) -> np.ndarray:
+    return ((rng.random((n, 64)) < density) * BITS).sum(axis=1, dtype=np.uint64)
+
+
+def pdep_ref(x: int, m: int) -> int:
+    out, k = 0, 0
+    for j in range(64):
+        if m >> j & 1:
+            out |= (x >> k & 1) << j
+            k += 1
+    return out
+
+
+def pext_ref(x: int, m: int) -> int:
+    out, k = 0, 0
+    for j in range(64):
+        if m >> j & 1:
+            out |= (x >> j & 1) << k
+            k += 1
+    return out
+
+
+@njit
+def _soft(xs, ms, dep, ext):
+    for i in range(xs.size):
+        dep[i] = simd.pdep_soft(xs[i], ms[i])
+        ext[i] = simd.pext_soft(xs[i], ms[i])
+
+
+@njit
+def _hard(xs, ms, dep, ext):
+    for i in range(xs.size):
+        dep[i] = simd.pdep_bmi2(xs[i], ms[i])
+        ext[i] = simd.pext_bmi2(xs[i], ms[i])
+
+
+@pytest.mark.parametrize("mask_density", [0.0, 0.03, 0.5, 0.97, 1.0])
+@pytest.mark.parametrize("x_density", [0.0, 0.02, 0.5, 1.0])
+def test_portable_pdep_and_pext_give_the_definitions_bits(mask_density, x_density):
+    rng = np.random.default_rng(int(100 * mask_density + 10 * x_density))
+    n = 3000
+    ms, xs = masks(rng, n, mask_density), masks(rng, n, x_density)
+    dep, ext = np.empty(n, np.uint64), np.empty(n, np.uint64)
+    _soft(xs, ms, dep, ext)
+    for i in range(300):  # the pure-Python definitions are slow: a sample
+        assert int(dep[i]) == pdep_ref(int(xs[i]), int(ms[i])), (hex(xs[i]), hex(ms[i]))
+        assert int(ext[i]) == pext_ref(int(xs[i]), int(ms[i])), (hex(xs[i]), hex(ms[i]))
+    if simd.HAS_BMI2:  # all of them against the instructions
+        hdep, hext = np.empty(n, np.uint64), np.empty(n, np.uint64)
+        _hard(xs, ms, hdep, hext)
+        assert np.array_equal(dep, hdep) and np.array_equal(ext, hext)
+
+
+def _expand_kernel(native: bool, groups: int):
+    f = (simd.EXPAND_ADD if native else simd.EXPAND_ADD_SOFT)[groups]
+    if groups == 1:
+        return njit(lambda o, s, b, d, p, m: f(o, s, b, d, p[0], m[0]))
+    if groups == 2:
+        return njit(lambda o, s, b, d, p, m: f(o, s, b, d, p[0], m[0], p[1], m[1]))
+    if groups == 3:
+        return njit(lambda o, s, b, d, p, m: f(o, s, b, d, p[0], m[0], p[1], m[1], p[2], m[2]))
+    return njit(lambda o, s, b, d, p, m: f(o, s, b, d, p[0], m[0], p[1], m[1], p[2], m[2], p[3], m[3]))
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32])
+@pytest.mark.parametrize("groups", [1, 2, 3, 4])
+@pytest.mark.parametrize("density", [0.02, 0.5, 1.0])
+def test_expand_add_adds_each_groups_next_differences_at_its_bits(dtype, groups, density):
+    """``out[base + j] = src[base + j] + d``, wrapping, d the next difference of the group whose mask
+    has bit j; in place too. The native kind (LLVM's expand-loads) and the portable one agree."""
+    rng = np.random.default_rng(groups * 7 + int(density * 10))
+    base = 64 * 3
+    src = rng.integers(0, np.iinfo(dtype).max, 64 * 6, dtype=dtype, endpoint=True)
+    owner = rng.integers(0, groups, 64)  # each element's group, then which of them changed
+    changed = rng.random(64) < density
+    m = np.array([((owner == g) & changed) @ BITS for g in range(groups)], np.uint64)
+    diffs = rng.integers(0, np.iinfo(dtype).max, 200, dtype=dtype, endpoint=True)
+    p = np.array([0, 40, 90, 140][:groups], np.int64)
+    want = src.copy()
+    nxt = p.copy()
+    for j in range(64):
+        if changed[j]:
+            g = owner[j]
+            want[base + j] = (int(src[base + j]) + int(diffs[nxt[g]])) % (1 << 8 * src.itemsize)
+            nxt[g] += 1
+    for native in (True, False):
+        out = np.zeros_like(src)
+        out[:base], out[base + 64 :] = src[:base], src[base + 64 :]
+        _expand_kernel(native, groups)(out, src, base, diffs, p, m)
+        assert np.array_equal(out, want), native
+        inplace = src.copy()
+        _expand_kernel(native, groups)(inplace, inplace, base, diffs, p, m)
+        assert np.array_equal(inplace, want), native
+
+
+@njit
+def _compress(native, old, new, base, dst, pos, mask):
+    if native:
+        simd.compress_zigzag(old, new, base, dst, pos, mask)
+    else:
+        simd.compress_zigzag_soft(old, new, base, dst, pos, mask)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32])
+@pytest.mark.parametrize("density", [0.0, 0.03, 0.5, 1.0])
+def test_compress_zigzag_stores_the_zigzag_differences_at_the_masks_bits_in_order(dtype, density):
+    rng = np.random.default_rng(int(density * 100))
+    bits = 8 * np.dtype(dtype).itemsize
+    old = rng.integers(0, np.iinfo(dtype).max, 128, dtype=dtype, endpoint=True)
+    new = rng.integers(0, np.iinfo(dtype).max, 128, dtype=dtype, endpoint=True)
+    mask = masks(rng, 1, density)[0]
+    idx = [64 + j for j in range(64) if int(mask) >> j & 1]
+    d = [(int(new[i]) - int(old[i])) % (1 << bits) for i in idx]  # signed, wrapping at the width
+    d = [x - (1 << bits) if x >> (bits - 1) else x for x in d]
+    want = [((x << 1) ^ (x >> (bits - 1))) % (1 << bits) for x in d]
+    for native in (True, False):
+        dst = np.full(100, 7, dtype)
+        _compress(native, old, new, 64, dst, 5, mask)
+        assert dst[5 : 5 + len(want)].tolist() == want, native
+        assert (dst[:5] == 7).all() and (dst[5 + len(want) :] == 7).all(), native
