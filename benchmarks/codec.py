@@ -267,6 +267,7 @@ def run(n_pairs: int | None, large: bool = True) -> dict:
         "xor_gbps": common.xor_gbps(),
         "cores": CORES,
         "load_average_1min": os.getloadavg()[0],
+        "cpu": cpu_line(),
         "peak_rss_mib_start": rss_start,
         "peak_rss_mib_after_ours": rss_ours,
         "peak_rss_mib": common.peak_rss_mib(),
@@ -389,6 +390,18 @@ def speed_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def cpu_line() -> str:
+    """The CPU as LLVM names it and the kind of ``ans`` kernel it gets (their speed depends on both)."""
+    from weightsync.codec import simd
+
+    has = lambda f: "yes" if simd._HOST_FEATURES.get(f) else "no"  # noqa: E731
+    slow = " (microcoded)" if simd.HAS_BMI2 and simd._HOST_CPU in simd.SLOW_PDEP_CPUS else ""
+    return (
+        f"CPU: {simd._HOST_CPU or 'unknown'} (LLVM's name); BMI2 {has('bmi2')}{slow}, AVX-512 VBMI2 "
+        f"{has('avx512vbmi2')}: `ans` runs its {'native' if simd.NATIVE else 'portable'} kernels."
+    )
+
+
 def render(report: dict) -> str:
     n = {k: len(v) for k, v in report["trajectories"].items()}
     raw = next(iter(report["trajectories"].values()))[0]["raw"]
@@ -408,6 +421,7 @@ def render(report: dict) -> str:
                 if report.get("speed_only")
                 else []
             ),
+            report.get("cpu", ""),
             (
                 f"1-minute load average at the end: {report['load_average_1min']:.2f} "
                 f"on {os.cpu_count()} cores (other processes slow the timings)."

@@ -276,8 +276,8 @@ def add_encoding_args(p: argparse.ArgumentParser, environ: Mapping[str, str] | N
         "--entropy-coder",
         choices=CODERS,
         default=CodecConfig.coder,
-        help="the entropy coder of deltas: 'ans' (default; decodes at 0.89-0.95x the speed of 'sparse') or 'ac' "
-        "(payloads ~0.93x the size, 6-7.4x slower to decode, 4-5x slower to encode; docs/DESIGN.md)",
+        help="the entropy coder of deltas: 'ans' (default; decodes at 0.5-0.95x the speed of 'sparse', by CPU) or 'ac' "
+        "(payloads ~0.93x the size, 3.5-7.4x slower to decode, 2.4-5x slower to encode; docs/DESIGN.md)",
     )
     add(
         "--fast-codec",
