@@ -439,8 +439,10 @@ def rans_encode(syms, c, freq, out):
     """The rANS section of ``syms[:c]`` into ``out`` (uint8); returns its length. LANES states:
     symbol j is coded by state j % LANES; the final states first, then one word stream. (Lanes are
     written out: helpers that take arrays cost a reference count per call in numba.)"""
-    # per symbol: the state bound, and x // f as a multiply and shifts (ryg's rans_byte.h reciprocal)
+    # per symbol: the state bound, and x // f as a multiply and shifts (ryg's rans_byte.h reciprocal),
+    # exact below 2^31; states reach 2^32, where it can exceed x // f by one: corrected by ``fq``
     xmax = np.zeros(NSYM, np.uint64)
+    fq = np.zeros(NSYM, np.uint64)
     rcp = np.zeros(NSYM, np.uint64)
     rsh = np.zeros(NSYM, np.uint64)
     bias = np.zeros(NSYM, np.uint64)
@@ -448,6 +450,7 @@ def rans_encode(syms, c, freq, out):
     start = 0
     for i in range(NSYM):
         f = np.int64(freq[i])
+        fq[i] = np.uint64(f)
         xmax[i] = np.uint64(f) << np.uint64(32 - PROB_BITS)
         cmpl[i] = np.uint64(PROB_ONE - f)
         if f < 2:
@@ -477,6 +480,7 @@ def rans_encode(syms, c, freq, out):
             tmp[t] = np.uint16(x & np.uint64(0xFFFF))
             x >>= np.uint64(16)
         d = ((x * rcp[s]) >> np.uint64(32)) >> rsh[s]
+        d -= np.uint64(d * fq[s] > x)
         x = x + bias[s] + d * cmpl[s]
         if q == 2:
             x2 = x
@@ -491,6 +495,7 @@ def rans_encode(syms, c, freq, out):
             tmp[t] = np.uint16(x3 & np.uint64(0xFFFF))
             x3 >>= np.uint64(16)
         d = ((x3 * rcp[s]) >> np.uint64(32)) >> rsh[s]
+        d -= np.uint64(d * fq[s] > x3)
         x3 = x3 + bias[s] + d * cmpl[s]
         s = syms[j + 2]
         if x2 >= xmax[s]:
@@ -498,6 +503,7 @@ def rans_encode(syms, c, freq, out):
             tmp[t] = np.uint16(x2 & np.uint64(0xFFFF))
             x2 >>= np.uint64(16)
         d = ((x2 * rcp[s]) >> np.uint64(32)) >> rsh[s]
+        d -= np.uint64(d * fq[s] > x2)
         x2 = x2 + bias[s] + d * cmpl[s]
         s = syms[j + 1]
         if x1 >= xmax[s]:
@@ -505,6 +511,7 @@ def rans_encode(syms, c, freq, out):
             tmp[t] = np.uint16(x1 & np.uint64(0xFFFF))
             x1 >>= np.uint64(16)
         d = ((x1 * rcp[s]) >> np.uint64(32)) >> rsh[s]
+        d -= np.uint64(d * fq[s] > x1)
         x1 = x1 + bias[s] + d * cmpl[s]
         s = syms[j + 0]
         if x0 >= xmax[s]:
@@ -512,6 +519,7 @@ def rans_encode(syms, c, freq, out):
             tmp[t] = np.uint16(x0 & np.uint64(0xFFFF))
             x0 >>= np.uint64(16)
         d = ((x0 * rcp[s]) >> np.uint64(32)) >> rsh[s]
+        d -= np.uint64(d * fq[s] > x0)
         x0 = x0 + bias[s] + d * cmpl[s]
     xs = (x0, x1, x2, x3)
     for q in range(LANES):
