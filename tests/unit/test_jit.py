@@ -29,7 +29,8 @@ def _new_overloads(before: dict[int, set]) -> list[str]:
 
 
 def test_every_kernel_uses_the_layered_cache():
-
+    for module in ("ans", "arith", "kernels", "sparse"):  # numba's modules load on first use
+        importlib.import_module(f"weightsync.codec.{module}")
     names = {d.py_func.__qualname__ for d in jit._DISPATCHERS}
     assert {
         "gap_width",

@@ -4,6 +4,10 @@ instructions and LLVM's vector intrinsics where this CPU has them), for masks of
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from numba import njit
@@ -133,3 +137,12 @@ def test_compress_zigzag_stores_the_zigzag_differences_at_the_masks_bits_in_orde
         _compress(native, old, new, 64, dst, 5, mask)
         assert dst[5 : 5 + len(want)].tolist() == want, native
         assert (dst[:5] == 7).all() and (dst[5 + len(want) :] == 7).all(), native
+
+
+def test_kernels_compiled_for_another_cpu_are_portable():
+    """With ``NUMBA_CPU_NAME`` (an image's cache built for any x86 CPU) numba does not compile for
+    this one: the native kind, whose instructions that CPU may lack, is neither chosen nor offered."""
+    probe = "from weightsync.codec import simd; print(simd.NATIVE, simd.KINDS, simd.HAS_BMI2)"
+    env = {**os.environ, "NUMBA_CPU_NAME": "generic"}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "(False,)", "False"]

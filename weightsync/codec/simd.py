@@ -15,7 +15,7 @@ import numpy as np
 from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
+from numba.core import cgutils, config
 from numba.extending import intrinsic
 
 from weightsync.codec.jit import njit
@@ -120,8 +120,11 @@ def _host() -> tuple[str, dict]:
 
 _HOST_CPU, _HOST_FEATURES = _host()
 
-HAS_BMI2 = bool(_HOST_FEATURES.get("bmi2", False))
-"""Whether this CPU has ``pdep``/``pext`` (x86 BMI2): whether the native kernels can run here at all."""
+_FOR_HOST = config.CPU_NAME in (None, "host")  # NUMBA_CPU_NAME: numba compiles for another CPU (a portable cache)
+
+HAS_BMI2 = _FOR_HOST and bool(_HOST_FEATURES.get("bmi2", False))
+"""Whether this CPU has ``pdep``/``pext`` (x86 BMI2) and numba compiles for it: whether the native
+kernels can run here at all."""
 
 SLOW_PDEP_CPUS = ("znver1", "znver2", "bdver4")
 """LLVM's names of CPUs with BMI2 whose ``pdep``/``pext`` are microcoded: about 2-4 cycles per set bit
