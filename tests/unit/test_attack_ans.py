@@ -58,3 +58,16 @@ def test_the_reference_backward_decoder_refuses_an_exception_whose_element_did_n
         ans.decode_block_backward("BF16", memoryview(block), new, np.empty_like(new), "hostile")
     with pytest.raises(FormatError):
         ans.decode_backward("BF16", block, new, "hostile")
+
+
+def test_the_native_kind_is_refused_where_bmi2_is_missing(monkeypatch):
+    """``native=True`` on a CPU without BMI2 (or with numba compiling for another one) would run
+    ``pdep``, an illegal instruction there: refused before any kernel runs."""
+    monkeypatch.setattr(ans, "HAS_BMI2", False)
+    old = np.arange(4096, dtype=np.uint16)
+    new = old + np.uint16(1)
+    with pytest.raises(ValueError, match="BMI2"):
+        ans.encode_block("BF16", old, new, native=True)
+    block, _ = ans.encode_block("BF16", old, new, native=False)
+    with pytest.raises(ValueError, match="BMI2"):
+        ans.decode_block("BF16", memoryview(block), old, np.empty_like(old), "t", native=True)

@@ -57,6 +57,7 @@ from weightsync.codec.simd import (
     ALL,
     EXPAND_ADD,
     EXPAND_ADD_SOFT,
+    HAS_BMI2,
     NATIVE,
     ONE,
     ZERO,
@@ -456,6 +457,8 @@ def _kernel(kind: str, K: int, G: int, native: bool = NATIVE):
     The source is compiled as if it were in this file, under a name of its own: numba's cache
     (:mod:`weightsync.codec.jit`) then keys it by its bytecode and this file's stamp like any
     kernel here, and a warm cache loads it instead of compiling (about 1 s each)."""
+    if native and not HAS_BMI2:  # its pdep and pext would be illegal instructions
+        raise ValueError(f"the native {kind} needs BMI2, which this CPU (or numba's target CPU) lacks")
     key = (kind, K, G, native)
     fn = _KERNELS.get(key)
     if fn is None:
