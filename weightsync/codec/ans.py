@@ -455,8 +455,9 @@ def _kernel(kind: str, K: int, G: int, native: bool = NATIVE):
     portable one (one step per set bit: :data:`weightsync.codec.simd.NATIVE`). Generated and
     compiled on first use, then kept.
     The source is compiled as if it were in this file, under a name of its own: numba's cache
-    (:mod:`weightsync.codec.jit`) then keys it by its bytecode and this file's stamp like any
-    kernel here, and a warm cache loads it instead of compiling (about 1 s each)."""
+    (:mod:`weightsync.codec.jit`) then keys it by its bytecode and this package's stamp like any
+    kernel here, and a warm cache loads it instead of compiling (about 1 s each). The native kind
+    is refused where BMI2 is missing (:data:`weightsync.codec.simd.HAS_BMI2`)."""
     if native and not HAS_BMI2:  # its pdep and pext would be illegal instructions
         raise ValueError(f"the native {kind} needs BMI2, which this CPU (or numba's target CPU) lacks")
     key = (kind, K, G, native)
