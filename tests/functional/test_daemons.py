@@ -101,6 +101,8 @@ class Daemon:
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
 
+    start_timeout = 20.0  # seconds to log the port and answer /healthz
+
     def start(self) -> Daemon:
         seen = len(self.log())  # a restart appends to the same log: look only at what follows
         log = open(self.log_path, "ab")
@@ -110,7 +112,7 @@ class Daemon:
         log.close()
         bound = wait_for(
             lambda: self._alive() and re.search(r"listening.*?http://127\.0\.0\.1:(\d+)", self.log()[seen:]),
-            20,
+            self.start_timeout,
             f"{self.role} to log its port\n{self.log()}",
         )
         self.port = int(bound.group(1))

@@ -143,6 +143,8 @@ def test_two_publishers_gc_and_twenty_subscribers_on_one_store(backend, request,
         )
         for i in range(SUBSCRIBERS)
     ]
+    for sub in subs:  # each starts beside the others' warm-ups (2-3 CPU-s each on a slow 2-core machine)
+        sub.start_timeout = 60.0
     repo = weightsync.open_repo(url)
     stop_gc = threading.Event()
     gc_runs, gc_errors = [], []
