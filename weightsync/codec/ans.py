@@ -64,10 +64,11 @@ from weightsync.codec.simd import (
     below_mask64,
     compress_zigzag,
     compress_zigzag_soft,
+    deposit_soft,
+    extract_soft,
     field_ne_mask64,
     ne_mask64,
     pdep_bmi2,
-    pdep_soft,
     pext_bmi2,
     pext_soft,
     popcount,
@@ -321,11 +322,12 @@ def _regions(name: str, count: int, indent: str) -> list[str]:
     return L + [f"{indent}{name}{count - 1} = ~{name}_m{count - 2}"]
 
 
-def _pass_source(K: int, G: int, name: str) -> str:
+def _pass_source(K: int, G: int, name: str, native: bool) -> str:
     """The pass over elements ``a:e`` for K buckets and G value groups, state in locals: per 64
     elements, K-1 vector compares give each bucket's members, ``pdep`` puts the bucket's next bits
-    there, G-1 more compares split the changes into the groups, and one expand-load per group
-    adds the differences. Every CHECK elements it checks that no bucket ran past its bitmap and no
+    there (the portable kind: all buckets' in one call; one bucket: the bits are the changes), G-1
+    more compares split the changes into the groups, and one expand-load per group adds the
+    differences. Every CHECK elements it checks that no bucket ran past its bitmap and no
     group past its differences (each has CHECK of spare: a base that does not match the block reads
     zeros or other differences, never out of bounds); the last, partial word goes element by
     element; at the block's end the buckets and groups must be used up exactly. Returns 0, or 1 for
@@ -346,9 +348,15 @@ def _pass_source(K: int, G: int, name: str) -> str:
     for b in r:  # the bucket's next p bits from bit o (written out: no array passed to a helper)
         L += [f"            q = o{b} >> SIX", f"            sh = o{b} & M63"]
         L += ["            v = (words[q] >> sh) | ((words[q + ONE] << ONE) << (M63 - sh))"]
-        L += [f"            v &= (ALL >> ((W64 - p{b}) & M63)) & (ZERO - np.uint64(p{b} != ZERO))"]
-        L += [f"            c{b} = _pdep(v, b{b})", f"            o{b} += p{b}"]
-    L += ["            ch = " + " | ".join(f"c{b}" for b in r)]
+        L += [f"            x{b} = v & (ALL >> ((W64 - p{b}) & M63)) & (ZERO - np.uint64(p{b} != ZERO))"]
+        L += [f"            o{b} += p{b}"]
+    if K == 1:  # the one bucket holds every element: its bits are the changes
+        L += ["            ch = x0"]
+    elif native:
+        L += ["            ch = " + " | ".join(f"_pdep(x{b}, b{b})" for b in r)]
+    else:  # all buckets at once (unused ones empty)
+        args = ", ".join(f"x{b}, b{b}" if b < K else "ZERO, ZERO" for b in range(MAX_K))
+        L += [f"            ch = _deposit({args})"]
     L += [f"            g_m{t} = below_mask64(src, base, absmask, v{t})" for t in range(G - 1)]
     L += _regions("g", G, "            ")
     L += [f"            g{g} &= ch" for g in rg]
@@ -390,10 +398,11 @@ def _tail(out, src, a, e, lim, vlim, absmask, words, off, dptr, diffs):
             out[i] = x
 
 
-def _scan_source(K: int, G: int, name: str) -> str:
+def _scan_source(K: int, G: int, name: str, native: bool) -> str:
     """The encoder's pass over whole words for K buckets and G value groups, state in locals: per
     64 elements, the changed mask (a vector compare of old and new), K-1 compares give the buckets,
-    ``pext`` takes each bucket's changed flags in rank order into its bitmap; G-1 compares give
+    ``pext`` takes each bucket's changed flags in rank order into its bitmap (the portable kind: all
+    buckets' in one call; one bucket: the flags are the changes); G-1 compares give
     the value groups, and the zigzag codes of the changes are compress-stored into their group's
     stream; the changes that move their element to another bucket or group are listed (for the
     backward decode)."""
@@ -429,7 +438,14 @@ def _scan_source(K: int, G: int, name: str) -> str:
     ]
     L += ["                if blut[eo] != blut[en] or glut[eo] != glut[en]:"]
     L += ["                    exc[ne] = i", "                    ne += 1"]
-    L += [f"            f{b} = _pext(c, b{b})" for b in r]
+    if K == 1:  # the one bucket holds every element: its flags are the changes
+        L += ["            f0 = c"]
+    elif native:
+        L += [f"            f{b} = _pext(c, b{b})" for b in r]
+    else:  # all buckets at once (unused ones empty)
+        fs = ", ".join(f"f{b}" if b < K else "_" for b in range(MAX_K))
+        args = ", ".join(f"b{b}" if b < K else "ZERO" for b in range(MAX_K))
+        L += [f"            {fs} = _extract(c, {args})"]
     for b in r:  # append the bucket's flags to its bitmap; the word is stored every time (branch-free)
         L += [f"        p = popcount(b{b})", f"        word = a{b} | (f{b} << n{b})", f"        bmap[w{b}] = word"]
         L += [f"        t = n{b} + p", "        adv = np.uint64(t >= W64)", f"        w{b} += adv"]
@@ -452,8 +468,9 @@ _KERNELS_LOCK = threading.Lock()
 def _kernel(kind: str, K: int, G: int, native: bool = NATIVE):
     """The pass ``kind`` (``"pass"``: decoding, ``"scan"``: encoding) for K buckets and G value groups,
     of the native kind (BMI2's ``pdep``/``pext``, vector expand-loads and compress-stores) or the
-    portable one (one step per set bit: :data:`weightsync.codec.simd.NATIVE`). Generated and
-    compiled on first use, then kept.
+    portable one (work per change, not per member: :data:`weightsync.codec.simd.NATIVE`); their
+    sources differ only in the deposit or extract line. Generated and compiled on first use, then
+    kept.
     The source is compiled as if it were in this file, under a name of its own: numba's cache
     (:mod:`weightsync.codec.jit`) then keys it by its bytecode and this package's stamp like any
     kernel here, and a warm cache loads it instead of compiling (about 1 s each). The native kind
@@ -469,12 +486,12 @@ def _kernel(kind: str, K: int, G: int, native: bool = NATIVE):
             fn = _KERNELS.get(key)
             if fn is None:
                 name = f"_{kind}_k{K}_g{G}_{'native' if native else 'portable'}"
-                source = (_pass_source if kind == "pass" else _scan_source)(K, G, name)
+                source = (_pass_source if kind == "pass" else _scan_source)(K, G, name, native)
                 ns = dict(_GENERATED_GLOBALS, __name__=__name__)
                 if native:
                     ns.update(_pdep=pdep_bmi2, _pext=pext_bmi2, _expand_add=EXPAND_ADD[G], _compress=compress_zigzag)
                 else:
-                    ns.update(_pdep=pdep_soft, _pext=pext_soft, _expand_add=EXPAND_ADD_SOFT[G])
+                    ns.update(_deposit=deposit_soft, _extract=extract_soft, _expand_add=EXPAND_ADD_SOFT[G])
                     ns.update(_compress=compress_zigzag_soft)
                 exec(compile(source, __file__, "exec"), ns)  # noqa: S102 - our own generated source
                 _KERNELS[key] = njit(nogil=True)(ns[name])

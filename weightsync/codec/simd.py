@@ -5,8 +5,8 @@ compares and, with AVX-512 VBMI2, to ``vpexpand``/``vpcompress``; elsewhere to s
 still correct but tests each of the 64 lanes. ``pdep``/``pext`` are BMI2 instructions, microcoded on
 AMD CPUs before Zen 3. So the kernels come in two kinds that produce the same bits: the native one
 (the instructions and intrinsics) where both are fast (:data:`NATIVE`), and the portable one, whose
-``pdep``, ``pext``, expand-add and compress-store take one step per set bit of a delta's sparse
-masks.
+deposit and extract (all of a word's buckets in one call), expand-add and compress-store take a
+step per change of a delta's sparse masks, or table steps per byte for a word of many changes.
 """
 
 from __future__ import annotations
@@ -68,34 +68,107 @@ def pext_bmi2(typingctx, x, m):
     return types.uint64(types.uint64, types.uint64), _int_intrinsic("llvm.x86.bmi.pext.64", 2)
 
 
-# the position of each byte value's r-th set bit (255 past its last), for pdep_soft's select
-_SELECT8 = np.full(256 * 8, 255, np.uint8)
-for _byte in range(256):
-    _bits = [b for b in range(8) if _byte >> b & 1]
-    _SELECT8[_byte * 8 : _byte * 8 + len(_bits)] = _bits
+def _byte_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per byte value m: the position of its r-th set bit at ``[8 m + r]`` (255 past its last), for
+    :func:`_select`; and ``pdep(x, m)`` at ``[at[m] + x]`` for each x below ``2**popcount(m)`` (3**8
+    bytes in all, so they stay in L1), for :func:`pdep_bytes`."""
+    select = np.full(256 * 8, 255, np.uint8)
+    at = np.zeros(256, np.uint16)
+    deposit: list[int] = []
+    for m in range(256):
+        bits = [b for b in range(8) if m >> b & 1]
+        select[m * 8 : m * 8 + len(bits)] = bits
+        at[m] = len(deposit)
+        deposit += [sum(1 << b for i, b in enumerate(bits) if x >> i & 1) for x in range(1 << len(bits))]
+    return select, at, np.array(deposit, np.uint8)
+
+
+_SELECT8, _DEPOSIT8_AT, _DEPOSIT8 = _byte_tables()
 L8 = np.uint64(0x0101010101010101)
 H8 = np.uint64(0x8080808080808080)
+DENSE = np.uint64(4)
+"""Changes in a word above which :func:`deposit_soft` deposits byte by byte rather than bit by bit."""
+
+
+@njit(nogil=True, inline="always")
+def _low(p):
+    """The low ``p`` bits set (0 <= p <= 64)."""
+    return (ALL >> ((np.uint64(64) - p) & np.uint64(63))) & (ZERO - np.uint64(p != ZERO))
+
+
+@njit(nogil=True, inline="always")
+def _byte_prefix(m):
+    """Each byte of ``m``: the set bits of ``m`` in that byte and the bytes below it (SWAR counts)."""
+    s = m - ((m >> ONE) & np.uint64(0x5555555555555555))
+    s = (s & np.uint64(0x3333333333333333)) + ((s >> np.uint64(2)) & np.uint64(0x3333333333333333))
+    return ((s + (s >> np.uint64(4))) & np.uint64(0x0F0F0F0F0F0F0F0F)) * L8
+
+
+@njit(nogil=True, inline="always")
+def _select(m, pre, i):
+    """The bit of ``m``'s i-th set bit (``pre``: :func:`_byte_prefix` of ``m``): it is in the byte
+    where the counts pass i."""
+    k = popcount((((i * L8) | H8) - pre) & H8) << np.uint64(3)
+    r = i - (((pre << np.uint64(8)) >> k) & np.uint64(0xFF))
+    return ONE << (k + np.uint64(_SELECT8[((m >> k) & np.uint64(0xFF)) * np.uint64(8) + r]))
 
 
 @njit(nogil=True, inline="always")
 def pdep_soft(x, m):
     """``pdep`` without BMI2: one step per set bit of ``x`` that lands in ``m`` (a select among
     ``m``'s set bits by byte counts), so a sparse ``x`` costs little whatever ``m`` holds."""
-    pc = popcount(m)
-    x &= (ALL >> ((np.uint64(64) - pc) & np.uint64(63))) & (ZERO - np.uint64(pc != ZERO))
+    x &= _low(popcount(m))
     if x == ZERO:
         return ZERO
-    s = m - ((m >> ONE) & np.uint64(0x5555555555555555))  # bits per byte, then per byte and below
-    s = (s & np.uint64(0x3333333333333333)) + ((s >> np.uint64(2)) & np.uint64(0x3333333333333333))
-    s = (s + (s >> np.uint64(4))) & np.uint64(0x0F0F0F0F0F0F0F0F)
-    pre = s * L8
+    pre = _byte_prefix(m)
     out = ZERO
     while x != ZERO:
-        i = trailing_zeros(x)  # the i-th set bit of m is in the byte where the counts pass i
+        out |= _select(m, pre, trailing_zeros(x))
         x &= x - ONE
-        k = popcount((((i * L8) | H8) - pre) & H8) << np.uint64(3)
-        r = i - (((pre << np.uint64(8)) >> k) & np.uint64(0xFF))
-        out |= ONE << (k + np.uint64(_SELECT8[((m >> k) & np.uint64(0xFF)) * np.uint64(8) + r]))
+    return out
+
+
+@njit(nogil=True, inline="always")
+def pdep_bytes(x, m):
+    """``pdep`` without BMI2 and without a branch: eight table steps, one per byte of ``m``."""
+    out = ZERO
+    for k in range(8):
+        mb = (m >> np.uint64(8 * k)) & np.uint64(0xFF)
+        c = popcount(mb)
+        out |= np.uint64(_DEPOSIT8[np.uint64(_DEPOSIT8_AT[mb]) + (x & _low(c))]) << np.uint64(8 * k)
+        x >>= c
+    return out
+
+
+@njit(nogil=True, inline="always")
+def deposit_soft(x0, m0, x1, m1, x2, m2, x3, m3):
+    """``pdep(x0, m0) | .. | pdep(x3, m3)`` for disjoint masks (a word's buckets; an unused one is
+    0), the portable kind: one loop over the word's changes (the buckets' bits side by side in one
+    word), each a select in its bucket's mask. Per bucket (:func:`pdep_soft`) there would be a
+    loop per bucket, and a mispredicted branch at the end of each."""
+    p0, p1, p2 = popcount(m0), popcount(m1), popcount(m2)
+    x0 &= _low(p0)
+    x1 &= _low(p1)
+    x2 &= _low(p2)
+    x3 &= _low(popcount(m3))
+    q1 = p0  # where each bucket's bits start in v (a bucket starting at 64 is empty, with x 0)
+    q2 = q1 + p1
+    q3 = q2 + p2
+    v = x0 | (x1 << (q1 & np.uint64(63))) | (x2 << (q2 & np.uint64(63))) | (x3 << (q3 & np.uint64(63)))
+    if popcount(v) > DENSE:
+        return pdep_bytes(x0, m0) | pdep_bytes(x1, m1) | pdep_bytes(x2, m2) | pdep_bytes(x3, m3)
+    out = ZERO
+    while v != ZERO:
+        i = trailing_zeros(v)
+        v &= v - ONE
+        m, r = m0, i  # the bucket of bit i, without a branch
+        if i >= q1:
+            m, r = m1, i - q1
+        if i >= q2:
+            m, r = m2, i - q2
+        if i >= q3:
+            m, r = m3, i - q3
+        out |= _select(m, _byte_prefix(m), r)
     return out
 
 
@@ -109,6 +182,32 @@ def pext_soft(x, m):
         out |= ONE << popcount(m & (low - ONE))
         y ^= low
     return out
+
+
+@njit(nogil=True, inline="always")
+def extract_soft(x, m0, m1, m2, m3):
+    """``(pext(x, m0), .., pext(x, m3))`` for disjoint masks (a word's buckets; an unused one is 0),
+    the portable kind: one loop over the set bits of ``x`` in the masks, each setting its rank in
+    its bucket's order, all buckets' side by side in one word."""
+    p0, p1, p2 = popcount(m0), popcount(m1), popcount(m2)
+    q1 = p0  # where each bucket's bits start in v
+    q2 = q1 + p1
+    q3 = q2 + p2
+    y = x & (m0 | m1 | m2 | m3)
+    v = ZERO
+    while y != ZERO:
+        j = trailing_zeros(y)
+        y &= y - ONE
+        m, q = m0, ZERO  # the bucket of bit j, without a branch
+        if (m1 >> j) & ONE:
+            m, q = m1, q1
+        if (m2 >> j) & ONE:
+            m, q = m2, q2
+        if (m3 >> j) & ONE:
+            m, q = m3, q3
+        v |= ONE << (q + popcount(m & ((ONE << j) - ONE)))
+    sh1, sh2, sh3 = q1 & np.uint64(63), q2 & np.uint64(63), q3 & np.uint64(63)  # 64: an empty bucket
+    return v & _low(p0), (v >> sh1) & _low(p1), (v >> sh2) & _low(p2), (v >> sh3) & _low(popcount(m3))
 
 
 def _host() -> tuple[str, dict]:
