@@ -93,6 +93,7 @@ def test_a_words_buckets_deposited_and_extracted_at_once_give_pdep_and_pext_of_e
     owner = rng.integers(0, buckets, (n, 64))
     owner[: n // 8] = rng.integers(0, 4, 64) % buckets  # the same split in many words, one bucket often empty
     owner[n // 8 : n // 4] = buckets - 1  # one bucket holds all
+    owner[n // 4 : n // 2] = rng.choice([0, 3], (n // 4, 64))  # empty buckets between used ones (padded thresholds)
     ms = np.zeros((n, 4), np.uint64)
     for b in range(4):
         ms[:, b] = ((owner == b) * BITS).sum(axis=1, dtype=np.uint64)
