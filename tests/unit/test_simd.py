@@ -107,6 +107,12 @@ def test_a_words_buckets_deposited_and_extracted_at_once_give_pdep_and_pext_of_e
         _soft(xs[:, 4].copy(), ms[:, b].copy(), np.empty(n, np.uint64), pex[:, b])
     assert np.array_equal(dep, np.bitwise_or.reduce(per, axis=1))
     assert np.array_equal(byt, per) and np.array_equal(ext, pex)
+    if simd.HAS_BMI2:  # and against the instructions
+        hdep, hext = np.empty((n, 4), np.uint64), np.empty((n, 4), np.uint64)
+        for b in range(4):
+            _hard(xs[:, b].copy(), ms[:, b].copy(), hdep[:, b], np.empty(n, np.uint64))
+            _hard(xs[:, 4].copy(), ms[:, b].copy(), np.empty(n, np.uint64), hext[:, b])
+        assert np.array_equal(per, hdep) and np.array_equal(pex, hext)
     for i in range(0, n, n // 50):  # and a sample against the definitions
         for b in range(4):
             assert int(per[i, b]) == pdep_ref(int(xs[i, b]), int(ms[i, b]))

@@ -469,8 +469,8 @@ def _kernel(kind: str, K: int, G: int, native: bool = NATIVE):
     """The pass ``kind`` (``"pass"``: decoding, ``"scan"``: encoding) for K buckets and G value groups,
     of the native kind (BMI2's ``pdep``/``pext``, vector expand-loads and compress-stores) or the
     portable one (work per change, not per member: :data:`weightsync.codec.simd.NATIVE`); their
-    sources differ only in the deposit or extract line. Generated and compiled on first use, then
-    kept.
+    generated sources differ only in the deposit or extract line, and the helpers bound into them
+    differ. Generated and compiled on first use, then kept.
     The source is compiled as if it were in this file, under a name of its own: numba's cache
     (:mod:`weightsync.codec.jit`) then keys it by its bytecode and this package's stamp like any
     kernel here, and a warm cache loads it instead of compiling (about 1 s each). The native kind
