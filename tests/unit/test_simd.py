@@ -191,6 +191,40 @@ def test_compress_zigzag_stores_the_zigzag_differences_at_the_masks_bits_in_orde
         assert (dst[:5] == 7).all() and (dst[5 + len(want) :] == 7).all(), native
 
 
+@njit
+def _masks(ary, base, absmask, lim, other, field):
+    return (
+        simd.below_mask64(ary, base, absmask, lim),
+        simd.ne_mask64(ary, other, base),
+        simd.field_ne_mask64(ary, other, base, field),
+    )
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32])
+def test_vector_masks_give_each_elements_compare(dtype):
+    """``below_mask64`` compares the magnitude (sign bit masked off) with a limit that leaves the
+    sign bit clear, as the kernels' exponent limits do, from 0 to the largest magnitude; elements
+    with the sign bit set compare by magnitude too. ``ne_mask64`` and ``field_ne_mask64`` give the
+    elements that differ, and those whose field differs."""
+    rng = np.random.default_rng(np.dtype(dtype).itemsize)
+    top = 1 << (8 * np.dtype(dtype).itemsize - 1)
+    absmask = dtype(top - 1)
+    field = dtype((top - 1) & ~0xF)  # an exponent-like field: below the sign bit, above the low bits
+    ary = rng.integers(0, 2 * top - 1, 64 * 4, dtype=dtype, endpoint=True)
+    ary[64 : 64 + 8] = [0, 1, top - 1, top, top + 1, 2 * top - 1, top // 2, top // 2 - 1]
+    other = ary.copy()
+    flip = rng.random(ary.size) < 0.3
+    other[flip] ^= rng.integers(1, 2 * top - 1, ary.size, dtype=dtype, endpoint=True)[flip]
+    mag = ary.astype(np.int64) & (top - 1)
+    for lim in [0, 1, top // 2, top - 1, int(rng.integers(0, top))]:
+        for base in (0, 64, 128):
+            below, ne, fne = _masks(ary, base, absmask, dtype(lim), other, field)
+            w = slice(base, base + 64)
+            assert int(below) == int((mag[w] < lim) @ BITS), lim
+            assert int(ne) == int((ary[w] != other[w]) @ BITS)
+            assert int(fne) == int((((ary[w] ^ other[w]) & field) != 0) @ BITS)
+
+
 def test_kernels_compiled_for_another_cpu_are_portable():
     """With ``NUMBA_CPU_NAME`` (an image's cache built for any x86 CPU) numba does not compile for
     this one: the native kind, whose instructions that CPU may lack, is neither chosen nor offered."""
