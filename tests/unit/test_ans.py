@@ -375,6 +375,27 @@ def test_smaller_than_the_zeroth_order_bound_and_than_sparse(lr):
     assert len(enc.payload) < 0.8 * len(plain.payload)
 
 
+def test_rans_round_trips_with_every_frequency_a_symbol_can_have():
+    """The encoder's division by a symbol's frequency (a reciprocal, a multiply and shifts) is exact
+    for every frequency from 1 to PROB_ONE at every state it meets: symbol 0 takes each frequency in
+    turn, symbol 1 the rest, and a sequence drawn from them (states over their whole range) decodes."""
+    rng = np.random.default_rng(7)
+    c = 3000
+    out = np.zeros(2 * c + 64, np.uint8)
+    got = np.zeros(c, np.uint8)
+    values = np.arange(entropy.NSYM, dtype=np.uint8)
+    for f in range(1, entropy.PROB_ONE + 1):
+        freq = np.zeros(entropy.NSYM, np.int64)
+        freq[0], freq[1] = f, entropy.PROB_ONE - f
+        syms = (rng.random(c) >= f / entropy.PROB_ONE).astype(np.uint8)
+        syms[rng.integers(0, c, 3)] = 0  # every table's symbol 0 is coded, however rare
+        if f == entropy.PROB_ONE:
+            syms[:] = 0
+        length = entropy.rans_encode(syms, c, freq, out)
+        assert entropy.rans_decode(out, 0, length, freq, values, got, 0, c) == 0, f
+        assert np.array_equal(got, syms), f
+
+
 @pytest.mark.parametrize("top", [4095, 4094, 4000, 2049])
 def test_rans_round_trips_with_states_in_the_upper_half_of_their_range(top):
     """The encoder divides a state by a symbol's frequency through a reciprocal; states reach
