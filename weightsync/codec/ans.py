@@ -333,7 +333,7 @@ def _pass_source(K: int, G: int, name: str, native: bool) -> str:
     element; at the block's end the buckets and groups must be used up exactly. Returns 0, or 1 for
     a block that does not fit its base. Indices are unsigned (numba adds no wraparound for them)."""
     r, rg = range(K), range(G)
-    L = [f"def {name}(out, src, a, e, lims, st, absmask, words, diffs):"]
+    L = [f"def {name}(out, src, a, e, lims, st, words, diffs):", "    absmask, _ = _masks(src, 0, 0)"]
     L += [f"    l{t} = lims[{t}]" for t in range(K - 1)] + [f"    v{t} = lims[{MAX_K + t}]" for t in range(G - 1)]
     L += [f"    o{b} = np.uint64(st[{S_OFF + b}])" for b in r] + [f"    E{b} = np.uint64(st[{S_END + b}])" for b in r]
     L += [f"    d{g} = st[{S_DPTR + g}]" for g in rg] + [f"    D{g} = st[{S_DEND + g}]" for g in rg]
@@ -407,16 +407,19 @@ def _scan_source(K: int, G: int, name: str, native: bool) -> str:
     stream; the changes that move their element to another bucket or group are listed (for the
     backward decode)."""
     r, rg = range(K), range(G)
-    L = [
-        f"def {name}(old, new, nfull, lim, vlim, absmask, field, shift, fm, blut, glut, bmap, stride, acc, nacc, wpos,"
+    L = [f"def {name}(old, new, thr, vthr, shift, bits, raw, st):"]
+    L += ["    fm = (1 << bits) - 1", "    lim, vlim = _limits(thr, vthr, shift, old[:0])"]
+    L += ["    blut, glut = _lut(thr, fm), _lut(vthr, fm)", "    absmask, field = _masks(old, shift, fm)"]
+    L += [
+        f"    bmap, vals, exc, stride = _views(raw, old, {K})",
+        "    v0, v1, v2, v3 = vals[0], vals[1], vals[2], vals[3]",
     ]
-    L[0] += " v0, v1, v2, v3, nv, exc, nes):"
     L += [f"    l{t} = lim[{t}]" for t in range(K - 1)] + [f"    u{t} = vlim[{t}]" for t in range(G - 1)]
-    L += [f"    a{b} = acc[{b}]" for b in r] + [f"    n{b} = np.uint64(nacc[{b}])" for b in r]
-    L += [f"    w{b} = np.uint64({b} * stride + wpos[{b}])" for b in r]
-    L += [f"    k{g} = nv[{g}]" for g in rg] + [
-        "    ne = nes[0]",
-        "    for w in range(nfull):",
+    L += [f"    a{b} = ZERO" for b in r] + [f"    n{b} = ZERO" for b in r]
+    L += [f"    w{b} = np.uint64({b} * stride)" for b in r]
+    L += [f"    k{g} = 0" for g in rg] + [
+        "    ne = 0",
+        "    for w in range(old.size // 64):",
         "        base = w * 64",
     ]
     L += ["        c = ne_mask64(old, new, base)"]
@@ -453,9 +456,9 @@ def _scan_source(K: int, G: int, name: str, native: bool) -> str:
             f"        a{b} = word if adv == ZERO else (f{b} >> ONE) >> (M63 - n{b})",
             f"        n{b} = t - (adv << SIX)",
         ]
-    L += [f"    acc[{b}] = a{b}" for b in r] + [f"    nacc[{b}] = np.int64(n{b})" for b in r]
-    L += [f"    wpos[{b}] = np.int64(w{b}) - {b} * stride" for b in r]
-    L += [f"    nv[{g}] = k{g}" for g in rg] + ["    nes[0] = ne"]
+    L += [f"    st[{E_ACC + b}] = np.int64(a{b})" for b in r] + [f"    st[{E_NACC + b}] = np.int64(n{b})" for b in r]
+    L += [f"    st[{E_WPOS + b}] = np.int64(w{b}) - {b} * stride" for b in r]
+    L += [f"    st[{E_NV + g}] = k{g}" for g in rg] + [f"    st[{E_NES}] = ne"]
     return "\n".join(L) + "\n"
 
 
@@ -488,6 +491,7 @@ def _kernel(kind: str, K: int, G: int, native: bool = NATIVE):
                 name = f"_{kind}_k{K}_g{G}_{'native' if native else 'portable'}"
                 source = (_pass_source if kind == "pass" else _scan_source)(K, G, name, native)
                 ns = dict(_GENERATED_GLOBALS, __name__=__name__)
+                ns.update(_limits=_limits, _lut=_lut, _masks=_masks, _views=_views)  # defined further down
                 if native:
                     ns.update(_pdep=pdep_bmi2, _pext=pext_bmi2, _expand_add=EXPAND_ADD[G], _compress=compress_zigzag)
                 else:
@@ -562,16 +566,19 @@ def _gaps_of(words, n_b, c, inv):
 
 
 @njit(nogil=True)
-def _encode(old, new, shift, bits, width_bits, thr, vthr, bmap, stride, acc, nacc, wpos, vals, nv, exc, nes):
-    """The block from the state of the pass over its whole words (:func:`_scan_source`): the last,
-    partial word, then the header and sections."""
+def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st):
+    """The block from the pass over its whole words (:func:`_scan_source`: its arrays in ``raw``, its
+    state in ``st``): the last, partial word, then the header and sections."""
     n = old.size
     fmask = (1 << bits) - 1
     K = thr.size + 1
     G = vthr.size + 1
+    bmap, vals, exc, stride = _views(raw, old, K)
+    acc = st[E_ACC : E_ACC + K].view(np.uint64)
+    nacc, wpos, nv = st[E_NACC : E_NACC + K], st[E_WPOS : E_WPOS + K], st[E_NV : E_NV + G]
     gvt = _lut(vthr, fmask)  # value group by exponent
     lut = _lut(thr, fmask)
-    ne = nes[0]
+    ne = st[E_NES]
     bm = np.zeros(MAX_K, np.uint64)
     sh = np.uint64(64 - width_bits)
     for w in range(n // 64, (n + 63) // 64):  # the last, partial word, element by element
@@ -734,24 +741,41 @@ def _limits(thr, vthr, shift, tmpl):
 
 
 @njit(nogil=True)
-def _state(thr, vthr, shift, fmask, tmpl):
-    """The scan's constants and state, in one call (a dozen numpy calls cost about 15 us a block):
-    bucket and group limits (:func:`_limits`), bucket and group by exponent value, each bucket's bit
-    accumulator, its bit count and words written, each group's change count and the exception
-    count."""
-    lim, vlim = _limits(thr, vthr, shift, tmpl)
-    K, G = thr.size + 1, vthr.size + 1
-    return (
-        lim,
-        vlim,
-        _lut(thr, fmask),
-        _lut(vthr, fmask),
-        np.zeros(K, np.uint64),
-        np.zeros(K, np.int64),
-        np.zeros(K, np.int64),
-        np.zeros(G, np.int64),
-        np.zeros(1, np.int64),
-    )
+def _masks(tmpl, shift, fmask):
+    """The sign bit's complement and the exponent field, of ``tmpl``'s dtype."""
+    m = np.empty(2, tmpl.dtype)
+    m[0] = (1 << (8 * tmpl.itemsize - 1)) - 1
+    m[1] = fmask << shift
+    return m[0], m[1]
+
+
+# The encoder's state between its pass and the rest of the block (int64): each bucket's bit
+# accumulator (its bits), bit count and words written; each group's change count; the exceptions.
+E_ACC, E_NACC, E_WPOS, E_NV, E_NES = 0, MAX_K, 2 * MAX_K, 3 * MAX_K, 3 * MAX_K + MAX_G
+E_LEN = E_NES + 1
+
+
+@njit(nogil=True)
+def _layout(n, K, itemsize):
+    """Where the encoder's arrays for a block of ``n`` elements and K buckets start in its scratch
+    (bytes, each 64-byte aligned), and their end: each bucket's changed flags over its ranks
+    (uint64 words, K * ``n // 64 + 4``); the zigzag codes of each group's changes, in order (MAX_G
+    rows of n + 64); the changes that move their element to another bucket or group (n + 1 int64)."""
+    sizes = (8 * K * (n // 64 + 4), MAX_G * (n + 64) * itemsize, 8 * (n + 1))
+    s0 = 0
+    s1 = s0 + (sizes[0] + 63) // 64 * 64
+    s2 = s1 + (sizes[1] + 63) // 64 * 64
+    return s0, s1, s2, s2 + sizes[2]
+
+
+@njit(nogil=True)
+def _views(raw, tmpl, K):
+    """The encoder's arrays in its scratch (:func:`_layout`): bitmaps, zigzag codes (MAX_G rows),
+    exceptions, and the bitmaps' stride per bucket."""
+    n = tmpl.size
+    s0, s1, s2, end = _layout(n, K, tmpl.itemsize)
+    vals = raw[s1 : s1 + MAX_G * (n + 64) * tmpl.itemsize].view(tmpl.dtype).reshape(MAX_G, n + 64)
+    return raw[s0:s1].view(np.uint64), vals, raw[s2:end].view(np.int64), n // 64 + 4
 
 
 class _Scratch(threading.local):
@@ -764,24 +788,16 @@ class _Scratch(threading.local):
 
     def __init__(self) -> None:
         self.raw = np.empty(0, np.uint8)  # 64-byte aligned
+        self.st = np.zeros(E_LEN, np.int64)
 
-    def take(
-        self, words: int, per_group: int, dtype: np.dtype, count: int
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Uninitialised: ``words`` uint64, (MAX_G, ``per_group``) of ``dtype``, ``count`` int64."""
-        sizes = (8 * words, MAX_G * per_group * dtype.itemsize, 8 * count)
-        starts, end = [], 0
-        for size in sizes:  # each part 64-byte aligned
-            starts.append(end)
-            end += -(-size // 64) * 64
+    def take(self, n: int, K: int, itemsize: int) -> tuple[np.ndarray, np.ndarray]:
+        """This thread's scratch for a block of ``n`` elements and K buckets (uninitialised; the
+        pass makes its arrays in it, :func:`_views`), and its state array."""
+        end = _layout(n, K, itemsize)[3]
         if self.raw.size < end:  # grown to what this block needs (in MiB), plus the alignment
             raw = np.empty(-(-end // (1 << 20)) * (1 << 20) + 64, np.uint8)
             self.raw = raw[(-raw.ctypes.data) % 64 :]  # ctypes costs microseconds: once
-        raw = self.raw
-        bmap = raw[starts[0] : starts[0] + sizes[0]].view(np.uint64)
-        vals = raw[starts[1] : starts[1] + sizes[1]].view(dtype).reshape(MAX_G, per_group)
-        exc = raw[starts[2] : starts[2] + sizes[2]].view(np.int64)
-        return bmap, vals, exc
+        return self.raw, self.st
 
 
 _SCRATCH = _Scratch()
@@ -797,19 +813,12 @@ def encode_block(
     shift, bits = EXPONENT_FIELD.get(dtype, (0, 0))
     width = 8 * old.dtype.itemsize
     thr, vthr = _plan(old, new, shift, bits, k, width) if split is None else (np.asarray(t, np.int64) for t in split)
-    K, G, n = thr.size + 1, vthr.size + 1, old.size
-    top = 1 << (width - 1)
-    fmask = (1 << bits) - 1
-    stride = n // 64 + 4
-    # each bucket's changed flags over its ranks; zigzag codes of each group's changes, in order;
-    # the changes that move their element to another bucket or group
-    bmap, vals, exc = _SCRATCH.take(K * stride, n + 64, old.dtype, n + 1)
-    lim, vlim, blut, glut, acc, nacc, wpos, nv, nes = _state(thr, vthr, shift, fmask, old[:0])
-    scan = _kernel("scan", K, G, native)
-    absmask, field = old.dtype.type(top - 1), old.dtype.type(fmask << shift)
-    args = (lim, vlim, absmask, field, shift, fmask, blut, glut, bmap, stride, acc, nacc, wpos)
-    scan(old, new, n // 64, *args, vals[0], vals[1], vals[2], vals[3], nv, exc, nes)
-    data, changed = _encode(old, new, shift, bits, width, thr, vthr, bmap, stride, acc, nacc, wpos, vals, nv, exc, nes)
+    K, G = thr.size + 1, vthr.size + 1
+    raw, st = _SCRATCH.take(old.size, K, old.dtype.itemsize)
+    # two calls, arrays made in numba: Python-side glue cost about 25 us a block (the trajectory's 127
+    # tensors: 5% of their encode)
+    _kernel("scan", K, G, native)(old, new, thr, vthr, shift, bits, raw, st)
+    data, changed = _encode(old, new, shift, bits, width, thr, vthr, raw, st)
     return data.tobytes(), changed
 
 
@@ -1076,6 +1085,35 @@ class _DecodeScratch(threading.local):
         self.hdr = np.zeros(H_LEN, np.int64)
         self.st = np.zeros(S_LEN, np.int64)
         self.kept: dict[tuple[str, np.dtype], np.ndarray] = {}
+        self.last: dict[np.dtype, tuple] = {}  # what arrays() returns
+
+    def arrays(self, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """This thread's arrays for a block of ``dtype``, as they are (one call: a block's Python-side
+        steps cost microseconds each), in :func:`_prepare`'s order: bitmaps, differences, exceptions,
+        their contexts, limits."""
+        a = self.last.get(dtype)
+        if a is None:
+            a = self.last[dtype] = (
+                self.array("words", U64, 0),
+                self.array("diffs", dtype, 0),
+                self.array("exc", I64, 0),
+                self.array("exb", U8, 0),
+                self.array("lims", dtype, MAX_K + MAX_G),
+            )
+        return a
+
+    def grow(self, dtype: np.dtype, hdr: np.ndarray, arrays: tuple) -> tuple:
+        """``arrays`` (:meth:`arrays`' five) with those too small for the block whose tables are in
+        ``hdr`` grown."""
+        words, diffs, exc, exb, lims = arrays
+        if exc.size < hdr[H_NEED_EXC]:
+            exc, exb = self.array("exc", I64, hdr[H_NEED_EXC]), self.array("exb", U8, hdr[H_NEED_EXC])
+        if words.size < hdr[H_NEED_WORDS]:
+            words = self.array("words", U64, hdr[H_NEED_WORDS])
+        if diffs.size < hdr[H_NEED_DIFFS]:
+            diffs = self.array("diffs", dtype, hdr[H_NEED_DIFFS])
+        self.last.clear()  # the next block takes what is kept (arrays above RETAIN are not)
+        return words, diffs, exc, exb, lims
 
     def array(self, name: str, dtype: np.dtype, need: int) -> np.ndarray:
         """An array of at least ``need`` elements: this thread's, grown if it must be."""
@@ -1158,18 +1196,13 @@ def decode_block(
     shift, _ = _exponent_field(dtype, block, what)
     sc, dt, n = _DSCRATCH, old.dtype, old.size
     data, hdr, st = np.frombuffer(block, np.uint8), sc.hdr, sc.st
-    lims, words, diffs = sc.array("lims", dt, MAX_K + MAX_G), sc.array("words", U64, 0), sc.array("diffs", dt, 0)
-    exc, exb = sc.array("exc", I64, 0), sc.array("exb", U8, 0)
+    arrays = sc.arrays(dt)
     while True:  # this thread's arrays; one too small is grown to what the block's tables say
-        status, K, G = _prepare(data, n, 8 * dt.itemsize, shift, hdr, words, diffs, exc, exb, lims, st)
+        status, K, G = _prepare(data, n, 8 * dt.itemsize, shift, hdr, *arrays, st)
         if status != -1:
             break
-        if exc.size < hdr[H_NEED_EXC]:
-            exc, exb = sc.array("exc", I64, hdr[H_NEED_EXC]), sc.array("exb", U8, hdr[H_NEED_EXC])
-        if words.size < hdr[H_NEED_WORDS]:
-            words = sc.array("words", U64, hdr[H_NEED_WORDS])
-        if diffs.size < hdr[H_NEED_DIFFS]:
-            diffs = sc.array("diffs", dt, hdr[H_NEED_DIFFS])
+        arrays = sc.grow(dt, hdr, arrays)
+    words, diffs, _, _, lims = arrays
     if status:
         raise FormatError(f"{what}: bad ans block (check {status} failed)")
     _pass_over(_kernel("pass", K, G, native), old, out, lims, st, words, diffs, hasher, what)
@@ -1197,12 +1230,11 @@ def _run_pass(p: Parsed, src: np.ndarray, out: np.ndarray, diffs: np.ndarray, ha
 def _pass_over(run, src, out, lims, st, words, diffs, hasher, what: str) -> None:
     """Run the pass ``run`` over every element: in one call, then hash the result (from cache), or
     slice by slice, each hashed while it is in cache, for a block larger than ``HASH_WHOLE``."""
-    absmask = src.dtype.type((1 << (8 * src.dtype.itemsize - 1)) - 1)
     n = src.size
     chunk = n if hasher is None or n <= HASH_WHOLE else SLICE
     for a in range(0, n, chunk):
         e = min(a + chunk, n)
-        if run(out, src, a, e, lims, st, absmask, words, diffs):
+        if run(out, src, a, e, lims, st, words, diffs):
             raise FormatError(f"{what}: ans block's bucket sizes do not match its base")
         if hasher is not None:
             hasher.update(out[a:e])
