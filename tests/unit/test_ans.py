@@ -233,6 +233,34 @@ def test_an_output_of_another_size_or_dtype_is_refused_before_anything_is_writte
     assert not buf.any()
 
 
+def test_a_new_array_of_another_size_or_dtype_is_refused_by_the_encoder():
+    """The kernels read ``new`` up to ``old``'s end: a shorter one would be read past its end."""
+    rng = np.random.default_rng(8)
+    old = base_of("BF16", 1000, rng)
+    for new in (old[:999].copy(), np.concatenate([old, old[:1]]), old.astype(np.uint32)):
+        with pytest.raises(ValueError, match="differ"):
+            ans.encode_block("BF16", old, new)
+
+
+def test_the_encoder_still_writes_the_committed_golden_payload():
+    """The encoder's bytes are pinned (the decoders' are by tests/unit/test_golden.py): a change meant
+    to keep them (speed work) cannot change a plan, a count or a coder unnoticed while still
+    round-tripping. A change meant to alter them pins the new payload's sha256 here instead, and
+    keeps the committed payload (old payloads must keep decoding)."""
+    import json
+    from pathlib import Path
+
+    import zstandard
+
+    golden = Path(__file__).resolve().parents[1] / "fixtures" / "golden"
+    spec = json.loads((golden / "ans" / "expected.json").read_text())
+    old = np.frombuffer(zstandard.ZstdDecompressor().decompress((golden / spec["base"]).read_bytes()), np.uint8)
+    payload = (golden / "ans" / "payload.bin").read_bytes()
+    new = decode_tensor("BF16", "ans", payload, old, spec["nbytes"])
+    enc = encode_tensor("BF16", new, old, CodecConfig(block_bytes=65536, dense_above=1.0))
+    assert enc.codec == "ans" and enc.payload == payload
+
+
 def test_the_default_delta_codec_is_ans_where_it_applies():
     assert delta_codec("BF16", CodecConfig()) == "ans"
     assert delta_codec("U8", CodecConfig()) == "ans"

@@ -695,17 +695,17 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st):
         head[hp] = kr * 2 + inv
         hp = put_varint(head, hp + 1, rl)
     freq = np.zeros(NSYM, np.int64)
-    st = np.zeros(3, np.int64)
+    eg = np.zeros(3, np.int64)  # the escapes' bit writer
     for g in range(G):  # values: per group, rANS of the symbols in position order, then escapes
         m = nv[g]
         hp = put_varint(head, hp, m)
         if m == 0:
             continue
-        st[:] = 0
+        eg[:] = 0
         sub = body[bp:]
         for e in range(escg[g], escg[g + 1]):
-            put_eg(sub, st, np.int64(esc[e] - np.uint64(NSYM)))
-        flush(sub, st)
+            put_eg(sub, eg, np.int64(esc[e] - np.uint64(NSYM)))
+        flush(sub, eg)
         normalise(counts[g], freq)
         nsym = 0
         for s in range(NSYM):
@@ -715,8 +715,8 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st):
         hp += 1
         for s in range(nsym):
             hp = put_varint(head, hp, freq[s])
-        bp += st[2]
-        hp = put_varint(head, hp, st[2])
+        bp += eg[2]
+        hp = put_varint(head, hp, eg[2])
         rl = rans_encode(syms[g], m, freq, body[bp:])
         bp += rl
         hp = put_varint(head, hp, rl)
@@ -729,7 +729,9 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st):
 @njit(nogil=True)
 def _limits(thr, vthr, shift, tmpl):
     """Bucket and group limits on an element with its sign bit cleared (``tmpl``'s dtype): each
-    threshold's exponent shifted into place, unused ones above every value."""
+    threshold's exponent shifted into place (below the sign bit, as :func:`simd.below_mask64`
+    needs). Unused slots hold the sign bit and are never read: a kernel compares with the first K-1
+    and G-1 only (the vector compare is signed, so that limit would be below every value)."""
     top = 1 << (8 * tmpl.itemsize - 1)
     lim = np.full(MAX_K, top, tmpl.dtype)
     vlim = np.full(MAX_G, top, tmpl.dtype)
@@ -810,6 +812,8 @@ def encode_block(
     elements changed; at most ``k`` buckets. ``split``: (bucket thresholds, group thresholds) to use
     instead of the planned ones (tests and the warm-up reach every pass with it)."""
     old, new = np.ascontiguousarray(old), np.ascontiguousarray(new)  # the kernels load 64 elements at a time
+    if old.shape != new.shape or old.dtype != new.dtype:  # the kernels read both up to old's end
+        raise ValueError(f"ans: old {old.dtype}{list(old.shape)} and new {new.dtype}{list(new.shape)} differ")
     shift, bits = EXPONENT_FIELD.get(dtype, (0, 0))
     width = 8 * old.dtype.itemsize
     thr, vthr = _plan(old, new, shift, bits, k, width) if split is None else (np.asarray(t, np.int64) for t in split)
