@@ -403,6 +403,27 @@ def test_smaller_than_the_zeroth_order_bound_and_than_sparse(lr):
     assert len(enc.payload) < 0.8 * len(plain.payload)
 
 
+def test_a_sampled_block_gets_the_value_groups_its_changes_pay_for():
+    """A block large enough that the plan samples it: 1,500 changes, by 1 unit where the old
+    exponent is 100 and by 5 where it is 120, so two value groups save about a bit a change
+    (about 1,500 bits against a table of 160). The plan must weigh the table at the sample's scale,
+    not the block's; weighed at the block's it takes one group."""
+    rng = np.random.default_rng(18)
+    n = 1 << 20
+    high = rng.random(n) < 0.5
+    old = (np.where(high, 120, 100) << 7 | rng.integers(8, 120, n)).astype(np.uint16)
+    at = rng.choice(n, 1500, replace=False)
+    step = np.where(high[at], 5, 1) * rng.choice([-1, 1], at.size)
+    new = old.copy()
+    new[at] = (old[at].astype(np.int64) + step).astype(np.uint16)
+    data, count = ans.encode_block("BF16", old, new)
+    assert count == at.size and data[7] == 2  # the header's value groups
+    p = ans.Parsed("BF16", memoryview(data), n, old.dtype, "test")
+    one_group, _ = ans.encode_block("BF16", old, new, split=(p.thr, []))
+    assert len(data) < len(one_group) - 100
+    check_round_trip("BF16", old, new, data)
+
+
 def test_rans_round_trips_with_every_frequency_a_symbol_can_have():
     """The encoder's division by a symbol's frequency (a reciprocal, a multiply and shifts) is exact
     for every frequency from 1 to PROB_ONE at every state it meets: symbol 0 takes each frequency in

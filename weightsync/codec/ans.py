@@ -93,6 +93,9 @@ GROUP_DENSITY = 0.05
 CHANGES_PER_BUCKET = 256
 """A bucket or a group is worth its header and model when it holds about this many changes."""
 
+TABLE_BITS = 160.0
+"""What the plan charges a value group for its frequency table (about 20 bytes)."""
+
 CHECK = 4096
 """Elements between the pass's checks that no bucket ran past its bitmap and no value group past its
 differences (each has this much spare)."""
@@ -117,7 +120,8 @@ def _histogram(old, new, shift, fmask, width_bits):
     the changes from every 16th window of 1024 elements, the elements from every 4th of those;
     every element of a block under 1024 words. Windows, not single words, so that the sample is read
     at the memory's streaming speed (a word every 1 KiB costs a cache miss each: 4x slower in all).
-    Returns (elements, changed, symbols, 1)."""
+    Returns (elements, changed, symbols, step): elements and changes scaled to the block, symbols
+    counted in the sample, where each stands for ``step`` changes of the block."""
     n = old.size
     per = np.zeros(fmask + 1, np.float64)
     chp = np.zeros(fmask + 1, np.float64)
@@ -158,7 +162,7 @@ def _histogram(old, new, shift, fmask, width_bits):
         for r in range(4):
             per[x] += scale * hist[r * (fmask + 1) + x]
         per[x] = max(per[x], chp[x])  # the two samples differ: a bin never has more changes than elements
-    return per, chp, sym, 1
+    return per, chp, sym, every
 
 
 @njit(nogil=True)
@@ -230,11 +234,11 @@ def _nlogn(c):
 
 
 @njit(nogil=True)
-def _bits_of(cum, a, b):
-    """Bits of an ideal static code for the symbols counted by ``cum[b] - cum[a]``, plus its table
-    (~20 bytes): t log2 t minus the sum of c log2 c."""
+def _bits_of(cum, a, b, table):
+    """Bits of an ideal static code for the symbols counted by ``cum[b] - cum[a]``, plus its
+    ``table``: t log2 t minus the sum of c log2 c."""
     t = 0
-    h = 160.0
+    h = table
     for s in range(NSYM):
         c = cum[b, s] - cum[a, s]
         t += c
@@ -243,11 +247,12 @@ def _bits_of(cum, a, b):
 
 
 @njit(nogil=True)
-def _split(counts, G):
+def _split(counts, G, table):
     """The value groups: at most G contiguous ranges of the old exponent whose static codes (with
     their tables) are the smallest (dynamic programming over the exponents that have changes);
     returns the thresholds (ascending; a change is in the group of the number of thresholds <= its
-    old exponent). ``counts``: value symbols per old exponent."""
+    old exponent). ``counts``: value symbols per old exponent; ``table``: a group's table in bits,
+    on the scale of ``counts`` (a sample's counts weigh the table less)."""
     tot = np.zeros(counts.shape[0], np.int64)  # counts.sum(axis=1) takes numba 6 us here
     for x in range(counts.shape[0]):
         for s in range(NSYM):
@@ -262,7 +267,7 @@ def _split(counts, G):
     cost = np.full((m + 1, m + 1), 1e300)
     for a in range(m):
         for b in range(a + 1, m + 1):
-            cost[a, b] = _bits_of(cum, a, b)
+            cost[a, b] = _bits_of(cum, a, b, table)
     g = min(G, m)
     dp, arg = _partitions(cost, g)
     best = 1
@@ -291,10 +296,10 @@ def _plan(old, new, shift, bits, kmax, width_bits):
     vthr = np.zeros(0, np.int64)
     if fmask > 0:
         per, chp, vsym, step = _histogram(old, new, shift, fmask, width_bits)
-        est = np.int64(chp.sum()) * step
+        est = np.int64(chp.sum())
         thr = _thresholds(per, chp, min(kmax, max(1, est // CHANGES_PER_BUCKET)))
         gmax = MAX_G if est >= GROUP_DENSITY * old.size else 2
-        vthr = _split(vsym, min(gmax, max(1, est // CHANGES_PER_BUCKET)))
+        vthr = _split(vsym, min(gmax, max(1, est // CHANGES_PER_BUCKET)), TABLE_BITS / step)
     return _padded(thr, MAX_K - 1), _padded(vthr, MAX_G - 1 if vthr.size > 1 else vthr.size)
 
 
