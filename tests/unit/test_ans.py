@@ -124,9 +124,10 @@ def test_the_hash_sees_exactly_the_result(n):
 @pytest.mark.parametrize("density", [0.0, 0.01, 0.07, 0.3, 0.5, 0.93, 1.0])
 @pytest.mark.parametrize("n_b", [1, 5, 63, 64, 65, 128, 5003])
 def test_a_bucket_bitmap_becomes_gaps_and_a_rice_section_that_decodes_to_it(density, n_b):
-    """The encoder's bitmap -> gaps -> Rice section, back through the decoder's Rice reader: words
-    with 0-64 set bits, the inverted coding of dense buckets, every lane remainder, and stale bits
-    past the bucket's last rank (scratch from an earlier block) ignored."""
+    """The encoder's bitmap (the native scan) or list of changed ranks (the portable one) -> gaps ->
+    Rice section, back through the decoder's Rice reader: words with 0-64 set bits, the inverted
+    coding of dense buckets, every lane remainder, and stale bits past the bucket's last rank
+    (scratch from an earlier block) ignored."""
     rng = np.random.default_rng(int(density * 100) + n_b)
     bits = rng.random(n_b) < density
     bits[: min(n_b, 64)] = density >= 0.5  # a whole word set (or clear)
@@ -138,6 +139,8 @@ def test_a_bucket_bitmap_becomes_gaps_and_a_rice_section_that_decodes_to_it(dens
     gaps = ans._gaps_of(words, n_b, c, inv)
     ranks = np.flatnonzero(~bits if inv else bits)
     assert np.array_equal(gaps, np.diff(ranks, prepend=-1) - 1)
+    listed = np.concatenate([np.full(7, 99, np.uint32), np.flatnonzero(bits).astype(np.uint32)])  # at an offset
+    assert np.array_equal(ans._rank_gaps(listed, 7, c, n_b, inv), gaps)
     k = entropy.rice_parameter(gaps)
     section = np.zeros(8 * gaps.size + 64, np.uint8)
     length = entropy.rice_section(gaps, k, section)

@@ -71,20 +71,18 @@ def test_portable_pdep_and_pext_give_the_definitions_bits(mask_density, x_densit
 
 
 @njit
-def _words(xs, ms, dep, ext, byt):
+def _words(xs, ms, dep, byt):
     for i in range(xs.shape[0]):
         x, m = xs[i], ms[i]
         dep[i] = simd.deposit_soft(x[0], m[0], x[1], m[1], x[2], m[2], x[3], m[3])
-        e = simd.extract_soft(x[4], m[0], m[1], m[2], m[3])
         for b in range(4):
-            ext[i, b] = e[b]
             byt[i, b] = simd.pdep_bytes(x[b], m[b])
 
 
 @pytest.mark.parametrize("buckets", [1, 2, 3, 4])
 @pytest.mark.parametrize("density", [0.0, 0.01, 0.05, 0.2, 1.0])
-def test_a_words_buckets_deposited_and_extracted_at_once_give_pdep_and_pext_of_each(buckets, density):
-    """The portable pass deposits (and the scan extracts) every bucket of a word in one call: the
+def test_a_words_buckets_deposited_at_once_give_pdep_of_each(buckets, density):
+    """The portable pass deposits every bucket of a word in one call: the
     buckets' masks split the word (some empty, as the unused ones are), each bucket's bits (with
     bits above its size set too, which must be ignored) go into its members in order. Sparse words
     take the loop over the changes, words with more than ``DENSE`` the byte tables."""
@@ -97,26 +95,23 @@ def test_a_words_buckets_deposited_and_extracted_at_once_give_pdep_and_pext_of_e
     ms = np.zeros((n, 4), np.uint64)
     for b in range(4):
         ms[:, b] = ((owner == b) * BITS).sum(axis=1, dtype=np.uint64)
-    xs = np.stack([masks(rng, n, density) for _ in range(5)], axis=1)
+    xs = np.stack([masks(rng, n, density) for _ in range(4)], axis=1)
     xs[: n // 16, :4] |= ~np.uint64(0) << np.uint64(40)  # high bits past a bucket's size
-    dep, ext, byt = np.empty(n, np.uint64), np.empty((n, 4), np.uint64), np.empty((n, 4), np.uint64)
-    _words(xs, ms, dep, ext, byt)
-    per, pex = np.empty((n, 4), np.uint64), np.empty((n, 4), np.uint64)
+    dep, byt = np.empty(n, np.uint64), np.empty((n, 4), np.uint64)
+    _words(xs, ms, dep, byt)
+    per = np.empty((n, 4), np.uint64)
     for b in range(4):
         _soft(xs[:, b].copy(), ms[:, b].copy(), per[:, b], np.empty(n, np.uint64))
-        _soft(xs[:, 4].copy(), ms[:, b].copy(), np.empty(n, np.uint64), pex[:, b])
     assert np.array_equal(dep, np.bitwise_or.reduce(per, axis=1))
-    assert np.array_equal(byt, per) and np.array_equal(ext, pex)
+    assert np.array_equal(byt, per)
     if simd.HAS_BMI2:  # and against the instructions
-        hdep, hext = np.empty((n, 4), np.uint64), np.empty((n, 4), np.uint64)
+        hdep = np.empty((n, 4), np.uint64)
         for b in range(4):
             _hard(xs[:, b].copy(), ms[:, b].copy(), hdep[:, b], np.empty(n, np.uint64))
-            _hard(xs[:, 4].copy(), ms[:, b].copy(), np.empty(n, np.uint64), hext[:, b])
-        assert np.array_equal(per, hdep) and np.array_equal(pex, hext)
+        assert np.array_equal(per, hdep)
     for i in range(0, n, n // 50):  # and a sample against the definitions
         for b in range(4):
             assert int(per[i, b]) == pdep_ref(int(xs[i, b]), int(ms[i, b]))
-            assert int(pex[i, b]) == pext_ref(int(xs[i, 4]), int(ms[i, b]))
     changes = np.array([bin(int(d)).count("1") for d in dep])
     if density == 0.05:  # both ways through deposit_soft were taken
         assert (changes > simd.DENSE).any() and (changes <= simd.DENSE).any()

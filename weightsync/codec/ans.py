@@ -55,6 +55,7 @@ from weightsync.codec.jit import njit
 from weightsync.codec.registry import register
 from weightsync.codec.simd import (
     ALL,
+    DENSE,
     EXPAND_ADD,
     EXPAND_ADD_SOFT,
     HAS_BMI2,
@@ -65,7 +66,6 @@ from weightsync.codec.simd import (
     compress_zigzag,
     compress_zigzag_soft,
     deposit_soft,
-    extract_soft,
     field_ne_mask64,
     ne_mask64,
     pdep_bmi2,
@@ -405,23 +405,27 @@ def _tail(out, src, a, e, lim, vlim, absmask, words, off, dptr, diffs):
 
 def _scan_source(K: int, G: int, name: str, native: bool) -> str:
     """The encoder's pass over whole words for K buckets and G value groups, state in locals: per
-    64 elements, the changed mask (a vector compare of old and new), K-1 compares give the buckets,
-    ``pext`` takes each bucket's changed flags in rank order into its bitmap (the portable kind: all
-    buckets' in one call; one bucket: the flags are the changes); G-1 compares give
-    the value groups, and the zigzag codes of the changes are compress-stored into their group's
-    stream; the changes that move their element to another bucket or group are listed (for the
-    backward decode)."""
+    64 elements, the changed mask (a vector compare of old and new), K-1 compares give the buckets;
+    the native kind ``pext``-s each bucket's changed flags in rank order into its bitmap (one
+    bucket: the flags are the changes), the portable kind lists each change's rank in its bucket
+    (its bucket's members before the word, plus a ``popcount`` of its bucket's mask below it);
+    G-1 compares give the value groups, and the zigzag codes of the changes are compress-stored
+    into their group's stream; the changes that move their element to another bucket or group are
+    listed (for the backward decode)."""
     r, rg = range(K), range(G)
     L = [f"def {name}(old, new, thr, vthr, shift, bits, raw, st):"]
     L += ["    fm = (1 << bits) - 1", "    lim, vlim = _limits(thr, vthr, shift, old[:0])"]
     L += ["    blut, glut = _lut(thr, fm), _lut(vthr, fm)", "    absmask, field = _masks(old, shift, fm)"]
     L += [
-        f"    bmap, vals, exc, stride = _views(raw, old, {K})",
+        f"    bmap, vals, exc, stride, rk, cap = _views(raw, old, {K})",
         "    v0, v1, v2, v3 = vals[0], vals[1], vals[2], vals[3]",
     ]
     L += [f"    l{t} = lim[{t}]" for t in range(K - 1)] + [f"    u{t} = vlim[{t}]" for t in range(G - 1)]
-    L += [f"    a{b} = ZERO" for b in r] + [f"    n{b} = ZERO" for b in r]
-    L += [f"    w{b} = np.uint64({b} * stride)" for b in r]
+    if native:
+        L += [f"    a{b} = ZERO" for b in r] + [f"    n{b} = ZERO" for b in r]
+        L += [f"    w{b} = np.uint64({b} * stride)" for b in r]
+    else:  # each bucket's members so far and its changes listed
+        L += [f"    r{b} = ZERO" for b in r] + [f"    c{b} = {b} * cap" for b in r]
     L += [f"    k{g} = 0" for g in rg] + [
         "    ne = 0",
         "    for w in range(old.size // 64):",
@@ -430,7 +434,8 @@ def _scan_source(K: int, G: int, name: str, native: bool) -> str:
     L += ["        c = ne_mask64(old, new, base)"]
     L += [f"        b_m{t} = below_mask64(old, base, absmask, l{t})" for t in range(K - 1)]
     L += _regions("b", K, "        ")
-    L += [f"        f{b} = ZERO" for b in r]
+    if native:
+        L += [f"        f{b} = ZERO" for b in r]
     L += ["        if c != ZERO:"]
     L += [f"            g_m{t} = below_mask64(old, base, absmask, u{t})" for t in range(G - 1)]
     L += _regions("g", G, "            ")
@@ -446,23 +451,49 @@ def _scan_source(K: int, G: int, name: str, native: bool) -> str:
     ]
     L += ["                if blut[eo] != blut[en] or glut[eo] != glut[en]:"]
     L += ["                    exc[ne] = i", "                    ne += 1"]
-    if K == 1:  # the one bucket holds every element: its flags are the changes
-        L += ["            f0 = c"]
-    elif native:
-        L += [f"            f{b} = _pext(c, b{b})" for b in r]
-    else:  # all buckets at once (unused ones empty)
-        fs = ", ".join(f"f{b}" if b < K else "_" for b in range(MAX_K))
-        args = ", ".join(f"b{b}" if b < K else "ZERO" for b in range(MAX_K))
-        L += [f"            {fs} = _extract(c, {args})"]
-    for b in r:  # append the bucket's flags to its bitmap; the word is stored every time (branch-free)
-        L += [f"        p = popcount(b{b})", f"        word = a{b} | (f{b} << n{b})", f"        bmap[w{b}] = word"]
-        L += [f"        t = n{b} + p", "        adv = np.uint64(t >= W64)", f"        w{b} += adv"]
+    if native:
+        if K == 1:  # the one bucket holds every element: its flags are the changes
+            L += ["            f0 = c"]
+        else:
+            L += [f"            f{b} = _pext(c, b{b})" for b in r]
+        for b in r:  # append the bucket's flags to its bitmap; the word is stored every time (branch-free)
+            L += [f"        p = popcount(b{b})", f"        word = a{b} | (f{b} << n{b})", f"        bmap[w{b}] = word"]
+            L += [f"        t = n{b} + p", "        adv = np.uint64(t >= W64)", f"        w{b} += adv"]
+            L += [
+                f"        a{b} = word if adv == ZERO else (f{b} >> ONE) >> (M63 - n{b})",
+                f"        n{b} = t - (adv << SIX)",
+            ]
+        L += [f"    st[{E_ACC + b}] = np.int64(a{b})" for b in r]
+        L += [f"    st[{E_NACC + b}] = np.int64(n{b})" for b in r]
+        L += [f"    st[{E_WPOS + b}] = np.int64(w{b}) - {b} * stride" for b in r]
+    elif K == 1:  # the one bucket holds every element: a rank is a position
+        L += ["            y = c", "            while y != ZERO:"]
         L += [
-            f"        a{b} = word if adv == ZERO else (f{b} >> ONE) >> (M63 - n{b})",
-            f"        n{b} = t - (adv << SIX)",
+            "                rk[c0] = np.uint32(r0 + trailing_zeros(y))",
+            "                c0 += 1",
+            "                y &= y - ONE",
         ]
-    L += [f"    st[{E_ACC + b}] = np.int64(a{b})" for b in r] + [f"    st[{E_NACC + b}] = np.int64(n{b})" for b in r]
-    L += [f"    st[{E_WPOS + b}] = np.int64(w{b}) - {b} * stride" for b in r]
+        L += ["        r0 += W64"]
+    else:  # a word of a few changes: one loop for all buckets, each change's bucket chosen without a
+        # branch; of many: a loop per bucket (fewer operations a change, a mispredicted exit each)
+        L += ["            if popcount(c) > DENSE:"]
+        for b in r:
+            L += [f"                y = c & b{b}", "                while y != ZERO:"]
+            L += [f"                    rk[c{b}] = np.uint32(r{b} + popcount(b{b} & ((y & (ZERO - y)) - ONE)))"]
+            L += [f"                    c{b} += 1", "                    y &= y - ONE"]
+        L += ["            else:", "                y = c", "                while y != ZERO:"]
+        L += ["                    j = trailing_zeros(y)", "                    below = (y & (ZERO - y)) - ONE"]
+        L += ["                    y &= y - ONE", "                    m, rr, at = b0, r0, c0"]
+        for b in range(1, K):
+            L += [f"                    s{b} = np.int64((b{b} >> j) & ONE)"]
+            L += [f"                    if s{b}:", f"                        m, rr, at = b{b}, r{b}, c{b}"]
+        L += ["                    rk[at] = np.uint32(rr + popcount(m & below))"]
+        L += ["                    c0 += 1 - " + " - ".join(f"s{b}" for b in range(1, K))]
+        L += [f"                    c{b} += s{b}" for b in range(1, K)]
+        L += [f"        r{b} += popcount(b{b})" for b in r]
+    if not native:
+        L += [f"    st[{E_MEMB + b}] = np.int64(r{b})" for b in r]
+        L += [f"    st[{E_NCH + b}] = c{b} - {b} * cap" for b in r]
     L += [f"    st[{E_NV + g}] = k{g}" for g in rg] + [f"    st[{E_NES}] = ne"]
     return "\n".join(L) + "\n"
 
@@ -476,9 +507,10 @@ _KERNELS_LOCK = threading.Lock()
 def _kernel(kind: str, K: int, G: int, native: bool = NATIVE):
     """The pass ``kind`` (``"pass"``: decoding, ``"scan"``: encoding) for K buckets and G value groups,
     of the native kind (BMI2's ``pdep``/``pext``, vector expand-loads and compress-stores) or the
-    portable one (work per change, not per member: :data:`weightsync.codec.simd.NATIVE`); their
-    generated sources differ only in the deposit or extract line, and the helpers bound into them
-    differ. Generated and compiled on first use, then kept.
+    portable one (work per change, not per member: :data:`weightsync.codec.simd.NATIVE`); the
+    passes' generated sources differ only in the deposit line, the scans' in how they keep the
+    changes' ranks (bitmaps by ``pext``, or lists), and the helpers bound into them differ.
+    Generated and compiled on first use, then kept.
     The source is compiled as if it were in this file, under a name of its own: numba's cache
     (:mod:`weightsync.codec.jit`) then keys it by its bytecode and this package's stamp like any
     kernel here, and a warm cache loads it instead of compiling (about 1 s each). The native kind
@@ -500,7 +532,7 @@ def _kernel(kind: str, K: int, G: int, native: bool = NATIVE):
                 if native:
                     ns.update(_pdep=pdep_bmi2, _pext=pext_bmi2, _expand_add=EXPAND_ADD[G], _compress=compress_zigzag)
                 else:
-                    ns.update(_deposit=deposit_soft, _extract=extract_soft, _expand_add=EXPAND_ADD_SOFT[G])
+                    ns.update(_deposit=deposit_soft, _expand_add=EXPAND_ADD_SOFT[G])
                     ns.update(_compress=compress_zigzag_soft)
                 exec(compile(source, __file__, "exec"), ns)  # noqa: S102 - our own generated source
                 _KERNELS[key] = njit(nogil=True)(ns[name])
@@ -517,6 +549,7 @@ _GENERATED_GLOBALS = dict(
     M63=np.uint64(63),
     W64=np.uint64(64),
     CHECK=CHECK,
+    DENSE=DENSE,
     below_mask64=below_mask64,
     ne_mask64=ne_mask64,
     field_ne_mask64=field_ne_mask64,
@@ -571,16 +604,46 @@ def _gaps_of(words, n_b, c, inv):
 
 
 @njit(nogil=True)
-def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st):
+def _rank_gaps(rk, off, c, n_b, inv):
+    """The gaps a bucket's Rice section codes, from its ``c`` changed ranks among ``n_b``
+    (ascending, at ``rk[off:]``): between them, or between its unchanged ranks (``inv``: each such
+    gap counts the changed ranks since the unchanged rank before)."""
+    if not inv:
+        gaps = np.empty(c, np.uint64)
+        prev = ~ZERO  # rank -1
+        for i in range(c):
+            r = np.uint64(rk[off + i])
+            gaps[i] = r - prev - ONE
+            prev = r
+        return gaps
+    gaps = np.zeros(n_b - c + 1, np.uint64)  # one spare: the store below runs one past the last
+    j = 0  # unchanged ranks seen: the gap of the next one is gaps[j]
+    nxt = 0  # the lowest rank not yet seen
+    run = ZERO  # changed ranks since the last unchanged one
+    for i in range(c):  # without a branch: a dense bucket's runs are short and irregular
+        r = np.int64(rk[off + i])
+        gaps[j] = run  # final when unchanged ranks nxt .. r - 1 lie before r (the others' gaps are 0)
+        seen = r - nxt
+        j += seen
+        run = run * np.uint64(seen == 0) + ONE
+        nxt = r + 1
+    gaps[j] = run  # the unchanged rank after the last changed one, if any
+    return gaps[: n_b - c]
+
+
+@njit(nogil=True)
+def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st, ranks):
     """The block from the pass over its whole words (:func:`_scan_source`: its arrays in ``raw``, its
-    state in ``st``): the last, partial word, then the header and sections."""
+    state in ``st``; ``ranks``: the scan listed ranks, the portable kind, rather than bitmaps): the
+    last, partial word, then the header and sections."""
     n = old.size
     fmask = (1 << bits) - 1
     K = thr.size + 1
     G = vthr.size + 1
-    bmap, vals, exc, stride = _views(raw, old, K)
+    bmap, vals, exc, stride, rk, cap = _views(raw, old, K)
     acc = st[E_ACC : E_ACC + K].view(np.uint64)
     nacc, wpos, nv = st[E_NACC : E_NACC + K], st[E_WPOS : E_WPOS + K], st[E_NV : E_NV + G]
+    memb, nch = st[E_MEMB : E_MEMB + K], st[E_NCH : E_NCH + K]
     gvt = _lut(vthr, fmask)  # value group by exponent
     lut = _lut(thr, fmask)
     ne = st[E_NES]
@@ -597,6 +660,12 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st):
             eo = (np.int64(old[i]) >> shift) & fmask
             en = (np.int64(new[i]) >> shift) & fmask
             bm[lut[eo]] |= ONE << jj
+            if ranks:
+                b = lut[eo]
+                if ch:
+                    rk[b * cap + nch[b]] = memb[b]
+                    nch[b] += 1
+                memb[b] += 1
             if ch:
                 g = gvt[eo]
                 s_ = np.int64(np.uint64(new[i] - old[i]) << sh) >> np.int64(sh)
@@ -605,7 +674,7 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st):
                 if lut[en] != lut[eo] or gvt[en] != g:
                     exc[ne] = i
                     ne += 1
-        for b in range(K):  # append the bucket's flags (one per member, in order) to its bitmap
+        for b in range(0 if ranks else K):  # append the bucket's flags (one per member, in order) to its bitmap
             m = bm[b]
             p = np.int64(popcount(m))
             flags = pext_soft(c, m)  # once per block: the portable one
@@ -626,6 +695,9 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st):
     cnt = np.zeros(K, np.int64)
     cb = np.zeros(K, np.int64)
     for b in range(K):
+        if ranks:
+            cnt[b], cb[b] = memb[b], nch[b]
+            continue
         bmap[b * stride + wpos[b]] = acc[b]
         bmap[b * stride + wpos[b] + 1] = ZERO
         cnt[b] = 64 * wpos[b] + nacc[b]
@@ -693,7 +765,10 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st):
         if c == 0:
             continue
         inv = 2 * c > cnt[b]
-        gaps = _gaps_of(bmap[b * stride : (b + 1) * stride], cnt[b], c, inv)
+        if ranks:
+            gaps = _rank_gaps(rk, b * cap, c, cnt[b], inv)
+        else:
+            gaps = _gaps_of(bmap[b * stride : (b + 1) * stride], cnt[b], c, inv)
         kr = rice_parameter(gaps)
         rl = rice_section(gaps, kr, body[bp:])
         bp += rl
@@ -757,8 +832,10 @@ def _masks(tmpl, shift, fmask):
 
 
 # The encoder's state between its pass and the rest of the block (int64): each bucket's bit
-# accumulator (its bits), bit count and words written; each group's change count; the exceptions.
+# accumulator (its bits), bit count and words written (the native scan's bitmaps), or its members
+# and its changes listed (the portable scan's ranks); each group's change count; the exceptions.
 E_ACC, E_NACC, E_WPOS, E_NV, E_NES = 0, MAX_K, 2 * MAX_K, 3 * MAX_K, 3 * MAX_K + MAX_G
+E_MEMB, E_NCH = E_ACC, E_NACC
 E_LEN = E_NES + 1
 
 
@@ -766,32 +843,36 @@ E_LEN = E_NES + 1
 def _layout(n, K, itemsize):
     """Where the encoder's arrays for a block of ``n`` elements and K buckets start in its scratch
     (bytes, each 64-byte aligned), and their end: each bucket's changed flags over its ranks
-    (uint64 words, K * ``n // 64 + 4``); the zigzag codes of each group's changes, in order (MAX_G
-    rows of n + 64); the changes that move their element to another bucket or group (n + 1 int64)."""
-    sizes = (8 * K * (n // 64 + 4), MAX_G * (n + 64) * itemsize, 8 * (n + 1))
+    (uint64 words, K * ``n // 64 + 4``: the native scan); the zigzag codes of each group's changes,
+    in order (MAX_G rows of n + 64); the changes that move their element to another bucket or
+    group (n + 1 int64); each bucket's changed ranks (uint32, K rows of n + 64: the portable scan)."""
+    sizes = (8 * K * (n // 64 + 4), MAX_G * (n + 64) * itemsize, 8 * (n + 1), 4 * K * (n + 64))
     s0 = 0
     s1 = s0 + (sizes[0] + 63) // 64 * 64
     s2 = s1 + (sizes[1] + 63) // 64 * 64
-    return s0, s1, s2, s2 + sizes[2]
+    s3 = s2 + (sizes[2] + 63) // 64 * 64
+    return s0, s1, s2, s3, s3 + sizes[3]
 
 
 @njit(nogil=True)
 def _views(raw, tmpl, K):
     """The encoder's arrays in its scratch (:func:`_layout`): bitmaps, zigzag codes (MAX_G rows),
-    exceptions, and the bitmaps' stride per bucket."""
+    exceptions, the bitmaps' stride per bucket, ranks, and the ranks' stride per bucket."""
     n = tmpl.size
-    s0, s1, s2, end = _layout(n, K, tmpl.itemsize)
+    s0, s1, s2, s3, end = _layout(n, K, tmpl.itemsize)
     vals = raw[s1 : s1 + MAX_G * (n + 64) * tmpl.itemsize].view(tmpl.dtype).reshape(MAX_G, n + 64)
-    return raw[s0:s1].view(np.uint64), vals, raw[s2:end].view(np.int64), n // 64 + 4
+    exc = raw[s2 : s2 + 8 * (n + 1)].view(np.int64)
+    return raw[s0:s1].view(np.uint64), vals, exc, n // 64 + 4, raw[s3:end].view(np.uint32), n + 64
 
 
 class _Scratch(threading.local):
     """Each thread's buffers for the encoder's pass, kept from block to block. A fresh array this
     large is mapped anew, and each of its pages costs a fault when first written: on the machine
     the benchmarks ran on (2.5 us a fault) the scan of the 2.03 GiB pair's 4 MiB tensors took 1.6-1.7x
-    as long with fresh arrays. A thread keeps what its largest block needed: 16.5 bytes of address
-    space per BF16 element (24.5 per F32), of which the bitmaps' eighth to half a byte and what
-    the changes wrote are resident."""
+    as long with fresh arrays. A thread keeps what its largest block needed: 32.5 bytes of address
+    space per BF16 element (40.5 per F32), of which what the scan wrote is resident: the bitmaps'
+    eighth to half a byte an element (the native kind) or 4 bytes a change (the portable kind's
+    ranks), and the changes' codes and exceptions."""
 
     def __init__(self) -> None:
         self.raw = np.empty(0, np.uint8)  # 64-byte aligned
@@ -800,7 +881,7 @@ class _Scratch(threading.local):
     def take(self, n: int, K: int, itemsize: int) -> tuple[np.ndarray, np.ndarray]:
         """This thread's scratch for a block of ``n`` elements and K buckets (uninitialised; the
         pass makes its arrays in it, :func:`_views`), and its state array."""
-        end = _layout(n, K, itemsize)[3]
+        end = _layout(n, K, itemsize)[4]
         if self.raw.size < end:  # grown to what this block needs (in MiB), plus the alignment
             raw = np.empty(-(-end // (1 << 20)) * (1 << 20) + 64, np.uint8)
             self.raw = raw[(-raw.ctypes.data) % 64 :]  # ctypes costs microseconds: once
@@ -827,7 +908,7 @@ def encode_block(
     # two calls, arrays made in numba: Python-side glue cost about 25 us a block (the trajectory's 127
     # tensors: 5% of their encode)
     _kernel("scan", K, G, native)(old, new, thr, vthr, shift, bits, raw, st)
-    data, changed = _encode(old, new, shift, bits, width, thr, vthr, raw, st)
+    data, changed = _encode(old, new, shift, bits, width, thr, vthr, raw, st, not native)
     return data.tobytes(), changed
 
 

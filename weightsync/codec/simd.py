@@ -5,8 +5,9 @@ compares and, with AVX-512 VBMI2, to ``vpexpand``/``vpcompress``; elsewhere to s
 still correct but tests each of the 64 lanes. ``pdep``/``pext`` are BMI2 instructions, microcoded on
 AMD CPUs before Zen 3. So the kernels come in two kinds that produce the same bits: the native one
 (the instructions and intrinsics) where both are fast (:data:`NATIVE`), and the portable one, whose
-deposit and extract (all of a word's buckets in one call), expand-add and compress-store take a
-step per change of a delta's sparse masks, or table steps per byte for a word of many changes.
+deposit (all of a word's buckets in one call), expand-add and compress-store take a step per
+change of a delta's sparse masks, or table steps per byte for a word of many changes (the portable
+scan lists each change's rank in its bucket instead of extracting, :mod:`weightsync.codec.ans`).
 """
 
 from __future__ import annotations
@@ -182,32 +183,6 @@ def pext_soft(x, m):
         out |= ONE << popcount(m & (low - ONE))
         y ^= low
     return out
-
-
-@njit(nogil=True, inline="always")
-def extract_soft(x, m0, m1, m2, m3):
-    """``(pext(x, m0), .., pext(x, m3))`` for disjoint masks (a word's buckets; an unused one is 0),
-    the portable kind: one loop over the set bits of ``x`` in the masks, each setting its rank in
-    its bucket's order, all buckets' side by side in one word."""
-    p0, p1, p2 = popcount(m0), popcount(m1), popcount(m2)
-    q1 = p0  # where each bucket's bits start in v
-    q2 = q1 + p1
-    q3 = q2 + p2
-    y = x & (m0 | m1 | m2 | m3)
-    v = ZERO
-    while y != ZERO:
-        j = trailing_zeros(y)
-        y &= y - ONE
-        m, q = m0, ZERO  # the bucket of bit j, without a branch
-        if (m1 >> j) & ONE:
-            m, q = m1, q1
-        if (m2 >> j) & ONE:
-            m, q = m2, q2
-        if (m3 >> j) & ONE:
-            m, q = m3, q3
-        v |= ONE << (q + popcount(m & ((ONE << j) - ONE)))
-    sh1, sh2, sh3 = q1 & np.uint64(63), q2 & np.uint64(63), q3 & np.uint64(63)  # 64: an empty bucket
-    return v & _low(p0), (v >> sh1) & _low(p1), (v >> sh2) & _low(p2), (v >> sh3) & _low(popcount(m3))
 
 
 def _host() -> tuple[str, dict]:
