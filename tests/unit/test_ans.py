@@ -245,6 +245,12 @@ def test_a_new_array_of_another_size_or_dtype_is_refused_by_the_encoder():
             ans.encode_block("BF16", old, new)
 
 
+def test_a_block_over_the_formats_limit_is_refused_before_it_is_read():
+    huge = np.broadcast_to(np.zeros(1, np.uint8), (ans.MAX_BLOCK + 1,))  # no memory behind it
+    with pytest.raises(ValueError, match="at most 2"):
+        ans.encode_block("U8", huge, huge)
+
+
 def test_the_encoder_still_writes_the_committed_golden_payload():
     """The encoder's bytes are pinned (the decoders' are by tests/unit/test_golden.py): a change meant
     to keep them (speed work) cannot change a plan, a count or a coder unnoticed while still

@@ -96,6 +96,9 @@ CHANGES_PER_BUCKET = 256
 TABLE_BITS = 160.0
 """What the plan charges a value group for its frequency table (about 20 bytes)."""
 
+MAX_BLOCK = 1 << 31
+"""Elements a block may hold (the payload's limit; the scan keeps ranks in 32 bits)."""
+
 CHECK = 4096
 """Elements between the pass's checks that no bucket ran past its bitmap and no value group past its
 differences (each has this much spare)."""
@@ -897,6 +900,8 @@ def encode_block(
     """The block coding ``new`` against ``old`` (unsigned views of ``dtype``'s width), and how many
     elements changed; at most ``k`` buckets. ``split``: (bucket thresholds, group thresholds) to use
     instead of the planned ones (tests and the warm-up reach every pass with it)."""
+    if old.size > MAX_BLOCK:  # the format's limit (docs/FORMAT.md): ranks and counts are 32-bit
+        raise ValueError(f"ans: a block holds at most 2^31 elements, not {old.size}")
     old, new = np.ascontiguousarray(old), np.ascontiguousarray(new)  # the kernels load 64 elements at a time
     if old.shape != new.shape or old.dtype != new.dtype:  # the kernels read both up to old's end
         raise ValueError(f"ans: old {old.dtype}{list(old.shape)} and new {new.dtype}{list(new.shape)} differ")
