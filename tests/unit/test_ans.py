@@ -93,7 +93,7 @@ def test_every_pass_round_trips(dtype, buckets, groups):
     new = changed(old, 0.05, rng)
     thresholds = [118, 120, 120]  # exponents of weights near 0.02 lie around 120
     data, _ = ans.encode_block(dtype, old, new, split=(thresholds[: buckets - 1], [119, 121, 121][: groups - 1]))
-    assert (data[4], data[7]) == (buckets, groups)
+    assert (data[4] & ~ans.EXC_CODED, data[7]) == (buckets, groups)
     check_round_trip(dtype, old, new, data)
 
 
@@ -254,8 +254,8 @@ def test_a_block_over_the_formats_limit_is_refused_before_it_is_read():
 def test_the_encoder_still_writes_the_committed_golden_payload():
     """The encoder's bytes are pinned (the decoders' are by tests/unit/test_golden.py): a change meant
     to keep them (speed work) cannot change a plan, a count or a coder unnoticed while still
-    round-tripping. A change meant to alter them pins the new payload's sha256 here instead, and
-    keeps the committed payload (old payloads must keep decoding)."""
+    round-tripping. A change meant to alter them commits the new payload beside the old ones, which
+    must keep decoding (``payload.bin`` is the first layout, ``payload2.bin`` today's)."""
     import json
     from pathlib import Path
 
@@ -264,10 +264,13 @@ def test_the_encoder_still_writes_the_committed_golden_payload():
     golden = Path(__file__).resolve().parents[1] / "fixtures" / "golden"
     spec = json.loads((golden / "ans" / "expected.json").read_text())
     old = np.frombuffer(zstandard.ZstdDecompressor().decompress((golden / spec["base"]).read_bytes()), np.uint8)
-    payload = (golden / "ans" / "payload.bin").read_bytes()
+    payload = (golden / "ans" / "payload2.bin").read_bytes()
     new = decode_tensor("BF16", "ans", payload, old, spec["nbytes"])
     enc = encode_tensor("BF16", new, old, CodecConfig(block_bytes=65536, dense_above=1.0))
     assert enc.codec == "ans" and enc.payload == payload
+    first = (golden / "ans" / "payload.bin").read_bytes()  # the first layout of the same step: larger
+    assert np.array_equal(decode_tensor("BF16", "ans", first, old, spec["nbytes"]), new)
+    assert len(first) > len(payload)
 
 
 def test_the_default_delta_codec_is_ans_where_it_applies():
@@ -392,6 +395,99 @@ def test_escapes_beyond_the_element_width_are_refused():
             bad[i] = v
             refused += _decode_or_refuse("U8", bytes(bad), old) is None
     assert refused > 0
+
+
+def _varint_at(data: bytes, pos: int) -> tuple[int, int]:
+    v = shift = 0
+    while True:
+        b = data[pos]
+        v |= (b & 0x7F) << shift
+        pos, shift = pos + 1, shift + 7
+        if b < 0x80:
+            return v, pos
+
+
+def _tables(data: bytes) -> dict[str, list[int]]:
+    """Where a block's header keeps its exception list's order byte (``"list"``, empty for the first
+    layout or no exceptions) and each value group's symbol-count byte (``"groups"``)."""
+    K, G = data[4] & ~ans.EXC_CODED, data[7]
+    ne, pos = _varint_at(data, 8 + K - 1 + G - 1)
+    at: dict[str, list[int]] = {"list": [], "groups": []}
+    if data[4] & ans.EXC_CODED:
+        at["list"].append(pos)
+        length, pos = _varint_at(data, pos + 1)
+        pos += length
+    else:
+        for _ in range(ne):
+            _, pos = _varint_at(data, pos)
+        pos += ne
+    for _ in range(K):
+        _, pos = _varint_at(data, pos)
+        c, pos = _varint_at(data, pos)
+        if c:
+            _, pos = _varint_at(data, pos + 1)
+    for _ in range(G):
+        m, pos = _varint_at(data, pos)
+        if m:
+            at["groups"].append(pos)
+            pos += 1
+            for _ in range((data[pos - 1] & 31) + 2):  # its frequencies, E_g and A_g
+                pos = _varint_at(data, pos)[1]
+    return at
+
+
+def test_large_escapes_are_coded_with_a_higher_order():
+    """4,000 bytes moved by 100 (zigzag 200: escapes of 184): Exp-Golomb of order 0 takes 15 bits an
+    escape, of order 6 nine. Against the same positions moved by 1 (no escapes), the escapes'
+    block is about 9 bits an escape larger, and its group's byte names the order."""
+    rng = np.random.default_rng(8)
+    old = base_of("U8", 200_000, rng)
+    at = rng.choice(old.size, 4000, replace=False)
+    far, near = old.copy(), old.copy()
+    far[at] += np.uint8(100)
+    near[at] += np.uint8(1)
+    big, small = ans.encode_block("U8", old, far)[0], ans.encode_block("U8", old, near)[0]
+    check_round_trip("U8", old, far, big)
+    assert 4000 * 8 / 8 < len(big) - len(small) < 4000 * 10 / 8
+    (g,) = _tables(big)["groups"]
+    (h,) = _tables(small)["groups"]
+    assert big[g] >> 5 == 6 and small[h] >> 5 == 0  # no escapes: order 0
+
+
+def test_a_changed_escape_order_or_exception_list_is_refused_or_decodes_to_other_bytes():
+    """The orders are read as strictly as the rest: an escape order in a group without escapes, an
+    exception list's order over EXC_ORDER, or a coded list flag on a block without exceptions is
+    refused; another order decodes to other bytes (the checksum's to catch) or is refused."""
+    rng = np.random.default_rng(9)
+    old = base_of("BF16", 60_000, rng)
+    new = changed(old, 0.05, rng)
+    data, _ = ans.encode_block("BF16", old, new)
+    at = _tables(data)
+    assert data[4] & ans.EXC_CODED and at["list"] and at["groups"]
+    bad = bytearray(data)
+    bad[at["list"][0]] = ans.EXC_ORDER + 1
+    assert _decode_or_refuse("BF16", bytes(bad), old) is None
+    for order in range(ans.EXC_ORDER + 1):
+        if order != data[at["list"][0]]:  # the list is read by the backward decode only
+            bad[at["list"][0]] = order
+            back = _decode_or_refuse("BF16", bytes(bad), new, backward=True)
+            assert back is None or not np.array_equal(back, old)
+    for g in at["groups"]:
+        for order in range(8):
+            if order != data[g] >> 5:
+                bad = bytearray(data)
+                bad[g] = (data[g] & 31) | order << 5
+                out = _decode_or_refuse("BF16", bytes(bad), old)
+                assert out is None or not np.array_equal(out, new)
+    step = old.copy()
+    step[::97] += np.uint16(1)  # by one unit: no escapes
+    plain = ans.encode_block("BF16", old, step, split=([], []))[0]  # one bucket and group: no exceptions
+    (g,) = _tables(plain)["groups"]
+    assert not plain[4] & ans.EXC_CODED and plain[g] & 31 < 16  # no escape symbol
+    for where, bit in ((4, ans.EXC_CODED), (g, 1 << 5)):
+        bad = bytearray(plain)
+        bad[where] |= bit
+        assert _decode_or_refuse("BF16", bytes(bad), old) is None
 
 
 @pytest.mark.parametrize("lr", [1e-6, 1e-5])

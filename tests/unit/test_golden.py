@@ -192,16 +192,18 @@ def test_fixture_is_untouched_by_the_tests():
 @pytest.mark.parametrize("codec", ["ac", "ans"])
 def test_committed_entropy_coded_payload_still_decodes(codec):
     """The entropy coders' byte layouts must not drift: a payload made when the codec was added (2
-    blocks of a bf16 tensor) must decode to the recorded bytes; ``ans``'s backward too."""
+    blocks of a bf16 tensor) must decode to the recorded bytes; ``ans``'s backward too, and so must
+    ``ans``'s payload of the same step in its second layout (coded exception lists, escape orders)."""
     import zstandard
 
     d = GOLDEN / codec
     spec = json.loads((d / "expected.json").read_text())
     base = GOLDEN / spec.get("base", f"{codec}/old.bin.zst")
     old = np.frombuffer(zstandard.ZstdDecompressor().decompress(base.read_bytes()), dtype=np.uint8)
-    payload = (d / "payload.bin").read_bytes()
-    out = decode_tensor(spec["dtype"], spec["codec"], payload, old, spec["nbytes"])
-    assert hashlib.sha256(out.tobytes()).hexdigest() == spec["sha256_new"]
-    assert np.count_nonzero(out.view("<u2") != old.view("<u2")) == spec["changed"]
-    if registry.get(codec).invertible:  # ans: backward too
-        assert np.array_equal(decode_tensor_backward(spec["dtype"], codec, payload, out, spec["nbytes"]), old)
+    for name in spec.get("payloads", ["payload.bin"]):  # ans: its first layout and today's
+        payload = (d / name).read_bytes()
+        out = decode_tensor(spec["dtype"], spec["codec"], payload, old, spec["nbytes"])
+        assert hashlib.sha256(out.tobytes()).hexdigest() == spec["sha256_new"], name
+        assert np.count_nonzero(out.view("<u2") != old.view("<u2")) == spec["changed"]
+        if registry.get(codec).invertible:  # ans: backward too
+            assert np.array_equal(decode_tensor_backward(spec["dtype"], codec, payload, out, spec["nbytes"]), old)

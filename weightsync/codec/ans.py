@@ -38,12 +38,14 @@ from weightsync.codec.entropy import (
     NSYM,
     PROB_ONE,
     clean_end,
-    flush,
+    eg_bits,
+    eg_order,
+    eg_section,
     get_eg,
     get_varint,
     normalise,
     padded_words,
-    put_eg,
+    peek,
     put_varint,
     rans_decode,
     rans_encode,
@@ -67,6 +69,7 @@ from weightsync.codec.simd import (
     compress_zigzag_soft,
     deposit_soft,
     field_ne_mask64,
+    leading_zeros,
     ne_mask64,
     pdep_bmi2,
     pext_bmi2,
@@ -109,7 +112,17 @@ SLICE = max(64, (SLICE_BYTES // 2) // 64 * 64)
 HASH_WHOLE = 1 << 20
 """Blocks of up to this many elements are decoded in one call, then hashed (from cache)."""
 
-_HEAD = 8  # u32 changed count, u8 buckets, u8 shift, u8 bits, u8 groups
+_HEAD = 8  # u32 changed count, u8 buckets (| EXC_CODED), u8 shift, u8 bits, u8 groups
+
+EXC_CODED = 0x80
+"""Set in the header's buckets byte: the exception list is Exp-Golomb codes and 4-bit contexts in a
+bit section (else varints and a byte each, as the first payloads wrote it)."""
+
+EXC_ORDER = 24
+"""The highest order of the exception list's Exp-Golomb codes (gaps are below 2^31)."""
+
+ESC_ORDER = 7
+"""The highest order of a value group's escape codes (3 bits of its symbol-count byte)."""
 
 TWO, THREE, FOUR, W64 = np.uint64(2), np.uint64(3), np.uint64(4), np.uint64(64)
 
@@ -731,15 +744,15 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st, ranks):
             for j in range(nv[g]):
                 z = np.uint64(vals[g, j])
                 if z >= np.uint64(NSYM):
-                    esc[nesc] = z
+                    esc[nesc] = z - np.uint64(NSYM)
                     nesc += 1
         escg[g + 1] = nesc
-    head = np.zeros(64 + 16 * K + 64 * G + 6 * ne, np.uint8)
+    head = np.zeros(64 + 16 * K + 64 * G + 14 * ne, np.uint8)  # an exception: at most 100 bits
     head[0] = k & 0xFF
     head[1] = (k >> 8) & 0xFF
     head[2] = (k >> 16) & 0xFF
     head[3] = (k >> 24) & 0xFF
-    head[4] = K
+    head[4] = K | (EXC_CODED if ne else 0)
     head[5] = shift
     head[6] = bits
     head[7] = G
@@ -751,14 +764,22 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st, ranks):
         head[hp] = vthr[t]
         hp += 1
     hp = put_varint(head, hp, ne)
-    prevp = -1
-    for j in range(ne):
-        hp = put_varint(head, hp, exc[j] - prevp - 1)
-        prevp = exc[j]
-    for j in range(ne):
-        eo = (np.int64(old[exc[j]]) >> shift) & fmask
-        head[hp] = lut[eo] << 4 | gvt[eo]
-        hp += 1
+    if ne:  # the exceptions: Exp-Golomb codes of their gaps, each followed by its old bucket and group
+        gaps = np.empty(ne, np.uint64)
+        prevp = -1
+        for j in range(ne):
+            gaps[j] = exc[j] - prevp - 1
+            prevp = exc[j]
+        h0 = 63 - np.int64(leading_zeros(np.uint64(n // ne) + ONE))  # about log2 of the mean gap
+        hx = eg_order(gaps, max(0, min(EXC_ORDER, h0) - 7))  # the best order is below log2 of the mean
+        nbits = eg_bits(gaps, hx)
+        head[hp] = hx
+        hp = put_varint(head, hp + 1, (nbits + 4 * ne + 7) // 8)
+        tags = np.empty(ne, np.uint8)
+        for j in range(ne):
+            eo = (np.int64(old[exc[j]]) >> shift) & fmask
+            tags[j] = lut[eo] << 2 | gvt[eo]
+        hp += eg_section(gaps, hx, tags, 4, head[hp:])
     body = np.empty(64 * K + 64 * G + 12 * k + 16 * nesc + 64 * LANES * K, np.uint8)
     bp = 0
     for b in range(K):  # positions: per bucket, Rice codes of rank gaps
@@ -778,28 +799,25 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st, ranks):
         head[hp] = kr * 2 + inv
         hp = put_varint(head, hp + 1, rl)
     freq = np.zeros(NSYM, np.int64)
-    eg = np.zeros(3, np.int64)  # the escapes' bit writer
     for g in range(G):  # values: per group, rANS of the symbols in position order, then escapes
         m = nv[g]
         hp = put_varint(head, hp, m)
         if m == 0:
             continue
-        eg[:] = 0
-        sub = body[bp:]
-        for e in range(escg[g], escg[g + 1]):
-            put_eg(sub, eg, np.int64(esc[e] - np.uint64(NSYM)))
-        flush(sub, eg)
+        mine = esc[escg[g] : escg[g + 1]]
+        eh = eg_order(mine, 0) if mine.size else 0  # 0..ESC_ORDER
+        el = eg_section(mine, eh, mine, 0, body[bp:])
         normalise(counts[g], freq)
         nsym = 0
         for s in range(NSYM):
             if freq[s]:
                 nsym = s + 1
-        head[hp] = nsym
+        head[hp] = nsym | eh << 5
         hp += 1
         for s in range(nsym):
             hp = put_varint(head, hp, freq[s])
-        bp += eg[2]
-        hp = put_varint(head, hp, eg[2])
+        bp += el
+        hp = put_varint(head, hp, el)
         rl = rans_encode(syms[g], m, freq, body[bp:])
         bp += rl
         hp = put_varint(head, hp, rl)
@@ -948,7 +966,8 @@ def _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb):
     if data.size < 8:
         return 1
     c = np.int64(data[0]) | np.int64(data[1]) << 8 | np.int64(data[2]) << 16 | np.int64(data[3]) << 24
-    K = np.int64(data[4])
+    K = np.int64(data[4]) & ~EXC_CODED
+    coded = (np.int64(data[4]) & EXC_CODED) != 0
     bits = np.int64(data[6])
     G = np.int64(data[7])
     if not (1 <= K <= MAX_K and 1 <= G <= MAX_G and 0 < c <= n and bits <= 8) or (bits == 0 and K + G != 2):
@@ -970,26 +989,48 @@ def _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb):
             return 4
     pos += K + G - 2
     ne, pos = get_varint(data, pos)
-    if ne < 0 or ne > c:
+    if ne < 0 or ne > c or (coded and (ne == 0 or pos >= data.size or data[pos] > EXC_ORDER)):
         return 5
     hdr[H_NE] = ne
     if exc.size < ne or exb.size < ne:
         hdr[H_NEED_EXC] = ne
         return -1
     p = -1
-    for j in range(ne):
-        g, pos = get_varint(data, pos)
-        if g < 0 or p + g + 1 >= n:
+    if coded:  # Exp-Golomb codes of the gaps, each followed by 4 bits: old bucket << 2 | old group
+        hx = np.int64(data[pos])
+        xl, pos = get_varint(data, pos + 1)
+        if xl < 0 or pos + xl > data.size:
             return 6
-        p += g + 1
-        exc[j] = p
-    if data.size < pos + ne:
-        return 6
-    for j in range(ne):
-        exb[j] = data[pos + j]
-        if (exb[j] >> 4) >= K or (exb[j] & 15) >= G:
+        sec = padded_words(data, pos, xl)
+        bp = 0
+        for j in range(ne):
+            g, bp = get_eg(sec, bp, 8 * xl - 4, hx)
+            if g < 0 or p + g + 1 >= n:
+                return 6
+            p += g + 1
+            exc[j] = p
+            t = np.int64(peek(sec, bp) & np.uint64(15))
+            bp += 4
+            exb[j] = (t >> 2) << 4 | (t & 3)
+            if (t >> 2) >= K or (t & 3) >= G:
+                return 6
+        if not clean_end(sec, bp, xl):
             return 6
-    pos += ne
+        pos += xl
+    else:  # varint gaps, then a byte each: old bucket << 4 | old group
+        for j in range(ne):
+            g, pos = get_varint(data, pos)
+            if g < 0 or p + g + 1 >= n:
+                return 6
+            p += g + 1
+            exc[j] = p
+        if data.size < pos + ne:
+            return 6
+        for j in range(ne):
+            exb[j] = data[pos + j]
+            if (exb[j] >> 4) >= K or (exb[j] & 15) >= G:
+                return 6
+        pos += ne
     nb = hdr[H_NB : H_NB + K]
     cb = np.zeros(K, np.int64)
     kr = np.zeros(K, np.int64)
@@ -1015,6 +1056,7 @@ def _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb):
         return 9
     mg = np.zeros(G, np.int64)  # differences per group
     freq = np.zeros((G, NSYM), np.int64)
+    order = np.zeros(G, np.int64)  # of the escape codes
     elen = np.zeros(G, np.int64)
     rlen = np.zeros(G, np.int64)
     for g in range(G):
@@ -1025,7 +1067,8 @@ def _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb):
             continue
         if pos >= data.size:
             return 10
-        nsym = np.int64(data[pos])
+        nsym = np.int64(data[pos]) & 31
+        order[g] = np.int64(data[pos]) >> 5
         pos += 1
         if nsym < 1 or nsym > NSYM:
             return 10
@@ -1037,7 +1080,7 @@ def _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb):
             s += freq[g, q]
         elen[g], pos = get_varint(data, pos)
         rlen[g], pos = get_varint(data, pos)
-        if s != PROB_ONE or elen[g] < 0 or rlen[g] < 0:
+        if s != PROB_ONE or elen[g] < 0 or rlen[g] < 0 or (order[g] > 0 and freq[g, NSYM - 1] == 0):
             return 10
     if pos + blen.sum() + elen.sum() + rlen.sum() != data.size:
         return 11
@@ -1083,7 +1126,7 @@ def _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb):
         if freq[g, NSYM - 1]:  # escapes left zero differences (no change has one): their codes, in order
             for j in range(dstart[g], dstart[g + 1]):
                 if diffs[j] == 0:
-                    v, bp = get_eg(esec, bp, 8 * elen[g])
+                    v, bp = get_eg(esec, bp, 8 * elen[g], order[g])
                     if v < 0 or np.uint64(v) > zmax - np.uint64(NSYM):
                         return 14
                     z = np.uint64(v) + np.uint64(NSYM)

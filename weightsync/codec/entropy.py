@@ -16,7 +16,10 @@ from __future__ import annotations
 import numpy as np
 
 from weightsync.codec.jit import njit
-from weightsync.codec.simd import ALL, ONE, ZERO, store64, trailing_zeros
+from weightsync.codec.simd import ALL, ONE, ZERO, leading_zeros, store64, trailing_zeros
+
+TWO, THREE, FOUR, FIVE, SIX, SEVEN, EIGHT = (np.uint64(i) for i in range(2, 9))
+M8 = np.uint64(0xFF)
 
 LANES = 4
 """Interleaved Rice streams per section, and rANS states per section."""
@@ -58,28 +61,6 @@ def get_varint(data, pos):
 
 
 @njit(nogil=True, inline="always")
-def _put(buf, st, value, nbits):
-    """Append the low ``nbits`` (<= 32) of ``value`` to a bit stream, LSB first; ``st`` = [accumulator,
-    bits held, bytes written]."""
-    st[0] |= (value & ((1 << nbits) - 1)) << st[1]
-    st[1] += nbits
-    while st[1] >= 8:
-        buf[st[2]] = st[0] & 0xFF
-        st[2] += 1
-        st[0] >>= 8
-        st[1] -= 8
-
-
-@njit(nogil=True)
-def flush(buf, st):
-    if st[1] > 0:
-        buf[st[2]] = st[0] & 0xFF
-        st[2] += 1
-    st[0] = 0
-    st[1] = 0
-
-
-@njit(nogil=True, inline="always")
 def peek(words, pos):
     """64 bits of a stream (as uint64 words, padded with a zero word) from bit ``pos``."""
     q = pos >> 6
@@ -103,37 +84,102 @@ def clean_end(sec, bp, length):
     return bp == limit or (peek(sec, bp) & ((ONE << np.uint64(limit - bp)) - ONE)) == ZERO
 
 
+@njit(nogil=True, inline="always")
+def _bits(out, p, acc, nacc, value, n):
+    """Append the ``n`` (<= 56 - ``nacc``) low bits of ``value`` to a stream at byte ``p`` of ``out``
+    whose last ``nacc`` < 8 bits wait in ``acc``; returns the new (p, acc, nacc)."""
+    acc |= (value & ((ONE << n) - ONE)) << nacc
+    nacc += n
+    while nacc >= EIGHT:
+        out[p] = np.uint8(acc & M8)
+        p += 1
+        acc >>= EIGHT
+        nacc -= EIGHT
+    return p, acc, nacc
+
+
 @njit(nogil=True)
-def put_eg(buf, st, v):
-    """Exp-Golomb (order 0) of v >= 0, LSB first: n ones, a zero, then the n bits of v + 1 below its top bit."""
-    x = v + 1
-    n = 0
-    while (x >> (n + 1)) != 0:
-        n += 1
-    _put(buf, st, (1 << n) - 1, n + 1)
-    if n > 16:
-        _put(buf, st, x & 0xFFFF, 16)
-        _put(buf, st, (x >> 16) & ((1 << (n - 16)) - 1), n - 16)
-    elif n:
-        _put(buf, st, x & ((1 << n) - 1), n)
+def eg_section(vals, h, tags, tag_bits, out):
+    """Exp-Golomb codes of order ``h`` (<= 31) of ``vals`` (uint64, each below 2^32 << h) into ``out``
+    (uint8), least significant bit first: the order-0 code of ``v >> h`` (n ones, a zero, then the n
+    bits of ``(v >> h) + 1`` below its top bit), then the ``h`` low bits of v, then the ``tag_bits``
+    (<= 8) low bits of ``tags[j]`` (none read for 0). Returns the bytes written; the last byte's
+    unused bits are zero. ``out`` holds at least (2 * 32 + 1 + h + tag_bits) / 8 + 1 bytes a value.
+    One call a section: a helper taking arrays costs a reference count per call."""
+    hh = np.uint64(h)
+    tb = np.uint64(tag_bits)
+    p = 0
+    acc = nacc = ZERO
+    for j in range(vals.size):
+        v = vals[j]
+        x = (v >> hh) + ONE
+        n = np.uint64(63) - leading_zeros(x)
+        p, acc, nacc = _bits(out, p, acc, nacc, (ONE << n) - ONE, n + ONE)
+        p, acc, nacc = _bits(out, p, acc, nacc, x, n)
+        p, acc, nacc = _bits(out, p, acc, nacc, v, hh)
+        if tag_bits:
+            p, acc, nacc = _bits(out, p, acc, nacc, np.uint64(tags[j]), tb)
+    if nacc:
+        out[p] = np.uint8(acc & M8)
+        p += 1
+    return p
 
 
 @njit(nogil=True, inline="always")
-def get_eg(words, pos, limit):
-    """Returns (value, new position), or (-1, pos) for a code that does not fit or runs past ``limit``."""
+def get_eg(words, pos, limit, h):
+    """The Exp-Golomb code of order ``h`` (<= 24: values below 2^57) at bit ``pos``: (value, new
+    position), or (-1, pos) for a code that does not fit or runs past ``limit``. A code of up to 64
+    bits is read from one peek: its prefix, then the n bits below the top of ``(v >> h) + 1`` and
+    the h low bits of v as one field."""
     w = peek(words, pos)
     n = np.int64(trailing_zeros(~w))
     if n > 32:
         return -1, pos
-    pos += n + 1
-    x = np.int64(1) << n
-    if n > 0:
-        lo = np.int64(peek(words, pos) & ((ONE << np.uint64(n)) - ONE))
-        x |= lo
-        pos += n
+    m = n + h  # the field's bits
+    if n + 1 + m <= 64:
+        f = np.int64((w >> np.uint64(n + 1)) & ((ONE << np.uint64(m)) - ONE))
+    else:  # long: the field from a second peek
+        f = np.int64(peek(words, pos + n + 1) & ((ONE << np.uint64(m)) - ONE))
+    pos += n + 1 + m
     if pos > limit:
         return -1, pos
-    return x - 1, pos
+    hi = (np.int64(1) << n) | (f & ((np.int64(1) << n) - 1))  # (v >> h) + 1
+    return ((hi - 1) << h) | (f >> n), pos
+
+
+@njit(nogil=True)
+def eg_order(vals, lo):
+    """The order in ``lo..lo + 7`` (``lo`` <= 56) whose Exp-Golomb codes of ``vals`` (uint64) take
+    the fewest bits: one pass, the eight costs summed in registers."""
+    c0 = c1 = c2 = c3 = c4 = c5 = c6 = c7 = np.int64(0)
+    h = np.uint64(lo)
+    for j in range(vals.size):
+        v = vals[j] >> h
+        c0 += np.int64(leading_zeros(v + ONE))
+        c1 += np.int64(leading_zeros((v >> ONE) + ONE))
+        c2 += np.int64(leading_zeros((v >> TWO) + ONE))
+        c3 += np.int64(leading_zeros((v >> THREE) + ONE))
+        c4 += np.int64(leading_zeros((v >> FOUR) + ONE))
+        c5 += np.int64(leading_zeros((v >> FIVE) + ONE))
+        c6 += np.int64(leading_zeros((v >> SIX) + ONE))
+        c7 += np.int64(leading_zeros((v >> SEVEN) + ONE))
+    # a code of order h is 2 (63 - leading zeros) + 1 + h bits: the fewest bits, the most zeros less h / 2
+    best, most = 0, np.int64(-1) << 62
+    for q, c in enumerate((c0, c1, c2, c3, c4, c5, c6, c7)):
+        score = 2 * c - vals.size * q
+        if score > most:
+            best, most = q, score
+    return lo + best
+
+
+@njit(nogil=True)
+def eg_bits(vals, h):
+    """Bits of the Exp-Golomb codes of order ``h`` of ``vals`` (uint64)."""
+    bits = np.int64(0)
+    hh = np.uint64(h)
+    for j in range(vals.size):
+        bits += 2 * (63 - np.int64(leading_zeros((vals[j] >> hh) + ONE))) + 1 + h
+    return bits
 
 
 # --- Rice codes (positions) ------------------------------------------------------------------------

@@ -31,7 +31,7 @@ def _int_intrinsic(name: str, nargs: int):
 
     def codegen(context, builder, signature, args):
         i64 = ir.IntType(64)
-        if name == "llvm.cttz":
+        if name in ("llvm.cttz", "llvm.ctlz"):
             fnty = ir.FunctionType(i64, [i64, ir.IntType(1)])
             fn = builder.module.declare_intrinsic(name, [i64], fnty)
             return builder.call(fn, [args[0], ir.Constant(ir.IntType(1), 0)])
@@ -49,6 +49,12 @@ def _int_intrinsic(name: str, nargs: int):
 def trailing_zeros(typingctx, x):
     """Index of the lowest set bit of a uint64 (64 for zero): LLVM's cttz, one instruction."""
     return types.uint64(types.uint64), _int_intrinsic("llvm.cttz", 1)
+
+
+@intrinsic
+def leading_zeros(typingctx, x):
+    """Zero bits above the highest set bit of a uint64 (64 for zero): LLVM's ctlz, one instruction."""
+    return types.uint64(types.uint64), _int_intrinsic("llvm.ctlz", 1)
 
 
 @intrinsic
