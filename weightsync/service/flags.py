@@ -277,13 +277,14 @@ def add_encoding_args(p: argparse.ArgumentParser, environ: Mapping[str, str] | N
         choices=CODERS,
         default=CodecConfig.coder,
         help="the entropy coder of deltas: 'ans' (default; decodes at 0.5-0.95x the speed of 'sparse', by CPU) or 'ac' "
-        "(payloads ~0.93x the size, 3.5-7.4x slower to decode, 2.4-5x slower to encode; docs/DESIGN.md)",
+        "(payloads 0.95x the size at lr 1e-6, 0.985x at 1e-5; 3.5-7.4x slower to decode, 2.4-5x slower to encode; "
+        "docs/DESIGN.md)",
     )
     add(
         "--fast-codec",
         action="store_true",
-        help="code deltas with 'sparse' instead of the entropy coder: about 1.5x faster to encode than 'ans', "
-        "no faster to decode, ~1.44x larger",
+        help="code deltas with 'sparse' instead of the entropy coder: 1.3-1.6x faster to encode than 'ans', "
+        "1.05-1.7x faster to decode (the more where pdep is slow), ~1.47x larger",
     )
     add("--concurrency", type=int, default=32, help="chunks in flight (default 32)")
     add(
