@@ -454,10 +454,42 @@ def test_large_escapes_are_coded_with_a_higher_order():
     assert big[g] >> 5 == 6 and small[h] >> 5 == 0  # no escapes: order 0
 
 
+def _eg_bits(values: np.ndarray, order: int) -> int:
+    """Bits of the Exp-Golomb codes of ``values`` of order ``order``, from docs/FORMAT.md's definition."""
+    x = (values.astype(np.int64) >> order) + 1
+    return int((2 * np.floor(np.log2(x)).astype(np.int64) + 1 + order).sum())
+
+
+@pytest.mark.parametrize("clustered", [False, True])
+def test_the_exception_list_takes_the_order_that_codes_its_gaps_in_the_fewest_bits(clustered):
+    """Checked against every order to EXC_ORDER. Clustered exceptions (a run of neighbours crossing
+    an exponent boundary, and one far away) have gaps of 0 and one large: their best order is 0,
+    far below log2 of the mean gap, where a search near the mean would not look."""
+    rng = np.random.default_rng(11)
+    old = base_of("BF16", 200_000, rng)
+    new = changed(old, 0.03, rng)
+    if clustered:
+        new = old.copy()
+        run = np.arange(1000, 1400)
+        old[run] = np.uint16(121 << 7 | 127)  # the top of exponent 121: +1 moves it to 122
+        new[run] = old[run] + np.uint16(1)
+        old[150_000] = np.uint16(121 << 7 | 127)
+        new[150_000] = old[150_000] + np.uint16(1)
+    data, _ = ans.encode_block("BF16", old, new, split=([122], []))
+    p = ans.Parsed("BF16", memoryview(data), old.size, old.dtype, "test")
+    gaps = np.diff(np.concatenate([[-1], p.exc])) - 1
+    costs = [_eg_bits(gaps, o) for o in range(ans.EXC_ORDER + 1)]
+    (at,) = _tables(data)["list"]
+    assert p.exc.size > 1 and costs[data[at]] == min(costs)
+    assert (data[at] == 0) if clustered else (data[at] > 0)
+    check_round_trip("BF16", old, new, data)
+
+
 def test_a_changed_escape_order_or_exception_list_is_refused_or_decodes_to_other_bytes():
     """The orders are read as strictly as the rest: an escape order in a group without escapes, an
     exception list's order over EXC_ORDER, or a coded list flag on a block without exceptions is
-    refused; another order decodes to other bytes (the checksum's to catch) or is refused."""
+    refused; on this block another order decodes to other bytes (the checksum's to catch) or is
+    refused (a code whose last bits are zero can read the same under two orders: not here)."""
     rng = np.random.default_rng(9)
     old = base_of("BF16", 60_000, rng)
     new = changed(old, 0.05, rng)

@@ -38,7 +38,6 @@ from weightsync.codec.entropy import (
     NSYM,
     PROB_ONE,
     clean_end,
-    eg_bits,
     eg_order,
     eg_section,
     get_eg,
@@ -69,7 +68,6 @@ from weightsync.codec.simd import (
     compress_zigzag_soft,
     deposit_soft,
     field_ne_mask64,
-    leading_zeros,
     ne_mask64,
     pdep_bmi2,
     pext_bmi2,
@@ -770,9 +768,11 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st, ranks):
         for j in range(ne):
             gaps[j] = exc[j] - prevp - 1
             prevp = exc[j]
-        h0 = 63 - np.int64(leading_zeros(np.uint64(n // ne) + ONE))  # about log2 of the mean gap
-        hx = eg_order(gaps, max(0, min(EXC_ORDER, h0) - 7))  # the best order is below log2 of the mean
-        nbits = eg_bits(gaps, hx)
+        hx, nbits = eg_order(gaps, 0)
+        for lo in (8, 16, EXC_ORDER - 7):  # every order to 24: the best is not always near log2 of the mean gap
+            o, ob = eg_order(gaps, lo)
+            if ob < nbits:
+                hx, nbits = o, ob
         head[hp] = hx
         hp = put_varint(head, hp + 1, (nbits + 4 * ne + 7) // 8)
         tags = np.empty(ne, np.uint8)
@@ -805,7 +805,7 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st, ranks):
         if m == 0:
             continue
         mine = esc[escg[g] : escg[g + 1]]
-        eh = eg_order(mine, 0) if mine.size else 0  # 0..ESC_ORDER
+        eh = eg_order(mine, 0)[0] if mine.size else 0  # 0..ESC_ORDER
         el = eg_section(mine, eh, mine, 0, body[bp:])
         normalise(counts[g], freq)
         nsym = 0

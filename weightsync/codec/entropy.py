@@ -149,8 +149,9 @@ def get_eg(words, pos, limit, h):
 
 @njit(nogil=True)
 def eg_order(vals, lo):
-    """The order in ``lo..lo + 7`` (``lo`` <= 56) whose Exp-Golomb codes of ``vals`` (uint64) take
-    the fewest bits: one pass, the eight costs summed in registers."""
+    """(order, bits): the order in ``lo..lo + 7`` (``lo`` <= 56) whose Exp-Golomb codes of ``vals``
+    (uint64) take the fewest bits (the lowest of equals), and those bits: one pass, the eight costs
+    summed in registers."""
     c0 = c1 = c2 = c3 = c4 = c5 = c6 = c7 = np.int64(0)
     h = np.uint64(lo)
     for j in range(vals.size):
@@ -163,23 +164,13 @@ def eg_order(vals, lo):
         c5 += np.int64(leading_zeros((v >> FIVE) + ONE))
         c6 += np.int64(leading_zeros((v >> SIX) + ONE))
         c7 += np.int64(leading_zeros((v >> SEVEN) + ONE))
-    # a code of order h is 2 (63 - leading zeros) + 1 + h bits: the fewest bits, the most zeros less h / 2
+    # order lo + q costs size * (127 + lo + q) - 2 c_q bits: the fewest is the largest 2 c_q - size * q
     best, most = 0, np.int64(-1) << 62
     for q, c in enumerate((c0, c1, c2, c3, c4, c5, c6, c7)):
         score = 2 * c - vals.size * q
         if score > most:
             best, most = q, score
-    return lo + best
-
-
-@njit(nogil=True)
-def eg_bits(vals, h):
-    """Bits of the Exp-Golomb codes of order ``h`` of ``vals`` (uint64)."""
-    bits = np.int64(0)
-    hh = np.uint64(h)
-    for j in range(vals.size):
-        bits += 2 * (63 - np.int64(leading_zeros((vals[j] >> hh) + ONE))) + 1 + h
-    return bits
+    return lo + best, vals.size * (127 + lo) - most
 
 
 # --- Rice codes (positions) ------------------------------------------------------------------------
