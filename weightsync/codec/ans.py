@@ -770,9 +770,10 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st, ranks):
             prevp = exc[j]
         hx, nbits = eg_order(gaps, 0)
         for lo in (8, 16, EXC_ORDER - 7):  # every order to 24: the best is not always near log2 of the mean gap
-            o, ob = eg_order(gaps, lo)
-            if ob < nbits:
-                hx, nbits = o, ob
+            if nbits > ne * (1 + lo):  # else no order from lo can win: each of its codes is over lo bits
+                o, ob = eg_order(gaps, lo)
+                if ob < nbits:
+                    hx, nbits = o, ob
         head[hp] = hx
         hp = put_varint(head, hp + 1, (nbits + 4 * ne + 7) // 8)
         tags = np.empty(ne, np.uint8)
