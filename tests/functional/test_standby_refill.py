@@ -156,11 +156,14 @@ def test_an_idle_subscriber_copies_the_current_version_into_an_empty_standby(set
     target = tmp_path / "t"
     sub = daemons("subscriber", ["--store", store, "--target", target, "--no-fsync", "--standby-hold", 3600])
     sub.wait_version(0)
-    wait_for(lambda: seeded(target, "b", 0), 20, "a copy of version 0 in slot b")
+    # the copy's state is written before the daemon checks the served files and takes the slot as
+    # its standby; the log line comes after both
+    wait_for(
+        lambda: seeded(target, "b", 0) and "seeded the standby slot" in sub.log(), 20, "a copy of version 0 in slot b"
+    )
     a, b = shard(target, "a").stat(), shard(target, "b").stat()
     assert a.st_ino != b.st_ino and a.st_nlink == b.st_nlink == 1
     assert weightsync.verify(store, target / "slots" / "b", 0) == 0
-    assert "seeded the standby slot" in sub.log()
     last = publish_and_sync(store, traj, sub, target, 1)
     assert last["in_place"] is True and last["from_version"] == 0
     assert shard(target, "b").stat().st_ino == b.st_ino  # the copy itself was rewritten
