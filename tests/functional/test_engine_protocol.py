@@ -59,9 +59,10 @@ class FakeRank:
             if msg["op"] == "none":
                 continue
             after = msg["seq"]
+            if msg["op"] == "prepare":  # the folder before the event: a test that saw the event reads it
+                self.folders.append(msg["folder"])
             self.events.append((time.monotonic(), msg["op"], msg["txn"], msg["version"]))
             if msg["op"] == "prepare":
-                self.folders.append(msg["folder"])
                 threading.Thread(target=self._prepare, args=(msg,), daemon=True).start()
             elif msg["op"] == "apply":
                 self.version = msg["version"]

@@ -244,8 +244,12 @@ def test_the_daemon_stays_degraded_across_a_restart_and_the_api_waits_for_the_ho
     assert sub.stop() == 0
     sub.args = [a for a in sub.args if a not in ("--version", "0")]  # the stored target (latest) from here
     sub.start()  # the record says failed: the engine is told again at start-up, degraded until it answers
-    wait_for(lambda: len(e.calls) == 4, 20, f"the hook to be called after the restart\n{sub.log()}")
-    doc = sub.status()
+    # the hook's task starts before the loop's first iteration, which sets the state: wait for both
+    doc = wait_for(
+        lambda: len(e.calls) == 4 and (d := sub.status())["state"] != "starting" and d,
+        20,
+        f"the hook to be called after the restart\n{sub.log()}",
+    )
     assert doc["state"] == "degraded" and doc["hook"]["state"] == "retrying", doc
     assert "swap hook of version 1 is being retried: RuntimeError: HTTP 503" in doc["reason"], doc
     wait_for(lambda: sub.status()["state"] == "serving", 20, f"the hook to succeed after the restart\n{sub.log()}")

@@ -66,7 +66,8 @@ def test_a_hung_store_is_logged_shown_and_exported_and_pending_checkpoints_stay_
         sub.wait_version(1, timeout=60)
         for d in (pub, sub):
             wait_for(lambda d=d: d.status()["state"] != "stalled" and gauge(d) == 0, 30, f"the end\n{d.log()}")
-            assert "stalled store request ended: GET s3://" in d.log()
+            # the watch thread sets the gauge, then logs
+            wait_for(lambda d=d: "stalled store request ended: GET s3://" in d.log(), 10, "the end's log line")
             assert re.search(r"^weightsync_store_stalls_total\{[^}]*\} [1-9]", d.get("/metrics")[1], re.M)
         assert pub.status()["head_version"] == 1 and pub.status()["pending"] == []
 
