@@ -424,8 +424,9 @@ def _scan_source(K: int, G: int, name: str, native: bool) -> str:
     bucket: the flags are the changes), the portable kind lists each change's rank in its bucket
     (its bucket's members before the word, plus a ``popcount`` of its bucket's mask below it);
     G-1 compares give the value groups, and the zigzag codes of the changes are compress-stored
-    into their group's stream; the changes that move their element to another bucket or group are
-    listed (for the backward decode)."""
+    into their group's stream (the portable kind stores those of a word of few changes in its
+    ranks' loop); the changes that move their element to another bucket or group are listed (for
+    the backward decode)."""
     r, rg = range(K), range(G)
     L = [f"def {name}(old, new, thr, vthr, shift, bits, raw, st):"]
     L += ["    fm = (1 << bits) - 1", "    lim, vlim = _limits(thr, vthr, shift, old[:0])"]
@@ -438,8 +439,9 @@ def _scan_source(K: int, G: int, name: str, native: bool) -> str:
     if native:
         L += [f"    a{b} = ZERO" for b in r] + [f"    n{b} = ZERO" for b in r]
         L += [f"    w{b} = np.uint64({b} * stride)" for b in r]
-    else:  # each bucket's members so far and its changes listed
+    else:  # each bucket's members so far and its changes listed; the groups' codes as one array
         L += [f"    r{b} = ZERO" for b in r] + [f"    c{b} = {b} * cap" for b in r]
+        L += ["    row = old.size + 64", f"    vf = vals.reshape({MAX_G} * row)", "    zs = 64 - 8 * old.itemsize"]
     L += [f"    k{g} = 0" for g in rg] + [
         "    ne = 0",
         "    for w in range(old.size // 64):",
@@ -453,9 +455,11 @@ def _scan_source(K: int, G: int, name: str, native: bool) -> str:
     L += ["        if c != ZERO:"]
     L += [f"            g_m{t} = below_mask64(old, base, absmask, u{t})" for t in range(G - 1)]
     L += _regions("g", G, "            ")
+    compress = []
     for g in rg:
-        L += [f"            g{g} &= c", f"            _compress(old, new, base, v{g}, k{g}, g{g})"]
-        L += [f"            k{g} += np.int64(popcount(g{g}))"]
+        compress += [f"g{g} &= c", f"_compress(old, new, base, v{g}, k{g}, g{g})", f"k{g} += np.int64(popcount(g{g}))"]
+    if native:
+        L += ["            " + line for line in compress]
     # a change can move its element to another bucket or group only if its exponent changed (rare)
     L += ["            x = field_ne_mask64(old, new, base, field)", "            while x != ZERO:"]
     L += ["                i = base + np.int64(trailing_zeros(x))", "                x &= x - ONE"]
@@ -480,19 +484,14 @@ def _scan_source(K: int, G: int, name: str, native: bool) -> str:
         L += [f"    st[{E_ACC + b}] = np.int64(a{b})" for b in r]
         L += [f"    st[{E_NACC + b}] = np.int64(n{b})" for b in r]
         L += [f"    st[{E_WPOS + b}] = np.int64(w{b}) - {b} * stride" for b in r]
-    elif K == 1:  # the one bucket holds every element: a rank is a position
-        L += ["            y = c", "            while y != ZERO:"]
-        L += [
-            "                rk[c0] = np.uint32(r0 + trailing_zeros(y))",
-            "                c0 += 1",
-            "                y &= y - ONE",
-        ]
-        L += ["        r0 += W64"]
-    else:  # a word of a few changes: one loop for all buckets, each change's bucket chosen without a
-        # branch; of many: a loop per bucket (fewer operations a change, a mispredicted exit each)
+    else:  # a word of many changes: a loop per bucket and per group (fewer operations a change, a
+        # mispredicted exit each); of a few: one loop, each change's bucket and group chosen without a
+        # branch, its rank listed and its code stored (one exit a word, not one per bucket and group)
         L += ["            if popcount(c) > DENSE:"]
+        L += ["                " + line for line in compress]
         for b in r:
-            L += [f"                y = c & b{b}", "                while y != ZERO:"]
+            y = "c" if K == 1 else f"c & b{b}"
+            L += [f"                y = {y}", "                while y != ZERO:"]
             L += [f"                    rk[c{b}] = np.uint32(r{b} + popcount(b{b} & ((y & (ZERO - y)) - ONE)))"]
             L += [f"                    c{b} += 1", "                    y &= y - ONE"]
         L += ["            else:", "                y = c", "                while y != ZERO:"]
@@ -502,8 +501,16 @@ def _scan_source(K: int, G: int, name: str, native: bool) -> str:
             L += [f"                    s{b} = np.int64((b{b} >> j) & ONE)"]
             L += [f"                    if s{b}:", f"                        m, rr, at = b{b}, r{b}, c{b}"]
         L += ["                    rk[at] = np.uint32(rr + popcount(m & below))"]
-        L += ["                    c0 += 1 - " + " - ".join(f"s{b}" for b in range(1, K))]
+        L += ["                    c0 += 1" + "".join(f" - s{b}" for b in range(1, K))]
         L += [f"                    c{b} += s{b}" for b in range(1, K)]
+        L += ["                    i = base + np.int64(j)"]
+        L += ["                    d = np.int64(np.uint64(new[i] - old[i]) << zs) >> np.int64(zs)"]
+        for g in range(1, G):
+            L += [f"                    t{g} = np.int64((g{g} >> j) & ONE)"]
+        L += ["                    kv = k0" + "".join(f" + t{g} * ({g} * row + k{g} - k0)" for g in range(1, G))]
+        L += ["                    vf[kv] = (d << 1) ^ (d >> 63)"]
+        L += ["                    k0 += 1" + "".join(f" - t{g}" for g in range(1, G))]
+        L += [f"                    k{g} += t{g}" for g in range(1, G)]
         L += [f"        r{b} += popcount(b{b})" for b in r]
     if not native:
         L += [f"    st[{E_MEMB + b}] = np.int64(r{b})" for b in r]
