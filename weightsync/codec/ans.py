@@ -417,6 +417,13 @@ def _tail(out, src, a, e, lim, vlim, absmask, words, off, dptr, diffs):
             out[i] = x
 
 
+def _exception(indent: str, o: str, x: str) -> list[str]:
+    """Lines listing element ``i`` (old value ``o``, new ``x``) if its bucket or group changed."""
+    L = [f"eo = (np.int64({o}) >> shift) & fm", f"en = (np.int64({x}) >> shift) & fm"]
+    L += ["if blut[eo] != blut[en] or glut[eo] != glut[en]:", "    exc[ne] = i", "    ne += 1"]
+    return [indent + line for line in L]
+
+
 def _scan_source(K: int, G: int, name: str, native: bool) -> str:
     """The encoder's pass over whole words for K buckets and G value groups, state in locals: per
     64 elements, the changed mask (a vector compare of old and new), K-1 compares give the buckets;
@@ -453,22 +460,22 @@ def _scan_source(K: int, G: int, name: str, native: bool) -> str:
     if native:
         L += [f"        f{b} = ZERO" for b in r]
     L += ["        if c != ZERO:"]
-    L += [f"            g_m{t} = below_mask64(old, base, absmask, u{t})" for t in range(G - 1)]
-    L += _regions("g", G, "            ")
-    compress = []
+    # the word's values by group (compress-stores), and the exceptions: a change can move its element
+    # to another bucket or group only if its exponent changed (rare). The portable kind does both
+    # change by change in a word of few changes; with more than 2 groups it takes their masks for
+    # every changed word (a group chosen per change from 3 thresholds slowed the scan 3-4% at lr 1e-5)
+    masks = [f"g_m{t} = below_mask64(old, base, absmask, u{t})" for t in range(G - 1)] + _regions("g", G, "")
+    scalar = G <= 2
+    values = masks if native or scalar else []
+    if not (native or scalar):
+        L += ["            " + line for line in masks]
     for g in rg:
-        compress += [f"g{g} &= c", f"_compress(old, new, base, v{g}, k{g}, g{g})", f"k{g} += np.int64(popcount(g{g}))"]
+        values += [f"g{g} &= c", f"_compress(old, new, base, v{g}, k{g}, g{g})", f"k{g} += np.int64(popcount(g{g}))"]
+    values += ["x = field_ne_mask64(old, new, base, field)", "while x != ZERO:"]
+    values += ["    i = base + np.int64(trailing_zeros(x))", "    x &= x - ONE"]
+    values += [*_exception("    ", "old[i]", "new[i]")]
     if native:
-        L += ["            " + line for line in compress]
-    # a change can move its element to another bucket or group only if its exponent changed (rare)
-    L += ["            x = field_ne_mask64(old, new, base, field)", "            while x != ZERO:"]
-    L += ["                i = base + np.int64(trailing_zeros(x))", "                x &= x - ONE"]
-    L += [
-        "                eo = (np.int64(old[i]) >> shift) & fm",
-        "                en = (np.int64(new[i]) >> shift) & fm",
-    ]
-    L += ["                if blut[eo] != blut[en] or glut[eo] != glut[en]:"]
-    L += ["                    exc[ne] = i", "                    ne += 1"]
+        L += ["            " + line for line in values]
     if native:
         if K == 1:  # the one bucket holds every element: its flags are the changes
             L += ["            f0 = c"]
@@ -488,7 +495,7 @@ def _scan_source(K: int, G: int, name: str, native: bool) -> str:
         # mispredicted exit each); of a few: one loop, each change's bucket and group chosen without a
         # branch, its rank listed and its code stored (one exit a word, not one per bucket and group)
         L += ["            if popcount(c) > DENSE:"]
-        L += ["                " + line for line in compress]
+        L += ["                " + line for line in values]
         for b in r:
             y = "c" if K == 1 else f"c & b{b}"
             L += [f"                y = {y}", "                while y != ZERO:"]
@@ -503,14 +510,19 @@ def _scan_source(K: int, G: int, name: str, native: bool) -> str:
         L += ["                    rk[at] = np.uint32(rr + popcount(m & below))"]
         L += ["                    c0 += 1" + "".join(f" - s{b}" for b in range(1, K))]
         L += [f"                    c{b} += s{b}" for b in range(1, K)]
-        L += ["                    i = base + np.int64(j)"]
-        L += ["                    d = np.int64(np.uint64(new[i] - old[i]) << zs) >> np.int64(zs)"]
-        for g in range(1, G):
-            L += [f"                    t{g} = np.int64((g{g} >> j) & ONE)"]
+        L += ["                    i = base + np.int64(j)", "                    o, nw = old[i], new[i]"]
+        L += ["                    d = np.int64(np.uint64(nw - o) << zs) >> np.int64(zs)"]
+        if G > 1 and scalar:  # the change's group: the group thresholds at or below its old exponent
+            L += ["                    a = o & absmask"]
+            L += ["                    h = " + " + ".join(f"np.int64(a >= u{t})" for t in range(G - 1))]
+            L += [f"                    t{g} = np.int64(h == {g})" for g in range(1, G)]
+        elif G > 1:
+            L += [f"                    t{g} = np.int64((g{g} >> j) & ONE)" for g in range(1, G)]
         L += ["                    kv = k0" + "".join(f" + t{g} * ({g} * row + k{g} - k0)" for g in range(1, G))]
         L += ["                    vf[kv] = (d << 1) ^ (d >> 63)"]
         L += ["                    k0 += 1" + "".join(f" - t{g}" for g in range(1, G))]
         L += [f"                    k{g} += t{g}" for g in range(1, G)]
+        L += ["                    if (o ^ nw) & field:", *_exception("                        ", "o", "nw")]
         L += [f"        r{b} += popcount(b{b})" for b in r]
     if not native:
         L += [f"    st[{E_MEMB + b}] = np.int64(r{b})" for b in r]
