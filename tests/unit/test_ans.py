@@ -104,6 +104,16 @@ def test_every_pass_round_trips(dtype, buckets, groups):
     check_round_trip(dtype, old, new, data)
 
 
+@pytest.mark.parametrize("split", [([120, 118], []), ([], [121, 119, 130]), ([0], []), ([], [256]), ([], [300, 301])])
+def test_a_forced_split_the_parser_would_refuse_is_refused(split):
+    """Thresholds out of order, or out of 1..255 for BF16: the kernels' compares assume neither (a
+    limit past the sign bit made the portable scan and the native one disagree)."""
+    rng = np.random.default_rng(5)
+    old = base_of("BF16", 1000, rng)
+    with pytest.raises(ValueError, match="not ascending in 1..255"):
+        ans.encode_block("BF16", old, changed(old, 0.05, rng), split=split)
+
+
 def test_clustered_changes_and_gaps_beyond_the_rice_escape():
     rng = np.random.default_rng(1)
     old = base_of("BF16", 300_000, rng)

@@ -448,7 +448,7 @@ def _scan_source(K: int, G: int, name: str, native: bool) -> str:
         L += [f"    w{b} = np.uint64({b} * stride)" for b in r]
     else:  # each bucket's members so far and its changes listed; the groups' codes as one array
         L += [f"    r{b} = ZERO" for b in r] + [f"    c{b} = {b} * cap" for b in r]
-        L += ["    row = old.size + 64", f"    vf = vals.reshape({MAX_G} * row)", "    zs = 64 - 8 * old.itemsize"]
+        L += ["    row = vals.shape[1]", f"    vf = vals.reshape({MAX_G} * row)", "    zs = 64 - 8 * old.itemsize"]
     L += [f"    k{g} = 0" for g in rg] + [
         "    ne = 0",
         "    for w in range(old.size // 64):",
@@ -945,7 +945,14 @@ def encode_block(
         raise ValueError(f"ans: old {old.dtype}{list(old.shape)} and new {new.dtype}{list(new.shape)} differ")
     shift, bits = EXPONENT_FIELD.get(dtype, (0, 0))
     width = 8 * old.dtype.itemsize
-    thr, vthr = _plan(old, new, shift, bits, k, width) if split is None else (np.asarray(t, np.int64) for t in split)
+    if split is None:
+        thr, vthr = _plan(old, new, shift, bits, k, width)
+    else:  # as the parser accepts them: the kernels' compares assume it (a limit past the sign bit, or
+        # thresholds out of order, would make the portable scan and the native one disagree)
+        thr, vthr = (np.asarray(t, np.int64) for t in split)
+        for t in (thr, vthr):
+            if t.size and (t[0] < 1 or t[-1] >= 1 << bits or np.any(np.diff(t) < 0)):
+                raise ValueError(f"ans: thresholds {t.tolist()} are not ascending in 1..{(1 << bits) - 1}")
     K, G = thr.size + 1, vthr.size + 1
     raw, st = _SCRATCH.take(old.size, K, old.dtype.itemsize)
     # two calls, arrays made in numba: Python-side glue cost about 25 us a block (the trajectory's 127
