@@ -466,7 +466,7 @@ def _scan_source(K: int, G: int, name: str, native: bool) -> str:
     # every changed word (a group chosen per change from 3 thresholds slowed the scan 3-4% at lr 1e-5)
     masks = [f"g_m{t} = below_mask64(old, base, absmask, u{t})" for t in range(G - 1)] + _regions("g", G, "")
     scalar = G <= 2
-    values = masks if native or scalar else []
+    values = list(masks) if native or scalar else []
     if not (native or scalar):
         L += ["            " + line for line in masks]
     for g in rg:
@@ -476,7 +476,6 @@ def _scan_source(K: int, G: int, name: str, native: bool) -> str:
     values += [*_exception("    ", "old[i]", "new[i]")]
     if native:
         L += ["            " + line for line in values]
-    if native:
         if K == 1:  # the one bucket holds every element: its flags are the changes
             L += ["            f0 = c"]
         else:
@@ -512,7 +511,7 @@ def _scan_source(K: int, G: int, name: str, native: bool) -> str:
         L += [f"                    c{b} += s{b}" for b in range(1, K)]
         L += ["                    i = base + np.int64(j)", "                    o, nw = old[i], new[i]"]
         L += ["                    d = np.int64(np.uint64(nw - o) << zs) >> np.int64(zs)"]
-        if G > 1 and scalar:  # the change's group: the group thresholds at or below its old exponent
+        if G > 1 and scalar:  # the change's group: how many group thresholds its old exponent reaches
             L += ["                    a = o & absmask"]
             L += ["                    h = " + " + ".join(f"np.int64(a >= u{t})" for t in range(G - 1))]
             L += [f"                    t{g} = np.int64(h == {g})" for g in range(1, G)]
