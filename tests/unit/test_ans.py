@@ -114,6 +114,19 @@ def test_a_forced_split_the_parser_would_refuse_is_refused(split):
         ans.encode_block("BF16", old, changed(old, 0.05, rng), split=split)
 
 
+@pytest.mark.parametrize("dtype", ["F64", "I64"])
+def test_8_byte_elements_are_refused_not_coded_into_a_block_no_decoder_takes(dtype):
+    """``supports()`` keeps 8-byte dtypes away from ``ans``; a direct caller of ``encode_block`` is
+    refused too (such a block failed the parser's check 14 on every escape)."""
+    rng = np.random.default_rng(6)
+    old = rng.integers(0, 1 << 62, 5000, dtype=np.uint64)
+    new = old.copy()
+    new[::7] += np.uint64(1 << 40)
+    assert not ans.Ans().supports(dtype)
+    with pytest.raises(ValueError, match="elements of 1, 2 or 4 bytes, not 8"):
+        ans.encode_block(dtype, old, new)
+
+
 def test_clustered_changes_and_gaps_beyond_the_rice_escape():
     rng = np.random.default_rng(1)
     old = base_of("BF16", 300_000, rng)

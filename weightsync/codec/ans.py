@@ -939,6 +939,8 @@ def encode_block(
     instead of the planned ones (tests and the warm-up reach every pass with it)."""
     if old.size > MAX_BLOCK:  # the format's limit (docs/FORMAT.md): ranks and counts are 32-bit
         raise ValueError(f"ans: a block holds at most 2^31 elements, not {old.size}")
+    if old.dtype.itemsize not in (1, 2, 4):  # as supports(): the parser refuses 8-byte escapes (check 14)
+        raise ValueError(f"ans: elements of 1, 2 or 4 bytes, not {old.dtype.itemsize} ({dtype})")
     old, new = np.ascontiguousarray(old), np.ascontiguousarray(new)  # the kernels load 64 elements at a time
     if old.shape != new.shape or old.dtype != new.dtype:  # the kernels read both up to old's end
         raise ValueError(f"ans: old {old.dtype}{list(old.shape)} and new {new.dtype}{list(new.shape)} differ")
