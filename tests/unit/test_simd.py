@@ -5,6 +5,7 @@ instructions and LLVM's vector intrinsics where this CPU has them), for masks of
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 
@@ -227,3 +228,24 @@ def test_kernels_compiled_for_another_cpu_are_portable():
     env = {**os.environ, "NUMBA_CPU_NAME": "generic"}
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "(False,)", "False"]
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86's prefetch instructions")
+def test_prefetch64_compiles_to_prefetches_and_runs_past_the_arrays_end():
+    """The passes ask for the lines ahead of them: the intrinsic must reach the machine code, one
+    prefetch per 64-byte line of 64 elements, and is harmless where those lie past the array's end."""
+
+    @njit
+    def walk(a):
+        total = 0
+        for w in range(a.size // 64):
+            simd.prefetch64(a, w * 64)  # the last 16 words ask for lines past the end
+            total += a[w * 64]
+        return total
+
+    for dtype, lines in ((np.uint8, 1), (np.uint16, 2), (np.uint32, 4)):
+        a = np.arange(1024, dtype=dtype)
+        assert walk(a) == a[::64].sum()
+        asm = walk.inspect_asm(walk.signatures[-1])
+        offsets = {line.split()[1].split("(")[0] for line in asm.splitlines() if "prefetcht0" in line}
+        assert len(offsets) >= lines, (dtype, offsets)

@@ -73,6 +73,7 @@ from weightsync.codec.simd import (
     pext_bmi2,
     pext_soft,
     popcount,
+    prefetch64,
     trailing_zeros,
 )
 from weightsync.codec.streams import SLICE_BYTES, copy
@@ -360,7 +361,7 @@ def _pass_source(K: int, G: int, name: str, native: bool) -> str:
     past = " or ".join([f"o{b} > E{b}" for b in r] + [f"d{g} > D{g}" for g in rg])
     L += ["    for s in range(a, whole, CHECK):"]
     L += [f"        if {past}:", "            return 1"]
-    L += ["        for base in range(s, min(s + CHECK, whole), 64):"]
+    L += ["        for base in range(s, min(s + CHECK, whole), 64):", "            prefetch64(src, base)"]
     L += [f"            b_m{t} = below_mask64(src, base, absmask, l{t})" for t in range(K - 1)]
     L += _regions("b", K, "            ")
     L += [f"            p{b} = popcount(b{b})" for b in r]
@@ -453,6 +454,8 @@ def _scan_source(K: int, G: int, name: str, native: bool) -> str:
         "    ne = 0",
         "    for w in range(old.size // 64):",
         "        base = w * 64",
+        "        prefetch64(old, base)",
+        "        prefetch64(new, base)",
     ]
     L += ["        c = ne_mask64(old, new, base)"]
     L += [f"        b_m{t} = below_mask64(old, base, absmask, l{t})" for t in range(K - 1)]
@@ -586,6 +589,7 @@ _GENERATED_GLOBALS = dict(
     ne_mask64=ne_mask64,
     field_ne_mask64=field_ne_mask64,
     popcount=popcount,
+    prefetch64=prefetch64,
     trailing_zeros=trailing_zeros,
     _tail=_tail,
 )
