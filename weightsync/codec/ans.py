@@ -101,6 +101,9 @@ TABLE_BITS = 160.0
 MAX_BLOCK = 1 << 31
 """Elements a block may hold (the payload's limit; the scan keeps ranks in 32 bits)."""
 
+WIDTHS = (1, 2, 4)
+"""Element sizes in bytes a block may hold (an 8-byte difference's escape is past what the parser takes)."""
+
 CHECK = 4096
 """Elements between the pass's checks that no bucket ran past its bitmap and no value group past its
 differences (each has this much spare)."""
@@ -943,7 +946,7 @@ def encode_block(
     instead of the planned ones (tests and the warm-up reach every pass with it)."""
     if old.size > MAX_BLOCK:  # the format's limit (docs/FORMAT.md): ranks and counts are 32-bit
         raise ValueError(f"ans: a block holds at most 2^31 elements, not {old.size}")
-    if old.dtype.itemsize not in (1, 2, 4):  # as supports(): the parser refuses 8-byte escapes (check 14)
+    if old.dtype.itemsize not in WIDTHS:  # the parser refuses 8-byte escapes (check 14)
         raise ValueError(f"ans: elements of 1, 2 or 4 bytes, not {old.dtype.itemsize} ({dtype})")
     old, new = np.ascontiguousarray(old), np.ascontiguousarray(new)  # the kernels load 64 elements at a time
     if old.shape != new.shape or old.dtype != new.dtype:  # the kernels read both up to old's end
@@ -1497,7 +1500,7 @@ class Ans(Codec):
     invertible = True
 
     def supports(self, dtype: str) -> bool:
-        return ITEMSIZE.get(dtype) in (1, 2, 4)
+        return ITEMSIZE.get(dtype) in WIDTHS
 
     def encode(self, dtype, old, new, config):
         return encode_block(dtype, old, new)
