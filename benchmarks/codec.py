@@ -37,7 +37,6 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
-import xxhash
 import zipnn
 import zstandard
 
@@ -48,7 +47,7 @@ else:  # run as a script from benchmarks/
     import e2e
 
 common.ensure_repo_importable()
-from weightsync.codec import CodecConfig, decode_tensor, encode_tensor
+from weightsync.codec import CodecConfig, decode_tensor, encode_tensor, hashing
 
 TRAJECTORIES = {"lr 1e-6": 1e-6, "lr 1e-5": 1e-5}
 STEPS = 6  # published checkpoints per trajectory: 5 consecutive pairs
@@ -185,7 +184,7 @@ def measure_ours(old: common.Checkpoint, new: common.Checkpoint, res: PairResult
 def decode_verify(dtype: str, enc, base: np.ndarray, nbytes: int, out: np.ndarray) -> tuple[np.ndarray, bytes]:
     """Decode and apply a payload into ``out`` (not the base: a copy, patched), hashing the result
     as it is written (what a pull does before installing it: :func:`weightsync.codec.rebuild`)."""
-    hasher = xxhash.xxh3_128()
+    hasher = hashing.hasher()
     out = decode_tensor(dtype, enc.codec, enc.payload, base, nbytes, out=out, hasher=hasher)
     return out, hasher.digest()
 

@@ -18,6 +18,7 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from weightsync.codec import hashing
 from weightsync.codec import sparse as sparse_codec
 from weightsync.codec import streams as codec_streams
 from weightsync.codec.payload import (
@@ -226,14 +227,16 @@ def slices_of(nbytes: int):
 
 
 @FAST
+@pytest.mark.parametrize("make", [xxhash.xxh3_128, hashing.hasher], ids=["python-fed", "kernel-fed"])
 @given(tensor_pairs(), st.sampled_from([1, 2, 3, 8, 24, 512 << 10]))
-def test_decode_feeds_the_hasher_exactly_the_result(case, slice_bytes):
+def test_decode_feeds_the_hasher_exactly_the_result(make, case, slice_bytes):
     """A pull verifies while decoding: the hasher sees the output bytes once, in order, whatever
-    the codec, block size or slice size (changes on, before and after slice edges)."""
+    the codec, block size or slice size (changes on, before and after slice edges), fed from
+    Python or by the kernels (weightsync.codec.hashing)."""
     dtype, _, old, new, cfg = case
     for base in (None, raw(old)):
         enc = encode_tensor(dtype, raw(new), base, cfg)
-        hasher = xxhash.xxh3_128()
+        hasher = make()
         with slices_of(slice_bytes):
             out = decode_tensor(dtype, enc.codec, enc.payload, base, new.nbytes, hasher=hasher)
         assert np.array_equal(out, raw(new))

@@ -32,6 +32,7 @@ import threading
 
 import numpy as np
 
+from weightsync.codec import hashing
 from weightsync.codec.abc import Codec
 from weightsync.codec.entropy import (
     LANES,
@@ -53,6 +54,7 @@ from weightsync.codec.entropy import (
     rice_section,
 )
 from weightsync.codec.jit import njit
+from weightsync.codec.kernels import feed
 from weightsync.codec.registry import register
 from weightsync.codec.simd import (
     ALL,
@@ -397,6 +399,12 @@ def _pass_source(K: int, G: int, name: str, native: bool) -> str:
     L += [f"        if st[{S_OFF + b}] != st[{S_END + b}]:\n            return 1" for b in r]
     L += [f"        if st[{S_DPTR + g}] != st[{S_DEND + g}]:\n            return 1" for g in rg]
     L += ["    return 0"]
+    # the same over a:e in slices of ``chunk``, each fed to an XXH3 state after it is written (while
+    # it is in cache), in one call: no hand-off of the GIL per slice (weightsync.codec.hashing)
+    L += [f"def {name}_hashed(out, src, a, e, lims, st, words, diffs, fn, state, chunk):"]
+    L += ["    for s in range(a, e, chunk):", "        t = min(s + chunk, e)"]
+    L += [f"        if {name}(out, src, s, t, lims, st, words, diffs):", "            return 1"]
+    L += ["        if feed(fn, state, out, s, t):", "            return 2", "    return 0"]
     return "\n".join(L) + "\n"
 
 
@@ -573,9 +581,18 @@ def _kernel(kind: str, K: int, G: int, native: bool = NATIVE):
                     ns.update(_deposit=deposit_soft, _expand_add=EXPAND_ADD_SOFT[G])
                     ns.update(_compress=compress_zigzag_soft)
                 exec(compile(source, __file__, "exec"), ns)  # noqa: S102 - our own generated source
-                _KERNELS[key] = njit(nogil=True)(ns[name])
+                ns[name] = _KERNELS[key] = njit(nogil=True)(ns[name])  # before the wrapper that calls it
+                if kind == "pass":
+                    _KERNELS["pass_hashed", K, G, native] = njit(nogil=True)(ns[name + "_hashed"])
                 fn = _KERNELS[key]
     return fn
+
+
+def _hashed_pass(K: int, G: int, native: bool):
+    """The pass of :func:`_kernel` that feeds its result to an XXH3 state slice by slice
+    (:func:`_pass_source`'s ``_hashed`` wrapper, made with the pass)."""
+    _kernel("pass", K, G, native)
+    return _KERNELS["pass_hashed", K, G, native]
 
 
 _GENERATED_GLOBALS = dict(
@@ -595,6 +612,7 @@ _GENERATED_GLOBALS = dict(
     prefetch64=prefetch64,
     trailing_zeros=trailing_zeros,
     _tail=_tail,
+    feed=feed,
 )
 
 
@@ -1378,7 +1396,7 @@ def decode_block(
     words, diffs, _, _, lims = arrays
     if status:
         raise FormatError(f"{what}: bad ans block (check {status} failed)")
-    _pass_over(_kernel("pass", K, G, native), old, out, lims, st, words, diffs, hasher, what)
+    _pass_over(K, G, native, old, out, lims, st, words, diffs, hasher, what)
 
 
 def _through_contiguous(
@@ -1397,14 +1415,27 @@ def _run_pass(p: Parsed, src: np.ndarray, out: np.ndarray, diffs: np.ndarray, ha
     """``out`` = ``src`` plus ``diffs`` at the changes the block's bitmaps place by ``src``'s contexts."""
     lims, st = np.empty(MAX_K + MAX_G, src.dtype), np.empty(S_LEN, np.int64)
     _pass_state(p.thr, p.vthr, p.shift, p.nb, p.wbase, p.dstart, lims, st)
-    _pass_over(_kernel("pass", p.K, p.G, native), src, out, lims, st, p.words, diffs, hasher, p.what)
+    _pass_over(p.K, p.G, native, src, out, lims, st, p.words, diffs, hasher, p.what)
 
 
-def _pass_over(run, src, out, lims, st, words, diffs, hasher, what: str) -> None:
-    """Run the pass ``run`` over every element: in one call, then hash the result (from cache), or
-    slice by slice, each hashed while it is in cache, for a block larger than ``HASH_WHOLE``."""
+def _pass_over(K: int, G: int, native: bool, src, out, lims, st, words, diffs, hasher, what: str) -> None:
+    """Run the pass over every element and hash the result: in one call, then hashed (from cache),
+    or slice by slice, each hashed while it is in cache, for a block larger than ``HASH_WHOLE``. A
+    hasher whose state the kernel can feed (:func:`weightsync.codec.hashing.native_state`) is fed
+    by the kernel itself, in the same call."""
     n = src.size
     chunk = n if hasher is None or n <= HASH_WHOLE else SLICE
+    state = hashing.native_state(hasher)
+    if state:
+        status = _hashed_pass(K, G, native)(
+            out, src, 0, n, lims, st, words, diffs, hashing.UPDATE, state, max(chunk, 1)
+        )
+        if status == 2:
+            raise RuntimeError(f"{what}: XXH3_128bits_update failed")
+        if status:
+            raise FormatError(f"{what}: ans block's bucket sizes do not match its base")
+        return
+    run = _kernel("pass", K, G, native)
     for a in range(0, n, chunk):
         e = min(a + chunk, n)
         if run(out, src, a, e, lims, st, words, diffs):
@@ -1528,8 +1559,9 @@ def warm_up() -> None:
             for G in (1, 2, MAX_G) if bits else (1,):
                 split = (np.arange(1, K) * ((1 << bits) // K), np.arange(1, G) * ((1 << bits) // G))
                 block, _ = encode_block(dtype, old, new, split=split)
-                out, back = np.empty_like(old), np.empty_like(old)
+                out, back, fed = np.empty_like(old), np.empty_like(old), np.empty_like(old)
                 decode_block(dtype, memoryview(block), old, out, "warm-up")
+                decode_block(dtype, memoryview(block), old, fed, "warm-up", hashing.hasher())  # the pass that hashes
                 decode_block_backward(dtype, memoryview(block), new, back, "warm-up")
-                if not (np.array_equal(out, new) and np.array_equal(back, old)):
+                if not (np.array_equal(out, new) and np.array_equal(fed, new) and np.array_equal(back, old)):
                     raise AssertionError(f"ans warm-up: {dtype} with {K} buckets and {G} groups did not round-trip")

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
 
 from weightsync.codec.jit import njit
 from weightsync.codec.simd import trailing_zeros as _trailing_zeros
@@ -227,3 +230,68 @@ def apply_sparse(
     ):
         raise ValueError("apply_sparse: the source does not fit the output, or the next change lies before the copy")
     return _apply_sparse(out, src, start, gaps, gap_width, vals, k, pos, end, bool(backward))
+
+
+# --- feeding an XXH3 state from a kernel (weightsync.codec.hashing) ------------------------------
+
+
+@intrinsic
+def _call_update(typingctx, fn, state, ptr, nbytes):
+    """``((int (*)(void *, const void *, size_t)) fn)(state, ptr, nbytes)``: a call through an
+    address known at run time (not baked into the code: numba's cache stays valid across
+    processes)."""
+    sig = types.int32(types.uint64, types.uint64, types.uint64, types.uint64)
+
+    def codegen(context, builder, signature, args):
+        i64, i8p = ir.IntType(64), ir.IntType(8).as_pointer()
+        fnty = ir.FunctionType(ir.IntType(32), [i8p, i8p, i64])
+        target = builder.inttoptr(args[0], fnty.as_pointer())
+        return builder.call(target, [builder.inttoptr(args[1], i8p), builder.inttoptr(args[2], i8p), args[3]])
+
+    return sig, codegen
+
+
+@intrinsic
+def _memcpy(typingctx, dst, src, nbytes):
+    """libc's ``memcpy(dst, src, nbytes)`` on addresses (numba's slice assignment and an element
+    loop copied 2-6x slower than it, for 2- and 1-byte elements)."""
+    sig = types.void(types.uint64, types.uint64, types.uint64)
+
+    def codegen(context, builder, signature, args):
+        i8p = ir.IntType(8).as_pointer()
+        builder.call(
+            builder.module.declare_intrinsic("llvm.memcpy", [i8p, i8p, ir.IntType(64)]),
+            [builder.inttoptr(args[0], i8p), builder.inttoptr(args[1], i8p), args[2], ir.Constant(ir.IntType(1), 0)],
+        )
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(nogil=True, inline="always")
+def _address(arr, i):
+    """The address of element ``i`` of the contiguous ``arr``."""
+    return np.uint64(arr.ctypes.data) + np.uint64(i * arr.itemsize)
+
+
+@njit(nogil=True)
+def feed(fn, state, arr, a, e):
+    """Feed elements ``a:e`` of the contiguous ``arr`` to the XXH3 state ``state`` through
+    ``XXH3_128bits_update`` at ``fn`` (:data:`weightsync.codec.hashing.UPDATE`); returns its error code (0: done)."""
+    if e <= a:
+        return 0
+    return _call_update(np.uint64(fn), np.uint64(state), _address(arr, a), np.uint64((e - a) * arr.itemsize))
+
+
+@njit(nogil=True)
+def copy_feeding(src, dst, fn, state, step):
+    """``dst[:] = src`` slice by slice of ``step`` elements, each fed to ``state`` (as :func:`feed`)
+    while it is in cache; returns 0, or the first failed update's error code."""
+    n = src.size
+    for a in range(0, n, step):
+        b = min(a + step, n)
+        _memcpy(_address(dst, a), _address(src, a), np.uint64((b - a) * src.itemsize))
+        status = feed(fn, state, dst, a, b)
+        if status:
+            return status
+    return 0

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from weightsync.codec import registry
+from weightsync.codec import hashing, registry
 from weightsync.codec.abc import Codec
 from weightsync.codec.streams import copy, same_memory
 from weightsync.errors import ChecksumError, FormatError, UsageError
@@ -368,7 +368,7 @@ def rebuild(
             raise FormatError(f"{what}: recipe without a base or a payload")
         actual = xxhash.xxh3_128_hexdigest(base)
     else:
-        hasher, cur = xxhash.xxh3_128(), base
+        hasher, cur = hashing.hasher(), base  # one the kernels feed as they write
         for i, (codec, payload, *backward) in enumerate(steps, 1):
             out = cur if in_place and cur is not None and cur.size == nbytes else None
             feed = hasher if i == len(steps) else None
@@ -411,4 +411,8 @@ def warm_up() -> None:
                 ):
                     if not np.array_equal(out, new):
                         raise AssertionError(f"codec warm-up: {enc.codec} did not round-trip")  # never expected
+        hasher = hashing.hasher()  # a copy that feeds a hasher as it goes (kernels.copy_feeding)
+        copy(new.view(UINT_VIEW[width]), np.empty(new.size // width, UINT_VIEW[width]), hasher)
+        if hasher.digest() != xxhash.xxh3_128(new).digest():
+            raise AssertionError("codec warm-up: a copy fed the hasher other bytes")  # never expected
     ans.warm_up()  # last: every other kernel is ready in seconds, ans's generated passes take most of a minute
