@@ -28,30 +28,48 @@ class _Hash128(ctypes.Structure):
     _fields_ = [("low64", ctypes.c_uint64), ("high64", ctypes.c_uint64)]
 
 
-def _load():
-    """The xxHash library's state functions, from the ``xxhash`` package's extension module."""
+RELEASE_GIL_FROM = 64 << 10
+"""An update of at least this many bytes drops the GIL while it hashes; the other calls keep it (a
+hand-off costs more than they do: on two threads decoding the small model's 0.6 MB tensors, a
+state made, reset and read out through GIL-dropping calls took a fifth of the decode's time)."""
+
+
+class _Lib:
+    """The xxHash library's XXH3-128 state functions, from the ``xxhash`` package's extension module
+    (it exports them): each through ``ctypes.PyDLL`` (the GIL kept), and the update also through
+    ``ctypes.CDLL`` (the GIL dropped). The update is the runtime dispatch to the CPU's widest
+    vectors where the package has it (the plain one is built for SSE2: decodes took 5% longer on an
+    AVX-512 Xeon)."""
+
+    def __init__(self, path: str) -> None:
+        keep, drop = ctypes.PyDLL(path), ctypes.CDLL(path)
+        name = (
+            "XXH3_128bits_update_dispatch" if hasattr(keep, "XXH3_128bits_update_dispatch") else "XXH3_128bits_update"
+        )
+        self.create, self.free = keep.XXH3_createState, keep.XXH3_freeState
+        self.reset, self.digest = keep.XXH3_128bits_reset, keep.XXH3_128bits_digest
+        self.update, self.update_nogil = getattr(keep, name), getattr(drop, name)
+        self.create.restype, self.create.argtypes = ctypes.c_void_p, []
+        for fn in (self.free, self.reset):
+            fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_void_p]
+        for fn in (self.update, self.update_nogil):
+            fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+        self.digest.restype, self.digest.argtypes = _Hash128, [ctypes.c_void_p]
+        self.address = ctypes.cast(self.update_nogil, ctypes.c_void_p).value
+
+
+def _load() -> _Lib | None:
     try:
-        lib = ctypes.CDLL(xxhash._xxhash.__file__)  # noqa: SLF001  the library the package is built from
-        create, free = lib.XXH3_createState, lib.XXH3_freeState
-        reset, digest = lib.XXH3_128bits_reset, lib.XXH3_128bits_digest
-        # the runtime dispatch to the CPU's widest vectors where the package has it (the plain
-        # update is built for SSE2: 5% slower decodes on an AVX-512 Xeon)
-        update = getattr(lib, "XXH3_128bits_update_dispatch", None) or lib.XXH3_128bits_update
+        return _Lib(xxhash._xxhash.__file__)  # noqa: SLF001  the library the package is built from
     except (AttributeError, OSError) as exc:
         log.info("XXH3 state functions not found (%s): decodes hash from Python", exc)
         return None
-    create.restype, create.argtypes = ctypes.c_void_p, []
-    free.restype, free.argtypes = ctypes.c_int, [ctypes.c_void_p]
-    reset.restype, reset.argtypes = ctypes.c_int, [ctypes.c_void_p]
-    update.restype, update.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-    digest.restype, digest.argtypes = _Hash128, [ctypes.c_void_p]
-    return create, free, reset, update, digest
 
 
 _LIB = _load()
 
-UPDATE = 0 if _LIB is None else ctypes.cast(_LIB[3], ctypes.c_void_p).value
-"""Address of ``XXH3_128bits_update`` (0 where the library is not available), for
+UPDATE = 0 if _LIB is None else _LIB.address
+"""Address of the library's XXH3-128 update (0 where it is not available), for
 :func:`weightsync.codec.kernels.feed`."""
 
 
@@ -60,24 +78,23 @@ class Xxh3:
     state a kernel can feed: :attr:`state`, with :data:`UPDATE`. Made by :func:`hasher`."""
 
     def __init__(self) -> None:
-        create, free, reset, _, _ = _LIB
-        self.state = create()
+        self.state = _LIB.create()
         if not self.state:
             raise MemoryError("XXH3_createState failed")
-        weakref.finalize(self, free, self.state)
-        if reset(self.state):
+        weakref.finalize(self, _LIB.free, self.state)
+        if _LIB.reset(self.state):
             raise RuntimeError("XXH3_128bits_reset failed")
 
     def update(self, data) -> None:
-        view = memoryview(data).cast("B") if not isinstance(data, np.ndarray) else None
-        arr = np.frombuffer(view, np.uint8) if view is not None else data
+        arr = data if isinstance(data, np.ndarray) else np.frombuffer(memoryview(data).cast("B"), np.uint8)
         if not arr.flags.c_contiguous:
             arr = np.ascontiguousarray(arr)
-        if arr.nbytes and _LIB[3](self.state, arr.ctypes.data, arr.nbytes):  # ctypes drops the GIL
+        n = arr.nbytes
+        if n and (_LIB.update_nogil if n >= RELEASE_GIL_FROM else _LIB.update)(self.state, arr.ctypes.data, n):
             raise RuntimeError("XXH3_128bits_update failed")
 
     def digest(self) -> bytes:
-        h = _LIB[4](self.state)
+        h = _LIB.digest(self.state)
         return h.high64.to_bytes(8, "big") + h.low64.to_bytes(8, "big")  # XXH128's canonical form
 
     def hexdigest(self) -> str:

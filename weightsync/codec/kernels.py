@@ -232,6 +232,37 @@ def apply_sparse(
     return _apply_sparse(out, src, start, gaps, gap_width, vals, k, pos, end, bool(backward))
 
 
+def apply_sparse_feeding(
+    out: np.ndarray,
+    gaps: np.ndarray,
+    gap_width: int,
+    vals: np.ndarray,
+    src: np.ndarray | None,
+    backward: bool,
+    step: int,
+    fn: int,
+    state: int,
+) -> tuple[int, int, int]:
+    """Every change of a ``sparse`` block, as :func:`apply_sparse` from the first with ``end`` the
+    output's size, in slices of ``step`` elements, each fed to the XXH3 state ``state`` (through
+    ``fn``, :func:`feed`) once written, in one call; returns the next change, the last position
+    applied and the first failed update's error code (0: none)."""
+    apply_sparse(out, gaps, gap_width, vals, 0, -1, 0, src, 0, backward)  # the checks alone: nothing to do
+    return _apply_sparse_feeding(out, src, gaps, gap_width, vals, bool(backward), step, fn, state)
+
+
+@njit(nogil=True)
+def _apply_sparse_feeding(out, src, gaps, gw, vals, backward, step, fn, state):
+    k, pos, n = 0, -1, out.size
+    for a in range(0, n, step):
+        b = min(a + step, n)
+        k, pos = _apply_sparse(out, src, a, gaps, gw, vals, k, pos, b, backward)
+        status = feed(fn, state, out, a, b)
+        if status:
+            return k, pos, status
+    return k, pos, 0
+
+
 # --- feeding an XXH3 state from a kernel (weightsync.codec.hashing) ------------------------------
 
 

@@ -206,8 +206,9 @@ def decode_tensor(
     """Rebuild a tensor's raw bytes (1-D uint8 of ``nbytes``), into ``out`` if given.
 
     ``hasher`` (``xxhash.xxh3_128()`` or anything with ``update``) is fed the result in order as it
-    is written; ``sparse`` and ``same`` hash each slice while it is still in cache, so verifying
-    costs little more than the copy. On an error it may have been fed part of the result.
+    is written; ``ans``, ``sparse`` and ``same`` hash each slice while it is still in cache, so
+    verifying costs little more than the copy (the kernels feed a :func:`weightsync.codec.hashing.hasher`
+    themselves, without going back to Python per slice). On an error it may have been fed part of the result.
     ``out`` may be ``old`` itself: the tensor is then decoded in place (``sparse`` and ``same``
     copy nothing), and on an error ``old`` may be half overwritten. Any other overlap is refused.
 
@@ -404,13 +405,17 @@ def warm_up() -> None:
         for cfg, base in (*((c, old) for c in deltas), (CodecConfig(), None)):
             enc = encode_tensor(dtype, new, base, cfg)  # base None: a keyframe ("full")
             for payload in (bytes(enc.payload), bytearray(enc.payload)):  # read-only and writable arrays
-                into = old.copy()  # decoded into a fresh buffer, and in place (as pulls do): two kernels
-                for out in (
-                    decode_tensor(dtype, enc.codec, payload, base, new.size),
-                    decode_tensor(dtype, enc.codec, payload, into if base is not None else None, new.size, out=into),
-                ):
-                    if not np.array_equal(out, new):
-                        raise AssertionError(f"codec warm-up: {enc.codec} did not round-trip")  # never expected
+                for fed in (None, hashing.hasher()):  # a pull's last step feeds a hasher, the others none
+                    into = old.copy()  # decoded into a fresh buffer, and in place (as pulls do): two kernels
+                    outs = (
+                        decode_tensor(dtype, enc.codec, payload, base, new.size, hasher=fed),
+                        decode_tensor(
+                            dtype, enc.codec, payload, into if base is not None else None, new.size, into, hasher=fed
+                        ),
+                    )
+                    for out in outs:
+                        if not np.array_equal(out, new):
+                            raise AssertionError(f"codec warm-up: {enc.codec} did not round-trip")  # never expected
         hasher = hashing.hasher()  # a copy that feeds a hasher as it goes (kernels.copy_feeding)
         copy(new.view(UINT_VIEW[width]), np.empty(new.size // width, UINT_VIEW[width]), hasher)
         if hasher.digest() != xxhash.xxh3_128(new).digest():

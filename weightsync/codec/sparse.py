@@ -10,9 +10,9 @@ import struct
 
 import numpy as np
 
-from weightsync.codec import streams
+from weightsync.codec import hashing, streams
 from weightsync.codec.abc import Codec
-from weightsync.codec.kernels import apply_sparse, gap_width, sparse_streams
+from weightsync.codec.kernels import apply_sparse, apply_sparse_feeding, gap_width, sparse_streams
 from weightsync.codec.registry import register
 from weightsync.codec.streams import compressor, copy, decompress, from_planes, same_memory, to_planes, unzigzag, zigzag
 from weightsync.errors import FormatError
@@ -87,17 +87,32 @@ class Sparse(Codec):
         gaps = np.frombuffer(gaps_raw, np.uint8)
         vals = np.frombuffer(vals_raw, np.uint8)
         step = max(1, streams.SLICE_BYTES // width)
-        done, pos = 0, -1
-        for a in range(0, old.size, step):  # copy, patch and hash one slice while it is in cache
-            b = min(a + step, old.size)
+        src = None if in_place else old
+        if state := hashing.native_state(hasher):  # the kernel feeds the hasher: one call
             try:
-                done, pos = apply_sparse(out, gaps, gw, vals, done, pos, b, None if in_place else old, a, backward)
+                done, _, status = apply_sparse_feeding(out, gaps, gw, vals, src, backward, step, hashing.UPDATE, state)
+            except ValueError as exc:  # the kernel's own bounds checks: the block does not fit its tensor
+                raise FormatError(f"{what}: bad sparse block ({exc})") from None
+            if status:
+                raise RuntimeError(f"{what}: XXH3_128bits_update failed")
+        else:
+            done = self._patch_slices(out, gaps, gw, vals, src, backward, step, hasher, what)
+        if done < k:
+            raise FormatError(f"{what}: sparse positions run beyond the block of {old.size}")
+
+    @staticmethod
+    def _patch_slices(out, gaps, gw, vals, src, backward, step, hasher, what) -> int:
+        """Copy, patch and hash one slice at a time while it is in cache; returns the next change."""
+        done, pos = 0, -1
+        for a in range(0, out.size, step):
+            b = min(a + step, out.size)
+            try:
+                done, pos = apply_sparse(out, gaps, gw, vals, done, pos, b, src, a, backward)
             except ValueError as exc:  # the kernel's own bounds checks: the block does not fit its tensor
                 raise FormatError(f"{what}: bad sparse block ({exc})") from None
             if hasher is not None:
                 hasher.update(out[a:b])
-        if done < k:
-            raise FormatError(f"{what}: sparse positions run beyond the block of {old.size}")
+        return done
 
     def changes(self, block: memoryview, n: int, width: int, what: str) -> tuple[np.ndarray, np.ndarray]:
         """The block's changes without its base: positions (int64, ascending, below ``n``) and the
