@@ -2,11 +2,12 @@
 
 A decode hashes its result slice by slice while each is in cache (:data:`streams.SLICE_BYTES`).
 Done from Python, each slice costs two hand-offs of the GIL (the kernel's call, then
-``hasher.update``): on two threads decoding the 2.03 GiB pair's 8,200 slices those cost 15% of the
-decode's time, against two processes (docs/DESIGN.md). :class:`Xxh3` holds its XXH3 state in C
-memory, made and fed by the functions of the xxHash library that the ``xxhash`` package is built
-from (its extension module exports them); a kernel loops over the slices itself and calls
-``XXH3_128bits_update`` through :func:`weightsync.codec.kernels.feed`. The digest is the one ``xxhash.xxh3_128`` gives.
+``hasher.update``): on two threads decoding the 2.03 GiB pair's 8,200 slices those cost 13-14% of
+the decode's time (docs/DESIGN.md, "Hashing as it writes"). :class:`Xxh3` holds its XXH3 state in
+C memory, made and fed by the functions of the xxHash library that the ``xxhash`` package is built
+from (its extension module exports them); a kernel loops over the slices itself and calls the
+update through :func:`weightsync.codec.kernels.feed`. The digest is the one ``xxhash.xxh3_128``
+gives.
 
 Where that library cannot be loaded or lacks a function (another build of ``xxhash``),
 :func:`hasher` returns ``xxhash.xxh3_128()`` and the decoders hash from Python as before.
@@ -29,9 +30,10 @@ class _Hash128(ctypes.Structure):
 
 
 RELEASE_GIL_FROM = 64 << 10
-"""An update of at least this many bytes drops the GIL while it hashes; the other calls keep it (a
-hand-off costs more than they do: on two threads decoding the small model's 0.6 MB tensors, a
-state made, reset and read out through GIL-dropping calls took a fifth of the decode's time)."""
+"""An update of at least this many bytes drops the GIL while it hashes; the state's other calls
+(made, reset, read out: a microsecond or so through ctypes) keep it. (On two threads
+decoding the small model's 0.6 MB tensors, dropping it for those too measured the same, within
+the run-to-run noise of 16-19 ms a pass.)"""
 
 
 class _Lib:
