@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import xxhash
 
-from weightsync.codec import ans, hashing, kernels, streams
-from weightsync.codec.payload import decode_tensor, encode_tensor, rebuild
+from weightsync.codec import ans, hashing, kernels, registry, streams
+from weightsync.codec.payload import CodecConfig, decode_tensor, encode_tensor, rebuild
 from weightsync.errors import FormatError
 
 pytestmark = pytest.mark.skipif(hashing._LIB is None, reason="this xxhash build exports no XXH3 state functions")
@@ -110,3 +110,15 @@ def test_rebuild_verifies_with_either_hasher(monkeypatch):
     monkeypatch.setattr(hashing, "_LIB", None)  # the Python-fed path
     assert np.array_equal(rebuild("BF16", raw_new.size, digest, raw_old.copy(), steps), raw_new)
     assert np.array_equal(decode_tensor("BF16", enc.codec, enc.payload, raw_old, raw_new.size), raw_new)
+
+
+def test_sparse_into_a_strided_output_hashes_what_it_wrote():
+    """The kernel feeds contiguous memory only: a strided output (a view with a step) is hashed
+    from Python, as written."""
+    old, new = _pair(50_000)
+    codec = registry.get("sparse")
+    block, _ = codec.encode("BF16", old, new, CodecConfig())
+    big = np.zeros(2 * old.size, np.uint16)
+    h = hashing.Xxh3()
+    codec.decode("BF16", memoryview(block), old, big[::2], "t", h)
+    assert np.array_equal(big[::2], new) and h.digest() == xxhash.xxh3_128(new.tobytes()).digest()

@@ -88,7 +88,8 @@ class Sparse(Codec):
         vals = np.frombuffer(vals_raw, np.uint8)
         step = max(1, streams.SLICE_BYTES // width)
         src = None if in_place else old
-        if state := hashing.native_state(hasher):  # the kernel feeds the hasher: one call
+        state = hashing.native_state(hasher) if out.flags.c_contiguous else 0  # feed reads contiguous memory
+        if state:  # the kernel feeds the hasher: one call
             try:
                 done, _, status = apply_sparse_feeding(out, gaps, gw, vals, src, backward, step, hashing.UPDATE, state)
             except ValueError as exc:  # the kernel's own bounds checks: the block does not fit its tensor
