@@ -16,7 +16,7 @@ import zstandard
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from weightsync.codec import registry
+from weightsync.codec import hashing, registry
 from weightsync.codec import streams as codec_streams
 from weightsync.codec.abc import Codec
 from weightsync.codec.payload import (
@@ -107,6 +107,12 @@ def test_backward_gives_the_base_back_exactly(codec, dtype, n, frac, seed, slice
         got = decode_tensor_backward(dtype, codec, payload, inplace, new.nbytes, out=inplace, hasher=hasher)
         assert got is inplace and np.array_equal(inplace, raw(old))
         assert hasher.hexdigest() == xxhash.xxh3_128_hexdigest(raw(old))
+        for into in (None, raw(new).copy()):  # fed by the kernels (weightsync.codec.hashing), fresh and in place
+            fed = hashing.hasher()
+            got = decode_tensor_backward(
+                dtype, codec, payload, raw(new) if into is None else into, new.nbytes, into, hasher=fed
+            )
+            assert np.array_equal(got, raw(old)) and fed.hexdigest() == hasher.hexdigest()
     finally:
         codec_streams.SLICE_BYTES = saved
     # and forward again from the base recovered
