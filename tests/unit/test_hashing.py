@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 import xxhash
@@ -58,12 +60,84 @@ def test_copy_feeds_the_copied_bytes(dtype):
     assert np.array_equal(dst, src) and h.digest() == xxhash.xxh3_128(src.tobytes()).digest()
 
 
-def test_copy_between_overlapping_buffers_takes_the_safe_path():
+def _refuse(*args, **kwargs):
+    raise AssertionError("this path should not run")
+
+
+def test_copy_feeds_from_the_kernel_and_not_from_python(monkeypatch):
+    src = RNG.integers(0, 200, 300_001, dtype=np.uint16)
+    dst, h = np.zeros_like(src), hashing.Xxh3()
+    monkeypatch.setattr(hashing.Xxh3, "update", _refuse)
+    streams.copy(src, dst, h)
+    assert np.array_equal(dst, src) and h.digest() == xxhash.xxh3_128(src.tobytes()).digest()
+
+
+@pytest.mark.parametrize("case", ["overlapping", "read-only"])
+def test_copy_takes_the_safe_path_where_memcpy_would_not_be(case, monkeypatch):
+    """Overlapping buffers (memcpy's result would be undefined) and a read-only output (numpy
+    refuses to write it; memcpy would not) never reach the kernel."""
+    monkeypatch.setattr(kernels, "copy_feeding", _refuse)
     buf = RNG.integers(0, 256, 10_000, dtype=np.uint8)
-    want = buf[:6000].copy()
     h = hashing.Xxh3()
-    streams.copy(buf[:6000], buf[4000:], h)  # overlapping: memcpy's result would be undefined
-    assert np.array_equal(buf[4000:], want) and h.digest() == xxhash.xxh3_128(want.tobytes()).digest()
+    if case == "overlapping":
+        want = buf[:6000].copy()
+        streams.copy(buf[:6000], buf[4000:], h)
+        assert np.array_equal(buf[4000:], want) and h.digest() == xxhash.xxh3_128(want.tobytes()).digest()
+    else:
+        frozen = np.frombuffer(bytes(10_000), np.uint8)
+        with pytest.raises(ValueError, match="read-only"):
+            streams.copy(buf, frozen, h)
+        assert not frozen.any()
+
+
+def test_feed_and_copy_feeding_refuse_what_they_cannot_read_safely():
+    d = np.arange(16, dtype=np.uint8)
+    h = hashing.Xxh3()
+    assert kernels.feed(hashing.UPDATE, h.state, d, 10, 40) == -1  # past the end
+    assert kernels.feed(hashing.UPDATE, h.state, d[::2], 0, 8) == -1  # a step
+    assert kernels.copy_feeding(d, np.zeros(8, np.uint8), hashing.UPDATE, h.state, 4) == -1
+    assert kernels.copy_feeding(d, np.zeros(16, np.uint16), hashing.UPDATE, h.state, 4) == -1
+    assert kernels.copy_feeding(d[::2], np.zeros(8, np.uint8), hashing.UPDATE, h.state, 4) == -1
+    assert h.digest() == xxhash.xxh3_128(b"").digest()  # nothing was fed
+
+
+def test_a_hasher_cannot_be_copied_or_pickled_and_a_subclass_is_fed_from_python():
+    import copy
+    import pickle
+
+    h = hashing.Xxh3()
+    for clone in (copy.copy, copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match="cannot be"):
+            clone(h)
+
+    class Logged(hashing.Xxh3):
+        __slots__ = ("seen",)
+
+        def update(self, data):
+            self.seen = True
+            super().update(data)
+
+    sub = Logged()
+    assert hashing.native_state(sub) == 0
+    streams.copy(np.arange(100, dtype=np.uint16), np.zeros(100, np.uint16), sub)
+    assert sub.seen
+
+
+def test_a_failed_update_is_an_error_on_every_fed_path(monkeypatch):
+    """An update that reports an error (here a stub at UPDATE's place) is raised, never ignored:
+    the ans pass, sparse's patching and the copy."""
+    stub = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(lambda s, p, n: 1)
+    monkeypatch.setattr(hashing, "UPDATE", ctypes.cast(stub, ctypes.c_void_p).value)
+    old, new = _pair(5000)
+    block, _ = ans.encode_block("BF16", old, new)
+    with pytest.raises(RuntimeError, match="XXH3"):
+        ans.decode_block("BF16", memoryview(block), old, np.empty_like(old), "t", hashing.Xxh3())
+    sparse = registry.get("sparse")
+    sblock, _ = sparse.encode("BF16", old, new, CodecConfig())
+    with pytest.raises(RuntimeError, match="XXH3"):
+        sparse.decode("BF16", memoryview(sblock), old, np.empty_like(old), "t", hashing.Xxh3())
+    with pytest.raises(RuntimeError, match="XXH3"):
+        streams.copy(old, np.empty_like(old), hashing.Xxh3())
 
 
 def _pair(n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -75,19 +149,19 @@ def _pair(n: int) -> tuple[np.ndarray, np.ndarray]:
     return old, new
 
 
-@pytest.mark.parametrize("n", [5000, ans.HASH_WHOLE + 4099, 3 * ans.SLICE + 64])
-def test_ans_decode_feeds_the_hasher_from_the_kernel(n, monkeypatch):
-    """A block of any size decodes with the kernel feeding the state (Xxh3.update is never called:
-    no slice goes back to Python) and the digest is the result's."""
+@pytest.mark.parametrize("n", [5000, ans.HASH_WHOLE + 4099, ans.HASH_WHOLE + 3 * ans.SLICE + 64])
+@pytest.mark.parametrize("codec", ["ans", "sparse"])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_decode_feeds_the_hasher_from_the_kernel(codec, n, in_place, monkeypatch):
+    """A block of one slice or many decodes with the kernel feeding the state (Xxh3.update is never
+    called: no slice goes back to Python), into a fresh buffer or in place, and the digest is the
+    result's."""
     old, new = _pair(n)
-    block, _ = ans.encode_block("BF16", old, new)
-
-    def refuse(self, data):
-        raise AssertionError("the kernel should feed the state, not Python")
-
-    monkeypatch.setattr(hashing.Xxh3, "update", refuse)
-    out, h = np.empty_like(old), hashing.Xxh3()
-    ans.decode_block("BF16", memoryview(block), old, out, "t", h)
+    impl = registry.get(codec)
+    block, _ = impl.encode("BF16", old, new, CodecConfig())
+    monkeypatch.setattr(hashing.Xxh3, "update", _refuse)
+    out, h = old.copy() if in_place else np.empty_like(old), hashing.Xxh3()
+    impl.decode("BF16", memoryview(block), out if in_place else old, out, "t", h)
     assert np.array_equal(out, new) and h.digest() == xxhash.xxh3_128(new.tobytes()).digest()
 
 
@@ -122,3 +196,44 @@ def test_sparse_into_a_strided_output_hashes_what_it_wrote():
     h = hashing.Xxh3()
     codec.decode("BF16", memoryview(block), old, big[::2], "t", h)
     assert np.array_equal(big[::2], new) and h.digest() == xxhash.xxh3_128(new.tobytes()).digest()
+
+
+def test_the_hashed_pass_is_there_for_a_thread_that_finds_its_pass_made(monkeypatch):
+    """Another thread takes a pass's presence (read without the lock) as a sign that its hashed
+    wrapper is made too: the wrapper is stored first. Made slow here, the wrapper's making leaves
+    a window a second thread falls into."""
+    import threading
+    import time
+
+    keys = [("pass", 3, 3, ans.NATIVE), ("pass_hashed", 3, 3, ans.NATIVE)]
+    saved = {k: ans._KERNELS.pop(k) for k in keys if k in ans._KERNELS}
+    real = ans.njit
+
+    def slow_njit(**kw):
+        def wrap(fn):
+            if fn.__name__.endswith("_hashed"):
+                time.sleep(0.5)
+            return real(**kw)(fn)
+
+        return wrap
+
+    monkeypatch.setattr(ans, "njit", slow_njit)
+    got, errors = [], []
+
+    def take():
+        try:
+            got.append(ans._hashed_pass(3, 3, ans.NATIVE))
+        except Exception as exc:  # noqa: BLE001  reported below
+            errors.append(exc)
+
+    first = threading.Thread(target=take)
+    first.start()
+    time.sleep(0.2)  # inside the first thread's slow making of the wrapper
+    take()
+    first.join()
+    try:
+        assert errors == [] and len(got) == 2 and got[0] is got[1]
+    finally:
+        for k in keys:
+            ans._KERNELS.pop(k, None)
+        ans._KERNELS.update(saved)

@@ -581,10 +581,10 @@ def _kernel(kind: str, K: int, G: int, native: bool = NATIVE):
                     ns.update(_deposit=deposit_soft, _expand_add=EXPAND_ADD_SOFT[G])
                     ns.update(_compress=compress_zigzag_soft)
                 exec(compile(source, __file__, "exec"), ns)  # noqa: S102 - our own generated source
-                ns[name] = _KERNELS[key] = njit(nogil=True)(ns[name])  # before the wrapper that calls it
-                if kind == "pass":
+                ns[name] = fn = njit(nogil=True)(ns[name])  # before the wrapper that calls it
+                if kind == "pass":  # stored first: another thread takes the pass's key, unlocked, as a sign of both
                     _KERNELS["pass_hashed", K, G, native] = njit(nogil=True)(ns[name + "_hashed"])
-                fn = _KERNELS[key]
+                _KERNELS[key] = fn
     return fn
 
 

@@ -77,15 +77,29 @@ UPDATE = 0 if _LIB is None else _LIB.address
 
 class Xxh3:
     """An XXH3-128 hasher (``update``, ``digest``, ``hexdigest`` as ``xxhash.xxh3_128``'s) whose
-    state a kernel can feed: :attr:`state`, with :data:`UPDATE`. Made by :func:`hasher`."""
+    state a kernel can feed: :attr:`state`, with :data:`UPDATE`. Made by :func:`hasher`. It cannot
+    be copied or pickled (a copy would share, then outlive, the C state), as ``xxhash``'s cannot be
+    pickled."""
+
+    __slots__ = ("state", "__weakref__")
 
     def __init__(self) -> None:
         self.state = _LIB.create()
         if not self.state:
             raise MemoryError("XXH3_createState failed")
-        weakref.finalize(self, _LIB.free, self.state)
+        # freed with the object, not at exit: a daemon thread may still be feeding it then
+        weakref.finalize(self, _LIB.free, self.state).atexit = False
         if _LIB.reset(self.state):
             raise RuntimeError("XXH3_128bits_reset failed")
+
+    def __reduce__(self):
+        raise TypeError("an Xxh3 hasher cannot be pickled or copied (its state is C memory)")
+
+    def __copy__(self):
+        raise TypeError("an Xxh3 hasher cannot be copied (its state is C memory)")
+
+    def __deepcopy__(self, memo):
+        raise TypeError("an Xxh3 hasher cannot be copied (its state is C memory)")
 
     def update(self, data) -> None:
         arr = data if isinstance(data, np.ndarray) else np.frombuffer(memoryview(data).cast("B"), np.uint8)
@@ -112,4 +126,4 @@ def hasher():
 def native_state(h) -> int:
     """The C state of ``h`` for :func:`weightsync.codec.kernels.feed`, or 0 if it is not an
     :class:`Xxh3` (then its caller feeds ``h`` from Python)."""
-    return h.state if isinstance(h, Xxh3) else 0
+    return h.state if type(h) is Xxh3 else 0  # a subclass may feed otherwise: its update is called

@@ -308,17 +308,25 @@ def _address(arr, i):
 @njit(nogil=True)
 def feed(fn, state, arr, a, e):
     """Feed elements ``a:e`` of the contiguous ``arr`` to the XXH3 state ``state`` through
-    ``XXH3_128bits_update`` at ``fn`` (:data:`weightsync.codec.hashing.UPDATE`); returns its error code (0: done)."""
+    ``XXH3_128bits_update`` at ``fn`` (:data:`weightsync.codec.hashing.UPDATE`); returns its error code (0: done),
+    or -1 for a range outside ``arr`` or an ``arr`` with a step (nothing is read then)."""
     if e <= a:
         return 0
+    if a < 0 or e > arr.size or arr.strides[0] != arr.itemsize:
+        return -1
     return _call_update(np.uint64(fn), np.uint64(state), _address(arr, a), np.uint64((e - a) * arr.itemsize))
 
 
 @njit(nogil=True)
 def copy_feeding(src, dst, fn, state, step):
     """``dst[:] = src`` slice by slice of ``step`` elements, each fed to ``state`` (as :func:`feed`)
-    while it is in cache; returns 0, or the first failed update's error code."""
+    while it is in cache; returns 0, the first failed update's error code, or -1 (nothing copied) for
+    arrays of other sizes or element widths, or with a step."""
     n = src.size
+    if dst.size != n or dst.itemsize != src.itemsize:
+        return -1
+    if n > 0 and (src.strides[0] != src.itemsize or dst.strides[0] != dst.itemsize):
+        return -1
     for a in range(0, n, step):
         b = min(a + step, n)
         _memcpy(_address(dst, a), _address(src, a), np.uint64((b - a) * src.itemsize))

@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import zstandard
 
-from weightsync.codec.hashing import UPDATE, native_state
+from weightsync.codec import hashing
 from weightsync.errors import FormatError
 from weightsync.format.dtypes import INT_VIEW, UINT_VIEW
 
@@ -102,12 +102,12 @@ def copy(src: np.ndarray, dst: np.ndarray, hasher=None) -> None:
         np.copyto(dst, src)
         return
     step = max(1, SLICE_BYTES // src.dtype.itemsize)
-    state = native_state(hasher)
+    state = hashing.native_state(hasher)
     fits = src.dtype == dst.dtype and src.shape == dst.shape and src.flags.c_contiguous and dst.flags.c_contiguous
-    if state and fits and not np.may_share_memory(src, dst):
+    if state and fits and dst.flags.writeable and not np.may_share_memory(src, dst):
         from weightsync.codec.kernels import copy_feeding  # numba: imported where a kernel can feed
 
-        if copy_feeding(src.reshape(-1), dst.reshape(-1), UPDATE, state, step):  # in one call (hashing.py)
+        if copy_feeding(src.reshape(-1), dst.reshape(-1), hashing.UPDATE, state, step):  # in one call
             raise RuntimeError("XXH3_128bits_update failed")
         return
     for a in range(0, src.size, step):
