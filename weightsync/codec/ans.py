@@ -1431,7 +1431,7 @@ def _pass_over(K: int, G: int, native: bool, src, out, lims, st, words, diffs, h
             out, src, 0, n, lims, st, words, diffs, hashing.UPDATE, state, max(chunk, 1)
         )
         if status == 2:
-            raise RuntimeError(f"{what}: XXH3_128bits_update failed")
+            raise RuntimeError(f"{what}: {hashing.FEED_FAILED}")
         if status:
             raise FormatError(f"{what}: ans block's bucket sizes do not match its base")
         return

@@ -75,6 +75,10 @@ UPDATE = 0 if _LIB is None else _LIB.address
 :func:`weightsync.codec.kernels.feed`."""
 
 
+FEED_FAILED = "a kernel's XXH3 update failed, or refused a range it could not read safely"
+"""The error of a decode whose kernel could not feed its hasher (``kernels.feed``'s nonzero codes)."""
+
+
 class Xxh3:
     """An XXH3-128 hasher (``update``, ``digest``, ``hexdigest`` as ``xxhash.xxh3_128``'s) whose
     state a kernel can feed: :attr:`state`, with :data:`UPDATE`. Made by :func:`hasher`. It cannot

@@ -95,7 +95,7 @@ class Sparse(Codec):
             except ValueError as exc:  # the kernel's own bounds checks: the block does not fit its tensor
                 raise FormatError(f"{what}: bad sparse block ({exc})") from None
             if status:
-                raise RuntimeError(f"{what}: XXH3_128bits_update failed")
+                raise RuntimeError(f"{what}: {hashing.FEED_FAILED}")
         else:
             done = self._patch_slices(out, gaps, gw, vals, src, backward, step, hasher, what)
         if done < k:

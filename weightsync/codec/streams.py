@@ -108,7 +108,7 @@ def copy(src: np.ndarray, dst: np.ndarray, hasher=None) -> None:
         from weightsync.codec.kernels import copy_feeding  # numba: imported where a kernel can feed
 
         if copy_feeding(src.reshape(-1), dst.reshape(-1), hashing.UPDATE, state, step):  # in one call
-            raise RuntimeError("XXH3_128bits_update failed")
+            raise RuntimeError(hashing.FEED_FAILED)
         return
     for a in range(0, src.size, step):
         np.copyto(dst[a : a + step], src[a : a + step])
