@@ -591,6 +591,33 @@ def test_a_sampled_block_gets_the_value_groups_its_changes_pay_for():
     check_round_trip("BF16", old, new, data)
 
 
+@pytest.mark.parametrize("words, step", [(ans.SAMPLE_HALVED - 1, 16), (ans.SAMPLE_HALVED, 32)])
+def test_the_plan_samples_large_blocks_more_thinly_and_scales_to_the_block(words, step):
+    """From SAMPLE_HALVED words a block's changes are sampled in every 32nd window, not every 16th:
+    the counts are still scaled to the whole block (elements per old exponent within 5%, changes
+    within 4 standard deviations of the sampled count), and the buckets still split the exponents
+    whose change densities differ."""
+    rng = np.random.default_rng(words)
+    n = 64 * words
+    ex = rng.choice(np.array([100, 110, 120]), n)
+    density = {100: 0.01, 110: 0.1, 120: 0.4}
+    old = (ex << 7 | rng.integers(8, 120, n)).astype(np.uint16)
+    new = old.copy()
+    hit = rng.random(n) < np.select([ex == 100, ex == 110], [density[100], density[110]], density[120])
+    new[hit] += 1
+    per, chp, _, got = ans._histogram(old, new, 7, 255, 16)
+    assert got == step
+    for e, d in density.items():
+        assert abs(per[e] - n / 3) < 0.05 * n / 3, e
+        assert abs(chp[e] - d * n / 3) < 4 * np.sqrt(d * n / 3 * step), e  # 4 sd: the sample's count
+    thr, _ = ans._plan(old, new, 7, 8, ans.BUCKETS, 16)
+    assert {101, 102, 103, 104, 105, 106, 107, 108, 109, 110} & set(thr.tolist())
+    assert {111, 112, 113, 114, 115, 116, 117, 118, 119, 120} & set(thr.tolist())
+    data, count = ans.encode_block("BF16", old, new)
+    assert count == int(hit.sum())
+    check_round_trip("BF16", old, new, data)
+
+
 def test_rans_round_trips_with_every_frequency_a_symbol_can_have():
     """The encoder's division by a symbol's frequency (a reciprocal, a multiply and shifts) is exact
     for every frequency from 1 to PROB_ONE at every state it meets: symbol 0 takes each frequency in
