@@ -570,13 +570,13 @@ def test_smaller_than_the_zeroth_order_bound_and_than_sparse(lr):
     assert len(enc.payload) < 0.8 * len(plain.payload)
 
 
-def test_a_sampled_block_gets_the_value_groups_its_changes_pay_for():
+@pytest.mark.parametrize("n", [(1 << 20) - 64, 1 << 20])  # every 16th window sampled, and every 32nd
+def test_a_sampled_block_gets_the_value_groups_its_changes_pay_for(n):
     """A block large enough that the plan samples it: 1,500 changes, by 1 unit where the old
     exponent is 100 and by 5 where it is 120, so two value groups save about a bit a change
     (about 1,500 bits against a table of 160). The plan must weigh the table at the sample's scale,
     not the block's; weighed at the block's it takes one group."""
     rng = np.random.default_rng(18)
-    n = 1 << 20
     high = rng.random(n) < 0.5
     old = (np.where(high, 120, 100) << 7 | rng.integers(8, 120, n)).astype(np.uint16)
     at = rng.choice(n, 1500, replace=False)
@@ -595,24 +595,27 @@ def test_a_sampled_block_gets_the_value_groups_its_changes_pay_for():
 def test_the_plan_samples_large_blocks_more_thinly_and_scales_to_the_block(words, step):
     """From SAMPLE_HALVED words a block's changes are sampled in every 32nd window, not every 16th:
     the counts are still scaled to the whole block (elements per old exponent within 5%, changes
-    within 4 standard deviations of the sampled count), and the buckets still split the exponents
-    whose change densities differ."""
+    within 4 standard deviations of the sampled count), the sample spans the block (two exponents
+    occur only in its second half), and three buckets split the exponents exactly where the change
+    densities differ (three bands of two exponents each: 1%, 10% and 40% changed; with the change
+    counts replaced by a uniform density the cuts fall elsewhere)."""
     rng = np.random.default_rng(words)
     n = 64 * words
-    ex = rng.choice(np.array([100, 110, 120]), n)
-    density = {100: 0.01, 110: 0.1, 120: 0.4}
+    half = n // 2
+    ex = np.concatenate([rng.choice(np.arange(100, 104), half), rng.choice(np.array([104, 105]), n - half)])
+    density = {100: 0.01, 101: 0.01, 102: 0.1, 103: 0.1, 104: 0.4, 105: 0.4}
+    share = {e: (half / 4 if e < 104 else (n - half) / 2) for e in density}
     old = (ex << 7 | rng.integers(8, 120, n)).astype(np.uint16)
     new = old.copy()
-    hit = rng.random(n) < np.select([ex == 100, ex == 110], [density[100], density[110]], density[120])
+    hit = rng.random(n) < np.array([density[e] for e in range(100, 106)])[ex - 100]
     new[hit] += 1
     per, chp, _, got = ans._histogram(old, new, 7, 255, 16)
     assert got == step
     for e, d in density.items():
-        assert abs(per[e] - n / 3) < 0.05 * n / 3, e
-        assert abs(chp[e] - d * n / 3) < 4 * np.sqrt(d * n / 3 * step), e  # 4 sd: the sample's count
-    thr, _ = ans._plan(old, new, 7, 8, ans.BUCKETS, 16)
-    assert {101, 102, 103, 104, 105, 106, 107, 108, 109, 110} & set(thr.tolist())
-    assert {111, 112, 113, 114, 115, 116, 117, 118, 119, 120} & set(thr.tolist())
+        assert abs(per[e] - share[e]) < 0.05 * share[e], e
+        assert abs(chp[e] - d * share[e]) < 4 * np.sqrt(d * share[e] * step), e  # 4 sd: the sample's count
+    thr, _ = ans._plan(old, new, 7, 8, 3, 16)  # three buckets: the cuts between the bands, exactly
+    assert set(thr.tolist()) == {102, 104}
     data, count = ans.encode_block("BF16", old, new)
     assert count == int(hit.sum())
     check_round_trip("BF16", old, new, data)
