@@ -336,6 +336,34 @@ def test_payloads_round_trip_forward_and_backward(dtype):
 
 
 # --- hostile input -----------------------------------------------------------------------------------
+CROSSING = {"BF16": ([120, 121, 122], [121, 122]), "F32": ([120, 121, 122], [121, 122]), "F16": ([8, 9, 10], [9, 10])}
+
+
+def _crossings(dtype: str, far: bool) -> tuple[np.ndarray, np.ndarray, bytes, ans.Parsed]:
+    """A block of weights near 0.02, 5% of the normal ones moved by a unit or two, and 400 moved by one unit across an
+    exponent boundary (up from the top of an exponent's mantissa, down from the bottom), over
+    thresholds at those exponents; ``far``: and one moved up by half an exponent's step and one
+    unit more (the top bit of its new mantissa set, as if it had come down)."""
+    rng = np.random.default_rng(24)
+    old = base_of(dtype, 50_000, rng)
+    new = old.copy()
+    shift = ans.EXPONENT_FIELD[dtype][0]
+    idx = 8 + np.flatnonzero(rng.random(old.size - 8) < 0.05)  # not the NaN, infinities and subnormals
+    idx = idx[(old[idx].astype(np.int64) & ((1 << (8 * old.itemsize - 1)) - 1)) >= 1 << shift]  # nor through 0
+    new[idx] = (old[idx].astype(np.int64) + rng.choice([1, -1, 2, -2], idx.size)).astype(old.dtype)
+    top = old.dtype.type((1 << shift) - 1)
+    up, down = rng.choice(np.arange(8, old.size), (2, 200), replace=False)
+    old[up] |= top
+    new[up] = old[up] + old.dtype.type(1)
+    old[down] &= ~top
+    new[down] = old[down] - old.dtype.type(1)
+    if far:  # from the top of the exponent below the middle threshold to its new exponent's upper half
+        old[10] = old.dtype.type((CROSSING[dtype][0][1] - 1) << shift) | top
+        new[10] = old[10] + old.dtype.type((1 << (shift - 1)) + 1)
+    data, _ = ans.encode_block(dtype, old, new, split=CROSSING[dtype])
+    return old, new, data, ans.Parsed(dtype, memoryview(data), old.size, old.dtype, "test")
+
+
 def _blocks() -> list[tuple[str, np.ndarray, np.ndarray, bytes]]:
     rng = np.random.default_rng(4)
     out = []
@@ -344,6 +372,9 @@ def _blocks() -> list[tuple[str, np.ndarray, np.ndarray, bytes]]:
             old = base_of(dtype, n, rng)
             new = changed(old, frac, rng)
             out.append((dtype, old, new, ans.encode_block(dtype, old, new)[0]))
+    for dtype in ("BF16", "F32"):  # exceptions derived from the new values
+        old, new, data, _ = _crossings(dtype, far=False)
+        out.append((dtype, old, new, data))
     return out
 
 
@@ -510,8 +541,9 @@ def test_the_exception_list_takes_the_order_that_codes_its_gaps_in_the_fewest_bi
     gaps = np.diff(np.concatenate([[-1], p.exc])) - 1
     costs = [_eg_bits(gaps, o) for o in range(ans.EXC_ORDER + 1)]
     (at,) = _tables(data)["list"]
-    assert p.exc.size > 1 and costs[data[at]] == min(costs)
-    assert (data[at] == 0) if clustered else (data[at] > 0)
+    order = data[at] & ~ans.EXC_DERIVED
+    assert p.exc.size > 1 and costs[order] == min(costs)
+    assert (order == 0) if clustered else (order > 0)
     check_round_trip("BF16", old, new, data)
 
 
@@ -529,9 +561,10 @@ def test_a_changed_escape_order_or_exception_list_is_refused_or_decodes_to_other
     bad = bytearray(data)
     bad[at["list"][0]] = ans.EXC_ORDER + 1
     assert _decode_or_refuse("BF16", bytes(bad), old) is None
+    mode = data[at["list"][0]] & ans.EXC_DERIVED
     for order in range(ans.EXC_ORDER + 1):
-        if order != data[at["list"][0]]:  # the list is read by the backward decode only
-            bad[at["list"][0]] = order
+        if order | mode != data[at["list"][0]]:  # the list is read by the backward decode only
+            bad[at["list"][0]] = order | mode
             back = _decode_or_refuse("BF16", bytes(bad), new, backward=True)
             assert back is None or not np.array_equal(back, old)
     for g in at["groups"]:
@@ -550,6 +583,57 @@ def test_a_changed_escape_order_or_exception_list_is_refused_or_decodes_to_other
         bad = bytearray(plain)
         bad[where] |= bit
         assert _decode_or_refuse("BF16", bytes(bad), old) is None
+
+
+@pytest.mark.parametrize("dtype", sorted(CROSSING))
+@pytest.mark.parametrize("far", [False, True])
+def test_exceptions_carry_their_old_bucket_and_group_only_when_the_new_value_does_not_tell_it(dtype, far):
+    """A change of less than half an exponent's step that moves an element across a threshold
+    leaves the top bit of its mantissa saying which way it came: the block's exception list then
+    holds only the positions (4 bits an exception less). One change that does not (``far``) makes
+    the block list every exception's old bucket and group, as before; both decode both ways."""
+    old, new, data, p = _crossings(dtype, far)
+    at = _tables(data)["list"][0]
+    gaps = np.diff(np.concatenate([[-1], p.exc])) - 1
+    length, _ = _varint_at(data, at + 1)
+    tags = 4 * p.exc.size if far else 0
+    shift, bits = ans.EXPONENT_FIELD[dtype]
+    ctx = [
+        [np.searchsorted(t, (v.astype(np.int64) >> shift) & ((1 << bits) - 1), side="right") for t in CROSSING[dtype]]
+        for v in (old, new)
+    ]
+    moved = np.flatnonzero((ctx[0][0] != ctx[1][0]) | (ctx[0][1] != ctx[1][1]))
+    assert moved.size > 100 and np.array_equal(p.exc, moved)
+    assert p.derived == (not far) and bool(data[at] & ans.EXC_DERIVED) == (not far)
+    assert length == -(-(_eg_bits(gaps, data[at] & ~ans.EXC_DERIVED) + tags) // 8)
+    assert not far or 10 in p.exc
+    check_round_trip(dtype, old, new, data)
+
+
+def test_a_derived_exponent_past_the_field_or_a_flipped_derived_flag_is_refused_or_decodes_to_other_bytes():
+    """The backward decoder refuses a result whose exception derives an exponent below 0 or above
+    the field's top (the encoder lists the exceptions of such a block instead), and a derived list
+    in a block of a dtype without an exponent field; flipping the flag
+    either way misreads the list: refused, or other bytes (the checksum's to catch). The forward
+    decode never reads the exceptions' buckets and groups."""
+    old, new, data, p = _crossings("BF16", far=False)
+    for value in (0x0001, 0x7FC0):  # exponent 0, mantissa's top bit clear; exponent 255, set
+        bad = new.copy()
+        bad[p.exc[0]] = value
+        assert _decode_or_refuse("BF16", data, bad, backward=True) is None
+    for far in (False, True):
+        o, n, block, _ = _crossings("BF16", far)
+        flipped = bytearray(block)
+        flipped[_tables(block)["list"][0]] ^= ans.EXC_DERIVED
+        out = _decode_or_refuse("BF16", bytes(flipped), o)
+        assert out is None or np.array_equal(out, n)
+        back = _decode_or_refuse("BF16", bytes(flipped), n, backward=True)
+        assert back is None or not np.array_equal(back, o)
+    u8 = np.arange(5000, dtype=np.uint8)  # no exponent field: a derived list (one exception at 0) is refused
+    plain = ans.encode_block("U8", u8, u8 + np.uint8(1))[0]
+    assert plain[8] == 0  # no exceptions
+    listed = plain[:4] + bytes([1 | ans.EXC_CODED]) + plain[5:8] + bytes([1, ans.EXC_DERIVED, 1, 0]) + plain[9:]
+    assert _decode_or_refuse("U8", listed, u8 + np.uint8(1), backward=True) is None
 
 
 @pytest.mark.parametrize("lr", [1e-6, 1e-5])

@@ -189,15 +189,17 @@ def test_fixture_is_untouched_by_the_tests():
     assert {p.name for p in root.iterdir()} == {"HEAD", "weightsync.json", "versions", "chunks"}
 
 
-@pytest.mark.parametrize("codec", ["ac", "ans"])
-def test_committed_entropy_coded_payload_still_decodes(codec):
+@pytest.mark.parametrize("fixture", ["ac", "ans", "ans-derived"])
+def test_committed_entropy_coded_payload_still_decodes(fixture):
     """The entropy coders' byte layouts must not drift: a payload made when the codec was added (2
     blocks of a bf16 tensor) must decode to the recorded bytes; ``ans``'s backward too, and so must
-    ``ans``'s payload of the same step in its second layout (coded exception lists, escape orders)."""
+    ``ans``'s payload of the same step in its second layout (coded exception lists, escape orders)
+    and a step of small changes in its third (exceptions derived from the new values)."""
     import zstandard
 
-    d = GOLDEN / codec
+    d = GOLDEN / fixture
     spec = json.loads((d / "expected.json").read_text())
+    codec = spec["codec"]
     base = GOLDEN / spec.get("base", f"{codec}/old.bin.zst")
     old = np.frombuffer(zstandard.ZstdDecompressor().decompress(base.read_bytes()), dtype=np.uint8)
     for name in spec.get("payloads", ["payload.bin"]):  # ans: its first layout and today's

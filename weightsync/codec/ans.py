@@ -22,8 +22,9 @@ group's zigzag codes. Both passes come in a native kind and a portable one, whic
 set bit of the changes' masks where ``pdep`` or the vector expand is slow (:mod:`weightsync.codec.simd`).
 
 Deltas run backward too (:func:`decode_backward`): a change that moves its element to another
-bucket or group is listed with its old bucket and group, so the old block can be rebuilt from the
-new one (rollbacks fetch deltas, not keyframes).
+bucket or group is listed, with its old bucket and group unless its new value tells them (the
+top bit of its mantissa says from which side it crossed the exponent boundary), so the old block
+can be rebuilt from the new one (rollbacks fetch deltas, not keyframes).
 """
 
 from __future__ import annotations
@@ -131,6 +132,11 @@ bit section (else varints and a byte each, as the first payloads wrote it)."""
 
 EXC_ORDER = 24
 """The highest order of the exception list's Exp-Golomb codes (gaps are below 2^31)."""
+
+EXC_DERIVED = 0x20
+"""Set in the coded exception list's order byte (above the order's 5 bits): no exception carries
+its old bucket and group; the backward decoder derives each from the new value
+(:func:`_derived`). Written when that is right for every exception of the block."""
 
 ESC_ORDER = 7
 """The highest order of a value group's escape codes (3 bits of its symbol-count byte)."""
@@ -825,13 +831,18 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st, ranks):
                 o, ob = eg_order(gaps, lo)
                 if ob < nbits:
                     hx, nbits = o, ob
-        head[hp] = hx
-        hp = put_varint(head, hp + 1, (nbits + 4 * ne + 7) // 8)
         tags = np.empty(ne, np.uint8)
+        derived = True
         for j in range(ne):
             eo = (np.int64(old[exc[j]]) >> shift) & fmask
             tags[j] = lut[eo] << 2 | gvt[eo]
-        hp += eg_section(gaps, hx, tags, 4, head[hp:])
+            x = _derived(new[exc[j]], shift, fmask)
+            if x < 0 or lut[x] != lut[eo] or gvt[x] != gvt[eo]:
+                derived = False
+        tb = 0 if derived else 4
+        head[hp] = hx | (EXC_DERIVED if derived else 0)
+        hp = put_varint(head, hp + 1, (nbits + tb * ne + 7) // 8)
+        hp += eg_section(gaps, hx, tags, tb, head[hp:])
     body = np.empty(64 * K + 64 * G + 12 * k + 16 * nesc + 64 * LANES * K, np.uint8)
     bp = 0
     for b in range(K):  # positions: per bucket, Rice codes of rank gaps
@@ -877,6 +888,17 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st, ranks):
     out[:hp] = head[:hp]
     out[hp:] = body[:bp]
     return out, k
+
+
+@njit(nogil=True, inline="always")
+def _derived(u, shift, fmask):
+    """The exponent an element most likely held before a change moved it across an exponent
+    boundary to ``u``: one below ``u``'s if the top bit of its mantissa is clear (it has just
+    crossed upward), else one above; -1 past the field's ends. Right for every change of fewer
+    than half an exponent's step (64 units in BF16). :meth:`Parsed.old_exponents` is its reader."""
+    x = (np.int64(u) >> shift) & fmask
+    x += 1 if (np.int64(u) >> (shift - 1)) & 1 else -1
+    return x if 0 <= x <= fmask else -1
 
 
 @njit(nogil=True)
@@ -1001,7 +1023,7 @@ def encode_block(
 
 # The layout of a parsed block's tables (int64): the bucket and group counts, the exceptions, what
 # the caller's arrays must hold (after a -1), then the tables at fixed places.
-H_K, H_G, H_NE, H_NEED_EXC, H_NEED_WORDS, H_NEED_DIFFS = range(6)
+H_K, H_G, H_NE, H_NEED_EXC, H_NEED_WORDS, H_NEED_DIFFS, H_DERIVED = range(7)
 H_THR = 8  # bucket thresholds (K - 1)
 H_VTHR = H_THR + MAX_K - 1  # group thresholds (G - 1)
 H_NB = H_VTHR + MAX_G - 1  # each bucket's size (K)
@@ -1050,28 +1072,33 @@ def _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb):
             return 4
     pos += K + G - 2
     ne, pos = get_varint(data, pos)
-    if ne < 0 or ne > c or (coded and (ne == 0 or pos >= data.size or data[pos] > EXC_ORDER)):
+    if ne < 0 or ne > c or (coded and (ne == 0 or pos >= data.size or data[pos] & ~EXC_DERIVED > EXC_ORDER)):
         return 5
     hdr[H_NE] = ne
+    hdr[H_DERIVED] = coded and (data[pos] & EXC_DERIVED) != 0
+    if hdr[H_DERIVED] and bits == 0:  # no exponent to derive from
+        return 5
     if exc.size < ne or exb.size < ne:
         hdr[H_NEED_EXC] = ne
         return -1
     p = -1
-    if coded:  # Exp-Golomb codes of the gaps, each followed by 4 bits: old bucket << 2 | old group
-        hx = np.int64(data[pos])
+    if coded:  # Exp-Golomb codes of the gaps, each followed by 4 bits: old bucket << 2 | old group,
+        # or by nothing when those are derived from the new values (the backward decode's business)
+        hx = np.int64(data[pos]) & ~EXC_DERIVED
+        tb = 0 if hdr[H_DERIVED] else 4
         xl, pos = get_varint(data, pos + 1)
         if xl < 0 or pos + xl > data.size:
             return 6
         sec = padded_words(data, pos, xl)
         bp = 0
         for j in range(ne):
-            g, bp = get_eg(sec, bp, 8 * xl - 4, hx)
+            g, bp = get_eg(sec, bp, 8 * xl - tb, hx)
             if g < 0 or p + g + 1 >= n:
                 return 6
             p += g + 1
             exc[j] = p
-            t = np.int64(peek(sec, bp) & np.uint64(15))
-            bp += 4
+            t = np.int64(peek(sec, bp) & np.uint64(15)) if tb else 0
+            bp += tb
             exb[j] = (t >> 2) << 4 | (t & 3)
             if (t >> 2) >= K or (t & 3) >= G:
                 return 6
@@ -1201,7 +1228,8 @@ def _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb):
 def _parse(data, n, width_bits, tmpl):
     """(status, K, bucket thresholds, group thresholds, bucket sizes, bitmaps, each bucket's first
     word, differences, each group's first difference, exception positions, their old bucket << 4 |
-    group), in arrays of their own; status 0 is success, else the failed check's number."""
+    group (0 when derived), whether they are derived from the new values), in arrays of their own;
+    status 0 is success, else the failed check's number."""
     hdr = np.zeros(H_LEN, np.int64)
     words = np.zeros(0, np.uint64)
     diffs = tmpl[:0].copy()
@@ -1229,6 +1257,7 @@ def _parse(data, n, width_bits, tmpl):
         hdr[H_DSTART : H_DSTART + G + 1].copy(),
         exc[:ne] if status == 0 else exc[:0],
         exb[:ne] if status == 0 else exb[:0],
+        hdr[H_DERIVED] != 0,
     )
 
 
@@ -1336,13 +1365,32 @@ class Parsed:
     def __init__(self, dtype: str, block: memoryview, n: int, dt: np.dtype, what: str) -> None:
         shift, bits = _exponent_field(dtype, block, what)
         got = _parse(np.frombuffer(block, dtype=np.uint8), n, 8 * dt.itemsize, np.zeros(1, dt))
-        status, self.K, self.thr, self.vthr, self.nb, self.words, self.wbase, self.diffs, self.dstart, exc, exb = got
+        status, self.K, self.thr, self.vthr, self.nb, self.words, self.wbase, self.diffs, self.dstart, exc, exb, d = got
         if status:
             raise FormatError(f"{what}: bad ans block (check {status} failed)")
         self.G = self.vthr.size + 1
         self.shift, self.fmask = shift, (1 << bits) - 1
         self.exc, self.exb = exc, exb  # positions whose bucket or group the change moved; old bucket << 4 | group
+        self.derived = bool(d)  # the old buckets and groups are not listed: derived from the new values
         self.what = what
+
+    def old_exponents(self, new: np.ndarray) -> np.ndarray:
+        """An exponent of each exception's old bucket and group, given the block's result ``new``:
+        derived from its new value (:func:`_derived`), or the smallest exponent of the listed pair."""
+        if self.derived:
+            u = new[self.exc].astype(np.int64)
+            x = ((u >> self.shift) & self.fmask) + np.where((u >> (self.shift - 1)) & 1, 1, -1)
+            if np.any((x < 0) | (x > self.fmask)):
+                raise FormatError(f"{self.what}: ans block derives an exception's exponent past the field")
+            return x
+        blut, glut = self.luts()
+        rep = np.full((MAX_K, MAX_G), -1, np.int64)  # the smallest exponent of each (bucket, group)
+        for x in range(self.fmask, -1, -1):
+            rep[blut[x], glut[x]] = x
+        x = rep[self.exb >> 4, self.exb & 15]
+        if np.any(x < 0):
+            raise FormatError(f"{self.what}: ans block lists an exception in a bucket and group no exponent has")
+        return x
 
     def luts(self) -> tuple[np.ndarray, np.ndarray]:
         """Bucket and value group by exponent value."""
@@ -1474,12 +1522,7 @@ def decode_block_backward(
     field = new.dtype.type(p.fmask << p.shift)
     blut, glut = p.luts()
     if exc.size:
-        rep = np.full((MAX_K, MAX_G), -1, np.int64)  # the smallest exponent of each (bucket, group)
-        for x in range(p.fmask, -1, -1):
-            rep[blut[x], glut[x]] = x
-        x = rep[p.exb >> 4, p.exb & 15]
-        if np.any(x < 0):
-            raise FormatError(f"{what}: ans block lists an exception in a bucket and group no exponent has")
+        x = p.old_exponents(new)
         ctx[exc] = (ctx[exc] & ~field) | (x << p.shift).astype(new.dtype)
     new_exc = new[exc]  # a copy (fancy indexing): ``out`` may be ``new``
     diffs = np.zeros_like(p.diffs)
@@ -1517,8 +1560,10 @@ def decode_backward(dtype: str, block: bytes | memoryview, new: np.ndarray, what
         return new.copy()
     p = Parsed(dtype, memoryview(block), new.size, new.dtype, what)
     buckets, groups = p.contexts(new)
-    buckets[p.exc] = p.exb >> 4
-    groups[p.exc] = p.exb & 15
+    if p.exc.size:
+        blut, glut = p.luts()
+        x = p.old_exponents(new)
+        buckets[p.exc], groups[p.exc] = blut[x], glut[x]
     idx, d = p.changes(buckets, groups)
     old = new.copy()
     old[idx] = new[idx] - d
