@@ -610,6 +610,23 @@ def test_exceptions_carry_their_old_bucket_and_group_only_when_the_new_value_doe
     check_round_trip(dtype, old, new, data)
 
 
+def test_an_exception_in_the_blocks_last_partial_word_is_checked_before_the_list_is_derived():
+    """The encoder codes the last, partial word element by element; an exception there that the new
+    value does not tell (up by 65 units, its new mantissa's top bit set) keeps the list explicit."""
+    old = np.full(1000, (120 << 7) | 0x7F, np.uint16)  # the top of exponent 120
+    new = old.copy()
+    new[::3] += np.uint16(1)  # up to exponent 121: derivable
+    new[995] = old[995] + np.uint16(65)  # in the tail (1000 = 15 * 64 + 40): derives 122, was 120
+    data, _ = ans.encode_block("BF16", old, new, split=([121, 122], [121, 122]))
+    p = ans.Parsed("BF16", memoryview(data), old.size, old.dtype, "test")
+    assert 995 in p.exc and not p.derived
+    check_round_trip("BF16", old, new, data)
+    new[995] = old[995] + np.uint16(1)  # derivable too: the list is derived
+    data, _ = ans.encode_block("BF16", old, new, split=([121, 122], [121, 122]))
+    assert ans.Parsed("BF16", memoryview(data), old.size, old.dtype, "test").derived
+    check_round_trip("BF16", old, new, data)
+
+
 def test_a_derived_exponent_past_the_field_or_a_flipped_derived_flag_is_refused_or_decodes_to_other_bytes():
     """The backward decoder refuses a result whose exception derives an exponent below 0 or above
     the field's top (the encoder lists the exceptions of such a block instead), and a derived list
@@ -620,7 +637,16 @@ def test_a_derived_exponent_past_the_field_or_a_flipped_derived_flag_is_refused_
     for value in (0x0001, 0x7FC0):  # exponent 0, mantissa's top bit clear; exponent 255, set
         bad = new.copy()
         bad[p.exc[0]] = value
-        assert _decode_or_refuse("BF16", data, bad, backward=True) is None
+        for decode in (ans.decode_block_backward, ans.decode_backward):
+            args = (np.empty_like(bad), "hostile") if decode is ans.decode_block_backward else ("hostile",)
+            with pytest.raises(FormatError, match="derives an exception's exponent past the field"):
+                decode("BF16", memoryview(data), bad, *args)
+    at = _tables(data)["list"][0]
+    for bit in (0x40, 0x80):  # the order byte's other spare bits
+        bad = bytearray(data)
+        bad[at] |= bit
+        assert _decode_or_refuse("BF16", bytes(bad), old) is None
+        assert _decode_or_refuse("BF16", bytes(bad), new, backward=True) is None
     for far in (False, True):
         o, n, block, _ = _crossings("BF16", far)
         flipped = bytearray(block)
@@ -633,7 +659,8 @@ def test_a_derived_exponent_past_the_field_or_a_flipped_derived_flag_is_refused_
     plain = ans.encode_block("U8", u8, u8 + np.uint8(1))[0]
     assert plain[8] == 0  # no exceptions
     listed = plain[:4] + bytes([1 | ans.EXC_CODED]) + plain[5:8] + bytes([1, ans.EXC_DERIVED, 1, 0]) + plain[9:]
-    assert _decode_or_refuse("U8", listed, u8 + np.uint8(1), backward=True) is None
+    with pytest.raises(FormatError, match="check 5 failed"):
+        ans.decode_backward("U8", listed, u8 + np.uint8(1), "hostile")
 
 
 @pytest.mark.parametrize("lr", [1e-6, 1e-5])

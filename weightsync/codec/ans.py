@@ -895,7 +895,8 @@ def _derived(u, shift, fmask):
     """The exponent an element most likely held before a change moved it across an exponent
     boundary to ``u``: one below ``u``'s if the top bit of its mantissa is clear (it has just
     crossed upward), else one above; -1 past the field's ends. Right for every change of fewer
-    than half an exponent's step (64 units in BF16). :meth:`Parsed.old_exponents` is its reader."""
+    than half an exponent's step (64 units in BF16) that keeps the sign bit (not, say, +0 to the
+    NaN one unit below it). :meth:`Parsed.old_exponents` is its reader."""
     x = (np.int64(u) >> shift) & fmask
     x += 1 if (np.int64(u) >> (shift - 1)) & 1 else -1
     return x if 0 <= x <= fmask else -1
