@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import numba
 import numpy as np
 import pytest
 import xxhash
@@ -733,9 +734,9 @@ def test_the_plan_samples_large_blocks_more_thinly_and_scales_to_the_block(words
 
 
 def test_rans_round_trips_with_every_frequency_a_symbol_can_have():
-    """The encoder's division by a symbol's frequency (a reciprocal, a multiply and shifts) is exact
-    for every frequency from 1 to PROB_ONE at every state it meets: symbol 0 takes each frequency in
-    turn, symbol 1 the rest, and a sequence drawn from them (states over their whole range) decodes."""
+    """The encoder's division by a symbol's frequency (the high half of a multiply by a reciprocal) is
+    exact for every frequency from 1 to PROB_ONE at every state it meets: symbol 0 takes each frequency
+    in turn, symbol 1 the rest, and a sequence drawn from them (states over their whole range) decodes."""
     rng = np.random.default_rng(7)
     c = 3000
     out = np.zeros(2 * c + 64, np.uint8)
@@ -751,6 +752,41 @@ def test_rans_round_trips_with_every_frequency_a_symbol_can_have():
         length = entropy.rans_encode(syms, c, freq, out)
         assert entropy.rans_decode(out, 0, length, freq, values, got, 0, c) == 0, f
         assert np.array_equal(got, syms), f
+
+
+@numba.njit
+def _rans_steps_at(xs, tab, s, out):
+    """The encoder's step (:func:`entropy.rans_encode`) of symbol ``s`` from each state of ``xs``."""
+    for i in range(xs.size):
+        x = xs[i]
+        out[i] = x + tab[4 * s + 2] + simd.mulhi(x, tab[4 * s + 1]) * tab[4 * s + 3]
+
+
+def test_the_rans_encoders_step_is_exact_at_every_frequency_and_state():
+    """A step is (x // f) << PROB_BITS + x % f + start, with x // f the high half of x times
+    ceil(2^64 / f) (:func:`entropy.rans_steps`; f = 1 as 2^64 - 1 and a start PROB_ONE - 1 higher):
+    checked against integer division for every frequency (symbol 0 takes f, symbol 1 the rest) at the
+    states where the quotient moves (each multiple of f near both ends of the states' range and one
+    below it), at the range's ends and at random states below 2^32."""
+    rng = np.random.default_rng(11)
+    one = entropy.PROB_ONE
+    for f in range(1, one + 1):
+        freq = np.zeros(entropy.NSYM, np.int64)
+        freq[0], freq[1] = f, one - f
+        tab = entropy.rans_steps(freq)
+        for s, fs, start in ((0, f, 0), (1, one - f, f)):
+            if fs == 0:
+                continue
+            top = ((1 << 32) - 1) // fs * fs
+            edges = [1, 2, fs - 1, fs, fs + 1, 2 * fs - 1, 2 * fs, 1 << 16, top - fs, top - 1, top, (1 << 32) - 1]
+            xs = np.concatenate(
+                [np.array([e for e in edges if e >= 1], np.uint64), rng.integers(1, 1 << 32, 32, np.uint64)]
+            )
+            got = np.empty_like(xs)
+            _rans_steps_at(xs, tab, s, got)
+            f64 = np.uint64(fs)
+            want = (xs // f64) * np.uint64(one) + xs % f64 + np.uint64(start)
+            assert np.array_equal(got, want), (f, s)
 
 
 @pytest.mark.parametrize("top", [4095, 4094, 4000, 2049])

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from weightsync.codec.jit import njit
-from weightsync.codec.simd import ALL, ONE, ZERO, leading_zeros, store64, trailing_zeros
+from weightsync.codec.simd import ALL, ONE, ZERO, leading_zeros, mulhi, store64, trailing_zeros
 
 TWO, THREE, FOUR, FIVE, SIX, SEVEN, EIGHT = (np.uint64(i) for i in range(2, 9))
 M8 = np.uint64(0xFF)
@@ -472,84 +472,87 @@ def _rans_table(freq):
 
 
 @njit(nogil=True)
+def rans_steps(freq):
+    """The encoder's table: per symbol s, at ``4 s`` to ``4 s + 3``, the state bound f << 20, ceil(2^64 / f),
+    its start and PROB_ONE - f. A step is then x + start + (x // f) * (PROB_ONE - f), which is
+    (x // f) << PROB_BITS + x % f + start, with x // f the high half of x * ceil(2^64 / f): exact for
+    every state below 2^32, since f <= 2^12 leaves an error below 2^-32 < 1 / f. f = 1 takes 2^64 - 1,
+    which gives x - 1: its start carries the missing PROB_ONE - 1. (One multiply on the states' chain,
+    where Granlund and Montgomery's 32-bit reciprocal took a multiply, an add and two shifts: coding
+    took 0.95 against 1.34 ns a symbol on the Intel Xeon of the benchmarks. The four side by side: one
+    base register, where four tables spilled the states to the stack.)"""
+    tab = np.zeros(4 * NSYM, np.uint64)
+    start = 0
+    for i in range(NSYM):
+        f = np.int64(freq[i])
+        tab[4 * i] = np.uint64(f) << np.uint64(32 - PROB_BITS)
+        tab[4 * i + 1] = ALL if f == 1 else (ALL // np.uint64(f) + ONE if f > 1 else ZERO)
+        tab[4 * i + 2] = np.uint64(start + (PROB_ONE - 1 if f == 1 else 0))
+        tab[4 * i + 3] = np.uint64(PROB_ONE - f)
+        start += f
+    return tab
+
+
+@njit(nogil=True)
 def rans_encode(syms, c, freq, out):
     """The rANS section of ``syms[:c]`` into ``out`` (uint8); returns its length. LANES states:
     symbol j is coded by state j % LANES; the final states first, then one word stream. (Lanes are
     written out: helpers that take arrays cost a reference count per call in numba.)"""
-    # per symbol: the state bound, and x // f as a multiply, an add and a shift: Granlund and
-    # Montgomery's round-up reciprocal, exact for every state below 2^32, in 64-bit registers
-    # (ryg's rans_byte.h one is exact only below 2^31: it needed another multiply to correct, and
-    # coding took 3.8 against 3.0-3.3 ns a symbol on Zen 1);
-    # then x // f * (PROB_ONE - f) + x + start, which is (x // f) << PROB_BITS + x % f + start
-    xmax = np.zeros(NSYM, np.uint64)
-    rcp = np.zeros(NSYM, np.uint64)
-    rsh = np.zeros(NSYM, np.uint64)
-    bias = np.zeros(NSYM, np.uint64)
-    cmpl = np.zeros(NSYM, np.uint64)
-    start = 0
-    for i in range(NSYM):
-        f = np.int64(freq[i])
-        xmax[i] = np.uint64(f) << np.uint64(32 - PROB_BITS)
-        cmpl[i] = np.uint64(PROB_ONE - f)
-        bias[i] = np.uint64(start)
-        if f > 0:
-            sh = 0
-            while f > (1 << sh):
-                sh += 1
-            rcp[i] = np.uint64((((1 << sh) - f) << 32) // f + 1)  # at most 2^32: x * rcp fits
-            rsh[i] = np.uint64(sh)
-        start += f
-    M16, W32 = np.uint64(0xFFFF), np.uint64(32)
+    tab = rans_steps(freq)
+    M16, W16 = np.uint64(0xFFFF), np.uint64(16)
     # at most one word per symbol, written backwards; each step stores its state's low word at t - 1
     # and moves t only when the state must shed it, without a branch (when a state sheds a word is not
-    # predictable: the branch cost 2.3-2.4 ns a symbol against 1.5, at the trajectory's probabilities)
+    # predictable: the branch cost 2.3-2.4 ns a symbol against 1.5, at the trajectory's probabilities).
+    # Indices are unsigned: numba tests every signed one for wraparound.
     tmp = np.empty(c + 4, np.uint16)
-    t = np.uint64(tmp.size)  # unsigned: numba adds no wraparound to the index
-    x0 = np.uint64(RANS_L)  # states below 2^32, in 64-bit registers for the multiply
+    t = np.uint64(tmp.size)
+    x0 = np.uint64(RANS_L)  # states below 2^32, in 64-bit registers
     x1 = x0
     x2 = x0
     x3 = x0
     full = c - c % LANES
     for j in range(c - 1, full - 1, -1):  # the last, partial group (lanes 0..c % LANES - 1)
-        s = syms[j]
+        s = np.uint64(syms[np.uint64(j)]) << TWO
         q = j - full
         x = x2 if q == 2 else x1 if q == 1 else x0
-        fl = np.uint64(x >= xmax[s])
+        fl = x >= tab[s]
         tmp[t - ONE] = np.uint16(x & M16)
-        t -= fl
-        x >>= fl << FOUR
-        x += bias[s] + ((((x * rcp[s]) >> W32) + x) >> rsh[s]) * cmpl[s]
+        t -= np.uint64(fl)
+        x = (x >> W16) if fl else x
+        x += tab[s + TWO] + mulhi(x, tab[s + ONE]) * tab[s + THREE]
         if q == 2:
             x2 = x
         elif q == 1:
             x1 = x
         else:
             x0 = x
-    for j in range(full - LANES, -1, -LANES):
-        s = syms[j + 3]
-        fl = np.uint64(x3 >= xmax[s])
+    j = np.uint64(full)
+    while j > ZERO:
+        j -= FOUR
+        s = np.uint64(syms[j + THREE]) << TWO
+        fl = x3 >= tab[s]
         tmp[t - ONE] = np.uint16(x3 & M16)
-        t -= fl
-        x3 >>= fl << FOUR
-        x3 += bias[s] + ((((x3 * rcp[s]) >> W32) + x3) >> rsh[s]) * cmpl[s]
-        s = syms[j + 2]
-        fl = np.uint64(x2 >= xmax[s])
+        t -= np.uint64(fl)
+        x3 = (x3 >> W16) if fl else x3
+        x3 += tab[s + TWO] + mulhi(x3, tab[s + ONE]) * tab[s + THREE]
+        s = np.uint64(syms[j + TWO]) << TWO
+        fl = x2 >= tab[s]
         tmp[t - ONE] = np.uint16(x2 & M16)
-        t -= fl
-        x2 >>= fl << FOUR
-        x2 += bias[s] + ((((x2 * rcp[s]) >> W32) + x2) >> rsh[s]) * cmpl[s]
-        s = syms[j + 1]
-        fl = np.uint64(x1 >= xmax[s])
+        t -= np.uint64(fl)
+        x2 = (x2 >> W16) if fl else x2
+        x2 += tab[s + TWO] + mulhi(x2, tab[s + ONE]) * tab[s + THREE]
+        s = np.uint64(syms[j + ONE]) << TWO
+        fl = x1 >= tab[s]
         tmp[t - ONE] = np.uint16(x1 & M16)
-        t -= fl
-        x1 >>= fl << FOUR
-        x1 += bias[s] + ((((x1 * rcp[s]) >> W32) + x1) >> rsh[s]) * cmpl[s]
-        s = syms[j + 0]
-        fl = np.uint64(x0 >= xmax[s])
+        t -= np.uint64(fl)
+        x1 = (x1 >> W16) if fl else x1
+        x1 += tab[s + TWO] + mulhi(x1, tab[s + ONE]) * tab[s + THREE]
+        s = np.uint64(syms[j]) << TWO
+        fl = x0 >= tab[s]
         tmp[t - ONE] = np.uint16(x0 & M16)
-        t -= fl
-        x0 >>= fl << FOUR
-        x0 += bias[s] + ((((x0 * rcp[s]) >> W32) + x0) >> rsh[s]) * cmpl[s]
+        t -= np.uint64(fl)
+        x0 = (x0 >> W16) if fl else x0
+        x0 += tab[s + TWO] + mulhi(x0, tab[s + ONE]) * tab[s + THREE]
     xs = (x0, x1, x2, x3)
     for q in range(LANES):
         for b in range(4):

@@ -64,6 +64,19 @@ def popcount(typingctx, x):
 
 
 @intrinsic
+def mulhi(typingctx, x, y):
+    """The high 64 bits of the 128-bit product of two uint64s: one ``mul``/``mulx`` on x86-64 (``umulh`` on
+    ARM)."""
+
+    def codegen(context, builder, signature, args):
+        i128 = ir.IntType(128)
+        p = builder.mul(builder.zext(args[0], i128), builder.zext(args[1], i128))
+        return builder.trunc(builder.lshr(p, ir.Constant(i128, 64)), ir.IntType(64))
+
+    return types.uint64(types.uint64, types.uint64), codegen
+
+
+@intrinsic
 def pdep_bmi2(typingctx, x, m):
     """BMI2's parallel bit deposit: the low bits of ``x`` into the set bits of ``m``, in order."""
     return types.uint64(types.uint64, types.uint64), _int_intrinsic("llvm.x86.bmi.pdep.64", 2)
