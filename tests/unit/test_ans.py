@@ -152,6 +152,30 @@ def test_the_hash_sees_exactly_the_result(n):
     assert hasher.hexdigest() == xxhash.xxh3_128(new.tobytes()).hexdigest()
 
 
+@pytest.mark.parametrize("inv", [False, True])
+def test_words_over_their_buckets_count_list_all_their_ranks(inv):
+    """The gaps write as many ranks for every word as the bucket's density calls for (4 for a
+    sparse bucket, 24 at 24% of a word), and a loop for the rest of a word that has more: a sparse
+    bucket with a whole word set, one with 20 and one with 5, at 1% elsewhere (inverted: clear)."""
+    assert ans._ranks_per_word(0, 5000) == 4 and ans._ranks_per_word(1200, 5000) == 24
+    assert ans._ranks_per_word(2500, 5000) == 44
+    rng = np.random.default_rng(5)
+    n_b = 5003
+    bits = rng.random(n_b) < 0.01
+    bits[3 * 64 : 4 * 64] = True
+    bits[5 * 64 : 5 * 64 + 40 : 2] = True
+    bits[7 * 64 + 59 : 7 * 64 + 64] = True
+    coded = bits.copy()
+    if inv:
+        bits = ~bits
+    words = np.packbits(np.pad(bits, (0, -n_b % 64)), bitorder="little").view(np.uint64)
+    words = np.concatenate([words, np.zeros(2, np.uint64)])
+    c = int(bits.sum())
+    assert (2 * c > n_b) == inv
+    gaps = ans._gaps_of(words, n_b, c, inv)
+    assert np.array_equal(gaps, np.diff(np.flatnonzero(coded), prepend=-1) - 1)
+
+
 @pytest.mark.parametrize("density", [0.0, 0.01, 0.07, 0.3, 0.5, 0.93, 1.0])
 @pytest.mark.parametrize("n_b", [1, 5, 63, 64, 65, 128, 5003])
 def test_a_bucket_bitmap_becomes_gaps_and_a_rice_section_that_decodes_to_it(density, n_b):
