@@ -160,31 +160,48 @@ def test_expand_add_adds_each_groups_next_differences_at_its_bits(dtype, groups,
         assert np.array_equal(inplace, want), native
 
 
-@njit
-def _compress(native, old, new, base, dst, pos, mask):
-    if native:
-        simd.compress_zigzag(old, new, base, dst, pos, mask)
-    else:
-        simd.compress_zigzag_soft(old, new, base, dst, pos, mask)
+def _compress_kernel(native: bool, groups: int):
+    f = (simd.COMPRESS_ZIGZAG if native else simd.COMPRESS_ZIGZAG_SOFT)[groups]
+    if groups == 1:
+        return njit(lambda o, n, b, d, p, m: f(o, n, b, d[0], p[0], m[0]))
+    if groups == 2:
+        return njit(lambda o, n, b, d, p, m: f(o, n, b, d[0], p[0], m[0], d[1], p[1], m[1]))
+    if groups == 3:
+        return njit(lambda o, n, b, d, p, m: f(o, n, b, d[0], p[0], m[0], d[1], p[1], m[1], d[2], p[2], m[2]))
+    return njit(
+        lambda o, n, b, d, p, m: f(o, n, b, d[0], p[0], m[0], d[1], p[1], m[1], d[2], p[2], m[2], d[3], p[3], m[3])
+    )
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32])
+@pytest.mark.parametrize("groups", [1, 2, 3, 4])
 @pytest.mark.parametrize("density", [0.0, 0.03, 0.5, 1.0])
-def test_compress_zigzag_stores_the_zigzag_differences_at_the_masks_bits_in_order(dtype, density):
-    rng = np.random.default_rng(int(density * 100))
+def test_compress_zigzag_stores_each_groups_zigzag_differences_at_its_bits_in_order(dtype, groups, density):
+    """Each group's array gets, from its position, the zigzag codes of ``new - old`` (wrapping at the
+    width) at its mask's set bits, in order, and nothing else is written; the masks are disjoint and
+    some group's may be empty. The native kind (one coding, a compress-store per group) and the
+    portable one agree."""
+    rng = np.random.default_rng(int(density * 100) + 10 * groups)
     bits = 8 * np.dtype(dtype).itemsize
     old = rng.integers(0, np.iinfo(dtype).max, 128, dtype=dtype, endpoint=True)
     new = rng.integers(0, np.iinfo(dtype).max, 128, dtype=dtype, endpoint=True)
-    mask = masks(rng, 1, density)[0]
-    idx = [64 + j for j in range(64) if int(mask) >> j & 1]
-    d = [(int(new[i]) - int(old[i])) % (1 << bits) for i in idx]  # signed, wrapping at the width
-    d = [x - (1 << bits) if x >> (bits - 1) else x for x in d]
-    want = [((x << 1) ^ (x >> (bits - 1))) % (1 << bits) for x in d]
+    owner = rng.integers(0, groups, 64)
+    changed = masks(rng, 1, density)[0]
+    mask = np.array(
+        [sum(1 << j for j in range(64) if int(changed) >> j & 1 and owner[j] == g) for g in range(groups)], np.uint64
+    )
+    pos = np.array([5, 0, 17, 3][:groups], np.int64)
     for native in (True, False):
-        dst = np.full(100, 7, dtype)
-        _compress(native, old, new, 64, dst, 5, mask)
-        assert dst[5 : 5 + len(want)].tolist() == want, native
-        assert (dst[:5] == 7).all() and (dst[5 + len(want) :] == 7).all(), native
+        dst = np.full((groups, 100), 7, dtype)
+        _compress_kernel(native, groups)(old, new, 64, dst, pos, mask)
+        for g in range(groups):
+            idx = [64 + j for j in range(64) if int(mask[g]) >> j & 1]
+            d = [(int(new[i]) - int(old[i])) % (1 << bits) for i in idx]  # signed, wrapping at the width
+            d = [x - (1 << bits) if x >> (bits - 1) else x for x in d]
+            want = [((x << 1) ^ (x >> (bits - 1))) % (1 << bits) for x in d]
+            p = pos[g]
+            assert dst[g, p : p + len(want)].tolist() == want, (native, g)
+            assert (dst[g, :p] == 7).all() and (dst[g, p + len(want) :] == 7).all(), (native, g)
 
 
 @njit

@@ -395,34 +395,63 @@ EXPAND_ADD = {g: _expand_add(g) for g in range(1, 5)}
 """:func:`_expand_add` for 1 to 4 (pointer, mask) pairs."""
 
 
-@intrinsic
-def compress_zigzag(typingctx, old, new, base, dst, pos, mask):
-    """Store the zigzag codes of ``new - old`` (wrapping) at the set bits of ``mask`` (64 elements
-    from ``base``), in order, into ``dst`` from ``pos``: a masked compress-store per 32 lanes."""
+def _compress_zigzag(groups: int):
+    """The intrinsic ``f(old, new, base, dst0, pos0, mask0, ..)``: the zigzag codes of ``new - old``
+    (wrapping) for the 64 elements from ``base``, computed once, and for each of ``groups`` (array,
+    position, mask) triples those at the mask's set bits stored in order into the array from the
+    position: a masked compress-store per group and 32 lanes. (One call per group loaded both arrays
+    and coded them again for each: the encoder's scan of the small model at lr 1e-5, 4 groups, took
+    15.5 ms against 14.3 with one call; the 2.03 GiB pair's, 2 groups, 329 against 317.)"""
 
-    def codegen(context, builder, sig, args):
-        aty = sig.args[0]
-        d = context.make_array(sig.args[3])(context, builder, value=args[3])
-        width = aty.dtype.bitwidth
-        vt = ir.VectorType(ir.IntType(width), 32)
-        name = f"llvm.masked.compressstore.v32i{width}"
-        for h in range(2):
-            at = builder.add(args[2], ir.Constant(ir.IntType(64), 32 * h))
-            a = _vector_load(context, builder, sig.args[0], args[0], at, 32)
-            b = _vector_load(context, builder, sig.args[1], args[1], at, 32)
-            diff = builder.sub(b, a)
-            z = builder.xor(
-                builder.shl(diff, ir.Constant(vt, [1] * 32)), builder.ashr(diff, ir.Constant(vt, [width - 1] * 32))
-            )
-            ptr = builder.gep(d.data, [_half_offset(builder, args[4], args[5], h)])
+    def typer(typingctx, old, new, base, *dpm):
+        def codegen(context, builder, sig, args):
+            width = sig.args[0].dtype.bitwidth
+            vt = ir.VectorType(ir.IntType(width), 32)
             mt = ir.VectorType(ir.IntType(1), 32)
-            fn = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), [vt, ptr.type, mt]), name
-            )
-            builder.call(fn, [z, ptr, _half_mask(builder, args[5], h)])
-        return context.get_dummy_value()
+            for h in range(2):
+                at = builder.add(args[2], ir.Constant(ir.IntType(64), 32 * h))
+                a = _vector_load(context, builder, sig.args[0], args[0], at, 32)
+                b = _vector_load(context, builder, sig.args[1], args[1], at, 32)
+                diff = builder.sub(b, a)
+                z = builder.xor(
+                    builder.shl(diff, ir.Constant(vt, [1] * 32)), builder.ashr(diff, ir.Constant(vt, [width - 1] * 32))
+                )
+                for q in range(groups):
+                    dst, pos, mask = args[3 + 3 * q : 6 + 3 * q]
+                    d = context.make_array(sig.args[3 + 3 * q])(context, builder, value=dst)
+                    ptr = builder.gep(d.data, [_half_offset(builder, pos, mask, h)])
+                    fn = cgutils.get_or_insert_function(
+                        builder.module,
+                        ir.FunctionType(ir.VoidType(), [vt, ptr.type, mt]),
+                        f"llvm.masked.compressstore.v32i{width}",
+                    )
+                    builder.call(fn, [z, ptr, _half_mask(builder, mask, h)])
+            return context.get_dummy_value()
 
-    return types.none(old, new, base, dst, pos, mask), codegen
+        return types.none(old, new, base, *dpm), codegen
+
+    # numba's @intrinsic takes no *args: one signature per group count
+    if groups == 1:
+        return intrinsic(lambda tc, old, new, base, d0, p0, m0: typer(tc, old, new, base, d0, p0, m0))
+    if groups == 2:
+        return intrinsic(
+            lambda tc, old, new, base, d0, p0, m0, d1, p1, m1: typer(tc, old, new, base, d0, p0, m0, d1, p1, m1)
+        )
+    if groups == 3:
+        return intrinsic(
+            lambda tc, old, new, base, d0, p0, m0, d1, p1, m1, d2, p2, m2: typer(
+                tc, old, new, base, d0, p0, m0, d1, p1, m1, d2, p2, m2
+            )
+        )
+    return intrinsic(
+        lambda tc, old, new, base, d0, p0, m0, d1, p1, m1, d2, p2, m2, d3, p3, m3: typer(
+            tc, old, new, base, d0, p0, m0, d1, p1, m1, d2, p2, m2, d3, p3, m3
+        )
+    )
+
+
+COMPRESS_ZIGZAG = {g: _compress_zigzag(g) for g in range(1, 5)}
+""":func:`_compress_zigzag` for 1 to 4 groups."""
 
 
 @intrinsic
@@ -485,7 +514,7 @@ EXPAND_ADD_SOFT = {1: _expand_add_soft1, 2: _expand_add_soft2, 3: _expand_add_so
 
 @njit(nogil=True, inline="always")
 def compress_zigzag_soft(old, new, base, dst, pos, mask):
-    """:func:`compress_zigzag` one step per set bit of ``mask`` (the portable kind)."""
+    """:data:`COMPRESS_ZIGZAG` for one group, one step per set bit of ``mask`` (the portable kind)."""
     sh = np.int64(64 - 8 * old.itemsize)
     while mask != ZERO:
         j = base + np.int64(trailing_zeros(mask))
@@ -493,6 +522,36 @@ def compress_zigzag_soft(old, new, base, dst, pos, mask):
         s = np.int64(np.uint64(new[j] - old[j]) << np.uint64(sh)) >> sh
         dst[pos] = (s << 1) ^ (s >> 63)
         pos += 1
+
+
+@njit(nogil=True, inline="always")
+def _compress_zigzag_soft2(old, new, base, d0, p0, m0, d1, p1, m1):
+    compress_zigzag_soft(old, new, base, d0, p0, m0)
+    compress_zigzag_soft(old, new, base, d1, p1, m1)
+
+
+@njit(nogil=True, inline="always")
+def _compress_zigzag_soft3(old, new, base, d0, p0, m0, d1, p1, m1, d2, p2, m2):
+    compress_zigzag_soft(old, new, base, d0, p0, m0)
+    compress_zigzag_soft(old, new, base, d1, p1, m1)
+    compress_zigzag_soft(old, new, base, d2, p2, m2)
+
+
+@njit(nogil=True, inline="always")
+def _compress_zigzag_soft4(old, new, base, d0, p0, m0, d1, p1, m1, d2, p2, m2, d3, p3, m3):
+    compress_zigzag_soft(old, new, base, d0, p0, m0)
+    compress_zigzag_soft(old, new, base, d1, p1, m1)
+    compress_zigzag_soft(old, new, base, d2, p2, m2)
+    compress_zigzag_soft(old, new, base, d3, p3, m3)
+
+
+COMPRESS_ZIGZAG_SOFT = {
+    1: compress_zigzag_soft,
+    2: _compress_zigzag_soft2,
+    3: _compress_zigzag_soft3,
+    4: _compress_zigzag_soft4,
+}
+""":data:`COMPRESS_ZIGZAG` one step per set bit of the masks (the portable kind)."""
 
 
 @intrinsic
