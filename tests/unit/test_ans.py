@@ -172,8 +172,9 @@ def test_words_over_their_buckets_count_list_all_their_ranks(inv):
     words = np.concatenate([words, np.zeros(2, np.uint64)])
     c = int(bits.sum())
     assert (2 * c > n_b) == inv
-    gaps = ans._gaps_of(words, n_b, c, inv)
+    gaps, k = ans._gaps_of(words, n_b, c, inv)
     assert np.array_equal(gaps, np.diff(np.flatnonzero(coded), prepend=-1) - 1)
+    assert k == entropy.rice_parameter(gaps)
 
 
 @pytest.mark.parametrize("density", [0.0, 0.01, 0.07, 0.3, 0.5, 0.93, 1.0])
@@ -191,9 +192,10 @@ def test_a_bucket_bitmap_becomes_gaps_and_a_rice_section_that_decodes_to_it(dens
     words[n_b // 64] |= ~np.uint64(0) << np.uint64(n_b % 64) if n_b % 64 else np.uint64(0)
     c = int(bits.sum())
     inv = 2 * c > n_b
-    gaps = ans._gaps_of(words, n_b, c, inv)
+    gaps, k = ans._gaps_of(words, n_b, c, inv)
     ranks = np.flatnonzero(~bits if inv else bits)
     assert np.array_equal(gaps, np.diff(ranks, prepend=-1) - 1)
+    assert k == entropy.rice_parameter(gaps)  # its costs summed as the gaps are made
     listed = np.concatenate([np.full(7, 99, np.uint32), np.flatnonzero(bits).astype(np.uint32)])  # at an offset
     assert np.array_equal(ans._rank_gaps(listed, 7, c, n_b, inv), gaps)
     k = entropy.rice_parameter(gaps)

@@ -39,6 +39,7 @@ from weightsync.codec.entropy import (
     LANES,
     NSYM,
     PROB_ONE,
+    RICE_ESCAPE,
     clean_end,
     eg_order,
     eg_section,
@@ -50,7 +51,9 @@ from weightsync.codec.entropy import (
     put_varint,
     rans_decode,
     rans_encode,
+    rice_best,
     rice_decode,
+    rice_low,
     rice_parameter,
     rice_section,
 )
@@ -642,8 +645,9 @@ def _gaps_of(words, n_b, c, inv):
     whatever its count, and only a word with more takes a loop for the rest: a loop over each word's
     own set bits mispredicted its exit on most words (about 10 ns a gap), and so did the loop past 4
     a word in dense buckets (the small model's pair 0 at lr 1e-5, where most buckets hold 5-24 coded
-    bits a word: its gaps took 7.8 ms with 4 a word, 5.0 with this). Indices are unsigned: numba
-    tests every signed one for wraparound."""
+    bits a word: its gaps took 7.8 ms with 4 a word, 5.0 with this). Returns the gaps and their
+    Rice parameter, :func:`rice_parameter`'s choice. Indices are unsigned: numba tests every signed
+    one for wraparound."""
     count = n_b - c if inv else c
     u = np.uint64(_ranks_per_word(count, n_b))
     ranks = np.empty(count + 64, np.uint64)  # a word writes up to 64 past its last rank
@@ -674,12 +678,24 @@ def _gaps_of(words, n_b, c, inv):
         j += p
         base += W64
     gaps = np.empty(count, np.uint64)
+    if count == 0:
+        return gaps, 0
+    # the Rice parameter's costs summed as the gaps are made (:func:`rice_parameter`, without its two
+    # passes over them): their sum is the last rank plus one, less their count
+    lo = rice_low(ranks[count - 1] + ONE - np.uint64(count), count)
+    k1, k2, k3 = np.uint64(lo), np.uint64(lo + 1), np.uint64(lo + 2)
+    cap = np.uint64(RICE_ESCAPE)
+    c1 = c2 = c3 = ZERO
     prev = ~ZERO  # rank -1
-    for i in range(count):
+    for i in range(np.uint64(count)):
         r = ranks[i]
-        gaps[i] = r - prev - ONE
+        g = r - prev - ONE
+        gaps[i] = g
         prev = r
-    return gaps
+        c1 += min(g >> k1, cap)
+        c2 += min(g >> k2, cap)
+        c3 += min(g >> k3, cap)
+    return gaps, rice_best(lo, c1, c2, c3, count)
 
 
 @njit(nogil=True)
@@ -875,9 +891,9 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st, ranks):
         inv = 2 * c > cnt[b]
         if ranks:
             gaps = _rank_gaps(rk, b * cap, c, cnt[b], inv)
+            kr = rice_parameter(gaps)
         else:
-            gaps = _gaps_of(bmap[b * stride : (b + 1) * stride], cnt[b], c, inv)
-        kr = rice_parameter(gaps)
+            gaps, kr = _gaps_of(bmap[b * stride : (b + 1) * stride], cnt[b], c, inv)
         rl = rice_section(gaps, kr, body[bp:])
         bp += rl
         head[hp] = kr * 2 + inv

@@ -176,19 +176,15 @@ def eg_order(vals, lo):
 # --- Rice codes (positions) ------------------------------------------------------------------------
 @njit(nogil=True)
 def rice_parameter(gaps):
-    """Rice parameter for the gaps: the best of three around log2 of their mean (one pass: the
-    sum of the gaps is their last rank, the three costs are summed together)."""
+    """Rice parameter for the gaps: the best of three around log2 of their mean (:func:`rice_low`,
+    :func:`rice_best`; the three costs are summed in one pass)."""
     ng = gaps.size
     if ng == 0:
         return 0
     total = np.uint64(0)
     for j in range(ng):
         total += gaps[j]
-    mean = total / ng
-    k0 = 0
-    while (1 << (k0 + 1)) <= mean * 0.69:
-        k0 += 1
-    lo = max(0, k0 - 1)
+    lo = rice_low(total, ng)
     k1, k2, k3 = np.uint64(lo), np.uint64(lo + 1), np.uint64(lo + 2)
     cap = np.uint64(RICE_ESCAPE)
     c1 = c2 = c3 = np.uint64(0)
@@ -197,10 +193,28 @@ def rice_parameter(gaps):
         c1 += min(g >> k1, cap)
         c2 += min(g >> k2, cap)
         c3 += min(g >> k3, cap)
+    return rice_best(lo, c1, c2, c3, ng)
+
+
+@njit(nogil=True, inline="always")
+def rice_low(total, ng):
+    """The lowest of the three Rice parameters tried for ``ng`` > 0 gaps summing to ``total``: one
+    below log2 of 0.69 times their mean, at least 0."""
+    mean = total / ng
+    k0 = 0
+    while (1 << (k0 + 1)) <= mean * 0.69:
+        k0 += 1
+    return max(0, k0 - 1)
+
+
+@njit(nogil=True, inline="always")
+def rice_best(lo, c1, c2, c3, ng):
+    """Of the Rice parameters lo, lo + 1 and lo + 2 for ``ng`` gaps, the one whose codes are shortest,
+    from each one's sum of quotients capped at RICE_ESCAPE (ties: the smaller)."""
     n = np.uint64(ng)
-    c1 += n * (k1 + ONE)
-    c2 += n * (k2 + ONE)
-    c3 += n * (k3 + ONE)
+    c1 += n * (np.uint64(lo) + ONE)
+    c2 += n * (np.uint64(lo) + TWO)
+    c3 += n * (np.uint64(lo) + THREE)
     best, cost = lo, c1
     if c2 < cost:
         best, cost = lo + 1, c2
