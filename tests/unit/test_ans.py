@@ -780,6 +780,26 @@ def test_rans_round_trips_with_every_frequency_a_symbol_can_have():
         assert np.array_equal(got, syms), f
 
 
+def test_symbol_counts_by_pairs_count_every_symbol():
+    """The encoder counts a group's symbols two at a time (16-bit loads into histograms of pairs):
+    the same counts as one by one, for lengths with every remainder past the last whole 8 bytes,
+    none at all, and runs of one symbol."""
+    rng = np.random.default_rng(13)
+    hist = np.empty(4 * entropy.NSYM * entropy.NSYM, np.int64)
+    counts = np.empty(entropy.NSYM, np.int64)
+    for m in [0, 1, 7, 8, 9, 15, 16, 17, 63, 64, 65, 1000, 4099]:
+        for kind in ("uniform", "skewed", "one"):
+            row = np.full((m + 8) // 8 * 8, 99, np.uint8)  # padding past m is never counted
+            if kind == "uniform":
+                row[:m] = rng.integers(0, entropy.NSYM, m)
+            elif kind == "skewed":
+                row[:m] = np.minimum(rng.geometric(0.6, m) - 1, entropy.NSYM - 1)
+            else:
+                row[:m] = entropy.NSYM - 1
+            ans._symbol_counts(row, m, hist, counts)
+            assert np.array_equal(counts, np.bincount(row[:m], minlength=entropy.NSYM)), (m, kind)
+
+
 @numba.njit
 def _rans_steps_at(xs, tab, s, out):
     """The encoder's step (:func:`entropy.rans_encode`) of symbol ``s`` from each state of ``xs``."""

@@ -811,25 +811,16 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st, ranks):
             cb[b] += np.int64(popcount(bmap[b * stride + q]))
     # values: symbols min(zigzag - 1, 15), escapes (zigzag >= 16) in order, per group
     counts = np.zeros((G, NSYM), np.int64)
-    syms = np.empty((G, nv.max() + 1), np.uint8)
+    syms = np.empty((G, (nv.max() + 8) // 8 * 8), np.uint8)  # rows of whole 16-bit pairs, aligned
     esc = np.empty(k + 1, np.uint64)
     escg = np.zeros(G + 1, np.int64)
     nesc = 0
-    hist = np.empty(4 * NSYM, np.int64)
+    hist = np.empty(4 * NSYM * NSYM, np.int64)
     for g in range(G):
         m, z_g, s_g = nv[g], vals[g], syms[g]  # rows as 1-D arrays: the first loop is vectorised
         for j in range(m):
             s_g[j] = min(np.uint64(z_g[j]) - ONE, np.uint64(NSYM - 1))
-        hist[:] = 0  # four histograms: consecutive equal symbols do not wait on one count (1.5-2.7x faster)
-        for j in range(0, m - m % 4, 4):
-            hist[s_g[j]] += 1
-            hist[NSYM + s_g[j + 1]] += 1
-            hist[2 * NSYM + s_g[j + 2]] += 1
-            hist[3 * NSYM + s_g[j + 3]] += 1
-        for j in range(m - m % 4, m):
-            hist[s_g[j]] += 1
-        for q in range(NSYM):
-            counts[g, q] = hist[q] + hist[NSYM + q] + hist[2 * NSYM + q] + hist[3 * NSYM + q]
+        _symbol_counts(s_g, m, hist, counts[g])
         if counts[g, NSYM - 1]:  # every code stored, the count moved by escapes only: no branch to
             # mispredict (at lr 1e-5 4% of the changes escape; 3.3 -> 2.3 ms for the small model's pair 0)
             nx = np.uint64(nesc)
@@ -925,6 +916,31 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st, ranks):
     out[:hp] = head[:hp]
     out[hp:] = body[:bp]
     return out, k
+
+
+@njit(nogil=True)
+def _symbol_counts(syms, m, hist, counts):
+    """``counts``: how often each of the NSYM symbols occurs in ``syms[:m]`` (a row padded to a
+    multiple of 8 bytes; ``hist``: scratch of 4 * NSYM^2). Counted by pairs, a 16-bit load each, into
+    four histograms of pairs in turn (consecutive equal pairs do not wait on one count), then
+    summed per symbol: one count per two symbols (the small model's pair 0 at lr 1e-5: 2.3 against
+    1.5 ms with four histograms of single symbols, themselves 1.5-2.7x faster than one)."""
+    hist[:] = 0
+    w = syms[: m - m % 8].view(np.uint16)
+    n = w.size
+    lo, hi, sq = np.uint16(NSYM - 1), np.uint16((NSYM - 1) << 4), NSYM * NSYM
+    for j in range(0, n, 4):
+        a, b, c, d = w[j], w[j + 1], w[j + 2], w[j + 3]  # two symbols each: the first in the low byte
+        hist[(a & lo) | ((a >> 4) & hi)] += 1
+        hist[sq + ((b & lo) | ((b >> 4) & hi))] += 1
+        hist[2 * sq + ((c & lo) | ((c >> 4) & hi))] += 1
+        hist[3 * sq + ((d & lo) | ((d >> 4) & hi))] += 1
+    counts[:] = 0
+    for i in range(4 * sq):
+        counts[i % NSYM] += hist[i]
+        counts[(i // NSYM) % NSYM] += hist[i]
+    for j in range(m - m % 8, m):
+        counts[syms[j]] += 1
 
 
 @njit(nogil=True, inline="always")
