@@ -65,8 +65,8 @@ def popcount(typingctx, x):
 
 @intrinsic
 def mulhi(typingctx, x, y):
-    """The high 64 bits of the 128-bit product of two uint64s: one ``mul``/``mulx`` on x86-64 (``umulh`` on
-    ARM)."""
+    """The high 64 bits of the 128-bit product of two uint64s: one ``mul``/``mulx`` on x86-64
+    (``umulh`` on AArch64)."""
 
     def codegen(context, builder, signature, args):
         i128 = ir.IntType(128)
