@@ -491,10 +491,10 @@ def rans_steps(freq):
     its start and PROB_ONE - f. A step is then x + start + (x // f) * (PROB_ONE - f), which is
     (x // f) << PROB_BITS + x % f + start, with x // f the high half of x * ceil(2^64 / f): exact for
     every state below 2^32, since f <= 2^12 leaves an error below 2^-32 < 1 / f. f = 1 takes 2^64 - 1,
-    which gives x - 1: its start carries the missing PROB_ONE - 1. (One multiply on the states' chain,
-    where Granlund and Montgomery's 32-bit reciprocal took a multiply, an add and two shifts: coding
-    took 0.95 against 1.34 ns a symbol on the Intel Xeon of the benchmarks. The four side by side: one
-    base register, where four tables spilled the states to the stack.)"""
+    which gives x - 1: its start carries the missing PROB_ONE - 1. (The division is one multiply on
+    the states' chain, where Granlund and Montgomery's 32-bit reciprocal took a multiply, an add and
+    two shifts: coding took 0.95 against 1.34 ns a symbol on the Intel Xeon of the benchmarks. The
+    four side by side: one base register, where four tables spilled the states to the stack.)"""
     tab = np.zeros(4 * NSYM, np.uint64)
     start = 0
     for i in range(NSYM):
@@ -516,7 +516,8 @@ def rans_encode(syms, c, freq, out):
     M16, W16 = np.uint64(0xFFFF), np.uint64(16)
     # at most one word per symbol, written backwards; each step stores its state's low word at t - 1
     # and moves t only when the state must shed it, without a branch (when a state sheds a word is not
-    # predictable: the branch cost 2.3-2.4 ns a symbol against 1.5, at the trajectory's probabilities).
+    # predictable: the branch cost 2.3-2.4 ns a symbol against 1.5 on an Intel Xeon, at the trajectory's
+    # probabilities, before the division above).
     # Indices are unsigned: numba tests every signed one for wraparound.
     tmp = np.empty(c + 4, np.uint16)
     t = np.uint64(tmp.size)
