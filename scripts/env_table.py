@@ -69,7 +69,7 @@ def _rows() -> dict[str, tuple[str, list[str], str, str]]:
             if not var:
                 continue
             flag = "/".join(action.option_strings)
-            what = re.sub(r" ?\(env [A-Z_]+[^)]*\)$", "", action.help or "")
+            what = re.sub(r" ?\(env [A-Z_]+[^)]*\)$", "", action.help or "").replace("%%", "%")  # as --help prints it
             if var in rows:
                 rows[var][1].append(command)
             else:

@@ -55,6 +55,8 @@ def test_every_flag_of_a_deployed_command_has_its_variable(command):
         assert f"env {env_var(long)}" in action.help, f"{command} {long}: the help does not name its variable"
     help_text = " ".join(p.format_help().split())  # as read, whatever the wrapping
     assert "(env WEIGHTSYNC_STORE" in help_text or "(env WEIGHTSYNC_FROM" in help_text
+    # argparse %-formats each help: a bare "7% slower" printed its parameters ("7{'prog': ..}lower")
+    assert "'prog'" not in help_text, f"{command}: a help text has a bare % (write %%)"
 
 
 def test_variable_names_follow_the_flag():
