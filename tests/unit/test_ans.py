@@ -207,6 +207,49 @@ def test_a_bucket_bitmap_becomes_gaps_and_a_rice_section_that_decodes_to_it(dens
     assert np.array_equal(got[: want.size], want)
 
 
+def _rice_reference(gaps: np.ndarray, k: int) -> bytes:
+    """A Rice section as docs/FORMAT.md writes it, one bit at a time: gap j in lane j % 4, each q =
+    g >> k ones, a zero and k low bits (q >= 32: 32 ones and g in 32 bits), LSB first; the lanes'
+    byte lengths (the first three as varints), then the lanes."""
+    lanes = [[] for _ in range(entropy.LANES)]
+    for j, g in enumerate(int(g) for g in gaps):
+        q = g >> k
+        bits = (
+            [1] * q + [0] + [(g >> i) & 1 for i in range(k)] if q < 32 else [1] * 32 + [(g >> i) & 1 for i in range(32)]
+        )
+        lanes[j % entropy.LANES] += bits
+    data = [np.packbits(np.array(b + [0] * (-len(b) % 8), np.uint8), bitorder="little").tobytes() for b in lanes]
+    head = bytearray()
+    for d in data[:-1]:
+        v = len(d)
+        while v >= 0x80:
+            head.append(v & 0x7F | 0x80)
+            v >>= 7
+        head.append(v)
+    return bytes(head) + b"".join(data)
+
+
+@pytest.mark.parametrize("k", range(32))
+def test_rice_sections_are_the_formats_bits_at_every_parameter(k):
+    """The Rice writer joins each lane's next two codes into one store where both fit in 56 bits
+    (parameters up to 27): the same bytes as a bit-at-a-time writer for every parameter, for every
+    count of codes past the last whole group of 8 and 4, with pairs that fit, pairs just past 56 bits,
+    escapes (q >= 32) and quotients near 32."""
+    rng = np.random.default_rng(k)
+    typical = rng.geometric(1 / (1 + 2.0**k), 300).astype(np.uint64) - np.uint64(1)
+    room = max(54 - 2 * k, 0)  # what two quotients may sum to in one store
+    q = np.array([0, 31, 32, 33, room, room + 1, room // 2, room // 2 + 1, 5], np.uint64)
+    edges = (q << np.uint64(k)) | (rng.integers(0, 1 << 31, q.size, np.uint64) & np.uint64((1 << k) - 1))
+    far = rng.integers(0, 1 << 31, 40, np.uint64)
+    gaps = np.minimum(np.concatenate([typical, np.repeat(edges, 3), typical[:50], far, typical[:17]]), (1 << 31) - 1)
+    rng.shuffle(gaps[300:])
+    for n in [*range(18), 64, 301, gaps.size]:
+        g = np.ascontiguousarray(gaps[:n])
+        out = np.zeros(8 * n + 64, np.uint8)
+        length = entropy.rice_section(g, k, out)
+        assert out[:length].tobytes() == _rice_reference(g, k), n
+
+
 def test_blocks_encoded_after_larger_ones_and_in_threads_are_byte_identical():
     """The encoder's per-thread scratch: a block coded after a larger, denser one, and blocks coded
     by 4 threads at once, give the bytes they give alone."""

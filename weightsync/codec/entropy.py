@@ -259,11 +259,44 @@ def _rice_put(buf, p, acc, nacc, g, kk, low):
     return p, acc, nacc
 
 
+PAIRED_K = 27
+"""The highest Rice parameter whose codes :func:`_rice_put_two` can join: two codes of quotient 0
+take 2 * (k + 1) bits, at most 56."""
+
+
+@njit(nogil=True, inline="always")
+def _rice_put_two(buf, p, acc, nacc, ga, gb, kk, low, k1, room):
+    """:func:`_rice_put` of ``ga`` then ``gb`` (``k1`` = kk + 1, ``room`` = 54 - 2 kk: what their
+    quotients may sum to), as one code of at most 56 bits where neither escapes and both fit: one
+    store for two codes. The rest take :func:`_rice_put` each (rare where the parameter fits the
+    gaps)."""
+    qa = ga >> kk
+    qb = gb >> kk
+    if (qa | qb) < np.uint64(RICE_ESCAPE) and qa + qb <= room:
+        na = qa + k1
+        code = ((ONE << qa) - ONE) | ((ga & low) << (qa + ONE))
+        code |= (((ONE << qb) - ONE) | ((gb & low) << (qb + ONE))) << na
+        acc |= code << nacc
+        nacc += na + qb + k1
+        store64(buf, p, acc)
+        nb = nacc >> np.uint64(3)  # nacc < 64: at most 7 bytes
+        p += np.int64(nb)
+        acc >>= nb << np.uint64(3)
+        nacc &= np.uint64(7)
+        return p, acc, nacc
+    p, acc, nacc = _rice_put(buf, p, acc, nacc, ga, kk, low)
+    return _rice_put(buf, p, acc, nacc, gb, kk, low)
+
+
 @njit(nogil=True)
 def rice_section(gaps, k, out):
     """A bucket's Rice section into ``out`` (uint8): LEB128 lengths of its first LANES - 1 streams,
     then the LANES streams (gap j in stream j % LANES); returns its length. The lanes are coded in
-    one loop, each into its own part of a buffer: their bit appends do not wait on each other."""
+    one loop, each into its own part of a buffer: their bit appends do not wait on each other. Up to
+    :data:`PAIRED_K` each lane takes its next two codes at once (:func:`_rice_put_two`): the coder is
+    bound by its instructions, and a store, its byte count and shifts shared by two codes took the
+    small model's lr 1e-5 pair 0 from 8.1 to 6.6 ms of Rice codes (1.7 to 1.4 ns a code on the 2.03
+    GiB pair's)."""
     ng = gaps.size
     cap = 8 * (ng // LANES + 1) + 16  # a code is at most 64 bits
     buf = np.empty(LANES * cap, np.uint8)
@@ -272,8 +305,17 @@ def rice_section(gaps, k, out):
     p0, p1, p2, p3 = 0, cap, 2 * cap, 3 * cap
     a0 = a1 = a2 = a3 = ZERO
     n0 = n1 = n2 = n3 = ZERO
+    paired = 0
+    if k <= PAIRED_K:  # each lane's next two codes at once
+        k1, room = kk + ONE, np.uint64(54 - 2 * k)
+        paired = ng - ng % (2 * LANES)
+        for j in range(0, paired, 2 * LANES):
+            p0, a0, n0 = _rice_put_two(buf, p0, a0, n0, gaps[j], gaps[j + 4], kk, low, k1, room)
+            p1, a1, n1 = _rice_put_two(buf, p1, a1, n1, gaps[j + 1], gaps[j + 5], kk, low, k1, room)
+            p2, a2, n2 = _rice_put_two(buf, p2, a2, n2, gaps[j + 2], gaps[j + 6], kk, low, k1, room)
+            p3, a3, n3 = _rice_put_two(buf, p3, a3, n3, gaps[j + 3], gaps[j + 7], kk, low, k1, room)
     full = ng - ng % LANES
-    for j in range(0, full, LANES):
+    for j in range(paired, full, LANES):
         p0, a0, n0 = _rice_put(buf, p0, a0, n0, gaps[j], kk, low)
         p1, a1, n1 = _rice_put(buf, p1, a1, n1, gaps[j + 1], kk, low)
         p2, a2, n2 = _rice_put(buf, p2, a2, n2, gaps[j + 2], kk, low)
