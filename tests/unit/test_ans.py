@@ -250,6 +250,35 @@ def test_rice_sections_are_the_formats_bits_at_every_parameter(k):
         assert out[:length].tobytes() == _rice_reference(g, k), n
 
 
+@pytest.mark.parametrize("k", [0, 1, 2, 3, 5, 8, 13, 17])
+@pytest.mark.parametrize("inv", [False, True])
+def test_rice_sections_decode_to_their_bitmap_with_codes_at_every_place_in_a_64_bit_read(k, inv):
+    """The Rice reader takes a lane's second code from the first's 64 bits where it lies whole in
+    them and does not escape: quotients from 0 to 40 (escapes past 31), so that pairs end at, just
+    before and just past the read's 64 bits, decode to the bitmap they came from; every remainder
+    past the last whole group of 8."""
+    rng = np.random.default_rng(100 + k)
+    ran = 0
+    for count in [*range(1, 18), 200, 1000]:
+        q = np.where(rng.random(count) < 0.7, rng.integers(0, 4, count), rng.integers(0, 41, count)).astype(np.uint64)
+        gaps = (q << np.uint64(k)) | (rng.integers(0, 1 << 31, count, np.uint64) & np.uint64((1 << k) - 1))
+        ranks = np.cumsum(gaps.astype(np.int64) + 1) - 1
+        n_b = int(ranks[-1]) + 1 + int(rng.integers(0, 70))
+        if n_b > 1 << 26:  # the larger parameters: the bitmap kept small
+            continue
+        ran += 1
+        section = np.zeros(8 * count + 64, np.uint8)
+        length = entropy.rice_section(gaps, k, section)
+        words = np.zeros(n_b // 64 + 2, np.uint64)  # as the parse clears them
+        assert entropy.rice_decode(section, 0, length, count, k, n_b, inv, words, 0) == 0
+        bits = np.zeros(n_b, bool)
+        bits[ranks] = True
+        want = np.packbits(np.pad(bits ^ inv, (0, -n_b % 64)), bitorder="little").view(np.uint64)
+        assert np.array_equal(words[: want.size], want), count
+        assert entropy.rice_decode(section, 0, length - 1, count, k, n_b, inv, words, 0) != 0 or length == 1
+    assert ran >= 10
+
+
 def test_blocks_encoded_after_larger_ones_and_in_threads_are_byte_identical():
     """The encoder's per-thread scratch: a block coded after a larger, denser one, and blocks coded
     by 4 threads at once, give the bytes they give alone."""

@@ -20,6 +20,7 @@ from weightsync.codec.simd import ALL, ONE, ZERO, leading_zeros, mulhi, store64,
 
 TWO, THREE, FOUR, FIVE, SIX, SEVEN, EIGHT = (np.uint64(i) for i in range(2, 9))
 M8 = np.uint64(0xFF)
+M32 = np.uint64(0xFFFFFFFF)
 
 LANES = 4
 """Interleaved Rice streams per section, and rANS states per section."""
@@ -341,9 +342,53 @@ def rice_section(gaps, k, out):
     return hp
 
 
+@njit(nogil=True, inline="always")
+def _rice_get(s, b, kk, kmask):
+    """The Rice code at bit ``b`` of stream ``s`` (uint64 words, padded): (gap, the next code's bit)."""
+    q = np.uint64(b) >> np.uint64(6)
+    sh = np.uint64(b & 63)
+    w = (s[q] >> sh) | ((s[q + ONE] << ONE) << (np.uint64(63) - sh))
+    u = trailing_zeros(~w)
+    if u < np.uint64(RICE_ESCAPE):
+        return np.int64((u << kk) | ((w >> (u + ONE)) & kmask)), b + np.int64(u + ONE + kk)
+    q = np.uint64(b + 32) >> np.uint64(6)
+    sh = np.uint64((b + 32) & 63)
+    return np.int64(((s[q] >> sh) | ((s[q + ONE] << ONE) << (np.uint64(63) - sh))) & M32), b + 64
+
+
+@njit(nogil=True, inline="always")
+def _rice_get_two(s, b, kk, kmask):
+    """The Rice codes at bit ``b`` of stream ``s`` and after it: (gap, gap, the next code's bit). The
+    second is read from the first's 64 bits where it lies whole in them and does not escape (most
+    codes where the parameter fits the gaps), else as :func:`_rice_get` reads it."""
+    q = np.uint64(b) >> np.uint64(6)
+    sh = np.uint64(b & 63)
+    w = (s[q] >> sh) | ((s[q + ONE] << ONE) << (np.uint64(63) - sh))
+    u = trailing_zeros(~w)
+    if u < np.uint64(RICE_ESCAPE):
+        ga = np.int64((u << kk) | ((w >> (u + ONE)) & kmask))
+        na = u + ONE + kk  # at most 63
+        w >>= na
+        v = trailing_zeros(~w)  # at most 64 - na: the shifted-in zeros end the run
+        nb = v + ONE + kk
+        if v < np.uint64(RICE_ESCAPE) and na + nb <= np.uint64(64):
+            return ga, np.int64((v << kk) | ((w >> (v + ONE)) & kmask)), b + np.int64(na + nb)
+        b += np.int64(na)
+    else:
+        q = np.uint64(b + 32) >> np.uint64(6)
+        sh = np.uint64((b + 32) & 63)
+        ga = np.int64(((s[q] >> sh) | ((s[q + ONE] << ONE) << (np.uint64(63) - sh))) & M32)
+        b += 64
+    gb, b = _rice_get(s, b, kk, kmask)
+    return ga, gb, b
+
+
 @njit(nogil=True)
 def rice_decode(data, pos, bl, count, k, n_b, inv, words, w0):
-    """A bucket's Rice section into its bitmap (``words`` from word ``w0``); returns 0 or 12."""
+    """A bucket's Rice section into its bitmap (``words`` from word ``w0``); returns 0 or 12. Each
+    lane's next two codes are read from one load where they fit (:func:`_rice_get_two`). A lane's
+    position may run past its end by two codes before the check after them: its words are padded
+    (:func:`padded_words`)."""
     end = pos + bl
     lens = np.zeros(LANES, np.int64)
     for q in range(LANES - 1):
@@ -369,115 +414,46 @@ def rice_decode(data, pos, bl, count, k, n_b, inv, words, w0):
     b3 = np.int64(0)
     kk = np.uint64(k)
     kmask = (ONE << kk) - ONE
-    full = count - count % LANES
     lim0, lim1, lim2, lim3 = 8 * lens[0], 8 * lens[1], 8 * lens[2], 8 * lens[3]
-    w32 = np.uint64(32)
-    m32 = np.uint64(0xFFFFFFFF)
-    for _ in range(0, full, LANES):
-        q = np.uint64(b0) >> np.uint64(6)
-        sh = np.uint64(b0 & 63)
-        w = (s0[q] >> sh) | ((s0[q + ONE] << ONE) << (np.uint64(63) - sh))
-        u = trailing_zeros(~w)
-        if u < w32:
-            g0 = np.int64((u << kk) | ((w >> (u + ONE)) & kmask))
-            b0 += np.int64(u + ONE + kk)
-        else:
-            q = (b0 + 32) >> 6
-            sh = np.uint64((b0 + 32) & 63)
-            g0 = np.int64(((s0[q] >> sh) | ((s0[q + 1] << ONE) << (np.uint64(63) - sh))) & m32)
-            b0 += 64
-        q = np.uint64(b1) >> np.uint64(6)
-        sh = np.uint64(b1 & 63)
-        w = (s1[q] >> sh) | ((s1[q + ONE] << ONE) << (np.uint64(63) - sh))
-        u = trailing_zeros(~w)
-        if u < w32:
-            g1 = np.int64((u << kk) | ((w >> (u + ONE)) & kmask))
-            b1 += np.int64(u + ONE + kk)
-        else:
-            q = (b1 + 32) >> 6
-            sh = np.uint64((b1 + 32) & 63)
-            g1 = np.int64(((s1[q] >> sh) | ((s1[q + 1] << ONE) << (np.uint64(63) - sh))) & m32)
-            b1 += 64
-        q = np.uint64(b2) >> np.uint64(6)
-        sh = np.uint64(b2 & 63)
-        w = (s2[q] >> sh) | ((s2[q + ONE] << ONE) << (np.uint64(63) - sh))
-        u = trailing_zeros(~w)
-        if u < w32:
-            g2 = np.int64((u << kk) | ((w >> (u + ONE)) & kmask))
-            b2 += np.int64(u + ONE + kk)
-        else:
-            q = (b2 + 32) >> 6
-            sh = np.uint64((b2 + 32) & 63)
-            g2 = np.int64(((s2[q] >> sh) | ((s2[q + 1] << ONE) << (np.uint64(63) - sh))) & m32)
-            b2 += 64
-        q = np.uint64(b3) >> np.uint64(6)
-        sh = np.uint64(b3 & 63)
-        w = (s3[q] >> sh) | ((s3[q + ONE] << ONE) << (np.uint64(63) - sh))
-        u = trailing_zeros(~w)
-        if u < w32:
-            g3 = np.int64((u << kk) | ((w >> (u + ONE)) & kmask))
-            b3 += np.int64(u + ONE + kk)
-        else:
-            q = (b3 + 32) >> 6
-            sh = np.uint64((b3 + 32) & 63)
-            g3 = np.int64(((s3[q] >> sh) | ((s3[q + 1] << ONE) << (np.uint64(63) - sh))) & m32)
-            b3 += 64
+    paired = count - count % (2 * LANES)
+    for _ in range(0, paired, 2 * LANES):
+        g0, g4, b0 = _rice_get_two(s0, b0, kk, kmask)
+        g1, g5, b1 = _rice_get_two(s1, b1, kk, kmask)
+        g2, g6, b2 = _rice_get_two(s2, b2, kk, kmask)
+        g3, g7, b3 = _rice_get_two(s3, b3, kk, kmask)
         r0 = r + g0 + 1
         r1 = r0 + g1 + 1
         r2 = r1 + g2 + 1
-        r = r2 + g3 + 1
+        r3 = r2 + g3 + 1
+        r4 = r3 + g4 + 1
+        r5 = r4 + g5 + 1
+        r6 = r5 + g6 + 1
+        r = r6 + g7 + 1
         if r >= n_b or b0 > lim0 or b1 > lim1 or b2 > lim2 or b3 > lim3:
             return 12
         words[np.uint64(w0 + (r0 >> 6))] ^= ONE << np.uint64(r0 & 63)
         words[np.uint64(w0 + (r1 >> 6))] ^= ONE << np.uint64(r1 & 63)
         words[np.uint64(w0 + (r2 >> 6))] ^= ONE << np.uint64(r2 & 63)
+        words[np.uint64(w0 + (r3 >> 6))] ^= ONE << np.uint64(r3 & 63)
+        words[np.uint64(w0 + (r4 >> 6))] ^= ONE << np.uint64(r4 & 63)
+        words[np.uint64(w0 + (r5 >> 6))] ^= ONE << np.uint64(r5 & 63)
+        words[np.uint64(w0 + (r6 >> 6))] ^= ONE << np.uint64(r6 & 63)
         words[np.uint64(w0 + (r >> 6))] ^= ONE << np.uint64(r & 63)
-    for j in range(full, count):
-        lane = j - full
+    for j in range(paired, count):  # the last 0-7, lane by lane
+        lane = j % LANES
         if lane == 0:
-            q = b0 >> 6
-            sh = np.uint64(b0 & 63)
-            w = (s0[q] >> sh) | ((s0[q + 1] << ONE) << (np.uint64(63) - sh))
-            u = trailing_zeros(~w)
-            if u < w32:
-                g = np.int64((u << kk) | ((w >> (u + ONE)) & kmask))
-                b0 += np.int64(u + ONE + kk)
-            else:
-                q = (b0 + 32) >> 6
-                sh = np.uint64((b0 + 32) & 63)
-                g = np.int64(((s0[q] >> sh) | ((s0[q + 1] << ONE) << (np.uint64(63) - sh))) & m32)
-                b0 += 64
+            g, b0 = _rice_get(s0, b0, kk, kmask)
         elif lane == 1:
-            q = b1 >> 6
-            sh = np.uint64(b1 & 63)
-            w = (s1[q] >> sh) | ((s1[q + 1] << ONE) << (np.uint64(63) - sh))
-            u = trailing_zeros(~w)
-            if u < w32:
-                g = np.int64((u << kk) | ((w >> (u + ONE)) & kmask))
-                b1 += np.int64(u + ONE + kk)
-            else:
-                q = (b1 + 32) >> 6
-                sh = np.uint64((b1 + 32) & 63)
-                g = np.int64(((s1[q] >> sh) | ((s1[q + 1] << ONE) << (np.uint64(63) - sh))) & m32)
-                b1 += 64
+            g, b1 = _rice_get(s1, b1, kk, kmask)
+        elif lane == 2:
+            g, b2 = _rice_get(s2, b2, kk, kmask)
         else:
-            q = b2 >> 6
-            sh = np.uint64(b2 & 63)
-            w = (s2[q] >> sh) | ((s2[q + 1] << ONE) << (np.uint64(63) - sh))
-            u = trailing_zeros(~w)
-            if u < w32:
-                g = np.int64((u << kk) | ((w >> (u + ONE)) & kmask))
-                b2 += np.int64(u + ONE + kk)
-            else:
-                q = (b2 + 32) >> 6
-                sh = np.uint64((b2 + 32) & 63)
-                g = np.int64(((s2[q] >> sh) | ((s2[q + 1] << ONE) << (np.uint64(63) - sh))) & m32)
-                b2 += 64
+            g, b3 = _rice_get(s3, b3, kk, kmask)
         r += g + 1
         if r >= n_b:
             return 12
         words[w0 + (r >> 6)] ^= ONE << np.uint64(r & 63)
-    if b0 > 8 * lens[0] or b1 > 8 * lens[1] or b2 > 8 * lens[2] or b3 > 8 * lens[3]:
+    if b0 > lim0 or b1 > lim1 or b2 > lim2 or b3 > lim3:
         return 12
     if not (clean_end(s0, b0, lens[0]) and clean_end(s1, b1, lens[1])):
         return 12
