@@ -455,6 +455,33 @@ COMPRESS_ZIGZAG = {g: _compress_zigzag(g) for g in range(1, 5)}
 
 
 @intrinsic
+def compress_ranks(typingctx, out, pos, x, base):
+    """``base + j`` for each set bit j of the uint64 ``x``, in order, into ``out`` (uint32) from
+    ``pos``: a masked compress-store per 32 lanes, which writes popcount(x) elements and no step per
+    bit."""
+
+    def codegen(context, builder, sig, args):
+        o = context.make_array(sig.args[0])(context, builder, value=args[0])
+        i32 = ir.IntType(32)
+        vt = ir.VectorType(i32, 32)
+        mt = ir.VectorType(ir.IntType(1), 32)
+        first = builder.insert_element(ir.Constant(vt, ir.Undefined), builder.trunc(args[3], i32), ir.Constant(i32, 0))
+        splat = builder.shuffle_vector(first, ir.Constant(vt, ir.Undefined), ir.Constant(vt, [0] * 32))
+        fn = cgutils.get_or_insert_function(
+            builder.module,
+            ir.FunctionType(ir.VoidType(), [vt, i32.as_pointer(), mt]),
+            "llvm.masked.compressstore.v32i32",
+        )
+        for h in range(2):
+            ranks = builder.add(splat, ir.Constant(vt, [32 * h + j for j in range(32)]))
+            ptr = builder.gep(o.data, [_half_offset(builder, args[1], args[2], h)])
+            builder.call(fn, [ranks, ptr, _half_mask(builder, args[2], h)])
+        return context.get_dummy_value()
+
+    return types.none(out, pos, x, base), codegen
+
+
+@intrinsic
 def copy64(typingctx, out, src, base):
     """``out[base:base + 64] = src[base:base + 64]``: one vector load and store."""
 
