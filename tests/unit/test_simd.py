@@ -205,6 +205,51 @@ def test_compress_zigzag_stores_each_groups_zigzag_differences_at_its_bits_in_or
 
 
 @njit
+def _ranks(out, pos, x, base):
+    simd.compress_ranks(out, pos, x, base)
+
+
+@pytest.mark.parametrize("density", [0.0, 0.03, 0.5, 1.0])
+def test_compress_ranks_lists_base_plus_each_set_bit_in_order(density):
+    """From its position, ``base + j`` for each set bit j of the word (both halves of 32 lanes), and
+    nothing else written, at bases up to the largest a block's ranks reach."""
+    rng = np.random.default_rng(int(density * 100) + 3)
+    for x in masks(rng, 20, density):
+        for base in (0, 64, (1 << 31) - 64):
+            out = np.full(80, 7, np.uint32)
+            _ranks(out, 5, x, np.uint64(base))
+            want = [base + j for j in range(64) if int(x) >> j & 1]
+            assert out[5 : 5 + len(want)].tolist() == want
+            assert (out[:5] == 7).all() and (out[5 + len(want) :] == 7).all()
+
+
+@njit
+def _escapes(out, pos, src, base, lim, valid):
+    return simd.compress_escapes(out, pos, src, base, lim, valid)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32])
+def test_compress_escapes_stores_the_valid_lanes_at_or_over_the_limit_less_it(dtype):
+    """Of 32 elements from ``base``, those in ``valid`` and at or over the limit (unsigned: the top
+    values included), each less the limit, in order from the position; returns their count and
+    writes nothing else (the limit's neighbours planted)."""
+    rng = np.random.default_rng(np.dtype(dtype).itemsize)
+    top = np.iinfo(dtype).max
+    for trial in range(60):
+        src = np.where(rng.random(96) < rng.random(), rng.integers(0, 16, 96), rng.integers(0, top, 96, endpoint=True))
+        src = src.astype(dtype)
+        src[rng.integers(0, 96, 3)] = top
+        src[rng.integers(0, 96, 3)] = rng.integers(15, 18, 3)  # at the limit
+        valid = np.uint64(rng.choice([0xFFFFFFFF, (1 << int(rng.integers(0, 33))) - 1]))
+        base = int(rng.integers(0, 64))
+        out = np.full(40, 7, dtype)
+        n = _escapes(out, 3, src, base, np.uint64(16), valid)
+        want = [int(src[base + j]) - 16 for j in range(32) if int(valid) >> j & 1 and src[base + j] >= 16]
+        assert n == len(want) and out[3 : 3 + n].tolist() == want, trial
+        assert (out[:3] == 7).all() and (out[3 + n :] == 7).all(), trial
+
+
+@njit
 def _masks(ary, base, absmask, lim, other, field):
     return (
         simd.below_mask64(ary, base, absmask, lim),

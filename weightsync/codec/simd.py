@@ -465,8 +465,7 @@ def compress_ranks(typingctx, out, pos, x, base):
         i32 = ir.IntType(32)
         vt = ir.VectorType(i32, 32)
         mt = ir.VectorType(ir.IntType(1), 32)
-        first = builder.insert_element(ir.Constant(vt, ir.Undefined), builder.trunc(args[3], i32), ir.Constant(i32, 0))
-        splat = builder.shuffle_vector(first, ir.Constant(vt, ir.Undefined), ir.Constant(vt, [0] * 32))
+        splat = _splat(builder, args[3], vt)
         fn = cgutils.get_or_insert_function(
             builder.module,
             ir.FunctionType(ir.VoidType(), [vt, i32.as_pointer(), mt]),
@@ -479,6 +478,30 @@ def compress_ranks(typingctx, out, pos, x, base):
         return context.get_dummy_value()
 
     return types.none(out, pos, x, base), codegen
+
+
+@intrinsic
+def compress_escapes(typingctx, out, pos, src, base, lim, valid):
+    """``src[base + j] - lim`` for each j < 32 set in ``valid`` where ``src[base + j] >= lim``
+    (unsigned), in order, into ``out`` (``src``'s dtype) from ``pos``; returns how many: a compare and
+    a masked compress-store of 32 lanes (a value group's escapes)."""
+
+    def codegen(context, builder, sig, args):
+        o = context.make_array(sig.args[0])(context, builder, value=args[0])
+        v = _vector_load(context, builder, sig.args[2], args[2], args[3], 32)
+        limit = _splat(builder, args[4], v.type)
+        mask = builder.and_(builder.icmp_unsigned(">=", v, limit), _half_mask(builder, args[5], 0))
+        fn = cgutils.get_or_insert_function(
+            builder.module,
+            ir.FunctionType(ir.VoidType(), [v.type, v.type.element.as_pointer(), mask.type]),
+            f"llvm.masked.compressstore.v32i{v.type.element.width}",
+        )
+        builder.call(fn, [builder.sub(v, limit), builder.gep(o.data, [args[1]]), mask])
+        i64 = ir.IntType(64)
+        pop = builder.module.declare_intrinsic("llvm.ctpop", [i64], ir.FunctionType(i64, [i64]))
+        return builder.call(pop, [builder.zext(builder.bitcast(mask, ir.IntType(32)), i64)])
+
+    return types.uint64(out, pos, src, base, lim, valid), codegen
 
 
 @intrinsic
