@@ -255,6 +255,7 @@ def _masks(ary, base, absmask, lim, other, field):
         simd.below_mask64(ary, base, absmask, lim),
         simd.ne_mask64(ary, other, base),
         simd.field_ne_mask64(ary, other, base, field),
+        simd.zero_mask64(other, base),
     )
 
 
@@ -263,7 +264,7 @@ def test_vector_masks_give_each_elements_compare(dtype):
     """``below_mask64`` compares the magnitude (sign bit masked off) with a limit that leaves the
     sign bit clear, as the kernels' exponent limits do, from 0 to the largest magnitude; elements
     with the sign bit set compare by magnitude too. ``ne_mask64`` and ``field_ne_mask64`` give the
-    elements that differ, and those whose field differs."""
+    elements that differ, and those whose field differs; ``zero_mask64`` the zero ones."""
     rng = np.random.default_rng(np.dtype(dtype).itemsize)
     top = 1 << (8 * np.dtype(dtype).itemsize - 1)
     absmask = dtype(top - 1)
@@ -273,14 +274,16 @@ def test_vector_masks_give_each_elements_compare(dtype):
     other = ary.copy()
     flip = rng.random(ary.size) < 0.3
     other[flip] ^= rng.integers(1, 2 * top - 1, ary.size, dtype=dtype, endpoint=True)[flip]
+    other[rng.random(ary.size) < 0.2] = 0
     mag = ary.astype(np.int64) & (top - 1)
     for lim in [0, 1, top // 2, top - 1, int(rng.integers(0, top))]:
         for base in (0, 64, 128):
-            below, ne, fne = _masks(ary, base, absmask, dtype(lim), other, field)
+            below, ne, fne, zero = _masks(ary, base, absmask, dtype(lim), other, field)
             w = slice(base, base + 64)
             assert int(below) == int((mag[w] < lim) @ BITS), lim
             assert int(ne) == int((ary[w] != other[w]) @ BITS)
             assert int(fne) == int((((ary[w] ^ other[w]) & field) != 0) @ BITS)
+            assert int(zero) == int((other[w] == 0) @ BITS)
 
 
 def test_kernels_compiled_for_another_cpu_are_portable():

@@ -83,6 +83,7 @@ from weightsync.codec.simd import (
     popcount,
     prefetch64,
     trailing_zeros,
+    zero_mask64,
 )
 from weightsync.codec.streams import SLICE_BYTES, copy
 from weightsync.errors import FormatError
@@ -1286,14 +1287,20 @@ def _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb):
             return 13
         pos += rlen[g]
         bp = 0
-        if freq[g, NSYM - 1]:  # escapes left zero differences (no change has one): their codes, in order
-            for j in range(dstart[g], dstart[g + 1]):
-                if diffs[j] == 0:
+        if freq[g, NSYM - 1]:  # escapes left zero differences (no change has one): their codes, in order,
+            # found 64 at a time (a test per difference mispredicted: 4% escape at lr 1e-5); the array has 64 spare
+            for j in range(dstart[g], dstart[g + 1], 64):
+                zs = zero_mask64(diffs, j)
+                if dstart[g + 1] - j < 64:
+                    zs &= (ONE << np.uint64(dstart[g + 1] - j)) - ONE
+                while zs != ZERO:
+                    at = j + np.int64(trailing_zeros(zs))
+                    zs &= zs - ONE
                     v, bp = get_eg(esec, bp, 8 * elen[g], order[g])
                     if v < 0 or np.uint64(v) > zmax - np.uint64(NSYM):
                         return 14
                     z = np.uint64(v) + np.uint64(NSYM)
-                    diffs[j] = (z >> ONE) ^ (ZERO - (z & ONE))
+                    diffs[at] = (z >> ONE) ^ (ZERO - (z & ONE))
         if not clean_end(esec, bp, elen[g]):
             return 14
     return 0

@@ -279,6 +279,17 @@ def ne_mask64(typingctx, a, b, base):
 
 
 @intrinsic
+def zero_mask64(typingctx, a, base):
+    """Bit j set where ``a[base + j]`` is zero, for j < 64."""
+
+    def codegen(context, builder, sig, args):
+        x = _vector_load(context, builder, sig.args[0], args[0], args[1], 64)
+        return builder.bitcast(builder.icmp_unsigned("==", x, ir.Constant(x.type, None)), ir.IntType(64))
+
+    return types.uint64(a, base), codegen
+
+
+@intrinsic
 def field_ne_mask64(typingctx, a, b, base, field):
     """Bit j set where ``(a[base + j] ^ b[base + j]) & field`` is not zero, for j < 64."""
 
