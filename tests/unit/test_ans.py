@@ -907,6 +907,33 @@ def test_the_rans_encoders_step_is_exact_at_every_frequency_and_state():
             assert np.array_equal(got, want), (f, s)
 
 
+@pytest.mark.parametrize("width", [np.uint8, np.uint16, np.uint32])
+def test_rans_sections_decode_each_symbols_value_and_refuse_short_long_or_miscounted_ones(width):
+    """The decoder writes each symbol's value (the table carries it; values up to the widest
+    difference) and refuses a section whose words run out (shortened by a word or more: the steps
+    then read the zeros past them), one with a word to spare, and a count one off either way, without
+    reading or writing outside its arrays."""
+    rng = np.random.default_rng(np.dtype(width).itemsize)
+    c = 5001
+    freq = np.zeros(entropy.NSYM, np.int64)
+    entropy.normalise(rng.integers(1, 100, entropy.NSYM), freq)
+    syms = rng.choice(entropy.NSYM, c, p=freq / freq.sum()).astype(np.uint8)
+    out = np.zeros(2 * c + 64, np.uint8)
+    length = entropy.rans_encode(syms, c, freq, out)
+    values = rng.integers(0, np.iinfo(width).max, entropy.NSYM, dtype=width, endpoint=True)
+    values[0] = np.iinfo(width).max
+    got = np.full(c + 8, 7, width)
+    assert entropy.rans_decode(out, 0, length, freq, values, got, 3, c) == 0
+    assert np.array_equal(got[3 : 3 + c], values[syms]) and (got[:3] == 7).all() and (got[3 + c :] == 7).all()
+    for cut in (2, 4, 64, length - 4 * entropy.LANES):
+        data = out[: length - cut].copy()  # exactly as long as the section: nothing readable past it
+        assert entropy.rans_decode(data, 0, data.size, freq, values, got, 0, c) == 13, cut
+    data = np.concatenate([out[:length], np.zeros(2, np.uint8)])
+    assert entropy.rans_decode(data, 0, data.size, freq, values, got, 0, c) == 13
+    for count in (c - 1, c + 1):
+        assert entropy.rans_decode(out, 0, length, freq, values, np.zeros(c + 8, width), 0, count) == 13, count
+
+
 @pytest.mark.parametrize("top", [4095, 4094, 4000, 2049])
 def test_rans_round_trips_with_states_in_the_upper_half_of_their_range(top):
     """The encoder divides a state by a symbol's frequency through a reciprocal; states reach

@@ -20,7 +20,9 @@ from weightsync.codec.simd import ALL, ONE, ZERO, leading_zeros, mulhi, store64,
 
 TWO, THREE, FOUR, FIVE, SIX, SEVEN, EIGHT = (np.uint64(i) for i in range(2, 9))
 M8 = np.uint64(0xFF)
+M16 = np.uint64(0xFFFF)
 M32 = np.uint64(0xFFFFFFFF)
+W16, W32 = np.uint64(16), np.uint64(32)
 
 LANES = 4
 """Interleaved Rice streams per section, and rANS states per section."""
@@ -489,16 +491,17 @@ def normalise(counts, freq):
 
 
 @njit(nogil=True)
-def _rans_table(freq):
-    """Per slot: symbol | frequency << 4 | (slot - start) << 17."""
-    tab = np.empty(PROB_ONE, np.uint32)
+def _rans_table(freq, values):
+    """The decoder's table, per slot: its symbol's frequency, the slot less the symbol's start << 16,
+    and ``values[symbol]`` << 32 (the decoder writes it without a second lookup)."""
+    tab = np.empty(PROB_ONE, np.uint64)
     start = 0
     for s in range(NSYM):
         f = np.int64(freq[s])
-        head = U32(s) | (U32(f) << U32(4))
+        head = np.uint64(f) | (np.uint64(values[s]) << np.uint64(32))
         seg = tab[start : start + f]
         for j in range(f):  # vectorised
-            seg[j] = head | (U32(j) << U32(17))
+            seg[j] = head | (np.uint64(j) << np.uint64(16))
         start += f
     return tab
 
@@ -531,7 +534,6 @@ def rans_encode(syms, c, freq, out):
     symbol j is coded by state j % LANES; the final states first, then one word stream. (Lanes are
     written out: helpers that take arrays cost a reference count per call in numba.)"""
     tab = rans_steps(freq)
-    M16, W16 = np.uint64(0xFFFF), np.uint64(16)
     # at most one word per symbol, written backwards; each step stores its state's low word at t - 1
     # and moves t only when the state must shed it, without a branch (when a state sheds a word is not
     # predictable: the branch cost 2.3-2.4 ns a symbol against 1.5 on an Intel Xeon, at the trajectory's
@@ -599,10 +601,13 @@ def rans_encode(syms, c, freq, out):
 def rans_decode(data, pos, length, freq, values, out, o0, count):
     """Decode ``count`` symbols of the rANS section ``data[pos:pos+length]`` (frequencies ``freq``) and
     write ``values[symbol]`` for each into ``out[o0:]``; returns 0, or 13 for a section that does not
-    decode to exactly ``count`` symbols (every state back at 2^16, every word read)."""
+    decode to exactly ``count`` symbols (every state back at 2^16, every word read). A step reads
+    the next 16-bit word whether it renormalises or not, and takes it only if it does: the words
+    are followed by ``count`` zeros, so that a section that runs out reads zeros without a bound
+    checked per step (a state takes at most one word a symbol), and the end's checks refuse it."""
     if length < 4 * LANES or (length - 4 * LANES) % 2:
         return 13
-    tab = _rans_table(freq)
+    tab = _rans_table(freq, values)
     xs = np.zeros(LANES, np.uint32)
     for q in range(LANES):
         p = pos + 4 * q
@@ -611,7 +616,7 @@ def rans_decode(data, pos, length, freq, values, out, o0, count):
             return 13
     x0, x1, x2, x3 = xs[0], xs[1], xs[2], xs[3]
     nw = (length - 4 * LANES) // 2
-    w16 = np.zeros(nw + 1, np.uint16)  # one spare word: the branch-free step reads one ahead
+    w16 = np.zeros(nw + count + 1, np.uint16)
     w16.view(np.uint8)[: 2 * nw] = data[pos + 4 * LANES : pos + length]
     wp = ZERO
     nwu = np.uint64(nw)
@@ -620,40 +625,36 @@ def rans_decode(data, pos, length, freq, values, out, o0, count):
     for j in range(0, full, LANES):
         dj = np.uint64(o0 + j)
         en = tab[x0 & mask]
-        x0 = ((en >> U32(4)) & U32(0x1FFF)) * (x0 >> U32(PROB_BITS)) + (en >> U32(17))
+        x0 = U32(en & M16) * (x0 >> U32(PROB_BITS)) + U32((en >> W16) & M16)
         t = U32(x0 < RANS_L)
-        x0 = (x0 << (t << U32(4))) | (U32(w16[min(wp, nwu)]) & (U32(0) - t))
+        x0 = (x0 << (t << U32(4))) | (U32(w16[wp]) & (U32(0) - t))
         wp += np.uint64(t)
-        s = en & U32(15)
-        out[dj + np.uint64(0)] = values[s]
+        out[dj] = en >> W32
         en = tab[x1 & mask]
-        x1 = ((en >> U32(4)) & U32(0x1FFF)) * (x1 >> U32(PROB_BITS)) + (en >> U32(17))
+        x1 = U32(en & M16) * (x1 >> U32(PROB_BITS)) + U32((en >> W16) & M16)
         t = U32(x1 < RANS_L)
-        x1 = (x1 << (t << U32(4))) | (U32(w16[min(wp, nwu)]) & (U32(0) - t))
+        x1 = (x1 << (t << U32(4))) | (U32(w16[wp]) & (U32(0) - t))
         wp += np.uint64(t)
-        s = en & U32(15)
-        out[dj + np.uint64(1)] = values[s]
+        out[dj + np.uint64(1)] = en >> W32
         en = tab[x2 & mask]
-        x2 = ((en >> U32(4)) & U32(0x1FFF)) * (x2 >> U32(PROB_BITS)) + (en >> U32(17))
+        x2 = U32(en & M16) * (x2 >> U32(PROB_BITS)) + U32((en >> W16) & M16)
         t = U32(x2 < RANS_L)
-        x2 = (x2 << (t << U32(4))) | (U32(w16[min(wp, nwu)]) & (U32(0) - t))
+        x2 = (x2 << (t << U32(4))) | (U32(w16[wp]) & (U32(0) - t))
         wp += np.uint64(t)
-        s = en & U32(15)
-        out[dj + np.uint64(2)] = values[s]
+        out[dj + np.uint64(2)] = en >> W32
         en = tab[x3 & mask]
-        x3 = ((en >> U32(4)) & U32(0x1FFF)) * (x3 >> U32(PROB_BITS)) + (en >> U32(17))
+        x3 = U32(en & M16) * (x3 >> U32(PROB_BITS)) + U32((en >> W16) & M16)
         t = U32(x3 < RANS_L)
-        x3 = (x3 << (t << U32(4))) | (U32(w16[min(wp, nwu)]) & (U32(0) - t))
+        x3 = (x3 << (t << U32(4))) | (U32(w16[wp]) & (U32(0) - t))
         wp += np.uint64(t)
-        s = en & U32(15)
-        out[dj + np.uint64(3)] = values[s]
+        out[dj + np.uint64(3)] = en >> W32
     for j in range(full, count):
         q = j - full
         x = x2 if q == 2 else x1 if q == 1 else x0
         en = tab[x & mask]
-        x = ((en >> U32(4)) & U32(0x1FFF)) * (x >> U32(PROB_BITS)) + (en >> U32(17))
+        x = U32(en & M16) * (x >> U32(PROB_BITS)) + U32((en >> W16) & M16)
         t = U32(x < RANS_L)
-        x = (x << (t << U32(4))) | (U32(w16[min(wp, nwu)]) & (U32(0) - t))
+        x = (x << (t << U32(4))) | (U32(w16[wp]) & (U32(0) - t))
         wp += np.uint64(t)
         if q == 2:
             x2 = x
@@ -661,8 +662,7 @@ def rans_decode(data, pos, length, freq, values, out, o0, count):
             x1 = x
         else:
             x0 = x
-        s = en & U32(15)
-        out[o0 + j] = values[s]
+        out[o0 + j] = en >> W32
     if x0 != RANS_L or x1 != RANS_L or x2 != RANS_L or x3 != RANS_L or wp != nwu:
         return 13
     return 0
