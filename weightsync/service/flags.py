@@ -284,8 +284,8 @@ def add_encoding_args(p: argparse.ArgumentParser, environ: Mapping[str, str] | N
         "--fast-codec",
         action="store_true",
         help="code deltas with 'sparse' instead of the entropy coder: 1.0-1.6x faster to encode than 'ans' "
-        "(1.02-1.19x where pdep is fast), faster to decode only where pdep is slow (1.3-1.7x; within 5%% either "
-        "way where it is fast), ~1.48x larger",
+        "(0.96-1.18x where pdep is fast), faster to decode only where pdep is slow (1.3-1.7x; 7-8%% slower where "
+        "it is fast), ~1.48x larger",
     )
     add("--concurrency", type=int, default=32, help="chunks in flight (default 32)")
     add(
