@@ -277,6 +277,7 @@ def test_rice_sections_decode_to_their_bitmap_with_codes_at_every_place_in_a_64_
         assert np.array_equal(words[: want.size], want), count
         assert entropy.rice_decode(section, 0, length - 1, count, k, n_b, inv, words, 0) != 0 or length == 1
     assert ran >= 10
+    assert entropy.rice_decode(section, 0, length, count, 31, n_b, inv, words, 0) == 12  # past the format's 30
 
 
 def test_blocks_encoded_after_larger_ones_and_in_threads_are_byte_identical():
@@ -912,7 +913,7 @@ def test_rans_sections_decode_each_symbols_value_and_refuse_short_long_or_miscou
     """The decoder writes each symbol's value (the table carries it; values up to the widest
     difference) and refuses a section whose words run out (shortened by a word or more: the steps
     then read the zeros past them), one with a word to spare, and a count one off either way, without
-    reading or writing outside its arrays."""
+    reading or writing outside its arrays; an empty section decodes to nothing."""
     rng = np.random.default_rng(np.dtype(width).itemsize)
     c = 5001
     freq = np.zeros(entropy.NSYM, np.int64)
@@ -930,8 +931,13 @@ def test_rans_sections_decode_each_symbols_value_and_refuse_short_long_or_miscou
         assert entropy.rans_decode(data, 0, data.size, freq, values, got, 0, c) == 13, cut
     data = np.concatenate([out[:length], np.zeros(2, np.uint8)])
     assert entropy.rans_decode(data, 0, data.size, freq, values, got, 0, c) == 13
-    for count in (c - 1, c + 1):
+    for count in (c - 1, c + 1, 0):
         assert entropy.rans_decode(out, 0, length, freq, values, np.zeros(c + 8, width), 0, count) == 13, count
+    empty = np.zeros(4 * entropy.LANES, np.uint8)  # no symbols: four states at 2^16, no words
+    for q in range(entropy.LANES):
+        empty[4 * q + 2] = 1
+    untouched = np.full(4, 7, width)
+    assert entropy.rans_decode(empty, 0, empty.size, freq, values, untouched, 0, 0) == 0 and (untouched == 7).all()
 
 
 @pytest.mark.parametrize("top", [4095, 4094, 4000, 2049])

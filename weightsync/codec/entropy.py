@@ -73,7 +73,7 @@ def peek(words, pos):
 
 @njit(nogil=True)
 def padded_words(data, pos, length):
-    sec = np.zeros((length + 7) // 8 + 4, np.uint64)  # reads run up to 2 words past the end
+    sec = np.zeros((length + 7) // 8 + 4, np.uint64)  # a Rice lane reads up to 3 words past its last
     sec.view(np.uint8)[:length] = data[pos : pos + length]
     return sec
 
@@ -390,7 +390,10 @@ def rice_decode(data, pos, bl, count, k, n_b, inv, words, w0):
     """A bucket's Rice section into its bitmap (``words`` from word ``w0``); returns 0 or 12. Each
     lane's next two codes are read from one load where they fit (:func:`_rice_get_two`). A lane's
     position may run past its end by two codes before the check after them: its words are padded
-    (:func:`padded_words`)."""
+    (:func:`padded_words`). A parameter over 30 is refused here too (the parser refuses it first):
+    the reads' shifts assume it."""
+    if not 0 <= k <= 30:
+        return 12
     end = pos + bl
     lens = np.zeros(LANES, np.int64)
     for q in range(LANES - 1):
