@@ -76,6 +76,24 @@ def test_jit_main_reports_and_checks_the_cache(tmp_path):
     assert again.returncode == 0, again.stdout + again.stderr
     report = json.loads(again.stdout.splitlines()[-1])
     assert report["compiled"] == 0 and report["cached"] > 0
+    jobs = subprocess.run(
+        [*argv, "--jobs", "2", "--require-cached"], env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert jobs.returncode == 0, jobs.stdout + jobs.stderr
+    report = json.loads(jobs.stdout.splitlines()[-1])  # the pieces ran in two processes, all from the cache
+    assert report["jobs"] == 2 and report["compiled_by_jobs"] == 0 and report["compiled"] == 0
+    bad = subprocess.run([*argv, "--jobs", "0"], env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert bad.returncode == 2 and "--jobs must be 1 or more" in bad.stderr
+
+
+def test_warm_up_is_its_steps():
+    """``--jobs`` spreads :func:`warm_up_steps`; each step runs alone, and they cover every width and pass."""
+    steps = codec.warm_up_steps()
+    assert len(steps) == len(set(steps)) and {s[0] for s in steps} == {"width", "ans"}
+    assert sorted(s[1] for s in steps if s[0] == "width") == sorted(set(codec.UINT_VIEW))
+    assert len([s for s in steps if s[0] == "ans"]) == 13
+    for step in (steps[0], steps[-1]):
+        codec.warm_up_step(*step)
 
 
 @pytest.mark.parametrize("option", ["cache"])

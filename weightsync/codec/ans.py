@@ -1678,25 +1678,40 @@ class Ans(Codec):
         decode_block_backward(dtype, block, new, out, what, hasher)
 
 
+def warm_up_steps() -> list[tuple[str, int, int]]:
+    """The pieces of :func:`warm_up`, commonest first: ``(dtype, buckets, groups)`` for 1-, 2- and
+    4-byte elements, each a pass and a scan (13 of each). Each piece compiles on its own, so that
+    ``python -m weightsync.codec.jit --jobs N`` can spread them over processes."""
+    steps = []
+    for dtype in ("BF16", "F32", "U8"):  # the commonest first: a delta meanwhile waits for fewer
+        bits = EXPONENT_FIELD.get(dtype, (0, 0))[1]
+        steps += [(dtype, K, G) for K in ((1, MAX_K) if bits else (1,)) for G in ((1, 2, MAX_G) if bits else (1,))]
+    return steps
+
+
+def warm_up_step(dtype: str, K: int, G: int) -> None:
+    """One piece of :func:`warm_up`: a block of ``dtype`` with ``K`` buckets and ``G`` value groups
+    encoded, decoded forward (with and without a hasher) and backward."""
+    rng = np.random.default_rng(0)
+    view = UINT_VIEW[ITEMSIZE[dtype]]
+    bits = EXPONENT_FIELD.get(dtype, (0, 0))[1]
+    old = rng.integers(0, 1 << (8 * view.itemsize - 1), 4096, dtype=np.uint64).astype(view)
+    new = old.copy()
+    new[::7] += view.type(1)
+    split = (np.arange(1, K) * ((1 << bits) // K), np.arange(1, G) * ((1 << bits) // G))
+    block, _ = encode_block(dtype, old, new, split=split)
+    out, back, fed = np.empty_like(old), np.empty_like(old), np.empty_like(old)
+    decode_block(dtype, memoryview(block), old, out, "warm-up")
+    decode_block(dtype, memoryview(block), old, fed, "warm-up", hashing.hasher())  # the pass that hashes
+    decode_block_backward(dtype, memoryview(block), new, back, "warm-up")
+    if not (np.array_equal(out, new) and np.array_equal(fed, new) and np.array_equal(back, old)):
+        raise AssertionError(f"ans warm-up: {dtype} with {K} buckets and {G} groups did not round-trip")
+
+
 def warm_up() -> None:
     """Compile (or load from numba's cache) the pass and the scan of every bucket and group count the
-    encoder uses (:func:`_padded`), for 1-, 2- and 4-byte elements: 13 of each, most of the codecs'
-    2-3 CPU-minutes with a cold cache (:func:`weightsync.codec.payload.warm_up`). Blocks from another
-    encoder may need another pass: it compiles on first use."""
-    rng = np.random.default_rng(0)
-    for dtype in ("BF16", "F32", "U8"):  # the commonest first: a delta meanwhile waits for fewer
-        view = UINT_VIEW[ITEMSIZE[dtype]]
-        shift, bits = EXPONENT_FIELD.get(dtype, (0, 0))
-        old = rng.integers(0, 1 << (8 * view.itemsize - 1), 4096, dtype=np.uint64).astype(view)
-        new = old.copy()
-        new[::7] += view.type(1)
-        for K in (1, MAX_K) if bits else (1,):
-            for G in (1, 2, MAX_G) if bits else (1,):
-                split = (np.arange(1, K) * ((1 << bits) // K), np.arange(1, G) * ((1 << bits) // G))
-                block, _ = encode_block(dtype, old, new, split=split)
-                out, back, fed = np.empty_like(old), np.empty_like(old), np.empty_like(old)
-                decode_block(dtype, memoryview(block), old, out, "warm-up")
-                decode_block(dtype, memoryview(block), old, fed, "warm-up", hashing.hasher())  # the pass that hashes
-                decode_block_backward(dtype, memoryview(block), new, back, "warm-up")
-                if not (np.array_equal(out, new) and np.array_equal(fed, new) and np.array_equal(back, old)):
-                    raise AssertionError(f"ans warm-up: {dtype} with {K} buckets and {G} groups did not round-trip")
+    encoder uses (:func:`_padded`), for 1-, 2- and 4-byte elements (:func:`warm_up_steps`): most of
+    the codecs' CPU time with a cold cache (:func:`weightsync.codec.payload.warm_up`). Blocks from
+    another encoder may need another pass: it compiles on first use."""
+    for step in warm_up_steps():
+        warm_up_step(*step)

@@ -252,6 +252,28 @@ def cache_locations() -> dict[str, object]:
     return {"writable": writable, "read_only": read_only}
 
 
+def _warm_step(step: tuple) -> int:
+    """Run one warm-up piece in a worker process; the signatures it compiled."""
+    from weightsync.codec.payload import warm_up_step
+
+    before = stats()["compiled"]
+    warm_up_step(*step)
+    return stats()["compiled"] - before
+
+
+def _warm_in_processes(steps: list[tuple], jobs: int) -> int:
+    """Each of ``steps`` in a pool of ``jobs`` fresh (spawned) processes, the costliest (``ans``'s
+    passes) first; every process saves what it compiles to the cache. Two processes that compile the
+    same kernel both save it; numba replaces a cache's index whole, so one may drop the other's
+    entry, which the caller's own warm-up then compiles again."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    order = sorted(steps, key=lambda s: s[0] != "ans")
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return sum(pool.map(_warm_step, order))
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
     import json
@@ -269,12 +291,25 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="exit 1 if any kernel had to be compiled (checks a cache filled earlier)",
     )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="compile the warm-up's pieces in N processes first (a cold cache takes minutes of one CPU); "
+        "this process then loads them from the cache, and compiles what a piece did not save",
+    )
     args = parser.parse_args(argv)
-    from weightsync.codec.payload import warm_up
+    if args.jobs < 1:
+        parser.error(f"--jobs must be 1 or more, not {args.jobs}")
+    from weightsync.codec.payload import warm_up, warm_up_steps
 
     t0 = time.perf_counter()
+    by_jobs = _warm_in_processes(warm_up_steps(), args.jobs) if args.jobs > 1 else None
     warm_up()
     report = {**stats(), "seconds": round(time.perf_counter() - t0, 2), **cache_locations(), "numba": numba.__version__}
+    if by_jobs is not None:
+        report |= {"jobs": args.jobs, "compiled_by_jobs": by_jobs}
     print(json.dumps(report))
     if args.require_cached and (report["compiled"] or not report["cached"]):
         print("weightsync.jit: kernels were compiled, not loaded from the cache", flush=True)

@@ -385,39 +385,57 @@ def rebuild(
     return base
 
 
+def warm_up_steps() -> list[tuple]:
+    """The pieces of :func:`warm_up`, each compiling on its own (``python -m weightsync.codec.jit
+    --jobs N`` spreads them over processes): ``("width", w)`` for each element width, then ``("ans",
+    dtype, buckets, groups)`` for each pass of ``ans`` (:func:`weightsync.codec.ans.warm_up_steps`)."""
+    from weightsync.codec import ans  # numba: imported on first use
+
+    return [("width", w) for w in sorted(set(UINT_VIEW))] + [("ans", *step) for step in ans.warm_up_steps()]
+
+
+def warm_up_step(kind: str, *args) -> None:
+    """One piece of :func:`warm_up` (:func:`warm_up_steps`)."""
+    from weightsync.codec import ans
+
+    if kind == "ans":
+        ans.warm_up_step(*args)
+        return
+    (width,) = args
+    rng = np.random.default_rng(0)
+    dtype = next(d for d in ("U8", "BF16", "F32", "F64") if itemsize(d) == width)
+    old = rng.integers(0, 256, 1024 * width, dtype=np.uint8)
+    new = old.copy()
+    new[:: 37 * width] += 1  # 2.7% of the elements change: the delta codecs, not dense
+    deltas = (CodecConfig(), CodecConfig(coder="ac"), CodecConfig(entropy_coder=False))
+    for cfg, base in (*((c, old) for c in deltas), (CodecConfig(), None)):
+        enc = encode_tensor(dtype, new, base, cfg)  # base None: a keyframe ("full")
+        for payload in (bytes(enc.payload), bytearray(enc.payload)):  # read-only and writable arrays
+            for fed in (None, hashing.hasher()):  # a pull's last step feeds a hasher, the others none
+                into = old.copy()  # decoded into a fresh buffer, and in place (as pulls do): two kernels
+                outs = (
+                    decode_tensor(dtype, enc.codec, payload, base, new.size, hasher=fed),
+                    decode_tensor(
+                        dtype, enc.codec, payload, into if base is not None else None, new.size, into, hasher=fed
+                    ),
+                )
+                for out in outs:
+                    if not np.array_equal(out, new):
+                        raise AssertionError(f"codec warm-up: {enc.codec} did not round-trip")  # never expected
+    hasher = hashing.hasher()  # a copy that feeds a hasher as it goes (kernels.copy_feeding)
+    copy(new.view(UINT_VIEW[width]), np.empty(new.size // width, UINT_VIEW[width]), hasher)
+    if hasher.digest() != xxhash.xxh3_128(new).digest():
+        raise AssertionError("codec warm-up: a copy fed the hasher other bytes")  # never expected
+
+
 def warm_up() -> None:
     """Compile the numba kernels, or load them from numba's cache (:mod:`weightsync.codec.jit`), for
     every element width and every signature publishes and pulls use, by coding a tiny tensor pair
     with each codec: deltas and keyframes, decoded from a read-only payload (as fetched) and a
     writable one, into a fresh buffer and in place; and every pass of ``ans`` its encoder uses
-    (:func:`weightsync.codec.ans.warm_up`). Daemons run this at start in the background, so that
-    their first delta does not pay it (2-3 CPU-minutes of compiling with a cold cache, 1-2 s to load
-    a warm one); an image build runs it (``python -m weightsync.codec.jit``) to fill the image's cache."""
-    from weightsync.codec import ans  # numba: imported on first use
-
-    rng = np.random.default_rng(0)
-    for width in sorted(set(UINT_VIEW)):
-        dtype = next(d for d in ("U8", "BF16", "F32", "F64") if itemsize(d) == width)
-        old = rng.integers(0, 256, 1024 * width, dtype=np.uint8)
-        new = old.copy()
-        new[:: 37 * width] += 1  # 2.7% of the elements change: the delta codecs, not dense
-        deltas = (CodecConfig(), CodecConfig(coder="ac"), CodecConfig(entropy_coder=False))
-        for cfg, base in (*((c, old) for c in deltas), (CodecConfig(), None)):
-            enc = encode_tensor(dtype, new, base, cfg)  # base None: a keyframe ("full")
-            for payload in (bytes(enc.payload), bytearray(enc.payload)):  # read-only and writable arrays
-                for fed in (None, hashing.hasher()):  # a pull's last step feeds a hasher, the others none
-                    into = old.copy()  # decoded into a fresh buffer, and in place (as pulls do): two kernels
-                    outs = (
-                        decode_tensor(dtype, enc.codec, payload, base, new.size, hasher=fed),
-                        decode_tensor(
-                            dtype, enc.codec, payload, into if base is not None else None, new.size, into, hasher=fed
-                        ),
-                    )
-                    for out in outs:
-                        if not np.array_equal(out, new):
-                            raise AssertionError(f"codec warm-up: {enc.codec} did not round-trip")  # never expected
-        hasher = hashing.hasher()  # a copy that feeds a hasher as it goes (kernels.copy_feeding)
-        copy(new.view(UINT_VIEW[width]), np.empty(new.size // width, UINT_VIEW[width]), hasher)
-        if hasher.digest() != xxhash.xxh3_128(new).digest():
-            raise AssertionError("codec warm-up: a copy fed the hasher other bytes")  # never expected
-    ans.warm_up()  # last: every other kernel is ready in seconds, ans's generated passes take most of a minute
+    (:func:`weightsync.codec.ans.warm_up`), last: every other kernel is ready in seconds. Daemons run
+    this at start in the background, so that their first delta does not pay it (minutes of one CPU
+    with a cold cache, 1-2 s to load a warm one); an image build fills the image's cache with
+    ``python -m weightsync.codec.jit``, whose ``--jobs`` compiles the pieces in parallel."""
+    for step in warm_up_steps():
+        warm_up_step(*step)
