@@ -41,11 +41,12 @@ COPY . .
 RUN /opt/weightsync/bin/pip install --no-deps . \
  && /opt/weightsync/bin/pip check \
  && /opt/weightsync/bin/weightsync --help >/dev/null
-# Compile the numba kernels into the installed package's __pycache__ (about 7 s), so that no start
-# pays it: numba keys the cache on the source's path and contents and on the CPU, and the runtime
-# stage below checks that it is served from there, read-only, without compiling. On a machine of
-# another kind the kernels compile at start and go to NUMBA_CACHE_DIR if that is writable.
-RUN /opt/weightsync/bin/python -m weightsync.codec.jit
+# Compile the numba kernels into the installed package's __pycache__ (minutes of one CPU; --jobs
+# spreads the pieces over the builder's cores), so that no start pays it: numba keys the cache on
+# the source's path and contents and on the CPU, and the runtime stage below checks that it is
+# served from there, read-only, without compiling. On a machine of another kind the kernels compile
+# at start and go to NUMBA_CACHE_DIR if that is writable.
+RUN /opt/weightsync/bin/python -m weightsync.codec.jit --jobs "$(nproc)"
 
 # --- runtime: the same base image, the virtual environment, an unprivileged user ----------------
 FROM ${PYTHON_IMAGE} AS runtime
