@@ -235,7 +235,8 @@ def test_a_narrowing_cast_needs_the_layout_to_say_so(versions):
 def test_coverage_error_names_the_live_memory_left_without_a_source(versions):
     store, sds, _ = versions
     live = engine(sds[0])
-    live["qkv"] = torch.cat([live["qkv"], torch.zeros(2, I).bfloat16()])  # padding the layout does not mention
+    pad = torch.zeros(2, I, device=DEVICE).bfloat16()  # padding the layout does not mention
+    live["qkv"] = torch.cat([live["qkv"], pad])
     with pytest.raises(CoverageError, match=r"qkv \(12 of 84 elements\)"):
         TorchSink(store, live, 0, layout=layout())
 
