@@ -17,7 +17,9 @@ hot), ``apply`` (the pause, under the lock).
   tensor at its standby (no copy, no device work). The standby doubles the weights' memory.
 
 Baselines, measured once per change level on the same model: ``load_state_dict`` of the new
-version's live state dict already in host memory (best of 9), and ``from_pretrained`` of the new
+version's state dict already in the model's memory (best of 9; on a GPU a copy within the device),
+"load from host" the same from pinned host memory (on a GPU the copy over the bus that an engine's
+reload from host memory makes; on the CPU the same figure), and ``from_pretrained`` of the new
 version's folder (best of 2; the reload a subscriber's swap hook triggers in an engine that reloads
 from disk). "full decode" is the CPU time of pulling the keyframe version into an empty folder
 (every tensor decoded from its full payload, verified and written): the yardstick for ``prepare``.
@@ -155,15 +157,8 @@ def replay_seconds(sink: TorchSink, up, device: torch.device, repeat: int = 9) -
 
 
 def staged_bytes(sink: TorchSink, up) -> int:
-    if up.mode == "flip":
-        return sink.standby_bytes + sum(
-            p.index.numel() * p.index.element_size() for p in up.patches if p.index is not None
-        )
-    total = 0
-    for p in up.patches:
-        total += p.values.numel() * p.values.element_size()
-        total += 0 if p.index is None else p.index.numel() * p.index.element_size()
-    return total
+    """What an update holds between prepare and apply (flip: the standbys and the replays' positions)."""
+    return (sink.standby_bytes if up.mode == "flip" else 0) + sum(p.staged_bytes for p in up.patches)
 
 
 def bits_equal(a, b) -> bool:
@@ -245,6 +240,10 @@ def run(args, change: float, codec: str, device: torch.device, modes: list[str])
             _sync(device)
 
         t_load = best_seconds(load_sd, 9)
+        t_load_host = t_load
+        if device.type != "cpu":  # the new weights in (pinned) host memory: what a reload copies over the bus
+            last = {k: v.cpu().pin_memory() for k, v in last.items()}
+            t_load_host = best_seconds(load_sd, 9)
         t_reload = best_seconds(lambda: load(dirs[-1], device), 2)
         model = last = None  # free them before the modes run
         out = []
@@ -257,11 +256,13 @@ def run(args, change: float, codec: str, device: torch.device, modes: list[str])
                     "device": str(device),
                     "model_bytes": n_bytes,
                     "load_state_dict_s": t_load,
+                    "load_state_dict_host_s": t_load_host,
                     "from_pretrained_s": t_reload,
                     "full_decode_cpu_s": t_full,
                     **r,
                     "first_pause_ratio": r["first_pause_median_s"] / t_load,
                     "best_pause_ratio": r["best_pause_median_s"] / t_load,
+                    "first_pause_host_ratio": r["first_pause_median_s"] / t_load_host,
                     "prepare_cpu_ratio": r["prepare_cpu_median_s"] / t_full,
                 }
             )
@@ -276,6 +277,7 @@ def table(results: list[dict]) -> str:
         "model",
         "mode",
         "load_state_dict",
+        "load from host",
         "from_pretrained",
         "full decode (CPU)",
         "prepare",
@@ -287,6 +289,7 @@ def table(results: list[dict]) -> str:
         "best pause",
         "pause/load (1st)",
         "pause/load (best)",
+        "pause/host load (1st)",
         "staged",
         "mirror",
         "exact",
@@ -299,6 +302,7 @@ def table(results: list[dict]) -> str:
             f"{r['model_bytes'] / 1e6:.0f}MB",
             r["mode"],
             f"{1e3 * r['load_state_dict_s']:.1f} ms",
+            f"{1e3 * r['load_state_dict_host_s']:.1f} ms",
             f"{r['from_pretrained_s']:.2f} s",
             f"{r['full_decode_cpu_s']:.2f} s",
             f"{1e3 * r['prepare_median_s']:.0f} ms",
@@ -310,6 +314,7 @@ def table(results: list[dict]) -> str:
             f"{1e3 * r['best_pause_median_s']:.2f} ms",
             f"{100 * r['first_pause_ratio']:.1f}%",
             f"{100 * r['best_pause_ratio']:.1f}%",
+            f"{100 * r['first_pause_host_ratio']:.1f}%",
             f"{r['staged_median_bytes'] / 1e6:.0f}MB",
             f"{r['mirror_bytes'] / 1e6:.0f}MB",
             "yes" if r["bit_exact"] else "NO",

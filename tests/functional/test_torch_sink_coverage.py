@@ -240,6 +240,42 @@ def test_patch_apply_failing_midway_is_reported_and_repaired(small, monkeypatch)
     assert holds(model.state_dict(), versions[1])
 
 
+def test_dense_writes_are_one_batch_and_a_batch_failing_midway_is_torn_then_repaired(small, monkeypatch):
+    """Regions copied whole (dense_above=0) go as one ``_foreach_copy_``; if it fails part way the
+    model is torn, said so, and the next update rewrites it."""
+    store, versions = small
+    model = module_from(versions[0])
+    sink = TorchSink(store, model, 0, dense_above=0.0)
+    up = sink.prepare(1)
+    (batch,) = up.patches
+    assert (
+        isinstance(batch, wtorch._Copies)
+        and batch.writes == 2
+        and batch.elements == sum(v.numel() for v in versions[1].values())
+    )
+    real = torch._foreach_copy_
+
+    def first_only(dsts, srcs):
+        dsts[0].copy_(srcs[0])
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(torch, "_foreach_copy_", first_only)
+    with pytest.raises(
+        ApplyError, match=r"0 of 2 tensors written \(2 more in the call that failed, some perhaps\).*device lost"
+    ):
+        sink.apply(up)
+    monkeypatch.setattr(torch, "_foreach_copy_", real)
+    torn = model.state_dict()
+    assert not holds(torn, versions[0]) and not holds(torn, versions[1])
+    sink.update(0)
+    assert sink.version == 0 and holds(model.state_dict(), versions[0])
+    sink.update(1)
+    assert holds(model.state_dict(), versions[1]) and sink.verify() == 2
+    monkeypatch.delattr(torch, "_foreach_copy_")  # an older torch: one copy_ each, the same bytes
+    sink.update(0)
+    assert holds(model.state_dict(), versions[0])
+
+
 def test_flip_apply_failing_midway_leaves_the_old_version(small):
     store, versions = small
     params = {k: torch.nn.Parameter(v.clone(), requires_grad=False) for k, v in versions[0].items()}

@@ -108,6 +108,70 @@ class Patch:
             return self.index.numel()
         return self.target.numel() if self.view is None else math.prod(self.view[0])
 
+    @property
+    def names(self) -> list[str]:
+        return [self.name]
+
+    @property
+    def writes(self) -> int:
+        """Store tensors' writes this makes (one)."""
+        return 1
+
+    @property
+    def staged_bytes(self) -> int:
+        """Memory this holds for the pause: values and positions (a replay's values are the standby)."""
+        index = 0 if self.index is None else self.index.numel() * self.index.element_size()
+        return index + (0 if self.gather else self.values.numel() * self.values.element_size())
+
+    def copy_pair(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A dense write (no ``index``, not ``gather``) as the destination view and its source."""
+        if self.view is None:
+            return self.target, self.values
+        shape, stride, off = self.view
+        return self.target.as_strided(shape, stride, self.target.storage_offset() + off), self.values.view(shape)
+
+
+@dataclass(eq=False)
+class _Copies:
+    """Patch mode: the dense writes of an update that share a device and a width, made by one
+    ``torch._foreach_copy_`` in the pause. Each is its own kernel otherwise: a fused expert stack
+    of 16 experts is 48 region copies, and on a GPU their launches, not their bytes, took the
+    pause (benchmarks/README.md, "Swap pause")."""
+
+    names: list[str]
+    dsts: list[torch.Tensor]  # views of the live tensors (checked unmoved by ``apply`` first)
+    srcs: list[torch.Tensor]
+    index = None  # as a dense :class:`Patch`: no positions, its own values
+    gather = False
+
+    def write(self) -> None:
+        foreach = getattr(torch, "_foreach_copy_", None)  # torch >= 2.1
+        if foreach is not None:
+            foreach(self.dsts, self.srcs)
+        else:
+            for d, s in zip(self.dsts, self.srcs):
+                d.copy_(s)
+
+    @property
+    def name(self) -> str:
+        return _some(self.names)
+
+    @property
+    def target(self) -> torch.Tensor:
+        return self.dsts[0]
+
+    @property
+    def elements(self) -> int:
+        return sum(d.numel() for d in self.dsts)
+
+    @property
+    def writes(self) -> int:
+        return len(self.dsts)
+
+    @property
+    def staged_bytes(self) -> int:
+        return sum(s.numel() * s.element_size() for s in self.srcs)
+
 
 @dataclass(eq=False)
 class _Slot:
@@ -1073,22 +1137,24 @@ class TorchSink:
                     "prepared (moved, cast or replaced); prepare again"
                 )
             devices = {p.target.device for p in update.patches}
-            written = 0
+            written, batch = 0, 1
             with torch.no_grad(), self.lock:
                 t0 = time.perf_counter()
                 try:
                     for p in update.patches:
+                        batch = p.writes
                         p.write()
-                        written += 1
+                        written, batch = written + batch, 1
                     _sync(devices)
                 except BaseException as exc:
                     self._torn, self._epoch = True, self._epoch + 1
                     if not isinstance(exc, Exception):
                         raise
+                    part = f" ({batch} more in the call that failed, some perhaps)" if batch > 1 else ""
                     raise ApplyError(
-                        f"apply to version {update.version} failed with {written} of {len(update.patches)} "
-                        "tensors written: the model is torn until the next update, which rebuilds it "
-                        f"from the keyframe ({_one_line(exc)})"
+                        f"apply to version {update.version} failed with {written} of "
+                        f"{sum(p.writes for p in update.patches)} tensors written{part}: the model is torn "
+                        f"until the next update, which rebuilds it from the keyframe ({_one_line(exc)})"
                     ) from exc
                 pause = time.perf_counter() - t0
             self._applied(update)
@@ -1157,15 +1223,19 @@ class TorchSink:
         update.seconds["verify"] = time.perf_counter() - t0
 
 
-def _coalesce(patches: list[Patch]) -> list[Patch]:
+def _coalesce(patches: list[Patch]) -> list[Patch | _Copies]:
     """Patch mode: one scatter per live tensor instead of one per store tensor (the experts of a
-    stack, the shards of a fused projection), positions and values concatenated off the lock; the
-    pause then pays one call per tensor. Dense region copies stay as they are."""
+    stack, the shards of a fused projection), positions and values concatenated off the lock; and
+    the dense writes of each device and width as one :class:`_Copies`. The pause then pays one call
+    per tensor, and one for all the region copies."""
     by_target: dict[tuple, list[Patch]] = {}
-    out: list[Patch] = []
+    dense: dict[tuple, list[Patch]] = {}
+    out: list[Patch | _Copies] = []
     for p in patches:
-        if p.index is None or p.gather:
+        if p.gather:
             out.append(p)
+        elif p.index is None:
+            dense.setdefault((p.target.device, p.target.dtype), []).append(p)
         else:
             by_target.setdefault((p.target.data_ptr(), p.target.device, p.target.dtype), []).append(p)
     for group in by_target.values():
@@ -1174,6 +1244,12 @@ def _coalesce(patches: list[Patch]) -> list[Patch]:
         else:
             idx = torch.cat([p.index for p in group])
             out.append(Patch(group[0].name, group[0].target, idx, torch.cat([p.values for p in group])))
+    for group in dense.values():
+        if len(group) == 1:
+            out.append(group[0])
+        else:
+            pairs = [p.copy_pair() for p in group]
+            out.append(_Copies([p.name for p in group], [d for d, _ in pairs], [s for _, s in pairs]))
     return out
 
 
