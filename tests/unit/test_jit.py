@@ -86,6 +86,21 @@ def test_jit_main_reports_and_checks_the_cache(tmp_path):
     assert bad.returncode == 2 and "--jobs must be 1 or more" in bad.stderr
 
 
+def test_require_cached_counts_what_the_jobs_compiled_and_a_failed_step_is_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(jit, "_warm_in_processes", lambda steps, jobs: 3)  # workers that compiled 3 signatures
+    assert jit.main(["--jobs", "2", "--require-cached"]) == 1
+    assert json.loads(capsys.readouterr().out.splitlines()[0])["compiled_by_jobs"] == 3
+    assert jit.main(["--jobs", "2"]) == 0
+
+    def fails(steps, jobs):
+        raise RuntimeError("numba could not compile\nsecond line")
+
+    monkeypatch.setattr(jit, "_warm_in_processes", fails)
+    assert jit.main(["--jobs", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err == "weightsync.jit: a warm-up step failed in a worker: RuntimeError: numba could not compile\n"
+
+
 def test_warm_up_is_its_steps():
     """``--jobs`` spreads :func:`warm_up_steps`; each step runs alone, and they cover every width and pass."""
     steps = codec.warm_up_steps()

@@ -9,6 +9,7 @@ import functools
 import hashlib
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable
 
@@ -252,6 +253,11 @@ def cache_locations() -> dict[str, object]:
     return {"writable": writable, "read_only": read_only}
 
 
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
 def _warm_step(step: tuple) -> int:
     """Run one warm-up piece in a worker process; the signatures it compiled."""
     from weightsync.codec.payload import warm_up_step
@@ -270,8 +276,11 @@ def _warm_in_processes(steps: list[tuple], jobs: int) -> int:
     from concurrent.futures import ProcessPoolExecutor
 
     order = sorted(steps, key=lambda s: s[0] != "ans")
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
+    try:
         return sum(pool.map(_warm_step, order))
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # a step that failed: the queued ones do not run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -289,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--require-cached",
         action="store_true",
-        help="exit 1 if any kernel had to be compiled (checks a cache filled earlier)",
+        help="exit 1 if any kernel had to be compiled, here or in a --jobs process (checks a cache filled earlier)",
     )
     parser.add_argument(
         "--jobs",
@@ -305,13 +314,17 @@ def main(argv: list[str] | None = None) -> int:
     from weightsync.codec.payload import warm_up, warm_up_steps
 
     t0 = time.perf_counter()
-    by_jobs = _warm_in_processes(warm_up_steps(), args.jobs) if args.jobs > 1 else None
+    try:
+        by_jobs = _warm_in_processes(warm_up_steps(), args.jobs) if args.jobs > 1 else None
+    except Exception as exc:  # noqa: BLE001 - one line, whatever a worker raised
+        print(f"weightsync.jit: a warm-up step failed in a worker: {_one_line(exc)}", file=sys.stderr, flush=True)
+        return 1
     warm_up()
     report = {**stats(), "seconds": round(time.perf_counter() - t0, 2), **cache_locations(), "numba": numba.__version__}
     if by_jobs is not None:
         report |= {"jobs": args.jobs, "compiled_by_jobs": by_jobs}
     print(json.dumps(report))
-    if args.require_cached and (report["compiled"] or not report["cached"]):
+    if args.require_cached and (report["compiled"] or report.get("compiled_by_jobs") or not report["cached"]):
         print("weightsync.jit: kernels were compiled, not loaded from the cache", flush=True)
         return 1
     return 0
