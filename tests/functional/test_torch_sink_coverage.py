@@ -274,6 +274,54 @@ def test_dense_writes_are_one_batch_and_a_batch_failing_midway_is_torn_then_repa
     monkeypatch.delattr(torch, "_foreach_copy_")  # an older torch: one copy_ each, the same bytes
     sink.update(0)
     assert holds(model.state_dict(), versions[0])
+    monkeypatch.setattr(wtorch, "_FOREACH_MAX", 512)  # "a" (512 elements) too large to batch: its own copy
+    up = sink.prepare(1)
+    assert sorted((type(p).__name__, p.elements) for p in up.patches) == [("Patch", 32), ("Patch", 512)]
+    sink.apply(up)
+    assert holds(model.state_dict(), versions[1])
+
+
+@pytest.mark.parametrize("between", ["verify", "prepare"])
+@pytest.mark.parametrize("change", ["clone", "float"])
+def test_an_update_prepared_before_the_storage_changed_is_refused_after_another_call_saw_it(small, between, change):
+    """Storage replaced after a prepare, then seen by a verify (which passes: the bytes are still
+    version 0's) or another prepare: the first update's writes would go to storage the model no
+    longer holds, so its apply is refused, not reported done over a model left at version 0."""
+    store, versions = small
+    model = module_from(versions[0])
+    sink = TorchSink(store, model, 0, dense_above=0.0)
+    up = sink.prepare(1)
+    if change == "clone":
+        model.a.data = model.a.data.clone()  # an engine re-allocating a buffer: the same bytes elsewhere
+    else:
+        model.float()  # a lossless cast
+    if between == "verify":
+        assert sink.verify() == 2
+    else:
+        sink.prepare(6)  # abandoned
+    with pytest.raises(UsageError, match="changed storage since it was prepared"):
+        sink.apply(up)
+    assert sink.version == 0
+    sink.update(1)
+    assert holds({k: v.bfloat16() for k, v in model.state_dict().items()}, versions[1]) and sink.verify() == 2
+
+
+def test_coalesce_merges_scatters_per_tensor_and_copies_per_width_and_counts_their_writes():
+    t = torch.zeros(10, dtype=torch.int16)
+    u = torch.zeros(4, dtype=torch.int16)
+    i16 = torch.int16
+    patches = [
+        wtorch.Patch("a", t, torch.tensor([1]), torch.tensor([5], dtype=i16)),
+        wtorch.Patch("b", t, torch.tensor([3]), torch.tensor([7], dtype=i16)),
+        wtorch.Patch("c", t, None, torch.ones(2, dtype=i16), view=((2,), (1,), 6)),
+        wtorch.Patch("d", t, None, torch.full((2,), 2, dtype=i16), view=((2,), (1,), 8)),
+        wtorch.Patch("e", u, None, torch.arange(4, dtype=i16)),  # a whole tensor
+    ]
+    out = wtorch._coalesce(patches)
+    assert sorted((type(p).__name__, p.writes, p.elements) for p in out) == [("Patch", 2, 2), ("_Copies", 3, 8)]
+    for p in out:
+        p.write()
+    assert t.tolist() == [0, 5, 0, 7, 0, 0, 1, 1, 2, 2] and u.tolist() == [0, 1, 2, 3]
 
 
 def test_flip_apply_failing_midway_leaves_the_old_version(small):

@@ -83,6 +83,7 @@ class Patch:
     values: torch.Tensor  # new bit patterns at ``index``; or of the region ``view`` (or the whole tensor)
     gather: bool = False  # ``values`` is a whole tensor: read it at ``index`` / ``view`` (flip's replays)
     view: tuple[tuple[int, ...], tuple[int, ...], int] | None = None  # dense: (shape, strides, offset) written
+    count: int = 1  # store tensors' writes it makes (a scatter of several, coalesced)
 
     def write(self) -> None:
         """Scatter the values into the target (or copy the dense region, or the whole tensor)."""
@@ -114,8 +115,8 @@ class Patch:
 
     @property
     def writes(self) -> int:
-        """Store tensors' writes this makes (one)."""
-        return 1
+        """Store tensors' writes this makes."""
+        return self.count
 
     @property
     def staged_bytes(self) -> int:
@@ -252,7 +253,7 @@ class Update:
 
     version: int
     from_version: int
-    patches: list[Patch] = field(default_factory=list)
+    patches: list[Patch | _Copies] = field(default_factory=list)
     fetched_bytes: int = 0
     changed_elements: int = 0  # of the store's tensors
     tensors: int = 0  # tensors in the version that the model holds
@@ -261,6 +262,7 @@ class Update:
     flips: list[Flip] = field(default_factory=list)
     excluded: tuple[str, ...] = ()  # store and model names left alone (``exclude`` patterns)
     epoch: int = 0  # patch mode: the sink's count of torn applies when it was prepared
+    storages: int = 0  # patch mode: the sink's count of storage changes when it was prepared
     mirror: dict[str, np.ndarray] = field(default_factory=dict, repr=False)  # new bytes of mirrored tensors
     manifest: Manifest | None = field(default=None, repr=False)
     checked: bool = True  # every staged tensor's bytes were checked against its checksum (else: verify after apply)
@@ -370,6 +372,7 @@ class TorchSink:
         self.padded: dict[str, int] = {}  # live tensor -> elements of engine padding no store tensor writes
         self._held_padding: dict[str, int] | None = None  # the padding of the version the model was loaded at
         self._epoch = 0  # patch mode: applies that failed midway (and tore the model) so far
+        self._storages = 0  # times the model's tensors were seen on new storages (:meth:`_refresh`)
         self.dense_above, self.threads, self.fetch_concurrency = dense_above, threads, fetch_concurrency
         self.direct = direct
         self.lazy = lazy or LazyReads()
@@ -411,6 +414,7 @@ class TorchSink:
                 return False
         log.info("the model's tensors changed storage since the sink last saw them: following them")
         self.tensors, self._slots, self._staged = sd, _group(sd), None
+        self._storages += 1  # what was prepared before writes to storages the model no longer holds
         self._checked_disjoint.clear()
         return True
 
@@ -723,10 +727,10 @@ class TorchSink:
                 manifest = self.repo.manifest(target_v)
             if folder is None and self.repo is None:
                 raise UsageError("without a store, give the folder that holds the version to prepare")
-            torn, epoch = self._torn, self._epoch
+            torn, epoch, storages = self._torn, self._epoch, self._storages
 
             def fresh() -> Update:
-                return Update(target_v, self.version, mode=self.mode, epoch=epoch)
+                return Update(target_v, self.version, mode=self.mode, epoch=epoch, storages=storages)
 
             up = fresh()
             if target_v == self.version and not torn:
@@ -1131,7 +1135,7 @@ class TorchSink:
                 return 0.0
             if self.mode == "flip":
                 return self._apply_flip(update)
-            if self._refresh():
+            if self._refresh() or update.storages != self._storages:  # (seen now, or by a verify or prepare since)
                 raise UsageError(
                     f"update to version {update.version}: the model's tensors changed storage since it was "
                     "prepared (moved, cast or replaced); prepare again"
@@ -1223,19 +1227,24 @@ class TorchSink:
         update.seconds["verify"] = time.perf_counter() - t0
 
 
+_FOREACH_MAX = 1 << 31  # torch before 2.8 indexed a _foreach_copy_ tensor with 32 bits on CUDA (pytorch#156261)
+
+
 def _coalesce(patches: list[Patch]) -> list[Patch | _Copies]:
     """Patch mode: one scatter per live tensor instead of one per store tensor (the experts of a
     stack, the shards of a fused projection), positions and values concatenated off the lock; and
-    the dense writes of each device and width as one :class:`_Copies`. The pause then pays one call
-    per tensor, and one for all the region copies."""
+    the dense writes of each device and width (of fewer than 2**31 elements each) as one
+    :class:`_Copies`. The pause then pays one call per tensor, and one for the region copies."""
     by_target: dict[tuple, list[Patch]] = {}
     dense: dict[tuple, list[Patch]] = {}
     out: list[Patch | _Copies] = []
     for p in patches:
         if p.gather:
             out.append(p)
-        elif p.index is None:
+        elif p.index is None and p.elements < _FOREACH_MAX:
             dense.setdefault((p.target.device, p.target.dtype), []).append(p)
+        elif p.index is None:
+            out.append(p)
         else:
             by_target.setdefault((p.target.data_ptr(), p.target.device, p.target.dtype), []).append(p)
     for group in by_target.values():
@@ -1243,7 +1252,8 @@ def _coalesce(patches: list[Patch]) -> list[Patch | _Copies]:
             out.append(group[0])
         else:
             idx = torch.cat([p.index for p in group])
-            out.append(Patch(group[0].name, group[0].target, idx, torch.cat([p.values for p in group])))
+            values = torch.cat([p.values for p in group])
+            out.append(Patch(group[0].name, group[0].target, idx, values, count=sum(p.count for p in group)))
     for group in dense.values():
         if len(group) == 1:
             out.append(group[0])
