@@ -12,7 +12,6 @@ import contextlib
 import hashlib
 import logging
 import os
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +42,7 @@ from weightsync.local.checkpoint import (
 )
 from weightsync.local.install import clear_folder
 from weightsync.local.lock import FolderLock, claim
+from weightsync.local.scratch import ScratchDir
 from weightsync.local.state import read_state
 from weightsync.store.repo import Repo, StoreLike, open_repo
 from weightsync.store.signing import Keyring, SigningKey
@@ -392,8 +392,12 @@ def encode_folder(
     """Encode ``files`` (of a checkpoint folder) against ``new.parent`` and upload their chunks;
     commits nothing. The parent's bytes come from ``base`` (:class:`DeltaBase`); a stale cache is
     rebuilt once, from the files ``rescan()`` returns (the clock of ``op`` then starts again)."""
-    with tempfile.TemporaryDirectory(prefix="weightsync-base-") as tmp:
-        cache = Path(base.cache_dir) if base.cache_dir is not None else Path(tmp) / "base"
+    with contextlib.ExitStack() as stack:
+        if base.cache_dir is not None:
+            cache = Path(base.cache_dir)
+        else:  # no cache: the parent is rebuilt in a scratch folder, removed after (or by the next start)
+            scratch = stack.enter_context(ScratchDir("weightsync-base-", "weightsync publish (its scratch base)"))
+            cache = scratch / "base"
         explicit = None if base.base_dir is None else Path(base.base_dir)
         try:
             return _encode_folder(repo, files, new, cfg, DeltaBase(explicit, cache, base.repo or repo, base.lock), op)

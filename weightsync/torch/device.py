@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import tempfile
 import threading
 import time
@@ -25,6 +24,7 @@ from weightsync.errors import BaseMismatchError, FormatError, NotFoundError, Usa
 from weightsync.format.dtypes import UINT_VIEW, itemsize
 from weightsync.format.keys import check_path
 from weightsync.local.checkpoint import scan_checkpoint
+from weightsync.local.scratch import ScratchDir
 from weightsync.store.repo import open_repo
 from weightsync.sync.observer import Observer, Operation
 from weightsync.sync.parts import CommitResult, PartResult, RankView, check_world, commit_parts, store_part
@@ -66,16 +66,16 @@ def _unsigned(a: np.ndarray) -> np.ndarray:
     return a.view(UINT_VIEW[a.dtype.itemsize])
 
 
-def make_work_folder(work_dir: str | os.PathLike | None, prefix: str) -> Path:
+def make_work_folder(work_dir: str | os.PathLike | None, prefix: str, what: str) -> ScratchDir:
     """A new folder for an in-process publisher's files, under ``work_dir``, by default ``/dev/shm``
-    when it is there and writable (tmpfs: no disk I/O), else the temp folder."""
+    when it is there and writable (tmpfs: no disk I/O), else the temp folder; claimed, so that a
+    killed publisher's (a whole model's mirror) is removed by the next one (:class:`ScratchDir`)."""
     shm = Path("/dev/shm")
     if work_dir is not None:
         root = Path(work_dir)
     else:
         root = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
-    root.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=prefix, dir=root))
+    return ScratchDir(prefix, what, root)
 
 
 class _Staging:
@@ -245,7 +245,8 @@ class DeviceDiffPublisher:
     ):
         self.repo = open_repo(store)
         self.config = config or PublishConfig()
-        self.work = make_work_folder(work_dir, "weightsync-dd-")
+        self._scratch = make_work_folder(work_dir, "weightsync-dd-", "weightsync device-diff publisher (its mirror)")
+        self.work = self._scratch.path
         self.cache_dir = None if cache_dir is None else Path(cache_dir)
         self.direct = direct
         self.snapshot = DeviceSnapshot(slice_elems, staging_bytes)
@@ -332,7 +333,7 @@ class DeviceDiffPublisher:
     def close(self) -> None:
         """Free the device snapshot and the host mirror's folder."""
         self.snapshot.reset()
-        shutil.rmtree(self.work, ignore_errors=True)
+        self._scratch.close()
         self.mirror.current = None
 
     def __enter__(self) -> DeviceDiffPublisher:

@@ -21,7 +21,6 @@ worker's ``reload_weights(weights_iterator=...)``, which does, where the engine 
 from __future__ import annotations
 
 import logging
-import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ import torch
 from weightsync.errors import BaseMismatchError, UsageError, VersionError
 from weightsync.format.manifest import Manifest, Segment
 from weightsync.local.base import LocalVersion
+from weightsync.local.scratch import ScratchDir
 from weightsync.local.state import read_state
 from weightsync.store.repo import open_repo
 from weightsync.sync.observer import Observer, Operation
@@ -206,7 +206,7 @@ class EngineLoader:
         chain = self.repo.chain(target, back_to=None if local is None else local.version)
         ahead = [] if local is None else self.repo.descent(target, local.version)  # a rollback: deltas undone
         jobs = [TensorJob(path, plan_segment(chain, path, seg, local, ahead=ahead)) for path, seg in todo]
-        with tempfile.TemporaryDirectory(prefix="weightsync-loader-") as spool:
+        with ScratchDir("weightsync-loader-", "weightsync loader (its spool)") as spool:
             paths, report.fetched_bytes = fetch_jobs(self.repo, jobs, Path(spool), self.fetch_concurrency, op)
             report.seconds["fetch"] = op.elapsed()
             op.phase("load", sum(s.nbytes for _, s in todo))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -31,6 +30,7 @@ from weightsync.errors import BaseMismatchError, UsageError, VersionError, Weigh
 from weightsync.format.dtypes import UINT_VIEW, itemsize
 from weightsync.format.manifest import Manifest, Segment
 from weightsync.local.base import LocalVersion
+from weightsync.local.scratch import ScratchDir
 from weightsync.store.repo import open_repo
 from weightsync.sync.lazy import LazyReads, plan_reads
 from weightsync.sync.observer import Observer, Operation
@@ -684,7 +684,7 @@ class TorchSink:
             return jobs, [j.recipe for j in jobs]
 
         jobs, reads = plan_reads(self.repo, m.version, make, lazy=self.lazy)
-        with tempfile.TemporaryDirectory(prefix="weightsync-sink-") as spool:
+        with ScratchDir("weightsync-sink-", "weightsync sink (its spool)") as spool:
             paths, _ = fetch_jobs(self.repo, jobs, Path(spool), self.fetch_concurrency, reads=reads)
             built = build_tensors(jobs, paths, None, url=self.repo.url, threads=self.threads, reads=reads)
             return {job.recipe.segment.name: np.array(new, copy=True) for job, new in built}
@@ -834,7 +834,7 @@ class TorchSink:
 
         staged: dict[_Slot, Flip] = {}
         try:
-            with tempfile.TemporaryDirectory(prefix="weightsync-sink-") as spool:
+            with ScratchDir("weightsync-sink-", "weightsync sink (its spool)") as spool:
                 every = jobs + direct
                 paths, up.fetched_bytes = fetch_jobs(self.repo, every, Path(spool), self.fetch_concurrency, op, reads)
                 up.seconds["fetch"] = op.elapsed()

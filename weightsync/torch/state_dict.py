@@ -42,7 +42,8 @@ class StateDictPublisher:
 
         self.repo = open_repo(store)
         self.config = config or PublishConfig()
-        self.work = make_work_folder(work_dir, "weightsync-sd-")
+        self._scratch = make_work_folder(work_dir, "weightsync-sd-", "weightsync state-dict publisher (its mirror)")
+        self.work = self._scratch.path
         self.cache_dir = None if cache_dir is None else Path(cache_dir)
         self.filename = filename
         self._prev: tuple[int, Path] | None = None
@@ -83,7 +84,7 @@ class StateDictPublisher:
         """Remove the work folder (and free the device publisher's snapshot)."""
         if self._device is not None:
             self._device.close()
-        shutil.rmtree(self.work, ignore_errors=True)
+        self._scratch.close()
         self._prev = None
 
     def __enter__(self) -> StateDictPublisher:
