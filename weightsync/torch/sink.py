@@ -146,7 +146,7 @@ class _Copies:
     gather = False
 
     def write(self) -> None:
-        foreach = getattr(torch, "_foreach_copy_", None)  # torch >= 2.1
+        foreach = getattr(torch, "_foreach_copy_", None)  # (a torch without it: one copy_ each)
         if foreach is not None:
             foreach(self.dsts, self.srcs)
         else:
