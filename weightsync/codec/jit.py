@@ -1,7 +1,8 @@
 """numba's ``njit`` with an on-disk cache of compiled kernels that also works from a read-only
 install: the first writable numba cache location is loaded from and saved to, every other that
 exists is loaded from only (docs/DESIGN.md). ``python -m weightsync.codec.jit`` compiles or loads
-every kernel; ``--require-cached`` exits 1 if anything had to be compiled."""
+every kernel (``--jobs N``: in N processes first); ``--require-cached`` exits 1 if anything had to
+be compiled."""
 
 from __future__ import annotations
 
