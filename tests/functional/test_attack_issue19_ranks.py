@@ -97,8 +97,12 @@ def test_ranks_that_disagree_on_the_keyframe_decision_never_commit_a_version_tha
     """Rank 0 makes a keyframe every 2 versions, rank 1 every 100: at version 2 their parts
     disagree. Either the commit is refused in a clear error, or every version pulls bit-exact."""
     store, world = tmp_path / "store", 2
-    pubs = make(
-        store, tmp_path, world, configs=[PublishConfig(keyframe_interval=2), PublishConfig(keyframe_interval=100)]
+    pubs = make(  # a refused commit: rank 1 waits for it until its timeout
+        store,
+        tmp_path,
+        world,
+        configs=[PublishConfig(keyframe_interval=2), PublishConfig(keyframe_interval=100)],
+        timeout=10.0,
     )
     committed = {}
     try:

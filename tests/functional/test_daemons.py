@@ -9,6 +9,7 @@ exits 0 with ``current`` intact. Ports are picked free by binding port 0; waits 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -156,6 +157,10 @@ class Daemon:
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGUSR2)  # the log then says where its threads are
+            self.proc.send_signal(signal.SIGUSR1)  # and where its tasks wait (if its loop still runs)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(3)
             self.proc.kill()
             self.proc.wait()
             raise AssertionError(f"{self.role} ignored signal {sig}:\n{self.log()}") from None
@@ -374,6 +379,22 @@ def test_standby_is_seeded_from_current_so_each_sync_fetches_one_delta(tmp_path,
         delta = weightsync.open_repo(store).manifest(v).payload_bytes
         assert last["from_version"] == v - 1 and last["fetched_bytes"] <= 2 * delta < full / 4, (last, delta, full)
         verify_current(store, tmp_path / "t", v, traj[v])
+
+    # SIGUSR1: the log says where each task waits (down its chain of awaits) and each thread's stack
+    sub.proc.send_signal(signal.SIGUSR1)
+    # the loop's task, and what it awaits (its iteration or its pause): a chain, not one frame
+    chain = re.compile(
+        r'task subscriber:\n  File "[^"]*subscriber\.py", line \d+, in run\n.*\n  File "[^"]*", line \d+, in _'
+    )
+
+    def dump():  # the whole record (read while being written, it may end early)
+        m = re.search(r"stacks of \d+ tasks.*?(?=\n\d{4}-|\Z)", sub.log(), re.S)
+        return m and chain.search(m[0]) and "thread MainThread:" in m[0] and "in dump_stacks" in m[0]
+
+    wait_for(dump, 10, f"the stacks of the loop's tasks and of the threads\n{sub.log()}")
+    sub.proc.send_signal(signal.SIGUSR2)  # faulthandler: every thread, also where the loop is stuck
+    wait_for(lambda: re.search(r"Current thread 0x[0-9a-f]+ \(most recent call first\)", sub.log()), 10, "a dump")
+    assert sub.get("/healthz")[0] == 200 and sub.stop() == 0
 
 
 def test_sigterm_mid_sync_leaves_current_intact_and_restart_resumes(tmp_path, daemons):

@@ -12,6 +12,7 @@ are committed and ``current`` is flipped by single atomic operations.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import http.server
 import json
 import logging
@@ -350,6 +351,8 @@ async def serve(app: web.Application, api: ApiConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, app[SHUTDOWN].set)
+    loop.add_signal_handler(signal.SIGUSR1, dump_stacks)
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # threads' stacks to stderr, even if the loop is stuck
     runner = web.AppRunner(app, handle_signals=False, access_log=None)
     await runner.setup()
     try:
@@ -369,11 +372,35 @@ async def serve(app: web.Application, api: ApiConfig) -> int:
         event(log, "stopping")
     finally:
         await runner.cleanup()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             loop.remove_signal_handler(sig)
+        faulthandler.unregister(signal.SIGUSR2)
     code = max(app[EXIT_CODE], default=0)
     event(log, "stopped", exit_code=code)
     return code
+
+
+def dump_stacks() -> None:
+    """Log where every asyncio task waits (its chain of awaits) and every thread's stack: what a
+    daemon that does not stop, or does not answer, is doing (``kill -USR1 PID``)."""
+    import traceback
+
+    parts = []
+    for task in sorted(asyncio.all_tasks(), key=lambda t: t.get_name()):
+        frames, coro = [], task.get_coro()
+        while coro is not None:  # a suspended coroutine's frame, then what it awaits, down the chain
+            frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+            if frame is not None:
+                frames.append((frame, frame.f_lineno))
+            coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+        stack = "".join(traceback.format_list(traceback.StackSummary.extract(frames)))
+        parts.append(f"task {task.get_name()}:\n{stack}")
+    names = {t.ident: t.name for t in threading.enumerate()}
+    for ident, frame in sys._current_frames().items():
+        parts.append(f"thread {names.get(ident, ident)}:\n{''.join(traceback.format_stack(frame))}")
+    log.warning(
+        "stacks of %d tasks and %d threads (SIGUSR1):\n%s", len(asyncio.all_tasks()), len(names), "\n".join(parts)
+    )
 
 
 def run(app_factory: Callable[[], web.Application], api: ApiConfig) -> int:
