@@ -101,6 +101,21 @@ def test_require_cached_counts_what_the_jobs_compiled_and_a_failed_step_is_one_l
     assert err == "weightsync.jit: a warm-up step failed in a worker: RuntimeError: numba could not compile\n"
 
 
+def test_jobs_without_a_writable_cache_compile_once_here(monkeypatch, capsys):
+    """Processes could not hand over what they compile without a cache both can write: compiling
+    everything there and again here would double a cold start, so this process does it alone."""
+    used = []
+    monkeypatch.setattr(jit, "_warm_in_processes", lambda steps, jobs: used.append(jobs) or 0)
+    monkeypatch.setattr(jit, "cache_locations", lambda: {"writable": [], "read_only": ["/ro"]})
+    assert jit.main(["--jobs", "4"]) == 0
+    out, err = capsys.readouterr()
+    assert used == [] and "jobs" not in json.loads(out.splitlines()[-1])
+    assert err.startswith("weightsync.jit: no writable kernel cache") and err.count("\n") == 1
+    monkeypatch.setattr(jit, "cache_locations", lambda: {"writable": ["/w"], "read_only": []})
+    assert jit.main(["--jobs", "4"]) == 0 and used == [4]
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["jobs"] == 4
+
+
 def test_warm_up_is_its_steps():
     """``--jobs`` spreads :func:`warm_up_steps`; each step runs alone, and they cover every width and pass."""
     steps = codec.warm_up_steps()

@@ -315,15 +315,24 @@ def main(argv: list[str] | None = None) -> int:
     from weightsync.codec.payload import warm_up, warm_up_steps
 
     t0 = time.perf_counter()
+    steps, jobs = warm_up_steps(), args.jobs  # the steps import every kernel: their caches are known
+    if jobs > 1 and not cache_locations()["writable"]:
+        print(
+            "weightsync.jit: no writable kernel cache (set NUMBA_CACHE_DIR): the --jobs processes could not "
+            "hand over what they compile; compiling in this process only",
+            file=sys.stderr,
+            flush=True,
+        )
+        jobs = 1
     try:
-        by_jobs = _warm_in_processes(warm_up_steps(), args.jobs) if args.jobs > 1 else None
+        by_jobs = _warm_in_processes(steps, jobs) if jobs > 1 else None
     except Exception as exc:  # noqa: BLE001 - one line, whatever a worker raised
         print(f"weightsync.jit: a warm-up step failed in a worker: {_one_line(exc)}", file=sys.stderr, flush=True)
         return 1
     warm_up()
     report = {**stats(), "seconds": round(time.perf_counter() - t0, 2), **cache_locations(), "numba": numba.__version__}
     if by_jobs is not None:
-        report |= {"jobs": args.jobs, "compiled_by_jobs": by_jobs}
+        report |= {"jobs": jobs, "compiled_by_jobs": by_jobs}
     print(json.dumps(report))
     if args.require_cached and (report["compiled"] or report.get("compiled_by_jobs") or not report["cached"]):
         print("weightsync.jit: kernels were compiled, not loaded from the cache", flush=True)
