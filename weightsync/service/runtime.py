@@ -352,7 +352,8 @@ async def serve(app: web.Application, api: ApiConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, app[SHUTDOWN].set)
     loop.add_signal_handler(signal.SIGUSR1, dump_stacks)
-    faulthandler.register(signal.SIGUSR2, all_threads=True)  # threads' stacks to stderr, even if the loop is stuck
+    with suppress(AttributeError, ValueError, RuntimeError, OSError):  # no stderr file: no dump
+        faulthandler.register(signal.SIGUSR2, all_threads=True)  # threads' stacks to stderr, even if the loop is stuck
     runner = web.AppRunner(app, handle_signals=False, access_log=None)
     await runner.setup()
     try:
