@@ -10,6 +10,7 @@ every bucket its own volume, and ``weed mini`` has a few dozen.
 from __future__ import annotations
 
 import itertools
+import os
 import re
 import sys
 from pathlib import Path
@@ -29,10 +30,14 @@ def compiled_kernels():
     """The codec's numba kernels compiled (or loaded) once, into numba's cache, before a test starts
     daemons or CLI processes: each of those loads them from there, where with a cold cache (a fresh
     clone) every process would compile them at its start, minutes of CPU each, racing the
-    tests' timeouts on 2 cores."""
+    tests' timeouts on 2 cores. Compiled as the image's build does (``python -m weightsync.codec.jit
+    --jobs N``): a cold cache (a fresh clone, CI) is compiled by a process per core, about a third
+    less time than one; a warm one is loaded all the same."""
+    from weightsync.codec import jit
     from weightsync.codec.payload import warm_up
 
-    warm_up()
+    jit.main(["--jobs", str(min(2, os.cpu_count() or 1))])  # prints its report (captured)
+    warm_up()  # raises what a failed piece raised, in this process
 
 
 @pytest.fixture(scope="session")
