@@ -5,6 +5,7 @@ bit with what the ranks published."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from rank_device_worker import ints, shard
 from safetensors.torch import load_file
 
 import weightsync
-from weightsync.errors import VersionError, WeightsyncError
+from weightsync.errors import VersionError
 from weightsync.sync.parts import commit_parts
 from weightsync.sync.publish import PublishConfig
 from weightsync.torch.device import RankDeviceDiffPublisher, rank_filename
@@ -95,29 +96,34 @@ def test_a_commit_that_lands_after_every_rank_gave_up_leaves_the_next_version_bi
 
 def test_ranks_that_disagree_on_the_keyframe_decision_never_commit_a_version_that_pulls_wrong(tmp_path):
     """Rank 0 makes a keyframe every 2 versions, rank 1 every 100: at version 2 their parts
-    disagree. Either the commit is refused in a clear error, or every version pulls bit-exact."""
+    disagree. Either the commit is refused in a clear error, or every version pulls bit-exact.
+    A refused commit ends every rank's wait with the committer's reason, not at its timeout."""
     store, world = tmp_path / "store", 2
-    pubs = make(  # a refused commit: rank 1 waits for it until its timeout
+    pubs = make(
         store,
         tmp_path,
         world,
         configs=[PublishConfig(keyframe_interval=2), PublishConfig(keyframe_interval=100)],
-        timeout=10.0,
+        timeout=120.0,
     )
-    committed = {}
+    committed, refused = {}, []
     try:
         for step in range(5):
             sds = [shard(r, step, events=False)[0] for r in range(world)]
+            t0 = time.monotonic()
             res = round_(pubs, sds, step)
             if all(not isinstance(x, Exception) and x.committed for x in res):
                 committed[step] = sds
             else:
-                errors = [x for x in res if isinstance(x, Exception)]
-                assert errors and all(isinstance(x, WeightsyncError) for x in errors), res
+                refused.append(step)
+                assert time.monotonic() - t0 < 60, "a rank waited for a commit its committer had refused"
+                assert all(isinstance(x, VersionError) and "disagree on keyframe" in str(x) for x in res), res
+                assert "the committer refused version" in str(res[1]), res
+                assert pubs[1].base_version == max(committed)
     finally:
         for p in pubs:
             p.close()
-    assert 0 in committed
+    assert 0 in committed and refused
     for v, sds in committed.items():
         assert_pulled(store, v, sds, tmp_path)
     for v in committed:  # a fresh reader of each version, and a follower from the one before

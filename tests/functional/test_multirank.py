@@ -20,11 +20,11 @@ from test_daemons import daemons, http, wait_for  # noqa: F401  (daemons is a fi
 import weightsync
 from weightsync.demo import make_trajectory
 from weightsync.errors import StoreError, VersionError
-from weightsync.format.keys import HEAD_KEY, PARTS_PREFIX, chunk_key, part_key, parts_prefix, version_key
+from weightsync.format.keys import HEAD_KEY, PARTS_PREFIX, chunk_key, part_key, parts_prefix, refused_key, version_key
 from weightsync.store import FileStore
 from weightsync.sync.gc import GcConfig, gc
 from weightsync.sync.observer import Callbacks
-from weightsync.sync.parts import assign_files, commit_parts, publish_part
+from weightsync.sync.parts import assign_files, commit_parts, publish_part, read_refusal
 from weightsync.sync.publish import PublishConfig
 
 TINY = {"hidden": 32, "layers": 1, "experts": 2, "vocab": 128}
@@ -178,6 +178,7 @@ def test_a_version_missing_a_part_is_never_committed(sharded, tmp_path, run_cli,
     head = (store / HEAD_KEY).read_bytes()
     with pytest.raises(VersionError, match=r"3 of 4 parts stored after 0.2s \(missing rank 2\); nothing committed"):
         commit_parts(repo(store), 1, 4, timeout=0.2)
+    assert read_refusal(repo(store), 1, 4) is None  # rank 2 run again may still bring its part
     rc, out, err = run_cli("commit-parts", "--store", f"file://{store}", "--version", 1, "--world", 4, "--timeout", 0.1)
     assert rc == 1 and out == "" and "missing rank 2" in ws.error_line(err)
     assert (store / HEAD_KEY).read_bytes() == head and not (store / version_key(1)).exists()
@@ -219,6 +220,13 @@ def test_a_part_built_on_a_stale_parent_is_refused(sharded, tmp_path):
     with pytest.raises(VersionError, match="built on version 0 but the head is 1: a stale parent"):
         commit_parts(repo(store), 5, 2, timeout=5)
     assert repo(store).head_version() == 1 and not (store / version_key(5)).exists()
+    # stored for the ranks that wait on the commit: they stop with the committer's reason
+    assert "built on version 0 but the head is 1" in read_refusal(repo(store), 5, 2)
+    doc = json.loads((store / refused_key(5)).read_bytes())
+    assert (doc["format"], doc["version"], doc["world"], doc["ranks"]) == ("weightsync.refused", 5, 2, [0, 1])
+    assert read_refusal(repo(store), 5, 3) is None and read_refusal(repo(store), 4, 2) is None  # another world, version
+    (store / refused_key(5)).write_bytes(b"{torn")
+    assert "unreadable" in read_refusal(repo(store), 5, 2)
 
     # parts of version 2 on parent 1, but a single publisher takes version 2 first
     publish_ranks(sharded[3], store, 2)
@@ -368,6 +376,25 @@ def test_gc_removes_merged_and_abandoned_parts_and_keeps_pending_ones_with_their
     ws.assert_replica(tmp_path / "out", sharded[1])
 
 
+def test_gc_deletes_a_refusal_with_the_parts_it_refused(sharded, tmp_path):
+    store = tmp_path / "store"
+    publish_ranks(sharded[0], store, 2)
+    commit_parts(repo(store), 0, 2, timeout=5)
+    publish_part(sharded[1], repo(store), 0, 2, files=[])  # no rank publishes any file of the head
+    publish_part(sharded[1], repo(store), 1, 2, files=[])
+    with pytest.raises(VersionError, match="no rank published"):
+        commit_parts(repo(store), 1, 2, timeout=5)
+    assert (store / refused_key(1)).exists()
+    res = gc(repo(store), GcConfig(keep=1, grace_seconds=60))
+    assert (res.deleted_parts, res.pending_parts) == (2, 3)  # version 0's merged parts; version 1's young ones
+    age(store, "parts")
+    res = gc(repo(store), GcConfig(keep=1, grace_seconds=60))
+    assert (res.deleted_parts, res.pending_parts) == (3, 0) and not (store / PARTS_PREFIX).exists()
+    publish_ranks(sharded[1], store, 2)  # version 1 can be published again, and committed
+    assert commit_parts(repo(store), 1, 2, timeout=5).version == 1
+    assert read_refusal(repo(store), 1, 2) is None
+
+
 def test_gc_keeps_every_part_of_a_version_while_one_is_young(sharded, tmp_path):
     store = tmp_path / "store"
     publish_part(sharded[0], repo(store), 0, 3)
@@ -507,6 +534,28 @@ def test_a_rank_publisher_waits_for_the_commit_keeps_its_part_over_a_restart_and
     ):
         rc, out, err = run_cli("publisher", "--store", f"file://{store}", "--watch", watch, *extra)
         assert rc == 2 and message in ws.error_line(err), (extra, err)
+
+
+def test_a_waiting_rank_publisher_says_why_its_committer_refused_the_version(
+    sharded,
+    tmp_path,
+    daemons,  # noqa: F811  (the fixture imported above)
+):
+    store, watch = tmp_path / "store", tmp_path / "watch"
+    shutil.copytree(sharded[0], watch / "step_000000")
+    (watch / "step_000000" / "COMPLETE").write_text("")
+    args = ["--store", f"file://{store}", "--watch", watch, "--rank", 1, "--world", 2, "--poll-interval", 0.2]
+    pub = daemons("publisher", args)
+    wait_for(lambda: pub.status()["part_stored"] == 0, 30, "the part")
+    publish_part(sharded[0], repo(store), 0, 3)  # a part of the same version for a world of 3
+    with pytest.raises(VersionError, match="a part for a world of 3, not 2"):
+        commit_parts(repo(store), 0, 2, timeout=5)
+    s = wait_for(lambda: "refused" in (s := pub.status())["reason"] and s, 20, "the refusal in the status")
+    assert s["state"] == "waiting" and s["part_stored"] == 0
+    assert "the committer refused version 0: " in s["reason"] and "a part for a world of 3" in s["reason"]
+    time.sleep(1)  # several more polls: logged once
+    assert pub.log().count("the committer refused version 0") == 1, pub.log()
+    assert pub.stop() == 0
 
 
 def test_rank_publisher_daemons_with_folders_of_their_own(sharded, tmp_path, daemons, ws):  # noqa: F811

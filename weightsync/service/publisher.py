@@ -34,7 +34,7 @@ from weightsync.service.runtime import (
 )
 from weightsync.service.stalls import StallWatch
 from weightsync.store.repo import Repo
-from weightsync.sync.parts import commit_parts, publish_part
+from weightsync.sync.parts import commit_parts, publish_part, read_refusal
 from weightsync.sync.publish import PublishResult, publish
 
 log = logging.getLogger("weightsync.publisher")
@@ -174,6 +174,7 @@ class Publisher:
         self._part: int | None = None  # rank mode: the version whose part this rank stored, not yet committed
         self._too_large: set[str] = set()  # checkpoint folders already reported as beyond the format's versions
         self._blocked: str | None = None  # the unfinished checkpoint last reported as holding back others
+        self._refused: int | None = None  # rank mode: the version whose refusal was last logged
 
     def request_stop(self) -> None:
         """Stop after the current step (a publish in progress is cancelled at its next check)."""
@@ -327,12 +328,25 @@ class Publisher:
                 if not self.cfg.commit
                 else f"committing version {part} failed; retrying in {retry_at - self.clock():.1f}s"
             )
+            if not self.cfg.commit:
+                await self._report_refusal(part)
             return (
                 self.cfg.poll_interval if not self.cfg.commit else min(self.cfg.poll_interval, retry_at - self.clock())
             )
         self.reason = f"committing version {part} once all {self.cfg.world} parts are stored"
         await self._guarded(part, "committing", self._commit_blocking, part)
         return 0.0
+
+    async def _report_refusal(self, part: int) -> None:
+        """A committer refused ``part``'s version: say why in the status, and log it once. This rank
+        waits on (the version can be committed only from other parts, once gc has removed these)."""
+        reason = await asyncio.to_thread(read_refusal, self.repo, part, self.cfg.world)
+        if reason is None:
+            return
+        self.reason = f"part {self.cfg.rank} of version {part} stored; the committer refused version {part}: {reason}"
+        if self._refused != part:
+            event(log, f"the committer refused version {part}", logging.WARNING, version=part, reason=reason)
+        self._refused = part
 
     def _part_stored(self, version: int) -> bool:
         """This rank's part of ``version`` is in the store, built on the current head."""

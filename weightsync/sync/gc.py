@@ -21,6 +21,7 @@ from weightsync.format.keys import (
     VERSIONS_PREFIX,
     parse_lazy_key,
     parse_part_key,
+    parse_refused_key,
     parse_signature_key,
     parse_version_key,
     version_key,
@@ -110,8 +111,9 @@ def plan_parts(repo: Repo, head: int | None, grace: float) -> PartsPlan:
     by_version: dict[int, list[tuple[str, float | None]]] = {}
     for key, _, age in list_with_age(repo.store, PARTS_PREFIX):
         parsed = parse_part_key(key)
-        if parsed is not None:
-            by_version.setdefault(parsed[0], []).append((key, age))
+        v = parsed[0] if parsed is not None else parse_refused_key(key)  # a committer's refusal goes with them
+        if v is not None:
+            by_version.setdefault(v, []).append((key, age))
     delete, pending, needed = [], [], set()
     for v, items in sorted(by_version.items()):
         if (head is not None and v <= head) or not any(_young(age, grace) for _, age in items):
@@ -119,6 +121,8 @@ def plan_parts(repo: Repo, head: int | None, grace: float) -> PartsPlan:
             continue
         for key, _ in items:
             pending.append(key)
+            if parse_part_key(key) is None:  # the refusal: names no chunks
+                continue
             try:
                 needed.update(c.id for c in part_from_json(repo.store.get(key), f"{repo.url}/{key}").chunks)
             except (NotFoundError, FormatError) as exc:  # a damaged part protects nothing; a committer refuses it

@@ -4,6 +4,8 @@ a rank owns: :func:`assign_files` (docs/FORMAT.md section 6; docs/DESIGN.md)."""
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -11,8 +13,24 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-from weightsync.errors import AlreadyExistsError, CheckpointError, FormatError, NotFoundError, UsageError, VersionError
-from weightsync.format.keys import MAX_VERSION, MAX_WORLD, check_path, parse_part_key, part_key, parts_prefix
+from weightsync.errors import (
+    AlreadyExistsError,
+    CheckpointError,
+    FormatError,
+    NotFoundError,
+    UsageError,
+    VersionError,
+    WeightsyncError,
+)
+from weightsync.format.keys import (
+    MAX_VERSION,
+    MAX_WORLD,
+    check_path,
+    parse_part_key,
+    part_key,
+    parts_prefix,
+    refused_key,
+)
 from weightsync.format.manifest import (
     ChunkRef,
     Delta,
@@ -42,6 +60,8 @@ from weightsync.sync.publish import (
     encode_folder,
     plan_version,
 )
+
+log = logging.getLogger("weightsync.parts")
 
 
 def check_world(rank: int | None, world: int) -> None:
@@ -384,12 +404,38 @@ def commit_parts(
     same version committed and succeeds too. ``signing_key`` signs the version committed
     (docs/FORMAT.md section 7; ranks' parts are never signed: readers never read them); a head it
     did not sign does not bind the parts to its files (the ranks made a keyframe, see
-    :func:`weightsync.sync.publish.plan_version`)."""
+    :func:`weightsync.sync.publish.plan_version`). A refusal that the same parts would meet
+    again (all but the timeout, for a version still above the head) is stored for the ranks waiting
+    on the commit (:func:`read_refusal`) before it is raised."""
     check_world(None, world)
     if not 0 <= version <= MAX_VERSION:
         raise UsageError(f"version must be an integer in 0..{MAX_VERSION} (docs/FORMAT.md), not {version}")
-    t0, deadline, delay = clock(), clock() + timeout, min(0.05, poll)
     parts: dict[int, PartManifest] = {}
+    try:
+        return _commit(repo, version, world, timeout, poll, clock, sleep, allow_removed, signing_key, parts)
+    except (VersionError, FormatError) as exc:
+        if not isinstance(exc, _PartsMissing) and _above_head(repo, version):
+            _store_refusal(repo, version, world, sorted(parts), exc)
+        raise
+
+
+def _above_head(repo: Repo, version: int) -> bool:
+    """``version`` is above the head (not committed, by these parts or others): a refusal of its
+    parts is worth storing."""
+    try:
+        head = repo.head_version()
+    except WeightsyncError:
+        return False
+    return head is None or head < version
+
+
+class _PartsMissing(VersionError):
+    """Not every part arrived in time: no refusal is stored (a rank run again may still bring it)."""
+
+
+def _commit(repo, version, world, timeout, poll, clock, sleep, allow_removed, signing_key, parts) -> CommitResult:
+    """:func:`commit_parts`, reading the parts into ``parts`` as they arrive."""
+    t0, deadline, delay = clock(), clock() + timeout, min(0.05, poll)
     parent: Manifest | None = None
     exists = False  # the first rank may not have created the store yet
     while True:
@@ -411,7 +457,7 @@ def commit_parts(
         if clock() >= deadline:
             missing = sorted(set(range(world)) - set(parts))
             shown = ", ".join(map(str, missing[:10])) + (", ..." if len(missing) > 10 else "")
-            raise VersionError(
+            raise _PartsMissing(
                 f"version {version}: {len(parts)} of {world} parts stored after {timeout:g}s (missing "
                 f"rank{'s' if len(missing) > 1 else ''} {shown}); nothing committed"
             )
@@ -428,6 +474,41 @@ def commit_parts(
             raise
         return _result(_already(repo, version, world, now), world, clock() - t0, True)
     return _result(manifest, world, clock() - t0, False)
+
+
+def _store_refusal(repo: Repo, version: int, world: int, ranks: list[int], exc: Exception) -> None:
+    """Store why the committer refused ``version`` (docs/FORMAT.md section 6), for the ranks that
+    wait on its commit; a store that fails to take it is logged (the refusal is raised anyway)."""
+    doc = {
+        "format": "weightsync.refused",
+        "format_version": 1,
+        "version": version,
+        "world": world,
+        "ranks": ranks,
+        "reason": str(exc)[:4000],
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    try:
+        repo.store.put(refused_key(version), json.dumps(doc, sort_keys=True).encode())
+    except Exception as err:  # noqa: BLE001 - the refusal itself is what the caller must see
+        log.warning("%s: could not store the refusal of version %d: %s", repo.url, version, err)
+
+
+def read_refusal(repo: Repo, version: int, world: int) -> str | None:
+    """Why a committer refused ``version`` of a ``world``-rank publish, if one did (stored by
+    :func:`commit_parts`); None if no refusal of that version and world is stored. The parts it
+    refused stay until gc deletes them with it, so while it is there no part of ``version`` can
+    be committed: every rank waiting on that commit may stop."""
+    key = refused_key(version)
+    try:
+        doc = json.loads(repo.store.get(key))
+    except NotFoundError:
+        return None
+    except ValueError:  # torn or foreign: a refusal all the same (a committer wrote it)
+        return f"{repo.url}/{key} (unreadable)"
+    if not isinstance(doc, dict) or doc.get("version") != version or doc.get("world", world) != world:
+        return None
+    return str(doc.get("reason", "no reason given"))
 
 
 def _read_new(repo: Repo, version: int, world: int, parts: dict[int, PartManifest]) -> None:

@@ -27,7 +27,15 @@ from weightsync.local.checkpoint import scan_checkpoint
 from weightsync.local.scratch import ScratchDir
 from weightsync.store.repo import open_repo
 from weightsync.sync.observer import Observer, Operation
-from weightsync.sync.parts import CommitResult, PartResult, RankView, check_world, commit_parts, store_part
+from weightsync.sync.parts import (
+    CommitResult,
+    PartResult,
+    RankView,
+    check_world,
+    commit_parts,
+    read_refusal,
+    store_part,
+)
 from weightsync.sync.publish import (
     DeltaBase,
     PublishConfig,
@@ -572,15 +580,21 @@ class RankDeviceDiffPublisher(DeviceDiffPublisher):
 
     def settle(self) -> bool | None:
         """Wait for the pending part's version (until ``commit_timeout`` after the part was written,
-        or this rank's committer failed), then move the base: to that version if it is committed
-        with this rank's file, else back to the committed head. True/False: committed or not;
-        None: nothing was pending."""
+        this rank's committer failed, or a committer stored its refusal of the version), then move
+        the base: to that version if it is committed with this rank's file, else back to the
+        committed head. True/False: committed or not; None: nothing was pending."""
         p = self._pending
         if p is None:
             return None
         if p.committer is not None:
             p.committer.join()  # commit_parts gives up at the deadline
+        ask = 0.0  # when to look for a refusal next: at most once a second (every rank of a large job polls)
         while not (committed := self._committed(p)) and p.error is None and time.monotonic() < p.deadline:
+            if time.monotonic() >= ask:
+                if (reason := read_refusal(self.repo, p.version, self.world)) is not None:  # no use waiting
+                    p.error = VersionError(f"the committer refused version {p.version}: {reason}")
+                    break
+                ask = time.monotonic() + max(self.poll, 1.0)
             time.sleep(min(self.poll, max(0.0, p.deadline - time.monotonic())))
         self._pending = None
         if committed:
