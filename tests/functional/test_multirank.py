@@ -6,6 +6,7 @@ every committed version is pulled and compared with its checkpoint folder byte f
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -21,6 +22,7 @@ import weightsync
 from weightsync.demo import make_trajectory
 from weightsync.errors import StoreError, VersionError
 from weightsync.format.keys import HEAD_KEY, PARTS_PREFIX, chunk_key, part_key, parts_prefix, refused_key, version_key
+from weightsync.format.manifest import PartManifest, part_from_json
 from weightsync.store import FileStore
 from weightsync.sync.gc import GcConfig, gc
 from weightsync.sync.observer import Callbacks
@@ -57,6 +59,11 @@ def age(store: Path, prefix: str) -> None:
     for p in (store / prefix).rglob("*"):
         if p.is_file():
             os.utime(p, (OLD, OLD))
+
+
+def stored_part(store: Path, version: int, rank: int, world: int) -> PartManifest:
+    key = part_key(version, rank, world)
+    return part_from_json((store / key).read_bytes(), key)
 
 
 def step_as_processes(env, ckpt: Path, store: Path, world: int) -> int:
@@ -178,7 +185,7 @@ def test_a_version_missing_a_part_is_never_committed(sharded, tmp_path, run_cli,
     head = (store / HEAD_KEY).read_bytes()
     with pytest.raises(VersionError, match=r"3 of 4 parts stored after 0.2s \(missing rank 2\); nothing committed"):
         commit_parts(repo(store), 1, 4, timeout=0.2)
-    assert read_refusal(repo(store), 1, 4) is None  # rank 2 run again may still bring its part
+    assert not list((store / parts_prefix(1)).glob("refused*"))  # rank 2 run again may still bring its part
     rc, out, err = run_cli("commit-parts", "--store", f"file://{store}", "--version", 1, "--world", 4, "--timeout", 0.1)
     assert rc == 1 and out == "" and "missing rank 2" in ws.error_line(err)
     assert (store / HEAD_KEY).read_bytes() == head and not (store / version_key(1)).exists()
@@ -220,19 +227,43 @@ def test_a_part_built_on_a_stale_parent_is_refused(sharded, tmp_path):
     with pytest.raises(VersionError, match="built on version 0 but the head is 1: a stale parent"):
         commit_parts(repo(store), 5, 2, timeout=5)
     assert repo(store).head_version() == 1 and not (store / version_key(5)).exists()
-    # stored for the ranks that wait on the commit: they stop with the committer's reason
-    assert "built on version 0 but the head is 1" in read_refusal(repo(store), 5, 2)
-    doc = json.loads((store / refused_key(5)).read_bytes())
-    assert (doc["format"], doc["version"], doc["world"], doc["ranks"]) == ("weightsync.refused", 5, 2, [0, 1])
-    assert read_refusal(repo(store), 5, 3) is None and read_refusal(repo(store), 4, 2) is None  # another world, version
-    (store / refused_key(5)).write_bytes(b"{torn")
-    assert "unreadable" in read_refusal(repo(store), 5, 2)
+    # stored for the ranks that wait on the commit, naming their parts: they stop with its reason
+    p0, p1 = stored_part(store, 5, 0, 2), stored_part(store, 5, 1, 2)
+    assert "built on version 0 but the head is 1" in read_refusal(repo(store), p0)
+    doc = json.loads((store / refused_key(5, 2)).read_bytes())
+    assert (doc["format"], doc["version"], doc["world"], sorted(doc["parts"])) == (
+        "weightsync.refused",
+        5,
+        2,
+        ["0", "1"],
+    )
+    assert read_refusal(repo(store), p1) == read_refusal(repo(store), p0)
+    assert read_refusal(repo(store), dataclasses.replace(p1, files=p0.files)) is None  # a part it did not refuse
+    # a committer told the wrong world reads no part of its own: it refuses and stores nothing
+    with pytest.raises(VersionError, match="a part for a world of 2, not 3"):
+        commit_parts(repo(store), 5, 3, timeout=5)
+    assert sorted(p.name for p in (store / parts_prefix(5)).iterdir()) == [
+        "00000-of-00002.json",
+        "00001-of-00002.json",
+        "refused-of-00002.json",
+    ]
+    (store / refused_key(5, 2)).write_bytes(b"{torn")
+    assert read_refusal(repo(store), p0) is None  # names no part
 
     # parts of version 2 on parent 1, but a single publisher takes version 2 first
     publish_ranks(sharded[3], store, 2)
     weightsync.publish(sharded[4], repo(store))
     with pytest.raises(VersionError, match="already exists .* not merged from its parts|differs from its parts"):
         commit_parts(repo(store), 2, 2, timeout=5)
+    assert not (store / refused_key(2, 2)).exists()  # committed meanwhile: nothing to refuse
+
+    # parts of version 3, and a manifest of 3 left above the head (a publisher that died before HEAD):
+    # the store refuses the commit, not the parts (gc removes that manifest; the same parts commit then)
+    publish_ranks(sharded[4], store, 2)
+    shutil.copy(store / version_key(2), store / version_key(3))
+    with pytest.raises(VersionError, match="already exists"):
+        commit_parts(repo(store), 3, 2, timeout=5)
+    assert not (store / refused_key(3, 2)).exists()
 
 
 def test_a_rank_refuses_to_write_its_part_when_the_head_moves_while_it_encodes(sharded, tmp_path):
@@ -384,15 +415,17 @@ def test_gc_deletes_a_refusal_with_the_parts_it_refused(sharded, tmp_path):
     publish_part(sharded[1], repo(store), 1, 2, files=[])
     with pytest.raises(VersionError, match="no rank published"):
         commit_parts(repo(store), 1, 2, timeout=5)
-    assert (store / refused_key(1)).exists()
+    assert (store / refused_key(1, 2)).exists()
     res = gc(repo(store), GcConfig(keep=1, grace_seconds=60))
     assert (res.deleted_parts, res.pending_parts) == (2, 3)  # version 0's merged parts; version 1's young ones
     age(store, "parts")
+    with pytest.raises(VersionError, match="no rank published"):  # a committer that retries: a young refusal
+        commit_parts(repo(store), 1, 2, timeout=5)
     res = gc(repo(store), GcConfig(keep=1, grace_seconds=60))
     assert (res.deleted_parts, res.pending_parts) == (3, 0) and not (store / PARTS_PREFIX).exists()
     publish_ranks(sharded[1], store, 2)  # version 1 can be published again, and committed
     assert commit_parts(repo(store), 1, 2, timeout=5).version == 1
-    assert read_refusal(repo(store), 1, 2) is None
+    assert not (store / refused_key(1, 2)).exists()
 
 
 def test_gc_keeps_every_part_of_a_version_while_one_is_young(sharded, tmp_path):

@@ -72,15 +72,16 @@ def part_key(version: int, rank: int, world: int) -> str:
     return f"{parts_prefix(version)}{rank:05d}-of-{world:05d}.json"
 
 
-def refused_key(version: int) -> str:
-    """The key of a committer's refusal of ``version``'s parts (section 6 of docs/FORMAT.md)."""
-    return f"{parts_prefix(version)}refused.json"
+def refused_key(version: int, world: int) -> str:
+    """The key of a committer's refusal of ``version``'s parts for a ``world``-rank publish (section 6
+    of docs/FORMAT.md)."""
+    return f"{parts_prefix(version)}refused-of-{world:05d}.json"
 
 
-def parse_refused_key(key: str) -> int | None:
-    """The version of a refusal key, or None for any other key."""
-    m = re.fullmatch(r"parts/([0-9]{20})/refused\.json", key)
-    return int(m.group(1)) if m else None
+def parse_refused_key(key: str) -> tuple[int, int] | None:
+    """``(version, world)`` of a refusal key, or None for any other key."""
+    m = re.fullmatch(r"parts/([0-9]{20})/refused-of-([0-9]{5})\.json", key)
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 def parse_part_key(key: str) -> tuple[int, int, int] | None:

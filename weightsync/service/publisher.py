@@ -14,7 +14,7 @@ from contextlib import suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from weightsync.errors import BaseMismatchError, NotFoundError, UsageError, VersionError
+from weightsync.errors import BaseMismatchError, FormatError, NotFoundError, StoreError, UsageError, VersionError
 from weightsync.format.keys import MAX_VERSION, part_key
 from weightsync.format.manifest import part_from_json
 from weightsync.local.checkpoint import scan_checkpoint
@@ -340,13 +340,22 @@ class Publisher:
     async def _report_refusal(self, part: int) -> None:
         """A committer refused ``part``'s version: say why in the status, and log it once. This rank
         waits on (the version can be committed only from other parts, once gc has removed these)."""
-        reason = await asyncio.to_thread(read_refusal, self.repo, part, self.cfg.world)
+        reason = await asyncio.to_thread(self._refusal, part)
         if reason is None:
             return
         self.reason = f"part {self.cfg.rank} of version {part} stored; the committer refused version {part}: {reason}"
         if self._refused != part:
             event(log, f"the committer refused version {part}", logging.WARNING, version=part, reason=reason)
         self._refused = part
+
+    def _refusal(self, version: int) -> str | None:
+        """Why a committer refused this rank's stored part of ``version``, if one did; None also
+        where the store cannot tell now (the status then says it waits)."""
+        key = part_key(version, self.cfg.rank, self.cfg.world)
+        try:
+            return read_refusal(self.repo, part_from_json(self.repo.store.get(key), f"{self.repo.url}/{key}"))
+        except (StoreError, FormatError):
+            return None
 
     def _part_stored(self, version: int) -> bool:
         """This rank's part of ``version`` is in the store, built on the current head."""

@@ -107,22 +107,29 @@ class PartsPlan:
 
 
 def plan_parts(repo: Repo, head: int | None, grace: float) -> PartsPlan:
-    """Which parts to delete and which chunks the kept ones need (module docstring)."""
+    """Which parts to delete and which chunks the kept ones need (module docstring). A committer's
+    refusal of a version's parts goes with them, whatever its own age (a committer that retries
+    rewrites it), and is deleted first (a gc cut short leaves parts without their refusal, never a
+    refusal that names parts stored later); one without parts is deleted."""
     by_version: dict[int, list[tuple[str, float | None]]] = {}
+    refusals: dict[int, list[str]] = {}
     for key, _, age in list_with_age(repo.store, PARTS_PREFIX):
         parsed = parse_part_key(key)
-        v = parsed[0] if parsed is not None else parse_refused_key(key)  # a committer's refusal goes with them
-        if v is not None:
-            by_version.setdefault(v, []).append((key, age))
+        if parsed is not None:
+            by_version.setdefault(parsed[0], []).append((key, age))
+        elif (refused := parse_refused_key(key)) is not None:
+            refusals.setdefault(refused[0], []).append(key)
     delete, pending, needed = [], [], set()
+    for v in sorted(set(refusals) - set(by_version)):
+        delete.extend(refusals[v])
     for v, items in sorted(by_version.items()):
         if (head is not None and v <= head) or not any(_young(age, grace) for _, age in items):
+            delete.extend(refusals.get(v, []))
             delete.extend(k for k, _ in items)
             continue
+        pending.extend(refusals.get(v, []))
         for key, _ in items:
             pending.append(key)
-            if parse_part_key(key) is None:  # the refusal: names no chunks
-                continue
             try:
                 needed.update(c.id for c in part_from_json(repo.store.get(key), f"{repo.url}/{key}").chunks)
             except (NotFoundError, FormatError) as exc:  # a damaged part protects nothing; a committer refuses it

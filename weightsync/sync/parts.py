@@ -7,11 +7,14 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
+
+import xxhash
 
 from weightsync.errors import (
     AlreadyExistsError,
@@ -20,7 +23,6 @@ from weightsync.errors import (
     NotFoundError,
     UsageError,
     VersionError,
-    WeightsyncError,
 )
 from weightsync.format.keys import (
     MAX_VERSION,
@@ -404,38 +406,15 @@ def commit_parts(
     same version committed and succeeds too. ``signing_key`` signs the version committed
     (docs/FORMAT.md section 7; ranks' parts are never signed: readers never read them); a head it
     did not sign does not bind the parts to its files (the ranks made a keyframe, see
-    :func:`weightsync.sync.publish.plan_version`). A refusal that the same parts would meet
-    again (all but the timeout, for a version still above the head) is stored for the ranks waiting
-    on the commit (:func:`read_refusal`) before it is raised."""
+    :func:`weightsync.sync.publish.plan_version`). A refusal that concerns the parts themselves (a
+    stale parent, a part of another world or damaged, parts that do not merge) of a version above
+    the head is stored for the ranks waiting on the commit (:func:`read_refusal`) before it is
+    raised; a timeout, or a store that refuses the commit, is not."""
     check_world(None, world)
     if not 0 <= version <= MAX_VERSION:
         raise UsageError(f"version must be an integer in 0..{MAX_VERSION} (docs/FORMAT.md), not {version}")
-    parts: dict[int, PartManifest] = {}
-    try:
-        return _commit(repo, version, world, timeout, poll, clock, sleep, allow_removed, signing_key, parts)
-    except (VersionError, FormatError) as exc:
-        if not isinstance(exc, _PartsMissing) and _above_head(repo, version):
-            _store_refusal(repo, version, world, sorted(parts), exc)
-        raise
-
-
-def _above_head(repo: Repo, version: int) -> bool:
-    """``version`` is above the head (not committed, by these parts or others): a refusal of its
-    parts is worth storing."""
-    try:
-        head = repo.head_version()
-    except WeightsyncError:
-        return False
-    return head is None or head < version
-
-
-class _PartsMissing(VersionError):
-    """Not every part arrived in time: no refusal is stored (a rank run again may still bring it)."""
-
-
-def _commit(repo, version, world, timeout, poll, clock, sleep, allow_removed, signing_key, parts) -> CommitResult:
-    """:func:`commit_parts`, reading the parts into ``parts`` as they arrive."""
     t0, deadline, delay = clock(), clock() + timeout, min(0.05, poll)
+    parts: dict[int, PartManifest] = {}
     parent: Manifest | None = None
     exists = False  # the first rank may not have created the store yet
     while True:
@@ -443,21 +422,23 @@ def _commit(repo, version, world, timeout, poll, clock, sleep, allow_removed, si
         head, etag = repo.head() if exists else (None, None)
         if head is not None and head >= version:
             return _result(_already(repo, version, world, head), world, clock() - t0, True)
-        if exists:
-            _read_new(repo, version, world, parts)  # parts are read as they arrive, and the head
-            parent = None if head is None else repo.manifest(head)  # manifest too: off the critical path
-        for p in parts.values():
-            if p.parent != head:
-                raise VersionError(
-                    f"rank {p.rank}'s part of version {version} was built on version {p.parent} but the "
-                    f"head is {head}: a stale parent, refused; nothing committed"
-                )
+        if exists:  # the head manifest read as the parts arrive: off the critical path
+            parent = None if head is None else repo.manifest(head)
+        with _refusing(repo, version, world, parts):
+            if exists:
+                _read_new(repo, version, world, parts)
+            for p in parts.values():
+                if p.parent != head:
+                    raise VersionError(
+                        f"rank {p.rank}'s part of version {version} was built on version {p.parent} but the "
+                        f"head is {head}: a stale parent, refused; nothing committed"
+                    )
         if len(parts) == world:
             break
         if clock() >= deadline:
             missing = sorted(set(range(world)) - set(parts))
             shown = ", ".join(map(str, missing[:10])) + (", ..." if len(missing) > 10 else "")
-            raise _PartsMissing(
+            raise VersionError(
                 f"version {version}: {len(parts)} of {world} parts stored after {timeout:g}s (missing "
                 f"rank{'s' if len(missing) > 1 else ''} {shown}); nothing committed"
             )
@@ -465,7 +446,8 @@ def _commit(repo, version, world, timeout, poll, clock, sleep, allow_removed, si
         delay = min(2 * delay, poll)
     if signing_key is not None and parent is not None and not allow_removed:  # whose file list binds the ranks?
         allow_removed = repo.refusal(parent.version, Keyring((signing_key.public(),))) is not None
-    manifest = merge_parts(list(parts.values()), parent, allow_removed)
+    with _refusing(repo, version, world, parts):
+        manifest = merge_parts(list(parts.values()), parent, allow_removed)
     try:
         repo.commit(manifest, etag, signing_key)
     except VersionError:
@@ -476,54 +458,73 @@ def _commit(repo, version, world, timeout, poll, clock, sleep, allow_removed, si
     return _result(manifest, world, clock() - t0, False)
 
 
-def _store_refusal(repo: Repo, version: int, world: int, ranks: list[int], exc: Exception) -> None:
-    """Store why the committer refused ``version`` (docs/FORMAT.md section 6), for the ranks that
-    wait on its commit; a store that fails to take it is logged (the refusal is raised anyway)."""
-    doc = {
-        "format": "weightsync.refused",
-        "format_version": 1,
-        "version": version,
-        "world": world,
-        "ranks": ranks,
-        "reason": str(exc)[:4000],
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
+def part_digest(part: PartManifest) -> str:
+    """What makes two parts the same part (:func:`same_part`: ``created``, ``stats`` and
+    ``codec_config`` aside), as XXH3-128 hex: how a refusal names the parts it refused."""
+    return xxhash.xxh3_128_hexdigest(part_to_json(replace(part, created="", stats={}, codec_config={})))
+
+
+@contextmanager
+def _refusing(repo: Repo, version: int, world: int, parts: dict[int, PartManifest]) -> Iterator[None]:
+    """Store a refusal (:class:`VersionError` or :class:`FormatError` raised inside) of ``version``
+    with the parts read so far, for the ranks waiting on its commit (docs/FORMAT.md section 6);
+    none where no part of this world was read (a committer told the wrong world changes nothing).
+    A store that fails to take it is logged: the refusal is raised all the same."""
     try:
-        repo.store.put(refused_key(version), json.dumps(doc, sort_keys=True).encode())
-    except Exception as err:  # noqa: BLE001 - the refusal itself is what the caller must see
-        log.warning("%s: could not store the refusal of version %d: %s", repo.url, version, err)
+        yield
+    except (VersionError, FormatError) as exc:
+        if parts:
+            doc = {
+                "format": "weightsync.refused",
+                "format_version": 1,
+                "version": version,
+                "world": world,
+                "parts": {str(r): part_digest(p) for r, p in sorted(parts.items())},
+                "reason": str(exc)[:4000],
+                "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            }
+            try:
+                repo.store.put(refused_key(version, world), json.dumps(doc, sort_keys=True).encode())
+            except Exception as err:  # noqa: BLE001 - the refusal itself is what the caller must see
+                log.warning("%s: could not store the refusal of version %d: %s", repo.url, version, err)
+        raise
 
 
-def read_refusal(repo: Repo, version: int, world: int) -> str | None:
-    """Why a committer refused ``version`` of a ``world``-rank publish, if one did (stored by
-    :func:`commit_parts`); None if no refusal of that version and world is stored. The parts it
-    refused stay until gc deletes them with it, so while it is there no part of ``version`` can
-    be committed: every rank waiting on that commit may stop."""
-    key = refused_key(version)
+def read_refusal(repo: Repo, part: PartManifest) -> str | None:
+    """Why a committer refused ``part`` (stored by :func:`commit_parts`), or None if no refusal of
+    its version and world names it. The refused parts stay until gc removes them, and no other part
+    of that version, rank and world can be created meanwhile: a rank whose part was refused may stop
+    waiting for its commit (a committer with other options, ``allow_removed``, could still commit
+    it). A refusal that does not parse names no part."""
+    key = refused_key(part.version, part.world)
     try:
         doc = json.loads(repo.store.get(key))
     except NotFoundError:
         return None
-    except ValueError:  # torn or foreign: a refusal all the same (a committer wrote it)
-        return f"{repo.url}/{key} (unreadable)"
-    if not isinstance(doc, dict) or doc.get("version") != version or doc.get("world", world) != world:
+    except ValueError:
+        return None
+    if not isinstance(doc, dict) or doc.get("version") != part.version or doc.get("world") != part.world:
+        return None
+    named = doc.get("parts")
+    if not isinstance(named, dict) or named.get(str(part.rank)) != part_digest(part):
         return None
     return str(doc.get("reason", "no reason given"))
 
 
 def _read_new(repo: Repo, version: int, world: int, parts: dict[int, PartManifest]) -> None:
-    """Read and check the parts of ``version`` stored since the last call (into ``parts``)."""
-    new = []
+    """Read and check the parts of ``version`` stored since the last call (into ``parts``); then
+    refuse a key of another world or rank, once this world's parts are read (a refusal names them)."""
+    new, bad = [], None
     for key in repo.store.list(parts_prefix(version)):
         parsed = parse_part_key(key)
         if parsed is None:
             continue
         v, rank, w = parsed
         if w != world:
-            raise VersionError(f"{repo.url}/{key}: a part for a world of {w}, not {world}; nothing committed")
-        if rank >= world:
-            raise FormatError(f"{repo.url}/{key}: rank {rank} of a world of {w}")
-        if v == version and rank not in parts:
+            bad = bad or VersionError(f"{repo.url}/{key}: a part for a world of {w}, not {world}; nothing committed")
+        elif rank >= world:
+            bad = bad or FormatError(f"{repo.url}/{key}: rank {rank} of a world of {w}")
+        elif v == version and rank not in parts:
             new.append((key, rank))
 
     def read(kr: tuple[str, int]) -> PartManifest:
@@ -537,6 +538,8 @@ def _read_new(repo: Repo, version: int, world: int, parts: dict[int, PartManifes
         with ThreadPoolExecutor(min(16, len(new)), thread_name_prefix="ws-parts") as pool:
             for (_, rank), p in zip(new, pool.map(read, new)):
                 parts[rank] = p
+    if bad is not None:
+        raise bad
 
 
 def _already(repo: Repo, version: int, world: int, head: int) -> Manifest:

@@ -23,6 +23,7 @@ import torch
 from weightsync.errors import BaseMismatchError, FormatError, NotFoundError, UsageError, VersionError
 from weightsync.format.dtypes import UINT_VIEW, itemsize
 from weightsync.format.keys import check_path
+from weightsync.format.manifest import PartManifest
 from weightsync.local.checkpoint import scan_checkpoint
 from weightsync.local.scratch import ScratchDir
 from weightsync.store.repo import open_repo
@@ -381,6 +382,7 @@ class _Pending:
     changes: dict[str, TensorChange]  # every tensor of the part's state dict (their names, dtypes, shapes)
     deltas: Deltas  # positions where the part differs from the base, and the differences
     xxh3: str  # the part's file checksum: the committed version must hold exactly this file
+    part: PartManifest  # as stored: a committer's refusal names it
     deadline: float  # wait for the commit until then (time.monotonic)
     committer: threading.Thread | None = None
     commit: CommitResult | None = None
@@ -503,11 +505,12 @@ class RankDeviceDiffPublisher(DeviceDiffPublisher):
             raise
         patch_s = time.perf_counter() - t0
         try:
-            r, route, xxh3 = self._part(new, mf, deltas, based, observer)
+            r, route, part = self._part(new, mf, deltas, based, observer)
         except BaseException:
             self._rollback(mf, diff.changes, deltas)
             raise
-        pending = _Pending(new.version, mf, diff.changes, deltas, xxh3, time.monotonic() + self.commit_timeout)
+        xxh3 = next(f.xxh3 for f in part.files if f.path == self.filename)
+        pending = _Pending(new.version, mf, diff.changes, deltas, xxh3, part, time.monotonic() + self.commit_timeout)
         self._pending = pending
         r.seconds.update(diff.seconds, mirror=patch_s, **({"verify_base": verify_s} if based else {}))
         res = RankPublishResult(**asdict(r), d2h_bytes=diff.d2h_bytes, tensor_bytes=diff.tensor_bytes, route=route)
@@ -534,10 +537,10 @@ class RankDeviceDiffPublisher(DeviceDiffPublisher):
 
     def _part(
         self, new, mf: MirrorFile, deltas: Deltas, based: bool, observer: Observer | None
-    ) -> tuple[PartResult, str, str]:
+    ) -> tuple[PartResult, str, PartManifest]:
         """Encode the mirror's file against the head (from the changes when the mirror held the
         head, else by the folder pipeline), upload it and write the part. Returns the part's
-        figures, the route and the file's checksum."""
+        figures, the route and the part."""
         op = Operation(observer)
         files = scan_checkpoint(mf.folder)
         enc, route = None, "full"
@@ -562,7 +565,7 @@ class RankDeviceDiffPublisher(DeviceDiffPublisher):
         op.check()
         r, part = store_part(self.repo, new, enc, self.rank, self.world, op)
         op.done(r.seconds)
-        return r, route, next(f.xxh3 for f in part.files if f.path == self.filename)
+        return r, route, part
 
     def _commit(self, pending: _Pending) -> None:
         try:
@@ -591,7 +594,7 @@ class RankDeviceDiffPublisher(DeviceDiffPublisher):
         ask = 0.0  # when to look for a refusal next: at most once a second (every rank of a large job polls)
         while not (committed := self._committed(p)) and p.error is None and time.monotonic() < p.deadline:
             if time.monotonic() >= ask:
-                if (reason := read_refusal(self.repo, p.version, self.world)) is not None:  # no use waiting
+                if (reason := read_refusal(self.repo, p.part)) is not None:  # no use waiting
                     p.error = VersionError(f"the committer refused version {p.version}: {reason}")
                     break
                 ask = time.monotonic() + max(self.poll, 1.0)
