@@ -266,6 +266,22 @@ def test_a_part_built_on_a_stale_parent_is_refused(sharded, tmp_path):
     assert not (store / refused_key(3, 2)).exists()
 
 
+def test_a_committer_that_read_the_head_before_it_moved_looks_again_rather_than_refuse(sharded, tmp_path):
+    """Version 2's parts are built on version 1, committed after this committer first read the head
+    (0): they are newer than what it saw, not stale; it reads the head again and commits them."""
+    store = tmp_path / "store"
+    publish_ranks(sharded[0], store, 2)
+    commit_parts(repo(store), 0, 2, timeout=5)
+    r = repo(store)
+    before = r.head()
+    weightsync.publish(sharded[1], repo(store))  # version 1, after the committer's first look
+    publish_ranks(sharded[2], store, 2, version=2)
+    real, seen = r.head, []
+    r.head = lambda: seen.append(1) or (before if len(seen) == 1 else real())
+    assert commit_parts(r, 2, 2, timeout=5).version == 2 and len(seen) > 1
+    assert not (store / refused_key(2, 2)).exists()
+
+
 def test_a_rank_refuses_to_write_its_part_when_the_head_moves_while_it_encodes(sharded, tmp_path):
     store = tmp_path / "store"
     weightsync.publish(sharded[0], repo(store))

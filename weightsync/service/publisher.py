@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from weightsync.errors import BaseMismatchError, FormatError, NotFoundError, StoreError, UsageError, VersionError
-from weightsync.format.keys import MAX_VERSION, part_key
+from weightsync.format.keys import MAX_VERSION, part_key, refused_key
 from weightsync.format.manifest import part_from_json
 from weightsync.local.checkpoint import scan_checkpoint
 from weightsync.service.config import PublisherConfig
@@ -353,6 +353,8 @@ class Publisher:
         where the store cannot tell now (the status then says it waits)."""
         key = part_key(version, self.cfg.rank, self.cfg.world)
         try:
+            if self.repo.store.head(refused_key(version, self.cfg.world)) is None:  # the common case: one HEAD
+                return None
             return read_refusal(self.repo, part_from_json(self.repo.store.get(key), f"{self.repo.url}/{key}"))
         except (StoreError, FormatError):
             return None

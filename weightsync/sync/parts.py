@@ -21,6 +21,7 @@ from weightsync.errors import (
     CheckpointError,
     FormatError,
     NotFoundError,
+    StoreError,
     UsageError,
     VersionError,
 )
@@ -427,14 +428,23 @@ def commit_parts(
         with _refusing(repo, version, world, parts):
             if exists:
                 _read_new(repo, version, world, parts)
+            newer = False  # a part built on a head this committer has not seen yet: look again
             for p in parts.values():
                 if p.parent != head:
+                    if p.parent is not None and (head is None or p.parent > head):
+                        newer = True
+                        continue
                     raise VersionError(
                         f"rank {p.rank}'s part of version {version} was built on version {p.parent} but the "
                         f"head is {head}: a stale parent, refused; nothing committed"
                     )
-        if len(parts) == world:
+        if len(parts) == world and not newer:
             break
+        if clock() >= deadline and newer:
+            raise VersionError(
+                f"version {version}: its parts were built on a head above {head}, and {repo.url} still "
+                f"showed {head} after {timeout:g}s; nothing committed"
+            )
         if clock() >= deadline:
             missing = sorted(set(range(world)) - set(parts))
             shown = ", ".join(map(str, missing[:10])) + (", ..." if len(missing) > 10 else "")
@@ -468,12 +478,13 @@ def part_digest(part: PartManifest) -> str:
 def _refusing(repo: Repo, version: int, world: int, parts: dict[int, PartManifest]) -> Iterator[None]:
     """Store a refusal (:class:`VersionError` or :class:`FormatError` raised inside) of ``version``
     with the parts read so far, for the ranks waiting on its commit (docs/FORMAT.md section 6);
-    none where no part of this world was read (a committer told the wrong world changes nothing).
+    none where no part of this world was read (a committer told the wrong world changes nothing)
+    or the head reached ``version`` meanwhile.
     A store that fails to take it is logged: the refusal is raised all the same."""
     try:
         yield
     except (VersionError, FormatError) as exc:
-        if parts:
+        if parts and _above_head(repo, version):
             doc = {
                 "format": "weightsync.refused",
                 "format_version": 1,
@@ -488,6 +499,15 @@ def _refusing(repo: Repo, version: int, world: int, parts: dict[int, PartManifes
             except Exception as err:  # noqa: BLE001 - the refusal itself is what the caller must see
                 log.warning("%s: could not store the refusal of version %d: %s", repo.url, version, err)
         raise
+
+
+def _above_head(repo: Repo, version: int) -> bool:
+    """``version`` is still above the head (another committer may have committed it meanwhile)."""
+    try:
+        head = repo.head_version()
+    except (StoreError, FormatError):
+        return False
+    return head is None or head < version
 
 
 def read_refusal(repo: Repo, part: PartManifest) -> str | None:
