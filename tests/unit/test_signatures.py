@@ -340,6 +340,7 @@ def test_ssh_keygen_keys_work(tmp_path):
             "a RSA key",
         ),
     ],
+    ids=["empty", "public", "bad-pem", "encrypted", "rsa"],  # not the generated keys: xdist's workers must agree
 )
 def test_bad_signing_keys_are_refused_with_one_line(data, message):
     with pytest.raises(UsageError, match=message) as err:
@@ -357,6 +358,7 @@ def test_bad_signing_keys_are_refused_with_one_line(data, message):
         (b"ssh-rsa AAAAB3NzaC1yc2EAAAADAQABAAAAgQC x", "not an Ed25519 public key"),
         (b"garbage", "not an Ed25519 public key"),
     ],
+    ids=["empty", "comment", "private", "short-ssh", "ssh-rsa", "garbage"],
 )
 def test_bad_public_key_files_are_refused_with_one_line(data, message):
     with pytest.raises(UsageError, match=message) as err:
