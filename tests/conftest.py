@@ -1,5 +1,10 @@
 """Shared fixtures.
 
+``_turns``: under pytest-xdist (scripts/test runs a worker per core), a test marked ``exclusive`` runs
+alone: the other workers finish the test they are in and wait. Such a test loads every core by
+itself (twenty daemons, a kernel compile by a process per core), and a test beside it missed its
+daemons' deadlines. Without xdist the locks are never contended.
+
 ``seaweed``: one real SeaweedFS (``weed mini``) per session, started lazily, the first time a test
 asks for it. ``s3_url``: a fresh ``s3://bucket/prefix`` on it, with boto3's standard environment
 variables pointing at the server (tests may set the environment; package code never reads it).
@@ -9,6 +14,7 @@ every bucket its own volume, and ``weed mini`` has a few dozen.
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import os
 import re
@@ -26,18 +32,36 @@ _prefix_numbers = itertools.count()
 
 
 @pytest.fixture(scope="session")
-def compiled_kernels():
+def compiled_kernels(tmp_path_factory):
     """The codec's numba kernels compiled (or loaded) once, into numba's cache, before a test starts
     daemons or CLI processes: each of those loads them from there, where with a cold cache (a fresh
     clone) every process would compile them at its start, minutes of CPU each, racing the
     tests' timeouts on 2 cores. Compiled as the image's build does (``python -m weightsync.codec.jit
     --jobs N``): a cold cache (a fresh clone, CI) is compiled by a process per core, about a third
-    less time than one; a warm one is loaded all the same."""
+    less time than one; a warm one is loaded all the same. Under pytest-xdist the workers take turns
+    (a lock in their shared temporary folder): the first compiles, the others then load."""
     from weightsync.codec import jit
     from weightsync.codec.payload import warm_up
 
-    jit.main(["--jobs", str(min(2, os.cpu_count() or 1))])  # prints its report (captured)
+    with open(tmp_path_factory.getbasetemp().parent / "compiled-kernels.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        jit.main(["--jobs", str(min(2, os.cpu_count() or 1))])  # prints its report (captured)
     warm_up()  # raises what a failed piece raised, in this process
+
+
+@pytest.fixture(autouse=True)
+def _turns(request, tmp_path_factory):
+    """A readers-writer lock across the xdist workers (files in their shared temporary folder): each
+    test holds ``running`` shared, an ``exclusive`` one holds it alone. A test passes the ``gate``
+    first, which an exclusive test keeps while it waits and runs, so the others cannot keep it out."""
+    shared = tmp_path_factory.getbasetemp().parent
+    alone = request.node.get_closest_marker("exclusive") is not None
+    with open(shared / "tests-gate.lock", "a") as gate, open(shared / "tests-running.lock", "a") as running:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        fcntl.flock(running, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        yield  # both released when the files close
 
 
 @pytest.fixture(scope="session")

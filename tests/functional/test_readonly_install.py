@@ -160,6 +160,7 @@ def test_pull_from_a_read_only_install_without_any_cache(unshare, install, publi
     _no_writes(install, before)
 
 
+@pytest.mark.exclusive  # compiles every kernel with a process per core
 def test_pull_from_a_read_only_install_loads_a_prefilled_numba_cache(unshare, install, published, tmp_path, ws):
     """NUMBA_CACHE_DIR filled at "build time" (writable then), read-only at run time: no compiling."""
     store, checkpoints = published

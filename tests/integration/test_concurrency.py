@@ -97,6 +97,7 @@ def logged(log: str, what: str) -> list[int]:
     return [int(m) for m in re.findall(rf"{what} (\d+)", log)]
 
 
+@pytest.mark.exclusive  # twenty daemons and two publishers at once
 @pytest.mark.parametrize("backend", ["file", pytest.param("s3", marks=pytest.mark.integration)])
 def test_two_publishers_gc_and_twenty_subscribers_on_one_store(backend, request, tmp_path):
     if backend == "s3":

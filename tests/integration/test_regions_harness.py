@@ -21,7 +21,7 @@ regions = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = regions  # dataclasses look their module up by name
 _spec.loader.exec_module(regions)
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.exclusive]  # regions of daemons and servers
 
 
 @pytest.fixture
