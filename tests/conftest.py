@@ -1,9 +1,9 @@
 """Shared fixtures.
 
-``_turns``: under pytest-xdist (scripts/test runs a worker per core), a test marked ``exclusive`` runs
-alone: the other workers finish the test they are in and wait. Such a test loads every core by
-itself (twenty daemons, a kernel compile by a process per core), and a test beside it missed its
-daemons' deadlines. Without xdist the locks are never contended.
+Turns: under pytest-xdist (scripts/test runs a worker per core), a test marked ``exclusive`` runs
+alone, its fixtures' set-up and tear-down included: the other workers finish the test they are in
+and wait. Such a test loads every core by itself (twenty daemons, a kernel compile by a process per
+core), and a test beside it missed its daemons' deadlines. Without xdist nothing is locked.
 
 ``seaweed``: one real SeaweedFS (``weed mini``) per session, started lazily, the first time a test
 asks for it. ``s3_url``: a fresh ``s3://bucket/prefix`` on it, with boto3's standard environment
@@ -19,6 +19,7 @@ import itertools
 import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -49,14 +50,28 @@ def compiled_kernels(tmp_path_factory):
     warm_up()  # raises what a failed piece raised, in this process
 
 
-@pytest.fixture(autouse=True)
-def _turns(request, tmp_path_factory):
-    """A readers-writer lock across the xdist workers (files in their shared temporary folder): each
-    test holds ``running`` shared, an ``exclusive`` one holds it alone. A test passes the ``gate``
-    first, which an exclusive test keeps while it waits and runs, so the others cannot keep it out."""
-    shared = tmp_path_factory.getbasetemp().parent
-    alone = request.node.get_closest_marker("exclusive") is not None
-    with open(shared / "tests-gate.lock", "a") as gate, open(shared / "tests-running.lock", "a") as running:
+def _lock_folder() -> Path | None:
+    """The folder of this xdist run's locks (one per run, from xdist's run id), or None outside xdist."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run or not os.environ.get("PYTEST_XDIST_WORKER"):
+        return None
+    folder = Path(tempfile.gettempdir(), f"weightsync-tests-{run}")
+    folder.mkdir(mode=0o700, exist_ok=True)
+    return folder
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)  # outside pytest-timeout's: a wait is not the test's time
+def pytest_runtest_protocol(item, nextitem):
+    """A readers-writer lock across the xdist workers around each test's whole run (fixtures set up
+    for it, session ones included, and torn down after it): each holds ``running`` shared, an
+    ``exclusive`` test holds it alone. A test passes the ``gate`` first, which an exclusive test
+    keeps while it waits and runs, so the others cannot keep it out."""
+    folder = _lock_folder()
+    if folder is None:
+        yield
+        return
+    alone = item.get_closest_marker("exclusive") is not None
+    with open(folder / "gate", "a") as gate, open(folder / "running", "a") as running:
         fcntl.flock(gate, fcntl.LOCK_EX)
         fcntl.flock(running, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         if not alone:

@@ -102,7 +102,7 @@ class Daemon:
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
 
-    start_timeout = 20.0  # seconds to log the port and answer /healthz
+    start_timeout = 60.0  # seconds to log the port and answer /healthz (another xdist worker may load the cores)
 
     def start(self) -> Daemon:
         seen = len(self.log())  # a restart appends to the same log: look only at what follows

@@ -21,7 +21,7 @@ soak = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = soak  # dataclasses look their module up by name
 _spec.loader.exec_module(soak)
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.exclusive]  # a publisher, three subscribers, faults, a deadline
 
 
 def test_short_soak_with_random_faults(s3_env, s3_url, tmp_path):
