@@ -14,6 +14,7 @@ every bucket its own volume, and ``weed mini`` has a few dozen.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import itertools
 import os
@@ -33,19 +34,21 @@ _prefix_numbers = itertools.count()
 
 
 @pytest.fixture(scope="session")
-def compiled_kernels(tmp_path_factory):
+def compiled_kernels():
     """The codec's numba kernels compiled (or loaded) once, into numba's cache, before a test starts
     daemons or CLI processes: each of those loads them from there, where with a cold cache (a fresh
     clone) every process would compile them at its start, minutes of CPU each, racing the
     tests' timeouts on 2 cores. Compiled as the image's build does (``python -m weightsync.codec.jit
     --jobs N``): a cold cache (a fresh clone, CI) is compiled by a process per core, about a third
     less time than one; a warm one is loaded all the same. Under pytest-xdist the workers take turns
-    (a lock in their shared temporary folder): the first compiles, the others then load."""
+    (a lock in the run's lock folder): the first compiles, the others then load."""
     from weightsync.codec import jit
     from weightsync.codec.payload import warm_up
 
-    with open(tmp_path_factory.getbasetemp().parent / "compiled-kernels.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    folder = _lock_folder()
+    with open(folder / "compiled-kernels", "a") if folder else contextlib.nullcontext() as lock:
+        if lock is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         jit.main(["--jobs", str(min(2, os.cpu_count() or 1))])  # prints its report (captured)
     warm_up()  # raises what a failed piece raised, in this process
 
