@@ -266,6 +266,32 @@ def test_a_part_built_on_a_stale_parent_is_refused(sharded, tmp_path):
     assert not (store / refused_key(3, 2)).exists()
 
 
+def test_a_rank_whose_part_came_after_the_refusal_stops_waiting_too(sharded, tmp_path):
+    """A one-shot committer refused version 5 from ranks 0 and 1 (a stale parent) before rank 2's
+    part arrived: rank 2's part cannot be committed with theirs either, so the refusal holds for it
+    while the part it names is still stored as named."""
+    store = tmp_path / "store"
+    publish_ranks(sharded[0], store, 3)
+    commit_parts(repo(store), 0, 3, timeout=5)
+    for r in (0, 1):
+        publish_part(sharded[1], repo(store), r, 3, version=5)
+    weightsync.publish(sharded[2], repo(store))  # the head moves to 1
+    with pytest.raises(VersionError, match="a stale parent"):
+        commit_parts(repo(store), 5, 3, timeout=5)
+    publish_part(sharded[1], repo(store), 2, 3, version=5)  # built on the head, 1
+    late = stored_part(store, 5, 2, 3)
+    reason = read_refusal(repo(store), late)
+    assert "a stale parent" in reason and "refused before rank 2's part was read" in reason
+    assert "before rank" not in read_refusal(repo(store), stored_part(store, 5, 1, 3))
+    # the part it names gone (gc removes the refusal first): it no longer tells anything about rank 2
+    (store / part_key(5, 0, 3)).unlink()
+    assert read_refusal(repo(store), late) is None
+    doc = json.loads((store / refused_key(5, 3)).read_bytes())
+    doc["parts"] = {"x": doc["parts"]["1"], "9": doc["parts"]["1"]}  # names no rank of the world
+    (store / refused_key(5, 3)).write_text(json.dumps(doc))
+    assert read_refusal(repo(store), late) is None
+
+
 def test_a_committer_that_read_the_head_before_it_moved_looks_again_rather_than_refuse(sharded, tmp_path):
     """Version 2's parts are built on version 1, committed after this committer first read the head
     (0): they are newer than what it saw, not stale; it reads the head again and commits them."""
@@ -604,6 +630,11 @@ def test_a_waiting_rank_publisher_says_why_its_committer_refused_the_version(
     assert "the committer refused version 0: " in s["reason"] and "a part for a world of 3" in s["reason"]
     time.sleep(1)  # several more polls: logged once
     assert pub.log().count("the committer refused version 0") == 1, pub.log()
+    doc = json.loads((store / refused_key(0, 2)).read_bytes())  # a retrying committer refuses for another reason
+    (store / refused_key(0, 2)).write_text(json.dumps({**doc, "reason": "another reason"}))
+    wait_for(lambda: "another reason" in pub.status()["reason"], 20, "the new reason in the status")
+    time.sleep(1)
+    assert pub.log().count("the committer refused version 0") == 2, pub.log()
     assert pub.stop() == 0
 
 

@@ -27,14 +27,15 @@ from test_daemons import Daemon, wait_for
 
 import weightsync
 from weightsync.errors import SignatureError
-from weightsync.format.keys import HEAD_KEY, signature_key, version_key
-from weightsync.format.manifest import Payload, manifest_from_json, manifest_to_json
+from weightsync.format.keys import HEAD_KEY, part_key, signature_key, version_key
+from weightsync.format.manifest import Payload, manifest_from_json, manifest_to_json, part_from_json
 from weightsync.local.state import read_state
 from weightsync.service.config import Identity, StoreConfig, SubscriberConfig
 from weightsync.service.metrics import Metrics
 from weightsync.service.subscriber import Subscriber
 from weightsync.store.signing import Keyring, read_public_keys, read_signing_key
 from weightsync.sync.mirror import MirrorConfig, MirrorObserver, mirror
+from weightsync.sync.parts import read_refusal
 from weightsync.sync.publish import PublishConfig
 from weightsync.sync.selection import Selection, materialize, verify_partial
 
@@ -229,6 +230,10 @@ def test_commit_parts_signs_the_merged_version(signed, tmp_path, ok_cli, run_cli
     )
     assert rc == 2 and "payloads without SHA-256 digests cannot be signed" in err and len(err.splitlines()) == 1
     assert not (signed.store / signature_key(3)).exists()
+    # stored for the ranks that wait on the commit (they would otherwise wait out their timeout)
+    for rank in (0, 1):
+        part = part_from_json((signed.store / part_key(3, rank, 2)).read_bytes(), "part")
+        assert "cannot be signed" in read_refusal(weightsync.open_repo(f"file://{signed.store}"), part)
     for rank in (0, 1):  # (parts are immutable: the signed ranks publish as version 4)
         ok_cli(
             "publish-part",

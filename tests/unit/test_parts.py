@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import random
+import statistics
 from dataclasses import replace
 
 import pytest
@@ -24,7 +26,7 @@ from weightsync.format.manifest import (
     part_from_json,
     part_to_json,
 )
-from weightsync.sync.parts import assign_files, merge_parts, same_part
+from weightsync.sync.parts import assign_files, merge_parts, rank_poll, same_part
 
 H = [f"{i:032x}" for i in range(1, 200)]
 
@@ -298,3 +300,15 @@ def test_the_part_writer_agrees_with_asdict():
 
     for p in (part(0), part(2, keyframe=True)):
         assert part_to_json(p) == _asdict_json(p, "weightsync.part")
+
+
+def test_a_large_jobs_waiting_ranks_poll_the_store_less_often_and_not_in_step():
+    rng = random.Random(7)
+    small = [rank_poll(0.25, 8, rng) for _ in range(2000)]
+    assert 0.125 <= min(small) < 0.14 and 0.36 < max(small) <= 0.375  # the poll asked for, +-50%
+    assert 0.24 < statistics.mean(small) < 0.26
+    large = [rank_poll(0.25, 2048, rng) for _ in range(2000)]
+    assert 1.024 <= min(large) and max(large) <= 3.072
+    # the job's ranks together: about JOB_READS_PER_SECOND reads a second, not 8,192
+    assert 900 < 2048 / statistics.mean(large) < 1100
+    assert len({round(x, 6) for x in large}) > 1900  # no two ranks in step

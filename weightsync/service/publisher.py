@@ -174,7 +174,7 @@ class Publisher:
         self._part: int | None = None  # rank mode: the version whose part this rank stored, not yet committed
         self._too_large: set[str] = set()  # checkpoint folders already reported as beyond the format's versions
         self._blocked: str | None = None  # the unfinished checkpoint last reported as holding back others
-        self._refused: int | None = None  # rank mode: the version whose refusal was last logged
+        self._refused: tuple[int, str] | None = None  # rank mode: the version and reason last logged
 
     def request_stop(self) -> None:
         """Stop after the current step (a publish in progress is cancelled at its next check)."""
@@ -338,15 +338,15 @@ class Publisher:
         return 0.0
 
     async def _report_refusal(self, part: int) -> None:
-        """A committer refused ``part``'s version: say why in the status, and log it once. This rank
+        """A committer refused ``part``'s version: say why in the status, and log it once per reason. This rank
         waits on (the version can be committed only from other parts, once gc has removed these)."""
         reason = await asyncio.to_thread(self._refusal, part)
         if reason is None:
             return
         self.reason = f"part {self.cfg.rank} of version {part} stored; the committer refused version {part}: {reason}"
-        if self._refused != part:
+        if self._refused != (part, reason):  # a committer that retries may refuse again for another reason
             event(log, f"the committer refused version {part}", logging.WARNING, version=part, reason=reason)
-        self._refused = part
+        self._refused = (part, reason)
 
     def _refusal(self, version: int) -> str | None:
         """Why a committer refused this rank's stored part of ``version``, if one did; None also

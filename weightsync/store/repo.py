@@ -64,6 +64,16 @@ from weightsync.store.signing import Keyring, SigningKey, TrustedKey
 log = logging.getLogger("weightsync.store")
 
 
+def check_signable(manifest: Manifest) -> None:
+    """Raise :class:`UsageError` unless every payload of ``manifest`` has a SHA-256 digest, which a
+    signature needs (docs/FORMAT.md section 7)."""
+    if any(not p.sha256 for p in Payload.all_in(manifest)):
+        raise UsageError(
+            f"version {manifest.version}: payloads without SHA-256 digests cannot be signed (XXH3 binds no content "
+            "against a forger); rank parts need publish-part --signing-key"
+        )
+
+
 class Repo:
     """Weightsync operations on one store. Thread-safe; caches parsed manifests (they are immutable).
 
@@ -385,11 +395,8 @@ class Repo:
         head = self.head_version()
         if head is not None and head > v:
             raise VersionError(f"version {v} is below the head {head} of {self.url}; not committed")
-        if signing_key is not None and any(not p.sha256 for p in Payload.all_in(manifest)):
-            raise UsageError(
-                f"version {v}: payloads without SHA-256 digests cannot be signed (XXH3 binds no content against "
-                "a forger); rank parts need publish-part --signing-key"
-            )
+        if signing_key is not None:
+            check_signable(manifest)
         created, data = True, manifest_to_json(manifest)
         try:
             self.store.put(version_key(v), data, mode="create")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -50,7 +51,7 @@ from weightsync.format.manifest import (
 )
 from weightsync.local.base import adopt
 from weightsync.local.checkpoint import SourceFile, check_still_as_scanned, scan_checkpoint, still_as_scanned
-from weightsync.store.repo import Repo
+from weightsync.store.repo import Repo, check_signable
 from weightsync.store.signing import Keyring, SigningKey
 from weightsync.sync.observer import Observer, Operation
 from weightsync.sync.publish import (
@@ -408,7 +409,8 @@ def commit_parts(
     (docs/FORMAT.md section 7; ranks' parts are never signed: readers never read them); a head it
     did not sign does not bind the parts to its files (the ranks made a keyframe, see
     :func:`weightsync.sync.publish.plan_version`). A refusal that concerns the parts themselves (a
-    stale parent, a part of another world or damaged, parts that do not merge) of a version above
+    stale parent, a part of another world or damaged, parts that do not merge, or parts without
+    the SHA-256 digests that ``signing_key`` needs) of a version above
     the head is stored for the ranks waiting on the commit (:func:`read_refusal`) before it is
     raised; a timeout, or a store that refuses the commit, is not."""
     check_world(None, world)
@@ -458,6 +460,8 @@ def commit_parts(
         allow_removed = repo.refusal(parent.version, Keyring((signing_key.public(),))) is not None
     with _refusing(repo, version, world, parts):
         manifest = merge_parts(list(parts.values()), parent, allow_removed)
+        if signing_key is not None:  # parts made without SHA-256 digests: no use waiting for them either
+            check_signable(manifest)
     try:
         repo.commit(manifest, etag, signing_key)
     except VersionError:
@@ -468,6 +472,18 @@ def commit_parts(
     return _result(manifest, world, clock() - t0, False)
 
 
+JOB_READS_PER_SECOND = 1000.0
+"""About how many reads a second the waiting ranks of one job make together, at most (:func:`rank_poll`)."""
+
+
+def rank_poll(poll: float, world: int, rng: random.Random | None = None) -> float:
+    """The next wait, in seconds, of a rank polling for its version's commit: ``poll``, stretched to
+    ``world / JOB_READS_PER_SECOND`` so that a large job's ranks stay well below what a store serves
+    (S3: about 5,500 GETs a second per prefix; 2,048 ranks polling every 0.25 s would ask 8,192), and
+    drawn from 0.5-1.5 times that so that ranks whose parts landed together do not poll in step."""
+    return max(poll, world / JOB_READS_PER_SECOND) * (rng or random).uniform(0.5, 1.5)
+
+
 def part_digest(part: PartManifest) -> str:
     """What makes two parts the same part (:func:`same_part`: ``created``, ``stats`` and
     ``codec_config`` aside), as XXH3-128 hex: how a refusal names the parts it refused."""
@@ -476,14 +492,14 @@ def part_digest(part: PartManifest) -> str:
 
 @contextmanager
 def _refusing(repo: Repo, version: int, world: int, parts: dict[int, PartManifest]) -> Iterator[None]:
-    """Store a refusal (:class:`VersionError` or :class:`FormatError` raised inside) of ``version``
+    """Store a refusal (:class:`VersionError`, :class:`FormatError` or :class:`UsageError` raised inside) of ``version``
     with the parts read so far, for the ranks waiting on its commit (docs/FORMAT.md section 6);
     none where no part of this world was read (a committer told the wrong world changes nothing)
     or the head reached ``version`` meanwhile.
     A store that fails to take it is logged: the refusal is raised all the same."""
     try:
         yield
-    except (VersionError, FormatError) as exc:
+    except (VersionError, FormatError, UsageError) as exc:
         if parts and _above_head(repo, version):
             doc = {
                 "format": "weightsync.refused",
@@ -511,11 +527,15 @@ def _above_head(repo: Repo, version: int) -> bool:
 
 
 def read_refusal(repo: Repo, part: PartManifest) -> str | None:
-    """Why a committer refused ``part`` (stored by :func:`commit_parts`), or None if no refusal of
-    its version and world names it. The refused parts stay until gc removes them, and no other part
-    of that version, rank and world can be created meanwhile: a rank whose part was refused may stop
-    waiting for its commit (a committer with other options, ``allow_removed``, could still commit
-    it). A refusal that does not parse names no part."""
+    """Why a committer refused ``part``'s version (stored by :func:`commit_parts`), or None if no
+    refusal of its version and world holds for it. The refused parts stay until gc removes them (it
+    removes the refusal first), and no other part of that version, rank and world can be created
+    meanwhile, so the version cannot be committed from them: a rank whose part was refused may stop
+    waiting for its commit (a committer with other options, ``allow_removed`` or no signing key,
+    could still commit it). So may a rank whose part the refusal does not name (it came after the
+    committer gave up), once one part the refusal names is read back as named: none of that version
+    is committed from these parts either. A refusal that does not parse, or names this rank's part
+    by another digest, holds for no part."""
     key = refused_key(part.version, part.world)
     try:
         doc = json.loads(repo.store.get(key))
@@ -526,9 +546,27 @@ def read_refusal(repo: Repo, part: PartManifest) -> str | None:
     if not isinstance(doc, dict) or doc.get("version") != part.version or doc.get("world") != part.world:
         return None
     named = doc.get("parts")
-    if not isinstance(named, dict) or named.get(str(part.rank)) != part_digest(part):
+    if not isinstance(named, dict) or not named:
         return None
-    return str(doc.get("reason", "no reason given"))
+    reason = str(doc.get("reason", "no reason given"))
+    mine = named.get(str(part.rank))
+    if mine is not None:
+        return reason if mine == part_digest(part) else None
+    return f"{reason} (refused before rank {part.rank}'s part was read)" if _still_named(repo, part, named) else None
+
+
+def _still_named(repo: Repo, part: PartManifest, named: dict) -> bool:
+    """The store still holds the refused part of the lowest rank ``named`` (rank -> digest) names."""
+    ranks = sorted((int(r), r) for r in named if r.isascii() and r.isdigit() and int(r) < part.world)
+    if not ranks:
+        return False
+    rank, name = ranks[0]
+    key = part_key(part.version, rank, part.world)
+    try:
+        other = part_from_json(repo.store.get(key), f"{repo.url}/{key}")
+    except (NotFoundError, FormatError):
+        return False
+    return named[name] == part_digest(other)
 
 
 def _read_new(repo: Repo, version: int, world: int, parts: dict[int, PartManifest]) -> None:

@@ -34,6 +34,7 @@ from weightsync.sync.parts import (
     RankView,
     check_world,
     commit_parts,
+    rank_poll,
     read_refusal,
     store_part,
 )
@@ -593,12 +594,13 @@ class RankDeviceDiffPublisher(DeviceDiffPublisher):
             p.committer.join()  # commit_parts gives up at the deadline
         ask = 0.0  # when to look for a refusal next: at most once a second (every rank of a large job polls)
         while not (committed := self._committed(p)) and p.error is None and time.monotonic() < p.deadline:
+            wait = rank_poll(self.poll, self.world)
             if time.monotonic() >= ask:
                 if (reason := read_refusal(self.repo, p.part)) is not None:  # no use waiting
                     p.error = VersionError(f"the committer refused version {p.version}: {reason}")
                     break
-                ask = time.monotonic() + max(self.poll, 1.0)
-            time.sleep(min(self.poll, max(0.0, p.deadline - time.monotonic())))
+                ask = time.monotonic() + max(wait, 1.0)
+            time.sleep(min(wait, max(0.0, p.deadline - time.monotonic())))
         self._pending = None
         if committed:
             self.mirror.advance(p.mf, p.version)
