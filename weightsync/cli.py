@@ -297,6 +297,8 @@ def _serve_mirror_http(text: str, flag: str, metrics, health: _MirrorHealth, log
 
 
 def cmd_mirror(args) -> int:
+    import contextlib
+    import faulthandler
     import logging
     import signal
 
@@ -305,7 +307,7 @@ def cmd_mirror(args) -> int:
     from weightsync.service.config import LogConfig
     from weightsync.service.flags import env_sources
     from weightsync.service.metrics import Metrics
-    from weightsync.service.runtime import Stopped, StopToken, event, open_daemon_repo, setup_logging
+    from weightsync.service.runtime import Stopped, StopToken, dump_stacks, event, open_daemon_repo, setup_logging
     from weightsync.service.stalls import StallWatch
     from weightsync.store.inflight import InFlight
     from weightsync.sync.mirror import MirrorConfig, MirrorObserver, mirror, parse_shard
@@ -327,6 +329,9 @@ def cmd_mirror(args) -> int:
     stop = token.event
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    signal.signal(signal.SIGUSR1, lambda *_: dump_stacks())  # as the daemons: every thread's stack, logged
+    with contextlib.suppress(AttributeError, ValueError, RuntimeError, OSError):  # no stderr file: no dump
+        faulthandler.register(signal.SIGUSR2, all_threads=True)  # to stderr, even with the main thread stuck
 
     class Report(MirrorObserver):  # metrics, logs and the health endpoints
         def on_heads(self, source: int | None, destination: int | None) -> None:

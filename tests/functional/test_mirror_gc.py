@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -231,26 +232,43 @@ def test_mirror_follow_until_sigterm(trajectory, tmp_path, cli_env, ws):
         "--interval",
         "0.1",
     ]
-    proc = subprocess.Popen(cmd, env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "mirror.log"  # a file, not a pipe: the stack dumps below overflow a pipe's buffer
+    with log.open("w") as stderr:
+        proc = subprocess.Popen(cmd, env=cli_env, stdout=subprocess.PIPE, stderr=stderr, text=True)
     try:
         sub = tmp_path / "subscriber"
         for v in range(1, 4):
             weightsync.publish(trajectory[v], repo(src), base_dir=trajectory[v - 1])
             deadline = time.monotonic() + 20
             while repo(dst).head_version() != v:
-                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
                 time.sleep(0.05)
             weightsync.pull(repo(dst), sub)  # a subscriber in the region follows its regional store
             ws.assert_replica(sub, trajectory[v])
+        # what a mirror that does not stop is doing, as the daemons tell it: SIGUSR1 logs every thread's
+        # stack, SIGUSR2 has faulthandler write them; it follows on
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGUSR2)
+        time.sleep(0.5)
+        weightsync.publish(trajectory[4], repo(src), base_dir=trajectory[3])
+        deadline = time.monotonic() + 20
+        while repo(dst).head_version() != 4:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=20)
+        out, _ = proc.communicate(timeout=20)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    err = log.read_text()
     assert proc.returncode == 0, err
-    assert out.strip() == "3"
-    assert "mirrored version 3" in err
+    assert out.strip() == "4"
+    assert "mirrored version 4" in err
+    dump = re.search(r"stacks of 0 tasks and \d+ threads \(SIGUSR1\):\n.*?(?=\n\d{4}-|\Z)", err, re.S)
+    assert dump and "thread MainThread:" in dump[0] and "in cmd_mirror" in dump[0] and "in dump_stacks" in dump[0], err
+    assert re.search(r"Current thread 0x[0-9a-f]+ \(most recent call first\)", err), err
 
 
 # --- gc ---------------------------------------------------------------------------------------------

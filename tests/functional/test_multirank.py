@@ -22,7 +22,7 @@ import weightsync
 from weightsync.demo import make_trajectory
 from weightsync.errors import StoreError, VersionError
 from weightsync.format.keys import HEAD_KEY, PARTS_PREFIX, chunk_key, part_key, parts_prefix, refused_key, version_key
-from weightsync.format.manifest import PartManifest, part_from_json
+from weightsync.format.manifest import PartManifest, part_from_json, part_to_json
 from weightsync.store import FileStore
 from weightsync.sync.gc import GcConfig, gc
 from weightsync.sync.observer import Callbacks
@@ -281,15 +281,103 @@ def test_a_rank_whose_part_came_after_the_refusal_stops_waiting_too(sharded, tmp
     publish_part(sharded[1], repo(store), 2, 3, version=5)  # built on the head, 1
     late = stored_part(store, 5, 2, 3)
     reason = read_refusal(repo(store), late)
-    assert "a stale parent" in reason and "refused before rank 2's part was read" in reason
-    assert "before rank" not in read_refusal(repo(store), stored_part(store, 5, 1, 3))
-    # the part it names gone (gc removes the refusal first): it no longer tells anything about rank 2
-    (store / part_key(5, 0, 3)).unlink()
+    assert "a stale parent" in reason and "which rank 2's cannot be committed without" in reason
+    assert "rank 1's cannot" not in read_refusal(repo(store), stored_part(store, 5, 1, 3))
+    key, p0 = store / refused_key(5, 3), store / part_key(5, 0, 3)
+    doc = json.loads(key.read_bytes())
+    for changed in ({"unnamed_ranks": False}, {"unnamed_ranks": None}, {"parts": {"99999999": "x", "x": "y"}}):
+        key.write_text(json.dumps({**doc, **changed}))  # about a key beside the parts, from before, no rank
+        assert read_refusal(repo(store), late) is None, changed
+    key.write_text(json.dumps({**doc, "parts": {"1" * 5000: "x", **doc["parts"]}}))  # a rank int() refuses
+    assert read_refusal(repo(store), late) == reason
+    key.write_text(json.dumps(doc))
+    # the lowest part it names stored otherwise (gone, then written again), or gone: nothing about rank 2
+    good = p0.read_bytes()
+    p0.write_bytes(part_to_json(dataclasses.replace(part_from_json(good, "p0"), parent=1)))
     assert read_refusal(repo(store), late) is None
-    doc = json.loads((store / refused_key(5, 3)).read_bytes())
-    doc["parts"] = {"x": doc["parts"]["1"], "9": doc["parts"]["1"]}  # names no rank of the world
-    (store / refused_key(5, 3)).write_text(json.dumps(doc))
+    p0.write_bytes(good)
+    assert read_refusal(repo(store), late) == reason
+    p0.unlink()
     assert read_refusal(repo(store), late) is None
+
+
+def test_a_refusal_of_a_key_beside_the_parts_holds_only_for_the_ranks_it_names(sharded, tmp_path):
+    """A part for another world in version 0's folder: the committer refuses, naming rank 0's part.
+    Rank 1's part comes after; once the stray key is deleted the version commits, so the refusal
+    said nothing about rank 1."""
+    store = tmp_path / "store"
+    publish_part(sharded[0], repo(store), 0, 2)
+    publish_part(sharded[0], repo(store), 0, 3)
+    with pytest.raises(VersionError, match="a part for a world of 3, not 2"):
+        commit_parts(repo(store), 0, 2, timeout=5)
+    assert json.loads((store / refused_key(0, 2)).read_bytes())["unnamed_ranks"] is False
+    publish_part(sharded[0], repo(store), 1, 2)
+    assert read_refusal(repo(store), stored_part(store, 0, 1, 2)) is None
+    assert "a part for a world of 3" in read_refusal(repo(store), stored_part(store, 0, 0, 2))
+    (store / part_key(0, 0, 3)).unlink()
+    assert commit_parts(repo(store), 0, 2, timeout=5).version == 0
+
+
+class _Racing(FileStore):
+    """A file store that runs ``hook(key)`` once, before the first call of ``op`` on a key that
+    ``match`` accepts: another process acting between two steps of gc or of a committer."""
+
+    def __init__(self, root, op, match, hook):
+        super().__init__(root)
+        self._op, self._match, self._hook = op, match, hook
+
+    def _maybe(self, op, key):
+        if op == self._op and self._hook is not None and self._match(key):
+            hook, self._hook = self._hook, None
+            hook(key)
+
+    def put(self, key, data, **kw):
+        self._maybe("put", key)
+        return super().put(key, data, **kw)
+
+    def delete(self, key):
+        self._maybe("delete", key)
+        return super().delete(key)
+
+
+def test_a_refusal_stored_while_gc_deletes_its_parts_goes_too(sharded, tmp_path):
+    """gc listed version 1's old parts; a committer stores its refusal of them before gc deletes
+    them. Left behind, it would name the parts a job writes again with the same digests, and stop
+    all their ranks: gc deletes the version's refusal again after the parts."""
+    store = tmp_path / "store"
+    publish_ranks(sharded[0], store, 2)
+    commit_parts(repo(store), 0, 2, timeout=5)
+    for r in (0, 1):
+        publish_part(sharded[1], repo(store), r, 2, version=1, files=[])
+    with pytest.raises(VersionError, match="no rank published"):
+        commit_parts(repo(store), 1, 2, timeout=5)
+    refusal = (store / refused_key(1, 2)).read_bytes()
+    (store / refused_key(1, 2)).unlink()  # not there when gc lists the keys
+    age(store, "parts")
+
+    def committer(_key):  # the committer's put, between gc's listing and its deletes
+        (store / refused_key(1, 2)).write_bytes(refusal)
+
+    racing = _Racing(store, "delete", lambda k: k == part_key(1, 0, 2), committer)
+    res = gc(weightsync.Repo(racing), GcConfig(keep=1, grace_seconds=60))
+    assert res.deleted_parts == 4 and not (store / PARTS_PREFIX).exists()
+
+
+def test_a_committer_that_finds_the_parts_it_refused_collected_deletes_its_refusal(sharded, tmp_path):
+    store = tmp_path / "store"
+    publish_ranks(sharded[0], store, 2)
+    commit_parts(repo(store), 0, 2, timeout=5)
+    for r in (0, 1):
+        publish_part(sharded[1], repo(store), r, 2, version=1, files=[])
+
+    def gc_meanwhile(_key):
+        for r in (0, 1):
+            (store / part_key(1, r, 2)).unlink()
+
+    racing = _Racing(store, "put", lambda k: k == refused_key(1, 2), gc_meanwhile)
+    with pytest.raises(VersionError, match="no rank published"):
+        commit_parts(weightsync.Repo(racing), 1, 2, timeout=5)
+    assert not (store / refused_key(1, 2)).exists()
 
 
 def test_a_committer_that_read_the_head_before_it_moved_looks_again_rather_than_refuse(sharded, tmp_path):

@@ -383,11 +383,16 @@ async def serve(app: web.Application, api: ApiConfig) -> int:
 
 def dump_stacks() -> None:
     """Log where every asyncio task waits (its chain of awaits) and every thread's stack: what a
-    daemon that does not stop, or does not answer, is doing (``kill -USR1 PID``)."""
+    daemon that does not stop, or does not answer, is doing (``kill -USR1 PID``). Called from a
+    thread without a running loop (the mirror's signal handler), it logs the threads."""
     import traceback
 
+    try:
+        tasks = asyncio.all_tasks()
+    except RuntimeError:  # no loop running in this thread (the mirror): its threads only
+        tasks = set()
     parts = []
-    for task in sorted(asyncio.all_tasks(), key=lambda t: t.get_name()):
+    for task in sorted(tasks, key=lambda t: t.get_name()):
         frames, coro = [], task.get_coro()
         while coro is not None:  # a suspended coroutine's frame, then what it awaits, down the chain
             frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
@@ -399,9 +404,7 @@ def dump_stacks() -> None:
     names = {t.ident: t.name for t in threading.enumerate()}
     for ident, frame in sys._current_frames().items():
         parts.append(f"thread {names.get(ident, ident)}:\n{''.join(traceback.format_stack(frame))}")
-    log.warning(
-        "stacks of %d tasks and %d threads (SIGUSR1):\n%s", len(asyncio.all_tasks()), len(names), "\n".join(parts)
-    )
+    log.warning("stacks of %d tasks and %d threads (SIGUSR1):\n%s", len(tasks), len(names), "\n".join(parts))
 
 
 def run(app_factory: Callable[[], web.Application], api: ApiConfig) -> int:

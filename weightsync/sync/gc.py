@@ -24,6 +24,7 @@ from weightsync.format.keys import (
     parse_refused_key,
     parse_signature_key,
     parse_version_key,
+    refused_key,
     version_key,
 )
 from weightsync.format.manifest import manifest_from_json, part_from_json
@@ -104,28 +105,33 @@ class PartsPlan:
     delete: tuple[str, ...]  # part keys: at or below the head, or above it and all older than the grace
     pending: tuple[str, ...]  # part keys kept: a multi-rank publish in progress
     needed_chunks: frozenset[str]  # chunks the kept parts name
+    after: tuple[str, ...] = ()  # the refusals of the deleted parts' versions and worlds, deleted again after them
 
 
 def plan_parts(repo: Repo, head: int | None, grace: float) -> PartsPlan:
     """Which parts to delete and which chunks the kept ones need (module docstring). A committer's
     refusal of a version's parts goes with them, whatever its own age (a committer that retries
     rewrites it), and is deleted first (a gc cut short leaves parts without their refusal, never a
-    refusal that names parts stored later); one without parts is deleted."""
+    refusal that names parts stored later), and again after them (a committer may have stored one
+    since the listing); one without parts is deleted."""
     by_version: dict[int, list[tuple[str, float | None]]] = {}
     refusals: dict[int, list[str]] = {}
+    worlds: dict[int, set[int]] = {}
     for key, _, age in list_with_age(repo.store, PARTS_PREFIX):
         parsed = parse_part_key(key)
         if parsed is not None:
             by_version.setdefault(parsed[0], []).append((key, age))
+            worlds.setdefault(parsed[0], set()).add(parsed[2])
         elif (refused := parse_refused_key(key)) is not None:
             refusals.setdefault(refused[0], []).append(key)
-    delete, pending, needed = [], [], set()
+    delete, pending, needed, after = [], [], set(), []
     for v in sorted(set(refusals) - set(by_version)):
         delete.extend(refusals[v])
     for v, items in sorted(by_version.items()):
         if (head is not None and v <= head) or not any(_young(age, grace) for _, age in items):
             delete.extend(refusals.get(v, []))
             delete.extend(k for k, _ in items)
+            after.extend(refused_key(v, w) for w in sorted(worlds[v]))
             continue
         pending.extend(refusals.get(v, []))
         for key, _ in items:
@@ -134,7 +140,7 @@ def plan_parts(repo: Repo, head: int | None, grace: float) -> PartsPlan:
                 needed.update(c.id for c in part_from_json(repo.store.get(key), f"{repo.url}/{key}").chunks)
             except (NotFoundError, FormatError) as exc:  # a damaged part protects nothing; a committer refuses it
                 log.warning("gc %s: cannot read part %s (%s)", repo.url, key, exc)
-    return PartsPlan(tuple(delete), tuple(pending), frozenset(needed))
+    return PartsPlan(tuple(delete), tuple(pending), frozenset(needed), tuple(after))
 
 
 def plan_gc(repo: Repo, keep: int, abandoned: frozenset[int] = frozenset()) -> GcPlan:
@@ -227,7 +233,7 @@ def gc(repo: Repo, config: GcConfig) -> GcResult:
     if not config.dry_run:
         for v in plan.delete_versions + plan.abandoned_versions:  # oldest first, chunks after
             repo.store.delete(version_key(v))  # their signatures and notes go after them
-        for key in parts.delete:
+        for key in parts.delete + parts.after:
             repo.store.delete(key)  # a file store removes the folders this empties
     gone, grace = set(plan.delete_versions + plan.abandoned_versions), config.grace_seconds
     result.deleted_signatures = _sweep_beside(repo, SIGNATURES_PREFIX, parse_signature_key, gone, grace, config.dry_run)

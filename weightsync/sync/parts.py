@@ -25,6 +25,7 @@ from weightsync.errors import (
     StoreError,
     UsageError,
     VersionError,
+    WeightsyncError,
 )
 from weightsync.format.keys import (
     MAX_VERSION,
@@ -428,8 +429,7 @@ def commit_parts(
         if exists:  # the head manifest read as the parts arrive: off the critical path
             parent = None if head is None else repo.manifest(head)
         with _refusing(repo, version, world, parts):
-            if exists:
-                _read_new(repo, version, world, parts)
+            stray = _read_new(repo, version, world, parts) if exists else None
             newer = False  # a part built on a head this committer has not seen yet: look again
             for p in parts.values():
                 if p.parent != head:
@@ -440,6 +440,9 @@ def commit_parts(
                         f"rank {p.rank}'s part of version {version} was built on version {p.parent} but the "
                         f"head is {head}: a stale parent, refused; nothing committed"
                     )
+        if stray is not None:  # a key beside the parts, not the parts: a rank it does not name may still come
+            with _refusing(repo, version, world, parts, unnamed_ranks=False):
+                raise stray
         if len(parts) == world and not newer:
             break
         if clock() >= deadline and newer:
@@ -460,7 +463,8 @@ def commit_parts(
         allow_removed = repo.refusal(parent.version, Keyring((signing_key.public(),))) is not None
     with _refusing(repo, version, world, parts):
         manifest = merge_parts(list(parts.values()), parent, allow_removed)
-        if signing_key is not None:  # parts made without SHA-256 digests: no use waiting for them either
+    if signing_key is not None:  # parts made without SHA-256 digests: no use waiting for them either
+        with _refusing(repo, version, world, parts, also=(UsageError,)):
             check_signable(manifest)
     try:
         repo.commit(manifest, etag, signing_key)
@@ -491,15 +495,25 @@ def part_digest(part: PartManifest) -> str:
 
 
 @contextmanager
-def _refusing(repo: Repo, version: int, world: int, parts: dict[int, PartManifest]) -> Iterator[None]:
-    """Store a refusal (:class:`VersionError`, :class:`FormatError` or :class:`UsageError` raised inside) of ``version``
-    with the parts read so far, for the ranks waiting on its commit (docs/FORMAT.md section 6);
-    none where no part of this world was read (a committer told the wrong world changes nothing)
-    or the head reached ``version`` meanwhile.
-    A store that fails to take it is logged: the refusal is raised all the same."""
+def _refusing(
+    repo: Repo,
+    version: int,
+    world: int,
+    parts: dict[int, PartManifest],
+    *,
+    unnamed_ranks: bool = True,
+    also: tuple[type[Exception], ...] = (),
+) -> Iterator[None]:
+    """Store a refusal (:class:`VersionError` or :class:`FormatError` raised inside, or one of
+    ``also``) of ``version`` with the parts read so far, for the ranks waiting on its commit
+    (docs/FORMAT.md section 6); none where no part of this world was read (a committer told the
+    wrong world changes nothing) or the head reached ``version`` meanwhile. ``unnamed_ranks``: the
+    refusal concerns the parts it names, so it holds for a rank whose part came after them too.
+    A refusal whose lowest named part is gone once stored (gc collected the parts meanwhile) is
+    deleted again. A store that fails to take it is logged: the refusal is raised all the same."""
     try:
         yield
-    except (VersionError, FormatError, UsageError) as exc:
+    except (VersionError, FormatError, *also) as exc:
         if parts and _above_head(repo, version):
             doc = {
                 "format": "weightsync.refused",
@@ -507,11 +521,15 @@ def _refusing(repo: Repo, version: int, world: int, parts: dict[int, PartManifes
                 "version": version,
                 "world": world,
                 "parts": {str(r): part_digest(p) for r, p in sorted(parts.items())},
+                "unnamed_ranks": unnamed_ranks,
                 "reason": str(exc)[:4000],
                 "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             }
+            key = refused_key(version, world)
             try:
-                repo.store.put(refused_key(version, world), json.dumps(doc, sort_keys=True).encode())
+                repo.store.put(key, json.dumps(doc, sort_keys=True).encode())
+                if repo.store.head(part_key(version, min(parts), world)) is None:  # collected meanwhile
+                    repo.store.delete(key)
             except Exception as err:  # noqa: BLE001 - the refusal itself is what the caller must see
                 log.warning("%s: could not store the refusal of version %d: %s", repo.url, version, err)
         raise
@@ -533,8 +551,9 @@ def read_refusal(repo: Repo, part: PartManifest) -> str | None:
     meanwhile, so the version cannot be committed from them: a rank whose part was refused may stop
     waiting for its commit (a committer with other options, ``allow_removed`` or no signing key,
     could still commit it). So may a rank whose part the refusal does not name (it came after the
-    committer gave up), once one part the refusal names is read back as named: none of that version
-    is committed from these parts either. A refusal that does not parse, or names this rank's part
+    committer gave up) where the refusal concerns the parts it names (``unnamed_ranks``, not a key
+    beside them) and the part of the lowest rank it names is read back as named: the version is
+    not committed from these parts either. A refusal that does not parse, or names this rank's part
     by another digest, holds for no part."""
     key = refused_key(part.version, part.world)
     try:
@@ -552,12 +571,14 @@ def read_refusal(repo: Repo, part: PartManifest) -> str | None:
     mine = named.get(str(part.rank))
     if mine is not None:
         return reason if mine == part_digest(part) else None
-    return f"{reason} (refused before rank {part.rank}'s part was read)" if _still_named(repo, part, named) else None
+    if doc.get("unnamed_ranks") is not True or not _still_named(repo, part, named):
+        return None
+    return f"{reason} (a refusal of the parts it names, which rank {part.rank}'s cannot be committed without)"
 
 
 def _still_named(repo: Repo, part: PartManifest, named: dict) -> bool:
     """The store still holds the refused part of the lowest rank ``named`` (rank -> digest) names."""
-    ranks = sorted((int(r), r) for r in named if r.isascii() and r.isdigit() and int(r) < part.world)
+    ranks = sorted((int(r), r) for r in named if len(r) <= 5 and r.isascii() and r.isdigit() and int(r) < part.world)
     if not ranks:
         return False
     rank, name = ranks[0]
@@ -569,9 +590,10 @@ def _still_named(repo: Repo, part: PartManifest, named: dict) -> bool:
     return named[name] == part_digest(other)
 
 
-def _read_new(repo: Repo, version: int, world: int, parts: dict[int, PartManifest]) -> None:
+def _read_new(repo: Repo, version: int, world: int, parts: dict[int, PartManifest]) -> WeightsyncError | None:
     """Read and check the parts of ``version`` stored since the last call (into ``parts``); then
-    refuse a key of another world or rank, once this world's parts are read (a refusal names them)."""
+    return the refusal of a key of another world or rank, if there is one, once this world's parts
+    are read (a refusal names them)."""
     new, bad = [], None
     for key in repo.store.list(parts_prefix(version)):
         parsed = parse_part_key(key)
@@ -596,8 +618,7 @@ def _read_new(repo: Repo, version: int, world: int, parts: dict[int, PartManifes
         with ThreadPoolExecutor(min(16, len(new)), thread_name_prefix="ws-parts") as pool:
             for (_, rank), p in zip(new, pool.map(read, new)):
                 parts[rank] = p
-    if bad is not None:
-        raise bad
+    return bad
 
 
 def _already(repo: Repo, version: int, world: int, head: int) -> Manifest:
@@ -608,7 +629,8 @@ def _already(repo: Repo, version: int, world: int, head: int) -> Manifest:
         raise VersionError(f"version {version} is not after the head version {head} in {repo.url}") from None
     parts: dict[int, PartManifest] = {}
     try:
-        _read_new(repo, version, world, parts)
+        if (stray := _read_new(repo, version, world, parts)) is not None:
+            raise stray
     except NotFoundError:
         pass  # collected between the listing and the read
     if len(parts) < world:

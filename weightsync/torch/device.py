@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import tempfile
 import threading
 import time
@@ -454,6 +455,7 @@ class RankDeviceDiffPublisher(DeviceDiffPublisher):
         self.rank, self.world, self.committer = rank, world, commit
         self.commit_timeout, self.poll, self.allow_removed = commit_timeout, poll, allow_removed
         self._pending: _Pending | None = None
+        self._rng = random.Random()  # the polls' jitter: not the training's seeded generator, nor in step with it
 
     @property
     def filename(self) -> str:
@@ -592,14 +594,14 @@ class RankDeviceDiffPublisher(DeviceDiffPublisher):
             return None
         if p.committer is not None:
             p.committer.join()  # commit_parts gives up at the deadline
-        ask = 0.0  # when to look for a refusal next: at most once a second (every rank of a large job polls)
+        ask = 0.0  # when to look for a refusal next: every other poll, at most once a second
         while not (committed := self._committed(p)) and p.error is None and time.monotonic() < p.deadline:
-            wait = rank_poll(self.poll, self.world)
+            wait = rank_poll(self.poll, self.world, self._rng)
             if time.monotonic() >= ask:
                 if (reason := read_refusal(self.repo, p.part)) is not None:  # no use waiting
                     p.error = VersionError(f"the committer refused version {p.version}: {reason}")
                     break
-                ask = time.monotonic() + max(wait, 1.0)
+                ask = time.monotonic() + max(2 * wait, 1.0)
             time.sleep(min(wait, max(0.0, p.deadline - time.monotonic())))
         self._pending = None
         if committed:
