@@ -11,9 +11,11 @@ its own uncommitted part."""
 from __future__ import annotations
 
 import json
+import random
 import shutil
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -217,6 +219,30 @@ def test_late_commit_of_a_pending_part_is_taken_and_early_publish_waits_for_it(t
             assert x.route == "direct" and x.d2h_bytes == expected_d2h(shard(r, 1)[0], shard(r, 2)[0])
         assert [p.base_version for p in pubs] == [2, 2]
         check_version(store, 2, {0: 2, 1: 2}, tmp_path, world)
+    finally:
+        for p in pubs:
+            p.close()
+
+
+def test_waiting_ranks_poll_with_a_generator_of_their_own(tmp_path):
+    """The ranks' polls are jittered (`parts.rank_poll`) by a generator per publisher: a training
+    that seeded `random` (often the same on every rank) gets the same sequence whether or not a
+    rank waited, and the ranks do not poll in step."""
+    store, world = tmp_path / "store", 2
+    pubs = ranks(store, world, tmp_path, timeout=30.0)
+    for p in pubs:
+        p.committer = False
+    try:
+        assert all(x.committed is None for x in round_(pubs, 0, wait=False))
+        late = threading.Timer(0.5, commit_parts, (weightsync.open_repo(store), 0, world), {"timeout": 10})
+        late.start()
+        random.seed(1234)
+        assert pubs[0].settle() is True  # polled for about 0.5 s, 25 times at 0.02 s
+        late.join()
+        after = random.random()
+        random.seed(1234)
+        assert after == random.random()
+        assert pubs[0]._rng is not pubs[1]._rng
     finally:
         for p in pubs:
             p.close()
