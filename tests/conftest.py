@@ -19,6 +19,7 @@ import fcntl
 import itertools
 import os
 import re
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -58,9 +59,27 @@ def _lock_folder() -> Path | None:
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if not run or not os.environ.get("PYTEST_XDIST_WORKER"):
         return None
-    folder = Path(tempfile.gettempdir(), f"weightsync-tests-{run}")
+    folder = _run_folder(run)
     folder.mkdir(mode=0o700, exist_ok=True)
     return folder
+
+
+def _run_folder(run: str) -> Path:
+    return Path(tempfile.gettempdir(), f"weightsync-tests-{run}")
+
+
+_RUNS: set[str] = set()  # on xdist's controller: the run ids its workers were given
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    _RUNS.add(node.workerinput["testrunuid"])
+
+
+def pytest_sessionfinish(session):
+    """The controller removes the run's lock folder once its workers are done."""
+    for run in _RUNS:
+        shutil.rmtree(_run_folder(run), ignore_errors=True)
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)  # outside pytest-timeout's: a wait is not the test's time
