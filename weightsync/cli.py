@@ -301,6 +301,7 @@ def cmd_mirror(args) -> int:
     import faulthandler
     import logging
     import signal
+    import threading
 
     from prometheus_client import CollectorRegistry
 
@@ -329,7 +330,16 @@ def cmd_mirror(args) -> int:
     stop = token.event
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    signal.signal(signal.SIGUSR1, lambda *_: dump_stacks())  # as the daemons: every thread's stack, logged
+    dump = threading.Event()  # SIGUSR1, as the daemons: every thread's stack, logged by a thread of its own, so
+    signal.signal(signal.SIGUSR1, lambda *_: dump.set())  # the handler never logs amid what the main thread does
+
+    def dumper() -> None:
+        while True:
+            dump.wait()
+            dump.clear()
+            dump_stacks()
+
+    threading.Thread(target=dumper, name="ws-stack-dump", daemon=True).start()
     with contextlib.suppress(AttributeError, ValueError, RuntimeError, OSError):  # no stderr file: no dump
         faulthandler.register(signal.SIGUSR2, all_threads=True)  # to stderr, even with the main thread stuck
 

@@ -318,6 +318,19 @@ def test_a_refusal_of_a_key_beside_the_parts_holds_only_for_the_ranks_it_names(s
     assert commit_parts(repo(store), 0, 2, timeout=5).version == 0
 
 
+def test_a_stale_part_and_a_stray_key_in_one_look_are_refused_for_the_stale_part(sharded, tmp_path):
+    store = tmp_path / "store"
+    publish_ranks(sharded[0], store, 2)
+    commit_parts(repo(store), 0, 2, timeout=5)
+    publish_part(sharded[1], repo(store), 0, 2, version=5)  # on parent 0
+    weightsync.publish(sharded[2], repo(store))  # the head moves to 1
+    publish_part(sharded[1], repo(store), 0, 3, version=5)  # a key of another world beside it
+    with pytest.raises(VersionError, match="a stale parent"):
+        commit_parts(repo(store), 5, 2, timeout=5)
+    doc = json.loads((store / refused_key(5, 2)).read_bytes())
+    assert doc["unnamed_ranks"] is True and "a stale parent" in doc["reason"]
+
+
 class _Racing(FileStore):
     """A file store that runs ``hook(key)`` once, before the first call of ``op`` on a key that
     ``match`` accepts: another process acting between two steps of gc or of a committer."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -105,15 +105,16 @@ class PartsPlan:
     delete: tuple[str, ...]  # part keys: at or below the head, or above it and all older than the grace
     pending: tuple[str, ...]  # part keys kept: a multi-rank publish in progress
     needed_chunks: frozenset[str]  # chunks the kept parts name
-    after: tuple[str, ...] = ()  # the refusals of the deleted parts' versions and worlds, deleted again after them
+    # an abandoned version's last part key -> its refusals, deleted again right after its parts
+    after: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
 
 def plan_parts(repo: Repo, head: int | None, grace: float) -> PartsPlan:
     """Which parts to delete and which chunks the kept ones need (module docstring). A committer's
     refusal of a version's parts goes with them, whatever its own age (a committer that retries
     rewrites it), and is deleted first (a gc cut short leaves parts without their refusal, never a
-    refusal that names parts stored later), and again after them (a committer may have stored one
-    since the listing); one without parts is deleted."""
+    refusal that names parts stored later), and for a version above the head again right after them
+    (a committer may have stored one since the listing); one without parts is deleted."""
     by_version: dict[int, list[tuple[str, float | None]]] = {}
     refusals: dict[int, list[str]] = {}
     worlds: dict[int, set[int]] = {}
@@ -124,14 +125,15 @@ def plan_parts(repo: Repo, head: int | None, grace: float) -> PartsPlan:
             worlds.setdefault(parsed[0], set()).add(parsed[2])
         elif (refused := parse_refused_key(key)) is not None:
             refusals.setdefault(refused[0], []).append(key)
-    delete, pending, needed, after = [], [], set(), []
+    delete, pending, needed, after = [], [], set(), {}
     for v in sorted(set(refusals) - set(by_version)):
         delete.extend(refusals[v])
     for v, items in sorted(by_version.items()):
         if (head is not None and v <= head) or not any(_young(age, grace) for _, age in items):
             delete.extend(refusals.get(v, []))
             delete.extend(k for k, _ in items)
-            after.extend(refused_key(v, w) for w in sorted(worlds[v]))
+            if head is None or v > head:  # committers store refusals only above the head
+                after[delete[-1]] = tuple(refused_key(v, w) for w in sorted(worlds[v]))
             continue
         pending.extend(refusals.get(v, []))
         for key, _ in items:
@@ -140,7 +142,7 @@ def plan_parts(repo: Repo, head: int | None, grace: float) -> PartsPlan:
                 needed.update(c.id for c in part_from_json(repo.store.get(key), f"{repo.url}/{key}").chunks)
             except (NotFoundError, FormatError) as exc:  # a damaged part protects nothing; a committer refuses it
                 log.warning("gc %s: cannot read part %s (%s)", repo.url, key, exc)
-    return PartsPlan(tuple(delete), tuple(pending), frozenset(needed), tuple(after))
+    return PartsPlan(tuple(delete), tuple(pending), frozenset(needed), after)
 
 
 def plan_gc(repo: Repo, keep: int, abandoned: frozenset[int] = frozenset()) -> GcPlan:
@@ -233,8 +235,10 @@ def gc(repo: Repo, config: GcConfig) -> GcResult:
     if not config.dry_run:
         for v in plan.delete_versions + plan.abandoned_versions:  # oldest first, chunks after
             repo.store.delete(version_key(v))  # their signatures and notes go after them
-        for key in parts.delete + parts.after:
+        for key in parts.delete:
             repo.store.delete(key)  # a file store removes the folders this empties
+            for again in parts.after.get(key, ()):
+                repo.store.delete(again)
     gone, grace = set(plan.delete_versions + plan.abandoned_versions), config.grace_seconds
     result.deleted_signatures = _sweep_beside(repo, SIGNATURES_PREFIX, parse_signature_key, gone, grace, config.dry_run)
     result.deleted_notes = _sweep_beside(repo, LAZY_PREFIX, parse_lazy_key, gone, grace, config.dry_run)

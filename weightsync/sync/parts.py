@@ -509,8 +509,8 @@ def _refusing(
     (docs/FORMAT.md section 6); none where no part of this world was read (a committer told the
     wrong world changes nothing) or the head reached ``version`` meanwhile. ``unnamed_ranks``: the
     refusal concerns the parts it names, so it holds for a rank whose part came after them too.
-    A refusal whose lowest named part is gone once stored (gc collected the parts meanwhile) is
-    deleted again. A store that fails to take it is logged: the refusal is raised all the same."""
+    A refusal whose lowest or highest named part is gone once stored (gc collected the parts
+    meanwhile) is deleted again. A store that fails to take it is logged: the refusal is raised all the same."""
     try:
         yield
     except (VersionError, FormatError, *also) as exc:
@@ -528,10 +528,22 @@ def _refusing(
             key = refused_key(version, world)
             try:
                 repo.store.put(key, json.dumps(doc, sort_keys=True).encode())
-                if repo.store.head(part_key(version, min(parts), world)) is None:  # collected meanwhile
-                    repo.store.delete(key)
+                stored = True
             except Exception as err:  # noqa: BLE001 - the refusal itself is what the caller must see
                 log.warning("%s: could not store the refusal of version %d: %s", repo.url, version, err)
+                stored = False
+            try:  # gc deleted the parts after this read them: a refusal left would name parts written again
+                if stored and any(
+                    repo.store.head(part_key(version, r, world)) is None for r in {min(parts), max(parts)}
+                ):
+                    repo.store.delete(key)
+            except Exception as err:  # noqa: BLE001
+                log.warning(
+                    "%s: stored the refusal of version %d; could not check whether gc collected its parts: %s",
+                    repo.url,
+                    version,
+                    err,
+                )
         raise
 
 
