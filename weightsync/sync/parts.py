@@ -410,10 +410,10 @@ def commit_parts(
     (docs/FORMAT.md section 7; ranks' parts are never signed: readers never read them); a head it
     did not sign does not bind the parts to its files (the ranks made a keyframe, see
     :func:`weightsync.sync.publish.plan_version`). A refusal that concerns the parts themselves (a
-    stale parent, a part of another world or damaged, parts that do not merge, or parts without
-    the SHA-256 digests that ``signing_key`` needs) of a version above
-    the head is stored for the ranks waiting on the commit (:func:`read_refusal`) before it is
-    raised; a timeout, or a store that refuses the commit, is not."""
+    stale parent, a damaged part, parts that do not merge, or parts without the SHA-256 digests
+    that ``signing_key`` needs) or a key beside them (of another world) of a version above the head
+    is stored for the ranks waiting on the commit (:func:`read_refusal`) before it is raised; a
+    timeout, or a store that refuses the commit, is not."""
     check_world(None, world)
     if not 0 <= version <= MAX_VERSION:
         raise UsageError(f"version must be an integer in 0..{MAX_VERSION} (docs/FORMAT.md), not {version}")
