@@ -232,6 +232,7 @@ def test_waiting_ranks_poll_with_a_generator_of_their_own(tmp_path):
     pubs = ranks(store, world, tmp_path, timeout=30.0)
     for p in pubs:
         p.committer = False
+    state = random.getstate()  # given back after: the tests after this one keep an unseeded generator
     try:
         assert all(x.committed is None for x in round_(pubs, 0, wait=False))
         late = threading.Timer(0.5, commit_parts, (weightsync.open_repo(store), 0, world), {"timeout": 10})
@@ -244,6 +245,7 @@ def test_waiting_ranks_poll_with_a_generator_of_their_own(tmp_path):
         assert after == random.random()
         assert pubs[0]._rng is not pubs[1]._rng
     finally:
+        random.setstate(state)
         for p in pubs:
             p.close()
 
