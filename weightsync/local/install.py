@@ -59,13 +59,21 @@ class TornInstallError(WeightsyncError):
     """An install could not complete: the folder now claims no version (the next pull rebuilds it)."""
 
 
-def _apply_journal(folder: Path, journal: dict) -> None:
+def _apply_journal(folder: Path, journal: dict, recovering: bool = False) -> None:
     """Run (or finish) the renames of ``journal``, then record its version. A staged file that is
     gone must already be in place (a rename done before a kill): its checksum says so; otherwise
-    the folder is marked as holding no version and :class:`TornInstallError` is raised."""
+    the folder is marked as holding no version and :class:`TornInstallError` is raised. So is it
+    when a file the version keeps is no longer as the folder's state recorded it (changed since
+    the pull chose to keep it, or while an interrupted install waited) and its checksum differs,
+    or, finishing an interrupted install (``recovering``), when a staged file's checksum differs."""
     sdir = state_dir(folder)
     staging = sdir / "staging"
     private_dir(folder, "staging", create=False)  # a link there is refused
+    try:
+        before = (read_state(folder) or LocalState(0, "", {})).files  # what the kept files were checked against
+    except UsageError:
+        before = {}
+    installed = set(journal["install"])
     for rel in journal["remove"]:  # first, so that a file may become a folder and back
         path = safe_join(folder, rel)
         if path.is_dir() and not path.is_symlink():
@@ -77,6 +85,12 @@ def _apply_journal(folder: Path, journal: dict) -> None:
     for rel in journal["install"]:
         src, dst = safe_join(staging, rel), safe_join(folder, rel)
         if os.path.lexists(src):
+            if recovering and not _holds(src, *journal["files"][rel]):  # staging is trusted for nothing
+                _mark_torn(folder)
+                raise TornInstallError(
+                    f"{folder}: the staged file {rel} of version {journal['version']} changed while its install "
+                    "was interrupted; the folder now holds no version: pull again to rebuild it"
+                )
             dst.parent.mkdir(parents=True, exist_ok=True)
             os.replace(src, dst)
         elif not _holds(dst, *journal["files"][rel]):
@@ -87,18 +101,39 @@ def _apply_journal(folder: Path, journal: dict) -> None:
             )
     files = {}
     for rel, (size, digest) in journal["files"].items():
-        st = os.lstat(safe_join(folder, rel))
+        path = safe_join(folder, rel)
+        st = os.lstat(path)
         if not stat.S_ISREG(st.st_mode) or st.st_size != size:
             _mark_torn(folder)
             raise TornInstallError(
                 f"{folder}: {rel} is not the file version {journal['version']} installs; "
                 "the folder now holds no version: pull again to rebuild it"
             )
+        if (
+            rel not in installed
+            and not _as_recorded(before.get(rel), size, digest, st)
+            and not _holds(path, size, digest)
+        ):
+            _mark_torn(folder)
+            raise TornInstallError(
+                f"{folder}: {rel}, which version {journal['version']} keeps, changed while it was installed "
+                "(another process writing into the folder?); the folder now holds no version: pull again to rebuild it"
+            )
         files[rel] = (size, digest, st.st_mtime_ns, st.st_ctime_ns)
     write_json_atomic(sdir / "state.json", {"version": journal["version"], "store": journal["store"], "files": files})
     (sdir / "journal.json").unlink()
     (sdir / REFILL).unlink(missing_ok=True)  # a refill interrupted before this install replaced it
     shutil.rmtree(staging, ignore_errors=True)
+
+
+def _as_recorded(rec: tuple | None, size: int, digest: str, st: os.stat_result) -> bool:
+    """A kept file is still as the folder's state recorded it for the same content (size, digest,
+    modification and change times; a record without a change time checks the rest)."""
+    return (
+        rec is not None
+        and (rec[0], rec[1], rec[2]) == (size, digest, st.st_mtime_ns)
+        and rec[3] in (None, st.st_ctime_ns)
+    )
 
 
 def _mark_torn(folder: Path) -> None:
@@ -123,7 +158,7 @@ def recover(folder: Path) -> None:
     private_dir(folder)
     journal = _read_journal(folder)
     if journal is not None:
-        _apply_journal(folder, journal)
+        _apply_journal(folder, journal, recovering=True)
     elif private_dir(folder, "staging", create=False):  # a link there is refused, not followed or removed
         shutil.rmtree(state_dir(folder) / "staging")
 
