@@ -6,6 +6,7 @@ interrupted refill leaves a folder that claims no version and is finished by the
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -247,3 +248,56 @@ def test_a_wrong_result_from_a_right_base_is_reported_as_it_is(traj, tmp_path, m
     assert info.value.expected == wrong_xxh3 and seg["name"] in info.value.what
     assert bases and all(b is not None for b in bases)  # never retried without the base
     assert snapshot(base) == before_base
+
+
+@pytest.mark.parametrize("changed", ["kept", "written"])
+def test_a_file_changed_while_the_folder_is_refilled_is_not_recorded_as_the_version(
+    changed, store, traj, tmp_path, monkeypatch
+):
+    """Keeping its size: a file the refill keeps (config.json) edited while the refill writes the
+    others, or a shard rewritten by another writer after the refill wrote it. Neither is recorded as
+    version 2 (before, each ended with wrong bytes and no error, and later refills kept them): the
+    refill fails, the folder claims no version, and the next refill rebuilds it."""
+    import weightsync.sync.pull as pulling
+    from weightsync.local.install import TornInstallError
+
+    base, out = tmp_path / "a", tmp_path / "b"
+    weightsync.pull(store, base, 1, config=PULL)
+    weightsync.pull(store, out, 0, config=PULL)
+    real, done = pulling._write_one, []
+
+    def write_one(fp, results, root, cfg, in_place):
+        times = real(fp, results, root, cfg, in_place)
+        if not done:
+            flip_byte(out / "config.json" if changed == "kept" else root / fp.entry.path, -2)
+            done.append(fp.entry.path)
+        return times
+
+    monkeypatch.setattr(pulling, "_write_one", write_one)
+    with pytest.raises(TornInstallError, match="changed while version 2 was written"):
+        weightsync.pull(store, out, 2, config=PULL, base_dir=base)
+    assert done and read_state(out) is None and (state_dir(out) / REFILL).exists()
+    monkeypatch.undo()
+    weightsync.pull(store, out, 2, config=PULL, base_dir=base)
+    assert_replica(out, traj[2])
+    assert weightsync.verify(store, out, 2) == 2
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_kept_file_whose_ctime_moved_is_hashed_once(in_place, store, traj, tmp_path, monkeypatch):
+    """A hard link made to a kept file elsewhere (a backup, ``adopt``) moves its ctime: the pull
+    hashes it to keep it, and the install or the refill's end compares against the times it saw
+    then instead of hashing it a second time."""
+    import weightsync.local.state as local_state
+
+    base, out = tmp_path / "a", tmp_path / "b"
+    weightsync.pull(store, base, 1, config=PULL)
+    weightsync.pull(store, out, 1, config=PULL)
+    os.link(out / "config.json", tmp_path / "backup.json")
+    real, hashed = local_state.hash_file, []
+    monkeypatch.setattr(local_state, "hash_file", lambda path, *a: (hashed.append(Path(path).name), real(path, *a))[1])
+    r = weightsync.pull(store, out, 2, config=PULL, base_dir=base if in_place else None)
+    assert r.kept_files >= 1 and hashed.count("config.json") == 1, hashed
+    assert_replica(out, traj[2])
+    monkeypatch.undo()
+    assert weightsync.verify(store, out, 2) == 2

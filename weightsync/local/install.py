@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+from collections.abc import Mapping
 from pathlib import Path
 
 from weightsync.errors import UsageError, WeightsyncError
@@ -18,8 +19,8 @@ from weightsync.local.state import (
     REFILL,
     STATE_DIR,
     LocalState,
+    Times,
     _holds,
-    _times,
     _version,
     fsync_dir,
     private_dir,
@@ -45,6 +46,7 @@ def _read_journal(folder: Path) -> dict | None:
             "install": [check_path(p) for p in doc["install"]],
             "remove": [check_path(p) for p in doc["remove"]],
             "files": {check_path(p): (int(size), str(digest)) for p, (size, digest) in doc["files"].items()},
+            "kept": {check_path(p): (int(m), int(c)) for p, (m, c) in doc.get("kept", {}).items()},
         }
     except (ValueError, KeyError, TypeError, AttributeError, WeightsyncError) as exc:
         raise UsageError(f"{path}: corrupt install journal ({exc}); remove {STATE_DIR} to start afresh") from None
@@ -73,6 +75,7 @@ def _apply_journal(folder: Path, journal: dict, recovering: bool = False) -> Non
         before = (read_state(folder) or LocalState(0, "", {})).files  # what the kept files were checked against
     except UsageError:
         before = {}
+    checked = journal.get("kept", {})  # or, closer, the times the pull saw when it chose to keep them
     installed = set(journal["install"])
     for rel in journal["remove"]:  # first, so that a file may become a folder and back
         path = safe_join(folder, rel)
@@ -111,7 +114,7 @@ def _apply_journal(folder: Path, journal: dict, recovering: bool = False) -> Non
             )
         if (
             rel not in installed
-            and not _as_recorded(before.get(rel), size, digest, st)
+            and not _as_recorded((size, digest, *checked[rel]) if rel in checked else before.get(rel), size, digest, st)
             and not _holds(path, size, digest)
         ):
             _mark_torn(folder)
@@ -235,8 +238,17 @@ def spool_dir(folder: Path) -> Path:
     return private_dir(folder, "spool")
 
 
-def install(folder: Path, manifest: Manifest, store_url: str, staged: list[str], fsync: bool = True) -> None:
-    """Atomically make ``folder`` hold ``manifest``'s version: ``staged`` files replace the current ones."""
+def install(
+    folder: Path,
+    manifest: Manifest,
+    store_url: str,
+    staged: list[str],
+    fsync: bool = True,
+    kept: Mapping[str, Times] | None = None,
+) -> None:
+    """Atomically make ``folder`` hold ``manifest``'s version: ``staged`` files replace the current
+    ones. ``kept`` has the times (mtime, ctime) of files the version keeps as they were when found
+    to hold its bytes: a kept file still so is not hashed again."""
     old = read_state(folder)
     keep = {f.path for f in manifest.files}
     remove = sorted(set(old.files) - keep) if old else []
@@ -246,6 +258,7 @@ def install(folder: Path, manifest: Manifest, store_url: str, staged: list[str],
         "install": sorted(staged),
         "remove": remove,
         "files": {f.path: [f.size, f.xxh3] for f in manifest.files},
+        "kept": {rel: list(times) for rel, times in (kept or {}).items() if rel in keep and rel not in set(staged)},
     }
     write_json_atomic(state_dir(folder) / "journal.json", journal, fsync)
     _apply_journal(folder, journal)
@@ -284,9 +297,30 @@ def open_in_place(path: Path):
     return open(path, "xb")
 
 
-def finish_refill(folder: Path, manifest: Manifest, store_url: str, fsync: bool = True) -> None:
-    """After every file of ``manifest`` is in place and verified: the state, then the marker goes."""
-    files = {f.path: (f.size, f.xxh3, *_times(folder / f.path)) for f in manifest.files}
+def finish_refill(
+    folder: Path, manifest: Manifest, store_url: str, checked: Mapping[str, Times], fsync: bool = True
+) -> None:
+    """After every file of ``manifest`` is in place and verified: the state, then the marker goes.
+    ``checked`` has each file's times (mtime, ctime) as they were when its bytes were verified
+    (written, or found unchanged); a file no longer so must hash to its checksum, or
+    :class:`TornInstallError` is raised and the folder goes on claiming no version."""
+    files = {}
+    for f in manifest.files:
+        path = safe_join(folder, f.path)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            st = None
+        if st is None or not (
+            stat.S_ISREG(st.st_mode)
+            and st.st_size == f.size
+            and ((st.st_mtime_ns, st.st_ctime_ns) == checked.get(f.path) or _holds(path, f.size, f.xxh3))
+        ):
+            raise TornInstallError(
+                f"{folder}: {f.path} changed while version {manifest.version} was written into the folder "
+                "(another process writing into it?); it holds no version: pull again to rebuild it"
+            )
+        files[f.path] = (f.size, f.xxh3, st.st_mtime_ns, st.st_ctime_ns)
     sdir = state_dir(folder)
     write_json_atomic(sdir / "state.json", {"version": manifest.version, "store": store_url, "files": files}, fsync)
     (sdir / REFILL).unlink(missing_ok=True)

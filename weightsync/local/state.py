@@ -262,14 +262,18 @@ def _times(path: Path) -> tuple[int, int]:
     return st.st_mtime_ns, st.st_ctime_ns
 
 
-def unchanged_files(folder: Path, state: LocalState | None, manifest: Manifest) -> set[str]:
+Times = tuple[int, int]  # (mtime_ns, ctime_ns) of a file as it was checked
+
+
+def unchanged_files(folder: Path, state: LocalState | None, manifest: Manifest) -> dict[str, Times]:
     """Paths whose local file already holds the target's bytes: same checksum recorded, and the
     file untouched since (size, mtime and ctime as recorded; a write with its mtime set back still
     moves the ctime). A file whose ctime alone moved (a hard link made or dropped, an old state
-    that recorded none) is hashed to tell."""
+    that recorded none) is hashed to tell. Each with its times as seen before any hash, which the
+    install compares the file against (a file still so need not be hashed again)."""
     if state is None:
-        return set()
-    same = set()
+        return {}
+    same = {}
     for f in manifest.files:
         rec = state.files.get(f.path)
         if rec and rec[0] == f.size and rec[1] == f.xxh3:
@@ -280,7 +284,7 @@ def unchanged_files(folder: Path, state: LocalState | None, manifest: Manifest) 
             if not (stat.S_ISREG(st.st_mode) and st.st_size == f.size and st.st_mtime_ns == rec[2]):
                 continue
             if st.st_ctime_ns == rec[3] or _holds(safe_join(folder, f.path), f.size, f.xxh3):
-                same.add(f.path)
+                same[f.path] = (st.st_mtime_ns, st.st_ctime_ns)
     return same
 
 

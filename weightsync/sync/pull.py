@@ -12,7 +12,7 @@ chunks while downloading.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,7 +40,7 @@ from weightsync.local.install import (
     staging_dir,
 )
 from weightsync.local.lock import FolderLock, claim
-from weightsync.local.state import read_state, unchanged_files
+from weightsync.local.state import Times, read_state, unchanged_files
 from weightsync.local.verify import verify_folder
 from weightsync.store.repo import Repo, StoreLike, open_repo
 from weightsync.sync.lazy import LazyReads, Reads, plan_reads
@@ -113,23 +113,24 @@ def _write_files(
     cfg: PullConfig,
     op: Operation,
     in_place: bool = False,
-) -> list[str]:
+) -> dict[str, Times]:
     """Rebuild every file that changed into ``root`` (the staging area, or the folder itself when
-    refilling in place); returns their paths."""
+    refilling in place); returns their paths, each with its times as written."""
     todo = [f for f in plan.files if not f.keep]
     jobs = [TensorJob(f.entry.path, r) for f in todo for r in f.recipes]
     op.phase("write", sum(j.recipe.segment.nbytes for j in jobs))
     results = build_segments(jobs, payloads, base, threads=cfg.decode_threads, inflight_bytes=cfg.inflight_bytes, op=op)
+    written = {}
     try:
         for fp in todo:
-            _write_one(fp, results, root, cfg, in_place)
+            written[fp.entry.path] = _write_one(fp, results, root, cfg, in_place)
             op.progress(fp.entry.size)
     finally:
         results.close()  # stop the workers now if a file failed
-    return [f.entry.path for f in todo]
+    return written
 
 
-def _write_one(fp: FilePlan, results, root: Path, cfg: PullConfig, in_place: bool) -> None:
+def _write_one(fp: FilePlan, results, root: Path, cfg: PullConfig, in_place: bool) -> Times:
     dest = root / fp.entry.path
     dest.parent.mkdir(parents=True, exist_ok=True)
     hasher = xxhash.xxh3_128()
@@ -141,14 +142,16 @@ def _write_one(fp: FilePlan, results, root: Path, cfg: PullConfig, in_place: boo
                 hasher.update(piece)
                 f.write(piece)
         f.truncate()
+        f.flush()
         if cfg.fsync:
-            f.flush()
             os.fsync(f.fileno())
         size = f.tell()
+        st = os.fstat(f.fileno())
     if size != fp.entry.size:
         raise ChecksumError(f"{fp.entry.path} (size)", str(fp.entry.size), str(size))
     if hasher.hexdigest() != fp.entry.xxh3:
         raise ChecksumError(fp.entry.path, fp.entry.xxh3, hasher.hexdigest())
+    return st.st_mtime_ns, st.st_ctime_ns
 
 
 def _local_manifest(repo: Repo, version: int | None) -> Manifest | None:
@@ -216,7 +219,9 @@ def _pull(repo: Repo, out: Path, version, config: PullConfig, observer: Observer
     local = _local_manifest(repo, None if base_state is None else base_state.version)
     read: set[int] = set()  # versions whose payloads the plans read
 
-    def run(back_to: int | None, local: Manifest | None, keep: set[str], backward: bool = True) -> PullResult:
+    def run(
+        back_to: int | None, local: Manifest | None, keep: Mapping[str, Times], backward: bool = True
+    ) -> PullResult:
         # a rollback: the versions from the target to the local one, whose deltas may be undone
         ahead = []
         if backward and config.backward and local is not None and local.version > target_version:
@@ -228,7 +233,7 @@ def _pull(repo: Repo, out: Path, version, config: PullConfig, observer: Observer
 
         plan, reads = plan_reads(repo, target_version, make, back_to=back_to, lazy=config.lazy)
         read.update(s.version for f in plan.files for r in f.recipes for s in r.steps)
-        return _pull_plan(repo, out, base, plan, reads, base_state, config, op)
+        return _pull_plan(repo, out, base, plan, reads, base_state, config, op, keep)
 
     back_to = None if base_state is None else base_state.version
     try:
@@ -243,7 +248,7 @@ def _pull(repo: Repo, out: Path, version, config: PullConfig, observer: Observer
             return run(back_to, local, keep)
     except BaseMismatchError:
         # the base folder was modified behind our back: rebuild from the keyframe without local bytes
-        return run(None, None, set())
+        return run(None, None, {})
     except NotFoundError:
         if all(repo.store.head(version_key(v)) is not None for v in read):
             raise  # the store lost an object of a live version: report it, do not route around it
@@ -253,7 +258,15 @@ def _pull(repo: Repo, out: Path, version, config: PullConfig, observer: Observer
 
 
 def _pull_plan(
-    repo, out: Path, base: Path, plan: Plan, reads: Reads, base_state, cfg: PullConfig, op: Operation
+    repo,
+    out: Path,
+    base: Path,
+    plan: Plan,
+    reads: Reads,
+    base_state,
+    cfg: PullConfig,
+    op: Operation,
+    kept: Mapping[str, Times],
 ) -> PullResult:
     seconds = {}
     in_place = base != out
@@ -271,9 +284,9 @@ def _pull_plan(
             local.close()
     seconds["build"] = op.elapsed() - seconds["fetch"]
     if in_place:
-        finish_refill(out, plan.manifest, repo.url, cfg.fsync)
+        finish_refill(out, plan.manifest, repo.url, {**kept, **written}, cfg.fsync)
     else:
-        install(out, plan.manifest, repo.url, written, cfg.fsync)
+        install(out, plan.manifest, repo.url, list(written), cfg.fsync, kept)
     clear_spool(spool_dir(out))
     seconds["total"] = op.elapsed()
     kept = sum(f.keep for f in plan.files)
