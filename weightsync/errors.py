@@ -30,8 +30,8 @@ class FormatError(WeightsyncError):
 class ChecksumError(WeightsyncError):
     """Bytes whose xxh3 checksum differs from the one recorded in the manifest."""
 
-    def __init__(self, what: str, expected: str, actual: str):
-        super().__init__(f"checksum mismatch for {what}: expected xxh3 {expected}, got {actual}")
+    def __init__(self, what: str, expected: str, actual: str, message: str | None = None):
+        super().__init__(message or f"checksum mismatch for {what}: expected xxh3 {expected}, got {actual}")
         self.what = what
         self.expected = expected
         self.actual = actual

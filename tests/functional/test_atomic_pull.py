@@ -180,6 +180,7 @@ def test_recovery_by_the_next_pull(small_store, tmp_path, cli_env, run_cli, ws):
     )
     rc, _, stderr = run_cli("pull", "--store", store, "--version", 0, out)
     assert rc == 0, stderr
+    assert f"{out}: finished the install of version 1, which a process left unfinished" in stderr
     assert "from version 1:" in stderr
     ws.assert_replica(out, versions[0])
 

@@ -164,10 +164,10 @@ def test_incremental_pull_forward_and_rollback(published, tmp_path, run_cli, ok_
 VERIFY_DIFFERS, VERIFY_UNCHECKED = 1, 3  # the documented exit codes of `weightsync verify`
 
 
-def _verify_rc(run_cli, url, version, folder) -> int:
+def _verify_rc(run_cli, url, version, folder, says: str = "") -> int:
     rc, _, err = run_cli("verify", "--store", url, "--version", version, folder)
     if rc:
-        assert err.startswith("weightsync: error:"), err
+        assert err.startswith("weightsync: error:") and says in err, err
     return rc
 
 
@@ -190,12 +190,12 @@ def test_verify(published, tmp_path, run_cli, ok_cli, ws):
     ws.flip_byte(out / "model-00001-of-00002.safetensors", 20)  # inside the JSON header
     assert _verify_rc(run_cli, url, 4, out) == VERIFY_DIFFERS
     (out / "config.json").unlink()
-    assert _verify_rc(run_cli, url, 4, out) == VERIFY_DIFFERS
+    assert _verify_rc(run_cli, url, 4, out, f"{out} lacks files of version 4: config.json\n") == VERIFY_DIFFERS
     ok_cli("pull", "--store", url, "--version", 4, out)  # a pull repairs the folder
     ws.assert_replica(out, traj[4])
 
     (out / "stray.txt").write_text("x")
-    assert _verify_rc(run_cli, url, 4, out) == VERIFY_DIFFERS
+    assert _verify_rc(run_cli, url, 4, out, f"{out} holds entries version 4 lacks: stray.txt\n") == VERIFY_DIFFERS
     (out / "stray.txt").unlink()
     (out / "sub").mkdir()
     (out / "sub" / "stray.bin").write_bytes(b"")

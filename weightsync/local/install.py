@@ -5,6 +5,7 @@ meanwhile, so it claims no version until the refill ends)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import stat
@@ -31,6 +32,8 @@ from weightsync.local.state import (
     stray_entries,
     write_json_atomic,
 )
+
+log = logging.getLogger("weightsync.install")
 
 
 def _read_journal(folder: Path) -> dict | None:
@@ -162,6 +165,9 @@ def recover(folder: Path) -> None:
     journal = _read_journal(folder)
     if journal is not None:
         _apply_journal(folder, journal, recovering=True)
+        log.warning(
+            "%s: finished the install of version %d, which a process left unfinished", folder, journal["version"]
+        )
     elif private_dir(folder, "staging", create=False):  # a link there is refused, not followed or removed
         shutil.rmtree(state_dir(folder) / "staging")
 

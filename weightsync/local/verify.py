@@ -20,12 +20,25 @@ def verify_folder(folder: str | os.PathLike[str], manifest: Manifest) -> None:
         raise UsageError(f"{root}: an install was interrupted and is not finished; pull again to finish it")
     expected = {f.path for f in manifest.files}
     if missing := sorted(expected - list_files(root)[0]):
-        raise ChecksumError(f"{root}: missing files", "present", ", ".join(missing[:5]))
+        names = _some(missing)
+        raise ChecksumError(
+            f"{root}: missing files", "present", names, f"{root} lacks files of version {manifest.version}: {names}"
+        )
     if extra := stray_entries(root, expected):
-        raise ChecksumError(f"{root}: unexpected entries", "absent", ", ".join(extra[:5]))
+        names = _some(extra)
+        raise ChecksumError(
+            f"{root}: unexpected entries",
+            "absent",
+            names,
+            f"{root} holds entries version {manifest.version} lacks: {names}",
+        )
     for f in manifest.files:
         size, digest = hash_file(root / f.path)
         if size != f.size:
             raise ChecksumError(f"{root / f.path} (size)", str(f.size), str(size))
         if digest != f.xxh3:
             raise ChecksumError(str(root / f.path), f.xxh3, digest)
+
+
+def _some(paths: list[str]) -> str:
+    return ", ".join(paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
