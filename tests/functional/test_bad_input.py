@@ -230,6 +230,20 @@ def test_publish_with_wrong_base(published, tmp_path, run_cli, ws):
     _fails(ws, run_cli, [store, bad_base, new], "publish", new, "--store", store, "--base", bad_base)
 
 
+def test_publish_cache_inside_the_checkpoint_or_a_pulled_folder(world, tmp_path, run_cli, ok_cli, ws):
+    """A cache in the checkpoint would be published with it (before, a publish failed and left it
+    there); one in a pulled folder made that folder's next pull refuse it. Both are refused
+    before anything is written; a cache beside them works."""
+    store, traj, replica = world
+    new = tmp_path / "new"
+    shutil.copytree(traj[4], new)
+    for cache, says in ((new, "overlap"), (new / "sub", "overlap"), (replica, f"inside {replica}, which holds")):
+        line = _fails(ws, run_cli, [store, new, replica], "publish", new, "--store", store, "--cache-dir", cache)
+        assert says in line, line
+    ok_cli("pull", "--store", store, "--version", 2, replica)
+    ok_cli("publish", new, "--store", store, "--cache-dir", tmp_path / "cache")
+
+
 # --- stores that are not weightsync stores, or hold no versions -----------------------------------
 def _foreign_store(root: Path) -> Path:
     (root / "data").mkdir(parents=True)

@@ -162,7 +162,7 @@ def publish_part(
     new = plan_version(repo, version, config)
     parent = None if new.parent is None else new.parent.version
     view = RankView(repo, [f.path for f in mine])
-    with cache_claim(cache_dir) as lock:  # one publish at a time on a cache folder
+    with cache_claim(cache_dir, src) as lock:  # one publish at a time on a cache folder
         op = Operation(observer)
         enc = encode_folder(repo, mine, scan, new, config, DeltaBase(base_dir, cache_dir, view, lock), op)
         check_still_as_scanned(enc.sources, scan)  # the part is one state of the rank's files

@@ -26,7 +26,7 @@ from weightsync.codec.payload import CodecConfig, EncodedTensor, encode_tensor
 from weightsync.errors import BaseMismatchError, NotFoundError, UsageError, VersionError
 from weightsync.format.chunking import DEFAULT_CHUNK_BYTES, ChunkPacker
 from weightsync.format.dtypes import itemsize
-from weightsync.format.keys import MAX_VERSION, chunk_key
+from weightsync.format.keys import MAX_VERSION, STATE_DIR, chunk_key
 from weightsync.format.manifest import ChunkRef, Delta, FileEntry, Manifest, Payload, Segment
 from weightsync.format.safetensors import SourceSegment
 from weightsync.local.base import LocalVersion, adopt
@@ -349,7 +349,7 @@ def publish(
     scan = lambda: scan_checkpoint(src, config.ignore)  # noqa: E731
     files = scan()  # validate the input before anything is written
     new = plan_version(repo, version, config)
-    with cache_claim(cache_dir) as lock:  # one publish at a time on a cache folder
+    with cache_claim(cache_dir, src) as lock:  # one publish at a time on a cache folder
         op = Operation(observer)
         enc = encode_folder(repo, files, scan, new, config, DeltaBase(base_dir, cache_dir, lock=lock), op)
         check_still_as_scanned(enc.sources, scan)  # the version is one state of the folder
@@ -360,10 +360,20 @@ def publish(
     return result
 
 
-def cache_claim(cache_dir: str | os.PathLike[str] | None) -> FolderLock | contextlib.nullcontext:
-    """A lock on the publish cache for one publish (nothing to lock without a cache)."""
+def cache_claim(cache_dir: str | os.PathLike[str] | None, src: Path) -> FolderLock | contextlib.nullcontext:
+    """A lock on the publish cache for one publish (nothing to lock without a cache). A cache that
+    overlaps the checkpoint folder ``src``, or lies inside a folder that holds a version (a pull's,
+    or another cache), is refused before anything is written: the cache would become part of the
+    checkpoint, or an entry that folder's next update refuses."""
     if cache_dir is None:
         return contextlib.nullcontext()
+    cache, ckpt = Path(os.path.realpath(cache_dir)), Path(os.path.realpath(src))
+    if cache == ckpt or ckpt in cache.parents or cache in ckpt.parents:
+        raise UsageError(f"the cache folder {cache_dir} and the checkpoint folder {src} overlap; choose another cache")
+    if holder := next((d for d in cache.parents if (d / STATE_DIR).is_dir()), None):
+        raise UsageError(
+            f"the cache folder {cache_dir} is inside {holder}, which holds a weightsync version; choose another cache"
+        )
     return FolderLock(Path(cache_dir), "weightsync publish (its delta-base cache)")
 
 
