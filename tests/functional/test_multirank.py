@@ -777,3 +777,35 @@ def test_rank_publisher_daemons_with_folders_of_their_own(sharded, tmp_path, dae
         weightsync.pull(repo(store), tmp_path / "out", v)
         ws.assert_replica(tmp_path / "out", ckpt)
         assert sorted(pubs[1].status()["last_publish"]["files"]) == mine[1]
+
+
+def test_a_rank_daemon_polls_the_store_jittered_and_less_often_in_a_large_job(tmp_path):
+    """Every rank daemon of a job reads the head each poll (and a waiting one the refusal key): a
+    rank's wait is drawn around ``--poll-interval``, stretched to ``world / 1000`` s (2,048 ranks
+    polling every 2 s in step would ask 1,024 reads a second at once); a plain publisher keeps its
+    interval."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+
+    from weightsync.service.config import Identity, PublisherConfig, StoreConfig
+    from weightsync.service.metrics import Metrics
+    from weightsync.service.publisher import Publisher
+
+    store, watch = f"file://{tmp_path / 'store'}", tmp_path / "watch"
+    watch.mkdir()
+    for rank, world, expect in ((None, 1, None), (0, 2, 2.0), (5, 4096, 4.096)):
+        ranked = {} if rank is None else {"rank": rank, "world": world}
+        cfg = PublisherConfig(StoreConfig(store), watch, tmp_path / "st", Identity("p"), poll_interval=2.0, **ranked)
+        pub = Publisher(cfg, weightsync.open_repo(store), Metrics(CollectorRegistry(), "publisher"))
+
+        async def idle(n: int, pub=pub) -> list[float]:
+            pub._wake = asyncio.Event()
+            return [await pub._iteration() for _ in range(n)]
+
+        waits = asyncio.run(idle(40))
+        assert pub.state == "idle", pub.reason
+        if expect is None:
+            assert set(waits) == {2.0}
+        else:
+            assert all(0.5 * expect <= w <= 1.5 * expect for w in waits) and len(set(waits)) == len(waits), waits

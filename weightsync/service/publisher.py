@@ -8,6 +8,7 @@ import asyncio
 import logging
 import math
 import os
+import random
 import re
 import time
 from contextlib import suppress
@@ -34,7 +35,7 @@ from weightsync.service.runtime import (
 )
 from weightsync.service.stalls import StallWatch
 from weightsync.store.repo import Repo
-from weightsync.sync.parts import commit_parts, publish_part, read_refusal
+from weightsync.sync.parts import commit_parts, publish_part, rank_poll, read_refusal
 from weightsync.sync.publish import PublishResult, publish
 
 log = logging.getLogger("weightsync.publisher")
@@ -175,6 +176,7 @@ class Publisher:
         self._too_large: set[str] = set()  # checkpoint folders already reported as beyond the format's versions
         self._blocked: str | None = None  # the unfinished checkpoint last reported as holding back others
         self._refused: tuple[int, str] | None = None  # rank mode: the version and reason last logged
+        self._rng = random.Random()  # rank mode: the jitter of its polls (never the training's seeded generator)
 
     def request_stop(self) -> None:
         """Stop after the current step (a publish in progress is cancelled at its next check)."""
@@ -275,7 +277,7 @@ class Publisher:
             if not isinstance(action, Publish):
                 self.state = "idle" if isinstance(action, Idle) else "waiting"
                 self._report_blocked(action)
-                return self.cfg.poll_interval
+                return self._poll()
             for step in action.skipped:
                 event(
                     log,
@@ -297,6 +299,14 @@ class Publisher:
             # a failed publish is retried when its step's back-off ends (plan_publish waits until then)
             wait = None if self._failed is None else self._failed[2] - self.clock()
             return iteration_failed(self, exc, log, wait if wait is not None and wait > 0 else None)
+
+    def _poll(self) -> float:
+        """The wait before the next look at the store: ``--poll-interval``; a rank's is stretched
+        with the job's size and jittered (:func:`weightsync.sync.parts.rank_poll`), since every rank
+        of a job reads the head (and a waiting one the refusal key) each time."""
+        if self.cfg.rank is None:
+            return self.cfg.poll_interval
+        return rank_poll(self.cfg.poll_interval, self.cfg.world, self._rng)
 
     def _report_blocked(self, action: Idle | Wait) -> None:
         """Log once (WARNING) an unfinished checkpoint that holds back ready ones after it."""
@@ -330,9 +340,7 @@ class Publisher:
             )
             if not self.cfg.commit:
                 await self._report_refusal(part)
-            return (
-                self.cfg.poll_interval if not self.cfg.commit else min(self.cfg.poll_interval, retry_at - self.clock())
-            )
+            return self._poll() if not self.cfg.commit else min(self.cfg.poll_interval, retry_at - self.clock())
         self.reason = f"committing version {part} once all {self.cfg.world} parts are stored"
         await self._guarded(part, "committing", self._commit_blocking, part)
         return 0.0
