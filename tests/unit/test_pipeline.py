@@ -7,13 +7,16 @@ workers to have caught up waits for the pool to be idle.
 
 from __future__ import annotations
 
+import math
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
 import weightsync.sync.pipeline as pipeline
-from weightsync.sync.pipeline import ordered_map
+from weightsync.sync.pipeline import cgroup_cpu_quota, ordered_map, usable_cpus
 
 TIMEOUT = 30.0  # a barrier or event that long overdue is a failure, not a slow machine
 
@@ -177,3 +180,53 @@ def test_runs_never_starve_a_small_budget_of_threads():
     got = list(ordered_map(fn, range(8), lambda i: 3, budget=8, threads=4, batch=12))
     assert [i for i, _ in got] == list(range(8))
     assert peak[0] == 2
+
+
+def _cgroups(root: Path, proc: str, files: dict[str, str]) -> tuple[Path, Path]:
+    for rel, text in files.items():
+        (root / "fs" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / "fs" / rel).write_text(text)
+    (root / "cgroup").write_text(proc)
+    return root / "fs", root / "cgroup"
+
+
+@pytest.mark.parametrize(
+    "proc,files,quota",
+    [
+        # v2, the host's path in /proc: the lowest quota of the cgroup and those above it
+        (
+            "0::/pods/p1/c1\n",
+            {"cpu.max": "max 100000", "pods/p1/cpu.max": "150000 100000", "pods/p1/c1/cpu.max": "max 100000"},
+            1.5,
+        ),
+        # v2 in a container: its own cgroup at the mount's root, /proc naming "/"
+        ("0::/\n", {"cpu.max": "250000 100000"}, 2.5),
+        ("0::/\n", {"cpu.max": "max 100000"}, None),
+        # v1, cpu and cpuacct mounted together, and the container's cgroup at the root of the mount
+        (
+            "12:memory:/k/x\n4:cpu,cpuacct:/k/x\n",
+            {"cpu,cpuacct/cpu.cfs_quota_us": "50000", "cpu,cpuacct/cpu.cfs_period_us": "100000"},
+            0.5,
+        ),
+        (
+            "4:cpuacct,cpu:/k/x\n",
+            {"cpu/k/x/cpu.cfs_quota_us": "300000\n", "cpu/k/x/cpu.cfs_period_us": "100000\n"},
+            3.0,
+        ),
+        ("4:cpu:/\n", {"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000"}, None),
+        # unreadable or odd: no quota (never an error)
+        ("0::/\n", {"cpu.max": "garbage"}, None),
+        ("4:cpu:/\n", {"cpu/cpu.cfs_quota_us": "100000", "cpu/cpu.cfs_period_us": "0"}, None),
+        ("", {}, None),
+    ],
+)
+def test_a_cgroup_cpu_quota_caps_the_default_threads(tmp_path, proc, files, quota):
+    root, proc_file = _cgroups(tmp_path, proc, files)
+    assert cgroup_cpu_quota(root, proc_file) == quota
+    cpus = len(os.sched_getaffinity(0))
+    assert usable_cpus(root, proc_file) == (cpus if quota is None else max(1, min(cpus, math.ceil(quota))))
+
+
+def test_without_a_cgroup_file_every_cpu_is_usable(tmp_path):
+    assert cgroup_cpu_quota(tmp_path, tmp_path / "absent") is None
+    assert usable_cpus(tmp_path, tmp_path / "absent") == len(os.sched_getaffinity(0))

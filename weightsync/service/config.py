@@ -3,7 +3,6 @@ entry point (:mod:`weightsync.service.flags`) and passed down."""
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -13,6 +12,7 @@ from weightsync.errors import UsageError
 from weightsync.store.retry import RetryPolicy
 from weightsync.store.signing import Keyring
 from weightsync.sync.lazy import MODES as LAZY_MODES
+from weightsync.sync.pipeline import default_threads
 from weightsync.sync.publish import PublishConfig
 
 TOKEN_ENV = "WEIGHTSYNC_API_TOKEN"
@@ -280,7 +280,7 @@ class SubscriberConfig:
     hook: HookConfig | None = None
     ledger_interval: float = 30.0  # heartbeat of the fleet record (also written after each swap)
     fetch_concurrency: int = 32
-    decode_threads: int = max(1, min(8, os.cpu_count() or 1))
+    decode_threads: int = field(default_factory=default_threads)
     fsync: bool = True
     verify_before_swap: bool = False  # re-read the whole standby folder before each swap
     standby_hold: float | None = 30.0  # without a hook, refill the standby in place this long after a swap; None: never

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -19,6 +22,66 @@ done wakes the consumer, and on two cores each wake costs the workers too: again
 16 MiB took 5-6% off two threads' encode and decode of the 2.03 GiB pair (4 MiB tensors) and
 4-15% off the small model's, on the daemons' 256 MiB budget (which caps a run at budget / threads:
 many threads still get small runs)."""
+
+
+def usable_cpus(cgroup_root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")) -> int:
+    """The CPUs this process may keep busy: those it may run on, capped by its cgroup's CPU quota (a
+    container's CPU limit, rounded up). ``os.cpu_count()`` counts the node's: a pod limited to 2 CPUs
+    on a 96-core node would run 8 threads and be throttled for most of each period."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    quota = cgroup_cpu_quota(cgroup_root, proc_cgroup)
+    return max(1, cpus if quota is None else min(cpus, math.ceil(quota)))
+
+
+def cgroup_cpu_quota(cgroup_root: Path, proc_cgroup: Path) -> float | None:
+    """The lowest CPU quota, in CPUs, of this process's cgroup and the ones above it (cgroup v2's
+    ``cpu.max``, v1's ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``); None where none is set or none
+    can be read. A container often sees its own cgroup at the mount's root, and ``/proc`` naming the
+    host's path: both are read."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    quotas = []
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":  # v2: one hierarchy
+            mounts, reader = [cgroup_root], _v2_quota
+        elif "cpu" in controllers.split(","):
+            mounts, reader = [cgroup_root / controllers, cgroup_root / "cpu"], _v1_quota
+        else:
+            continue
+        for mount in dict.fromkeys(mounts):
+            d = mount / path.strip("/")
+            for folder in dict.fromkeys([d, *d.parents]):
+                if folder == mount or mount in folder.parents:
+                    if (q := reader(folder)) is not None:
+                        quotas.append(q)
+    return min(quotas, default=None)
+
+
+def _v2_quota(folder: Path) -> float | None:
+    try:
+        quota, period = (folder / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        return None
+
+
+def _v1_quota(folder: Path) -> float | None:
+    try:
+        quota = int((folder / "cpu.cfs_quota_us").read_text())
+        return None if quota <= 0 else quota / int((folder / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
+
+
+def default_threads() -> int:
+    """Encode and decode threads unless configured: one per usable CPU, eight at most."""
+    return min(8, usable_cpus())
 
 
 def ordered_map(

@@ -47,7 +47,7 @@ from weightsync.local.state import read_state
 from weightsync.store.repo import Repo, StoreLike, open_repo
 from weightsync.store.signing import Keyring, SigningKey
 from weightsync.sync.observer import Observer, Operation, observer_of
-from weightsync.sync.pipeline import TASK_BYTES, ordered_map
+from weightsync.sync.pipeline import TASK_BYTES, default_threads, ordered_map
 from weightsync.sync.pull import PullConfig, pull
 from weightsync.sync.transfer import Uploader
 
@@ -65,7 +65,7 @@ class PublishConfig:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     keyframe_interval: int = 20
     upload_concurrency: int = 32  # ~32 streams of ~100 MB/s fill a 25 Gb/s link
-    encode_threads: int = max(1, min(8, os.cpu_count() or 1))
+    encode_threads: int = field(default_factory=default_threads)
     inflight_bytes: int = 256 << 20
     ignore: tuple[str, ...] = ()  # globs of relative paths not to publish (e.g. "COMPLETE")
     # chunks stored longer ago than this are touched again right before the commit (or part), so

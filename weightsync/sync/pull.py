@@ -45,6 +45,7 @@ from weightsync.local.verify import verify_folder
 from weightsync.store.repo import Repo, StoreLike, open_repo
 from weightsync.sync.lazy import LazyReads, Reads, plan_reads
 from weightsync.sync.observer import Observer, Operation, observer_of
+from weightsync.sync.pipeline import default_threads
 from weightsync.sync.plan import FilePlan, Plan, plan_pull
 from weightsync.sync.rebuild import Payloads, TensorJob, build_segments
 from weightsync.sync.transfer import clear_spool, fetch_chunks
@@ -59,7 +60,7 @@ class PullConfig:
     invertible; False plans only from keyframes and the bytes kept, as benchmarks compare)."""
 
     fetch_concurrency: int = 32
-    decode_threads: int = max(1, min(8, os.cpu_count() or 1))
+    decode_threads: int = field(default_factory=default_threads)
     inflight_bytes: int = 256 << 20
     fsync: bool = True
     lazy: LazyReads = field(default_factory=LazyReads)
