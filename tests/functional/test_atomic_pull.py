@@ -33,6 +33,7 @@ from weightsync.local.state import read_state
 #   state N    the new state.json is in place (before the journal is removed)
 #   enospc N   like fsync, but the n-th fsync fails with ENOSPC instead of killing
 #   edit N     like fsync, but flips the last byte of same.json in the folder (another writer) and goes on
+#   restage N  like edit, but flips the last byte of the staged model-0.safetensors (written and fsynced)
 DRIVER = r"""
 import errno, os, signal, sys
 kind, n, out = sys.argv[1], int(sys.argv[2]), os.path.abspath(sys.argv[3])
@@ -54,9 +55,9 @@ def replace(src, dst, *a, **k):
 
 def fsync(fd):
     real_fsync(fd)
-    if kind in ("fsync", "enospc", "edit") and hit():
-        if kind == "edit":
-            path = os.path.join(out, "same.json")
+    if kind in ("fsync", "enospc", "edit", "restage") and hit():
+        if kind in ("edit", "restage"):
+            path = os.path.join(out, "same.json" if kind == "edit" else ".weightsync/staging/model-0.safetensors")
             data = bytearray(open(path, "rb").read())
             data[-1] ^= 1
             open(path, "wb").write(bytes(data))
@@ -185,21 +186,29 @@ def test_recovery_by_the_next_pull(small_store, tmp_path, cli_env, run_cli, ws):
     ws.assert_replica(out, versions[0])
 
 
-@pytest.mark.parametrize("change", ["kept-after-kill", "staged-after-kill", "kept-while-staging"])
+@pytest.mark.parametrize(
+    "change", ["kept-after-kill", "staged-after-kill", "kept-while-staging", "staged-while-staging"]
+)
 def test_a_file_changed_during_an_install_is_not_recorded_as_the_version(
     change, small_store, tmp_path, cli_env, run_cli, ws
 ):
     """Each keeping its size: a file version 1 keeps (same.json) edited in the folder after a kill
     once the journal was in place, or a staged file changed then, or same.json edited while the
-    pull stages version 1. None of them is recorded as version 1 (the pull fails, the folder claims
-    no version; before, each ended with wrong bytes and exit 0, and every later pull kept them);
-    the next pull rebuilds it."""
+    pull stages version 1, or a staged file changed after it was written (another process in
+    .weightsync). None of them is recorded as version 1 (the pull fails, the folder claims no
+    version; before, each ended with wrong bytes and exit 0, and every later pull kept them); the
+    next pull rebuilds it."""
     store, versions, at_v0 = small_store
     out = tmp_path / "out"
     shutil.copytree(at_v0, out)
     if change == "kept-while-staging":
         proc = _drive(cli_env, "edit", 1, out, "pull", "--store", store, "--version", 1, out)
         assert proc.returncode == 1 and "same.json, which version 1 keeps, changed while" in proc.stderr, proc.stderr
+    elif change == "staged-while-staging":  # written, hashed, fsynced: then changed by another writer
+        proc = _drive(cli_env, "restage", 2, out, "pull", "--store", store, "--version", 1, out)
+        assert proc.returncode == 1 and "model-0.safetensors of version 1 changed before its install" in proc.stderr, (
+            proc.stderr
+        )
     else:
         assert _drive(cli_env, "journal", 1, out, "pull", "--store", store, "--version", 1, out).returncode == (
             -signal.SIGKILL
@@ -209,7 +218,8 @@ def test_a_file_changed_during_an_install_is_not_recorded_as_the_version(
         data[-1] ^= 1
         path.write_bytes(bytes(data))
         rc, _, stderr = run_cli("pull", "--store", store, "--version", 1, out)
-        assert rc == 1 and "changed while" in stderr and len(stderr.splitlines()) == 1, stderr
+        says = "changed while" if change == "kept-after-kill" else "changed before its install (while the install was"
+        assert rc == 1 and says in stderr and len(stderr.splitlines()) == 1, stderr
     assert read_state(out) is None
     rc, _, stderr = run_cli("pull", "--store", store, "--version", 1, out)
     assert rc == 0, stderr

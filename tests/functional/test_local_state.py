@@ -560,3 +560,33 @@ def test_the_partial_path_refuses_foreign_folders_and_links(published, ws, tmp_p
         materialize(repo, out, 2, Selection(include=("*embed*",)), config=PullConfig(fsync=False))
     assert ws.snapshot(tmp_path) == before
     assert (theirs / "keep.bin").read_bytes() == b"keep me"
+
+
+def test_a_partial_file_changed_in_staging_before_its_install_is_not_recorded(published, ws, tmp_path, monkeypatch):
+    """The partial path hashes what it writes; a staged file changed afterwards (same size; another
+    process in .weightsync) was renamed in and recorded as the version. Now the update fails, the
+    folder claims no version, and the next one rebuilds it."""
+    import weightsync.sync.selection as selection
+    from weightsync.local.install import TornInstallError
+    from weightsync.sync.selection import Selection, materialize, verify_partial
+
+    store, _ = published
+    repo = weightsync.open_repo(f"file://{store}")
+    out, sel, cfg = tmp_path / "part", Selection(include=("*embed*", "*layers.0.*")), PullConfig(fsync=False)
+    materialize(repo, out, 1, sel, config=cfg)
+    real, staged = selection._write_file, []
+
+    def write_file(dest, *args):
+        record = real(dest, *args)
+        staged.append(dest)
+        if len(staged) == 2:
+            ws.flip_byte(staged[0], -2)
+        return record
+
+    monkeypatch.setattr(selection, "_write_file", write_file)
+    with pytest.raises(TornInstallError, match="changed before its install"):
+        materialize(repo, out, 2, sel, config=cfg)
+    assert len(staged) >= 2 and selection.read_partial_state(out) is None
+    monkeypatch.undo()
+    materialize(repo, out, 2, sel, config=cfg)
+    assert verify_partial(repo, out, 2) == 2

@@ -287,7 +287,7 @@ def test_a_file_changed_while_the_folder_is_refilled_is_not_recorded_as_the_vers
 def test_a_kept_file_whose_ctime_moved_is_hashed_once(in_place, store, traj, tmp_path, monkeypatch):
     """A hard link made to a kept file elsewhere (a backup, ``adopt``) moves its ctime: the pull
     hashes it to keep it, and the install or the refill's end compares against the times it saw
-    then instead of hashing it a second time."""
+    then instead of hashing it a second time; nor is a file the pull wrote hashed again."""
     import weightsync.local.state as local_state
 
     base, out = tmp_path / "a", tmp_path / "b"
@@ -297,7 +297,28 @@ def test_a_kept_file_whose_ctime_moved_is_hashed_once(in_place, store, traj, tmp
     real, hashed = local_state.hash_file, []
     monkeypatch.setattr(local_state, "hash_file", lambda path, *a: (hashed.append(Path(path).name), real(path, *a))[1])
     r = weightsync.pull(store, out, 2, config=PULL, base_dir=base if in_place else None)
-    assert r.kept_files >= 1 and hashed.count("config.json") == 1, hashed
+    assert r.kept_files >= 1 and r.written_files >= 1 and hashed == ["config.json"], hashed  # nothing written
     assert_replica(out, traj[2])
     monkeypatch.undo()
     assert weightsync.verify(store, out, 2) == 2
+
+
+@pytest.mark.parametrize("copy", [True, False])
+def test_a_clone_whose_copy_changed_before_its_state_was_written_records_no_version(copy, store, traj, tmp_path):
+    """The subscriber's seed: a file already copied (or linked) rewritten with its size kept while
+    the others are copied. Before, the clone recorded the times it found at the end, so every later
+    refill kept the wrong bytes; now it claims no version (the folder is cleared and seeded again)."""
+    base, out = tmp_path / "a", tmp_path / "b"
+    weightsync.pull(store, base, 1, config=PULL)
+    first, calls = [], []
+
+    def check():
+        calls.append(1)
+        done = [p for p in out.rglob("*") if p.is_file() and p.stat().st_size and STATE not in p.relative_to(out).parts]
+        if done and not first:
+            first.append(done[0])
+            flip_byte(done[0], -2)
+
+    with pytest.raises(UsageError, match="changed while version 1 was copied"):
+        clone(base, out, copy=copy, check=check)
+    assert first and read_state(out) is None

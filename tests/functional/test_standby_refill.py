@@ -248,3 +248,69 @@ def test_an_idle_copy_gives_way_to_a_new_head_a_request_or_a_stop(setup, tmp_pat
         assert weightsync.verify(store, standby, 0) == 0
 
     asyncio.run(main())
+
+
+def test_a_standby_that_fails_its_verification_before_the_swap_is_rebuilt_not_retried_as_it_is(
+    setup, tmp_path, monkeypatch
+):
+    """``--verify-before-swap`` reads the filled slot back. When it finds wrong bytes that the fill's
+    own checks could not see (another process wrote into a file while the fill wrote it: simulated
+    by changing the file before the fill takes its times), the slot stops claiming the version.
+    Before, its state kept claiming it, every later try kept every file, and failed again: the
+    subscriber never reached the version."""
+    import asyncio
+    import os
+    import time
+
+    from conftest import flip_byte
+    from prometheus_client import CollectorRegistry
+
+    import weightsync.sync.pull as pulling
+    from weightsync.service.config import Identity, StoreConfig, SubscriberConfig
+    from weightsync.service.metrics import Metrics
+    from weightsync.service.subscriber import Subscriber
+
+    store, traj = setup
+    cfg = SubscriberConfig(
+        StoreConfig(store),
+        tmp_path / "t",
+        Identity("s1"),
+        poll_interval=1e-6,
+        fsync=False,
+        verify_before_swap=True,
+        standby_hold=0.0,  # the standby is refilled in place
+    )
+    now = [time.time()]
+    metrics = Metrics(CollectorRegistry(), "subscriber", subscriber="s1")
+    sub = Subscriber(cfg, weightsync.open_repo(store), metrics, clock=lambda: now[0])
+    real = pulling._write_one
+
+    def write_one(fp, results, root, cfg, in_place):
+        real(fp, results, root, cfg, in_place)
+        if fp.entry.path == "model.safetensors":
+            flip_byte(root / fp.entry.path, -2)
+        st = os.lstat(root / fp.entry.path)
+        return st.st_mtime_ns, st.st_ctime_ns
+
+    async def main():
+        sub._wake = asyncio.Event()
+        await asyncio.to_thread(sub._startup)
+        await sub._iteration()
+        assert sub.view.current == 0
+        weightsync.publish(traj[1], store, 1, base_dir=traj[0])
+        sub.latest = 1
+        monkeypatch.setattr(pulling, "_write_one", write_one)
+        await sub._iteration()
+        assert sub.view.current == 0 and "checksum mismatch" in (sub.last_error or ""), sub.last_error
+        assert sub.last_sync["version"] == 0
+        monkeypatch.undo()
+        for _ in range(3):
+            now[0] += 3600  # past the back-off
+            await sub._iteration()
+            if sub.view.current == 1:
+                break
+        assert sub.view.current == 1, sub.last_error
+        assert sub.last_sync["in_place"] is True
+
+    asyncio.run(main())
+    verify_current(store, tmp_path / "t", 1, traj[1])

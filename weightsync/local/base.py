@@ -19,6 +19,7 @@ from weightsync.local.checkpoint import read_range
 from weightsync.local.install import clear_folder, install, prepare_folder, staging_dir
 from weightsync.local.lock import FolderLock, claim
 from weightsync.local.state import (
+    _holds,
     _times,
     fsync_dir,
     open_regular,
@@ -89,6 +90,7 @@ def clone(
     if state is None:
         raise UsageError(f"{src} holds no weightsync version to clone")
     clear_folder(dst)
+    made = {}  # each file's times right after it was linked or copied
     for rel, (size, _, mtime, _) in state.files.items():
         if check:
             check()
@@ -99,14 +101,23 @@ def clone(
         if not copy:
             try:
                 os.link(src / rel, dst / rel)
+                made[rel] = _times(dst / rel)
                 continue
             except OSError:
                 pass  # another file system, or links not allowed: copy
         _copy_file(src / rel, dst / rel, fsync, check)
+        made[rel] = _times(dst / rel)
     if fsync:
         for d in {(dst / rel).parent for rel in state.files}:
             fsync_dir(d)
-    files = {rel: (size, digest, *_times(dst / rel)) for rel, (size, digest, *_) in state.files.items()}
+    files = {}
+    for rel, (size, digest, *_) in state.files.items():
+        st = os.lstat(dst / rel)
+        if (st.st_mtime_ns, st.st_ctime_ns) != made[rel] and not _holds(dst / rel, size, digest):
+            raise UsageError(
+                f"{dst / rel} changed while version {state.version} was copied into {dst}; not recording it"
+            )
+        files[rel] = (size, digest, st.st_mtime_ns, st.st_ctime_ns)
     write_json_atomic(private_dir(dst) / "state.json", {"version": state.version, "store": state.store, "files": files})
 
 

@@ -9,7 +9,7 @@ import logging
 import os
 import shutil
 import stat
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 from weightsync.errors import UsageError, WeightsyncError
@@ -50,6 +50,7 @@ def _read_journal(folder: Path) -> dict | None:
             "remove": [check_path(p) for p in doc["remove"]],
             "files": {check_path(p): (int(size), str(digest)) for p, (size, digest) in doc["files"].items()},
             "kept": {check_path(p): (int(m), int(c)) for p, (m, c) in doc.get("kept", {}).items()},
+            "staged": {check_path(p): (int(m), int(c)) for p, (m, c) in doc.get("staged", {}).items()},
         }
     except (ValueError, KeyError, TypeError, AttributeError, WeightsyncError) as exc:
         raise UsageError(f"{path}: corrupt install journal ({exc}); remove {STATE_DIR} to start afresh") from None
@@ -70,7 +71,8 @@ def _apply_journal(folder: Path, journal: dict, recovering: bool = False) -> Non
     the folder is marked as holding no version and :class:`TornInstallError` is raised. So is it
     when a file the version keeps is no longer as the folder's state recorded it (changed since
     the pull chose to keep it, or while an interrupted install waited) and its checksum differs,
-    or, finishing an interrupted install (``recovering``), when a staged file's checksum differs."""
+    or when a staged file's checksum differs: checked always when finishing an interrupted install
+    (``recovering``), else where its times are no longer those it was written with."""
     sdir = state_dir(folder)
     staging = sdir / "staging"
     private_dir(folder, "staging", create=False)  # a link there is refused
@@ -78,8 +80,10 @@ def _apply_journal(folder: Path, journal: dict, recovering: bool = False) -> Non
         before = (read_state(folder) or LocalState(0, "", {})).files  # what the kept files were checked against
     except UsageError:
         before = {}
-    checked = journal.get("kept", {})  # or, closer, the times the pull saw when it chose to keep them
-    installed = set(journal["install"])
+    # the times the pull saw when it chose to keep a file (closer than the old state's); staged files' as written
+    checked = {rel: tuple(t) for rel, t in journal.get("kept", {}).items()}
+    written = {rel: tuple(t) for rel, t in journal.get("staged", {}).items()}
+    installed, moved = set(journal["install"]), {}
     for rel in journal["remove"]:  # first, so that a file may become a folder and back
         path = safe_join(folder, rel)
         if path.is_dir() and not path.is_symlink():
@@ -91,14 +95,19 @@ def _apply_journal(folder: Path, journal: dict, recovering: bool = False) -> Non
     for rel in journal["install"]:
         src, dst = safe_join(staging, rel), safe_join(folder, rel)
         if os.path.lexists(src):
-            if recovering and not _holds(src, *journal["files"][rel]):  # staging is trusted for nothing
+            st = os.lstat(src)
+            if (recovering or (st.st_mtime_ns, st.st_ctime_ns) != written.get(rel)) and not _holds(
+                src, *journal["files"][rel]
+            ):  # staging is trusted for nothing once the process that wrote it is gone
                 _mark_torn(folder)
                 raise TornInstallError(
-                    f"{folder}: the staged file {rel} of version {journal['version']} changed while its install "
-                    "was interrupted; the folder now holds no version: pull again to rebuild it"
+                    f"{folder}: the staged file {rel} of version {journal['version']} changed before its install "
+                    f"({'while the install was interrupted' if recovering else f'another process in {STATE_DIR}?'}); "
+                    "the folder now holds no version: pull again to rebuild it"
                 )
             dst.parent.mkdir(parents=True, exist_ok=True)
             os.replace(src, dst)
+            moved[rel] = (st.st_ino, st.st_mtime_ns)  # a rename moves the ctime, not these
         elif not _holds(dst, *journal["files"][rel]):
             _mark_torn(folder)
             raise TornInstallError(
@@ -114,6 +123,12 @@ def _apply_journal(folder: Path, journal: dict, recovering: bool = False) -> Non
             raise TornInstallError(
                 f"{folder}: {rel} is not the file version {journal['version']} installs; "
                 "the folder now holds no version: pull again to rebuild it"
+            )
+        if rel in moved and (st.st_ino, st.st_mtime_ns) != moved[rel] and not _holds(path, size, digest):
+            _mark_torn(folder)
+            raise TornInstallError(
+                f"{folder}: {rel} of version {journal['version']} changed right after its install "
+                "(another process writing into the folder?); the folder now holds no version: pull again to rebuild it"
             )
         if (
             rel not in installed
@@ -248,13 +263,14 @@ def install(
     folder: Path,
     manifest: Manifest,
     store_url: str,
-    staged: list[str],
+    staged: Collection[str] | Mapping[str, Times],
     fsync: bool = True,
     kept: Mapping[str, Times] | None = None,
 ) -> None:
     """Atomically make ``folder`` hold ``manifest``'s version: ``staged`` files replace the current
-    ones. ``kept`` has the times (mtime, ctime) of files the version keeps as they were when found
-    to hold its bytes: a kept file still so is not hashed again."""
+    ones; a mapping gives each one's times (mtime, ctime) as written, and a staged file no longer
+    so is hashed before its rename. ``kept`` has the times of files the version keeps as they were
+    when found to hold its bytes: a kept file still so is not hashed again."""
     old = read_state(folder)
     keep = {f.path for f in manifest.files}
     remove = sorted(set(old.files) - keep) if old else []
@@ -265,6 +281,7 @@ def install(
         "remove": remove,
         "files": {f.path: [f.size, f.xxh3] for f in manifest.files},
         "kept": {rel: list(times) for rel, times in (kept or {}).items() if rel in keep and rel not in set(staged)},
+        "staged": {rel: list(times) for rel, times in staged.items()} if isinstance(staged, Mapping) else {},
     }
     write_json_atomic(state_dir(folder) / "journal.json", journal, fsync)
     _apply_journal(folder, journal)

@@ -650,7 +650,11 @@ class Subscriber:
             raw = self.repo.manifest(version).raw_bytes
             fetch_s, build_s = r.seconds.get("fetch", 0.0), r.seconds.get("build", 0.0)
             if self.cfg.verify_before_swap:
-                verify_folder(folder, self.repo.manifest(version))
+                try:
+                    verify_folder(folder, self.repo.manifest(version))
+                except ChecksumError:
+                    disown(folder)  # its state would keep the wrong bytes at the next try: rebuilt instead
+                    raise
         served = snapshot(folder)
         if (why := installed_change(folder, _recorded(folder, self.cfg.partial), served)) is not None:
             raise UsageError(f"{folder} changed while it was being filled ({why}); not swapping to it")

@@ -287,7 +287,7 @@ def _pull_plan(
     if in_place:
         finish_refill(out, plan.manifest, repo.url, {**kept, **written}, cfg.fsync)
     else:
-        install(out, plan.manifest, repo.url, list(written), cfg.fsync, kept)
+        install(out, plan.manifest, repo.url, written, cfg.fsync, kept)
     clear_spool(spool_dir(out))
     seconds["total"] = op.elapsed()
     kept = sum(f.keep for f in plan.files)

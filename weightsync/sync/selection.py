@@ -30,7 +30,7 @@ from weightsync.format.manifest import FileEntry, Manifest, Segment
 from weightsync.format.safetensors import parse_safetensors_header
 from weightsync.local.base import check_checksum
 from weightsync.local.checkpoint import read_range
-from weightsync.local.install import empty_folder, spool_dir
+from weightsync.local.install import TornInstallError, empty_folder, spool_dir
 from weightsync.local.lock import FolderLock, claim
 from weightsync.local.state import (
     PARTIAL_STATE,
@@ -316,10 +316,21 @@ def _write(
     write_json_atomic(sdir / REFILL, {"partial": True}, fsync)  # ours, claiming no version, until the state
     (sdir / STATE).unlink(missing_ok=True)
     for path in record:
-        dst = safe_join(out, path)
+        dst, written = safe_join(out, path), record[path].pop("written")
         dst.parent.mkdir(parents=True, exist_ok=True)
+        staged = os.lstat(staging / path)
+        if (staged.st_mtime_ns, staged.st_ctime_ns) != written:
+            raise TornInstallError(
+                f"{out}: the staged file {path} of version {target.version} changed before its install "
+                f"(another process in {STATE_DIR}?); the folder now holds no version: pull again to rebuild it"
+            )
         os.replace(staging / path, dst)
         st = os.lstat(dst)
+        if (st.st_ino, st.st_mtime_ns) != (staged.st_ino, staged.st_mtime_ns):
+            raise TornInstallError(
+                f"{out}: {path} of version {target.version} changed right after its install (another process "
+                "writing into the folder?); the folder now holds no version: pull again to rebuild it"
+            )
         record[path].update(mtime_ns=st.st_mtime_ns, ctime_ns=st.st_ctime_ns)
     for path in set(state.files if state else ()) - set(record):
         safe_join(out, path).unlink(missing_ok=True)
@@ -359,13 +370,14 @@ def _write_file(dest: Path, f: FileEntry, segs: list[Segment], built: Iterator, 
                 fh.write(memoryview(data))
                 hasher.update(data)
                 tensors[seg.name] = seg.xxh3
+        fh.flush()
         if fsync:
-            fh.flush()
             os.fsync(fh.fileno())
         size = fh.tell()
+        st = os.fstat(fh.fileno())
     if f.kind != "safetensors" and hasher.hexdigest() != f.xxh3:
         raise ChecksumError(f.path, f.xxh3, hasher.hexdigest())
-    return {"size": size, "xxh3": hasher.hexdigest(), "tensors": tensors}
+    return {"size": size, "xxh3": hasher.hexdigest(), "tensors": tensors, "written": (st.st_mtime_ns, st.st_ctime_ns)}
 
 
 def verify_partial(repo: Repo, folder: str | os.PathLike[str], version: int | None = None) -> int:
