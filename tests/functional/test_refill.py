@@ -322,3 +322,17 @@ def test_a_clone_whose_copy_changed_before_its_state_was_written_records_no_vers
     with pytest.raises(UsageError, match="changed while version 1 was copied"):
         clone(base, out, copy=copy, check=check)
     assert first and read_state(out) is None
+
+
+def test_adopting_a_published_checkpoint_reads_none_of_its_bytes(store, traj, tmp_path, monkeypatch):
+    """A publish's cache links the checkpoint it just published (its reads verify later): the
+    install checks the links' times, and hashes nothing (a whole model's read per publish)."""
+    import weightsync.local.state as local_state
+    from weightsync.local.base import adopt
+
+    real, hashed = local_state.hash_file, []
+    monkeypatch.setattr(local_state, "hash_file", lambda path, *a: (hashed.append(Path(path).name), real(path, *a))[1])
+    adopt(tmp_path / "cache", weightsync.open_repo(store).manifest(2), traj[2], store)
+    assert hashed == [] and read_state(tmp_path / "cache").version == 2
+    monkeypatch.undo()
+    assert_replica(tmp_path / "cache", traj[2])

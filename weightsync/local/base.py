@@ -160,7 +160,7 @@ def adopt(folder: Path, manifest: Manifest, source: Path, store_url: str, lock: 
 
 def _adopt(folder: Path, manifest: Manifest, source: Path, store_url: str) -> None:
     prepare_folder(folder)
-    staging = staging_dir(folder)
+    staging, staged = staging_dir(folder), {}
     for f in manifest.files:
         dst = staging / f.path
         dst.parent.mkdir(parents=True, exist_ok=True)
@@ -169,4 +169,5 @@ def _adopt(folder: Path, manifest: Manifest, source: Path, store_url: str) -> No
             os.link(src, dst)
         except OSError:
             shutil.copyfile(src, dst)
-    install(folder, manifest, store_url, [f.path for f in manifest.files], fsync=False)
+        staged[f.path] = _times(dst)
+    install(folder, manifest, store_url, staged, fsync=False)

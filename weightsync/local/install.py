@@ -9,7 +9,7 @@ import logging
 import os
 import shutil
 import stat
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 from weightsync.errors import UsageError, WeightsyncError
@@ -263,13 +263,13 @@ def install(
     folder: Path,
     manifest: Manifest,
     store_url: str,
-    staged: Collection[str] | Mapping[str, Times],
+    staged: Mapping[str, Times],
     fsync: bool = True,
     kept: Mapping[str, Times] | None = None,
 ) -> None:
     """Atomically make ``folder`` hold ``manifest``'s version: ``staged`` files replace the current
-    ones; a mapping gives each one's times (mtime, ctime) as written, and a staged file no longer
-    so is hashed before its rename. ``kept`` has the times of files the version keeps as they were
+    ones, each with its times (mtime, ctime) as written (a staged file no longer so is hashed
+    before its rename). ``kept`` has the times of files the version keeps as they were
     when found to hold its bytes: a kept file still so is not hashed again."""
     old = read_state(folder)
     keep = {f.path for f in manifest.files}
@@ -281,7 +281,7 @@ def install(
         "remove": remove,
         "files": {f.path: [f.size, f.xxh3] for f in manifest.files},
         "kept": {rel: list(times) for rel, times in (kept or {}).items() if rel in keep and rel not in set(staged)},
-        "staged": {rel: list(times) for rel, times in staged.items()} if isinstance(staged, Mapping) else {},
+        "staged": {rel: list(times) for rel, times in staged.items()},
     }
     write_json_atomic(state_dir(folder) / "journal.json", journal, fsync)
     _apply_journal(folder, journal)
