@@ -445,3 +445,24 @@ def test_a_damaged_note_is_read_as_listing_every_chunk_a_mirror_may_leave_out(la
         rc, _, err = run_cli("pull", "--store", lazy.region, lazy.tmp / f"rb{len(planted)}")  # rebuild alone
         assert rc == 0, err
         assert_holds(lazy.tmp / f"rb{len(planted)}", lazy.traj[LAST])
+
+
+def test_a_keyframe_repeating_a_whole_ones_bytes_does_not_block_the_rebuild(tmp_path):
+    """``--keyframe-payloads never``: version 2 is a keyframe with version 0's bytes, so its full
+    payload is version 0's chunk, which the region holds, yet the mirror notes it. Before, every
+    use of that chunk was avoided, version 0 with it, and a fresh pull of the head failed ("cannot
+    rebuild from a keyframe it holds whole"); a chunk that a version whose note leaves it out
+    references is held."""
+    from weightsync.sync.mirror import MirrorConfig, mirror
+
+    traj = make_trajectory(tmp_path / "traj", steps=4, shards=1, **TINY)
+    src = open_repo(tmp_path / "src")
+    for ckpt in (traj[0], traj[1], traj[0], traj[3], traj[4]):
+        publish(ckpt, src, config=PublishConfig(keyframe_interval=2))
+    assert [v for v in src.versions() if src.manifest(v).keyframe] == [0, 2, 4]
+    region = open_repo(tmp_path / "region")
+    mirror(src, region, config=MirrorConfig(keyframe_payloads="never"))
+    full0 = {c.id for c in region.manifest(0).chunks}
+    assert region.lazy_chunks(2) & full0 and region.lazy_chunks(4)  # noted although held
+    pull(region, tmp_path / "out", 4, config=PullConfig(fsync=False))
+    assert_holds(tmp_path / "out", traj[4])

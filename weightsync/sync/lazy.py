@@ -93,19 +93,23 @@ def plan_reads(
     lazy = lazy or LazyReads()
     notes: dict[int, frozenset[str]] = {}
 
-    def noted() -> frozenset[str]:
-        return frozenset().union(*notes.values())
+    def noted(chain: list[Manifest]) -> frozenset[str]:
+        """Chunks a note names, but those a version of ``chain`` whose note is known references and
+        does not name: a committed version holds every chunk its note leaves out (a keyframe may
+        repeat an older one's bytes, and a mirror notes its chunk although it is there)."""
+        held = {c.id for m in chain if m.version in notes for c in m.chunks if c.id not in notes[m.version]}
+        return frozenset().union(*notes.values()) - held
 
     def settle(chain: list[Manifest], use_avoided: bool) -> tuple[T, dict[str, int]]:
         """Plan until the notes of every version the plan reads are known and respected; returns
         the plan and the noted chunks it reads (id -> size)."""
-        plan, recipes = make(chain, noted(), use_avoided)
+        plan, recipes = make(chain, noted(chain), use_avoided)
         while True:
             steps = [s for r in recipes for s in r.steps]
             unread = sorted({s.version for s in steps} - notes.keys())
             if unread:
                 notes.update(_read_notes(repo, unread))
-            avoid = noted()
+            avoid = noted(chain)
             used = {g.chunk.id: g.chunk.size for s in steps for g in s.ranges if g.chunk.id in avoid}
             if not unread or not used:  # no new note, or none that this plan reads: planning again gives it back
                 return plan, used
@@ -123,6 +127,7 @@ def plan_reads(
         keyframe = next(m.version for m in reversed(chain) if m.keyframe)  # the one the target builds on
         try:
             chain = repo.chain(version, back_to=back_to, whole=True)
+            notes.update(_read_notes(repo, [m.version for m in chain if m.version not in notes]))  # all held
             rebuilt_from = next(m.version for m in chain if m.keyframe)
             rebuilt_from = rebuilt_from if rebuilt_from < keyframe else None
             return settle(chain, False)[0], Reads(rebuilt_from=rebuilt_from)
@@ -149,8 +154,8 @@ def plan_reads(
 
 def _read_notes(repo: Repo, versions: list[int]) -> dict[int, frozenset[str]]:
     """The notes of ``versions`` (each read after its manifest, which the caller read first)."""
-    if len(versions) == 1:
-        return {versions[0]: repo.lazy_chunks(versions[0])}
+    if len(versions) <= 1:
+        return {v: repo.lazy_chunks(v) for v in versions}
     with ThreadPoolExecutor(min(8, len(versions)), thread_name_prefix="ws-notes") as pool:
         return dict(zip(versions, pool.map(repo.lazy_chunks, versions)))
 
