@@ -21,6 +21,7 @@ import weightsync
 from weightsync.demo import make_trajectory
 from weightsync.errors import ChecksumError, FormatError, NotAStoreError, StoreError
 from weightsync.format.keys import HEAD_KEY, chunk_key, version_key
+from weightsync.format.manifest import head_to_json
 from weightsync.store import FileStore, MemoryStore
 from weightsync.sync.gc import GcConfig, gc, list_chunks_with_age
 from weightsync.sync.mirror import MirrorConfig, MirrorError, MirrorObserver, mirror
@@ -478,3 +479,129 @@ def test_gc_while_a_publisher_runs(tmp_path, ws):
     store = tmp_path / "store"
     runs, deleted = run_publisher_against_gc(f"file://{store}", repo(store), checkpoints, tmp_path, 1.5, 0.2, ws)
     assert runs > 3 and deleted > 0
+
+
+def test_a_publish_that_stalled_past_gc_s_grace_moves_the_head_back(published, tmp_path, ws):
+    """A publisher stopped between its manifest and its head for longer than gc's grace: gc takes
+    the manifest for one a dead publisher left and deletes it. Before, the publisher then moved the
+    head onto nothing and exited 0: no pull, publish or gc got past that head again. Now it finds
+    its manifest gone, moves the head back and fails; the next publish works."""
+    store, traj = published
+    nxt = make_trajectory(tmp_path / "more", steps=6, shards=2, **ws.TINY)[6]
+
+    class Stalled(FileStore):
+        def put_if_match(self, key, data, etag):
+            if key == HEAD_KEY and json.loads(data)["version"] == 6:  # the publisher wakes up after gc ran
+                age_all(store)
+                assert gc(repo(store), GcConfig(keep=5, grace_seconds=60)).abandoned_versions == [6]
+            super().put_if_match(key, data, etag)
+
+    with pytest.raises(weightsync.WeightsyncError, match="version 6 .* was collected by gc before the head moved"):
+        weightsync.publish(nxt, weightsync.Repo(Stalled(store)), base_dir=traj[5])
+    assert repo(store).head_version() == 5
+    assert weightsync.publish(nxt, repo(store), base_dir=traj[5]).version == 6
+    weightsync.pull(repo(store), tmp_path / "v6", 6)
+    ws.assert_replica(tmp_path / "v6", nxt)
+
+
+def test_gc_keeps_an_abandoned_looking_version_whose_head_moved_while_it_planned(published, tmp_path, ws, monkeypatch):
+    """The other side of that race: the head moves onto the old manifest after gc listed it as
+    abandoned and before it deleted it. gc reads the head again first: the version and its chunks stay."""
+    import weightsync.sync.gc as gcmod
+
+    store, traj = published
+    nxt = make_trajectory(tmp_path / "more", steps=6, shards=2, **ws.TINY)[6]
+
+    class NoHead(FileStore):
+        def put_if_match(self, key, data, etag):
+            raise StoreError("injected: head update lost", key=key)
+
+    with pytest.raises(StoreError, match="injected"):
+        weightsync.publish(nxt, weightsync.Repo(NoHead(store)), base_dir=traj[5])
+    age_all(store)
+    real = gcmod.plan_parts
+
+    def head_moves(r, head, grace):  # called right after gc planned: the stalled publisher wakes up
+        _, etag = repo(store).head()
+        repo(store).store.put_if_match(HEAD_KEY, head_to_json(6), etag)
+        return real(r, head, grace)
+
+    monkeypatch.setattr(gcmod, "plan_parts", head_moves)
+    res = gc(repo(store), GcConfig(keep=5, grace_seconds=60))
+    monkeypatch.undo()
+    assert res.abandoned_versions == [] and repo(store).head_version() == 6
+    weightsync.pull(repo(store), tmp_path / "v6", 6)
+    ws.assert_replica(tmp_path / "v6", nxt)
+
+
+def test_a_mirror_that_stalled_past_the_regional_gc_s_grace_moves_the_head_back(published, tmp_path, ws):
+    """The same race at a mirror's destination: its manifest collected before its head moved. It
+    moves the head back and fails; the next run copies the version again."""
+    store, traj = published
+    dst = tmp_path / "regional"
+    mirror(repo(store), repo(dst))
+    nxt = make_trajectory(tmp_path / "more", steps=6, shards=2, **ws.TINY)[6]
+    weightsync.publish(nxt, repo(store), base_dir=traj[5])
+
+    class Stalled(FileStore):
+        def put_if_match(self, key, data, etag):
+            if key == HEAD_KEY and json.loads(data)["version"] == 6:
+                age_all(dst)
+                assert gc(repo(dst), GcConfig(keep=6, grace_seconds=60)).abandoned_versions == [6]
+            super().put_if_match(key, data, etag)
+
+    with pytest.raises(weightsync.WeightsyncError, match="version 6 .* was collected by gc before the head moved"):
+        mirror(repo(store), weightsync.Repo(Stalled(dst)))
+    assert repo(dst).head_version() == 5
+    mirror(repo(store), repo(dst))
+    assert repo(dst).head_version() == 6
+    assert_versions_pull(repo(dst), [*traj, nxt], tmp_path, ws)
+
+
+def test_a_mirror_copies_no_delta_whose_parent_the_source_collected_while_it_copied(published, tmp_path, ws):
+    """The source's gc collects version 4 while the mirror copies it (its chunk is gone, then its
+    manifest): the mirror drops 4, as before, and now also 5, a delta from 4 (before, it committed
+    5: a head no pull could build, with exit 0)."""
+    from weightsync.errors import NotFoundError
+
+    store, traj = published
+    src = repo(store)
+    only4 = {c.id for c in src.manifest(4).chunks} - {c.id for v in (0, 1, 2, 3, 5) for c in src.manifest(v).chunks}
+    assert only4 and not src.manifest(5).keyframe and src.manifest(5).parent == 4
+
+    class Collecting(FileStore):
+        def get(self, key):
+            if key.startswith("chunks/") and key.rsplit("/", 1)[-1] in only4:
+                (store / version_key(4)).unlink(missing_ok=True)
+                raise NotFoundError(f"{key} collected", key=key)
+            return super().get(key)
+
+    dst = tmp_path / "regional"
+    mirror(weightsync.Repo(Collecting(store)), repo(dst), config=MirrorConfig(keyframe_payloads="eager"))
+    assert repo(dst).head_version() == 3 and repo(dst).versions() == [0, 1, 2, 3]
+    assert_versions_pull(repo(dst), traj, tmp_path, ws)
+
+
+def test_a_lazy_chunk_collected_after_it_was_copied_is_copied_again_before_its_note_goes(published, tmp_path, ws):
+    """A keyframe's full payload, copied after its manifest (lazily), vanishes right after its copy
+    (a regional gc with a short grace took it while no manifest referenced it). Before, the mirror
+    trusted its copy and cleared the note: a head whose chunk was missing and no note said so."""
+    from weightsync.format.manifest import lazy_candidates
+
+    store, traj = published
+    lazy = lazy_candidates(repo(store).manifest(3))
+    assert lazy
+    victim, dropped = sorted(lazy)[0], []
+
+    class Collected(FileStore):
+        def put(self, key, data, *, mode="overwrite"):
+            super().put(key, data, mode=mode)
+            if key == chunk_key(victim) and not dropped:
+                dropped.append(key)
+                self.delete(key)
+
+    dst = tmp_path / "regional"
+    res = mirror(repo(store), weightsync.Repo(Collected(dst)))
+    assert dropped and 3 in res.completed_versions and (dst / chunk_key(victim)).exists()
+    assert not repo(dst).lazy_chunks(3)
+    assert_versions_pull(repo(dst), traj, tmp_path, ws)

@@ -9,6 +9,7 @@ section 7), checked in :meth:`Repo.manifest`, which every reader goes through.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -407,13 +408,19 @@ class Repo:
             created = False
         if signing_key is not None:  # after the manifest: only the owner of version v signs it
             self.store.put(signature_key(v), signing_key.sign(v, data), mode="overwrite")
-        etag = expected_head
+        etag, replaced = expected_head, head
         for _ in range(100):
             try:
                 self.store.put_if_match(HEAD_KEY, head_to_json(v), etag)
+                if self.head_on_collected(v, replaced):
+                    raise VersionError(
+                        f"version {v} of {self.url} was collected by gc before the head moved to it (this publish "
+                        f"stalled longer than gc's grace period); the head is back at {replaced}: publish again"
+                    )
                 return
             except PreconditionFailedError:
                 current, etag = self.head()
+                replaced = current
                 if current == v:
                     return  # our own write landed (an ambiguous retry) or an identical re-publish
                 if current is not None and current > v:
@@ -423,6 +430,23 @@ class Repo:
                             self.store.delete(signature_key(v))
                     raise VersionError(f"version {v} not committed: the head moved to {current} concurrently") from None
         raise VersionError(f"could not move head to {v}: too much contention")
+
+    def head_on_collected(self, version: int, replaced: int | None) -> bool:
+        """Right after moving the head from ``replaced`` to ``version``: whether ``version``'s manifest
+        is gone. gc takes a manifest above the head older than its grace period for one its writer
+        left (it died before the head); a writer that only stalled that long would leave a head on
+        nothing, which no reader, publisher or gc gets past. The head is then moved back to
+        ``replaced`` if it still names ``version`` (one HEAD request per commit)."""
+        if self.store.head(version_key(version)) is not None:
+            return False
+        current, etag = self.head()
+        if current == version:
+            if replaced is None:
+                self.store.delete(HEAD_KEY)
+            else:
+                with contextlib.suppress(PreconditionFailedError):
+                    self.store.put_if_match(HEAD_KEY, head_to_json(replaced), etag)
+        return True
 
     def _same_version(self, manifest: Manifest) -> bytes | None:
         """The stored manifest of ``manifest.version`` if it is above the head and describes the same

@@ -232,6 +232,13 @@ def gc(repo: Repo, config: GcConfig) -> GcResult:
         pending_parts=len(parts.pending),
     )
     result.lazy_chunks = len(plan.lazy_chunks)
+    if plan.abandoned_versions and not config.dry_run:
+        # read again right before: a writer that stalled past the grace may have moved the head since
+        # (its manifest is then kept; its chunks too, as a manifest not in the plan's, see _delete_chunks)
+        head = repo.head_version()
+        late = tuple(v for v in plan.abandoned_versions if head is not None and v <= head)
+        plan = dataclasses.replace(plan, abandoned_versions=tuple(v for v in plan.abandoned_versions if v not in late))
+        result.abandoned_versions = list(plan.abandoned_versions)
     if not config.dry_run:
         for v in plan.delete_versions + plan.abandoned_versions:  # oldest first, chunks after
             repo.store.delete(version_key(v))  # their signatures and notes go after them

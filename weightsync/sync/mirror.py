@@ -414,6 +414,7 @@ class _Mirror:
         self.listed: list[int] = []  # source versions above the destination head, from the last listing
         self.parts: dict[str, int] = {}  # part keys read (their chunks queued) -> version
         self.lazy_open: dict[int, dict[str, ChunkRef]] = {}  # committed with a note: chunks not yet confirmed
+        self.lazy_noted: dict[int, dict[str, ChunkRef]] = {}  # ... and all the chunks its note names
         self.committed: set[int] = set()  # by this process
         self.src_head: int | None = None
         self.dst_head: int | None = None
@@ -647,7 +648,7 @@ class _Mirror:
         """``version`` is committed at the destination without ``refs``: copy them later (``lazy``)."""
         if self.cfg.keyframe_payloads == "never" or not refs:
             return  # the note stays; readers rebuild or read the source
-        self.lazy_open[version] = refs
+        self.lazy_open[version], self.lazy_noted[version] = refs, dict(refs)
         for r in refs.values():
             if self._own(r.id):
                 self.copier.want(r, version, lazy=True)
@@ -678,6 +679,14 @@ class _Mirror:
         touched by us; others': checked, committers only). Raises on a failed chunk, unless the
         source collected the version meanwhile (then it is dropped). Only the chunks not yet seen
         done are looked at, then all once more (none may have gone stale meanwhile)."""
+        if not ver.manifest.keyframe and not self._parent_coming(ver.manifest.parent):
+            del self.pending[ver.version]  # a delta from nothing here: the source's gc takes it next
+            log.info(
+                "mirror: version %d is not copied: its parent %d was collected at the source before it got here",
+                ver.version,
+                ver.manifest.parent,
+            )
+            return False
         if ver.lazy - ver.absent and not self._parent_coming(ver.manifest.parent):
             ver.lazy, ver.waiting = ver.absent, None  # its parent did not make it here: copied whole
         if ver.waiting is None:
@@ -752,10 +761,17 @@ class _Mirror:
                 return
             try:
                 self.dst.store.put_if_match(HEAD_KEY, head_to_json(version), etag)
-                self._set_dst_head(version)
-                return
             except PreconditionFailedError:
                 continue
+            if self.dst.head_on_collected(version, current):  # a regional gc took it while this mirror stalled
+                self.committed.discard(version)
+                self._set_dst_head(current)
+                raise VersionError(
+                    f"version {version} of {self.dst.url} was collected by gc before the head moved to it (the "
+                    f"mirror stalled longer than gc's grace period); the head is back at {current}; copied again next"
+                )
+            self._set_dst_head(version)
+            return
         raise VersionError(f"could not move the head of {self.dst.url} to {version}: too much contention")
 
     def _advance_lazy(self) -> None:
@@ -780,14 +796,29 @@ class _Mirror:
                     if isinstance(exc, NotFoundError):  # the source collected it: readers rebuild it
                         log.info("mirror: version %d: lazy chunk %s is gone from the source", v, r.id)
                         self.copier.forget(r.id)
-                        del self.lazy_open[v]
+                        del self.lazy_open[v], self.lazy_noted[v]
                         break
             else:
                 if not refs:
+                    if self.cfg.commit and self._lazy_gone(v):
+                        continue  # copied again first
                     if self.cfg.commit:
                         self.dst.clear_lazy_chunks(v)
                         self.result.completed_versions.append(v)
-                    del self.lazy_open[v]
+                    del self.lazy_open[v], self.lazy_noted[v]
+
+    def _lazy_gone(self, v: int) -> bool:
+        """A last look before a note is cleared (its chunks were seen done up to ``refresh_seconds``
+        ago, and a regional gc with a short grace may have collected one since, unreferenced by the
+        manifest as far as it knew): those gone are copied again, and the note stays until then."""
+        noted = self.lazy_noted[v]
+        gone = self.copier.absent(list(noted.values()))
+        for cid in gone:
+            log.warning("mirror: version %d: lazy chunk %s vanished from %s; copying it again", v, cid, self.dst.url)
+            self.copier.forget(cid)
+            self.lazy_open[v][cid] = noted[cid]
+            self.copier.want(noted[cid], v, lazy=True, check=not self._own(cid))
+        return bool(gone)
 
     # --- the loop's bookkeeping ---
     def status(self) -> MirrorStatus:
