@@ -504,9 +504,14 @@ def test_a_publish_that_stalled_past_gc_s_grace_moves_the_head_back(published, t
     ws.assert_replica(tmp_path / "v6", nxt)
 
 
-def test_gc_keeps_an_abandoned_looking_version_whose_head_moved_while_it_planned(published, tmp_path, ws, monkeypatch):
+@pytest.mark.parametrize("moment", ["after-plan", "at-delete"])
+def test_gc_keeps_an_abandoned_looking_version_whose_head_moved_while_it_ran(
+    moment, published, tmp_path, ws, monkeypatch
+):
     """The other side of that race: the head moves onto the old manifest after gc listed it as
-    abandoned and before it deleted it. gc reads the head again first: the version and its chunks stay."""
+    abandoned, before it deleted it, or while it deleted it (the writer's own check after its head
+    move found the manifest still there). gc reads the head before and after each such delete and
+    puts a manifest the head reached back: the version and its chunks stay."""
     import weightsync.sync.gc as gcmod
 
     store, traj = published
@@ -519,15 +524,25 @@ def test_gc_keeps_an_abandoned_looking_version_whose_head_moved_while_it_planned
     with pytest.raises(StoreError, match="injected"):
         weightsync.publish(nxt, weightsync.Repo(NoHead(store)), base_dir=traj[5])
     age_all(store)
-    real = gcmod.plan_parts
 
-    def head_moves(r, head, grace):  # called right after gc planned: the stalled publisher wakes up
+    def head_moves():  # the stalled publisher wakes up, moves the head and finds its manifest
         _, etag = repo(store).head()
         repo(store).store.put_if_match(HEAD_KEY, head_to_json(6), etag)
-        return real(r, head, grace)
+        assert repo(store).head_on_collected(6, 5) is False
 
-    monkeypatch.setattr(gcmod, "plan_parts", head_moves)
-    res = gc(repo(store), GcConfig(keep=5, grace_seconds=60))
+    class Racing(FileStore):
+        def delete(self, key):
+            if key == version_key(6):
+                head_moves()
+            super().delete(key)
+
+    real = gcmod.plan_parts
+    if moment == "after-plan":
+        monkeypatch.setattr(gcmod, "plan_parts", lambda *a: (head_moves(), real(*a))[1])
+    res = gc(
+        weightsync.Repo(Racing(store) if moment == "at-delete" else FileStore(store)),
+        GcConfig(keep=5, grace_seconds=60),
+    )
     monkeypatch.undo()
     assert res.abandoned_versions == [] and repo(store).head_version() == 6
     weightsync.pull(repo(store), tmp_path / "v6", 6)
@@ -605,3 +620,20 @@ def test_a_lazy_chunk_collected_after_it_was_copied_is_copied_again_before_its_n
     assert dropped and 3 in res.completed_versions and (dst / chunk_key(victim)).exists()
     assert not repo(dst).lazy_chunks(3)
     assert_versions_pull(repo(dst), traj, tmp_path, ws)
+
+
+def test_a_commit_whose_last_look_fails_is_still_a_commit(published, tmp_path, ws, caplog):
+    """The head moved, then the look at the manifest fails (the store's error outlasted the
+    retries): the version is committed, so the publish says so (before the check it was; failing
+    it would send a retry into "version 6 already exists")."""
+    store, traj = published
+    nxt = make_trajectory(tmp_path / "more", steps=6, shards=2, **ws.TINY)[6]
+
+    class Blind(FileStore):
+        def head(self, key):
+            if key == version_key(6) and repo(store).head_version() == 6:
+                raise StoreError("injected: HEAD failed", key=key)
+            return super().head(key)
+
+    assert weightsync.publish(nxt, weightsync.Repo(Blind(store)), base_dir=traj[5]).version == 6
+    assert repo(store).head_version() == 6 and "could not check it is still stored" in caplog.text

@@ -336,3 +336,26 @@ def test_adopting_a_published_checkpoint_reads_none_of_its_bytes(store, traj, tm
     assert hashed == [] and read_state(tmp_path / "cache").version == 2
     monkeypatch.undo()
     assert_replica(tmp_path / "cache", traj[2])
+
+
+def test_a_clone_refuses_a_source_file_written_while_it_was_copied(store, traj, tmp_path, monkeypatch):
+    """``clone(copy=True)`` in pieces: the source's largest file is rewritten (same size) once its
+    copy has begun. Before, the copy (half old, half new bytes) was recorded as the version."""
+    import functools
+
+    import weightsync.local.base as local
+
+    base, out = tmp_path / "a", tmp_path / "b"
+    weightsync.pull(store, base, 1, config=PULL)
+    monkeypatch.setattr(local, "_copy_file", functools.partial(local._copy_file, piece=1024))
+    big = max((p for p in base.iterdir() if p.is_file()), key=lambda p: p.stat().st_size).name
+    flipped = []
+
+    def check():
+        if (out / big).exists() and not flipped:
+            flipped.append(big)
+            flip_byte(base / big, -2)
+
+    with pytest.raises(UsageError, match=f"{big} changed while it was copied"):
+        clone(base, out, copy=True, check=check)
+    assert flipped and read_state(out) is None

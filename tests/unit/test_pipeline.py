@@ -217,6 +217,7 @@ def _cgroups(root: Path, proc: str, files: dict[str, str]) -> tuple[Path, Path]:
         # unreadable or odd: no quota (never an error)
         ("0::/\n", {"cpu.max": "garbage"}, None),
         ("4:cpu:/\n", {"cpu/cpu.cfs_quota_us": "100000", "cpu/cpu.cfs_period_us": "0"}, None),
+        ("0::/\n", {"cpu.max": "100000 0"}, None),
         ("", {}, None),
     ],
 )
@@ -230,3 +231,7 @@ def test_a_cgroup_cpu_quota_caps_the_default_threads(tmp_path, proc, files, quot
 def test_without_a_cgroup_file_every_cpu_is_usable(tmp_path):
     assert cgroup_cpu_quota(tmp_path, tmp_path / "absent") is None
     assert usable_cpus(tmp_path, tmp_path / "absent") == len(os.sched_getaffinity(0))
+    (tmp_path / "cgroup").write_bytes(b"0::/pod\xff/c\n")  # a path that is no UTF-8
+    (tmp_path / "pod\udcff").mkdir()
+    (tmp_path / "pod\udcff" / "cpu.max").write_text("200000 100000")
+    assert cgroup_cpu_quota(tmp_path, tmp_path / "cgroup") == 2.0

@@ -107,6 +107,8 @@ def clone(
                 pass  # another file system, or links not allowed: copy
         _copy_file(src / rel, dst / rel, fsync, check)
         made[rel] = _times(dst / rel)
+        if _identity(os.lstat(safe_join(src, rel))) != _identity(st):  # a source written meanwhile
+            raise UsageError(f"{src / rel} changed while it was copied into {dst}; not cloning it")
     if fsync:
         for d in {(dst / rel).parent for rel in state.files}:
             fsync_dir(d)
@@ -119,6 +121,10 @@ def clone(
             )
         files[rel] = (size, digest, st.st_mtime_ns, st.st_ctime_ns)
     write_json_atomic(private_dir(dst) / "state.json", {"version": state.version, "store": state.store, "files": files})
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def _copy_file(src: Path, dst: Path, fsync: bool, check: Callable[[], None] | None, piece: int = 64 << 20) -> None:

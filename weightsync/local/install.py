@@ -280,7 +280,7 @@ def install(
         "install": sorted(staged),
         "remove": remove,
         "files": {f.path: [f.size, f.xxh3] for f in manifest.files},
-        "kept": {rel: list(times) for rel, times in (kept or {}).items() if rel in keep and rel not in set(staged)},
+        "kept": {rel: list(times) for rel, times in (kept or {}).items() if rel in keep and rel not in staged},
         "staged": {rel: list(times) for rel, times in staged.items()},
     }
     write_json_atomic(state_dir(folder) / "journal.json", journal, fsync)

@@ -29,6 +29,7 @@ from weightsync.errors import (
     NotFoundError,
     PreconditionFailedError,
     SignatureError,
+    StoreError,
     UsageError,
     VersionError,
 )
@@ -437,7 +438,13 @@ class Repo:
         left (it died before the head); a writer that only stalled that long would leave a head on
         nothing, which no reader, publisher or gc gets past. The head is then moved back to
         ``replaced`` if it still names ``version`` (one HEAD request per commit)."""
-        if self.store.head(version_key(version)) is not None:
+        try:
+            if self.store.head(version_key(version)) is not None:
+                return False
+        except StoreError as exc:  # the head moved: the version is committed unless shown otherwise
+            log.warning(
+                "version %d of %s: could not check it is still stored after its commit: %s", version, self.url, exc
+            )
             return False
         current, etag = self.head()
         if current == version:

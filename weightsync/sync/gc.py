@@ -5,6 +5,7 @@ gives the rules and the grace period they need)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -12,7 +13,7 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from weightsync.errors import FormatError, NotFoundError, UsageError, VersionError
+from weightsync.errors import AlreadyExistsError, FormatError, NotFoundError, UsageError, VersionError
 from weightsync.format.keys import (
     CHUNKS_PREFIX,
     LAZY_PREFIX,
@@ -233,14 +234,10 @@ def gc(repo: Repo, config: GcConfig) -> GcResult:
     )
     result.lazy_chunks = len(plan.lazy_chunks)
     if plan.abandoned_versions and not config.dry_run:
-        # read again right before: a writer that stalled past the grace may have moved the head since
-        # (its manifest is then kept; its chunks too, as a manifest not in the plan's, see _delete_chunks)
-        head = repo.head_version()
-        late = tuple(v for v in plan.abandoned_versions if head is not None and v <= head)
-        plan = dataclasses.replace(plan, abandoned_versions=tuple(v for v in plan.abandoned_versions if v not in late))
+        plan = dataclasses.replace(plan, abandoned_versions=_delete_abandoned(repo, plan.abandoned_versions))
         result.abandoned_versions = list(plan.abandoned_versions)
     if not config.dry_run:
-        for v in plan.delete_versions + plan.abandoned_versions:  # oldest first, chunks after
+        for v in plan.delete_versions:  # oldest first, chunks after
             repo.store.delete(version_key(v))  # their signatures and notes go after them
         for key in parts.delete:
             repo.store.delete(key)  # a file store removes the folders this empties
@@ -268,6 +265,33 @@ def gc(repo: Repo, config: GcConfig) -> GcResult:
         result.partial_writes = len(repo.store.sweep_incomplete(config.grace_seconds))
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _delete_abandoned(repo: Repo, versions: tuple[int, ...]) -> tuple[int, ...]:
+    """Delete the manifests of ``versions`` (above the head, older than the grace), first of all;
+    returns those that stay deleted. A writer that only stalled past the grace may move the head
+    onto one meanwhile, and checks right after that its manifest is still there (``Repo.commit``,
+    the mirror): so the head is read again before each delete, and once more after it, and a
+    manifest the head has reached by then is put back (its chunks stay too: a manifest outside the
+    plan's, :func:`_delete_chunks`). One of the two sides always sees the other."""
+    deleted = []
+    for v in versions:
+        head = repo.head_version()
+        if head is not None and head >= v:
+            continue
+        try:
+            data = repo.store.get(version_key(v))
+        except NotFoundError:
+            continue  # another gc
+        repo.store.delete(version_key(v))
+        head = repo.head_version()
+        if head is not None and head >= v:
+            with contextlib.suppress(AlreadyExistsError):
+                repo.store.put(version_key(v), data, mode="create")
+            log.warning("gc: version %d became the head while it was collected as abandoned; put it back", v)
+            continue
+        deleted.append(v)
+    return tuple(deleted)
 
 
 def _sweep_beside(

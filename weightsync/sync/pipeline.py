@@ -42,7 +42,7 @@ def cgroup_cpu_quota(cgroup_root: Path, proc_cgroup: Path) -> float | None:
     can be read. A container often sees its own cgroup at the mount's root, and ``/proc`` naming the
     host's path: both are read."""
     try:
-        lines = proc_cgroup.read_text().splitlines()
+        lines = proc_cgroup.read_text(errors="surrogateescape").splitlines()
     except OSError:
         return None
     quotas = []
@@ -67,7 +67,7 @@ def _v2_quota(folder: Path) -> float | None:
     try:
         quota, period = (folder / "cpu.max").read_text().split()[:2]
         return None if quota == "max" else int(quota) / int(period)
-    except (OSError, ValueError):
+    except (OSError, ValueError, ZeroDivisionError):
         return None
 
 
