@@ -251,7 +251,7 @@ def test_an_idle_copy_gives_way_to_a_new_head_a_request_or_a_stop(setup, tmp_pat
 
 
 def test_a_standby_that_fails_its_verification_before_the_swap_is_rebuilt_not_retried_as_it_is(
-    setup, tmp_path, monkeypatch
+    setup, tmp_path, monkeypatch, ws
 ):
     """``--verify-before-swap`` reads the filled slot back. When it finds wrong bytes that the fill's
     own checks could not see (another process wrote into a file while the fill wrote it: simulated
@@ -262,7 +262,6 @@ def test_a_standby_that_fails_its_verification_before_the_swap_is_rebuilt_not_re
     import os
     import time
 
-    from conftest import flip_byte
     from prometheus_client import CollectorRegistry
 
     import weightsync.sync.pull as pulling
@@ -288,7 +287,7 @@ def test_a_standby_that_fails_its_verification_before_the_swap_is_rebuilt_not_re
     def write_one(fp, results, root, cfg, in_place):
         real(fp, results, root, cfg, in_place)
         if fp.entry.path == "model.safetensors":
-            flip_byte(root / fp.entry.path, -2)
+            ws.flip_byte(root / fp.entry.path, -2)
         st = os.lstat(root / fp.entry.path)
         return st.st_mtime_ns, st.st_ctime_ns
 
