@@ -556,7 +556,11 @@ def add_subscriber_args(p: argparse.ArgumentParser, environ: Mapping[str, str] |
     )
     add("--ledger-interval", type=float, default=30.0, help="seconds between fleet ledger heartbeats (default 30)")
     add("--concurrency", type=int, default=32, help="chunks in flight (default 32)")
-    add("--verify-before-swap", action="store_true", help="re-read the whole standby copy before each swap")
+    add(
+        "--verify-before-swap",
+        action="store_true",
+        help="re-read the whole standby copy before each swap (a copy that fails is rebuilt, never swapped in)",
+    )
     add(
         "--standby-hold",
         type=hold_arg,
