@@ -353,8 +353,9 @@ def test_gc_keeps_manifests_above_the_head_until_abandoned(published, tmp_path, 
     ws.assert_replica(tmp_path / "v6", nxt)
 
 
-def test_republishing_the_checkpoint_of_a_dead_publish_completes_it(published, tmp_path, ws):
-    store, traj = published
+def _dead_publish(store: Path, traj: list[Path], tmp_path: Path, ws) -> Path:
+    """Publish the next checkpoint as version 6 up to its manifest, losing the head update (a
+    publisher that died, or stalls, right there); returns the checkpoint."""
     nxt = make_trajectory(tmp_path / "more", steps=6, shards=2, **ws.TINY)[6]
 
     class NoHead(FileStore):
@@ -363,6 +364,12 @@ def test_republishing_the_checkpoint_of_a_dead_publish_completes_it(published, t
 
     with pytest.raises(StoreError, match="injected"):
         weightsync.publish(nxt, weightsync.Repo(NoHead(store)), base_dir=traj[5])
+    return nxt
+
+
+def test_republishing_the_checkpoint_of_a_dead_publish_completes_it(published, tmp_path, ws):
+    store, traj = published
+    nxt = _dead_publish(store, traj, tmp_path, ws)
     assert weightsync.publish(nxt, repo(store), base_dir=traj[5]).version == 6
     assert repo(store).head_version() == 6
     weightsync.pull(repo(store), tmp_path / "v6", 6)
@@ -515,14 +522,7 @@ def test_gc_keeps_an_abandoned_looking_version_whose_head_moved_while_it_ran(
     import weightsync.sync.gc as gcmod
 
     store, traj = published
-    nxt = make_trajectory(tmp_path / "more", steps=6, shards=2, **ws.TINY)[6]
-
-    class NoHead(FileStore):
-        def put_if_match(self, key, data, etag):
-            raise StoreError("injected: head update lost", key=key)
-
-    with pytest.raises(StoreError, match="injected"):
-        weightsync.publish(nxt, weightsync.Repo(NoHead(store)), base_dir=traj[5])
+    nxt = _dead_publish(store, traj, tmp_path, ws)
     age_all(store)
 
     def head_moves():  # the stalled publisher wakes up, moves the head and finds its manifest
