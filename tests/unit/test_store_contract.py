@@ -389,6 +389,28 @@ def test_file_store_delete_removes_the_folders_it_empties(tmp_path):
     assert store.get("parts/2/a") == b"again"
 
 
+def test_file_store_write_survives_a_delete_emptying_its_folder_at_mkdir(tmp_path, monkeypatch):
+    """Another process's delete emptied and removed the folder after ``mkdir`` found it there and
+    before it looked again (two mirrors writing and clearing ``lazy/`` notes): the write makes the
+    folder again."""
+    store = FileStore(tmp_path / "store", fsync=False)
+    store.put("lazy/00000000000000000001.json", b"old note")
+    real_mkdir, raced = os.mkdir, []
+
+    def mkdir(path, *args, **kw):
+        try:
+            return real_mkdir(path, *args, **kw)
+        except FileExistsError:
+            if not raced and os.fspath(path).endswith("lazy"):
+                raced.append(path)
+                store.delete("lazy/00000000000000000001.json")  # removes the emptied folder
+            raise
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    store.put("lazy/00000000000000000002.json", b"note")
+    assert raced and store.get("lazy/00000000000000000002.json") == b"note"
+
+
 def test_pattern_is_binary():
     data = pattern(70_000)
     assert set(data) == set(range(256)) and data != pattern(70_000, seed=1)

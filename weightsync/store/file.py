@@ -19,7 +19,7 @@ from weightsync.errors import AlreadyExistsError, NotFoundError, PreconditionFai
 from weightsync.store.base import ObjectMeta, PutMode, Store, check_key
 
 _TEMP_PREFIX = ".tmp-"
-_MKDIR_TRIES = 8  # a concurrent delete may remove an emptied folder between mkdir and mkstemp
+_MKDIR_TRIES = 8  # a concurrent delete may remove an emptied folder during mkdir or before mkstemp
 
 
 class FileStore(Store):
@@ -50,11 +50,13 @@ class FileStore(Store):
 
     def _write_temp(self, path: Path, data: bytes | memoryview) -> str:
         for attempt in range(1, _MKDIR_TRIES + 1):
-            path.parent.mkdir(parents=True, exist_ok=True)
             try:
+                # exist_ok still raises FileExistsError when the folder was there at mkdir and gone
+                # when it looked again (see below)
+                path.parent.mkdir(parents=True, exist_ok=True)
                 fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_TEMP_PREFIX)
                 break
-            except FileNotFoundError:  # the folder was emptied and removed by a delete meanwhile
+            except (FileNotFoundError, FileExistsError):  # the folder was emptied and removed by a delete
                 if attempt == _MKDIR_TRIES:
                     raise
         try:
