@@ -267,3 +267,92 @@ def test_vocab_rows_that_become_padding_are_not_left_holding_the_old_version(tmp
     fresh = torch.zeros(128, 8)
     fresh[:99] = e1
     assert bits(live[name]) == bits(fresh), "row 99 still holds version 0's row 99"
+
+
+# -- 9. found by the thirty-third session's attack: a version or model that only looked right ---------
+
+
+def two_files(root, name: str, versions: list[tuple[torch.Tensor, torch.Tensor]]) -> str:
+    """A store whose versions each hold ``name`` in two files: ``model.safetensors`` and a copy in
+    ``stale/`` (a trainer's leftover)."""
+    from safetensors.torch import save_file
+
+    from weightsync.sync.publish import publish as publish_folder
+
+    for v, (main, stale) in enumerate(versions):
+        ck = root / f"ck{v}"
+        (ck / "stale").mkdir(parents=True)
+        save_file({name: main}, str(ck / "model.safetensors"))
+        save_file({name: stale}, str(ck / "stale" / "model.safetensors"))
+        publish_folder(ck, root / "store", version=v)
+    return str(root / "store")
+
+
+@MODES
+def test_a_tensor_two_files_of_a_version_hold_with_other_bytes_is_refused(tmp_path, mode):
+    """A version whose checkpoint folder held a stale copy of the model beside it: the sink took the
+    last file's tensor (the stale one), reported the version, and its own verify agreed. Which copy
+    the model should get is unknown: refused before anything is written. Identical copies (what
+    ranks writing a replicated tensor each give) are one tensor."""
+    sds = three()
+    store = two_files(tmp_path, "w", [(sds[0]["w"], sds[0]["w"]), (sds[1]["w"], sds[0]["w"])])
+    model = {"w": torch.nn.Parameter(sds[0]["w"].clone(), requires_grad=False)}
+    sink = TorchSink(store, model, 0, mode=mode)  # version 0: two identical copies
+    with pytest.raises(UsageError, match="holds tensor w twice, with other values in model.safetensors and stale/"):
+        sink.update(1)
+    assert sink.version == 0 and bits(model["w"]) == bits(sds[0]["w"])
+
+
+def test_an_engine_layout_refuses_a_tensor_of_the_same_size_in_another_shape(tmp_path):
+    """vLLM rules: a row-parallel weight stored transposed ([16, 8] for the model's [8, 16]) fits its
+    parameter by element count. The sink wrote its elements in the stored order and reported the
+    version; the engine's loader refuses the shape. The rules work out the live shapes: refused."""
+    from weightsync.torch.engines import dense
+
+    g = torch.Generator().manual_seed(0)
+    name = "model.layers.0.mlp.down_proj.weight"
+    w0 = torch.randn(8, 16, generator=g)
+    store = publish(tmp_path, [{name: w0}, {name: (w0 + 1).t().contiguous()}])
+    live = {name: w0.clone()}
+    sink = TorchSink(store, live, 0, layout=dense("vllm", num_heads=1, num_kv_heads=1).layout())
+    with pytest.raises(UsageError, match=r"down_proj.weight\[8, 16\] \(the version implies \[16, 8\]\)"):
+        sink.update(1)
+    assert sink.version == 0 and bits(live[name]) == bits(w0)
+
+
+def test_flip_refuses_a_parameter_replaced_between_prepare_and_apply(tmp_path):
+    """``mod.weight = nn.Parameter(mod.weight.data)`` between prepare and apply (a re-registration, a
+    wrapper): flip mode checked only the objects it had captured, repointed the detached one and
+    reported the version while the module computed with the old. Patch mode refused it already."""
+    sds = three("weight")
+    store = publish(tmp_path, sds)
+    model = torch.nn.Linear(4, 64, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(sds[0]["weight"])
+    sink = TorchSink(store, model, 0, mode="flip")
+    up = sink.prepare(1)
+    model.weight = torch.nn.Parameter(model.weight.data)
+    with pytest.raises(UsageError, match="prepare again"):
+        sink.apply(up)
+    sink.update(1)
+    assert sink.version == 1 and bits(model.weight) == bits(sds[1]["weight"])
+
+
+@MODES
+def test_a_tensor_repointed_at_other_values_is_rebuilt_though_the_next_version_leaves_it(tmp_path, mode):
+    """``param.data = other`` with foreign values on a tensor the next version does not change: only
+    the changed tensors were read back as delta bases, so the foreign values outlived the update,
+    which reported success. A tensor seen on a new storage is now checked at the next prepare."""
+    sds = three("a")
+    for sd in sds:
+        sd["b"] = torch.arange(32, dtype=torch.float32)  # never changes
+    store = publish(tmp_path, sds)
+    model = torch.nn.ParameterDict({k: torch.nn.Parameter(v.clone(), requires_grad=False) for k, v in sds[0].items()})
+    sink = TorchSink(store, model, 0, mode=mode)
+    model["b"].data = torch.zeros(32)
+    sink.update(1)
+    assert sink.version == 1 and not sink.torn
+    assert bits(model["b"]) == bits(sds[1]["b"]) and bits(model["a"]) == bits(sds[1]["a"])
+    model["b"].data = model["b"].data.clone()  # a move with the right values: nothing to rebuild
+    sink.update(2)
+    assert bits(model["b"]) == bits(sds[2]["b"]) and bits(model["a"]) == bits(sds[2]["a"])

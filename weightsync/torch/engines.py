@@ -212,8 +212,9 @@ class EngineRules:
     # -- the layout -------------------------------------------------------------------------------
     def layout(self, ranks: Ranks = Ranks()) -> Layout:
         """The :class:`Layout` of the rank ``ranks`` says: placements computed per version (every
-        error of :meth:`plan` is raised before anything is written), the skipped names and the
-        experts held elsewhere excluded, the padding declared."""
+        error of :meth:`plan` is raised before anything is written), with the live shapes they imply
+        (a model tensor of another shape refuses the version, as the engine's loader would), the
+        skipped names and the experts held elsewhere excluded, the padding declared."""
         exclude = list(self.skip)
         if self.experts is not None:
             held = set(self.experts.local(ranks.ep))
@@ -223,7 +224,21 @@ class EngineRules:
                 if e not in held
                 for p in (self.experts.gate_proj, self.experts.up_proj, self.experts.down_proj)
             ]
-        return Layout(lambda tensors: self.plan(tensors, ranks).placements, tuple(exclude), self.name, self.padding)
+        last: list = [None]  # (tensors, plan): the sink asks for placements and shapes of one version
+
+        def plan(tensors: StoreTensors) -> EnginePlan:
+            seen = last[0]
+            if seen is None or seen[0] is not tensors:
+                seen = last[0] = (tensors, self.plan(tensors, ranks))
+            return seen[1]
+
+        return Layout(
+            lambda tensors: plan(tensors).placements,
+            tuple(exclude),
+            self.name,
+            self.padding,
+            live_shapes=lambda tensors: plan(tensors).shapes,
+        )
 
     def plan(self, tensors: StoreTensors, ranks: Ranks = Ranks()) -> EnginePlan:
         """Rank ``ranks``' placements of a version holding ``tensors`` (``{name: (shape, dtype)}``),

@@ -84,6 +84,9 @@ class Layout:
     padding: tuple[str, ...] = ()
     narrowing: bool = False  # the engine casts store values to a narrower live dtype on load (fp32 served in bf16)
     same_shapes: bool = False  # every placement is a whole live tensor of the store tensor's shape
+    # the shape each live tensor must have for a version holding these tensors (rules that work the
+    # shapes out, as an engine's loader does): a model whose tensor differs cannot take the version
+    live_shapes: Callable[[Mapping[str, tuple[tuple[int, ...], str]]], Mapping[str, tuple[int, ...]]] | None = None
 
     def for_store(self, tensors: Mapping[str, tuple[tuple[int, ...], str]]) -> list[Placement]:
         """The placements for a version holding ``tensors``."""

@@ -373,6 +373,7 @@ class TorchSink:
         self._held_padding: dict[str, int] | None = None  # the padding of the version the model was loaded at
         self._epoch = 0  # patch mode: applies that failed midway (and tore the model) so far
         self._storages = 0  # times the model's tensors were seen on new storages (:meth:`_refresh`)
+        self._moved: set[str] = set()  # names seen on new storages, not yet checked against the version
         self.dense_above, self.threads, self.fetch_concurrency = dense_above, threads, fetch_concurrency
         self.direct = direct
         self.lazy = lazy or LazyReads()
@@ -405,18 +406,40 @@ class TorchSink:
     def _refresh(self) -> bool:
         """Follow the model's tensors if they are no longer the ones the sink holds (``model.to()``,
         ``model.float()``, ``param.data = ...`` and replaced buffers give them new storages);
-        returns whether they changed. The next prepare then reads the bases from the new storages
-        (and rebuilds from the keyframe what no longer matches)."""
+        returns whether they changed. The next prepare checks every tensor seen on a new storage
+        against the model's version (:meth:`_check_moved`), and reads the bases from there."""
         sd = self._module.state_dict(keep_vars=True) if self._module is not None else self.tensors
         slots = {id(x): x for x in self._slots.values()}.values()
         if sd.keys() == self.tensors.keys() and all(sd[n] is self.tensors[n] for n in sd):
             if all(_holds_storage(slot) for slot in slots):
                 return False
         log.info("the model's tensors changed storage since the sink last saw them: following them")
+        held = {n: (s.live.data_ptr(), s.live.device) for n, s in self._slots.items()}
+        self._moved |= {n for n, t in sd.items() if held.get(n) != (t.data_ptr(), t.device)}
         self.tensors, self._slots, self._staged = sd, _group(sd), None
         self._storages += 1  # what was prepared before writes to storages the model no longer holds
         self._checked_disjoint.clear()
         return True
+
+    def _check_moved(self) -> None:
+        """Compare the tensors seen on new storages with the model's version, whether or not the next
+        version changes them: a ``param.data = ...`` with other values (not only a move or a cast) must
+        not outlive the next update. A mismatch, or a version whose manifest is gone, tears the model:
+        the next update rebuilds every tensor. (A write in place is not seen: that would mean hashing
+        every tensor at every update; :meth:`verify` does.)"""
+        if not self._moved or self._torn:
+            self._moved.clear()
+            return
+        try:
+            m = self._manifest(self.version)
+            moved = [b for b in self._bind(m) if any(n in self._moved for pl in b.places for n in pl.slot.names)]
+            self._verify(moved, m.version)
+        except (BaseMismatchError, VersionError) as exc:
+            log.warning(
+                "a tensor on a new storage does not hold version %d (%s): rebuilding every tensor", self.version, exc
+            )
+            self._torn, self._epoch = True, self._epoch + 1
+        self._moved.clear()
 
     @property
     def standby_bytes(self) -> int:
@@ -454,13 +477,25 @@ class TorchSink:
     def _bind(self, manifest: Manifest) -> list[_Binding]:
         """Each store tensor of ``manifest`` with its places in the model; raises unless both sides
         are covered (:class:`CoverageError`) and every placement fits (:class:`UsageError`)."""
-        segs = {s.name: (f.path, s) for f in manifest.files for s in f.segments if s.role == "tensor"}
+        segs = _tensors(manifest)
+        tensors = {n: (s.shape, s.dtype) for n, (_, s) in segs.items()}
         try:
-            placements = self.layout.for_store({n: (s.shape, s.dtype) for n, (_, s) in segs.items()})
+            placements = self.layout.for_store(tensors)
+            shapes = {} if self.layout.live_shapes is None else self.layout.live_shapes(tensors)
         except WeightsyncError:
             raise
         except Exception as exc:  # a user's rule that fails: one line, not a traceback from the layout
             raise UsageError(f"layout {self.layout.name} failed for version {manifest.version}: {_one_line(exc)}")
+        wrong = [
+            f"{dest}{list(self._slots[dest].live.shape)} (the version implies {list(shape)})"
+            for dest, shape in shapes.items()
+            if dest in self._slots and tuple(self._slots[dest].live.shape) != tuple(shape)
+        ]
+        if wrong:
+            raise UsageError(
+                f"layout {self.layout.name}: version {manifest.version} does not fit the model's "
+                f"{_some(sorted(wrong))}; an engine's loader refuses it too"
+            )
         by_source: dict[str, list[Placement]] = {}
         for p in placements:
             by_source.setdefault(p.source, []).append(p)
@@ -715,6 +750,7 @@ class TorchSink:
         flip = self.mode == "flip"
         with self._apply_lock if flip else contextlib.nullcontext():  # flip: one standby, one writer
             self._refresh()
+            self._check_moved()
             if manifest is not None:
                 if version != "latest" and version != manifest.version:
                     raise UsageError(f"asked for version {version}, the manifest given is {manifest.version}")
@@ -775,7 +811,9 @@ class TorchSink:
     def _base(self, b: _Binding, seg: Segment, version: int) -> np.ndarray:
         """The verified store bytes of ``seg`` (``b``'s tensor at the model's version): read back from
         the model, or, for a mirrored tensor, the host copy once the model's regions of it are
-        checked against it (a value written behind the sink's back is a mismatch either way)."""
+        checked against it (a value written behind the sink's back into a tensor the version
+        changes is a mismatch either way; one the version leaves alone is seen only where its storage
+        moved, :meth:`_check_moved`, or by :meth:`verify`)."""
         which = "live" if self.mode == "patch" else "standby"
         data = self._mirror.get(b.seg.name) if b.mirrored else self._gather(b, which)
         if data is None or xxhash.xxh3_128_hexdigest(data) != seg.xxh3:
@@ -875,7 +913,7 @@ class TorchSink:
     def _prepare_folder(self, up: Update, target: Manifest, local: Manifest | None, folder: Path, op: Operation):
         """:meth:`_prepare` reading the changed tensors from ``folder``, which holds ``target``'s version."""
         bound = self._begin(up, target)
-        old_segs = {} if local is None else {s.name: s for f in local.files for s in f.segments if s.role == "tensor"}
+        old_segs = {} if local is None else {n: s for n, (_, s) in _tensors(local).items()}
         todo = []
         for b in bound:
             old = old_segs.get(b.seg.name)
@@ -1180,6 +1218,11 @@ class TorchSink:
         for f in update.flips:
             if any(o.data_ptr() != f.old.data_ptr() for o in f.objects):
                 raise UsageError(f"{', '.join(f.names)}: the tensor's storage was repointed behind the sink's back")
+        if self._refresh() or update.storages != self._storages:  # (a Parameter replaced by another object)
+            raise UsageError(
+                f"update to version {update.version}: the model's tensors changed since it was prepared "
+                "(moved, cast or replaced); prepare again"
+            )
         with self.lock:
             t0 = time.perf_counter()
             try:
@@ -1272,6 +1315,25 @@ def _region(pl: _Place, t: torch.Tensor) -> torch.Tensor:
     """``pl``'s region of ``t`` as integers (the live view's bits)."""
     flat = _int_view(t)
     return flat.as_strided(pl.shape, pl.stride, flat.storage_offset() + pl.offset)
+
+
+def _tensors(manifest: Manifest) -> dict[str, tuple[str, Segment]]:
+    """Each tensor of ``manifest`` by name, with the file holding it. A name that two files hold
+    (a stale copy in a subfolder, ranks that wrote a replicated tensor each) is one tensor only
+    where the copies are the same bytes; otherwise which one the model should get is unknown, and
+    :class:`UsageError` says so before anything is written."""
+    out: dict[str, tuple[str, Segment]] = {}
+    for f in manifest.files:
+        for s in f.segments:
+            if s.role != "tensor":
+                continue
+            first = out.setdefault(s.name, (f.path, s))
+            if first[1] is not s and (first[1].xxh3, first[1].dtype, first[1].shape) != (s.xxh3, s.dtype, s.shape):
+                raise UsageError(
+                    f"version {manifest.version} holds tensor {s.name} twice, with other values in {first[0]} "
+                    f"and {f.path}; a model takes one (remove the stale copy from the checkpoint)"
+                )
+    return out
 
 
 def _some(names, n: int = 3) -> str:
