@@ -125,7 +125,7 @@ def cmd_publish_part(args) -> int:
 def cmd_commit_parts(args) -> int:
     from weightsync.sync.parts import commit_parts
 
-    if args.timeout < 0:
+    if not args.timeout >= 0:
         raise UsageError(f"--timeout must be >= 0 seconds, not {args.timeout:g}")
     r = commit_parts(
         _repo(args),
@@ -237,6 +237,8 @@ def cmd_keygen(args) -> int:
 def cmd_demo(args) -> int:
     from weightsync.demo import run_demo
 
+    if args.steps < 1 or args.hidden < 1:
+        raise UsageError(f"--steps and --hidden must be at least 1, got {args.steps} and {args.hidden}")
     return run_demo(args.workdir, steps=args.steps, hidden=args.hidden)
 
 
@@ -513,6 +515,8 @@ def cmd_fleet(args) -> int:
 
     from weightsync.sync.fleet import format_fleet, read_fleet, read_fleets
 
+    if not args.expire_after > 0:
+        raise UsageError(f"--expire-after must be a positive number of seconds, not {args.expire_after:g}")
     stores, endpoints = args.store, args.endpoint_url or []
     if len(endpoints) not in (0, 1, len(stores)):
         raise UsageError(

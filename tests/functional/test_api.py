@@ -167,6 +167,8 @@ def test_explicit_calls(world):
     code, doc, _ = sub.get("/v1/versions?limit=2")
     assert code == 200 and doc["head_version"] == 2 and [v["version"] for v in doc["versions"]] == [1, 2]
     assert sub.get("/v1/versions?limit=0")[0] == 400
+    for path in ("/v1/manifest/%C2%B2", "/v1/manifest/%D9%A3", "/v1/head?after=%C2%B2", "/v1/versions?limit=1_0"):
+        assert sub.get(path)[0] == 400, path  # digits int() refuses (a 500 before) or reads as others
     assert http("DELETE", sub.url + "/v1/target", token=TOKEN)[0] == 405
 
     # publisher: explicit publish, a conflict, not a checkpoint, the fleet

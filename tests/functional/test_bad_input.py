@@ -410,3 +410,20 @@ def test_gc_keeps_at_least_one_version(keep, world, run_cli, ws):
     store, _, out = world
     line = _fails(ws, run_cli, [store, out], "gc", "--store", f"file://{store}", "--keep", keep, "--grace-seconds", "0")
     assert line == f"weightsync: error: gc must keep at least 1 version, got --keep {keep}"
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (["fleet", "--expire-after", "-5"], "--expire-after must be a positive number of seconds, not -5"),
+        (["demo", "--steps", "-1"], "--steps and --hidden must be at least 1, got -1 and 256"),
+        (["demo", "--hidden", "0"], "--steps and --hidden must be at least 1, got 8 and 0"),
+    ],
+)
+def test_numbers_out_of_range_are_refused(args, line, world, tmp_path, run_cli, ws):
+    """They ran: a fleet whose records expire before they are written, a demo that did nothing (or
+    divided by zero) and exited 0."""
+    store, _, out = world
+    extra = ["--store", f"file://{store}"] if args[0] == "fleet" else ["--workdir", str(tmp_path / "demo")]
+    assert _fails(ws, run_cli, [store, out], *args, *extra) == f"weightsync: error: {line}"
+    assert not (tmp_path / "demo").exists()

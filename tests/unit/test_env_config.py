@@ -208,7 +208,7 @@ def test_a_bad_value_stops_only_the_commands_that_use_it(tmp_path):
 
 
 # --- --poll-interval 0 -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("given", [["--poll-interval", "0"], ["--poll-interval", "-1"], ["--poll-interval", "nan"]])
+@pytest.mark.parametrize("given", [["--poll-interval", "0"], ["--poll-interval", "-1"]])
 def test_a_poll_interval_of_zero_is_refused_not_replaced(tmp_path, given):
     args = parse(["subscriber", "--store", "s", "--target", str(tmp_path), *given])
     with pytest.raises(UsageError, match=r"^--poll-interval must be a number of seconds > 0") as err:
@@ -220,6 +220,47 @@ def test_a_poll_interval_of_zero_is_refused_not_replaced(tmp_path, given):
     args = parse(["subscriber"], sub_env(tmp_path, WEIGHTSYNC_POLL_INTERVAL="0"))
     with pytest.raises(UsageError, match=r"^WEIGHTSYNC_POLL_INTERVAL must be a number of seconds > 0"):
         subscriber_config(args, {})
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["gc", "--store", "s", "--keep", "1", "--grace-seconds", "nan"],
+        ["commit-parts", "--store", "s", "--version", "1", "--world", "2", "--timeout", "nan"],
+        ["fleet", "--store", "s", "--expire-after", "NaN"],
+        ["subscriber", "--store", "s", "--target", "t", "--grace", "nan"],
+        ["subscriber", "--store", "s", "--target", "t", "--poll-interval", "nan"],
+        ["publisher", "--store", "s", "--watch", "w", "--commit-timeout", "nan"],
+    ],
+    ids=lambda a: f"{a[0]}{a[-2]}",
+)
+def test_no_flag_takes_nan(argv, capsys):
+    """Every comparison with NaN is false: ``gc --grace-seconds nan`` took every chunk for old (a
+    publish in flight lost its chunks and committed a head no pull could build), ``commit-parts
+    --timeout nan`` waited for ever. Every float flag refuses it as it is parsed."""
+    with pytest.raises(SystemExit) as exc:
+        parse(argv)
+    assert exc.value.code == 2
+    assert f"argument {argv[-2]}: not a number: '{argv[-1]}'" in capsys.readouterr().err
+
+
+def test_no_variable_takes_nan(capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse(["gc", "--store", "s", "--keep", "1"], {"WEIGHTSYNC_GRACE_SECONDS": "nan"})
+    assert exc.value.code == 2
+    assert "WEIGHTSYNC_GRACE_SECONDS='nan' (the default of --grace-seconds): not a number: 'nan'" in (
+        capsys.readouterr().err
+    )
+
+
+def test_a_negative_grace_is_refused(tmp_path):
+    """``--grace -1`` made a SIGTERM cancel the work in flight at once."""
+    args = parse(["subscriber", "--store", "s", "--target", str(tmp_path), "--grace", "-1"])
+    with pytest.raises(UsageError, match=r"^--grace must be a number of seconds >= 0, got -1"):
+        subscriber_config(args, {})
+    args = parse(["publisher", "--store", "s", "--watch", str(tmp_path), "--grace", "-1"])
+    with pytest.raises(UsageError, match=r"^--grace must be"):
+        publisher_config(args, {})
 
 
 def test_a_small_poll_interval_is_kept(tmp_path):

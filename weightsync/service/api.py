@@ -183,9 +183,16 @@ def _integral(v: object) -> int | None:
     return None
 
 
+def _digits(raw: str) -> bool:
+    """``raw`` is ASCII digits only (``str.isdigit`` takes ``²``, which ``int`` refuses, and ``٣``)."""
+    return raw.isascii() and raw.isdigit()
+
+
 def _limit(request: web.Request) -> int:
     raw = request.query.get("limit", "100")
     try:
+        if not raw.isascii() or "_" in raw:  # (int() and float() take other digits, and 1_0)
+            raise ValueError(raw)
         n = _integral(int(raw) if raw.strip().lstrip("+-").isdigit() else float(raw))
     except (ValueError, OverflowError):
         n = None
@@ -406,7 +413,7 @@ async def get_head(request: web.Request) -> web.Response:
     raw = request.query.get("after")
     after = None
     if raw is not None:
-        after = int(raw) if raw.isdigit() and len(raw) <= 18 else None
+        after = int(raw) if _digits(raw) and len(raw) <= 18 else None
         if after is None:
             raise UsageError("after must be an integer in 0..10**18 (the seq of an earlier answer)")
     sub = request.app[SUBSCRIBER]
@@ -416,7 +423,7 @@ async def get_head(request: web.Request) -> web.Response:
 
 async def get_manifest(request: web.Request) -> web.Response:
     raw = request.match_info["version"]
-    version = int(raw) if raw.isdigit() and len(raw) <= 19 else -1
+    version = int(raw) if _digits(raw) and len(raw) <= 19 else -1
     if not 0 <= version <= MAX_VERSION:
         raise UsageError(f"version must be an integer in 0..{MAX_VERSION}")
     repo = request.app[SUBSCRIBER].repo

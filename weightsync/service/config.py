@@ -26,6 +26,11 @@ def _positive(name: str, value: float) -> None:
         raise UsageError(f"{name} must be positive, got {value}")
 
 
+def _not_negative(name: str, value: float) -> None:
+    if not value >= 0:  # (NaN too)
+        raise UsageError(f"{name} must be a number of seconds >= 0, got {value}")
+
+
 def _check_http_url(name: str, url: str) -> None:
     """``http(s)://host[:port]``, without path, query or credentials."""
     from urllib.parse import urlsplit
@@ -161,6 +166,7 @@ class PublisherConfig:
 
     def __post_init__(self) -> None:
         _positive("poll interval", self.poll_interval)
+        _not_negative("--grace", self.grace)
         _positive("stale-after", self.stale_after)
         _positive("--stall-after", self.stall_after)
         if not self.marker or "/" in self.marker or self.marker in (".", ".."):
@@ -301,6 +307,7 @@ class SubscriberConfig:
         if self.lazy_chunks == "fallback" and self.fallback is None:
             raise UsageError("--lazy-chunks fallback needs --fallback-store (a store holding the same versions)")
         _positive("poll interval", self.poll_interval)
+        _not_negative("--grace", self.grace)
         _positive("ledger interval", self.ledger_interval)
         if self.head_from is not None:
             _check_http_url("--head-from", self.head_from)

@@ -5,6 +5,7 @@ This module and ``cli.py`` are the only readers of the environment."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import socket
@@ -64,6 +65,14 @@ class _EnvAppend(argparse._AppendAction):
         super().__call__(parser, namespace, values, option_string)
 
 
+def number(text: str) -> float:
+    """``float(text)``, but not NaN."""
+    out = float(text)
+    if math.isnan(out):
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}")
+    return out
+
+
 def parse_bool(text: str) -> bool:
     """1/0, true/false, yes/no, on/off (any case, surrounding blanks ignored)."""
     word = text.strip().lower()
@@ -74,7 +83,13 @@ def parse_bool(text: str) -> bool:
 
 class EnvParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose arguments may take their defaults from the environment
-    (:func:`env_argument`); the command line always wins. Subcommand parsers inherit the class."""
+    (:func:`env_argument`); the command line always wins. Subcommand parsers inherit the class.
+    A ``float`` argument refuses NaN (every comparison with it is false: a wait without end, an age
+    that is never young)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register("type", float, number)
 
     def parse_known_args(self, args=None, namespace=None):
         """As argparse's, then the environment defaults and their sources are resolved (see :func:`env_argument`)."""
@@ -104,7 +119,7 @@ class EnvParser(argparse.ArgumentParser):
             out = text
         else:
             try:
-                out = action.type(text)
+                out = action.type(text) if action.type is not float else number(text)
             except (TypeError, ValueError) as exc:
                 words = {int: "not an integer", float: "not a number"}
                 raise argparse.ArgumentTypeError(words.get(action.type, str(exc))) from None

@@ -54,7 +54,7 @@ class GcConfig:
     def __post_init__(self) -> None:
         if self.keep < 1:
             raise UsageError(f"gc must keep at least 1 version, got --keep {self.keep}")
-        if self.grace_seconds < 0:
+        if not self.grace_seconds >= 0:  # (NaN too: no age would count as young)
             raise UsageError(f"grace period must be >= 0 seconds, got {self.grace_seconds}")
         if self.concurrency < 1:
             raise UsageError(f"gc concurrency must be at least 1, got {self.concurrency}")
