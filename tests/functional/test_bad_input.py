@@ -427,3 +427,15 @@ def test_numbers_out_of_range_are_refused(args, line, world, tmp_path, run_cli, 
     extra = ["--store", f"file://{store}"] if args[0] == "fleet" else ["--workdir", str(tmp_path / "demo")]
     assert _fails(ws, run_cli, [store, out], *args, *extra) == f"weightsync: error: {line}"
     assert not (tmp_path / "demo").exists()
+
+
+def test_a_store_inside_the_checkpoint_is_refused(trajectory, tmp_path, run_cli, ws):
+    """Every try failed with "appeared in the checkpoint while it was published ... publish it again
+    once it is complete" (the publish's own chunks) and left more chunks in the checkpoint."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(trajectory[0], ckpt)
+    for store in (ckpt / "store", ckpt):
+        line = _fails(ws, run_cli, [ckpt], "publish", str(ckpt), "--store", f"file://{store}")
+        assert line == f"weightsync: error: the store file://{store} is inside the checkpoint folder {ckpt}; " + (
+            "keep the store elsewhere"
+        )

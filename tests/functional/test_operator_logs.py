@@ -6,6 +6,7 @@ instead of exiting; an API on all interfaces without a token is warned about."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import re
 import subprocess
@@ -73,6 +74,60 @@ def test_the_publisher_reports_a_blocking_checkpoint_once_and_the_real_retry_wai
     assert waits == [1.0, 2.0, 4.0], waits  # the step's own back-off, doubling
     logged = [r.fields["retry_in"] for r in caplog.records if r.getMessage() == "iteration failed"]
     assert logged == ["1.0s", "2.0s", "4.0s"]
+
+
+def test_a_step_whose_version_a_hand_publish_took_is_reported_not_passed_over(tmp_path, caplog):
+    """``POST /v1/publish`` of an older folder gives it the head + 1, the next step's number: when the
+    trainer finished that step, the watcher took it for published, logged nothing and said "version
+    2 is the newest checkpoint" while version 2 held step 0's bytes."""
+    store, watch = f"file://{tmp_path / 'store'}", tmp_path / "watch"
+    t = SyntheticTrainer(**TINY, seed=0)
+    for step in (0, 1):
+        (t.save(watch / f"step_{step}") / "COMPLETE").write_text("")
+        t.step()
+    cfg = PublisherConfig(StoreConfig(store), watch, tmp_path / "st", Identity("p"))
+    pub = Publisher(cfg, weightsync.open_repo(store), Metrics(CollectorRegistry(), "publisher"))
+
+    async def run() -> None:
+        pub._wake = asyncio.Event()
+        for _ in range(3):
+            await pub._iteration()
+        assert (await pub.publish_request(str(watch / "step_0"), None)).version == 2
+        (t.save(watch / "step_2") / "COMPLETE").write_text("")
+        for _ in range(2):
+            await pub._iteration()
+
+    with caplog.at_level(logging.INFO, "weightsync.publisher"):
+        asyncio.run(run())
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and errors[0].startswith(f"checkpoint {watch / 'step_2'} is not published: its version")
+    assert pub.status()["last_error"] == errors[0]
+
+
+def test_a_marker_with_content_is_published_an_empty_one_is_not(tmp_path):
+    """``--marker model.safetensors.index.json`` (the file ``save_pretrained`` writes last) was left
+    out of every version without a word: pulled folders lacked the index."""
+    store, watch = f"file://{tmp_path / 'store'}", tmp_path / "watch"
+    t = SyntheticTrainer(**TINY, seed=0)
+    index = b'{"weight_map": {}}'
+    for step, marker in ((0, b""), (1, index)):
+        (t.save(watch / f"step_{step}") / "index.json").write_bytes(marker)
+        t.step()
+    cfg = PublisherConfig(StoreConfig(store), watch, tmp_path / "st", Identity("p"), marker="index.json")
+    cfg = dataclasses.replace(cfg, publish=dataclasses.replace(cfg.publish, ignore=("index.json",)))
+    pub = Publisher(cfg, weightsync.open_repo(store), Metrics(CollectorRegistry(), "publisher"))
+
+    async def run() -> None:
+        pub._wake = asyncio.Event()
+        for _ in range(3):
+            await pub._iteration()
+
+    asyncio.run(run())
+    repo = weightsync.open_repo(store)
+    assert "index.json" not in {f.path for f in repo.manifest(0).files}
+    assert "index.json" in {f.path for f in repo.manifest(1).files}
+    weightsync.pull(store, tmp_path / "out", 1)
+    assert (tmp_path / "out" / "index.json").read_bytes() == index
 
 
 def test_a_following_mirror_waits_for_an_empty_source(tmp_path):

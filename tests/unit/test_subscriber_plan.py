@@ -21,7 +21,7 @@ from weightsync.service.flags import (
 )
 from weightsync.service.hooks import render
 from weightsync.service.pin import LATEST, ForeignTargetError, read_target, startup_target, target_path, write_target
-from weightsync.service.publisher import Candidate, Publish, parse_step, plan_publish
+from weightsync.service.publisher import Candidate, Publish, parse_step, plan_publish, scan
 from weightsync.service.runtime import Idle, Wait
 from weightsync.service.runtime import Idle as PIdle
 from weightsync.service.runtime import Wait as PWait
@@ -116,6 +116,24 @@ def test_plan_publish(cands, head, failed, kind, expect, base, skipped):
 )
 def test_parse_step(name, step):
     assert parse_step(name) == step
+
+
+def test_the_watcher_follows_a_linked_checkpoint_and_refuses_a_link_above_it(tmp_path):
+    """A checkpoint written elsewhere and linked into the watched folder was skipped without a word
+    (the next step was published over it); a link to the watched folder itself would publish every
+    checkpoint as one version."""
+    watch, elsewhere = tmp_path / "watch", tmp_path / "elsewhere"
+    for d in (watch / "step_0", elsewhere / "step_1"):
+        d.mkdir(parents=True)
+        (d / "COMPLETE").touch()
+    (watch / "step_1").symlink_to(elsewhere / "step_1")
+    (watch / "step_2").symlink_to(watch)
+    (watch / "step_3").symlink_to(tmp_path)
+    (watch / "step_4").symlink_to(tmp_path / "gone")
+    refused: dict[str, str] = {}
+    found = scan(watch, "COMPLETE", refused)
+    assert [(c.step, c.path.name, c.ready) for c in found] == [(0, "step_0", True), (1, "step_1", True)]
+    assert set(refused) == {"step_2", "step_3"} and "links to the watched folder" in refused["step_2"]
 
 
 def test_fleet_view_lag_and_staleness():

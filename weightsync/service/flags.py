@@ -461,7 +461,12 @@ def add_publisher_args(p: argparse.ArgumentParser, environ: Mapping[str, str] | 
     _common_args(p, environ)
     add = lambda *flags, **kw: env_argument(p, environ, *flags, **kw)  # noqa: E731
     add("--watch", required=True, help="folder whose subfolders (ending in a step number) are checkpoints")
-    add("--marker", default="COMPLETE", help="file that marks a checkpoint as ready (default COMPLETE)")
+    add(
+        "--marker",
+        default="COMPLETE",
+        help="file that marks a checkpoint as ready (default COMPLETE); left out of the version when empty, "
+        "published with it when it has content (a checkpoint file written last)",
+    )
     add("--state-dir", help="publisher state (default: ~/.local/state/weightsync/publisher-<store hash>)")
     add(
         "--stale-after",

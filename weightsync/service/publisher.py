@@ -10,9 +10,10 @@ import math
 import os
 import random
 import re
+import stat
 import time
 from contextlib import suppress
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from weightsync.errors import BaseMismatchError, FormatError, NotFoundError, StoreError, UsageError, VersionError
@@ -36,7 +37,7 @@ from weightsync.service.runtime import (
 from weightsync.service.stalls import StallWatch
 from weightsync.store.repo import Repo
 from weightsync.sync.parts import commit_parts, publish_part, rank_poll, read_refusal
-from weightsync.sync.publish import PublishResult, publish
+from weightsync.sync.publish import PublishConfig, PublishResult, publish
 
 log = logging.getLogger("weightsync.publisher")
 
@@ -73,10 +74,11 @@ class Candidate:
     mtime: float  # last change of the folder, for stale detection
 
 
-def scan(watch_dir: Path, marker: str, too_large: list[str] | None = None) -> list[Candidate]:
-    """Checkpoint folders under ``watch_dir``, by step (the first name wins for a repeated step).
-    A folder whose step is above the largest version the format allows (10^18) can never be
-    published: it is no candidate, and its name goes to ``too_large``."""
+def scan(watch_dir: Path, marker: str, refused: dict[str, str] | None = None) -> list[Candidate]:
+    """Checkpoint folders under ``watch_dir``, by step (the first name wins for a repeated step); a
+    symlink to a folder is followed (a checkpoint written elsewhere and linked in). A folder that
+    can never be published is no candidate, and goes to ``refused`` with why: its step is above the
+    largest version the format allows (10^18), or it is a link to the watched folder or above it."""
     found: dict[int, Candidate] = {}
     try:
         entries = sorted(os.scandir(watch_dir), key=lambda e: e.name)
@@ -84,14 +86,22 @@ def scan(watch_dir: Path, marker: str, too_large: list[str] | None = None) -> li
         return []
     for e in entries:
         step = parse_step(e.name)
-        if step is None or step in found or not e.is_dir(follow_symlinks=False):
+        try:
+            if step is None or step in found or not e.is_dir():
+                continue
+            why = None
+            if step > MAX_VERSION:
+                why = f"its step is above {MAX_VERSION}, the largest version the format allows"
+            elif e.is_symlink() and Path(watch_dir).resolve().is_relative_to(os.path.realpath(e.path)):
+                why = "it links to the watched folder or a folder holding it"
+            if why is not None:
+                if refused is not None:
+                    refused[e.name] = why
+                continue
+            ready = os.path.isfile(os.path.join(e.path, marker))
+            found[step] = Candidate(step, Path(e.path), ready, e.stat().st_mtime)
+        except FileNotFoundError:  # removed (or a link's target) while it was looked at
             continue
-        if step > MAX_VERSION:
-            if too_large is not None:
-                too_large.append(e.name)
-            continue
-        ready = os.path.isfile(os.path.join(e.path, marker))
-        found[step] = Candidate(step, Path(e.path), ready, e.stat(follow_symlinks=False).st_mtime)
     return sorted(found.values(), key=lambda c: c.step)
 
 
@@ -173,7 +183,11 @@ class Publisher:
         self._failed: tuple[int, int, float] | None = None  # step, failures, retry_at
         self._errors = 0
         self._part: int | None = None  # rank mode: the version whose part this rank stored, not yet committed
-        self._too_large: set[str] = set()  # checkpoint folders already reported as beyond the format's versions
+        self._unpublishable: set[str] = set()  # checkpoint folders already reported as never publishable
+        # versions POST /v1/publish gave a folder that is not the watched step of that number, and the
+        # watched folders of that step already reported as left out (the number is taken)
+        self._taken: dict[int, Path] = {}
+        self._shadowed: set[Path] = set()
         self._blocked: str | None = None  # the unfinished checkpoint last reported as holding back others
         self._refused: tuple[int, str] | None = None  # rank mode: the version and reason last logged
         self._rng = random.Random()  # rank mode: the jitter of its polls (never the training's seeded generator)
@@ -247,9 +261,9 @@ class Publisher:
 
     async def _iteration(self) -> float:
         try:
-            too_large: list[str] = []
-            candidates = await asyncio.to_thread(scan, self.cfg.watch_dir, self.cfg.marker, too_large)
-            self._report_too_large(too_large)
+            refused: dict[str, str] = {}
+            candidates = await asyncio.to_thread(scan, self.cfg.watch_dir, self.cfg.marker, refused)
+            self._report_refused(refused)
             # what waits, before the store is asked (a store that hangs must not hide new checkpoints)
             self.pending = [c.step for c in candidates if self.head is None or c.step > self.head]
             self.head = await asyncio.to_thread(self.repo.head_version)
@@ -264,6 +278,7 @@ class Publisher:
                     )
                 self._part = None  # committed (by this rank or another)
             self.pending = [c.step for c in candidates if self.head is None or c.step > self.head]
+            self._report_shadowed(candidates)
             failed_step, _, retry_at = self._failed or (None, 0, 0.0)
             if self._part is not None:  # rank mode: nothing else until this part's version is committed
                 return await self._await_commit(failed_step, retry_at)
@@ -316,16 +331,29 @@ class Publisher:
             event(log, f"an unfinished checkpoint holds back later ones: {action.reason}", logging.WARNING)
         self._blocked = key
 
-    def _report_too_large(self, names: list[str]) -> None:
-        """Log once each checkpoint folder skipped for good: its step is no version the format allows."""
-        for name in sorted(set(names) - self._too_large):
+    def _report_shadowed(self, candidates: list[Candidate]) -> None:
+        """Log once (ERROR, and in the status) each ready checkpoint whose step's version number
+        ``POST /v1/publish`` gave another folder: the watcher takes it for published, and it is not."""
+        for c in candidates:
+            other = self._taken.get(c.step)
+            if c.ready and other is not None and c.path not in self._shadowed and other != c.path.resolve():
+                self._shadowed.add(c.path)
+                self.last_error = (
+                    f"checkpoint {c.path} is not published: its version number {c.step} was given to {other} "
+                    "by POST /v1/publish; publish it by hand with a version no step will take"
+                )
+                event(log, self.last_error, logging.ERROR, path=str(c.path), version=c.step)
+
+    def _report_refused(self, refused: dict[str, str]) -> None:
+        """Log once each checkpoint folder skipped for good (:func:`scan`'s ``refused``)."""
+        for name in sorted(set(refused) - self._unpublishable):
             event(
                 log,
-                f"skipping checkpoint {name!r}: its step is above {MAX_VERSION}, the largest version the format allows",
+                f"skipping checkpoint {name!r}: {refused[name]}",
                 logging.ERROR,
                 path=str(self.cfg.watch_dir / name),
             )
-        self._too_large = set(names)
+        self._unpublishable = set(refused)
 
     async def _await_commit(self, failed_step: int | None, retry_at: float) -> float:
         """Rank mode with a part stored: commit it (``--commit``) or wait for another rank to."""
@@ -408,6 +436,19 @@ class Publisher:
             self.state = "idle"
             return result
 
+    def _publish_config(self, path: Path) -> PublishConfig:
+        """The publish settings for ``path``: the marker is left out of the version when it is empty
+        (a flag), and published when it has content (a checkpoint file written last, such as
+        ``model.safetensors.index.json``, which the version would otherwise lack without a word)."""
+        cfg, marker = self.cfg.publish, self.cfg.marker
+        try:
+            st = os.stat(path / marker, follow_symlinks=False)
+        except OSError:
+            return cfg
+        if marker in cfg.ignore and stat.S_ISREG(st.st_mode) and st.st_size > 0:
+            return replace(cfg, ignore=tuple(g for g in cfg.ignore if g != marker))
+        return cfg
+
     def _publish_blocking(self, path: Path, version: int | None, base: Path | None) -> PublishResult:
         # uploads are counted as each chunk lands (weightsync_upload_bytes_total), failed publishes too
         self.progress = DaemonProgress(self.stop_token, self.metrics.upload_bytes.inc, version, self.clock)
@@ -417,7 +458,7 @@ class Publisher:
             self.progress = None
 
     def _publish_with(self, path: Path, version: int | None, base: Path | None, stop) -> PublishResult:
-        cfg, cache = self.cfg.publish, self.cache_dir
+        cfg, cache = self._publish_config(path), self.cache_dir
         files = None
         if self.cfg.rank is not None and self.cfg.own_files:
             files = [f.path for f in scan_checkpoint(path, cfg.ignore)]
@@ -552,4 +593,7 @@ class Publisher:
             raise VersionError(f"version {v} is not after the head version {head}")
         candidates = await asyncio.to_thread(scan, self.cfg.watch_dir, self.cfg.marker)
         base = next((c.path for c in candidates if c.step == head and c.ready and c.path != folder), None)
-        return await self.publish_folder(folder, v, base)
+        result = await self.publish_folder(folder, v, base)
+        if folder.parent != self.cfg.watch_dir.resolve() or parse_step(folder.name) != v:
+            self._taken[v] = folder  # a watched step of this number will be reported, not taken as published
+        return result

@@ -62,6 +62,7 @@ from weightsync.sync.publish import (
     PublishConfig,
     PublishResult,
     cache_claim,
+    check_apart,
     encode_folder,
     plan_version,
 )
@@ -157,6 +158,7 @@ def publish_part(
     ``observer``: as :func:`weightsync.sync.publish.publish`'s (cancels before the part is written)."""
     check_world(rank, world)
     src = Path(checkpoint_dir)
+    check_apart(repo, src)
     scan = lambda: _select(scan_checkpoint(src, config.ignore), rank, world, files, src)  # noqa: E731
     mine = scan()  # validate the input before anything is written
     new = plan_version(repo, version, config)

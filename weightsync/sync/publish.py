@@ -26,7 +26,7 @@ from weightsync.codec.payload import CodecConfig, EncodedTensor, encode_tensor
 from weightsync.errors import BaseMismatchError, NotFoundError, UsageError, VersionError
 from weightsync.format.chunking import DEFAULT_CHUNK_BYTES, ChunkPacker
 from weightsync.format.dtypes import itemsize
-from weightsync.format.keys import MAX_VERSION, STATE_DIR, chunk_key
+from weightsync.format.keys import HEAD_KEY, MAX_VERSION, STATE_DIR, chunk_key
 from weightsync.format.manifest import ChunkRef, Delta, FileEntry, Manifest, Payload, Segment
 from weightsync.format.safetensors import SourceSegment
 from weightsync.local.base import LocalVersion, adopt
@@ -346,6 +346,7 @@ def publish(
     repo, config = open_repo(store), config or PublishConfig()
     observer = observer_of(observer, legacy)
     src = Path(checkpoint_dir)
+    check_apart(repo, src)
     scan = lambda: scan_checkpoint(src, config.ignore)  # noqa: E731
     files = scan()  # validate the input before anything is written
     new = plan_version(repo, version, config)
@@ -358,6 +359,18 @@ def publish(
             adopt(Path(cache_dir), manifest, src, repo.url, lock=lock)
     op.done(result.seconds)
     return result
+
+
+def check_apart(repo: Repo, src: Path) -> None:
+    """Refuse a ``file://`` store inside the checkpoint folder ``src`` (or the folder itself) before
+    anything is written: its own chunks would appear in the checkpoint as it is published (every
+    try fails, and leaves them there)."""
+    head = repo.store.local_path(HEAD_KEY)
+    if head is None:
+        return
+    root, ckpt = Path(os.path.realpath(head.parent)), Path(os.path.realpath(src))
+    if root == ckpt or ckpt in root.parents:
+        raise UsageError(f"the store {repo.url} is inside the checkpoint folder {src}; keep the store elsewhere")
 
 
 def cache_claim(cache_dir: str | os.PathLike[str] | None, src: Path) -> FolderLock | contextlib.nullcontext:
