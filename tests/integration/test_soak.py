@@ -42,8 +42,11 @@ def test_short_soak_with_random_faults(s3_env, s3_url, tmp_path):
     assert res.ok, text
     assert res.wrong_bytes == 0 and res.samples > 0 and res.checksum_failures == 0, text
     assert res.faults_total > 0 and len(res.faults) >= 4 and sum(res.retries.values()) > 0, text
-    # Leaks show in the long run (docs/RELIABILITY.md); a short one can only bound the size.
+    # Leaks show in the long run (docs/RELIABILITY.md); a short one can only bound the size. Its
+    # quarters start when every subscriber serves version 3, and the daemons still grow after that
+    # by what the first deltas load (22-33 MiB each, all four alike, in a CI run on a loaded machine
+    # that took 70 minutes). The bound leaves room for that, not for a few MiB per version.
     for name, rss in res.rss_mib.items():
         assert rss["max"] < 400, f"{name}: {rss}\n{text}"
         if rss["samples"] >= 4:
-            assert rss["last_quarter"] <= rss["first_quarter"] + 32, f"{name}: {rss}\n{text}"
+            assert rss["last_quarter"] <= rss["first_quarter"] + 48, f"{name}: {rss}\n{text}"
