@@ -20,7 +20,7 @@ from test_daemons import Daemon, http, wait_for
 
 import weightsync
 from weightsync.demo import make_trajectory
-from weightsync.format.manifest import manifest_from_json
+from weightsync.format.manifest import HEAD_KEY, head_to_json, manifest_from_json
 from weightsync.service.engines import EngineClient, UnknownEngineError
 from weightsync.store import open_store
 from weightsync.sync.fleet import read_records
@@ -95,11 +95,11 @@ def node(tmp_path):
     weightsync.publish(traj[0], store)
     started: list[Daemon] = []
 
-    def start(*extra) -> Daemon:
+    def start(*extra, wait: int = 0) -> Daemon:
         args = ["--store", store, "--target", tmp_path / "t", "--no-fsync", "--id", "node-1", *extra]
         sub = Daemon("subscriber", args, tmp_path, env={"WEIGHTSYNC_API_TOKEN": TOKEN}, token=TOKEN).start()
         started.append(sub)
-        sub.wait_version(0)
+        sub.wait_version(wait)
         return sub
 
     def publish(v: int) -> None:
@@ -269,3 +269,21 @@ def test_a_slot_ranks_prepare_from_is_not_written_until_they_are_done(node):
     in_step(sub, "r0", 3)
     assert slow.ops()[:2] == [("prepare", 1), ("apply", 1)] and slow.ops()[-1] == ("apply", 3)
     slow.stop()
+
+
+def test_a_manifest_above_the_head_is_not_served(node):
+    """A manifest stored above the head (a publish in progress or abandoned) is not a version: the
+    subscriber answers 404 for it, as ``PUT /v1/target`` refuses it, and serves it once committed."""
+    start, publish, store, _ = node
+    publish(1)
+    publish(2)
+    backend = open_store(str(store))
+    backend.put(HEAD_KEY, head_to_json(1))  # version 2's manifest stays, above the head
+    sub = start(wait=1)
+    client = EngineClient(sub.url, token=TOKEN)
+    assert manifest_from_json(client.manifest(1)).version == 1
+    with pytest.raises(Exception, match="HTTP 404.*version 2 does not exist"):
+        client.manifest(2)
+    assert http("PUT", sub.url + "/v1/target", {"version": 2}, token=TOKEN)[0] == 404
+    backend.put(HEAD_KEY, head_to_json(2))  # committed now: served at once, without waiting for a poll
+    assert manifest_from_json(client.manifest(2)).version == 2

@@ -426,9 +426,14 @@ async def get_manifest(request: web.Request) -> web.Response:
     version = int(raw) if _digits(raw) and len(raw) <= 19 else -1
     if not 0 <= version <= MAX_VERSION:
         raise UsageError(f"version must be an integer in 0..{MAX_VERSION}")
-    repo = request.app[SUBSCRIBER].repo
+    sub = request.app[SUBSCRIBER]
+    head = sub.heads.state.version
+    if head is None or version > head:  # read again only for a version above the head last read
+        head = await asyncio.to_thread(sub.heads.read)
+    if head is None or version > head:  # a manifest above the head is a publish in progress or abandoned
+        return _error(404, f"version {version} does not exist in {sub.repo.url} (head {head})")
     try:
-        manifest = await asyncio.to_thread(repo.manifest, version)
+        manifest = await asyncio.to_thread(sub.repo.manifest, version)
     except VersionError as exc:
         return _error(404, str(exc))
     return web.Response(body=manifest_to_json(manifest), content_type="application/json")

@@ -374,7 +374,7 @@ def _engine_paths(auth: bool, bad: dict, big: dict) -> dict:
                         "content": {"application/json": {"schema": {"type": "object"}}},
                     },
                     "400": bad,
-                    "404": _json("Error", "No such version"),
+                    "404": _json("Error", "No such version, or one above the head (not committed)"),
                     "502": _json("Error", "Store error"),
                 },
                 v1=True,
