@@ -303,6 +303,24 @@ def test_a_tensor_two_files_of_a_version_hold_with_other_bytes_is_refused(tmp_pa
     assert sink.version == 0 and bits(model["w"]) == bits(sds[0]["w"])
 
 
+
+def test_the_engine_loader_takes_identical_copies_once_and_refuses_differing_ones(tmp_path):
+    """The engine path's rule is the sink's: it refused a version holding a name twice even where the
+    copies were the same bytes (a valid checkpoint), while the sink took them. Identical copies are one
+    tensor; differing copies are refused, naming both files, before the engine gets anything."""
+    from weightsync.torch.loader import EngineLoad, EngineLoader
+
+    sds = three()
+    w0, w1, w2 = (sd["w"] for sd in sds)
+    store = two_files(tmp_path, "w", [(w0, w0), (w1, w1), (w2, w0)])
+    got: list[tuple[str, torch.Tensor]] = []
+    loader = EngineLoader(store, EngineLoad(lambda batch: got.extend((n, t.clone()) for n, t in batch)), version=0)
+    assert loader.update(1).tensors == ["w"] and [n for n, _ in got] == ["w"] and bits(got[0][1]) == bits(w1)
+    got.clear()
+    with pytest.raises(UsageError, match="holds tensor w twice, with other values in model.safetensors and stale/"):
+        loader.update(2)
+    assert got == [] and loader.version == 1
+
 def test_an_engine_layout_refuses_a_tensor_of_the_same_size_in_another_shape(tmp_path):
     """vLLM rules: a row-parallel weight stored transposed ([16, 8] for the model's [8, 16]) fits its
     parameter by element count. The sink wrote its elements in the stored order and reported the
