@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from weightsync.errors import UsageError
+from weightsync.format.manifest import Manifest, Segment
 
 Box = tuple[tuple[int, int], ...]  # per dim of the store tensor: [start, stop)
 
@@ -184,3 +185,22 @@ def self_overlapping(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     for n, s in zip(shape, stride):
         addr = addr.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * s
     return addr.unique().numel() != volume(shape)
+
+
+def store_tensors(manifest: Manifest) -> dict[str, tuple[str, Segment]]:
+    """Each tensor of ``manifest`` by name, with the file holding it, in the manifest's order. A name
+    that two files hold (a stale copy in a subfolder, ranks that wrote a replicated tensor each) is one
+    tensor only where the copies are the same bytes; otherwise which one a model should get is unknown,
+    and :class:`UsageError` says so before anything is written (the sink and ``EngineLoader``)."""
+    out: dict[str, tuple[str, Segment]] = {}
+    for f in manifest.files:
+        for s in f.segments:
+            if s.role != "tensor":
+                continue
+            first = out.setdefault(s.name, (f.path, s))
+            if first[1] is not s and (first[1].xxh3, first[1].dtype, first[1].shape) != (s.xxh3, s.dtype, s.shape):
+                raise UsageError(
+                    f"version {manifest.version} holds tensor {s.name} twice, with other values in {first[0]} "
+                    f"and {f.path}; a model takes one (remove the stale copy from the checkpoint)"
+                )
+    return out

@@ -40,7 +40,7 @@ from weightsync.sync.plan import plan_segment
 from weightsync.sync.pull import resolve_version
 from weightsync.sync.rebuild import TensorJob, build_tensors, fetch_jobs
 from weightsync.torch.dtypes import TORCH_DTYPE
-from weightsync.torch.layout import excluder
+from weightsync.torch.layout import excluder, store_tensors
 
 log = logging.getLogger("weightsync.torch")
 
@@ -51,29 +51,17 @@ def changed(old: Manifest | None, new: Manifest) -> tuple[list[tuple[str, Segmen
     """``(path, segment)`` of every tensor of ``new`` whose bytes, dtype or shape differ from the
     tensor of the same name in ``old`` (all of them without ``old``), and the tensor names ``old``
     has that ``new`` lacks. A tensor may move between files: names are compared, not paths. A name two
-    files hold is one tensor where the copies are the same bytes, else :class:`UsageError` (as the
-    in-process sink)."""
+    files hold is one tensor where the copies are the same bytes (:func:`~weightsync.torch.layout.store_tensors`)."""
     before: dict[str, Segment] = {}
     for f in old.files if old is not None else ():
         for s in f.segments:
             if s.role == "tensor":
                 before[s.name] = s
-    out, seen = [], {}
-    for f in new.files:
-        for s in f.segments:
-            if s.role != "tensor":
-                continue
-            first = seen.setdefault(s.name, (f.path, s))
-            if first[1] is not s:  # identical copies (ranks that each wrote a replicated tensor) are one
-                if (first[1].xxh3, first[1].dtype, first[1].shape) != (s.xxh3, s.dtype, s.shape):
-                    raise UsageError(
-                        f"version {new.version} holds tensor {s.name} twice, with other values in {first[0]} "
-                        f"and {f.path}; an engine loads a name once (remove the stale copy from the checkpoint)"
-                    )
-                continue
-            b = before.pop(s.name, None)
-            if b is None or (b.xxh3, b.dtype, b.shape) != (s.xxh3, s.dtype, s.shape):
-                out.append((f.path, s))
+    out = []
+    for path, s in store_tensors(new).values():
+        b = before.pop(s.name, None)
+        if b is None or (b.xxh3, b.dtype, b.shape) != (s.xxh3, s.dtype, s.shape):
+            out.append((path, s))
     return out, sorted(before)
 
 

@@ -51,6 +51,7 @@ from weightsync.torch.layout import (
     excluder,
     identity,
     lossless,
+    store_tensors,
 )
 
 MODES = ("patch", "flip")
@@ -477,7 +478,7 @@ class TorchSink:
     def _bind(self, manifest: Manifest) -> list[_Binding]:
         """Each store tensor of ``manifest`` with its places in the model; raises unless both sides
         are covered (:class:`CoverageError`) and every placement fits (:class:`UsageError`)."""
-        segs = _tensors(manifest)
+        segs = store_tensors(manifest)
         tensors = {n: (s.shape, s.dtype) for n, (_, s) in segs.items()}
         try:
             placements = self.layout.for_store(tensors)
@@ -913,7 +914,7 @@ class TorchSink:
     def _prepare_folder(self, up: Update, target: Manifest, local: Manifest | None, folder: Path, op: Operation):
         """:meth:`_prepare` reading the changed tensors from ``folder``, which holds ``target``'s version."""
         bound = self._begin(up, target)
-        old_segs = {} if local is None else {n: s for n, (_, s) in _tensors(local).items()}
+        old_segs = {} if local is None else {n: s for n, (_, s) in store_tensors(local).items()}
         todo = []
         for b in bound:
             old = old_segs.get(b.seg.name)
@@ -1315,25 +1316,6 @@ def _region(pl: _Place, t: torch.Tensor) -> torch.Tensor:
     """``pl``'s region of ``t`` as integers (the live view's bits)."""
     flat = _int_view(t)
     return flat.as_strided(pl.shape, pl.stride, flat.storage_offset() + pl.offset)
-
-
-def _tensors(manifest: Manifest) -> dict[str, tuple[str, Segment]]:
-    """Each tensor of ``manifest`` by name, with the file holding it. A name that two files hold
-    (a stale copy in a subfolder, ranks that wrote a replicated tensor each) is one tensor only
-    where the copies are the same bytes; otherwise which one the model should get is unknown, and
-    :class:`UsageError` says so before anything is written."""
-    out: dict[str, tuple[str, Segment]] = {}
-    for f in manifest.files:
-        for s in f.segments:
-            if s.role != "tensor":
-                continue
-            first = out.setdefault(s.name, (f.path, s))
-            if first[1] is not s and (first[1].xxh3, first[1].dtype, first[1].shape) != (s.xxh3, s.dtype, s.shape):
-                raise UsageError(
-                    f"version {manifest.version} holds tensor {s.name} twice, with other values in {first[0]} "
-                    f"and {f.path}; a model takes one (remove the stale copy from the checkpoint)"
-                )
-    return out
 
 
 def _some(names, n: int = 3) -> str:
