@@ -582,9 +582,10 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     p.add_argument(
         "--files",
         nargs="+",
+        action="extend",
         metavar="PATH",
-        help="relative paths this rank publishes (default: the safetensors files round-robin by sorted "
-        "path, every other file on rank 0)",
+        help="relative paths this rank publishes, repeatable (default: the safetensors files round-robin by "
+        "sorted path, every other file on rank 0)",
     )
     p.add_argument("--version", type=version_arg, default=None, help="version number (default: head + 1)")
     _add_publish_options(p)

@@ -218,6 +218,20 @@ def test_a_version_without_a_file_of_the_head_is_committed_only_when_allowed(sha
         assert rc == 0 and out.strip() == "1" and "was already committed" in err, err
 
 
+
+def test_files_repeated_on_the_command_line_add_up(sharded, tmp_path, run_cli, ws):
+    """``--files A --files B`` kept only B (the last flag replaced the list): the first version
+    committed without A and every command said 0. Each flag adds its paths."""
+    store, names = tmp_path / "store", sorted(ws.content(sharded[0]))
+    url = f"file://{store}"
+    rank0 = ["--files", *names[:1], "--files", *names[1:3]]  # two flags: three paths
+    for rank, files in ((0, rank0), (1, ["--files", *names[3:]])):
+        rc, _, err = run_cli("publish-part", sharded[0], "--store", url, "--rank", rank, "--world", 2, *files)
+        assert rc == 0, err
+    assert sorted(f.path for f in stored_part(store, 0, 0, 2).files) == names[:3]
+    rc, out, err = run_cli("commit-parts", "--store", url, "--version", 0, "--world", 2, "--timeout", 5)
+    assert rc == 0 and sorted(f.path for f in repo(store).manifest(0).files) == names, err
+
 def test_a_part_built_on_a_stale_parent_is_refused(sharded, tmp_path):
     store = tmp_path / "store"
     publish_ranks(sharded[0], store, 2)
