@@ -288,8 +288,12 @@ def test_empty_or_missing_store(world, tmp_path, run_cli, ws):
 
 def test_bad_store_urls(tmp_path, run_cli, ws):
     fresh = tmp_path / "fresh"
-    for url in ("file://relative/path", "ftp://host/x", ""):
+    for url in ("file://relative/path", "ftp://host/x", "", "s3://[::1/x", "s3://bucket:port/x"):
         _fails(ws, run_cli, [tmp_path], "pull", "--store", url, fresh)
+    # an endpoint that is not a URL (the flag; AWS_ENDPOINT_URL takes the same path): one line, no traceback
+    for endpoint, says in (("not a url", "Invalid endpoint"), ("http://[::1", "Invalid IPv6 URL")):
+        line = _fails(ws, run_cli, [tmp_path], "pull", "--store", "s3://b/x", "--endpoint-url", endpoint, fresh)
+        assert says in line, line
 
 
 # --- versions that do not exist, folders weightsync does not own ----------------------------------

@@ -109,14 +109,21 @@ class S3Store(Store):
         self.options = options or S3Options()
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         self._key_prefix = f"{self.prefix}/" if self.prefix else ""
-        self._client = _make_client(self.options)
+        try:
+            self._client = _make_client(self.options)
+        except ValueError as exc:  # botocore: an endpoint that is not a URL (the flag, or AWS_ENDPOINT_URL)
+            raise UsageError(f"cannot open {self.url}: {exc}") from None
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 
     @classmethod
     def from_url(cls, url: str, **options) -> S3Store:
         """``s3://bucket[/prefix]``; ``options`` are :class:`S3Options` fields."""
-        parts = urlsplit(url)
+        try:
+            parts = urlsplit(url)
+            parts.port  # noqa: B018 - a port that is not a number raises here, not later
+        except ValueError as exc:
+            raise UsageError(f"not an S3 store URL (s3://bucket/prefix): {url} ({exc})") from None
         if parts.scheme != "s3" or not parts.netloc or parts.query or parts.fragment:
             raise UsageError(f"not an S3 store URL (s3://bucket/prefix): {url}")
         prefix = parts.path.strip("/")
