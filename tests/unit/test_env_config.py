@@ -253,6 +253,22 @@ def test_no_variable_takes_nan(capsys):
     )
 
 
+@pytest.mark.parametrize("text", ["\u0663", "1_000", "\uff11", "3.0"])
+def test_integer_flags_and_variables_take_ascii_digits_only(text, capsys):
+    """``int`` takes ``\u0663`` (Arabic-Indic three) and ``1_000``: ``--version \u0663`` published version 3.
+    The API took ASCII digits only already; flags and their variables now too."""
+    for argv, env in (
+        (["gc", "--store", "s", "--keep", text], {}),
+        (["gc", "--store", "s"], {"WEIGHTSYNC_KEEP": text}),
+        (["pull", "--store", "s", "--version", text, "out"], {}),
+        (["publish", "ckpt", "--store", "s", "--version", text], {}),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            parse(argv, env)
+        assert exc.value.code == 2, argv
+        assert repr(text) in capsys.readouterr().err, argv
+    assert parse(["gc", "--store", "s", "--keep", " 12 "]).keep == 12  # what int() took before, blanks too
+
 def test_a_negative_grace_is_refused(tmp_path):
     """``--grace -1`` made a SIGTERM cancel the work in flight at once."""
     args = parse(["subscriber", "--store", "s", "--target", str(tmp_path), "--grace", "-1"])

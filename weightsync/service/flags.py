@@ -73,6 +73,16 @@ def number(text: str) -> float:
     return out
 
 
+_INTEGER = re.compile(r"\s*[+-]?[0-9]+\s*")
+
+
+def integer(text: str) -> int:
+    """``int(text)`` of ASCII digits only (``int`` takes ``٣`` and ``1_000``)."""
+    if not _INTEGER.fullmatch(text):
+        raise ValueError(f"not an integer: {text!r}")
+    return int(text)
+
+
 def parse_bool(text: str) -> bool:
     """1/0, true/false, yes/no, on/off (any case, surrounding blanks ignored)."""
     word = text.strip().lower()
@@ -85,11 +95,12 @@ class EnvParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose arguments may take their defaults from the environment
     (:func:`env_argument`); the command line always wins. Subcommand parsers inherit the class.
     A ``float`` argument refuses NaN (every comparison with it is false: a wait without end, an age
-    that is never young)."""
+    that is never young); an ``int`` one takes ASCII digits only."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.register("type", float, number)
+        self.register("type", int, integer)
 
     def parse_known_args(self, args=None, namespace=None):
         """As argparse's, then the environment defaults and their sources are resolved (see :func:`env_argument`)."""
@@ -119,7 +130,7 @@ class EnvParser(argparse.ArgumentParser):
             out = text
         else:
             try:
-                out = action.type(text) if action.type is not float else number(text)
+                out = {float: number, int: integer}.get(action.type, action.type)(text)  # the registered types
             except (TypeError, ValueError) as exc:
                 words = {int: "not an integer", float: "not a number"}
                 raise argparse.ArgumentTypeError(words.get(action.type, str(exc))) from None
@@ -626,7 +637,7 @@ def _number_or(word: str, kind: type, noun: str, value_of_word):
 
 
 hold_arg = _number_or("never", float, "seconds", None)  # --standby-hold: seconds, or never (None)
-version_arg = _number_or("latest", int, "a version number", "latest")  # --version: N, or latest
+version_arg = _number_or("latest", integer, "a version number", "latest")  # --version: N, or latest
 
 
 def _token(args, environ: Mapping[str, str]) -> str | None:
