@@ -303,7 +303,6 @@ def test_a_tensor_two_files_of_a_version_hold_with_other_bytes_is_refused(tmp_pa
     assert sink.version == 0 and bits(model["w"]) == bits(sds[0]["w"])
 
 
-
 def test_the_engine_loader_takes_identical_copies_once_and_refuses_differing_ones(tmp_path):
     """The engine path's rule is the sink's: it refused a version holding a name twice even where the
     copies were the same bytes (a valid checkpoint), while the sink took them. Identical copies are one
@@ -320,6 +319,7 @@ def test_the_engine_loader_takes_identical_copies_once_and_refuses_differing_one
     with pytest.raises(UsageError, match="holds tensor w twice, with other values in model.safetensors and stale/"):
         loader.update(2)
     assert got == [] and loader.version == 1
+
 
 def test_an_engine_layout_refuses_a_tensor_of_the_same_size_in_another_shape(tmp_path):
     """vLLM rules: a row-parallel weight stored transposed ([16, 8] for the model's [8, 16]) fits its

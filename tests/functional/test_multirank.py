@@ -218,7 +218,6 @@ def test_a_version_without_a_file_of_the_head_is_committed_only_when_allowed(sha
         assert rc == 0 and out.strip() == "1" and "was already committed" in err, err
 
 
-
 def test_files_repeated_on_the_command_line_add_up(sharded, tmp_path, run_cli, ws):
     """``--files A --files B`` kept only B (the last flag replaced the list): the first version
     committed without A and every command said 0. Each flag adds its paths."""
@@ -231,6 +230,7 @@ def test_files_repeated_on_the_command_line_add_up(sharded, tmp_path, run_cli, w
     assert sorted(f.path for f in stored_part(store, 0, 0, 2).files) == names[:3]
     rc, out, err = run_cli("commit-parts", "--store", url, "--version", 0, "--world", 2, "--timeout", 5)
     assert rc == 0 and sorted(f.path for f in repo(store).manifest(0).files) == names, err
+
 
 def test_a_part_built_on_a_stale_parent_is_refused(sharded, tmp_path):
     store = tmp_path / "store"

@@ -269,6 +269,7 @@ def test_integer_flags_and_variables_take_ascii_digits_only(text, capsys):
         assert repr(text) in capsys.readouterr().err, argv
     assert parse(["gc", "--store", "s", "--keep", " 12 "]).keep == 12  # what int() took before, blanks too
 
+
 def test_a_negative_grace_is_refused(tmp_path):
     """``--grace -1`` made a SIGTERM cancel the work in flight at once."""
     args = parse(["subscriber", "--store", "s", "--target", str(tmp_path), "--grace", "-1"])
