@@ -429,6 +429,12 @@ def cmd_gc(args) -> int:
             "by writers while gc ran",
             file=sys.stderr,
         )
+    if r.foreign_objects:
+        print(
+            f"gc {args.store}: left {r.foreign_objects} objects under chunks/ that are no chunks (not weightsync's; "
+            "another store inside this one?)",
+            file=sys.stderr,
+        )
     if r.deleted_parts or r.pending_parts:
         print(
             f"gc {args.store}: {verb} {r.deleted_parts} parts of merged, stale or abandoned multi-rank publishes; "
@@ -451,6 +457,7 @@ def cmd_gc(args) -> int:
                 "deleted_signatures": r.deleted_signatures,
                 "lazy_chunks": r.lazy_chunks,
                 "deleted_notes": r.deleted_notes,
+                "foreign_objects": r.foreign_objects,
                 "dry_run": r.dry_run,
             }
         )

@@ -320,6 +320,27 @@ def test_gc_grace_period_protects_young_unreferenced_chunks(published, tmp_path)
     assert gc(r, GcConfig(keep=6)).partial_writes == 1 and not stale.exists()
 
 
+def test_gc_deletes_only_chunk_keys_under_chunks(published, tmp_path, ok_cli, ws):
+    """gc took every old object under ``chunks/`` for a chunk: a README put there and a whole store
+    made at ``chunks/eu`` (its marker, head, manifest and chunks) went, exit 0. Keys that name no
+    chunk are left and counted."""
+    store, traj = published
+    inner = store / "chunks" / "eu"
+    weightsync.publish(traj[0], repo(inner))
+    (store / "chunks" / "README.txt").write_text("not a chunk")
+    planted = store / "chunks" / "ab" / ("cd" + "0" * 30)  # a chunk id whose fan-out folder is not its own
+    planted.parent.mkdir(exist_ok=True)
+    planted.write_bytes(b"x")
+    age_all(store)
+    before = ws.snapshot(inner)
+    out = json.loads(ok_cli("gc", "--store", f"file://{store}", "--keep", 1, "--grace-seconds", 0))
+    inner_objects = sum(1 for p in inner.rglob("*") if p.is_file() and not p.name.startswith("."))  # .lock: unlisted
+    assert out["deleted_chunks"] > 0 and out["foreign_objects"] == inner_objects + 2
+    assert ws.snapshot(inner) == before and repo(inner).versions() == [0]
+    assert (store / "chunks" / "README.txt").exists() and planted.exists()
+    assert_versions_pull(repo(store), traj, tmp_path, ws)
+
+
 def test_gc_keeps_manifests_above_the_head_until_abandoned(published, tmp_path, ws):
     """A publish that stored its manifest but has not moved the head yet keeps its chunks; once
     older than the grace period it is abandoned (it blocks its version number) and removed."""

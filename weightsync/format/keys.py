@@ -95,6 +95,12 @@ def chunk_key(chunk_id: str) -> str:
     return f"{CHUNKS_PREFIX}{chunk_id[:2]}/{chunk_id}"
 
 
+def parse_chunk_key(key: str) -> str | None:
+    """The chunk id of a chunk key, or None for any other key (under ``chunks/`` or not)."""
+    m = re.fullmatch(r"chunks/([0-9a-f]{2})/(\1[0-9a-f]{30})", key)
+    return m.group(2) if m else None
+
+
 def check_path(path: str) -> str:
     """A file path from a manifest: relative, normalized, inside the target, not ``.weightsync``,
     and one that file systems take: at most MAX_PATH_BYTES, MAX_PATH_DEPTH components of at most

@@ -20,6 +20,7 @@ from weightsync.format.keys import (
     PARTS_PREFIX,
     SIGNATURES_PREFIX,
     VERSIONS_PREFIX,
+    parse_chunk_key,
     parse_lazy_key,
     parse_part_key,
     parse_refused_key,
@@ -97,6 +98,7 @@ class GcResult:
     deleted_signatures: int = 0  # signatures of deleted versions, and older ones whose manifest is gone
     lazy_chunks: int = 0  # chunks kept versions name that a mirror left out on purpose (lazy notes): not missing
     deleted_notes: int = 0  # lazy notes of deleted versions, and older ones whose manifest is gone
+    foreign_objects: int = 0  # objects under chunks/ that no chunk key names: never deleted
 
 
 @dataclass(frozen=True)
@@ -249,8 +251,10 @@ def gc(repo: Repo, config: GcConfig) -> GcResult:
     # Listed after the manifests are gone: a chunk stored from here on is younger than the grace.
     doomed = []
     for key, size, age in list_chunks_with_age(repo.store):
-        cid = key[_CHUNK_PREFIX_LEN:]
-        if cid in plan.needed_chunks:
+        cid = parse_chunk_key(key)
+        if cid is None:  # no chunk's key (a file someone put there, another store below this one): not ours
+            result.foreign_objects += 1
+        elif cid in plan.needed_chunks:
             result.kept_chunks += 1
         elif _young(age, config.grace_seconds):
             result.young_chunks += 1
