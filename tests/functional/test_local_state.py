@@ -340,7 +340,7 @@ def test_a_running_subscriber_owns_its_folder(published, run_cli, ws, tmp_path):
         assert sub.stop() == 0
 
 
-@pytest.mark.parametrize("change", ["rewrite", "rewrite-keeping-mtime", "replace", "add", "remove"])
+@pytest.mark.parametrize("change", ["rewrite", "rewrite-keeping-mtime", "replace", "add", "add-folder", "remove"])
 def test_a_subscriber_notices_its_served_slot_changed_and_swaps_a_fresh_copy_in(published, ws, tmp_path, change):
     _, ckpts = published
     url, target, sub = _serving(published, tmp_path, 3)
@@ -358,6 +358,8 @@ def test_a_subscriber_notices_its_served_slot_changed_and_swaps_a_fresh_copy_in(
             os.replace(tmp, shard)  # same bytes, same mtime, another inode: someone's hand all the same
         elif change == "add":
             (served / "extra.safetensors").write_bytes(b"\0" * 16)
+        elif change == "add-folder":  # unseen before (files only were compared): it blocked that slot's next sync
+            (served / "extra").mkdir()
         else:
             shard.unlink()
         wait_for(
@@ -590,3 +592,33 @@ def test_a_partial_file_changed_in_staging_before_its_install_is_not_recorded(pu
     monkeypatch.undo()
     materialize(repo, out, 2, sel, config=cfg)
     assert verify_partial(repo, out, 2) == 2
+
+
+def test_the_partial_path_removes_a_folder_a_dropped_file_leaves_empty(tmp_path):
+    """A version that drops ``sub/x.safetensors``: the partial path removed the file and left ``sub/``,
+    which it then took for a foreign entry; a subscriber with ``--exclude`` failed every later sync of
+    that slot. The folder goes, as in a full install, and the next versions install."""
+    import torch
+    from safetensors.torch import save_file
+
+    from weightsync.sync.selection import Selection, materialize, verify_partial
+
+    store = tmp_path / "store"
+    for v in range(3):
+        ck = tmp_path / f"ck{v}"
+        (ck / "sub").mkdir(parents=True)
+        save_file({"w": torch.full((64,), float(v)).to(torch.bfloat16)}, str(ck / "m.safetensors"))
+        if v == 0:
+            save_file({"x": torch.ones(64).to(torch.bfloat16)}, str(ck / "sub" / "x.safetensors"))
+        weightsync.publish(ck, store, v)
+    repo, out = weightsync.open_repo(f"file://{store}"), tmp_path / "part"
+    sel, cfg = Selection(exclude=("unused.*",)), PullConfig(fsync=False)
+    materialize(repo, out, 0, sel, config=cfg)
+    assert (out / "sub" / "x.safetensors").is_file()
+    materialize(repo, out, 1, sel, config=cfg)
+    assert not (out / "sub").exists()
+    materialize(repo, out, 2, sel, config=cfg)
+    assert verify_partial(repo, out, 2) == 2 and sorted(p.name for p in out.iterdir()) == [
+        ".weightsync",
+        "m.safetensors",
+    ]

@@ -91,7 +91,7 @@ def _apply_journal(folder: Path, journal: dict, recovering: bool = False) -> Non
                 f"{path} is a folder weightsync did not put there (its version has a file there); move it away first"
             )
         path.unlink(missing_ok=True)
-        _prune_dirs(folder, path.parent)
+        prune_dirs(folder, path.parent)
     for rel in journal["install"]:
         src, dst = safe_join(staging, rel), safe_join(folder, rel)
         if os.path.lexists(src):
@@ -167,7 +167,8 @@ def _mark_torn(folder: Path) -> None:
     shutil.rmtree(sdir / "staging", ignore_errors=True)
 
 
-def _prune_dirs(folder: Path, d: Path) -> None:
+def prune_dirs(folder: Path, d: Path) -> None:
+    """Remove ``d`` and its parents below ``folder`` while they are empty (a file of theirs was removed)."""
     while d != folder and d.is_dir() and not d.is_symlink() and not any(d.iterdir()):
         d.rmdir()
         d = d.parent

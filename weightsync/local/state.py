@@ -176,9 +176,14 @@ def list_files(folder: Path) -> tuple[set[str], set[str]]:
     return files, dirs
 
 
+def _parents(paths) -> set[str]:
+    """Every folder above each of ``paths`` (relative, ``/``-separated)."""
+    return {p.rsplit("/", i)[0] for p in paths for i in range(1, p.count("/") + 1)}
+
+
 def stray_entries(folder: Path, expected: set[str]) -> list[str]:
     """Entries of ``folder`` that are neither ``expected`` files nor their parent directories."""
-    parents = {p.rsplit("/", i)[0] for p in expected for i in range(1, p.count("/") + 1)}
+    parents = _parents(expected)
     files, dirs = list_files(folder)
     links = {f for f in files & expected if os.path.islink(os.path.join(folder, f))}  # ours are regular files
     return sorted((files - expected) | (dirs - parents) | links)
@@ -188,11 +193,12 @@ Snapshot = dict[str, tuple[int, ...]]  # path -> (mode, inode, size, mtime_ns, c
 
 
 def snapshot(folder: Path) -> Snapshot:
-    """What each entry of ``folder`` is (``.weightsync`` aside), cheaply (one lstat each): a file
+    """What each entry of ``folder`` is (``.weightsync`` aside), cheaply (one lstat a file): a file
     rewritten (even with its mtime set back: the ctime moves), replaced, added or removed changes
-    it. Linking or unlinking another name of a file moves its ctime too (and its link count)."""
+    it. Linking or unlinking another name of a file moves its ctime too (and its link count). A
+    folder is seen by its name only (its times move with what is done inside it)."""
     files, dirs = list_files(folder)
-    out = {}
+    out: Snapshot = {rel: (stat.S_IFDIR, 0, 0, 0, 0, 0) for rel in dirs}  # a folder added or removed is seen
     for rel in files:
         try:
             st = os.lstat(os.path.join(folder, rel))
@@ -224,8 +230,11 @@ Recorded = dict[str, tuple[int, str, int | None, int | None]]  # path -> (size, 
 def installed_change(folder: Path, recorded: Recorded, snap: Snapshot) -> str | None:
     """How ``folder`` (as ``snap`` saw it) differs from the files its state records, or None. A
     file whose ctime alone moved is hashed to tell (a link count change, or a write that set its
-    mtime back)."""
+    mtime back). Folders must be the recorded files' parents."""
+    parents = _parents(recorded)
     for rel in sorted(set(snap) | set(recorded)):
+        if snap.get(rel, (0,))[0] == stat.S_IFDIR and rel in parents and rel not in recorded:
+            continue
         if rel not in recorded:
             return f"{rel} was added"
         if rel not in snap:

@@ -30,7 +30,7 @@ from weightsync.format.manifest import FileEntry, Manifest, Segment
 from weightsync.format.safetensors import parse_safetensors_header
 from weightsync.local.base import check_checksum
 from weightsync.local.checkpoint import read_range
-from weightsync.local.install import TornInstallError, empty_folder, spool_dir
+from weightsync.local.install import TornInstallError, empty_folder, prune_dirs, spool_dir
 from weightsync.local.lock import FolderLock, claim
 from weightsync.local.state import (
     PARTIAL_STATE,
@@ -333,7 +333,9 @@ def _write(
             )
         record[path].update(mtime_ns=st.st_mtime_ns, ctime_ns=st.st_ctime_ns)
     for path in set(state.files if state else ()) - set(record):
-        safe_join(out, path).unlink(missing_ok=True)
+        gone = safe_join(out, path)
+        gone.unlink(missing_ok=True)
+        prune_dirs(out, gone.parent)  # as a full install: a folder left empty is no entry of the version
     doc = {
         "format": "weightsync.partial",
         "version": target.version,
