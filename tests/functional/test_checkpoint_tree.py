@@ -68,3 +68,38 @@ def test_what_a_version_cannot_hold_fails_the_publish_with_one_line(case, trajec
     if case != "a symlink loop":  # left out on purpose: --ignore says so
         assert run_cli("publish", ckpt, "--store", store, "--ignore", ".weightsync")[0] == 0
         assert ".weightsync" not in {f.path for f in weightsync.open_repo(store).manifest(0).files}
+
+
+def _publish_under_limit(ckpt: Path, store: Path, env: dict, limit: tuple[int, int]):
+    import resource
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-m", "weightsync.cli", "publish", str(ckpt), "--store", f"file://{store}", "--no-progress"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, limit),
+    )
+
+
+def test_a_checkpoint_of_more_files_than_the_open_file_limit(trajectory, tmp_path, cli_env, ws):
+    """A publish holds every file open. Past the soft limit (1024 by default) it said a file "changed
+    while being published", which a publisher daemon retries for ever. It now raises the soft limit
+    to what it needs; past the hard limit it says which limit, and nothing is stored."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(trajectory[0], ckpt)
+    for i in range(300):
+        (ckpt / f"extra-{i:03d}.json").write_text(str(i))
+    proc = _publish_under_limit(ckpt, tmp_path / "raised", cli_env, (200, 4096))
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "out"
+    weightsync.pull(weightsync.open_repo(f"file://{tmp_path / 'raised'}"), out)
+    ws.assert_replica(out, ckpt)
+    proc = _publish_under_limit(ckpt, tmp_path / "capped", cli_env, (200, 200))
+    line = ws.error_line(proc.stderr)
+    assert proc.returncode == 1 and "Too many open files" in line and "ulimit -n" in line, proc.stderr
+    assert "changed while" not in line and weightsync.open_repo(f"file://{tmp_path / 'capped'}").versions() == []

@@ -4,8 +4,11 @@ publish whose files change while it reads them (docs/DESIGN.md)."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fnmatch
 import os
+import resource
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -89,11 +92,39 @@ def _pread_all(fd: int, n: int, offset: int) -> bytes:
     return b"".join(parts)
 
 
+def open_sources(files: list[SourceFile]) -> dict[str, int]:
+    """A descriptor on each of ``files`` (by path), each checked to be the file that was scanned. A
+    publish holds them all, so the soft limit on open files is raised to what they need (up to the
+    hard limit) first; past the hard limit the error says so."""
+    need = len(files) + 256  # the store's sockets, threads' files, the interpreter's own
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(
+                resource.RLIMIT_NOFILE, (need if hard == resource.RLIM_INFINITY else min(need, hard), hard)
+            )
+    fds: dict[str, int] = {}
+    try:
+        for f in files:
+            fds[f.path] = open_source(f)
+    except BaseException:
+        for fd in fds.values():
+            os.close(fd)
+        raise
+    return fds
+
+
 def open_source(f: SourceFile) -> int:
     """A descriptor on ``f`` for reading its segments, checked to be the file that was scanned."""
     try:
         fd = os.open(f.abspath, _OPEN_FLAGS)
     except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            raise CheckpointError(
+                f"{f.path}: cannot open it: {exc.strerror} (a publish holds every file of the checkpoint open; "
+                f"this process may open {soft}: raise the limit, ulimit -n)"
+            ) from None
         raise CheckpointChanged(
             f"{f.path}: changed while being published (cannot open it again: {exc.strerror}); "
             "nothing was committed, publish it again once it is complete"

@@ -35,7 +35,7 @@ from weightsync.local.checkpoint import (
     check_header,
     check_still_as_scanned,
     check_unchanged,
-    open_source,
+    open_sources,
     read_range,
     scan_checkpoint,
     still_as_scanned,
@@ -443,8 +443,7 @@ def _encode_folder(
         base = _base_for(where.repo, new.base, where.base_dir, where.cache_dir, cfg_pull, where.lock)
     fds: dict[str, int] = {}
     try:
-        for f in files:  # each opened once, checked to be the file scanned; every read goes through it
-            fds[f.path] = open_source(f)
+        fds = open_sources(files)  # each opened once, checked to be the file scanned; every read goes through it
         encoder = _Encoder(cfg, base, fds, new.keyframe)
         enc = encode_and_upload(repo, files, new, encoder, cfg, op)
         enc.sources = list(files)
