@@ -19,6 +19,7 @@ import signal
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import xxhash
 import zstandard
@@ -599,3 +600,39 @@ def mutations(draw):
 def test_fuzzed_store_objects_never_yield_a_wrong_byte(m, incremental, version, world, tmp_path):
     outcome = fuzz.run_case(world, m, tmp_path, incremental, version)
     assert not outcome.violation, f"{m} ({'incremental' if incremental else 'fresh'}): {outcome.kind}: {outcome.detail}"
+
+
+def test_a_publish_stores_again_a_chunk_that_holds_other_bytes(tmp_path, ws):
+    """A chunk damaged in the store (the right size, other bytes: a bad copy, a hostile writer) was
+    taken as present by every later publish whose payloads pack to it (a keyframe re-using a frozen
+    tensor), exit 0, and no fresh pull could build those versions again. A publish now asks the store
+    whether the object holds its bytes (``Store.holds``: the file, or S3's ETag) and stores it again."""
+    from safetensors.numpy import save_file
+
+    from weightsync.sync.publish import PublishConfig
+
+    rng = np.random.default_rng(0)
+    frozen = rng.integers(0, 256, 3 << 20, dtype=np.uint8)  # never changes: its full payload's chunks recur
+    train = rng.integers(0, 256, 1 << 16, dtype=np.uint8)
+    store, cfg = tmp_path / "store", PublishConfig(chunk_bytes=1 << 20, keyframe_interval=2)
+    ckpts = []
+    for v in range(3):
+        ck = tmp_path / f"ck{v}"
+        ck.mkdir()
+        train[v] ^= 1
+        save_file({"emb": frozen}, str(ck / "a_frozen.safetensors"))
+        save_file({"w": train.copy()}, str(ck / "b_train.safetensors"))
+        ckpts.append(ck)
+    weightsync.publish(ckpts[0], store, config=cfg, cache_dir=tmp_path / "cache")
+    first = weightsync.open_repo(store).manifest(0).chunks[0]
+    path = store / chunk_key(first.id)
+    damaged = bytearray(path.read_bytes())
+    damaged[100] ^= 0xFF
+    path.write_bytes(bytes(damaged))
+    for v in (1, 2):  # a delta (its base from the cache), then a keyframe that packs emb to the same chunks
+        weightsync.publish(ckpts[v], store, config=cfg, cache_dir=tmp_path / "cache")
+    assert first.id in {c.id for c in weightsync.open_repo(store).manifest(2).chunks}
+    assert xxhash.xxh3_128_hexdigest(path.read_bytes()) == first.id  # stored again by version 2's publish
+    out = tmp_path / "fresh"
+    weightsync.pull(store, out, 2, config=NOFSYNC)
+    ws.assert_replica(out, ckpts[2])

@@ -97,6 +97,12 @@ class Store(abc.ABC):
     def head(self, key: str) -> int | None:
         """Size of the object in bytes, or ``None`` if it does not exist."""
 
+    def holds(self, key: str, data: bytes | memoryview) -> bool | None:
+        """Whether the object ``key`` holds exactly ``data``, where the backend can tell without moving
+        the object over the network (S3: the ``ETag`` of a single-part upload is its MD5; a local file
+        is read); ``None`` where it cannot tell that way (or the object is gone)."""
+        return None
+
     @abc.abstractmethod
     def list(self, prefix: str = "") -> Iterator[str]:
         """Keys that start with ``prefix``, in lexicographic order."""

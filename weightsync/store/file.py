@@ -119,6 +119,14 @@ class FileStore(Store):
         except OSError as exc:
             raise StoreError(f"{self.url}: {key}: {exc.strerror}", key=key) from exc
 
+    def holds(self, key: str, data: bytes | memoryview) -> bool | None:
+        try:
+            return self._path(key).read_bytes() == data
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StoreError(f"{self.url}: {key}: {exc.strerror}", key=key) from exc
+
     def list(self, prefix: str = "") -> Iterator[str]:
         if not self.root.is_dir():
             return iter(())

@@ -71,6 +71,11 @@ class MemoryStore(Store):
             obj = self._objects.get(check_key(key))
         return None if obj is None else len(obj)
 
+    def holds(self, key: str, data: bytes | memoryview) -> bool | None:
+        with self._lock:
+            obj = self._objects.get(check_key(key))
+        return None if obj is None else obj == data
+
     def list(self, prefix: str = "") -> Iterator[str]:
         with self._lock:
             keys = sorted(k for k in self._objects if k.startswith(prefix))

@@ -162,6 +162,9 @@ class RetryingStore(Store):
     def head(self, key: str) -> int | None:
         return self.call("HEAD", key, lambda: self.inner.head(key))
 
+    def holds(self, key: str, data: bytes | memoryview) -> bool | None:
+        return self.call("HEAD", key, lambda: self.inner.holds(key, data))
+
     def list(self, prefix: str = "") -> Iterator[str]:
         # Materialise inside the retry, so that a failure while paging is retried too.
         return iter(self.call("LIST", prefix, lambda: list(self.inner.list(prefix))))

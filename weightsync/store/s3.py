@@ -4,6 +4,8 @@ no retries inside (every error says whether it is ``retryable``; docs/DESIGN.md)
 
 from __future__ import annotations
 
+import hashlib
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -257,6 +259,17 @@ class S3Store(Store):
     def head(self, key: str) -> int | None:
         resp = self._head(key)
         return None if resp is None else int(resp["ContentLength"])
+
+    def holds(self, key: str, data: bytes | memoryview) -> bool | None:
+        """By the ``ETag``: the MD5 of the bytes for an object stored by one PUT, unless it is encrypted
+        with KMS or a customer key (an ETag then is no MD5), or stored in parts (``<md5>-<parts>``)."""
+        resp = self._head(key)
+        if resp is None or resp.get("ServerSideEncryption") == "aws:kms" or resp.get("SSECustomerAlgorithm"):
+            return None
+        etag = str(resp.get("ETag", "")).strip('"').lower()
+        if not re.fullmatch(r"[0-9a-f]{32}", etag):
+            return None
+        return hashlib.md5(data, usedforsecurity=False).hexdigest() == etag
 
     def _head(self, key: str) -> dict | None:
         """The ``head_object`` answer, or None if the object does not exist."""
