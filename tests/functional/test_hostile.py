@@ -223,6 +223,25 @@ def test_a_corrupt_chunk_downloaded_whole_is_refused_by_its_id(back_to, world, t
     assert not (out / ".weightsync" / "spool" / need.chunk.id).exists()
 
 
+def test_a_huge_object_under_a_chunk_key_is_refused_without_reading_it_whole(world, tmp_path, monkeypatch):
+    """An object far larger than the chunk its key names (a planted 400 MiB object for an 8 KiB chunk)
+    was read whole into memory before its size was checked; 32 fetches in flight could exhaust it.
+    One byte more than the chunk is read, and the pull is refused naming the chunk."""
+    repo = _remote(world)
+    plan = plan_pull(repo.chain(4), None, set())
+    need = plan.chunks[0]
+    key = chunk_key(need.chunk.id)
+    repo.store.put(key, b"\0" * (need.chunk.size * 64 + 4096))
+    read: list[int] = []
+    real = MemoryStore.get_range
+    real_get = MemoryStore.get
+    monkeypatch.setattr(MemoryStore, "get", lambda self, k: pytest.fail(k) if k == key else real_get(self, k))
+    monkeypatch.setattr(MemoryStore, "get_range", lambda self, k, s, n: read.append(n) or real(self, k, s, n))
+    with pytest.raises(ChecksumError, match=f"more than {need.chunk.size} bytes") as info:
+        weightsync.pull(repo, tmp_path / "out", 4, config=NOFSYNC)
+    assert key in str(info.value) and max(read) <= max(c.chunk.size for c in plan.chunks) + 1
+
+
 def test_a_corrupt_range_of_a_chunk_is_refused_by_its_payload_checksum(world, tmp_path):
     """A chunk fetched by byte ranges cannot be checked against its id: the payload read from the
     ranges is checked against its own xxh3 before it is decoded, and the error names the chunk."""
