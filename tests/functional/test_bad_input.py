@@ -443,3 +443,14 @@ def test_a_store_inside_the_checkpoint_is_refused(trajectory, tmp_path, run_cli,
         assert line == f"weightsync: error: the store file://{store} is inside the checkpoint folder {ckpt}; " + (
             "keep the store elsewhere"
         )
+    # reached through a link the scan follows (to the store, or to a folder above it): the same, in the
+    # scan, for publish and publish-part; the store, empty or not, gets nothing
+    outside = tmp_path / "outside"
+    store = outside / "store"
+    store.mkdir(parents=True)
+    for link, target, seen in (("storelink", store, "storelink"), ("up", outside, "up/store")):
+        (ckpt / link).symlink_to(target)
+        for cmd in (["publish"], ["publish-part", "--rank", "0", "--world", "1"]):
+            line = _fails(ws, run_cli, [ckpt, outside], *cmd, str(ckpt), "--store", f"file://{store}")
+            assert f"cannot publish {seen!r}: it is the store's folder" in line, line
+        (ckpt / link).unlink()

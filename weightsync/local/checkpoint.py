@@ -199,9 +199,12 @@ def check_header(f: SourceFile, data: np.ndarray) -> None:
         )
 
 
-def scan_checkpoint(directory: str | os.PathLike[str], ignore: tuple[str, ...] = ()) -> list[SourceFile]:
+def scan_checkpoint(
+    directory: str | os.PathLike[str], ignore: tuple[str, ...] = (), outside: Path | None = None
+) -> list[SourceFile]:
     """Every file under ``directory`` (sorted by path), skipping a top-level ``.weightsync`` folder
     (a pulled folder's state) and paths matching an ``ignore`` glob (e.g. a ``COMPLETE`` marker).
+    ``outside``: a folder the scan must not reach (a file store's), through a link or not.
 
     Symlinks are followed, to files and to folders (Hugging Face cache snapshots are symlinks); a
     symlink loop, an unreadable folder, a top-level ``.weightsync`` that is not a folder (the name
@@ -214,10 +217,18 @@ def scan_checkpoint(directory: str | os.PathLike[str], ignore: tuple[str, ...] =
         st = None
     if st is None or not stat.S_ISDIR(st.st_mode):
         raise CheckpointError(f"checkpoint directory not found: {root}")
+    try:
+        avoid = None if outside is None else _folder_key(os.stat(outside))
+    except OSError:
+        avoid = None  # not made yet: nothing of it can be reached
+    if (st.st_dev, st.st_ino) == avoid:
+        raise CheckpointError(
+            f"{root}: the checkpoint folder is the store's folder {outside}; keep the store elsewhere"
+        )
     files: list[SourceFile] = []
     todo = [(root, "", frozenset({(st.st_dev, st.st_ino)}))]  # a stack, not recursion: trees may be deep
     while todo:
-        todo.extend(_scan_dir(root, *todo.pop(), ignore, files))
+        todo.extend(_scan_dir(root, *todo.pop(), ignore, files, avoid))
     if not files:
         raise CheckpointError(f"checkpoint directory is empty: {root}")
     return sorted(files, key=lambda f: f.path)
@@ -230,6 +241,7 @@ def _scan_dir(
     ancestors: frozenset[tuple[int, int]],
     ignore: tuple[str, ...],
     out: list[SourceFile],
+    avoid: tuple[int, int] | None = None,
 ) -> list[tuple[Path, str, frozenset[tuple[int, int]]]]:
     """Describe the files of one folder into ``out``; returns its subfolders to scan."""
     try:
@@ -260,6 +272,11 @@ def _scan_dir(
                 raise CheckpointError(
                     f"{root}: cannot publish {rel!r}: a symlink to a folder that contains it (a loop)"
                 )
+            if key == avoid:
+                raise CheckpointError(
+                    f"{root}: cannot publish {rel!r}: it is the store's folder{' (a link)' if e.is_symlink() else ''}; "
+                    "keep the store outside the checkpoint"
+                )
             subdirs.append((Path(e.path), f"{rel}/", ancestors | {key}))
             continue
         if any(fnmatch.fnmatchcase(rel, pat) for pat in ignore):
@@ -270,6 +287,10 @@ def _scan_dir(
             raise CheckpointError(f"{root}: cannot publish file {rel!r}: {exc}") from None
         out.append(describe_file(Path(e.path), rel))
     return subdirs
+
+
+def _folder_key(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
 
 
 def read_range(fd: int, begin: int, end: int, what: str) -> np.ndarray:

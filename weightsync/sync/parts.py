@@ -65,6 +65,7 @@ from weightsync.sync.publish import (
     check_apart,
     encode_folder,
     plan_version,
+    store_folder,
 )
 
 log = logging.getLogger("weightsync.parts")
@@ -159,7 +160,7 @@ def publish_part(
     check_world(rank, world)
     src = Path(checkpoint_dir)
     check_apart(repo, src)
-    scan = lambda: _select(scan_checkpoint(src, config.ignore), rank, world, files, src)  # noqa: E731
+    scan = lambda: _select(scan_checkpoint(src, config.ignore, store_folder(repo)), rank, world, files, src)  # noqa: E731
     mine = scan()  # validate the input before anything is written
     new = plan_version(repo, version, config)
     parent = None if new.parent is None else new.parent.version

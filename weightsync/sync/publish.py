@@ -347,7 +347,7 @@ def publish(
     observer = observer_of(observer, legacy)
     src = Path(checkpoint_dir)
     check_apart(repo, src)
-    scan = lambda: scan_checkpoint(src, config.ignore)  # noqa: E731
+    scan = lambda: scan_checkpoint(src, config.ignore, store_folder(repo))  # noqa: E731
     files = scan()  # validate the input before anything is written
     new = plan_version(repo, version, config)
     with cache_claim(cache_dir, src) as lock:  # one publish at a time on a cache folder
@@ -361,14 +361,21 @@ def publish(
     return result
 
 
+def store_folder(repo: Repo) -> Path | None:
+    """The folder of a ``file://`` store (None for others)."""
+    head = repo.store.local_path(HEAD_KEY)
+    return None if head is None else head.parent
+
+
 def check_apart(repo: Repo, src: Path) -> None:
     """Refuse a ``file://`` store inside the checkpoint folder ``src`` (or the folder itself) before
     anything is written: its own chunks would appear in the checkpoint as it is published (every
-    try fails, and leaves them there)."""
-    head = repo.store.local_path(HEAD_KEY)
-    if head is None:
+    try fails, and leaves them there). One reached through a link in the checkpoint is refused by
+    the scan (:func:`scan_checkpoint`'s ``outside``)."""
+    folder = store_folder(repo)
+    if folder is None:
         return
-    root, ckpt = Path(os.path.realpath(head.parent)), Path(os.path.realpath(src))
+    root, ckpt = Path(os.path.realpath(folder)), Path(os.path.realpath(src))
     if root == ckpt or ckpt in root.parents:
         raise UsageError(f"the store {repo.url} is inside the checkpoint folder {src}; keep the store elsewhere")
 
