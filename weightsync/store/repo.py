@@ -413,7 +413,14 @@ class Repo:
         except AlreadyExistsError:
             data = self._same_version(manifest)
             if data is None:
-                raise VersionError(f"version {v} already exists in {self.url}") from None
+                head = self.head_version()
+                if head is not None and head >= v:
+                    raise VersionError(f"version {v} already exists in {self.url}") from None
+                raise VersionError(
+                    f"version {v} already exists in {self.url} above its head ({head}), with other files: a "
+                    "publish in progress, or one that died before its commit (gc removes it once older than its "
+                    "grace period); publish as another --version"
+                ) from None
             created = False
         if signing_key is not None:  # after the manifest: only the owner of version v signs it
             self.store.put(signature_key(v), signing_key.sign(v, data), mode="overwrite")
