@@ -236,7 +236,9 @@ def test_a_huge_object_under_a_chunk_key_is_refused_without_reading_it_whole(wor
     real = MemoryStore.get_range
     real_get = MemoryStore.get
     monkeypatch.setattr(MemoryStore, "get", lambda self, k: pytest.fail(k) if k == key else real_get(self, k))
-    monkeypatch.setattr(MemoryStore, "get_range", lambda self, k, s, n: read.append(n) or real(self, k, s, n))
+    monkeypatch.setattr(
+        MemoryStore, "get_range", lambda self, k, s, n: read.append(n) or real(self, k, s, n)
+    )  # get_at_most's
     with pytest.raises(ChecksumError, match=f"more than {need.chunk.size} bytes") as info:
         weightsync.pull(repo, tmp_path / "out", 4, config=NOFSYNC)
     assert key in str(info.value) and max(read) <= max(c.chunk.size for c in plan.chunks) + 1

@@ -125,6 +125,14 @@ def test_big_object(store):
     assert list(store.list("big/")) == ["big/blob"]
 
 
+def test_get_at_most_reads_no_more_than_one_byte_past_its_limit(store):
+    data = pattern(10_000, seed=9)
+    store.put("c/obj", data)
+    assert store.get_at_most("c/obj", 10_000) == data and store.get_at_most("c/obj", 20_000) == data
+    assert store.get_at_most("c/obj", 99) == data[:100]  # a chunk key holding a far larger object
+    with pytest.raises(NotFoundError):
+        store.get_at_most("c/missing", 10)
+
 def test_holds_tells_other_bytes_of_the_same_size(store):
     """What a publish asks of a chunk already stored (``Repo.store_chunk``): the same bytes, other
     bytes of the same size (damaged or planted), or cannot tell cheaply (``None``: the retry wrapper

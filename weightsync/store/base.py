@@ -70,6 +70,11 @@ class Store(abc.ABC):
     def get_range(self, key: str, start: int, length: int) -> bytes:
         """``length`` bytes from ``start``; fewer only if the object is shorter."""
 
+    def get_at_most(self, key: str, limit: int) -> bytes:
+        """The whole object if it holds at most ``limit`` bytes, else only its first ``limit + 1``: an
+        object far larger than expected is never read whole (one plain ``GET`` on S3)."""
+        return self.get_range(key, 0, limit + 1)
+
     @abc.abstractmethod
     def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = "overwrite") -> None:
         """Store ``data`` atomically: readers see the old object or the new one, never a part."""

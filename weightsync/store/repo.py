@@ -379,7 +379,7 @@ class Repo:
         """A chunk's bytes, checked against its id and size (:class:`ChecksumError` otherwise). At most
         one byte more than ``size`` is read: a larger object under its key is refused, not held whole."""
         key = chunk_key(chunk_id)
-        data = self.store.get_range(key, 0, size + 1)
+        data = self.store.get_at_most(key, size)
         if len(data) > size:
             raise ChecksumError(f"{self.url}/{key}", f"{chunk_id} ({size} bytes)", f"more than {size} bytes")
         verify_chunk(f"{self.url}/{key}", chunk_id, size, data)

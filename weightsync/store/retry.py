@@ -147,6 +147,9 @@ class RetryingStore(Store):
     def get_range(self, key: str, start: int, length: int) -> bytes:
         return self.call("GET", key, lambda: self.inner.get_range(key, start, length))
 
+    def get_at_most(self, key: str, limit: int) -> bytes:
+        return self.call("GET", key, lambda: self.inner.get_at_most(key, limit))
+
     def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = "overwrite") -> None:
         return self.call("PUT", key, lambda: self.inner.put(key, data, mode=mode))
 

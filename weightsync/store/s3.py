@@ -200,6 +200,15 @@ class S3Store(Store):
             resp = self._client.get_object(**obj)
             return resp["Body"].read(), resp["ETag"]
 
+    def get_at_most(self, key: str, limit: int) -> bytes:
+        obj = self._obj(key)
+        with self._errors("GET", key):
+            body = self._client.get_object(**obj)["Body"]
+            try:
+                return body.read(limit + 1)
+            finally:
+                body.close()  # the rest of a larger object is not read (its connection is dropped)
+
     def get_if_changed(self, key: str, etag: str | None) -> tuple[bytes, str] | None:
         """One ``GET`` with ``If-None-Match: etag``: ``None`` when the server answers ``304 Not
         Modified`` (no body; botocore raises it as a ClientError). A server that ignores the header
