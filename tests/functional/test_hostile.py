@@ -627,7 +627,7 @@ def test_a_publish_stores_again_a_chunk_that_holds_other_bytes(tmp_path, ws):
     """A chunk damaged in the store (the right size, other bytes: a bad copy, a hostile writer) was
     taken as present by every later publish whose payloads pack to it (a keyframe re-using a frozen
     tensor), exit 0, and no fresh pull could build those versions again. A publish now asks the store
-    whether the object holds its bytes (``Store.holds``: the file, or S3's ETag) and stores it again."""
+    whether the object holds its bytes (``Store.compare``: the file, or S3's ETag) and stores it again."""
     from safetensors.numpy import save_file
 
     from weightsync.sync.publish import PublishConfig

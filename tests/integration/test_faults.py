@@ -136,6 +136,20 @@ def test_every_fault_kind_is_retried_and_nothing_corrupt_is_stored_or_served(s3_
 
 
 @S3
+def test_a_whole_chunk_read_cut_short_is_retried(s3_url, proxy, tmp_path):
+    """A chunk read whole (at most its size + 1 bytes, ``Store.get_at_most``) whose body the network
+    cut short came back short without a word, and the pull failed on a checksum mismatch, which is
+    not retried. It is a transport error: retried, and the pull succeeds."""
+    traj = make_trajectory(tmp_path / "traj", steps=0, **SMALL)
+    repo = weightsync.open_repo(s3_url, endpoint_url=proxy.endpoint)
+    weightsync.publish(traj[0], repo)
+    rule = proxy.add(Rule("truncate", method="GET", key=r"/chunks/", count=1, fraction=0.5))
+    out = tmp_path / "out"
+    weightsync.pull(repo, out, 0, config=weightsync.PullConfig(fsync=False))
+    assert rule.fired == 1 and content(out) == content(traj[0])
+
+
+@S3
 @pytest.mark.parametrize("write", ["manifest", "head"])
 def test_a_lost_answer_to_a_commit_write_neither_fails_nor_blocks_the_publish(write, s3_url, proxy, tmp_path):
     """The server stores the manifest (or moves the head) but the answer is lost: the retry finds

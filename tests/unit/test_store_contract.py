@@ -133,18 +133,20 @@ def test_get_at_most_reads_no_more_than_one_byte_past_its_limit(store):
     with pytest.raises(NotFoundError):
         store.get_at_most("c/missing", 10)
 
-def test_holds_tells_other_bytes_of_the_same_size(store):
-    """What a publish asks of a chunk already stored (``Repo.store_chunk``): the same bytes, other
-    bytes of the same size (damaged or planted), or cannot tell cheaply (``None``: the retry wrapper
-    asks its backend). S3 tells by the ETag of one PUT; a multipart object's is no MD5."""
+
+def test_compare_tells_other_bytes_of_the_same_size(store):
+    """What a publish asks of a chunk already stored (``Repo.store_chunk``), in one request: absent,
+    other bytes (another size, or the same size: damaged or planted), the same, or only the same size
+    (S3 tells by the ETag of one PUT; a multipart object's is no MD5)."""
     data = pattern(4096, seed=3)
     store.put("c/one", data)
-    assert store.holds("c/one", data) is True and store.holds("c/one", memoryview(data)) is True
-    assert store.holds("c/one", pattern(4096, seed=4)) is False
-    assert store.holds("c/missing", data) is None
+    assert store.compare("c/one", data) == "same" and store.compare("c/one", memoryview(data)) == "same"
+    assert store.compare("c/one", pattern(4096, seed=4)) == "other"
+    assert store.compare("c/one", data[:-1]) == "other"
+    assert store.compare("c/missing", data) == "absent"
     big = pattern(BIG, seed=5)
     store.put("c/big", big)
-    assert store.holds("c/big", big) is (None if "s3" in type(store).__name__.lower() else True)
+    assert store.compare("c/big", big) == ("same-size" if "s3" in type(store).__name__.lower() else "same")
 
 
 # -- create mode and conditional updates ----------------------------------------------------

@@ -24,6 +24,7 @@ from typing import Literal
 
 from weightsync.errors import StoreError
 
+Match = Literal["absent", "other", "same", "same-size"]  # Store.compare's answers
 PutMode = Literal["create", "overwrite"]
 
 _KEY_RE = re.compile(r"[A-Za-z0-9._\-]+(/[A-Za-z0-9._\-]+)*")
@@ -102,11 +103,13 @@ class Store(abc.ABC):
     def head(self, key: str) -> int | None:
         """Size of the object in bytes, or ``None`` if it does not exist."""
 
-    def holds(self, key: str, data: bytes | memoryview) -> bool | None:
-        """Whether the object ``key`` holds exactly ``data``, where the backend can tell without moving
-        the object over the network (S3: the ``ETag`` of a single-part upload is its MD5; a local file
-        is read); ``None`` where it cannot tell that way (or the object is gone)."""
-        return None
+    def compare(self, key: str, data: bytes | memoryview) -> Match:
+        """Whether the object ``key`` holds exactly ``data``, as far as the backend can tell without
+        moving the object over the network: ``"absent"``, ``"other"`` (another size, or other bytes),
+        ``"same"``, or ``"same-size"`` where only the size can be told (S3 tells by the ``ETag`` of a
+        single-part upload, its MD5; a local file is read). One request."""
+        size = self.head(key)
+        return "absent" if size is None else "same-size" if size == memoryview(data).nbytes else "other"
 
     @abc.abstractmethod
     def list(self, prefix: str = "") -> Iterator[str]:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import xxhash
 
 from weightsync.errors import AlreadyExistsError, NotFoundError, PreconditionFailedError
-from weightsync.store.base import ObjectMeta, PutMode, Store, check_key
+from weightsync.store.base import Match, ObjectMeta, PutMode, Store, check_key
 
 _NAMED: dict[str, MemoryStore] = {}
 _NAMED_LOCK = threading.Lock()
@@ -71,10 +71,10 @@ class MemoryStore(Store):
             obj = self._objects.get(check_key(key))
         return None if obj is None else len(obj)
 
-    def holds(self, key: str, data: bytes | memoryview) -> bool | None:
+    def compare(self, key: str, data: bytes | memoryview) -> Match:
         with self._lock:
             obj = self._objects.get(check_key(key))
-        return None if obj is None else obj == data
+        return "absent" if obj is None else "same" if obj == data else "other"
 
     def list(self, prefix: str = "") -> Iterator[str]:
         with self._lock:

@@ -345,16 +345,19 @@ class Repo:
         objects) cannot delete it between this check and the commit of the manifest that uses it;
         one that gc collected between the check and the touch is uploaded again. An object of the
         wrong size under a chunk's key is damaged and is replaced; so is one of the right size with
-        other bytes, where the store tells that cheaply (:meth:`Store.holds`: S3's ETag, a local file)
-        with ``data`` in hand (a publish), or with ``verify_existing`` (a mirror: it is read).
-        Otherwise an object of the right size is taken for the chunk (pulls check every chunk).
+        other bytes, where the store tells that in the same request (:meth:`Store.compare`: S3's ETag, a
+        local file) with ``data`` in hand (a publish), or with ``verify_existing`` (a mirror: it is
+        read). Otherwise an object of the right size is taken for the chunk (pulls check every chunk).
         """
         key = chunk_key(chunk_id)
-        have = self.store.head(key)
-        if have == size and not callable(data) and self.store.holds(key, data) is False:
-            log.warning("%s/%s: holds other bytes than chunk %s; stored again", self.url, key, chunk_id)
-            have = -1  # damaged or planted: a later keyframe re-using the chunk would carry it for good
-        elif have == size and verify_existing:
+        if callable(data):
+            have = self.store.head(key)
+        else:
+            seen = self.store.compare(key, data)
+            have = None if seen == "absent" else size if seen in ("same", "same-size") else -1
+            if seen == "other":  # damaged or planted: a later keyframe re-using the chunk would carry it
+                log.warning("%s/%s: holds other bytes than chunk %s; stored again", self.url, key, chunk_id)
+        if have == size and verify_existing:
             try:
                 verify_chunk(f"{self.url}/{key}", chunk_id, size, self.store.get(key))
             except ChecksumError:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Literal, TypeVar
 
 from weightsync.errors import AlreadyExistsError, PreconditionFailedError, StoreError, UsageError
-from weightsync.store.base import ObjectMeta, PutMode, Store
+from weightsync.store.base import Match, ObjectMeta, PutMode, Store
 from weightsync.store.inflight import InFlight
 
 T = TypeVar("T")
@@ -165,8 +165,8 @@ class RetryingStore(Store):
     def head(self, key: str) -> int | None:
         return self.call("HEAD", key, lambda: self.inner.head(key))
 
-    def holds(self, key: str, data: bytes | memoryview) -> bool | None:
-        return self.call("HEAD", key, lambda: self.inner.holds(key, data))
+    def compare(self, key: str, data: bytes | memoryview) -> Match:
+        return self.call("HEAD", key, lambda: self.inner.compare(key, data))
 
     def list(self, prefix: str = "") -> Iterator[str]:
         # Materialise inside the retry, so that a failure while paging is retried too.

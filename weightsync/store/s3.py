@@ -23,7 +23,7 @@ import urllib3.exceptions
 from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError, IncompleteReadError
 
 from weightsync.errors import AlreadyExistsError, NotFoundError, PreconditionFailedError, StoreError, UsageError
-from weightsync.store.base import ObjectMeta, PutMode, Store, check_key
+from weightsync.store.base import Match, ObjectMeta, PutMode, Store, check_key
 from weightsync.store.s3_client import S3Options, _make_client
 
 MAX_PARTS = 10_000
@@ -203,11 +203,16 @@ class S3Store(Store):
     def get_at_most(self, key: str, limit: int) -> bytes:
         obj = self._obj(key)
         with self._errors("GET", key):
-            body = self._client.get_object(**obj)["Body"]
+            resp = self._client.get_object(**obj)
+            body, length = resp["Body"], int(resp["ContentLength"])
             try:
-                return body.read(limit + 1)
+                data = body.read(limit + 1)
             finally:
                 body.close()  # the rest of a larger object is not read (its connection is dropped)
+            if len(data) < min(limit + 1, length):  # a read of a given size does not check the length: a
+                # body cut short comes back short (a retry, not a checksum error)
+                raise IncompleteReadError(actual_bytes=len(data), expected_bytes=min(limit + 1, length))
+            return data
 
     def get_if_changed(self, key: str, etag: str | None) -> tuple[bytes, str] | None:
         """One ``GET`` with ``If-None-Match: etag``: ``None`` when the server answers ``304 Not
@@ -269,16 +274,26 @@ class S3Store(Store):
         resp = self._head(key)
         return None if resp is None else int(resp["ContentLength"])
 
-    def holds(self, key: str, data: bytes | memoryview) -> bool | None:
-        """By the ``ETag``: the MD5 of the bytes for an object stored by one PUT, unless it is encrypted
-        with KMS or a customer key (an ETag then is no MD5), or stored in parts (``<md5>-<parts>``)."""
+    def compare(self, key: str, data: bytes | memoryview) -> Match:
+        """One ``HEAD``: the size, then the ``ETag``, which is the MD5 of the bytes for an object stored
+        by one PUT unencrypted or with S3-managed keys (``AES256``); not for one stored in parts
+        (``<md5>-<parts>``), encrypted with KMS (``aws:kms``, ``aws:kms:dsse``) or a customer's key,
+        or in a directory bucket (``--x-s3``)."""
         resp = self._head(key)
-        if resp is None or resp.get("ServerSideEncryption") == "aws:kms" or resp.get("SSECustomerAlgorithm"):
-            return None
+        if resp is None:
+            return "absent"
+        if int(resp["ContentLength"]) != memoryview(data).nbytes:
+            return "other"
         etag = str(resp.get("ETag", "")).strip('"').lower()
-        if not re.fullmatch(r"[0-9a-f]{32}", etag):
-            return None
-        return hashlib.md5(data, usedforsecurity=False).hexdigest() == etag
+        md5 = (
+            resp.get("ServerSideEncryption") in (None, "AES256")
+            and not resp.get("SSECustomerAlgorithm")
+            and not self.bucket.endswith("--x-s3")
+            and re.fullmatch(r"[0-9a-f]{32}", etag)
+        )
+        if not md5:
+            return "same-size"
+        return "same" if hashlib.md5(data, usedforsecurity=False).hexdigest() == etag else "other"
 
     def _head(self, key: str) -> dict | None:
         """The ``head_object`` answer, or None if the object does not exist."""
