@@ -4,7 +4,9 @@ version from another folder's files (reflinks or copies) without the store."""
 
 from __future__ import annotations
 
+import errno
 import os
+import resource
 import shutil
 import stat
 from collections.abc import Callable
@@ -47,7 +49,14 @@ class LocalVersion:
             if path not in self._fds:
                 self._fds[path] = open_regular(self.folder / path)
             data = read_range(self._fds[path], seg.begin, seg.end, what)
-        except (OSError, WeightsyncError) as exc:
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):  # the process's limit, not the base: no rebuild helps
+                raise WeightsyncError(
+                    f"{what}: cannot open it: {exc.strerror} (this process may open "
+                    f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]} files: raise the limit, ulimit -n)"
+                ) from None
+            raise BaseMismatchError(f"{what}: base for version {self.manifest.version} unreadable ({exc})") from None
+        except WeightsyncError as exc:
             raise BaseMismatchError(f"{what}: base for version {self.manifest.version} unreadable ({exc})") from None
         if not check:
             return data

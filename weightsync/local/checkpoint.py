@@ -94,9 +94,9 @@ def _pread_all(fd: int, n: int, offset: int) -> bytes:
 
 def open_sources(files: list[SourceFile]) -> dict[str, int]:
     """A descriptor on each of ``files`` (by path), each checked to be the file that was scanned. A
-    publish holds them all, so the soft limit on open files is raised to what they need (up to the
-    hard limit) first; past the hard limit the error says so."""
-    need = len(files) + 256  # the store's sockets, threads' files, the interpreter's own
+    publish holds them all, and as many of its delta base's, so the soft limit on open files is
+    raised to what they need (up to the hard limit) first; past the hard limit the error says so."""
+    need = 2 * len(files) + 256  # the base's files, the store's sockets, threads' files, the interpreter's own
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < need:
         with contextlib.suppress(ValueError, OSError):
