@@ -253,7 +253,7 @@ def test_no_variable_takes_nan(capsys):
     )
 
 
-@pytest.mark.parametrize("text", ["\u0663", "1_000", "\uff11", "3.0"])
+@pytest.mark.parametrize("text", ["\u0663", "1_000", "\uff11", "3.0", "\u20093", "\x1c3"])
 def test_integer_flags_and_variables_take_ascii_digits_only(text, capsys):
     """``int`` takes ``\u0663`` (Arabic-Indic three) and ``1_000``: ``--version \u0663`` published version 3.
     The API took ASCII digits only already; flags and their variables now too."""

@@ -73,7 +73,7 @@ def number(text: str) -> float:
     return out
 
 
-_INTEGER = re.compile(r"\s*[+-]?[0-9]+\s*")
+_INTEGER = re.compile(r"[ \t]*[+-]?[0-9]+[ \t]*")
 
 
 def integer(text: str) -> int:

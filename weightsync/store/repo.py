@@ -420,9 +420,9 @@ class Repo:
                 if head is not None and head >= v:
                     raise VersionError(f"version {v} already exists in {self.url}") from None
                 raise VersionError(
-                    f"version {v} already exists in {self.url} above its head ({head}), with other files: a "
-                    "publish in progress, or one that died before its commit (gc removes it once older than its "
-                    "grace period); publish as another --version"
+                    f"version {v} already exists in {self.url} above its head ({head}), as another publish: one "
+                    "in progress, or one that died before its commit (gc removes it once older than its grace "
+                    "period); publish as another --version"
                 ) from None
             created = False
         if signing_key is not None:  # after the manifest: only the owner of version v signs it
