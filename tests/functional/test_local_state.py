@@ -622,3 +622,47 @@ def test_the_partial_path_removes_a_folder_a_dropped_file_leaves_empty(tmp_path)
         ".weightsync",
         "m.safetensors",
     ]
+
+
+def _bf16_versions(tmp_path: Path, layouts: list[dict[str, float]]) -> weightsync.Repo:
+    """A store whose version v holds one tensor per file of ``layouts[v]`` (relative path -> value)."""
+    import torch
+    from safetensors.torch import save_file
+
+    store = tmp_path / "store"
+    for v, files in enumerate(layouts):
+        ck = tmp_path / f"ck{v}"
+        for rel, value in files.items():
+            (ck / rel).parent.mkdir(parents=True, exist_ok=True)
+            save_file({f"t{Path(rel).stem}": torch.full((64,), value).to(torch.bfloat16)}, str(ck / rel))
+        weightsync.publish(ck, store, v)
+    return weightsync.open_repo(f"file://{store}")
+
+
+def test_the_partial_path_removes_what_another_selection_put_there(tmp_path, ws):
+    """A folder updated with another selection (a subscriber restarted with another ``--include``) kept
+    the files only the old one named: the folder claimed the version with a stale file in it (exit 0,
+    its verify passed), and every later update refused that file as foreign."""
+    from weightsync.sync.selection import Selection, materialize, verify_partial
+
+    repo = _bf16_versions(tmp_path, [{"a.safetensors": v, "b.safetensors": -v} for v in range(3)])
+    out, cfg = tmp_path / "part", PullConfig(fsync=False)
+    materialize(repo, out, 0, Selection(include=("ta",)), config=cfg)
+    materialize(repo, out, 1, Selection(include=("tb",)), config=cfg)
+    assert sorted(p.name for p in out.iterdir()) == [".weightsync", "b.safetensors"]
+    materialize(repo, out, 2, Selection(include=("tb",)), config=cfg)
+    assert verify_partial(repo, out, 2) == 2
+
+
+def test_the_partial_path_turns_a_file_into_a_folder_and_back(tmp_path):
+    """``x`` a file, then a folder holding ``x/y``, then a file again: a full pull does it; the partial
+    path installed before it removed, and failed ("is not a directory", then an IsADirectoryError)."""
+    from weightsync.sync.selection import Selection, materialize, verify_partial
+
+    layouts = [{"x": 0.0, "m.safetensors": 0.0}, {"x/y.safetensors": 1.0, "m.safetensors": 1.0}]
+    repo = _bf16_versions(tmp_path, [*layouts, {"x": 2.0, "m.safetensors": 2.0}])
+    out, sel, cfg = tmp_path / "part", Selection(exclude=("unused",)), PullConfig(fsync=False)
+    for v in range(3):
+        materialize(repo, out, v, sel, config=cfg)
+        assert verify_partial(repo, out, v) == v
+    assert (out / "x").is_file()

@@ -230,6 +230,7 @@ def _materialize(
     repo: Repo, out: Path, version: int, selection: Selection, cfg: PullConfig, op: Operation
 ) -> PartialResult:
     state = _prepare(out)
+    held = frozenset(state.files) if state is not None else frozenset()  # removed below unless kept
     if state is not None and (state.store != repo.url or state.selection != selection):
         state = None  # another store or selection: nothing local is reused
     if state is not None and state.version == version:
@@ -267,9 +268,9 @@ def _materialize(
 
     base = _PartialBase(out, state)
     try:
-        result = _write(repo, base, target, selection, *planned(local), cfg, op)
+        result = _write(repo, base, held, target, selection, *planned(local), cfg, op)
     except BaseMismatchError:  # the folder changed behind our back: rebuild without local bytes
-        result = _write(repo, base, target, selection, *planned(None), cfg, op)
+        result = _write(repo, base, held, target, selection, *planned(None), cfg, op)
     op.done(result.seconds)
     return result
 
@@ -277,6 +278,7 @@ def _materialize(
 def _write(
     repo: Repo,
     base: _PartialBase,
+    held: frozenset[str],
     target: Manifest,
     sel: Selection,
     jobs: list[TensorJob],
@@ -285,7 +287,9 @@ def _write(
     op: Operation,
 ) -> PartialResult:
     """Rebuild ``jobs`` (the files of ``sel`` in ``target``, in order) in staging, then swap them
-    into ``base.folder`` in place of the files of ``base.state``."""
+    into ``base.folder`` in place of the files it ``held`` (its state's, whether or not that state
+    was another selection's or store's): those the target lacks go first, so that a file may become
+    a folder and back."""
     out, state, fsync = base.folder, base.state, cfg.fsync
     files = _wanted(target, sel)
     sdir = out / STATE_DIR
@@ -315,6 +319,10 @@ def _write(
     seconds["build"] = op.elapsed() - seconds["fetch"]
     write_json_atomic(sdir / REFILL, {"partial": True}, fsync)  # ours, claiming no version, until the state
     (sdir / STATE).unlink(missing_ok=True)
+    for path in held - set(record):
+        gone = safe_join(out, path)
+        gone.unlink(missing_ok=True)
+        prune_dirs(out, gone.parent)  # as a full install: a folder left empty is no entry of the version
     for path in record:
         dst, written = safe_join(out, path), record[path].pop("written")
         dst.parent.mkdir(parents=True, exist_ok=True)
@@ -332,10 +340,6 @@ def _write(
                 "writing into the folder?); the folder now holds no version: pull again to rebuild it"
             )
         record[path].update(mtime_ns=st.st_mtime_ns, ctime_ns=st.st_ctime_ns)
-    for path in set(state.files if state else ()) - set(record):
-        gone = safe_join(out, path)
-        gone.unlink(missing_ok=True)
-        prune_dirs(out, gone.parent)  # as a full install: a folder left empty is no entry of the version
     doc = {
         "format": "weightsync.partial",
         "version": target.version,
