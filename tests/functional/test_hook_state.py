@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import signal
 import threading
 import time
 
@@ -130,6 +132,54 @@ def test_a_hung_reload_is_abandoned_after_attempts_periods_without_a_second_call
     outcome, failures, records, seconds = _fire(cfg)
     assert not outcome.ok and failures == 3 and len(e.calls) == 1 and seconds < 5
     assert records[-1].state == "failed" and records[-1].degraded and "--hook-timeout" in outcome.error
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not open(f"/proc/{pid}/stat").read().split(") ")[1].startswith("Z")
+
+
+def test_a_command_that_leaves_a_child_in_the_background_succeeds_when_it_exits(tmp_path):
+    """``sleep 25 & exit 0`` (a reload started in the background): the runner waited for the end of
+    its stderr, which the child holds, and reported a hung hook, degraded."""
+    cfg = HookConfig(command=("sh", "-c", "sleep 25 & echo $! > pid; exit 0"), timeout=5.0, attempts=1, env={})
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        outcome, failures, records, seconds = _fire(cfg)
+    finally:
+        os.chdir(cwd)
+    pid = int((tmp_path / "pid").read_text())
+    try:
+        assert outcome.ok and failures == 0 and records[-1].state == "ok" and seconds < 3, outcome
+        assert _alive(pid)  # what it started in the background is its own
+    finally:
+        os.kill(pid, signal.SIGKILL)
+
+
+def test_a_hung_command_is_killed_with_its_children_and_the_next_call_runs(tmp_path):
+    """A command whose child hangs (``sh`` waiting on a ``curl`` without a timeout): the runner killed
+    the command only, then waited for the child's end of stderr, so every later swap's hook waited
+    behind it, and the child outlived the subscriber. The whole group is killed when the call is
+    given up; only the tail of stderr is kept, however much the command writes."""
+    script = "sleep 60 & echo $! > pid; wait"
+    cfg = HookConfig(command=("sh", "-c", script), timeout=0.5, attempts=1, backoff=Backoff(0.01, 0.05), env={})
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        outcome, failures, records, seconds = _fire(cfg)
+        child = int((tmp_path / "pid").read_text())
+        assert not outcome.ok and failures == 1 and seconds < 5 and "--hook-timeout" in outcome.error, outcome
+        wait_for(lambda: not _alive(child), 5, "the hung child killed with its command")
+        chatty = "head -c 3000000 /dev/zero | tr '\\0' x >&2; echo tail-of-stderr >&2; exit 3"
+        outcome, _, _, seconds = _fire(HookConfig(command=("sh", "-c", chatty), attempts=1, env={}))
+        assert not outcome.ok and outcome.error.endswith("tail-of-stderr") and "exited with 3" in outcome.error
+        assert len(outcome.error) < 400 and seconds < 3
+    finally:
+        os.chdir(cwd)
 
 
 def _subscriber(store: str, target, url: str, **hook) -> Subscriber:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
@@ -36,6 +38,8 @@ log = logging.getLogger("weightsync.hooks")
 HOOK_STATES = ("running", "retrying", "ok", "failed", "interrupted")
 DEGRADED = frozenset({"retrying", "failed", "interrupted"})  # the engine may not serve the current version
 _FORMAT = "weightsync.subscriber-hook"
+STDERR_TAIL = 4096
+"""Bytes of a hook command's stderr kept (its error names the last 200 characters)."""
 
 
 def render(template: str, version: int, path: str, current: str, *, json_strings: bool) -> str:
@@ -255,17 +259,43 @@ class HookRunner:
                         raise RuntimeError(f"HTTP {resp.status} from hook{step}: {text}")
 
     async def _command(self, version: int, path: str, current: str) -> None:
+        """Run the command in a session of its own and wait for it to exit, not for its stderr to end: a
+        child it leaves in the background (a reload it starts, a ``curl`` without a timeout) may hold
+        that pipe. Only the last :data:`STDERR_TAIL` bytes of stderr are kept. A call given up
+        (the hook's timeout) kills the whole process group, its children with it."""
         argv = [render(a, version, path, current, json_strings=False) for a in self.cfg.command]
         env = dict(self.cfg.env, WEIGHTSYNC_VERSION=str(version), WEIGHTSYNC_PATH=path, WEIGHTSYNC_CURRENT=current)
-        proc = await asyncio.create_subprocess_exec(
-            *argv, env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
-        )
+        loop, tail = asyncio.get_running_loop(), bytearray()
+        rfd, wfd = os.pipe()
+        os.set_blocking(rfd, False)
+
+        def drain() -> None:
+            with suppress(BlockingIOError):
+                while chunk := os.read(rfd, 1 << 16):
+                    tail.extend(chunk)
+                    del tail[:-STDERR_TAIL]
+                loop.remove_reader(rfd)  # end of file: every writer is gone
+
+        loop.add_reader(rfd, drain)
         try:
-            _, err = await proc.communicate()
-        except asyncio.CancelledError:
-            proc.kill()
-            await proc.wait()
-            raise
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *argv, env=env, stdout=asyncio.subprocess.DEVNULL, stderr=wfd, start_new_session=True
+                )
+            finally:
+                os.close(wfd)
+            try:
+                await proc.wait()
+            except asyncio.CancelledError:
+                with suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                await proc.wait()
+                raise
+            drain()
+        finally:
+            loop.remove_reader(rfd)
+            os.close(rfd)
+        err = bytes(tail)
         if proc.returncode != 0:
             raise RuntimeError(
                 f"hook command exited with {proc.returncode}: {err.decode(errors='replace')[-200:].strip()}"
