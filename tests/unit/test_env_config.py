@@ -416,6 +416,15 @@ def test_bad_hook_headers_are_refused_without_showing_the_value(tmp_path, argv, 
         HookConfig(url="http://h/", headers=(("A", "x\r\nInjected: 1"),))
 
 
+def test_a_hook_command_with_an_unbalanced_quote_is_one_line(tmp_path):
+    """shlex's ValueError came out as a traceback (exit 1)."""
+    with pytest.raises(UsageError, match=r"^--hook-command: No closing quotation"):
+        subscriber_config(parse(["subscriber", "--hook-command", 'echo "open'], sub_env(tmp_path)), {})
+    env = sub_env(tmp_path, WEIGHTSYNC_HOOK_COMMAND='echo "open')
+    with pytest.raises(UsageError, match=r"^WEIGHTSYNC_HOOK_COMMAND: No closing quotation"):
+        subscriber_config(parse(["subscriber"], env), env)
+
+
 def test_hook_attempts_and_timeout_say_their_defaults():
     p = subparser("subscriber")
     assert "(default 5)" in _option(p, "--hook-attempts").help and "(default 600" in _option(p, "--hook-timeout").help

@@ -801,7 +801,10 @@ def _hook(args, environ: Mapping[str, str]) -> HookConfig | None:
     if preset and (args.hook_body is not None or args.hook_method is not None):
         given = [f for f, v in (("--hook-method", args.hook_method), ("--hook-body", args.hook_body)) if v is not None]
         raise UsageError(f"--hook-preset {preset} sets the method and body: drop {' and '.join(given)}")
-    command = tuple(shlex.split(args.hook_command)) if args.hook_command else ()
+    try:
+        command = tuple(shlex.split(args.hook_command)) if args.hook_command else ()
+    except ValueError as exc:  # an unbalanced quote
+        raise UsageError(f"{_source(args, 'hook_command', '--hook-command')}: {exc}: {args.hook_command!r}") from None
     # a command hook inherits the environment minus anything that looks like a secret
     env = {k: v for k, v in environ.items() if not _SECRETISH.search(k)}
     headers = tuple(_header(h, _source(args, "hook_header", "--hook-header")) for h in getattr(args, "hook_header", []))
