@@ -296,6 +296,20 @@ def test_mirror_with_trusted_keys_copies_signatures_and_refuses_to_propagate(sig
     out = tmp_path / "out"
     assert ok_cli("pull", "--store", dst, "--trusted-key", signed.pub, out, "--no-progress").strip() == "2"
     ws.assert_replica(out, signed.traj[2])
+    # the publisher moves on with a signed keyframe (it needs nothing of 3), then a delta: the mirror
+    # stayed at 2 for good (every later pass refused 3 again); it passes over 3, as readers do
+    assert _publish(signed.traj[4], signed.store, signed.key).keyframe
+    assert not _publish(signed.traj[5], signed.store, signed.key).keyframe
+    assert ok_cli("mirror", "--from", signed.store, "--to", dst, "--trusted-key", signed.pub).strip() == "5"
+    assert not (dst / version_key(3)).exists()
+    assert ok_cli("pull", "--store", dst, "--trusted-key", signed.pub, out, "--no-progress").strip() == "5"
+    ws.assert_replica(out, signed.traj[5])
+    # a new region started after it: the same, from nothing
+    fresh = tmp_path / "region-new"
+    assert ok_cli("mirror", "--from", signed.store, "--to", fresh, "--trusted-key", signed.pub).strip() == "5"
+    assert sorted(p.name for p in (fresh / "versions").iterdir()) == [
+        version_key(v).split("/")[1] for v in (0, 1, 2, 4, 5)
+    ]
 
 
 def test_a_region_an_attacker_wrote_is_refused_by_its_readers(signed, tmp_path, ok_cli, run_cli, ws):
@@ -327,14 +341,21 @@ def test_a_following_mirror_stops_at_a_refused_version_and_reports_it(signed, tm
     stop = threading.Event()
     errors = []
 
+    statuses = []
+
     class Report(MirrorObserver):
         def on_error(self, exc):
             errors.append(exc)
             metrics.mirror_error(exc)
             stop.set()
 
+        def on_status(self, status):
+            statuses.append(status)
+
     r = mirror(src, dst, follow=True, config=MirrorConfig(interval=0.01), stop=stop, observer=Report())
     assert r.head == 2 and r.errors == 1 and isinstance(errors[0], SignatureError) and errors[0].version == 3
+    # the lag said "caught up" (the refusal was raised before the pass reported): it says one behind
+    assert (statuses[-1].source_head, statuses[-1].destination_head, statuses[-1].lag_versions) == (3, 2, 1)
     assert metrics.registry.get_sample_value("weightsync_refused_version", {"region": "", "cluster": ""}) == 3
     assert metrics.registry.get_sample_value("weightsync_signature_refusals_total", {"region": "", "cluster": ""}) == 1
     metrics.mirror_pass(r)  # a later pass succeeds (the version was removed, or a good one follows)

@@ -572,9 +572,10 @@ class _Mirror:
                     data, signatures, m = read.pop(v) if v in read else (*self.src.read_version(v), None)
                 except VersionError:
                     continue  # collected at the source since it was listed
-                except SignatureError as exc:
-                    self.refusal = exc  # the versions before it go on; nothing of it or after it
-                    break
+                except SignatureError as exc:  # not copied; later versions go on, as a reader's would: a
+                    # keyframe after it needs nothing of it, a delta on it is dropped (``_ready``)
+                    self.refusal = exc  # the last: past it, every earlier one is passed too
+                    continue
                 m = m or manifest_from_json(data, f"{self.src.url}/{version_key(v)}")
                 if m.version != v:
                     raise VersionError(f"{self.src.url}/{version_key(v)}: manifest claims version {m.version}")
@@ -666,7 +667,10 @@ class _Mirror:
             else:
                 break  # a shard waits for the committer's head (read at the next poll)
         self._advance_lazy()
+        if self.refusal is not None and self.dst_head is not None and self.dst_head > self.refusal.version:
+            self.refusal = None  # passed over: a later version that needs nothing of it is committed
         if self.refusal is not None and not self.pending:
+            self._report()  # the lag gauges say the region is behind
             raise self.refusal
 
     def _needed(self, ver: _Version) -> list[str]:
