@@ -173,10 +173,12 @@ def test_a_signing_publisher_builds_nothing_on_a_head_it_did_not_sign(signed, tm
         (["--trusted-key", "{key}"], "--trusted-key: {key} holds a private key"),
         (["--trusted-key", "{missing}"], "--trusted-key: cannot read public key file {missing}"),
         (["--trusted-key", ""], "--trusted-key names an empty path"),
+        (["--trusted-key", "{fifo}"], "--trusted-key: public key file {fifo} is not a regular file"),  # it hung
     ],
 )
 def test_bad_trusted_keys_are_one_line_and_exit_2(signed, tmp_path, run_cli, ws, flags, message):
-    names = {"key": signed.key, "missing": tmp_path / "missing.pub"}
+    names = {"key": signed.key, "missing": tmp_path / "missing.pub", "fifo": tmp_path / "key.fifo"}
+    os.mkfifo(names["fifo"])
     args = [f.format(**names) for f in flags]
     rc, _, err = run_cli("pull", "--store", signed.store, *args, tmp_path / "out", "--no-progress")
     assert rc == 2 and message.format(**names) in ws.error_line(err)
@@ -189,11 +191,13 @@ def test_bad_trusted_keys_are_one_line_and_exit_2(signed, tmp_path, run_cli, ws,
         ("{pub}", "holds a public key"),
         ("{missing}", "cannot read signing key"),
         ("", "--signing-key is empty: refusing to publish unsigned versions"),
+        ("{fifo}", "is not a regular file"),  # it hung
     ],
 )
 def test_bad_signing_keys_publish_nothing(signed, tmp_path, run_cli, ws, key, message):
     before = ws.snapshot(signed.store)
-    key = key.format(pub=signed.pub, missing=tmp_path / "missing")
+    os.mkfifo(tmp_path / "key.fifo")
+    key = key.format(pub=signed.pub, missing=tmp_path / "missing", fifo=tmp_path / "key.fifo")
     rc, _, err = run_cli("publish", signed.traj[3], "--store", signed.store, "--signing-key", key, "--no-cache")
     assert rc == 2 and message in ws.error_line(err)
     assert ws.snapshot(signed.store) == before

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -169,8 +170,11 @@ class Keyring:
 
 
 def _read(path: str | os.PathLike, what: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
+    try:  # without blocking on a FIFO (or a device) at open, and refused below
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with open(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise UsageError(f"{what} {os.fspath(path)} is not a regular file")
             data = f.read(MAX_KEY_FILE_BYTES + 1)
     except OSError as exc:
         raise UsageError(f"cannot read {what} {os.fspath(path)}: {exc.strerror or exc}") from None

@@ -686,7 +686,8 @@ class _Mirror:
         if not ver.manifest.keyframe and not self._parent_coming(ver.manifest.parent):
             del self.pending[ver.version]  # a delta from nothing here: the source's gc takes it next
             log.info(
-                "mirror: version %d is not copied: its parent %d was collected at the source before it got here",
+                "mirror: version %d is not copied: its parent %d was collected at the source, or refused, "
+                "before it got here",
                 ver.version,
                 ver.manifest.parent,
             )
