@@ -448,9 +448,11 @@ def test_a_store_inside_the_checkpoint_is_refused(trajectory, tmp_path, run_cli,
     outside = tmp_path / "outside"
     store = outside / "store"
     store.mkdir(parents=True)
-    for link, target, seen in (("storelink", store, "storelink"), ("up", outside, "up/store")):
+    (store / "chunks").mkdir()
+    links = (("storelink", store, "storelink"), ("up", outside, "up/store"), ("inner", store / "chunks", "inner"))
+    for link, target, seen in links:
         (ckpt / link).symlink_to(target)
         for cmd in (["publish"], ["publish-part", "--rank", "0", "--world", "1"]):
             line = _fails(ws, run_cli, [ckpt, outside], *cmd, str(ckpt), "--store", f"file://{store}")
-            assert f"cannot publish {seen!r}: it is the store's folder" in line, line
+            assert f"cannot publish {seen!r}: it is, or links into, the store's folder" in line, line
         (ckpt / link).unlink()

@@ -218,10 +218,10 @@ def scan_checkpoint(
     if st is None or not stat.S_ISDIR(st.st_mode):
         raise CheckpointError(f"checkpoint directory not found: {root}")
     try:
-        avoid = None if outside is None else _folder_key(os.stat(outside))
+        avoid = None if outside is None else (_folder_key(os.stat(outside)), os.path.realpath(outside))
     except OSError:
         avoid = None  # not made yet: nothing of it can be reached
-    if (st.st_dev, st.st_ino) == avoid:
+    if avoid is not None and (st.st_dev, st.st_ino) == avoid[0]:
         raise CheckpointError(
             f"{root}: the checkpoint folder is the store's folder {outside}; keep the store elsewhere"
         )
@@ -241,7 +241,7 @@ def _scan_dir(
     ancestors: frozenset[tuple[int, int]],
     ignore: tuple[str, ...],
     out: list[SourceFile],
-    avoid: tuple[int, int] | None = None,
+    avoid: tuple[tuple[int, int], str] | None = None,
 ) -> list[tuple[Path, str, frozenset[tuple[int, int]]]]:
     """Describe the files of one folder into ``out``; returns its subfolders to scan."""
     try:
@@ -272,9 +272,9 @@ def _scan_dir(
                 raise CheckpointError(
                     f"{root}: cannot publish {rel!r}: a symlink to a folder that contains it (a loop)"
                 )
-            if key == avoid:
+            if avoid is not None and (key == avoid[0] or (e.is_symlink() and _inside(e.path, avoid[1]))):
                 raise CheckpointError(
-                    f"{root}: cannot publish {rel!r}: it is the store's folder{' (a link)' if e.is_symlink() else ''}; "
+                    f"{root}: cannot publish {rel!r}: it is, or links into, the store's folder; "
                     "keep the store outside the checkpoint"
                 )
             subdirs.append((Path(e.path), f"{rel}/", ancestors | {key}))
@@ -291,6 +291,12 @@ def _scan_dir(
 
 def _folder_key(st: os.stat_result) -> tuple[int, int]:
     return st.st_dev, st.st_ino
+
+
+def _inside(path: str, folder: str) -> bool:
+    """Whether the real path of ``path`` is ``folder`` (a real path) or below it."""
+    real = os.path.realpath(path)
+    return real == folder or real.startswith(folder.rstrip(os.sep) + os.sep)
 
 
 def read_range(fd: int, begin: int, end: int, what: str) -> np.ndarray:
