@@ -90,3 +90,32 @@ def test_the_record_says_serving_right_after_a_swap_and_stopped_at_the_end(tmp_p
 
     asyncio.run(main())
     assert record().state == "stopped"
+
+
+def test_planted_records_are_bad_records_not_rows(tmp_path):
+    """Records written into the bucket by hand or by an attacker: an id with a newline forged a row of
+    the table, a record under another subscriber's key was shown as that subscriber. They are listed
+    as bad records; the real one stays."""
+    import pytest
+
+    from weightsync.errors import UsageError
+
+    store = tmp_path / "store"
+    weightsync.publish(make_trajectory(tmp_path / "traj", steps=0, **TINY)[0], store, 0)
+    repo = weightsync.open_repo(f"file://{store}")
+    now = time.time()
+    write_record(repo.store, FleetRecord("sub-a", "r", "", 0, "latest", "serving", now))
+    doc = json.loads((store / "fleet" / "sub-a.json").read_text())
+    planted = {
+        "forged.json": {**doc, "id": "forged\nsubZ    r   0   serving"},
+        "impostor.json": {**doc, "id": "sub-a", "state": "stopped"},
+        "region.json": {**doc, "id": "region", "region": "r\x1b[2J"},
+    }
+    for name, body in planted.items():
+        (store / "fleet" / name).write_text(json.dumps(body))
+    fleet = read_fleets([repo], now)
+    assert [r["id"] for r in fleet["subscribers"]] == ["sub-a"] and fleet["subscribers"][0]["state"] == "serving"
+    text = format_fleet(fleet)
+    assert text.count("bad record:") == 3 and not any(line.startswith("subZ") for line in text.splitlines())
+    with pytest.raises(UsageError):
+        Identity("sub-a\n")  # "$" took a final newline

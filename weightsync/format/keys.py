@@ -90,6 +90,10 @@ def parse_part_key(key: str) -> tuple[int, int, int] | None:
     return (int(m.group(1)), int(m.group(2)), int(m.group(3))) if m else None
 
 
+ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}\Z")  # \Z: "$" takes a final newline
+"""A daemon's id (a subscriber's names its fleet record's key)."""
+
+
 def chunk_key(chunk_id: str) -> str:
     """The key of a chunk (fanned out by the id's first two hex digits)."""
     return f"{CHUNKS_PREFIX}{chunk_id[:2]}/{chunk_id}"

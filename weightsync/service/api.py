@@ -16,9 +16,8 @@ from dataclasses import asdict, dataclass
 from aiohttp import web
 
 from weightsync.errors import CheckpointError, SignatureError, UsageError, VersionError, WeightsyncError
-from weightsync.format.keys import MAX_VERSION
+from weightsync.format.keys import ID_RE, MAX_VERSION
 from weightsync.format.manifest import manifest_to_json
-from weightsync.service.config import ID_RE
 from weightsync.service.engines import MAX_WAIT, MAX_WORLD, PHASES, EngineConflictError, UnknownEngineError
 from weightsync.service.metrics import CONTENT_TYPE, Metrics
 from weightsync.service.openapi import MAX_API_WAIT, openapi_document

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from weightsync.errors import UsageError
+from weightsync.format.keys import ID_RE
 from weightsync.store.retry import RetryPolicy
 from weightsync.store.signing import Keyring
 from weightsync.sync.lazy import MODES as LAZY_MODES
@@ -16,7 +17,6 @@ from weightsync.sync.pipeline import default_threads
 from weightsync.sync.publish import PublishConfig
 
 TOKEN_ENV = "WEIGHTSYNC_API_TOKEN"
-ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 DEFAULT_HOOK_BODY = '{"version": {version}, "path": "{path}"}'
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # an HTTP token (RFC 9110)
 

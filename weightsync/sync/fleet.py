@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 
-from weightsync.errors import FormatError, NotFoundError, SignatureError, VersionError
-from weightsync.format.keys import FLEET_PREFIX, MAX_VERSION
+from weightsync.errors import FormatError, NotFoundError, SignatureError, StoreError, VersionError
+from weightsync.format.keys import FLEET_PREFIX, ID_RE, MAX_VERSION
 from weightsync.store import Store, check_key
 from weightsync.store.repo import Repo
 
@@ -77,6 +77,8 @@ def record_from_json(data: bytes, what: str) -> FleetRecord:
     strings = ("id", "region", "cluster", "state")
     if not all(isinstance(doc.get(k), str) for k in strings):
         raise FormatError(f"{what}: fields {strings} must be strings")
+    if not ID_RE.match(doc["id"]) or any(c < " " or c == "\x7f" for k in strings[1:] for c in doc[k]):
+        raise FormatError(f"{what}: an id or a name that no daemon has (control characters would forge the table)")
     updated = doc.get("updated")
     if not isinstance(updated, (int, float)) or isinstance(updated, bool) or not math.isfinite(updated):
         raise FormatError(f"{what}: 'updated' must be a number")
@@ -119,10 +121,13 @@ def read_records(store: Store) -> tuple[list[FleetRecord], list[str]]:
         if not key.endswith(".json"):
             continue
         try:
-            records.append(record_from_json(store.get(key), key))
+            record = record_from_json(store.get(key), key)
+            if key != record_key(record.id):
+                raise FormatError(f"{key}: holds the record of {record.id!r}, whose key is {record_key(record.id)}")
+            records.append(record)
         except NotFoundError:
             continue  # removed while listing
-        except FormatError as exc:
+        except (FormatError, StoreError) as exc:  # StoreError: a planted id that makes no key
             errors.append(str(exc))
     return sorted(records, key=lambda r: r.id), errors
 
