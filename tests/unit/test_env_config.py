@@ -416,6 +416,19 @@ def test_bad_hook_headers_are_refused_without_showing_the_value(tmp_path, argv, 
         HookConfig(url="http://h/", headers=(("A", "x\r\nInjected: 1"),))
 
 
+@pytest.mark.parametrize(
+    "var, flag", [("WEIGHTSYNC_HOOK_COMMAND", "--hook-command"), ("WEIGHTSYNC_HOOK_URL", "--hook-url")]
+)
+def test_an_empty_hook_is_refused_not_dropped(tmp_path, var, flag):
+    """A variable set but empty (a missing ConfigMap key) ran the subscriber without a hook, serving,
+    and the engine was never told of a swap; an empty trusted key already stopped it at start."""
+    env = sub_env(tmp_path, **{var: ""})
+    with pytest.raises(UsageError, match=f"^{var} is empty"):
+        subscriber_config(parse(["subscriber"], env), env)
+    with pytest.raises(UsageError, match=f"^{flag} is empty"):
+        subscriber_config(parse(["subscriber", flag, ""], sub_env(tmp_path)), {})
+
+
 def test_a_hook_command_with_an_unbalanced_quote_is_one_line(tmp_path):
     """shlex's ValueError came out as a traceback (exit 1)."""
     with pytest.raises(UsageError, match=r"^--hook-command: No closing quotation"):

@@ -788,6 +788,9 @@ def _hook(args, environ: Mapping[str, str]) -> HookConfig | None:
         "hook token",
         "give a token or neither of --hook-token-file and --hook-token",
     )
+    for dest, flag in (("hook_url", "--hook-url"), ("hook_command", "--hook-command")):
+        if getattr(args, dest, None) == "":  # a missing ConfigMap key: the engine would never be told
+            raise UsageError(f"{_source(args, dest, flag)} is empty: give the hook, or leave it out")
     if not args.hook_url and not args.hook_command:
         for dest, flag in (("hook_header", "--hook-header"), ("hook_preset", "--hook-preset")):
             if getattr(args, dest, None):
