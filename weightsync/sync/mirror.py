@@ -590,6 +590,8 @@ class _Mirror:
                 for r in refs.values():
                     if r.id not in lazy | absent and self._own(r.id):
                         self.copier.want(r, v)
+            if self.refusal is not None:  # read again at the next poll while the head has not passed it:
+                self.listed_to = min(self.listed_to, self.refusal.version - 1)  # still refused, or mended
         self.listed = [v for v in self.listed if self.dst_head is None or v > self.dst_head]
 
     def _parent_coming(self, parent: int) -> bool:
