@@ -145,13 +145,8 @@ def _alive(pid: int) -> bool:
 def test_a_command_that_leaves_a_child_in_the_background_succeeds_when_it_exits(tmp_path):
     """``sleep 25 & exit 0`` (a reload started in the background): the runner waited for the end of
     its stderr, which the child holds, and reported a hung hook, degraded."""
-    cfg = HookConfig(command=("sh", "-c", "sleep 25 & echo $! > pid; exit 0"), timeout=5.0, attempts=1, env={})
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        outcome, failures, records, seconds = _fire(cfg)
-    finally:
-        os.chdir(cwd)
+    cfg = HookConfig(command=("sh", "-c", f"sleep 25 & echo $! > {tmp_path}/pid; exit 0"), timeout=5.0, attempts=1)
+    outcome, failures, records, seconds = _fire(cfg)
     pid = int((tmp_path / "pid").read_text())
     try:
         assert outcome.ok and failures == 0 and records[-1].state == "ok" and seconds < 3, outcome
@@ -165,21 +160,16 @@ def test_a_hung_command_is_killed_with_its_children_and_the_next_call_runs(tmp_p
     the command only, then waited for the child's end of stderr, so every later swap's hook waited
     behind it, and the child outlived the subscriber. The whole group is killed when the call is
     given up; only the tail of stderr is kept, however much the command writes."""
-    script = "sleep 60 & echo $! > pid; wait"
-    cfg = HookConfig(command=("sh", "-c", script), timeout=0.5, attempts=1, backoff=Backoff(0.01, 0.05), env={})
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        outcome, failures, records, seconds = _fire(cfg)
-        child = int((tmp_path / "pid").read_text())
-        assert not outcome.ok and failures == 1 and seconds < 5 and "--hook-timeout" in outcome.error, outcome
-        wait_for(lambda: not _alive(child), 5, "the hung child killed with its command")
-        chatty = "head -c 3000000 /dev/zero | tr '\\0' x >&2; echo tail-of-stderr >&2; exit 3"
-        outcome, _, _, seconds = _fire(HookConfig(command=("sh", "-c", chatty), attempts=1, env={}))
-        assert not outcome.ok and outcome.error.endswith("tail-of-stderr") and "exited with 3" in outcome.error
-        assert len(outcome.error) < 400 and seconds < 3
-    finally:
-        os.chdir(cwd)
+    script = f"sleep 60 & echo $! > {tmp_path}/pid; wait"
+    cfg = HookConfig(command=("sh", "-c", script), timeout=0.5, attempts=1, backoff=Backoff(0.01, 0.05))
+    outcome, failures, records, seconds = _fire(cfg)
+    child = int((tmp_path / "pid").read_text())
+    assert not outcome.ok and failures == 1 and seconds < 5 and "--hook-timeout" in outcome.error, outcome
+    wait_for(lambda: not _alive(child), 5, "the hung child killed with its command")
+    chatty = "head -c 3000000 /dev/zero | tr '\\0' x >&2; echo tail-of-stderr >&2; exit 3"
+    outcome, _, _, seconds = _fire(HookConfig(command=("sh", "-c", chatty), attempts=1))
+    assert not outcome.ok and outcome.error.endswith("tail-of-stderr") and "exited with 3" in outcome.error
+    assert len(outcome.error) < 400 and seconds < 3
 
 
 def _subscriber(store: str, target, url: str, **hook) -> Subscriber:
