@@ -158,9 +158,11 @@ def test_fleet_view_marks_stopped_and_expired_records_gone():
         FleetRecord("live", "us", "", 10, LATEST, "syncing", NOW - 599),  # an hour-long sync still heartbeats
         FleetRecord("rolled-out", "us", "", 8, LATEST, "stopped", NOW - 5),
         FleetRecord("killed", "us", "", 9, LATEST, "serving", NOW - 601),
+        FleetRecord("skewed", "us", "", 10, LATEST, "serving", NOW + 30),  # a clock a little ahead
+        FleetRecord("future", "us", "", 10, LATEST, "serving", 1e300),  # planted: it never expired
     ]
     gone = {r.id: r.gone for r in fleet_view(recs, 10, {}.get, NOW)}
-    assert gone == {"live": False, "rolled-out": True, "killed": True}
+    assert gone == {"live": False, "rolled-out": True, "killed": True, "skewed": False, "future": True}
     assert {r.id: r.gone for r in fleet_view(recs, 10, {}.get, NOW, expire_after=3600)}["killed"] is False
 
 

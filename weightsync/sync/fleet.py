@@ -178,8 +178,9 @@ class FleetRow:
 def is_gone(record: FleetRecord, now: float, expire_after: float = EXPIRE_AFTER) -> bool:
     """Whether a record is a gone subscriber's: it stopped cleanly, or has not rewritten its record (a
     heartbeat every ``--ledger-interval``) for ``expire_after`` seconds (a pod replaced by a rollout,
-    killed or lost with its node)."""
-    return record.state == STOPPED or now - record.updated > expire_after
+    killed or lost with its node). A record written further than that in the future is no heartbeat
+    either (a clock far off, or a planted record that would never expire)."""
+    return record.state == STOPPED or not -expire_after <= now - record.updated <= expire_after
 
 
 def fleet_view(
