@@ -303,3 +303,27 @@ def test_the_daemon_stays_degraded_across_a_restart_and_the_api_waits_for_the_ho
     code, doc, _ = http("PUT", sub.url + "/v1/target?wait=20", {"version": 0})
     assert code == 200 and doc["current_version"] == 0 and doc["hook"] == {**doc["hook"], "version": 0, "state": "ok"}
     assert http("POST", sub.url + "/v1/hook?wait=soon")[0] == 400
+
+
+def test_a_wait_on_a_target_another_call_replaced_ends_at_once_with_409(engine, tmp_path, daemons):  # noqa: F811
+    """``PUT /v1/target?wait=`` for version 0 while its hook runs; another call sets ``latest``: the first
+    answers 409 naming the new target, not 202 after its whole wait (version 0 is never served again)."""
+    store = f"file://{tmp_path / 'store'}"
+    traj = make_trajectory(tmp_path / "traj", steps=1, **TINY)
+    weightsync.publish(traj[0], store, 0)
+    weightsync.publish(traj[1], store, 1, base_dir=traj[0])
+    e = engine(delay=3.0)
+    args = ["--store", store, "--target", tmp_path / "t", "--no-fsync", "--hook-url", e.url]
+    sub = daemons("subscriber", [*args, "--version", 1])
+    wait_for(lambda: sub.status()["state"] == "serving", 30, f"version 1 served\n{sub.log()}")
+    answer: list = []
+    first = threading.Thread(target=lambda: answer.append(http("PUT", sub.url + "/v1/target?wait=60", {"version": 0})))
+    started = time.monotonic()
+    first.start()
+    wait_for(lambda: sub.status()["target"] == 0, 10, "the first call's target")
+    assert http("PUT", sub.url + "/v1/target", {"version": "latest"})[0] == 200
+    first.join(40)
+    assert answer, "the first call still waits (its wait is 60 s)"
+    code, doc, _ = answer[0]
+    assert code == 409 and doc["error"] == "the target was set to latest by another call before version 0 was served"
+    assert time.monotonic() - started < 30, "the first call waited out its wait"

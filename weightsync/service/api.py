@@ -282,8 +282,12 @@ async def put_target(request: web.Request) -> web.Response:
         return _error(404, str(exc))
     if wait is None:
         return web.json_response(sub.status())
-    await sub.wait_until(lambda: sub.target_outcome(target) is not None, wait)
-    return _outcome(sub, sub.target_outcome(target))
+    await sub.wait_until(lambda: sub.target_outcome(target) is not None or sub.target_replaced(target), wait)
+    outcome = sub.target_outcome(target)
+    replaced = sub.target_replaced(target)
+    if outcome is None and replaced:
+        return _error(409, replaced)
+    return _outcome(sub, outcome)
 
 
 def _outcome(sub: Subscriber, outcome: str | None) -> web.Response:

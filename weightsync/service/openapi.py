@@ -451,6 +451,7 @@ def openapi_document(role: str, auth: bool) -> dict:
                     "400": bad,
                     "413": big,
                     "404": _json("Error", "No such version"),
+                    "409": _json("Error", "With wait: another call set another target before this one was served"),
                     "502": _json("Error", "Store error; with wait: the target's sync or swap hook failed"),
                 },
                 v1=True,

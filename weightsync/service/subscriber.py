@@ -289,6 +289,7 @@ class Subscriber:
         event(log, "target set", target=target, stored=target_path(self.cfg.target_dir))
         if self.view.failed_version is not None:
             self.view = View(self.view.current, self.view.standby)  # a new target gets a fresh try
+        self._notify()  # a call waiting on another target learns it was replaced
         if self._wake is not None:
             self._wake.set()
 
@@ -347,7 +348,8 @@ class Subscriber:
 
     def target_outcome(self, target: Target) -> str | None:
         """For ``PUT /v1/target?wait=``: ``ok`` once ``target`` is served and its hook succeeded (or there
-        is none); why not, once its sync or hook failed (the sync is retried); None while under way."""
+        is none); why not, once its sync or hook failed (the sync is retried); None while under way.
+        Whether another call replaced the target is :meth:`target_replaced`'s answer."""
         desired = self.latest if target == LATEST else int(target)
         if desired is None:
             return None
@@ -358,6 +360,14 @@ class Subscriber:
         if self.view.current != desired:
             return None
         return self.hook_outcome(desired)
+
+    def target_replaced(self, target: Target) -> str | None:
+        """Why a ``PUT /v1/target?wait=`` for ``target`` stops waiting without an outcome: another call
+        set another target before this one was served (None while ``target`` is still the target)."""
+        if self.target == target:
+            return None
+        wanted = "the head" if target == LATEST else f"version {target}"
+        return f"the target was set to {self.target} by another call before {wanted} was served"
 
     def rerun_hook(self) -> int:
         """``POST /v1/hook``: call the swap hook again for the version served (after the call in
