@@ -232,6 +232,28 @@ def test_a_narrowing_cast_needs_the_layout_to_say_so(versions):
     assert sink.verify() == len(sds[4])
 
 
+@MODES
+def test_an_fp16_checkpoint_in_an_fp32_model_is_a_cast_on_load_followed_bit_for_bit(tmp_path, mode):
+    """A widening cast (fp16 store, fp32 model, as ``from_pretrained(dtype=float32)`` loads it) is
+    taken without ``narrowing``: updates and a rollback leave the values a load would, and the
+    store's bytes (a NaN payload the cast quiets included) are checked on the host copy."""
+    g = torch.Generator().manual_seed(5)
+    sds = [{k: v.half() for k, v in checkpoint(g).items()}]
+    sds[0]["bias"].view(torch.int16)[0] = 0x7C01  # a signalling NaN: fp32 has no exact copy of it
+    for _ in range(2):
+        sds.append({k: torch.where(torch.rand(v.shape, generator=g) < 0.1, v * 1.01, v) for k, v in sds[-1].items()})
+        sds[-1]["lm_head"] = sds[-1]["embed"]
+    store = publish_all(tmp_path, sds)
+    live = {k: t.float().to(DEVICE) for k, t in sds[0].items() if k != "lm_head"}
+    live = params(live | {"lm_head": live["embed"]}, mode)  # tied, as the trainer saved them
+    sink = TorchSink(store, live, 0, mode=mode)
+    for v in (1, 2, 0, 2):
+        sink.update(v)
+        for k, t in live.items():
+            assert bits(t) == bits(sds[v][k].float()), (v, k)
+        assert sink.verify() == len(sds[v])
+
+
 def test_coverage_error_names_the_live_memory_left_without_a_source(versions):
     store, sds, _ = versions
     live = engine(sds[0])

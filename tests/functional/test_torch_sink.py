@@ -150,6 +150,11 @@ def test_updates_are_refused_when_they_cannot_apply(published, mode):
         )
     with pytest.raises(UsageError, match="no tensor"):
         TorchSink(store, copy_of({"other": torch.zeros(3)}, mode), 0, mode=mode)
+    name = next(iter(versions[0]))
+    meta = copy_of(versions[0], mode)
+    meta[name] = torch.nn.Parameter(torch.empty_like(meta[name], device="meta"), requires_grad=False)
+    with pytest.raises(UsageError, match=f"^{name} is a meta tensor"):  # not torch's "Cannot copy out of meta"
+        TorchSink(store, meta, 0, mode=mode)
     live = copy_of(versions[0], mode)
     sink = TorchSink(store, live, 0, mode=mode)
     stale = sink.prepare(3)
@@ -157,6 +162,14 @@ def test_updates_are_refused_when_they_cannot_apply(published, mode):
     with pytest.raises(UsageError, match="prepared from version 0"):
         sink.apply(stale)
     assert_holds(live, versions[1])
+
+
+def test_a_compiled_module_is_refused_with_the_module_to_pass(published):
+    store, versions = published
+    model = torch.compile(module_from(versions[0]))  # (compiles at its first call only)
+    with pytest.raises(UsageError, match=r"torch.compile'd module .*: pass model._orig_mod; no tensor"):
+        TorchSink(store, model, 0)
+    TorchSink(store, model._orig_mod, 0)
 
 
 @MODES

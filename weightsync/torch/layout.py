@@ -74,8 +74,8 @@ class Layout:
     """A model's placements, plus names it says to leave alone and live tensors it says are padded.
     ``placements`` may be a callable taking the store's tensors ``{name: (shape, dtype name)}`` and
     returning placements (rules that depend on which tensors a version has). A live dtype wider
-    than the store's (bf16 kept in fp32) is always a cast on load; a narrower one only if
-    ``narrowing`` says so (otherwise it is a version the model cannot take)."""
+    than the store's (bf16 or fp16 kept in fp32, :func:`widening`) is always a cast on load; a
+    narrower one only if ``narrowing`` says so (otherwise it is a version the model cannot take)."""
 
     placements: list[Placement] | Callable[[Mapping[str, tuple[tuple[int, ...], str]]], Iterable[Placement]]
     exclude: tuple[str, ...] = ()
@@ -135,6 +135,14 @@ def lossless(store: torch.dtype, live: torch.dtype) -> bool:
     undone exactly by :func:`bf16_bits`). Other casts (fp16 -> fp32 quiets NaNs, fp32 -> bf16
     rounds) are not read back: the sink keeps the store's bytes of such tensors on the host."""
     return store == live or (store == torch.bfloat16 and live == torch.float32)
+
+
+def widening(store: torch.dtype, live: torch.dtype) -> bool:
+    """A cast of ``store`` floats to the wider float ``live`` keeps every value (fp16 or bf16 to fp32,
+    fp8 to 16 bits): what a loader does with a checkpoint in a narrower dtype than the model's. Only
+    NaN payloads may change, so the sink keeps the bytes of such tensors on the host unless
+    :func:`lossless` says the cast reads back."""
+    return store.is_floating_point and live.is_floating_point and live.itemsize > store.itemsize
 
 
 def bf16_bits(t: torch.Tensor) -> torch.Tensor | None:

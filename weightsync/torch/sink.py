@@ -52,6 +52,7 @@ from weightsync.torch.layout import (
     identity,
     lossless,
     store_tensors,
+    widening,
 )
 
 MODES = ("patch", "flip")
@@ -576,6 +577,8 @@ class TorchSink:
                 unsourced.append(left[0])
         if unplaced or unsourced:
             none = f"no tensor of version {manifest.version} matches the model's tensor names: " if not out else ""
+            if not out and self._slots and all(n.startswith("_orig_mod.") for n in self._slots):
+                none = f"a torch.compile'd module (its names start with _orig_mod.): pass model._orig_mod; {none}"
             raise CoverageError(none + _coverage_message(manifest.version, unplaced, unsourced), unplaced, unsourced)
         if not out:
             raise UsageError(
@@ -638,7 +641,8 @@ class TorchSink:
         t, store_dt = slot.live, TORCH_DTYPE.get(seg.dtype)
         identity_like = p.box is None and p.stride is None and p.offset == 0
         castable = store_dt is not None and store_dt.is_floating_point and t.dtype.is_floating_point
-        if store_dt != t.dtype and not (castable and (self.layout.narrowing or lossless(store_dt, t.dtype))):
+        cast_ok = castable and (self.layout.narrowing or lossless(store_dt, t.dtype) or widening(store_dt, t.dtype))
+        if store_dt != t.dtype and not cast_ok:
             raise UsageError(
                 f"{seg.name}: the store has {seg.dtype}{list(seg.shape)}, the model {t.dtype}{list(t.shape)}; "
                 "cannot patch in place"
@@ -647,6 +651,10 @@ class TorchSink:
             raise UsageError(
                 f"{seg.name}: the store has {seg.dtype}{list(seg.shape)}, the model {t.dtype}{list(t.shape)}"
                 f"{'' if t.is_contiguous() else ' (not contiguous)'}; cannot patch in place"
+            )
+        if t.device.type == "meta":
+            raise UsageError(
+                f"{p.dest} is a meta tensor (no memory) and cannot take {seg.name}'s bytes; load its weights first"
             )
         check_placement(p, seg.shape, t)
         shape = p.extent(seg.shape)
