@@ -19,7 +19,7 @@ import pytest
 import weightsync
 import weightsync.sync.gc as gc_module
 from weightsync.format.chunking import chunk_id
-from weightsync.format.keys import chunk_key
+from weightsync.format.keys import chunk_key, version_key
 from weightsync.store import FileStore
 from weightsync.sync.gc import GcConfig, gc, object_age
 from weightsync.sync.mirror import mirror
@@ -259,3 +259,40 @@ def test_only_chunks_stored_before_refresh_after_are_touched_again_at_the_commit
     weightsync.publish(trajectory[1], r, config=weightsync.PublishConfig(keyframe_interval=1, refresh_after=0))
     assert sorted(touched) == sorted(chunks(r, 1))
     assert all(object_age(r.store, key) < 60 for key in chunks(r, 1))  # young again: gc's grace counts from here
+
+
+def test_a_gc_cut_short_after_any_manifest_delete_leaves_every_listed_version_buildable(tmp_path, monkeypatch):
+    """gc deletes the manifests newest first: cut short after each delete (a kill, three gc runs in a
+    row), every version still listed pulls byte for byte (deleting oldest first left versions listed
+    whose delta parent was gone, and a pull of them named a version nobody asked for)."""
+    from weightsync.demo import make_trajectory
+    from weightsync.format.keys import VERSIONS_PREFIX, parse_version_key
+
+    traj = make_trajectory(tmp_path / "traj", steps=5, hidden=32, layers=1, experts=2, vocab=128)
+    store_dir = tmp_path / "store"
+    for ckpt in traj:  # keyframes 0 and 3: keep=2 keeps 3, 4, 5 and collects the chain 0, 1, 2
+        weightsync.publish(ckpt, store_dir, config=weightsync.PublishConfig(keyframe_interval=3))
+    age_all(store_dir)
+    r = weightsync.Repo(FileStore(store_dir))
+    real = FileStore.delete
+
+    def delete_then_die(self, key):
+        real(self, key)
+        if parse_version_key(key) is not None:
+            raise KeyboardInterrupt("killed")  # (not an error gc could catch)
+
+    for left in ([0, 1, 3, 4, 5], [0, 3, 4, 5], [3, 4, 5]):
+        monkeypatch.setattr(FileStore, "delete", delete_then_die)
+        with pytest.raises(KeyboardInterrupt):
+            gc(r, GcConfig(keep=2, grace_seconds=0))
+        monkeypatch.setattr(FileStore, "delete", real)
+        listed = sorted(v for v in (parse_version_key(k) for k in r.store.list(VERSIONS_PREFIX)) if v is not None)
+        assert listed == left
+        for v in listed:
+            out = tmp_path / f"{len(listed)}-v{v}"
+            weightsync.pull(r, out, v)
+            for f in traj[v].iterdir():
+                assert (out / f.name).read_bytes() == f.read_bytes(), (listed, v, f.name)
+    r.store.delete(version_key(3))  # by hand: a chain with a hole names the version asked for, then the hole
+    with pytest.raises(weightsync.VersionError, match=r"^version 4 of .* cannot be built: the version 3 it is a delta"):
+        weightsync.pull(weightsync.Repo(FileStore(store_dir)), tmp_path / "hole", 4)  # (r holds it in its cache)

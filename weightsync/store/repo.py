@@ -246,7 +246,13 @@ class Repo:
         """
         out = [self.manifest(version)]
         while not out[-1].keyframe:
-            out.append(self.manifest(out[-1].parent))
+            try:
+                out.append(self.manifest(out[-1].parent))
+            except VersionError as exc:  # a gc under way (newest first) or cut short: name the version asked for
+                raise VersionError(
+                    f"version {version} of {self.url} cannot be built: the version {out[-1].parent} it is a delta "
+                    f"from is gone (collected); {exc}"
+                ) from None
         past = 0  # versions walked past lazy keyframes
         while whole and self.lazy_chunks(out[-1].version):
             if out[-1].parent is None or past >= limit:

@@ -64,12 +64,12 @@ class GcConfig:
 @dataclass(frozen=True)
 class GcPlan:
     """What retention keeps and deletes (pure, from the listing): versions kept and their chains,
-    publishes in progress, versions to delete (oldest first), abandoned manifests, needed chunks."""
+    publishes in progress, versions to delete (ascending), abandoned manifests, needed chunks."""
 
     head: int | None
     kept_versions: tuple[int, ...]  # committed versions kept: the newest `keep` and their chains
     pending_versions: tuple[int, ...]  # manifests above the head (publishes in progress)
-    delete_versions: tuple[int, ...]  # ascending: deleted oldest first
+    delete_versions: tuple[int, ...]  # ascending (deleted newest first)
     abandoned_versions: tuple[int, ...]  # manifests above the head older than the grace period
     needed_chunks: frozenset[str]
     lazy_chunks: frozenset[str] = frozenset()  # named by kept versions' lazy notes: not here by design
@@ -239,7 +239,9 @@ def gc(repo: Repo, config: GcConfig) -> GcResult:
         plan = dataclasses.replace(plan, abandoned_versions=_delete_abandoned(repo, plan.abandoned_versions))
         result.abandoned_versions = list(plan.abandoned_versions)
     if not config.dry_run:
-        for v in plan.delete_versions:  # oldest first, chunks after
+        # newest first, chunks after: a version still listed while gc runs (or after a gc cut short) still
+        # has its whole chain, which is older than it
+        for v in reversed(plan.delete_versions):
             repo.store.delete(version_key(v))  # their signatures and notes go after them
         for key in parts.delete:
             repo.store.delete(key)  # a file store removes the folders this empties
