@@ -666,3 +666,37 @@ def test_the_partial_path_turns_a_file_into_a_folder_and_back(tmp_path):
         materialize(repo, out, v, sel, config=cfg)
         assert verify_partial(repo, out, v) == v
     assert (out / "x").is_file()
+
+
+def test_a_publish_cache_that_cannot_take_the_committed_version_is_a_warning_and_emptied(
+    published, ws, tmp_path, monkeypatch, caplog
+):
+    """The publish cache on a full disk (its install fails after the files are staged): the version
+    is committed and the publish returns it (it raised after the commit, so callers published it
+    again), the cache is emptied with a warning naming it, and the next publish pulls its base there."""
+    import errno
+    import logging
+
+    import weightsync.local.base as base_module
+
+    _, ckpts = published
+    store, cache = tmp_path / "own-store", tmp_path / "cache"
+    weightsync.publish(ckpts[0], store, cache_dir=cache)
+    real = base_module.install
+
+    def full_disk(folder, *args, **kwargs):
+        assert any((folder / ".weightsync" / "staging").iterdir())  # (the copies are staged by now)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(ckpts[1] / "model-00001-of-00002.safetensors"))
+
+    monkeypatch.setattr(base_module, "install", full_disk)
+    with caplog.at_level(logging.WARNING, "weightsync.publish"):
+        r = weightsync.publish(ckpts[1], store, cache_dir=cache)
+    assert r.version == 1 and weightsync.open_repo(store).head_version() == 1
+    assert f"version 1 is committed, but the delta-base cache {cache} could not take it (No space left" in caplog.text
+    assert read_state(cache) is None and not (cache / ".weightsync" / "staging").exists()
+    monkeypatch.setattr(base_module, "install", real)
+    r = weightsync.publish(ckpts[2], store, cache_dir=cache)  # its base: version 1, pulled into the cache
+    assert r.parent == 1 and read_state(cache).version == 2
+    for v in range(3):
+        weightsync.pull(store, tmp_path / f"v{v}", v, config=NOFSYNC)
+        ws.assert_replica(tmp_path / f"v{v}", ckpts[v])

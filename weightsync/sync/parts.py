@@ -50,7 +50,6 @@ from weightsync.format.manifest import (
     part_from_json,
     part_to_json,
 )
-from weightsync.local.base import adopt
 from weightsync.local.checkpoint import SourceFile, check_still_as_scanned, scan_checkpoint, still_as_scanned
 from weightsync.store.repo import Repo, check_signable
 from weightsync.store.signing import Keyring, SigningKey
@@ -62,6 +61,7 @@ from weightsync.sync.publish import (
     PublishConfig,
     PublishResult,
     cache_claim,
+    cache_version,
     check_apart,
     encode_folder,
     plan_version,
@@ -172,7 +172,7 @@ def publish_part(
         result, part = store_part(repo, new, enc, rank, world, op)
         if cache_dir is not None and still_as_scanned(mine):  # the rank's next delta base, should it be committed
             as_version = Manifest(part.version, parent, part.keyframe, part.chain_length, part.files, part.chunks)
-            adopt(Path(cache_dir), as_version, src, repo.url, lock=lock)
+            cache_version(Path(cache_dir), as_version, src, repo.url, lock, f"stored as rank {rank}'s part")
     op.done(result.seconds)
     return result
 

@@ -23,7 +23,7 @@ import numpy as np
 import xxhash
 
 from weightsync.codec.payload import CodecConfig, EncodedTensor, encode_tensor
-from weightsync.errors import BaseMismatchError, NotFoundError, UsageError, VersionError
+from weightsync.errors import BaseMismatchError, NotFoundError, UsageError, VersionError, WeightsyncError
 from weightsync.format.chunking import DEFAULT_CHUNK_BYTES, ChunkPacker
 from weightsync.format.dtypes import itemsize
 from weightsync.format.keys import HEAD_KEY, MAX_VERSION, STATE_DIR, chunk_key
@@ -244,7 +244,13 @@ def _base_for(repo: Repo, parent: Manifest, base_dir: Path | None, cache_dir: Pa
         with claim(cache_dir, lock, "weightsync publish (its delta-base cache)") as held:
             if state is not None and state.store != repo.url:
                 clear_folder(cache_dir)
-            pull(repo, cache_dir, parent.version, config=cfg_pull, lock=held)
+            try:
+                pull(repo, cache_dir, parent.version, config=cfg_pull, lock=held)
+            except OSError as exc:  # a full disk: name the folder (nothing is written to the store yet)
+                raise WeightsyncError(
+                    f"could not bring the delta-base cache {cache_dir} to version {parent.version}: "
+                    f"{exc.strerror or exc}; free space there, or publish with another --cache-dir or --no-cache"
+                ) from exc
     return LocalVersion(cache_dir, parent)
 
 
@@ -356,9 +362,31 @@ def publish(
         check_still_as_scanned(enc.sources, scan)  # the version is one state of the folder
         result, manifest = commit_encoded(repo, new, enc, op, config.signing_key)
         if cache_dir is not None and still_as_scanned(files):  # else the cache is brought up by a pull when needed
-            adopt(Path(cache_dir), manifest, src, repo.url, lock=lock)
+            cache_version(Path(cache_dir), manifest, src, repo.url, lock)
     op.done(result.seconds)
     return result
+
+
+def cache_version(
+    cache: Path, manifest: Manifest, src: Path, store_url: str, lock: FolderLock | None, done: str = "committed"
+) -> None:
+    """Bring the delta-base cache to the version just committed (or ``done``) from ``src``. The
+    version is stored whatever happens here: a failure (a full disk) is a warning naming the cache,
+    which is emptied (its space back), so that the next publish pulls its base into it, or says why not."""
+    try:
+        adopt(cache, manifest, src, store_url, lock=lock)
+    except (OSError, WeightsyncError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)  # (its file: the source's)
+        log.warning(
+            "version %d is %s, but the delta-base cache %s could not take it (%s); emptied it: the next "
+            "publish pulls its base there",
+            manifest.version,
+            done,
+            cache,
+            why.splitlines()[0] if why else type(exc).__name__,
+        )
+        with contextlib.suppress(OSError):
+            clear_folder(cache)
 
 
 def store_folder(repo: Repo) -> Path | None:

@@ -28,11 +28,17 @@ from weightsync.errors import BaseMismatchError, UsageError
 from weightsync.format.dtypes import UINT_VIEW, itemsize
 from weightsync.format.manifest import Manifest
 from weightsync.format.safetensors import SourceSegment
-from weightsync.local.base import adopt
 from weightsync.local.checkpoint import describe_file, scan_checkpoint
 from weightsync.store.repo import Repo
 from weightsync.sync.observer import Observer, Operation
-from weightsync.sync.publish import NewVersion, PublishConfig, PublishResult, encode_and_commit, next_version
+from weightsync.sync.publish import (
+    NewVersion,
+    PublishConfig,
+    PublishResult,
+    cache_version,
+    encode_and_commit,
+    next_version,
+)
 from weightsync.torch.dtypes import NP_INT as _NP_INT
 from weightsync.torch.dtypes import TORCH_DTYPE
 
@@ -343,5 +349,5 @@ def publish_changes(
         encoder.seconds["verify_base"] = op.elapsed()
     result, manifest = encode_and_commit(repo, files, NewVersion(version, parent, keyframe, etag), encoder, config, op)
     if cache_dir is not None:
-        adopt(Path(cache_dir), manifest, src, repo.url)
+        cache_version(Path(cache_dir), manifest, src, repo.url, None)
     return result
