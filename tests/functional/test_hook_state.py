@@ -327,3 +327,75 @@ def test_a_wait_on_a_target_another_call_replaced_ends_at_once_with_409(engine, 
     code, doc, _ = answer[0]
     assert code == 409 and doc["error"] == "the target was set to latest by another call before version 0 was served"
     assert time.monotonic() - started < 30, "the first call waited out its wait"
+
+
+def test_a_pin_set_while_a_newer_version_syncs_is_never_swapped_away_from(engine, tmp_path):
+    """A rollback (``PUT /v1/target``) while the subscriber fills its standby slot with a newer
+    version: the fill ends, the slot keeps that version, and it is not swapped in; the pinned version
+    stays served, its hook is the only one called (before: the newer one was swapped in and hooked
+    after the call had answered that the pin was served, then swapped back)."""
+    store = f"file://{tmp_path / 'store'}"
+    traj = make_trajectory(tmp_path / "traj", steps=2, **TINY)
+    weightsync.publish(traj[0], store, 0)
+    weightsync.publish(traj[1], store, 1, base_dir=traj[0])
+    e = engine()
+
+    async def main():
+        sub = _subscriber(store, tmp_path / "t", e.url)
+        await asyncio.to_thread(sub._startup)
+        await _settle(sub)
+        assert sub.view.current == 1 and [c["version"] for c in e.calls] == [1]
+        weightsync.publish(traj[2], store, 2, base_dir=traj[1])
+        filling, go = threading.Event(), threading.Event()
+        real = sub._fill
+
+        def held_fill(folder, version):
+            out = real(folder, version)
+            filling.set()
+            assert go.wait(30)
+            return out
+
+        sub._fill = held_fill
+        task = asyncio.create_task(sub._iteration())
+        assert await asyncio.to_thread(filling.wait, 30) and sub.state == "syncing"
+        await sub.set_target(1)
+        assert sub.target_outcome(1) == "ok"  # what PUT /v1/target?wait= answers now: it must stay true
+        go.set()
+        await task
+        assert (sub.view.current, sub.view.standby) == (1, 2) and sub.state == "serving"
+        await sub._iteration()
+        assert await sub.wait_until(lambda: sub.hook_settled(1), 10)
+        assert sub.view.current == 1 and [c["version"] for c in e.calls] == [1]
+        assert sub.target_outcome(1) == "ok"
+        await sub.set_target("latest")  # the standby slot already holds it
+        await sub._iteration()
+        assert sub.view.current == 2
+
+    asyncio.run(main())
+
+
+def test_put_target_latest_reads_the_head_and_a_held_wait_ends_on_sigterm(engine, tmp_path, daemons):  # noqa: F811
+    """``latest`` with ``?wait=`` is served once the head the call reads is (the loop's last read, up
+    to a poll interval old, answered 200 for the version before); a call held by a slow hook answers
+    503 on SIGTERM, and the daemon stops within its grace (the server waited for the call)."""
+    store = f"file://{tmp_path / 'store'}"
+    traj = make_trajectory(tmp_path / "traj", steps=1, **TINY)
+    weightsync.publish(traj[0], store, 0)
+    e = engine()
+    args = ["--store", store, "--target", tmp_path / "t", "--no-fsync", "--hook-url", e.url, "--grace", 3]
+    sub = daemons("subscriber", [*args, "--poll-interval", 600])
+    sub.wait_version(0)
+    weightsync.publish(traj[1], store, 1, base_dir=traj[0])
+    code, doc, _ = http("PUT", sub.url + "/v1/target?wait=30", {"version": "latest"})
+    assert code == 200 and doc["current_version"] == 1, doc
+
+    e.delay = 60.0  # the hook of version 0 holds the next call's wait
+    answer: list = []
+    held = threading.Thread(target=lambda: answer.append(http("PUT", sub.url + "/v1/target?wait=120", {"version": 0})))
+    held.start()
+    wait_for(lambda: len(e.calls) == 3, 20, f"the hook call for version 0\n{sub.log()}")
+    started = time.monotonic()
+    assert sub.stop(signal.SIGTERM, timeout=30) == 0
+    assert time.monotonic() - started < 15, "the daemon waited for the held call"
+    held.join(10)
+    assert answer and answer[0][0] == 503 and answer[0][1]["error"] == "the subscriber is stopping", answer

@@ -282,11 +282,14 @@ async def put_target(request: web.Request) -> web.Response:
         return _error(404, str(exc))
     if wait is None:
         return web.json_response(sub.status())
-    await sub.wait_until(lambda: sub.target_outcome(target) is not None or sub.target_replaced(target), wait)
-    outcome = sub.target_outcome(target)
+    head = await asyncio.to_thread(sub.heads.read) if target == LATEST else None  # (the loop's read may be older)
+    await sub.wait_until(lambda: sub.target_outcome(target, head) is not None or sub.target_replaced(target), wait)
+    outcome = sub.target_outcome(target, head)
     replaced = sub.target_replaced(target)
     if outcome is None and replaced:
         return _error(409, replaced)
+    if outcome is None and sub.closing:
+        return _error(503, "the subscriber is stopping")
     return _outcome(sub, outcome)
 
 
@@ -307,6 +310,8 @@ async def post_hook(request: web.Request) -> web.Response:
     if wait is None:
         return web.json_response(sub.status(), status=202)
     await sub.wait_until(lambda: sub.hook_settled(version), wait)
+    if sub.hook_outcome(version) is None and sub.closing:
+        return _error(503, "the subscriber is stopping")
     return _outcome(sub, sub.hook_outcome(version))
 
 
@@ -331,6 +336,7 @@ async def fleet(request: web.Request) -> web.Response:
 
 # --- engine ranks (weightsync.service.engines) -----------------------------------------------------
 async def _close_engines(app: web.Application) -> None:
+    app[SUBSCRIBER].close_waits()  # held ?wait= calls too
     app[SUBSCRIBER].engines.close()
     app[SUBSCRIBER].heads.close()  # held head polls too
 

@@ -210,6 +210,7 @@ class Subscriber:
             )
         )
         self._idle = False  # the last iteration asks for the ordinary wait (a leader's news may end it)
+        self.closing = False  # the API server is shutting down: held calls answer now (:meth:`close_waits`)
 
     def claim(self) -> None:
         """Take the target folder and both slots for this process (FolderBusyError if another
@@ -226,6 +227,12 @@ class Subscriber:
         self.state = "stopping"
         self.engines.close()
         self._wake_up()
+
+    def close_waits(self) -> None:
+        """Answer the API calls waiting for a state (``?wait=``) now: the server is shutting down, and
+        waits for its requests before the daemon stops (a held call kept SIGTERM waiting)."""
+        self.closing = True
+        self._notify()
 
     def _wake_up(self) -> None:
         """Run the next iteration now (an API request, a slot the engine ranks no longer read)."""
@@ -319,7 +326,7 @@ class Subscriber:
         """Wait up to ``seconds`` until ``done()`` is true (checked at every change of state); returns it."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + seconds
-        while not done():
+        while not done() and not self.closing:
             left = deadline - loop.time()
             if left <= 0:
                 return False
@@ -346,11 +353,14 @@ class Subscriber:
             return "ok"  # no call for it in this target folder's record: nothing failed
         return f"version {version} is served, but its swap hook failed: {rec.error}"
 
-    def target_outcome(self, target: Target) -> str | None:
+    def target_outcome(self, target: Target, head: int | None = None) -> str | None:
         """For ``PUT /v1/target?wait=``: ``ok`` once ``target`` is served and its hook succeeded (or there
         is none); why not, once its sync or hook failed (the sync is retried); None while under way.
-        Whether another call replaced the target is :meth:`target_replaced`'s answer."""
+        Whether another call replaced the target is :meth:`target_replaced`'s answer; ``head``, the head
+        the call read, is the least version ``latest`` asks for."""
         desired = self.latest if target == LATEST else int(target)
+        if target == LATEST and head is not None:  # ``head``: read by the call (the loop's may be older)
+            desired = head if desired is None else max(desired, head)
         if desired is None:
             return None
         if self.view.failed_version == desired:
@@ -538,7 +548,7 @@ class Subscriber:
             self.reason = action.reason
             interrupted = False
             if isinstance(action, Sync):
-                await self._sync(action.version)
+                interrupted = not await self._sync(action.version)  # not swapped: plan again at once
             else:
                 self.state = self._serving() if isinstance(action, Idle) and self.ready else "waiting"
                 if isinstance(action, Idle):
@@ -564,7 +574,16 @@ class Subscriber:
             delay = min(delay, max(0.0, self.view.retry_at - self.clock()))
         return delay
 
-    async def _sync(self, version: int) -> None:
+    def _wanted(self, version: int) -> bool:
+        """Whether the target still asks for ``version`` once it is synced: a pin to it, or ``latest``
+        and newer than the version served (the head may have moved on meanwhile: still a step forward)."""
+        if self.target != LATEST:
+            return int(self.target) == version
+        return self.view.current is None or version > self.view.current
+
+    async def _sync(self, version: int) -> bool:
+        """Fill the standby slot with ``version``, verify it and swap it in; False if it is not swapped
+        because the target moved away from it meanwhile (the slot keeps it)."""
         self.state = "syncing"
         standby = self.slots.standby()
         folder = self.slots.path(standby)
@@ -589,6 +608,11 @@ class Subscriber:
         if self.stop_token.is_set:
             self.view = View(self.view.current, version)
             raise Stopped("stopping before the swap; the standby slot keeps the new version")
+        if not self._wanted(version):  # a pin or rollback while it synced: never swap away from it
+            self.view = View(self.view.current, version)
+            self.state = self._serving() if self.ready else "waiting"
+            event(log, "not swapped: the target moved while the version synced", version=version, target=self.target)
+            return False
         self.state = "swapping"
         t0 = time.perf_counter()
         self._seeded = None  # before the flip: a flip that fails late may already have switched `current`
@@ -605,6 +629,7 @@ class Subscriber:
         if self.refused is not None and version >= self.refused["version"]:
             self._refuse(None)
         await self._write_ledger(force=True)
+        return True
 
     def _refuse(self, exc: SignatureError | None) -> None:
         """Report a version refused for its signature in ``/v1/status`` and the metrics, logged once
