@@ -358,6 +358,13 @@ def test_two_subscribers_converge_pin_roll_back_and_forward_hooks_fleet_sigterm(
             assert d.stop() == 0, d.log()
         for name in ("a", "b"):
             verify_current(store, tmp_path / name, 4, watch / "checkpoint-4")
+        pub.start()  # restarted: the gauge reads the store's head (it said -1 until the next publish)
+        wait_for(
+            lambda: 'weightsync_published_version{cluster="",region="eu"} 4.0' in pub.get("/metrics")[1],
+            20,
+            "the restarted publisher's gauge",
+        )
+        assert pub.stop() == 0
         assert sum("swapped to version" in line for line in a.log().splitlines()) >= 4
     finally:
         hook.close()

@@ -122,7 +122,9 @@ class Metrics:
             )
         if role == "publisher":
             self.published_version = gauge(
-                "weightsync_published_version", "Newest version this publisher committed.", -1
+                "weightsync_published_version",
+                "Newest version committed to the store: its head as this publisher last read or moved it.",
+                -1,
             )
             self._publish_seconds = Histogram(
                 "weightsync_publish_seconds",

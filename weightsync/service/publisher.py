@@ -267,6 +267,8 @@ class Publisher:
             # what waits, before the store is asked (a store that hangs must not hide new checkpoints)
             self.pending = [c.step for c in candidates if self.head is None or c.step > self.head]
             self.head = await asyncio.to_thread(self.repo.head_version)
+            if self.head is not None:  # (a restarted publisher reports the store's head, not -1)
+                self.metrics.published_version.set(self.head)
             if self._part is not None and self.head is not None and self.head >= self._part:
                 if self.head > self._part:
                     event(
