@@ -616,3 +616,39 @@ def test_publisher_and_subscriber_converge_on_s3(s3_url, seaweed, tmp_path, daem
     assert verify.returncode == 0, verify.stderr
     wait_for(lambda: [r["current_version"] for r in pub.get("/v1/fleet")[1]["subscribers"]] == [2], 10, "fleet on S3")
     assert pub.stop() == 0 and sub.stop() == 0
+
+
+def test_publisher_reports_watched_steps_whose_numbers_another_writer_took(tmp_path, daemons):
+    """A CLI publish takes the next number (2) before the trainer's step 2 is complete, then one takes
+    5 past steps 3 and 4: the watcher must not take those steps for published. Each is reported once
+    (ERROR, ``last_error``), and a restart does not report the steps it published itself."""
+    store, watch = f"file://{tmp_path / 'store'}", tmp_path / "watch"
+    watch.mkdir()
+    t = SyntheticTrainer(**TINY)
+
+    def step(i: int) -> Path:
+        if i:
+            t.step()
+        d = t.save(watch / f"step_{i:06d}")
+        (d / "COMPLETE").write_text("")
+        return d
+
+    step(0)
+    step(1)
+    args = ["--store", store, "--watch", watch, "--state-dir", tmp_path / "state", "--poll-interval", 0.1]
+    pub = daemons("publisher", args)
+    wait_for(lambda: pub.status()["head_version"] == 1, 20, f"head 1\n{pub.log()}")
+    pub.stop()
+    pub.start()  # what it published before: nothing to report
+    wait_for(lambda: pub.status()["state"] == "idle", 20, f"idle\n{pub.log()}")
+    other = make_trajectory(tmp_path / "other", steps=0, **{**TINY, "seed": 9})[0]
+    weightsync.publish(other, store)  # takes 2
+    time.sleep(0.05)  # (file times come from a clock of a few milliseconds)
+    step(2)
+    s = wait_for(lambda: (s := pub.status())["last_error"] and s, 20, f"step 2 reported\n{pub.log()}")
+    assert f"checkpoint {watch / 'step_000002'} is not published: version 2 was committed" in s["last_error"]
+    weightsync.publish(other, store, 5)
+    step(3)
+    wait_for(lambda: "the head went past 3 without a version 3" in (pub.status()["last_error"] or ""), 20, pub.log())
+    assert pub.stop() == 0
+    assert pub.log().count("is not published") == 2 and "step_000001 is not published" not in pub.log()

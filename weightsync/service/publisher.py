@@ -17,7 +17,15 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from weightsync.errors import BaseMismatchError, FormatError, NotFoundError, StoreError, UsageError, VersionError
-from weightsync.format.keys import MAX_VERSION, part_key, refused_key
+from weightsync.format.keys import (
+    HEAD_KEY,
+    MAX_VERSION,
+    VERSIONS_PREFIX,
+    parse_version_key,
+    part_key,
+    refused_key,
+    version_key,
+)
 from weightsync.format.manifest import part_from_json
 from weightsync.local.checkpoint import scan_checkpoint
 from weightsync.service.config import PublisherConfig
@@ -154,6 +162,10 @@ def plan_publish(
     return Idle("no checkpoint to publish" if head is None else f"version {head} is the newest checkpoint")
 
 
+# seconds: an S3 store's whole-second stamps, and its clock read in another request (a local store: one clock)
+UNPUBLISHED_SLACK = {True: 0.0, False: 3.0}
+
+
 # --- the daemon ----------------------------------------------------------------------------------
 class Publisher:
     """The publisher's state and loop; the HTTP API (``weightsync.service.api``) reads and steers it."""
@@ -188,6 +200,7 @@ class Publisher:
         # watched folders of that step already reported as left out (the number is taken)
         self._taken: dict[int, Path] = {}
         self._shadowed: set[Path] = set()
+        self._looked_at: set[Path] = set()  # ready checkpoints at or below the head checked for a version (once)
         self._blocked: str | None = None  # the unfinished checkpoint last reported as holding back others
         self._refused: tuple[int, str] | None = None  # rank mode: the version and reason last logged
         self._rng = random.Random()  # rank mode: the jitter of its polls (never the training's seeded generator)
@@ -281,6 +294,8 @@ class Publisher:
                 self._part = None  # committed (by this rank or another)
             self.pending = [c.step for c in candidates if self.head is None or c.step > self.head]
             self._report_shadowed(candidates)
+            if self.cfg.rank is None:
+                await asyncio.to_thread(self._report_unpublished, candidates)
             failed_step, _, retry_at = self._failed or (None, 0, 0.0)
             if self._part is not None:  # rank mode: nothing else until this part's version is committed
                 return await self._await_commit(failed_step, retry_at)
@@ -345,6 +360,53 @@ class Publisher:
                     "by POST /v1/publish; publish it by hand with a version no step will take"
                 )
                 event(log, self.last_error, logging.ERROR, path=str(c.path), version=c.step)
+
+    def _report_unpublished(self, candidates: list[Candidate]) -> None:
+        """Log once (ERROR, and in the status) each ready checkpoint at or below the head that no
+        version of its step can hold (runs in a thread; once per folder): the head went past its step
+        without it (a publish took a number above it), or version ``step`` was committed before the
+        folder last changed (another folder took the number: a CLI publish, another publisher). The
+        watcher would take it for published. A number below every version still stored may have
+        been collected by gc: not reported."""
+        head = self.head
+        todo = [
+            c
+            for c in candidates
+            if c.ready
+            and head is not None
+            and c.step <= head
+            and c.path not in self._looked_at
+            and c.step not in self._taken
+        ]
+        if not todo:
+            return
+        store, oldest, skew = self.repo.store, None, None
+        for c in todo:
+            meta = store.head_meta(version_key(c.step))
+            if meta is None:
+                if oldest is None:
+                    listed = (parse_version_key(k) for k in store.list(VERSIONS_PREFIX))
+                    oldest = min((v for v in listed if v is not None), default=head)
+                why = None if c.step <= oldest else f"the head went past {c.step} without a version {c.step}"
+            elif meta.last_modified is None:
+                why = None
+            else:
+                if skew is None:
+                    skew = store.now() - time.time()  # the store stamps by its own clock
+                changed = c.mtime + skew  # the folder's last change, by the store's clock
+                late = changed - meta.last_modified
+                why = (
+                    f"version {c.step} was committed {late:.1f}s before the folder last changed, so it holds "
+                    "another folder's bytes (or the folder changed after its publish)"
+                    if late > UNPUBLISHED_SLACK[store.local_path(HEAD_KEY) is not None]
+                    else None
+                )
+            self._looked_at.add(c.path)
+            if why is not None:
+                self.last_error = (
+                    f"checkpoint {c.path} is not published: {why}; publish it by hand with a version no step will take"
+                )
+                event(log, self.last_error, logging.ERROR, path=str(c.path), version=c.step, head=head)
 
     def _report_refused(self, refused: dict[str, str]) -> None:
         """Log once each checkpoint folder skipped for good (:func:`scan`'s ``refused``)."""
