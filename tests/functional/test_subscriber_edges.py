@@ -93,3 +93,28 @@ def test_a_pin_one_above_the_head_waits_without_a_failure(setup, tmp_path):
         assert weightsync.verify(store, sub.slots.path(sub.slots.current()), 2) == 2
 
     asyncio.run(main())
+
+
+def test_a_head_moved_back_is_followed_with_a_warning(setup, tmp_path, caplog):
+    """The store's head rewritten from 1 to 0 (HEAD is not signed): a subscriber following ``latest``
+    serves 0 again, and says why (a WARNING, and ``head moved back`` as the reason)."""
+    import logging
+
+    from weightsync.format.keys import HEAD_KEY
+    from weightsync.format.manifest import head_to_json
+
+    store, traj = setup
+    sub = _subscriber(Subscriber, store, tmp_path)
+
+    async def main():
+        await asyncio.to_thread(sub._startup)
+        await sub._iteration()
+        assert sub.view.current == 1
+        repo = weightsync.open_repo(store)
+        repo.store.put(HEAD_KEY, head_to_json(0))
+        with caplog.at_level(logging.WARNING, "weightsync.subscriber"):
+            await sub._iteration()
+        assert sub.view.current == 0 and sub.reason == "head moved back: 1 -> 0"
+        assert "the store's head went back (rewritten, or restored)" in caplog.text
+
+    asyncio.run(main())

@@ -51,7 +51,13 @@ PLAN_NEXT = [
     ("failed, but the head moved on", View(2, None, 9, 3, NOW + 60), 10, LATEST, Sync, 10),
     ("failed version no longer wanted", View(2, None, 9, 3, NOW + 60), 9, 2, Idle, "serving version 2"),
     ("version 0", View(None), 0, LATEST, Sync, 0),
+    ("head moved back", View(6, 4), 5, LATEST, Sync, 5),
 ]
+
+
+def test_a_head_that_went_back_is_named_so():
+    assert plan_next(View(6, 4), 5, LATEST, NOW).reason == "head moved back: 6 -> 5"
+    assert plan_next(View(4, 3), 6, LATEST, NOW).reason == "head moved: 4 -> 6"
 
 
 @pytest.mark.parametrize("view,head,target,kind,expect", [c[1:] for c in PLAN_NEXT], ids=[c[0] for c in PLAN_NEXT])

@@ -111,7 +111,13 @@ def plan_next(view: View, head: int | None, target: Target, now: float) -> Actio
         return Wait(f"version {desired} failed {view.failures} time(s); retrying in {view.retry_at - now:.1f}s")
     if view.standby == desired:
         return Sync(desired, "the standby slot already holds it")
-    how = "head moved" if target == LATEST else "pinned"
+    how = (
+        "pinned"
+        if target != LATEST
+        else "head moved back"
+        if view.current is not None and desired < view.current
+        else "head moved"
+    )
     return Sync(desired, f"{how}: {view.current} -> {desired}")
 
 
@@ -535,6 +541,14 @@ class Subscriber:
             if self._served is not None:
                 await asyncio.to_thread(self._check_served)
             head = await asyncio.to_thread(self.heads.read)  # one conditional request: a 304 while unchanged
+            if head is not None and self.latest is not None and head < self.latest:
+                event(
+                    log,
+                    "the store's head went back (rewritten, or restored)",
+                    logging.WARNING,
+                    before=self.latest,
+                    head=head,
+                )
             self.latest = head
             if self.refused is not None and (head is None or head < self.refused["version"]):
                 self._refuse(None)  # the refused version is gone from the store
@@ -576,10 +590,11 @@ class Subscriber:
 
     def _wanted(self, version: int) -> bool:
         """Whether the target still asks for ``version`` once it is synced: a pin to it, or ``latest``
-        and newer than the version served (the head may have moved on meanwhile: still a step forward)."""
+        and the head, or newer than the version served (the head may have moved on meanwhile: still a
+        step forward)."""
         if self.target != LATEST:
             return int(self.target) == version
-        return self.view.current is None or version > self.view.current
+        return self.view.current is None or version > self.view.current or version == self.latest
 
     async def _sync(self, version: int) -> bool:
         """Fill the standby slot with ``version``, verify it and swap it in; False if it is not swapped
