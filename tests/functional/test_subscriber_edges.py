@@ -118,3 +118,30 @@ def test_a_head_moved_back_is_followed_with_a_warning(setup, tmp_path, caplog):
         assert "the store's head went back (rewritten, or restored)" in caplog.text
 
     asyncio.run(main())
+
+
+def test_two_subscribers_given_one_id_are_told(setup, tmp_path, caplog):
+    """Two subscribers with one ``--id`` overwrite one fleet record (the fleet showed one of them,
+    flapping): each finds the other's record before its next write, logs it once, and says so in
+    its status until the record is its own again."""
+    import logging
+
+    store, _ = setup
+    a = _subscriber(Subscriber, store, tmp_path / "a")
+    b = _subscriber(Subscriber, store, tmp_path / "b", pin=0)
+
+    async def main():
+        for sub in (a, b):
+            await asyncio.to_thread(sub._startup)
+        with caplog.at_level(logging.ERROR, "weightsync.subscriber"):
+            await a._iteration()  # writes the record (its first: nothing to compare with)
+            await b._iteration()  # the same key, other content
+            assert not a.id_clash and not b.id_clash
+            for sub in (a, b, a):  # each finds the other's record
+                await sub._write_ledger(force=True)
+                assert sub.status()["id_clash"]
+        assert caplog.text.count("another subscriber writes the fleet record of id 's1'") == 2  # once each
+        await a._write_ledger(force=True)  # its own record now: the clash is over
+        assert not a.id_clash
+
+    asyncio.run(main())

@@ -196,6 +196,10 @@ def _schemas(role: str) -> dict:
                     "properties": {"replicas": {"type": "array", "items": {"$ref": "#/components/schemas/Replica"}}},
                 },
                 "trusted_keys": _nullable({"type": "array", "items": {"type": "string"}}),
+                "id_clash": {
+                    "type": "boolean",
+                    "description": "another subscriber writes the fleet record of this --id (the fleet shows one)",
+                },
                 "refused": _nullable(
                     {
                         "type": "object",

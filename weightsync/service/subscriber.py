@@ -11,7 +11,7 @@ from contextlib import suppress
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from weightsync.errors import ChecksumError, SignatureError, UsageError, VersionError, WeightsyncError
+from weightsync.errors import ChecksumError, NotFoundError, SignatureError, UsageError, VersionError, WeightsyncError
 from weightsync.local.base import clone
 from weightsync.local.install import clear_folder, empty_folder
 from weightsync.local.lock import FolderLock
@@ -57,7 +57,7 @@ from weightsync.service.runtime import (
 from weightsync.service.slots import Slots, StandbyRelease, slot_version
 from weightsync.service.stalls import StallWatch
 from weightsync.store.repo import Repo
-from weightsync.sync.fleet import STOPPED, FleetRecord, superseded_at, write_record
+from weightsync.sync.fleet import STOPPED, FleetRecord, record_key, superseded_at, write_record
 from weightsync.sync.lazy import LazyReads
 from weightsync.sync.pull import PullConfig, pull
 from weightsync.sync.selection import STATE as PARTIAL_STATE
@@ -182,6 +182,8 @@ class Subscriber:
         self._superseded: tuple[int | None, float] | None = None
         self._errors = 0
         self._last_ledger = 0.0
+        self._ledger_written: bytes | None = None  # the record this process last wrote (another writer: a clash)
+        self.id_clash = False  # another subscriber writes the fleet record of this --id
         self._store_ok = False
         self._seed_failed: int | None = None  # the current version a standby copy failed for (not retried)
         self._seeded: str | None = None  # the standby slot holding that copy, until the next flip: never served
@@ -433,6 +435,7 @@ class Subscriber:
             "engines": self.engines.status(),
             "trusted_keys": None if self.repo.trusted_keys is None else list(self.repo.trusted_keys.ids),
             "refused": self.refused,
+            "id_clash": self.id_clash,
             "head_from": None if self.leader is None else self.leader.status(),
         }
 
@@ -987,10 +990,31 @@ class Subscriber:
             self._store_ok = self._store_ok or await asyncio.to_thread(self.repo.check)
             if not self._store_ok:
                 return
+            await asyncio.to_thread(self._check_own_record, ident.id)
             await asyncio.to_thread(write_record, self.repo.store, rec)
-            self._last_ledger = now
+            self._ledger_written, self._last_ledger = rec.to_json(), now
         except WeightsyncError as exc:
             event(log, "could not write the fleet ledger", logging.WARNING, error=str(exc))
+
+    def _check_own_record(self, sub_id: str) -> None:
+        """(in a thread) Before a ledger write: the record in the store is the one this process wrote
+        last, or another process writes it too (two subscribers given one ``--id``: the fleet shows one
+        of them, flapping). Logged (ERROR) once per clash, and in the status (``id_clash``)."""
+        if self._ledger_written is None:
+            return  # the first write: what is there is a former run's
+        try:
+            stored = self.repo.store.get(record_key(sub_id))
+        except NotFoundError:
+            stored = None  # removed (by hand, or an expired record's clean-up): not a clash
+        clash = stored is not None and stored != self._ledger_written
+        if clash and not self.id_clash:
+            event(
+                log,
+                f"another subscriber writes the fleet record of id {sub_id!r}: give each subscriber its own --id",
+                logging.ERROR,
+                id=sub_id,
+            )
+        self.id_clash = clash
 
 
 def _recorded(folder: Path, partial: bool) -> Recorded:
