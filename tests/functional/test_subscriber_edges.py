@@ -145,3 +145,28 @@ def test_two_subscribers_given_one_id_are_told(setup, tmp_path, caplog):
         assert not a.id_clash
 
     asyncio.run(main())
+
+
+def test_a_failed_iteration_says_so_in_the_reason(setup, tmp_path):
+    """``state: error`` comes with a reason about the failure, not the step the iteration began
+    (it kept saying "head moved: 0 -> 1" while the store was down and version 1 served)."""
+    from weightsync.errors import StoreError
+
+    store, _ = setup
+    sub = _subscriber(Subscriber, store, tmp_path)
+
+    async def main():
+        await asyncio.to_thread(sub._startup)
+        await sub._iteration()
+        assert sub.view.current == 1
+
+        def down():
+            raise StoreError("the store is down")
+
+        sub.heads.read = down
+        await sub._iteration()
+        doc = sub.status()
+        assert doc["state"] == "error" and doc["last_error"] == "StoreError: the store is down"
+        assert doc["reason"].startswith("the last iteration failed (last_error); the next in "), doc["reason"]
+
+    asyncio.run(main())

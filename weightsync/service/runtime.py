@@ -292,7 +292,7 @@ async def sleep_or_wake(wake: asyncio.Event, delay: float, stop: StopToken) -> N
 
 def iteration_failed(daemon, exc: Exception, logger: logging.Logger, delay: float | None = None) -> float:
     """Record a failed loop iteration of ``daemon`` (a publisher or subscriber: ``_errors``,
-    ``metrics.loop_errors``, ``last_error``, ``state``, ``cfg.poll_interval``, ``cfg.backoff``):
+    ``metrics.loop_errors``, ``last_error``, ``state``, ``reason``, ``cfg.poll_interval``, ``cfg.backoff``):
     log it, count it, and return how long to back off before the next one (``delay`` when the daemon
     knows better, e.g. when the failed step is retried; the log says the wait actually taken)."""
     daemon._errors += 1
@@ -301,8 +301,9 @@ def iteration_failed(daemon, exc: Exception, logger: logging.Logger, delay: floa
     daemon.state = "error"
     if delay is None:
         delay = max(daemon.cfg.poll_interval, daemon.cfg.backoff.delay(daemon._errors))
+    daemon.reason = f"the last iteration failed (last_error); the next in {delay:.1f}s"  # not the step it began
     event(logger, "iteration failed", logging.ERROR, error=daemon.last_error, retry_in=f"{delay:.1f}s")
-    if not isinstance(exc, WeightsyncError):
+    if not isinstance(exc, (WeightsyncError, OSError)):  # (a full disk or a lost mount says all in its line)
         logger.error("unexpected error", exc_info=exc)
     return delay
 
