@@ -257,6 +257,19 @@ def test_verify_is_read_only(pulled, run_cli, ws, tmp_path):
     _refused(run_cli, ws, tmp_path, ["verify", "--store", url, out, "--version", 1], "interrupted")
 
 
+def test_a_file_of_another_size_is_named_a_size_mismatch(pulled, run_cli, ws):
+    """Two shards swapped: ``verify`` says the sizes differ (it said "expected xxh3 1057168")."""
+    url, _, out, _ = pulled
+    a, b = sorted(p for p in out.glob("*.safetensors"))
+    size_a = a.stat().st_size
+    a.write_bytes(b.read_bytes())
+    rc, _, err = run_cli("verify", "--store", url, out, "--version", 1)
+    line = ws.error_line(err)
+    assert rc == 1 and line == (
+        f"weightsync: error: size mismatch for {a}: expected {size_a} bytes, got {b.stat().st_size}"
+    ), line
+
+
 def test_a_second_writer_fails_naming_the_holder_and_a_refused_one_leaves_no_trace(published, run_cli, ws, tmp_path):
     store, _ = published
     url = f"file://{store}"

@@ -35,7 +35,12 @@ def verify_folder(folder: str | os.PathLike[str], manifest: Manifest) -> None:
     for f in manifest.files:
         size, digest = hash_file(root / f.path)
         if size != f.size:
-            raise ChecksumError(f"{root / f.path} (size)", str(f.size), str(size))
+            raise ChecksumError(
+                str(root / f.path),
+                str(f.size),
+                str(size),
+                f"size mismatch for {root / f.path}: expected {f.size} bytes, got {size}",
+            )
         if digest != f.xxh3:
             raise ChecksumError(str(root / f.path), f.xxh3, digest)
 

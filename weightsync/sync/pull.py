@@ -149,7 +149,12 @@ def _write_one(fp: FilePlan, results, root: Path, cfg: PullConfig, in_place: boo
         size = f.tell()
         st = os.fstat(f.fileno())
     if size != fp.entry.size:
-        raise ChecksumError(f"{fp.entry.path} (size)", str(fp.entry.size), str(size))
+        raise ChecksumError(
+            fp.entry.path,
+            str(fp.entry.size),
+            str(size),
+            f"size mismatch for {fp.entry.path}: expected {fp.entry.size} bytes, got {size}",
+        )
     if hasher.hexdigest() != fp.entry.xxh3:
         raise ChecksumError(fp.entry.path, fp.entry.xxh3, hasher.hexdigest())
     return st.st_mtime_ns, st.st_ctime_ns
