@@ -713,3 +713,17 @@ def test_a_publish_cache_that_cannot_take_the_committed_version_is_a_warning_and
     for v in range(3):
         weightsync.pull(store, tmp_path / f"v{v}", v, config=NOFSYNC)
         ws.assert_replica(tmp_path / f"v{v}", ckpts[v])
+
+
+def test_temporary_files_a_killed_state_write_left_are_removed_by_the_next_pull(pulled, run_cli):
+    """A kill between a state or journal write and its rename leaves ``.weightsync/.tmp-*``: the next
+    pull removes them (they piled up, one per such kill); a folder of that name is left alone."""
+    url, _, out, _ = pulled
+    litter = [out / ".weightsync" / f".tmp-{n}" for n in ("abc123", "def456")]
+    for p in litter:
+        p.write_text('{"format"')
+    (out / ".weightsync" / ".tmp-dir").mkdir()
+    rc, _, err = run_cli("pull", "--store", url, out, "--version", 2)
+    assert rc == 0, err
+    assert not any(p.exists() for p in litter) and (out / ".weightsync" / ".tmp-dir").is_dir()
+    assert run_cli("verify", "--store", url, out, "--version", 2)[0] == 0

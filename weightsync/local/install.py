@@ -204,6 +204,10 @@ def prepare_folder(folder: Path, owned: bool = False) -> LocalState | None:
     except OSError as exc:
         raise UsageError(f"cannot create {folder}: {exc.strerror}") from None
     recover(folder)
+    sdir = state_dir(folder)
+    for stale in sdir.glob(".tmp-*") if sdir.is_dir() and not sdir.is_symlink() else ():
+        if stale.is_symlink() or not stale.is_dir():  # a state or journal write killed before its rename
+            stale.unlink(missing_ok=True)  # (the lock is ours: nobody writes one now)
     state = read_state(folder)
     marker = state_dir(folder) / REFILL
     if marker.exists():
