@@ -727,3 +727,25 @@ def test_temporary_files_a_killed_state_write_left_are_removed_by_the_next_pull(
     assert rc == 0, err
     assert not any(p.exists() for p in litter) and (out / ".weightsync" / ".tmp-dir").is_dir()
     assert run_cli("verify", "--store", url, out, "--version", 2)[0] == 0
+
+
+def test_a_write_that_fails_for_space_names_the_folder(pulled, ws):
+    """A file size limit (as a full disk or a quota: the error names no file) stops an update with
+    one line naming the folder it fills, and the folder keeps version 1."""
+    import subprocess
+    import sys
+
+    url, ckpts, out, _ = pulled
+    code = (
+        "import resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (8192, 8192)); "
+        "from weightsync.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, "pull", "--store", url, str(out), "--version", "3", "--no-progress"],
+        capture_output=True,
+        text=True,
+    )
+    line = ws.error_line(r.stderr)
+    assert r.returncode == 1 and line == f"weightsync: error: {out}: File too large while writing a version into it"
+    assert weightsync.verify(url, out, 1) == 1
+    ws.assert_replica(out, ckpts[1])

@@ -11,6 +11,7 @@ chunks while downloading.
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from weightsync.errors import (
     SignatureError,
     UsageError,
     VersionError,
+    WeightsyncError,
 )
 from weightsync.format.keys import version_key
 from weightsync.format.manifest import Manifest
@@ -200,7 +202,17 @@ def pull(
     repo, config = open_repo(store), config or PullConfig()
     observer = observer_of(observer, legacy)
     with claim(Path(out_dir), lock, "weightsync pull"):
-        return _pull(repo, Path(out_dir), version, config, observer, base_dir)
+        try:
+            return _pull(repo, Path(out_dir), version, config, observer, base_dir)
+        except OSError as exc:
+            if exc.filename is not None or exc.errno not in _FULL:
+                raise
+            raise WeightsyncError(  # a write's error names no file: name the folder it fills
+                f"{out_dir}: {exc.strerror} while writing a version into it"
+            ) from exc
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # write errors that name no file
 
 
 def _pull(repo: Repo, out: Path, version, config: PullConfig, observer: Observer | None, base_dir) -> PullResult:
