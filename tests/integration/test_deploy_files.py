@@ -792,6 +792,19 @@ ALERT_CASES = [  # (name, input series, [(eval time, alert, expected label sets)
         [("15m", "WeightsyncSubscriberLagging", [{**SUB, "subscriber": "sub-2", "severity": "warning"}])],
     ),
     (
+        "failing, pinned or not",  # 5 failed iterations in 15 minutes; a store blip of 2 is no alert
+        [
+            _series("weightsync_loop_errors_total", "0+1x30", **SUB),
+            _series("weightsync_pinned", "1x30", **SUB),
+            _series("weightsync_loop_errors_total", "0 0 2x28", **{**SUB, "subscriber": "sub-2"}),
+            _series("weightsync_loop_errors_total", "0+1x30", **PUB),  # the publisher's: its own alerts
+        ],
+        [
+            ("2m", "WeightsyncSubscriberFailing", []),
+            ("10m", "WeightsyncSubscriberFailing", [{**SUB, "severity": "warning"}]),
+        ],
+    ),
+    (
         "stale",
         [_series("weightsync_staleness_seconds", "0+60x40", **SUB)],
         [("10m", "WeightsyncStaleWeights", []), ("25m", "WeightsyncStaleWeights", [{**SUB, "severity": "warning"}])],
