@@ -14,6 +14,8 @@ from pathlib import Path
 from weightsync._version import __version__
 from weightsync.errors import ChecksumError, UsageError, WeightsyncError
 from weightsync.service.flags import (
+    S3_CONNECT_TIMEOUT,
+    S3_READ_TIMEOUT,
     EnvParser,
     add_encoding_args,
     add_lazy_args,
@@ -46,7 +48,11 @@ def _default_cache() -> Path:
 
 
 def _store_options(args) -> dict:
-    return {"endpoint_url": args.endpoint_url} if getattr(args, "endpoint_url", None) else {}
+    """``open_repo``'s options from ``--endpoint-url`` and, for an s3:// store, the S3 timeouts."""
+    from weightsync.service.config import StoreConfig
+
+    timeouts = {k: getattr(args, f"s3_{k}", None) for k in ("connect_timeout", "read_timeout")}
+    return StoreConfig(args.store, getattr(args, "endpoint_url", None), **timeouts).options()
 
 
 def _repo(args):
@@ -547,6 +553,18 @@ def _add_store(p: argparse.ArgumentParser, environ: Mapping[str, str] | None = N
     """``--store`` and ``--endpoint-url``; with ``environ``, with environment defaults (deployed jobs)."""
     env_argument(p, environ, "--store", required=True, help="file:///abs/path, a plain path, or s3://bucket/prefix")
     env_argument(p, environ, "--endpoint-url", help="S3 endpoint (default: boto3's, e.g. AWS_ENDPOINT_URL)")
+    for what, default, help_ in (
+        ("connect", S3_CONNECT_TIMEOUT, "to connect to an S3 endpoint"),
+        ("read", S3_READ_TIMEOUT, "an S3 request may wait for the next bytes of its answer"),
+    ):
+        env_argument(
+            p,
+            environ,
+            f"--s3-{what}-timeout",
+            type=float,
+            help=f"seconds {help_} before the attempt fails and is retried (default {default:g}; a store that "
+            "hangs fails after 5 such waits, retries included)",
+        )
 
 
 def _add_progress(p: argparse.ArgumentParser) -> None:

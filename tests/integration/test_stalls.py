@@ -86,3 +86,28 @@ def test_a_hung_store_is_logged_shown_and_exported_and_pending_checkpoints_stay_
                 d.proc.kill()  # a request held by the proxy would keep a SIGTERM waiting for its retries
                 d.proc.wait()
         proxy.stop()
+
+
+def test_a_one_shot_pull_from_a_hung_store_fails_within_its_s3_timeouts(s3_url, seaweed, tmp_path):
+    """``pull --s3-read-timeout 0.5``: a store that never answers fails the command in seconds with
+    one line (it waited 60 s an attempt, five attempts, with no flag to shorten it)."""
+    import os
+    import subprocess
+
+    proxy = FaultProxy(seaweed.endpoint, seed=2).start()
+    env = {**os.environ, **seaweed.env(), "AWS_ENDPOINT_URL": proxy.endpoint}
+    ckpt = SyntheticTrainer(**TINY, seed=0).save(tmp_path / "step_0")
+    cli = [sys.executable, "-m", "weightsync.cli"]
+    subprocess.run([*cli, "publish", ckpt, "--store", s3_url, "--no-cache"], env=env, check=True, capture_output=True)
+    proxy.add(Rule("delay", method="GET", key=r"/HEAD$", delay=3600))
+    t0 = time.monotonic()
+    r = subprocess.run(
+        [*cli, "pull", "--store", s3_url, tmp_path / "out", "--no-progress"]
+        + ["--s3-read-timeout", "0.5", "--s3-connect-timeout", "0.5"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert r.returncode == 1 and len(r.stderr.splitlines()) == 1 and "HEAD" in r.stderr, r.stderr
+    assert time.monotonic() - t0 < 40
