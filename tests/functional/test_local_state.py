@@ -749,3 +749,22 @@ def test_a_write_that_fails_for_space_names_the_folder(pulled, ws):
     assert r.returncode == 1 and line == f"weightsync: error: {out}: File too large while writing a version into it"
     assert weightsync.verify(url, out, 1) == 1
     ws.assert_replica(out, ckpts[1])
+
+
+def test_a_publish_cache_that_is_not_weightsyncs_is_left_as_it_is(published, tmp_path, caplog):
+    """A ``cache_dir`` holding someone's files, with a ``base_dir`` (so nothing reads the cache before
+    the commit): the version is committed, the folder refused with a warning, and not one file of it
+    removed (the commit before emptied it)."""
+    import logging
+
+    _, ckpts = published
+    store, cache = tmp_path / "own-store", tmp_path / "notes"
+    (cache / "sub").mkdir(parents=True)
+    (cache / "results.csv").write_text("a,b\n")
+    (cache / "sub" / "a.txt").write_text("mine")
+    before = sorted(str(p.relative_to(cache)) for p in cache.rglob("*"))
+    weightsync.publish(ckpts[0], store)
+    with caplog.at_level(logging.WARNING, "weightsync.publish"):
+        r = weightsync.publish(ckpts[1], store, base_dir=ckpts[0], cache_dir=cache)
+    assert r.version == 1 and f"the delta-base cache {cache} was left as it is" in caplog.text
+    assert sorted(str(p.relative_to(cache)) for p in cache.rglob("*")) == before

@@ -170,3 +170,35 @@ def test_a_failed_iteration_says_so_in_the_reason(setup, tmp_path):
         assert doc["reason"].startswith("the last iteration failed (last_error); the next in "), doc["reason"]
 
     asyncio.run(main())
+
+
+def test_a_fleet_write_whose_answer_was_lost_is_no_id_clash(setup, tmp_path):
+    """A ledger write that landed but whose answer was lost (an error after the write): the next
+    write finds that record, which is its own, not another subscriber's."""
+    from weightsync.errors import StoreError
+    from weightsync.sync import fleet
+
+    store, _ = setup
+    sub = _subscriber(Subscriber, store, tmp_path)
+
+    async def main():
+        await asyncio.to_thread(sub._startup)
+        await sub._iteration()
+        real = fleet.write_record
+
+        def lost_answer(store_, record):
+            real(store_, record)
+            raise StoreError("the answer was lost")
+
+        import weightsync.service.subscriber as subscriber_module
+
+        subscriber_module.write_record = lost_answer
+        try:
+            sub.state = "other"  # (a record of other bytes)
+            await sub._write_ledger(force=True)
+        finally:
+            subscriber_module.write_record = real
+        await sub._write_ledger(force=True)
+        assert not sub.id_clash
+
+    asyncio.run(main())

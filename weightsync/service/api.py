@@ -282,9 +282,9 @@ async def put_target(request: web.Request) -> web.Response:
         return _error(404, str(exc))
     if wait is None:
         return web.json_response(sub.status())
-    head = await asyncio.to_thread(sub.heads.read) if target == LATEST else None  # (the loop's read may be older)
-    await sub.wait_until(lambda: sub.target_outcome(target, head) is not None or sub.target_replaced(target), wait)
-    outcome = sub.target_outcome(target, head)
+    after = sub.head_reads  # ``latest``: the head as the loop reads it after this call (set_target woke it)
+    await sub.wait_until(lambda: sub.target_outcome(target, after) is not None or sub.target_replaced(target), wait)
+    outcome = sub.target_outcome(target, after)
     replaced = sub.target_replaced(target)
     if outcome is None and replaced:
         return _error(409, replaced)

@@ -17,15 +17,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from weightsync.errors import BaseMismatchError, FormatError, NotFoundError, StoreError, UsageError, VersionError
-from weightsync.format.keys import (
-    HEAD_KEY,
-    MAX_VERSION,
-    VERSIONS_PREFIX,
-    parse_version_key,
-    part_key,
-    refused_key,
-    version_key,
-)
+from weightsync.format.keys import MAX_VERSION, part_key, refused_key
 from weightsync.format.manifest import part_from_json
 from weightsync.local.checkpoint import scan_checkpoint
 from weightsync.service.config import PublisherConfig
@@ -162,10 +154,6 @@ def plan_publish(
     return Idle("no checkpoint to publish" if head is None else f"version {head} is the newest checkpoint")
 
 
-# seconds: an S3 store's whole-second stamps, and its clock read in another request (a local store: one clock)
-UNPUBLISHED_SLACK = {True: 0.0, False: 3.0}
-
-
 # --- the daemon ----------------------------------------------------------------------------------
 class Publisher:
     """The publisher's state and loop; the HTTP API (``weightsync.service.api``) reads and steers it."""
@@ -200,7 +188,9 @@ class Publisher:
         # watched folders of that step already reported as left out (the number is taken)
         self._taken: dict[int, Path] = {}
         self._shadowed: set[Path] = set()
-        self._looked_at: set[Path] = set()  # ready checkpoints at or below the head checked for a version (once)
+        self._preexisting: set[Path] | None = None  # folders complete at the first look: not judged
+        self._judged: set[Path] = set()  # folders that completed while watched, at or below the head: judged once
+        self._mine: set[Path] = set()  # folders this process published (as given, and resolved)
         self._blocked: str | None = None  # the unfinished checkpoint last reported as holding back others
         self._refused: tuple[int, str] | None = None  # rank mode: the version and reason last logged
         self._rng = random.Random()  # rank mode: the jitter of its polls (never the training's seeded generator)
@@ -295,7 +285,7 @@ class Publisher:
             self.pending = [c.step for c in candidates if self.head is None or c.step > self.head]
             self._report_shadowed(candidates)
             if self.cfg.rank is None:
-                await asyncio.to_thread(self._report_unpublished, candidates)
+                self._report_unpublished(candidates)
             failed_step, _, retry_at = self._failed or (None, 0, 0.0)
             if self._part is not None:  # rank mode: nothing else until this part's version is committed
                 return await self._await_commit(failed_step, retry_at)
@@ -362,51 +352,28 @@ class Publisher:
                 event(log, self.last_error, logging.ERROR, path=str(c.path), version=c.step)
 
     def _report_unpublished(self, candidates: list[Candidate]) -> None:
-        """Log once (ERROR, and in the status) each ready checkpoint at or below the head that no
-        version of its step can hold (runs in a thread; once per folder): the head went past its step
-        without it (a publish took a number above it), or version ``step`` was committed before the
-        folder last changed (another folder took the number: a CLI publish, another publisher). The
-        watcher would take it for published. A number below every version still stored may have
-        been collected by gc: not reported."""
+        """Log once (ERROR, and in the status) each checkpoint at or below the head that this process
+        did not publish, though it completed (or appeared) while this process watched, or was still
+        above the head at its first look: another writer took its step's number (a CLI publish,
+        another publisher) or moved the head past it, and the watcher would take it for published.
+        Folders complete and at or below the head at the first look are not judged (what a former run
+        published cannot be told from here). No store request: it never holds up the loop."""
         head = self.head
-        todo = [
-            c
-            for c in candidates
-            if c.ready
-            and head is not None
-            and c.step <= head
-            and c.path not in self._looked_at
-            and c.step not in self._taken
-        ]
-        if not todo:
+        if self._preexisting is None:  # (a folder still above the head is this process's to publish: judged)
+            self._preexisting = {c.path for c in candidates if c.ready and head is not None and c.step <= head}
             return
-        store, oldest, skew = self.repo.store, None, None
-        for c in todo:
-            meta = store.head_meta(version_key(c.step))
-            if meta is None:
-                if oldest is None:
-                    listed = (parse_version_key(k) for k in store.list(VERSIONS_PREFIX))
-                    oldest = min((v for v in listed if v is not None), default=head)
-                why = None if c.step <= oldest else f"the head went past {c.step} without a version {c.step}"
-            elif meta.last_modified is None:
-                why = None
-            else:
-                if skew is None:
-                    skew = store.now() - time.time()  # the store stamps by its own clock
-                changed = c.mtime + skew  # the folder's last change, by the store's clock
-                late = changed - meta.last_modified
-                why = (
-                    f"version {c.step} was committed {late:.1f}s before the folder last changed, so it holds "
-                    "another folder's bytes (or the folder changed after its publish)"
-                    if late > UNPUBLISHED_SLACK[store.local_path(HEAD_KEY) is not None]
-                    else None
-                )
-            self._looked_at.add(c.path)
-            if why is not None:
-                self.last_error = (
-                    f"checkpoint {c.path} is not published: {why}; publish it by hand with a version no step will take"
-                )
-                event(log, self.last_error, logging.ERROR, path=str(c.path), version=c.step, head=head)
+        for c in candidates:
+            if not c.ready or head is None or c.step > head or c.path in self._preexisting or c.path in self._judged:
+                continue
+            self._judged.add(c.path)
+            if c.step in self._taken or c.path in self._mine or c.path.resolve() in self._mine:
+                continue  # a number given by POST /v1/publish: _report_shadowed's; or published here
+            self.last_error = (
+                f"checkpoint {c.path} is not published: the head is {head}, and this publisher did not publish step "
+                f"{c.step} (another writer took version {c.step}, or a number past it); publish it by hand with a "
+                "version no step will take"
+            )
+            event(log, self.last_error, logging.ERROR, path=str(c.path), version=c.step, head=head)
 
     def _report_refused(self, refused: dict[str, str]) -> None:
         """Log once each checkpoint folder skipped for good (:func:`scan`'s ``refused``)."""
@@ -476,6 +443,7 @@ class Publisher:
             self.head = max(self.head or -1, result.version)
         else:
             self._part = result.version
+        self._mine |= {Path(path), Path(path).resolve()}
         self._record(path, result)
         return result
 

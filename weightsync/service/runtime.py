@@ -12,6 +12,7 @@ are committed and ``current`` is flipped by single atomic operations.
 from __future__ import annotations
 
 import asyncio
+import errno
 import faulthandler
 import http.server
 import json
@@ -290,6 +291,9 @@ async def sleep_or_wake(wake: asyncio.Event, delay: float, stop: StopToken) -> N
         await asyncio.wait_for(wake.wait(), delay)
 
 
+_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # OSErrors whose line says all: no traceback at each try
+
+
 def iteration_failed(daemon, exc: Exception, logger: logging.Logger, delay: float | None = None) -> float:
     """Record a failed loop iteration of ``daemon`` (a publisher or subscriber: ``_errors``,
     ``metrics.loop_errors``, ``last_error``, ``state``, ``reason``, ``cfg.poll_interval``, ``cfg.backoff``):
@@ -303,7 +307,7 @@ def iteration_failed(daemon, exc: Exception, logger: logging.Logger, delay: floa
         delay = max(daemon.cfg.poll_interval, daemon.cfg.backoff.delay(daemon._errors))
     daemon.reason = f"the last iteration failed (last_error); the next in {delay:.1f}s"  # not the step it began
     event(logger, "iteration failed", logging.ERROR, error=daemon.last_error, retry_in=f"{delay:.1f}s")
-    if not isinstance(exc, (WeightsyncError, OSError)):  # (a full disk or a lost mount says all in its line)
+    if not isinstance(exc, WeightsyncError) and getattr(exc, "errno", None) not in _SPACE:  # (a full disk: one line)
         logger.error("unexpected error", exc_info=exc)
     return delay
 

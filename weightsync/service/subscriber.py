@@ -182,7 +182,8 @@ class Subscriber:
         self._superseded: tuple[int | None, float] | None = None
         self._errors = 0
         self._last_ledger = 0.0
-        self._ledger_written: bytes | None = None  # the record this process last wrote (another writer: a clash)
+        self._ledger_written: tuple[bytes, ...] = ()  # the records this process wrote last (and tried to: an answer
+        # may be lost after the write landed); another record there: a clash
         self.id_clash = False  # another subscriber writes the fleet record of this --id
         self._store_ok = False
         self._seed_failed: int | None = None  # the current version a standby copy failed for (not retried)
@@ -219,6 +220,7 @@ class Subscriber:
         )
         self._idle = False  # the last iteration asks for the ordinary wait (a leader's news may end it)
         self.closing = False  # the API server is shutting down: held calls answer now (:meth:`close_waits`)
+        self.head_reads = 0  # the loop's reads of the head so far (``PUT /v1/target?wait=`` waits for a new one)
 
     def claim(self) -> None:
         """Take the target folder and both slots for this process (FolderBusyError if another
@@ -361,14 +363,14 @@ class Subscriber:
             return "ok"  # no call for it in this target folder's record: nothing failed
         return f"version {version} is served, but its swap hook failed: {rec.error}"
 
-    def target_outcome(self, target: Target, head: int | None = None) -> str | None:
+    def target_outcome(self, target: Target, after: int | None = None) -> str | None:
         """For ``PUT /v1/target?wait=``: ``ok`` once ``target`` is served and its hook succeeded (or there
         is none); why not, once its sync or hook failed (the sync is retried); None while under way.
-        Whether another call replaced the target is :meth:`target_replaced`'s answer; ``head``, the head
-        the call read, is the least version ``latest`` asks for."""
+        Whether another call replaced the target is :meth:`target_replaced`'s answer; with ``after`` (a
+        :attr:`head_reads` count), ``latest`` is the head of a read after that one."""
         desired = self.latest if target == LATEST else int(target)
-        if target == LATEST and head is not None:  # ``head``: read by the call (the loop's may be older)
-            desired = head if desired is None else max(desired, head)
+        if target == LATEST and after is not None and self.head_reads <= after:
+            return None  # the head the loop read before the call: it may have moved (or gone back) since
         if desired is None:
             return None
         if self.view.failed_version == desired:
@@ -553,6 +555,7 @@ class Subscriber:
                     head=head,
                 )
             self.latest = head
+            self.head_reads += 1
             if self.refused is not None and (head is None or head < self.refused["version"]):
                 self._refuse(None)  # the refused version is gone from the store
             self.metrics.latest_version.set(-1 if head is None else head)
@@ -991,8 +994,9 @@ class Subscriber:
             if not self._store_ok:
                 return
             await asyncio.to_thread(self._check_own_record, ident.id)
+            self._ledger_written = (*self._ledger_written[-7:], rec.to_json())  # a write whose answer is lost may land
             await asyncio.to_thread(write_record, self.repo.store, rec)
-            self._ledger_written, self._last_ledger = rec.to_json(), now
+            self._ledger_written, self._last_ledger = self._ledger_written[-1:], now
         except WeightsyncError as exc:
             event(log, "could not write the fleet ledger", logging.WARNING, error=str(exc))
 
@@ -1000,13 +1004,13 @@ class Subscriber:
         """(in a thread) Before a ledger write: the record in the store is the one this process wrote
         last, or another process writes it too (two subscribers given one ``--id``: the fleet shows one
         of them, flapping). Logged (ERROR) once per clash, and in the status (``id_clash``)."""
-        if self._ledger_written is None:
+        if not self._ledger_written:
             return  # the first write: what is there is a former run's
         try:
             stored = self.repo.store.get(record_key(sub_id))
         except NotFoundError:
             stored = None  # removed (by hand, or an expired record's clean-up): not a clash
-        clash = stored is not None and stored != self._ledger_written
+        clash = stored is not None and stored not in self._ledger_written
         if clash and not self.id_clash:
             event(
                 log,

@@ -249,7 +249,7 @@ def _base_for(repo: Repo, parent: Manifest, base_dir: Path | None, cache_dir: Pa
             except OSError as exc:  # a full disk: name the folder (nothing is written to the store yet)
                 raise WeightsyncError(
                     f"could not bring the delta-base cache {cache_dir} to version {parent.version}: "
-                    f"{exc.strerror or exc}; free space there, or publish with another --cache-dir or --no-cache"
+                    f"{exc.strerror or exc}; fix that folder, or publish with another --cache-dir or --no-cache"
                 ) from exc
     return LocalVersion(cache_dir, parent)
 
@@ -371,22 +371,29 @@ def cache_version(
     cache: Path, manifest: Manifest, src: Path, store_url: str, lock: FolderLock | None, done: str = "committed"
 ) -> None:
     """Bring the delta-base cache to the version just committed (or ``done``) from ``src``. The
-    version is stored whatever happens here: a failure (a full disk) is a warning naming the cache,
-    which is emptied (its space back), so that the next publish pulls its base into it, or says why not."""
+    version is stored whatever happens here: a failure is a warning naming the cache. A write that
+    failed (a full disk) in a cache this publish holds (``lock``) empties it (its space back), so
+    that the next publish pulls its base into it, or says why not; a cache refused (not weightsync's,
+    or another process's) is left as it is."""
     try:
         adopt(cache, manifest, src, store_url, lock=lock)
-    except (OSError, WeightsyncError) as exc:
-        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)  # (its file: the source's)
+    except WeightsyncError as exc:
         log.warning(
-            "version %d is %s, but the delta-base cache %s could not take it (%s); emptied it: the next "
-            "publish pulls its base there",
+            "version %d is %s, but the delta-base cache %s was left as it is: %s", manifest.version, done, cache, exc
+        )
+    except OSError as exc:
+        emptied = lock is not None
+        log.warning(
+            "version %d is %s, but the delta-base cache %s could not take it (%s)%s",
             manifest.version,
             done,
             cache,
-            why.splitlines()[0] if why else type(exc).__name__,
+            exc.strerror or type(exc).__name__,  # (its file name is the source's)
+            "; emptied it: the next publish pulls its base there" if emptied else "",
         )
-        with contextlib.suppress(OSError):
-            clear_folder(cache)
+        if emptied:
+            with contextlib.suppress(OSError):
+                clear_folder(cache)
 
 
 def store_folder(repo: Repo) -> Path | None:
