@@ -416,6 +416,17 @@ def cmd_mirror(args) -> int:
     return 0
 
 
+def _ranges(versions: list[int]) -> str:
+    """Sorted version numbers as runs, ``[0-4, 7, 9-12]`` (a log line stays short for any count)."""
+    runs: list[list[int]] = []
+    for v in versions:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    return "[" + ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs) + "]"
+
+
 def cmd_gc(args) -> int:
     from weightsync.sync.gc import GcConfig, gc
 
@@ -423,7 +434,7 @@ def cmd_gc(args) -> int:
     r = gc(_repo(args), cfg)
     verb = "would delete" if r.dry_run else "deleted"
     print(
-        f"gc {args.store}: kept versions {r.kept_versions}, {verb} {len(r.deleted_versions)} versions and "
+        f"gc {args.store}: kept versions {_ranges(r.kept_versions)}, {verb} {len(r.deleted_versions)} versions and "
         f"{r.deleted_chunks} chunks ({human_bytes(r.deleted_bytes)}); {r.young_chunks} unreferenced chunks younger "
         f"than {args.grace_seconds:g}s left, {len(r.abandoned_versions)} abandoned publishes removed, {r.seconds:.2f}s",
         file=sys.stderr,

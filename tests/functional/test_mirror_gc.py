@@ -273,7 +273,7 @@ def test_mirror_follow_until_sigterm(trajectory, tmp_path, cli_env, ws):
 
 
 # --- gc ---------------------------------------------------------------------------------------------
-def test_gc_keeps_kept_versions_and_their_chains(published, tmp_path, ok_cli, ws):
+def test_gc_keeps_kept_versions_and_their_chains(published, tmp_path, ok_cli, run_cli, ws):
     store, traj = published  # keyframes at 0 and 3
     age_all(store)
     r = repo(store)
@@ -282,8 +282,10 @@ def test_gc_keeps_kept_versions_and_their_chains(published, tmp_path, ok_cli, ws
     assert dry["deleted"] == [0, 1, 2] and dry["dry_run"]
     assert set(r.store.list("chunks/")) == chunks_before and r.versions() == list(range(6))
 
-    out = json.loads(ok_cli("gc", "--store", f"file://{store}", "--keep", "2"))
+    rc, stdout, err = run_cli("gc", "--store", f"file://{store}", "--keep", "2")
+    out = json.loads(stdout)
     assert out["kept"] == [3, 4, 5] and out["deleted"] == [0, 1, 2]  # 4 needs the keyframe 3
+    assert rc == 0 and "kept versions [3-5], deleted 3 versions" in err  # runs: a short line for any count
     assert out["touched_during_gc"] == out["referenced_during_gc"] == 0  # no writer ran meanwhile
     assert r.versions() == [3, 4, 5]
     needed = {chunk_key(c.id) for v in (3, 4, 5) for c in r.manifest(v).chunks}

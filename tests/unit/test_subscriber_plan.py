@@ -293,6 +293,10 @@ def test_config_validation():
     assert "tok" not in repr(ApiConfig(token="tok"))  # the token is never printed
     with pytest.raises(UsageError):
         Identity("bad/id")
+    for hidden in (".hidden-sub", ".", ".."):  # a file store lists no hidden names: the fleet would miss it
+        with pytest.raises(UsageError, match="no leading"):
+            Identity(hidden)
+    assert Identity("sub.1-a_b").id == "sub.1-a_b"
     with pytest.raises(UsageError):
         HookConfig()  # neither a URL nor a command
     with pytest.raises(UsageError):

@@ -76,8 +76,8 @@ class Identity:
     cluster: str = ""
 
     def __post_init__(self) -> None:
-        if not ID_RE.match(self.id) or self.id in (".", ".."):
-            raise UsageError(f"id must be 1-128 characters of A-Z a-z 0-9 . _ -, got {self.id!r}")
+        if not ID_RE.match(self.id):
+            raise UsageError(f"id must be 1-128 characters of A-Z a-z 0-9 . _ - (no leading '.'), got {self.id!r}")
 
 
 @dataclass(frozen=True)
