@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from weightsync.errors import FormatError, UsageError
-from weightsync.service.config import ApiConfig, Backoff, HookConfig, Identity
+from weightsync.service.config import ApiConfig, Backoff, HookConfig, Identity, StoreConfig, SubscriberConfig
 from weightsync.service.flags import (
     add_publisher_args,
     add_subscriber_args,
@@ -293,10 +293,12 @@ def test_config_validation():
     assert "tok" not in repr(ApiConfig(token="tok"))  # the token is never printed
     with pytest.raises(UsageError):
         Identity("bad/id")
-    for hidden in (".hidden-sub", ".", ".."):  # a file store lists no hidden names: the fleet would miss it
-        with pytest.raises(UsageError, match="no leading"):
+    for hidden in (".", ".."):
+        with pytest.raises(UsageError, match="id must be"):
             Identity(hidden)
-    assert Identity("sub.1-a_b").id == "sub.1-a_b"
+    assert Identity(".pub-1").id == ".pub-1" and Identity("sub.1-a_b").id == "sub.1-a_b"
+    with pytest.raises(UsageError, match="must not start with '.'"):  # a file store lists no hidden names
+        SubscriberConfig(StoreConfig("file:///s"), Path("/t"), Identity(".hidden-sub"))
     with pytest.raises(UsageError):
         HookConfig()  # neither a URL nor a command
     with pytest.raises(UsageError):

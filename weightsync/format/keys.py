@@ -90,9 +90,8 @@ def parse_part_key(key: str) -> tuple[int, int, int] | None:
     return (int(m.group(1)), int(m.group(2)), int(m.group(3))) if m else None
 
 
-ID_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}\Z")  # \Z: "$" takes a final newline
-"""A daemon's id (a subscriber's names its fleet record's key): no leading "." (a file store lists no
-hidden names, so such a subscriber was missing from the fleet there)."""
+ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}\Z")  # \Z: "$" takes a final newline
+"""A daemon's id (a subscriber's names its fleet record's key)."""
 
 
 def chunk_key(chunk_id: str) -> str:

@@ -11,6 +11,7 @@ import hmac
 import json
 import logging
 import time
+from contextlib import suppress
 from dataclasses import asdict, dataclass
 
 from aiohttp import web
@@ -282,9 +283,13 @@ async def put_target(request: web.Request) -> web.Response:
         return _error(404, str(exc))
     if wait is None:
         return web.json_response(sub.status())
-    after = sub.head_reads  # ``latest``: the head as the loop reads it after this call (set_target woke it)
-    await sub.wait_until(lambda: sub.target_outcome(target, after) is not None or sub.target_replaced(target), wait)
-    outcome = sub.target_outcome(target, after)
+    head, after = None, sub.head_reads
+    if target == LATEST:  # the head as the call reads it (the loop's may be older); a failed read: the loop's
+        with suppress(WeightsyncError):
+            head = await asyncio.to_thread(sub.heads.read)
+    done = lambda: sub.target_outcome(target, head, after) is not None or sub.target_replaced(target)  # noqa: E731
+    await sub.wait_until(done, wait)
+    outcome = sub.target_outcome(target, head, after)
     replaced = sub.target_replaced(target)
     if outcome is None and replaced:
         return _error(409, replaced)

@@ -76,8 +76,8 @@ class Identity:
     cluster: str = ""
 
     def __post_init__(self) -> None:
-        if not ID_RE.match(self.id):
-            raise UsageError(f"id must be 1-128 characters of A-Z a-z 0-9 . _ - (no leading '.'), got {self.id!r}")
+        if not ID_RE.match(self.id) or self.id in (".", ".."):
+            raise UsageError(f"id must be 1-128 characters of A-Z a-z 0-9 . _ -, got {self.id!r}")
 
 
 @dataclass(frozen=True)
@@ -302,6 +302,10 @@ class SubscriberConfig:
     fallback: StoreConfig | None = None  # the store they are read from (--fallback-store)
 
     def __post_init__(self) -> None:
+        if self.identity.id.startswith("."):  # its fleet record would be a hidden file: a file store lists none
+            raise UsageError(
+                f"a subscriber's id must not start with '.' (a file store hides its fleet record): {self.identity.id!r}"
+            )
         if self.lazy_chunks not in LAZY_MODES:
             raise UsageError(f"--lazy-chunks must be one of {', '.join(LAZY_MODES)}, not {self.lazy_chunks!r}")
         if self.lazy_chunks == "fallback" and self.fallback is None:

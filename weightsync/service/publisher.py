@@ -191,6 +191,9 @@ class Publisher:
         self._preexisting: set[Path] | None = None  # folders complete at the first look: not judged
         self._judged: set[Path] = set()  # folders that completed while watched, at or below the head: judged once
         self._mine: set[Path] = set()  # folders this process published (as given, and resolved)
+        self._publishing: set[Path] = set()  # ... and the one it publishes now (the loop's look runs meanwhile)
+        self._mine_steps: set[int] = set()  # versions this process published (a folder renamed since is one)
+        self._skipped_stale: set[int] = set()  # steps this process skipped as unfinished (--stale-after)
         self._blocked: str | None = None  # the unfinished checkpoint last reported as holding back others
         self._refused: tuple[int, str] | None = None  # rank mode: the version and reason last logged
         self._rng = random.Random()  # rank mode: the jitter of its polls (never the training's seeded generator)
@@ -300,6 +303,7 @@ class Publisher:
                 self.state = "idle" if isinstance(action, Idle) else "waiting"
                 self._report_blocked(action)
                 return self._poll()
+            self._skipped_stale.update(action.skipped)
             for step in action.skipped:
                 event(
                     log,
@@ -365,13 +369,20 @@ class Publisher:
         for c in candidates:
             if not c.ready or head is None or c.step > head or c.path in self._preexisting or c.path in self._judged:
                 continue
+            names = {c.path, c.path.resolve()}
+            if not names.isdisjoint(self._publishing):
+                continue  # judged once that publish has ended
             self._judged.add(c.path)
-            if c.step in self._taken or c.path in self._mine or c.path.resolve() in self._mine:
+            if c.step in self._taken or c.step in self._mine_steps or not names.isdisjoint(self._mine):
                 continue  # a number given by POST /v1/publish: _report_shadowed's; or published here
+            why = (
+                "it was skipped as unfinished (--stale-after) before it completed"
+                if c.step in self._skipped_stale
+                else f"another writer took version {c.step}, or a number past it"
+            )
             self.last_error = (
                 f"checkpoint {c.path} is not published: the head is {head}, and this publisher did not publish step "
-                f"{c.step} (another writer took version {c.step}, or a number past it); publish it by hand with a "
-                "version no step will take"
+                f"{c.step} ({why}); publish it by hand with a version no step will take"
             )
             event(log, self.last_error, logging.ERROR, path=str(c.path), version=c.step, head=head)
 
@@ -438,12 +449,18 @@ class Publisher:
     async def publish_folder(self, path: Path, version: int | None, base: Path | None = None) -> PublishResult:
         """Publish ``path`` as ``version`` (default: its step if above the head, else head + 1); in
         rank mode this rank's part of it (committed by the next iterations)."""
-        result = await self._guarded(version, "publishing", self._publish_blocking, path, version, base)
+        names = {Path(path), Path(path).resolve()}
+        self._publishing |= names  # the loop's look must not judge it while it is published
+        try:
+            result = await self._guarded(version, "publishing", self._publish_blocking, path, version, base)
+        finally:
+            self._publishing -= names
+        self._mine |= names
         if self.cfg.rank is None:
             self.head = max(self.head or -1, result.version)
         else:
             self._part = result.version
-        self._mine |= {Path(path), Path(path).resolve()}
+        self._mine_steps.add(result.version)
         self._record(path, result)
         return result
 

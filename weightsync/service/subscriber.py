@@ -182,8 +182,8 @@ class Subscriber:
         self._superseded: tuple[int | None, float] | None = None
         self._errors = 0
         self._last_ledger = 0.0
-        self._ledger_written: tuple[bytes, ...] = ()  # the records this process wrote last (and tried to: an answer
-        # may be lost after the write landed); another record there: a clash
+        self._ledger_written: tuple[bytes, ...] = ()  # the record this process last wrote, and those it tried to
+        # write since (an answer lost after the write landed); another record there: a clash
         self.id_clash = False  # another subscriber writes the fleet record of this --id
         self._store_ok = False
         self._seed_failed: int | None = None  # the current version a standby copy failed for (not retried)
@@ -363,14 +363,17 @@ class Subscriber:
             return "ok"  # no call for it in this target folder's record: nothing failed
         return f"version {version} is served, but its swap hook failed: {rec.error}"
 
-    def target_outcome(self, target: Target, after: int | None = None) -> str | None:
+    def target_outcome(self, target: Target, head: int | None = None, after: int | None = None) -> str | None:
         """For ``PUT /v1/target?wait=``: ``ok`` once ``target`` is served and its hook succeeded (or there
         is none); why not, once its sync or hook failed (the sync is retried); None while under way.
-        Whether another call replaced the target is :meth:`target_replaced`'s answer; with ``after`` (a
-        :attr:`head_reads` count), ``latest`` is the head of a read after that one."""
+        Whether another call replaced the target is :meth:`target_replaced`'s answer. ``head``: the head
+        the call read, which ``latest`` means, or a newer one the loop read after the call (its
+        :attr:`head_reads` was ``after``) and serves."""
         desired = self.latest if target == LATEST else int(target)
-        if target == LATEST and after is not None and self.head_reads <= after:
-            return None  # the head the loop read before the call: it may have moved (or gone back) since
+        if target == LATEST and head is not None:  # the call's read: fresher than the loop's before the call
+            cur = self.view.current
+            moved_on = cur is not None and cur > head and cur == self.latest and self.head_reads > (after or 0)
+            desired = cur if moved_on else head  # (newer since, as the loop read it after the call, and served)
         if desired is None:
             return None
         if self.view.failed_version == desired:
@@ -994,9 +997,10 @@ class Subscriber:
             if not self._store_ok:
                 return
             await asyncio.to_thread(self._check_own_record, ident.id)
-            self._ledger_written = (*self._ledger_written[-7:], rec.to_json())  # a write whose answer is lost may land
+            landed, tried = self._ledger_written[:1], self._ledger_written[1:]
+            self._ledger_written = (*landed, *tried[-7:], rec.to_json())  # a write whose answer is lost may land
             await asyncio.to_thread(write_record, self.repo.store, rec)
-            self._ledger_written, self._last_ledger = self._ledger_written[-1:], now
+            self._ledger_written, self._last_ledger = (rec.to_json(),), now
         except WeightsyncError as exc:
             event(log, "could not write the fleet ledger", logging.WARNING, error=str(exc))
 

@@ -241,10 +241,10 @@ class Repo:
         ``whole``: start at the newest keyframe this store holds whole instead, walking past
         keyframes whose chunks it notes as not all copied (:meth:`lazy_chunks`, each note read
         after its manifest), so that their full payloads can be rebuilt from that keyframe and
-        the deltas (a keyframe's own deltas among them), however far back (gc keeps that far: with
-        ``--keyframe-payloads never`` the region's first keyframe). :class:`LazyChunksError` if there is
-        none; :class:`VersionError` if one on the way was collected. ``limit`` bounds the walk to
-        ``back_to``.
+        the deltas (a keyframe's own deltas among them). :class:`LazyChunksError` if there is none
+        within ``limit`` versions (a region mirrored with ``--keyframe-payloads never`` has only its
+        first keyframe whole: its chains grow with every version); :class:`VersionError` if one on
+        the way was collected.
         """
         out = [self.manifest(version)]
         while not out[-1].keyframe:
@@ -255,14 +255,19 @@ class Repo:
                     f"version {version} of {self.url} cannot be built: the version {out[-1].parent} it is a delta "
                     f"from is gone (collected); {exc}"
                 ) from None
+        past = 0  # versions walked past lazy keyframes
         while whole and self.lazy_chunks(out[-1].version):
-            if out[-1].parent is None:
-                raise LazyChunksError(f"version {version}: no keyframe of {self.url} before it is held whole", version)
+            if out[-1].parent is None or past >= limit:
+                far = f" within {limit} versions" if out[-1].parent is not None else ""
+                raise LazyChunksError(
+                    f"version {version}: no keyframe of {self.url}{far} before it is held whole", version
+                )
             while True:  # to the keyframe before, each manifest still stored (the cache cannot tell)
                 parent = out[-1].parent
                 if self.store.head(version_key(parent)) is None:
                     raise VersionError(f"version {parent} does not exist in {self.url} (collected)")
                 out.append(self.manifest(parent))
+                past += 1
                 if out[-1].keyframe:
                     break
         to_keyframe = len(out)

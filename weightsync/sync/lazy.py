@@ -122,7 +122,7 @@ def plan_reads(
         return plan, Reads(lazy.fallback, frozenset(used)) if used else NO_LAZY
     except LazyChunksError:
         pass
-    rebuilt_from = None
+    rebuilt_from, why = None, ""
     if lazy.mode != "fallback":
         keyframe = next(m.version for m in reversed(chain) if m.keyframe)  # the one the target builds on
         try:
@@ -131,8 +131,8 @@ def plan_reads(
             rebuilt_from = next(m.version for m in chain if m.keyframe)
             rebuilt_from = rebuilt_from if rebuilt_from < keyframe else None
             return settle(chain, False)[0], Reads(rebuilt_from=rebuilt_from)
-        except (LazyChunksError, VersionError, SignatureError):
-            pass  # no whole keyframe before it (or one on the way collected or refused), or still short
+        except (LazyChunksError, VersionError, SignatureError) as exc:
+            why = f" ({exc})"  # no whole keyframe before it (or one on the way collected or refused), or still short
     if use_fallback:
         plan, used = settle(chain, True)
         return plan, Reads(lazy.fallback, frozenset(used), rebuilt_from)
@@ -145,7 +145,7 @@ def plan_reads(
         options = "use --lazy-chunks auto or fallback with --fallback-store URL (e.g. the source region)"
     raise LazyChunksError(
         f"version {version} needs {len(missing)} chunk(s) that {repo.url} has not copied yet (a mirror "
-        f"copies keyframe full payloads lazily) and cannot rebuild from a keyframe it holds whole; "
+        f"copies keyframe full payloads lazily) and cannot rebuild from a keyframe it holds whole{why}; "
         f"{options}, or pull again once they arrive",
         version,
         frozenset(missing),
