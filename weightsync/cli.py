@@ -537,6 +537,7 @@ def _run_daemon(cfg) -> int:
 def cmd_fleet(args) -> int:
     import time
 
+    from weightsync.service.config import StoreConfig
     from weightsync.sync.fleet import format_fleet, read_fleet, read_fleets
 
     if not args.expire_after > 0:
@@ -550,7 +551,8 @@ def cmd_fleet(args) -> int:
     repos = []
     for i, url in enumerate(stores):
         endpoint = endpoints[i] if len(endpoints) == len(stores) else (endpoints or [None])[0]
-        repo = open_repo(url, **({"endpoint_url": endpoint} if endpoint else {}))
+        timeouts = {k: getattr(args, f"s3_{k}") for k in ("connect_timeout", "read_timeout")}
+        repo = open_repo(url, **StoreConfig(url, endpoint, **timeouts).options())
         repo.require()
         repos.append(repo)
     options = {"expire_after": args.expire_after, "everyone": args.all}
@@ -564,6 +566,11 @@ def _add_store(p: argparse.ArgumentParser, environ: Mapping[str, str] | None = N
     """``--store`` and ``--endpoint-url``; with ``environ``, with environment defaults (deployed jobs)."""
     env_argument(p, environ, "--store", required=True, help="file:///abs/path, a plain path, or s3://bucket/prefix")
     env_argument(p, environ, "--endpoint-url", help="S3 endpoint (default: boto3's, e.g. AWS_ENDPOINT_URL)")
+    _add_s3_timeouts(p, environ)
+
+
+def _add_s3_timeouts(p: argparse.ArgumentParser, environ: Mapping[str, str] | None) -> None:
+    """A command's ``--s3-connect-timeout`` and ``--s3-read-timeout`` (the daemons' are in service.flags)."""
     for what, default, help_ in (
         ("connect", S3_CONNECT_TIMEOUT, "to connect to an S3 endpoint"),
         ("read", S3_READ_TIMEOUT, "an S3 request may wait for the next bytes of its answer"),
@@ -687,7 +694,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     p = sub.add_parser("demo", help="generate, publish, pull and verify a small trajectory on a file store")
     p.add_argument("--workdir", help="where to put the trajectory, store and replica (default: a temp dir)")
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=256, help="model width (default 256: ~40 MB checkpoints)")
+    p.add_argument("--hidden", type=int, default=256, help="model width (default 256: ~36 MB checkpoints)")
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("mirror", help="copy versions into a regional store (chunks, manifest, head)")
     add = lambda *flags, **kw: env_argument(p, env, *flags, **kw)  # noqa: E731
@@ -767,6 +774,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         help="S3 endpoint (default: boto3's, e.g. AWS_ENDPOINT_URL); one for all stores, or one per --store "
         "in the same order (stores in regions with their own endpoints)",
     )
+    _add_s3_timeouts(p, env)
     add("--json", action="store_true", help="the fleet as JSON instead of a table")
     add(
         "--show-gone",

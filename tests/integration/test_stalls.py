@@ -111,3 +111,13 @@ def test_a_one_shot_pull_from_a_hung_store_fails_within_its_s3_timeouts(s3_url, 
     )
     assert r.returncode == 1 and len(r.stderr.splitlines()) == 1 and "HEAD" in r.stderr, r.stderr
     assert time.monotonic() - t0 < 40
+    t0 = time.monotonic()  # fleet, with its list of stores, too
+    r = subprocess.run(
+        [*cli, "fleet", "--store", s3_url, "--s3-read-timeout", "0.5", "--s3-connect-timeout", "0.5"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert r.returncode == 1 and len(r.stderr.splitlines()) == 1 and "HEAD" in r.stderr, r.stderr
+    assert time.monotonic() - t0 < 40
