@@ -50,6 +50,13 @@ def _subscriber(cls, store, tmp_path, **options) -> Subscriber:
     return cls(cfg, weightsync.open_repo(store), Metrics(CollectorRegistry(), "subscriber", subscriber="s1"))
 
 
+async def serving_the_head(sub: Subscriber) -> None:
+    """Start ``sub`` and run its first iteration: it serves version 1, the head of ``setup``'s store."""
+    await asyncio.to_thread(sub._startup)
+    await sub._iteration()
+    assert sub.view.current == 1
+
+
 def test_a_stop_requested_during_a_sync_does_not_swap(setup, tmp_path):
     store, traj = setup
     sub = _subscriber(StopDuringFill, store, tmp_path, pin=0)
@@ -107,9 +114,7 @@ def test_a_head_moved_back_is_followed_with_a_warning(setup, tmp_path, caplog):
     sub = _subscriber(Subscriber, store, tmp_path)
 
     async def main():
-        await asyncio.to_thread(sub._startup)
-        await sub._iteration()
-        assert sub.view.current == 1
+        await serving_the_head(sub)
         repo = weightsync.open_repo(store)
         repo.store.put(HEAD_KEY, head_to_json(0))
         with caplog.at_level(logging.WARNING, "weightsync.subscriber"):
@@ -156,9 +161,7 @@ def test_a_failed_iteration_says_so_in_the_reason(setup, tmp_path):
     sub = _subscriber(Subscriber, store, tmp_path)
 
     async def main():
-        await asyncio.to_thread(sub._startup)
-        await sub._iteration()
-        assert sub.view.current == 1
+        await serving_the_head(sub)
 
         def down():
             raise StoreError("the store is down")
