@@ -246,7 +246,7 @@ def _base_for(repo: Repo, parent: Manifest, base_dir: Path | None, cache_dir: Pa
                 clear_folder(cache_dir)
             try:
                 pull(repo, cache_dir, parent.version, config=cfg_pull, lock=held)
-            except OSError as exc:  # a full disk: name the folder (nothing is written to the store yet)
+            except OSError as exc:  # one that names no folder (pull names it for a full disk); nothing is stored yet
                 raise WeightsyncError(
                     f"could not bring the delta-base cache {cache_dir} to version {parent.version}: "
                     f"{exc.strerror or exc}; fix that folder, or publish with another --cache-dir or --no-cache"
