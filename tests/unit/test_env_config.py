@@ -484,3 +484,11 @@ def test_every_default_is_shown_in_help(command):
     for action in subparser(command)._actions:
         if action.option_strings and action.default not in (None, False, [], "", argparse.SUPPRESS):
             assert "default" in action.help, f"{command} {action.option_strings[0]}: {action.help!r}"
+
+
+def test_a_mirror_interval_of_zero_is_refused_naming_the_flag():
+    from weightsync.sync.mirror import MirrorConfig
+
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(UsageError, match=r"^--interval must be a number of seconds > 0, not "):
+            MirrorConfig(interval=bad)

@@ -90,7 +90,7 @@ class MirrorConfig:
         if self.concurrency < 1:
             raise UsageError(f"mirror concurrency must be at least 1, got {self.concurrency}")
         if not self.interval > 0:
-            raise UsageError(f"mirror interval must be positive, got {self.interval}")
+            raise UsageError(f"--interval must be a number of seconds > 0, not {self.interval:g}")
         if self.keyframe_payloads not in KEYFRAME_PAYLOADS:
             raise UsageError(
                 f"keyframe payloads must be one of {', '.join(KEYFRAME_PAYLOADS)}, got {self.keyframe_payloads!r}"
