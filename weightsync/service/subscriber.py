@@ -997,10 +997,11 @@ class Subscriber:
             if not self._store_ok:
                 return
             await asyncio.to_thread(self._check_own_record, ident.id)
+            doc = rec.to_json()
             landed, tried = self._ledger_written[:1], self._ledger_written[1:]
-            self._ledger_written = (*landed, *tried[-7:], rec.to_json())  # a write whose answer is lost may land
+            self._ledger_written = (*landed, *tried[-7:], doc)  # a write whose answer is lost may land
             await asyncio.to_thread(write_record, self.repo.store, rec)
-            self._ledger_written, self._last_ledger = (rec.to_json(),), now
+            self._ledger_written, self._last_ledger = (doc,), now
         except WeightsyncError as exc:
             event(log, "could not write the fleet ledger", logging.WARNING, error=str(exc))
 
@@ -1014,6 +1015,8 @@ class Subscriber:
             stored = self.repo.store.get(record_key(sub_id))
         except NotFoundError:
             stored = None  # removed (by hand, or an expired record's clean-up): not a clash
+        except WeightsyncError:
+            return  # unread: the write goes on (the check is a diagnostic), the clash as it was
         clash = stored is not None and stored not in self._ledger_written
         if clash and not self.id_clash:
             event(
