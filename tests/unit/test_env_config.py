@@ -476,6 +476,9 @@ def test_the_operations_table_of_variables_is_the_parsers():
         "WEIGHTSYNC_HEALTHCHECK_URLS",
     ):
         assert f"`{var}`" in rendered, var
+    # a variable several commands share shows each one's help where they differ (the mirror's default)
+    (row,) = [line for line in rendered.splitlines() if line.startswith("| `WEIGHTSYNC_CONCURRENCY`")]
+    assert "(default 32)" in row and "(default 64" in row and "(mirror)" in row
 
 
 @pytest.mark.parametrize("command", ENV_COMMANDS)
