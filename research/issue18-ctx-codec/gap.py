@@ -187,7 +187,9 @@ def pair_report(old, new):
     for b in sorted(bands):
         r, nib, syms, gaps = bands[b]
         lo, hi = b / 8, (b + 1) / 8 if b < 3 else 0.5
-        print(f"    density {lo:.3f}-{hi:.3f}: Rice {bits(r)} nibbles {bits(nib)} ({nib / r:.4f}); {syms / gaps:.2f} symbols a gap")
+        print(
+            f"    density {lo:.3f}-{hi:.3f}: Rice {bits(r)} nibbles {bits(nib)} ({nib / r:.4f}); {syms / gaps:.2f} symbols a gap"
+        )
     print("  exceptions:", {k: bits(v) if isinstance(v, float) else v for k, v in exc.items()})
     print("  values, static entropy:", {k: bits(v) for k, v in vals.items()})
     print("  values, alphabet size before the escape (symbols + escapes):", {s: bits(v) for s, v in alph.items()})
