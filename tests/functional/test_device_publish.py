@@ -146,6 +146,51 @@ def test_folder_mode_and_cache_dir_give_the_same_versions(tmp_path):
     weightsync.verify(tmp_path / "c", tmp_path / "cache", 4)
 
 
+def test_a_direct_publish_holds_its_cache_and_empties_it_when_it_cannot_take_the_version(tmp_path, monkeypatch, caplog):
+    """The direct route claims the cache as a publish does: a cache another process holds is refused
+    before anything is written, and one that cannot take the committed version (a full disk) is
+    emptied with a warning (it was left half written for the next claim to clear), the version
+    stored; the next publish pulls its base there, and every version is exact."""
+    import errno
+    import logging
+    import os
+
+    import weightsync.local.base as base_module
+    from weightsync.errors import WeightsyncError
+    from weightsync.local.lock import FolderLock
+    from weightsync.local.state import read_state
+
+    trainer, store, cache = Trainer(), tmp_path / "store", tmp_path / "cache"
+    states, expected = [], []  # (the trainer's tensors change in place: each state's bytes are kept)
+    with StateDictPublisher(store, work_dir=tmp_path / "w", cache_dir=cache, device_diff=True) as pub:
+        states.append(trainer.state(0))
+        expected.append(dump(states[-1], tmp_path / "ref0"))
+        pub.publish(states[-1])
+        states.append(trainer.state(1))
+        expected.append(dump(states[-1], tmp_path / "ref1"))
+        with FolderLock(cache, "another publish"), pytest.raises(WeightsyncError, match="another publish"):
+            pub.publish(states[-1])
+        assert weightsync.versions(store)[-1].version == 0
+        real = base_module.install
+
+        def full_disk(folder, *args, **kwargs):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(base_module, "install", full_disk)
+        with caplog.at_level(logging.WARNING, "weightsync.publish"):
+            r = pub.publish(states[-1])
+        assert r.version == 1 and r.route == "direct"
+        assert f"the delta-base cache {cache} could not take it (No space left on device); emptied it" in caplog.text
+        assert read_state(cache) is None
+        monkeypatch.setattr(base_module, "install", real)
+        states.append(trainer.state(2))
+        expected.append(dump(states[-1], tmp_path / "ref2"))
+        assert pub.publish(states[-1]).version == 2 and read_state(cache).version == 2
+    for v, data in enumerate(expected):
+        weightsync.pull(store, tmp_path / f"v{v}", v)
+        assert (tmp_path / f"v{v}/model.safetensors").read_bytes() == data
+
+
 def test_a_failed_publish_leaves_everything_consistent(tmp_path):
     """A version conflict and an upload failure after the mirror was patched: the store is
     unchanged, the mirror is undone, the next publish copies every tensor once and is exact."""

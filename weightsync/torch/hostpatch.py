@@ -35,6 +35,7 @@ from weightsync.sync.publish import (
     NewVersion,
     PublishConfig,
     PublishResult,
+    cache_claim,
     cache_version,
     encode_and_commit,
     next_version,
@@ -342,12 +343,14 @@ def publish_changes(
     version = next_version(repo, head, version)
     parent = repo.manifest(head)
     keyframe = parent.chain_length + 1 >= config.keyframe_interval
-    op = Operation(observer)
-    encoder = _ChangeEncoder(config, files, base_dir, changes, keyframe)
-    if base_dir is not None:
-        _check_base(base_dir, parent)
-        encoder.seconds["verify_base"] = op.elapsed()
-    result, manifest = encode_and_commit(repo, files, NewVersion(version, parent, keyframe, etag), encoder, config, op)
-    if cache_dir is not None:
-        cache_version(Path(cache_dir), manifest, src, repo.url, None)
+    with cache_claim(cache_dir, src) as lock:  # as publish's: refused or busy before anything is written
+        op = Operation(observer)
+        encoder = _ChangeEncoder(config, files, base_dir, changes, keyframe)
+        if base_dir is not None:
+            _check_base(base_dir, parent)
+            encoder.seconds["verify_base"] = op.elapsed()
+        new = NewVersion(version, parent, keyframe, etag)
+        result, manifest = encode_and_commit(repo, files, new, encoder, config, op)
+        if cache_dir is not None:
+            cache_version(Path(cache_dir), manifest, src, repo.url, lock)
     return result
