@@ -240,6 +240,50 @@ def test_a_publish_whose_chunks_gc_took_before_its_commit_commits_nothing(trajec
     ws.assert_replica(tmp_path / "out", trajectory[0])
 
 
+@pytest.mark.parametrize("multi_rank", [False, True], ids=["publish", "ranks"])
+def test_a_fresh_chunk_gc_took_while_the_manifest_was_written_is_not_left_committed(
+    trajectory, tmp_path, monkeypatch, ws, multi_rank
+):
+    """A gc that took a chunk younger than ``refresh_after`` for an abandoned upload's (a grace
+    shorter than the publish, or a store clock ahead of its writer's), while the manifest was being
+    written (after the touch before the commit): the commit exited 0 on a version no pull could
+    build. Now the head goes back, the manifest goes, the publish fails saying why, and the next
+    publish is whole."""
+    from weightsync.errors import VersionError
+    from weightsync.format.keys import parse_version_key
+
+    store = tmp_path / "store"
+    r = weightsync.open_repo(store)
+    weightsync.publish(trajectory[0], r)
+    real_put, taken = FileStore.put, []
+
+    def put_while_gc_runs(self, key, data, *, mode="overwrite"):
+        out = real_put(self, key, data, mode=mode)
+        if parse_version_key(key) == 1 and not taken:  # gc deletes one of version 1's new chunks
+            fresh = sorted({c.id for c in r.manifest(1).chunks} - {c.id for c in r.manifest(0).chunks})
+            taken.append(fresh[0])
+            self.delete(chunk_key(fresh[0]))
+        return out
+
+    monkeypatch.setattr(FileStore, "put", put_while_gc_runs)
+    if multi_rank:
+        from weightsync.sync.parts import commit_parts, publish_part
+
+        publish_part(trajectory[1], r, rank=0, world=1)
+        with pytest.raises(VersionError, match="deleted before its commit finished .* the head is back at 0"):
+            commit_parts(r, 1, world=1)
+    else:
+        with pytest.raises(VersionError, match="deleted before its commit finished .* the head is back at 0"):
+            weightsync.publish(trajectory[1], r)
+    assert taken and r.head_version() == 0 and r.versions() == [0]
+    assert not (store / version_key(1)).exists()
+    monkeypatch.setattr(FileStore, "put", real_put)
+    assert weightsync.publish(trajectory[1], r).version == 1
+    for v in (0, 1):
+        weightsync.pull(r, tmp_path / f"out{v}", v, config=weightsync.PullConfig(fsync=False))
+        ws.assert_replica(tmp_path / f"out{v}", trajectory[v])
+
+
 def test_only_chunks_stored_before_refresh_after_are_touched_again_at_the_commit(trajectory, tmp_path, monkeypatch):
     touched = []
     real_touch = FileStore.touch

@@ -399,9 +399,21 @@ class Repo:
         verify_chunk(f"{self.url}/{key}", chunk_id, size, data)
         return data
 
-    def commit(self, manifest: Manifest, expected_head: str | None, signing_key: SigningKey | None = None) -> None:
+    def commit(
+        self,
+        manifest: Manifest,
+        expected_head: str | None,
+        signing_key: SigningKey | None = None,
+        check_chunks: Iterable[str] = (),
+    ) -> None:
         """Write the manifest (create-only), then, with ``signing_key``, its signatures
         (docs/FORMAT.md section 7: of the bytes stored), then move the head to it if it is newer.
+
+        ``check_chunks``: ids of chunks the caller stored for this version and has not checked since
+        (one HEAD request each, right after the head moved): if one is gone (a gc whose grace, or
+        whose view of the store's clock, took it for an abandoned upload's), the head is moved back
+        and the manifest removed, and :class:`VersionError` says so: a version listed that no pull
+        can build is never left behind when it can be seen.
 
         A manifest already stored under the version is accepted when it describes the same files
         from the same parent: our own write whose answer was lost and retried, or a re-publish of
@@ -447,6 +459,8 @@ class Repo:
                         f"version {v} of {self.url} was collected by gc before the head moved to it (this publish "
                         f"stalled longer than gc's grace period); the head is back at {replaced}: publish again"
                     )
+                if gone := self._gone_chunks(check_chunks):
+                    self._uncommit(v, replaced, signing_key, gone)
                 return
             except PreconditionFailedError:
                 current, etag = self.head()
@@ -475,14 +489,57 @@ class Repo:
                 "version %d of %s: could not check it is still stored after its commit: %s", version, self.url, exc
             )
             return False
-        current, etag = self.head()
-        if current == version:
-            if replaced is None:
-                self.store.delete(HEAD_KEY)
-            else:
-                with contextlib.suppress(PreconditionFailedError):
-                    self.store.put_if_match(HEAD_KEY, head_to_json(replaced), etag)
+        self._head_back(version, replaced)
         return True
+
+    def _uncommit(self, v: int, replaced: int | None, signing_key: SigningKey | None, gone: list[str]) -> None:
+        """Version ``v`` was just made the head, but its chunks ``gone`` are not stored: move the head
+        back to ``replaced`` and remove the manifest (above the head again), then raise. If the head
+        has moved on in the meantime, nothing is removed (a later version may build on ``v``)."""
+        what = f"chunk {gone[0]}" + (f" and {len(gone) - 1} more" if len(gone) > 1 else "")
+        why = (
+            f"version {v} of {self.url}: {what} of this publish was deleted before its commit finished (gc ran "
+            "with a grace shorter than the publish took, or saw the store's clock ahead of its writer's)"
+        )
+        if not self._head_back(v, replaced):
+            log.error("%s, and the head has moved on: pulls of version %d fail until a keyframe", why, v)
+            raise VersionError(f"{why}; the head has moved on past it")
+        with contextlib.suppress(StoreError):  # else gc removes it, as an abandoned publish's
+            self.store.delete(version_key(v))
+            if signing_key is not None:
+                self.store.delete(signature_key(v))
+        raise VersionError(f"{why}; the head is back at {replaced}: publish again")
+
+    def _head_back(self, version: int, replaced: int | None) -> bool:
+        """Move the head from ``version`` back to ``replaced`` if it still names ``version``; whether it did."""
+        current, etag = self.head()
+        if current != version:
+            return False
+        if replaced is None:
+            self.store.delete(HEAD_KEY)
+            return True
+        try:
+            self.store.put_if_match(HEAD_KEY, head_to_json(replaced), etag)
+        except PreconditionFailedError:
+            return False
+        return True
+
+    def _gone_chunks(self, ids: Iterable[str]) -> list[str]:
+        """Those of the chunks ``ids`` that are not stored (HEAD requests, 16 at a time); a chunk whose
+        check fails counts as stored (the version is committed unless shown otherwise)."""
+        ids = sorted(set(ids))
+
+        def gone(chunk_id: str) -> bool:
+            try:
+                return self.store.head(chunk_key(chunk_id)) is None
+            except StoreError as exc:
+                log.warning("chunk %s of %s: could not check it is still stored: %s", chunk_id, self.url, exc)
+                return False
+
+        if len(ids) <= 1:
+            return [c for c in ids if gone(c)]
+        with ThreadPoolExecutor(min(16, len(ids)), thread_name_prefix="ws-check") as pool:
+            return [c for c, g in zip(ids, pool.map(gone, ids)) if g]
 
     def _same_version(self, manifest: Manifest) -> bytes | None:
         """The stored manifest of ``manifest.version`` if it is above the head and describes the same

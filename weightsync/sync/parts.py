@@ -469,8 +469,9 @@ def commit_parts(
     if signing_key is not None:  # parts made without SHA-256 digests: no use waiting for them either
         with _refusing(repo, version, world, parts, also=(UsageError,)):
             check_signable(manifest)
+    fresh = {c.id for c in manifest.chunks} - ({c.id for c in parent.chunks} if parent is not None else set())
     try:
-        repo.commit(manifest, etag, signing_key)
+        repo.commit(manifest, etag, signing_key, fresh)  # the ranks' new chunks are checked once committed
     except VersionError:
         now = repo.head_version()
         if now is None or now < version:

@@ -511,10 +511,10 @@ class Encoded:
     stored_at: dict[str, float] = field(default_factory=dict)  # chunk id -> monotonic time stored or touched
     refresh_after: float = REFRESH_AFTER
 
-    def refresh(self, repo: Repo) -> int:
+    def refresh(self, repo: Repo) -> set[str]:
         """Touch the chunks stored more than ``refresh_after`` seconds ago, right before they are
         committed (:mod:`weightsync.sync.gc` spares chunks younger than its grace). Raises
-        :class:`VersionError`, committing nothing, if gc already took one. Returns how many."""
+        :class:`VersionError`, committing nothing, if gc already took one. Returns their ids."""
         now, old = time.monotonic(), []
         for c in self.chunks:
             at = self.stored_at.get(c.id)
@@ -528,7 +528,11 @@ class Encoded:
                     f"chunk {c.id} of this publish was deleted before its commit (gc ran with a "
                     f"grace shorter than the publish); nothing was committed: publish again"
                 ) from None
-        return len(old)
+        return {c.id for c in old}
+
+    def unchecked(self, touched: set[str]) -> list[str]:
+        """The ids of the chunks a touch did not just check (the commit checks they are still stored)."""
+        return [c.id for c in self.chunks if c.id not in touched]
 
     @property
     def stats(self) -> dict[str, int]:
@@ -582,8 +586,8 @@ def commit_encoded(
     )
     seconds = dict(enc.seconds)
     t_c = time.perf_counter()
-    enc.refresh(repo)
-    repo.commit(manifest, new.etag, signing_key)
+    touched = enc.refresh(repo)
+    repo.commit(manifest, new.etag, signing_key, enc.unchecked(touched))
     seconds["commit"] = time.perf_counter() - t_c
     seconds["total"] = op.elapsed()
     result = PublishResult(
