@@ -296,6 +296,24 @@ def test_bad_store_urls(tmp_path, run_cli, ws):
         assert says in line, line
 
 
+def test_store_urls_with_a_typo_in_the_scheme_are_refused(trajectory, tmp_path, run_cli, ok_cli, ws):
+    """``s3:bucket/run``, ``s3:/bucket/run`` and ``file:/x`` published "successfully" into folders of
+    those names under the working directory (nothing reached the store); an ``s3://`` prefix with a
+    tab or newline was stored without it. Each is one line now, and nothing is written; a folder whose
+    name has a ':' is still a folder, written ``./name``."""
+    work = tmp_path / "cwd"
+    work.mkdir()
+    for url in ("s3:wbucket/run", "s3:/wbucket/run", "file:/tmp/x", "S3:wbucket"):
+        rc, _, err = run_cli("publish", trajectory[0], "--store", url, cwd=work)
+        assert rc != 0 and "is neither s3://bucket/prefix nor file:///path" in ws.error_line(err), err
+    for url in ("s3://wbucket/tab\trun", "s3://wbucket/new\nline"):
+        rc, _, err = run_cli("publish", trajectory[0], "--store", url, cwd=work)
+        assert rc != 0 and "holds a control character" in ws.error_line(err), err
+    assert list(work.iterdir()) == []
+    ok_cli("publish", trajectory[0], "--store", "./s3:local", cwd=work)
+    assert (work / "s3:local" / "HEAD").is_file() and "0" in ok_cli("versions", "--store", "./s3:local", cwd=work)
+
+
 # --- versions that do not exist, folders weightsync does not own ----------------------------------
 def test_pull_missing_version(world, tmp_path, run_cli, ws):
     store, _, out = world

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 from weightsync.errors import UsageError
@@ -17,10 +19,12 @@ def open_store(url: str | Path, **options) -> Store:
 
     ``options`` go to the backend (for s3: ``endpoint_url``, ``max_concurrency``...).
     """
-    url = str(url)
+    given_path, url = isinstance(url, os.PathLike), str(url)
     if not url:
         raise UsageError("store URL is empty")
     if url.startswith("s3://"):
+        if bad := next((c for c in url if ord(c) < 32 or ord(c) == 127), None):  # (urlsplit drops tabs and newlines)
+            raise UsageError(f"store URL {url!r} holds a control character ({bad!r})")
         from weightsync.store.s3 import S3Store
 
         return S3Store.from_url(url, **options)
@@ -33,4 +37,8 @@ def open_store(url: str | Path, **options) -> Store:
         return FileStore(path, **options)
     if "://" in url:
         raise UsageError(f"unsupported store URL scheme: {url}")
+    if not given_path and re.match(r"[A-Za-z][A-Za-z0-9+.-]*:", url):  # s3:bucket, file:/x: a typo, not a folder
+        raise UsageError(
+            f"store URL {url} is neither s3://bucket/prefix nor file:///path (a folder whose name has a ':' is ./{url})"
+        )
     return FileStore(Path(url), **options)
