@@ -314,6 +314,56 @@ def test_store_urls_with_a_typo_in_the_scheme_are_refused(trajectory, tmp_path, 
     assert (work / "s3:local" / "HEAD").is_file() and "0" in ok_cli("versions", "--store", "./s3:local", cwd=work)
 
 
+@pytest.mark.parametrize("answer", ["portal", "redirect"])
+def test_an_endpoint_that_is_no_s3_server_is_one_line(answer, tmp_path, cli_env, ws):
+    """A captive portal (200 with an HTML page, no ETag) gave a traceback ending in ``KeyError:
+    'ETag'``; an endpoint answering 302 to itself a ``RecursionError`` of ~3,000 lines. Each is one
+    line saying the endpoint seems no S3 server, exit 1."""
+    import http.server
+    import subprocess
+    import sys
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _answer(self):
+            if answer == "redirect":
+                self.send_response(302)
+                self.send_header("Location", f"http://127.0.0.1:{self.server.server_port}{self.path}")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            body = b"<html><body>Sign in to the hotel wifi</body></html>"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+
+        do_GET = do_HEAD = do_PUT = do_POST = _answer
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    env = dict(cli_env, AWS_ACCESS_KEY_ID="k", AWS_SECRET_ACCESS_KEY="s", AWS_DEFAULT_REGION="us-east-1")
+    url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "weightsync.cli", "versions", "--store", "s3://b/run", "--endpoint-url", url],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        server.shutdown()
+    assert r.returncode == 1, r.stderr
+    line = ws.error_line(r.stderr)
+    assert "is the endpoint an S3 server?" in line or "is it an S3 server?" in line, line
+
+
 # --- versions that do not exist, folders weightsync does not own ----------------------------------
 def test_pull_missing_version(world, tmp_path, run_cli, ws):
     store, _, out = world

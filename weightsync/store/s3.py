@@ -172,6 +172,10 @@ class S3Store(Store):
             ) from exc
         except BotoCoreError as exc:  # no credentials, invalid parameters...
             raise self._error(op, key, f"{type(exc).__name__}: {_one_line(exc)}") from exc
+        except KeyError as exc:  # an answer without a field S3 servers send (a captive portal's page, no ETag)
+            raise self._error(op, key, f"the answer has no {exc.args[0]}: is the endpoint an S3 server?") from exc
+        except RecursionError as exc:  # botocore follows a 3xx answer by recursion
+            raise self._error(op, key, "the endpoint redirects without end: is it an S3 server?") from exc
 
     def _client_error(self, op, key, exc: ClientError, conflict) -> StoreError:
         code, status = _code_status(exc)
@@ -428,7 +432,7 @@ class S3Store(Store):
             body = read_part(offset, length)
             with self._errors(f"PUT (part {number})", key):
                 resp = self._client.upload_part(**obj, PartNumber=number, Body=body, ChecksumAlgorithm="CRC32")
-            part = {"PartNumber": number, "ETag": resp["ETag"]}
+                part = {"PartNumber": number, "ETag": resp["ETag"]}
             part.update({k: resp[k] for k in _CHECKSUM_FIELDS if k in resp})
             return part
 
