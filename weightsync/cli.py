@@ -429,8 +429,16 @@ def _ranges(versions: list[int]) -> str:
 
 def cmd_gc(args) -> int:
     from weightsync.sync.gc import GcConfig, gc
+    from weightsync.sync.publish import REFRESH_AFTER
 
     cfg = GcConfig(keep=args.keep, grace_seconds=args.grace_seconds, dry_run=args.dry_run)
+    if cfg.grace_seconds < REFRESH_AFTER and not cfg.dry_run:
+        print(
+            f"gc {args.store}: warning: a grace of {cfg.grace_seconds:g}s is below publishers' refresh_after "
+            f"({REFRESH_AFTER:g}s): the chunks of a publish in flight may be deleted (it then fails and publishes "
+            "again); use it when no publisher runs",
+            file=sys.stderr,
+        )
     r = gc(_repo(args), cfg)
     verb = "would delete" if r.dry_run else "deleted"
     print(
@@ -450,6 +458,12 @@ def cmd_gc(args) -> int:
         print(
             f"gc {args.store}: left {r.foreign_objects} objects under chunks/ that are no chunks (not weightsync's; "
             "another store inside this one?)",
+            file=sys.stderr,
+        )
+    if r.partial_writes:
+        print(
+            f"gc {args.store}: {verb} {r.partial_writes} unfinished uploads of killed writers (temporary files, "
+            "multipart uploads) older than the grace",
             file=sys.stderr,
         )
     if r.deleted_parts or r.pending_parts:
@@ -475,6 +489,7 @@ def cmd_gc(args) -> int:
                 "lazy_chunks": r.lazy_chunks,
                 "deleted_notes": r.deleted_notes,
                 "foreign_objects": r.foreign_objects,
+                "partial_writes": r.partial_writes,
                 "dry_run": r.dry_run,
             }
         )

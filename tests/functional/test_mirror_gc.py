@@ -343,6 +343,25 @@ def test_gc_deletes_only_chunk_keys_under_chunks(published, tmp_path, ok_cli, ws
     assert_versions_pull(repo(store), traj, tmp_path, ws)
 
 
+def test_gc_says_a_short_grace_is_unsafe_and_counts_the_killed_writers_leftovers(published, run_cli, ws):
+    """A grace below publishers' ``refresh_after`` was taken silently (docs require more; a publish in
+    flight may lose its chunks): a warning says so. The leftovers of killed writers gc removes were
+    counted nowhere the operator sees: the JSON and a line give them."""
+    store, traj = published
+    from weightsync.store.file import _TEMP_PREFIX
+
+    (store / "chunks" / f"{_TEMP_PREFIX}killed").write_bytes(b"half a chunk")
+    age_all(store)
+    rc, stdout, err = run_cli("gc", "--store", f"file://{store}", "--keep", 1, "--grace-seconds", 10)
+    assert rc == 0, err
+    assert "warning: a grace of 10s is below publishers' refresh_after (900s)" in err
+    assert json.loads(stdout)["partial_writes"] == 1 and "deleted 1 unfinished uploads of killed writers" in err
+    assert not (store / "chunks" / f"{_TEMP_PREFIX}killed").exists()
+    rc, stdout, err = run_cli("gc", "--store", f"file://{store}", "--keep", 1)  # the default: no warning
+    assert rc == 0 and "warning" not in err and json.loads(stdout)["partial_writes"] == 0
+    assert_versions_pull(repo(store), traj, store.parent / "pulled", ws)
+
+
 def test_gc_keeps_manifests_above_the_head_until_abandoned(published, tmp_path, ws):
     """A publish that stored its manifest but has not moved the head yet keeps its chunks; once
     older than the grace period it is abandoned (it blocks its version number) and removed."""
