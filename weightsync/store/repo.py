@@ -525,7 +525,7 @@ class Repo:
         return True
 
     def _gone_chunks(self, ids: Iterable[str]) -> list[str]:
-        """Those of the chunks ``ids`` that are not stored (HEAD requests, 16 at a time); a chunk whose
+        """Those of the chunks ``ids`` that are not stored (HEAD requests, 32 at a time); a chunk whose
         check fails counts as stored (the version is committed unless shown otherwise)."""
         ids = sorted(set(ids))
 
@@ -538,7 +538,7 @@ class Repo:
 
         if len(ids) <= 1:
             return [c for c in ids if gone(c)]
-        with ThreadPoolExecutor(min(16, len(ids)), thread_name_prefix="ws-check") as pool:
+        with ThreadPoolExecutor(min(32, len(ids)), thread_name_prefix="ws-check") as pool:
             return [c for c, g in zip(ids, pool.map(gone, ids)) if g]
 
     def _same_version(self, manifest: Manifest) -> bytes | None:
