@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from weightsync.errors import VersionError
+from weightsync.errors import StoreError, VersionError
 from weightsync.format.keys import version_key
 from weightsync.format.manifest import Manifest
 from weightsync.store import MemoryStore
@@ -84,3 +84,56 @@ def test_a_newer_version_moves_the_head_past_a_stale_tag(repo):
     repo.commit(_manifest(4, 3), seen)  # stale tag: the head is 3 now, and 4 is above it
     assert repo.head_version() == 4
     assert repo.versions() == [0, 2, 3, 4]
+
+
+class FailingStore(MemoryStore):
+    """A memory store whose writes of ``key`` fail ``times`` times (a full disk: not retryable, it
+    did not land; or ``retryable``: a timeout, which may have)."""
+
+    def __init__(self):
+        super().__init__()
+        self.key, self.times, self.retryable = None, 0, False
+
+    def _fail(self, key):
+        if key == self.key and self.times > 0:
+            self.times -= 1
+            err = StoreError(f"memory: {key}: No space left on device", key=key)
+            err.retryable = self.retryable
+            raise err
+
+    def put(self, key, data, *, mode="overwrite"):
+        self._fail(key)
+        super().put(key, data, mode=mode)
+
+    def put_if_match(self, key, data, etag):
+        self._fail(key)
+        super().put_if_match(key, data, etag)
+
+
+@pytest.mark.parametrize("at", ["head", "signature"])
+def test_a_commit_whose_head_or_signature_write_failed_outright_leaves_no_manifest(at):
+    """The head (or signature) write refused for space: the manifest stayed above the head, every
+    later publish of another checkpoint failed ("already exists above its head") until gc's grace
+    ran out, and one published past it as the error advised listed the failed version (unsigned,
+    refused by trusted readers). It is removed now; after a timeout (the write may have landed) it
+    stays, for the same publish to finish."""
+    from weightsync.format.keys import HEAD_KEY, signature_key
+    from weightsync.store.signing import SigningKey
+
+    r = Repo(FailingStore())
+    r.init()
+    r.commit(_manifest(0, None), None)
+    key = SigningKey.generate() if at == "signature" else None
+    r.store.key, r.store.times = (HEAD_KEY if at == "head" else signature_key(1)), 1
+    with pytest.raises(StoreError, match="No space"):
+        r.commit(_manifest(1, 0), r.head()[1], key)
+    assert r.head_version() == 0 and r.store.head(version_key(1)) is None and r.store.head(signature_key(1)) is None
+    other = Manifest(1, 0, False, 1, (), (), stats={"changed": 1})  # another checkpoint, same number
+    r.commit(other, r.head()[1], key)
+    assert r.head_version() == 1 and r.versions() == [0, 1]
+    r.store.key, r.store.times, r.store.retryable = HEAD_KEY, 1, True
+    with pytest.raises(StoreError):
+        r.commit(_manifest(2, 1), r.head()[1], key)
+    assert r.store.head(version_key(2)) is not None  # kept: the same publish again finishes it
+    r.commit(_manifest(2, 1), r.head()[1], key)
+    assert r.head_version() == 2

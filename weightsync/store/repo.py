@@ -449,11 +449,23 @@ class Repo:
                 ) from None
             created = False
         if signing_key is not None:  # after the manifest: only the owner of version v signs it
-            self.store.put(signature_key(v), signing_key.sign(v, data), mode="overwrite")
+            try:
+                self.store.put(signature_key(v), signing_key.sign(v, data), mode="overwrite")
+            except StoreError:
+                if created:  # nothing points at it yet
+                    self._drop_manifest(v, signing_key)
+                raise
         etag, replaced = expected_head, head
         for _ in range(100):
             try:
-                self.store.put_if_match(HEAD_KEY, head_to_json(v), etag)
+                try:
+                    self.store.put_if_match(HEAD_KEY, head_to_json(v), etag)
+                except PreconditionFailedError:
+                    raise
+                except StoreError as exc:
+                    if created and not exc.retryable:  # refused (a full disk, access denied): it did not land
+                        self._drop_manifest(v, signing_key)
+                    raise
                 if self.head_on_collected(v, replaced):
                     raise VersionError(
                         f"version {v} of {self.url} was collected by gc before the head moved to it (this publish "
@@ -491,6 +503,17 @@ class Repo:
             return False
         self._head_back(version, replaced)
         return True
+
+    def _drop_manifest(self, v: int, signing_key: SigningKey | None) -> None:
+        """Remove the manifest (and signature) this commit wrote when its head write failed outright: left
+        above the head, it made every later publish of another checkpoint fail ("already exists above
+        its head") until gc's grace ran out, and one published past it listed the failed version."""
+        try:
+            self.store.delete(version_key(v))
+            if signing_key is not None:
+                self.store.delete(signature_key(v))
+        except StoreError as exc:
+            log.warning("version %d of %s: its commit failed, and its manifest stays: %s", v, self.url, exc)
 
     def _uncommit(self, v: int, replaced: int | None, signing_key: SigningKey | None, gone: list[str]) -> None:
         """Version ``v`` was just made the head, but its chunks ``gone`` are not stored: move the head
