@@ -768,3 +768,45 @@ def test_a_publish_cache_that_is_not_weightsyncs_is_left_as_it_is(published, tmp
         r = weightsync.publish(ckpts[1], store, base_dir=ckpts[0], cache_dir=cache)
     assert r.version == 1 and f"the delta-base cache {cache} was left as it is" in caplog.text
     assert sorted(str(p.relative_to(cache)) for p in cache.rglob("*")) == before
+
+
+def test_a_full_disk_under_a_claim_or_a_state_write_leaves_nothing_behind(tmp_path, monkeypatch):
+    """A full disk: the lock's holder name could not be written, which failed every claim (so every
+    publish with a cache or state folder there) with a line naming no folder, and left the lock file
+    and the folders the claim made; a state write left its temporary file (one per API call on a full
+    subscriber). The claim now holds without the name, and the write removes its temporary file.
+    A file store's own lock that cannot be made is a store error naming it (the mirror's loop ended
+    on the raw OSError)."""
+    import errno
+
+    import weightsync.local.lock as lock_module
+    import weightsync.local.state as state_module
+    from weightsync.errors import StoreError
+    from weightsync.local.lock import FolderBusyError, FolderLock
+    from weightsync.local.state import write_json_atomic
+    from weightsync.store import FileStore
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    folder = tmp_path / "a" / "cache"
+    with monkeypatch.context() as m:
+        m.setattr(lock_module.os, "pwrite", full)
+        with FolderLock(folder, "weightsync publish"):
+            with pytest.raises(FolderBusyError, match="in use by another process"):
+                FolderLock(folder, "another").acquire()
+    assert not (tmp_path / "a").exists()  # the claim made both folders: both gone
+    target = tmp_path / "state" / "target.json"
+    target.parent.mkdir()
+    with monkeypatch.context() as m:
+        m.setattr(state_module.json, "dump", full)
+        for _ in range(3):
+            with pytest.raises(OSError):
+                write_json_atomic(target, {"version": 1})
+    assert list(target.parent.iterdir()) == []
+    write_json_atomic(target, {"version": 1})
+    assert json.loads(target.read_text()) == {"version": 1}
+    store = FileStore(tmp_path / "store")
+    (tmp_path / "store" / ".lock").mkdir(parents=True)  # (a file that cannot be opened, as on a full disk)
+    with pytest.raises(StoreError, match=r"store: \.lock: Is a directory"):
+        store.put_if_match("HEAD", b"{}", None)

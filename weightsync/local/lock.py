@@ -86,7 +86,12 @@ class FolderLock:
                     continue
                 since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
                 os.ftruncate(fd, 0)
-                os.pwrite(fd, f"{self.what} (pid {os.getpid()} on {socket.gethostname()}, since {since})\n".encode(), 0)
+                try:  # who holds it, for a claimant's message only: a full disk does not stop the claim
+                    os.pwrite(
+                        fd, f"{self.what} (pid {os.getpid()} on {socket.gethostname()}, since {since})\n".encode(), 0
+                    )
+                except OSError:
+                    os.ftruncate(fd, 0)  # (a claimant then names "another process")
                 return fd
             except BaseException:
                 os.close(fd)

@@ -4,6 +4,7 @@ that tell what changed since (size, mtime, ctime; hashes when only the ctime mov
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -91,12 +92,17 @@ def write_json_atomic(path: Path, doc: object, fsync: bool = True) -> None:
     over it: readers see the old file or the new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk: no temporary file left per failed write (a subscriber's API calls)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def read_doc(path: Path, what: str) -> dict | None:

@@ -89,8 +89,12 @@ class FileStore(Store):
 
     @contextmanager
     def _locked(self):
-        self.root.mkdir(parents=True, exist_ok=True)
-        with open(self.root / ".lock", "a+b") as lock:
+        try:  # (a new store on a full disk: its first head write creates the file)
+            self.root.mkdir(parents=True, exist_ok=True)
+            lock = open(self.root / ".lock", "a+b")  # noqa: SIM115 - closed by the with below
+        except OSError as exc:
+            raise StoreError(f"{self.url}: .lock: {exc.strerror or exc}", key=".lock") from exc
+        with lock:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
             try:
                 yield
