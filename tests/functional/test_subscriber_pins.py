@@ -131,3 +131,38 @@ def test_a_damaged_stored_target_stops_the_start_up(tmp_path, daemons):  # noqa:
     sub.wait_version(1)
     assert stored(target) == "latest"
     assert sub.stop() == 0
+
+
+def test_a_restart_with_another_store_never_serves_the_old_stores_bytes_and_a_pin_survives_a_link(
+    tmp_path, daemons  # noqa: F811
+):
+    """A subscriber restarted on its target with another ``--store`` (a new run) took its slots'
+    version numbers for the new store's: it served the old run's version 1 as the new run's, ready,
+    and with ``--version 1`` never corrected it. A slot filled from another store now holds nothing
+    of this one. And a pin stored under the store's plain path was dropped when the same store was
+    given through a link ("ignoring a target stored for another store"): it is kept."""
+    old, new = f"file://{tmp_path / 'old'}", f"file://{tmp_path / 'new'}"
+    run1 = make_trajectory(tmp_path / "run1", steps=1, seed=1, **TINY)
+    run2 = make_trajectory(tmp_path / "run2", steps=2, seed=2, **TINY)
+    for v in range(2):
+        weightsync.publish(run1[v], old)
+        weightsync.publish(run2[v], new)
+    target = tmp_path / "sub"
+    sub = daemons("subscriber", ["--store", old, "--target", target, "--id", "s1"])
+    sub.wait_version(1)
+    assert sub.stop() == 0
+    sub = daemons("subscriber", ["--store", new, "--target", target, "--id", "s1", "--version", 1])
+    sub.wait_version(1)
+    verify_current(new, target, 1, run2[1])
+    assert sub.put_target(0)["target"] == 0
+    sub.wait_version(0)
+    assert sub.stop() == 0
+    weightsync.publish(run2[2], new)
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "new")
+    sub = daemons("subscriber", ["--store", f"file://{link}", "--target", target, "--id", "s1"])
+    s = stays_at(sub, 0, head=2)
+    assert (s["target"], s["target_from"]) == (0, "stored"), sub.log()
+    assert "another store" not in sub.log()
+    verify_current(new, target, 0, run2[0])
+    assert sub.stop() == 0

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from weightsync.errors import UsageError
 from weightsync.local.state import STATE_DIR, fsync_dir, write_json_atomic
+from weightsync.store import same_store
 
 LATEST = "latest"
 Target = int | str  # a version, or "latest"
@@ -44,7 +45,7 @@ def read_target(target_dir: Path, store: str | None = None) -> Target | None:
         raise UsageError(f"{path}: damaged stored target ({type(exc).__name__}: {exc}); {_REPAIR}") from None
     target = doc.get("target") if isinstance(doc, dict) and doc.get("format") == _TARGET_FORMAT else None
     if (target == LATEST or (type(target) is int and target >= 0)) and isinstance(doc.get("store", ""), str):
-        if store is not None and doc.get("store", store) != store:
+        if store is not None and not same_store(doc.get("store", store), store):
             raise ForeignTargetError(f"{path}: target {target} was set for {doc['store']}, not {store}")
         return target
     raise UsageError(f'{path}: damaged stored target (no version or "latest" in it); {_REPAIR}')

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from weightsync.errors import UsageError
 from weightsync.local.state import STATE_DIR, fsync_dir, read_state
+from weightsync.store import same_store
 from weightsync.sync.selection import STATE as PARTIAL_STATE
 from weightsync.sync.selection import read_partial_state
 
@@ -54,15 +55,18 @@ class Slots:
         fsync_dir(self.root)
 
 
-def slot_version(folder: Path, partial: bool) -> int | None:
-    """The version a slot holds in the given mode (None if empty, or filled in the other mode)."""
-    if partial:
-        state = read_partial_state(folder)
-        return None if state is None else state.version
-    if (folder / STATE_DIR / PARTIAL_STATE).exists():
+def slot_version(folder: Path, partial: bool, store: str | None = None) -> int | None:
+    """The version a slot holds in the given mode (None if empty, filled in the other mode, or, given
+    ``store``, filled from another store: a subscriber restarted with another ``--store`` served the
+    old store's bytes as the new store's version of that number)."""
+    state = read_partial_state(folder) if partial else None
+    if not partial:
+        if (folder / STATE_DIR / PARTIAL_STATE).exists():
+            return None
+        state = read_state(folder)
+    if state is None or (store is not None and not same_store(state.store, store)):
         return None
-    state = read_state(folder)
-    return None if state is None else state.version
+    return state.version
 
 
 class StandbyRelease:

@@ -492,8 +492,8 @@ class Subscriber:
         for name in Slots.NAMES:
             self.slots.path(name).mkdir(parents=True, exist_ok=True)
         cur = self.slots.current()
-        current = None if cur is None else slot_version(self.slots.path(cur), self.cfg.partial)
-        standby = slot_version(self.slots.path(self.slots.standby()), self.cfg.partial)
+        current = None if cur is None else slot_version(self.slots.path(cur), self.cfg.partial, self.repo.url)
+        standby = slot_version(self.slots.path(self.slots.standby()), self.cfg.partial, self.repo.url)
         self.view = View(current, standby)
         if current is not None:
             self._served = snapshot(self.slots.path(cur))
@@ -760,7 +760,7 @@ class Subscriber:
         """The current slot, to refill the standby in place from, when moving forward and the
         standby is released (:class:`weightsync.service.slots.StandbyRelease`); else None."""
         cur = self.slots.current()
-        current = None if cur is None else slot_version(self.slots.path(cur), False)
+        current = None if cur is None else slot_version(self.slots.path(cur), False, self.repo.url)
         never_served = self._seeded == self.slots.standby()  # a copy made while idle: nothing reads it
         if current is None or version <= current or not (never_served or self.release.free()):
             return None
@@ -769,15 +769,15 @@ class Subscriber:
     def _clear_unclaimed(self, folder: Path) -> None:
         """Empty a standby that claims no version and is no interrupted refill (a clone killed
         midway; never served), keeping ``.weightsync`` (its spool of verified chunks)."""
-        if slot_version(folder, False) is None and not (folder / STATE_DIR / REFILL).exists():
+        if slot_version(folder, False, self.repo.url) is None and not (folder / STATE_DIR / REFILL).exists():
             empty_folder(folder)
 
     def _seed_from_current(self, folder: Path, version: int) -> None:
         """Moving forward, start the standby from the current version (hard links, no download):
         one delta to apply instead of two, and no full download after a fresh start."""
         cur = self.slots.current()
-        current = None if cur is None else slot_version(self.slots.path(cur), False)
-        if current is None or version <= current or slot_version(folder, False) == current:
+        current = None if cur is None else slot_version(self.slots.path(cur), False, self.repo.url)
+        if current is None or version <= current or slot_version(folder, False, self.repo.url) == current:
             return
         event(log, "seeding the standby slot from the current version", folder=folder, version=current)
         clone(self.slots.path(cur), folder)
@@ -803,7 +803,7 @@ class Subscriber:
             self.engines.holding(folder)
             or self._seed_failed == current
             or (folder / STATE_DIR / REFILL).exists()
-            or slot_version(folder, False) is not None
+            or slot_version(folder, False, self.repo.url) is not None
         ):
             return False
         t0, self._seed_poll = time.perf_counter(), time.monotonic() + self.cfg.poll_interval

@@ -11,7 +11,7 @@ from weightsync.store.base import ObjectMeta, Store, check_key
 from weightsync.store.file import FileStore
 from weightsync.store.memory import MemoryStore
 
-__all__ = ["Store", "ObjectMeta", "FileStore", "MemoryStore", "open_store", "check_key"]
+__all__ = ["Store", "ObjectMeta", "FileStore", "MemoryStore", "open_store", "check_key", "same_store"]
 
 
 def open_store(url: str | Path, **options) -> Store:
@@ -42,3 +42,18 @@ def open_store(url: str | Path, **options) -> Store:
             f"store URL {url} is neither s3://bucket/prefix nor file:///path (a folder whose name has a ':' is ./{url})"
         )
     return FileStore(Path(url), **options)
+
+
+def same_store(a: str, b: str) -> bool:
+    """Whether two store URLs (as stores give them) name one store: equal, or file stores at one
+    folder however spelled (a link, ``..``, a bind mount). Local state records the URL it came from;
+    a version number means nothing under another store."""
+    if a == b:
+        return True
+    if not (a.startswith("file://") and b.startswith("file://")):
+        return False
+    pa, pb = a[len("file://") :], b[len("file://") :]
+    try:
+        return os.path.samefile(pa, pb)
+    except OSError:  # one of them is gone: by its spelling
+        return os.path.realpath(pa) == os.path.realpath(pb)

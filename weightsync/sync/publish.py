@@ -44,6 +44,7 @@ from weightsync.local.install import clear_folder
 from weightsync.local.lock import FolderLock, claim
 from weightsync.local.scratch import ScratchDir
 from weightsync.local.state import read_state
+from weightsync.store import same_store
 from weightsync.store.repo import Repo, StoreLike, open_repo
 from weightsync.store.signing import Keyring, SigningKey
 from weightsync.sync.observer import Observer, Operation, observer_of
@@ -240,9 +241,10 @@ def _base_for(repo: Repo, parent: Manifest, base_dir: Path | None, cache_dir: Pa
         return LocalVersion(base_dir, parent)
     state = read_state(cache_dir) if cache_dir.exists() else None
     needed = {f.path for f in repo.manifest(parent.version).files}
-    if state is None or state.version != parent.version or state.store != repo.url or not needed <= set(state.files):
+    ours = state is not None and same_store(state.store, repo.url)
+    if not ours or state.version != parent.version or not needed <= set(state.files):
         with claim(cache_dir, lock, "weightsync publish (its delta-base cache)") as held:
-            if state is not None and state.store != repo.url:
+            if state is not None and not ours:
                 clear_folder(cache_dir)
             try:
                 pull(repo, cache_dir, parent.version, config=cfg_pull, lock=held)

@@ -43,6 +43,7 @@ from weightsync.local.state import (
     stray_entries,
     write_json_atomic,
 )
+from weightsync.store import same_store
 from weightsync.store.repo import Repo
 from weightsync.sync.lazy import Reads, plan_reads
 from weightsync.sync.observer import Observer, Operation
@@ -231,7 +232,7 @@ def _materialize(
 ) -> PartialResult:
     state = _prepare(out)
     held = frozenset(state.files) if state is not None else frozenset()  # removed below unless kept
-    if state is not None and (state.store != repo.url or state.selection != selection):
+    if state is not None and (not same_store(state.store, repo.url) or state.selection != selection):
         state = None  # another store or selection: nothing local is reused
     if state is not None and state.version == version:
         result = PartialResult(version, version, 0, 0, 0, {"total": 0.0})
