@@ -364,6 +364,31 @@ def test_an_endpoint_that_is_no_s3_server_is_one_line(answer, tmp_path, cli_env,
     assert "is the endpoint an S3 server?" in line or "is it an S3 server?" in line, line
 
 
+def test_a_store_or_pull_target_inside_a_folder_holding_a_version_is_refused(published, tmp_path, run_cli, ok_cli, ws):
+    """A new store published into a subscriber's served slot (``T/current/S2``), or a pull target put
+    there, exited 0; the slot's next update removed them with every version they held. Each is
+    refused before anything is written, whatever the spelling (the link, ``..``)."""
+    from weightsync.errors import UsageError
+    from weightsync.store.repo import open_repo
+    from weightsync.sync.selection import Selection, materialize
+
+    store, traj = published
+    held = tmp_path / "held"
+    ok_cli("pull", "--store", store, held, "--version", 1)
+    link = tmp_path / "current"
+    link.symlink_to(held)
+    before = ws.snapshot(held)
+    for inner in (link / "S2", held / "sub" / "S2", tmp_path / "x" / ".." / "held" / "S2"):
+        rc, _, err = run_cli("publish", traj[0], "--store", f"file://{inner}")
+        assert rc != 0 and f"is inside {held}, which holds a weightsync version" in ws.error_line(err), err
+        rc, _, err = run_cli("pull", "--store", store, inner, "--version", 0)
+        assert rc != 0 and f"is inside {held}, which holds a weightsync version" in ws.error_line(err), err
+        with pytest.raises(UsageError, match=f"is inside {held}, which holds a weightsync version"):
+            materialize(open_repo(store), inner, 0, Selection(include=("*",)))  # as a partial subscriber
+    assert ws.snapshot(held) == before
+    ok_cli("verify", "--store", store, held, "--version", 1)
+
+
 # --- versions that do not exist, folders weightsync does not own ----------------------------------
 def test_pull_missing_version(world, tmp_path, run_cli, ws):
     store, _, out = world

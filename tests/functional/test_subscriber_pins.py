@@ -134,7 +134,8 @@ def test_a_damaged_stored_target_stops_the_start_up(tmp_path, daemons):  # noqa:
 
 
 def test_a_restart_with_another_store_never_serves_the_old_stores_bytes_and_a_pin_survives_a_link(
-    tmp_path, daemons  # noqa: F811
+    tmp_path,
+    daemons,  # noqa: F811
 ):
     """A subscriber restarted on its target with another ``--store`` (a new run) took its slots'
     version numbers for the new store's: it served the old run's version 1 as the new run's, ready,

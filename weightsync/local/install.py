@@ -30,6 +30,7 @@ from weightsync.local.state import (
     safe_join,
     state_dir,
     stray_entries,
+    version_holder,
     write_json_atomic,
 )
 
@@ -199,6 +200,11 @@ def prepare_folder(folder: Path, owned: bool = False) -> LocalState | None:
     (``owned``), else emptied. The caller holds the folder's lock (:func:`claim`)."""
     if folder.exists() and not folder.is_dir():
         raise UsageError(f"{folder} exists and is not a directory")
+    if holder := version_holder(folder, itself=False):
+        raise UsageError(
+            f"{folder} is inside {holder}, which holds a weightsync version (its next update removes what else "
+            "is in it); choose a folder elsewhere"
+        )
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

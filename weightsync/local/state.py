@@ -263,6 +263,17 @@ def disown(folder: Path) -> None:
         (sdir / name).unlink(missing_ok=True)
 
 
+def version_holder(path: Path, itself: bool = True) -> Path | None:
+    """The folder (``path`` itself unless ``itself`` is false, or one above it, as it really is)
+    that holds a weightsync version or is being refilled with one, if any: its next update removes
+    whatever else it holds, so nothing of another store or pull may live in it."""
+    real = Path(os.path.realpath(path))
+    for d in [real, *real.parents][0 if itself else 1 :]:
+        if any(os.path.lexists(d / STATE_DIR / name) for name in ("state.json", PARTIAL_STATE, REFILL)):
+            return d
+    return None
+
+
 def fsync_dir(path: Path) -> None:
     """fsync a directory, so that renames in it survive a crash."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)

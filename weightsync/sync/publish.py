@@ -43,7 +43,7 @@ from weightsync.local.checkpoint import (
 from weightsync.local.install import clear_folder
 from weightsync.local.lock import FolderLock, claim
 from weightsync.local.scratch import ScratchDir
-from weightsync.local.state import read_state
+from weightsync.local.state import read_state, version_holder
 from weightsync.store import same_store
 from weightsync.store.repo import Repo, StoreLike, open_repo
 from weightsync.store.signing import Keyring, SigningKey
@@ -415,6 +415,11 @@ def check_apart(repo: Repo, src: Path) -> None:
     root, ckpt = Path(os.path.realpath(folder)), Path(os.path.realpath(src))
     if root == ckpt or ckpt in root.parents:
         raise UsageError(f"the store {repo.url} is inside the checkpoint folder {src}; keep the store elsewhere")
+    if holder := version_holder(root):
+        raise UsageError(
+            f"the store {repo.url} is inside {holder}, which holds a weightsync version (its next update removes "
+            "the store); keep the store elsewhere"
+        )
 
 
 def cache_claim(cache_dir: str | os.PathLike[str] | None, src: Path) -> FolderLock | contextlib.nullcontext:

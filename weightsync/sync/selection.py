@@ -41,6 +41,7 @@ from weightsync.local.state import (
     read_doc,
     safe_join,
     stray_entries,
+    version_holder,
     write_json_atomic,
 )
 from weightsync.store import same_store
@@ -212,6 +213,11 @@ def materialize(
 def _prepare(out: Path) -> PartialState | None:
     """The folder's partial state, after refusing a folder that holds what weightsync did not put
     there, and emptying one whose update was interrupted (marked, no state)."""
+    if holder := version_holder(out, itself=False):
+        raise UsageError(
+            f"{out} is inside {holder}, which holds a weightsync version (its next update removes what else is "
+            "in it); choose a folder elsewhere"
+        )
     private_dir(out)
     state = read_partial_state(out)
     if state is None:
