@@ -389,6 +389,32 @@ def test_a_store_or_pull_target_inside_a_folder_holding_a_version_is_refused(pub
     ok_cli("verify", "--store", store, held, "--version", 1)
 
 
+def test_a_bind_mount_of_the_checkpoint_hides_neither_a_store_nor_a_cache_in_it(published, tmp_path, run_cli, ws):
+    """A store or a cache reached through a bind mount of the checkpoint passed the checks (real
+    paths differ): chunks, or a pulled copy of the head, were written into the checkpoint, and every
+    publish of it failed after. Folders compare by device and inode now: refused, nothing written."""
+    import subprocess
+
+    from weightsync.local.state import holds
+
+    store, traj = published
+    bind = tmp_path / "bind"
+    bind.mkdir()
+    r = subprocess.run(["mount", "--bind", str(traj[1]), str(bind)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot bind-mount here (needs root or CAP_SYS_ADMIN): {r.stderr.strip()}")
+    try:
+        before = ws.snapshot(traj[1])
+        line = _fails(ws, run_cli, [traj[1], store], "publish", traj[1], "--store", f"file://{bind}/store")
+        assert "is inside the checkpoint folder" in line, line
+        line = _fails(ws, run_cli, [traj[1], store], "publish", traj[1], "--store", store, "--cache-dir", bind / "c")
+        assert "overlap" in line, line
+        assert ws.snapshot(traj[1]) == before
+        assert holds(bind, traj[1]) and holds(traj[1], bind / "new") and not holds(bind, traj[0])
+    finally:
+        subprocess.run(["umount", "-l", str(bind)], check=False)
+
+
 # --- versions that do not exist, folders weightsync does not own ----------------------------------
 def test_pull_missing_version(world, tmp_path, run_cli, ws):
     store, _, out = world

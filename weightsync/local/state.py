@@ -274,6 +274,25 @@ def version_holder(path: Path, itself: bool = True) -> Path | None:
     return None
 
 
+def holds(outer: Path, inner: Path) -> bool:
+    """Whether folder ``inner`` (or the folder it would be created in) is ``outer`` or lies inside it,
+    compared by device and inode so that no spelling hides it: a link, ``..``, a bind mount (whose
+    path differs although the folder is the same)."""
+    try:
+        st = os.stat(outer)
+    except OSError:
+        return False
+    d = Path(os.path.realpath(inner))
+    for a in [d, *d.parents]:
+        try:
+            sa = os.stat(a)
+        except OSError:
+            continue  # not created yet: its parents decide
+        if (sa.st_dev, sa.st_ino) == (st.st_dev, st.st_ino):
+            return True
+    return False
+
+
 def fsync_dir(path: Path) -> None:
     """fsync a directory, so that renames in it survive a crash."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)

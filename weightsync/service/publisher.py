@@ -20,6 +20,7 @@ from weightsync.errors import BaseMismatchError, FormatError, NotFoundError, Sto
 from weightsync.format.keys import MAX_VERSION, part_key, refused_key
 from weightsync.format.manifest import part_from_json
 from weightsync.local.checkpoint import scan_checkpoint
+from weightsync.local.state import holds
 from weightsync.service.config import PublisherConfig
 from weightsync.service.metrics import Metrics
 from weightsync.service.progress import DaemonProgress, human_bytes
@@ -611,7 +612,7 @@ class Publisher:
             roots = [self.cfg.watch_dir.resolve(), *(r.resolve() for r in self.cfg.publish_roots)]
             if not any(p != r and p.is_relative_to(r) for r in roots):
                 raise PathNotAllowed(f"{path!r} is not under the watched folder or a --publish-root")
-            if any(r.is_relative_to(p) for r in roots):  # a root: every checkpoint in it as one version
+            if any(r.is_relative_to(p) or holds(p, r) for r in roots):  # a root (a bind mount of one too)
                 raise PathNotAllowed(
                     f"{path!r} is the watched folder or a --publish-root, or holds one; "
                     "give one checkpoint folder inside it"

@@ -43,7 +43,7 @@ from weightsync.local.checkpoint import (
 from weightsync.local.install import clear_folder
 from weightsync.local.lock import FolderLock, claim
 from weightsync.local.scratch import ScratchDir
-from weightsync.local.state import read_state, version_holder
+from weightsync.local.state import holds, read_state, version_holder
 from weightsync.store import same_store
 from weightsync.store.repo import Repo, StoreLike, open_repo
 from weightsync.store.signing import Keyring, SigningKey
@@ -413,7 +413,7 @@ def check_apart(repo: Repo, src: Path) -> None:
     if folder is None:
         return
     root, ckpt = Path(os.path.realpath(folder)), Path(os.path.realpath(src))
-    if root == ckpt or ckpt in root.parents:
+    if root == ckpt or ckpt in root.parents or holds(src, root):  # (a bind mount of the checkpoint too)
         raise UsageError(f"the store {repo.url} is inside the checkpoint folder {src}; keep the store elsewhere")
     if holder := version_holder(root):
         raise UsageError(
@@ -430,7 +430,7 @@ def cache_claim(cache_dir: str | os.PathLike[str] | None, src: Path) -> FolderLo
     if cache_dir is None:
         return contextlib.nullcontext()
     cache, ckpt = Path(os.path.realpath(cache_dir)), Path(os.path.realpath(src))
-    if cache == ckpt or ckpt in cache.parents or cache in ckpt.parents:
+    if cache == ckpt or ckpt in cache.parents or cache in ckpt.parents or holds(src, cache) or holds(cache, src):
         raise UsageError(f"the cache folder {cache_dir} and the checkpoint folder {src} overlap; choose another cache")
     if holder := next((d for d in cache.parents if (d / STATE_DIR).is_dir()), None):
         raise UsageError(
