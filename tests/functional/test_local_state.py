@@ -810,3 +810,21 @@ def test_a_full_disk_under_a_claim_or_a_state_write_leaves_nothing_behind(tmp_pa
     (tmp_path / "store" / ".lock").mkdir(parents=True)  # (a file that cannot be opened, as on a full disk)
     with pytest.raises(StoreError, match=r"store: \.lock: Is a directory"):
         store.put_if_match("HEAD", b"{}", None)
+
+
+def test_a_subscriber_refuses_a_target_that_is_a_checkpoint_or_another_weightsync_folder(
+    published, run_cli, ws, tmp_path
+):
+    """A subscriber given a checkpoint folder as ``--target`` (a watched step) wrote its slots and
+    ``current`` into it, and they were published with it; given a pulled folder or a publish cache,
+    every later publish failed. Each start is refused with one line and the folder left as it was (new
+    folders, and a subscriber's own target at a restart, start as before: the daemon tests)."""
+    store, traj = published
+    url = f"file://{store}"
+    pulled = tmp_path / "pulled"
+    weightsync.pull(url, pulled, 1, config=NOFSYNC)
+    for folder, says in ((traj[2], "is not empty (config.json"), (pulled, "holds a version of its own")):
+        before = ws.snapshot(folder)
+        rc, _, err = run_cli("subscriber", "--store", url, "--target", folder, "--listen", "127.0.0.1:0", "--id", "t")
+        assert rc == 2 and says in err.splitlines()[-1], err
+        assert ws.snapshot(folder) == before and not (folder / "slots").exists()

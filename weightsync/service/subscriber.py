@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from contextlib import suppress
 from dataclasses import dataclass, replace
@@ -227,6 +228,7 @@ class Subscriber:
         process writes them); released when :meth:`run` ends."""
         if self._lock is None:
             root = Path(self.cfg.target_dir)
+            _check_target_root(root)  # before the claim makes the slots
             folders = [root] + [self.slots.path(n) for n in Slots.NAMES]
             self._lock = FolderLock(folders, f"weightsync subscriber ({self.cfg.identity.id})").acquire()
 
@@ -1026,6 +1028,27 @@ class Subscriber:
                 id=sub_id,
             )
         self.id_clash = clash
+
+
+def _check_target_root(root: Path) -> None:
+    """Refuse a target folder that is another kind of weightsync folder (a pull's, a publish cache:
+    it holds a version of its own), or that a subscriber never had and holds other files (a
+    checkpoint: its slots and ``current`` would become part of it, and of what is published from it)."""
+    if not root.is_dir():
+        return
+    sdir = root / STATE_DIR
+    if any(os.path.lexists(sdir / name) for name in ("state.json", PARTIAL_STATE)):
+        raise UsageError(
+            f"{root} holds a version of its own (a pull's folder, or a publish cache), not a subscriber's slots; "
+            "give the subscriber another --target"
+        )
+    ours = {STATE_DIR, "slots", "current"}
+    foreign = sorted(p.name for p in root.iterdir() if p.name not in ours and not p.name.startswith(".current-"))
+    if foreign and not (root / "slots").is_dir():
+        raise UsageError(
+            f"{root} is not empty ({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}) and no subscriber's "
+            "target; give an empty or new folder"
+        )
 
 
 def _recorded(folder: Path, partial: bool) -> Recorded:
