@@ -136,7 +136,10 @@ def test_refill_refuses_a_base_without_a_version_or_one_overlapping_the_folder(s
         weightsync.pull(store, tmp_path / "c", 2, config=PULL, base_dir=tmp_path / "empty")
     assert not (tmp_path / "c").exists()
     (tmp_path / "alias").symlink_to(out)
-    weightsync.pull(store, out / "inner", 1, config=PULL)
+    with pytest.raises(UsageError, match="is inside .*, which holds a weightsync version"):
+        weightsync.pull(store, out / "inner", 1, config=PULL)  # refused: out's next update would remove it
+    weightsync.pull(store, tmp_path / "inner", 1, config=PULL)
+    (tmp_path / "inner").rename(out / "inner")  # ... so planted there
     monkeypatch.chdir(tmp_path)
     # the folder itself under other spellings, a folder inside it, a folder it is inside
     for o, b in ((out, out), ("b", out), (out, tmp_path / "alias"), (out, out / "inner"), (out / "inner", out)):

@@ -44,7 +44,6 @@ from weightsync.local.install import (
 from weightsync.local.lock import FolderLock, claim
 from weightsync.local.state import Times, read_state, unchanged_files
 from weightsync.local.verify import verify_folder
-from weightsync.store import same_store
 from weightsync.store.repo import Repo, StoreLike, open_repo
 from weightsync.sync.lazy import LazyReads, Reads, plan_reads
 from weightsync.sync.observer import Observer, Operation, observer_of
@@ -228,8 +227,6 @@ def _pull(repo: Repo, out: Path, version, config: PullConfig, observer: Observer
     target_version = resolve_version(repo, version)
     state = prepare_folder(out, owned=base_dir is not None)
     base_state = state if base_dir is None else read_state(base)
-    if base_state is not None and not same_store(base_state.store, repo.url):
-        base_state = None  # its version number is another store's: no delta base (unchanged files are kept)
     op = Operation(observer)
     target = repo.manifest(target_version)
     keep = unchanged_files(out, state, target)
