@@ -370,8 +370,10 @@ def test_gc_keeps_manifests_above_the_head_until_abandoned(published, tmp_path, 
     nxt, other = more[6], more[4]
 
     class NoHead(FileStore):
-        def put_if_match(self, key, data, etag):
-            raise StoreError("injected: head update lost", key=key)
+        def put_if_match(self, key, data, etag):  # lost as a timeout is (it may have landed: the manifest stays)
+            err = StoreError("injected: head update lost", key=key)
+            err.retryable = True
+            raise err
 
     with pytest.raises(StoreError, match="injected"):
         weightsync.publish(nxt, weightsync.Repo(NoHead(store)), base_dir=traj[5])
@@ -403,8 +405,10 @@ def _dead_publish(store: Path, traj: list[Path], tmp_path: Path, ws) -> Path:
     nxt = make_trajectory(tmp_path / "more", steps=6, shards=2, **ws.TINY)[6]
 
     class NoHead(FileStore):
-        def put_if_match(self, key, data, etag):
-            raise StoreError("injected: head update lost", key=key)
+        def put_if_match(self, key, data, etag):  # lost as a timeout is (it may have landed: the manifest stays)
+            err = StoreError("injected: head update lost", key=key)
+            err.retryable = True
+            raise err
 
     with pytest.raises(StoreError, match="injected"):
         weightsync.publish(nxt, weightsync.Repo(NoHead(store)), base_dir=traj[5])

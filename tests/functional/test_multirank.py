@@ -522,8 +522,10 @@ def test_a_committer_that_loses_the_head_race_mid_commit_succeeds(sharded, tmp_p
     publish_ranks(sharded[0], store, 2)
 
     class DiesBeforeHead(FileStore):
-        def put_if_match(self, key, data, etag):
-            raise StoreError("injected crash before HEAD", key=key)
+        def put_if_match(self, key, data, etag):  # as a timeout (it may have landed: the manifest stays)
+            err = StoreError("injected crash before HEAD", key=key)
+            err.retryable = True
+            raise err
 
     with pytest.raises(StoreError, match="before HEAD"):
         commit_parts(weightsync.Repo(DiesBeforeHead(store)), 0, 2, timeout=5)
