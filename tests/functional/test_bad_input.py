@@ -310,6 +310,7 @@ def test_store_urls_with_a_typo_in_the_scheme_are_refused(trajectory, tmp_path, 
         rc, _, err = run_cli("publish", trajectory[0], "--store", url, cwd=work)
         assert rc != 0 and "holds a control character" in ws.error_line(err), err
     assert list(work.iterdir()) == []
+    ok_cli("publish", trajectory[0], "--store", "run-2026-12-05T22:00/store", cwd=work)  # a ':' in a folder's name
     ok_cli("publish", trajectory[0], "--store", "./s3:local", cwd=work)
     assert (work / "s3:local" / "HEAD").is_file() and "0" in ok_cli("versions", "--store", "./s3:local", cwd=work)
 
@@ -387,6 +388,10 @@ def test_a_store_or_pull_target_inside_a_folder_holding_a_version_is_refused(pub
             materialize(open_repo(store), inner, 0, Selection(include=("*",)))  # as a partial subscriber
     assert ws.snapshot(held) == before
     ok_cli("verify", "--store", store, held, "--version", 1)
+    from weightsync.errors import VersionError
+
+    with pytest.raises(VersionError, match="version 6 does not exist .*head is 5"):  # as a pull: none above the head
+        materialize(open_repo(store), tmp_path / "partial", 6, Selection(include=("*",)))
 
 
 def test_a_bind_mount_of_the_checkpoint_hides_neither_a_store_nor_a_cache_in_it(published, tmp_path, run_cli, ws):

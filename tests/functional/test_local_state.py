@@ -828,3 +828,10 @@ def test_a_subscriber_refuses_a_target_that_is_a_checkpoint_or_another_weightsyn
         rc, _, err = run_cli("subscriber", "--store", url, "--target", folder, "--listen", "127.0.0.1:0", "--id", "t")
         assert rc == 2 and says in err.splitlines()[-1], err
         assert ws.snapshot(folder) == before and not (folder / "slots").exists()
+    from weightsync.service.subscriber import _check_target_root
+
+    volume = tmp_path / "volume"  # a fresh file system's root, and hidden files: a review found them refused
+    for name in ("lost+found", ".snapshot"):
+        (volume / name).mkdir(parents=True)
+    (volume / ".gitkeep").write_text("")
+    _check_target_root(volume)

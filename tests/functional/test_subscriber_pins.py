@@ -141,7 +141,8 @@ def test_a_restart_with_another_store_never_serves_the_old_stores_bytes_and_a_pi
     version numbers for the new store's: it served the old run's version 1 as the new run's, ready,
     and with ``--version 1`` never corrected it. A slot filled from another store now holds nothing
     of this one. And a pin stored under the store's plain path was dropped when the same store was
-    given through a link ("ignoring a target stored for another store"): it is kept."""
+    given through a link ("ignoring a target stored for another store"): it is kept. A mirror of the
+    same versions (a failover) keeps its slots (a review found them emptied and fetched again)."""
     old, new = f"file://{tmp_path / 'old'}", f"file://{tmp_path / 'new'}"
     run1 = make_trajectory(tmp_path / "run1", steps=1, seed=1, **TINY)
     run2 = make_trajectory(tmp_path / "run2", steps=2, seed=2, **TINY)
@@ -166,4 +167,12 @@ def test_a_restart_with_another_store_never_serves_the_old_stores_bytes_and_a_pi
     assert (s["target"], s["target_from"]) == (0, "stored"), sub.log()
     assert "another store" not in sub.log()
     verify_current(new, target, 0, run2[0])
+    assert sub.stop() == 0
+    import shutil
+
+    shutil.copytree(tmp_path / "new", tmp_path / "mirror")  # a failover to a mirror of the same versions
+    sub = daemons("subscriber", ["--store", f"file://{tmp_path / 'mirror'}", "--target", target, "--id", "s1"])
+    sub.wait_version(2)  # (the pin was the other store's) from its slots, which hold the mirror's version 0 too
+    assert "holds this store's version" in sub.log() and "base_version=0" in sub.log().split("started")[-1]
+    verify_current(f"file://{tmp_path / 'mirror'}", target, 2, run2[2])
     assert sub.stop() == 0

@@ -92,13 +92,15 @@ class FailingStore(MemoryStore):
 
     def __init__(self):
         super().__init__()
-        self.key, self.times, self.retryable = None, 0, False
+        self.key, self.times, self.retryable, self.attempts = None, 0, False, 0
 
     def _fail(self, key):
         if key == self.key and self.times > 0:
             self.times -= 1
             err = StoreError(f"memory: {key}: No space left on device", key=key)
             err.retryable = self.retryable
+            if self.attempts:  # as RetryingStore gives up: no longer retryable, but it may have landed
+                err.attempts = self.attempts
             raise err
 
     def put(self, key, data, *, mode="overwrite"):
@@ -131,9 +133,10 @@ def test_a_commit_whose_head_or_signature_write_failed_outright_leaves_no_manife
     other = Manifest(1, 0, False, 1, (), (), stats={"changed": 1})  # another checkpoint, same number
     r.commit(other, r.head()[1], key)
     assert r.head_version() == 1 and r.versions() == [0, 1]
-    r.store.key, r.store.times, r.store.retryable = HEAD_KEY, 1, True
-    with pytest.raises(StoreError):
-        r.commit(_manifest(2, 1), r.head()[1], key)
-    assert r.store.head(version_key(2)) is not None  # kept: the same publish again finishes it
+    for retryable, attempts in ((True, 0), (False, 5)):  # a timeout; retries given up (a review found it dropped)
+        r.store.key, r.store.times, r.store.retryable, r.store.attempts = HEAD_KEY, 1, retryable, attempts
+        with pytest.raises(StoreError):
+            r.commit(_manifest(2, 1), r.head()[1], key)
+        assert r.store.head(version_key(2)) is not None  # kept: the same publish again finishes it
     r.commit(_manifest(2, 1), r.head()[1], key)
     assert r.head_version() == 2

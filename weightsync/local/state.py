@@ -263,6 +263,15 @@ def disown(folder: Path) -> None:
         (sdir / name).unlink(missing_ok=True)
 
 
+def rebase_state(folder: Path, store: str, fsync: bool = True) -> None:
+    """Record ``store`` as where ``folder``'s version came from (its files are that store's version
+    of the same number, checked by the caller): the other fields stay as they are."""
+    path = state_dir(folder) / "state.json"
+    doc = read_doc(path, "weightsync state")
+    if doc is not None:
+        write_json_atomic(path, {**doc, "store": store}, fsync)
+
+
 def version_holder(path: Path, itself: bool = True) -> Path | None:
     """The folder (``path`` itself unless ``itself`` is false, or one above it, as it really is)
     that holds a weightsync version or is being refilled with one, if any: its next update removes

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from weightsync.errors import ChecksumError, NotFoundError, SignatureError, UsageError, VersionError, WeightsyncError
+from weightsync.format.manifest import Manifest
 from weightsync.local.base import clone
 from weightsync.local.install import clear_folder, empty_folder
 from weightsync.local.lock import FolderLock
@@ -24,6 +25,7 @@ from weightsync.local.state import (
     disown,
     installed_change,
     read_state,
+    rebase_state,
     snapshot,
     snapshot_change,
 )
@@ -57,6 +59,7 @@ from weightsync.service.runtime import (
 )
 from weightsync.service.slots import Slots, StandbyRelease, slot_version
 from weightsync.service.stalls import StallWatch
+from weightsync.store import same_store
 from weightsync.store.repo import Repo
 from weightsync.sync.fleet import STOPPED, FleetRecord, record_key, superseded_at, write_record
 from weightsync.sync.lazy import LazyReads
@@ -485,6 +488,26 @@ class Subscriber:
                 self._lock.release()
                 self._lock = None
 
+    def _rebase_slot(self, folder: Path) -> None:
+        """A slot filled from another store holds nothing of this one (its version numbers are that
+        store's), unless its files are exactly this store's version of the same number (a mirror of
+        the same run, after a failover): then it is recorded as this store's, and nothing is fetched
+        again."""
+        if self.cfg.partial:
+            return
+        try:
+            state = read_state(folder)
+            if state is None or same_store(state.store, self.repo.url):
+                return
+            manifest = self.repo.manifest(state.version)
+        except WeightsyncError:  # damaged, not in this store, refused or unreachable: it holds nothing of it
+            return
+        if _same_files(state, manifest):
+            rebase_state(folder, self.repo.url, self.cfg.fsync)
+            event(
+                log, "a slot filled from another store holds this store's version", folder=folder, version=state.version
+            )
+
     def _startup(self) -> None:
         self.cfg.target_dir.mkdir(parents=True, exist_ok=True)
         for stale in self.cfg.target_dir.glob(".current-*"):  # a flip killed before its rename
@@ -493,6 +516,7 @@ class Subscriber:
             stale.unlink(missing_ok=True)
         for name in Slots.NAMES:
             self.slots.path(name).mkdir(parents=True, exist_ok=True)
+            self._rebase_slot(self.slots.path(name))
         cur = self.slots.current()
         current = None if cur is None else slot_version(self.slots.path(cur), self.cfg.partial, self.repo.url)
         standby = slot_version(self.slots.path(self.slots.standby()), self.cfg.partial, self.repo.url)
@@ -1030,6 +1054,11 @@ class Subscriber:
         self.id_clash = clash
 
 
+def _same_files(state, manifest: Manifest) -> bool:
+    """Whether a folder's recorded files are exactly ``manifest``'s (paths, sizes, digests)."""
+    return {p: tuple(r[:2]) for p, r in state.files.items()} == {f.path: (f.size, f.xxh3) for f in manifest.files}
+
+
 def _check_target_root(root: Path) -> None:
     """Refuse a target folder that is another kind of weightsync folder (a pull's, a publish cache:
     it holds a version of its own), or that a subscriber never had and holds other files (a
@@ -1042,8 +1071,8 @@ def _check_target_root(root: Path) -> None:
             f"{root} holds a version of its own (a pull's folder, or a publish cache), not a subscriber's slots; "
             "give the subscriber another --target"
         )
-    ours = {STATE_DIR, "slots", "current"}
-    foreign = sorted(p.name for p in root.iterdir() if p.name not in ours and not p.name.startswith(".current-"))
+    ours = {"slots", "current", "lost+found"}  # (a fresh file system's root has lost+found)
+    foreign = sorted(p.name for p in root.iterdir() if p.name not in ours and not p.name.startswith("."))
     if foreign and not (root / "slots").is_dir():
         raise UsageError(
             f"{root} is not empty ({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}) and no subscriber's "

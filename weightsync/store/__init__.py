@@ -14,6 +14,10 @@ from weightsync.store.memory import MemoryStore
 __all__ = ["Store", "ObjectMeta", "FileStore", "MemoryStore", "open_store", "check_key", "same_store"]
 
 
+_SCHEMES = r"(s3|s3a|file|memory|gs|gcs|az|abfss?|https?|ftp):"
+"""URL schemes a store URL with a typo starts with (``s3:bucket``); other names with a ':' are folders."""
+
+
 def open_store(url: str | Path, **options) -> Store:
     """``file:///abs/path`` or a plain path, ``memory://name``, or ``s3://bucket/prefix``.
 
@@ -37,7 +41,7 @@ def open_store(url: str | Path, **options) -> Store:
         return FileStore(path, **options)
     if "://" in url:
         raise UsageError(f"unsupported store URL scheme: {url}")
-    if not given_path and re.match(r"[A-Za-z][A-Za-z0-9+.-]*:", url):  # s3:bucket, file:/x: a typo, not a folder
+    if not given_path and re.match(_SCHEMES, url, re.IGNORECASE):  # s3:bucket, file:/x: a typo, not a folder
         raise UsageError(
             f"store URL {url} is neither s3://bucket/prefix nor file:///path (a folder whose name has a ':' is ./{url})"
         )

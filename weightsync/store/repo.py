@@ -9,7 +9,6 @@ section 7), checked in :meth:`Repo.manifest`, which every reader goes through.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -410,10 +409,12 @@ class Repo:
         (docs/FORMAT.md section 7: of the bytes stored), then move the head to it if it is newer.
 
         ``check_chunks``: ids of chunks the caller stored for this version and has not checked since
-        (one HEAD request each, right after the head moved): if one is gone (a gc whose grace, or
-        whose view of the store's clock, took it for an abandoned upload's), the head is moved back
-        and the manifest removed, and :class:`VersionError` says so: a version listed that no pull
-        can build is never left behind when it can be seen.
+        (one HEAD request each, before the head moves, so that no reader ever sees a version taken
+        back): if one is gone (a gc whose grace, or whose view of the store's clock, took it for an
+        abandoned upload's), the manifest is removed and :class:`VersionError` says so, nothing
+        committed. A head or signature write refused at its first attempt removes the manifest too
+        (left above the head, it blocked the number); after a timeout it stays (the write may have
+        landed), for the same publish to finish.
 
         A manifest already stored under the version is accepted when it describes the same files
         from the same parent: our own write whose answer was lost and retried, or a re-publish of
@@ -452,9 +453,18 @@ class Repo:
             try:
                 self.store.put(signature_key(v), signing_key.sign(v, data), mode="overwrite")
             except StoreError:
-                if created:  # nothing points at it yet
+                if created:  # nothing points at it yet (unless an identical publish moved the head: checked there)
                     self._drop_manifest(v, signing_key)
                 raise
+        if gone := self._gone_chunks(check_chunks):  # before the head: no reader has seen version v
+            if created:
+                self._drop_manifest(v, signing_key)
+            what = f"chunk {gone[0]}" + (f" and {len(gone) - 1} more" if len(gone) > 1 else "")
+            raise VersionError(
+                f"version {v} of {self.url}: {what} of this publish was deleted before its commit (gc ran with a "
+                "grace shorter than the publish took, or saw the store's clock ahead of its writer's); nothing was "
+                "committed: publish again"
+            )
         etag, replaced = expected_head, head
         for _ in range(100):
             try:
@@ -463,7 +473,9 @@ class Repo:
                 except PreconditionFailedError:
                     raise
                 except StoreError as exc:
-                    if created and not exc.retryable:  # refused (a full disk, access denied): it did not land
+                    # refused at the first attempt (a full disk, access denied): it did not land. A
+                    # timeout, or retries given up (``attempts``), may have: the manifest stays
+                    if created and not exc.retryable and not getattr(exc, "attempts", 0):
                         self._drop_manifest(v, signing_key)
                     raise
                 if self.head_on_collected(v, replaced):
@@ -471,8 +483,6 @@ class Repo:
                         f"version {v} of {self.url} was collected by gc before the head moved to it (this publish "
                         f"stalled longer than gc's grace period); the head is back at {replaced}: publish again"
                     )
-                if gone := self._gone_chunks(check_chunks):
-                    self._uncommit(v, replaced, signing_key, gone)
                 return
             except PreconditionFailedError:
                 current, etag = self.head()
@@ -509,29 +519,13 @@ class Repo:
         above the head, it made every later publish of another checkpoint fail ("already exists above
         its head") until gc's grace ran out, and one published past it listed the failed version."""
         try:
+            if self.head_version() == v:  # an identical publish (or our own write) moved the head there: committed
+                return
             self.store.delete(version_key(v))
             if signing_key is not None:
                 self.store.delete(signature_key(v))
         except StoreError as exc:
             log.warning("version %d of %s: its commit failed, and its manifest stays: %s", v, self.url, exc)
-
-    def _uncommit(self, v: int, replaced: int | None, signing_key: SigningKey | None, gone: list[str]) -> None:
-        """Version ``v`` was just made the head, but its chunks ``gone`` are not stored: move the head
-        back to ``replaced`` and remove the manifest (above the head again), then raise. If the head
-        has moved on in the meantime, nothing is removed (a later version may build on ``v``)."""
-        what = f"chunk {gone[0]}" + (f" and {len(gone) - 1} more" if len(gone) > 1 else "")
-        why = (
-            f"version {v} of {self.url}: {what} of this publish was deleted before its commit finished (gc ran "
-            "with a grace shorter than the publish took, or saw the store's clock ahead of its writer's)"
-        )
-        if not self._head_back(v, replaced):
-            log.error("%s, and the head has moved on: pulls of version %d fail until a keyframe", why, v)
-            raise VersionError(f"{why}; the head has moved on past it")
-        with contextlib.suppress(StoreError):  # else gc removes it, as an abandoned publish's
-            self.store.delete(version_key(v))
-            if signing_key is not None:
-                self.store.delete(signature_key(v))
-        raise VersionError(f"{why}; the head is back at {replaced}: publish again")
 
     def _head_back(self, version: int, replaced: int | None) -> bool:
         """Move the head from ``version`` back to ``replaced`` if it still names ``version``; whether it did."""

@@ -49,7 +49,7 @@ from weightsync.store.repo import Repo
 from weightsync.sync.lazy import Reads, plan_reads
 from weightsync.sync.observer import Observer, Operation
 from weightsync.sync.plan import plan_segment
-from weightsync.sync.pull import PullConfig
+from weightsync.sync.pull import PullConfig, resolve_version
 from weightsync.sync.rebuild import TensorJob, build_tensors, fetch_jobs
 from weightsync.sync.transfer import clear_spool
 
@@ -236,6 +236,7 @@ def _prepare(out: Path) -> PartialState | None:
 def _materialize(
     repo: Repo, out: Path, version: int, selection: Selection, cfg: PullConfig, op: Operation
 ) -> PartialResult:
+    version = resolve_version(repo, version)  # as a pull's: none above the head (a publish not committed)
     state = _prepare(out)
     held = frozenset(state.files) if state is not None else frozenset()  # removed below unless kept
     if state is not None and (not same_store(state.store, repo.url) or state.selection != selection):
