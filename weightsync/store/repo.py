@@ -9,6 +9,7 @@ section 7), checked in :meth:`Repo.manifest`, which every reader goes through.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -511,7 +512,13 @@ class Repo:
                 "version %d of %s: could not check it is still stored after its commit: %s", version, self.url, exc
             )
             return False
-        self._head_back(version, replaced)
+        current, etag = self.head()
+        if current == version:
+            if replaced is None:
+                self.store.delete(HEAD_KEY)
+            else:
+                with contextlib.suppress(PreconditionFailedError):
+                    self.store.put_if_match(HEAD_KEY, head_to_json(replaced), etag)
         return True
 
     def _drop_manifest(self, v: int, signing_key: SigningKey | None) -> None:
@@ -527,23 +534,9 @@ class Repo:
         except StoreError as exc:
             log.warning("version %d of %s: its commit failed, and its manifest stays: %s", v, self.url, exc)
 
-    def _head_back(self, version: int, replaced: int | None) -> bool:
-        """Move the head from ``version`` back to ``replaced`` if it still names ``version``; whether it did."""
-        current, etag = self.head()
-        if current != version:
-            return False
-        if replaced is None:
-            self.store.delete(HEAD_KEY)
-            return True
-        try:
-            self.store.put_if_match(HEAD_KEY, head_to_json(replaced), etag)
-        except PreconditionFailedError:
-            return False
-        return True
-
     def _gone_chunks(self, ids: Iterable[str]) -> list[str]:
         """Those of the chunks ``ids`` that are not stored (HEAD requests, 32 at a time); a chunk whose
-        check fails counts as stored (the version is committed unless shown otherwise)."""
+        check fails counts as stored (a store that cannot answer fails the head write anyway)."""
         ids = sorted(set(ids))
 
         def gone(chunk_id: str) -> bool:
