@@ -176,3 +176,16 @@ def test_a_restart_with_another_store_never_serves_the_old_stores_bytes_and_a_pi
     assert "holds this store's version" in sub.log() and "base_version=0" in sub.log().split("started")[-1]
     verify_current(f"file://{tmp_path / 'mirror'}", target, 2, run2[2])
     assert sub.stop() == 0
+    from weightsync.format.keys import HEAD_KEY
+    from weightsync.format.manifest import head_to_json
+
+    behind = tmp_path / "behind"  # version 2 stored there but not committed (its head is 1): not taken for it
+    shutil.copytree(tmp_path / "new", behind)
+    (behind / HEAD_KEY).write_bytes(head_to_json(1))
+    sub = daemons("subscriber", ["--store", f"file://{behind}", "--target", target, "--id", "s1"])
+    sub.wait_version(1)
+    last = sub.log().rsplit("target at start-up", 1)[-1]
+    assert not [line for line in last.splitlines() if "holds this store's version" in line and "version=2" in line]
+    stays_at(sub, 1, head=1)
+    verify_current(f"file://{behind}", target, 1, run2[1])
+    assert sub.stop() == 0

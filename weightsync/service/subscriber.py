@@ -499,11 +499,17 @@ class Subscriber:
             state = read_state(folder)
             if state is None or same_store(state.store, self.repo.url):
                 return
+            head = self.repo.head_version()
+            if head is None or state.version > head:  # not committed there (a review found one adopted)
+                return
             manifest = self.repo.manifest(state.version)
         except WeightsyncError:  # damaged, not in this store, refused or unreachable: it holds nothing of it
             return
         if _same_files(state, manifest):
+            hook = read_hook_record(self.cfg.target_dir, state.store)
             rebase_state(folder, self.repo.url, self.cfg.fsync)
+            if hook is not None and hook.version == state.version:  # its hook's outcome too (a failed one is retried)
+                write_hook_record(self.cfg.target_dir, self.repo.url, hook, self.cfg.fsync)
             event(
                 log, "a slot filled from another store holds this store's version", folder=folder, version=state.version
             )

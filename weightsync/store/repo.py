@@ -455,17 +455,22 @@ class Repo:
                 self.store.put(signature_key(v), signing_key.sign(v, data), mode="overwrite")
             except StoreError:
                 if created:  # nothing points at it yet (unless an identical publish moved the head: checked there)
-                    self._drop_manifest(v, signing_key)
+                    self._drop_manifest(v, signing_key, data)
                 raise
         if gone := self._gone_chunks(check_chunks):  # before the head: no reader has seen version v
-            if created:
-                self._drop_manifest(v, signing_key)
             what = f"chunk {gone[0]}" + (f" and {len(gone) - 1} more" if len(gone) > 1 else "")
-            raise VersionError(
+            why = (
                 f"version {v} of {self.url}: {what} of this publish was deleted before its commit (gc ran with a "
-                "grace shorter than the publish took, or saw the store's clock ahead of its writer's); nothing was "
-                "committed: publish again"
+                "grace shorter than the publish took, or saw the store's clock ahead of its writer's)"
             )
+            if self._drop_manifest(v, signing_key, data) if created else self.head_version() != v:
+                raise VersionError(f"{why}; nothing was committed: publish again")
+            err = VersionError(
+                f"{why}, and an identical publish committed it meanwhile: publish the next as a keyframe"
+            )
+            err.committed_broken = True  # not "already committed" for a caller that retries (commit_parts)
+            log.error("%s", err)
+            raise err
         etag, replaced = expected_head, head
         for _ in range(100):
             try:
@@ -477,7 +482,7 @@ class Repo:
                     # refused at the first attempt (a full disk, access denied): it did not land. A
                     # timeout, or retries given up (``attempts``), may have: the manifest stays
                     if created and not exc.retryable and not getattr(exc, "attempts", 0):
-                        self._drop_manifest(v, signing_key)
+                        self._drop_manifest(v, signing_key, data)
                     raise
                 if self.head_on_collected(v, replaced):
                     raise VersionError(
@@ -521,18 +526,28 @@ class Repo:
                     self.store.put_if_match(HEAD_KEY, head_to_json(replaced), etag)
         return True
 
-    def _drop_manifest(self, v: int, signing_key: SigningKey | None) -> None:
-        """Remove the manifest (and signature) this commit wrote when its head write failed outright: left
-        above the head, it made every later publish of another checkpoint fail ("already exists above
-        its head") until gc's grace ran out, and one published past it listed the failed version."""
+    def _drop_manifest(self, v: int, signing_key: SigningKey | None, data: bytes) -> bool:
+        """Remove the manifest (and signature) this commit wrote (``data``) when it does not commit:
+        left above the head, it made every later publish of another checkpoint fail ("already exists
+        above its head") until gc's grace ran out, and one published past it listed the failed
+        version. Returns False if the head names ``v`` (an identical publish committed it): then it
+        stays, and one the head reached while it was deleted is put back, as gc does."""
         try:
-            if self.head_version() == v:  # an identical publish (or our own write) moved the head there: committed
-                return
+            if self.head_version() == v:
+                return False
             self.store.delete(version_key(v))
             if signing_key is not None:
                 self.store.delete(signature_key(v))
+            if self.head_version() != v:
+                return True
+            with contextlib.suppress(AlreadyExistsError):  # the head reached it meanwhile: back, create-only
+                self.store.put(version_key(v), data, mode="create")
+            if signing_key is not None:
+                self.store.put(signature_key(v), signing_key.sign(v, data), mode="overwrite")
+            return False
         except StoreError as exc:
             log.warning("version %d of %s: its commit failed, and its manifest stays: %s", v, self.url, exc)
+            return True
 
     def _gone_chunks(self, ids: Iterable[str]) -> list[str]:
         """Those of the chunks ``ids`` that are not stored (HEAD requests, 32 at a time); a chunk whose

@@ -118,6 +118,8 @@ class RetryingStore(Store):
                 raise
             except StoreError as exc:
                 if not is_retryable(exc):
+                    if attempt > 1:
+                        exc.attempts = attempt  # an earlier attempt may have landed (Repo.commit keeps its manifest)
                     raise
                 if attempt >= self.policy.attempts:
                     raise self._gave_up(op, key, attempt, exc) from exc

@@ -471,8 +471,10 @@ def commit_parts(
             check_signable(manifest)
     fresh = {c.id for c in manifest.chunks} - ({c.id for c in parent.chunks} if parent is not None else set())
     try:
-        repo.commit(manifest, etag, signing_key, fresh)  # the ranks' new chunks are checked once committed
-    except VersionError:
+        repo.commit(manifest, etag, signing_key, fresh)  # the ranks' new chunks are checked before the head
+    except VersionError as exc:
+        if getattr(exc, "committed_broken", False):
+            raise
         now = repo.head_version()
         if now is None or now < version:
             raise
