@@ -272,13 +272,18 @@ def rebase_state(folder: Path, store: str, fsync: bool = True) -> None:
         write_json_atomic(path, {**doc, "store": store}, fsync)
 
 
+def claims_version(folder: Path) -> bool:
+    """Whether ``folder`` is a weightsync folder holding a version (whole or partial), or being refilled with one."""
+    return any(os.path.lexists(folder / STATE_DIR / name) for name in ("state.json", PARTIAL_STATE, REFILL))
+
+
 def version_holder(path: Path, itself: bool = True) -> Path | None:
     """The folder (``path`` itself unless ``itself`` is false, or one above it, as it really is)
     that holds a weightsync version or is being refilled with one, if any: its next update removes
     whatever else it holds, so nothing of another store or pull may live in it."""
     real = Path(os.path.realpath(path))
     for d in [real, *real.parents][0 if itself else 1 :]:
-        if any(os.path.lexists(d / STATE_DIR / name) for name in ("state.json", PARTIAL_STATE, REFILL)):
+        if claims_version(d):
             return d
     return None
 

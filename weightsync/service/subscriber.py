@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from contextlib import suppress
 from dataclasses import dataclass, replace
@@ -22,6 +21,7 @@ from weightsync.local.state import (
     STATE_DIR,
     Recorded,
     Snapshot,
+    claims_version,
     disown,
     installed_change,
     read_state,
@@ -1071,8 +1071,7 @@ def _check_target_root(root: Path) -> None:
     checkpoint: its slots and ``current`` would become part of it, and of what is published from it)."""
     if not root.is_dir():
         return
-    sdir = root / STATE_DIR
-    if any(os.path.lexists(sdir / name) for name in ("state.json", PARTIAL_STATE)):
+    if claims_version(root):
         raise UsageError(
             f"{root} holds a version of its own (a pull's folder, or a publish cache), not a subscriber's slots; "
             "give the subscriber another --target"
