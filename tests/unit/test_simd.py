@@ -8,6 +8,7 @@ import os
 import platform
 import subprocess
 import sys
+from xml.etree import ElementTree
 
 import numpy as np
 import pytest
@@ -178,9 +179,10 @@ def _compress_kernel(native: bool, groups: int):
 @pytest.mark.parametrize("density", [0.0, 0.03, 0.5, 1.0])
 def test_compress_zigzag_stores_each_groups_zigzag_differences_at_its_bits_in_order(dtype, groups, density):
     """Each group's array gets, from its position, the zigzag codes of ``new - old`` (wrapping at the
-    width) at its mask's set bits, in order, and nothing else is written; the masks are disjoint and
-    some group's may be empty. The native kind (one coding, a compress-store per group) and the
-    portable one agree."""
+    width) at its mask's set bits, in order, and nothing else is written before them nor more than
+    :data:`simd.SPARE` elements past them (the native kind's register compress stores whole vectors;
+    the portable one writes nothing past them); the masks are disjoint and some group's may be empty.
+    The native kind (one coding, a compress-store per group) and the portable one agree."""
     rng = np.random.default_rng(int(density * 100) + 10 * groups)
     bits = 8 * np.dtype(dtype).itemsize
     old = rng.integers(0, np.iinfo(dtype).max, 128, dtype=dtype, endpoint=True)
@@ -192,8 +194,9 @@ def test_compress_zigzag_stores_each_groups_zigzag_differences_at_its_bits_in_or
     )
     pos = np.array([5, 0, 17, 3][:groups], np.int64)
     for native in (True, False):
-        dst = np.full((groups, 100), 7, dtype)
+        dst = np.full((groups, 17 + 64 + simd.SPARE + 8), 7, dtype)
         _compress_kernel(native, groups)(old, new, 64, dst, pos, mask)
+        spare = simd.SPARE if native and simd.COMPRESS_IN_REGISTER else 0
         for g in range(groups):
             idx = [64 + j for j in range(64) if int(mask[g]) >> j & 1]
             d = [(int(new[i]) - int(old[i])) % (1 << bits) for i in idx]  # signed, wrapping at the width
@@ -201,7 +204,11 @@ def test_compress_zigzag_stores_each_groups_zigzag_differences_at_its_bits_in_or
             want = [((x << 1) ^ (x >> (bits - 1))) % (1 << bits) for x in d]
             p = pos[g]
             assert dst[g, p : p + len(want)].tolist() == want, (native, g)
-            assert (dst[g, :p] == 7).all() and (dst[g, p + len(want) :] == 7).all(), (native, g)
+            assert (dst[g, :p] == 7).all() and (dst[g, p + len(want) + spare :] == 7).all(), (native, g)
+
+
+SPARE = simd.SPARE if simd.COMPRESS_IN_REGISTER else 0
+"""What the native compress-stores may write past the elements they keep on this CPU."""
 
 
 @njit
@@ -212,15 +219,16 @@ def _ranks(out, pos, x, base):
 @pytest.mark.parametrize("density", [0.0, 0.03, 0.5, 1.0])
 def test_compress_ranks_lists_base_plus_each_set_bit_in_order(density):
     """From its position, ``base + j`` for each set bit j of the word (both halves of 32 lanes), and
-    nothing else written, at bases up to the largest a block's ranks reach."""
+    nothing else written before them nor more than :data:`simd.SPARE` elements past them, at bases up
+    to the largest a block's ranks reach."""
     rng = np.random.default_rng(int(density * 100) + 3)
     for x in masks(rng, 20, density):
         for base in (0, 64, (1 << 31) - 64):
-            out = np.full(80, 7, np.uint32)
+            out = np.full(5 + 64 + simd.SPARE + 8, 7, np.uint32)
             _ranks(out, 5, x, np.uint64(base))
             want = [base + j for j in range(64) if int(x) >> j & 1]
             assert out[5 : 5 + len(want)].tolist() == want
-            assert (out[:5] == 7).all() and (out[5 + len(want) :] == 7).all()
+            assert (out[:5] == 7).all() and (out[5 + len(want) + SPARE :] == 7).all()
 
 
 @njit
@@ -232,7 +240,8 @@ def _escapes(out, pos, src, base, lim, valid):
 def test_compress_escapes_stores_the_valid_lanes_at_or_over_the_limit_less_it(dtype):
     """Of 32 elements from ``base``, those in ``valid`` and at or over the limit (unsigned: the top
     values included), each less the limit, in order from the position; returns their count and
-    writes nothing else (the limit's neighbours planted)."""
+    writes nothing before them nor more than :data:`simd.SPARE` elements past them (the limit's
+    neighbours planted)."""
     rng = np.random.default_rng(np.dtype(dtype).itemsize)
     top = np.iinfo(dtype).max
     for trial in range(60):
@@ -242,11 +251,11 @@ def test_compress_escapes_stores_the_valid_lanes_at_or_over_the_limit_less_it(dt
         src[rng.integers(0, 96, 3)] = rng.integers(15, 18, 3)  # at the limit
         valid = np.uint64(rng.choice([0xFFFFFFFF, (1 << int(rng.integers(0, 33))) - 1]))
         base = int(rng.integers(0, 64))
-        out = np.full(40, 7, dtype)
+        out = np.full(3 + 32 + simd.SPARE + 8, 7, dtype)
         n = _escapes(out, 3, src, base, np.uint64(16), valid)
         want = [int(src[base + j]) - 16 for j in range(32) if int(valid) >> j & 1 and src[base + j] >= 16]
         assert n == len(want) and out[3 : 3 + n].tolist() == want, trial
-        assert (out[:3] == 7).all() and (out[3 + n :] == 7).all(), trial
+        assert (out[:3] == 7).all() and (out[3 + n + SPARE :] == 7).all(), trial
 
 
 @njit
@@ -289,10 +298,60 @@ def test_vector_masks_give_each_elements_compare(dtype):
 def test_kernels_compiled_for_another_cpu_are_portable():
     """With ``NUMBA_CPU_NAME`` (an image's cache built for any x86 CPU) numba does not compile for
     this one: the native kind, whose instructions that CPU may lack, is neither chosen nor offered."""
-    probe = "from weightsync.codec import simd; print(simd.NATIVE, simd.KINDS, simd.HAS_BMI2)"
+    probe = (
+        "from weightsync.codec import simd; print(simd.NATIVE, simd.KINDS, simd.HAS_BMI2, simd.COMPRESS_IN_REGISTER)"
+    )
     env = {**os.environ, "NUMBA_CPU_NAME": "generic"}
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["False", "(False,)", "False"]
+    assert out.stdout.split() == ["False", "(False,)", "False", "False"]
+
+
+def test_compress_stores_for_another_cpu_write_only_what_they_keep(tmp_path):
+    """Compiled for any x86 CPU (LLVM's masked compress-store, no register ``vpcompress``), the
+    compress-stores keep the same elements and write nothing past them: this file's tests of them,
+    run in such a process."""
+    env = {**os.environ, "NUMBA_CPU_NAME": "generic"}
+    picked = "compress_ranks or compress_escapes or (compress_zigzag and (0.03-4 or 1.0-2))"
+    report = tmp_path / "report.xml"
+    args = ["-m", "pytest", "-q", "-n0", "-p", "no:cacheprovider", __file__, "-k", picked, f"--junitxml={report}"]
+    out = subprocess.run(
+        [sys.executable, *args], env=env, capture_output=True, text=True, cwd=os.path.dirname(__file__)
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    suite = ElementTree.parse(report).getroot().find("testsuite")
+    ran = {k: int(suite.get(k)) for k in ("tests", "failures", "errors", "skipped")}
+    assert ran == {"tests": 13, "failures": 0, "errors": 0, "skipped": 0}, ran
+
+
+@pytest.mark.skipif(not simd.COMPRESS_IN_REGISTER, reason="a CPU without AVX-512 VBMI2: LLVM's compress-store")
+def test_compress_stores_compress_in_a_register():
+    """Where the CPU has ``vpcompress`` for every element size, no compress-store goes to memory
+    (microcoded on AMD Zen 4, where the encoder ran 3-4x slower with them): each ``vpcompress`` writes
+    a register, which a plain vector store writes out."""
+
+    @njit
+    def ranks(out, x):
+        simd.compress_ranks(out, 1, x, np.uint64(0))
+
+    @njit
+    def escapes(out, src):
+        return simd.compress_escapes(out, 0, src, 0, np.uint64(16), simd.ALL)
+
+    zig = _compress_kernel(True, 2)
+    ranks(np.zeros(128, np.uint32), np.uint64(0xF0F0))
+    found = []
+    asms = [ranks.inspect_asm(ranks.signatures[-1])]
+    for dtype in (np.uint8, np.uint16, np.uint32):
+        escapes(np.zeros(96, dtype), np.arange(64, dtype=dtype))
+        asms.append(escapes.inspect_asm(escapes.signatures[-1]))
+        a = np.arange(128, dtype=dtype)
+        zig(a, a[::-1].copy(), 0, np.zeros((2, 128), dtype), np.zeros(2, np.int64), np.array([3, 12], np.uint64))
+        asms.append(zig.inspect_asm(zig.signatures[-1]))
+    for asm in asms:
+        found += [line.strip() for line in asm.splitlines() if line.strip().startswith("vpcompress")]
+    assert found, "no vpcompress at all"
+    to_memory = [line for line in found if "(" in line.split("#")[0]]  # AT&T: a memory operand has parentheses
+    assert not to_memory, to_memory
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86's prefetch instructions")

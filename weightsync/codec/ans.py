@@ -70,6 +70,7 @@ from weightsync.codec.simd import (
     HAS_BMI2,
     NATIVE,
     ONE,
+    SPARE,
     ZERO,
     below_mask64,
     compress_escapes,
@@ -825,7 +826,7 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st, ranks):
     # values: symbols min(zigzag - 1, 15), escapes (zigzag >= 16) in order, per group
     counts = np.zeros((G, NSYM), np.int64)
     syms = np.empty((G, (nv.max() + 8) // 8 * 8), np.uint8)  # rows of whole 16-bit pairs, aligned
-    esc = np.empty(k + 1, vals.dtype)  # each group's escapes (zigzag - NSYM), one after another
+    esc = np.empty(k + 1 + SPARE, vals.dtype)  # each group's escapes (zigzag - NSYM), one after another
     escg = np.zeros(G + 1, np.int64)
     nesc = 0
     hist = np.empty(4 * NSYM * NSYM, np.int64)
