@@ -13,6 +13,7 @@ from xml.etree import ElementTree
 import numpy as np
 import pytest
 from numba import njit
+from numba.core.codegen import get_host_cpu_features
 
 from weightsync.codec import simd
 
@@ -306,6 +307,17 @@ def test_kernels_compiled_for_another_cpu_are_portable():
     assert out.stdout.split() == ["False", "(False,)", "False", "False"]
 
 
+def test_the_register_compress_follows_the_features_that_key_the_cache():
+    """numba keys a cached kernel by the CPU name and features it compiles for; this CPU's own name in
+    ``NUMBA_CPU_NAME`` gives the same key as none, so it must give the same choice of compress-store
+    (else one process loads the other's kernel: a memory ``vpcompress`` again, or whole-vector
+    stores where its arrays keep no spare)."""
+    probe = "from weightsync.codec import simd; print(simd.COMPRESS_IN_REGISTER)"
+    env = {**os.environ, "NUMBA_CPU_NAME": simd._HOST_CPU}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [str(simd.COMPRESS_IN_REGISTER)]
+
+
 def test_compress_stores_for_another_cpu_write_only_what_they_keep(tmp_path):
     """Compiled for any x86 CPU (LLVM's masked compress-store, no register ``vpcompress``), the
     compress-stores keep the same elements and write nothing past them: this file's tests of them,
@@ -321,6 +333,45 @@ def test_compress_stores_for_another_cpu_write_only_what_they_keep(tmp_path):
     suite = ElementTree.parse(report).getroot().find("testsuite")
     ran = {k: int(suite.get(k)) for k in ("tests", "failures", "errors", "skipped")}
     assert ran == {"tests": 13, "failures": 0, "errors": 0, "skipped": 0}, ran
+
+
+_ROUND_TRIP = """
+import numpy as np
+from weightsync.codec import ans, simd
+rng = np.random.default_rng(0)
+old = rng.integers(0, 1 << 16, 4096).astype(np.uint16)
+new = old.copy()
+new[::3] += np.uint16(1000)  # escapes too
+new[1::7] += np.uint16(1)
+for native in simd.KINDS[:1]:  # the native kind where offered; _encode is shared
+    data, changed = ans.encode_block("BF16", old, new, native=native, split=([], [64]))
+    out = np.empty_like(old)
+    ans.decode_block("BF16", memoryview(data), old, out, "t", native=native)
+    assert changed == int((old != new).sum()) and (out == new).all()
+print(simd.COMPRESS_IN_REGISTER, simd.NATIVE)
+"""
+
+
+def _host_features_without(*names: str) -> str:
+    flat = get_host_cpu_features()
+    return ",".join(f"-{f[1:]}" if f[1:] in names else f for f in flat.split(","))
+
+
+@pytest.mark.parametrize(
+    "env",
+    [{"NUMBA_ENABLE_AVX": "0"}, {"NUMBA_CPU_FEATURES": "vbmi2"}],
+    ids=["avx-off", "features-without-vbmi2"],
+)
+def test_kernels_compile_for_the_features_numba_is_told(env, tmp_path):
+    """Told to compile without AVX (``NUMBA_ENABLE_AVX=0``) or for features without AVX-512 VBMI2
+    (``NUMBA_CPU_FEATURES``), the kernels use only what those have: a block of each kind encodes and
+    decodes (a register ``vpcompress`` there made LLVM abort the process)."""
+    if "NUMBA_CPU_FEATURES" in env:
+        env = {"NUMBA_CPU_FEATURES": _host_features_without("avx512vbmi2")}
+    env = {**os.environ, **env, "NUMBA_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", _ROUND_TRIP], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "False"]
 
 
 @pytest.mark.skipif(not simd.COMPRESS_IN_REGISTER, reason="a CPU without AVX-512 VBMI2: LLVM's compress-store")

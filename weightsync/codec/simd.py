@@ -17,6 +17,7 @@ from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils, config
+from numba.core.codegen import get_host_cpu_features
 from numba.extending import intrinsic
 
 from weightsync.codec.jit import njit
@@ -204,18 +205,24 @@ def pext_soft(x, m):
     return out
 
 
-def _host() -> tuple[str, dict]:
+def _compiled_for() -> tuple[str, dict]:
+    """The CPU numba compiles for and its features, as its code generator takes them: the host's, or
+    ``NUMBA_CPU_NAME`` and ``NUMBA_CPU_FEATURES`` where set (a name alone keeps the host's features,
+    but ``generic`` none), and ``NUMBA_ENABLE_AVX=0`` turns off every AVX feature. Code that uses an
+    instruction these lack fails to compile, and LLVM aborts the process."""
     try:
-        return llvm_binding.get_host_cpu_name(), dict(llvm_binding.get_host_cpu_features())
+        name = config.CPU_NAME or llvm_binding.get_host_cpu_name()
+        flat = config.CPU_FEATURES if config.CPU_FEATURES is not None else get_host_cpu_features()
     except Exception:  # noqa: BLE001 - an LLVM that cannot say (or not x86): the portable path
         return "", {}
+    return name, {f[1:]: f[0] == "+" for f in flat.split(",") if len(f) > 1 and f[0] in "+-"}
 
 
-_HOST_CPU, _HOST_FEATURES = _host()
+_HOST_CPU, _FEATURES = _compiled_for()
 
 _FOR_HOST = config.CPU_NAME in (None, "host")  # NUMBA_CPU_NAME: numba compiles for another CPU (a portable cache)
 
-HAS_BMI2 = _FOR_HOST and bool(_HOST_FEATURES.get("bmi2", False))
+HAS_BMI2 = _FOR_HOST and _FEATURES.get("bmi2", False)
 """Whether this CPU has ``pdep``/``pext`` (x86 BMI2) and numba compiles for it: whether the native
 kernels can run here at all."""
 
@@ -226,19 +233,21 @@ of the mask (AMD before Zen 3), several times the portable steps on a delta's sp
 KINDS = (True, False) if HAS_BMI2 else (False,)
 """The kinds of kernel this CPU can run (native: True; portable: False), for tests that try each."""
 
-NATIVE = HAS_BMI2 and _HOST_CPU not in SLOW_PDEP_CPUS and bool(_HOST_FEATURES.get("avx512vbmi2", False))
+NATIVE = HAS_BMI2 and _HOST_CPU not in SLOW_PDEP_CPUS and _FEATURES.get("avx512vbmi2", False)
 """Whether the kernels use ``pdep``/``pext`` and vector expand-loads and compress-stores (the native
 kind) by default: a CPU with fast BMI2 and AVX-512 VBMI2. Elsewhere LLVM turns each expand-load or
 compress-store into 64 tested lanes, and the portable kind, one step per set bit of the changes'
 masks, is several times faster on a delta (docs/DESIGN.md). Both write the same bytes."""
 
 
-COMPRESS_IN_REGISTER = _FOR_HOST and all(_HOST_FEATURES.get(f, False) for f in ("avx512f", "avx512vl", "avx512vbmi2"))
-"""Whether :func:`_compress_store` compresses in a register and stores the whole vector (where the
-CPU has ``vpcompress`` for every element size), rather than with LLVM's masked compress-store.
-A ``vpcompress`` to memory is microcoded on AMD Zen 4: there the native encoder ran at 0.24-0.26x
-the portable one's speed with compress-stores (a 2.03 GiB pair 1.01 GB/s against `sparse`'s 4.66);
-on an Intel Xeon the register form measured the same (docs/DESIGN.md, "Encoding")."""
+COMPRESS_IN_REGISTER = all(_FEATURES.get(f, False) for f in ("avx512f", "avx512vl", "avx512vbmi2"))
+"""Whether :func:`_compress_store` compresses in a register and stores the whole vector (numba compiles
+for ``vpcompress`` of every element size), rather than with LLVM's masked compress-store. A
+``vpcompress`` to memory is microcoded on AMD Zen 4: there the native encoder ran at 0.34-0.46x the
+portable one's speed with compress-stores (every BF16 tensor of a step pair; the 2.03 GiB pair's
+encode at 1.01 GB/s against `sparse`'s 4.66); on an Intel Xeon the register form measured the same
+(docs/DESIGN.md, "Encoding"). It follows from the features alone, which key numba's cache of the
+kernels that use it."""
 
 SPARE = 32
 """Elements an array written by :func:`_compress_store` needs past the last one it keeps: the register
