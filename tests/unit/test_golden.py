@@ -189,12 +189,13 @@ def test_fixture_is_untouched_by_the_tests():
     assert {p.name for p in root.iterdir()} == {"HEAD", "weightsync.json", "versions", "chunks"}
 
 
-@pytest.mark.parametrize("fixture", ["ac", "ans", "ans-derived"])
+@pytest.mark.parametrize("fixture", ["ac", "ans", "ans-derived", "ans-wide"])
 def test_committed_entropy_coded_payload_still_decodes(fixture):
     """The entropy coders' byte layouts must not drift: a payload made when the codec was added (2
     blocks of a bf16 tensor) must decode to the recorded bytes; ``ans``'s backward too, and so must
-    ``ans``'s payload of the same step in its second layout (coded exception lists, escape orders)
-    and a step of small changes in its third (exceptions derived from the new values)."""
+    ``ans``'s payload of the same step in its second layout (coded exception lists, escape orders),
+    a step of small changes in its third (exceptions derived from the new values) and a step that
+    changes every element in its fourth (a wide rANS section, 32 states)."""
     import zstandard
 
     d = GOLDEN / fixture

@@ -6,7 +6,8 @@ The elements of a block are split into up to 4 position buckets by thresholds on
 exponent field (chosen per block from a sample: the split that minimises the entropy of the change
 mask). Within a bucket, the ranks of the changed elements are Rice-coded gaps. The changes' zigzag
 differences are rANS-coded per value group, up to 4 other ranges of the old exponent chosen by the
-same kind of dynamic program on the sampled values.
+same kind of dynamic program on the sampled values (a group of 2^15 changes or more with 32
+interleaved states, coded 16 at a time by vector steps: :mod:`weightsync.codec.lanes`; else 4).
 
 Decoding a block is two steps. First the streams (:mod:`weightsync.codec.entropy`): each bucket's
 Rice codes into a bitmap over its ranks, each group's symbols into an array of differences in
@@ -59,6 +60,7 @@ from weightsync.codec.entropy import (
 )
 from weightsync.codec.jit import njit
 from weightsync.codec.kernels import feed
+from weightsync.codec.lanes import WIDE_LANES, WIDE_MIN, rans_decode_wide, rans_encode_wide
 from weightsync.codec.registry import register
 from weightsync.codec.simd import (
     ALL,
@@ -136,6 +138,10 @@ _HEAD = 8  # u32 changed count, u8 buckets (| EXC_CODED), u8 shift, u8 bits, u8 
 EXC_CODED = 0x80
 """Set in the header's buckets byte: the exception list is Exp-Golomb codes and 4-bit contexts in a
 bit section (else varints and a byte each, as the first payloads wrote it)."""
+
+WIDE = 0x10
+"""Set in the header's buckets byte: a value group of at least :data:`weightsync.codec.lanes.WIDE_MIN`
+changes has a wide rANS section (32 states, coded by vector steps; else 4)."""
 
 EXC_ORDER = 24
 """The highest order of the exception list's Exp-Golomb codes (gaps are below 2^31)."""
@@ -857,7 +863,7 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st, ranks):
     head[1] = (k >> 8) & 0xFF
     head[2] = (k >> 16) & 0xFF
     head[3] = (k >> 24) & 0xFF
-    head[4] = K | (EXC_CODED if ne else 0)
+    head[4] = K | (EXC_CODED if ne else 0) | (WIDE if nv.max() >= WIDE_MIN else 0)
     head[5] = shift
     head[6] = bits
     head[7] = G
@@ -893,7 +899,7 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st, ranks):
         head[hp] = hx | (EXC_DERIVED if derived else 0)
         hp = put_varint(head, hp + 1, (nbits + tb * ne + 7) // 8)
         hp += eg_section(gaps, hx, tags, tb, head[hp:])
-    body = np.empty(64 * K + 64 * G + 12 * k + 16 * nesc + 64 * LANES * K, np.uint8)
+    body = np.empty(64 * K + 64 * G + 12 * k + 16 * nesc + 64 * LANES * K + 4 * WIDE_LANES * G, np.uint8)
     bp = 0
     for b in range(K):  # positions: per bucket, Rice codes of rank gaps
         c = cb[b]
@@ -931,7 +937,10 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st, ranks):
             hp = put_varint(head, hp, freq[s])
         bp += el
         hp = put_varint(head, hp, el)
-        rl = rans_encode(syms[g], m, freq, body[bp:])
+        if m >= WIDE_MIN:
+            rl = rans_encode_wide(syms[g], m, freq, body[bp:], not ranks)
+        else:
+            rl = rans_encode(syms[g], m, freq, body[bp:])
         bp += rl
         hp = put_varint(head, hp, rl)
     out = np.empty(hp + bp, np.uint8)
@@ -1116,18 +1125,20 @@ U64, I64, U8 = np.dtype(np.uint64), np.dtype(np.int64), np.dtype(np.uint8)
 
 
 @njit(nogil=True)
-def _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb):
+def _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb, native):
     """Parse a block of ``n`` elements into the caller's arrays: its tables into ``hdr`` (the ``H_``
     layout), the bitmaps into ``words``, the differences into ``diffs``, the exceptions' positions
     and old bucket and group into ``exc`` and ``exb``. Returns 0, the failed check's number, or -1
     when one of the arrays is too small for this block: ``hdr[H_NEED_EXC]``, ``hdr[H_NEED_WORDS]``
-    and ``hdr[H_NEED_DIFFS]`` then say how large each must be (the caller grows it and parses again)."""
+    and ``hdr[H_NEED_DIFFS]`` then say how large each must be (the caller grows it and parses again).
+    ``native``: wide rANS sections by vector steps (:mod:`weightsync.codec.lanes`; the same result)."""
     hdr[H_NEED_EXC] = hdr[H_NEED_WORDS] = hdr[H_NEED_DIFFS] = 0
     if data.size < 8:
         return 1
     c = np.int64(data[0]) | np.int64(data[1]) << 8 | np.int64(data[2]) << 16 | np.int64(data[3]) << 24
-    K = np.int64(data[4]) & ~EXC_CODED
+    K = np.int64(data[4]) & ~(EXC_CODED | WIDE)
     coded = (np.int64(data[4]) & EXC_CODED) != 0
+    wide = (np.int64(data[4]) & WIDE) != 0
     bits = np.int64(data[6])
     G = np.int64(data[7])
     if not (1 <= K <= MAX_K and 1 <= G <= MAX_G and 0 < c <= n and bits <= 8) or (bits == 0 and K + G != 2):
@@ -1284,7 +1295,10 @@ def _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb):
             continue
         esec = padded_words(data, pos, elen[g])
         pos += elen[g]
-        if rans_decode(data, pos, rlen[g], freq[g], values, diffs, dstart[g], mg[g]):
+        if wide and mg[g] >= WIDE_MIN:
+            if rans_decode_wide(data, pos, rlen[g], freq[g], values, diffs, dstart[g], mg[g], native):
+                return 13
+        elif rans_decode(data, pos, rlen[g], freq[g], values, diffs, dstart[g], mg[g]):
             return 13
         pos += rlen[g]
         bp = 0
@@ -1308,7 +1322,7 @@ def _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb):
 
 
 @njit(nogil=True)
-def _parse(data, n, width_bits, tmpl):
+def _parse(data, n, width_bits, tmpl, native):
     """(status, K, bucket thresholds, group thresholds, bucket sizes, bitmaps, each bucket's first
     word, differences, each group's first difference, exception positions, their old bucket << 4 |
     group (0 when derived), whether they are derived from the new values), in arrays of their own;
@@ -1318,13 +1332,13 @@ def _parse(data, n, width_bits, tmpl):
     diffs = tmpl[:0].copy()
     exc = np.zeros(0, np.int64)
     exb = np.zeros(0, np.uint8)
-    status = _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb)
+    status = _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb, native)
     while status == -1:  # sized from the tables, parsed again
         words = np.empty(max(words.size, hdr[H_NEED_WORDS]), np.uint64)
         diffs = np.empty(max(diffs.size, hdr[H_NEED_DIFFS]), tmpl.dtype)
         exc = np.empty(max(exc.size, hdr[H_NEED_EXC]), np.int64)
         exb = np.empty(exc.size, np.uint8)
-        status = _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb)
+        status = _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb, native)
     K, G, ne = hdr[H_K], hdr[H_G], hdr[H_NE]
     if status:
         K = G = ne = 1
@@ -1373,10 +1387,10 @@ def _pass_state(thr, vthr, shift, nb, wbase, dstart, lims, st):
 
 
 @njit(nogil=True)
-def _prepare(data, n, width_bits, shift, hdr, words, diffs, exc, exb, lims, st):
+def _prepare(data, n, width_bits, shift, hdr, words, diffs, exc, exb, lims, st, native):
     """Parse a block into the caller's arrays (:func:`_parse_into`) and set up its pass
     (:func:`_pass_state`), in one call: (status, K, G)."""
-    status = _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb)
+    status = _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb, native)
     K, G = hdr[H_K], hdr[H_G]
     if status == 0:
         thr, vthr = hdr[H_THR : H_THR + K - 1], hdr[H_VTHR : H_VTHR + G - 1]
@@ -1445,9 +1459,9 @@ class Parsed:
     and the backward decoder share. Raises :class:`FormatError` naming ``what`` for a block that
     does not parse, or whose exponent field is not ``dtype``'s."""
 
-    def __init__(self, dtype: str, block: memoryview, n: int, dt: np.dtype, what: str) -> None:
+    def __init__(self, dtype: str, block: memoryview, n: int, dt: np.dtype, what: str, native: bool = NATIVE) -> None:
         shift, bits = _exponent_field(dtype, block, what)
-        got = _parse(np.frombuffer(block, dtype=np.uint8), n, 8 * dt.itemsize, np.zeros(1, dt))
+        got = _parse(np.frombuffer(block, dtype=np.uint8), n, 8 * dt.itemsize, np.zeros(1, dt), native)
         status, self.K, self.thr, self.vthr, self.nb, self.words, self.wbase, self.diffs, self.dstart, exc, exb, d = got
         if status:
             raise FormatError(f"{what}: bad ans block (check {status} failed)")
@@ -1528,7 +1542,7 @@ def decode_block(
     data, hdr, st = np.frombuffer(block, np.uint8), sc.hdr, sc.st
     arrays = sc.arrays(dt)
     while True:  # this thread's arrays; one too small is grown to what the block's tables say
-        status, K, G = _prepare(data, n, 8 * dt.itemsize, shift, hdr, *arrays, st)
+        status, K, G = _prepare(data, n, 8 * dt.itemsize, shift, hdr, *arrays, st, native)
         if status != -1:
             break
         arrays = sc.grow(dt, hdr, arrays)
@@ -1599,7 +1613,7 @@ def decode_block_backward(
     if len(block) == 0:
         copy(new, out, hasher)
         return
-    p = Parsed(dtype, block, new.size, new.dtype, what)
+    p = Parsed(dtype, block, new.size, new.dtype, what, native)
     ctx = new.copy()
     exc = p.exc
     field = new.dtype.type(p.fmask << p.shift)

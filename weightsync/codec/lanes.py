@@ -1,0 +1,305 @@
+"""Wide rANS sections of codec ``ans`` (docs/FORMAT.md, "ans"): the static rANS coder of
+:mod:`weightsync.codec.entropy` with :data:`WIDE_LANES` states instead of 4, coded 16 lanes at a time
+by vector instructions.
+
+A 4-state coder is bound by its instructions: about 19 a symbol, 1.7-1.9 ns on an AMD Zen 4, with
+the Rice codes half of the codec's time per change at lr 1e-5 (research/issue18-ctx-codec,
+"Session 38"). With 32 states
+one step of 16 lanes takes, decoding, a compare of each slot with the 15 symbol starts (the symbol
+is the count), a permute each for its frequency, start and value, a multiply, and an expand-load of
+the words the lanes that renormalise read, in lane order; encoding, a permute each for the bound,
+frequency and start, a double-precision division (exact for states below 2^32), and a compress of
+the words the lanes shed. Two such steps are independent but for the word position, so the
+states' chains overlap. The same layout suits a GPU: a lane a thread, the words a warp's ballot.
+
+Each state costs 4 bytes at the section's head, so only groups of at least :data:`WIDE_MIN` symbols
+are wide: their 112 extra bytes are at most 1.6% of such a section at lr 1e-5's 1.7 bits a symbol,
+0.22% of the small model's step there (docs/DESIGN.md). Both coders come in the vector kind and a
+scalar one (``native`` False) that write and read the same bytes; the vector steps are generic LLVM
+code where numba compiles for a CPU without AVX-512 VBMI2
+(:data:`weightsync.codec.simd.COMPRESS_IN_REGISTER`), correct but not fast there.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from weightsync.codec.entropy import M16, NSYM, PROB_BITS, PROB_ONE, RANS_L, U32, W16, W32, _rans_table, rans_steps
+from weightsync.codec.jit import njit
+from weightsync.codec.simd import COMPRESS_IN_REGISTER, ONE, ZERO, mulhi
+
+WIDE_LANES = 32
+"""States of a wide rANS section (a warp's threads)."""
+
+WIDE_MIN = 1 << 15
+"""Symbols from which a group's rANS section is wide, in a block that says so (the format's rule)."""
+
+STEP = 16
+"""Lanes a vector step codes (512 bits of 32-bit states)."""
+
+_I32, _I64, _I16 = ir.IntType(32), ir.IntType(64), ir.IntType(16)
+_V32 = ir.VectorType(_I32, STEP)
+_V16 = ir.VectorType(_I16, STEP)
+_M = ir.VectorType(ir.IntType(1), STEP)
+_REVERSED = ir.Constant(_V32, list(range(STEP - 1, -1, -1)))
+
+
+def _data(context, builder, aryty, ary):
+    return context.make_array(aryty)(context, builder, value=ary).data
+
+
+def _load(builder, data, at, vt):
+    ptr = builder.bitcast(builder.gep(data, [at]), vt.as_pointer())
+    return builder.load(ptr, align=vt.element.width // 8), ptr
+
+
+def _table(context, builder, aryty, ary):
+    """The 16 entries of a uint32 array as one vector."""
+    return _load(builder, _data(context, builder, aryty, ary), ir.Constant(_I64, 0), _V32)[0]
+
+
+def _splat(builder, x):
+    s = builder.insert_element(ir.Constant(_V32, ir.Undefined), x, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(s, ir.Constant(_V32, ir.Undefined), ir.Constant(_V32, [0] * STEP))
+
+
+def _lookup(builder, table, idx):
+    """``table[idx[i]]`` in each lane (indices below 16): one ``vpermd``, or lane by lane elsewhere."""
+    if COMPRESS_IN_REGISTER:
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_V32, [_V32, _V32]), "llvm.x86.avx512.permvar.si.512"
+        )
+        return builder.call(fn, [table, idx])
+    out = ir.Constant(_V32, ir.Undefined)
+    for i in range(STEP):
+        lane = ir.Constant(_I32, i)
+        out = builder.insert_element(out, builder.extract_element(table, builder.extract_element(idx, lane)), lane)
+    return out
+
+
+def _popcount(builder, m):
+    mi = ir.IntType(STEP)
+    fn = builder.module.declare_intrinsic("llvm.ctpop", [mi], ir.FunctionType(mi, [mi]))
+    return builder.zext(builder.call(fn, [builder.bitcast(m, mi)]), _I64)
+
+
+@intrinsic
+def encode_step(typingctx, xs, lane, syms, at, bound, freq, start, words, wp):
+    """Code ``syms[at:at+16]`` with the states ``xs[lane:lane+16]`` (uint32): a state at or over its
+    symbol's ``bound`` (uint32[16]) first sheds its low 16 bits, which are appended to ``words`` from
+    ``wp`` in descending lane order (the whole section's words are reversed at the end, so that a
+    decoder reads them in lane order); then ``x = x + start + (x // f) * (PROB_ONE - f)``. Returns the
+    new ``wp``. Where it compresses in a register, it writes all 16 lanes from ``wp`` (``words`` needs
+    16 elements past the last it keeps)."""
+
+    def codegen(context, builder, sig, args):
+        x, xptr = _load(builder, _data(context, builder, sig.args[0], args[0]), args[1], _V32)
+        s8 = _load(builder, _data(context, builder, sig.args[2], args[2]), args[3], ir.VectorType(ir.IntType(8), STEP))
+        s = builder.zext(s8[0], _V32)
+        b = _lookup(builder, _table(context, builder, sig.args[4], args[4]), s)
+        f = _lookup(builder, _table(context, builder, sig.args[5], args[5]), s)
+        c = _lookup(builder, _table(context, builder, sig.args[6], args[6]), s)
+        shed = builder.icmp_unsigned(">=", x, b)
+        low = builder.shuffle_vector(builder.trunc(x, _V16), ir.Constant(_V16, ir.Undefined), _REVERSED)
+        m = builder.shuffle_vector(shed, ir.Constant(_M, ir.Undefined), _REVERSED)
+        ptr = builder.gep(_data(context, builder, sig.args[7], args[7]), [args[8]])
+        if COMPRESS_IN_REGISTER:  # vpcompress to memory is microcoded on AMD Zen 4 (weightsync.codec.simd)
+            fn = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(_V16, [_V16, _V16, _M]), "llvm.x86.avx512.mask.compress.v16i16"
+            )
+            packed = builder.call(fn, [low, ir.Constant(_V16, None), m])
+            builder.store(packed, builder.bitcast(ptr, _V16.as_pointer()), align=2)
+        else:
+            fn = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [_V16, ptr.type, _M]), "llvm.masked.compressstore.v16i16"
+            )
+            builder.call(fn, [low, ptr, m])
+        x = builder.select(shed, builder.lshr(x, ir.Constant(_V32, [16] * STEP)), x)
+        vd = ir.VectorType(ir.DoubleType(), STEP)  # x // f exactly: x < 2^32 and f <= 2^12 (module doc)
+        q = builder.fptoui(builder.fdiv(builder.uitofp(x, vd), builder.uitofp(f, vd)), _V32)
+        x = builder.add(builder.add(x, c), builder.mul(q, builder.sub(ir.Constant(_V32, [PROB_ONE] * STEP), f)))
+        builder.store(x, xptr, align=4)
+        return builder.add(args[8], _popcount(builder, shed))
+
+    return types.int64(xs, lane, syms, at, bound, freq, start, words, wp), codegen
+
+
+@intrinsic
+def decode_step(typingctx, xs, lane, starts, freq, values, words, wp, out, at):
+    """Decode 16 symbols with the states ``xs[lane:lane+16]`` (uint32): each one's symbol is the
+    number of ``starts[1..15]`` (uint32[16], the cumulative frequencies) at or below its slot;
+    ``out[at:at+16]`` gets ``values[symbol]`` (uint32[16], truncated to ``out``'s width); a state
+    that falls under 2^16 takes the next word of ``words`` from ``wp``, in lane order (a masked
+    expand-load, which reads only those). Returns the new ``wp``."""
+
+    def codegen(context, builder, sig, args):
+        x, xptr = _load(builder, _data(context, builder, sig.args[0], args[0]), args[1], _V32)
+        slot = builder.and_(x, ir.Constant(_V32, [PROB_ONE - 1] * STEP))
+        st = _data(context, builder, sig.args[2], args[2])
+        parts = []
+        for s in range(1, NSYM):
+            c = builder.load(builder.gep(st, [ir.Constant(_I64, s)]))
+            parts.append(builder.zext(builder.icmp_unsigned(">=", slot, _splat(builder, c)), _V32))
+        while len(parts) > 1:  # a tree of adds: the compares do not wait on each other
+            pairs = [parts[i : i + 2] for i in range(0, len(parts), 2)]
+            parts = [builder.add(*pair) if len(pair) == 2 else pair[0] for pair in pairs]
+        sym = parts[0]
+        f = _lookup(builder, _table(context, builder, sig.args[3], args[3]), sym)
+        c = _lookup(builder, _table(context, builder, sig.args[2], args[2]), sym)
+        v = _lookup(builder, _table(context, builder, sig.args[4], args[4]), sym)
+        x = builder.add(builder.mul(f, builder.lshr(x, ir.Constant(_V32, [PROB_BITS] * STEP))), builder.sub(slot, c))
+        low = builder.icmp_unsigned("<", x, ir.Constant(_V32, [int(RANS_L)] * STEP))
+        ptr = builder.gep(_data(context, builder, sig.args[5], args[5]), [args[6]])
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_V16, [ptr.type, _M, _V16]), "llvm.masked.expandload.v16i16"
+        )
+        w = builder.zext(builder.call(fn, [ptr, low, ir.Constant(_V16, None)]), _V32)
+        x = builder.select(low, builder.or_(builder.shl(x, ir.Constant(_V32, [16] * STEP)), w), x)
+        builder.store(x, xptr, align=4)
+        oty = sig.args[7]
+        vt = ir.VectorType(context.get_data_type(oty.dtype), STEP)
+        v = builder.trunc(v, vt) if vt.element.width < 32 else v
+        optr = builder.bitcast(builder.gep(_data(context, builder, oty, args[7]), [args[8]]), vt.as_pointer())
+        builder.store(v, optr, align=vt.element.width // 8)
+        return builder.add(args[6], _popcount(builder, low))
+
+    return types.int64(xs, lane, starts, freq, values, words, wp, out, at), codegen
+
+
+@njit(nogil=True)
+def _vectors(freq):
+    """The vector steps' tables (uint32[16] each): state bound, frequency, start (cumulative). A symbol
+    of frequency 2^12 (the only one) has bound 2^32 - 1, not 2^32: its states never change from 2^16,
+    so never shed a word, as in the scalar steps (whose bounds are 64-bit)."""
+    bound = np.zeros(NSYM, np.uint32)
+    f32 = np.zeros(NSYM, np.uint32)
+    start = np.zeros(NSYM, np.uint32)
+    s = 0
+    for i in range(NSYM):
+        f32[i] = freq[i]
+        bound[i] = min(np.uint64(freq[i]) << np.uint64(32 - PROB_BITS), np.uint64(0xFFFFFFFF))
+        start[i] = s
+        s += freq[i]
+    return bound, f32, start
+
+
+@njit(nogil=True)
+def rans_encode_wide(syms, c, freq, out, native):
+    """:func:`weightsync.codec.entropy.rans_encode` with :data:`WIDE_LANES` states: symbol j is coded
+    by state j % 32; the 32 final states first, then the words in the order a decoder reads them.
+    ``native``: whole steps by :func:`encode_step` (the scalar steps write the same bytes). Returns
+    the section's length."""
+    tab = rans_steps(freq)
+    W = WIDE_LANES
+    words = np.empty(c + 2 * STEP, np.uint16)  # in coding order, reversed below; 16 spare for a step's stores
+    u = ZERO  # indices unsigned: numba tests every signed one for wraparound
+    xs = np.full(W, RANS_L, np.uint32)
+    full = np.uint64(c - c % W)
+    j = np.uint64(c)
+    while j > full:  # the partial last step, its lanes from the highest
+        j -= ONE
+        xs[j - full], u = _encode_one(xs[j - full], syms[j], tab, words, u)
+    if native:
+        bound, f32, start = _vectors(freq)
+        for k in range(np.int64(full) - W, -1, -W):
+            u = np.uint64(encode_step(xs, STEP, syms, k + STEP, bound, f32, start, words, np.int64(u)))
+            u = np.uint64(encode_step(xs, 0, syms, k, bound, f32, start, words, np.int64(u)))
+    else:
+        while j > ZERO:  # the scalar steps: lanes from the highest, four at a time with their states in registers
+            j -= np.uint64(W)
+            q = np.uint64(W)
+            while q > ZERO:
+                q -= np.uint64(4)
+                x0, x1, x2, x3 = xs[q], xs[q + ONE], xs[q + np.uint64(2)], xs[q + np.uint64(3)]
+                x3, u = _encode_one(x3, syms[j + q + np.uint64(3)], tab, words, u)
+                x2, u = _encode_one(x2, syms[j + q + np.uint64(2)], tab, words, u)
+                x1, u = _encode_one(x1, syms[j + q + ONE], tab, words, u)
+                x0, u = _encode_one(x0, syms[j + q], tab, words, u)
+                xs[q], xs[q + ONE], xs[q + np.uint64(2)], xs[q + np.uint64(3)] = x0, x1, x2, x3
+    for q in range(W):
+        for b in range(4):
+            out[4 * q + b] = np.uint8((xs[q] >> U32(8 * b)) & U32(0xFF))
+    n = np.int64(u)
+    body = words[:n]
+    body[:] = body[::-1].copy()  # in the order a decoder reads them
+    out[4 * W : 4 * W + 2 * n] = body.view(np.uint8)
+    return 4 * W + 2 * n
+
+
+@njit(nogil=True, inline="always")
+def _encode_one(x, sym, tab, words, u):
+    """One scalar step: state ``x`` (uint32) sheds its low word to ``words[u]`` where it must (the
+    position moves only then: no branch), then codes ``sym``; returns the state and the position."""
+    s = np.uint64(sym) << np.uint64(2)
+    y = np.uint64(x)
+    fl = np.uint64(y >= tab[s])
+    words[u] = np.uint16(y & M16)
+    y >>= fl << np.uint64(4)  # a shift, not a select: LLVM made that a branch, mispredicted (2x slower)
+    return np.uint32(y + tab[s + np.uint64(2)] + mulhi(y, tab[s + ONE]) * tab[s + np.uint64(3)]), u + fl
+
+
+@njit(nogil=True, inline="always")
+def _decode_one(x, tab, w16, wp, out, at):
+    """One scalar step: the symbol of state ``x`` (its value to ``out[at]``), the state after it, and
+    the word position after its renormalisation."""
+    en = tab[x & U32(PROB_ONE - 1)]
+    x = U32(en & M16) * (x >> U32(PROB_BITS)) + U32((en >> W16) & M16)
+    t = U32(x < RANS_L)
+    out[at] = en >> W32
+    return (x << (t << U32(4))) | (U32(w16[wp]) & (U32(0) - t)), wp + np.uint64(t)
+
+
+@njit(nogil=True)
+def rans_decode_wide(data, pos, length, freq, values, out, o0, count, native):
+    """:func:`weightsync.codec.entropy.rans_decode` of a section with :data:`WIDE_LANES` states (symbol
+    j with state j % 32); returns 0, or 13 for a section that does not decode to exactly ``count``
+    symbols (every state back at 2^16, every word read). ``native``: whole steps by
+    :func:`decode_step`. A state takes at most one word a symbol, and the words are followed by
+    ``count`` zeros (and a step's 16 more), so that a section that runs out reads zeros, which the
+    end's checks refuse."""
+    W = WIDE_LANES
+    if length < 4 * W or (length - 4 * W) % 2:
+        return 13
+    xs = np.empty(W, np.uint32)
+    for q in range(W):
+        p = pos + 4 * q
+        xs[q] = U32(data[p]) | U32(data[p + 1]) << U32(8) | U32(data[p + 2]) << U32(16) | U32(data[p + 3]) << U32(24)
+        if xs[q] < RANS_L:
+            return 13
+    nw = (length - 4 * W) // 2
+    w16 = np.zeros(nw + count + STEP, np.uint16)
+    w16.view(np.uint8)[: 2 * nw] = data[pos + 4 * W : pos + length]
+    wp = 0
+    full = count - count % W
+    first = 0
+    if native:
+        first = full
+        bound, f32, start = _vectors(freq)
+        v32 = np.zeros(NSYM, np.uint32)
+        for s in range(NSYM):
+            v32[s] = np.uint32(values[s])
+        for j in range(0, full, W):
+            wp = decode_step(xs, 0, start, f32, v32, w16, wp, out, o0 + j)
+            wp = decode_step(xs, STEP, start, f32, v32, w16, wp, out, o0 + j + STEP)
+    tab = _rans_table(freq, values)
+    u = np.uint64(wp)  # unsigned indices: numba tests every signed one for wraparound
+    for j in range(np.uint64(first), np.uint64(full), np.uint64(W)):  # the scalar steps: lanes in order,
+        at = np.uint64(o0) + j  # four at a time with their states in registers
+        for q in range(ZERO, np.uint64(W), np.uint64(4)):
+            x0, x1, x2, x3 = xs[q], xs[q + ONE], xs[q + np.uint64(2)], xs[q + np.uint64(3)]
+            x0, u = _decode_one(x0, tab, w16, u, out, at + q)
+            x1, u = _decode_one(x1, tab, w16, u, out, at + q + ONE)
+            x2, u = _decode_one(x2, tab, w16, u, out, at + q + np.uint64(2))
+            x3, u = _decode_one(x3, tab, w16, u, out, at + q + np.uint64(3))
+            xs[q], xs[q + ONE], xs[q + np.uint64(2)], xs[q + np.uint64(3)] = x0, x1, x2, x3
+    for j in range(np.uint64(full), np.uint64(count)):  # the partial last step
+        xs[j - np.uint64(full)], u = _decode_one(xs[j - np.uint64(full)], tab, w16, u, out, np.uint64(o0) + j)
+    wp = np.int64(u)
+    for q in range(W):
+        if xs[q] != RANS_L:
+            return 13
+    return 0 if wp == nw else 13
