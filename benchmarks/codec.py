@@ -393,7 +393,7 @@ def cpu_line() -> str:
     """The CPU as LLVM names it and the kind of ``ans`` kernel it gets (their speed depends on both)."""
     from weightsync.codec import simd
 
-    has = lambda f: "yes" if simd._HOST_FEATURES.get(f) else "no"  # noqa: E731
+    has = lambda f: "yes" if simd._FEATURES.get(f) else "no"  # noqa: E731
     slow = " (microcoded)" if simd.HAS_BMI2 and simd._HOST_CPU in simd.SLOW_PDEP_CPUS else ""
     return (
         f"CPU: {simd._HOST_CPU or 'unknown'} (LLVM's name); BMI2 {has('bmi2')}{slow}, AVX-512 VBMI2 "
