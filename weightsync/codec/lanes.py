@@ -87,87 +87,118 @@ def _popcount(builder, m):
     return builder.zext(builder.call(fn, [builder.bitcast(m, mi)]), _I64)
 
 
-@intrinsic
-def encode_step(typingctx, xs, lane, syms, at, bound, freq, start, words, wp):
-    """Code ``syms[at:at+16]`` with the states ``xs[lane:lane+16]`` (uint32): a state at or over its
-    symbol's ``bound`` (uint32[16]) first sheds its low 16 bits, which are appended to ``words`` from
-    ``wp`` in descending lane order (the whole section's words are reversed at the end, so that a
-    decoder reads them in lane order); then ``x = x + start + (x // f) * (PROB_ONE - f)``. Returns the
-    new ``wp``. Where it compresses in a register, it writes all 16 lanes from ``wp`` (``words`` needs
-    16 elements past the last it keeps)."""
-
-    def codegen(context, builder, sig, args):
-        x, xptr = _load(builder, _data(context, builder, sig.args[0], args[0]), args[1], _V32)
-        s8 = _load(builder, _data(context, builder, sig.args[2], args[2]), args[3], ir.VectorType(ir.IntType(8), STEP))
-        s = builder.zext(s8[0], _V32)
-        b = _lookup(builder, _table(context, builder, sig.args[4], args[4]), s)
-        f = _lookup(builder, _table(context, builder, sig.args[5], args[5]), s)
-        c = _lookup(builder, _table(context, builder, sig.args[6], args[6]), s)
-        shed = builder.icmp_unsigned(">=", x, b)
-        low = builder.shuffle_vector(builder.trunc(x, _V16), ir.Constant(_V16, ir.Undefined), _REVERSED)
-        m = builder.shuffle_vector(shed, ir.Constant(_M, ir.Undefined), _REVERSED)
-        ptr = builder.gep(_data(context, builder, sig.args[7], args[7]), [args[8]])
-        if COMPRESS_IN_REGISTER:  # vpcompress to memory is microcoded on AMD Zen 4 (weightsync.codec.simd)
-            fn = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(_V16, [_V16, _V16, _M]), "llvm.x86.avx512.mask.compress.v16i16"
-            )
-            packed = builder.call(fn, [low, ir.Constant(_V16, None), m])
-            builder.store(packed, builder.bitcast(ptr, _V16.as_pointer()), align=2)
-        else:
-            fn = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), [_V16, ptr.type, _M]), "llvm.masked.compressstore.v16i16"
-            )
-            builder.call(fn, [low, ptr, m])
-        x = builder.select(shed, builder.lshr(x, ir.Constant(_V32, [16] * STEP)), x)
-        vd = ir.VectorType(ir.DoubleType(), STEP)  # x // f exactly: x < 2^32 and f <= 2^12 (module doc)
-        q = builder.fptoui(builder.fdiv(builder.uitofp(x, vd), builder.uitofp(f, vd)), _V32)
-        x = builder.add(builder.add(x, c), builder.mul(q, builder.sub(ir.Constant(_V32, [PROB_ONE] * STEP), f)))
-        builder.store(x, xptr, align=4)
-        return builder.add(args[8], _popcount(builder, shed))
-
-    return types.int64(xs, lane, syms, at, bound, freq, start, words, wp), codegen
-
-
-@intrinsic
-def decode_step(typingctx, xs, lane, starts, freq, values, words, wp, out, at):
-    """Decode 16 symbols with the states ``xs[lane:lane+16]`` (uint32): each one's symbol is the
-    number of ``starts[1..15]`` (uint32[16], the cumulative frequencies) at or below its slot;
-    ``out[at:at+16]`` gets ``values[symbol]`` (uint32[16], truncated to ``out``'s width); a state
-    that falls under 2^16 takes the next word of ``words`` from ``wp``, in lane order (a masked
-    expand-load, which reads only those). Returns the new ``wp``."""
-
-    def codegen(context, builder, sig, args):
-        x, xptr = _load(builder, _data(context, builder, sig.args[0], args[0]), args[1], _V32)
-        slot = builder.and_(x, ir.Constant(_V32, [PROB_ONE - 1] * STEP))
-        st = _data(context, builder, sig.args[2], args[2])
-        parts = []
-        for s in range(1, NSYM):
-            c = builder.load(builder.gep(st, [ir.Constant(_I64, s)]))
-            parts.append(builder.zext(builder.icmp_unsigned(">=", slot, _splat(builder, c)), _V32))
-        while len(parts) > 1:  # a tree of adds: the compares do not wait on each other
-            pairs = [parts[i : i + 2] for i in range(0, len(parts), 2)]
-            parts = [builder.add(*pair) if len(pair) == 2 else pair[0] for pair in pairs]
-        sym = parts[0]
-        f = _lookup(builder, _table(context, builder, sig.args[3], args[3]), sym)
-        c = _lookup(builder, _table(context, builder, sig.args[2], args[2]), sym)
-        v = _lookup(builder, _table(context, builder, sig.args[4], args[4]), sym)
-        x = builder.add(builder.mul(f, builder.lshr(x, ir.Constant(_V32, [PROB_BITS] * STEP))), builder.sub(slot, c))
-        low = builder.icmp_unsigned("<", x, ir.Constant(_V32, [int(RANS_L)] * STEP))
-        ptr = builder.gep(_data(context, builder, sig.args[5], args[5]), [args[6]])
+def _shed_words(builder, x, shed, ptr) -> None:
+    """The low 16 bits of the states that shed them, in descending lane order, to memory from ``ptr``."""
+    low = builder.shuffle_vector(builder.trunc(x, _V16), ir.Constant(_V16, ir.Undefined), _REVERSED)
+    m = builder.shuffle_vector(shed, ir.Constant(_M, ir.Undefined), _REVERSED)
+    if COMPRESS_IN_REGISTER:  # vpcompress to memory is microcoded on AMD Zen 4 (weightsync.codec.simd)
         fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(_V16, [ptr.type, _M, _V16]), "llvm.masked.expandload.v16i16"
+            builder.module, ir.FunctionType(_V16, [_V16, _V16, _M]), "llvm.x86.avx512.mask.compress.v16i16"
         )
-        w = builder.zext(builder.call(fn, [ptr, low, ir.Constant(_V16, None)]), _V32)
-        x = builder.select(low, builder.or_(builder.shl(x, ir.Constant(_V32, [16] * STEP)), w), x)
-        builder.store(x, xptr, align=4)
-        oty = sig.args[7]
-        vt = ir.VectorType(context.get_data_type(oty.dtype), STEP)
-        v = builder.trunc(v, vt) if vt.element.width < 32 else v
-        optr = builder.bitcast(builder.gep(_data(context, builder, oty, args[7]), [args[8]]), vt.as_pointer())
-        builder.store(v, optr, align=vt.element.width // 8)
-        return builder.add(args[6], _popcount(builder, low))
+        packed = builder.call(fn, [low, ir.Constant(_V16, None), m])
+        builder.store(packed, builder.bitcast(ptr, _V16.as_pointer()), align=2)
+    else:
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [_V16, ptr.type, _M]), "llvm.masked.compressstore.v16i16"
+        )
+        builder.call(fn, [low, ptr, m])
 
-    return types.int64(xs, lane, starts, freq, values, words, wp, out, at), codegen
+
+@intrinsic
+def encode_steps(typingctx, xs, syms, top, bound, freq, start, words, wp, steps):
+    """Code ``steps`` whole steps of 32 symbols, the first at ``syms[top:top+32]``, then each 32
+    below it, with the states ``xs[0:32]`` (uint32), kept in registers between steps: per 16 lanes
+    (the high ones first), a state at or over its symbol's ``bound`` (uint32[16]) sheds its low 16
+    bits, which are appended to ``words`` from ``wp`` in descending lane order (the whole section's
+    words are reversed at the end, so that a decoder reads them in lane order); then ``x = x + start
+    + (x // f) * (PROB_ONE - f)``. Returns the new ``wp``. Where it compresses in a register, a step
+    writes all 16 lanes from ``wp`` (``words`` needs 16 elements past the last it keeps)."""
+
+    def codegen(context, builder, sig, args):
+        xsd, sd, wd = (_data(context, builder, sig.args[i], args[i]) for i in (0, 1, 6))
+        tables = [_table(context, builder, sig.args[i], args[i]) for i in (3, 4, 5)]
+        state = [
+            cgutils.alloca_once_value(builder, _load(builder, xsd, ir.Constant(_I64, h * STEP), _V32)[0])
+            for h in (0, 1)
+        ]
+        pos = cgutils.alloca_once_value(builder, args[7])
+        vd = ir.VectorType(ir.DoubleType(), STEP)
+        with cgutils.for_range(builder, args[8]) as loop:
+            at = builder.sub(args[2], builder.mul(loop.index, ir.Constant(_I64, WIDE_LANES)))
+            for h in (1, 0):
+                x = builder.load(state[h])
+                s8 = _load(
+                    builder, sd, builder.add(at, ir.Constant(_I64, h * STEP)), ir.VectorType(ir.IntType(8), STEP)
+                )
+                sym = builder.zext(s8[0], _V32)
+                b, f, c = (_lookup(builder, t, sym) for t in tables)
+                shed = builder.icmp_unsigned(">=", x, b)
+                wp = builder.load(pos)
+                _shed_words(builder, x, shed, builder.gep(wd, [wp]))
+                builder.store(builder.add(wp, _popcount(builder, shed)), pos)
+                x = builder.select(shed, builder.lshr(x, ir.Constant(_V32, [16] * STEP)), x)
+                # x // f exactly: x < 2^32 and f <= 2^12 (module doc)
+                q = builder.fptoui(builder.fdiv(builder.uitofp(x, vd), builder.uitofp(f, vd)), _V32)
+                spare = builder.sub(ir.Constant(_V32, [PROB_ONE] * STEP), f)
+                builder.store(builder.add(builder.add(x, c), builder.mul(q, spare)), state[h])
+        for h in (0, 1):
+            builder.store(builder.load(state[h]), _load(builder, xsd, ir.Constant(_I64, h * STEP), _V32)[1], align=4)
+        return builder.load(pos)
+
+    return types.int64(xs, syms, top, bound, freq, start, words, wp, steps), codegen
+
+
+@intrinsic
+def decode_steps(typingctx, xs, starts, freq, values, words, wp, out, at, steps):
+    """Decode ``steps`` whole steps of 32 symbols into ``out[at:]`` with the states ``xs[0:32]``
+    (uint32), kept in registers between steps: per 16 lanes, each state's symbol is the number of
+    ``starts[1..15]`` (uint32[16], the cumulative frequencies) at or below its slot; ``out`` gets
+    ``values[symbol]`` (uint32[16], truncated to ``out``'s width); a state that falls under 2^16
+    takes the next word of ``words`` from ``wp``, in lane order (a masked expand-load, which reads
+    only those). Returns the new ``wp``."""
+
+    def codegen(context, builder, sig, args):
+        xsd, wd, od = (_data(context, builder, sig.args[i], args[i]) for i in (0, 4, 6))
+        st = _data(context, builder, sig.args[1], args[1])
+        starts = [_splat(builder, builder.load(builder.gep(st, [ir.Constant(_I64, s)]))) for s in range(1, NSYM)]
+        tables = [_table(context, builder, sig.args[i], args[i]) for i in (2, 1, 3)]  # frequency, start, value
+        state = [
+            cgutils.alloca_once_value(builder, _load(builder, xsd, ir.Constant(_I64, h * STEP), _V32)[0])
+            for h in (0, 1)
+        ]
+        pos = cgutils.alloca_once_value(builder, args[5])
+        ot = ir.VectorType(context.get_data_type(sig.args[6].dtype), STEP)
+        expand = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_V16, [wd.type, _M, _V16]), "llvm.masked.expandload.v16i16"
+        )
+        with cgutils.for_range(builder, args[8]) as loop:
+            base = builder.add(args[7], builder.mul(loop.index, ir.Constant(_I64, WIDE_LANES)))
+            for h in (0, 1):
+                x = builder.load(state[h])
+                slot = builder.and_(x, ir.Constant(_V32, [PROB_ONE - 1] * STEP))
+                parts = [builder.zext(builder.icmp_unsigned(">=", slot, c), _V32) for c in starts]
+                while len(parts) > 1:  # a tree of adds: the compares do not wait on each other
+                    pairs = [parts[i : i + 2] for i in range(0, len(parts), 2)]
+                    parts = [builder.add(*pair) if len(pair) == 2 else pair[0] for pair in pairs]
+                f, c, v = (_lookup(builder, t, parts[0]) for t in tables)
+                x = builder.add(
+                    builder.mul(f, builder.lshr(x, ir.Constant(_V32, [PROB_BITS] * STEP))), builder.sub(slot, c)
+                )
+                low = builder.icmp_unsigned("<", x, ir.Constant(_V32, [int(RANS_L)] * STEP))
+                wp = builder.load(pos)
+                w = builder.zext(builder.call(expand, [builder.gep(wd, [wp]), low, ir.Constant(_V16, None)]), _V32)
+                builder.store(builder.add(wp, _popcount(builder, low)), pos)
+                builder.store(
+                    builder.select(low, builder.or_(builder.shl(x, ir.Constant(_V32, [16] * STEP)), w), x), state[h]
+                )
+                v = builder.trunc(v, ot) if ot.element.width < 32 else v
+                at = builder.add(base, ir.Constant(_I64, h * STEP))
+                builder.store(v, builder.bitcast(builder.gep(od, [at]), ot.as_pointer()), align=ot.element.width // 8)
+        for h in (0, 1):
+            builder.store(builder.load(state[h]), _load(builder, xsd, ir.Constant(_I64, h * STEP), _V32)[1], align=4)
+        return builder.load(pos)
+
+    return types.int64(xs, starts, freq, values, words, wp, out, at, steps), codegen
 
 
 @njit(nogil=True)
@@ -191,7 +222,7 @@ def _vectors(freq):
 def rans_encode_wide(syms, c, freq, out, native):
     """:func:`weightsync.codec.entropy.rans_encode` with :data:`WIDE_LANES` states: symbol j is coded
     by state j % 32; the 32 final states first, then the words in the order a decoder reads them.
-    ``native``: whole steps by :func:`encode_step` (the scalar steps write the same bytes). Returns
+    ``native``: whole steps by :func:`encode_steps` (the scalar steps write the same bytes). Returns
     the section's length."""
     tab = rans_steps(freq)
     W = WIDE_LANES
@@ -205,9 +236,10 @@ def rans_encode_wide(syms, c, freq, out, native):
         xs[j - full], u = _encode_one(xs[j - full], syms[j], tab, words, u)
     if native:
         bound, f32, start = _vectors(freq)
-        for k in range(np.int64(full) - W, -1, -W):
-            u = np.uint64(encode_step(xs, STEP, syms, k + STEP, bound, f32, start, words, np.int64(u)))
-            u = np.uint64(encode_step(xs, 0, syms, k, bound, f32, start, words, np.int64(u)))
+        if full:
+            u = np.uint64(
+                encode_steps(xs, syms, np.int64(full) - W, bound, f32, start, words, np.int64(u), np.int64(full) // W)
+            )
     else:
         while j > ZERO:  # the scalar steps: lanes from the highest, four at a time with their states in registers
             j -= np.uint64(W)
@@ -258,7 +290,7 @@ def rans_decode_wide(data, pos, length, freq, values, out, o0, count, native):
     """:func:`weightsync.codec.entropy.rans_decode` of a section with :data:`WIDE_LANES` states (symbol
     j with state j % 32); returns 0, or 13 for a section that does not decode to exactly ``count``
     symbols (every state back at 2^16, every word read). ``native``: whole steps by
-    :func:`decode_step`. A state takes at most one word a symbol, and the words are followed by
+    :func:`decode_steps`. A state takes at most one word a symbol, and the words are followed by
     ``count`` zeros (and a step's 16 more), so that a section that runs out reads zeros, which the
     end's checks refuse."""
     W = WIDE_LANES
@@ -282,9 +314,7 @@ def rans_decode_wide(data, pos, length, freq, values, out, o0, count, native):
         v32 = np.zeros(NSYM, np.uint32)
         for s in range(NSYM):
             v32[s] = np.uint32(values[s])
-        for j in range(0, full, W):
-            wp = decode_step(xs, 0, start, f32, v32, w16, wp, out, o0 + j)
-            wp = decode_step(xs, STEP, start, f32, v32, w16, wp, out, o0 + j + STEP)
+        wp = decode_steps(xs, start, f32, v32, w16, wp, out, o0, full // W)
     tab = _rans_table(freq, values)
     u = np.uint64(wp)  # unsigned indices: numba tests every signed one for wraparound
     for j in range(np.uint64(first), np.uint64(full), np.uint64(W)):  # the scalar steps: lanes in order,
