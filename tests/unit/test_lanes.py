@@ -193,3 +193,23 @@ def test_a_block_that_says_wide_over_four_state_sections_is_refused():
     for kind in simd.KINDS:
         with pytest.raises(FormatError, match="check 13"):
             ans.decode_block("BF16", memoryview(bytes(block)), old, np.empty_like(old), "golden", native=kind)
+
+
+def test_the_vector_steps_refuse_strided_arrays():
+    """The steps address elements from an array's data pointer: a reversed or strided view (a legal
+    argument to the njit functions) is refused when they are typed, never read or written as if it
+    were contiguous (a reversed ``out`` was written past its buffer)."""
+    from numba.core.errors import TypingError
+
+    syms = np.random.default_rng(0).integers(0, NSYM, 4096).astype(np.uint8)
+    freq = _freq(syms)
+    section = _encode(syms, freq, True)
+    values = np.arange(NSYM, dtype=np.uint16)
+    big = np.zeros(3 * 4096, np.uint16)
+    with pytest.raises(TypingError, match="C-contiguous"):
+        lanes.rans_decode_wide(section, 0, section.size, freq, values, big[4096:8192][::-1], 0, 4096, True)
+    assert not big.any()
+    spread = np.zeros(2 * syms.size + 128, np.uint8)
+    spread[::2][: syms.size] = syms
+    with pytest.raises(TypingError, match="C-contiguous"):
+        lanes.rans_encode_wide(spread[::2], syms.size, freq, np.zeros(section.size + 64, np.uint8), True)

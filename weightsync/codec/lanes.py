@@ -26,6 +26,7 @@ import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
+from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
 from weightsync.codec.entropy import M16, NSYM, PROB_BITS, PROB_ONE, RANS_L, U32, W16, W32, _rans_table, rans_steps
@@ -87,8 +88,16 @@ def _popcount(builder, m):
     return builder.zext(builder.call(fn, [builder.bitcast(m, mi)]), _I64)
 
 
+def _contiguous(name: str, *arrays) -> None:
+    """Refuse, when a kernel is typed, arrays that are not known to be contiguous: the steps address
+    an array's elements from its data pointer (a strided view's would be other memory)."""
+    if not all(isinstance(a, types.Array) and a.layout == "C" for a in arrays):
+        raise TypingError(f"lanes.{name} takes C-contiguous arrays only, not {', '.join(str(a) for a in arrays)}")
+
+
 def _shed_words(builder, x, shed, ptr) -> None:
-    """The low 16 bits of the states that shed them, in descending lane order, to memory from ``ptr``."""
+    """The low 16 bits of the states that shed them, in descending lane order, to memory from ``ptr``
+    (all 16 lanes are written: 16 elements from ``ptr`` must be writable)."""
     low = builder.shuffle_vector(builder.trunc(x, _V16), ir.Constant(_V16, ir.Undefined), _REVERSED)
     m = builder.shuffle_vector(shed, ir.Constant(_M, ir.Undefined), _REVERSED)
     if COMPRESS_IN_REGISTER:  # vpcompress to memory is microcoded on AMD Zen 4 (weightsync.codec.simd)
@@ -97,11 +106,36 @@ def _shed_words(builder, x, shed, ptr) -> None:
         )
         packed = builder.call(fn, [low, ir.Constant(_V16, None), m])
         builder.store(packed, builder.bitcast(ptr, _V16.as_pointer()), align=2)
-    else:
+        return
+    # lane by lane, without LLVM's masked compress-store of 16-bit lanes (it asserts where numba
+    # compiles for VBMI2 without VL): a kept lane to the next position, another to the one after
+    # the kept ones (overwritten by the next step, or past the section's words)
+    at, spare = ir.Constant(_I64, 0), builder.zext(_popcount(builder, m), _I64)
+    for i in range(STEP):
+        lane = ir.Constant(_I32, i)
+        keep = builder.extract_element(m, lane)
+        builder.store(builder.extract_element(low, lane), builder.gep(ptr, [builder.select(keep, at, spare)]), align=2)
+        at = builder.add(at, builder.zext(keep, _I64))
+
+
+def _expand_words(builder, ptr, low):
+    """The next words from ``ptr`` into the lanes of the mask ``low``, in lane order (0 elsewhere). A
+    masked expand-load where numba compiles for VBMI2 and VL; elsewhere lane by lane (LLVM's masked
+    expand-load of 16-bit lanes asserts without VL), reading up to 16 words from ``ptr`` whatever
+    the mask (they must be readable)."""
+    if COMPRESS_IN_REGISTER:
         fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [_V16, ptr.type, _M]), "llvm.masked.compressstore.v16i16"
+            builder.module, ir.FunctionType(_V16, [ptr.type, _M, _V16]), "llvm.masked.expandload.v16i16"
         )
-        builder.call(fn, [low, ptr, m])
+        return builder.zext(builder.call(fn, [ptr, low, ir.Constant(_V16, None)]), _V32)
+    out, at = ir.Constant(_V32, None), ir.Constant(_I64, 0)
+    for i in range(STEP):
+        lane = ir.Constant(_I32, i)
+        take = builder.extract_element(low, lane)
+        w = builder.zext(builder.load(builder.gep(ptr, [at]), align=2), _I32)
+        out = builder.insert_element(out, builder.select(take, w, ir.Constant(_I32, 0)), lane)
+        at = builder.add(at, builder.zext(take, _I64))
+    return out
 
 
 @intrinsic
@@ -111,8 +145,9 @@ def encode_steps(typingctx, xs, syms, top, bound, freq, start, words, wp, steps)
     (the high ones first), a state at or over its symbol's ``bound`` (uint32[16]) sheds its low 16
     bits, which are appended to ``words`` from ``wp`` in descending lane order (the whole section's
     words are reversed at the end, so that a decoder reads them in lane order); then ``x = x + start
-    + (x // f) * (PROB_ONE - f)``. Returns the new ``wp``. Where it compresses in a register, a step
-    writes all 16 lanes from ``wp`` (``words`` needs 16 elements past the last it keeps)."""
+    + (x // f) * (PROB_ONE - f)``. Returns the new ``wp``. A step writes 16 elements from ``wp``
+    whatever it keeps (``words`` needs 16 past the last it keeps)."""
+    _contiguous("encode_steps", xs, syms, bound, freq, start, words)
 
     def codegen(context, builder, sig, args):
         xsd, sd, wd = (_data(context, builder, sig.args[i], args[i]) for i in (0, 1, 6))
@@ -154,8 +189,9 @@ def decode_steps(typingctx, xs, starts, freq, values, words, wp, out, at, steps)
     (uint32), kept in registers between steps: per 16 lanes, each state's symbol is the number of
     ``starts[1..15]`` (uint32[16], the cumulative frequencies) at or below its slot; ``out`` gets
     ``values[symbol]`` (uint32[16], truncated to ``out``'s width); a state that falls under 2^16
-    takes the next word of ``words`` from ``wp``, in lane order (a masked expand-load, which reads
-    only those). Returns the new ``wp``."""
+    takes the next word of ``words`` from ``wp``, in lane order (:func:`_expand_words`: 16 elements
+    from each position must be readable). Returns the new ``wp``."""
+    _contiguous("decode_steps", xs, starts, freq, values, words, out)
 
     def codegen(context, builder, sig, args):
         xsd, wd, od = (_data(context, builder, sig.args[i], args[i]) for i in (0, 4, 6))
@@ -168,9 +204,6 @@ def decode_steps(typingctx, xs, starts, freq, values, words, wp, out, at, steps)
         ]
         pos = cgutils.alloca_once_value(builder, args[5])
         ot = ir.VectorType(context.get_data_type(sig.args[6].dtype), STEP)
-        expand = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(_V16, [wd.type, _M, _V16]), "llvm.masked.expandload.v16i16"
-        )
         with cgutils.for_range(builder, args[8]) as loop:
             base = builder.add(args[7], builder.mul(loop.index, ir.Constant(_I64, WIDE_LANES)))
             for h in (0, 1):
@@ -186,7 +219,7 @@ def decode_steps(typingctx, xs, starts, freq, values, words, wp, out, at, steps)
                 )
                 low = builder.icmp_unsigned("<", x, ir.Constant(_V32, [int(RANS_L)] * STEP))
                 wp = builder.load(pos)
-                w = builder.zext(builder.call(expand, [builder.gep(wd, [wp]), low, ir.Constant(_V16, None)]), _V32)
+                w = _expand_words(builder, builder.gep(wd, [wp]), low)
                 builder.store(builder.add(wp, _popcount(builder, low)), pos)
                 builder.store(
                     builder.select(low, builder.or_(builder.shl(x, ir.Constant(_V32, [16] * STEP)), w), x), state[h]

@@ -215,7 +215,21 @@ def _compiled_for() -> tuple[str, dict]:
         flat = config.CPU_FEATURES if config.CPU_FEATURES is not None else get_host_cpu_features()
     except Exception:  # noqa: BLE001 - an LLVM that cannot say (or not x86): the portable path
         return "", {}
-    return name, {f[1:]: f[0] == "+" for f in flat.split(",") if len(f) > 1 and f[0] in "+-"}
+    features = {f[1:]: f[0] == "+" for f in flat.split(",") if len(f) > 1 and f[0] in "+-"}
+    for feature, needs in _IMPLIES:  # as LLVM takes a list that keeps one but drops what it needs
+        if not all(features.get(n, False) for n in needs):
+            features[feature] = False
+    return name, features
+
+
+_IMPLIES = (
+    ("avx512bw", ("avx512f",)),
+    ("avx512vl", ("avx512f",)),
+    ("avx512vbmi2", ("avx512bw",)),
+)
+"""Features that LLVM turns off with one they need, in order (``+avx512vbmi2`` with ``-avx512bw``
+compiles for neither: numba's own feature list read as written made the kernels use VBMI2, and
+LLVM failed on them)."""
 
 
 _HOST_CPU, _FEATURES = _compiled_for()
