@@ -303,14 +303,14 @@ def add_encoding_args(p: argparse.ArgumentParser, environ: Mapping[str, str] | N
         choices=CODERS,
         default=CodecConfig.coder,
         help="the entropy coder of deltas: 'ans' (default; decodes at 0.65-1.06x the speed of 'sparse', by CPU) or "
-        "'ac' (payloads 0.95x the size at lr 1e-6, 0.99x at 1e-5; 2.8-10x slower to encode and decode, by CPU; "
+        "'ac' (payloads 0.95x the size at lr 1e-6, 0.99x at 1e-5; 2.8-10.4x slower to encode and decode, by CPU; "
         "docs/DESIGN.md)",
     )
     add(
         "--fast-codec",
         action="store_true",
         help="code deltas with 'sparse' instead of the entropy coder: 1.0-1.6x faster to encode than 'ans' "
-        "(0.96-1.33x where pdep is fast), faster to decode only where pdep is slow (1.3-1.7x; within -8%% to +5%% "
+        "(0.96-1.34x where pdep is fast), faster to decode only where pdep is slow (1.3-1.7x; within -8%% to +5%% "
         "where it is fast), ~1.48x larger",
     )
     add("--concurrency", type=int, default=32, help="chunks in flight (default 32)")
