@@ -600,6 +600,18 @@ def rans_encode(syms, c, freq, out):
     return 4 * LANES + 2 * m
 
 
+@njit(nogil=True, inline="always")
+def read_states(data, pos, xs):
+    """A rANS section's ``xs.size`` states, little-endian u32 from ``data[pos]``, into ``xs``; False if
+    one is under 2^16."""
+    for q in range(xs.size):
+        p = pos + 4 * q
+        xs[q] = U32(data[p]) | U32(data[p + 1]) << U32(8) | U32(data[p + 2]) << U32(16) | U32(data[p + 3]) << U32(24)
+        if xs[q] < RANS_L:
+            return False
+    return True
+
+
 @njit(nogil=True)
 def rans_decode(data, pos, length, freq, values, out, o0, count):
     """Decode ``count`` symbols of the rANS section ``data[pos:pos+length]`` (frequencies ``freq``) and
@@ -612,11 +624,8 @@ def rans_decode(data, pos, length, freq, values, out, o0, count):
         return 13
     tab = _rans_table(freq, values)
     xs = np.zeros(LANES, np.uint32)
-    for q in range(LANES):
-        p = pos + 4 * q
-        xs[q] = U32(data[p]) | U32(data[p + 1]) << U32(8) | U32(data[p + 2]) << U32(16) | U32(data[p + 3]) << U32(24)
-        if xs[q] < RANS_L:
-            return 13
+    if not read_states(data, pos, xs):
+        return 13
     x0, x1, x2, x3 = xs[0], xs[1], xs[2], xs[3]
     nw = (length - 4 * LANES) // 2
     w16 = np.zeros(nw + count + 1, np.uint16)

@@ -29,7 +29,19 @@ from numba.core import cgutils
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
-from weightsync.codec.entropy import M16, NSYM, PROB_BITS, PROB_ONE, RANS_L, U32, W16, W32, _rans_table, rans_steps
+from weightsync.codec.entropy import (
+    M16,
+    NSYM,
+    PROB_BITS,
+    PROB_ONE,
+    RANS_L,
+    U32,
+    W16,
+    W32,
+    _rans_table,
+    rans_steps,
+    read_states,
+)
 from weightsync.codec.jit import njit
 from weightsync.codec.simd import COMPRESS_IN_REGISTER, ONE, ZERO, mulhi
 
@@ -330,11 +342,8 @@ def rans_decode_wide(data, pos, length, freq, values, out, o0, count, native):
     if length < 4 * W or (length - 4 * W) % 2:
         return 13
     xs = np.empty(W, np.uint32)
-    for q in range(W):
-        p = pos + 4 * q
-        xs[q] = U32(data[p]) | U32(data[p + 1]) << U32(8) | U32(data[p + 2]) << U32(16) | U32(data[p + 3]) << U32(24)
-        if xs[q] < RANS_L:
-            return 13
+    if not read_states(data, pos, xs):
+        return 13
     nw = (length - 4 * W) // 2
     w16 = np.zeros(nw + count + STEP, np.uint16)
     w16.view(np.uint8)[: 2 * nw] = data[pos + 4 * W : pos + length]
