@@ -357,22 +357,28 @@ print(simd.COMPRESS_IN_REGISTER, simd.NATIVE)
 
 
 def _host_features_without(*names: str) -> str:
+    """The host's feature list with ``names`` turned off, at the end (LLVM reads the list in order,
+    and a later ``+avx512vbmi2`` would turn an earlier ``-avx512bw`` on again)."""
     flat = get_host_cpu_features()
-    return ",".join(f"-{f[1:]}" if f[1:] in names else f for f in flat.split(","))
+    return ",".join([*(f for f in flat.split(",") if f[1:] not in names), *(f"-{n}" for n in names)])
 
 
-@pytest.mark.parametrize("told", ["avx-off", "features-without-vbmi2", "features-without-vl", "features-without-bw"])
+_DROPPED = {"vbmi2": "avx512vbmi2", "vl": "avx512vl", "bw": "avx512bw", "fma": "fma"}
+
+
+@pytest.mark.parametrize("told", ["avx-off", *(f"features-without-{k}" for k in _DROPPED)])
 def test_kernels_compile_for_the_features_numba_is_told(told, tmp_path):
-    """Told to compile without AVX (``NUMBA_ENABLE_AVX=0``) or for features without AVX-512 VBMI2, VL
-    or BW (``NUMBA_CPU_FEATURES``), the kernels use only what those have: blocks (one with a wide
-    rANS section) encode and decode with the native kind where it is offered, else the portable one
-    (the encoder's block code, which both share, holds the compress-stores; a register
-    ``vpcompress`` there made LLVM abort the process, and so did the wide sections' 16-bit masked
-    compress-store and expand-load without VL; VBMI2 without BW is no VBMI2 to LLVM)."""
+    """Told to compile without AVX (``NUMBA_ENABLE_AVX=0``) or for the host's features but AVX-512
+    VBMI2, VL or BW, or FMA (``NUMBA_CPU_FEATURES``), the kernels use only what those leave: blocks
+    (one with a wide rANS section) encode and decode with the native kind where it is offered,
+    else the portable one (the encoder's block code, which both share, holds the compress-stores; a
+    register ``vpcompress`` there made LLVM abort the process, and so did the wide sections' 16-bit
+    masked compress-store and expand-load without VL; LLVM turns VBMI2 off without BW, and all of
+    AVX-512 without FMA)."""
     if told == "avx-off":
         setting = {"NUMBA_ENABLE_AVX": "0"}
     else:
-        setting = {"NUMBA_CPU_FEATURES": _host_features_without("avx512" + told.rsplit("-", 1)[1])}
+        setting = {"NUMBA_CPU_FEATURES": _host_features_without(_DROPPED[told.rsplit("-", 1)[1]])}
     env = {**os.environ, **setting, "NUMBA_CACHE_DIR": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", _ROUND_TRIP], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -436,3 +442,19 @@ def test_prefetch64_asks_for_each_line_ahead_and_runs_past_the_arrays_end():
         found = [line.strip() for line in asm.splitlines() if line.strip().startswith("prefetch")]
         assert len(found) == np.dtype(dtype).itemsize, (dtype, found)  # 64 elements: 1, 2 or 4 lines
         assert walk(a) == a[::64].sum()
+
+
+@pytest.mark.parametrize(
+    ("flat", "on", "off"),
+    [
+        ("+avx512f,+avx512bw,+avx512vbmi2", {"avx512vbmi2", "avx512bw", "avx512f", "avx2", "fma", "avx"}, set()),
+        ("+avx512vbmi2,-avx512bw", {"avx512f"}, {"avx512vbmi2", "avx512bw"}),
+        ("+avx512vbmi2,+avx512vl,-fma", {"avx2"}, {"avx512vbmi2", "avx512vl", "avx512bw", "avx512f", "fma"}),
+        ("-fma,+avx512vbmi2", {"avx512vbmi2", "fma", "avx512f"}, set()),
+        ("+avx512vl,-avx", set(), {"avx512vl", "avx512f", "avx2", "fma", "f16c", "avx"}),
+    ],
+)
+def test_features_are_read_as_llvm_reads_them(flat, on, off):
+    """In order, ``+x`` turns on x and what it needs, ``-x`` turns off x and what needs it."""
+    got = simd._effective(flat)
+    assert all(got.get(f) for f in on) and not any(got.get(f, False) for f in off), got

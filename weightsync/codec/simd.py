@@ -215,21 +215,43 @@ def _compiled_for() -> tuple[str, dict]:
         flat = config.CPU_FEATURES if config.CPU_FEATURES is not None else get_host_cpu_features()
     except Exception:  # noqa: BLE001 - an LLVM that cannot say (or not x86): the portable path
         return "", {}
-    features = {f[1:]: f[0] == "+" for f in flat.split(",") if len(f) > 1 and f[0] in "+-"}
-    for feature, needs in _IMPLIES:  # as LLVM takes a list that keeps one but drops what it needs
-        if not all(features.get(n, False) for n in needs):
-            features[feature] = False
-    return name, features
+    return name, _effective(flat)
 
 
-_IMPLIES = (
-    ("avx512bw", ("avx512f",)),
-    ("avx512vl", ("avx512f",)),
-    ("avx512vbmi2", ("avx512bw",)),
-)
-"""Features that LLVM turns off with one they need, in order (``+avx512vbmi2`` with ``-avx512bw``
-compiles for neither: numba's own feature list read as written made the kernels use VBMI2, and
-LLVM failed on them)."""
+_NEEDS = {
+    "avx512vbmi2": ("avx512bw",),
+    "avx512bw": ("avx512f",),
+    "avx512vl": ("avx512f",),
+    "avx512f": ("avx2", "fma", "f16c"),
+    "avx2": ("avx",),
+    "fma": ("avx",),
+    "f16c": ("avx",),
+}
+"""What LLVM's x86 features that the kernels look at need (LLVM's own dependencies, among these)."""
+
+
+def _effective(flat: str) -> dict:
+    """The features a list like ``+avx2,-fma,..`` leaves on, as LLVM reads it: in order, ``+x`` turns on
+    x and what it needs, ``-x`` turns off x and what needs it. Read as written, ``-fma`` or ``-avx2``
+    or ``-avx512bw`` beside ``+avx512vbmi2`` still made the kernels use AVX-512 VBMI2, which LLVM had
+    turned off with them, and it aborted the process on them."""
+    on: dict[str, bool] = {}
+
+    def enable(f: str) -> None:
+        on[f] = True
+        for n in _NEEDS.get(f, ()):
+            enable(n)
+
+    def disable(f: str) -> None:
+        on[f] = False
+        for g, needs in _NEEDS.items():
+            if f in needs and on.get(g, True):
+                disable(g)
+
+    for f in flat.split(","):
+        if len(f) > 1 and f[0] in "+-":
+            (enable if f[0] == "+" else disable)(f[1:])
+    return on
 
 
 _HOST_CPU, _FEATURES = _compiled_for()
