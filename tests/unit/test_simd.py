@@ -345,11 +345,15 @@ new[::3] += np.uint16(1000)  # escapes too
 new[1::7] += np.uint16(1)
 wide_old = np.full(40000, 100 << 7, np.uint16)  # one group of 40000 changes: a wide rANS section
 wide_new = wide_old + np.uint16(1)
+bytes_old = (np.arange(4096) * 2654435761 % 251).astype(np.uint8)  # 8-bit elements: 256-bit vectors
+bytes_new = bytes_old.copy()
+bytes_new[::5] += np.uint8(100)  # escapes
 for native in simd.KINDS[:1]:  # the native kind where offered; _encode is shared
-    for o, n, split in ((old, new, ([], [64])), (wide_old, wide_new, None)):
-        data, changed = ans.encode_block("BF16", o, n, native=native, split=split)
+    cases = (("BF16", old, new, ([], [64])), ("U8", bytes_old, bytes_new, None), ("BF16", wide_old, wide_new, None))
+    for dtype, o, n, split in cases:
+        data, changed = ans.encode_block(dtype, o, n, native=native, split=split)
         out = np.empty_like(o)
-        ans.decode_block("BF16", memoryview(data), o, out, "t", native=native)
+        ans.decode_block(dtype, memoryview(data), o, out, "t", native=native)
         assert changed == int((o != n).sum()) and (out == n).all()
     assert data[4] & ans.WIDE
 print(simd.COMPRESS_IN_REGISTER, simd.NATIVE)
@@ -374,7 +378,7 @@ def test_kernels_compile_for_the_features_numba_is_told(told, tmp_path):
     else the portable one (the encoder's block code, which both share, holds the compress-stores; a
     register ``vpcompress`` there made LLVM abort the process, and so did the wide sections' 16-bit
     masked compress-store and expand-load without VL; LLVM turns VBMI2 off without BW, and all of
-    AVX-512 without FMA)."""
+    AVX-512 without FMA; and LLVM's masked compress-store and expand-load of 8-bit lanes without VL)."""
     if told == "avx-off":
         setting = {"NUMBA_ENABLE_AVX": "0"}
     else:

@@ -226,6 +226,11 @@ _NEEDS = {
     "avx2": ("avx",),
     "fma": ("avx",),
     "f16c": ("avx",),
+    "avx": ("sse4.2",),
+    "sse4.2": ("sse4.1",),
+    "sse4.1": ("ssse3",),
+    "ssse3": ("sse3",),
+    "sse3": ("sse2",),
 }
 """What LLVM's x86 features that the kernels look at need (LLVM's own dependencies, among these)."""
 
@@ -285,6 +290,8 @@ encode at 1.01 GB/s against `sparse`'s 4.66); on an Intel Xeon the register form
 (docs/DESIGN.md, "Encoding"). It follows from the features alone, which key numba's cache of the
 kernels that use it."""
 
+_VBMI2_WITHOUT_VL = _FEATURES.get("avx512vbmi2", False) and not _FEATURES.get("avx512vl", False)
+
 SPARE = 32
 """Elements an array written by :func:`_compress_store` needs past the last one it keeps: the register
 form stores every lane of a 32-lane vector."""
@@ -296,6 +303,19 @@ def _compress_store(builder, v, ptr, mask) -> None:
     store of all its lanes, so the :data:`SPARE` elements past the last one kept are overwritten;
     else LLVM's masked compress-store, which writes only those kept."""
     n, width = v.type.count, v.type.element.width
+    if not _masked_ok(n, width):  # lane by lane: a kept lane to the next position, another to the one
+        # after the kept ones (in the spare)
+        i64, i32 = ir.IntType(64), ir.IntType(32)
+        pop = builder.module.declare_intrinsic(
+            "llvm.ctpop", [ir.IntType(n)], ir.FunctionType(ir.IntType(n), [ir.IntType(n)])
+        )
+        at, spare = ir.Constant(i64, 0), builder.zext(builder.call(pop, [builder.bitcast(mask, ir.IntType(n))]), i64)
+        for i in range(n):
+            keep = builder.extract_element(mask, ir.Constant(i32, i))
+            slot = builder.gep(ptr, [builder.select(keep, at, spare)])
+            builder.store(builder.extract_element(v, ir.Constant(i32, i)), slot, align=width // 8)
+            at = builder.add(at, builder.zext(keep, i64))
+        return
     if not COMPRESS_IN_REGISTER:
         fn = cgutils.get_or_insert_function(
             builder.module,
@@ -321,6 +341,26 @@ def _compress_store(builder, v, ptr, mask) -> None:
         builder.store(packed, builder.bitcast(ptr, vt.as_pointer()), align=width // 8)
         if start + lanes < n:
             ptr = builder.gep(ptr, [builder.zext(builder.call(pop, [builder.bitcast(m, mi)]), ir.IntType(64))])
+
+
+def _masked_ok(lanes: int, width: int) -> bool:
+    """Whether LLVM's masked compress-store and expand-load of ``lanes`` elements of ``width`` bits
+    compile here: not for 8- or 16-bit elements in under 512 bits where numba compiles for AVX-512
+    VBMI2 without VL (LLVM takes them as legal, then asserts, and the process aborts)."""
+    return not (_VBMI2_WITHOUT_VL and width < 32 and lanes * width < 512)
+
+
+def _expand_lanes(builder, ptr, mask, vt):
+    """:func:`_masked_ok`'s other way of a masked expand-load: lane by lane, reading as many elements
+    from ``ptr`` as ``vt`` has lanes whatever the mask (they must be readable)."""
+    i64, i32 = ir.IntType(64), ir.IntType(32)
+    out, at = ir.Constant(vt, None), ir.Constant(i64, 0)
+    for i in range(vt.count):
+        take = builder.extract_element(mask, ir.Constant(i32, i))
+        w = builder.load(builder.gep(ptr, [at]), align=vt.element.width // 8)
+        out = builder.insert_element(out, builder.select(take, w, ir.Constant(vt.element, 0)), ir.Constant(i32, i))
+        at = builder.add(at, builder.zext(take, i64))
+    return out
 
 
 def _vector_load(context, builder, aryty, ary, base, lanes: int):
@@ -461,10 +501,14 @@ def _expand_add(groups: int):
                 x = _vector_load(context, builder, sig.args[1], args[1], at, 32)
                 for q in range(groups):
                     ptr = builder.gep(d.data, [_half_offset(builder, args[4 + 2 * q], args[5 + 2 * q], h)])
-                    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [ptr.type, mt, vt]), name)
-                    x = builder.add(
-                        x, builder.call(fn, [ptr, _half_mask(builder, args[5 + 2 * q], h), ir.Constant(vt, None)])
-                    )
+                    m = _half_mask(builder, args[5 + 2 * q], h)
+                    if _masked_ok(32, aty.dtype.bitwidth):
+                        fn = cgutils.get_or_insert_function(
+                            builder.module, ir.FunctionType(vt, [ptr.type, mt, vt]), name
+                        )
+                        x = builder.add(x, builder.call(fn, [ptr, m, ir.Constant(vt, None)]))
+                    else:
+                        x = builder.add(x, _expand_lanes(builder, ptr, m, vt))
                 builder.store(
                     x, builder.bitcast(builder.gep(o.data, [at]), vt.as_pointer()), align=aty.dtype.bitwidth // 8
                 )
