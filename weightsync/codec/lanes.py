@@ -43,7 +43,7 @@ from weightsync.codec.entropy import (
     read_states,
 )
 from weightsync.codec.jit import njit
-from weightsync.codec.simd import COMPRESS_IN_REGISTER, ONE, ZERO, mulhi
+from weightsync.codec.simd import COMPRESS_IN_REGISTER, ONE, ZERO, _compress_lanes, _expand_lanes, mulhi
 
 WIDE_LANES = 32
 """States of a wide rANS section (a warp's threads)."""
@@ -119,15 +119,7 @@ def _shed_words(builder, x, shed, ptr) -> None:
         packed = builder.call(fn, [low, ir.Constant(_V16, None), m])
         builder.store(packed, builder.bitcast(ptr, _V16.as_pointer()), align=2)
         return
-    # lane by lane, without LLVM's masked compress-store of 16-bit lanes (it asserts where numba
-    # compiles for VBMI2 without VL): a kept lane to the next position, another to the one after
-    # the kept ones (overwritten by the next step, or past the section's words)
-    at, spare = ir.Constant(_I64, 0), builder.zext(_popcount(builder, m), _I64)
-    for i in range(STEP):
-        lane = ir.Constant(_I32, i)
-        keep = builder.extract_element(m, lane)
-        builder.store(builder.extract_element(low, lane), builder.gep(ptr, [builder.select(keep, at, spare)]), align=2)
-        at = builder.add(at, builder.zext(keep, _I64))
+    _compress_lanes(builder, low, ptr, m)  # LLVM's 16-bit masked compress-store asserts without VL
 
 
 def _expand_words(builder, ptr, low):
@@ -140,14 +132,7 @@ def _expand_words(builder, ptr, low):
             builder.module, ir.FunctionType(_V16, [ptr.type, _M, _V16]), "llvm.masked.expandload.v16i16"
         )
         return builder.zext(builder.call(fn, [ptr, low, ir.Constant(_V16, None)]), _V32)
-    out, at = ir.Constant(_V32, None), ir.Constant(_I64, 0)
-    for i in range(STEP):
-        lane = ir.Constant(_I32, i)
-        take = builder.extract_element(low, lane)
-        w = builder.zext(builder.load(builder.gep(ptr, [at]), align=2), _I32)
-        out = builder.insert_element(out, builder.select(take, w, ir.Constant(_I32, 0)), lane)
-        at = builder.add(at, builder.zext(take, _I64))
-    return out
+    return builder.zext(_expand_lanes(builder, ptr, low, _V16), _V32)
 
 
 @intrinsic

@@ -303,18 +303,8 @@ def _compress_store(builder, v, ptr, mask) -> None:
     store of all its lanes, so the :data:`SPARE` elements past the last one kept are overwritten;
     else LLVM's masked compress-store, which writes only those kept."""
     n, width = v.type.count, v.type.element.width
-    if not _masked_ok(n, width):  # lane by lane: a kept lane to the next position, another to the one
-        # after the kept ones (in the spare)
-        i64, i32 = ir.IntType(64), ir.IntType(32)
-        pop = builder.module.declare_intrinsic(
-            "llvm.ctpop", [ir.IntType(n)], ir.FunctionType(ir.IntType(n), [ir.IntType(n)])
-        )
-        at, spare = ir.Constant(i64, 0), builder.zext(builder.call(pop, [builder.bitcast(mask, ir.IntType(n))]), i64)
-        for i in range(n):
-            keep = builder.extract_element(mask, ir.Constant(i32, i))
-            slot = builder.gep(ptr, [builder.select(keep, at, spare)])
-            builder.store(builder.extract_element(v, ir.Constant(i32, i)), slot, align=width // 8)
-            at = builder.add(at, builder.zext(keep, i64))
+    if not _masked_ok(n, width):
+        _compress_lanes(builder, v, ptr, mask)
         return
     if not COMPRESS_IN_REGISTER:
         fn = cgutils.get_or_insert_function(
@@ -348,6 +338,20 @@ def _masked_ok(lanes: int, width: int) -> bool:
     compile here: not for 8- or 16-bit elements in under 512 bits where numba compiles for AVX-512
     VBMI2 without VL (LLVM takes them as legal, then asserts, and the process aborts)."""
     return not (_VBMI2_WITHOUT_VL and width < 32 and lanes * width < 512)
+
+
+def _compress_lanes(builder, v, ptr, mask) -> None:
+    """:func:`_masked_ok`'s other way of a compress-store: lane by lane, a kept lane to the next
+    position, another to the one after the kept ones (so one element past them must be writable)."""
+    n, width = v.type.count, v.type.element.width
+    i64, i32, mi = ir.IntType(64), ir.IntType(32), ir.IntType(n)
+    pop = builder.module.declare_intrinsic("llvm.ctpop", [mi], ir.FunctionType(mi, [mi]))
+    at, spare = ir.Constant(i64, 0), builder.zext(builder.call(pop, [builder.bitcast(mask, mi)]), i64)
+    for i in range(n):
+        keep = builder.extract_element(mask, ir.Constant(i32, i))
+        slot = builder.gep(ptr, [builder.select(keep, at, spare)])
+        builder.store(builder.extract_element(v, ir.Constant(i32, i)), slot, align=width // 8)
+        at = builder.add(at, builder.zext(keep, i64))
 
 
 def _expand_lanes(builder, ptr, mask, vt):
