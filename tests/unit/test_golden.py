@@ -189,13 +189,15 @@ def test_fixture_is_untouched_by_the_tests():
     assert {p.name for p in root.iterdir()} == {"HEAD", "weightsync.json", "versions", "chunks"}
 
 
-@pytest.mark.parametrize("fixture", ["ac", "ans", "ans-derived", "ans-wide"])
+@pytest.mark.parametrize("fixture", ["ac", "ans", "ans-derived", "ans-wide", "ans-nibbles"])
 def test_committed_entropy_coded_payload_still_decodes(fixture):
     """The entropy coders' byte layouts must not drift: a payload made when the codec was added (2
     blocks of a bf16 tensor) must decode to the recorded bytes; ``ans``'s backward too, and so must
-    ``ans``'s payload of the same step in its second layout (coded exception lists, escape orders),
-    a step of small changes in its third (exceptions derived from the new values) and a step that
-    changes every element in its fourth (a wide rANS section, 32 states)."""
+    ``ans``'s payload of the same step in its later layouts (coded exception lists and escape
+    orders; nibble-coded buckets and the list carried by the sections' states), a step of small
+    changes in its third (exceptions derived from the new values), a step that changes every element
+    in its fourth (a wide rANS section, 32 states; then with carried bytes) and a step of a base
+    taken 4 times over whose nibble section is wide."""
     import zstandard
 
     d = GOLDEN / fixture
@@ -203,6 +205,7 @@ def test_committed_entropy_coded_payload_still_decodes(fixture):
     codec = spec["codec"]
     base = GOLDEN / spec.get("base", f"{codec}/old.bin.zst")
     old = np.frombuffer(zstandard.ZstdDecompressor().decompress(base.read_bytes()), dtype=np.uint8)
+    old = np.tile(old, spec.get("repeat", 1))  # a larger block from the same base
     for name in spec.get("payloads", ["payload.bin"]):  # ans: its first layout and today's
         payload = (d / name).read_bytes()
         out = decode_tensor(spec["dtype"], spec["codec"], payload, old, spec["nbytes"])

@@ -41,6 +41,7 @@ from weightsync.codec.entropy import (
     NSYM,
     PROB_ONE,
     RICE_ESCAPE,
+    U32,
     clean_end,
     eg_order,
     eg_section,
@@ -50,8 +51,8 @@ from weightsync.codec.entropy import (
     padded_words,
     peek,
     put_varint,
-    rans_decode,
-    rans_encode,
+    rans_decode_carried,
+    rans_encode_carrying,
     rice_best,
     rice_decode,
     rice_low,
@@ -60,7 +61,16 @@ from weightsync.codec.entropy import (
 )
 from weightsync.codec.jit import njit
 from weightsync.codec.kernels import feed
-from weightsync.codec.lanes import WIDE_LANES, WIDE_MIN, rans_decode_wide, rans_encode_wide
+from weightsync.codec.lanes import (
+    WIDE_LANES,
+    WIDE_MIN,
+    rans_decode_runs,
+    rans_decode_wide_carried,
+    rans_encode_runs,
+    rans_encode_wide_carrying,
+)
+from weightsync.codec.nibbles import DENSITY as NIBBLE_DENSITY
+from weightsync.codec.nibbles import complement, nibble_freq, nibbles_of, pack_nibbles, run_symbols
 from weightsync.codec.registry import register
 from weightsync.codec.simd import (
     ALL,
@@ -142,6 +152,18 @@ bit section (else varints and a byte each, as the first payloads wrote it)."""
 WIDE = 0x10
 """Set in the header's buckets byte: a value group of at least :data:`weightsync.codec.lanes.WIDE_MIN`
 changes has a wide rANS section (32 states, coded by vector steps; else 4)."""
+
+NIBBLES = 0x20
+"""Set in the header's buckets byte: a bucket whose code byte is :data:`NIBBLE_CODE` has its changed
+flags in the block's nibble section (:mod:`weightsync.codec.nibbles`), after the Rice sections."""
+
+CARRIED = 0x40
+"""Set in the header's buckets byte (with a coded exception list): the list's bit section is not in
+the header; its first bytes are carried by the rANS sections' states (2 bytes a state: each starts
+at 2^16 plus them, and a decoder ends there), the rest follow the last section."""
+
+NIBBLE_CODE = 31 << 1
+"""A bucket's code byte (a Rice parameter of 31, past the largest) when its positions are nibbles."""
 
 EXC_ORDER = 24
 """The highest order of the exception list's Exp-Golomb codes (gaps are below 2^31)."""
@@ -758,7 +780,7 @@ def _rank_gaps(rk, off, c, n_b, inv):
 
 
 @njit(nogil=True)
-def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st, ranks):
+def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st, ranks, nibbles):
     """The block from the pass over its whole words (:func:`_scan_source`: its arrays in ``raw``, its
     state in ``st``; ``ranks``: the scan listed ranks, the portable kind, rather than bitmaps): the
     last, partial word, then the header and sections."""
@@ -875,6 +897,8 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st, ranks):
         head[hp] = vthr[t]
         hp += 1
     hp = put_varint(head, hp, ne)
+    xl = 0
+    xsec = np.zeros(2, np.uint8)
     if ne:  # the exceptions: Exp-Golomb codes of their gaps, each followed by its old bucket and group
         gaps = np.empty(ne, np.uint64)
         prevp = -1
@@ -897,15 +921,25 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st, ranks):
                 derived = False
         tb = 0 if derived else 4
         head[hp] = hx | (EXC_DERIVED if derived else 0)
-        hp = put_varint(head, hp + 1, (nbits + tb * ne + 7) // 8)
-        hp += eg_section(gaps, hx, tags, tb, head[hp:])
-    body = np.empty(64 * K + 64 * G + 12 * k + 16 * nesc + 64 * LANES * K + 4 * WIDE_LANES * G, np.uint8)
+        xl = (nbits + tb * ne + 7) // 8
+        hp = put_varint(head, hp + 1, xl)
+        xsec = np.zeros(xl + 2, np.uint8)  # carried by the rANS sections' states, the rest at the block's end
+        eg_section(gaps, hx, tags, tb, xsec)
+        head[4] |= CARRIED
+    # the nibble section: at most a word a nibble, 4 k + 32 K nibbles (its buckets' density is 1/16 or more)
+    body = np.empty(64 * K + 64 * G + 20 * k + 16 * nesc + 128 * LANES * K + 4 * WIDE_LANES * (G + 1) + xl, np.uint8)
     bp = 0
-    for b in range(K):  # positions: per bucket, Rice codes of rank gaps
+    nib_b = np.zeros(K, np.bool_)
+    for b in range(K):  # positions: per bucket, Rice codes of rank gaps, or its bitmap's nibbles
         c = cb[b]
         hp = put_varint(head, hp, cnt[b])
         hp = put_varint(head, hp, c)
         if c == 0:
+            continue
+        if nibbles and NIBBLE_DENSITY * min(c, cnt[b] - c) >= cnt[b]:
+            nib_b[b] = True
+            head[hp] = NIBBLE_CODE
+            hp += 1
             continue
         inv = 2 * c > cnt[b]
         if ranks:
@@ -917,6 +951,56 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st, ranks):
         bp += rl
         head[hp] = kr * 2 + inv
         hp = put_varint(head, hp + 1, rl)
+    # the sections' states, in order, carry the exception list's first bytes (2 a state): how many
+    ends = np.zeros(nib_b.sum(), np.int64)
+    total = 0
+    r = 0
+    for b in range(K):
+        if nib_b[b]:
+            total += run_symbols(cnt[b])
+            ends[r] = total
+            r += 1
+    states = (WIDE_LANES if total >= WIDE_MIN else LANES) if total else 0
+    for g in range(G):
+        if nv[g]:
+            states += WIDE_LANES if nv[g] >= WIDE_MIN else LANES
+    held = min(xl, 2 * states)
+    ci = 0  # the next carrying state
+    if nib_b.any():
+        head[4] |= NIBBLES
+        freqs = np.zeros((ends.size, NSYM), np.int64)
+        r = 0
+        for b in range(K):
+            if nib_b[b]:
+                nibble_freq(min(cb[b], cnt[b] - cb[b]), cnt[b], freqs[r])
+                r += 1
+        nib = np.empty(total + 64, np.uint8)
+        r = 0
+        for b in range(K):
+            if not nib_b[b]:
+                continue
+            o0 = ends[r - 1] if r else 0
+            if ranks:  # the portable scan listed the changed ranks: their bitmap
+                bw = np.zeros(run_symbols(cnt[b]) // 16 + 1, np.uint64)
+                for i in range(cb[b]):
+                    rr = np.uint64(rk[b * cap + i])
+                    bw[rr >> np.uint64(6)] |= ONE << (rr & np.uint64(63))
+            else:
+                bw = bmap[b * stride : (b + 1) * stride]
+                if cnt[b] & 63:  # the bits past the bucket's end are zero (the scan's): made sure
+                    bw[cnt[b] >> 6] &= (ONE << np.uint64(cnt[b] & 63)) - ONE
+                bw[(cnt[b] + 63) >> 6 : run_symbols(cnt[b]) // 16] = ZERO
+            if 2 * cb[b] > cnt[b]:  # its unchanged flags
+                complement(bw, 0, cnt[b])
+            nibbles_of(bw, cnt[b], nib, o0)
+            r += 1
+        S = WIDE_LANES if total >= WIDE_MIN else LANES
+        if S == WIDE_LANES:
+            head[4] |= WIDE
+        rl = rans_encode_runs(nib, ends, freqs, S, body[bp:], not ranks, _carried(xsec, held, ci, S))
+        ci += S
+        bp += rl
+        hp = put_varint(head, hp, rl)
     freq = np.zeros(NSYM, np.int64)
     for g in range(G):  # values: per group, rANS of the symbols in position order, then escapes
         m = nv[g]
@@ -938,15 +1022,32 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st, ranks):
         bp += el
         hp = put_varint(head, hp, el)
         if m >= WIDE_MIN:
-            rl = rans_encode_wide(syms[g], m, freq, body[bp:], not ranks)
+            rl = rans_encode_wide_carrying(syms[g], m, freq, body[bp:], not ranks, _carried(xsec, held, ci, WIDE_LANES))
+            ci += WIDE_LANES
         else:
-            rl = rans_encode(syms[g], m, freq, body[bp:])
+            rl = rans_encode_carrying(syms[g], m, freq, body[bp:], _carried(xsec, held, ci, LANES))
+            ci += LANES
         bp += rl
         hp = put_varint(head, hp, rl)
+    body[bp : bp + xl - held] = xsec[held:xl]  # the exception list's bytes no state carries
+    bp += xl - held
     out = np.empty(hp + bp, np.uint8)
     out[:hp] = head[:hp]
     out[hp:] = body[:bp]
     return out, k
+
+
+@njit(nogil=True)
+def _carried(xsec, held, ci, S):
+    """What the ``S`` states of a section from the block's state ``ci`` carry: bytes ``2 i`` and
+    ``2 i + 1`` of the exception list's bit section for its state ``i``, the first ``held`` bytes
+    (a byte past them is 0)."""
+    carry = np.zeros(S, np.uint32)
+    for q in range(S):
+        i = 2 * (ci + q)
+        if i < held:
+            carry[q] = np.uint32(xsec[i]) | (np.uint32(xsec[i + 1]) << np.uint32(8) if i + 1 < held else np.uint32(0))
+    return carry
 
 
 @njit(nogil=True)
@@ -1073,11 +1174,19 @@ _SCRATCH = _Scratch()
 
 
 def encode_block(
-    dtype: str, old: np.ndarray, new: np.ndarray, k: int = BUCKETS, native: bool = NATIVE, split=None
+    dtype: str,
+    old: np.ndarray,
+    new: np.ndarray,
+    k: int = BUCKETS,
+    native: bool = NATIVE,
+    split=None,
+    nibbles: bool = True,
 ) -> tuple[bytes, int]:
     """The block coding ``new`` against ``old`` (unsigned views of ``dtype``'s width), and how many
     elements changed; at most ``k`` buckets. ``split``: (bucket thresholds, group thresholds) to use
-    instead of the planned ones (tests and the warm-up reach every pass with it)."""
+    instead of the planned ones (tests and the warm-up reach every pass with it). ``nibbles``: dense
+    buckets' positions as nibbles (:mod:`weightsync.codec.nibbles`), else every bucket Rice-coded
+    (tests)."""
     if old.size > MAX_BLOCK:  # the format's limit (docs/FORMAT.md): ranks and counts are 32-bit
         raise ValueError(f"ans: a block holds at most 2^31 elements, not {old.size}")
     if old.dtype.itemsize not in WIDTHS:  # the parser refuses 8-byte escapes (check 14)
@@ -1100,7 +1209,7 @@ def encode_block(
     # two calls, arrays made in numba: Python-side glue cost about 25 us a block (the trajectory's 127
     # tensors: 5% of their encode)
     _kernel("scan", K, G, native)(old, new, thr, vthr, shift, bits, raw, st)
-    data, changed = _encode(old, new, shift, bits, width, thr, vthr, raw, st, not native)
+    data, changed = _encode(old, new, shift, bits, width, thr, vthr, raw, st, not native, nibbles)
     return data.tobytes(), changed
 
 
@@ -1136,12 +1245,16 @@ def _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb, native):
     if data.size < 8:
         return 1
     c = np.int64(data[0]) | np.int64(data[1]) << 8 | np.int64(data[2]) << 16 | np.int64(data[3]) << 24
-    K = np.int64(data[4]) & ~(EXC_CODED | WIDE)
+    K = np.int64(data[4]) & ~(EXC_CODED | WIDE | NIBBLES | CARRIED)
     coded = (np.int64(data[4]) & EXC_CODED) != 0
     wide = (np.int64(data[4]) & WIDE) != 0
+    nibbles = (np.int64(data[4]) & NIBBLES) != 0
+    carried = (np.int64(data[4]) & CARRIED) != 0
     bits = np.int64(data[6])
     G = np.int64(data[7])
     if not (1 <= K <= MAX_K and 1 <= G <= MAX_G and 0 < c <= n and bits <= 8) or (bits == 0 and K + G != 2):
+        return 2
+    if carried and not coded:  # only a coded list's bit section is carried
         return 2
     pos = 8
     if data.size < pos + K + G - 2:
@@ -1170,29 +1283,19 @@ def _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb, native):
         hdr[H_NEED_EXC] = ne
         return -1
     p = -1
+    hx = tb = xl = 0
     if coded:  # Exp-Golomb codes of the gaps, each followed by 4 bits: old bucket << 2 | old group,
         # or by nothing when those are derived from the new values (the backward decode's business)
         hx = np.int64(data[pos]) & ~EXC_DERIVED
         tb = 0 if hdr[H_DERIVED] else 4
         xl, pos = get_varint(data, pos + 1)
-        if xl < 0 or pos + xl > data.size:
+        if xl < 0 or (not carried and pos + xl > data.size):
             return 6
-        sec = padded_words(data, pos, xl)
-        bp = 0
-        for j in range(ne):
-            g, bp = get_eg(sec, bp, 8 * xl - tb, hx)
-            if g < 0 or p + g + 1 >= n:
-                return 6
-            p += g + 1
-            exc[j] = p
-            t = np.int64(peek(sec, bp) & np.uint64(15)) if tb else 0
-            bp += tb
-            exb[j] = (t >> 2) << 4 | (t & 3)
-            if (t >> 2) >= K or (t & 3) >= G:
-                return 6
-        if not clean_end(sec, bp, xl):
-            return 6
-        pos += xl
+        if not carried:  # here; else read after the sections, whose states carry its first bytes
+            bad = _exception_list(padded_words(data, pos, xl), xl, ne, n, hx, tb, K, G, exc, exb)
+            if bad:
+                return bad
+            pos += xl
     else:  # varint gaps, then a byte each: old bucket << 4 | old group
         for j in range(ne):
             g, pos = get_varint(data, pos)
@@ -1212,6 +1315,7 @@ def _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb, native):
     kr = np.zeros(K, np.int64)
     inv = np.zeros(K, np.int64)
     blen = np.zeros(K, np.int64)
+    nib_b = np.zeros(K, np.bool_)
     tot_n = 0
     for b in range(K):
         nb[b], pos = get_varint(data, pos)
@@ -1223,6 +1327,10 @@ def _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb, native):
             continue
         if pos >= data.size:
             return 7
+        if nibbles and data[pos] == NIBBLE_CODE:  # its flags are in the nibble section
+            nib_b[b] = True
+            pos += 1
+            continue
         kr[b] = data[pos] >> 1
         inv[b] = data[pos] & 1
         blen[b], pos = get_varint(data, pos + 1)
@@ -1230,6 +1338,13 @@ def _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb, native):
             return 8
     if tot_n != n or cb.sum() != c:
         return 9
+    plen = 0
+    if nibbles:  # the nibble section's length; the flag says there is one
+        if not nib_b.any():
+            return 8
+        plen, pos = get_varint(data, pos)
+        if plen < 0:
+            return 8
     mg = np.zeros(G, np.int64)  # differences per group
     freq = np.zeros((G, NSYM), np.int64)
     order = np.zeros(G, np.int64)  # of the escape codes
@@ -1258,8 +1373,24 @@ def _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb, native):
         rlen[g], pos = get_varint(data, pos)
         if s != PROB_ONE or elen[g] < 0 or rlen[g] < 0 or (order[g] > 0 and freq[g, NSYM - 1] == 0):
             return 10
-    if pos + blen.sum() + elen.sum() + rlen.sum() != data.size:
+    states = 0  # the sections' states, in order: with a carried list, they carry its first bytes
+    nibble_states = 0
+    if nibbles:
+        total = 0
+        for b in range(K):
+            if nib_b[b]:
+                total += run_symbols(nb[b])
+        nibble_states = WIDE_LANES if wide and total >= WIDE_MIN else LANES
+        states += nibble_states
+    for g in range(G):
+        if mg[g]:
+            states += WIDE_LANES if wide and mg[g] >= WIDE_MIN else LANES
+    held = min(xl, 2 * states) if carried else 0
+    tail = xl - held if carried else 0  # the list's bytes no state carries
+    if pos + blen.sum() + plen + elen.sum() + rlen.sum() + tail != data.size:
         return 11
+    carry = np.zeros(states, np.uint32)
+    ci = 0
     # each bucket's bitmap starts at a word; the pass on a wrong base can run it up to CHECK
     # elements past its end before its next check sees it: that much spare
     wbase = hdr[H_WBASE : H_WBASE + K + 1]
@@ -1275,13 +1406,40 @@ def _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb, native):
         return -1
     words[: wbase[K] + 2] = 0
     for b in range(K):
-        if cb[b] == 0:
+        if cb[b] == 0 or nib_b[b]:
             continue
         ng = nb[b] - cb[b] if inv[b] else cb[b]
         bad = rice_decode(data, pos, blen[b], ng, kr[b], nb[b], inv[b], words, wbase[b])
         if bad:
             return bad
         pos += blen[b]
+    if nibbles:  # each nibble bucket's run, in bucket order, into its bitmap
+        ends = np.zeros(nib_b.sum(), np.int64)
+        nf = np.zeros((ends.size, NSYM), np.int64)
+        r = 0
+        total = 0
+        for b in range(K):
+            if nib_b[b]:
+                total += run_symbols(nb[b])
+                ends[r] = total
+                nibble_freq(min(cb[b], nb[b] - cb[b]), nb[b], nf[r])
+                r += 1
+        S = nibble_states
+        nib = np.empty(total + 64, np.uint8)
+        if rans_decode_runs(data, pos, plen, S, ends, nf, nib, native, carry[ci : ci + S]):
+            return 12
+        ci += S
+        r = 0
+        for b in range(K):
+            if nib_b[b]:
+                o0 = ends[r - 1] if r else 0
+                inv = 2 * cb[b] > nb[b]
+                if pack_nibbles(nib, o0, ends[r] - o0, words, wbase[b], nb[b]) != (nb[b] - cb[b] if inv else cb[b]):
+                    return 12
+                if inv:  # the run held its unchanged flags
+                    complement(words, wbase[b], nb[b])
+                r += 1
+        pos += plen
     dstart = hdr[H_DSTART : H_DSTART + G + 1]
     dstart[0] = 0
     zmax = (ONE << np.uint64(width_bits)) - ONE
@@ -1296,10 +1454,17 @@ def _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb, native):
         esec = padded_words(data, pos, elen[g])
         pos += elen[g]
         if wide and mg[g] >= WIDE_MIN:
-            if rans_decode_wide(data, pos, rlen[g], freq[g], values, diffs, dstart[g], mg[g], native):
+            if rans_decode_wide_carried(
+                data, pos, rlen[g], freq[g], values, diffs, dstart[g], mg[g], native, carry[ci : ci + WIDE_LANES]
+            ):
                 return 13
-        elif rans_decode(data, pos, rlen[g], freq[g], values, diffs, dstart[g], mg[g]):
-            return 13
+            ci += WIDE_LANES
+        else:
+            if rans_decode_carried(
+                data, pos, rlen[g], freq[g], values, diffs, dstart[g], mg[g], carry[ci : ci + LANES]
+            ):
+                return 13
+            ci += LANES
         pos += rlen[g]
         bp = 0
         if freq[g, NSYM - 1]:  # escapes left zero differences (no change has one): their codes, in order,
@@ -1318,7 +1483,43 @@ def _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb, native):
                     diffs[at] = (z >> ONE) ^ (ZERO - (z & ONE))
         if not clean_end(esec, bp, elen[g]):
             return 14
+    # what the states carried: the exception list's first bytes, 2 a state, the rest here; a state
+    # past them ends at 2^16 (every state, without a carried list)
+    sec = np.zeros(xl + 2, np.uint8)
+    for q in range(states):
+        lo, hi = 2 * q, 2 * q + 1
+        if (lo >= held and carry[q]) or (hi >= held and carry[q] >> U32(8)):
+            return 13
+        if lo < held:
+            sec[lo] = carry[q] & U32(0xFF)
+            sec[hi] = carry[q] >> U32(8)
+    if carried:
+        sec[held:xl] = data[pos : pos + tail]
+        bad = _exception_list(padded_words(sec, 0, xl), xl, ne, n, hx, tb, K, G, exc, exb)
+        if bad:
+            return bad
     return 0
+
+
+@njit(nogil=True)
+def _exception_list(sec, xl, ne, n, hx, tb, K, G, exc, exb):
+    """The coded exception list (``xl`` bytes, as words: :func:`padded_words`) into ``exc`` and
+    ``exb``: Exp-Golomb codes of order ``hx`` of the gaps, each followed by ``tb`` (4 or 0) bits, old
+    bucket << 2 | old group. Returns 0 or 6."""
+    p = -1
+    bp = 0
+    for j in range(ne):
+        g, bp = get_eg(sec, bp, 8 * xl - tb, hx)
+        if g < 0 or p + g + 1 >= n:
+            return 6
+        p += g + 1
+        exc[j] = p
+        t = np.int64(peek(sec, bp) & np.uint64(15)) if tb else 0
+        bp += tb
+        exb[j] = (t >> 2) << 4 | (t & 3)
+        if (t >> 2) >= K or (t & 3) >= G:
+            return 6
+    return 0 if clean_end(sec, bp, xl) else 6
 
 
 @njit(nogil=True)

@@ -534,8 +534,16 @@ def rans_steps(freq):
 @njit(nogil=True)
 def rans_encode(syms, c, freq, out):
     """The rANS section of ``syms[:c]`` into ``out`` (uint8); returns its length. LANES states:
-    symbol j is coded by state j % LANES; the final states first, then one word stream. (Lanes are
-    written out: helpers that take arrays cost a reference count per call in numba.)"""
+    symbol j is coded by state j % LANES; the final states first, then one word stream."""
+    return rans_encode_carrying(syms, c, freq, out, np.zeros(LANES, np.uint32))
+
+
+@njit(nogil=True)
+def rans_encode_carrying(syms, c, freq, out, carry):
+    """:func:`rans_encode` with state q starting at 2^16 + ``carry[q]`` (below 2^16) instead of 2^16:
+    a decoder ends there, so the section carries those 16 bits a state for less than a bit each
+    (codec ``ans``'s carried exception bytes, docs/FORMAT.md). (Lanes are written out: helpers that
+    take arrays cost a reference count per call in numba.)"""
     tab = rans_steps(freq)
     # at most one word per symbol, written backwards; each step stores its state's low word at t - 1
     # and moves t only when the state must shed it, without a branch (when a state sheds a word is not
@@ -544,10 +552,10 @@ def rans_encode(syms, c, freq, out):
     # Indices are unsigned: numba tests every signed one for wraparound.
     tmp = np.empty(c + 4, np.uint16)
     t = np.uint64(tmp.size)
-    x0 = np.uint64(RANS_L)  # states below 2^32, in 64-bit registers
-    x1 = x0
-    x2 = x0
-    x3 = x0
+    x0 = np.uint64(RANS_L) + np.uint64(carry[0])  # states below 2^32, in 64-bit registers
+    x1 = np.uint64(RANS_L) + np.uint64(carry[1])
+    x2 = np.uint64(RANS_L) + np.uint64(carry[2])
+    x3 = np.uint64(RANS_L) + np.uint64(carry[3])
     full = c - c % LANES
     for j in range(c - 1, full - 1, -1):  # the last, partial group (lanes 0..c % LANES - 1)
         s = np.uint64(syms[np.uint64(j)]) << TWO
@@ -616,7 +624,26 @@ def read_states(data, pos, xs):
 def rans_decode(data, pos, length, freq, values, out, o0, count):
     """Decode ``count`` symbols of the rANS section ``data[pos:pos+length]`` (frequencies ``freq``) and
     write ``values[symbol]`` for each into ``out[o0:]``; returns 0, or 13 for a section that does not
-    decode to exactly ``count`` symbols (every state back at 2^16, every word read). A step reads
+    decode to exactly ``count`` symbols (every state back at 2^16, every word read)."""
+    carry = np.zeros(LANES, np.uint32)
+    bad = rans_decode_carried(data, pos, length, freq, values, out, o0, count, carry)
+    return bad if bad else settled(carry)
+
+
+@njit(nogil=True, inline="always")
+def settled(carry):
+    """13 unless every state of a section ended at 2^16 (carried nothing), else 0."""
+    for q in range(carry.size):
+        if carry[q]:
+            return 13
+    return 0
+
+
+@njit(nogil=True)
+def rans_decode_carried(data, pos, length, freq, values, out, o0, count, carry):
+    """:func:`rans_decode` of a section whose states may carry 16 bits each
+    (:func:`rans_encode_carrying`): state q's end less 2^16 goes to ``carry[q]``; 13 also for an end
+    at 2^17 or over. A step reads
     the next 16-bit word whether it renormalises or not, and takes it only if it does: the words
     are followed by ``count`` zeros, so that a section that runs out reads zeros without a bound
     checked per step (a state takes at most one word a symbol), and the end's checks refuse it."""
@@ -675,6 +702,8 @@ def rans_decode(data, pos, length, freq, values, out, o0, count):
         else:
             x0 = x
         out[o0 + j] = en >> W32
-    if x0 != RANS_L or x1 != RANS_L or x2 != RANS_L or x3 != RANS_L or wp != nwu:
+    top = U32(2 * RANS_L)
+    if x0 >= top or x1 >= top or x2 >= top or x3 >= top or wp != nwu:
         return 13
+    carry[0], carry[1], carry[2], carry[3] = x0 - RANS_L, x1 - RANS_L, x2 - RANS_L, x3 - RANS_L
     return 0

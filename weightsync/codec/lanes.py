@@ -41,6 +41,7 @@ from weightsync.codec.entropy import (
     _rans_table,
     rans_steps,
     read_states,
+    settled,
 )
 from weightsync.codec.jit import njit
 from weightsync.codec.simd import COMPRESS_IN_REGISTER, ONE, ZERO, _compress_lanes, _expand_lanes, mulhi
@@ -254,11 +255,20 @@ def rans_encode_wide(syms, c, freq, out, native):
     by state j % 32; the 32 final states first, then the words in the order a decoder reads them.
     ``native``: whole steps by :func:`encode_steps` (the scalar steps write the same bytes). Returns
     the section's length."""
+    return rans_encode_wide_carrying(syms, c, freq, out, native, np.zeros(WIDE_LANES, np.uint32))
+
+
+@njit(nogil=True)
+def rans_encode_wide_carrying(syms, c, freq, out, native, carry):
+    """:func:`rans_encode_wide` with state q starting at 2^16 + ``carry[q]`` (below 2^16): a decoder
+    ends there (:func:`weightsync.codec.entropy.rans_encode_carrying`)."""
     tab = rans_steps(freq)
     W = WIDE_LANES
     words = np.empty(c + 2 * STEP, np.uint16)  # in coding order, reversed below; 16 spare for a step's stores
     u = ZERO  # indices unsigned: numba tests every signed one for wraparound
-    xs = np.full(W, RANS_L, np.uint32)
+    xs = np.empty(W, np.uint32)
+    for q in range(W):
+        xs[q] = RANS_L + carry[q]
     full = np.uint64(c - c % W)
     j = np.uint64(c)
     while j > full:  # the partial last step, its lanes from the highest
@@ -320,9 +330,18 @@ def rans_decode_wide(data, pos, length, freq, values, out, o0, count, native):
     """:func:`weightsync.codec.entropy.rans_decode` of a section with :data:`WIDE_LANES` states (symbol
     j with state j % 32); returns 0, or 13 for a section that does not decode to exactly ``count``
     symbols (every state back at 2^16, every word read). ``native``: whole steps by
-    :func:`decode_steps`. A state takes at most one word a symbol, and the words are followed by
-    ``count`` zeros (and a step's 16 more), so that a section that runs out reads zeros, which the
-    end's checks refuse."""
+    :func:`decode_steps`."""
+    carry = np.zeros(WIDE_LANES, np.uint32)
+    bad = rans_decode_wide_carried(data, pos, length, freq, values, out, o0, count, native, carry)
+    return bad if bad else settled(carry)
+
+
+@njit(nogil=True)
+def rans_decode_wide_carried(data, pos, length, freq, values, out, o0, count, native, carry):
+    """:func:`rans_decode_wide` of a section whose states may carry 16 bits each: state q's end less
+    2^16 goes to ``carry[q]`` (13 for an end at 2^17 or over). A state takes at most one word a
+    symbol, and the words are followed by ``count`` zeros (and a step's 16 more), so that a section
+    that runs out reads zeros, which the end's checks refuse."""
     W = WIDE_LANES
     if length < 4 * W or (length - 4 * W) % 2:
         return 13
@@ -355,8 +374,97 @@ def rans_decode_wide(data, pos, length, freq, values, out, o0, count, native):
             xs[q], xs[q + ONE], xs[q + np.uint64(2)], xs[q + np.uint64(3)] = x0, x1, x2, x3
     for j in range(np.uint64(full), np.uint64(count)):  # the partial last step
         xs[j - np.uint64(full)], u = _decode_one(xs[j - np.uint64(full)], tab, w16, u, out, np.uint64(o0) + j)
-    wp = np.int64(u)
-    for q in range(W):
-        if xs[q] != RANS_L:
+    return _ends(xs, np.int64(u), nw, carry)
+
+
+@njit(nogil=True, inline="always")
+def _ends(xs, wp, nw, carry):
+    """A section's end: 13 unless every word was read and every state is under 2^17; each state's
+    carried 16 bits to ``carry``."""
+    for q in range(xs.size):
+        if xs[q] >= U32(2 * RANS_L):
             return 13
+        carry[q] = xs[q] - RANS_L
     return 0 if wp == nw else 13
+
+
+@njit(nogil=True)
+def rans_encode_runs(syms, ends, freqs, S, out, native, carry):
+    """One rANS section of ``S`` states (4 or :data:`WIDE_LANES`) over runs of symbols, each coded with
+    its own frequencies: run r is ``syms[ends[r - 1]:ends[r]]`` (from 0 for the first) with
+    ``freqs[r]``, a multiple of 32 symbols, so that every run starts at state 0. Symbol j goes with
+    state j % S, the states carried from run to run; the S final states first, then the words in the
+    order a decoder reads them. ``native`` (S = 32): whole steps by :func:`encode_steps`. State q
+    starts at 2^16 + ``carry[q]`` (:func:`rans_encode_wide_carrying`). Returns the section's length."""
+    total = ends[ends.size - 1]
+    words = np.empty(total + 2 * STEP, np.uint16)  # in coding order, reversed below
+    u = ZERO
+    xs = np.empty(S, np.uint32)
+    for q in range(S):
+        xs[q] = RANS_L + carry[q]
+    for r in range(ends.size - 1, -1, -1):
+        a = np.uint64(ends[r - 1] if r else 0)
+        j = np.uint64(ends[r])
+        if native and S == WIDE_LANES:
+            bound, f32, start = _vectors(freqs[r])
+            u = np.uint64(
+                encode_steps(xs, syms, np.int64(j) - S, bound, f32, start, words, np.int64(u), np.int64(j - a) // S)
+            )
+            continue
+        tab = rans_steps(freqs[r])
+        while j > a:  # the scalar steps: lanes from the highest, four at a time (as rans_encode_wide's)
+            j -= np.uint64(S)
+            q = np.uint64(S)
+            while q > ZERO:
+                q -= np.uint64(4)
+                x0, x1, x2, x3 = xs[q], xs[q + ONE], xs[q + np.uint64(2)], xs[q + np.uint64(3)]
+                x3, u = _encode_one(x3, syms[j + q + np.uint64(3)], tab, words, u)
+                x2, u = _encode_one(x2, syms[j + q + np.uint64(2)], tab, words, u)
+                x1, u = _encode_one(x1, syms[j + q + ONE], tab, words, u)
+                x0, u = _encode_one(x0, syms[j + q], tab, words, u)
+                xs[q], xs[q + ONE], xs[q + np.uint64(2)], xs[q + np.uint64(3)] = x0, x1, x2, x3
+    for q in range(S):
+        for b in range(4):
+            out[4 * q + b] = np.uint8((xs[q] >> U32(8 * b)) & U32(0xFF))
+    n = np.int64(u)
+    body = words[:n]
+    body[:] = body[::-1].copy()
+    out[4 * S : 4 * S + 2 * n] = body.view(np.uint8)
+    return 4 * S + 2 * n
+
+
+@njit(nogil=True)
+def rans_decode_runs(data, pos, length, S, ends, freqs, out, native, carry):
+    """Decode the section :func:`rans_encode_runs` wrote (``S`` states, runs ending at ``ends``, each
+    with its ``freqs`` row) into ``out[0:ends[-1]]`` (uint8, each symbol's number); returns 0, or 13
+    for a section that does not decode to exactly that many symbols (every word read, every state
+    under 2^17: its end less 2^16 to ``carry``). ``native`` (S = 32): whole steps by
+    :func:`decode_steps`."""
+    if length < 4 * S or (length - 4 * S) % 2:
+        return 13
+    xs = np.empty(S, np.uint32)
+    if not read_states(data, pos, xs):
+        return 13
+    total = ends[ends.size - 1]
+    nw = (length - 4 * S) // 2
+    w16 = np.zeros(nw + total + STEP, np.uint16)  # a state takes at most one word a symbol: zeros past the end
+    w16.view(np.uint8)[: 2 * nw] = data[pos + 4 * S : pos + length]
+    ident = np.arange(NSYM).astype(np.uint32)
+    u = ZERO
+    for r in range(ends.size):
+        a = np.uint64(ends[r - 1] if r else 0)
+        e = np.uint64(ends[r])
+        if native and S == WIDE_LANES:
+            bound, f32, start = _vectors(freqs[r])
+            u = np.uint64(decode_steps(xs, start, f32, ident, w16, np.int64(u), out, np.int64(a), np.int64(e - a) // S))
+            continue
+        tab = _rans_table(freqs[r], ident)
+        for j in range(a, e, np.uint64(S)):
+            for q in range(ZERO, np.uint64(S), np.uint64(4)):
+                x0, x1, x2, x3 = xs[q], xs[q + ONE], xs[q + np.uint64(2)], xs[q + np.uint64(3)]
+                x0, u = _decode_one(x0, tab, w16, u, out, j + q)
+                x1, u = _decode_one(x1, tab, w16, u, out, j + q + ONE)
+                x2, u = _decode_one(x2, tab, w16, u, out, j + q + np.uint64(2))
+                x3, u = _decode_one(x3, tab, w16, u, out, j + q + np.uint64(3))
+                xs[q], xs[q + ONE], xs[q + np.uint64(2)], xs[q + np.uint64(3)] = x0, x1, x2, x3
+    return _ends(xs, np.int64(u), nw, carry)
