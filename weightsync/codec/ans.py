@@ -4,7 +4,9 @@ docs/DESIGN.md the design and its measurements).
 
 The elements of a block are split into up to 4 position buckets by thresholds on the old value's
 exponent field (chosen per block from a sample: the split that minimises the entropy of the change
-mask). Within a bucket, the ranks of the changed elements are Rice-coded gaps. The changes' zigzag
+mask). Within a bucket, the ranks of the changed elements are Rice-coded gaps, or, in a bucket of 1
+in 16 or more changed, the nibbles of its bitmap are rANS-coded with a table its density gives
+(:mod:`weightsync.codec.nibbles`; one section for the block's such buckets). The changes' zigzag
 differences are rANS-coded per value group, up to 4 other ranges of the old exponent chosen by the
 same kind of dynamic program on the sampled values (a group of 2^15 changes or more with 32
 interleaved states, coded 16 at a time by vector steps: :mod:`weightsync.codec.lanes`; else 4).
@@ -25,7 +27,9 @@ set bit of the changes' masks where ``pdep`` or the vector expand is slow (:mod:
 Deltas run backward too (:func:`decode_backward`): a change that moves its element to another
 bucket or group is listed, with its old bucket and group unless its new value tells them (the
 top bit of its mantissa says from which side it crossed the exponent boundary), so the old block
-can be rebuilt from the new one (rollbacks fetch deltas, not keyframes).
+can be rebuilt from the new one (rollbacks fetch deltas, not keyframes). The list's first bytes
+ride in the rANS sections' states, 2 a state (:data:`CARRIED`): a state starts at 2^16 plus them,
+which a decoder finds where it ends.
 """
 
 from __future__ import annotations

@@ -303,7 +303,7 @@ def add_encoding_args(p: argparse.ArgumentParser, environ: Mapping[str, str] | N
         choices=CODERS,
         default=CodecConfig.coder,
         help="the entropy coder of deltas: 'ans' (default; decodes at 0.65-1.06x the speed of 'sparse', by CPU) or "
-        "'ac' (payloads 0.95x the size at lr 1e-6, 0.99x at 1e-5; 2.8-10.4x slower to encode and decode, by CPU; "
+        "'ac' (payloads 0.95x the size at lr 1e-6, 1.00x at 1e-5; 2.8-10.4x slower to encode and decode, by CPU; "
         "docs/DESIGN.md)",
     )
     add(
