@@ -74,6 +74,7 @@ from weightsync.codec.lanes import (
     rans_encode_wide_carrying,
 )
 from weightsync.codec.nibbles import DENSITY as NIBBLE_DENSITY
+from weightsync.codec.nibbles import NARROW_DENSITY as NIBBLE_NARROW
 from weightsync.codec.nibbles import complement, nibble_freq, nibbles_of, pack_nibbles, run_symbols
 from weightsync.codec.registry import register
 from weightsync.codec.simd import (
@@ -934,13 +935,20 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st, ranks, nibble
     body = np.empty(64 * K + 64 * G + 20 * k + 16 * nesc + 128 * LANES * K + 4 * WIDE_LANES * (G + 1) + xl, np.uint8)
     bp = 0
     nib_b = np.zeros(K, np.bool_)
+    density = NIBBLE_DENSITY  # of the buckets coded as nibbles: fewer when their section would be narrow
+    total = 0
+    for b in range(K):
+        if cb[b] and NIBBLE_DENSITY * min(cb[b], cnt[b] - cb[b]) >= cnt[b]:
+            total += run_symbols(cnt[b])
+    if total < WIDE_MIN:
+        density = NIBBLE_NARROW
     for b in range(K):  # positions: per bucket, Rice codes of rank gaps, or its bitmap's nibbles
         c = cb[b]
         hp = put_varint(head, hp, cnt[b])
         hp = put_varint(head, hp, c)
         if c == 0:
             continue
-        if nibbles and NIBBLE_DENSITY * min(c, cnt[b] - c) >= cnt[b]:
+        if nibbles and density * min(c, cnt[b] - c) >= cnt[b]:
             nib_b[b] = True
             head[hp] = NIBBLE_CODE
             hp += 1

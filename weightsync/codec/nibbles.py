@@ -27,8 +27,15 @@ RUN = 32
 
 DENSITY = 16
 """The encoder codes a bucket as nibbles when at least one in this many of its elements changed
-(or stayed): below, nibbles are 4 or more a gap and decode slower than Rice codes, for about the
-same size (research/issue18-ctx-codec, "Session 39")."""
+(or stayed) and the block's nibble section is wide: below, nibbles are 4 or more a gap, slower
+than Rice codes for about the same size (research/issue18-ctx-codec, "Session 39")."""
+
+NARROW_DENSITY = 8
+"""The same for a block whose nibbles would be too few for a wide section (4 states, 1.7 ns a
+nibble against 2.4-2.6 for a Rice gap). From 1 in 16 they took lr 1e-6's steps 0.38% smaller
+than Rice codes but pair 1's encode 3% and decode 1.5% slower; from 1 in 8, 0.27% smaller within
+0-2% of Rice's time; from 1 in 4, 0.06% (research/issue18-ctx-codec, "Session 39")."""
+
 
 _POP = np.array([bin(t).count("1") for t in range(NSYM)], np.int64)
 _FIELD = np.uint64(0x0F0F0F0F0F0F0F0F)
