@@ -18,6 +18,11 @@ are wide: their 112 extra bytes are at most 1.6% of such a section at lr 1e-5's 
 scalar one (``native`` False) that write and read the same bytes; the vector steps are generic LLVM
 code where numba compiles for a CPU without AVX-512 VBMI2
 (:data:`weightsync.codec.simd.COMPRESS_IN_REGISTER`), correct but not fast there.
+
+A section of runs (:func:`rans_encode_runs`, the block's nibble-coded positions) carries its
+states from run to run, each run with its own frequencies; and every coder takes what its states
+carry (``*_carrying``, ``*_carried``): a state that starts at 2^16 + v, v < 2^16, ends a decode
+there, which holds 16 bits for less than one of the section (codec ``ans``'s exception list).
 """
 
 from __future__ import annotations
