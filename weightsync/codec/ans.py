@@ -75,7 +75,8 @@ from weightsync.codec.lanes import (
 )
 from weightsync.codec.nibbles import DENSITY as NIBBLE_DENSITY
 from weightsync.codec.nibbles import NARROW_DENSITY as NIBBLE_NARROW
-from weightsync.codec.nibbles import complement, nibble_freq, nibbles_of, pack_nibbles, run_symbols
+from weightsync.codec.nibbles import complement, nibbles_of, pack_nibbles, run_symbols
+from weightsync.codec.nibbles import runs as nibble_runs
 from weightsync.codec.registry import register
 from weightsync.codec.simd import (
     ALL,
@@ -964,14 +965,8 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st, ranks, nibble
         head[hp] = kr * 2 + inv
         hp = put_varint(head, hp + 1, rl)
     # the sections' states, in order, carry the exception list's first bytes (2 a state): how many
-    ends = np.zeros(nib_b.sum(), np.int64)
-    total = 0
-    r = 0
-    for b in range(K):
-        if nib_b[b]:
-            total += run_symbols(cnt[b])
-            ends[r] = total
-            r += 1
+    ends, freqs = nibble_runs(nib_b, cnt, cb)
+    total = ends[-1] if ends.size else 0
     states = (WIDE_LANES if total >= WIDE_MIN else LANES) if total else 0
     for g in range(G):
         if nv[g]:
@@ -980,12 +975,6 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st, ranks, nibble
     ci = 0  # the next carrying state
     if nib_b.any():
         head[4] |= NIBBLES
-        freqs = np.zeros((ends.size, NSYM), np.int64)
-        r = 0
-        for b in range(K):
-            if nib_b[b]:
-                nibble_freq(min(cb[b], cnt[b] - cb[b]), cnt[b], freqs[r])
-                r += 1
         nib = np.empty(total + 64, np.uint8)
         r = 0
         for b in range(K):
@@ -1387,11 +1376,9 @@ def _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb, native):
             return 10
     states = 0  # the sections' states, in order: with a carried list, they carry its first bytes
     nibble_states = 0
+    ends, nf = nibble_runs(nib_b, nb, cb)
+    total = ends[-1] if ends.size else 0
     if nibbles:
-        total = 0
-        for b in range(K):
-            if nib_b[b]:
-                total += run_symbols(nb[b])
         nibble_states = WIDE_LANES if wide and total >= WIDE_MIN else LANES
         states += nibble_states
     for g in range(G):
@@ -1426,16 +1413,6 @@ def _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb, native):
             return bad
         pos += blen[b]
     if nibbles:  # each nibble bucket's run, in bucket order, into its bitmap
-        ends = np.zeros(nib_b.sum(), np.int64)
-        nf = np.zeros((ends.size, NSYM), np.int64)
-        r = 0
-        total = 0
-        for b in range(K):
-            if nib_b[b]:
-                total += run_symbols(nb[b])
-                ends[r] = total
-                nibble_freq(min(cb[b], nb[b] - cb[b]), nb[b], nf[r])
-                r += 1
         S = nibble_states
         nib = np.empty(total + 64, np.uint8)
         if rans_decode_runs(data, pos, plen, S, ends, nf, nib, native, carry[ci : ci + S]):

@@ -286,25 +286,42 @@ def rans_encode_wide_carrying(syms, c, freq, out, native, carry):
                 encode_steps(xs, syms, np.int64(full) - W, bound, f32, start, words, np.int64(u), np.int64(full) // W)
             )
     else:
-        while j > ZERO:  # the scalar steps: lanes from the highest, four at a time with their states in registers
-            j -= np.uint64(W)
-            q = np.uint64(W)
-            while q > ZERO:
-                q -= np.uint64(4)
-                x0, x1, x2, x3 = xs[q], xs[q + ONE], xs[q + np.uint64(2)], xs[q + np.uint64(3)]
-                x3, u = _encode_one(x3, syms[j + q + np.uint64(3)], tab, words, u)
-                x2, u = _encode_one(x2, syms[j + q + np.uint64(2)], tab, words, u)
-                x1, u = _encode_one(x1, syms[j + q + ONE], tab, words, u)
-                x0, u = _encode_one(x0, syms[j + q], tab, words, u)
-                xs[q], xs[q + ONE], xs[q + np.uint64(2)], xs[q + np.uint64(3)] = x0, x1, x2, x3
-    for q in range(W):
+        u = _scalar_steps(xs, syms, ZERO, j, tab, words, u)
+    return _section(xs, words, u, out)
+
+
+@njit(nogil=True, inline="always")
+def _scalar_steps(xs, syms, a, j, tab, words, u):
+    """Code ``syms[a:j]`` (whole steps of ``xs.size`` states, a multiple of 4) by scalar steps: lanes
+    from the highest, four at a time with their states in registers. Returns the word position."""
+    S = np.uint64(xs.size)
+    while j > a:
+        j -= S
+        q = S
+        while q > ZERO:
+            q -= np.uint64(4)
+            x0, x1, x2, x3 = xs[q], xs[q + ONE], xs[q + np.uint64(2)], xs[q + np.uint64(3)]
+            x3, u = _encode_one(x3, syms[j + q + np.uint64(3)], tab, words, u)
+            x2, u = _encode_one(x2, syms[j + q + np.uint64(2)], tab, words, u)
+            x1, u = _encode_one(x1, syms[j + q + ONE], tab, words, u)
+            x0, u = _encode_one(x0, syms[j + q], tab, words, u)
+            xs[q], xs[q + ONE], xs[q + np.uint64(2)], xs[q + np.uint64(3)] = x0, x1, x2, x3
+    return u
+
+
+@njit(nogil=True, inline="always")
+def _section(xs, words, u, out):
+    """A coded section into ``out``: the final states, then the ``u`` words (in coding order) in the
+    order a decoder reads them. Returns its length."""
+    S = xs.size
+    for q in range(S):
         for b in range(4):
             out[4 * q + b] = np.uint8((xs[q] >> U32(8 * b)) & U32(0xFF))
     n = np.int64(u)
     body = words[:n]
-    body[:] = body[::-1].copy()  # in the order a decoder reads them
-    out[4 * W : 4 * W + 2 * n] = body.view(np.uint8)
-    return 4 * W + 2 * n
+    body[:] = body[::-1].copy()
+    out[4 * S : 4 * S + 2 * n] = body.view(np.uint8)
+    return 4 * S + 2 * n
 
 
 @njit(nogil=True, inline="always")
@@ -367,19 +384,28 @@ def rans_decode_wide_carried(data, pos, length, freq, values, out, o0, count, na
             v32[s] = np.uint32(values[s])
         wp = decode_steps(xs, start, f32, v32, w16, wp, out, o0, full // W)
     tab = _rans_table(freq, values)
-    u = np.uint64(wp)  # unsigned indices: numba tests every signed one for wraparound
-    for j in range(np.uint64(first), np.uint64(full), np.uint64(W)):  # the scalar steps: lanes in order,
-        at = np.uint64(o0) + j  # four at a time with their states in registers
-        for q in range(ZERO, np.uint64(W), np.uint64(4)):
-            x0, x1, x2, x3 = xs[q], xs[q + ONE], xs[q + np.uint64(2)], xs[q + np.uint64(3)]
-            x0, u = _decode_one(x0, tab, w16, u, out, at + q)
-            x1, u = _decode_one(x1, tab, w16, u, out, at + q + ONE)
-            x2, u = _decode_one(x2, tab, w16, u, out, at + q + np.uint64(2))
-            x3, u = _decode_one(x3, tab, w16, u, out, at + q + np.uint64(3))
-            xs[q], xs[q + ONE], xs[q + np.uint64(2)], xs[q + np.uint64(3)] = x0, x1, x2, x3
+    u = _scalar_decode(xs, tab, w16, np.uint64(wp), out, np.uint64(o0), np.uint64(first), np.uint64(full))
     for j in range(np.uint64(full), np.uint64(count)):  # the partial last step
         xs[j - np.uint64(full)], u = _decode_one(xs[j - np.uint64(full)], tab, w16, u, out, np.uint64(o0) + j)
     return _ends(xs, np.int64(u), nw, carry)
+
+
+@njit(nogil=True, inline="always")
+def _scalar_decode(xs, tab, w16, u, out, at, a, e):
+    """Decode symbols ``a`` to ``e`` (whole steps of ``xs.size`` states, a multiple of 4) into
+    ``out[at + a:]`` by scalar steps: lanes in order, four at a time with their states in
+    registers. Returns the word position."""
+    S = np.uint64(xs.size)
+    for j in range(a, e, S):
+        o = at + j
+        for q in range(ZERO, S, np.uint64(4)):
+            x0, x1, x2, x3 = xs[q], xs[q + ONE], xs[q + np.uint64(2)], xs[q + np.uint64(3)]
+            x0, u = _decode_one(x0, tab, w16, u, out, o + q)
+            x1, u = _decode_one(x1, tab, w16, u, out, o + q + ONE)
+            x2, u = _decode_one(x2, tab, w16, u, out, o + q + np.uint64(2))
+            x3, u = _decode_one(x3, tab, w16, u, out, o + q + np.uint64(3))
+            xs[q], xs[q + ONE], xs[q + np.uint64(2)], xs[q + np.uint64(3)] = x0, x1, x2, x3
+    return u
 
 
 @njit(nogil=True, inline="always")
@@ -416,26 +442,8 @@ def rans_encode_runs(syms, ends, freqs, S, out, native, carry):
                 encode_steps(xs, syms, np.int64(j) - S, bound, f32, start, words, np.int64(u), np.int64(j - a) // S)
             )
             continue
-        tab = rans_steps(freqs[r])
-        while j > a:  # the scalar steps: lanes from the highest, four at a time (as rans_encode_wide's)
-            j -= np.uint64(S)
-            q = np.uint64(S)
-            while q > ZERO:
-                q -= np.uint64(4)
-                x0, x1, x2, x3 = xs[q], xs[q + ONE], xs[q + np.uint64(2)], xs[q + np.uint64(3)]
-                x3, u = _encode_one(x3, syms[j + q + np.uint64(3)], tab, words, u)
-                x2, u = _encode_one(x2, syms[j + q + np.uint64(2)], tab, words, u)
-                x1, u = _encode_one(x1, syms[j + q + ONE], tab, words, u)
-                x0, u = _encode_one(x0, syms[j + q], tab, words, u)
-                xs[q], xs[q + ONE], xs[q + np.uint64(2)], xs[q + np.uint64(3)] = x0, x1, x2, x3
-    for q in range(S):
-        for b in range(4):
-            out[4 * q + b] = np.uint8((xs[q] >> U32(8 * b)) & U32(0xFF))
-    n = np.int64(u)
-    body = words[:n]
-    body[:] = body[::-1].copy()
-    out[4 * S : 4 * S + 2 * n] = body.view(np.uint8)
-    return 4 * S + 2 * n
+        u = _scalar_steps(xs, syms, a, j, rans_steps(freqs[r]), words, u)
+    return _section(xs, words, u, out)
 
 
 @njit(nogil=True)
@@ -463,13 +471,5 @@ def rans_decode_runs(data, pos, length, S, ends, freqs, out, native, carry):
             bound, f32, start = _vectors(freqs[r])
             u = np.uint64(decode_steps(xs, start, f32, ident, w16, np.int64(u), out, np.int64(a), np.int64(e - a) // S))
             continue
-        tab = _rans_table(freqs[r], ident)
-        for j in range(a, e, np.uint64(S)):
-            for q in range(ZERO, np.uint64(S), np.uint64(4)):
-                x0, x1, x2, x3 = xs[q], xs[q + ONE], xs[q + np.uint64(2)], xs[q + np.uint64(3)]
-                x0, u = _decode_one(x0, tab, w16, u, out, j + q)
-                x1, u = _decode_one(x1, tab, w16, u, out, j + q + ONE)
-                x2, u = _decode_one(x2, tab, w16, u, out, j + q + np.uint64(2))
-                x3, u = _decode_one(x3, tab, w16, u, out, j + q + np.uint64(3))
-                xs[q], xs[q + ONE], xs[q + np.uint64(2)], xs[q + np.uint64(3)] = x0, x1, x2, x3
+        u = _scalar_decode(xs, _rans_table(freqs[r], ident), w16, u, out, ZERO, a, e)
     return _ends(xs, np.int64(u), nw, carry)

@@ -68,6 +68,24 @@ def nibble_freq(d, n_b, freq):
 
 
 @njit(nogil=True)
+def runs(coded, n, c):
+    """The block's nibble section: where each run of the buckets flagged in ``coded`` ends (its
+    symbols, cumulated in bucket order) and its table (:func:`nibble_freq`), from each bucket's
+    elements ``n`` and changed elements ``c``."""
+    ends = np.zeros(coded.sum(), np.int64)
+    freqs = np.zeros((ends.size, NSYM), np.int64)
+    total = 0
+    r = 0
+    for b in range(coded.size):
+        if coded[b]:
+            total += run_symbols(n[b])
+            ends[r] = total
+            nibble_freq(min(c[b], n[b] - c[b]), n[b], freqs[r])
+            r += 1
+    return ends, freqs
+
+
+@njit(nogil=True)
 def complement(words, w0, n_b):
     """Flip a bucket's flags in its run's words from ``words[w0]``: bits 0 to ``n_b`` - 1 (a run of more
     than half changed codes its unchanged flags, so that its likeliest nibble is 0, as its padding's)."""
