@@ -423,3 +423,26 @@ def test_old_readers_flags_are_spent():
         bad = bytearray(block)
         bad[4] |= bit
         _refused(bytes(bad), old)
+
+
+@pytest.mark.parametrize(
+    "per, every, nibbles, wide",
+    [(32768, 10, True, True), (32768 - 128, 10, False, False), (32768 - 128, 6, True, False)],
+)
+def test_a_narrow_section_takes_buckets_from_1_in_8(per, every, nibbles, wide):
+    """Four buckets of ``per`` elements, one in ``every`` changed: at 1 in 10 they are nibbles when
+    their runs make 2^15 nibbles (a wide section) and Rice-coded when 32 fewer would make it narrow;
+    at 1 in 6, nibbles in a narrow section too (weightsync.codec.nibbles.NARROW_DENSITY)."""
+    rng = np.random.default_rng(every)
+    e = np.repeat(np.arange(120, 124), per)  # one exponent a bucket
+    rng.shuffle(e)
+    old = ((e << 7) | rng.integers(0, 126, e.size)).astype(np.uint16)  # +1 never reaches the exponent
+    new = old.copy()
+    new[::every] += np.uint16(1)
+    data = ans.encode_block("BF16", old, new, split=([121, 122, 123], [121, 122, 123]))[0]
+    lay = layout(data)
+    assert [nib for *_, nib, _ in lay["buckets"]] == [nibbles] * 4
+    assert bool(data[4] & ans.NIBBLES) == nibbles and bool(data[4] & ans.WIDE) == wide
+    if nibbles:
+        assert nibble_runs(lay)[0] == (32 if wide else 4)
+    check_both_ways(old, new, data)

@@ -5,8 +5,9 @@ docs/DESIGN.md the design and its measurements).
 The elements of a block are split into up to 4 position buckets by thresholds on the old value's
 exponent field (chosen per block from a sample: the split that minimises the entropy of the change
 mask). Within a bucket, the ranks of the changed elements are Rice-coded gaps, or, in a bucket of 1
-in 16 or more changed, the nibbles of its bitmap are rANS-coded with a table its density gives
-(:mod:`weightsync.codec.nibbles`; one section for the block's such buckets). The changes' zigzag
+in 16 or more changed (1 in 8 where the block's nibbles are too few for a wide section), the
+nibbles of its bitmap are rANS-coded with a table its density gives (:mod:`weightsync.codec.nibbles`;
+one section for the block's such buckets). The changes' zigzag
 differences are rANS-coded per value group, up to 4 other ranges of the old exponent chosen by the
 same kind of dynamic program on the sampled values (a group of 2^15 changes or more with 32
 interleaved states, coded 16 at a time by vector steps: :mod:`weightsync.codec.lanes`; else 4).

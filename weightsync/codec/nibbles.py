@@ -2,11 +2,12 @@
 
 A dense bucket's changed flags cost less as 4-bit symbols of its bitmap, rANS-coded with a table
 that follows from the bucket's density alone (no table bytes: the flags of a bucket are close to
-independent, and a counted table took 0.2% off the model's cost but cost 20 bytes), than as Rice
+independent, and a counted table took 0.25% off the model's cost but cost 20 bytes), than as Rice
 codes of the gaps between them: Rice's codes are whole bits, 1-2% over the binary entropy at the
-densities of lr 1e-5's buckets. With wide rANS sections a nibble decodes in 0.85 ns, against 2.6
-for a Rice gap, and a bucket of density d has 1 / (4 d) nibbles a gap: from 1/16 up, nibbles are
-no slower (docs/DESIGN.md, "Positions as nibbles").
+densities of lr 1e-5's buckets. A bucket of density d has 1 / (4 d) nibbles a gap; a nibble
+decodes in 0.85 ns in a wide section (1.7 in a 4-state one), a Rice gap in 2.6. So the encoder
+takes buckets from 1 in 16 where the section is wide, from 1 in 8 where it is not (:data:`DENSITY`,
+:data:`NARROW_DENSITY`; docs/DESIGN.md, "Positions as nibbles").
 
 Every nibble-coded bucket of a block shares one rANS section, so its states' bytes are paid once:
 bucket b's run is its bitmap's first ``run_symbols(n_b)`` nibbles (a multiple of 32, the bits past
