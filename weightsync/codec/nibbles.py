@@ -50,7 +50,7 @@ def run_symbols(n_b):
 
 @njit(nogil=True)
 def nibble_freq(d, n_b, freq):
-    """The table of a run of ``n_b`` flags, ``d`` of them set (0 < d <= n_b / 2), into ``freq``
+    """The table of a run of ``n_b`` flags, ``d`` of them set (d <= n_b / 2), into ``freq``
     (int64[16]), as docs/FORMAT.md gives it: with q = min(4095, max(1, round(4096 d / n_b))), a
     nibble of j set bits weighs w_j = q^j (4096 - q)^(4 - j) (below 2^48); each nibble but 0 takes
     max(1, w >> 36), and 0, the likeliest (q <= 2048), the rest of 4096: at least 241."""
