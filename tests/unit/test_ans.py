@@ -837,6 +837,54 @@ def test_the_plan_samples_large_blocks_more_thinly_and_scales_to_the_block(words
     check_round_trip("BF16", old, new, data)
 
 
+def _split_by_the_whole_program(counts, G, table):
+    """The value groups' split as :func:`ans._split` makes it for more than 2 groups: every range's
+    cost, then the dynamic program over them."""
+    ex = np.flatnonzero(counts.sum(axis=1))
+    m = ex.size
+    if m <= 1 or G <= 1:
+        return np.zeros(0, np.int64)
+    cum = np.zeros((m + 1, entropy.NSYM), np.int64)
+    cum[1:] = np.cumsum(counts[ex], axis=0)
+    cost = np.full((m + 1, m + 1), 1e300)
+    for a in range(m):
+        for b in range(a + 1, m + 1):
+            cost[a, b] = ans._bits_of(cum, a, b, table)
+    dp, arg = ans._partitions(cost, min(G, m))
+    best = 1
+    for q in range(2, min(G, m) + 1):
+        if dp[q, m] < dp[best, m] - 1e-9:
+            best = q
+    return ans._cuts(arg, best, ex)
+
+
+def test_two_value_groups_are_split_where_the_whole_dynamic_program_splits_them():
+    """For 2 groups the plan tries only the ranges at either end (one cut or none): the same
+    thresholds as the whole dynamic program, on counts from one exponent to 40, equal rows, rows of
+    one symbol, palindromes (cuts that tie: the first is taken), and tables from free to dearer than
+    any cut saves."""
+    rng = np.random.default_rng(40)
+    cut = 0
+    for i in range(1500):
+        counts = np.zeros((256, entropy.NSYM), np.int32)
+        rows = rng.choice(256, rng.integers(1, 41), replace=False)
+        for r in rows:
+            top = rng.choice([2, 5, 50, 1000])
+            counts[r] = rng.integers(0, top, entropy.NSYM) * (rng.random(entropy.NSYM) < rng.random())
+        if i % 4 == 0:
+            counts[rows] = counts[rows[0]]
+        elif i % 4 == 1:
+            counts[rows, rng.integers(0, entropy.NSYM)] += rng.integers(1, 100)
+        elif i % 4 == 2:  # the rows read the same backwards: cuts at mirrored places cost the same
+            rows.sort()
+            counts[rows[::-1][: rows.size // 2]] = counts[rows[: rows.size // 2]]
+        table = float(rng.choice([0.0, 10.0, 160.0, 1e4]))
+        got = ans._split(counts, 2, table)
+        assert np.array_equal(got, _split_by_the_whole_program(counts, 2, table)), i
+        cut += got.size
+    assert 300 < cut < 1200  # both answers occur
+
+
 def test_rans_round_trips_with_every_frequency_a_symbol_can_have():
     """The encoder's division by a symbol's frequency (the high half of a multiply by a reciprocal) is
     exact for every frequency from 1 to PROB_ONE at every state it meets: symbol 0 takes each frequency
@@ -859,13 +907,14 @@ def test_rans_round_trips_with_every_frequency_a_symbol_can_have():
 
 
 def test_symbol_counts_by_pairs_count_every_symbol():
-    """The encoder counts a group's symbols two at a time (16-bit loads into histograms of pairs):
-    the same counts as one by one, for lengths with every remainder past the last whole 8 bytes,
-    none at all, and runs of one symbol."""
+    """The encoder counts a group's symbols two at a time (16-bit loads into histograms of pairs),
+    or one by one under FEW_SYMBOLS: the same counts as bincount, for lengths with every remainder
+    past the last whole 8 bytes on either side of FEW_SYMBOLS, none at all, and runs of one symbol."""
     rng = np.random.default_rng(13)
     hist = np.empty(4 * entropy.NSYM * entropy.NSYM, np.int64)
     counts = np.empty(entropy.NSYM, np.int64)
-    for m in [0, 1, 7, 8, 9, 15, 16, 17, 63, 64, 65, 1000, 4099]:
+    few = ans.FEW_SYMBOLS
+    for m in [0, 1, 7, 8, 9, 15, 16, 17, 63, 64, 65, few - 1, few, few + 1, few + 7, 1000, 4099]:
         for kind in ("uniform", "skewed", "one"):
             row = np.full((m + 8) // 8 * 8, 99, np.uint8)  # padding past m is never counted
             if kind == "uniform":

@@ -98,7 +98,7 @@ def _assemble(head: bytes, blocks: list[bytes]) -> bytearray:
     """Header, block lengths and blocks in one buffer, releasing each block once copied (a full
     payload of a huge tensor is never held twice)."""
     out = bytearray(head)
-    out += np.array([len(b) for b in blocks], dtype="<u8").tobytes()
+    out += b"".join([len(b).to_bytes(8, "little") for b in blocks])
     for i, b in enumerate(blocks):
         out += b  # grows in place (no zero-filled buffer touched up front)
         blocks[i] = b = b""
