@@ -77,8 +77,9 @@ def test_round_trips_through_every_decoder(dtype, n, frac):
     new = changed(old, frac, rng)
     data, k = ans.encode_block(dtype, old, new)
     assert k == np.count_nonzero(old != new)
-    for native in simd.KINDS:  # the native scan and the portable one write the same bytes
-        assert data == ans.encode_block(dtype, old, new, native=native)[0]
+    for native in simd.KINDS:  # the native scan and the portable one write the same bytes, with the
+        for dense in (False, True):  # branch on a word's changes and without
+            assert data == ans.encode_block(dtype, old, new, native=native, dense=dense)[0], (native, dense)
     assert (len(data) == 0) == (k == 0)
     check_round_trip(dtype, old, new, data)
 
@@ -101,7 +102,8 @@ def test_every_pass_round_trips(dtype, buckets, groups):
     if dtype == "BF16":  # exceptions; the native scan and the portable one write the same bytes
         assert data[4] & ans.EXC_CODED or buckets == groups == 1
         for native in simd.KINDS:
-            assert data == ans.encode_block(dtype, old, new, split=split, native=native)[0], native
+            for dense in (False, True):
+                assert data == ans.encode_block(dtype, old, new, split=split, native=native, dense=dense)[0]
     check_round_trip(dtype, old, new, data)
 
 
@@ -825,12 +827,12 @@ def test_the_plan_samples_large_blocks_more_thinly_and_scales_to_the_block(words
     new = old.copy()
     hit = rng.random(n) < np.array([density[e] for e in range(100, 106)])[ex - 100]
     new[hit] += 1
-    per, chp, _, got = ans._histogram(old, new, 7, 255, 16)
+    per, chp, _, got, _ = ans._histogram(old, new, 7, 255, 16)
     assert got == step
     for e, d in density.items():
         assert abs(per[e] - share[e]) < 0.05 * share[e], e
         assert abs(chp[e] - d * share[e]) < 4 * np.sqrt(d * share[e] * step), e  # 4 sd: the sample's count
-    thr, _ = ans._plan(old, new, 7, 8, 3, 16)  # three buckets: the cuts between the bands, exactly
+    thr, _, _ = ans._plan(old, new, 7, 8, 3, 16)  # three buckets: the cuts between the bands, exactly
     assert set(thr.tolist()) == {102, 104}
     data, count = ans.encode_block("BF16", old, new)
     assert count == int(hit.sum())
@@ -883,6 +885,26 @@ def test_two_value_groups_are_split_where_the_whole_dynamic_program_splits_them(
         assert np.array_equal(got, _split_by_the_whole_program(counts, 2, table)), i
         cut += got.size
     assert 300 < cut < 1200  # both answers occur
+
+
+@pytest.mark.parametrize("n", [1000, 70_000, 64 * ans.SAMPLE_HALVED])
+def test_the_plan_scans_without_the_branch_on_a_words_changes_where_it_would_mispredict(n):
+    """The scan takes every word as changed where the sample's consecutive words differ (changed or
+    not) at least as often as a word is unchanged: changes spread at random in most words (2% and
+    20% of the elements), or in every word; not where few words change, nor where the changed words
+    come in runs (an embedding's rows), nor without changes."""
+    rng = np.random.default_rng(n)
+    old = base_of("BF16", n, rng)
+
+    def dense(new):
+        return ans._plan(old, new, 7, 8, 4, 16)[2]
+
+    assert dense(changed(old, 0.02, rng)) and dense(changed(old, 0.2, rng)) and dense(changed(old, 1.0, rng))
+    assert not dense(old.copy()) and not dense(changed(old, 0.002, rng))
+    rows = np.repeat(rng.random(-(-n // 256)) < 0.5, 256)[:n]  # rows of 256 elements, half of them changed
+    new = old.copy()
+    new[rows] = changed(old[rows], 0.2, rng)
+    assert not dense(new)
 
 
 def test_rans_round_trips_with_every_frequency_a_symbol_can_have():

@@ -196,8 +196,10 @@ def _histogram(old, new, shift, fmask, width_bits):
     :data:`SAMPLE_HALVED` words or more), the elements from every 4th of those; every element of a
     block under 1024 words. Windows, not single words, so that the sample is read
     at the memory's streaming speed (a word every 1 KiB costs a cache miss each: 4x slower in all).
-    Returns (elements, changed, symbols, step): elements and changes scaled to the block, symbols
-    counted in the sample, where each stands for ``step`` changes of the block."""
+    Returns (elements, changed, symbols, step, dense): elements and changes scaled to the block,
+    symbols counted in the sample, where each stands for ``step`` changes of the block, and whether
+    the scan should take every word as changed (:func:`_plan`): where consecutive sampled words
+    differ, changed or not, at least as often as a word is unchanged."""
     n = old.size
     per = np.zeros(fmask + 1, np.float64)
     chp = np.zeros(fmask + 1, np.float64)
@@ -211,8 +213,10 @@ def _histogram(old, new, shift, fmask, width_bits):
         every, end = (32 if n_words >= SAMPLE_HALVED else 16), n_words * 64
     total = (end + 63) // 64
     hist = np.zeros(4 * (fmask + 1), np.int64)
+    words = changed = pairs = flips = 0  # whole words sampled, those changed; consecutive ones, those that differ
     for k, w0 in enumerate(range(0, total, win * every)):
         count_exponents = every == 1 or k % 4 == 0
+        last = False
         for w in range(w0, min(w0 + win, total)):
             a = w * 64
             e = min(a + 64, end)
@@ -221,6 +225,12 @@ def _histogram(old, new, shift, fmask, width_bits):
                     hist[(i & 3) * (fmask + 1) + ((np.int64(old[i]) >> shift) & fmask)] += 1
             if e - a == 64:
                 c = ne_mask64(old, new, a)
+                words += 1
+                changed += c != ZERO
+                if w > w0:
+                    pairs += 1
+                    flips += (c != ZERO) != last
+                last = c != ZERO
             else:
                 c = ZERO
                 for i in range(a, e):
@@ -238,7 +248,7 @@ def _histogram(old, new, shift, fmask, width_bits):
         for r in range(4):
             per[x] += scale * hist[r * (fmask + 1) + x]
         per[x] = max(per[x], chp[x])  # the two samples differ: a bin never has more changes than elements
-    return per, chp, sym, every
+    return per, chp, sym, every, words > 0 and flips * words >= (words - changed) * pairs
 
 
 @njit(nogil=True)
@@ -375,17 +385,19 @@ def _lut(thr, fmask):
 
 @njit(nogil=True)
 def _plan(old, new, shift, bits, kmax, width_bits):
-    """The block's bucket thresholds and the value groups' split, from a sample."""
+    """The block's bucket thresholds and the value groups' split, from a sample, and whether the
+    scan takes every word as changed (``dense``, :func:`_scan_source`)."""
     fmask = (1 << bits) - 1
     thr = np.zeros(0, np.int64)
     vthr = np.zeros(0, np.int64)
+    dense = False
     if fmask > 0:
-        per, chp, vsym, step = _histogram(old, new, shift, fmask, width_bits)
+        per, chp, vsym, step, dense = _histogram(old, new, shift, fmask, width_bits)
         est = np.int64(chp.sum())
         thr = _thresholds(per, chp, min(kmax, max(1, est // CHANGES_PER_BUCKET)))
         gmax = MAX_G if est >= GROUP_DENSITY * old.size else 2
         vthr = _split(vsym, min(gmax, max(1, est // CHANGES_PER_BUCKET)), TABLE_BITS / step)
-    return _padded(thr, MAX_K - 1), _padded(vthr, MAX_G - 1 if vthr.size > 1 else vthr.size)
+    return _padded(thr, MAX_K - 1), _padded(vthr, MAX_G - 1 if vthr.size > 1 else vthr.size), dense
 
 
 @njit(nogil=True)
@@ -510,9 +522,14 @@ def _scan_source(K: int, G: int, name: str, native: bool) -> str:
     G-1 compares give the value groups, and the zigzag codes of the word are computed once and
     the changes' compress-stored into their group's stream (the portable kind stores those of a
     word of few changes in its ranks' loop); the changes that move their element to another bucket
-    or group are listed (for the backward decode)."""
+    or group are listed (for the backward decode). ``dense`` (the plan's, :func:`_histogram`): the
+    native kind takes every word as changed, without the branch on its changes, which mispredicts where
+    changed and unchanged words alternate at random (a word without changes stores nothing: its
+    compress-stores keep no lane, its flags are 0; the lr 1e-6 step pairs' scans took 8-13% less
+    time, lr 1e-5's 2-3%; where the changes are in runs, as in an embedding's rows, the branch is
+    predicted and skips them: there an embedding's scan took 1.9x as long without it)."""
     r, rg = range(K), range(G)
-    L = [f"def {name}(old, new, thr, vthr, shift, bits, raw, st):"]
+    L = [f"def {name}(old, new, thr, vthr, shift, bits, raw, st, dense):"]
     L += ["    fm = (1 << bits) - 1", "    lim, vlim = _limits(thr, vthr, shift, old[:0])"]
     L += ["    blut, glut = _lut(thr, fm), _lut(vthr, fm)", "    absmask, field = _masks(old, shift, fm)"]
     L += [
@@ -537,20 +554,22 @@ def _scan_source(K: int, G: int, name: str, native: bool) -> str:
     L += _regions("b", K, "        ")
     if native:
         L += [f"        f{b} = ZERO" for b in r]
-    L += ["        if c != ZERO:"]
+    L += ["        if dense or c != ZERO:" if native else "        if c != ZERO:"]
     # the word's values by group (compress-stores), and the exceptions: a change can move its element
     # to another bucket or group only if its exponent changed (rare). The portable kind does both
     # change by change in a word of few changes; with more than 2 groups it takes their masks for
     # every changed word (a group chosen per change from 3 thresholds slowed the scan 3-4% at lr 1e-5)
+    # The exceptions' mask is taken before the compress-stores: after them the compiler reloads both
+    # words (they might have been stored to), and the scan of lr 1e-6 pair 0 took 6% longer
     masks = [f"g_m{t} = below_mask64(old, base, absmask, u{t})" for t in range(G - 1)] + _regions("g", G, "")
     scalar = G <= 2
-    values = list(masks) if native or scalar else []
+    values = ["x = field_ne_mask64(old, new, base, field)"] + (list(masks) if native or scalar else [])
     if not (native or scalar):
         L += ["            " + line for line in masks]
     values += [f"g{g} &= c" for g in rg]
     values += ["_compress(old, new, base, " + ", ".join(f"v{g}, k{g}, g{g}" for g in rg) + ")"]
     values += [f"k{g} += np.int64(popcount(g{g}))" for g in rg]
-    values += ["x = field_ne_mask64(old, new, base, field)", "while x != ZERO:"]
+    values += ["while x != ZERO:"]
     values += ["    i = base + np.int64(trailing_zeros(x))", "    x &= x - ONE"]
     values += [*_exception("    ", "old[i]", "new[i]")]
     if native:
@@ -1201,12 +1220,14 @@ def encode_block(
     native: bool = NATIVE,
     split=None,
     nibbles: bool = True,
+    dense: bool | None = None,
 ) -> tuple[bytes, int]:
     """The block coding ``new`` against ``old`` (unsigned views of ``dtype``'s width), and how many
     elements changed; at most ``k`` buckets. ``split``: (bucket thresholds, group thresholds) to use
     instead of the planned ones (tests and the warm-up reach every pass with it). ``nibbles``: dense
     buckets' positions as nibbles (:mod:`weightsync.codec.nibbles`), else every bucket Rice-coded
-    (tests)."""
+    (tests). ``dense``: whether the scan takes every word as changed (the same bytes either way; by
+    default the plan's choice, or not with ``split``)."""
     if old.size > MAX_BLOCK:  # the format's limit (docs/FORMAT.md): ranks and counts are 32-bit
         raise ValueError(f"ans: a block holds at most 2^31 elements, not {old.size}")
     if old.dtype.itemsize not in WIDTHS:  # the parser refuses 8-byte escapes (check 14)
@@ -1217,7 +1238,8 @@ def encode_block(
     shift, bits = EXPONENT_FIELD.get(dtype, (0, 0))
     width = 8 * old.dtype.itemsize
     if split is None:
-        thr, vthr = _plan(old, new, shift, bits, k, width)
+        thr, vthr, planned = _plan(old, new, shift, bits, k, width)
+        dense = planned if dense is None else dense
     else:  # as the parser accepts them: the kernels' compares assume it (a limit past the sign bit, or
         # thresholds out of order, would make the portable scan and the native one disagree)
         thr, vthr = (np.asarray(t, np.int64) for t in split)
@@ -1228,7 +1250,7 @@ def encode_block(
     raw, st = _SCRATCH.take(old.size, K, old.dtype.itemsize)
     # two calls, arrays made in numba: Python-side glue cost about 25 us a block (the trajectory's 127
     # tensors: 5% of their encode)
-    _kernel("scan", K, G, native)(old, new, thr, vthr, shift, bits, raw, st)
+    _kernel("scan", K, G, native)(old, new, thr, vthr, shift, bits, raw, st, bool(dense))
     data, changed = _encode(old, new, shift, bits, width, thr, vthr, raw, st, not native, nibbles)
     return data.tobytes(), changed
 

@@ -557,14 +557,19 @@ def _compress_zigzag(groups: int):
         def codegen(context, builder, sig, args):
             width = sig.args[0].dtype.bitwidth
             vt = ir.VectorType(ir.IntType(width), 32)
+            zs = []  # both halves' codes before any store: else the second half's words are loaded again
             for h in range(2):
                 at = builder.add(args[2], ir.Constant(ir.IntType(64), 32 * h))
                 a = _vector_load(context, builder, sig.args[0], args[0], at, 32)
                 b = _vector_load(context, builder, sig.args[1], args[1], at, 32)
                 diff = builder.sub(b, a)
-                z = builder.xor(
-                    builder.shl(diff, ir.Constant(vt, [1] * 32)), builder.ashr(diff, ir.Constant(vt, [width - 1] * 32))
+                zs.append(
+                    builder.xor(
+                        builder.shl(diff, ir.Constant(vt, [1] * 32)),
+                        builder.ashr(diff, ir.Constant(vt, [width - 1] * 32)),
+                    )
                 )
+            for h, z in enumerate(zs):
                 for q in range(groups):
                     dst, pos, mask = args[3 + 3 * q : 6 + 3 * q]
                     d = context.make_array(sig.args[3 + 3 * q])(context, builder, value=dst)
