@@ -137,7 +137,7 @@ def pair_report(old, new):
         t["ac"] += len(coder.encode("BF16", o, n, CodecConfig())[0])
         for k, v in parts(data).items():
             t[k] += v
-        thr, vthr = (np.asarray(x, np.int64) for x in ans._plan(o, n, 7, 8, 4, 16))
+        thr, vthr = (np.asarray(x, np.int64) for x in ans._plan(o, n, 7, 8, 4, 16)[:2])
         e = ((o & 0x7FFF) >> 7).astype(np.int64)
         en = ((n & 0x7FFF) >> 7).astype(np.int64)
         bk = np.searchsorted(thr, e, side="right")

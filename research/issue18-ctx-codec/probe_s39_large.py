@@ -18,10 +18,10 @@ plans = [ans._plan(o, n, shift, bits, ans.BUCKETS, 16) for o, n in pairs]
 def plan():
     for o, n in pairs: ans._plan(o, n, shift, bits, ans.BUCKETS, 16)
 def scan():
-    for (o, n), (thr, vthr) in zip(pairs, plans):
+    for (o, n), (thr, vthr, dense) in zip(pairs, plans):
         K, G = thr.size + 1, vthr.size + 1
         raw, st = ans._SCRATCH.take(o.size, K, 2)
-        ans._kernel("scan", K, G, True)(o, n, thr, vthr, shift, bits, raw, st)
+        ans._kernel("scan", K, G, True)(o, n, thr, vthr, shift, bits, raw, st, dense)
 def full():
     for o, n in pairs: ans.encode_block("BF16", o, n)
 outs = [np.empty_like(n) for o, n in pairs]

@@ -248,7 +248,7 @@ def _histogram(old, new, shift, fmask, width_bits):
         for r in range(4):
             per[x] += scale * hist[r * (fmask + 1) + x]
         per[x] = max(per[x], chp[x])  # the two samples differ: a bin never has more changes than elements
-    return per, chp, sym, every, words > 0 and flips * words >= (words - changed) * pairs
+    return per, chp, sym, every, pairs > 0 and flips * words >= (words - changed) * pairs
 
 
 @njit(nogil=True)

@@ -310,7 +310,7 @@ def add_encoding_args(p: argparse.ArgumentParser, environ: Mapping[str, str] | N
         "--fast-codec",
         action="store_true",
         help="code deltas with 'sparse' instead of the entropy coder: 1.0-1.6x faster to encode than 'ans' "
-        "(0.96-1.34x where pdep is fast), faster to decode only where pdep is slow (1.3-1.7x; within -8%% to +5%% "
+        "(0.90-1.26x where pdep is fast), faster to decode only where pdep is slow (1.3-1.7x; within -8%% to +5%% "
         "where it is fast), ~1.48x larger",
     )
     add("--concurrency", type=int, default=32, help="chunks in flight (default 32)")
