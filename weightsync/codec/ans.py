@@ -353,7 +353,7 @@ def _split(counts, G, table):
     for i in range(m):
         cum[i + 1] = cum[i] + counts[ex[i]]
     if G == 2:  # one cut or none: what the dynamic program below finds, from the 2 m - 1 ranges at
-        # either end instead of all m (m + 1) / 2 (the sparse blocks' plan: 4.7 -> 1.3 us at lr 1e-6)
+        # either end instead of all m (m + 1) / 2 (lr 1e-6 pair 0's 127 splits, call by call: 0.60 -> 0.36 ms)
         whole = _bits_of(cum, 0, m, table)
         best, cut = 1e300, 0
         for a in range(1, m):
