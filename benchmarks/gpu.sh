@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The torch paths on a GPU, for a session lent one (the `device` tool runs this as is: `bash
-# benchmarks/gpu.sh` with timeout_s=480 and carry [".whl"]; about 4-5 minutes on an H200): the codec's
+# benchmarks/gpu.sh` with timeout_s=600 and carry [".whl"]; 4-5 minutes on an H200, 8 on an H100): the codec's
 # kernels compiled in 16 processes, the sink's layout tests and the transformers models with their
 # tensors on cuda, the CUDA tests of the device diff, then an ans block decoded on the device against
 # the host decoder (benchmarks/devicedecode.py), then the swap pause table on cuda and the rows of
