@@ -20,10 +20,11 @@ largest first), beside np.copyto of the same tensors: the passes are interleaved
 each keeps its fastest round, since this machine's speed drifts within a minute. np.copyto of large
 arrays and uint16 XOR are measured too. The trajectories' model is small (most tensors 0.6 MB), so throughput is also
 measured on one step pair of benchmarks/e2e.py's 2.03 GiB checkpoints (most tensors 4 MiB), as a
-bigger model's tensors are met (skip it with --no-large). Peak RSS is reported after imports,
-after the `ours` pass (before bounds and baselines run) and at the end.
+bigger model's tensors are met (skip it with --no-large; --large-only measures nothing else, for a
+host of many cores: benchmarks/cores.sh). Peak RSS is reported after imports, after the `ours` pass
+(before bounds and baselines run) and at the end.
 
-Usage: `python benchmarks/codec.py [--quick] [--no-large] [--json FILE]`
+Usage: `python benchmarks/codec.py [--quick] [--no-large | --large-only] [--json FILE]`
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ STEPS = 6  # published checkpoints per trajectory: 5 consecutive pairs
 QUICK_PAIRS = 2
 LARGE = "e2e 2.03 GiB"  # throughput also on one pair of benchmarks/e2e.py's checkpoints (4 MiB tensors)
 TIMING_REPEAT = 5  # interleaved rounds of whole passes; each keeps its fastest (noisy shared cores)
-CORES = os.cpu_count() or 1
+CORES = len(os.sched_getaffinity(0))  # the cores this process may run on (taskset: benchmarks/cores.sh)
 
 
 class CodecMismatch(RuntimeError):
@@ -144,7 +145,7 @@ VARIANTS = {"": CodecConfig(), "ac_": CodecConfig(coder="ac"), "sparse_": CodecC
 SIZE_KEYS = {"": "ours", "ac_": "ours_ac", "sparse_": "ours_sparse"}
 
 
-def measure_ours(old: common.Checkpoint, new: common.Checkpoint, res: PairResult) -> None:
+def measure_ours(old: common.Checkpoint, new: common.Checkpoint, res: PairResult, variants: dict = VARIANTS) -> None:
     """Encode every tensor against its old version with each of :data:`VARIANTS`, decode and verify
     (xxh3-128 of the result, as a pull does), check bit-exactness; then time whole passes of each
     variant's encode and decode and of memcpy of the same bytes, interleaved round by round (this
@@ -152,7 +153,7 @@ def measure_ours(old: common.Checkpoint, new: common.Checkpoint, res: PairResult
     per tensor, then all tensors on all cores."""
     outs = {name: np.empty_like(buf) for name, (_, buf) in new.items()}  # reused by every pass (as memcpy's)
     encoded = {}
-    for pre, cfg in VARIANTS.items():
+    for pre, cfg in variants.items():
         used, total = Counter(), 0
         for name, (dtype, buf) in new.items():
             enc = encode_tensor(dtype, buf, old[name][1], cfg)
@@ -170,7 +171,7 @@ def measure_ours(old: common.Checkpoint, new: common.Checkpoint, res: PairResult
     # independent (the kernels, zstd and xxhash release the GIL); largest first, on the daemons' pool.
     names = sorted(new, key=lambda n: -new[n][1].size)
     passes = {"memcpy": lambda n: np.copyto(outs[n], new[n][1])}
-    for pre, cfg in VARIANTS.items():
+    for pre, cfg in variants.items():
         passes[pre + "encode"] = lambda n, cfg=cfg: encode_tensor(new[n][0], new[n][1], old[n][1], cfg)
         passes[pre + "decode"] = lambda n, pre=pre: decode_verify(
             new[n][0], encoded[pre, n], old[n][1], new[n][1].size, outs[n]
@@ -236,16 +237,17 @@ def step_pairs(n_pairs: int | None) -> dict[str, list[tuple]]:
     return out
 
 
-def measure_pair(a, b, pair: str) -> PairResult:
+def measure_pair(a, b, pair: str, variants: dict = VARIANTS) -> PairResult:
     old, new = common.load_checkpoint(a), common.load_checkpoint(b)
     res = PairResult(pair, common.raw_bytes(new))
-    measure_ours(old, new, res)
+    measure_ours(old, new, res, variants)
     return res
 
 
 def run(n_pairs: int | None, large: bool = True) -> dict:
-    """All measurements; the `ours` pass runs first so its peak RSS is not the bounds' or baselines'."""
-    plan = step_pairs(n_pairs)
+    """All measurements; the `ours` pass runs first so its peak RSS is not the bounds' or baselines'.
+    ``n_pairs == 0``: only the large pair's throughput, without ``ac`` (``--large-only``)."""
+    plan = step_pairs(n_pairs) if n_pairs != 0 else {}
     rss_start = common.peak_rss_mib()
     results: dict[str, list[PairResult]] = {label: [] for label in plan}
     for label, pairs in plan.items():
@@ -255,7 +257,8 @@ def run(n_pairs: int | None, large: bool = True) -> dict:
     speed_only = {}
     if large:  # a bigger model's tensors: throughput only (its sizes are in benchmarks/e2e.py's table)
         dirs = e2e.trajectory("full", 3)
-        speed_only[LARGE] = [asdict(measure_pair(dirs[1], dirs[2], f"{dirs[1].name}->{dirs[2].name}"))]
+        variants = VARIANTS if plan else {k: v for k, v in VARIANTS.items() if k != "ac_"}  # ac: 0.04x, minutes
+        speed_only[LARGE] = [asdict(measure_pair(dirs[1], dirs[2], f"{dirs[1].name}->{dirs[2].name}", variants))]
     for label, pairs in plan.items():
         for res, (_, a, b) in zip(results[label], pairs):
             old, new = common.load_checkpoint(a), common.load_checkpoint(b)
@@ -364,6 +367,9 @@ def speed_table(report: dict) -> str:
         ("sparse_decode", "`sparse` decode (+ xxh3 verify)"),
         ("memcpy", "memcpy of the same tensors (np.copyto, timed beside them)"),
     )
+    rows = tuple(
+        r for r in rows if all(p[r[0] + "_s"] for ps in trajs.values() for p in ps)
+    )  # ac: not with --large-only
     for key, title in rows:
         cells = []
         for label, pairs in trajs.items():
@@ -383,7 +389,7 @@ def speed_table(report: dict) -> str:
             + " |"
         )
     lines.append("| uint16 XOR (128 MiB) | " + " | ".join(f"{report['xor_gbps']:.2f} | -" for _ in trajs) + " |")
-    for key, title in rows[:-1]:
+    for key, title in rows[:-1]:  # memcpy last
         lines.append(
             f"| {title.split(' (')[0]} / memcpy of the same tensors | "
             + " | ".join(
@@ -410,9 +416,10 @@ def cpu_line() -> str:
 
 def render(report: dict) -> str:
     n = {k: len(v) for k, v in report["trajectories"].items()}
-    raw = next(iter(report["trajectories"].values()))[0]["raw"]
-    return "\n\n".join(
-        [
+    sizes = []
+    if n:
+        raw = next(iter(report["trajectories"].values()))[0]["raw"]
+        sizes = [
             (
                 f"## Delta size per step ({raw / 1e6:.1f} MB raw checkpoint; step pairs: {n}; "
                 "ratio = raw / size over all pairs, range over single pairs)"
@@ -420,6 +427,10 @@ def render(report: dict) -> str:
             size_table(report),
             "## Per step pair",
             pair_table(report),
+        ]
+    return "\n\n".join(
+        [
+            *sizes,
             "## Throughput",
             speed_table(report),
             *(
@@ -449,10 +460,18 @@ def main() -> None:
         action="store_true",
         help=f"skip the throughput on {LARGE} checkpoints (built once by e2e.py's generator, ~90 s)",
     )
+    ap.add_argument(
+        "--large-only",
+        action="store_true",
+        help=f"only the throughput on {LARGE} checkpoints, on one core and all of them (a many-core host)",
+    )
     ap.add_argument("--json", metavar="FILE", help="also write the raw measurements as JSON")
     args = ap.parse_args()
+    if args.large_only and (args.quick or args.no_large):
+        ap.error("--large-only goes with neither --quick nor --no-large")
+    pairs = 0 if args.large_only else QUICK_PAIRS if args.quick else None
     try:
-        report = run(QUICK_PAIRS if args.quick else None, large=not (args.quick or args.no_large))
+        report = run(pairs, large=not (args.quick or args.no_large))
     except CodecMismatch as exc:
         sys.exit(f"FAIL: our codec is not bit-exact: {exc}")
     print(render(report))
