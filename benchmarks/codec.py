@@ -41,8 +41,10 @@ import numpy as np
 
 try:
     import zipnn
-except ImportError:  # a machine without its wheel (a lent GPU machine's Python 3.12): the row is left out
-    zipnn = None
+
+    zipnn.ZipNN(input_format="byte", bytearray_dtype="bfloat16")
+except (ImportError, TypeError):  # no wheel (a lent GPU machine's Python 3.12), or 0.1's other API
+    zipnn = None  # the row is left out, and the report says so
 import zstandard
 
 if __package__:
@@ -321,7 +323,7 @@ def size_table(report: dict) -> str:
     lines = [_row(["method", *head]), _row(["---"] * (1 + len(head)))]
     for key, title in ROWS:
         if not all(key == "raw" or key in p["sizes"] for ps in trajs for p in ps):
-            continue  # zipnn not installed
+            continue  # zipnn not installed (the report says so below the table)
         lines.append(_row([title, *(c for p in trajs for c in _size_cells(p, key))]))
     for ours, name in (("ours", "ans"), ("ours_ac", "ac"), ("ours_sparse", "sparse")):
         for key, title in (("bound", f"{name} / bound"), ("bound_exp", f"{name} / bound given exponent")):
@@ -353,7 +355,7 @@ def speed_table(report: dict) -> str:
     cores = report["cores"]
     lines = [
         "| throughput, GB/s of raw tensor bytes | "
-        + " | ".join(f"{k}: 1 core | {k}: {cores} cores" for k in trajs)
+        + " | ".join(f"{k}: 1 core | {k}: {cores} core{'s' if cores > 1 else ''}" for k in trajs)
         + " |",
         "|---" * (1 + 2 * len(trajs)) + "|",
     ]
@@ -439,6 +441,11 @@ def render(report: dict) -> str:
                 else []
             ),
             report.get("cpu", ""),
+            *(
+                []
+                if all("zipnn" in p["sizes"] for ps in report["trajectories"].values() for p in ps)
+                else ["No ZipNN row: `zipnn` >= 0.5 is not installed (`pip install zipnn`)."]
+            ),
             (
                 f"1-minute load average at the end: {report['load_average_1min']:.2f} "
                 f"on {os.cpu_count()} cores (other processes slow the timings)."
@@ -447,6 +454,8 @@ def render(report: dict) -> str:
                 f"Peak RSS: {report['peak_rss_mib_start']:.0f} MiB after imports, "
                 f"{report['peak_rss_mib_after_ours']:.0f} MiB after the `ours` pass (two checkpoints loaded), "
                 f"{report['peak_rss_mib']:.0f} MiB at the end (bounds, baselines, memcpy/XOR buffers incl.)."
+                if n
+                else f"Peak RSS: {report['peak_rss_mib']:.0f} MiB (the pair and memcpy/XOR buffers)."
             ),
         ]
     )

@@ -15,17 +15,7 @@
 # run (no index, no model hub there); their layouts are tested on CPU against reference modules
 # (tests/engine_ref.py).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-out="${OUT:-gpu-out}"
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "the carried wheels did not install" >&2; exit 2; }
-  export PYTHONPATH="/tmp/site:$PWD"
-else
-  export PYTHONPATH="$PWD"
-fi
+source "$(dirname "$0")/lent.sh" gpu-out
 {
   date -u
   nvidia-smi -L
