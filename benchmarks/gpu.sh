@@ -4,8 +4,9 @@
 # kernels compiled in 16 processes, the sink's layout tests and the transformers models with their
 # tensors on cuda, the CUDA tests of the device diff, then an ans block decoded on the device against
 # the host decoder (benchmarks/devicedecode.py), then the swap pause table on cuda and the rows of
-# a larger model (rows print as they finish, so a cut run keeps what it measured). Results go to $OUT (or ./gpu-out): env.txt,
-# jit.txt, pytest.log, devicedecode-cuda.txt, swap-cuda.txt/.json and swap-cuda-large.txt/.json.
+# a larger model (rows print as they finish, so a cut run keeps what it measured). Results go to $OUT (or ./gpu-out): env.txt
+# (with each step's end, in seconds), jit.txt, pytest.log, devicedecode-cuda.txt, swap-cuda.txt/.json
+# and swap-cuda-large.txt/.json: 8 files, the most the device tool returns.
 # The machine reaches no package index: its own python3 (torch with CUDA, numba, transformers,
 # safetensors, xxhash, aiohttp ...) is used, and what it lacks travels as wheels in .whl/, fetched
 # here beforehand (the device tool's README: `pip download --no-deps --only-binary=:all:
@@ -32,19 +33,24 @@ rc=0
 # A cold cache is minutes of one CPU (tests/conftest.py warms up before the first test): in parallel first.
 timeout 200 python3 -m weightsync.codec.jit --jobs "$(nproc)" 2>&1 | tee "$out/jit.txt" | tail -3
 rc=$((rc | PIPESTATUS[0]))
+mark "kernels compiled"
 WEIGHTSYNC_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider --durations=10 \
   tests/functional/test_torch_layouts.py tests/functional/test_torch_transformers.py \
   tests/unit/test_devicediff.py tests/functional/test_device_publish.py tests/unit/test_ans_torch.py 2>&1 | tee "$out/pytest.log" | tail -15
 rc=$((rc | PIPESTATUS[0]))
+mark "CUDA tests"
 for changed in 0.03 0.15; do  # lr 1e-6-like and lr 1e-5-like densities
   timeout 60 python3 benchmarks/devicedecode.py --device cuda --changed "$changed" 2>&1 | tee -a "$out/devicedecode-cuda.txt"
   rc=$((rc | PIPESTATUS[0]))
 done
+mark "devicedecode"
 timeout 200 python3 benchmarks/swap.py --device cuda --threads 8 --json "$out/swap-cuda.json" 2>&1 \
   | grep -v "Loading weights\|Writing model" | tee "$out/swap-cuda.txt" | tail -12
 rc=$((rc | PIPESTATUS[0]))
+mark "swap table"
 # A model about 3x larger (64 experts a layer), ans at 2.5%: the pause against a copy of more bytes.
 timeout 150 python3 benchmarks/swap.py --device cuda --threads 8 --experts 64 --codec ans --change 0.025 \
   --json "$out/swap-cuda-large.json" 2>&1 | grep -v "Loading weights\|Writing model" | tee "$out/swap-cuda-large.txt" | tail -6
 rc=$((rc | PIPESTATUS[0]))
+mark "swap table, 882 MB model"
 exit "$rc"

@@ -3,7 +3,9 @@
 # folder the caller names), and the packages that machine lacks, carried as wheels in .whl/ (gpu.sh
 # says which and how they are fetched), installed beside the tree. Where they do not install (e.g.
 # here, where the wheels are for the device's Python 3.12) it says so and goes on without them: the
-# caller's module check then names what is missing.
+# caller's module check then names what is missing. `mark STEP` appends the seconds since the start
+# to $out/env.txt, so that a session can plan its device time by step (the device tool returns at
+# most 8 files from $OUT: the scripts write fewer).
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 out="${OUT:-$1}"
 mkdir -p "$out"
@@ -16,3 +18,5 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     echo "the carried wheels did not install; going on without them" >&2
   fi
 fi
+
+mark() { echo "$SECONDS s: $*" >>"$out/env.txt"; }
