@@ -412,7 +412,7 @@ def cpu_line() -> str:
     slow = " (microcoded)" if simd.HAS_BMI2 and simd._HOST_CPU in simd.SLOW_PDEP_CPUS else ""
     return (
         f"CPU: {simd._HOST_CPU or 'unknown'} (LLVM's name); BMI2 {has('bmi2')}{slow}, AVX-512 VBMI2 "
-        f"{has('avx512vbmi2')}: `ans` runs its {'native' if simd.NATIVE else 'portable'} kernels."
+        f"{has('avx512vbmi2')}: `ans` runs its {simd.KIND_NAMES[simd.NATIVE]} kernels."
     )
 
 

@@ -84,6 +84,38 @@ def test_round_trips_through_every_decoder(dtype, n, frac):
     check_round_trip(dtype, old, new, data)
 
 
+def test_the_bmi2_kind_scans_a_sparse_block_as_the_portable_kind():
+    """The ``BMI2`` kind (``pdep``/``pext`` without VBMI2's vector steps) scans into bitmaps from one
+    change in :data:`~weightsync.codec.ans.SCAN_BITMAPS` elements by the sample's estimate, and lists
+    ranks as the portable kind below it (faster there); the other kinds scan as they are, and so does
+    a block without an estimate (a forced split). Each way writes the same bytes."""
+    assert ans._scan_kind(simd.BMI2, 99, 99 * ans.SCAN_BITMAPS + 1) == simd.PORTABLE
+    assert ans._scan_kind(simd.BMI2, 100, 100 * ans.SCAN_BITMAPS) == simd.BMI2
+    assert ans._scan_kind(simd.BMI2, -1, 10**6) == simd.BMI2
+    for kind in (simd.VECTOR, simd.PORTABLE, True, False):
+        assert ans._scan_kind(kind, 1, 10**6) == kind
+    if simd.BMI2 not in simd.KINDS:
+        return
+    rng = np.random.default_rng(7)
+    old = base_of("BF16", 200_000, rng)
+    for frac in (0.002, 0.3):  # below and above one change in 32
+        new = changed(old, frac, rng)
+        blocks = {k: ans.encode_block("BF16", old, new, native=k)[0] for k in simd.KINDS}
+        assert len(set(blocks.values())) == 1, frac
+        check_round_trip("BF16", old, new, blocks[simd.BMI2])
+
+
+@pytest.mark.parametrize("kind", [3, -1, 1.0, "native", None])
+def test_an_unknown_kind_of_kernel_is_refused(kind):
+    old = np.arange(4096, dtype=np.uint16)
+    new = old + np.uint16(1)
+    data, _ = ans.encode_block("BF16", old, new)
+    with pytest.raises(ValueError, match="no kernels of kind"):
+        ans.encode_block("BF16", old, new, native=kind)
+    with pytest.raises(ValueError, match="no kernels of kind"):
+        ans.decode_block("BF16", memoryview(data), old, np.empty_like(old), "test", native=kind)
+
+
 @pytest.mark.parametrize("dtype", ["BF16", "F32"])
 @pytest.mark.parametrize("buckets", [1, 2, 3, 4])
 @pytest.mark.parametrize("groups", [1, 2, 3, 4])
@@ -832,7 +864,7 @@ def test_the_plan_samples_large_blocks_more_thinly_and_scales_to_the_block(words
     for e, d in density.items():
         assert abs(per[e] - share[e]) < 0.05 * share[e], e
         assert abs(chp[e] - d * share[e]) < 4 * np.sqrt(d * share[e] * step), e  # 4 sd: the sample's count
-    thr, _, _ = ans._plan(old, new, 7, 8, 3, 16)  # three buckets: the cuts between the bands, exactly
+    thr, _, _, _ = ans._plan(old, new, 7, 8, 3, 16)  # three buckets: the cuts between the bands, exactly
     assert set(thr.tolist()) == {102, 104}
     data, count = ans.encode_block("BF16", old, new)
     assert count == int(hit.sum())

@@ -60,14 +60,15 @@ def test_the_reference_backward_decoder_refuses_an_exception_whose_element_did_n
         ans.decode_backward("BF16", block, new, "hostile")
 
 
-def test_the_native_kind_is_refused_where_bmi2_is_missing(monkeypatch):
-    """``native=True`` on a CPU without BMI2 (or with numba compiling for another one) would run
-    ``pdep``, an illegal instruction there: refused before any kernel runs."""
+@pytest.mark.parametrize("kind", [True, simd.VECTOR, simd.BMI2])
+def test_the_kinds_with_pdep_are_refused_where_bmi2_is_missing(monkeypatch, kind):
+    """The native or the ``BMI2`` kind on a CPU without BMI2 (or with numba compiling for another one)
+    would run ``pdep``, an illegal instruction there: refused before any kernel runs."""
     monkeypatch.setattr(ans, "HAS_BMI2", False)
     old = np.arange(4096, dtype=np.uint16)
     new = old + np.uint16(1)
     with pytest.raises(ValueError, match="BMI2"):
-        ans.encode_block("BF16", old, new, native=True)
+        ans.encode_block("BF16", old, new, native=kind)
     block, _ = ans.encode_block("BF16", old, new, native=False)
     with pytest.raises(ValueError, match="BMI2"):
-        ans.decode_block("BF16", memoryview(block), old, np.empty_like(old), "t", native=True)
+        ans.decode_block("BF16", memoryview(block), old, np.empty_like(old), "t", native=kind)

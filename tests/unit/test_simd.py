@@ -304,7 +304,7 @@ def test_kernels_compiled_for_another_cpu_are_portable():
     )
     env = {**os.environ, "NUMBA_CPU_NAME": "generic"}
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["False", "(False,)", "False", "False"]
+    assert out.stdout.split() == [str(simd.PORTABLE), f"({simd.PORTABLE},)", "False", "False"]
 
 
 def test_the_register_compress_follows_the_features_that_key_the_cache():
@@ -348,7 +348,7 @@ wide_new = wide_old + np.uint16(1)
 bytes_old = (np.arange(4096) * 2654435761 % 251).astype(np.uint8)  # 8-bit elements: 256-bit vectors
 bytes_new = bytes_old.copy()
 bytes_new[::5] += np.uint8(100)  # escapes
-for native in simd.KINDS[:1]:  # the native kind where offered; _encode is shared
+for native in dict.fromkeys((*simd.KINDS[:1], simd.NATIVE)):  # the native kind where offered, and the default
     cases = (("BF16", old, new, ([], [64])), ("U8", bytes_old, bytes_new, None), ("BF16", wide_old, wide_new, None))
     for dtype, o, n, split in cases:
         data, changed = ans.encode_block(dtype, o, n, native=native, split=split)
@@ -374,11 +374,12 @@ _DROPPED = {"vbmi2": "avx512vbmi2", "vl": "avx512vl", "bw": "avx512bw", "fma": "
 def test_kernels_compile_for_the_features_numba_is_told(told, tmp_path):
     """Told to compile without AVX (``NUMBA_ENABLE_AVX=0``) or for the host's features but AVX-512
     VBMI2, VL or BW, or FMA (``NUMBA_CPU_FEATURES``), the kernels use only what those leave: blocks
-    (one with a wide rANS section) encode and decode with the native kind where it is offered,
-    else the portable one (the encoder's block code, which both share, holds the compress-stores; a
-    register ``vpcompress`` there made LLVM abort the process, and so did the wide sections' 16-bit
-    masked compress-store and expand-load without VL; LLVM turns VBMI2 off without BW, and all of
-    AVX-512 without FMA; and LLVM's masked compress-store and expand-load of 8-bit lanes without VL)."""
+    (one with a wide rANS section) encode and decode with the native kind where it is offered, and
+    with the kind chosen by default, ``BMI2`` where VBMI2 is off (the encoder's block code, which
+    the kinds share, holds the compress-stores; a register ``vpcompress`` there made LLVM abort the
+    process, and so did the wide sections' 16-bit masked compress-store and expand-load without VL;
+    LLVM turns VBMI2 off without BW, and all of AVX-512 without FMA; and LLVM's masked
+    compress-store and expand-load of 8-bit lanes without VL)."""
     if told == "avx-off":
         setting = {"NUMBA_ENABLE_AVX": "0"}
     else:
@@ -388,7 +389,9 @@ def test_kernels_compile_for_the_features_numba_is_told(told, tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     in_register, native = out.stdout.split()
     assert in_register == "False"
-    assert native == "False" or told == "features-without-vl"  # VBMI2 and fast pdep without VL: native
+    # fast pdep without VBMI2: the BMI2 kind; VBMI2 and fast pdep without VL: the native one
+    vector = told == "features-without-vl" and simd._FEATURES.get("avx512vbmi2", False)
+    assert native == str((simd.VECTOR if vector else simd.BMI2) if simd._FAST_BMI2 else simd.PORTABLE)
 
 
 @pytest.mark.skipif(not simd.COMPRESS_IN_REGISTER, reason="a CPU without AVX-512 VBMI2: LLVM's compress-store")

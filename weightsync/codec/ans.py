@@ -23,7 +23,8 @@ registers. A GPU does the same with prefix sums (ranks, indices of differences) 
 :func:`decode_reference` is that, in numpy. Encoding mirrors it: per 64 elements a vector compare
 of old and new, ``pext`` of each bucket's changed flags into its bitmap, a compress-store of each
 group's zigzag codes. Both passes come in a native kind and a portable one, which takes one step per
-set bit of the changes' masks where ``pdep`` or the vector expand is slow (:mod:`weightsync.codec.simd`).
+set bit of the changes' masks where ``pdep`` or the vector expand is slow, and a third between them
+for a CPU whose ``pdep`` is fast but which lacks the vector expand (:data:`weightsync.codec.simd.KINDS`).
 
 Deltas run backward too (:func:`decode_backward`): a change that moves its element to another
 bucket or group is listed, with its old bucket and group unless its new value tells them (the
@@ -81,14 +82,17 @@ from weightsync.codec.nibbles import runs as nibble_runs
 from weightsync.codec.registry import register
 from weightsync.codec.simd import (
     ALL,
+    BMI2,
     COMPRESS_ZIGZAG,
     COMPRESS_ZIGZAG_SOFT,
     DENSE,
     EXPAND_ADD,
     EXPAND_ADD_SOFT,
     HAS_BMI2,
+    KIND_NAMES,
     NATIVE,
     ONE,
+    PORTABLE,
     SPARE,
     ZERO,
     below_mask64,
@@ -96,6 +100,7 @@ from weightsync.codec.simd import (
     compress_ranks,
     deposit_soft,
     field_ne_mask64,
+    kind_of,
     ne_mask64,
     pdep_bmi2,
     pext_bmi2,
@@ -103,6 +108,8 @@ from weightsync.codec.simd import (
     popcount,
     prefetch64,
     trailing_zeros,
+    uses_bmi2,
+    uses_vectors,
     zero_mask64,
 )
 from weightsync.codec.streams import SLICE_BYTES, copy
@@ -385,19 +392,39 @@ def _lut(thr, fmask):
 
 @njit(nogil=True)
 def _plan(old, new, shift, bits, kmax, width_bits):
-    """The block's bucket thresholds and the value groups' split, from a sample, and whether the
-    scan takes every word as changed (``dense``, :func:`_scan_source`)."""
+    """The block's bucket thresholds and the value groups' split, from a sample, whether the scan
+    takes every word as changed (``dense``, :func:`_scan_source`), and the changes the sample
+    estimates (-1 for a block without an exponent field: not sampled)."""
     fmask = (1 << bits) - 1
     thr = np.zeros(0, np.int64)
     vthr = np.zeros(0, np.int64)
     dense = False
+    est = np.int64(-1)
     if fmask > 0:
         per, chp, vsym, step, dense = _histogram(old, new, shift, fmask, width_bits)
         est = np.int64(chp.sum())
         thr = _thresholds(per, chp, min(kmax, max(1, est // CHANGES_PER_BUCKET)))
         gmax = MAX_G if est >= GROUP_DENSITY * old.size else 2
         vthr = _split(vsym, min(gmax, max(1, est // CHANGES_PER_BUCKET)), TABLE_BITS / step)
-    return _padded(thr, MAX_K - 1), _padded(vthr, MAX_G - 1 if vthr.size > 1 else vthr.size), dense
+    return _padded(thr, MAX_K - 1), _padded(vthr, MAX_G - 1 if vthr.size > 1 else vthr.size), dense, est
+
+
+SCAN_BITMAPS = 16
+"""The ``BMI2`` kind's encoder scans with ``pext`` into bitmaps from 1 change in this many elements (the
+sample's estimate), and lists ranks as the portable kind does below it: without VBMI2 both compress
+the codes change by change, and a word's ``pext`` per bucket, its bitmaps written and read back,
+costs more than a step per change where words have one or two. Whole encodes of every BF16 tensor
+of a step pair, compiled for a Cascade Lake's features (no VBMI2) on an AMD Zen 4: with bitmaps from
+1 in 32, lr 1e-6 pair 0 (1 change in 32-45) took 8% longer than the portable scan; from 1 in 16
+the same time, and at lr 1e-5 (1 in 8-11) 19-22% less."""
+
+
+def _scan_kind(native: int, changes: int, n: int) -> int:
+    """The kind of the scan ``encode_block`` runs for kernels of kind ``native`` (:data:`SCAN_BITMAPS`);
+    ``changes``: the sample's estimate, or -1 where none was made."""
+    if kind_of(native) == BMI2 and 0 <= changes and changes * SCAN_BITMAPS < n:
+        return PORTABLE
+    return native
 
 
 @njit(nogil=True)
@@ -424,7 +451,7 @@ def _regions(name: str, count: int, indent: str) -> list[str]:
     return L + [f"{indent}{name}{count - 1} = ~{name}_m{count - 2}"]
 
 
-def _pass_source(K: int, G: int, name: str, native: bool) -> str:
+def _pass_source(K: int, G: int, name: str, bmi2: bool) -> str:
     """The pass over elements ``a:e`` for K buckets and G value groups, state in locals: per 64
     elements, K-1 vector compares give each bucket's members, ``pdep`` puts the bucket's next bits
     there (the portable kind: all buckets' in one call; one bucket: the bits are the changes), G-1
@@ -454,7 +481,7 @@ def _pass_source(K: int, G: int, name: str, native: bool) -> str:
         L += [f"            o{b} += p{b}"]
     if K == 1:  # the one bucket holds every element: its bits are the changes
         L += ["            ch = x0"]
-    elif native:
+    elif bmi2:
         L += ["            ch = " + " | ".join(f"_pdep(x{b}, b{b})" for b in r)]
     else:  # all buckets at once (unused ones empty)
         args = ", ".join(f"x{b}, b{b}" if b < K else "ZERO, ZERO" for b in range(MAX_K))
@@ -513,11 +540,11 @@ def _exception(indent: str, o: str, x: str) -> list[str]:
     return [indent + line for line in L]
 
 
-def _scan_source(K: int, G: int, name: str, native: bool) -> str:
+def _scan_source(K: int, G: int, name: str, bmi2: bool) -> str:
     """The encoder's pass over whole words for K buckets and G value groups, state in locals: per
     64 elements, the changed mask (a vector compare of old and new), K-1 compares give the buckets;
-    the native kind ``pext``-s each bucket's changed flags in rank order into its bitmap (one
-    bucket: the flags are the changes), the portable kind lists each change's rank in its bucket
+    with ``bmi2`` (the native and BMI2 kinds) it ``pext``-s each bucket's changed flags in rank order
+    into its bitmap (one bucket: the flags are the changes), the portable kind lists each change's rank in its bucket
     (its bucket's members before the word, plus a ``popcount`` of its bucket's mask below it);
     G-1 compares give the value groups, and the zigzag codes of the word are computed once and
     the changes' compress-stored into their group's stream (the portable kind stores those of a
@@ -537,7 +564,7 @@ def _scan_source(K: int, G: int, name: str, native: bool) -> str:
         "    v0, v1, v2, v3 = vals[0], vals[1], vals[2], vals[3]",
     ]
     L += [f"    l{t} = lim[{t}]" for t in range(K - 1)] + [f"    u{t} = vlim[{t}]" for t in range(G - 1)]
-    if native:
+    if bmi2:
         L += [f"    a{b} = ZERO" for b in r] + [f"    bp{b} = np.uint64({b} * stride) << SIX" for b in r]
     else:  # each bucket's members so far and its changes listed; the groups' codes as one array
         L += [f"    r{b} = ZERO" for b in r] + [f"    c{b} = {b} * cap" for b in r]
@@ -552,9 +579,9 @@ def _scan_source(K: int, G: int, name: str, native: bool) -> str:
     L += ["        c = ne_mask64(old, new, base)"]
     L += [f"        b_m{t} = below_mask64(old, base, absmask, l{t})" for t in range(K - 1)]
     L += _regions("b", K, "        ")
-    if native:
+    if bmi2:
         L += [f"        f{b} = ZERO" for b in r]
-    L += ["        if dense or c != ZERO:" if native else "        if c != ZERO:"]
+    L += ["        if dense or c != ZERO:" if bmi2 else "        if c != ZERO:"]
     # the word's values by group (compress-stores), and the exceptions: a change can move its element
     # to another bucket or group only if its exponent changed (rare). The portable kind does both
     # change by change in a word of few changes; with more than 2 groups it takes their masks for
@@ -563,8 +590,8 @@ def _scan_source(K: int, G: int, name: str, native: bool) -> str:
     # words (they might have been stored to), and the scan of lr 1e-6 pair 0 took 6% longer
     masks = [f"g_m{t} = below_mask64(old, base, absmask, u{t})" for t in range(G - 1)] + _regions("g", G, "")
     scalar = G <= 2
-    values = ["x = field_ne_mask64(old, new, base, field)"] + (list(masks) if native or scalar else [])
-    if not (native or scalar):
+    values = ["x = field_ne_mask64(old, new, base, field)"] + (list(masks) if bmi2 or scalar else [])
+    if not (bmi2 or scalar):
         L += ["            " + line for line in masks]
     values += [f"g{g} &= c" for g in rg]
     values += ["_compress(old, new, base, " + ", ".join(f"v{g}, k{g}, g{g}" for g in rg) + ")"]
@@ -572,7 +599,7 @@ def _scan_source(K: int, G: int, name: str, native: bool) -> str:
     values += ["while x != ZERO:"]
     values += ["    i = base + np.int64(trailing_zeros(x))", "    x &= x - ONE"]
     values += [*_exception("    ", "old[i]", "new[i]")]
-    if native:
+    if bmi2:
         L += ["            " + line for line in values]
         if K == 1:  # the one bucket holds every element: its flags are the changes
             L += ["            f0 = c"]
@@ -621,32 +648,34 @@ def _scan_source(K: int, G: int, name: str, native: bool) -> str:
         L += [f"                    k{g} += t{g}" for g in range(1, G)]
         L += ["                    if (o ^ nw) & field:", *_exception("                        ", "o", "nw")]
         L += [f"        r{b} += popcount(b{b})" for b in r]
-    if not native:
+    if not bmi2:
         L += [f"    st[{E_MEMB + b}] = np.int64(r{b})" for b in r]
         L += [f"    st[{E_NCH + b}] = c{b} - {b} * cap" for b in r]
     L += [f"    st[{E_NV + g}] = k{g}" for g in rg] + [f"    st[{E_NES}] = ne"]
     return "\n".join(L) + "\n"
 
 
-_KERNELS: dict[tuple[str, int, int, bool], object] = {}
+_KERNELS: dict[tuple[str, int, int, int], object] = {}
 
 
 _KERNELS_LOCK = threading.Lock()
 
 
-def _kernel(kind: str, K: int, G: int, native: bool = NATIVE):
+def _kernel(kind: str, K: int, G: int, native: int = NATIVE):
     """The pass ``kind`` (``"pass"``: decoding, ``"scan"``: encoding) for K buckets and G value groups,
-    of the native kind (BMI2's ``pdep``/``pext``, vector expand-loads and compress-stores) or the
-    portable one (work per change, not per member: :data:`weightsync.codec.simd.NATIVE`); the
-    passes' generated sources differ only in the deposit line, the scans' in how they keep the
-    changes' ranks (bitmaps by ``pext``, or lists), and the helpers bound into them differ.
+    of a kind of kernel (:data:`weightsync.codec.simd.KINDS`): the native one (BMI2's ``pdep``/``pext``,
+    vector expand-loads and compress-stores), ``BMI2`` (the instructions, the portable vector steps)
+    or the portable one (work per change, not per member); the passes' generated sources differ
+    only in the deposit line, the scans' in how they keep the changes' ranks (bitmaps by ``pext``,
+    or lists), and the helpers bound into them differ.
     Generated and compiled on first use, then kept.
     The source is compiled as if it were in this file, under a name of its own: numba's cache
     (:mod:`weightsync.codec.jit`) then keys it by its bytecode and this package's stamp like any
-    kernel here, and a warm cache loads it instead of compiling (about 1 s each). The native kind
-    is refused where BMI2 is missing (:data:`weightsync.codec.simd.HAS_BMI2`)."""
-    if native and not HAS_BMI2:  # its pdep and pext would be illegal instructions
-        raise ValueError(f"the native {kind} needs BMI2, which this CPU (or numba's target CPU) lacks")
+    kernel here, and a warm cache loads it instead of compiling (about 1 s each). A kind with
+    ``pdep`` is refused where BMI2 is missing (:data:`weightsync.codec.simd.HAS_BMI2`)."""
+    native = kind_of(native)
+    if uses_bmi2(native) and not HAS_BMI2:  # its pdep and pext would be illegal instructions
+        raise ValueError(f"the {KIND_NAMES[native]} {kind} needs BMI2, which this CPU (or numba's target CPU) lacks")
     key = (kind, K, G, native)
     fn = _KERNELS.get(key)
     if fn is None:
@@ -655,15 +684,17 @@ def _kernel(kind: str, K: int, G: int, native: bool = NATIVE):
         with _KERNELS_LOCK:
             fn = _KERNELS.get(key)
             if fn is None:
-                name = f"_{kind}_k{K}_g{G}_{'native' if native else 'portable'}"
-                source = (_pass_source if kind == "pass" else _scan_source)(K, G, name, native)
+                name = f"_{kind}_k{K}_g{G}_{KIND_NAMES[native]}"
+                bmi2, vec = uses_bmi2(native), uses_vectors(native)
+                source = (_pass_source if kind == "pass" else _scan_source)(K, G, name, bmi2)
                 ns = dict(_GENERATED_GLOBALS, __name__=__name__)
                 ns.update(_limits=_limits, _lut=_lut, _masks=_masks, _views=_views)  # defined further down
-                if native:
-                    ns.update(_pdep=pdep_bmi2, _pext=pext_bmi2, _expand_add=EXPAND_ADD[G], _compress=COMPRESS_ZIGZAG[G])
+                if bmi2:
+                    ns.update(_pdep=pdep_bmi2, _pext=pext_bmi2)
                 else:
-                    ns.update(_deposit=deposit_soft, _expand_add=EXPAND_ADD_SOFT[G])
-                    ns.update(_compress=COMPRESS_ZIGZAG_SOFT[G])
+                    ns.update(_deposit=deposit_soft)
+                ns.update(_expand_add=(EXPAND_ADD if vec else EXPAND_ADD_SOFT)[G])
+                ns.update(_compress=(COMPRESS_ZIGZAG if vec else COMPRESS_ZIGZAG_SOFT)[G])
                 exec(compile(source, __file__, "exec"), ns)  # noqa: S102 - our own generated source
                 ns[name] = fn = njit(nogil=True)(ns[name])  # before the wrapper that calls it
                 if kind == "pass":  # stored first: another thread takes the pass's key, unlocked, as a sign of both
@@ -672,11 +703,11 @@ def _kernel(kind: str, K: int, G: int, native: bool = NATIVE):
     return fn
 
 
-def _hashed_pass(K: int, G: int, native: bool):
+def _hashed_pass(K: int, G: int, native: int):
     """The pass of :func:`_kernel` that feeds its result to an XXH3 state slice by slice
     (:func:`_pass_source`'s ``_hashed`` wrapper, made with the pass)."""
     _kernel("pass", K, G, native)
-    return _KERNELS["pass_hashed", K, G, native]
+    return _KERNELS["pass_hashed", K, G, kind_of(native)]
 
 
 _GENERATED_GLOBALS = dict(
@@ -815,10 +846,11 @@ def _rank_gaps(rk, off, c, n_b, inv):
 
 
 @njit(nogil=True)
-def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st, ranks, nibbles):
+def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st, ranks, vec, nibbles):
     """The block from the pass over its whole words (:func:`_scan_source`: its arrays in ``raw``, its
-    state in ``st``; ``ranks``: the scan listed ranks, the portable kind, rather than bitmaps): the
-    last, partial word, then the header and sections."""
+    state in ``st``; ``ranks``: the scan listed ranks, the portable kind, rather than bitmaps; ``vec``:
+    compress-stores and wide rANS sections by vector steps, the native kind): the last, partial word,
+    then the header and sections."""
     n = old.size
     fmask = (1 << bits) - 1
     K = thr.size + 1
@@ -898,7 +930,7 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st, ranks, nibble
         for j in range(m):
             s_g[j] = min(np.uint64(z_g[j]) - ONE, np.uint64(NSYM - 1))
         _symbol_counts(s_g, m, hist, counts[g])
-        if counts[g, NSYM - 1] and not ranks:  # 32 codes a compress-store (the native kind)
+        if counts[g, NSYM - 1] and vec:  # 32 codes a compress-store (the native kind)
             nx = np.uint64(nesc)
             full = np.uint64(m - m % 32)
             for j in range(ZERO, full, np.uint64(32)):
@@ -1027,7 +1059,7 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st, ranks, nibble
         S = WIDE_LANES if total >= WIDE_MIN else LANES
         if S == WIDE_LANES:
             head[4] |= WIDE
-        rl = rans_encode_runs(nib, ends, freqs, S, body[bp:], not ranks, _carried(xsec, held, ci, S))
+        rl = rans_encode_runs(nib, ends, freqs, S, body[bp:], vec, _carried(xsec, held, ci, S))
         ci += S
         bp += rl
         hp = put_varint(head, hp, rl)
@@ -1052,7 +1084,7 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st, ranks, nibble
         bp += el
         hp = put_varint(head, hp, el)
         if m >= WIDE_MIN:
-            rl = rans_encode_wide_carrying(syms[g], m, freq, body[bp:], not ranks, _carried(xsec, held, ci, WIDE_LANES))
+            rl = rans_encode_wide_carrying(syms[g], m, freq, body[bp:], vec, _carried(xsec, held, ci, WIDE_LANES))
             ci += WIDE_LANES
         else:
             rl = rans_encode_carrying(syms[g], m, freq, body[bp:], _carried(xsec, held, ci, LANES))
@@ -1217,7 +1249,7 @@ def encode_block(
     old: np.ndarray,
     new: np.ndarray,
     k: int = BUCKETS,
-    native: bool = NATIVE,
+    native: int = NATIVE,
     split=None,
     nibbles: bool = True,
     dense: bool | None = None,
@@ -1237,9 +1269,11 @@ def encode_block(
         raise ValueError(f"ans: old {old.dtype}{list(old.shape)} and new {new.dtype}{list(new.shape)} differ")
     shift, bits = EXPONENT_FIELD.get(dtype, (0, 0))
     width = 8 * old.dtype.itemsize
+    scan = native
     if split is None:
-        thr, vthr, planned = _plan(old, new, shift, bits, k, width)
+        thr, vthr, planned, est = _plan(old, new, shift, bits, k, width)
         dense = planned if dense is None else dense
+        scan = _scan_kind(native, est, old.size)
     else:  # as the parser accepts them: the kernels' compares assume it (a limit past the sign bit, or
         # thresholds out of order, would make the portable scan and the native one disagree)
         thr, vthr = (np.asarray(t, np.int64) for t in split)
@@ -1250,8 +1284,10 @@ def encode_block(
     raw, st = _SCRATCH.take(old.size, K, old.dtype.itemsize)
     # two calls, arrays made in numba: Python-side glue cost about 25 us a block (the trajectory's 127
     # tensors: 5% of their encode)
-    _kernel("scan", K, G, native)(old, new, thr, vthr, shift, bits, raw, st, bool(dense))
-    data, changed = _encode(old, new, shift, bits, width, thr, vthr, raw, st, not native, nibbles)
+    _kernel("scan", K, G, scan)(old, new, thr, vthr, shift, bits, raw, st, bool(dense))
+    data, changed = _encode(
+        old, new, shift, bits, width, thr, vthr, raw, st, not uses_bmi2(scan), uses_vectors(scan), nibbles
+    )
     return data.tobytes(), changed
 
 
@@ -1276,13 +1312,13 @@ U64, I64, U8 = np.dtype(np.uint64), np.dtype(np.int64), np.dtype(np.uint8)
 
 
 @njit(nogil=True)
-def _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb, native):
+def _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb, vec):
     """Parse a block of ``n`` elements into the caller's arrays: its tables into ``hdr`` (the ``H_``
     layout), the bitmaps into ``words``, the differences into ``diffs``, the exceptions' positions
     and old bucket and group into ``exc`` and ``exb``. Returns 0, the failed check's number, or -1
     when one of the arrays is too small for this block: ``hdr[H_NEED_EXC]``, ``hdr[H_NEED_WORDS]``
     and ``hdr[H_NEED_DIFFS]`` then say how large each must be (the caller grows it and parses again).
-    ``native``: wide rANS sections by vector steps (:mod:`weightsync.codec.lanes`; the same result)."""
+    ``vec``: wide rANS sections by vector steps (:mod:`weightsync.codec.lanes`; the same result)."""
     hdr[H_NEED_EXC] = hdr[H_NEED_WORDS] = hdr[H_NEED_DIFFS] = 0
     if data.size < 8:
         return 1
@@ -1456,7 +1492,7 @@ def _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb, native):
     if nibbles:  # each nibble bucket's run, in bucket order, into its bitmap
         S = nibble_states
         nib = np.empty(total + 64, np.uint8)
-        if rans_decode_runs(data, pos, plen, S, ends, nf, nib, native, carry[ci : ci + S]):
+        if rans_decode_runs(data, pos, plen, S, ends, nf, nib, vec, carry[ci : ci + S]):
             return 12
         ci += S
         r = 0
@@ -1485,7 +1521,7 @@ def _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb, native):
         pos += elen[g]
         if wide and mg[g] >= WIDE_MIN:
             if rans_decode_wide_carried(
-                data, pos, rlen[g], freq[g], values, diffs, dstart[g], mg[g], native, carry[ci : ci + WIDE_LANES]
+                data, pos, rlen[g], freq[g], values, diffs, dstart[g], mg[g], vec, carry[ci : ci + WIDE_LANES]
             ):
                 return 13
             ci += WIDE_LANES
@@ -1553,7 +1589,7 @@ def _exception_list(sec, xl, ne, n, hx, tb, K, G, exc, exb):
 
 
 @njit(nogil=True)
-def _parse(data, n, width_bits, tmpl, native):
+def _parse(data, n, width_bits, tmpl, vec):
     """(status, K, bucket thresholds, group thresholds, bucket sizes, bitmaps, each bucket's first
     word, differences, each group's first difference, exception positions, their old bucket << 4 |
     group (0 when derived), whether they are derived from the new values), in arrays of their own;
@@ -1563,13 +1599,13 @@ def _parse(data, n, width_bits, tmpl, native):
     diffs = tmpl[:0].copy()
     exc = np.zeros(0, np.int64)
     exb = np.zeros(0, np.uint8)
-    status = _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb, native)
+    status = _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb, vec)
     while status == -1:  # sized from the tables, parsed again
         words = np.empty(max(words.size, hdr[H_NEED_WORDS]), np.uint64)
         diffs = np.empty(max(diffs.size, hdr[H_NEED_DIFFS]), tmpl.dtype)
         exc = np.empty(max(exc.size, hdr[H_NEED_EXC]), np.int64)
         exb = np.empty(exc.size, np.uint8)
-        status = _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb, native)
+        status = _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb, vec)
     K, G, ne = hdr[H_K], hdr[H_G], hdr[H_NE]
     if status:
         K = G = ne = 1
@@ -1618,10 +1654,10 @@ def _pass_state(thr, vthr, shift, nb, wbase, dstart, lims, st):
 
 
 @njit(nogil=True)
-def _prepare(data, n, width_bits, shift, hdr, words, diffs, exc, exb, lims, st, native):
+def _prepare(data, n, width_bits, shift, hdr, words, diffs, exc, exb, lims, st, vec):
     """Parse a block into the caller's arrays (:func:`_parse_into`) and set up its pass
     (:func:`_pass_state`), in one call: (status, K, G)."""
-    status = _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb, native)
+    status = _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb, vec)
     K, G = hdr[H_K], hdr[H_G]
     if status == 0:
         thr, vthr = hdr[H_THR : H_THR + K - 1], hdr[H_VTHR : H_VTHR + G - 1]
@@ -1690,9 +1726,9 @@ class Parsed:
     and the backward decoder share. Raises :class:`FormatError` naming ``what`` for a block that
     does not parse, or whose exponent field is not ``dtype``'s."""
 
-    def __init__(self, dtype: str, block: memoryview, n: int, dt: np.dtype, what: str, native: bool = NATIVE) -> None:
+    def __init__(self, dtype: str, block: memoryview, n: int, dt: np.dtype, what: str, native: int = NATIVE) -> None:
         shift, bits = _exponent_field(dtype, block, what)
-        got = _parse(np.frombuffer(block, dtype=np.uint8), n, 8 * dt.itemsize, np.zeros(1, dt), native)
+        got = _parse(np.frombuffer(block, dtype=np.uint8), n, 8 * dt.itemsize, np.zeros(1, dt), uses_vectors(native))
         status, self.K, self.thr, self.vthr, self.nb, self.words, self.wbase, self.diffs, self.dstart, exc, exb, d = got
         if status:
             raise FormatError(f"{what}: bad ans block (check {status} failed)")
@@ -1755,7 +1791,7 @@ class Parsed:
 
 
 def decode_block(
-    dtype: str, block: memoryview, old: np.ndarray, out: np.ndarray, what: str, hasher=None, native: bool = NATIVE
+    dtype: str, block: memoryview, old: np.ndarray, out: np.ndarray, what: str, hasher=None, native: int = NATIVE
 ) -> None:
     """Decode ``block`` against ``old`` into ``out`` (may be ``old``), feeding ``hasher`` the result:
     a block of up to :data:`HASH_WHOLE` elements in one pass then hashed, a larger one slice by slice
@@ -1773,7 +1809,7 @@ def decode_block(
     data, hdr, st = np.frombuffer(block, np.uint8), sc.hdr, sc.st
     arrays = sc.arrays(dt)
     while True:  # this thread's arrays; one too small is grown to what the block's tables say
-        status, K, G = _prepare(data, n, 8 * dt.itemsize, shift, hdr, *arrays, st, native)
+        status, K, G = _prepare(data, n, 8 * dt.itemsize, shift, hdr, *arrays, st, uses_vectors(native))
         if status != -1:
             break
         arrays = sc.grow(dt, hdr, arrays)
@@ -1795,14 +1831,14 @@ def _through_contiguous(
     out[...] = tmp
 
 
-def _run_pass(p: Parsed, src: np.ndarray, out: np.ndarray, diffs: np.ndarray, hasher, native: bool) -> None:
+def _run_pass(p: Parsed, src: np.ndarray, out: np.ndarray, diffs: np.ndarray, hasher, native: int) -> None:
     """``out`` = ``src`` plus ``diffs`` at the changes the block's bitmaps place by ``src``'s contexts."""
     lims, st = np.empty(MAX_K + MAX_G, src.dtype), np.empty(S_LEN, np.int64)
     _pass_state(p.thr, p.vthr, p.shift, p.nb, p.wbase, p.dstart, lims, st)
     _pass_over(p.K, p.G, native, src, out, lims, st, p.words, diffs, hasher, p.what)
 
 
-def _pass_over(K: int, G: int, native: bool, src, out, lims, st, words, diffs, hasher, what: str) -> None:
+def _pass_over(K: int, G: int, native: int, src, out, lims, st, words, diffs, hasher, what: str) -> None:
     """Run the pass over every element and hash the result: in one call, then hashed (from cache),
     or slice by slice, each hashed while it is in cache, for a block larger than ``HASH_WHOLE``. A
     hasher whose state the kernel can feed (:func:`weightsync.codec.hashing.native_state`) is fed
@@ -1829,7 +1865,7 @@ def _pass_over(K: int, G: int, native: bool, src, out, lims, st, words, diffs, h
 
 
 def decode_block_backward(
-    dtype: str, block: memoryview, new: np.ndarray, out: np.ndarray, what: str, hasher=None, native: bool = NATIVE
+    dtype: str, block: memoryview, new: np.ndarray, out: np.ndarray, what: str, hasher=None, native: int = NATIVE
 ) -> None:
     """Write into ``out`` (may be ``new``) the base ``block`` was coded against, from its result
     ``new``, by the forward pass: its contexts are ``new``'s but at the listed exceptions, whose
@@ -1946,6 +1982,8 @@ def warm_up_step(dtype: str, K: int, G: int) -> None:
     new[::7] += view.type(1)
     split = (np.arange(1, K) * ((1 << bits) // K), np.arange(1, G) * ((1 << bits) // G))
     block, _ = encode_block(dtype, old, new, split=split)
+    if NATIVE == BMI2:  # and the portable scan it takes for sparse blocks (:func:`_scan_kind`)
+        encode_block(dtype, old, new, split=split, native=PORTABLE)
     out, back, fed = np.empty_like(old), np.empty_like(old), np.empty_like(old)
     decode_block(dtype, memoryview(block), old, out, "warm-up")
     decode_block(dtype, memoryview(block), old, fed, "warm-up", hashing.hasher())  # the pass that hashes

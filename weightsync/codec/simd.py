@@ -3,11 +3,13 @@
 Each works on 64 elements or a 64-bit mask at a time: LLVM lowers the vector ones to SSE/AVX
 compares and, with AVX-512 VBMI2, to ``vpexpand``/``vpcompress``; elsewhere to scalar code that is
 still correct but tests each of the 64 lanes. ``pdep``/``pext`` are BMI2 instructions, microcoded on
-AMD CPUs before Zen 3. So the kernels come in two kinds that produce the same bits: the native one
-(the instructions and intrinsics) where both are fast (:data:`NATIVE`), and the portable one, whose
+AMD CPUs before Zen 3. So the kernels come in kinds that produce the same bits: the native one
+(the instructions and intrinsics) where both are fast, and the portable one, whose
 deposit (all of a word's buckets in one call), expand-add and compress-store take a step per
 change of a delta's sparse masks, or table steps per byte for a word of many changes (the portable
-scan lists each change's rank in its bucket instead of extracting, :mod:`weightsync.codec.ans`).
+scan lists each change's rank in its bucket instead of extracting, :mod:`weightsync.codec.ans`);
+a third kind, for a CPU with fast BMI2 but no VBMI2, takes the instructions and the portable
+vector steps (:data:`KINDS`, :data:`NATIVE`: the default).
 """
 
 from __future__ import annotations
@@ -271,14 +273,52 @@ SLOW_PDEP_CPUS = ("znver1", "znver2", "bdver4")
 """LLVM's names of CPUs with BMI2 whose ``pdep``/``pext`` are microcoded: about 2-4 cycles per set bit
 of the mask (AMD before Zen 3), several times the portable steps on a delta's sparse bits."""
 
-KINDS = (True, False) if HAS_BMI2 else (False,)
-"""The kinds of kernel this CPU can run (native: True; portable: False), for tests that try each."""
+PORTABLE, VECTOR, BMI2 = 0, 1, 2
+"""The kinds of kernel, as the ``native`` argument of :mod:`weightsync.codec.ans`'s functions takes them
+(``False`` and ``True`` are the first two):
 
-NATIVE = HAS_BMI2 and _HOST_CPU not in SLOW_PDEP_CPUS and _FEATURES.get("avx512vbmi2", False)
-"""Whether the kernels use ``pdep``/``pext`` and vector expand-loads and compress-stores (the native
-kind) by default: a CPU with fast BMI2 and AVX-512 VBMI2. Elsewhere LLVM turns each expand-load or
-compress-store into 64 tested lanes, and the portable kind, one step per set bit of the changes'
-masks, is several times faster on a delta (docs/DESIGN.md). Both write the same bytes."""
+- ``VECTOR`` (the native kind): ``pdep``/``pext`` and AVX-512 VBMI2's vector expand-loads and
+  compress-stores, with the wide rANS sections by vector steps (:mod:`weightsync.codec.lanes`);
+- ``BMI2``: ``pdep``/``pext`` (the native kind's passes, bitmaps), with the portable expand-add,
+  compress and scalar rANS steps: for a CPU with fast BMI2 but no VBMI2 (AMD Zen 3, Intel
+  Skylake-SP to Cascade Lake), where LLVM turns each vector expand or compress into 64 tested lanes;
+- ``PORTABLE``: no BMI2 at all (a deposit and rank lists by steps per change, :func:`deposit_soft`).
+
+All three write the same bytes."""
+
+KIND_NAMES = {VECTOR: "native", BMI2: "bmi2", PORTABLE: "portable"}
+
+KINDS = (VECTOR, BMI2, PORTABLE) if HAS_BMI2 else (PORTABLE,)
+"""The kinds of kernel this CPU can run, for tests that try each."""
+
+
+def kind_of(native) -> int:
+    """``native`` as one of the kinds' values (``True`` and ``False`` are the native and the portable
+    kind); anything else is refused with a ValueError."""
+    if isinstance(native, (bool, np.bool_)) or (isinstance(native, (int, np.integer)) and native in KIND_NAMES):
+        return int(native)
+    raise ValueError(f"no kernels of kind {native!r}: one of {sorted(KIND_NAMES)}")
+
+
+def uses_bmi2(native) -> bool:
+    """Whether kernels of kind ``native`` use ``pdep``/``pext`` (and the scan's bitmaps)."""
+    return kind_of(native) != PORTABLE
+
+
+def uses_vectors(native) -> bool:
+    """Whether kernels of kind ``native`` use the vector expand-loads and compress-stores (and wide rANS
+    sections by vector steps)."""
+    return kind_of(native) == VECTOR
+
+
+_FAST_BMI2 = HAS_BMI2 and _HOST_CPU not in SLOW_PDEP_CPUS
+
+NATIVE = (VECTOR if _FEATURES.get("avx512vbmi2", False) else BMI2) if _FAST_BMI2 else PORTABLE
+"""The kind of kernel used by default: the native one (``VECTOR``) on a CPU with fast BMI2 and AVX-512
+VBMI2; ``BMI2`` on one with fast BMI2 alone; else ``PORTABLE`` (no BMI2, or a microcoded one). Without
+VBMI2, LLVM turns each expand-load or compress-store into 64 tested lanes; without a fast ``pdep``
+the portable deposit, one step per set bit of the changes' masks, is several times faster on a delta
+(docs/DESIGN.md, "Kinds of kernel"). All write the same bytes."""
 
 
 COMPRESS_IN_REGISTER = all(_FEATURES.get(f, False) for f in ("avx512f", "avx512vl", "avx512vbmi2"))
