@@ -84,11 +84,12 @@ def test_round_trips_through_every_decoder(dtype, n, frac):
     check_round_trip(dtype, old, new, data)
 
 
-def test_the_bmi2_kind_scans_a_sparse_block_as_the_portable_kind():
+def test_the_bmi2_kind_scans_a_sparse_block_as_the_portable_kind(monkeypatch):
     """The ``BMI2`` kind (``pdep``/``pext`` without VBMI2's vector steps) scans into bitmaps from one
     change in :data:`~weightsync.codec.ans.SCAN_BITMAPS` elements by the sample's estimate, and lists
     ranks as the portable kind below it (faster there); the other kinds scan as they are, and so does
-    a block without an estimate (a forced split). Each way writes the same bytes."""
+    a block without an estimate (a forced split, a dtype without an exponent field). Each way writes
+    the same bytes."""
     assert ans._scan_kind(simd.BMI2, 99, 99 * ans.SCAN_BITMAPS + 1) == simd.PORTABLE
     assert ans._scan_kind(simd.BMI2, 100, 100 * ans.SCAN_BITMAPS) == simd.BMI2
     assert ans._scan_kind(simd.BMI2, -1, 10**6) == simd.BMI2
@@ -96,13 +97,31 @@ def test_the_bmi2_kind_scans_a_sparse_block_as_the_portable_kind():
         assert ans._scan_kind(kind, 1, 10**6) == kind
     if simd.BMI2 not in simd.KINDS:
         return
+    scans = []
+    kernel = ans._kernel
+
+    def spy(kind, K, G, native=simd.NATIVE):
+        if kind == "scan":
+            scans.append(native)
+        return kernel(kind, K, G, native)
+
+    monkeypatch.setattr(ans, "_kernel", spy)
     rng = np.random.default_rng(7)
     old = base_of("BF16", 200_000, rng)
-    for frac in (0.002, 0.3):  # below and above one change in 32
+    for frac, scan in ((0.002, simd.PORTABLE), (0.3, simd.BMI2)):  # below and above one change in 16
         new = changed(old, frac, rng)
-        blocks = {k: ans.encode_block("BF16", old, new, native=k)[0] for k in simd.KINDS}
+        blocks = {}
+        for k in simd.KINDS:
+            scans.clear()
+            blocks[k] = ans.encode_block("BF16", old, new, native=k)[0]
+            assert scans == [scan if k == simd.BMI2 else k], (frac, k, scans)
         assert len(set(blocks.values())) == 1, frac
         check_round_trip("BF16", old, new, blocks[simd.BMI2])
+    scans.clear()
+    ans.encode_block(
+        "U8", old.astype(np.uint8), old.astype(np.uint8) ^ (np.arange(old.size) % 1000 == 0), native=simd.BMI2
+    )
+    assert scans == [simd.BMI2]  # no sample: bitmaps
 
 
 @pytest.mark.parametrize("kind", [3, -1, 1.0, "native", None])
@@ -112,8 +131,11 @@ def test_an_unknown_kind_of_kernel_is_refused(kind):
     data, _ = ans.encode_block("BF16", old, new)
     with pytest.raises(ValueError, match="no kernels of kind"):
         ans.encode_block("BF16", old, new, native=kind)
-    with pytest.raises(ValueError, match="no kernels of kind"):
-        ans.decode_block("BF16", memoryview(data), old, np.empty_like(old), "test", native=kind)
+    for block in (data, b""):  # a block with no change too, where no kernel runs
+        with pytest.raises(ValueError, match="no kernels of kind"):
+            ans.decode_block("BF16", memoryview(block), old, np.empty_like(old), "test", native=kind)
+        with pytest.raises(ValueError, match="no kernels of kind"):
+            ans.decode_block_backward("BF16", memoryview(block), new, np.empty_like(new), "test", native=kind)
 
 
 @pytest.mark.parametrize("dtype", ["BF16", "F32"])

@@ -235,7 +235,7 @@ def test_a_runs_table_is_the_formats(d, n_b):
     [(100_000, 0.2, 1), (5_000, 0.3, 2), (1 << 18, 0.15, 3), (777, 0.7, 4), (130, 0.6, 5), (70_001, 0.6, 6)],
 )
 def test_blocks_read_as_the_format_says_and_round_trip(n, density, seed):
-    """Both kinds write the same bytes; a reader written from docs/FORMAT.md finds the bitmaps the
+    """Every kind writes the same bytes; a reader written from docs/FORMAT.md finds the bitmaps the
     package parses and the exception list it decodes; the block decodes both ways."""
     old, new = step(n, density, seed)
     blocks = [ans.encode_block("BF16", old, new, native=kind)[0] for kind in simd.KINDS]

@@ -416,7 +416,8 @@ the codes change by change, and a word's ``pext`` per bucket, its bitmaps writte
 costs more than a step per change where words have one or two. Whole encodes of every BF16 tensor
 of a step pair, compiled for a Cascade Lake's features (no VBMI2) on an AMD Zen 4: with bitmaps from
 1 in 32, lr 1e-6 pair 0 (1 change in 32-45) took 8% longer than the portable scan; from 1 in 16
-the same time, and at lr 1e-5 (1 in 8-11) 19-22% less."""
+the same time, and at lr 1e-5 (1 in 8-11) 19-22% less. A block of a dtype without an exponent field
+is not sampled (no estimate): it scans into bitmaps."""
 
 
 def _scan_kind(native: int, changes: int, n: int) -> int:
@@ -550,7 +551,7 @@ def _scan_source(K: int, G: int, name: str, bmi2: bool) -> str:
     the changes' compress-stored into their group's stream (the portable kind stores those of a
     word of few changes in its ranks' loop); the changes that move their element to another bucket
     or group are listed (for the backward decode). ``dense`` (the plan's, :func:`_histogram`): the
-    native kind takes every word as changed, without the branch on its changes, which mispredicts where
+    ``bmi2`` scan takes every word as changed, without the branch on its changes, which mispredicts where
     changed and unchanged words alternate at random (a word without changes stores nothing: its
     compress-stores keep no lane, its flags are 0; the lr 1e-6 step pairs' scans took 8-13% less
     time, lr 1e-5's 2-3%; where the changes are in runs, as in an embedding's rows, the branch is
@@ -673,9 +674,7 @@ def _kernel(kind: str, K: int, G: int, native: int = NATIVE):
     (:mod:`weightsync.codec.jit`) then keys it by its bytecode and this package's stamp like any
     kernel here, and a warm cache loads it instead of compiling (about 1 s each). A kind with
     ``pdep`` is refused where BMI2 is missing (:data:`weightsync.codec.simd.HAS_BMI2`)."""
-    native = kind_of(native)
-    if uses_bmi2(native) and not HAS_BMI2:  # its pdep and pext would be illegal instructions
-        raise ValueError(f"the {KIND_NAMES[native]} {kind} needs BMI2, which this CPU (or numba's target CPU) lacks")
+    native = _runnable(native, kind)
     key = (kind, K, G, native)
     fn = _KERNELS.get(key)
     if fn is None:
@@ -701,6 +700,16 @@ def _kernel(kind: str, K: int, G: int, native: int = NATIVE):
                     _KERNELS["pass_hashed", K, G, native] = njit(nogil=True)(ns[name + "_hashed"])
                 _KERNELS[key] = fn
     return fn
+
+
+def _runnable(native, what: str) -> int:
+    """``native`` as a kind's value (:func:`weightsync.codec.simd.kind_of`), refused where it needs BMI2
+    and this CPU (or numba's target CPU) lacks it: its ``pdep`` and ``pext`` would be illegal
+    instructions. ``what`` names the kernel in the message."""
+    native = kind_of(native)
+    if uses_bmi2(native) and not HAS_BMI2:
+        raise ValueError(f"the {KIND_NAMES[native]} {what} needs BMI2, which this CPU (or numba's target CPU) lacks")
+    return native
 
 
 def _hashed_pass(K: int, G: int, native: int):
@@ -1185,7 +1194,7 @@ def _masks(tmpl, shift, fmask):
 
 
 # The encoder's state between its pass and the rest of the block (int64): each bucket's bit
-# accumulator (its bits), bit count and words written (the native scan's bitmaps), or its members
+# accumulator (its bits), bit count and words written (the bitmaps of the scan with pext), or its members
 # and its changes listed (the portable scan's ranks); each group's change count; the exceptions.
 E_ACC, E_NACC, E_WPOS, E_NV, E_NES = 0, MAX_K, 2 * MAX_K, 3 * MAX_K, 3 * MAX_K + MAX_G
 E_MEMB, E_NCH = E_ACC, E_NACC
@@ -1196,7 +1205,7 @@ E_LEN = E_NES + 1
 def _layout(n, K, itemsize):
     """Where the encoder's arrays for a block of ``n`` elements and K buckets start in its scratch
     (bytes, each 64-byte aligned), and their end: each bucket's changed flags over its ranks
-    (uint64 words, K * ``n // 64 + 4``: the native scan); the zigzag codes of each group's changes,
+    (uint64 words, K * ``n // 64 + 4``: the scan with ``pext``); the zigzag codes of each group's changes,
     in order (MAX_G rows of n + 64); the changes that move their element to another bucket or
     group (n + 1 int64); each bucket's changed ranks (uint32, K rows of n + 64: the portable scan)."""
     sizes = (8 * K * (n // 64 + 4), MAX_G * (n + 64) * itemsize, 8 * (n + 1), 4 * K * (n + 64))
@@ -1224,8 +1233,8 @@ class _Scratch(threading.local):
     the benchmarks ran on (2.5 us a fault) the scan of the 2.03 GiB pair's 4 MiB tensors took 1.6-1.7x
     as long with fresh arrays. A thread keeps what its largest block needed: 32.5 bytes of address
     space per BF16 element (40.5 per F32), of which what the scan wrote is resident: the bitmaps'
-    eighth to half a byte an element (the native kind) or 4 bytes a change (the portable kind's
-    ranks), and the changes' codes and exceptions."""
+    eighth to half a byte an element (the scan with ``pext``) or 4 bytes a change (the portable
+    scan's ranks), and the changes' codes and exceptions."""
 
     def __init__(self) -> None:
         self.raw = np.empty(0, np.uint8)  # 64-byte aligned
@@ -1269,7 +1278,7 @@ def encode_block(
         raise ValueError(f"ans: old {old.dtype}{list(old.shape)} and new {new.dtype}{list(new.shape)} differ")
     shift, bits = EXPONENT_FIELD.get(dtype, (0, 0))
     width = 8 * old.dtype.itemsize
-    scan = native
+    scan = native = _runnable(native, "scan")  # refused whichever scan the block would take
     if split is None:
         thr, vthr, planned, est = _plan(old, new, shift, bits, k, width)
         dense = planned if dense is None else dense
@@ -1801,6 +1810,7 @@ def decode_block(
     if not (old.flags.c_contiguous and out.flags.c_contiguous):
         _through_contiguous(decode_block, dtype, block, old, out, what, hasher, native)
         return
+    kind_of(native)  # refused even where no kernel runs
     if len(block) == 0:
         copy(old, out, hasher)
         return
@@ -1877,6 +1887,7 @@ def decode_block_backward(
     if not (new.flags.c_contiguous and out.flags.c_contiguous):
         _through_contiguous(decode_block_backward, dtype, block, new, out, what, hasher, native)
         return
+    kind_of(native)  # refused even where no kernel runs
     if len(block) == 0:
         copy(new, out, hasher)
         return
@@ -1982,7 +1993,7 @@ def warm_up_step(dtype: str, K: int, G: int) -> None:
     new[::7] += view.type(1)
     split = (np.arange(1, K) * ((1 << bits) // K), np.arange(1, G) * ((1 << bits) // G))
     block, _ = encode_block(dtype, old, new, split=split)
-    if NATIVE == BMI2:  # and the portable scan it takes for sparse blocks (:func:`_scan_kind`)
+    if NATIVE == BMI2 and bits:  # and the portable scan it takes for sparse sampled blocks (:func:`_scan_kind`)
         encode_block(dtype, old, new, split=split, native=PORTABLE)
     out, back, fed = np.empty_like(old), np.empty_like(old), np.empty_like(old)
     decode_block(dtype, memoryview(block), old, out, "warm-up")
