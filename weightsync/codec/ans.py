@@ -83,6 +83,7 @@ from weightsync.codec.registry import register
 from weightsync.codec.simd import (
     ALL,
     BMI2,
+    COMPRESS_RANKS,
     COMPRESS_ZIGZAG,
     COMPRESS_ZIGZAG_SOFT,
     DENSE,
@@ -748,7 +749,8 @@ def _gaps_of(words, n_b, c, inv):
     """The gaps a bucket's Rice section codes, from its bitmap over ``n_b`` ranks with ``c`` set:
     between its set bits, or its clear ones (``inv``). The ranks are listed first, then differenced.
     A bucket of more than :data:`RANKS_COMPRESSED` coded bits a word lists each word's with two
-    compress-stores (:func:`compress_ranks`); a sparser one writes the same number of ranks for every
+    compress-stores (:func:`compress_ranks`, where they are single instructions:
+    :data:`~weightsync.codec.simd.COMPRESS_RANKS`); a sparser one writes the same number of ranks for every
     word, a multiple of 4 (:func:`_ranks_per_word`), whatever its count, and only a word with more
     takes a loop for the rest: a loop over each word's own set bits mispredicted its exit on most
     words (about 10 ns a gap), and so did the loop past 4 a word in dense buckets. Returns the gaps and
@@ -756,7 +758,7 @@ def _gaps_of(words, n_b, c, inv):
     signed one for wraparound."""
     count = n_b - c if inv else c
     u = np.uint64(_ranks_per_word(count, n_b))
-    dense = u > np.uint64(RANKS_COMPRESSED)
+    dense = COMPRESS_RANKS and u > np.uint64(RANKS_COMPRESSED)
     ranks = np.empty(count + 65, np.uint32)  # rank -1 first; a sparse word writes up to 64 past its last
     ranks[0] = np.uint32(0xFFFFFFFF)
     j = ONE

@@ -330,6 +330,10 @@ encode at 1.01 GB/s against `sparse`'s 4.66); on an Intel Xeon the register form
 (docs/DESIGN.md, "Encoding"). It follows from the features alone, which key numba's cache of the
 kernels that use it."""
 
+COMPRESS_RANKS = _FEATURES.get("avx512f", False)
+"""Whether a compress-store of 32-bit ranks (:func:`compress_ranks`) is one instruction (AVX-512F's
+``vpcompressd``); without it LLVM tests each of the 64 lanes, and a loop over the set bits is faster."""
+
 _VBMI2_WITHOUT_VL = _FEATURES.get("avx512vbmi2", False) and not _FEATURES.get("avx512vl", False)
 
 SPARE = 32
