@@ -1812,7 +1812,7 @@ def decode_block(
     if not (old.flags.c_contiguous and out.flags.c_contiguous):
         _through_contiguous(decode_block, dtype, block, old, out, what, hasher, native)
         return
-    kind_of(native)  # refused even where no kernel runs
+    native = kind_of(native)  # refused even where no kernel runs
     if len(block) == 0:
         copy(old, out, hasher)
         return
@@ -1889,7 +1889,7 @@ def decode_block_backward(
     if not (new.flags.c_contiguous and out.flags.c_contiguous):
         _through_contiguous(decode_block_backward, dtype, block, new, out, what, hasher, native)
         return
-    kind_of(native)  # refused even where no kernel runs
+    native = kind_of(native)  # refused even where no kernel runs
     if len(block) == 0:
         copy(new, out, hasher)
         return

@@ -295,6 +295,8 @@ KINDS = (VECTOR, BMI2, PORTABLE) if HAS_BMI2 else (PORTABLE,)
 def kind_of(native) -> int:
     """``native`` as one of the kinds' values (``True`` and ``False`` are the native and the portable
     kind); anything else is refused with a ValueError."""
+    if type(native) is int and native in KIND_NAMES:  # the common case first: a check per block
+        return native
     if isinstance(native, (bool, np.bool_)) or (isinstance(native, (int, np.integer)) and native in KIND_NAMES):
         return int(native)
     raise ValueError(f"no kernels of kind {native!r}: one of {sorted(KIND_NAMES)}")
