@@ -153,3 +153,33 @@ def test_a_kernels_cache_stamp_covers_every_module_of_the_package(tmp_path, monk
     cache = next(d._cache for d in jit._DISPATCHERS if isinstance(d._cache, jit.LayeredCache) and d._cache._layers)
     own, package = cache._layers[0]._impl.locator.get_source_stamp()
     assert package == jit._package_stamp() and own
+
+
+def test_the_compile_clock_times_compiles_on_every_thread_and_not_the_calls_after():
+    """:func:`jit.compile_clock` counts the seconds numba compiles (a kernel and the callee it compiles
+    with it, on another thread too), nothing for a call of a compiled kernel, nothing once closed."""
+    import threading
+    import time
+
+    import numba
+
+    @numba.njit
+    def callee(x):
+        return x * 3
+
+    @numba.njit
+    def kernel(x):
+        return callee(x) + 1
+
+    with jit.compile_clock() as clock:
+        assert clock.seconds == 0.0
+        t0 = time.perf_counter()
+        worker = threading.Thread(target=kernel, args=(2,))
+        worker.start()
+        worker.join()
+        spent = time.perf_counter() - t0
+        compiled = clock.seconds
+        assert 0.5 * spent < compiled <= spent  # numba compiled on the worker thread; the call itself is free
+        assert kernel(5) == 16 and clock.seconds == compiled  # compiled already: no time added
+    kernel(2.5)  # a new signature compiles, the clock closed
+    assert clock.seconds == compiled

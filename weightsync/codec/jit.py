@@ -6,16 +6,18 @@ be compiled."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
 import sys
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 
 import numba
-from numba.core import caching, config
+from numba.core import caching, config, event
 
 log = logging.getLogger("weightsync.jit")
 
@@ -240,6 +242,43 @@ def stats() -> dict[str, int]:
     return {"cached": hits, "compiled": misses}
 
 
+class CompileClock(event.Listener):
+    """The seconds numba has spent compiling kernels (not loading them from a cache) while it listens,
+    on any thread (:func:`compile_clock`). numba compiles one kernel at a time (its compiler lock),
+    and a kernel's callees compile inside its own compile: the outermost compiles are timed."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._since = 0.0
+        self._seconds = 0.0
+
+    def on_start(self, ev) -> None:
+        with self._lock:
+            if self._depth == 0:
+                self._since = time.perf_counter()
+            self._depth += 1
+
+    def on_end(self, ev) -> None:
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0:
+                self._seconds += time.perf_counter() - self._since
+
+    @property
+    def seconds(self) -> float:
+        """The seconds so far, a compile under way included."""
+        with self._lock:
+            return self._seconds + (time.perf_counter() - self._since if self._depth else 0.0)
+
+
+@contextlib.contextmanager
+def compile_clock() -> Iterator[CompileClock]:
+    """A :class:`CompileClock` that listens while the context is open (numba's event API)."""
+    with event.install_listener("numba:compile", CompileClock()) as clock:
+        yield clock
+
+
 def cache_locations() -> dict[str, object]:
     """The kernels' cache directories: ``writable`` (numba's, per source directory; a list, empty when
     none is writable) and ``read_only`` (a list)."""
@@ -287,7 +326,6 @@ def _warm_in_processes(steps: list[tuple], jobs: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     import argparse
     import json
-    import time
 
     parser = argparse.ArgumentParser(
         prog="python -m weightsync.codec.jit",
