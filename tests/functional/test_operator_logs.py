@@ -130,6 +130,35 @@ def test_a_marker_with_content_is_published_an_empty_one_is_not(tmp_path):
     assert (tmp_path / "out" / "index.json").read_bytes() == index
 
 
+def test_a_missing_watched_folder_is_said_once_and_one_that_becomes_a_file_is_one_line(tmp_path, caplog):
+    """A mistyped --watch looked like "no checkpoint to publish" with nothing logged; a watched folder
+    replaced by a file logged a traceback every poll."""
+    store, watch = f"file://{tmp_path / 'store'}", tmp_path / "watch"
+    cfg = PublisherConfig(StoreConfig(store), watch, tmp_path / "st", Identity("p"))
+    pub = Publisher(cfg, weightsync.open_repo(store), Metrics(CollectorRegistry(), "publisher"))
+
+    async def run(n: int) -> None:
+        pub._wake = asyncio.Event()
+        for _ in range(n):
+            await pub._iteration()
+
+    with caplog.at_level(logging.INFO, "weightsync"):
+        asyncio.run(run(3))
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert warned == [f"the watched folder {watch} does not exist: waiting for it (is --watch right?)"]
+        assert pub.status()["state"] == "idle"
+        assert pub.status()["reason"] == f"the watched folder {watch} does not exist"
+        watch.mkdir()
+        asyncio.run(run(1))
+        assert pub.status()["reason"] == "no checkpoint to publish"
+        watch.rmdir()
+        watch.write_text("")
+        caplog.clear()
+        asyncio.run(run(2))
+    assert pub.status()["last_error"] == f"CheckpointError: the watched folder {watch} is not a directory"
+    assert not [r for r in caplog.records if r.exc_info]  # no traceback
+
+
 def test_a_following_mirror_waits_for_an_empty_source(tmp_path):
     src, dst, log = tmp_path / "src", tmp_path / "dst", tmp_path / "mirror.log"
     src.mkdir()

@@ -429,6 +429,29 @@ def test_an_empty_hook_is_refused_not_dropped(tmp_path, var, flag):
         subscriber_config(parse(["subscriber", flag, ""], sub_env(tmp_path)), {})
 
 
+@pytest.mark.parametrize(
+    "command, flag, var",
+    [
+        ("subscriber", "--target", "WEIGHTSYNC_TARGET"),
+        ("publisher", "--watch", "WEIGHTSYNC_WATCH"),
+        ("publisher", "--state-dir", "WEIGHTSYNC_STATE_DIR"),
+    ],
+)
+def test_a_file_given_for_a_folder_is_refused_naming_the_flag(tmp_path, command, flag, var):
+    """A subscriber whose --target was a file blamed a "damaged stored target" under it, and a
+    publisher whose --watch was one logged a traceback every poll, backing off for ever."""
+    afile = tmp_path / "afile"
+    afile.write_text("hi")
+    make = subscriber_config if command == "subscriber" else publisher_config
+    base = sub_env(tmp_path) | {"WEIGHTSYNC_WATCH": str(tmp_path / "w")}
+    with pytest.raises(UsageError, match=f"^{flag} {afile}: not a directory$"):
+        make(parse([command, flag, str(afile)], base), {})
+    env = base | {var: str(afile)}
+    with pytest.raises(UsageError, match=f"^{var} {afile}: not a directory$"):
+        make(parse([command], env), env)
+    make(parse([command, flag, str(tmp_path / "missing")], base), {})  # not there yet: the daemon's to wait for
+
+
 def test_a_hook_command_with_an_unbalanced_quote_is_one_line(tmp_path):
     """shlex's ValueError came out as a traceback (exit 1)."""
     with pytest.raises(UsageError, match=r"^--hook-command: No closing quotation"):

@@ -640,6 +640,17 @@ hold_arg = _number_or("never", float, "seconds", None)  # --standby-hold: second
 version_arg = _number_or("latest", integer, "a version number", "latest")  # --version: N, or latest
 
 
+def new_version_arg(text: str) -> int:
+    """A publish's ``--version``: a version number (``latest`` names none to publish)."""
+    try:
+        v = integer(text)
+    except ValueError:
+        v = -1
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"wants a version number >= 0, not {text!r}")
+    return v
+
+
 def _token(args, environ: Mapping[str, str]) -> str | None:
     """The API token from ``--api-token-file`` or ``--api-token``, the first given, flags before
     their variables (``WEIGHTSYNC_API_TOKEN_FILE``, ``WEIGHTSYNC_API_TOKEN``); None if none is.
@@ -702,10 +713,14 @@ def _poll_interval(args) -> float:
 
 def _folder(flag: str, value: str) -> Path:
     """A folder flag's value, absolute; an empty one (an unset variable) is refused, not taken as the
-    current folder (``--publish-root ''`` would let POST /v1/publish read anything under it)."""
+    current folder (``--publish-root ''`` would let POST /v1/publish read anything under it), and so
+    is a file (a folder that does not exist yet is the daemon's to wait for or make)."""
     if not value.strip():
         raise UsageError(f"{flag} is empty")
-    return Path(value).absolute()
+    path = Path(value).absolute()
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{flag} {value}: not a directory")
+    return path
 
 
 def default_id(folder: Path) -> str:

@@ -16,7 +16,15 @@ from contextlib import suppress
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from weightsync.errors import BaseMismatchError, FormatError, NotFoundError, StoreError, UsageError, VersionError
+from weightsync.errors import (
+    BaseMismatchError,
+    CheckpointError,
+    FormatError,
+    NotFoundError,
+    StoreError,
+    UsageError,
+    VersionError,
+)
 from weightsync.format.keys import MAX_VERSION, part_key, refused_key
 from weightsync.format.manifest import part_from_json
 from weightsync.local.checkpoint import scan_checkpoint
@@ -85,6 +93,8 @@ def scan(watch_dir: Path, marker: str, refused: dict[str, str] | None = None) ->
         entries = sorted(os.scandir(watch_dir), key=lambda e: e.name)
     except FileNotFoundError:
         return []
+    except NotADirectoryError:
+        raise CheckpointError(f"the watched folder {watch_dir} is not a directory") from None
     for e in entries:
         step = parse_step(e.name)
         try:
@@ -171,6 +181,7 @@ class Publisher:
         self.cfg, self.repo, self.metrics, self.clock = cfg, repo, metrics, clock
         self.stalls = stalls  # store requests that hang (weightsync.service.stalls)
         self.cache_dir = cfg.state_dir / "cache"
+        self._watch_missing = False  # the watched folder was missing at the last look (logged once)
         self.state = "starting"
         self.reason = ""
         self.head: int | None = None
@@ -296,6 +307,8 @@ class Publisher:
             # ranks must agree on every version, so in rank mode no rank skips an unfinished checkpoint
             stale = self.cfg.stale_after if self.cfg.rank is None else math.inf
             action = plan_publish(candidates, self.head, self.clock(), stale, failed_step, retry_at)
+            if not candidates:
+                action = await asyncio.to_thread(self._missing_watch, action)
             self.reason = (
                 f"publishing checkpoint {action.candidate.step}" if isinstance(action, Publish) else action.reason
             )
@@ -326,6 +339,20 @@ class Publisher:
             # a failed publish is retried when its step's back-off ends (plan_publish waits until then)
             wait = None if self._failed is None else self._failed[2] - self.clock()
             return iteration_failed(self, exc, log, wait if wait is not None and wait > 0 else None)
+
+    def _missing_watch(self, action: Idle | Wait | Publish) -> Idle | Wait | Publish:
+        """``action``, or where the watched folder does not exist, an Idle that says so: logged (WARNING)
+        once each time it goes missing, since a mistyped ``--watch`` looks like no checkpoint yet."""
+        missing = not os.path.exists(self.cfg.watch_dir)
+        if missing and not self._watch_missing:
+            event(
+                log,
+                f"the watched folder {self.cfg.watch_dir} does not exist: waiting for it (is --watch right?)",
+                logging.WARNING,
+                path=str(self.cfg.watch_dir),
+            )
+        self._watch_missing = missing
+        return Idle(f"the watched folder {self.cfg.watch_dir} does not exist") if missing else action
 
     def _poll(self) -> float:
         """The wait before the next look at the store: ``--poll-interval``; a rank's is stretched
