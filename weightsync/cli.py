@@ -28,13 +28,14 @@ from weightsync.service.flags import (
     add_trust_args,
     env_argument,
     fallback_store,
+    new_version_arg,
     parse_listen,
     publish_config,
     signing_key,
     trusted_keys,
     version_arg,
 )
-from weightsync.service.progress import Progress, human_bytes
+from weightsync.service.progress import Progress, counted, human_bytes
 from weightsync.store.repo import open_repo, versions
 from weightsync.sync.fleet import EXPIRE_AFTER
 from weightsync.sync.lazy import LazyReads
@@ -71,8 +72,6 @@ def _publish_config(args) -> PublishConfig:
 
 def cmd_publish(args) -> int:
     cfg = _publish_config(args)
-    if args.version == "latest":
-        raise UsageError("publish takes an integer --version")
     cache = None if args.no_cache else Path(args.cache_dir or _default_cache()) / _cache_name(args.store)
     with _progress(args, f"publish {args.checkpoint_dir}") as progress:
         r = publish(
@@ -99,8 +98,6 @@ def cmd_publish_part(args) -> int:
     from weightsync.sync.parts import publish_part
 
     cfg = _publish_config(args)
-    if args.version == "latest":
-        raise UsageError("publish-part takes an integer --version")
     name = f"{_cache_name(args.store)}-rank{args.rank}-of-{args.world}"  # one base per rank, several per host
     cache = None if args.no_cache else Path(args.cache_dir or _default_cache()) / name
     with _progress(args, f"publish-part {args.rank}/{args.world} {args.checkpoint_dir}") as progress:
@@ -119,7 +116,7 @@ def cmd_publish_part(args) -> int:
     kind = "keyframe" if r.keyframe else f"delta from {r.parent}"
     done = " (the same part was already stored)" if r.existed else ""
     print(
-        f"rank {r.rank} of {r.world}: part of version {r.version} ({kind}), {len(r.files)} files: "
+        f"rank {r.rank} of {r.world}: part of version {r.version} ({kind}), {counted(len(r.files), 'file')}: "
         f"{human_bytes(r.raw_bytes)} -> {human_bytes(r.payload_bytes)}, {human_bytes(r.uploaded_bytes)} uploaded in "
         f"{r.seconds['total']:.2f}s{done}; visible once commit-parts merges all {r.world} parts",
         file=sys.stderr,
@@ -144,8 +141,9 @@ def cmd_commit_parts(args) -> int:
     kind = "keyframe" if r.keyframe else f"delta from {r.parent}"
     done = "was already committed" if r.already else "committed"
     print(
-        f"version {r.version} ({kind}) {done} from {r.world} parts: {r.files} files, {human_bytes(r.raw_bytes)} -> "
-        f"{human_bytes(r.payload_bytes)} in {r.chunks} chunks, {r.seconds:.2f}s",
+        f"version {r.version} ({kind}) {done} from {r.world} parts: {counted(r.files, 'file')}, "
+        f"{human_bytes(r.raw_bytes)} -> {human_bytes(r.payload_bytes)} in {counted(r.chunks, 'chunk')}, "
+        f"{r.seconds:.2f}s",
         file=sys.stderr,
     )
     print(r.version)
@@ -174,9 +172,8 @@ def cmd_pull(args) -> int:
     if r.fallback_bytes:
         how += f" ({human_bytes(r.fallback_bytes)} of it from {config.lazy.fallback.url})"
     print(
-        f"pulled version {r.version} from {src}: {human_bytes(r.fetched_bytes)} fetched{how}, {r.written_files} "
-        "files written, "
-        f"{r.kept_files} kept, {r.seconds['total']:.2f}s",
+        f"pulled version {r.version} from {src}: {human_bytes(r.fetched_bytes)} fetched{how}, "
+        f"{counted(r.written_files, 'file')} written, {r.kept_files} kept, {r.seconds['total']:.2f}s",
         file=sys.stderr,
     )
     print(r.version)
@@ -245,6 +242,12 @@ def cmd_demo(args) -> int:
 
     if args.steps < 1 or args.hidden < 1:
         raise UsageError(f"--steps and --hidden must be at least 1, got {args.steps} and {args.hidden}")
+    if args.workdir is not None:  # a second run there failed at its first version, after its table's header
+        work = Path(args.workdir)
+        if work.exists() and not work.is_dir():
+            raise UsageError(f"--workdir {work}: not a directory")
+        if work.is_dir() and any(work.iterdir()):
+            raise UsageError(f"--workdir {work} is not empty: give a new or empty folder")
     return run_demo(args.workdir, steps=args.steps, hidden=args.hidden)
 
 
@@ -360,7 +363,11 @@ def cmd_mirror(args) -> int:
 
         def on_version(self, version: int, chunks: int, nbytes: int, seconds: float = 0.0) -> None:
             metrics.mirror_version(version, chunks, nbytes, seconds)
-            event(log, f"mirrored version {version}: {chunks} chunks, {human_bytes(nbytes)} copied", version=version)
+            event(
+                log,
+                f"mirrored version {version}: {counted(chunks, 'chunk')}, {human_bytes(nbytes)} copied",
+                version=version,
+            )
 
         def on_status(self, status) -> None:
             metrics.mirror_status(status)
@@ -408,8 +415,9 @@ def cmd_mirror(args) -> int:
             server.server_close()
     event(
         log,
-        f"mirror {args.src} -> {args.dst}: {len(r.copied_versions)} versions, {r.copied_chunks} chunks, "
-        f"{human_bytes(r.copied_bytes)} copied, {r.skipped_chunks} chunks already there, head {r.head}, "
+        f"mirror {args.src} -> {args.dst}: {counted(len(r.copied_versions), 'version')}, "
+        f"{counted(r.copied_chunks, 'chunk')}, {human_bytes(r.copied_bytes)} copied, "
+        f"{counted(r.skipped_chunks, 'chunk')} already there, head {r.head}, "
         f"{r.seconds:.2f}s",
     )
     print("" if r.head is None else r.head)
@@ -442,9 +450,11 @@ def cmd_gc(args) -> int:
     r = gc(_repo(args), cfg)
     verb = "would delete" if r.dry_run else "deleted"
     print(
-        f"gc {args.store}: kept versions {_ranges(r.kept_versions)}, {verb} {len(r.deleted_versions)} versions and "
-        f"{r.deleted_chunks} chunks ({human_bytes(r.deleted_bytes)}); {r.young_chunks} unreferenced chunks younger "
-        f"than {args.grace_seconds:g}s left, {len(r.abandoned_versions)} abandoned publishes removed, {r.seconds:.2f}s",
+        f"gc {args.store}: kept versions {_ranges(r.kept_versions)}, {verb} "
+        f"{counted(len(r.deleted_versions), 'version')} and {counted(r.deleted_chunks, 'chunk')} "
+        f"({human_bytes(r.deleted_bytes)}); "
+        f"{counted(r.young_chunks, 'unreferenced chunk')} younger than {args.grace_seconds:g}s left, "
+        f"{counted(len(r.abandoned_versions), 'abandoned publish', 'abandoned publishes')} removed, {r.seconds:.2f}s",
         file=sys.stderr,
     )
     if r.touched_during_gc or r.referenced_during_gc:
@@ -627,7 +637,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     p = sub.add_parser("publish", help="publish a checkpoint directory as a new version")
     p.add_argument("checkpoint_dir")
     _add_store(p)
-    p.add_argument("--version", type=version_arg, default=None, help="version number (default: head + 1)")
+    p.add_argument("--version", type=new_version_arg, default=None, help="version number (default: head + 1)")
     _add_publish_options(p)
     add_signing_args(p)
     _add_progress(p)
@@ -645,7 +655,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         help="relative paths this rank publishes, repeatable (default: the safetensors files round-robin by "
         "sorted path, every other file on rank 0)",
     )
-    p.add_argument("--version", type=version_arg, default=None, help="version number (default: head + 1)")
+    p.add_argument("--version", type=new_version_arg, default=None, help="version number (default: head + 1)")
     _add_publish_options(p)
     add_signing_args(
         p,
@@ -670,7 +680,9 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
 
     p = sub.add_parser("pull", help="create or incrementally update a folder to hold a version")
     _add_store(p)
-    p.add_argument("--version", type=version_arg, default="latest")
+    p.add_argument(
+        "--version", type=version_arg, default="latest", metavar="N|latest", help="(default latest: the head)"
+    )
     p.add_argument("--concurrency", type=int, default=32, help="chunks in flight (default 32)")
     p.add_argument("out_dir")
     add_trust_args(p)
@@ -691,7 +703,9 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_store(p)
-    p.add_argument("--version", type=version_arg, default="latest")
+    p.add_argument(
+        "--version", type=version_arg, default="latest", metavar="N|latest", help="(default latest: the head)"
+    )
     p.add_argument("dir", metavar="DIR", help="the folder to check")
     add_trust_args(p)
     p.set_defaults(func=cmd_verify)

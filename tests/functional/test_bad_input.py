@@ -201,7 +201,8 @@ def test_publish_missing_or_empty_folder(published, tmp_path, run_cli, ws):
     _fails(ws, run_cli, [store], "publish", tmp_path / "no_such_dir", "--store", f"file://{store}")
     (tmp_path / "empty").mkdir()
     _fails(ws, run_cli, [store], "publish", tmp_path / "empty", "--store", f"file://{store}")
-    _fails(ws, run_cli, [store], "publish", traj[2] / "config.json", "--store", f"file://{store}")
+    line = _fails(ws, run_cli, [store], "publish", traj[2] / "config.json", "--store", f"file://{store}")
+    assert line == f"weightsync: error: checkpoint {traj[2] / 'config.json'} is not a directory"
 
 
 def test_publish_existing_version(published, run_cli, ws):
@@ -555,6 +556,16 @@ def test_numbers_out_of_range_are_refused(args, line, world, tmp_path, run_cli, 
     extra = ["--store", f"file://{store}"] if args[0] == "fleet" else ["--workdir", str(tmp_path / "demo")]
     assert _fails(ws, run_cli, [store, out], *args, *extra) == f"weightsync: error: {line}"
     assert not (tmp_path / "demo").exists()
+
+
+def test_a_demo_workdir_that_is_a_file_or_not_empty_is_refused_before_anything_runs(tmp_path, run_cli, ws):
+    """A second demo in one folder printed its table's header, then failed: version 0 already existed."""
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "store").mkdir()
+    for work, line in (("afile", "not a directory"), ("used", "is not empty: give a new or empty folder")):
+        out = _fails(ws, run_cli, [tmp_path], "demo", "--workdir", tmp_path / work)
+        assert out == f"weightsync: error: --workdir {tmp_path / work}{':' if work == 'afile' else ''} {line}"
 
 
 def test_a_store_inside_the_checkpoint_is_refused(trajectory, tmp_path, run_cli, ws):

@@ -123,7 +123,7 @@ def test_publish_versions_and_pull_each(trajectory, tmp_path, ok_cli, ws):
 def _pull_counts(stderr: str) -> tuple[str, float, int, int]:
     """(source, bytes fetched, files written, files kept) from pull's summary line."""
     m = re.search(
-        r"from (empty folder|version \d+): ([\d.]+) (B|KiB|MiB|GiB) fetched, (\d+) files written, (\d+) kept", stderr
+        r"from (empty folder|version \d+): ([\d.]+) (B|KiB|MiB|GiB) fetched, (\d+) files? written, (\d+) kept", stderr
     )
     assert m, stderr
     fetched = float(m.group(2)) * 1024 ** ["B", "KiB", "MiB", "GiB"].index(m.group(3))

@@ -215,8 +215,10 @@ def scan_checkpoint(
         st = os.stat(root)
     except OSError:
         st = None
-    if st is None or not stat.S_ISDIR(st.st_mode):
+    if st is None:
         raise CheckpointError(f"checkpoint directory not found: {root}")
+    if not stat.S_ISDIR(st.st_mode):
+        raise CheckpointError(f"checkpoint {root} is not a directory")
     try:
         avoid = None if outside is None else (_folder_key(os.stat(outside)), os.path.realpath(outside))
     except OSError:

@@ -26,6 +26,11 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and ``noun``, plural (``noun`` + s unless given) unless ``n`` is 1: ``1 file``, ``3 files``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {plural or noun + 's'}"
+
+
 def in_notebook() -> bool:
     """Whether this runs in a Jupyter kernel where tqdm draws widgets (cheap outside one)."""
     if "ipykernel" not in sys.modules:

@@ -118,7 +118,7 @@ class Repo:
     def require(self) -> None:
         """Raise :class:`NotAStoreError` unless this is a weightsync store with its marker."""
         if not self.check():
-            raise NotAStoreError(f"{self.url} is not a weightsync store (it is empty)")
+            raise NotAStoreError(f"{self.url} is not a weightsync store (it is empty, or does not exist)")
 
     def init(self) -> None:
         """Make this location a weightsync store (write the marker) unless it is one; refuses one holding other "
