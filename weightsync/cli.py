@@ -35,7 +35,7 @@ from weightsync.service.flags import (
     trusted_keys,
     version_arg,
 )
-from weightsync.service.progress import Progress, counted, human_bytes
+from weightsync.service.progress import Progress, counted, human_bytes, ratio_text
 from weightsync.store.repo import open_repo, versions
 from weightsync.sync.fleet import EXPIRE_AFTER
 from weightsync.sync.lazy import LazyReads
@@ -86,7 +86,8 @@ def cmd_publish(args) -> int:
     kind = "keyframe" if r.keyframe else f"delta from {r.parent}"
     print(
         f"published version {r.version} ({kind}): {human_bytes(r.raw_bytes)} -> {human_bytes(r.payload_bytes)} "
-        f"({r.ratio:.1f}x), {100 * r.changed_fraction:.2f}% elements changed, {human_bytes(r.uploaded_bytes)} uploaded "
+        f"({ratio_text(r.raw_bytes, r.payload_bytes)}), {100 * r.changed_fraction:.2f}% elements changed, "
+        f"{human_bytes(r.uploaded_bytes)} uploaded "
         f"in {r.seconds['total']:.2f}s",
         file=sys.stderr,
     )
@@ -188,11 +189,11 @@ def cmd_versions(args) -> int:
     print(f"{'version':>8} {'parent':>7} {'kind':>8} {'size':>10} {'stored':>10} {'ratio':>7} {'changed':>8}  created")
     for i in infos:
         kind = "keyframe" if i.keyframe else "delta"
-        ratio = i.raw_bytes / max(1, i.payload_bytes)
+        ratio = ratio_text(i.raw_bytes, i.payload_bytes)
         parent = "-" if i.parent is None else str(i.parent)
         print(
             f"{i.version:>8} {parent:>7} {kind:>8} {human_bytes(i.raw_bytes):>10} {human_bytes(i.payload_bytes):>10} "
-            f"{ratio:>6.1f}x {100 * i.changed_fraction:>7.2f}%  {i.created}"
+            f"{ratio:>7} {100 * i.changed_fraction:>7.2f}%  {i.created}"
         )
     return 0
 

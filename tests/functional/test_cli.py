@@ -636,6 +636,16 @@ def test_bit_flips_in_special_floats_are_deltas(tmp_path, ok_cli, ws):
     assert infos[1]["changed_fraction"] == pytest.approx(2 / 3)
 
 
+def test_a_version_that_stores_nothing_shows_no_ratio(published, run_cli, ok_cli):
+    """The head's checkpoint published again stores no payload: its ratio was its size over one
+    byte (35685009.0x in publish's line, 198912.0x in the table)."""
+    store, traj = published
+    rc, _, err = run_cli("publish", traj[-1], "--store", f"file://{store}", "--no-cache")
+    assert rc == 0 and " -> 0 B (-), 0.00% elements changed" in err, err
+    rows = {int(r.split()[0]): r.split() for r in ok_cli("versions", "--store", store).strip().splitlines()[1:]}
+    assert rows[6][5:8] == ["0", "B", "-"] and rows[5][7].endswith("x")  # stored "0 B", ratio
+
+
 # --- demo -----------------------------------------------------------------------------------------
 def test_demo_small(tmp_path, ok_cli):
     work = tmp_path / "demo"

@@ -26,6 +26,12 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def ratio_text(raw: int, stored: int) -> str:
+    """How many times smaller ``stored`` bytes are than ``raw``: ``125.4x``; ``-`` for none stored
+    (nothing changed), where the quotient would be a meaningless million."""
+    return f"{raw / stored:.1f}x" if stored else "-"
+
+
 def counted(n: int, noun: str, plural: str | None = None) -> str:
     """``n`` and ``noun``, plural (``noun`` + s unless given) unless ``n`` is 1: ``1 file``, ``3 files``."""
     return f"{n} {noun}" if n == 1 else f"{n} {plural or noun + 's'}"

@@ -31,7 +31,7 @@ from weightsync.local.checkpoint import scan_checkpoint
 from weightsync.local.state import holds
 from weightsync.service.config import PublisherConfig
 from weightsync.service.metrics import Metrics
-from weightsync.service.progress import DaemonProgress, human_bytes
+from weightsync.service.progress import DaemonProgress, human_bytes, ratio_text
 from weightsync.service.runtime import (
     Idle,
     Stopped,
@@ -623,7 +623,7 @@ class Publisher:
             parent=r.parent,
             size=human_bytes(r.raw_bytes),
             stored=human_bytes(r.payload_bytes),
-            ratio=f"{r.ratio:.1f}x",
+            ratio=ratio_text(r.raw_bytes, r.payload_bytes),
             changed=f"{100 * r.changed_fraction:.2f}%",
             uploaded=human_bytes(r.uploaded_bytes),
             **{f"{k}_s": f"{v:.3f}" for k, v in s.items()},
