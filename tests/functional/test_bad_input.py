@@ -449,6 +449,19 @@ def test_verify_missing_dir(published, tmp_path, run_cli, ws):
     _fails(ws, run_cli, [store, tmp_path / "a_file"], "verify", "--store", store, tmp_path / "a_file")
 
 
+def test_verify_or_pull_on_a_subscribers_target_points_at_its_current_folder(published, tmp_path, run_cli, ok_cli, ws):
+    """``verify`` of a subscriber's --target said it lacked files, and ``pull`` into it that it held
+    no version, without a word of the ``current`` folder that holds the version."""
+    store, _ = published
+    target = tmp_path / "target"
+    ok_cli("pull", "--store", store, target / "slots" / "a")
+    (target / "current").symlink_to("slots/a")
+    hint = f"({target} is a subscriber's target: its version is in {target / 'current'})"
+    for args in (("verify", "--store", store, target), ("pull", "--store", store, target)):
+        assert _fails(ws, run_cli, [store, target], *args).endswith(hint)
+    ok_cli("verify", "--store", store, target / "current")
+
+
 def test_verify_mismatch_is_one_line(published, run_cli, ws):
     store, traj = published
     _fails(ws, run_cli, [store, traj[1]], "verify", "--store", store, "--version", 4, traj[1])

@@ -194,6 +194,14 @@ def interrupted(folder: Path) -> bool:
     return os.path.lexists(state_dir(folder) / "journal.json")
 
 
+def target_hint(folder: Path) -> str:
+    """Where ``folder`` is a subscriber's target (its ``slots`` folder and ``current`` link, the layout
+    of :class:`weightsync.service.slots.Slots`), the words that point at the folder it serves."""
+    if (folder / "slots").is_dir() and (folder / "current").is_symlink():
+        return f" ({folder} is a subscriber's target: its version is in {folder / 'current'})"
+    return ""
+
+
 def prepare_folder(folder: Path, owned: bool = False) -> LocalState | None:
     """Create the folder if needed, recover, and refuse a folder holding anything weightsync does not
     own. An interrupted refill (:func:`begin_refill`) is kept as it is for the next refill
@@ -225,7 +233,9 @@ def prepare_folder(folder: Path, owned: bool = False) -> LocalState | None:
             empty_folder(folder)
             marker.unlink()
     if state is None and any(p.name != STATE_DIR for p in folder.iterdir()):
-        raise UsageError(f"{folder} is not empty and holds no weightsync version; refusing to overwrite it")
+        raise UsageError(
+            f"{folder} is not empty and holds no weightsync version; refusing to overwrite it{target_hint(folder)}"
+        )
     if state is not None and (stray := stray_entries(folder, set(state.files))):
         raise UsageError(
             f"{folder} holds entries weightsync did not put there ({', '.join(stray[:3])}); move them away first"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from weightsync.errors import ChecksumError, UsageError
 from weightsync.format.manifest import Manifest
-from weightsync.local.install import interrupted
+from weightsync.local.install import interrupted, target_hint
 from weightsync.local.state import hash_file, list_files, stray_entries
 
 
@@ -22,7 +22,10 @@ def verify_folder(folder: str | os.PathLike[str], manifest: Manifest) -> None:
     if missing := sorted(expected - list_files(root)[0]):
         names = _some(missing)
         raise ChecksumError(
-            f"{root}: missing files", "present", names, f"{root} lacks files of version {manifest.version}: {names}"
+            f"{root}: missing files",
+            "present",
+            names,
+            f"{root} lacks files of version {manifest.version}: {names}{target_hint(root)}",
         )
     if extra := stray_entries(root, expected):
         names = _some(extra)
