@@ -74,6 +74,8 @@ def test_the_publisher_reports_a_blocking_checkpoint_once_and_the_real_retry_wai
     assert waits == [1.0, 2.0, 4.0], waits  # the step's own back-off, doubling
     logged = [r.fields["retry_in"] for r in caplog.records if r.getMessage() == "iteration failed"]
     assert logged == ["1.0s", "2.0s", "4.0s"]
+    # the error names the step's folder, not only the file in it
+    assert pub.status()["last_error"].startswith(f"CheckpointError: checkpoint {watch / 'step_0'}: model.safetensors")
 
 
 def test_a_step_whose_version_a_hand_publish_took_is_reported_not_passed_over(tmp_path, caplog):

@@ -331,7 +331,12 @@ class Publisher:
                 self._part = c.step  # stored before a restart: not encoded again
                 event(log, f"part {self.cfg.rank} of version {c.step} is already stored", version=c.step)
                 return 0.0
-            await self.publish_folder(c.path, c.step, action.base)
+            try:
+                await self.publish_folder(c.path, c.step, action.base)
+            except CheckpointError as exc:  # its file names are the folder's: say which step's folder
+                if str(c.path) in str(exc):
+                    raise
+                raise CheckpointError(f"checkpoint {c.path}: {exc}") from exc
             return 0.0  # look for the next one at once
         except Stopped:
             return 0.0
