@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import re
 import subprocess
@@ -183,6 +184,25 @@ def test_a_following_mirror_waits_for_an_empty_source(tmp_path):
         len(re.findall(r"INFO weightsync\.mirror: waiting for the source: .* is not a weightsync store yet", text)) == 1
     )
     assert "mirrored version 0" in text and out.strip() == "0"
+
+
+def test_a_daemon_whose_port_is_taken_exits_without_starting(tmp_path, run_cli):
+    """A subscriber whose --listen port was taken logged "started" and wrote its fleet record, which
+    ``fleet --all`` listed as a stopped subscriber, before it exited 1."""
+    import socket
+
+    store = tmp_path / "store"
+    weightsync.publish(SyntheticTrainer(**TINY, seed=0).save(tmp_path / "c0"), str(store), 0)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = ["--store", store, "--target", tmp_path / "t", "--id", "s1", "--listen", f"127.0.0.1:{port}"]
+        rc, _, err = run_cli("subscriber", *args)
+    assert rc == 1 and "address already in use" in err.splitlines()[-1], err
+    assert "started" not in err and not (tmp_path / "t" / "current").exists()
+    rc, out, _ = run_cli("fleet", "--store", store, "--all", "--json")
+    assert rc == 0 and json.loads(out)["subscribers"] == [], out
 
 
 def test_an_api_on_all_interfaces_without_a_token_is_warned_about(tmp_path, daemons):  # noqa: F811

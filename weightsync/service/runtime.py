@@ -242,14 +242,27 @@ def json_answer(doc: dict, status: int = 200) -> Answer:
 def background(name: str, run: Callable[[], Awaitable[None]], stop: Callable[[], None], grace: float):
     """A ``cleanup_ctx`` entry that runs ``run()`` as a task for the application's lifetime.
 
-    On cleanup, ``stop()`` asks the loop to finish; after ``grace`` seconds it is cancelled.
-    A loop that dies of an unexpected error is logged and stops the daemon (exit code 1).
+    Under :func:`serve` the loop begins once the API's port is bound: a daemon whose port is taken
+    exits without having started (a subscriber wrote its fleet record, which ``fleet --all`` then
+    listed, and logged "started"). On cleanup, ``stop()`` asks the loop to finish; after ``grace``
+    seconds it is cancelled. A loop that dies of an unexpected error is logged and stops the daemon
+    (exit code 1).
     """
 
+    async def after_listening(app: web.Application) -> None:
+        if LISTENING in app:  # serve()'s: the loop starts once the port is bound (a failed bind runs nothing)
+            await app[LISTENING].wait()
+        await run()
+
     async def ctx(app: web.Application) -> AsyncIterator[None]:
-        task = asyncio.create_task(run(), name=name)
+        task = asyncio.create_task(after_listening(app), name=name)
         task.add_done_callback(lambda t: _loop_done(app, name, t))
         yield
+        if LISTENING in app and not app[LISTENING].is_set():  # the bind failed: the loop never began
+            task.cancel()
+            with suppress(asyncio.CancelledError):
+                await task
+            return
         stop()
         try:
             await asyncio.wait_for(asyncio.shield(task), grace)
@@ -265,6 +278,9 @@ def background(name: str, run: Callable[[], Awaitable[None]], stop: Callable[[],
 
 
 SHUTDOWN = web.AppKey("shutdown", asyncio.Event)
+
+
+LISTENING = web.AppKey("listening", asyncio.Event)  # set by serve() once the API's port is bound
 
 
 EXIT_CODE = web.AppKey("exit_code", list)
@@ -352,6 +368,7 @@ def is_loopback(host: str) -> bool:
 async def serve(app: web.Application, api: ApiConfig) -> int:
     """Run ``app`` (HTTP only if ``api.port`` is set) until SIGTERM/SIGINT or its loop ends."""
     app[SHUTDOWN] = asyncio.Event()
+    app[LISTENING] = asyncio.Event()
     app[EXIT_CODE] = []
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -374,6 +391,7 @@ async def serve(app: web.Application, api: ApiConfig) -> int:
                     "back, publish and call the swap hook; set WEIGHTSYNC_API_TOKEN (or --api-token-file)",
                     logging.WARNING,
                 )
+        app[LISTENING].set()  # the daemon's loop starts now: a port in use must not leave a fleet record
         await app[SHUTDOWN].wait()
         event(log, "stopping")
     finally:
