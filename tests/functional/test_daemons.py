@@ -389,9 +389,11 @@ def test_standby_is_seeded_from_current_so_each_sync_fetches_one_delta(tmp_path,
 
     # SIGUSR1: the log says where each task waits (down its chain of awaits) and each thread's stack
     sub.proc.send_signal(signal.SIGUSR1)
-    # the loop's task, and what it awaits (its iteration or its pause): a chain, not one frame
+    # the loop's task (begun once the port is bound), and what it awaits (its iteration or its pause):
+    # a chain, not one frame
     chain = re.compile(
-        r'task subscriber:\n  File "[^"]*subscriber\.py", line \d+, in run\n.*\n  File "[^"]*", line \d+, in _'
+        r'task subscriber:\n  File "[^"]*runtime\.py", line \d+, in after_listening\n.*\n'
+        r'  File "[^"]*subscriber\.py", line \d+, in run\n.*\n  File "[^"]*", line \d+, in _'
     )
 
     def dump():  # the whole record (read while being written, it may end early)
