@@ -243,7 +243,7 @@ def cmd_demo(args) -> int:
 
     if args.steps < 1 or args.hidden < 1:
         raise UsageError(f"--steps and --hidden must be at least 1, got {args.steps} and {args.hidden}")
-    if args.workdir is not None:  # a second run there failed at its first version, after its table's header
+    if args.workdir:  # a second run there failed at its first version, after its table's header ("": a new one)
         work = Path(args.workdir)
         if work.exists() and not work.is_dir():
             raise UsageError(f"--workdir {work}: not a directory")

@@ -6,10 +6,12 @@ instead of exiting; an API on all interfaces without a token is warned about."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -160,6 +162,25 @@ def test_a_missing_watched_folder_is_said_once_and_one_that_becomes_a_file_is_on
         asyncio.run(run(2))
     assert pub.status()["last_error"] == f"CheckpointError: the watched folder {watch} is not a directory"
     assert not [r for r in caplog.records if r.exc_info]  # no traceback
+
+    async def poll_pending() -> None:  # the daemon's look at pending checkpoints between iterations
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(pub._list_pending(), 0.5)  # still looking: it died of the file, and
+            # the daemon's run() then stopped with exit code 1 and a traceback
+
+    pub.cfg = dataclasses.replace(cfg, poll_interval=0.05)
+    asyncio.run(poll_pending())
+
+    # back with a checkpoint, then gone again: said again
+    watch.unlink()
+    (SyntheticTrainer(**TINY, seed=0).save(watch / "step_0") / "COMPLETE").write_text("")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, "weightsync"):
+        asyncio.run(run(2))
+        shutil.rmtree(watch)
+        asyncio.run(run(1))
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == [f"the watched folder {watch} does not exist: waiting for it (is --watch right?)"]
 
 
 def test_a_following_mirror_waits_for_an_empty_source(tmp_path):

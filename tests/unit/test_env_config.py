@@ -450,6 +450,8 @@ def test_a_file_given_for_a_folder_is_refused_naming_the_flag(tmp_path, command,
     with pytest.raises(UsageError, match=f"^{var} {afile}: not a directory$"):
         make(parse([command], env), env)
     make(parse([command, flag, str(tmp_path / "missing")], base), {})  # not there yet: the daemon's to wait for
+    with pytest.raises(UsageError, match=f"^{flag} {afile}/sub: {afile} is not a directory$"):  # a file above it
+        make(parse([command, flag, str(afile / "sub")], base), {})
 
 
 def test_a_hook_command_with_an_unbalanced_quote_is_one_line(tmp_path):

@@ -183,3 +183,26 @@ def test_the_compile_clock_times_compiles_on_every_thread_and_not_the_calls_afte
         assert kernel(5) == 16 and clock.seconds == compiled  # compiled already: no time added
     kernel(2.5)  # a new signature compiles, the clock closed
     assert clock.seconds == compiled
+
+
+def test_the_compile_clock_drops_an_end_it_saw_no_start_of_and_stops_with_its_context():
+    """A compile on another thread under way when the clock starts, or when it stops: an end without
+    its start made the depth -1 (seconds then read the time since boot, and later compiles were
+    dropped); a start without its end kept a closed clock running."""
+    import time
+
+    clock = jit.CompileClock()
+    clock.on_end(None)  # began before the clock
+    assert clock.seconds == 0.0
+    clock.on_start(None)
+    time.sleep(0.02)
+    clock.on_end(None)
+    counted = clock.seconds
+    assert 0.02 <= counted < 1.0
+    clock.on_start(None)  # under way when the clock stops
+    time.sleep(0.02)
+    clock.stop()
+    stopped = clock.seconds
+    assert stopped >= counted + 0.02
+    time.sleep(0.02)
+    assert clock.seconds == stopped

@@ -245,7 +245,9 @@ def stats() -> dict[str, int]:
 class CompileClock(event.Listener):
     """The seconds numba has spent compiling kernels (not loading them from a cache) while it listens,
     on any thread (:func:`compile_clock`). numba compiles one kernel at a time (its compiler lock),
-    and a kernel's callees compile inside its own compile: the outermost compiles are timed."""
+    and a kernel's callees compile inside its own compile: the outermost compiles are timed. A
+    compile under way when the clock starts counts from then (its end has no start here, and is
+    dropped); one under way when it stops counts until then."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -261,9 +263,18 @@ class CompileClock(event.Listener):
 
     def on_end(self, ev) -> None:
         with self._lock:
+            if self._depth == 0:  # began before the clock did
+                return
             self._depth -= 1
             if self._depth == 0:
                 self._seconds += time.perf_counter() - self._since
+
+    def stop(self) -> None:
+        """Stop counting (once the clock no longer listens): the seconds stay as they are now."""
+        with self._lock:
+            if self._depth:
+                self._seconds += time.perf_counter() - self._since
+                self._depth = 0
 
     @property
     def seconds(self) -> float:
@@ -275,8 +286,12 @@ class CompileClock(event.Listener):
 @contextlib.contextmanager
 def compile_clock() -> Iterator[CompileClock]:
     """A :class:`CompileClock` that listens while the context is open (numba's event API)."""
-    with event.install_listener("numba:compile", CompileClock()) as clock:
-        yield clock
+    clock = CompileClock()
+    try:
+        with event.install_listener("numba:compile", clock):
+            yield clock
+    finally:
+        clock.stop()
 
 
 def cache_locations() -> dict[str, object]:

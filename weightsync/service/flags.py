@@ -718,8 +718,11 @@ def _folder(flag: str, value: str) -> Path:
     if not value.strip():
         raise UsageError(f"{flag} is empty")
     path = Path(value).absolute()
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"{flag} {value}: not a directory")
+    for there in (path, *path.parents):  # the deepest that exists must be a folder (or a link to one)
+        if there.exists():
+            if not there.is_dir():
+                raise UsageError(f"{flag} {value}: {'' if there == path else f'{there} is '}not a directory")
+            break
     return path
 
 

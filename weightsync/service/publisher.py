@@ -272,8 +272,8 @@ class Publisher:
             await asyncio.sleep(self.cfg.poll_interval)
             try:
                 candidates = await asyncio.to_thread(scan, self.cfg.watch_dir, self.cfg.marker)
-            except OSError:
-                continue  # the loop reports an unreadable folder
+            except (OSError, CheckpointError):
+                continue  # the loop reports an unreadable folder, or one that is a file
             head = self.head
             self.pending = [c.step for c in candidates if head is None or c.step > head]
 
@@ -307,7 +307,9 @@ class Publisher:
             # ranks must agree on every version, so in rank mode no rank skips an unfinished checkpoint
             stale = self.cfg.stale_after if self.cfg.rank is None else math.inf
             action = plan_publish(candidates, self.head, self.clock(), stale, failed_step, retry_at)
-            if not candidates:
+            if candidates:
+                self._watch_missing = False
+            else:
                 action = await asyncio.to_thread(self._missing_watch, action)
             self.reason = (
                 f"publishing checkpoint {action.candidate.step}" if isinstance(action, Publish) else action.reason
