@@ -165,8 +165,9 @@ def test_a_missing_watched_folder_is_said_once_and_one_that_becomes_a_file_is_on
 
     async def poll_pending() -> None:  # the daemon's look at pending checkpoints between iterations
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(pub._list_pending(), 0.5)  # still looking: it died of the file, and
-            # the daemon's run() then stopped with exit code 1 and a traceback
+            # still looking after 0.5 s; it used to die of the file at its first look, and the daemon
+            # then stopped with exit code 1 and a traceback
+            await asyncio.wait_for(pub._list_pending(), 0.5)
 
     pub.cfg = dataclasses.replace(cfg, poll_interval=0.05)
     asyncio.run(poll_pending())
