@@ -12,10 +12,12 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+from numba.core import caching
 
 import weightsync
-from weightsync.codec import jit
+from weightsync.codec import CodecConfig, jit
 from weightsync.codec import payload as codec
 from weightsync.demo import make_trajectory
 
@@ -124,6 +126,54 @@ def test_warm_up_is_its_steps():
     assert len([s for s in steps if s[0] == "ans"]) == 13
     for step in (steps[0], steps[-1]):
         codec.warm_up_step(*step)
+
+
+def test_a_payload_in_a_bytearray_decodes_with_the_kernels_of_one_in_bytes(compiled_kernels):
+    """The decoders read a payload as a read-only array whether it came as ``bytes`` (fetched) or in a
+    ``bytearray``: one signature of each kernel that reads it, not one per buffer's writability, each
+    of which is a whole compile with a cold cache (a daemon's first start, an image build, the demo's
+    first run). The warm-up (``compiled_kernels``) decodes both, and so does this test."""
+    from weightsync.codec import ans, arith
+
+    rng = np.random.default_rng(0)
+    for dtype in ("U8", "BF16", "F32"):
+        old = rng.integers(0, 256, 4096, dtype=np.uint8)
+        new = old.copy()
+        new[::40] += 1
+        for cfg in (CodecConfig(), CodecConfig(coder="ac")):
+            enc = codec.encode_tensor(dtype, new, old, cfg)
+            assert enc.codec == cfg.coder
+            for payload in (bytes(enc.payload), bytearray(enc.payload)):
+                assert np.array_equal(codec.decode_tensor(dtype, enc.codec, payload, old, new.size), new)
+                if enc.codec == "ans":
+                    assert np.array_equal(codec.decode_tensor_backward(dtype, "ans", payload, new, new.size), old)
+    # the payload's readers and where they take it (others may be tested directly, with arrays of any kind)
+    for kernel, at in ((ans._prepare, 0), (ans._parse, 0), (arith._decode, 1)):
+        sigs = [(*sig[:at], sig[at].copy(readonly=False), *sig[at + 1 :]) for sig in kernel.overloads]
+        assert sigs and len(set(sigs)) == len(sigs), (kernel.py_func.__qualname__, list(kernel.overloads))
+
+
+@jit.njit(nogil=True)
+def _callee(a, k, flag):
+    return a[k] if flag else a[0]
+
+
+@jit.njit(nogil=True)
+def _caller(a):
+    return _callee(a, 3, True) + _callee(a, 1, False)
+
+
+def test_a_kernel_that_passes_another_constants_compiles_it_for_their_types_not_their_values():
+    """numba types a constant argument as a literal and would compile the callee once more for each
+    such call (a whole compile of that kernel with a cold cache): kernels called from kernels are
+    compiled for the plain types, the signature a call from Python uses too."""
+    for kernel in (_callee, _caller):  # compiled here, each run: not loaded from a cache
+        kernel._cache = caching.NullCache()
+    a = np.arange(5, dtype=np.int64)
+    assert _caller(a) == 3 + 0
+    assert [tuple(map(str, sig)) for sig in _callee.signatures] == [("array(int64, 1d, C)", "int64", "bool")]
+    assert _callee(a, 2, True) == 2
+    assert len(_callee.signatures) == 1
 
 
 @pytest.mark.parametrize("option", ["cache"])

@@ -113,7 +113,7 @@ from weightsync.codec.simd import (
     uses_vectors,
     zero_mask64,
 )
-from weightsync.codec.streams import SLICE_BYTES, copy
+from weightsync.codec.streams import SLICE_BYTES, copy, read_only_bytes
 from weightsync.errors import FormatError
 from weightsync.format.dtypes import EXPONENT_FIELD, ITEMSIZE, UINT_VIEW
 
@@ -1158,7 +1158,7 @@ def _symbol_counts(syms, m, hist, counts):
         counts[syms[j]] += 1
 
 
-@njit(nogil=True, inline="always")
+@njit(nogil=True)
 def _derived(u, shift, fmask):
     """The exponent an element most likely held before a change moved it across an exponent
     boundary to ``u``: one below ``u``'s if the top bit of its mantissa is clear (it has just
@@ -1739,7 +1739,7 @@ class Parsed:
 
     def __init__(self, dtype: str, block: memoryview, n: int, dt: np.dtype, what: str, native: int = NATIVE) -> None:
         shift, bits = _exponent_field(dtype, block, what)
-        got = _parse(np.frombuffer(block, dtype=np.uint8), n, 8 * dt.itemsize, np.zeros(1, dt), uses_vectors(native))
+        got = _parse(read_only_bytes(block), n, 8 * dt.itemsize, np.zeros(1, dt), uses_vectors(native))
         status, self.K, self.thr, self.vthr, self.nb, self.words, self.wbase, self.diffs, self.dstart, exc, exb, d = got
         if status:
             raise FormatError(f"{what}: bad ans block (check {status} failed)")
@@ -1818,7 +1818,7 @@ def decode_block(
         return
     shift, _ = _exponent_field(dtype, block, what)
     sc, dt, n = _DSCRATCH, old.dtype, old.size
-    data, hdr, st = np.frombuffer(block, np.uint8), sc.hdr, sc.st
+    data, hdr, st = read_only_bytes(block), sc.hdr, sc.st
     arrays = sc.arrays(dt)
     while True:  # this thread's arrays; one too small is grown to what the block's tables say
         status, K, G = _prepare(data, n, 8 * dt.itemsize, shift, hdr, *arrays, st, uses_vectors(native))

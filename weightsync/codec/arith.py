@@ -11,7 +11,7 @@ import numpy as np
 from weightsync.codec.abc import Codec
 from weightsync.codec.jit import njit
 from weightsync.codec.registry import register
-from weightsync.codec.streams import unzigzag
+from weightsync.codec.streams import read_only_bytes, unzigzag
 from weightsync.errors import FormatError
 from weightsync.format.dtypes import EXPONENT_FIELD, ITEMSIZE
 
@@ -309,7 +309,7 @@ def decode_block(dtype: str, block: memoryview, old: np.ndarray, out: np.ndarray
     if (shift, bits) != EXPONENT_FIELD.get(dtype, (0, 0)) or not 0 < k <= old.size:
         raise FormatError(f"{what}: bad ac block header")
     mask = (1 << bits) - 1
-    data = np.frombuffer(block, dtype=np.uint8, offset=_HEAD.size)
+    data = read_only_bytes(block, _HEAD.size)
     idx = np.empty(k, dtype=np.int64)
     zz = np.empty(k, dtype=np.int64)
     got = _decode(old, data, 8 * old.dtype.itemsize, shift, mask, mask + 1, k, _RATE, idx, zz)

@@ -48,7 +48,7 @@ def put_varint(out, pos, v):
     return pos + 1
 
 
-@njit(nogil=True, inline="always")
+@njit(nogil=True)
 def get_varint(data, pos):
     """(value, next position), or (-1, pos) for a varint that is longer than 5 bytes or runs past the end."""
     v = np.int64(0)
@@ -608,7 +608,7 @@ def rans_encode_carrying(syms, c, freq, out, carry):
     return 4 * LANES + 2 * m
 
 
-@njit(nogil=True, inline="always")
+@njit(nogil=True)
 def read_states(data, pos, xs):
     """A rANS section's ``xs.size`` states, little-endian u32 from ``data[pos]``, into ``xs``; False if
     one is under 2^16."""
@@ -630,7 +630,7 @@ def rans_decode(data, pos, length, freq, values, out, o0, count):
     return bad if bad else settled(carry)
 
 
-@njit(nogil=True, inline="always")
+@njit(nogil=True)
 def settled(carry):
     """13 unless every state of a section ended at 2^16 (carried nothing), else 0."""
     for q in range(carry.size):

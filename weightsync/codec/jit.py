@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import numba
-from numba.core import caching, config, event
+from numba.core import caching, config, event, types
 
 log = logging.getLogger("weightsync.jit")
 
@@ -211,7 +211,8 @@ def layered_cache(py_func) -> LayeredCache:
 
 
 def njit(**options) -> Callable:
-    """``numba.njit(**options)`` (keyword options only) with a :class:`LayeredCache`."""
+    """``numba.njit(**options)`` (keyword options only) with a :class:`LayeredCache`, compiled for
+    plain argument types when another kernel calls it (:func:`_typed_without_literals`)."""
     if "cache" in options:
         raise TypeError("weightsync.jit.njit always caches where it can; drop cache=")
 
@@ -228,10 +229,23 @@ def njit(**options) -> Callable:
                 _log_once(
                     "disabled", logging.INFO, "numba cache disabled (%s; %s): kernels compile at first use", why, exc
                 )
+        _typed_without_literals(dispatcher)
         _DISPATCHERS.append(dispatcher)
         return dispatcher
 
     return decorate
+
+
+def _typed_without_literals(dispatcher) -> None:
+    """Calls from other kernels compile ``dispatcher`` for the arguments' plain types. numba types a
+    constant argument (``f(x, 0)``) as a literal and compiles the callee again for it, a whole compile
+    of that kernel per call site, which a call from Python (never literal) does not reuse."""
+    typed = dispatcher.get_call_template
+
+    def get_call_template(args, kws):
+        return typed(tuple(map(types.unliteral, args)), {k: types.unliteral(v) for k, v in kws.items()})
+
+    dispatcher.get_call_template = get_call_template
 
 
 def stats() -> dict[str, int]:

@@ -410,7 +410,7 @@ def warm_up_step(kind: str, *args) -> None:
     deltas = (CodecConfig(), CodecConfig(coder="ac"), CodecConfig(entropy_coder=False))
     for cfg, base in (*((c, old) for c in deltas), (CodecConfig(), None)):
         enc = encode_tensor(dtype, new, base, cfg)  # base None: a keyframe ("full")
-        for payload in (bytes(enc.payload), bytearray(enc.payload)):  # read-only and writable arrays
+        for payload in (bytes(enc.payload), bytearray(enc.payload)):  # both read as read-only arrays: one kernel
             for fed in (None, hashing.hasher()):  # a pull's last step feeds a hasher, the others none
                 into = old.copy()  # decoded into a fresh buffer, and in place (as pulls do): two kernels
                 outs = (
