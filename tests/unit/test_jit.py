@@ -153,27 +153,27 @@ def test_a_payload_in_a_bytearray_decodes_with_the_kernels_of_one_in_bytes(compi
         assert sigs and len(set(sigs)) == len(sigs), (kernel.py_func.__qualname__, list(kernel.overloads))
 
 
-@jit.njit(nogil=True)
-def _callee(a, k, flag):
-    return a[k] if flag else a[0]
-
-
-@jit.njit(nogil=True)
-def _caller(a):
-    return _callee(a, 3, True) + _callee(a, 1, False)
-
-
-def test_a_kernel_that_passes_another_constants_compiles_it_for_their_types_not_their_values():
+def test_a_kernel_that_passes_another_constants_compiles_it_for_their_types_not_their_values(monkeypatch):
     """numba types a constant argument as a literal and would compile the callee once more for each
     such call (a whole compile of that kernel with a cold cache): kernels called from kernels are
     compiled for the plain types, the signature a call from Python uses too."""
-    for kernel in (_callee, _caller):  # compiled here, each run: not loaded from a cache
+    monkeypatch.setattr(jit, "_DISPATCHERS", [])  # these kernels stay out of the package's (stats(), caches)
+
+    @jit.njit(nogil=True)
+    def callee(a, k, flag):
+        return a[k] if flag else a[0]
+
+    @jit.njit(nogil=True)
+    def caller(a):
+        return callee(a, 3, True) + callee(a, 1, False)
+
+    for kernel in (callee, caller):  # compiled here, each run: never loaded from a cache or saved to one
         kernel._cache = caching.NullCache()
     a = np.arange(5, dtype=np.int64)
-    assert _caller(a) == 3 + 0
-    assert [tuple(map(str, sig)) for sig in _callee.signatures] == [("array(int64, 1d, C)", "int64", "bool")]
-    assert _callee(a, 2, True) == 2
-    assert len(_callee.signatures) == 1
+    assert caller(a) == 3 + 0
+    assert [tuple(map(str, sig)) for sig in callee.signatures] == [("array(int64, 1d, C)", "int64", "bool")]
+    assert callee(a, 2, True) == 2
+    assert len(callee.signatures) == 1 and jit._DISPATCHERS == [callee, caller]
 
 
 @pytest.mark.parametrize("option", ["cache"])

@@ -630,7 +630,7 @@ def rans_decode(data, pos, length, freq, values, out, o0, count):
     return bad if bad else settled(carry)
 
 
-@njit(nogil=True)
+@njit(nogil=True, inline="always")
 def settled(carry):
     """13 unless every state of a section ended at 2^16 (carried nothing), else 0."""
     for q in range(carry.size):

@@ -55,7 +55,7 @@ def _package_digest(stamps: tuple) -> bytes:
 def _package_stamp() -> tuple:
     """What a kernel's compiled code depends on beside its own file: the sources of every module of
     this package (a kernel inlines its siblings' helpers: ``simd``'s ``pdep``, ``entropy``'s
-    varints) and numba's bounds checking."""
+    Rice codes) and numba's bounds checking."""
     stamps = []
     for entry in sorted(os.scandir(_PACKAGE), key=lambda e: e.name):
         if entry.name.endswith(".py") and entry.is_file():
@@ -239,7 +239,10 @@ def njit(**options) -> Callable:
 def _typed_without_literals(dispatcher) -> None:
     """Calls from other kernels compile ``dispatcher`` for the arguments' plain types. numba types a
     constant argument (``f(x, 0)``) as a literal and compiles the callee again for it, a whole compile
-    of that kernel per call site, which a call from Python (never literal) does not reuse."""
+    of that kernel per call site, which a call from Python (never literal) does not reuse. So a kernel
+    that another calls cannot need a literal argument (``numba.literally``, a constant index into a
+    tuple of mixed types, a dtype named by a string): such a value is fixed in the callee itself, or
+    the callee inlined (``inline="always"`` types the inlined copy with the caller's literals)."""
     typed = dispatcher.get_call_template
 
     def get_call_template(args, kws):
