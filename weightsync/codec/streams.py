@@ -79,7 +79,7 @@ def from_planes(data: bytes | np.ndarray, width: int, count: int, out: np.ndarra
 def read_only_bytes(data: bytes | bytearray | memoryview | np.ndarray, offset: int = 0) -> np.ndarray:
     """``data`` from ``offset`` as a read-only uint8 array, whether its buffer is writable (a bytearray)
     or not (bytes, as fetched): a kernel that reads a payload is then compiled for one array type, not
-    one per buffer's writability (each a second compile with a cold cache, a third of a decode's)."""
+    one per buffer's writability (each another whole compile with a cold cache)."""
     view = np.frombuffer(data, dtype=np.uint8, offset=offset)
     view.flags.writeable = False  # this array only, not the buffer under it
     return view
