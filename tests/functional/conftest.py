@@ -13,10 +13,12 @@ import shutil
 import subprocess
 import sys
 import types
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from cli_zygote import Zygote
 
 from weightsync.demo import make_trajectory
 
@@ -127,12 +129,27 @@ def cli_env(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def run_cli(cli_env) -> Callable[..., CliResult]:
-    """``run_cli(*args, timeout=120, cwd=None)`` runs ``python -m weightsync.cli *args``; returns (rc, stdout, "
-    "stderr)."""
+def cli_zygote(cli_env, tmp_path_factory) -> Iterator[Zygote | None]:
+    """The CLI forked from a process that started once (tests/cli_zygote.py); None with
+    ``TESTS_FRESH_CLI=1`` in the tests' environment (every command a fresh process)."""
+    if os.environ.get("TESTS_FRESH_CLI") == "1":
+        yield None
+        return
+    zygote = Zygote(cli_env, tmp_path_factory.mktemp("zygote"))
+    if not zygote.usable:
+        warnings.warn(f"every CLI command starts a process: the zygote is not usable: {zygote.why}", stacklevel=1)
+    yield zygote
+    zygote.close()
+
+
+@pytest.fixture(scope="session")
+def run_cli(cli_env, cli_zygote) -> Callable[..., CliResult]:
+    """``run_cli(*args, timeout=120, cwd=None)`` runs ``python -m weightsync.cli *args``, forked from
+    the zygote where it can (see tests/cli_zygote.py); returns (rc, stdout, stderr)."""
 
     def run(*args, timeout: float = 120, cwd=None) -> CliResult:
-        return _run(args, cli_env, timeout, cwd)
+        forked = cli_zygote.run(args, cli_env, timeout, cwd) if cli_zygote is not None else None
+        return forked if forked is not None else _run(args, cli_env, timeout, cwd)
 
     return run
 

@@ -5,12 +5,12 @@ interrupted refill leaves a folder that claims no version and is finished by the
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
 
 import pytest
-from conftest import assert_replica, flip_byte, snapshot, tensor_data_offset
 
 import weightsync
 from weightsync.demo import make_trajectory
@@ -21,6 +21,20 @@ from weightsync.local.base import clone
 from weightsync.local.state import REFILL, read_state, state_dir
 
 PULL = weightsync.PullConfig(fsync=False)
+
+
+def _functional_conftest():
+    """This folder's conftest.py by its path: ``from conftest import`` took the integration tests'
+    one when both folders ran in one session (a module named ``conftest`` is whichever came first)."""
+    spec = importlib.util.spec_from_file_location("functional_conftest", Path(__file__).with_name("conftest.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_helpers = _functional_conftest()
+assert_replica, flip_byte, snapshot = _helpers.assert_replica, _helpers.flip_byte, _helpers.snapshot
+tensor_data_offset = _helpers.tensor_data_offset
 
 
 @pytest.fixture(scope="module")

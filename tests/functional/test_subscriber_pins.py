@@ -28,14 +28,19 @@ def stored(target) -> object:
 
 def stays_at(sub, version: int, head: int, seconds: float = 0.6) -> dict:
     """The status once ``sub`` has kept serving ``version`` for ``seconds`` (several polls at 0.1 s)
-    and knows the head is ``head``."""
+    and knows the head is ``head``. A subscriber still ``starting`` has not read its slots (its
+    ``current_version`` is None): under load a status came before it had, and failed here."""
+    started = time.monotonic() + 60
+    while (s := sub.status())["state"] == "starting":
+        assert time.monotonic() < started, (s, sub.log())
+        time.sleep(0.05)
     deadline = time.monotonic() + seconds
     while True:
-        s = sub.status()
         assert s["current_version"] == version, (s, sub.log())
         if time.monotonic() > deadline and s["latest_version"] == head:
             return s
         time.sleep(0.05)
+        s = sub.status()
 
 
 def test_a_pin_survives_a_restart_while_the_head_moves(tmp_path, daemons):  # noqa: F811
