@@ -22,6 +22,7 @@ stdout (the child's pid, then its exit status), its own stderr to the file the c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -93,7 +94,8 @@ class Zygote:
         ``timeout`` (it is then killed, as ``subprocess.run`` kills it)."""
         status = self._line(timeout)
         if status is None:
-            os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # not reaped yet, so not reused: ended just now
+                os.kill(pid, signal.SIGKILL)
             self._line(60)
             return None
         return int(status)

@@ -129,9 +129,10 @@ def cli_env(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def cli_zygote(cli_env, tmp_path_factory) -> Iterator[Zygote | None]:
-    """The CLI forked from a process that started once (tests/cli_zygote.py); None with
-    ``TESTS_FRESH_CLI=1`` in the tests' environment (every command a fresh process)."""
+def cli_zygote(cli_env, tmp_path_factory, compiled_kernels) -> Iterator[Zygote | None]:
+    """The CLI forked from a process that started once (tests/cli_zygote.py) and loaded the kernels
+    from numba's cache; None with ``TESTS_FRESH_CLI=1`` in the tests' environment (every command a
+    fresh process)."""
     if os.environ.get("TESTS_FRESH_CLI") == "1":
         yield None
         return
