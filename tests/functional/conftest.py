@@ -17,6 +17,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import cli_zygote as cli_zygote_module
 import pytest
 from cli_zygote import Zygote
 
@@ -27,8 +28,9 @@ STATE_DIR = ".weightsync"
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _kernels(compiled_kernels):
-    """Every functional test may start processes: the kernels are in numba's cache first (tests/conftest.py)."""
+def _kernels(compiled_kernels, cli_zygote):
+    """Every functional test may start processes: the kernels are in numba's cache first
+    (tests/conftest.py), and the zygote that forks commands and daemons is started (tests/cli_zygote.py)."""
 
 
 def sha256_file(path: Path) -> str:
@@ -139,7 +141,9 @@ def cli_zygote(cli_env, tmp_path_factory, compiled_kernels) -> Iterator[Zygote |
     zygote = Zygote(cli_env, tmp_path_factory.mktemp("zygote"))
     if not zygote.usable:
         warnings.warn(f"every CLI command starts a process: the zygote is not usable: {zygote.why}", stacklevel=1)
+    cli_zygote_module.set_current(zygote)  # for the daemons tests start (test_daemons.Daemon)
     yield zygote
+    cli_zygote_module.set_current(None)
     zygote.close()
 
 

@@ -7,9 +7,9 @@ folder, a timeout, and commands asked for side by side."""
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -89,20 +89,43 @@ def test_a_forked_command_past_its_timeout_is_killed_as_subprocess_kills_it(zygo
     assert zygote.run(["--help"], cli_env, 60)[0] == 0
 
 
-def test_commands_asked_for_side_by_side_stay_side_by_side(zygote, cli_env, tmp_path):
-    """While the zygote runs one command it answers None for another (the caller starts a process):
-    commands that a test runs at once still run at once."""
-    args = _subscriber(tmp_path)
-    first = threading.Thread(target=lambda: pytest.raises(subprocess.TimeoutExpired, zygote.run, args, cli_env, 4))
-    first.start()
+def test_commands_run_side_by_side_are_forked_side_by_side(zygote, cli_env, tmp_path):
+    """Two daemons forked at once both run (each its own process), a command runs beside them, and
+    each ends with the status of the signal that stopped it, as ``Popen`` reports it."""
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    daemons = [
+        zygote.spawn(_subscriber(tmp_path / name), cli_env, stdout=log, stderr=subprocess.STDOUT)
+        for name, log in zip("ab", logs, strict=True)
+    ]
     try:
-        time.sleep(1)
-        assert zygote.run(["--help"], cli_env, 60) is None
+        assert all(d is not None for d in daemons) and daemons[0].pid != daemons[1].pid
+        deadline = time.monotonic() + 60
+        while not all("listening" in log.read_text() for log in logs if log.exists()) or not all(
+            log.exists() for log in logs
+        ):
+            assert time.monotonic() < deadline and all(d.poll() is None for d in daemons)
+            time.sleep(0.1)
+        assert zygote.run(["--help"], cli_env, 60)[0] == 0
+        with pytest.raises(subprocess.TimeoutExpired):
+            daemons[0].wait(0.2)
     finally:
-        first.join()
-    assert zygote.run(["--help"], cli_env, 60)[0] == 0
+        for d in daemons:
+            if d is not None:
+                d.kill()
+    assert [d.wait(30) for d in daemons] == [-signal.SIGKILL] * 2
 
 
-def test_a_command_in_another_environment_is_not_forked(zygote, cli_env):
-    """The zygote imported everything with the tests' environment: another is read at a fresh start."""
+def test_a_child_takes_the_environment_it_is_given_unless_a_start_reads_it(zygote, cli_env, tmp_path):
+    """A variable read while the command runs reaches the child; one read at an interpreter's start
+    (numba's) cannot: that command starts a fresh process."""
     assert zygote.run(["--help"], {**cli_env, "NUMBA_DISABLE_JIT": "1"}, 60) is None
+    assert zygote.spawn(["--help"], {**cli_env, "PYTHONHASHSEED": "3"}) is None
+    # the publish cache lives under XDG_CACHE_HOME, read by the command: a forked publish writes it there
+    cache = tmp_path / "xdg"
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    env = {**cli_env, "XDG_CACHE_HOME": str(cache)}
+    rc, _, err = zygote.run(["publish", ckpt, "--store", f"file://{tmp_path / 'store'}"], env, 120)
+    assert rc == 0, err
+    assert (cache / "weightsync").is_dir()

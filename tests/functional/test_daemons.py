@@ -23,6 +23,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import cli_zygote
 import pytest
 
 import weightsync
@@ -106,11 +107,12 @@ class Daemon:
 
     def start(self) -> Daemon:
         seen = len(self.log())  # a restart appends to the same log: look only at what follows
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "weightsync.cli", *self.args], stdout=log, stderr=subprocess.STDOUT, env=self.env
-        )
-        log.close()
+        zygote, out = cli_zygote.current(), subprocess.STDOUT  # forked where it can be, as the tests' commands are
+        self.proc = zygote and zygote.spawn(self.args, self.env, stdout=self.log_path, append=True, stderr=out)
+        if self.proc is None:
+            with open(self.log_path, "ab") as log:
+                argv = [sys.executable, "-m", "weightsync.cli", *self.args]
+                self.proc = subprocess.Popen(argv, stdout=log, stderr=out, env=self.env)
         bound = wait_for(
             lambda: self._alive() and re.search(r"listening.*?http://127\.0\.0\.1:(\d+)", self.log()[seen:]),
             self.start_timeout,
