@@ -70,8 +70,11 @@ class Forked:
     def wait(self, timeout: float | None = None, raise_timeout: bool = True) -> int | None:
         if self.returncode is None:
             if select.select([self._conn], [], [], timeout)[0]:
-                self.returncode = int(_read_line(self._conn, 60))
+                status = _read_line(self._conn, 60)
                 self._conn.close()
+                if status is None:
+                    raise RuntimeError(f"the zygote is gone: the exit status of pid {self.pid} is unknown")
+                self.returncode = int(status)
             elif raise_timeout:
                 raise subprocess.TimeoutExpired(self.args, timeout)
         return self.returncode
