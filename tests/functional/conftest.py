@@ -1,8 +1,9 @@
 """Fixtures for the functional tests: tiny synthetic checkpoints, the CLI as a subprocess, tree snapshots.
 
 Every test runs the real ``weightsync`` command line (``python -m weightsync.cli``, forked from a
-process that started once: tests/cli_zygote.py) against a file store in a temporary directory. ``XDG_CACHE_HOME`` points into the test's temporary directory, so
-the publish cache never touches the user's home.
+process that started once: tests/cli_zygote.py) against a file store in a temporary directory.
+``XDG_CACHE_HOME`` points into the test's temporary directory, so the publish cache never touches
+the user's home.
 """
 
 from __future__ import annotations
