@@ -15,11 +15,15 @@ process holding every kernel takes 0.4 s, ten times a command; what it could als
 left open or print an error from a ``__del__``, a forked command does not: a test may then fail for
 the lost bytes, and one that reads stderr would miss the message).
 
-What a forked command does not repeat is the start, so tests that check it (imports, a read-only
-install) start their own processes, and so does a command whose environment differs from the
-zygote's in a variable read at a start (``NUMBA_*``, ``PYTHON*``, the locale, ``TMPDIR``...). A zygote
-whose start printed anything (a warning at import would reach every fresh command's stderr) is not
-used. ``TESTS_FRESH_CLI=1`` starts every command as a fresh process.
+What a forked command does not repeat is the start. Its modules are imported and its kernels loaded
+before it runs (a daemon logs its kernels ready at once, counted as the zygote loaded them), and
+every child of a zygote has the same string hash seed (``PYTHONHASHSEED``): the order of a set of
+strings is the same in each, where fresh processes differ (each worker's zygote has its own seed).
+So tests that check a start (imports, a read-only install, the kernels' load) start their own
+processes, and so does a command whose environment differs from the zygote's in a variable read at
+a start (``NUMBA_*``, ``PYTHON*``, the locale, ``TMPDIR``...). A zygote whose start printed anything
+(a warning at import would reach every fresh command's stderr) is not used. ``TESTS_FRESH_CLI=1``
+starts every command as a fresh process.
 
 Run as a script, this file is the zygote: it takes connections on a Unix socket, one request (a
 JSON line) each, and answers on it the child's pid, then its exit status when it ends.
@@ -36,7 +40,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import traceback
 from pathlib import Path
 
 _HERE = Path(__file__).resolve()
@@ -63,26 +69,32 @@ class Forked:
 
     def __init__(self, conn: socket.socket, pid: int, args: list[str]) -> None:
         self._conn, self.pid, self.args, self.returncode = conn, pid, args, None
+        self._waiting = threading.Lock()  # as Popen's: one reader of the status at a time
 
     def poll(self) -> int | None:
         return self.wait(0, raise_timeout=False)
 
     def wait(self, timeout: float | None = None, raise_timeout: bool = True) -> int | None:
-        if self.returncode is None:
-            if select.select([self._conn], [], [], timeout)[0]:
-                status = _read_line(self._conn, 60)
-                self._conn.close()
-                if status is None:
+        with self._waiting:
+            if self.returncode is None:
+                if self._conn.fileno() == -1:
                     raise RuntimeError(f"the zygote is gone: the exit status of pid {self.pid} is unknown")
-                self.returncode = int(status)
-            elif raise_timeout:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-        return self.returncode
+                if select.select([self._conn], [], [], timeout)[0]:
+                    status = _read_line(self._conn, 60)
+                    self._conn.close()
+                    if status is None:
+                        raise RuntimeError(f"the zygote is gone: the exit status of pid {self.pid} is unknown")
+                    self.returncode = int(status)
+                elif raise_timeout:
+                    raise subprocess.TimeoutExpired(self.args, timeout)
+            return self.returncode
 
     def send_signal(self, sig: int) -> None:
-        if self.poll() is None:  # not reaped by the zygote, so the pid is not reused
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
+        with contextlib.suppress(RuntimeError):  # a zygote gone: the child lives on, and is signalled
+            if self.poll() is not None:  # reaped: its pid may be another process's now
+                return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, sig)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -104,7 +116,11 @@ class Zygote:
         self._log = folder / "zygote.err"
         with open(self._log, "wb") as err:
             self._proc = subprocess.Popen(
-                [sys.executable, str(_HERE), self._socket], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err
+                [sys.executable, str(_HERE), self._socket],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                env=self.env,
             )
         ready = select.select([self._proc.stdout], [], [], 600)[0] and self._proc.stdout.readline()
         problem = self._log.read_text(errors="replace")
@@ -128,7 +144,7 @@ class Zygote:
         request = {
             "args": args,
             "env": env,
-            "cwd": str(cwd or os.getcwd()),
+            "cwd": os.path.abspath(cwd or os.getcwd()),  # a relative one is the caller's, not the zygote's
             "stdout": str(stdout or os.devnull),
             "append": append,
             "stderr": "stdout" if stderr == subprocess.STDOUT else str(stderr or os.devnull),
@@ -160,6 +176,9 @@ class Zygote:
             child.kill()
             child.wait()
             raise subprocess.TimeoutExpired(child.args, timeout, *_texts(out, err)) from None
+        except BaseException:  # interrupted (a test's timeout, Ctrl-C): killed, as subprocess.run kills it
+            child.kill()
+            raise
         return child.returncode, *_texts(out, err)
 
     def close(self) -> None:
@@ -208,7 +227,6 @@ def _serve(path: str) -> None:
 
     warm_up()  # every kernel, loaded from numba's cache (the tests' compiled_kernels filled it)
     del sys.modules["weightsync.cli"]  # run afresh as __main__ by each child, as -m does, and without runpy's warning
-    import threading
 
     if threading.active_count() != 1:  # a fork copies no thread: a child would lack it
         print(f"the zygote has {threading.active_count()} threads: it cannot fork", file=sys.stderr, flush=True)
@@ -227,16 +245,24 @@ def _serve(path: str) -> None:
                     return
             elif key.data == "connection":
                 conn, _ = listener.accept()
-                request = json.loads(_read_line(conn, 60) or "null")
-                if request is None:
+                try:  # this file's client sends its line at once: another gets 5 s, not the whole loop
+                    request = json.loads(_read_line(conn, 5) or "null")
+                except ValueError:
+                    request = None
+                if not isinstance(request, dict):
                     conn.close()
                     continue
                 sys.stdout.flush()
                 sys.stderr.flush()
                 pid = os.fork()
                 if pid == 0:
-                    _child(request, start)  # never returns
-                conn.sendall(f"{pid}\n".encode())
+                    try:
+                        _child(request, start)  # never returns
+                    finally:  # its set-up failed (a folder gone, a file it cannot open): printed, exit 1
+                        traceback.print_exc()
+                        os._exit(1)
+                with contextlib.suppress(OSError):  # a client gone: the child still ends, and is reaped
+                    conn.sendall(f"{pid}\n".encode())
                 events.register(os.pidfd_open(pid), selectors.EVENT_READ, (pid, conn))
             else:
                 pid, conn = key.data
@@ -253,8 +279,6 @@ def _child(request: dict, start: str) -> None:
     its teardown."""
     import atexit
     import runpy
-    import threading
-    import traceback
 
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -272,6 +296,8 @@ def _child(request: dict, start: str) -> None:
     os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # the zygote's socket, selector and other children's: as close_fds
     os.environ.clear()
     os.environ.update(request["env"])
+    if "numpy" in sys.modules:  # numpy's global generator, seeded once in the zygote: seeded afresh, as at a start
+        sys.modules["numpy"].random.seed()
     os.chdir(request["cwd"] or start)
     sys.path[0] = os.getcwd()  # as -m sets it
     sys.argv = ["-m", *request["args"]]  # runpy sets argv[0] to the module's file, as -m does
@@ -286,7 +312,7 @@ def _child(request: dict, start: str) -> None:
             print(exc.code, file=sys.stderr)
             code = 1
     except BaseException as exc:  # noqa: BLE001 - printed as the interpreter prints it, and the same exit
-        traceback.print_exc()
+        sys.excepthook(*sys.exc_info())
         interrupted, code = isinstance(exc, KeyboardInterrupt), 1
     threading._shutdown()  # the interpreter's own steps at exit, in its order
     atexit._run_exitfuncs()
@@ -295,7 +321,7 @@ def _child(request: dict, start: str) -> None:
     if interrupted:  # an unhandled Ctrl-C ends the process by SIGINT, as the interpreter does
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
-    os._exit(code)
+    os._exit(code & 0xFF)  # as the interpreter's exit status: sys.exit(256) and sys.exit(2**40) are 0
 
 
 if __name__ == "__main__":
