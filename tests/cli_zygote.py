@@ -72,22 +72,30 @@ class Forked:
         self._waiting = threading.Lock()  # as Popen's: one reader of the status at a time
 
     def poll(self) -> int | None:
-        return self.wait(0, raise_timeout=False)
+        if not self._waiting.acquire(blocking=False):
+            return None  # another thread waits for it: as Popen's poll answers then
+        try:
+            return self._status(0)
+        finally:
+            self._waiting.release()
 
-    def wait(self, timeout: float | None = None, raise_timeout: bool = True) -> int | None:
+    def wait(self, timeout: float | None = None) -> int:
         with self._waiting:
-            if self.returncode is None:
-                if self._conn.fileno() == -1:
-                    raise RuntimeError(f"the zygote is gone: the exit status of pid {self.pid} is unknown")
-                if select.select([self._conn], [], [], timeout)[0]:
-                    status = _read_line(self._conn, 60)
-                    self._conn.close()
-                    if status is None:
-                        raise RuntimeError(f"the zygote is gone: the exit status of pid {self.pid} is unknown")
-                    self.returncode = int(status)
-                elif raise_timeout:
-                    raise subprocess.TimeoutExpired(self.args, timeout)
+            if self._status(timeout) is None:
+                raise subprocess.TimeoutExpired(self.args, timeout)
             return self.returncode
+
+    def _status(self, timeout: float | None) -> int | None:
+        if self.returncode is None:
+            if self._conn.fileno() == -1:
+                raise RuntimeError(f"the zygote is gone: the exit status of pid {self.pid} is unknown")
+            if select.select([self._conn], [], [], timeout)[0]:
+                status = _read_line(self._conn, 60)
+                self._conn.close()
+                if status is None:
+                    raise RuntimeError(f"the zygote is gone: the exit status of pid {self.pid} is unknown")
+                self.returncode = int(status)
+        return self.returncode
 
     def send_signal(self, sig: int) -> None:
         with contextlib.suppress(RuntimeError):  # a zygote gone: the child lives on, and is signalled
