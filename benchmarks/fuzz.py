@@ -1,5 +1,6 @@
 """End-to-end fuzzing of what a subscriber reads from a store: mutate a real stored manifest, chunk
-or head pointer, then pull (into an empty folder, and incrementally over the previous version).
+or head pointer, then pull (into an empty folder, incrementally over the previous version, and
+back from the next version: a rollback that undoes its deltas, reverse payloads included).
 
 The rule checked on every case: the pull raises a ``WeightsyncError`` (never another exception),
 or it succeeds and the folder holds the expected version byte for byte (never a wrong byte, and no
@@ -38,7 +39,7 @@ from weightsync.errors import WeightsyncError
 from weightsync.format.keys import chunk_key, version_key
 from weightsync.sync.pull import PullConfig
 
-TINY = dict(hidden=32, layers=1, experts=2, vocab=128)
+TINY = dict(hidden=64, layers=1, experts=2, vocab=256)  # some ans blocks list exceptions: reverse payloads
 MANIFEST_OPS = (
     "flip",
     "set",
@@ -320,13 +321,17 @@ class Outcome:
         return self.kind in ("wrong", "crash")
 
 
-def run_case(world: World, m: Mutation, work: Path, incremental: bool, version: int | None = None) -> Outcome:
+def run_case(
+    world: World, m: Mutation, work: Path, incremental: bool, version: int | None = None, rollback: bool = False
+) -> Outcome:
     """Apply ``m``, pull ``version`` (default: the head; fresh, or over the previous version's
-    replica), judge, restore."""
+    replica, or with ``rollback`` over the next version's: below the head only), judge, restore."""
     out = work / "out"
     shutil.rmtree(out, ignore_errors=True)
     target = max(world.versions) if version is None else version
     prev = max(0, target - 1)
+    if rollback:
+        prev, incremental = target + 1, True
     if incremental:
         shutil.copytree(world.replicas[prev], out, symlinks=True)
     before = tree(out)
@@ -388,12 +393,14 @@ def main(argv: list[str] | None = None) -> int:
             m = random_mutation(rng, world.versions)
             incremental = rng.random() < 0.5
             version = rng.choice([None, *world.versions[1:]])
-            o = run_case(world, m, work, incremental, version)
+            rollback = incremental and version is not None and version < max(world.versions) and rng.random() < 0.5
+            o = run_case(world, m, work, incremental, version, rollback)
             n += 1
             by_target[f"{m.target}:{m.op}"] += 1
             outcomes[o.kind if o.kind != "refused" else f"refused:{o.detail}"] += 1
             if o.violation:
-                how = f"{'incremental' if incremental else 'fresh'} pull of {'latest' if version is None else version}"
+                kind = "rollback" if rollback else "incremental" if incremental else "fresh"
+                how = f"{kind} pull of {'latest' if version is None else version}"
                 violations.append((str(m), how, f"{o.kind}: {o.detail}"))
     seconds = time.monotonic() - t0
     figures = {

@@ -35,15 +35,18 @@ MB = 1e6
 CODECS = {"ans": CodecConfig(), "sparse": CodecConfig(entropy_coder=False), "ac": CodecConfig(coder="ac")}
 
 
-def delta_bytes(repo, version: int) -> int:
-    """The bytes of the chunks holding ``version``'s deltas (a keyframe's own deltas, not its full payloads)."""
+def delta_bytes(repo, version: int, reverse: bool) -> int:
+    """The bytes of the chunks holding ``version``'s deltas (a keyframe's own deltas, not its full
+    payloads), or with ``reverse`` their reverse payloads (``ans``'s exception lists, in chunks of
+    their own: only a rollback reads them)."""
     m = repo.manifest(version)
     ids = set()
     for f in m.files:
         for s in f.segments:
             enc = s.delta if s.codec == "full" else s
-            if enc is not None and enc.payload is not None:
-                ids.update(m.chunks[p.chunk].id for p in enc.payload.parts)
+            p = None if enc is None or enc.payload is None else enc.payload.reverse if reverse else enc.payload
+            if p is not None:
+                ids.update(m.chunks[x.chunk].id for x in p.parts)
     return sum(c.size for c in m.chunks if c.id in ids)
 
 
@@ -87,7 +90,8 @@ def main() -> int:
                     if src not in held:
                         held[src] = root / f"held-{src}"
                         pull(store, held[src], src, config=PullConfig(fsync=False))
-                    delta = sum(delta_bytes(repo, v) for v in range(dst + 1, src + 1))
+                    delta = sum(delta_bytes(repo, v, False) for v in range(dst + 1, src + 1))
+                    reverse = sum(delta_bytes(repo, v, True) for v in range(dst + 1, src + 1))
                     rows.append(
                         {
                             "codec": name,
@@ -95,6 +99,7 @@ def main() -> int:
                             "keyframes": keyframes,
                             "pair": (src, dst),
                             "stored": delta,
+                            "reverse": reverse,
                             "before": rollback(store, held[src], root / "out", dst, False),
                             "after": rollback(store, held[src], root / "out", dst, True),
                         }
@@ -106,14 +111,15 @@ def main() -> int:
     print()
     print(
         "| deltas | keyframe every (keyframes) | rollback | delta chunks of the versions left MB "
-        "| before: from the keyframe MB (CPU s) | after: deltas undone MB (CPU s) | after / before |"
+        "| their reverse chunks MB | before: from the keyframe MB (CPU s) | after: deltas undone MB (CPU s) "
+        "| after / before |"
     )
-    print("|---|---|---|---:|---:|---:|---:|")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
         b, a = r["before"], r["after"]
         print(
             f"| {r['codec']} | {r['k']} ({', '.join(map(str, r['keyframes']))}) | {r['pair'][0]} -> {r['pair'][1]} "
-            f"| {r['stored'] / MB:.2f} | {b['bytes'] / MB:.2f} ({b['seconds']:.1f}) "
+            f"| {r['stored'] / MB:.2f} | {r['reverse'] / MB:.3f} | {b['bytes'] / MB:.2f} ({b['seconds']:.1f}) "
             f"| {a['bytes'] / MB:.2f} ({a['seconds']:.1f}) | {a['bytes'] / b['bytes']:.3f} |"
         )
     return 0

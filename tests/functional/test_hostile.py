@@ -617,10 +617,14 @@ def mutations(draw):
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-@given(m=mutations(), incremental=st.booleans(), version=st.sampled_from([None, 3, 4]))
-def test_fuzzed_store_objects_never_yield_a_wrong_byte(m, incremental, version, world, tmp_path):
-    outcome = fuzz.run_case(world, m, tmp_path, incremental, version)
-    assert not outcome.violation, f"{m} ({'incremental' if incremental else 'fresh'}): {outcome.kind}: {outcome.detail}"
+@given(m=mutations(), incremental=st.booleans(), version=st.sampled_from([None, 3, 4]), back=st.booleans())
+def test_fuzzed_store_objects_never_yield_a_wrong_byte(m, incremental, version, back, world, tmp_path):
+    """Fresh pulls, pulls over the previous version and rollbacks from the next (4 -> 3 undoes
+    keyframe 4's deltas from 3, with their reverse payloads)."""
+    rollback = back and incremental and version == 3
+    outcome = fuzz.run_case(world, m, tmp_path, incremental, version, rollback)
+    kind = "rollback" if rollback else "incremental" if incremental else "fresh"
+    assert not outcome.violation, f"{m} ({kind}): {outcome.kind}: {outcome.detail}"
 
 
 def test_a_publish_stores_again_a_chunk_that_holds_other_bytes(tmp_path, ws):

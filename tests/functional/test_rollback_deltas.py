@@ -17,7 +17,7 @@ from weightsync.codec.payload import CodecConfig
 from weightsync.demo import make_trajectory, write_safetensors
 from weightsync.errors import ChecksumError
 from weightsync.format.keys import chunk_key, signature_key, version_key
-from weightsync.format.manifest import Manifest, manifest_to_json
+from weightsync.format.manifest import Manifest, Payload, manifest_to_json
 from weightsync.format.safetensors import parse_safetensors_header
 from weightsync.local.state import read_state
 from weightsync.store.repo import open_repo
@@ -26,7 +26,7 @@ from weightsync.sync.publish import PublishConfig, publish
 from weightsync.sync.pull import PullConfig, pull, verify
 from weightsync.sync.selection import Selection, materialize
 
-TINY = {"hidden": 32, "layers": 1, "experts": 2, "vocab": 128}
+TINY = {"hidden": 64, "layers": 1, "experts": 2, "vocab": 256}  # ans: some blocks list exceptions (apart)
 FORWARD = PullConfig(backward=False)  # today's plan: from the keyframe, nothing undone
 
 
@@ -70,15 +70,23 @@ def at(store: Path, version: int, folder: Path) -> Path:
     return folder
 
 
-def delta_bytes(m: Manifest) -> int:
-    """The bytes of the chunks that hold ``m``'s deltas (a keyframe's own deltas, not its full payloads)."""
+def delta_bytes(m: Manifest, reverse: bool = True) -> int:
+    """The bytes of the chunks that hold ``m``'s deltas (a keyframe's own deltas, not its full
+    payloads), and (``reverse``) their reverse payloads."""
+    return sum(c.size for c in m.chunks if c.id in delta_chunks(m, reverse))
+
+
+def delta_chunks(m: Manifest, reverse: bool = True, forward: bool = True) -> set[str]:
+    """The chunks of ``m``'s delta payloads (``forward``) and of their reverse payloads (``reverse``)."""
     ids = set()
     for f in m.files:
         for s in f.segments:
             enc = s.delta if s.codec == "full" else s
             if enc is not None and enc.payload is not None:
-                ids.update(m.chunks[p.chunk].id for p in enc.payload.parts)
-    return sum(c.size for c in m.chunks if c.id in ids)
+                for p in (enc.payload if forward else None, enc.payload.reverse if reverse else None):
+                    if p is not None:
+                        ids.update(m.chunks[x.chunk].id for x in p.parts)
+    return ids
 
 
 def full_bytes(m: Manifest) -> int:
@@ -126,6 +134,45 @@ def test_the_plan_undoes_each_delta_newest_first(stores, codec):
     for f in plan.files:
         for r in f.recipes:
             assert [s.version for s in r.steps] == sorted((s.version for s in r.steps), reverse=True)
+
+
+def test_ans_keeps_its_exception_lists_apart_from_what_a_pull_forward_reads(stores, tmp_path):
+    """``ans`` deltas whose blocks list exceptions have reverse payloads, in chunks of their own: a
+    pull forward fetches none of them, a rollback through such a delta fetches them (and checks
+    them: test_a_damaged_reverse_payload...)."""
+    root, traj = stores
+    store = root / "ans"
+    repo = open_repo(store)
+    for v in (1, 2, 4, 5):
+        m = repo.manifest(v)
+        assert any(p.reverse is not None for p in Payload.all_in(m)), v
+        assert not delta_chunks(m, reverse=False) & delta_chunks(m, forward=False), v
+    out = at(store, 4, tmp_path / "out")
+    ahead = pull(store, out, 5)
+    m5 = repo.manifest(5)
+    reverse = delta_bytes(m5) - delta_bytes(m5, reverse=False)
+    assert reverse > 0 and 0 < ahead.fetched_bytes <= delta_bytes(m5, reverse=False)
+    back = pull(store, out, 4)
+    assert files_of(out) == files_of(traj[4]) and back.from_version == 5
+    assert back.fetched_bytes > ahead.fetched_bytes and back.fetched_bytes <= delta_bytes(m5)
+
+
+def test_a_damaged_reverse_payload_fails_the_rollback_and_keeps_the_old_version(stores, tmp_path):
+    root, traj = stores
+    store = tmp_path / "store"
+    shutil.copytree(root / "ans", store)
+    out = at(store, 5, tmp_path / "out")
+    for cid in delta_chunks(open_repo(store).manifest(5), forward=False):
+        path = store / chunk_key(cid)
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x5A
+        path.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError):
+        pull(store, out, 4)
+    assert read_state(out).version == 5 and files_of(out) == files_of(traj[5])
+    assert pull(store, out, 5).fetched_bytes == 0  # where it is: nothing to read
+    # a pull forward reads no reverse payload: from scratch, through the damaged version's deltas
+    assert files_of(at(store, 5, tmp_path / "fresh")) == files_of(traj[5])
 
 
 def test_with_ac_deltas_a_rollback_plans_from_the_keyframe(stores, tmp_path):
@@ -325,16 +372,18 @@ def test_a_partial_folder_rolls_back_by_deltas(sparse, tmp_path):
     assert after.fetched_bytes <= before.fetched_bytes - full + deltas
 
 
+@pytest.mark.parametrize("codec", ["sparse", "ans"])
 @pytest.mark.parametrize("mode", ["patch", "flip"])
-def test_torch_sink_rolls_back_by_deltas(tmp_path, mode):
+def test_torch_sink_rolls_back_by_deltas(tmp_path, mode, codec):
     """A sink following a store undoes the deltas too: the tensors rebuilt whole from the model's
-    bytes and checked (never patched from the payload alone), bit for bit the older version."""
+    bytes and checked (never patched from the payload alone), bit for bit the older version; with
+    ``ans``, reading the reverse payloads of the deltas whose blocks list exceptions."""
     torch = pytest.importorskip("torch")
     from weightsync.torch.sink import TorchSink
     from weightsync.torch.state_dict import StateDictPublisher
 
     g = torch.Generator().manual_seed(0)
-    sd = {"w": torch.randn(256, 64, generator=g), "h": torch.randn(128, 32, generator=g).to(torch.bfloat16)}
+    sd = {"w": torch.randn(256, 64, generator=g), "h": torch.randn(512, 64, generator=g).to(torch.bfloat16)}
     sds = [sd]
     for _ in range(3):
         sd = {k: v.clone() for k, v in sd.items()}
@@ -343,11 +392,13 @@ def test_torch_sink_rolls_back_by_deltas(tmp_path, mode):
             idx = torch.randint(0, flat.numel(), (flat.numel() // 50,), generator=g)
             flat[idx] = flat[idx] * 1.01
         sds.append(sd)
-    cfg = PublishConfig(keyframe_interval=10, codec=CodecConfig(entropy_coder=False))
+    cfg = PublishConfig(keyframe_interval=10, codec=CodecConfig(entropy_coder=codec == "ans"))
     with StateDictPublisher(tmp_path / "store", config=cfg, work_dir=tmp_path / "work") as pub:
         for v, s in enumerate(sds):
             pub.publish(s, version=v)
     store = tmp_path / "store"
+    reverse = [p.reverse for v in (2, 3) for p in Payload.all_in(open_repo(store).manifest(v)) if p.reverse]
+    assert bool(reverse) == (codec == "ans")
     live = {k: v.clone() for k, v in sds[3].items()}
     if mode == "flip":
         live = {k: torch.nn.Parameter(v, requires_grad=False) for k, v in live.items()}
@@ -365,16 +416,18 @@ def test_torch_sink_rolls_back_by_deltas(tmp_path, mode):
     assert sink.verify() == 2
 
 
-def test_signed_versions_roll_back_by_deltas_with_every_sha256_checked(stores, tmp_path):
+@pytest.mark.parametrize("codec", ["sparse", "ans"])
+def test_signed_versions_roll_back_by_deltas_with_every_sha256_checked(stores, tmp_path, codec):
     """With trusted keys each manifest on the way back is checked for its signature and each
-    undone payload carries its SHA-256 to be checked; a version on the way that is no longer
-    signed leaves no way back through it (the keyframe serves)."""
+    undone payload (and reverse payload) carries its SHA-256 to be checked; a version on the way
+    that is no longer signed leaves no way back through it (the keyframe serves)."""
     from weightsync.store.signing import SigningKey
 
     _, traj = stores
     key = SigningKey.generate()
     store = tmp_path / "store"
-    cfg = PublishConfig(codec=CodecConfig(entropy_coder=False), keyframe_interval=3, signing_key=key)
+    codecs = CodecConfig(entropy_coder=codec == "ans")
+    cfg = PublishConfig(codec=codecs, keyframe_interval=3, signing_key=key)
     for v, ckpt in enumerate(traj):
         publish(ckpt, store, v, config=cfg, base_dir=traj[v - 1] if v else None)
     repo = open_repo(store, trusted_keys=[key])
@@ -385,6 +438,8 @@ def test_signed_versions_roll_back_by_deltas_with_every_sha256_checked(stores, t
     plan = plan_pull(repo.chain(3), repo.manifest(5), ahead=ahead)
     back = [s for f in plan.files for r in f.recipes for s in r.steps if s.backward]
     assert back and all(len(s.sha256) == 64 for s in back)
+    reverse = [s.reverse for s in back if s.reverse is not None]
+    assert all(len(r.sha256) == 64 for r in reverse) and bool(reverse) == (codec == "ans")
     r = pull(repo, out, 3)
     assert files_of(out) == files_of(traj[3]) and r.fetched_bytes < full_bytes(repo.manifest(3)) / 4
     pull(repo, out, 5)

@@ -46,8 +46,9 @@ def changed(old: np.ndarray, frac: float, rng: np.random.Generator) -> np.ndarra
     return new
 
 
-def check_round_trip(dtype: str, old: np.ndarray, new: np.ndarray, data: bytes) -> None:
-    """Every decoder of ``ans`` turns ``data`` back into ``new`` (and the backward one into ``old``)."""
+def check_round_trip(dtype: str, old: np.ndarray, new: np.ndarray, data: bytes, reverse: bytes = b"") -> None:
+    """Every decoder of ``ans`` turns ``data`` back into ``new`` (and the backward one, given the
+    block's ``reverse`` part where its list is apart, into ``old``)."""
     for native in simd.KINDS:
         out = np.empty_like(old)
         ans.decode_block(dtype, memoryview(data), old, out, "test", native=native)
@@ -56,15 +57,15 @@ def check_round_trip(dtype: str, old: np.ndarray, new: np.ndarray, data: bytes) 
     ans.decode_block(dtype, memoryview(data), inplace, inplace, "test")
     assert np.array_equal(inplace, new)
     assert np.array_equal(ans.decode_reference(dtype, data, old), new)
-    assert np.array_equal(ans.decode_backward(dtype, data, new), old)
+    assert np.array_equal(ans.decode_backward(dtype, data, new, reverse=reverse), old)
     for native in simd.KINDS:
         back = np.empty_like(new)
         hasher = xxhash.xxh3_128()
-        ans.decode_block_backward(dtype, memoryview(data), new, back, "test", hasher, native=native)
+        ans.decode_block_backward(dtype, memoryview(data), new, back, "test", hasher, native=native, reverse=reverse)
         assert np.array_equal(back, old), (dtype, old.size, native)
         assert hasher.hexdigest() == xxhash.xxh3_128(old.tobytes()).hexdigest()
     inplace = new.copy()
-    ans.decode_block_backward(dtype, memoryview(data), inplace, inplace, "test")
+    ans.decode_block_backward(dtype, memoryview(data), inplace, inplace, "test", reverse=reverse)
     assert np.array_equal(inplace, old)
 
 
@@ -441,7 +442,8 @@ def test_the_encoder_still_writes_the_committed_golden_payload():
     """The encoder's bytes are pinned (the decoders' are by tests/unit/test_golden.py): a change meant
     to keep them (speed work) cannot change a plan, a count or a coder unnoticed while still
     round-tripping. A change meant to alter them commits the new payload beside the old ones, which
-    must keep decoding (``payload.bin`` is the first layout, ``payload3.bin`` today's)."""
+    must keep decoding (``payload.bin`` is the first layout, ``payload4.bin`` today's, with its
+    reverse payload ``reverse4.bin``)."""
     import json
     from pathlib import Path
 
@@ -454,6 +456,7 @@ def test_the_encoder_still_writes_the_committed_golden_payload():
     new = decode_tensor("BF16", "ans", payload, old, spec["nbytes"])
     enc = encode_tensor("BF16", new, old, CodecConfig(block_bytes=65536, dense_above=1.0))
     assert enc.codec == "ans" and enc.payload == payload
+    assert enc.reverse == (golden / "ans" / spec["reverses"][spec["payloads"][-1]]).read_bytes()
     for earlier in spec["payloads"][:-1]:  # earlier layouts of the same step: larger
         first = (golden / "ans" / earlier).read_bytes()
         assert np.array_equal(decode_tensor("BF16", "ans", first, old, spec["nbytes"]), new)

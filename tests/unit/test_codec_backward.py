@@ -59,14 +59,16 @@ CODECS = ("dense", "sparse", "ans")
 SMALL_BLOCKS = CodecConfig(block_bytes=64)  # blocks of a few elements: their edges are crossed too
 
 
-def encode_with(codec: str, dtype: str, old: np.ndarray, new: np.ndarray) -> bytes:
-    """The payload of ``codec`` itself (not whichever ``encode_tensor`` would choose)."""
-    return bytes(_encode_payload(registry.get(codec), dtype, old, new, SMALL_BLOCKS)[0])
+def encode_with(codec: str, dtype: str, old: np.ndarray, new: np.ndarray) -> tuple[bytes, bytes]:
+    """The payload of ``codec`` itself (not whichever ``encode_tensor`` would choose) and its
+    reverse payload (``ans``'s exception lists; b"" for the others)."""
+    payload, _, reverse = _encode_payload(registry.get(codec), dtype, old, new, SMALL_BLOCKS)
+    return bytes(payload), bytes(reverse)
 
 
-def encoded(codec: str, dtype: str, n: int, frac: float, seed: int) -> tuple[bytes, np.ndarray, np.ndarray]:
+def encoded(codec: str, dtype: str, n: int, frac: float, seed: int) -> tuple[bytes, bytes, np.ndarray, np.ndarray]:
     old, new = pair(dtype, n, frac, seed)
-    return encode_with(codec, dtype, old, new), old, new
+    return *encode_with(codec, dtype, old, new), old, new
 
 
 def test_which_codecs_are_invertible():
@@ -94,23 +96,25 @@ def test_backward_gives_the_base_back_exactly(codec, dtype, n, frac, seed, slice
     """Into a fresh buffer, into a given one and in place, hashing exactly the result, across
     blocks of a few elements and slices of a few bytes."""
     assume(registry.get(codec).supports(dtype))  # ans: elements of up to 4 bytes
-    payload, old, new = encoded(codec, dtype, n, frac, seed)
+    payload, rev, old, new = encoded(codec, dtype, n, frac, seed)
     saved, codec_streams.SLICE_BYTES = codec_streams.SLICE_BYTES, slice_bytes
     try:
-        out = decode_tensor_backward(dtype, codec, payload, raw(new), new.nbytes)
+        out = decode_tensor_backward(dtype, codec, payload, raw(new), new.nbytes, reverse=rev)
         assert np.array_equal(out, raw(old))
         buf = np.full(new.nbytes, 0xA5, np.uint8)
-        assert decode_tensor_backward(dtype, codec, payload, raw(new), new.nbytes, out=buf) is buf
+        assert decode_tensor_backward(dtype, codec, payload, raw(new), new.nbytes, out=buf, reverse=rev) is buf
         assert np.array_equal(buf, raw(old))
         inplace = raw(new).copy()
         hasher = xxhash.xxh3_128()
-        got = decode_tensor_backward(dtype, codec, payload, inplace, new.nbytes, out=inplace, hasher=hasher)
+        got = decode_tensor_backward(
+            dtype, codec, payload, inplace, new.nbytes, out=inplace, hasher=hasher, reverse=rev
+        )
         assert got is inplace and np.array_equal(inplace, raw(old))
         assert hasher.hexdigest() == xxhash.xxh3_128_hexdigest(raw(old))
         for into in (None, raw(new).copy()):  # fed by the kernels (weightsync.codec.hashing), fresh and in place
             fed = hashing.hasher()
             got = decode_tensor_backward(
-                dtype, codec, payload, raw(new) if into is None else into, new.nbytes, into, hasher=fed
+                dtype, codec, payload, raw(new) if into is None else into, new.nbytes, into, hasher=fed, reverse=rev
             )
             assert np.array_equal(got, raw(old)) and fed.hexdigest() == hasher.hexdigest()
     finally:
@@ -123,8 +127,8 @@ def test_wrapping_edges_and_specials_run_backward():
     old = np.array([0, 0xFFFF, 0x7FFF, 0x8000, 0x7FC1, 0xFF80, 1, 2], dtype="<u2")
     new = np.array([0xFFFF, 0, 0x8000, 0x7FFF, 0x7FC2, 0x0000, 1, 2], dtype="<u2")
     for codec in CODECS:
-        payload = encode_with(codec, "BF16", old, new)
-        assert np.array_equal(decode_tensor_backward("BF16", codec, payload, raw(new), 16), raw(old))
+        payload, rev = encode_with(codec, "BF16", old, new)
+        assert np.array_equal(decode_tensor_backward("BF16", codec, payload, raw(new), 16, reverse=rev), raw(old))
 
 
 def test_same_runs_backward_as_a_copy():
@@ -144,7 +148,7 @@ def test_codecs_that_cannot_run_backward_are_refused(codec):
 
 
 def test_argument_errors():
-    payload, old, new = encoded("sparse", "BF16", 64, 0.1, 2)
+    payload, _, old, new = encoded("sparse", "BF16", 64, 0.1, 2)
     with pytest.raises(FormatError):
         decode_tensor_backward("BF16", "sparse", payload, raw(new)[:-2], new.nbytes)  # result of another size
     with pytest.raises(FormatError):
@@ -219,7 +223,7 @@ def test_hostile_sparse_blocks_backward_are_format_errors(attack, slice_bytes, i
 
 
 def test_hostile_dense_blocks_backward_are_format_errors():
-    payload, old, new = encoded("dense", "BF16", 8, 0.5, 3)
+    payload, _, old, new = encoded("dense", "BF16", 8, 0.5, 3)
     for cut in range(1, len(payload)):
         with pytest.raises(FormatError):
             decode_tensor_backward("BF16", "dense", payload[:cut], raw(new), new.nbytes)
@@ -233,8 +237,8 @@ def test_rebuild_mixes_forward_and_backward_steps_and_checks_the_result(codec):
     v0, v1 = pair(dtype, 500, 0.05, 4)
     a, b = pair(dtype, 500, 0.05, 5)
     v2 = v1 + (b - a)  # another change on top of v1
-    p1, p2 = encode_with(codec, dtype, v0, v1), encode_with(codec, dtype, v1, v2)
-    back = [(codec, lambda: p2, True), (codec, lambda: p1, True)]
+    (p1, r1), (p2, r2) = encode_with(codec, dtype, v0, v1), encode_with(codec, dtype, v1, v2)
+    back = [(codec, lambda: p2, True, lambda: r2), (codec, lambda: p1, True, lambda: r1)]
     h0 = xxhash.xxh3_128_hexdigest(raw(v0))
     assert np.array_equal(rebuild(dtype, v0.nbytes, h0, raw(v2).copy(), back, "t"), raw(v0))
     base = raw(v2).copy()
@@ -242,11 +246,15 @@ def test_rebuild_mixes_forward_and_backward_steps_and_checks_the_result(codec):
     assert got is base and np.array_equal(base, raw(v0))
     h1 = xxhash.xxh3_128_hexdigest(raw(v1))
     assert np.array_equal(rebuild(dtype, v1.nbytes, h1, raw(v2), back[:1], "t"), raw(v1))
-    mixed = [(codec, lambda: p1, False), (codec, lambda: p1, True)]  # there and back
+    mixed = [(codec, lambda: p1, False), (codec, lambda: p1, True, lambda: r1)]  # there and back
     assert np.array_equal(rebuild(dtype, v0.nbytes, h0, raw(v0), mixed, "t"), raw(v0))
     # the wrong delta: other bytes, or (ans) a block whose contexts do not fit them
     with pytest.raises(ChecksumError if codec != "ans" else (ChecksumError, FormatError)):
-        rebuild(dtype, v1.nbytes, h1, raw(v2), [(codec, lambda: p1, True)], "t")
+        rebuild(dtype, v1.nbytes, h1, raw(v2), [(codec, lambda: p1, True, lambda: r1)], "t")
+    if r2:  # its reverse payload left out, or another's given: refused, never other bytes
+        for wrong in (None, lambda: r1):
+            with pytest.raises((ChecksumError, FormatError)):
+                rebuild(dtype, v1.nbytes, h1, raw(v2), [(codec, lambda: p2, True, wrong)], "t")
     with pytest.raises(FormatError, match="without the bytes it undoes"):
         rebuild(dtype, v1.nbytes, h1, None, back[:1], "t")
 
@@ -256,15 +264,39 @@ def test_fuzzed_backward_payloads_decode_or_raise_format_errors():
     FormatError/UsageError, never anything else (hypothesis-driven in test_codec's fuzz test too)."""
     rng = np.random.default_rng(6)
     for codec in CODECS:
-        payload, old, new = encoded(codec, "U16", 40, 0.3, 7)
+        old, new = pair("BF16", 2000, 0.3, 7)
+        payload, _, rev = _encode_payload(registry.get(codec), "BF16", old, new, CodecConfig(block_bytes=8192))
+        payload, rev = bytes(payload), bytes(rev)
+        assert rev or codec != "ans"  # ans: a few blocks of 4096 elements, whose exception lists are apart
         for _ in range(300):
-            data = bytearray(payload)
+            which = bool(rev) and rng.random() < 0.5  # the payload or its reverse payload damaged
+            data = bytearray(rev if which else payload)
             for _ in range(rng.integers(1, 4)):
                 pos = int(rng.integers(0, len(data)))
                 data[pos] ^= 1 << int(rng.integers(0, 8))
+            p, r = (payload, bytes(data)) if which else (bytes(data), rev)
             try:
-                out = decode_tensor_backward("U16", codec, bytes(data), raw(new), new.nbytes)
+                out = decode_tensor_backward("BF16", codec, p, raw(new), new.nbytes, reverse=r)
             except WeightsyncError as exc:
                 assert isinstance(exc, (FormatError, UsageError)), type(exc)
             else:
                 assert out.size == new.nbytes
+
+
+def test_a_reverse_payload_is_refused_where_it_does_not_belong():
+    """One given to a codec that has none, one of another payload's block layout, a forward payload
+    given as one: refused before anything is decoded."""
+    old, new = pair("BF16", 6000, 0.3, 8)
+    ans = registry.get("ans")
+    payload, _, rev = _encode_payload(ans, "BF16", old, new, CodecConfig(block_bytes=8192))  # 2 blocks
+    whole, _, one = _encode_payload(ans, "BF16", old, new, CodecConfig())  # one block
+    sparse, _ = encode_with("sparse", "BF16", old, new)
+    assert rev and one
+    with pytest.raises(FormatError, match="has no reverse payload"):
+        decode_tensor_backward("BF16", "sparse", sparse, raw(new), new.nbytes, reverse=rev)
+    with pytest.raises(FormatError, match="reverse payload"):
+        decode_tensor_backward("BF16", "ans", payload, raw(new), new.nbytes, reverse=payload)
+    with pytest.raises(FormatError, match="blocks are not the payload's"):
+        decode_tensor_backward("BF16", "ans", payload, raw(new), new.nbytes, reverse=one)
+    assert np.array_equal(decode_tensor_backward("BF16", "ans", payload, raw(new), new.nbytes, reverse=rev), raw(old))
+    assert np.array_equal(decode_tensor_backward("BF16", "ans", whole, raw(new), new.nbytes, reverse=one), raw(old))

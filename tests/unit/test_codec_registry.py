@@ -50,7 +50,7 @@ def test_a_payload_for_a_dtype_the_codec_does_not_take_is_refused():
     old = np.zeros(64, np.uint8)
     new = old.copy()
     new[::8] = 1
-    payload, _ = _encode_payload(registry.get("ac"), "U32", old.view("<u8"), new.view("<u8"), CodecConfig())
+    payload, _, _ = _encode_payload(registry.get("ac"), "U32", old.view("<u8"), new.view("<u8"), CodecConfig())
     with pytest.raises(FormatError, match="does not take F64"):
         decode_tensor("F64", "ac", payload, old, new.size)
 
@@ -73,7 +73,7 @@ def test_a_codec_is_added_by_one_class():
         old = rng.integers(0, 256, 4000, dtype=np.uint8)
         new = old.copy()
         new[::7] += 3
-        payload, changed = _encode_payload(
+        payload, changed, _ = _encode_payload(
             registry.get("raw-test"), "BF16", old.view("<u2"), new.view("<u2"), CodecConfig(block_bytes=512)
         )
         assert changed == np.count_nonzero(old.view("<u2") != new.view("<u2"))

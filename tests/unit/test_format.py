@@ -673,13 +673,21 @@ def _asdict_json(obj, fmt: str) -> bytes:
     from dataclasses import asdict
 
     doc = {"format": fmt, "format_version": FORMAT_VERSION, **asdict(obj)}
+
+    def payload(p: dict) -> None:
+        p["parts"] = [[x["chunk"], x["offset"], x["length"]] for x in p["parts"]]
+        if not p["sha256"]:
+            del p["sha256"]  # (written only when set: signed versions)
+        if p["reverse"] is None:
+            del p["reverse"]  # (written only when there is one: ans)
+        else:
+            payload(p["reverse"])
+
     for f in doc["files"]:
         for s in f["segments"]:
             for p in (s["payload"], (s["delta"] or {}).get("payload")):
                 if p is not None:
-                    p["parts"] = [[x["chunk"], x["offset"], x["length"]] for x in p["parts"]]
-                    if not p["sha256"]:
-                        del p["sha256"]  # (written only when set: signed versions)
+                    payload(p)
     doc["checksum"] = manifest_checksum(doc)
     return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
 
@@ -711,10 +719,11 @@ def test_the_writer_covers_every_field():
     seg_ = next(s for f in m.files for s in f.segments if s.delta is not None and s.payload is not None)
     assert set(fmt._segment_doc(seg_)) == {f.name for f in fields(Segment)}
     assert set(fmt._file_doc(m.files[0])) == {f.name for f in fields(FileEntry)}
-    assert set(fmt._payload_doc(seg_.payload)) == {f.name for f in fields(Payload)} - {"sha256"}  # unset: left out
-    signed = replace(seg_.payload, sha256="0" * 64)
+    unset = {"sha256", "reverse"}  # left out
+    assert set(fmt._payload_doc(seg_.payload)) == {f.name for f in fields(Payload)} - unset
+    signed = replace(seg_.payload, sha256="0" * 64, reverse=replace(seg_.payload, sha256="1" * 64))
     assert set(fmt._payload_doc(signed)) == {f.name for f in fields(Payload)}
-    assert fmt._payload(fmt._payload_doc(signed), m.chunks, "p") == signed  # and read back
+    assert fmt._payload(fmt._payload_doc(signed), m.chunks, "p", "ans") == signed  # and read back
     with pytest.raises(FormatError, match="sha256"):
         fmt._payload({**fmt._payload_doc(signed), "sha256": "XYZ"}, m.chunks, "p")
     assert set(fmt._segment_doc(seg_)["delta"]) == {f.name for f in fields(Delta)}
@@ -788,3 +797,68 @@ def test_overlapping_pauses_from_many_threads_leave_the_collector_on():
             assert gc.isenabled()
     finally:
         sys.setswitchinterval(interval)
+
+
+# --- reverse payloads (ans's exception lists apart) --------------------------------------------------
+def _with_reverse(keyframe: bool) -> Manifest:
+    """sample_manifest with an ``ans`` payload (a delta's, or a keyframe delta's) that has a reverse payload."""
+    m = sample_manifest(keyframe=keyframe, deltas=keyframe)
+    rev = Payload(4, H[33], (Piece(1, 60, 4),))
+    f0 = m.files[0]
+    segs = list(f0.segments)
+    if keyframe:
+        d = segs[1].delta
+        segs[1] = replace(segs[1], delta=Delta("ans", d.changed, replace(d.payload, reverse=rev)))
+    else:
+        segs[1] = replace(segs[1], codec="ans", payload=replace(segs[1].payload, reverse=rev))
+    return replace(m, files=(replace(f0, segments=tuple(segs)), *m.files[1:]))
+
+
+@pytest.mark.parametrize("keyframe", [False, True])
+def test_a_reverse_payload_round_trips_and_is_one_of_the_manifests_payloads(keyframe):
+    m = _with_reverse(keyframe)
+    data = manifest_to_json(m)
+    assert b'"reverse":{' in data and manifest_from_json(data) == m
+    assert data == _asdict_json(m, "weightsync.manifest")
+    rev = [p.reverse for p in Payload.all_in(m) if p.reverse is not None]
+    assert len(rev) == 1 and rev[0] in list(Payload.all_in(m))  # gc, mirrors and signatures see it
+
+
+def _edit_reverse(data: bytes, edit) -> bytes:
+    doc = json.loads(data)
+    for f in doc["files"]:
+        for s in f["segments"]:
+            for p in (s["payload"], (s["delta"] or {}).get("payload")):
+                if p is not None and "reverse" in p:
+                    edit(s, p)
+    doc.pop("checksum")
+    doc["checksum"] = manifest_checksum(doc)
+    return json.dumps(doc).encode()
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda s, p: s.update(codec="sparse"), "only a payload of ans has a reverse payload"),
+        (lambda s, p: p["reverse"].update(reverse=dict(p["reverse"])), "only a payload of ans"),
+        (lambda s, p: p["reverse"].update(parts=[[1, 62, 4]]), "outside its chunk"),
+        (lambda s, p: p["reverse"].update(size=5), "add up to"),
+        (lambda s, p: p["reverse"].update(xxh3="x"), "xxh3"),
+        (lambda s, p: p.update(reverse=[]), "must be an object"),
+    ],
+)
+def test_a_bad_reverse_payload_is_refused(edit, message):
+    data = manifest_to_json(_with_reverse(False))
+    with pytest.raises(FormatError, match=message):
+        manifest_from_json(_edit_reverse(data, edit))
+
+
+def test_a_lazy_mirror_never_leaves_out_a_keyframe_deltas_reverse_payload():
+    from weightsync.format.manifest import lazy_candidates
+
+    m = _with_reverse(True)
+    rev = next(p.reverse for p in Payload.all_in(m) if p.reverse is not None)
+    no_deltas = tuple(replace(f, segments=tuple(replace(s, delta=None) for s in f.segments)) for f in m.files)
+    full_only = replace(m, files=no_deltas)
+    assert m.chunks[rev.parts[0].chunk].id not in lazy_candidates(m)
+    assert lazy_candidates(full_only) == frozenset()  # a keyframe without deltas: nothing lazy

@@ -19,6 +19,7 @@ import xxhash
 import weightsync
 from weightsync.codec import decode_tensor, registry
 from weightsync.codec.payload import decode_tensor_backward
+from weightsync.errors import FormatError
 from weightsync.format.keys import HEAD_KEY, MARKER_KEY, chunk_key, parse_version_key, version_key
 from weightsync.format.manifest import check_marker, head_from_json, manifest_from_json
 
@@ -189,7 +190,7 @@ def test_fixture_is_untouched_by_the_tests():
     assert {p.name for p in root.iterdir()} == {"HEAD", "weightsync.json", "versions", "chunks"}
 
 
-@pytest.mark.parametrize("fixture", ["ac", "ans", "ans-derived", "ans-wide", "ans-nibbles"])
+@pytest.mark.parametrize("fixture", ["ac", "ans", "ans-derived", "ans-wide", "ans-nibbles", "ans-apart"])
 def test_committed_entropy_coded_payload_still_decodes(fixture):
     """The entropy coders' byte layouts must not drift: a payload made when the codec was added (2
     blocks of a bf16 tensor) must decode to the recorded bytes; ``ans``'s backward too, and so must
@@ -197,7 +198,9 @@ def test_committed_entropy_coded_payload_still_decodes(fixture):
     orders; nibble-coded buckets and the list carried by the sections' states), a step of small
     changes in its third (exceptions derived from the new values), a step that changes every element
     in its fourth (a wide rANS section, 32 states; then with carried bytes) and a step of a base
-    taken 4 times over whose nibble section is wide."""
+    taken 4 times over whose nibble section is wide; then the exception lists apart, in a reverse
+    payload that only the backward decode reads, and the Rice sections' first bytes carried by the
+    states (``ans-apart``)."""
     import zstandard
 
     d = GOLDEN / fixture
@@ -211,5 +214,11 @@ def test_committed_entropy_coded_payload_still_decodes(fixture):
         out = decode_tensor(spec["dtype"], spec["codec"], payload, old, spec["nbytes"])
         assert hashlib.sha256(out.tobytes()).hexdigest() == spec["sha256_new"], name
         assert np.count_nonzero(out.view("<u2") != old.view("<u2")) == spec["changed"]
-        if registry.get(codec).invertible:  # ans: backward too
-            assert np.array_equal(decode_tensor_backward(spec["dtype"], codec, payload, out, spec["nbytes"]), old)
+        if registry.get(codec).invertible:  # ans: backward too (with its reverse payload, where it has one)
+            rev = spec.get("reverses", {}).get(name)
+            reverse = (d / rev).read_bytes() if rev else b""
+            back = decode_tensor_backward(spec["dtype"], codec, payload, out, spec["nbytes"], reverse=reverse)
+            assert np.array_equal(back, old)
+            if reverse:  # without it, refused (its exceptions' old buckets are unknown), never other bytes
+                with pytest.raises(FormatError):
+                    decode_tensor_backward(spec["dtype"], codec, payload, out, spec["nbytes"])

@@ -223,6 +223,24 @@ def test_merge_lists_a_chunk_stored_by_two_ranks_once_and_keeps_keyframe_deltas(
     assert manifest_from_json(manifest_to_json(m)) == m
 
 
+def test_merge_renumbers_the_chunks_of_reverse_payloads_too():
+    def ans_blob(path):
+        f = blob(path, 10, 0, codec="ans")
+        s = f.segments[0]
+        p = replace(s.payload, reverse=Payload(2, H[61], (Piece(1, 0, 2),)))
+        return replace(f, segments=(replace(s, payload=p),))
+
+    parts = [
+        part(r, world=2, files=(ans_blob(f"f{r}"),), chunks=(ChunkRef(H[40 + r], 10), ChunkRef(H[44 + r], 2)))
+        for r in range(2)
+    ]
+    m = merge_parts(parts, head())
+    assert m.chunks == (ChunkRef(H[40], 10), ChunkRef(H[44], 2), ChunkRef(H[41], 10), ChunkRef(H[45], 2))
+    assert m.files[1].segments[0].payload.parts == (Piece(2, 0, 10),)
+    assert m.files[1].segments[0].payload.reverse.parts == (Piece(3, 0, 2),)
+    assert manifest_from_json(manifest_to_json(m)) == m
+
+
 def test_merge_of_the_first_version_on_an_empty_store():
     parts = [part(r, world=2, version=0, parent=None, keyframe=True) for r in range(2)]
     m = merge_parts(parts, None)

@@ -53,6 +53,10 @@ class Codec(ABC):
     give (``ans``); False where decoding needs the old values (``ac``'s contexts) or there is no
     base (``full``)."""
 
+    apart: ClassVar[bool] = False
+    """Whether a payload keeps what only a backward decode reads apart, in a reverse payload
+    (:meth:`encode_apart`; ``ans``'s exception lists): a forward pull then never fetches it."""
+
     def supports(self, dtype: str) -> bool:
         """Whether the codec takes elements of safetensors ``dtype`` (every dtype unless overridden)."""
         return dtype in ITEMSIZE
@@ -62,6 +66,14 @@ class Codec(ABC):
         """The block coding ``new`` against ``old`` (same length and unsigned view; None when not
         :attr:`needs_base`), and how many elements differ from ``old`` (all of them without one).
         Never modifies its arguments."""
+
+    def encode_apart(
+        self, dtype: str, old: np.ndarray | None, new: np.ndarray, config: CodecConfig
+    ) -> tuple[bytes, bytes, int]:
+        """:meth:`encode` of a codec whose blocks keep their backward-only part apart (:attr:`apart`):
+        the block, that part (empty where the block needs none) and the changed count. A backward
+        decode is given the part as ``reverse``."""
+        raise NotImplementedError(f"codec {self.name!r} keeps nothing apart")
 
     @abstractmethod
     def decode(

@@ -29,14 +29,18 @@ for a CPU whose ``pdep`` is fast but which lacks the vector expand (:data:`weigh
 Deltas run backward too (:func:`decode_backward`): a change that moves its element to another
 bucket or group is listed, with its old bucket and group unless its new value tells them (the
 top bit of its mantissa says from which side it crossed the exponent boundary), so the old block
-can be rebuilt from the new one (rollbacks fetch deltas, not keyframes). The list's first bytes
-ride in the rANS sections' states, 2 a state (:data:`CARRIED`): a state starts at 2^16 plus them,
-which a decoder finds where it ends.
+can be rebuilt from the new one (rollbacks fetch deltas, not keyframes). A pull forward never
+reads the list, so it is kept apart (:data:`APART`, :func:`encode_block_apart`): the block's
+reverse part, in the payload's reverse payload, which only a rollback fetches. The rANS sections'
+states carry the block's Rice sections' first bytes instead, 2 a state (:data:`CARRIED`): a state
+starts at 2^16 plus them, which a decoder finds where it ends. (Blocks written before the flag
+hold their list, whose first bytes the states carry.)
 """
 
 from __future__ import annotations
 
 import threading
+from functools import partial
 
 import numpy as np
 
@@ -175,7 +179,14 @@ flags in the block's nibble section (:mod:`weightsync.codec.nibbles`), after the
 CARRIED = 0x40
 """Set in the header's buckets byte (with a coded exception list): the list's bit section is not in
 the header; its first bytes are carried by the rANS sections' states (2 bytes a state: each starts
-at 2^16 plus them, and a decoder ends there), the rest follow the last section."""
+at 2^16 plus them, and a decoder ends there), the rest follow the last section. With
+:data:`APART`: the states carry the Rice sections' first bytes, and the block holds the rest."""
+
+APART = 0x08
+"""Set in the header's buckets byte: the block holds no exception list (no count, no list); the list
+is the block's part of the payload's reverse payload (:func:`encode_block_apart`), which only a
+backward decode reads. With :data:`CARRIED` too, the states carry the Rice sections' first bytes
+instead (2 a state), and the block holds the rest of them in their place."""
 
 NIBBLE_CODE = 31 << 1
 """A bucket's code byte (a Rice parameter of 31, past the largest) when its positions are nibbles."""
@@ -857,11 +868,12 @@ def _rank_gaps(rk, off, c, n_b, inv):
 
 
 @njit(nogil=True)
-def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st, ranks, vec, nibbles):
+def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st, ranks, vec, nibbles, apart):
     """The block from the pass over its whole words (:func:`_scan_source`: its arrays in ``raw``, its
     state in ``st``; ``ranks``: the scan listed ranks, the portable kind, rather than bitmaps; ``vec``:
     compress-stores and wide rANS sections by vector steps, the native kind): the last, partial word,
-    then the header and sections."""
+    then the header and sections. Returns the block, the changed count and the block's reverse part
+    (empty unless ``apart``: the exception list then goes there, not in the block)."""
     n = old.size
     fmask = (1 << bits) - 1
     K = thr.size + 1
@@ -917,7 +929,7 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st, ranks, vec, n
             bm[b] = ZERO
     k = nv.sum()
     if k == 0:
-        return np.zeros(0, np.uint8), 0
+        return np.zeros(0, np.uint8), 0, np.zeros(0, np.uint8)
     cnt = np.zeros(K, np.int64)
     cb = np.zeros(K, np.int64)
     for b in range(K):
@@ -963,7 +975,7 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st, ranks, vec, n
     head[1] = (k >> 8) & 0xFF
     head[2] = (k >> 16) & 0xFF
     head[3] = (k >> 24) & 0xFF
-    head[4] = K | (EXC_CODED if ne else 0) | (WIDE if nv.max() >= WIDE_MIN else 0)
+    head[4] = K | (APART if apart else EXC_CODED if ne else 0) | (WIDE if nv.max() >= WIDE_MIN else 0)
     head[5] = shift
     head[6] = bits
     head[7] = G
@@ -974,9 +986,11 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st, ranks, vec, n
     for t in range(G - 1):
         head[hp] = vthr[t]
         hp += 1
-    hp = put_varint(head, hp, ne)
+    if not apart:
+        hp = put_varint(head, hp, ne)
     xl = 0
     xsec = np.zeros(2, np.uint8)
+    rev = np.zeros(0, np.uint8)
     if ne:  # the exceptions: Exp-Golomb codes of their gaps, each followed by its old bucket and group
         gaps = np.empty(ne, np.uint64)
         prevp = -1
@@ -998,12 +1012,20 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st, ranks, vec, n
             if x < 0 or lut[x] != lut[eo] or gvt[x] != gvt[eo]:
                 derived = False
         tb = 0 if derived else 4
-        head[hp] = hx | (EXC_DERIVED if derived else 0)
         xl = (nbits + tb * ne + 7) // 8
-        hp = put_varint(head, hp + 1, xl)
         xsec = np.zeros(xl + 2, np.uint8)  # carried by the rANS sections' states, the rest at the block's end
         eg_section(gaps, hx, tags, tb, xsec)
-        head[4] |= CARRIED
+        if apart:  # the reverse part: varint e, the order byte, the bit section
+            rev = np.empty(xl + 6, np.uint8)
+            rp = put_varint(rev, 0, ne)
+            rev[rp] = hx | (EXC_DERIVED if derived else 0)
+            rev[rp + 1 : rp + 1 + xl] = xsec[:xl]
+            rev = rev[: rp + 1 + xl]
+            xl = 0
+        else:
+            head[hp] = hx | (EXC_DERIVED if derived else 0)
+            hp = put_varint(head, hp + 1, xl)
+            head[4] |= CARRIED
     # the nibble section: at most a word a nibble, 4 k + 32 K nibbles (its buckets' density is 1/16 or more)
     body = np.empty(64 * K + 64 * G + 20 * k + 16 * nesc + 128 * LANES * K + 4 * WIDE_LANES * (G + 1) + xl, np.uint8)
     bp = 0
@@ -1036,6 +1058,10 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st, ranks, vec, n
         bp += rl
         head[hp] = kr * 2 + inv
         hp = put_varint(head, hp + 1, rl)
+    if apart and bp:  # the states carry the Rice sections' first bytes (left out of the block below)
+        xl = bp
+        xsec = np.zeros(xl + 2, np.uint8)
+        xsec[:xl] = body[:xl]
     # the sections' states, in order, carry the exception list's first bytes (2 a state): how many
     ends, freqs = nibble_runs(nib_b, cnt, cb)
     total = ends[-1] if ends.size else 0
@@ -1044,6 +1070,8 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st, ranks, vec, n
         if nv[g]:
             states += WIDE_LANES if nv[g] >= WIDE_MIN else LANES
     held = min(xl, 2 * states)
+    if apart and held:
+        head[4] |= CARRIED
     ci = 0  # the next carrying state
     if nib_b.any():
         head[4] |= NIBBLES
@@ -1102,12 +1130,16 @@ def _encode(old, new, shift, bits, width_bits, thr, vthr, raw, st, ranks, vec, n
             ci += LANES
         bp += rl
         hp = put_varint(head, hp, rl)
-    body[bp : bp + xl - held] = xsec[held:xl]  # the exception list's bytes no state carries
-    bp += xl - held
-    out = np.empty(hp + bp, np.uint8)
+    skip = 0  # the block leaves out the carried Rice bytes
+    if apart:
+        skip = held
+    else:
+        body[bp : bp + xl - held] = xsec[held:xl]  # the exception list's bytes no state carries
+        bp += xl - held
+    out = np.empty(hp + bp - skip, np.uint8)
     out[:hp] = head[:hp]
-    out[hp:] = body[:bp]
-    return out, k
+    out[hp:] = body[skip:bp]
+    return out, k, rev
 
 
 @njit(nogil=True)
@@ -1266,11 +1298,36 @@ def encode_block(
     dense: bool | None = None,
 ) -> tuple[bytes, int]:
     """The block coding ``new`` against ``old`` (unsigned views of ``dtype``'s width), and how many
-    elements changed; at most ``k`` buckets. ``split``: (bucket thresholds, group thresholds) to use
-    instead of the planned ones (tests and the warm-up reach every pass with it). ``nibbles``: dense
-    buckets' positions as nibbles (:mod:`weightsync.codec.nibbles`), else every bucket Rice-coded
-    (tests). ``dense``: whether the scan takes every word as changed (the same bytes either way; by
-    default the plan's choice, or not with ``split``)."""
+    elements changed, with its exception list in the block (the layout before :data:`APART`; what
+    a payload holds is :func:`encode_block_apart`'s); at most ``k`` buckets. ``split``: (bucket
+    thresholds, group thresholds) to use instead of the planned ones (tests and the warm-up reach
+    every pass with it). ``nibbles``: dense buckets' positions as nibbles
+    (:mod:`weightsync.codec.nibbles`), else every bucket Rice-coded (tests). ``dense``: whether the
+    scan takes every word as changed (the same bytes either way; by default the plan's choice, or
+    not with ``split``)."""
+    data, changed, _ = _encode_block(dtype, old, new, k, native, split, nibbles, dense, False)
+    return data, changed
+
+
+def encode_block_apart(
+    dtype: str,
+    old: np.ndarray,
+    new: np.ndarray,
+    k: int = BUCKETS,
+    native: int = NATIVE,
+    split=None,
+    nibbles: bool = True,
+    dense: bool | None = None,
+) -> tuple[bytes, bytes, int]:
+    """The block coding ``new`` against ``old`` with its exception list apart (:data:`APART`), that
+    list (the block's reverse part: empty when it has no exception) and how many elements changed;
+    the arguments as :func:`encode_block`'s. A forward decode reads the block alone; a backward one
+    the block and its reverse part (:func:`decode_block_backward`)."""
+    data, changed, rev = _encode_block(dtype, old, new, k, native, split, nibbles, dense, True)
+    return data, rev, changed
+
+
+def _encode_block(dtype, old, new, k, native, split, nibbles, dense, apart) -> tuple[bytes, int, bytes]:
     if old.size > MAX_BLOCK:  # the format's limit (docs/FORMAT.md): ranks and counts are 32-bit
         raise ValueError(f"ans: a block holds at most 2^31 elements, not {old.size}")
     if old.dtype.itemsize not in WIDTHS:  # the parser refuses 8-byte escapes (check 14)
@@ -1296,10 +1353,10 @@ def encode_block(
     # two calls, arrays made in numba: Python-side glue cost about 25 us a block (the trajectory's 127
     # tensors: 5% of their encode)
     _kernel("scan", K, G, scan)(old, new, thr, vthr, shift, bits, raw, st, bool(dense))
-    data, changed = _encode(
-        old, new, shift, bits, width, thr, vthr, raw, st, not uses_bmi2(scan), uses_vectors(scan), nibbles
+    data, changed, rev = _encode(
+        old, new, shift, bits, width, thr, vthr, raw, st, not uses_bmi2(scan), uses_vectors(scan), nibbles, apart
     )
-    return data.tobytes(), changed
+    return data.tobytes(), changed, rev.tobytes()
 
 
 # --- decoding -------------------------------------------------------------------------------------
@@ -1334,8 +1391,9 @@ def _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb, vec):
     if data.size < 8:
         return 1
     c = np.int64(data[0]) | np.int64(data[1]) << 8 | np.int64(data[2]) << 16 | np.int64(data[3]) << 24
-    K = np.int64(data[4]) & ~(EXC_CODED | WIDE | NIBBLES | CARRIED)
+    K = np.int64(data[4]) & ~(EXC_CODED | WIDE | NIBBLES | CARRIED | APART)
     coded = (np.int64(data[4]) & EXC_CODED) != 0
+    apart = (np.int64(data[4]) & APART) != 0
     wide = (np.int64(data[4]) & WIDE) != 0
     nibbles = (np.int64(data[4]) & NIBBLES) != 0
     carried = (np.int64(data[4]) & CARRIED) != 0
@@ -1343,8 +1401,8 @@ def _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb, vec):
     G = np.int64(data[7])
     if not (1 <= K <= MAX_K and 1 <= G <= MAX_G and 0 < c <= n and bits <= 8) or (bits == 0 and K + G != 2):
         return 2
-    if carried and not coded:  # only a coded list's bit section is carried
-        return 2
+    if (carried and not coded and not apart) or (apart and coded):  # a coded list's bit section is carried
+        return 2  # where the block holds one, else (apart) its Rice sections' first bytes
     pos = 8
     if data.size < pos + K + G - 2:
         return 3
@@ -1361,7 +1419,9 @@ def _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb, vec):
         if x < 1 or x >= (1 << bits) or (not first and x < data[pos + t - 1]):
             return 4
     pos += K + G - 2
-    ne, pos = get_varint(data, pos)
+    ne = 0  # apart: no list here (a backward decode reads it from the reverse part)
+    if not apart:
+        ne, pos = get_varint(data, pos)
     if ne < 0 or ne > c or (coded and (ne == 0 or pos >= data.size or data[pos] & ~EXC_DERIVED > EXC_ORDER)):
         return 5
     hdr[H_NE] = ne
@@ -1472,9 +1532,14 @@ def _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb, vec):
     for g in range(G):
         if mg[g]:
             states += WIDE_LANES if wide and mg[g] >= WIDE_MIN else LANES
+    rice_at = pos
+    if apart:  # the carried bytes are the Rice sections' first ones
+        xl = blen.sum()
     held = min(xl, 2 * states) if carried else 0
-    tail = xl - held if carried else 0  # the list's bytes no state carries
-    if pos + blen.sum() + plen + elen.sum() + rlen.sum() + tail != data.size:
+    if apart and carried and held == 0:
+        return 11
+    tail = xl - held if carried and not apart else 0  # the list's bytes no state carries
+    if pos + blen.sum() - (held if apart else 0) + plen + elen.sum() + rlen.sum() + tail != data.size:
         return 11
     carry = np.zeros(states, np.uint32)
     ci = 0
@@ -1492,14 +1557,13 @@ def _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb, vec):
         hdr[H_NEED_WORDS], hdr[H_NEED_DIFFS] = wbase[K] + 2, nd
         return -1
     words[: wbase[K] + 2] = 0
-    for b in range(K):
-        if cb[b] == 0 or nib_b[b]:
-            continue
-        ng = nb[b] - cb[b] if inv[b] else cb[b]
-        bad = rice_decode(data, pos, blen[b], ng, kr[b], nb[b], inv[b], words, wbase[b])
+    if apart and carried:  # decoded once the states give their first bytes, below
+        pos += blen.sum() - held
+    else:
+        bad = _rice_sections(data, pos, cb, nib_b, nb, inv, kr, blen, words, wbase)
         if bad:
             return bad
-        pos += blen[b]
+        pos += blen.sum()
     if nibbles:  # each nibble bucket's run, in bucket order, into its bitmap
         S = nibble_states
         nib = np.empty(total + 64, np.uint8)
@@ -1510,10 +1574,10 @@ def _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb, vec):
         for b in range(K):
             if nib_b[b]:
                 o0 = ends[r - 1] if r else 0
-                inv = 2 * cb[b] > nb[b]
-                if pack_nibbles(nib, o0, ends[r] - o0, words, wbase[b], nb[b]) != (nb[b] - cb[b] if inv else cb[b]):
+                inv_b = 2 * cb[b] > nb[b]
+                if pack_nibbles(nib, o0, ends[r] - o0, words, wbase[b], nb[b]) != (nb[b] - cb[b] if inv_b else cb[b]):
                     return 12
-                if inv:  # the run held its unchanged flags
+                if inv_b:  # the run held its unchanged flags
                     complement(words, wbase[b], nb[b])
                 r += 1
         pos += plen
@@ -1560,8 +1624,8 @@ def _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb, vec):
                     diffs[at] = (z >> ONE) ^ (ZERO - (z & ONE))
         if not clean_end(esec, bp, elen[g]):
             return 14
-    # what the states carried: the exception list's first bytes, 2 a state, the rest here; a state
-    # past them ends at 2^16 (every state, without a carried list)
+    # what the states carried: the exception list's first bytes (apart: the Rice sections'), 2 a
+    # state, the rest here; a state past them ends at 2^16 (every state, without carried bytes)
     sec = np.zeros(xl + 2, np.uint8)
     for q in range(states):
         lo, hi = 2 * q, 2 * q + 1
@@ -1570,11 +1634,29 @@ def _parse_into(data, n, width_bits, hdr, words, diffs, exc, exb, vec):
         if lo < held:
             sec[lo] = carry[q] & U32(0xFF)
             sec[hi] = carry[q] >> U32(8)
+    if apart and carried:
+        sec[held:xl] = data[rice_at : rice_at + xl - held]
+        return _rice_sections(sec, 0, cb, nib_b, nb, inv, kr, blen, words, wbase)
     if carried:
         sec[held:xl] = data[pos : pos + tail]
         bad = _exception_list(padded_words(sec, 0, xl), xl, ne, n, hx, tb, K, G, exc, exb)
         if bad:
             return bad
+    return 0
+
+
+@njit(nogil=True)
+def _rice_sections(data, pos, cb, nib_b, nb, inv, kr, blen, words, wbase):
+    """The Rice sections from ``pos`` in ``data``, in bucket order, into their buckets' bitmaps.
+    Returns 0 or the failed check's number."""
+    for b in range(cb.size):
+        if cb[b] == 0 or nib_b[b]:
+            continue
+        ng = nb[b] - cb[b] if inv[b] else cb[b]
+        bad = rice_decode(data, pos, blen[b], ng, kr[b], nb[b], inv[b], words, wbase[b])
+        if bad:
+            return bad
+        pos += blen[b]
     return 0
 
 
@@ -1634,6 +1716,29 @@ def _parse(data, n, width_bits, tmpl, vec):
         exb[:ne] if status == 0 else exb[:0],
         hdr[H_DERIVED] != 0,
     )
+
+
+def _reverse_list(reverse, n: int, c: int, K: int, G: int, bits: int, what: str) -> tuple:
+    """A block's reverse part (docs/FORMAT.md, "Reverse payloads"): the exceptions' positions, their
+    old bucket << 4 | group (0 when derived) and whether those are derived, for a block of ``n``
+    elements, ``c`` of them changed, with ``K`` buckets and ``G`` groups."""
+    if not len(reverse):
+        return np.zeros(0, np.int64), np.zeros(0, np.uint8), False
+    data = read_only_bytes(memoryview(reverse))
+    ne, pos = get_varint(data, 0)
+    xl = data.size - pos - 1
+    order = int(data[pos]) if xl >= 0 else 0
+    # each code is at least a bit: a count past that is refused before anything is made for it
+    if ne < 1 or ne > c or xl < 0 or ne > 8 * xl or (order & ~EXC_DERIVED) > EXC_ORDER:
+        raise FormatError(f"{what}: bad ans reverse part (its count or order)")
+    derived = (order & EXC_DERIVED) != 0
+    if derived and bits == 0:
+        raise FormatError(f"{what}: bad ans reverse part (derived without an exponent)")
+    exc, exb = np.empty(ne, np.int64), np.empty(ne, np.uint8)
+    sec = padded_words(data, pos + 1, xl)
+    if _exception_list(sec, xl, ne, n, order & ~EXC_DERIVED, 0 if derived else 4, K, G, exc, exb):
+        raise FormatError(f"{what}: bad ans reverse part (its list)")
+    return exc, exb, derived
 
 
 def _exponent_field(dtype: str, block: memoryview, what: str) -> tuple[int, int]:
@@ -1737,13 +1842,19 @@ class Parsed:
     and the backward decoder share. Raises :class:`FormatError` naming ``what`` for a block that
     does not parse, or whose exponent field is not ``dtype``'s."""
 
-    def __init__(self, dtype: str, block: memoryview, n: int, dt: np.dtype, what: str, native: int = NATIVE) -> None:
+    def __init__(
+        self, dtype: str, block: memoryview, n: int, dt: np.dtype, what: str, native: int = NATIVE, reverse=b""
+    ) -> None:
         shift, bits = _exponent_field(dtype, block, what)
         got = _parse(read_only_bytes(block), n, 8 * dt.itemsize, np.zeros(1, dt), uses_vectors(native))
         status, self.K, self.thr, self.vthr, self.nb, self.words, self.wbase, self.diffs, self.dstart, exc, exb, d = got
         if status:
             raise FormatError(f"{what}: bad ans block (check {status} failed)")
         self.G = self.vthr.size + 1
+        if block[4] & APART:  # the list is the block's reverse part (empty: no exception)
+            exc, exb, d = _reverse_list(reverse, n, int(self.dstart[-1]), self.K, self.G, bits, what)
+        elif len(reverse):
+            raise FormatError(f"{what}: an ans block that holds its exception list has no reverse part")
         self.shift, self.fmask = shift, (1 << bits) - 1
         self.exc, self.exb = exc, exb  # positions whose bucket or group the change moved; old bucket << 4 | group
         self.derived = bool(d)  # the old buckets and groups are not listed: derived from the new values
@@ -1877,23 +1988,34 @@ def _pass_over(K: int, G: int, native: int, src, out, lims, st, words, diffs, ha
 
 
 def decode_block_backward(
-    dtype: str, block: memoryview, new: np.ndarray, out: np.ndarray, what: str, hasher=None, native: int = NATIVE
+    dtype: str,
+    block: memoryview,
+    new: np.ndarray,
+    out: np.ndarray,
+    what: str,
+    hasher=None,
+    native: int = NATIVE,
+    reverse=b"",
 ) -> None:
     """Write into ``out`` (may be ``new``) the base ``block`` was coded against, from its result
     ``new``, by the forward pass: its contexts are ``new``'s but at the listed exceptions, whose
     exponent field is set to one in their old bucket and group; the differences are negated; the
     exceptions, whose values the pass took from that modified copy, are corrected after. Refuses a
-    ``new`` whose rebuilt base would not have the contexts the pass used."""
+    ``new`` whose rebuilt base would not have the contexts the pass used. ``reverse``: the block's
+    reverse part, for a block whose list is apart (:func:`encode_block_apart`)."""
     if out.shape != new.shape or out.dtype != new.dtype:
         raise ValueError(f"{what}: out is {out.dtype}{out.shape}, not {new.dtype}{new.shape} like the result")
     if not (new.flags.c_contiguous and out.flags.c_contiguous):
-        _through_contiguous(decode_block_backward, dtype, block, new, out, what, hasher, native)
+        decode = partial(decode_block_backward, reverse=reverse)
+        _through_contiguous(decode, dtype, block, new, out, what, hasher, native)
         return
     native = kind_of(native)  # refused even where no kernel runs
     if len(block) == 0:
+        if len(reverse):
+            raise FormatError(f"{what}: an empty ans block has no reverse part")
         copy(new, out, hasher)
         return
-    p = Parsed(dtype, block, new.size, new.dtype, what, native)
+    p = Parsed(dtype, block, new.size, new.dtype, what, native, reverse)
     ctx = new.copy()
     exc = p.exc
     field = new.dtype.type(p.fmask << p.shift)
@@ -1928,14 +2050,19 @@ def decode_reference(dtype: str, block: bytes | memoryview, old: np.ndarray, wha
     return out
 
 
-def decode_backward(dtype: str, block: bytes | memoryview, new: np.ndarray, what: str = "block") -> np.ndarray:
+def decode_backward(
+    dtype: str, block: bytes | memoryview, new: np.ndarray, what: str = "block", reverse=b""
+) -> np.ndarray:
     """The base ``block`` was coded against, from its result ``new``, by prefix sums and gathers
     (numpy; the reference of :func:`decode_block_backward`): each element's bucket and group from
     its new exponent but for the listed exceptions, then the changes subtracted. Refuses a ``new``
-    whose rebuilt base would not have had those buckets and groups."""
+    whose rebuilt base would not have had those buckets and groups. ``reverse`` as
+    :func:`decode_block_backward`'s."""
     if len(block) == 0:
+        if len(reverse):
+            raise FormatError(f"{what}: an empty ans block has no reverse part")
         return new.copy()
-    p = Parsed(dtype, memoryview(block), new.size, new.dtype, what)
+    p = Parsed(dtype, memoryview(block), new.size, new.dtype, what, reverse=reverse)
     buckets, groups = p.contexts(new)
     if p.exc.size:
         blut, glut = p.luts()
@@ -1959,6 +2086,7 @@ class Ans(Codec):
     id = 5
     name = "ans"
     invertible = True
+    apart = True
 
     def supports(self, dtype: str) -> bool:
         return ITEMSIZE.get(dtype) in WIDTHS
@@ -1969,8 +2097,11 @@ class Ans(Codec):
     def decode(self, dtype, block, old, out, what, hasher=None):
         decode_block(dtype, block, old, out, what, hasher)
 
-    def decode_backward(self, dtype, block, new, out, what, hasher=None):
-        decode_block_backward(dtype, block, new, out, what, hasher)
+    def encode_apart(self, dtype, old, new, config):
+        return encode_block_apart(dtype, old, new)
+
+    def decode_backward(self, dtype, block, new, out, what, hasher=None, reverse=b""):
+        decode_block_backward(dtype, block, new, out, what, hasher, reverse=reverse)
 
 
 def warm_up_steps() -> list[tuple[str, int, int]]:
@@ -1994,13 +2125,17 @@ def warm_up_step(dtype: str, K: int, G: int) -> None:
     new = old.copy()
     new[::7] += view.type(1)
     split = (np.arange(1, K) * ((1 << bits) // K), np.arange(1, G) * ((1 << bits) // G))
-    block, _ = encode_block(dtype, old, new, split=split)
+    shift = EXPONENT_FIELD.get(dtype, (0, 0))[0]
+    for i, t in enumerate(np.concatenate(split)):  # a change across each threshold: an exception each
+        old[3 + i] = view.type((int(t) - 1) << shift | ((1 << shift) - 1))
+        new[3 + i] = old[3 + i] + view.type(1)
+    block, rev, _ = encode_block_apart(dtype, old, new, split=split)  # as payloads hold them
     if NATIVE == BMI2 and bits:  # and the portable scan it takes for sparse sampled blocks (:func:`_scan_kind`)
-        encode_block(dtype, old, new, split=split, native=PORTABLE)
+        encode_block_apart(dtype, old, new, split=split, native=PORTABLE)
     out, back, fed = np.empty_like(old), np.empty_like(old), np.empty_like(old)
     decode_block(dtype, memoryview(block), old, out, "warm-up")
     decode_block(dtype, memoryview(block), old, fed, "warm-up", hashing.hasher())  # the pass that hashes
-    decode_block_backward(dtype, memoryview(block), new, back, "warm-up")
+    decode_block_backward(dtype, memoryview(block), new, back, "warm-up", reverse=rev)  # the list's reader too
     if not (np.array_equal(out, new) and np.array_equal(fed, new) and np.array_equal(back, old)):
         raise AssertionError(f"ans warm-up: {dtype} with {K} buckets and {G} groups did not round-trip")
 

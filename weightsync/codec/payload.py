@@ -5,7 +5,7 @@ rebuilding a tensor from a chain of payloads (docs/DESIGN.md)."""
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +18,7 @@ from weightsync.errors import ChecksumError, FormatError, UsageError
 from weightsync.format.dtypes import UINT_VIEW, itemsize
 
 MAGIC = b"WSP1"
+REVERSE_MAGIC = b"WSR1"  # a reverse payload: what only a backward decode reads (docs/FORMAT.md)
 
 
 _HEADER = struct.Struct("<4sBBHQQI")  # magic, codec id, elem width, reserved, n elems, block elems, n blocks
@@ -75,23 +76,34 @@ class EncodedTensor:
     codec: str
     payload: bytes | bytearray
     changed: int  # elements that differ from old (all of them for a full encoding)
+    reverse: bytes | bytearray = b""  # the reverse payload (:attr:`Codec.apart`), b"" when it has none
 
 
 # --- encoding ------------------------------------------------------------------------------------
 def _encode_payload(
     codec: Codec, dtype: str, old: np.ndarray | None, new: np.ndarray, cfg: CodecConfig
-) -> tuple[bytearray, int]:
+) -> tuple[bytearray, int, bytearray]:
+    """The payload, the changed count and the reverse payload (empty unless one of its blocks has a
+    reverse part: :attr:`Codec.apart`)."""
     width = new.dtype.itemsize
     step = cfg.block_elems(width)
     n_blocks = -(-new.size // step)
-    blocks, changed = [], 0
+    blocks, reverse, changed = [], [], 0
     for i in range(n_blocks):
         sl = slice(i * step, (i + 1) * step)
-        data, n = codec.encode(dtype, None if old is None else old[sl], new[sl], cfg)
+        base = None if old is None else old[sl]
+        if codec.apart:
+            data, rev, n = codec.encode_apart(dtype, base, new[sl], cfg)
+            reverse.append(rev)
+        else:
+            data, n = codec.encode(dtype, base, new[sl], cfg)
         blocks.append(data)
         changed += n
     head = _HEADER.pack(MAGIC, codec.id, width, 0, new.size, step, n_blocks)
-    return _assemble(head, blocks), changed
+    rev = bytearray()
+    if any(reverse):
+        rev = _assemble(_HEADER.pack(REVERSE_MAGIC, codec.id, width, 0, new.size, step, n_blocks), reverse)
+    return _assemble(head, blocks), changed, rev
 
 
 def _assemble(head: bytes, blocks: list[bytes]) -> bytearray:
@@ -125,18 +137,18 @@ def encode_tensor(
     """
     new_e = _as_elements(new, dtype, "new tensor")
     if old is None:
-        payload, changed = _encode_payload(registry.get("full"), dtype, None, new_e, config)
+        payload, changed, _ = _encode_payload(registry.get("full"), dtype, None, new_e, config)
         return EncodedTensor("full", payload, changed)
     old_e = _as_elements(old, dtype, "old tensor")
     if old_e.size != new_e.size:
         raise UsageError("old and new tensors differ in size; encode in full")
     codec = registry.get(delta_codec(dtype, config))
-    payload, changed = _encode_payload(codec, dtype, old_e, new_e, config)
+    payload, changed, reverse = _encode_payload(codec, dtype, old_e, new_e, config)
     if changed == 0:
         return EncodedTensor("same", b"", 0)
-    best = EncodedTensor(codec.name, payload, changed)
+    best = EncodedTensor(codec.name, payload, changed, reverse)
     if changed > config.dense_above * new_e.size:
-        dense, _ = _encode_payload(registry.get("dense"), dtype, old_e, new_e, config)
+        dense, _, _ = _encode_payload(registry.get("dense"), dtype, old_e, new_e, config)
         if len(dense) < len(best.payload):
             best = EncodedTensor("dense", dense, changed)
     return best
@@ -272,13 +284,15 @@ def payload_changes(
     return np.concatenate(idx), np.concatenate(diff)
 
 
-def _blocks(codec: Codec, payload: memoryview, width: int, n: int, what: str):
-    """``(elements, block, index)`` of each block of a payload, once its container is checked."""
+def _blocks(codec: Codec, payload: memoryview, width: int, n: int, what: str, magic: bytes = MAGIC):
+    """``(elements, block, index)`` of each block of a payload (a reverse payload with
+    :data:`REVERSE_MAGIC`), once its container is checked."""
     if len(payload) < _HEADER.size:
         raise FormatError(f"{what}: payload of {len(payload)} bytes is too short")
-    magic, cid, pw, _, pn, step, n_blocks = _HEADER.unpack_from(payload)
-    if magic != MAGIC or cid != codec.id:
-        raise FormatError(f"{what}: payload is not a {codec.name!r} payload")
+    got, cid, pw, _, pn, step, n_blocks = _HEADER.unpack_from(payload)
+    if got != magic or cid != codec.id:
+        kind = "reverse payload of" if magic == REVERSE_MAGIC else "payload"
+        raise FormatError(f"{what}: payload is not a {codec.name!r} {kind}")
     if pw != width or pn != n or not 0 < step <= MAX_BLOCK_ELEMS:
         raise FormatError(f"{what}: payload declares {pn} x {pw}-byte elements, expected {n} x {width}")
     if n_blocks != -(-n // step):
@@ -310,14 +324,16 @@ def decode_tensor_backward(
     out: np.ndarray | None = None,
     what: str = "tensor",
     hasher=None,
+    reverse: bytes | memoryview = b"",
 ) -> np.ndarray:
     """The base a delta payload was encoded against, from the tensor it decodes to: the inverse of
     :func:`decode_tensor` for codecs that are :attr:`~weightsync.codec.abc.Codec.invertible`
     (``same``, ``sparse``, ``dense``, ``ans``; not ``ac`` or ``full``). ``new`` holds the raw bytes the
     payload decodes to (1-D uint8 of ``nbytes``); the result goes into ``out`` if given, which may
     be ``new`` itself (in place; on an error ``new`` may be half overwritten). ``hasher`` as
-    :func:`decode_tensor`'s. Raises :class:`FormatError` for a codec that cannot run backward and
-    for a payload that does not match the declared codec, dtype or size."""
+    :func:`decode_tensor`'s. ``reverse``: the payload's reverse payload, if it has one
+    (:attr:`EncodedTensor.reverse`). Raises :class:`FormatError` for a codec that cannot run
+    backward and for a payload that does not match the declared codec, dtype or size."""
     width = itemsize(dtype)
     if nbytes % width:
         raise FormatError(f"{what}: {nbytes} bytes is not a whole number of {dtype} elements")
@@ -338,13 +354,26 @@ def decode_tensor_backward(
     if np.may_share_memory(out, new) and not same_memory(out, new):
         raise UsageError(f"{what}: output buffer overlaps the result without being it")
     out_e = out.view(UINT_VIEW[width])
+    if len(reverse) and (impl is None or not impl.apart):
+        raise FormatError(f"{what}: codec {codec!r} has no reverse payload")
     if impl is None:
         if len(payload):
             raise FormatError(f"{what}: codec 'same' carries no payload")
         copy(new_e, out_e, hasher)
         return out
-    for sl, block, i in _blocks(impl, memoryview(payload), width, out_e.size, what):
-        impl.decode_backward(dtype, block, new_e[sl], out_e[sl], f"{what} block {i}", hasher)
+    blocks = _blocks(impl, memoryview(payload), width, out_e.size, what)
+    if not impl.apart:
+        for sl, block, i in blocks:
+            impl.decode_backward(dtype, block, new_e[sl], out_e[sl], f"{what} block {i}", hasher)
+        return out
+    parts = _blocks(impl, memoryview(reverse), width, out_e.size, what, REVERSE_MAGIC) if len(reverse) else None
+    for sl, block, i in blocks:
+        rev = b""
+        if parts is not None:  # as many blocks as the payload (both declare n), each of the same elements
+            rsl, rev, _ = next(parts)
+            if rsl != sl:
+                raise FormatError(f"{what}: its reverse payload's blocks are not the payload's")
+        impl.decode_backward(dtype, block, new_e[sl], out_e[sl], f"{what} block {i}", hasher, reverse=rev)
     return out
 
 
@@ -353,13 +382,14 @@ def rebuild(
     nbytes: int,
     xxh3: str,
     base: np.ndarray | None,
-    steps: Sequence[tuple[str, Callable[[], bytes | memoryview]] | tuple[str, Callable[[], bytes | memoryview], bool]],
+    steps: Sequence[tuple],
     what: str = "tensor",
     in_place: bool = False,
 ) -> np.ndarray:
     """Apply ``steps`` in turn to ``base`` (each a codec and a function giving its payload, called
     only when that step is decoded, and optionally True for a step that runs backward: the delta
-    of a newer version undone, :func:`decode_tensor_backward`) and check the result's XXH3-128
+    of a newer version undone, :func:`decode_tensor_backward`, then optionally a function giving
+    that payload's reverse payload, or None where it has none) and check the result's XXH3-128
     against ``xxh3`` (hex): the hash is fed while the last decode writes. ``in_place``: ``base`` is
     the caller's to overwrite (a buffer read for this call), so each step decodes into it. Raises
     :class:`ChecksumError` for a wrong result, :class:`FormatError` for a bad payload or a recipe
@@ -376,7 +406,8 @@ def rebuild(
             if backward and backward[0]:
                 if cur is None:
                     raise FormatError(f"{what}: a backward step without the bytes it undoes")
-                cur = decode_tensor_backward(dtype, codec, payload(), cur, nbytes, out, what, feed)
+                reverse = backward[1]() if len(backward) > 1 and backward[1] is not None else b""
+                cur = decode_tensor_backward(dtype, codec, payload(), cur, nbytes, out, what, feed, reverse)
             else:
                 cur = decode_tensor(dtype, codec, payload(), cur, nbytes, out, what, feed)
         base, actual = cur, hasher.hexdigest()

@@ -36,6 +36,7 @@ from weightsync.format.keys import (
 ROLES = ("header", "tensor", "blob")
 SEGMENT_CODECS = ("same", "full", "sparse", "dense", "ac", "ans")  # docs/FORMAT.md; a new codec adds its name here
 DELTA_CODECS = tuple(c for c in SEGMENT_CODECS if c != "full")  # a keyframe's delta is never in full
+REVERSE_CODECS = ("ans",)  # whose payloads may have a reverse payload (docs/FORMAT.md, "Reverse payloads")
 _HEX = re.compile(r"[0-9a-f]{32}")
 
 
@@ -59,16 +60,18 @@ class Payload:
     xxh3: str
     parts: tuple[Piece, ...]
     sha256: str = ""  # signed versions: a cryptographic digest too (XXH3 is not one); "" when absent
+    reverse: Payload | None = None  # what only a backward decode reads (``ans``'s exception lists), apart
 
     @staticmethod
     def all_in(m: Manifest) -> Iterator[Payload]:
-        """Every payload ``m`` names (segments' and their keyframe deltas')."""
+        """Every payload ``m`` names (segments' and their keyframe deltas', and their reverse payloads)."""
         for f in m.files:
             for s in f.segments:
-                if s.payload is not None:
-                    yield s.payload
-                if s.delta is not None and s.delta.payload is not None:
-                    yield s.delta.payload
+                for p in (s.payload, None if s.delta is None else s.delta.payload):
+                    if p is not None:
+                        yield p
+                        if p.reverse is not None:
+                            yield p.reverse
 
 
 @dataclass(frozen=True)
@@ -258,6 +261,7 @@ def _payload_doc(p: Payload | None) -> dict | None:
             "xxh3": p.xxh3,
             "parts": [[x.chunk, x.offset, x.length] for x in p.parts],
             **({"sha256": p.sha256} if p.sha256 else {}),
+            **({"reverse": _payload_doc(p.reverse)} if p.reverse is not None else {}),
         }
     )
 
@@ -357,7 +361,8 @@ def _hex(doc: dict, key: str, what: str) -> str:
 # The readers below run once per tensor (70k times for a large MoE): checks are inlined on the
 # exact types JSON produces (``type(x) is int`` also refuses bools) and the helpers above only
 # run to word the error.
-def _payload(doc: Any, chunks: tuple[ChunkRef, ...], what: str) -> Payload:
+def _payload(doc: Any, chunks: tuple[ChunkRef, ...], what: str, codec: str = "") -> Payload:
+    """A payload of ``codec`` (which says whether it may have a reverse payload; none when not given)."""
     if type(doc) is not dict:
         raise FormatError(f"{what}: payload must be an object")
     size, raw_parts, xxh3 = doc.get("size"), doc.get("parts"), doc.get("xxh3")
@@ -382,7 +387,12 @@ def _payload(doc: Any, chunks: tuple[ChunkRef, ...], what: str) -> Payload:
     sha256 = doc.get("sha256", "")
     if sha256 and (type(sha256) is not str or not re.fullmatch(r"[0-9a-f]{64}", sha256)):
         raise FormatError(f"{what}: sha256 must be 64 lowercase hex digits")
-    return Payload(size, xxh3, tuple(parts), sha256)
+    reverse = doc.get("reverse")
+    if reverse is not None:
+        if codec not in REVERSE_CODECS:
+            raise FormatError(f"{what}: only a payload of {', '.join(REVERSE_CODECS)} has a reverse payload")
+        reverse = _payload(reverse, chunks, f"{what} reverse")  # and none of its own
+    return Payload(size, xxh3, tuple(parts), sha256, reverse)
 
 
 def _segment(doc: Any, chunks: tuple[ChunkRef, ...], what: str) -> Segment:
@@ -424,7 +434,7 @@ def _segment(doc: Any, chunks: tuple[ChunkRef, ...], what: str) -> Segment:
     raw_payload, raw_delta = g("payload"), g("delta")
     payload = None
     if codec != "same":
-        payload = _payload(raw_payload, chunks, what)
+        payload = _payload(raw_payload, chunks, what, codec)
     elif raw_payload is not None:
         raise FormatError(f"{what}: codec 'same' has no payload")
     delta = None if raw_delta is None else _delta(raw_delta, chunks, what)
@@ -440,7 +450,7 @@ def _delta(doc: Any, chunks: tuple[ChunkRef, ...], what: str) -> Delta:
         raise FormatError(f"{what}: delta must be an object with codec {', '.join(DELTA_CODECS)}")
     if doc["codec"] == "same" and doc.get("payload") is not None:
         raise FormatError(f"{what}: a 'same' delta has no payload")
-    payload = None if doc["codec"] == "same" else _payload(doc.get("payload"), chunks, f"{what} delta")
+    payload = None if doc["codec"] == "same" else _payload(doc.get("payload"), chunks, f"{what} delta", doc["codec"])
     return Delta(doc["codec"], _int(doc, "changed", what), payload)
 
 
@@ -586,6 +596,8 @@ def lazy_candidates(m: Manifest | PartManifest) -> frozenset[str]:
                 (full if s.delta is not None else other).update(m.chunks[p.chunk].id for p in s.payload.parts)
             if s.delta is not None and s.delta.payload is not None:
                 other.update(m.chunks[p.chunk].id for p in s.delta.payload.parts)
+                if s.delta.payload.reverse is not None:  # a rollback past the keyframe reads it
+                    other.update(m.chunks[p.chunk].id for p in s.delta.payload.reverse.parts)
     return frozenset(full - other)
 
 

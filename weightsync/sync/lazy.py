@@ -110,7 +110,7 @@ def plan_reads(
             if unread:
                 notes.update(_read_notes(repo, unread))
             avoid = noted(chain)
-            used = {g.chunk.id: g.chunk.size for s in steps for g in s.ranges if g.chunk.id in avoid}
+            used = {g.chunk.id: g.chunk.size for s in steps for g in s.all_ranges if g.chunk.id in avoid}
             if not unread or not used:  # no new note, or none that this plan reads: planning again gives it back
                 return plan, used
             plan, recipes = make(chain, avoid, use_avoided)

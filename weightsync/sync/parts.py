@@ -358,7 +358,13 @@ def _renumber(f: FileEntry, remap: list[int]) -> FileEntry:
         return (
             None
             if p is None
-            else Payload(p.size, p.xxh3, tuple(Piece(remap[x.chunk], x.offset, x.length) for x in p.parts), p.sha256)
+            else Payload(
+                p.size,
+                p.xxh3,
+                tuple(Piece(remap[x.chunk], x.offset, x.length) for x in p.parts),
+                p.sha256,
+                pay(p.reverse),
+            )
         )
 
     def seg(s: Segment) -> Segment:

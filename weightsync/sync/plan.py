@@ -43,6 +43,17 @@ class Step:
     ranges: tuple[ChunkRange, ...]
     sha256: str = ""  # signed versions: checked too (XXH3 is no cryptographic digest)
     backward: bool = False
+    reverse: Step | None = None  # backward: the payload's reverse payload, where it has one (a step of its own)
+
+    @property
+    def all_ranges(self) -> tuple[ChunkRange, ...]:
+        """The chunk ranges the step reads: its payload's, then its reverse payload's."""
+        return self.ranges if self.reverse is None else self.ranges + self.reverse.ranges
+
+    @property
+    def fetch_bytes(self) -> int:
+        """Payload bytes the step reads (its reverse payload's too)."""
+        return self.size + (0 if self.reverse is None else self.reverse.size)
 
 
 @dataclass(frozen=True)
@@ -59,7 +70,7 @@ class Recipe:
     @property
     def fetch_bytes(self) -> int:
         """Payload bytes the steps read."""
-        return sum(s.size for s in self.steps)
+        return sum(s.fetch_bytes for s in self.steps)
 
 
 @dataclass(frozen=True)
@@ -114,7 +125,7 @@ def chunk_needs(recipes: Iterable[Recipe], gap: int = RANGE_GAP) -> tuple[ChunkN
     ranges: dict[str, list[tuple[int, int]]] = {}
     for r in recipes:
         for step in r.steps:
-            for rng in step.ranges:
+            for rng in step.all_ranges:
                 chunks[rng.chunk.id] = rng.chunk
                 ranges.setdefault(rng.chunk.id, []).append((rng.offset, rng.length))
     return tuple(ChunkNeed(c, merge_ranges(ranges[cid], gap)) for cid, c in chunks.items())
@@ -142,8 +153,10 @@ class Plan:
 
 
 def _step(m: Manifest, codec: str, p: Payload, backward: bool = False) -> Step:
+    """The step reading ``p``; run ``backward``, its reverse payload too (a forward one never reads it)."""
     ranges = tuple(ChunkRange(m.chunks[part.chunk], part.offset, part.length) for part in p.parts)
-    return Step(m.version, codec, p.size, p.xxh3, ranges, p.sha256, backward)
+    reverse = _step(m, codec, p.reverse) if backward and p.reverse is not None else None
+    return Step(m.version, codec, p.size, p.xxh3, ranges, p.sha256, backward, reverse)
 
 
 def _find(m: Manifest, path: str, key: tuple[str, str]) -> Segment | None:
@@ -153,7 +166,7 @@ def _find(m: Manifest, path: str, key: tuple[str, str]) -> Segment | None:
 
 def _avoids(r: Recipe, avoid: frozenset[str]) -> bool:
     """Whether ``r`` reads none of the chunks in ``avoid``."""
-    return not avoid or all(rng.chunk.id not in avoid for s in r.steps for rng in s.ranges)
+    return not avoid or all(rng.chunk.id not in avoid for s in r.steps for rng in s.all_ranges)
 
 
 def _invertible(codec: str) -> bool:
@@ -266,7 +279,7 @@ def plan_segment(
     usable = [r for r in candidates if _avoids(r, avoid)] or (candidates if use_avoided else [])
     if not usable:
         best = min(candidates, key=lambda r: r.fetch_bytes)
-        noted = frozenset(rng.chunk.id for s in best.steps for rng in s.ranges) & avoid
+        noted = frozenset(rng.chunk.id for s in best.steps for rng in s.all_ranges) & avoid
         raise LazyChunksError(
             f"{path}: {target.name or target.role}: every recipe reads chunks noted as not copied yet",
             chain[-1].version,

@@ -182,6 +182,7 @@ class _Assembler:
     def __init__(self, cfg: PublishConfig, uploader: Uploader):
         self.packer = ChunkPacker(cfg.chunk_bytes)
         self.delta_packer = ChunkPacker(cfg.chunk_bytes, self.packer.refs)  # keyframe deltas apart
+        self.reverse_packer = ChunkPacker(cfg.chunk_bytes, self.packer.refs)  # apart: a pull forward never reads them
         self.uploader = uploader
         self.files: list[FileEntry] = []
         self.changed = self.elements = 0
@@ -192,9 +193,15 @@ class _Assembler:
     def _pack(self, enc: EncodedTensor, packer: ChunkPacker) -> Payload | None:
         if enc.codec == "same":
             return None
-        parts, _ = packer.add(enc.payload, self.uploader.submit)
-        sha = hashlib.sha256(enc.payload).hexdigest() if self._digests else ""
-        return Payload(len(enc.payload), xxhash.xxh3_128_hexdigest(enc.payload), parts, sha)
+        reverse = None
+        if enc.reverse:
+            reverse = self._payload(enc.reverse, self.reverse_packer)
+        return self._payload(enc.payload, packer, reverse)
+
+    def _payload(self, data: bytes | bytearray, packer: ChunkPacker, reverse: Payload | None = None) -> Payload:
+        parts, _ = packer.add(data, self.uploader.submit)
+        sha = hashlib.sha256(data).hexdigest() if self._digests else ""
+        return Payload(len(data), xxhash.xxh3_128_hexdigest(data), parts, sha, reverse)
 
     def add(self, job: _Job, new: np.ndarray, digest: str, enc: EncodedTensor, delta: EncodedTensor | None) -> None:
         self._hasher.update(new)
@@ -213,7 +220,7 @@ class _Assembler:
             self._segs, self._hasher = [], xxhash.xxh3_128()
 
     def finish(self) -> None:
-        for chunk in self.packer.finish() + self.delta_packer.finish():
+        for chunk in self.packer.finish() + self.delta_packer.finish() + self.reverse_packer.finish():
             self.uploader.submit(chunk)
 
     def packer_refs(self) -> tuple[ChunkRef, ...]:

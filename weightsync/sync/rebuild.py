@@ -112,7 +112,10 @@ def rebuild_job(job: TensorJob, payloads: Payloads, base: LocalVersion | BaseRea
     """
     r, t = job.recipe, job.recipe.segment
     what = f"{job.path}: {t.name or t.role}"
-    steps = [(step.codec, partial(payloads.read, step), step.backward) for step in r.steps]
+    steps = [
+        (step.codec, partial(payloads.read, step), step.backward, step.reverse and partial(payloads.read, step.reverse))
+        for step in r.steps
+    ]
     if not isinstance(base, LocalVersion):
         cur = None if r.base is None else base(job.path, r.base)
         return rebuild(t.dtype, t.nbytes, t.xxh3, cur, steps, what)
