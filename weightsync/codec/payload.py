@@ -40,8 +40,8 @@ class CodecConfig:
     block_bytes: raw bytes per block (bounds encoder memory to a few blocks per thread);
     dense_above: changed fraction above which the dense coding is also tried;
     entropy_coder: use the entropy coder ``coder`` where it applies (elements of up to 4 bytes);
-    False: ``sparse`` (1.2-1.6x faster to encode than ``ans``, no faster to decode, 1.44x larger);
-    coder: ``ans`` (the default: 0.73-0.80x the entropy bound, decoding at 0.5-1.07x ``sparse``'s
+    False: ``sparse`` (1.2-1.6x faster to encode than ``ans``, no faster to decode, 1.5x larger);
+    coder: ``ans`` (the default: 0.69-0.76x the entropy bound, decoding at 0.5-1.07x ``sparse``'s
     speed by CPU) or ``ac`` (0.69-0.75x, 3.5-7.4x slower to decode and 2.4-5x slower to encode);
     benchmarks/README.md, "Delta size and codec speed"; docs/DESIGN.md, ``weightsync.codec.ans``.
     """

@@ -303,7 +303,7 @@ def add_encoding_args(p: argparse.ArgumentParser, environ: Mapping[str, str] | N
         choices=CODERS,
         default=CodecConfig.coder,
         help="the entropy coder of deltas: 'ans' (default; decodes at 0.65-1.06x the speed of 'sparse', by CPU) or "
-        "'ac' (payloads 0.95x the size at lr 1e-6, 1.00x at 1e-5; 2.8-10.4x slower to encode and decode, by CPU; "
+        "'ac' (payloads 0.96x the size at lr 1e-6, 1.02x at 1e-5; 2.8-10.4x slower to encode and decode, by CPU; "
         "docs/DESIGN.md)",
     )
     add(
@@ -311,7 +311,7 @@ def add_encoding_args(p: argparse.ArgumentParser, environ: Mapping[str, str] | N
         action="store_true",
         help="code deltas with 'sparse' instead of the entropy coder: 1.0-1.6x faster to encode than 'ans' "
         "(0.90-1.26x where pdep is fast), faster to decode only where pdep is slow (1.3-1.7x; within -8%% to +5%% "
-        "where it is fast), ~1.48x larger",
+        "where it is fast), ~1.5x larger",
     )
     add("--concurrency", type=int, default=32, help="chunks in flight (default 32)")
     add(
