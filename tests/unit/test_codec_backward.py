@@ -300,3 +300,15 @@ def test_a_reverse_payload_is_refused_where_it_does_not_belong():
         decode_tensor_backward("BF16", "ans", payload, raw(new), new.nbytes, reverse=one)
     assert np.array_equal(decode_tensor_backward("BF16", "ans", payload, raw(new), new.nbytes, reverse=rev), raw(old))
     assert np.array_equal(decode_tensor_backward("BF16", "ans", whole, raw(new), new.nbytes, reverse=one), raw(old))
+
+
+def test_a_reverse_payload_that_lists_no_exception_is_refused():
+    """The encoder writes none (a payload without exceptions has no reverse payload): one given,
+    even to a payload whose blocks hold their lists, is refused rather than taken as empty."""
+    old, new = pair("BF16", 6000, 0.3, 8)
+    payload, _, rev = _encode_payload(registry.get("ans"), "BF16", old, new, CodecConfig(block_bytes=8192))
+    empty = HEADER.pack(b"WSR1", 5, 2, 0, 6000, 4096, 2) + struct.pack("<QQ", 0, 0)
+    with pytest.raises(FormatError, match="lists no exception"):
+        decode_tensor_backward("BF16", "ans", payload, raw(new), new.nbytes, reverse=empty)
+    with pytest.raises(FormatError, match="not a reverse payload of 'ans'"):
+        decode_tensor_backward("BF16", "ans", payload, raw(new), new.nbytes, reverse=b"WSP1" + bytes(rev)[4:])

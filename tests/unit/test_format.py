@@ -840,7 +840,7 @@ def _edit_reverse(data: bytes, edit) -> bytes:
     "edit, message",
     [
         (lambda s, p: s.update(codec="sparse"), "only a payload of ans has a reverse payload"),
-        (lambda s, p: p["reverse"].update(reverse=dict(p["reverse"])), "only a payload of ans"),
+        (lambda s, p: p["reverse"].update(reverse=dict(p["reverse"])), "a reverse payload has none of its own"),
         (lambda s, p: p["reverse"].update(parts=[[1, 62, 4]]), "outside its chunk"),
         (lambda s, p: p["reverse"].update(size=5), "add up to"),
         (lambda s, p: p["reverse"].update(xxh3="x"), "xxh3"),

@@ -291,8 +291,8 @@ def _blocks(codec: Codec, payload: memoryview, width: int, n: int, what: str, ma
         raise FormatError(f"{what}: payload of {len(payload)} bytes is too short")
     got, cid, pw, _, pn, step, n_blocks = _HEADER.unpack_from(payload)
     if got != magic or cid != codec.id:
-        kind = "reverse payload of" if magic == REVERSE_MAGIC else "payload"
-        raise FormatError(f"{what}: payload is not a {codec.name!r} {kind}")
+        kind = f"a reverse payload of {codec.name!r}" if magic == REVERSE_MAGIC else f"a {codec.name!r} payload"
+        raise FormatError(f"{what}: payload is not {kind}")
     if pw != width or pn != n or not 0 < step <= MAX_BLOCK_ELEMS:
         raise FormatError(f"{what}: payload declares {pn} x {pw}-byte elements, expected {n} x {width}")
     if n_blocks != -(-n // step):
@@ -366,7 +366,12 @@ def decode_tensor_backward(
         for sl, block, i in blocks:
             impl.decode_backward(dtype, block, new_e[sl], out_e[sl], f"{what} block {i}", hasher)
         return out
-    parts = _blocks(impl, memoryview(reverse), width, out_e.size, what, REVERSE_MAGIC) if len(reverse) else None
+    parts = None
+    if len(reverse):  # checked whole first: the encoder writes none that lists no exception
+        parts = list(_blocks(impl, memoryview(reverse), width, out_e.size, what, REVERSE_MAGIC))
+        if not any(len(rev) for _, rev, _ in parts):
+            raise FormatError(f"{what}: its reverse payload lists no exception")
+        parts = iter(parts)
     for sl, block, i in blocks:
         rev = b""
         if parts is not None:  # as many blocks as the payload (both declare n), each of the same elements

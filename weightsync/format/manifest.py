@@ -37,6 +37,7 @@ ROLES = ("header", "tensor", "blob")
 SEGMENT_CODECS = ("same", "full", "sparse", "dense", "ac", "ans")  # docs/FORMAT.md; a new codec adds its name here
 DELTA_CODECS = tuple(c for c in SEGMENT_CODECS if c != "full")  # a keyframe's delta is never in full
 REVERSE_CODECS = ("ans",)  # whose payloads may have a reverse payload (docs/FORMAT.md, "Reverse payloads")
+REVERSE = "reverse"  # what _payload is told of a reverse payload, which has none of its own
 _HEX = re.compile(r"[0-9a-f]{32}")
 
 
@@ -170,7 +171,8 @@ class Manifest:
 
     @property
     def payload_bytes(self) -> int:
-        """Bytes of the payloads stored for this version (its own segments' encodings)."""
+        """Bytes of the payloads stored for this version (its own segments' encodings: what a pull
+        forward reads; neither a keyframe's deltas nor reverse payloads, which only rollbacks read)."""
         return sum(s.payload.size for f in self.files for s in f.segments if s.payload)
 
 
@@ -389,9 +391,11 @@ def _payload(doc: Any, chunks: tuple[ChunkRef, ...], what: str, codec: str = "")
         raise FormatError(f"{what}: sha256 must be 64 lowercase hex digits")
     reverse = doc.get("reverse")
     if reverse is not None:
+        if codec == REVERSE:
+            raise FormatError(f"{what}: a reverse payload has none of its own")
         if codec not in REVERSE_CODECS:
             raise FormatError(f"{what}: only a payload of {', '.join(REVERSE_CODECS)} has a reverse payload")
-        reverse = _payload(reverse, chunks, f"{what} reverse")  # and none of its own
+        reverse = _payload(reverse, chunks, f"{what} reverse", REVERSE)
     return Payload(size, xxh3, tuple(parts), sha256, reverse)
 
 
