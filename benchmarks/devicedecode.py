@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     new = old.copy()
     moved = rng.random(n) < args.changed
     new[moved] += rng.choice(np.array([1, 0xFFFF], np.uint16), int(moved.sum()))
-    block, k = ans.encode_block("BF16", old, new)
+    block, _, k = ans.encode_block_apart("BF16", old, new)  # as payloads hold it (its list apart)
     old_dev = torch.from_numpy(old.view(np.int16)).to(dev)
     host_out = np.empty_like(old)
     staging = torch.empty(n, dtype=torch.int16, pin_memory=dev.type == "cuda")
