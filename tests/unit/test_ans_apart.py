@@ -199,60 +199,27 @@ def test_corrupted_blocks_and_reverse_parts_raise_only_format_errors(data):
 
 
 # --- a reader written from docs/FORMAT.md ("Apart", "Reverse payloads") --------------------------------
-def _spec_layout(data: bytes) -> dict:
-    """An A = 1 block's header and sections, read as docs/FORMAT.md lays them out: no count or list
-    after the thresholds; with C = 1, the Rice sections' bytes from H on where they would be."""
-    from test_nibbles import nibble_runs, spec_decode, varint
+def _spec_rice(data: bytes) -> bytes:
+    """An A = 1 block's Rice sections, read as docs/FORMAT.md says: the first ``H`` bytes from the
+    states' ends (2 a state, in section order; the states past them end at 2^16), the rest from the
+    block, where the Rice sections would be."""
+    from test_nibbles import layout, nibble_runs, spec_decode
 
-    flags, K, G = data[4], data[4] & 7, data[7]
-    assert flags & ans.APART and not flags & ans.EXC_CODED
-    pos = 8 + K - 1 + G - 1
-    lay = {"flags": flags, "K": K, "G": G, "buckets": [], "groups": []}
-    for _ in range(K):
-        n_b, pos = varint(data, pos)
-        c_b, pos = varint(data, pos)
-        nib, R = False, 0
-        if c_b and flags & ans.NIBBLES and data[pos] == 62:
-            nib, pos = True, pos + 1
-        elif c_b:
-            R, pos = varint(data, pos + 1)
-        lay["buckets"].append((n_b, c_b, nib, R))
-    P = 0
-    if flags & ans.NIBBLES:
-        P, pos = varint(data, pos)
-    for _ in range(G):
-        m, pos = varint(data, pos)
-        freq, E, A = [], 0, 0
+    lay = layout(data)
+    assert lay["flags"] & ans.APART and not lay["flags"] & ans.EXC_CODED
+    ends = []
+    if lay["flags"] & ans.NIBBLES:
+        S, runs = nibble_runs(lay)
+        ends += spec_decode(data, lay["nibble_at"], lay["P"], S, runs)[1]
+    wide = lay["flags"] & ans.WIDE
+    for (m, freq, _, A), at in zip(lay["groups"], lay["group_at"]):
         if m:
-            s = data[pos] & 31
-            pos += 1
-            for _ in range(s):
-                f, pos = varint(data, pos)
-                freq.append(f)
-            E, pos = varint(data, pos)
-            A, pos = varint(data, pos)
-        lay["groups"].append((m, freq + [0] * (16 - len(freq)), E, A))
+            ends += spec_decode(data, at, A, 32 if wide and m >= ans.WIDE_MIN else 4, [(m, freq)])[1]
+    assert lay["tail_at"] == len(data)
+    raw, H = b"".join(e.to_bytes(2, "little") for e in ends), lay["H"]
+    assert not any(raw[H:])
     R = sum(r for *_, r in lay["buckets"])
-    S, runs = nibble_runs(lay)
-    T = (S if flags & ans.NIBBLES else 0) + sum(
-        32 if flags & ans.WIDE and m >= ans.WIDE_MIN else 4 for m, *_ in lay["groups"] if m
-    )
-    H = min(R, 2 * T) if flags & ans.CARRIED else 0
-    rice_at = pos
-    pos += R - H
-    ends = []  # each state's end less 2^16, in section order
-    if flags & ans.NIBBLES:
-        ends += spec_decode(data, pos, P, S, runs)[1]
-        pos += P
-    for m, freq, E, A in lay["groups"]:
-        if m:
-            ends += spec_decode(data, pos + E, A, 32 if flags & ans.WIDE and m >= ans.WIDE_MIN else 4, [(m, freq)])[1]
-            pos += E + A
-    assert pos == len(data)
-    raw = b"".join(e.to_bytes(2, "little") for e in ends)
-    assert not any(raw[H:])  # states past the carried bytes end at 2^16
-    lay["rice"] = raw[:H] + data[rice_at : rice_at + R - H]
-    return lay
+    return raw[:H] + data[lay["header_end"] : lay["header_end"] + R - H]
 
 
 def _spec_reverse(rev: bytes) -> tuple[list[int], int]:
@@ -274,9 +241,9 @@ def test_blocks_read_as_the_format_says(frac, far):
     old, new = step(1 << 17, frac, 11, far=0.04 if far else 0.0)
     data, rev, _ = ans.encode_block_apart("BF16", old, new)
     inside, _ = ans.encode_block("BF16", old, new)
-    lay, lin = _spec_layout(data), layout(inside)
+    lin = layout(inside)
     R = sum(r for *_, r in lin["buckets"])
-    assert lay["rice"] == inside[lin["header_end"] : lin["header_end"] + R]
+    assert _spec_rice(data) == inside[lin["header_end"] : lin["header_end"] + R]
     assert bool(data[4] & ans.CARRIED) == (R > 0) and (R > 0 or frac > 0.1)  # sparse steps: Rice, carried
     if rev:
         got, derived = _spec_reverse(rev)

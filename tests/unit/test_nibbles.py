@@ -34,10 +34,13 @@ def varint(data: bytes, pos: int) -> tuple[int, int]:
 
 
 def layout(data: bytes) -> dict:
-    """A block's header and where its sections lie, read as docs/FORMAT.md lays them out."""
+    """A block's header and where its sections lie, read as docs/FORMAT.md lays them out (A = 1: no
+    list; the Rice sections' bytes from ``H`` on, the first ``H`` carried by the states)."""
     flags, K, G = data[4], data[4] & 7, data[7]
     pos = 8 + K - 1 + G - 1
-    ne, pos = varint(data, pos)
+    ne = 0
+    if not flags & ans.APART:
+        ne, pos = varint(data, pos)
     out = {"flags": flags, "K": K, "G": G, "ne": ne, "buckets": [], "groups": [], "X": 0}
     assert flags & ans.EXC_CODED or not ne
     if ne:
@@ -71,7 +74,9 @@ def layout(data: bytes) -> dict:
             A, pos = varint(data, pos)
         out["groups"].append((m, freq + [0] * (16 - len(freq)), E, A))
     out["header_end"] = pos
-    pos += sum(R for *_, R in out["buckets"])
+    R = sum(R for *_, R in out["buckets"])
+    out["H"] = min(R, 2 * sum(states_of(out))) if flags & ans.APART and flags & ans.CARRIED else 0
+    pos += R - out["H"]
     out["nibble_at"] = pos
     pos += out["P"]
     out["group_at"] = []
