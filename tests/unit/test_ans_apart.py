@@ -10,20 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_ans import CROSSING, VIEW, _crossings, base_of, changed, check_round_trip
+from test_nibbles import varint as _varint
 
 from weightsync.codec import ans, simd
 from weightsync.errors import FormatError
-
-
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
-    v = s = 0
-    while True:
-        b = data[pos]
-        pos += 1
-        v |= (b & 0x7F) << s
-        s += 7
-        if b < 0x80:
-            return v, pos
 
 
 @pytest.mark.parametrize("dtype", sorted(VIEW))
