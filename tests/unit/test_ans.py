@@ -72,17 +72,24 @@ def check_round_trip(dtype: str, old: np.ndarray, new: np.ndarray, data: bytes, 
 @pytest.mark.parametrize("dtype", sorted(VIEW))
 @pytest.mark.parametrize("n", [1, 63, 64, 65, 1000, 70_000])
 @pytest.mark.parametrize("frac", [0.001, 0.03, 0.2, 0.6, 1.0])
-def test_round_trips_through_every_decoder(dtype, n, frac):
+@pytest.mark.parametrize("apart", [False, True])
+def test_round_trips_through_every_decoder(dtype, n, frac, apart):
+    """Both layouts: the exception list in the block, and apart (the block's reverse part, what
+    payloads hold: test_ans_apart.py)."""
     rng = np.random.default_rng(n + int(frac * 1000))
     old = base_of(dtype, n, rng)
     new = changed(old, frac, rng)
-    data, k = ans.encode_block(dtype, old, new)
+    encode = ans.encode_block_apart if apart else ans.encode_block
+    got = encode(dtype, old, new)
+    data, rev, k = got if apart else (got[0], b"", got[1])
     assert k == np.count_nonzero(old != new)
     for native in simd.KINDS:  # the native scan and the portable one write the same bytes, with the
         for dense in (False, True):  # branch on a word's changes and without
-            assert data == ans.encode_block(dtype, old, new, native=native, dense=dense)[0], (native, dense)
-    assert (len(data) == 0) == (k == 0)
-    check_round_trip(dtype, old, new, data)
+            assert got == encode(dtype, old, new, native=native, dense=dense), (native, dense)
+    assert (len(data) == 0) == (k == 0) and (not rev or k)
+    if k:  # apart: no list and no count of it in the block, never the in-block list's flags
+        assert bool(data[4] & ans.APART) == apart and not (apart and data[4] & ans.EXC_CODED)
+    check_round_trip(dtype, old, new, data, rev)
 
 
 def test_the_bmi2_kind_scans_a_sparse_block_as_the_portable_kind(monkeypatch):
